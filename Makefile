@@ -1,0 +1,40 @@
+# kvsparse: thin wrapper over CMake. `make run` and `make test` do all the set-up.
+BUILD   ?= build
+ASAN    ?= build-asan
+FUZZB   ?= build-fuzz
+JOBS    ?= $(shell nproc)
+MODEL   ?= models/tiny-needle-llama
+CMAKE_FLAGS ?=
+
+.PHONY: all deps build run test test-asan fuzz-smoke bench eval clean
+
+all: build
+
+deps:
+	@scripts/install-deps
+
+build: deps
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+
+run: build
+	./$(BUILD)/kvsparse generate -m $(MODEL) -p "The capital of France is" -n 48
+
+test: build
+	ctest --test-dir $(BUILD) --output-on-failure
+
+test-asan: deps
+	@cmake -S . -B $(ASAN) -DCMAKE_BUILD_TYPE=Debug -DKVS_SANITIZE=ON -DKVS_CUDA=OFF >/dev/null
+	@cmake --build $(ASAN) -j $(JOBS)
+	ctest --test-dir $(ASAN) --output-on-failure
+
+fuzz-smoke: deps
+	@CC=clang cmake -S . -B $(FUZZB) -DCMAKE_BUILD_TYPE=Debug -DKVS_FUZZ=ON -DKVS_CUDA=OFF >/dev/null
+	@cmake --build $(FUZZB) -j $(JOBS)
+	scripts/fuzz-smoke $(FUZZB)
+
+bench: build
+	./$(BUILD)/kvsparse bench model -m $(MODEL)
+
+clean:
+	rm -rf $(BUILD) $(ASAN) $(FUZZB)

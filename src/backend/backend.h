@@ -1,0 +1,87 @@
+/* backend: one ops interface over memory the backend owns (host memory for
+ * cpu/, device memory for cuda/). kvs_model_forward and the kv module call
+ * only these ops, so the forward pass is the same code for every backend.
+ *
+ * Conventions: matrices are row-major. Activations and weights use the
+ * backend's dtypes (act_dtype, weight_dtype); the KV pool uses kv_dtype.
+ * Index arrays (ids, positions, slots, block tables, lengths) live in backend
+ * memory too: upload them with to_device. */
+#ifndef KVS_BACKEND_H
+#define KVS_BACKEND_H
+
+#include "core/core.h"
+
+/* The paged KV pool: n_blocks blocks; a block holds block_size tokens of one
+ * layer, laid out [2 (K, V)][n_kv_heads][block_size][head_dim]. */
+typedef struct {
+    void *data;
+    int64_t n_blocks;
+    int block_size, n_kv_heads, head_dim;
+} kvs_kv_pool;
+
+/* One layer's view of a batch for attention, all arrays in backend memory.
+ * Sequence s has q_len[s] = q_start[s+1] - q_start[s] new query tokens, whose
+ * K/V were already written at entries kv_len[s] - q_len[s] .. kv_len[s] - 1 of
+ * its table; query i of s attends to entries 0 .. kv_len[s] - q_len[s] + i
+ * (causal within the chunk). Entry e of s is in block
+ * block_tables[s * max_blocks + e / block_size] at offset e % block_size. */
+typedef struct {
+    int n_seqs, n_tokens, max_blocks, max_q_len, max_kv_len;
+    const int32_t *q_start;      /* [n_seqs + 1] */
+    const int32_t *kv_len;       /* [n_seqs] */
+    const int32_t *block_tables; /* [n_seqs * max_blocks] */
+} kvs_attn_batch;
+
+typedef struct kvs_backend kvs_backend;
+struct kvs_backend {
+    const char *name;
+    kvs_dtype weight_dtype, act_dtype, kv_dtype;
+    void *impl;
+
+    /* memory */
+    void *(*alloc)(kvs_backend *b, size_t bytes); /* NULL when out of memory */
+    void (*free)(kvs_backend *b, void *p);
+    void (*to_device)(kvs_backend *b, void *dst, const void *src, size_t bytes);
+    void (*to_host)(kvs_backend *b, void *dst, const void *src, size_t bytes);
+    /* dst (weight_dtype, n elements) = convert(src of src_dtype) */
+    void (*upload_weight)(kvs_backend *b, void *dst, const void *src, kvs_dtype src_dtype, size_t n);
+    void (*synchronize)(kvs_backend *b);
+
+    /* ops; n = rows (tokens) */
+    void (*embedding)(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
+    void (*rmsnorm)(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps);
+    void (*add)(kvs_backend *b, void *x, const void *y, size_t n); /* x += y */
+    /* out[n, out_dim] = in[n, in_dim] @ w[out_dim, in_dim]^T (+ bias[out_dim] if not NULL) */
+    void (*matmul)(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
+                   int in_dim, int out_dim);
+    /* In-place rotate-half RoPE on x[n, n_heads, head_dim]; inv_freq[head_dim/2] (f32). */
+    void (*rope)(kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n,
+                 int n_heads, int head_dim);
+    /* Writes k, v [n, n_kv_heads, head_dim] into pool slots (slot = block * block_size + offset). */
+    void (*kv_write)(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v,
+                     const int32_t *slots, int n);
+    /* Causal GQA attention over the paged cache: out[n_tokens, n_heads, head_dim];
+     * lse[n_tokens, n_heads] (f32, natural log of the softmax denominator of the
+     * scaled scores) when lse is not NULL. */
+    void (*attention)(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
+                      const kvs_attn_batch *ab, int n_heads, float scale);
+    /* out[n, dim] = silu(gate_up[n, 0:dim]) * gate_up[n, dim:2dim] */
+    void (*swiglu)(kvs_backend *b, void *out, const void *gate_up, int n, int dim);
+    /* Gathers rows idx[m] of in[*, dim] into out[m, dim]. */
+    void (*gather_rows)(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim);
+    /* Copies act_dtype x[n] to f32 host memory. */
+    void (*to_host_f32)(kvs_backend *b, float *dst, const void *src, size_t n);
+    /* KV block copies for compaction: for each (head h, i < n): entry dst_entry[i]
+     * of the table dst_blocks gets entry src_entry[h * n + i] of head h.
+     * Arrays in backend memory; entries index into the block lists. */
+    void (*kv_gather)(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
+                      const int32_t *src_entry, int n);
+
+    void (*destroy)(kvs_backend *b);
+};
+
+kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out);
+/* CUDA backend; KVS_ERR_UNSUPPORTED when built without CUDA or no GPU present. */
+kvs_status kvs_backend_cuda_create(int device, kvs_backend **out);
+
+#endif

@@ -1,0 +1,55 @@
+/* The CPU backend: fp32 weights, activations and KV in host memory; the
+ * reference (oracle) that other backends are tested against. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_ops.h"
+
+static void *cpu_alloc(kvs_backend *b, size_t bytes) { return kvs_aligned_alloc(bytes); }
+static void cpu_free(kvs_backend *b, void *p) { free(p); }
+static void cpu_copy(kvs_backend *b, void *dst, const void *src, size_t bytes) {
+    if (bytes) memcpy(dst, src, bytes);
+}
+static void cpu_upload_weight(kvs_backend *b, void *dst, const void *src, kvs_dtype t, size_t n) {
+    kvs_to_f32(dst, src, t, n);
+}
+static void cpu_synchronize(kvs_backend *b) {}
+static void cpu_to_host_f32(kvs_backend *b, float *dst, const void *src, size_t n) {
+    memcpy(dst, src, n * sizeof(float));
+}
+static void cpu_destroy(kvs_backend *b) { free(b); }
+
+kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
+    kvs_backend *b = calloc(1, sizeof *b);
+    if (!b) return kvs_fail(KVS_ERR_NOMEM, "cpu backend: out of memory");
+    if (n_threads > 0) omp_set_num_threads(n_threads);
+    b->name = "cpu";
+    b->weight_dtype = b->act_dtype = b->kv_dtype = KVS_F32;
+    b->alloc = cpu_alloc;
+    b->free = cpu_free;
+    b->to_device = cpu_copy;
+    b->to_host = cpu_copy;
+    b->upload_weight = cpu_upload_weight;
+    b->synchronize = cpu_synchronize;
+    b->to_host_f32 = cpu_to_host_f32;
+    b->embedding = kvs_cpu_embedding;
+    b->rmsnorm = kvs_cpu_rmsnorm;
+    b->add = kvs_cpu_add;
+    b->matmul = kvs_cpu_matmul;
+    b->rope = kvs_cpu_rope;
+    b->swiglu = kvs_cpu_swiglu;
+    b->gather_rows = kvs_cpu_gather_rows;
+    b->kv_write = kvs_cpu_kv_write;
+    b->attention = kvs_cpu_attention;
+    b->kv_gather = kvs_cpu_kv_gather;
+    b->destroy = cpu_destroy;
+    *out = b;
+    return KVS_OK;
+}
+
+#ifndef KVS_HAVE_CUDA
+kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
+    *out = NULL;
+    return kvs_fail(KVS_ERR_UNSUPPORTED, "this kvsparse was built without CUDA");
+}
+#endif

@@ -1,0 +1,76 @@
+/* Row-wise CPU ops: embedding, RMSNorm, add, matmul (OpenBLAS), RoPE, SwiGLU. */
+#include <cblas.h>
+#include <math.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_ops.h"
+
+void kvs_cpu_embedding(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim) {
+    float *o = out;
+    const float *t = table;
+    for (int i = 0; i < n; i++) memcpy(o + (size_t)i * dim, t + (size_t)ids[i] * dim, sizeof(float) * dim);
+}
+
+void kvs_cpu_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps) {
+    float *o = out;
+    const float *x = in, *g = w;
+#pragma omp parallel for if (n > 4)
+    for (int i = 0; i < n; i++) {
+        const float *xi = x + (size_t)i * dim;
+        double ss = 0;
+        for (int j = 0; j < dim; j++) ss += (double)xi[j] * xi[j];
+        float r = 1.0f / sqrtf((float)(ss / dim) + eps);
+        for (int j = 0; j < dim; j++) o[(size_t)i * dim + j] = xi[j] * r * g[j];
+    }
+}
+
+void kvs_cpu_add(kvs_backend *b, void *x, const void *y, size_t n) {
+    float *a = x;
+    const float *c = y;
+    for (size_t i = 0; i < n; i++) a[i] += c[i];
+}
+
+void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
+                    int in_dim, int out_dim) {
+    float *o = out;
+    if (bias) {
+        for (int i = 0; i < n; i++) memcpy(o + (size_t)i * out_dim, bias, sizeof(float) * out_dim);
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out_dim, in_dim, 1.0f, in, in_dim, w, in_dim,
+                bias ? 1.0f : 0.0f, o, out_dim);
+}
+
+void kvs_cpu_rope(kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n,
+                  int n_heads, int head_dim) {
+    float *v = x;
+    int half = head_dim / 2;
+#pragma omp parallel for if (n > 4)
+    for (int i = 0; i < n; i++) {
+        for (int k = 0; k < half; k++) {
+            double ang = (double)positions[i] * inv_freq[k];
+            float c = (float)cos(ang), s = (float)sin(ang);
+            for (int h = 0; h < n_heads; h++) {
+                float *r = v + ((size_t)i * n_heads + h) * head_dim;
+                float x1 = r[k], x2 = r[k + half];
+                r[k] = x1 * c - x2 * s;
+                r[k + half] = x2 * c + x1 * s;
+            }
+        }
+    }
+}
+
+void kvs_cpu_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int dim) {
+    float *o = out;
+    const float *gu = gate_up;
+#pragma omp parallel for if (n > 4)
+    for (int i = 0; i < n; i++) {
+        const float *g = gu + (size_t)i * 2 * dim, *u = g + dim;
+        for (int j = 0; j < dim; j++) o[(size_t)i * dim + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+void kvs_cpu_gather_rows(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim) {
+    float *o = out;
+    const float *x = in;
+    for (int i = 0; i < m; i++) memcpy(o + (size_t)i * dim, x + (size_t)idx[i] * dim, sizeof(float) * dim);
+}

@@ -1,0 +1,113 @@
+#include "cli/cli_common.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i) {
+    const char *a = argv[*i];
+    bool has_value = *i + 1 < argc;
+    if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+        if (!has_value) return -1;
+        o->model_dir = argv[++*i];
+    } else if (!strcmp(a, "--config")) {
+        if (!has_value) return -1;
+        o->config_path = argv[++*i];
+    } else if (!strcmp(a, "--load-format")) {
+        if (!has_value) return -1;
+        const char *v = argv[++*i];
+        if (!strcmp(v, "dummy")) o->dummy = true;
+        else if (!strcmp(v, "auto") || !strcmp(v, "safetensors")) o->dummy = false;
+        else return -1;
+    } else if (!strcmp(a, "--threads")) {
+        if (!has_value) return -1;
+        o->threads = atoi(argv[++*i]);
+        if (o->threads <= 0) return -1;
+    } else {
+        return 0;
+    }
+    return 1;
+}
+
+kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
+    memset(out, 0, sizeof *out);
+    kvs_status st;
+    if (o->config_path) {
+        char *text = NULL;
+        size_t len = 0;
+        st = kvs_read_file(o->config_path, &text, &len);
+        if (st == KVS_OK) st = kvs_config_parse(text, len, o->config_path, &out->cfg);
+        free(text);
+        if (st == KVS_OK && !o->dummy)
+            st = kvs_fail(KVS_ERR_INVALID, "--config needs --load-format dummy (or use -m MODEL_DIR)");
+    } else if (o->model_dir) {
+        st = kvs_config_load(o->model_dir, &out->cfg);
+    } else {
+        st = kvs_fail(KVS_ERR_INVALID, "no model given: use -m MODEL_DIR (or --config FILE --load-format dummy)");
+    }
+    if (st == KVS_OK)
+        st = o->dummy ? kvs_checkpoint_dummy(&out->cfg, o->dummy_seed, &out->ck)
+                      : kvs_checkpoint_open(o->model_dir, &out->cfg, &out->ck);
+    if (st == KVS_OK) st = kvs_backend_cpu_create(o->threads, &out->be);
+    if (st == KVS_OK) st = kvs_model_create(&out->cfg, out->ck, out->be, &out->model);
+    if (st == KVS_OK && o->model_dir) {
+        char path[4096];
+        if (kvs_path_join(path, sizeof path, o->model_dir, "tokenizer.json") == KVS_OK && kvs_file_exists(path))
+            st = kvs_tokenizer_load(o->model_dir, &out->tok);
+    }
+    if (st != KVS_OK) kvs_cli_unload(out);
+    return st;
+}
+
+void kvs_cli_unload(kvs_loaded *l) {
+    kvs_model_destroy(l->model);
+    kvs_checkpoint_destroy(l->ck);
+    if (l->tok) kvs_tokenizer_destroy(l->tok);
+    if (l->be) l->be->destroy(l->be);
+    memset(l, 0, sizeof *l);
+}
+
+kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, kvs_kv_cache **out) {
+    kvs_kv_config kc = {l->cfg.n_layers, l->cfg.n_kv_heads, l->cfg.head_dim, 16, 0, max_seqs};
+    kc.n_blocks = (int64_t)((max_tokens + 15) / 16) * l->cfg.n_layers * max_seqs;
+    return kvs_kv_create(&kc, l->be, out);
+}
+
+bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n) {
+    int cap = 16, count = 0;
+    int32_t *v = malloc(sizeof(int32_t) * cap);
+    const char *p = s;
+    while (v && *p) {
+        char *end;
+        errno = 0;
+        long x = strtol(p, &end, 10);
+        if (end == p || errno || x < 0 || x > INT32_MAX) break;
+        if (count == cap) {
+            int32_t *bigger = realloc(v, sizeof(int32_t) * (cap *= 2));
+            if (!bigger) break;
+            v = bigger;
+        }
+        v[count++] = (int32_t)x;
+        p = end;
+        while (*p == ' ') p++;
+        if (*p == ',') {
+            p++;
+            if (!*p) break;
+        } else if (*p) {
+            break;
+        }
+    }
+    if (!v || *p || count == 0) {
+        free(v);
+        return false;
+    }
+    *ids = v;
+    *n = count;
+    return true;
+}
+
+int kvs_cli_error(void) {
+    fprintf(stderr, "kvsparse: %s\n", kvs_last_error());
+    return 1;
+}

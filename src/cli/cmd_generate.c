@@ -1,0 +1,241 @@
+/* kvsparse generate: one prompt, streamed tokens or one JSON object. */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "cli/cli_common.h"
+#include "engine/engine.h"
+
+typedef struct {
+    kvs_load_options load;
+    const char *prompt, *prompt_ids;
+    bool chat, json;
+    int max_new;
+    kvs_sampling_params sp;
+    int32_t stop_ids[16];
+    int n_stop_ids;
+    bool ignore_eos;
+} gen_options;
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvsparse generate -m MODEL_DIR (-p TEXT | --prompt-ids 1,2,3) [options]\n"
+               "  -n, --max-tokens N     tokens to generate (default 64)\n"
+               "  --chat                 wrap the prompt as a user message with the chat template\n"
+               "  --temperature T        0 = greedy (default)\n"
+               "  --top-k K  --top-p P  --min-p P  --seed S\n"
+               "  --stop-ids 1,2         extra stop token ids; --ignore-eos to not stop at EOS\n"
+               "  --json                 print one JSON object instead of streaming text\n"
+               "  --load-format dummy    seeded random weights (with -m or --config FILE)\n"
+               "  --threads N\n"
+               "Text prompts are the operator's: special-token text in them becomes control tokens.\n");
+}
+
+static bool parse_float(const char *s, float *out) {
+    char *end;
+    *out = strtof(s, &end);
+    return end != s && !*end;
+}
+
+static int parse_args(int argc, char **argv, gen_options *o) {
+    memset(o, 0, sizeof *o);
+    o->max_new = 64;
+    o->sp = kvs_sampling_default();
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int r = kvs_cli_load_option(&o->load, argc, argv, &i);
+        if (r < 0) goto bad;
+        if (r > 0) continue;
+        bool v = i + 1 < argc;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
+        else if (!strcmp(a, "--chat")) o->chat = true;
+        else if (!strcmp(a, "--json")) o->json = true;
+        else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = true;
+        else if ((!strcmp(a, "-p") || !strcmp(a, "--prompt")) && v) o->prompt = argv[++i];
+        else if (!strcmp(a, "--prompt-ids") && v) o->prompt_ids = argv[++i];
+        else if ((!strcmp(a, "-n") || !strcmp(a, "--max-tokens")) && v) {
+            o->max_new = atoi(argv[++i]);
+            if (o->max_new <= 0) goto bad;
+        } else if (!strcmp(a, "--temperature") && v) { if (!parse_float(argv[++i], &o->sp.temperature)) goto bad; }
+        else if (!strcmp(a, "--top-p") && v) { if (!parse_float(argv[++i], &o->sp.top_p)) goto bad; }
+        else if (!strcmp(a, "--min-p") && v) { if (!parse_float(argv[++i], &o->sp.min_p)) goto bad; }
+        else if (!strcmp(a, "--top-k") && v) o->sp.top_k = atoi(argv[++i]);
+        else if (!strcmp(a, "--seed") && v) o->sp.seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--stop-ids") && v) {
+            int32_t *ids;
+            int n;
+            if (!kvs_cli_parse_ids(argv[++i], &ids, &n) || n > 16) goto bad;
+            memcpy(o->stop_ids, ids, sizeof(int32_t) * n);
+            o->n_stop_ids = n;
+            free(ids);
+        } else goto bad;
+        continue;
+    bad:
+        fprintf(stderr, "kvsparse generate: bad or incomplete option '%s'\n", a);
+        usage(stderr);
+        return 2;
+    }
+    if (!o->prompt == !o->prompt_ids) {
+        fprintf(stderr, "kvsparse generate: give exactly one of -p TEXT or --prompt-ids IDS\n");
+        return 2;
+    }
+    return -1; /* go on */
+}
+
+/* Turns the options' prompt into ids. */
+static kvs_status prompt_to_ids(const gen_options *o, const kvs_loaded *l, int32_t **ids, int *n) {
+    if (o->prompt_ids) {
+        if (!kvs_cli_parse_ids(o->prompt_ids, ids, n))
+            return kvs_fail(KVS_ERR_INVALID, "--prompt-ids: expected comma-separated token ids");
+        return KVS_OK;
+    }
+    if (!l->tok)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s has no tokenizer.json: use --prompt-ids",
+                        o->load.model_dir ? o->load.model_dir : "the model");
+    char *text = NULL;
+    kvs_encode_options eo = {.add_special_tokens = true, .parse_special = true};
+    if (o->chat) {
+        const char *src = kvs_tokenizer_chat_template(l->tok);
+        if (!src) src = kvs_chat_template_default();
+        kvs_chat_template *tpl;
+        KVS_TRY(kvs_chat_template_compile(src, strlen(src), &tpl));
+        kvs_chat_message msg = {"user", o->prompt};
+        kvs_status st = kvs_chat_template_render(tpl, &msg, 1, true, kvs_tokenizer_bos_token(l->tok),
+                                                 kvs_tokenizer_eos_token(l->tok), &text);
+        kvs_chat_template_destroy(tpl);
+        KVS_TRY(st);
+        eo.add_special_tokens = false; /* the template wrote BOS */
+    }
+    const char *p = text ? text : o->prompt;
+    kvs_status st = kvs_tokenizer_encode(l->tok, p, strlen(p), eo, ids, n);
+    free(text);
+    return st;
+}
+
+typedef struct {
+    int32_t *ids;
+    int n, cap;
+    const char *finish;
+    double t_prefill, t_decode;
+} gen_result;
+
+static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt, int n_prompt, gen_result *r) {
+    const kvs_config *c = &l->cfg;
+    if (n_prompt + o->max_new > c->max_position_embeddings)
+        return kvs_fail(KVS_ERR_INVALID, "prompt (%d tokens) + max tokens (%d) exceeds the context length %d",
+                        n_prompt, o->max_new, c->max_position_embeddings);
+    int32_t stops[KVS_MAX_EOS + 16];
+    int n_stops = 0;
+    for (int i = 0; !o->ignore_eos && i < c->n_eos; i++) stops[n_stops++] = c->eos_token_ids[i];
+    for (int i = 0; i < o->n_stop_ids; i++) stops[n_stops++] = o->stop_ids[i];
+    kvs_stop_params stop = {o->max_new, stops, n_stops};
+    kvs_kv_cache *kv = NULL;
+    kvs_sampler *sampler = NULL;
+    kvs_detokenizer *detok = NULL;
+    float *logits = malloc(sizeof(float) * c->vocab_size);
+    r->ids = malloc(sizeof(int32_t) * o->max_new);
+    kvs_status st = logits && r->ids ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    if (st == KVS_OK) st = kvs_cli_kv_cache(l, n_prompt + o->max_new, 1, &kv);
+    if (st == KVS_OK) st = kvs_sampler_create(&o->sp, c->vocab_size, &sampler);
+    if (st == KVS_OK && l->tok && !o->json) detok = kvs_detokenizer_create(l->tok, true);
+    int seq = st == KVS_OK ? kvs_kv_seq_create(kv) : -1;
+    if (st == KVS_OK && seq < 0) st = KVS_ERR_NOMEM;
+    int32_t *positions = malloc(sizeof(int32_t) * n_prompt);
+    for (int i = 0; positions && i < n_prompt; i++) positions[i] = i;
+    uint8_t want = 1;
+    int32_t qs[2] = {0, n_prompt};
+    double t0 = kvs_now();
+    if (st == KVS_OK) st = kvs_kv_reserve(kv, seq, n_prompt);
+    if (st == KVS_OK) {
+        kvs_batch b = {n_prompt, 1, prompt, positions, qs, &seq, &want};
+        st = kvs_model_forward(l->model, &b, kv, logits);
+    }
+    r->t_prefill = kvs_now() - t0;
+    r->finish = "length";
+    t0 = kvs_now();
+    while (st == KVS_OK && r->n < o->max_new) {
+        int32_t id = kvs_sampler_sample(sampler, logits, NULL);
+        r->ids[r->n++] = id;
+        if (detok) {
+            const char *piece;
+            size_t len;
+            if (kvs_detokenizer_push(detok, id, &piece, &len) == KVS_OK) fwrite(piece, 1, len, stdout);
+            fflush(stdout);
+        } else if (!o->json) {
+            printf("%s%d", r->n > 1 ? "," : "", id);
+            fflush(stdout);
+        }
+        if (kvs_is_stop_token(&stop, id)) {
+            r->finish = "stop";
+            break;
+        }
+        if (r->n == o->max_new) break;
+        int32_t pos = n_prompt + r->n - 1, q1[2] = {0, 1};
+        st = kvs_kv_reserve(kv, seq, 1);
+        if (st != KVS_OK) break;
+        kvs_batch b = {1, 1, &id, &pos, q1, &seq, &want};
+        st = kvs_model_forward(l->model, &b, kv, logits);
+    }
+    r->t_decode = kvs_now() - t0;
+    if (detok) {
+        const char *piece;
+        size_t len;
+        if (kvs_detokenizer_finish(detok, &piece, &len) == KVS_OK) fwrite(piece, 1, len, stdout);
+        kvs_detokenizer_destroy(detok);
+    }
+    if (!o->json) printf("\n");
+    free(positions);
+    free(logits);
+    kvs_sampler_destroy(sampler);
+    kvs_kv_destroy(kv);
+    return st;
+}
+
+static void print_json(const gen_options *o, const kvs_loaded *l, const int32_t *prompt, int n_prompt,
+                       const gen_result *r) {
+    json_t *root = json_object(), *pids = json_array(), *gids = json_array();
+    for (int i = 0; i < n_prompt; i++) json_array_append_new(pids, json_integer(prompt[i]));
+    for (int i = 0; i < r->n; i++) json_array_append_new(gids, json_integer(r->ids[i]));
+    json_object_set_new(root, "prompt_ids", pids);
+    json_object_set_new(root, "generated_ids", gids);
+    char *text = NULL;
+    if (l->tok && kvs_tokenizer_decode(l->tok, r->ids, r->n, true, &text) == KVS_OK)
+        json_object_set_new(root, "text", json_string(text));
+    else
+        json_object_set_new(root, "text", json_null());
+    free(text);
+    json_object_set_new(root, "finish_reason", json_string(r->finish));
+    int n_decoded = r->n > 0 ? r->n - 1 : 0; /* the first token comes from the prefill */
+    json_object_set_new(root, "timings",
+                        json_pack("{s:f, s:f, s:f, s:f}", "prefill_s", r->t_prefill, "decode_s", r->t_decode,
+                                  "prefill_tokens_per_s", r->t_prefill > 0 ? n_prompt / r->t_prefill : 0.0,
+                                  "decode_tokens_per_s", r->t_decode > 0 ? n_decoded / r->t_decode : 0.0));
+    char *s = json_dumps(root, JSON_COMPACT);
+    printf("%s\n", s);
+    free(s);
+    json_decref(root);
+}
+
+int kvs_cmd_generate(int argc, char **argv) {
+    gen_options o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc >= 0) return rc;
+    if (kvs_sampling_validate(&o.sp) != KVS_OK) {
+        fprintf(stderr, "kvsparse generate: %s\n", kvs_last_error());
+        return 2;
+    }
+    kvs_loaded l;
+    if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
+    int32_t *prompt = NULL;
+    int n_prompt = 0;
+    gen_result r = {0};
+    kvs_status st = prompt_to_ids(&o, &l, &prompt, &n_prompt);
+    if (st == KVS_OK && n_prompt == 0) st = kvs_fail(KVS_ERR_INVALID, "the prompt is empty");
+    if (st == KVS_OK) st = run(&o, &l, prompt, n_prompt, &r);
+    if (st == KVS_OK && o.json) print_json(&o, &l, prompt, n_prompt, &r);
+    free(prompt);
+    free(r.ids);
+    kvs_cli_unload(&l);
+    return st == KVS_OK ? 0 : kvs_cli_error();
+}

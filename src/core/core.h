@@ -1,0 +1,96 @@
+/* core: status codes and error messages, dtypes and conversions, files,
+ * timers, logging, a progress bar and a seeded RNG. Uses libc only. */
+#ifndef KVS_CORE_H
+#define KVS_CORE_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- status and error messages ------------------------------------------
+ * Functions return kvs_status; on failure they record a one-line message that
+ * names the file, tensor, field or parameter at fault (kvs_last_error()).
+ * The message lives in thread-local storage, like errno. */
+typedef enum {
+    KVS_OK = 0,
+    KVS_ERR_IO,          /* a file could not be opened / read */
+    KVS_ERR_FORMAT,      /* malformed input (JSON, safetensors, ...) */
+    KVS_ERR_UNSUPPORTED, /* well-formed but not supported */
+    KVS_ERR_INVALID,     /* a bad argument or parameter */
+    KVS_ERR_NOMEM,       /* out of memory / out of KV blocks */
+    KVS_ERR_NOT_FOUND,
+    KVS_ERR_INTERNAL,
+} kvs_status;
+
+kvs_status kvs_fail(kvs_status code, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+const char *kvs_last_error(void);
+const char *kvs_status_name(kvs_status s);
+
+#define KVS_TRY(expr)                      \
+    do {                                   \
+        kvs_status kvs_try_s_ = (expr);    \
+        if (kvs_try_s_ != KVS_OK) return kvs_try_s_; \
+    } while (0)
+
+/* ---- dtypes --------------------------------------------------------------- */
+typedef enum { KVS_F32, KVS_F16, KVS_BF16, KVS_I32, KVS_I64, KVS_U8, KVS_DTYPE_COUNT } kvs_dtype;
+
+size_t kvs_dtype_size(kvs_dtype t);
+const char *kvs_dtype_name(kvs_dtype t);
+
+static inline float kvs_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+uint16_t kvs_f32_to_bf16(float f); /* round to nearest even, NaN kept */
+float kvs_f16_to_f32(uint16_t h);
+uint16_t kvs_f32_to_f16(float f);
+/* dst[i] = (float)src[i] for a src of dtype F32, F16 or BF16. */
+void kvs_to_f32(float *dst, const void *src, kvs_dtype src_type, size_t n);
+
+/* ---- files ------------------------------------------------------------------ */
+typedef struct {
+    const uint8_t *data;
+    size_t size;
+} kvs_mapped_file;
+
+kvs_status kvs_map_file(const char *path, kvs_mapped_file *out);
+void kvs_unmap_file(kvs_mapped_file *f);
+/* Reads a whole file, NUL-terminated; *out is malloc'ed. */
+kvs_status kvs_read_file(const char *path, char **out, size_t *len);
+bool kvs_file_exists(const char *path);
+/* dst = dir + "/" + name; fails if it does not fit. */
+kvs_status kvs_path_join(char *dst, size_t cap, const char *dir, const char *name);
+
+/* ---- time, logging, progress ------------------------------------------------ */
+double kvs_now(void); /* seconds, monotonic */
+
+typedef enum { KVS_LOG_DEBUG, KVS_LOG_INFO, KVS_LOG_WARN, KVS_LOG_ERROR } kvs_log_level;
+void kvs_log(kvs_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void kvs_log_set_level(kvs_log_level level);
+
+/* A progress bar on stderr, drawn only when stderr is a TTY. */
+typedef struct {
+    const char *label;
+    double total, done, start, last_draw;
+    bool tty;
+} kvs_progress;
+void kvs_progress_start(kvs_progress *p, const char *label, double total);
+void kvs_progress_update(kvs_progress *p, double done);
+void kvs_progress_finish(kvs_progress *p);
+
+/* ---- random numbers (xoshiro256**, seeded with splitmix64) ------------------- */
+typedef struct { uint64_t s[4]; } kvs_rng;
+void kvs_rng_seed(kvs_rng *r, uint64_t seed);
+uint64_t kvs_rng_u64(kvs_rng *r);
+double kvs_rng_uniform(kvs_rng *r); /* [0, 1) */
+float kvs_rng_normal(kvs_rng *r);   /* N(0, 1) */
+
+/* ---- memory ----------------------------------------------------------------- */
+void *kvs_malloc(size_t n);                /* NULL on failure or n == 0 overflow */
+void *kvs_calloc(size_t n, size_t size);
+void *kvs_aligned_alloc(size_t n);         /* 64-byte aligned; free with free() */
+
+#endif

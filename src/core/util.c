@@ -1,0 +1,105 @@
+/* time, logging, progress bar, RNG and allocation helpers */
+#include "core/core.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+double kvs_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static kvs_log_level min_level = KVS_LOG_INFO; /* process-wide setting, set once by the CLI */
+
+void kvs_log_set_level(kvs_log_level level) { min_level = level; }
+
+void kvs_log(kvs_log_level level, const char *fmt, ...) {
+    if (level < min_level) return;
+    static const char *tags[] = {"debug", "info", "warn", "error"};
+    char line[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "[kvsparse %s] %s\n", tags[level], line);
+}
+
+static void progress_draw(kvs_progress *p, bool final) {
+    double frac = p->total > 0 ? p->done / p->total : 1.0;
+    if (frac > 1) frac = 1;
+    int width = 30, fill = (int)(frac * width);
+    char bar[64];
+    for (int i = 0; i < width; i++) bar[i] = i < fill ? '#' : '.';
+    bar[width] = 0;
+    double el = kvs_now() - p->start;
+    fprintf(stderr, "\r%s [%s] %5.1f%% %.1fs%s", p->label, bar, 100 * frac, el, final ? "\n" : "");
+    fflush(stderr);
+}
+
+void kvs_progress_start(kvs_progress *p, const char *label, double total) {
+    p->label = label;
+    p->total = total;
+    p->done = 0;
+    p->start = p->last_draw = kvs_now();
+    p->tty = isatty(2);
+}
+
+void kvs_progress_update(kvs_progress *p, double done) {
+    p->done = done;
+    double t = kvs_now();
+    if (p->tty && t - p->last_draw > 0.1) {
+        p->last_draw = t;
+        progress_draw(p, false);
+    }
+}
+
+void kvs_progress_finish(kvs_progress *p) {
+    p->done = p->total;
+    if (p->tty) progress_draw(p, true);
+}
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void kvs_rng_seed(kvs_rng *r, uint64_t seed) {
+    for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&seed);
+}
+
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+uint64_t kvs_rng_u64(kvs_rng *r) {
+    uint64_t *s = r->s, result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+double kvs_rng_uniform(kvs_rng *r) { return (double)(kvs_rng_u64(r) >> 11) * 0x1.0p-53; }
+
+float kvs_rng_normal(kvs_rng *r) {
+    double u1 = kvs_rng_uniform(r), u2 = kvs_rng_uniform(r);
+    if (u1 < 1e-300) u1 = 1e-300;
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+void *kvs_malloc(size_t n) { return n ? malloc(n) : NULL; }
+
+void *kvs_calloc(size_t n, size_t size) { return (n && size) ? calloc(n, size) : NULL; }
+
+void *kvs_aligned_alloc(size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, n ? n : 64) != 0) return NULL;
+    return p;
+}

@@ -1,0 +1,250 @@
+/* The block pool and the per-(sequence, layer) block tables. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv/kv.h"
+
+typedef struct {
+    int32_t *blocks; /* physical block ids */
+    int n_blocks, cap;
+    int len;         /* entries held */
+} layer_table;
+
+typedef struct {
+    bool used;
+    int n_tokens;    /* tokens appended so far (what a full cache would hold) */
+    layer_table *layers;
+} seq_state;
+
+struct kvs_kv_cache {
+    kvs_kv_config cfg;
+    kvs_backend *be;
+    kvs_kv_pool pool;
+    int32_t *free_blocks; /* stack */
+    int64_t n_free;
+    seq_state *seqs;
+};
+
+size_t kvs_kv_block_bytes(const kvs_kv_config *cfg, kvs_dtype kv_dtype) {
+    return 2 * (size_t)cfg->n_kv_heads * cfg->block_size * cfg->head_dim * kvs_dtype_size(kv_dtype);
+}
+
+int64_t kvs_kv_blocks_for_budget(const kvs_kv_config *cfg, kvs_dtype kv_dtype, size_t budget_bytes) {
+    size_t bb = kvs_kv_block_bytes(cfg, kv_dtype);
+    return bb ? (int64_t)(budget_bytes / bb) : 0;
+}
+
+kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache **out) {
+    *out = NULL;
+    if (cfg->n_layers <= 0 || cfg->n_kv_heads <= 0 || cfg->head_dim <= 0 || cfg->block_size <= 0 ||
+        cfg->n_blocks <= 0 || cfg->n_blocks > INT32_MAX || cfg->max_seqs <= 0)
+        return kvs_fail(KVS_ERR_INVALID, "kv cache: invalid configuration (%lld blocks, %d sequences)",
+                        (long long)cfg->n_blocks, cfg->max_seqs);
+    kvs_kv_cache *kv = calloc(1, sizeof *kv);
+    if (!kv) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
+    kv->cfg = *cfg;
+    kv->be = be;
+    size_t bytes = (size_t)cfg->n_blocks * kvs_kv_block_bytes(cfg, be->kv_dtype);
+    kv->pool = (kvs_kv_pool){be->alloc(be, bytes), cfg->n_blocks, cfg->block_size, cfg->n_kv_heads,
+                             cfg->head_dim};
+    kv->free_blocks = malloc(sizeof(int32_t) * (size_t)cfg->n_blocks);
+    kv->seqs = calloc((size_t)cfg->max_seqs, sizeof(seq_state));
+    if (!kv->pool.data || !kv->free_blocks || !kv->seqs) {
+        kvs_kv_destroy(kv);
+        return kvs_fail(KVS_ERR_NOMEM, "kv cache: cannot allocate %zu bytes for %lld blocks", bytes,
+                        (long long)cfg->n_blocks);
+    }
+    for (int64_t i = 0; i < cfg->n_blocks; i++) kv->free_blocks[i] = (int32_t)(cfg->n_blocks - 1 - i);
+    kv->n_free = cfg->n_blocks;
+    *out = kv;
+    return KVS_OK;
+}
+
+void kvs_kv_destroy(kvs_kv_cache *kv) {
+    if (!kv) return;
+    for (int s = 0; kv->seqs && s < kv->cfg.max_seqs; s++) kvs_kv_free(kv, s);
+    if (kv->pool.data) kv->be->free(kv->be, kv->pool.data);
+    free(kv->free_blocks);
+    free(kv->seqs);
+    free(kv);
+}
+
+const kvs_kv_config *kvs_kv_get_config(const kvs_kv_cache *kv) { return &kv->cfg; }
+const kvs_kv_pool *kvs_kv_get_pool(const kvs_kv_cache *kv) { return &kv->pool; }
+
+int kvs_kv_seq_create(kvs_kv_cache *kv) {
+    for (int s = 0; s < kv->cfg.max_seqs; s++) {
+        if (kv->seqs[s].used) continue;
+        layer_table *layers = calloc((size_t)kv->cfg.n_layers, sizeof(layer_table));
+        if (!layers) break;
+        kv->seqs[s] = (seq_state){true, 0, layers};
+        return s;
+    }
+    kvs_fail(KVS_ERR_NOMEM, "kv cache: all %d sequence slots are in use", kv->cfg.max_seqs);
+    return -1;
+}
+
+static seq_state *get_seq(const kvs_kv_cache *kv, int seq_id) {
+    if (seq_id < 0 || seq_id >= kv->cfg.max_seqs || !kv->seqs[seq_id].used) return NULL;
+    return &kv->seqs[seq_id];
+}
+
+static void release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks) {
+    while (t->n_blocks > keep_blocks) kv->free_blocks[kv->n_free++] = t->blocks[--t->n_blocks];
+}
+
+void kvs_kv_free(kvs_kv_cache *kv, int seq_id) {
+    seq_state *s = get_seq(kv, seq_id);
+    if (!s) return;
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        release_tail(kv, &s->layers[l], 0);
+        free(s->layers[l].blocks);
+    }
+    free(s->layers);
+    memset(s, 0, sizeof *s);
+}
+
+static int blocks_for(const kvs_kv_cache *kv, int entries) {
+    return (entries + kv->cfg.block_size - 1) / kv->cfg.block_size;
+}
+
+int64_t kvs_kv_blocks_needed(const kvs_kv_cache *kv, int seq_id, int n_new) {
+    const seq_state *s = get_seq(kv, seq_id);
+    if (!s) return 0;
+    int64_t need = 0;
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        int want = blocks_for(kv, s->layers[l].len + n_new);
+        if (want > s->layers[l].n_blocks) need += want - s->layers[l].n_blocks;
+    }
+    return need;
+}
+
+bool kvs_kv_can_admit(const kvs_kv_cache *kv, int prompt_len) {
+    return (int64_t)blocks_for(kv, prompt_len) * kv->cfg.n_layers <= kv->n_free;
+}
+
+kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
+    seq_state *s = get_seq(kv, seq_id);
+    if (!s) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
+    if (n_new < 0) return kvs_fail(KVS_ERR_INVALID, "kv cache: negative reservation");
+    int64_t need = kvs_kv_blocks_needed(kv, seq_id, n_new);
+    if (need > kv->n_free)
+        return kvs_fail(KVS_ERR_NOMEM, "kv cache: %lld blocks needed, %lld free", (long long)need,
+                        (long long)kv->n_free);
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        layer_table *t = &s->layers[l];
+        int want = blocks_for(kv, t->len + n_new);
+        if (want > t->cap) {
+            int cap = t->cap ? t->cap : 4;
+            while (cap < want) cap *= 2;
+            int32_t *nb = realloc(t->blocks, sizeof(int32_t) * (size_t)cap);
+            if (!nb) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of host memory for block tables");
+            t->blocks = nb;
+            t->cap = cap;
+        }
+        while (t->n_blocks < want) t->blocks[t->n_blocks++] = kv->free_blocks[--kv->n_free];
+    }
+    return KVS_OK;
+}
+
+void kvs_kv_commit(kvs_kv_cache *kv, int seq_id, int n_new) {
+    seq_state *s = get_seq(kv, seq_id);
+    if (!s) return;
+    s->n_tokens += n_new;
+    for (int l = 0; l < kv->cfg.n_layers; l++) s->layers[l].len += n_new;
+}
+
+int kvs_kv_len(const kvs_kv_cache *kv, int seq_id, int layer) {
+    const seq_state *s = get_seq(kv, seq_id);
+    return s && layer >= 0 && layer < kv->cfg.n_layers ? s->layers[layer].len : 0;
+}
+
+const int32_t *kvs_kv_blocks(const kvs_kv_cache *kv, int seq_id, int layer, int *n_blocks) {
+    const seq_state *s = get_seq(kv, seq_id);
+    if (!s || layer < 0 || layer >= kv->cfg.n_layers) {
+        *n_blocks = 0;
+        return NULL;
+    }
+    *n_blocks = s->layers[layer].n_blocks;
+    return s->layers[layer].blocks;
+}
+
+int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry) {
+    const layer_table *t = &kv->seqs[seq_id].layers[layer];
+    return t->blocks[entry / kv->cfg.block_size] * kv->cfg.block_size + entry % kv->cfg.block_size;
+}
+
+kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t *keep, int n_keep) {
+    seq_state *s = get_seq(kv, seq_id);
+    if (!s || layer < 0 || layer >= kv->cfg.n_layers)
+        return kvs_fail(KVS_ERR_INVALID, "kv compact: no sequence %d layer %d", seq_id, layer);
+    layer_table *t = &s->layers[layer];
+    if (n_keep < 0 || n_keep > t->len)
+        return kvs_fail(KVS_ERR_INVALID, "kv compact: keeping %d of %d entries", n_keep, t->len);
+    int H = kv->cfg.n_kv_heads;
+    for (int h = 0; h < H; h++)
+        for (int i = 0; i < n_keep; i++) {
+            int32_t e = keep[(size_t)h * n_keep + i];
+            if (e < 0 || e >= t->len || (i > 0 && e <= keep[(size_t)h * n_keep + i - 1]))
+                return kvs_fail(KVS_ERR_INVALID, "kv compact: head %d keep list not sorted, distinct and < %d",
+                                h, t->len);
+        }
+    if (n_keep > 0) {
+        kvs_backend *be = kv->be;
+        size_t keep_bytes = sizeof(int32_t) * (size_t)H * n_keep, tab_bytes = sizeof(int32_t) * t->n_blocks;
+        int32_t *d_keep = be->alloc(be, keep_bytes), *d_tab = be->alloc(be, tab_bytes);
+        if (!d_keep || !d_tab) {
+            be->free(be, d_keep);
+            be->free(be, d_tab);
+            return kvs_fail(KVS_ERR_NOMEM, "kv compact: out of backend memory");
+        }
+        be->to_device(be, d_keep, keep, keep_bytes);
+        be->to_device(be, d_tab, t->blocks, tab_bytes);
+        be->kv_gather(be, &kv->pool, d_tab, t->n_blocks, d_keep, n_keep);
+        be->free(be, d_keep);
+        be->free(be, d_tab);
+    }
+    t->len = n_keep;
+    release_tail(kv, t, blocks_for(kv, n_keep));
+    return KVS_OK;
+}
+
+int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv) { return kv->n_free; }
+int64_t kvs_kv_used_blocks(const kvs_kv_cache *kv) { return kv->cfg.n_blocks - kv->n_free; }
+
+void kvs_kv_seq_usage(const kvs_kv_cache *kv, int seq_id, int64_t *held, int64_t *full) {
+    const seq_state *s = get_seq(kv, seq_id);
+    *held = *full = 0;
+    if (!s) return;
+    for (int l = 0; l < kv->cfg.n_layers; l++) *held += s->layers[l].len;
+    *full = (int64_t)s->n_tokens * kv->cfg.n_layers;
+}
+
+kvs_status kvs_kv_check(const kvs_kv_cache *kv) {
+    int64_t n = kv->cfg.n_blocks;
+    uint8_t *seen = calloc((size_t)n, 1);
+    if (!seen) return kvs_fail(KVS_ERR_NOMEM, "kv check: out of memory");
+    kvs_status st = KVS_OK;
+    for (int64_t i = 0; i < kv->n_free && st == KVS_OK; i++) {
+        int32_t b = kv->free_blocks[i];
+        if (b < 0 || b >= n || seen[b]++) st = kvs_fail(KVS_ERR_INTERNAL, "kv check: free block %d twice", b);
+    }
+    for (int s = 0; s < kv->cfg.max_seqs && st == KVS_OK; s++) {
+        if (!kv->seqs[s].used) continue;
+        for (int l = 0; l < kv->cfg.n_layers && st == KVS_OK; l++) {
+            const layer_table *t = &kv->seqs[s].layers[l];
+            if (t->n_blocks < blocks_for(kv, t->len))
+                st = kvs_fail(KVS_ERR_INTERNAL, "kv check: seq %d layer %d holds %d entries in %d blocks", s, l,
+                              t->len, t->n_blocks);
+            for (int i = 0; i < t->n_blocks && st == KVS_OK; i++) {
+                int32_t b = t->blocks[i];
+                if (b < 0 || b >= n || seen[b]++)
+                    st = kvs_fail(KVS_ERR_INTERNAL, "kv check: block %d owned twice (seq %d layer %d)", b, s, l);
+            }
+        }
+    }
+    for (int64_t i = 0; i < n && st == KVS_OK; i++)
+        if (!seen[i]) st = kvs_fail(KVS_ERR_INTERNAL, "kv check: block %lld leaked", (long long)i);
+    free(seen);
+    return st;
+}

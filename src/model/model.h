@@ -1,0 +1,107 @@
+/* model: config.json, safetensors checkpoints (mmap, sharded), dummy weights,
+ * and the forward pass as a sequence of backend ops. */
+#ifndef KVS_MODEL_H
+#define KVS_MODEL_H
+
+#include "backend/backend.h"
+#include "core/core.h"
+#include "kv/kv.h"
+
+/* ---- config.json ------------------------------------------------------------ */
+typedef enum { KVS_ROPE_NONE, KVS_ROPE_LINEAR, KVS_ROPE_LLAMA3 } kvs_rope_type;
+
+#define KVS_MAX_EOS 8
+
+typedef struct {
+    char architecture[64]; /* LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM */
+    int hidden_size, n_layers, n_heads, n_kv_heads, head_dim, intermediate_size;
+    int vocab_size, max_position_embeddings;
+    float rms_norm_eps, rope_theta;
+    kvs_rope_type rope_type;
+    float rope_factor;               /* linear and llama3 */
+    float rope_low_freq_factor, rope_high_freq_factor; /* llama3 */
+    int rope_original_max_position;  /* llama3 */
+    bool tie_word_embeddings, attention_bias;
+    int bos_token_id;                /* -1 if none */
+    int eos_token_ids[KVS_MAX_EOS];  /* config.json, then generation_config.json */
+    int n_eos;
+    kvs_dtype dtype;                 /* torch_dtype / dtype; BF16 if absent */
+} kvs_config;
+
+/* Parses config.json text (name is used in messages). */
+kvs_status kvs_config_parse(const char *json_text, size_t len, const char *name, kvs_config *cfg);
+/* model_dir/config.json (+ generation_config.json's eos/bos when present). */
+kvs_status kvs_config_load(const char *model_dir, kvs_config *cfg);
+/* Bytes of K+V per token across all layers for a cache of the given dtype. */
+size_t kvs_config_kv_bytes_per_token(const kvs_config *cfg, kvs_dtype kv_dtype);
+int64_t kvs_config_param_count(const kvs_config *cfg);
+
+/* ---- weights ---------------------------------------------------------------- */
+typedef enum {
+    KVS_W_EMBED, KVS_W_FINAL_NORM, KVS_W_LM_HEAD,                 /* global (layer -1) */
+    KVS_W_ATTN_NORM, KVS_W_Q, KVS_W_K, KVS_W_V, KVS_W_Q_BIAS, KVS_W_K_BIAS, KVS_W_V_BIAS,
+    KVS_W_O, KVS_W_MLP_NORM, KVS_W_GATE, KVS_W_UP, KVS_W_DOWN,    /* per layer */
+    KVS_W_KIND_COUNT
+} kvs_weight_kind;
+
+/* A host view of one weight: row-major, shape[0] rows x shape[1] cols (ndim 1 or 2). */
+typedef struct {
+    kvs_dtype dtype;
+    int ndim;
+    int64_t shape[2];
+    const void *data;
+    size_t nbytes;
+} kvs_host_tensor;
+
+/* Hugging Face name of a weight, e.g. "model.layers.3.self_attn.q_proj.weight". */
+void kvs_weight_name(kvs_weight_kind kind, int layer, char *buf, size_t cap);
+/* Expected shape from the config; returns false if the model has no such weight
+ * (biases without attention_bias, lm_head when tied). */
+bool kvs_weight_expected(const kvs_config *cfg, kvs_weight_kind kind, int64_t shape[2], int *ndim);
+
+/* A checkpoint: safetensors files (single or sharded) or seeded dummy weights. */
+typedef struct kvs_checkpoint kvs_checkpoint;
+
+/* Opens model_dir's model.safetensors or model.safetensors.index.json, maps the
+ * files and checks every tensor the config calls for: present, dtype F32/F16/BF16,
+ * shape, and data inside the file. Errors name the file and the tensor. */
+kvs_status kvs_checkpoint_open(const char *model_dir, const kvs_config *cfg, kvs_checkpoint **out);
+/* Seeded random weights for the config alone (--load-format dummy). */
+kvs_status kvs_checkpoint_dummy(const kvs_config *cfg, uint64_t seed, kvs_checkpoint **out);
+/* The weight's data; valid until the next call on this checkpoint (dummy weights
+ * are generated into a scratch buffer). Fails if the model has no such weight. */
+kvs_status kvs_checkpoint_read(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, kvs_host_tensor *out);
+size_t kvs_checkpoint_total_bytes(const kvs_checkpoint *ck);
+void kvs_checkpoint_destroy(kvs_checkpoint *ck);
+
+/* safetensors header parsing, exposed for the fuzz target and tests: parses the
+ * 8-byte length + JSON header of a file's bytes, and calls visit for each tensor
+ * (data points into buf). Validates offsets against len. */
+typedef kvs_status (*kvs_st_visit)(void *ctx, const char *name, kvs_dtype dtype, int ndim,
+                                   const int64_t *shape, const void *data, size_t nbytes);
+kvs_status kvs_safetensors_parse(const uint8_t *buf, size_t len, const char *file_name,
+                                 kvs_st_visit visit, void *ctx);
+
+/* ---- the model ------------------------------------------------------------ */
+typedef struct kvs_model kvs_model;
+
+/* Uploads the checkpoint's weights into the backend (progress bar on a TTY). */
+kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, kvs_model **out);
+void kvs_model_destroy(kvs_model *m);
+const kvs_config *kvs_model_config(const kvs_model *m);
+
+/* What one step computes: a flat list of tokens from several sequences. */
+typedef struct {
+    int n_tokens, n_seqs;
+    const int32_t *token_ids, *positions; /* [n_tokens] */
+    const int32_t *query_start;           /* [n_seqs + 1] prefix sums (varlen) */
+    const int32_t *seq_ids;               /* [n_seqs] KV cache sequence ids */
+    const uint8_t *wants_logits;          /* [n_seqs]: logits of the seq's last token */
+} kvs_batch;
+
+/* One forward over the batch. The KV cache must already hold room for the new
+ * tokens (kvs_kv_reserve). logits: [number of seqs that want them][vocab], in
+ * order of the sequences. */
+kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits);
+
+#endif

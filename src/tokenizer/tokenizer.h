@@ -1,0 +1,73 @@
+/* tokenizer: Hugging Face tokenizer.json (byte-level BPE and SentencePiece-style
+ * BPE), normalizers, pre-tokenizers, added/special tokens, decoders, an
+ * incremental (streaming) decoder, and chat templates (a Jinja subset). */
+#ifndef KVS_TOKENIZER_H
+#define KVS_TOKENIZER_H
+
+#include "core/core.h"
+
+/* ======================= tokenizer.json ===================================== */
+typedef struct kvs_tokenizer kvs_tokenizer;
+
+/* Loads model_dir/tokenizer.json (+ tokenizer_config.json and
+ * special_tokens_map.json when present). */
+kvs_status kvs_tokenizer_load(const char *model_dir, kvs_tokenizer **out);
+/* Parses tokenizer.json text directly (config_json may be NULL): for tests and fuzzing. */
+kvs_status kvs_tokenizer_parse(const char *tokenizer_json, size_t len, const char *config_json,
+                               size_t config_len, kvs_tokenizer **out);
+void kvs_tokenizer_destroy(kvs_tokenizer *t);
+
+typedef struct {
+    bool add_special_tokens; /* post-processor (BOS/EOS) */
+    bool parse_special;      /* text such as "<|eot_id|>" may become control tokens;
+                                must be false for user text from the API */
+} kvs_encode_options;
+
+/* Encodes UTF-8 text; *ids is malloc'ed. Invalid UTF-8 is an error. */
+kvs_status kvs_tokenizer_encode(const kvs_tokenizer *t, const char *text, size_t len,
+                                kvs_encode_options opt, int32_t **ids, int *n_ids);
+/* Decodes ids to text (malloc'ed, NUL-terminated). */
+kvs_status kvs_tokenizer_decode(const kvs_tokenizer *t, const int32_t *ids, int n_ids,
+                                bool skip_special, char **text);
+
+int kvs_tokenizer_vocab_size(const kvs_tokenizer *t);
+int kvs_tokenizer_token_id(const kvs_tokenizer *t, const char *token); /* -1 if none */
+const char *kvs_tokenizer_token_text(const kvs_tokenizer *t, int id);  /* NULL if none */
+bool kvs_tokenizer_is_special(const kvs_tokenizer *t, int id);
+int kvs_tokenizer_bos_id(const kvs_tokenizer *t); /* -1 if none */
+int kvs_tokenizer_eos_id(const kvs_tokenizer *t); /* -1 if none */
+/* tokenizer_config.json's chat_template, bos_token and eos_token strings (NULL if absent). */
+const char *kvs_tokenizer_chat_template(const kvs_tokenizer *t);
+const char *kvs_tokenizer_bos_token(const kvs_tokenizer *t);
+const char *kvs_tokenizer_eos_token(const kvs_tokenizer *t);
+
+/* Streaming decoder: feed one id at a time; each call returns the new text that
+ * is complete (never a broken UTF-8 sequence), possibly empty. */
+typedef struct kvs_detokenizer kvs_detokenizer;
+kvs_detokenizer *kvs_detokenizer_create(const kvs_tokenizer *t, bool skip_special);
+/* *piece is owned by the detokenizer, valid until the next call. */
+kvs_status kvs_detokenizer_push(kvs_detokenizer *d, int32_t id, const char **piece, size_t *len);
+/* Flushes whatever is held back at the end of the stream. */
+kvs_status kvs_detokenizer_finish(kvs_detokenizer *d, const char **piece, size_t *len);
+void kvs_detokenizer_destroy(kvs_detokenizer *d);
+
+/* ======================= chat templates ===================================== */
+typedef struct {
+    const char *role;    /* "system", "user", "assistant", ... */
+    const char *content;
+} kvs_chat_message;
+
+typedef struct kvs_chat_template kvs_chat_template;
+
+/* Compiles a Jinja template; errors name the line and column. */
+kvs_status kvs_chat_template_compile(const char *source, size_t len, kvs_chat_template **out);
+/* Renders messages; *text is malloc'ed. raise_exception() in the template
+ * becomes an error with its message. */
+kvs_status kvs_chat_template_render(const kvs_chat_template *tpl, const kvs_chat_message *msgs,
+                                    int n_msgs, bool add_generation_prompt,
+                                    const char *bos_token, const char *eos_token, char **text);
+void kvs_chat_template_destroy(kvs_chat_template *tpl);
+/* The documented fallback for models without a chat_template (ChatML-like). */
+const char *kvs_chat_template_default(void);
+
+#endif

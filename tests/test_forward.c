@@ -1,0 +1,224 @@
+/* The CPU forward pass against Hugging Face transformers references, and
+ * varlen batching against single-sequence runs. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/backend.h"
+#include "kv/kv.h"
+#include "model/model.h"
+#include "testutil.h"
+
+typedef struct {
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    kvs_backend *be;
+    kvs_model *m;
+    kvs_kv_cache *kv;
+} rig;
+
+static void rig_open(rig *r, const char *dir, int max_tokens, int max_seqs) {
+    memset(r, 0, sizeof *r);
+    cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
+    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_config kc = {r->cfg.n_layers, r->cfg.n_kv_heads, r->cfg.head_dim, 16, 0, max_seqs};
+    kc.n_blocks = (int64_t)((max_tokens + 15) / 16 + 1) * r->cfg.n_layers * max_seqs;
+    cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
+}
+
+static void rig_close(rig *r) {
+    kvs_kv_destroy(r->kv);
+    kvs_model_destroy(r->m);
+    kvs_checkpoint_destroy(r->ck);
+    r->be->destroy(r->be);
+}
+
+/* Runs ids[0..n) of one sequence as a prefill of `chunk` tokens at a time
+ * starting at position pos0; logits of the last token into out. */
+static void prefill(rig *r, int seq, const int32_t *ids, int n, int pos0, int chunk, float *out) {
+    for (int start = 0; start < n; start += chunk) {
+        int len = n - start < chunk ? n - start : chunk;
+        int32_t *pos = malloc(sizeof(int32_t) * len), qs[2] = {0, len};
+        for (int i = 0; i < len; i++) pos[i] = pos0 + start + i;
+        uint8_t want = start + len == n;
+        cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
+        kvs_batch b = {len, 1, ids + start, pos, qs, &seq, &want};
+        cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out), KVS_OK, "%s", kvs_last_error());
+        free(pos);
+    }
+}
+
+/* Greedy decoding of n_new tokens after a prefill whose logits are in logits. */
+static void greedy(rig *r, int seq, int pos, float *logits, int n_new, int32_t *out) {
+    for (int i = 0; i < n_new; i++) {
+        out[i] = argmax_f(logits, r->cfg.vocab_size);
+        if (i + 1 < n_new) prefill(r, seq, &out[i], 1, pos + i, 1, logits);
+    }
+}
+
+Test(forward, tiny_needle_llama_matches_hf) {
+    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    cr_assert(cases && json_array_size(cases) == 4);
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), 700, 1);
+    size_t i;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        int n, n_ref;
+        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
+        int32_t *want = json_ids(json_object_get(c, "greedy32_ids"), &n_ref);
+        size_t nl;
+        float *ref = b64_floats(json_string_value(json_object_get(c, "last_logits_f32_b64")), &nl);
+        cr_assert_eq((int)nl, r.cfg.vocab_size);
+        float *logits = malloc(sizeof(float) * nl);
+        int seq = kvs_kv_seq_create(r.kv);
+        prefill(&r, seq, ids, n, 0, n, logits);
+        double d = rel_max_diff(logits, ref, nl);
+        cr_log_info("tiny-needle-llama %s: rel diff %.2e", json_string_value(json_object_get(c, "name")), d);
+        cr_expect(d <= 1e-3, "%s: max|d|/max|ref| = %g", json_string_value(json_object_get(c, "name")), d);
+        int32_t got[32];
+        greedy(&r, seq, n, logits, n_ref, got);
+        for (int k = 0; k < n_ref; k++)
+            cr_expect_eq(got[k], want[k], "%s: greedy token %d: %d != %d",
+                         json_string_value(json_object_get(c, "name")), k, got[k], want[k]);
+        kvs_kv_free(r.kv, seq);
+        free(ids);
+        free(want);
+        free(ref);
+        free(logits);
+    }
+    cr_assert_eq(kvs_kv_used_blocks(r.kv), 0);
+    rig_close(&r);
+    json_decref(cases);
+}
+
+static void check_arch(const char *name) {
+    char dir[512], ref_path[512];
+    snprintf(dir, sizeof dir, "fixtures/arch/%s", name);
+    snprintf(ref_path, sizeof ref_path, "fixtures/arch/%s/reference.json", name);
+    json_t *ref = load_json(shared_path(ref_path));
+    cr_assert(ref, "cannot read %s", ref_path);
+    rig r;
+    rig_open(&r, shared_path(dir), 2048 + 16, 1);
+    int V = r.cfg.vocab_size;
+    float *logits = malloc(sizeof(float) * V);
+    size_t i;
+    json_t *c;
+    json_array_foreach(json_object_get(ref, "cases"), i, c) {
+        const char *cname = json_string_value(json_object_get(c, "name"));
+        int n, n_new;
+        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
+        int32_t *want = json_ids(json_object_get(c, "greedy_new_ids"), &n_new);
+        int seq = kvs_kv_seq_create(r.kv);
+        json_t *all = json_object_get(c, "logits_f32_b64");
+        if (all) { /* every position: feed the tokens one at a time (decode path) */
+            size_t nl;
+            float *refs = b64_floats(json_string_value(all), &nl);
+            cr_assert_eq((int)nl, n * V);
+            for (int p = 0; p < n; p++) {
+                prefill(&r, seq, ids + p, 1, p, 1, logits);
+                double d = rel_max_diff(logits, refs + (size_t)p * V, V);
+                if (p == n - 1) cr_log_info("%s %s position %d: rel diff %.2e", name, cname, p, d);
+                cr_expect(d <= 1e-3, "%s %s position %d: rel diff %g", name, cname, p, d);
+            }
+            free(refs);
+        } else { /* last position: one prefill in chunks of 300 */
+            size_t nl;
+            float *last = b64_floats(json_string_value(json_object_get(c, "last_logits_f32_b64")), &nl);
+            prefill(&r, seq, ids, n, 0, 300, logits);
+            double d = rel_max_diff(logits, last, V);
+            cr_log_info("%s %s last position: rel diff %.2e", name, cname, d);
+            cr_expect(d <= 1e-3, "%s %s last position: rel diff %g", name, cname, d);
+            free(last);
+        }
+        int32_t got[64];
+        greedy(&r, seq, n, logits, n_new, got);
+        for (int k = 0; k < n_new; k++)
+            cr_expect_eq(got[k], want[k], "%s %s greedy token %d: %d != %d", name, cname, k, got[k], want[k]);
+        kvs_kv_free(r.kv, seq);
+        free(ids);
+        free(want);
+    }
+    free(logits);
+    rig_close(&r);
+    json_decref(ref);
+}
+
+Test(forward, llama3_rope_scaling_bf16) { check_arch("llama3-rope-scaling"); }
+Test(forward, qwen2_bias_tied_fp16) { check_arch("qwen2-bias-tied"); }
+Test(forward, mistral_fp32) { check_arch("mistral"); }
+
+/* 8 sequences of different lengths in one varlen batch (prefill chunks mixed
+ * with single decode tokens) give the logits each gives alone. */
+Test(forward, varlen_batch_equals_single_runs) {
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), 200, 8);
+    int V = r.cfg.vocab_size;
+    kvs_rng rng;
+    kvs_rng_seed(&rng, (uint64_t)time(NULL));
+    enum { S = 8 };
+    int first[S], second[S]; /* first step length, second step length */
+    int32_t *ids[S];
+    float *alone = malloc(sizeof(float) * S * V), *batched = malloc(sizeof(float) * S * V);
+    for (int s = 0; s < S; s++) {
+        first[s] = 1 + (int)(kvs_rng_u64(&rng) % 90);
+        second[s] = s % 2 ? 1 : 1 + (int)(kvs_rng_u64(&rng) % 40); /* decode or a second chunk */
+        ids[s] = malloc(sizeof(int32_t) * (first[s] + second[s]));
+        for (int i = 0; i < first[s] + second[s]; i++) ids[s][i] = (int32_t)(kvs_rng_u64(&rng) % 8187);
+        int seq = kvs_kv_seq_create(r.kv);
+        prefill(&r, seq, ids[s], first[s], 0, first[s], alone + (size_t)s * V);
+        prefill(&r, seq, ids[s] + first[s], second[s], first[s], second[s], alone + (size_t)s * V);
+        kvs_kv_free(r.kv, seq);
+    }
+    /* step 1: all first chunks at once; step 2: all second chunks at once */
+    int seqs[S];
+    for (int s = 0; s < S; s++) seqs[s] = kvs_kv_seq_create(r.kv);
+    for (int step = 0; step < 2; step++) {
+        int32_t qs[S + 1] = {0}, tok[S * 130], pos[S * 130];
+        uint8_t want[S];
+        int n = 0;
+        for (int s = 0; s < S; s++) {
+            int len = step ? second[s] : first[s], off = step ? first[s] : 0;
+            cr_assert_eq(kvs_kv_reserve(r.kv, seqs[s], len), KVS_OK);
+            for (int i = 0; i < len; i++, n++) {
+                tok[n] = ids[s][off + i];
+                pos[n] = off + i;
+            }
+            qs[s + 1] = n;
+            want[s] = 1;
+        }
+        kvs_batch b = {n, S, tok, pos, qs, seqs, want};
+        cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, batched), KVS_OK, "%s", kvs_last_error());
+    }
+    for (int s = 0; s < S; s++) {
+        double d = rel_max_diff(batched + (size_t)s * V, alone + (size_t)s * V, V);
+        cr_log_info("varlen sequence %d: rel diff %.2e", s, d);
+        cr_expect(d <= 1e-4, "sequence %d (%d + %d tokens): rel diff %g", s, first[s], second[s], d);
+        kvs_kv_free(r.kv, seqs[s]);
+        free(ids[s]);
+    }
+    cr_assert_eq(kvs_kv_check(r.kv), KVS_OK, "%s", kvs_last_error());
+    free(alone);
+    free(batched);
+    rig_close(&r);
+}
+
+Test(forward, rejects_bad_batches) {
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), 32, 1);
+    float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
+    int seq = kvs_kv_seq_create(r.kv);
+    int32_t tok = 99999, pos = 0, qs[2] = {0, 1};
+    uint8_t want = 1;
+    kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
+    cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, logits), KVS_ERR_INVALID); /* no room reserved */
+    cr_assert_eq(kvs_kv_reserve(r.kv, seq, 1), KVS_OK);
+    cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, logits), KVS_ERR_INVALID); /* id out of range */
+    cr_assert(strstr(kvs_last_error(), "99999"));
+    free(logits);
+    rig_close(&r);
+}

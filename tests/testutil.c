@@ -1,0 +1,138 @@
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static const char *env_or(const char *name, const char *dflt) {
+    const char *v = getenv(name);
+    return v && *v ? v : dflt;
+}
+
+static const char *join_rotating(const char *base, const char *rel) {
+    static _Thread_local char bufs[4][4096];
+    static _Thread_local int next;
+    char *b = bufs[next++ & 3];
+    snprintf(b, 4096, "%s/%s", base, rel);
+    return b;
+}
+
+const char *src_path(const char *rel) { return join_rotating(env_or("KVS_SOURCE_DIR", "."), rel); }
+const char *shared_path(const char *rel) { return join_rotating(env_or("KVS_SHARED_DIR", "../shared"), rel); }
+const char *kvsparse_binary(void) { return env_or("KVS_BINARY", "./build/kvsparse"); }
+
+json_t *load_jsonl(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    json_t *arr = json_array();
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t n;
+    while ((n = getline(&line, &cap, f)) > 0) {
+        if (n <= 1) continue;
+        json_error_t err;
+        json_t *o = json_loadb(line, (size_t)n, 0, &err);
+        if (o) json_array_append_new(arr, o);
+    }
+    free(line);
+    fclose(f);
+    return arr;
+}
+
+json_t *load_json(const char *path) {
+    json_error_t err;
+    return json_load_file(path, 0, &err);
+}
+
+static int b64_value(int c) {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+}
+
+float *b64_floats(const char *b64, size_t *n) {
+    size_t len = strlen(b64);
+    unsigned char *bytes = malloc(len * 3 / 4 + 4);
+    size_t nb = 0;
+    unsigned acc = 0;
+    int bits = 0;
+    for (size_t i = 0; i < len; i++) {
+        int v = b64_value((unsigned char)b64[i]);
+        if (v < 0) continue;
+        acc = (acc << 6) | (unsigned)v;
+        bits += 6;
+        if (bits >= 8) {
+            bits -= 8;
+            bytes[nb++] = (unsigned char)((acc >> bits) & 0xff);
+        }
+    }
+    *n = nb / 4;
+    float *out = malloc(*n * sizeof(float) + 4);
+    memcpy(out, bytes, *n * 4);
+    free(bytes);
+    return out;
+}
+
+int32_t *json_ids(const json_t *arr, int *n) {
+    *n = (int)json_array_size(arr);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(*n + 1));
+    for (int i = 0; i < *n; i++) ids[i] = (int32_t)json_integer_value(json_array_get(arr, (size_t)i));
+    return ids;
+}
+
+double rel_max_diff(const float *a, const float *b, size_t n) {
+    double md = 0, mr = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        if (isnan(a[i]) || isnan(b[i])) return INFINITY;
+        if (d > md) md = d;
+        if (fabs(b[i]) > mr) mr = fabs(b[i]);
+    }
+    return mr > 0 ? md / mr : md;
+}
+
+int argmax_f(const float *x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+const char *make_temp_dir(void) {
+    static _Thread_local char buf[256];
+    snprintf(buf, sizeof buf, "/tmp/kvs-test-XXXXXX");
+    return mkdtemp(buf);
+}
+
+void write_file(const char *dir, const char *name, const void *data, size_t len) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f) return;
+    fwrite(data, 1, len, f);
+    fclose(f);
+}
+
+int run_capture(const char *cmd, char **out) {
+    char full[8192];
+    snprintf(full, sizeof full, "%s 2>&1", cmd);
+    FILE *p = popen(full, "r");
+    if (!p) return -1;
+    size_t cap = 4096, n = 0;
+    char *buf = malloc(cap);
+    size_t got;
+    while ((got = fread(buf + n, 1, cap - n - 1, p)) > 0) {
+        n += got;
+        if (n + 1 >= cap) buf = realloc(buf, cap *= 2);
+    }
+    buf[n] = 0;
+    int st = pclose(p);
+    if (out) *out = buf; else free(buf);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
