@@ -18,7 +18,8 @@ build: deps
 	@cmake --build $(BUILD) -j $(JOBS)
 
 run: build
-	./$(BUILD)/kvsparse generate -m $(MODEL) -p "The capital of France is" -n 48
+	./$(BUILD)/kvsparse generate -m $(MODEL) --chat -n 48 \
+	  -p "The access code for Marigold is 48213. The sky was grey over the harbour. What is the access code for Marigold?"
 
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure
@@ -35,6 +36,8 @@ fuzz-smoke: deps
 
 bench: build
 	./$(BUILD)/kvsparse bench model -m $(MODEL)
+	@scripts/fetch-tokenizers .cache/tokenizers
+	./$(BUILD)/kvsparse bench tokenizer -m .cache/tokenizers/llama3
 
 clean:
 	rm -rf $(BUILD) $(ASAN) $(FUZZB)

@@ -50,7 +50,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
         st = o->dummy ? kvs_checkpoint_dummy(&out->cfg, o->dummy_seed, &out->ck)
                       : kvs_checkpoint_open(o->model_dir, &out->cfg, &out->ck);
     if (st == KVS_OK) st = kvs_backend_cpu_create(o->threads, &out->be);
-    if (st == KVS_OK) st = kvs_model_create(&out->cfg, out->ck, out->be, &out->model);
+    if (st == KVS_OK && !o->skip_model) st = kvs_model_create(&out->cfg, out->ck, out->be, &out->model);
     if (st == KVS_OK && o->model_dir) {
         char path[4096];
         if (kvs_path_join(path, sizeof path, o->model_dir, "tokenizer.json") == KVS_OK && kvs_file_exists(path))

@@ -13,6 +13,7 @@ typedef struct {
     bool dummy;              /* --load-format dummy */
     uint64_t dummy_seed;
     int threads;             /* --threads */
+    bool skip_model;         /* load config, checkpoint and backend only */
 } kvs_load_options;
 
 typedef struct {

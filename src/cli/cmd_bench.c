@@ -1,0 +1,135 @@
+/* kvsparse bench model: prefill and decode tokens/s, and the matmuls' GFLOP/s
+ * against the sgemm rate measured in the same run. */
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "cli/cli_common.h"
+
+/* A backend whose matmul is timed; every other op is the inner backend's. */
+typedef struct {
+    kvs_backend base; /* first: the model sees this */
+    kvs_backend *inner;
+    double seconds, flops;
+} timed_backend;
+
+static void timed_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
+                         int in_dim, int out_dim) {
+    timed_backend *t = (timed_backend *)b;
+    t->inner->synchronize(t->inner);
+    double t0 = kvs_now();
+    t->inner->matmul(t->inner, out, in, w, bias, n, in_dim, out_dim);
+    t->inner->synchronize(t->inner);
+    t->seconds += kvs_now() - t0;
+    t->flops += 2.0 * n * in_dim * out_dim;
+}
+
+/* GFLOP/s of a square sgemm of size n (best of reps). */
+static double sgemm_rate(int n, int reps) {
+    float *a = malloc(sizeof(float) * n * n), *b = malloc(sizeof(float) * n * n), *c = malloc(sizeof(float) * n * n);
+    for (int i = 0; i < n * n; i++) a[i] = b[i] = (float)(i % 7) * 0.1f;
+    double best = 1e30;
+    for (int r = 0; r < reps; r++) {
+        double t0 = kvs_now();
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1, a, n, b, n, 0, c, n);
+        double t = kvs_now() - t0;
+        if (t < best) best = t;
+    }
+    free(a);
+    free(b);
+    free(c);
+    return 2.0 * n * n * n / best / 1e9;
+}
+
+static int bench_model(int argc, char **argv) {
+    kvs_load_options lo = {.skip_model = true};
+    int prompt_len = 1024, decode_len = 128;
+    for (int i = 1; i < argc; i++) {
+        int r = kvs_cli_load_option(&lo, argc, argv, &i);
+        if (r > 0) continue;
+        if (r == 0 && !strcmp(argv[i], "--prompt-len") && i + 1 < argc) prompt_len = atoi(argv[++i]);
+        else if (r == 0 && !strcmp(argv[i], "--decode-len") && i + 1 < argc) decode_len = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "usage: kvsparse bench model -m MODEL_DIR [--prompt-len N] [--decode-len N] [--threads N]\n");
+            return 2;
+        }
+    }
+    if (prompt_len <= 0 || decode_len <= 0) {
+        fprintf(stderr, "kvsparse bench model: --prompt-len and --decode-len must be positive\n");
+        return 2;
+    }
+    kvs_loaded l;
+    if (kvs_cli_load(&lo, &l) != KVS_OK) return kvs_cli_error();
+    timed_backend tb = {*l.be, l.be, 0, 0};
+    tb.base.matmul = timed_matmul;
+    kvs_model *m = NULL;
+    kvs_kv_cache *kv = NULL;
+    kvs_status st = kvs_model_create(&l.cfg, l.ck, &tb.base, &m);
+    int total = prompt_len + decode_len;
+    if (st == KVS_OK && total > l.cfg.max_position_embeddings)
+        st = kvs_fail(KVS_ERR_INVALID, "--prompt-len + --decode-len exceeds the context length %d",
+                      l.cfg.max_position_embeddings);
+    if (st == KVS_OK) st = kvs_cli_kv_cache(&l, total, 1, &kv);
+    if (st != KVS_OK) {
+        kvs_model_destroy(m);
+        kvs_cli_unload(&l);
+        return kvs_cli_error();
+    }
+    int32_t *ids = malloc(sizeof(int32_t) * total), *pos = malloc(sizeof(int32_t) * total);
+    kvs_rng rng;
+    kvs_rng_seed(&rng, 1);
+    for (int i = 0; i < total; i++) {
+        ids[i] = (int32_t)(kvs_rng_u64(&rng) % (uint64_t)l.cfg.vocab_size);
+        pos[i] = i;
+    }
+    float *logits = malloc(sizeof(float) * l.cfg.vocab_size);
+    int seq = kvs_kv_seq_create(kv);
+    uint8_t want = 1;
+    int32_t qs[2] = {0, prompt_len};
+    kvs_kv_reserve(kv, seq, prompt_len);
+    double t0 = kvs_now();
+    kvs_batch b = {prompt_len, 1, ids, pos, qs, &seq, &want};
+    st = kvs_model_forward(m, &b, kv, logits);
+    double t_prefill = kvs_now() - t0, mm_prefill = tb.seconds, fl_prefill = tb.flops;
+    tb.seconds = tb.flops = 0;
+    t0 = kvs_now();
+    for (int i = prompt_len; st == KVS_OK && i < total; i++) {
+        int32_t q1[2] = {0, 1};
+        kvs_kv_reserve(kv, seq, 1);
+        kvs_batch d = {1, 1, ids + i, pos + i, q1, &seq, &want};
+        st = kvs_model_forward(m, &d, kv, logits);
+    }
+    double t_decode = kvs_now() - t0;
+    if (st != KVS_OK) {
+        kvs_cli_error();
+    } else {
+        double peak = sgemm_rate(1024, 5);
+        printf("model: %s, %d layers, hidden %d, backend %s\n", l.cfg.architecture, l.cfg.n_layers, l.cfg.hidden_size,
+               l.be->name);
+        printf("prefill: %d tokens in %.3f s = %.1f tokens/s\n", prompt_len, t_prefill, prompt_len / t_prefill);
+        printf("decode:  %d tokens in %.3f s = %.1f tokens/s (context %d..%d)\n", decode_len, t_decode,
+               decode_len / t_decode, prompt_len, total);
+        printf("sgemm 1024^3 rate (this run): %.1f GFLOP/s\n", peak);
+        printf("prefill matmuls: %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of prefill time\n",
+               fl_prefill / mm_prefill / 1e9, 100 * fl_prefill / mm_prefill / 1e9 / peak,
+               100 * mm_prefill / t_prefill);
+        printf("decode matmuls:  %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of decode time\n",
+               tb.flops / tb.seconds / 1e9, 100 * tb.flops / tb.seconds / 1e9 / peak, 100 * tb.seconds / t_decode);
+    }
+    free(ids);
+    free(pos);
+    free(logits);
+    kvs_kv_destroy(kv);
+    kvs_model_destroy(m);
+    kvs_cli_unload(&l);
+    return st == KVS_OK ? 0 : 1;
+}
+
+int kvs_cmd_bench(int argc, char **argv) {
+    if (argc >= 2 && !strcmp(argv[1], "model")) return bench_model(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "tokenizer")) return kvs_cmd_bench_tokenizer(argc - 1, argv + 1);
+    fprintf(stderr, "usage: kvsparse bench (model | tokenizer) [options]\n");
+    return 2;
+}

@@ -1,0 +1,140 @@
+/* The paged KV cache: block accounting under random operations, compaction
+ * moving exactly the kept entries. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/backend.h"
+#include "kv/kv.h"
+#include "testutil.h"
+
+static kvs_backend *be;
+static void setup(void) { cr_assert_eq(kvs_backend_cpu_create(1, &be), KVS_OK); }
+static void teardown(void) { be->destroy(be); }
+
+TestSuite(kv, .init = setup, .fini = teardown);
+
+/* 10,000 random allocate / append / compact / free operations: no block is
+ * leaked or owned twice, and lengths add up. */
+Test(kv, random_operations_keep_blocks_consistent) {
+    kvs_kv_config kc = {.n_layers = 4, .n_kv_heads = 2, .head_dim = 8, .block_size = 16, .n_blocks = 400,
+                        .max_seqs = 12};
+    kvs_kv_cache *kv;
+    cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK);
+    kvs_rng rng;
+    uint64_t seed = (uint64_t)time(NULL);
+    kvs_rng_seed(&rng, seed);
+    int live[12], n_live = 0;
+    int32_t keep[2 * 600];
+    for (int op = 0; op < 10000; op++) {
+        int what = (int)(kvs_rng_u64(&rng) % 4);
+        if (what == 0 || n_live == 0) { /* allocate */
+            int s = kvs_kv_seq_create(kv);
+            if (s >= 0) live[n_live++] = s;
+            else cr_assert_eq(n_live, 12, "seed %llu: create failed with %d live", (unsigned long long)seed, n_live);
+        } else {
+            int pick = (int)(kvs_rng_u64(&rng) % n_live), s = live[pick];
+            if (what == 1) { /* append */
+                int n = 1 + (int)(kvs_rng_u64(&rng) % 40);
+                int64_t need = kvs_kv_blocks_needed(kv, s, n), free_before = kvs_kv_free_blocks(kv);
+                kvs_status st = kvs_kv_reserve(kv, s, n);
+                if (need > free_before) {
+                    cr_assert_eq(st, KVS_ERR_NOMEM);
+                    cr_assert_eq(kvs_kv_free_blocks(kv), free_before, "failed reserve must not allocate");
+                } else {
+                    cr_assert_eq(st, KVS_OK);
+                    kvs_kv_commit(kv, s, n);
+                }
+            } else if (what == 2) { /* compact a random layer to a random subset */
+                int layer = (int)(kvs_rng_u64(&rng) % kc.n_layers), len = kvs_kv_len(kv, s, layer);
+                if (len > 0) {
+                    int n_keep = (int)(kvs_rng_u64(&rng) % (len + 1));
+                    for (int h = 0; h < 2; h++) { /* sorted random subset of [0, len) */
+                        int k = 0;
+                        for (int e = 0; e < len && k < n_keep; e++)
+                            if ((int)(kvs_rng_u64(&rng) % (len - e)) < n_keep - k) keep[h * n_keep + k++] = e;
+                    }
+                    cr_assert_eq(kvs_kv_compact(kv, s, layer, keep, n_keep), KVS_OK, "%s", kvs_last_error());
+                    cr_assert_eq(kvs_kv_len(kv, s, layer), n_keep);
+                }
+            } else { /* free */
+                kvs_kv_free(kv, s);
+                live[pick] = live[--n_live];
+            }
+        }
+        if (op % 97 == 0) cr_assert_eq(kvs_kv_check(kv), KVS_OK, "seed %llu op %d: %s", (unsigned long long)seed, op, kvs_last_error());
+    }
+    cr_assert_eq(kvs_kv_check(kv), KVS_OK, "%s", kvs_last_error());
+    for (int i = 0; i < n_live; i++) kvs_kv_free(kv, live[i]);
+    cr_assert_eq(kvs_kv_used_blocks(kv), 0);
+    cr_assert_eq(kvs_kv_check(kv), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_destroy(kv);
+}
+
+/* Compaction keeps exactly the chosen entries per head, in order, and frees the tail blocks. */
+Test(kv, compact_keeps_exactly_the_chosen_entries) {
+    kvs_kv_config kc = {.n_layers = 2, .n_kv_heads = 3, .head_dim = 4, .block_size = 16, .n_blocks = 64,
+                        .max_seqs = 2};
+    kvs_kv_cache *kv;
+    cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK);
+    int s = kvs_kv_seq_create(kv), len = 100;
+    cr_assert_eq(kvs_kv_reserve(kv, s, len), KVS_OK);
+    const kvs_kv_pool *pool = kvs_kv_get_pool(kv);
+    /* K value = 1000 * head + entry, V = -(that), for layer 1 */
+    float *k = malloc(sizeof(float) * len * 3 * 4), *v = malloc(sizeof(float) * len * 3 * 4);
+    int32_t *slots = malloc(sizeof(int32_t) * len);
+    for (int e = 0; e < len; e++) {
+        slots[e] = kvs_kv_slot(kv, s, 1, e);
+        for (int h = 0; h < 3; h++)
+            for (int j = 0; j < 4; j++) {
+                k[(e * 3 + h) * 4 + j] = 1000.0f * h + e;
+                v[(e * 3 + h) * 4 + j] = -(1000.0f * h + e);
+            }
+    }
+    be->kv_write(be, pool, k, v, slots, len);
+    kvs_kv_commit(kv, s, len);
+    int64_t used = kvs_kv_used_blocks(kv);
+    enum { N = 20 };
+    int32_t keep[3 * N];
+    for (int h = 0; h < 3; h++)
+        for (int i = 0; i < N; i++) keep[h * N + i] = (i * (h + 2) * 7 + h) % 5 + i * 5; /* sorted, distinct */
+    cr_assert_eq(kvs_kv_compact(kv, s, 1, keep, N), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_kv_len(kv, s, 1), N);
+    cr_assert_eq(kvs_kv_len(kv, s, 0), len);
+    cr_assert_eq(kvs_kv_used_blocks(kv), used - (7 - 2), "100 entries in 7 blocks -> 20 in 2");
+    for (int h = 0; h < 3; h++)
+        for (int i = 0; i < N; i++) {
+            int32_t slot = kvs_kv_slot(kv, s, 1, i), blk = slot / 16, off = slot % 16;
+            const float *base = (const float *)pool->data + (size_t)blk * 2 * 3 * 16 * 4;
+            float kk = base[((0 * 3 + h) * 16 + off) * 4], vv = base[((1 * 3 + h) * 16 + off) * 4];
+            cr_assert_eq(kk, 1000.0f * h + keep[h * N + i], "head %d entry %d", h, i);
+            cr_assert_eq(vv, -(1000.0f * h + keep[h * N + i]));
+        }
+    /* bad keep lists are refused */
+    int32_t bad[3] = {5, 3, 1};
+    cr_assert_eq(kvs_kv_compact(kv, s, 0, bad, 1), KVS_OK);
+    cr_assert_eq(kvs_kv_compact(kv, s, 0, (int32_t[]){2, 1, 0, 0, 0, 0}, 2), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_kv_check(kv), KVS_OK, "%s", kvs_last_error());
+    free(k);
+    free(v);
+    free(slots);
+    kvs_kv_destroy(kv);
+}
+
+Test(kv, admission_and_budget) {
+    kvs_kv_config kc = {.n_layers = 4, .n_kv_heads = 2, .head_dim = 8, .block_size = 16, .n_blocks = 40,
+                        .max_seqs = 4};
+    cr_assert_eq(kvs_kv_block_bytes(&kc, KVS_F32), 2 * 2 * 16 * 8 * 4);
+    cr_assert_eq(kvs_kv_blocks_for_budget(&kc, KVS_BF16, 1 << 20), (1 << 20) / (2 * 2 * 16 * 8 * 2));
+    kvs_kv_cache *kv;
+    cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK);
+    cr_assert(kvs_kv_can_admit(kv, 160));  /* 10 blocks x 4 layers */
+    cr_assert(!kvs_kv_can_admit(kv, 161));
+    int s = kvs_kv_seq_create(kv);
+    cr_assert_eq(kvs_kv_reserve(kv, s, 161), KVS_ERR_NOMEM);
+    cr_assert_eq(kvs_kv_used_blocks(kv), 0);
+    kvs_kv_destroy(kv);
+    kc.n_blocks = 0;
+    cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_ERR_INVALID);
+}
