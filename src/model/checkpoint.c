@@ -1,0 +1,339 @@
+/* Checkpoints: safetensors files (single or sharded via the index) mapped into
+ * memory, or seeded dummy weights generated on demand into a scratch buffer. */
+#include "model/model.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    char *name;
+    int file; /* index into ck->files */
+    kvs_dtype dtype;
+    int ndim;
+    int64_t shape[4];
+    const void *data;
+    size_t nbytes;
+} ck_tensor;
+
+struct kvs_checkpoint {
+    kvs_config cfg;
+    /* safetensors */
+    int n_files;
+    char **file_names; /* relative to the model directory */
+    kvs_mapped_file *files;
+    ck_tensor *tensors; /* sorted by name */
+    size_t n_tensors, cap_tensors;
+    /* dummy */
+    bool dummy;
+    uint64_t seed;
+    void *scratch;
+    size_t scratch_size;
+    size_t total_bytes;
+};
+
+static int tensor_cmp(const void *a, const void *b) {
+    return strcmp(((const ck_tensor *)a)->name, ((const ck_tensor *)b)->name);
+}
+
+static const ck_tensor *find_tensor(const kvs_checkpoint *ck, const char *name) {
+    ck_tensor key = {.name = (char *)name};
+    return ck->n_tensors ? bsearch(&key, ck->tensors, ck->n_tensors, sizeof key, tensor_cmp) : NULL;
+}
+
+void kvs_checkpoint_destroy(kvs_checkpoint *ck) {
+    if (!ck) return;
+    for (size_t i = 0; i < ck->n_tensors; i++) free(ck->tensors[i].name);
+    free(ck->tensors);
+    for (int i = 0; i < ck->n_files; i++) {
+        kvs_unmap_file(&ck->files[i]);
+        free(ck->file_names[i]);
+    }
+    free(ck->files);
+    free(ck->file_names);
+    free(ck->scratch);
+    free(ck);
+}
+
+/* ---- safetensors files -------------------------------------------------------- */
+typedef struct {
+    kvs_checkpoint *ck;
+    int file;
+} visit_ctx;
+
+static kvs_status add_tensor(void *p, const char *name, kvs_dtype dtype, int ndim, const int64_t *shape,
+                             const void *data, size_t nbytes) {
+    visit_ctx *vc = p;
+    kvs_checkpoint *ck = vc->ck;
+    if (ck->n_tensors == ck->cap_tensors) {
+        size_t cap = ck->cap_tensors ? ck->cap_tensors * 2 : 256;
+        ck_tensor *t = realloc(ck->tensors, cap * sizeof *t);
+        if (!t) return kvs_fail(KVS_ERR_NOMEM, "out of memory for the tensor table");
+        ck->tensors = t;
+        ck->cap_tensors = cap;
+    }
+    ck_tensor *t = &ck->tensors[ck->n_tensors];
+    memset(t, 0, sizeof *t);
+    t->name = strdup(name);
+    if (!t->name) return kvs_fail(KVS_ERR_NOMEM, "out of memory for the tensor table");
+    t->file = vc->file;
+    t->dtype = dtype;
+    t->ndim = ndim;
+    for (int d = 0; d < ndim && d < 4; d++) t->shape[d] = shape[d];
+    t->data = data;
+    t->nbytes = nbytes;
+    ck->n_tensors++;
+    return KVS_OK;
+}
+
+/* Maps model_dir/file_name once and adds its tensors to the table. */
+static kvs_status add_file(kvs_checkpoint *ck, const char *model_dir, const char *file_name) {
+    for (int i = 0; i < ck->n_files; i++)
+        if (!strcmp(ck->file_names[i], file_name)) return KVS_OK;
+    if (strchr(file_name, '/') || !strcmp(file_name, "..") || !*file_name)
+        return kvs_fail(KVS_ERR_FORMAT, "model.safetensors.index.json: shard name '%.200s' must be a plain file name "
+                        "inside the model directory", file_name);
+    char path[4096];
+    KVS_TRY(kvs_path_join(path, sizeof path, model_dir, file_name));
+    if (!kvs_file_exists(path))
+        return kvs_fail(KVS_ERR_NOT_FOUND, "%s: shard named in model.safetensors.index.json is missing from %s",
+                        file_name, model_dir);
+    char **names = realloc(ck->file_names, (size_t)(ck->n_files + 1) * sizeof *names);
+    if (!names) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    ck->file_names = names;
+    kvs_mapped_file *files = realloc(ck->files, (size_t)(ck->n_files + 1) * sizeof *files);
+    if (!files) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    ck->files = files;
+    int idx = ck->n_files;
+    ck->file_names[idx] = strdup(file_name);
+    if (!ck->file_names[idx]) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    kvs_status s = kvs_map_file(path, &ck->files[idx]);
+    if (s != KVS_OK) {
+        free(ck->file_names[idx]);
+        return s;
+    }
+    ck->n_files++;
+    visit_ctx vc = {ck, idx};
+    return kvs_safetensors_parse(ck->files[idx].data, ck->files[idx].size, file_name, add_tensor, &vc);
+}
+
+/* model.safetensors.index.json: maps every shard of the weight_map, then checks
+ * that each tensor the index names is in the shard it names. */
+static kvs_status open_index(kvs_checkpoint *ck, const char *model_dir, const char *index_path) {
+    const char *iname = "model.safetensors.index.json";
+    char *text;
+    size_t len;
+    KVS_TRY(kvs_read_file(index_path, &text, &len));
+    json_error_t err;
+    json_t *root = json_loadb(text, len, 0, &err);
+    free(text);
+    if (!root) return kvs_fail(KVS_ERR_FORMAT, "%s: not valid JSON: %s (line %d)", iname, err.text, err.line);
+    kvs_status s = KVS_OK;
+    json_t *map = json_is_object(root) ? json_object_get(root, "weight_map") : NULL;
+    if (!json_is_object(map) || json_object_size(map) == 0)
+        s = kvs_fail(KVS_ERR_FORMAT, "%s: field 'weight_map' must be a non-empty object", iname);
+    const char *key;
+    json_t *v;
+    if (s == KVS_OK) json_object_foreach(map, key, v) {
+        if (!json_is_string(v)) {
+            s = kvs_fail(KVS_ERR_FORMAT, "%s: weight_map entry '%s' must be a file name", iname, key);
+            break;
+        }
+        if ((s = add_file(ck, model_dir, json_string_value(v))) != KVS_OK) break;
+    }
+    if (s == KVS_OK) {
+        if (ck->n_tensors > 1) qsort(ck->tensors, ck->n_tensors, sizeof *ck->tensors, tensor_cmp);
+        json_object_foreach(map, key, v) {
+            const ck_tensor *t = find_tensor(ck, key);
+            if (!t || strcmp(ck->file_names[t->file], json_string_value(v)) != 0) {
+                s = kvs_fail(KVS_ERR_FORMAT, "%s: missing tensor '%s' (listed in %s)", json_string_value(v), key, iname);
+                break;
+            }
+        }
+    }
+    json_decref(root);
+    return s;
+}
+
+static void shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
+    size_t n = (size_t)snprintf(buf, cap, "[");
+    for (int d = 0; d < ndim && n < cap; d++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", d ? ", " : "", (long long)shape[d]);
+    if (n < cap) snprintf(buf + n, cap - n, "]");
+}
+
+/* Checks every weight the config calls for: present, dtype, shape. */
+static kvs_status check_weights(kvs_checkpoint *ck, const char *default_file) {
+    const kvs_config *cfg = &ck->cfg;
+    ck->total_bytes = 0;
+    for (int layer = -1; layer < cfg->n_layers; layer++) {
+        for (int k = 0; k < KVS_W_KIND_COUNT; k++) {
+            bool global = k < KVS_W_ATTN_NORM;
+            if (global != (layer < 0)) continue;
+            int64_t shape[2];
+            int ndim;
+            if (!kvs_weight_expected(cfg, (kvs_weight_kind)k, shape, &ndim)) continue;
+            char name[160];
+            kvs_weight_name((kvs_weight_kind)k, layer, name, sizeof name);
+            const ck_tensor *t = find_tensor(ck, name);
+            if (!t) return kvs_fail(KVS_ERR_FORMAT, "%s: missing tensor '%s'", default_file, name);
+            const char *file = ck->file_names[t->file];
+            if (t->dtype != KVS_F32 && t->dtype != KVS_F16 && t->dtype != KVS_BF16)
+                return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tensor '%s' has unsupported dtype '%s' (supported: F32, F16, BF16)",
+                                file, name, kvs_dtype_name(t->dtype));
+            bool same = t->ndim == ndim;
+            for (int d = 0; same && d < ndim; d++) same = t->shape[d] == shape[d];
+            if (!same) {
+                char got[96], want[96];
+                shape_str(got, sizeof got, t->ndim, t->shape);
+                shape_str(want, sizeof want, ndim, shape);
+                return kvs_fail(KVS_ERR_FORMAT, "%s: tensor '%s' has shape %s, expected %s from config.json", file,
+                                name, got, want);
+            }
+            ck->total_bytes += t->nbytes;
+        }
+    }
+    return KVS_OK;
+}
+
+kvs_status kvs_checkpoint_open(const char *model_dir, const kvs_config *cfg, kvs_checkpoint **out) {
+    *out = NULL;
+    char index_path[4096], single_path[4096];
+    KVS_TRY(kvs_path_join(index_path, sizeof index_path, model_dir, "model.safetensors.index.json"));
+    KVS_TRY(kvs_path_join(single_path, sizeof single_path, model_dir, "model.safetensors"));
+    bool sharded = kvs_file_exists(index_path);
+    if (!sharded && !kvs_file_exists(single_path))
+        return kvs_fail(KVS_ERR_NOT_FOUND, "%s: no model.safetensors or model.safetensors.index.json in the model directory",
+                        model_dir);
+    kvs_checkpoint *ck = calloc(1, sizeof *ck);
+    if (!ck) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    ck->cfg = *cfg;
+    kvs_status s = sharded ? open_index(ck, model_dir, index_path) : add_file(ck, model_dir, "model.safetensors");
+    if (s == KVS_OK) {
+        if (ck->n_tensors > 1) qsort(ck->tensors, ck->n_tensors, sizeof *ck->tensors, tensor_cmp);
+        for (size_t i = 1; i < ck->n_tensors && s == KVS_OK; i++)
+            if (!strcmp(ck->tensors[i - 1].name, ck->tensors[i].name))
+                s = kvs_fail(KVS_ERR_FORMAT, "%s: tensor '%s' is also in %s", ck->file_names[ck->tensors[i].file],
+                             ck->tensors[i].name, ck->file_names[ck->tensors[i - 1].file]);
+    }
+    if (s == KVS_OK) s = check_weights(ck, sharded ? "model.safetensors.index.json" : "model.safetensors");
+    if (s != KVS_OK) {
+        kvs_checkpoint_destroy(ck);
+        return s;
+    }
+    *out = ck;
+    return KVS_OK;
+}
+
+/* ---- dummy weights ------------------------------------------------------------- */
+#define DUMMY_CHUNK 65536 /* elements per independently seeded chunk */
+
+static uint64_t mix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static size_t weight_elems(const kvs_config *cfg, kvs_weight_kind k, int64_t shape[2], int *ndim) {
+    if (!kvs_weight_expected(cfg, k, shape, ndim)) return 0;
+    return (size_t)(*ndim == 2 ? shape[0] * shape[1] : shape[0]);
+}
+
+kvs_status kvs_checkpoint_dummy(const kvs_config *cfg, uint64_t seed, kvs_checkpoint **out) {
+    *out = NULL;
+    if (cfg->dtype != KVS_F32 && cfg->dtype != KVS_F16 && cfg->dtype != KVS_BF16)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "dummy weights: dtype %s is unsupported", kvs_dtype_name(cfg->dtype));
+    kvs_checkpoint *ck = calloc(1, sizeof *ck);
+    if (!ck) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    ck->cfg = *cfg;
+    ck->dummy = true;
+    ck->seed = seed;
+    size_t esize = kvs_dtype_size(cfg->dtype);
+    for (int k = 0; k < KVS_W_KIND_COUNT; k++) {
+        int64_t shape[2];
+        int ndim;
+        size_t n = weight_elems(cfg, (kvs_weight_kind)k, shape, &ndim);
+        ck->total_bytes += n * esize * (k >= KVS_W_ATTN_NORM ? (size_t)cfg->n_layers : 1);
+    }
+    *out = ck;
+    return KVS_OK;
+}
+
+/* Fills n elements with a seeded, approximately normal(mean, std) sequence.
+ * Each chunk has its own seed, so the result does not depend on thread count.
+ * The normal is Irwin-Hall: the sum of four 16-bit uniforms, standardized. */
+static void dummy_fill(void *dst, kvs_dtype dtype, size_t n, uint64_t seed, float mean, float std) {
+    const float scale = std / 37837.23f; /* 65536 / sqrt(3) */
+    long long n_chunks = (long long)((n + DUMMY_CHUNK - 1) / DUMMY_CHUNK);
+#pragma omp parallel for schedule(static)
+    for (long long c = 0; c < n_chunks; c++) {
+        uint64_t state = mix64(seed ^ mix64((uint64_t)c));
+        size_t lo = (size_t)c * DUMMY_CHUNK, hi = lo + DUMMY_CHUNK < n ? lo + DUMMY_CHUNK : n;
+        for (size_t i = lo; i < hi; i++) {
+            state += 0x9e3779b97f4a7c15ull; /* splitmix64 */
+            uint64_t z = state;
+            z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+            z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+            z ^= z >> 31;
+            int64_t s = (int64_t)(z & 0xffff) + (int64_t)((z >> 16) & 0xffff) + (int64_t)((z >> 32) & 0xffff) +
+                        (int64_t)(z >> 48);
+            float x = mean + (float)(s - 131070) * scale;
+            if (dtype == KVS_BF16) ((uint16_t *)dst)[i] = kvs_f32_to_bf16(x);
+            else if (dtype == KVS_F16) ((uint16_t *)dst)[i] = kvs_f32_to_f16(x);
+            else ((float *)dst)[i] = x;
+        }
+    }
+}
+
+static kvs_status dummy_read(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, const int64_t shape[2], int ndim,
+                             kvs_host_tensor *out) {
+    size_t n = (size_t)(ndim == 2 ? shape[0] * shape[1] : shape[0]);
+    size_t bytes = n * kvs_dtype_size(ck->cfg.dtype);
+    if (bytes > ck->scratch_size) { /* grows to the largest weight read so far */
+        free(ck->scratch);
+        ck->scratch_size = 0;
+        ck->scratch = kvs_aligned_alloc(bytes);
+        if (!ck->scratch) return kvs_fail(KVS_ERR_NOMEM, "dummy weights: out of memory for a %zu-byte scratch buffer", bytes);
+        ck->scratch_size = bytes;
+    }
+    bool norm = kind == KVS_W_ATTN_NORM || kind == KVS_W_MLP_NORM || kind == KVS_W_FINAL_NORM;
+    uint64_t seed = mix64(ck->seed ^ mix64(((uint64_t)kind << 32) ^ (uint64_t)(uint32_t)(layer + 1)));
+    dummy_fill(ck->scratch, ck->cfg.dtype, n, seed, norm ? 1.0f : 0.0f, norm ? 0.01f : 0.02f);
+    out->dtype = ck->cfg.dtype;
+    out->data = ck->scratch;
+    out->nbytes = bytes;
+    return KVS_OK;
+}
+
+kvs_status kvs_checkpoint_read(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, kvs_host_tensor *out) {
+    if (!ck || !out) return kvs_fail(KVS_ERR_INVALID, "kvs_checkpoint_read: no checkpoint");
+    if ((unsigned)kind >= KVS_W_KIND_COUNT)
+        return kvs_fail(KVS_ERR_INVALID, "kvs_checkpoint_read: bad weight kind %d", (int)kind);
+    bool global = kind < KVS_W_ATTN_NORM;
+    if (global) layer = -1;
+    else if (layer < 0 || layer >= ck->cfg.n_layers)
+        return kvs_fail(KVS_ERR_INVALID, "kvs_checkpoint_read: layer %d out of range (model has %d layers)", layer,
+                        ck->cfg.n_layers);
+    char name[160];
+    kvs_weight_name(kind, layer, name, sizeof name);
+    int64_t shape[2];
+    int ndim;
+    if (!kvs_weight_expected(&ck->cfg, kind, shape, &ndim))
+        return kvs_fail(KVS_ERR_NOT_FOUND, "the model has no weight '%s' (%s)", name,
+                        kind == KVS_W_LM_HEAD ? "tie_word_embeddings" : "no attention_bias");
+    memset(out, 0, sizeof *out);
+    out->ndim = ndim;
+    out->shape[0] = shape[0];
+    out->shape[1] = ndim == 2 ? shape[1] : 0;
+    if (ck->dummy) return dummy_read(ck, kind, layer, shape, ndim, out);
+    const ck_tensor *t = find_tensor(ck, name);
+    if (!t) return kvs_fail(KVS_ERR_INTERNAL, "checkpoint: tensor '%s' vanished after the check", name);
+    out->dtype = t->dtype;
+    out->data = t->data;
+    out->nbytes = t->nbytes;
+    return KVS_OK;
+}
+
+size_t kvs_checkpoint_total_bytes(const kvs_checkpoint *ck) { return ck ? ck->total_bytes : 0; }
