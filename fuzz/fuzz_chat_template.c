@@ -1,0 +1,24 @@
+/* libFuzzer target: compiles the input as a chat template and, when it
+ * compiles, renders it with a few messages (both add_generation_prompt values).
+ * Seed corpus: fuzz/corpus/chat_template/. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "tokenizer/tokenizer.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    kvs_chat_template *tpl = NULL;
+    if (kvs_chat_template_compile((const char *)data, size, &tpl) != KVS_OK) return 0;
+    static const kvs_chat_message msgs[] = {
+        { "system", "You are helpful." },
+        { "user", "Hi <think>x</think> \xc3\xa9" },
+        { "assistant", "<think>\nok\n</think>\n\nHello!" },
+        { "user", "" },
+    };
+    for (int agp = 0; agp < 2; agp++) {
+        char *text = NULL;
+        if (kvs_chat_template_render(tpl, msgs, 4, agp, "<s>", "</s>", &text) == KVS_OK) free(text);
+    }
+    kvs_chat_template_destroy(tpl);
+    return 0;
+}
