@@ -25,7 +25,8 @@ static void rig_open(rig *r, const char *dir, int max_tokens, int max_seqs) {
     cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
     cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
-    kvs_kv_config kc = {r->cfg.n_layers, r->cfg.n_kv_heads, r->cfg.head_dim, 16, 0, max_seqs};
+    kvs_kv_config kc = {.n_layers = r->cfg.n_layers, .n_kv_heads = r->cfg.n_kv_heads, .head_dim = r->cfg.head_dim,
+                        .n_heads = r->cfg.n_heads, .block_size = 16, .max_seqs = max_seqs};
     kc.n_blocks = (int64_t)((max_tokens + 15) / 16 + 1) * r->cfg.n_layers * max_seqs;
     cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
 }

@@ -76,6 +76,19 @@ struct kvs_backend {
      * Arrays in backend memory; entries index into the block lists. */
     void (*kv_gather)(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
                       const int32_t *src_entry, int n);
+    /* dst <- src, both backend memory */
+    void (*copy)(kvs_backend *b, void *dst, const void *src, size_t bytes);
+
+    /* sparsity */
+    /* Copies rows src_rows[i] of q [*, n_heads * head_dim] and lse [*, n_heads]
+     * into rows dst_rows[i] of win_q and win_lse, for i < m. */
+    void (*window_capture)(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,
+                           const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim);
+    /* SnapKV scores from the window's log-sum-exp: for KV head g and entry j < n_keys
+     * of the table, scores[g * n_keys + j] = sum over the group's query heads h and
+     * the n_win window queries i of exp(scale * q[i,h] . k[g,j] - lse[i,h]). */
+    void (*sparsity_scores)(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
+                            const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
 
     void (*destroy)(kvs_backend *b);
 };

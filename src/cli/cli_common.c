@@ -69,7 +69,8 @@ void kvs_cli_unload(kvs_loaded *l) {
 }
 
 kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, kvs_kv_cache **out) {
-    kvs_kv_config kc = {l->cfg.n_layers, l->cfg.n_kv_heads, l->cfg.head_dim, 16, 0, max_seqs};
+    kvs_kv_config kc = {.n_layers = l->cfg.n_layers, .n_kv_heads = l->cfg.n_kv_heads, .head_dim = l->cfg.head_dim,
+                        .n_heads = l->cfg.n_heads, .block_size = 16, .max_seqs = max_seqs};
     kc.n_blocks = (int64_t)((max_tokens + 15) / 16) * l->cfg.n_layers * max_seqs;
     return kvs_kv_create(&kc, l->be, out);
 }

@@ -9,9 +9,11 @@
 
 typedef struct {
     int n_layers, n_kv_heads, head_dim;
+    int n_heads;    /* query heads (for the sparsity scores' window queries) */
     int block_size; /* tokens per block (16) */
     int64_t n_blocks;
     int max_seqs;   /* sequence ids are 0 .. max_seqs - 1 */
+    int max_window; /* largest observation window a policy may use (0: 64) */
 } kvs_kv_config;
 
 typedef struct kvs_kv_cache kvs_kv_cache;
@@ -49,6 +51,64 @@ int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry);
  * head's list sorted ascending, distinct, < len), moved to entries 0 .. n_keep-1;
  * the layer's length becomes n_keep and blocks past it go back to the pool. */
 kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t *keep, int n_keep);
+
+/* ---- sparsity policies ----------------------------------------------------
+ * A sparse layer keeps B_l entries per KV head after prefill: the top
+ * (B_l - window) earlier keys by SnapKV score (attention of the last `window`
+ * prompt queries, from the prefill's log-sum-exp, summed over each KV group's
+ * query heads, max-pooled with kernel `pool`) plus the window itself. During
+ * decode a sparse layer that reaches B_l + window entries is re-compressed the
+ * same way with its last `window` decode queries, so it never grows past that. */
+typedef enum {
+    KVS_POLICY_FULL,         /* no sparsity */
+    KVS_POLICY_SNAPKV,       /* the same budget in every sparse layer */
+    KVS_POLICY_PYRAMIDKV,    /* budgets falling linearly with depth, same total */
+    KVS_POLICY_STREAMINGLLM, /* attention sinks + the most recent entries */
+} kvs_policy_kind;
+
+typedef struct {
+    kvs_policy_kind kind;
+    int budget_tokens;     /* B: mean entries per KV head per sparse layer; 0: use budget_fraction */
+    float budget_fraction; /* B = round(fraction x prompt length) when budget_tokens is 0 */
+    int full_layers;       /* the first N layers stay full */
+    int window;            /* observation window w (32) */
+    int pool;              /* max-pool kernel p, odd (7) */
+    int min_prompt;        /* prompts shorter than this are not compressed */
+    int sinks;             /* streamingllm: first entries always kept (4) */
+} kvs_kv_policy;
+
+kvs_kv_policy kvs_kv_policy_default(kvs_policy_kind kind); /* 10% budget, w 32, p 7 */
+const char *kvs_kv_policy_name(kvs_policy_kind kind);
+/* "full", "snapkv", "pyramidkv", "streamingllm" */
+kvs_status kvs_kv_policy_kind_parse(const char *name, kvs_policy_kind *kind);
+/* "0.1" or "10%" (fraction of the prompt) or "256" (tokens) */
+kvs_status kvs_kv_budget_parse(const char *text, kvs_kv_policy *p);
+kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers);
+/* Per-layer budgets B_l for a prompt (-1: the layer stays full). */
+void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len, int *budgets);
+/* A one-line description, e.g. "pyramidkv budget=10% full_layers=2 window=32 pool=7". */
+void kvs_kv_policy_describe(const kvs_kv_policy *p, char *buf, size_t cap);
+
+/* Sets seq's policy for a prompt of prompt_len tokens (before its prefill). */
+kvs_status kvs_kv_set_policy(kvs_kv_cache *kv, int seq_id, const kvs_kv_policy *p, int prompt_len);
+/* Row of the window buffers that the query of (seq, layer) at `position`
+ * fills, or -1: the last `window` prompt positions, then every decode token of
+ * a sparse layer (a ring). Rows index [max_seqs * window]. */
+int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int position);
+/* The window buffers of a layer: q [max_seqs * window, n_heads * head_dim]
+ * (act dtype) and lse [max_seqs * window, n_heads] (f32), backend memory. */
+void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse);
+/* After a step that gave seq new tokens: compacts the sparse layers that are
+ * due (its prompt just completed, or a layer reached B_l + window). */
+kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id);
+/* A copy of seq (blocks, lengths, windows, policy) as a new sequence id. */
+kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq);
+
+/* Host helpers of the selection, exposed for tests: max-pool of s[0..n) with
+ * kernel p (stride 1, same size, borders use the part inside), then the k
+ * largest, returned sorted ascending in out[0..k). */
+void kvs_kv_pool_scores(const float *s, int n, int p, float *out);
+void kvs_kv_top_k_sorted(const float *s, int n, int k, int32_t *out);
 
 /* Memory accounting. */
 int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv);

@@ -2,28 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kv/kv.h"
-
-typedef struct {
-    int32_t *blocks; /* physical block ids */
-    int n_blocks, cap;
-    int len;         /* entries held */
-} layer_table;
-
-typedef struct {
-    bool used;
-    int n_tokens;    /* tokens appended so far (what a full cache would hold) */
-    layer_table *layers;
-} seq_state;
-
-struct kvs_kv_cache {
-    kvs_kv_config cfg;
-    kvs_backend *be;
-    kvs_kv_pool pool;
-    int32_t *free_blocks; /* stack */
-    int64_t n_free;
-    seq_state *seqs;
-};
+#include "kv/kv_internal.h"
 
 size_t kvs_kv_block_bytes(const kvs_kv_config *cfg, kvs_dtype kv_dtype) {
     return 2 * (size_t)cfg->n_kv_heads * cfg->block_size * cfg->head_dim * kvs_dtype_size(kv_dtype);
@@ -37,7 +16,8 @@ int64_t kvs_kv_blocks_for_budget(const kvs_kv_config *cfg, kvs_dtype kv_dtype, s
 kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache **out) {
     *out = NULL;
     if (cfg->n_layers <= 0 || cfg->n_kv_heads <= 0 || cfg->head_dim <= 0 || cfg->block_size <= 0 ||
-        cfg->n_blocks <= 0 || cfg->n_blocks > INT32_MAX || cfg->max_seqs <= 0)
+        cfg->n_blocks <= 0 || cfg->n_blocks > INT32_MAX || cfg->max_seqs <= 0 || cfg->n_heads < 0 ||
+        (cfg->n_heads > 0 && cfg->n_heads % cfg->n_kv_heads))
         return kvs_fail(KVS_ERR_INVALID, "kv cache: invalid configuration (%lld blocks, %d sequences)",
                         (long long)cfg->n_blocks, cfg->max_seqs);
     kvs_kv_cache *kv = calloc(1, sizeof *kv);
@@ -64,6 +44,12 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
     if (!kv) return;
     for (int s = 0; kv->seqs && s < kv->cfg.max_seqs; s++) kvs_kv_free(kv, s);
     if (kv->pool.data) kv->be->free(kv->be, kv->pool.data);
+    for (int l = 0; kv->win_q && l < kv->cfg.n_layers; l++) {
+        if (kv->win_q[l]) kv->be->free(kv->be, kv->win_q[l]);
+        if (kv->win_lse[l]) kv->be->free(kv->be, kv->win_lse[l]);
+    }
+    free(kv->win_q);
+    free(kv->win_lse);
     free(kv->free_blocks);
     free(kv->seqs);
     free(kv);
@@ -77,54 +63,55 @@ int kvs_kv_seq_create(kvs_kv_cache *kv) {
         if (kv->seqs[s].used) continue;
         layer_table *layers = calloc((size_t)kv->cfg.n_layers, sizeof(layer_table));
         if (!layers) break;
-        kv->seqs[s] = (seq_state){true, 0, layers};
+        kv->seqs[s] = (seq_state){.used = true, .layers = layers, .policy = kvs_kv_policy_default(KVS_POLICY_FULL)};
         return s;
     }
     kvs_fail(KVS_ERR_NOMEM, "kv cache: all %d sequence slots are in use", kv->cfg.max_seqs);
     return -1;
 }
 
-static seq_state *get_seq(const kvs_kv_cache *kv, int seq_id) {
+seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id) {
     if (seq_id < 0 || seq_id >= kv->cfg.max_seqs || !kv->seqs[seq_id].used) return NULL;
     return &kv->seqs[seq_id];
 }
 
-static void release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks) {
+void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks) {
     while (t->n_blocks > keep_blocks) kv->free_blocks[kv->n_free++] = t->blocks[--t->n_blocks];
 }
 
 void kvs_kv_free(kvs_kv_cache *kv, int seq_id) {
-    seq_state *s = get_seq(kv, seq_id);
+    seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s) return;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
-        release_tail(kv, &s->layers[l], 0);
+        kvs_kv_release_tail(kv, &s->layers[l], 0);
         free(s->layers[l].blocks);
     }
     free(s->layers);
+    kvs_kv_free_sparsity(kv, s);
     memset(s, 0, sizeof *s);
 }
 
-static int blocks_for(const kvs_kv_cache *kv, int entries) {
+int kvs_kv_blocks_for(const kvs_kv_cache *kv, int entries) {
     return (entries + kv->cfg.block_size - 1) / kv->cfg.block_size;
 }
 
 int64_t kvs_kv_blocks_needed(const kvs_kv_cache *kv, int seq_id, int n_new) {
-    const seq_state *s = get_seq(kv, seq_id);
+    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s) return 0;
     int64_t need = 0;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
-        int want = blocks_for(kv, s->layers[l].len + n_new);
+        int want = kvs_kv_blocks_for(kv, s->layers[l].len + n_new);
         if (want > s->layers[l].n_blocks) need += want - s->layers[l].n_blocks;
     }
     return need;
 }
 
 bool kvs_kv_can_admit(const kvs_kv_cache *kv, int prompt_len) {
-    return (int64_t)blocks_for(kv, prompt_len) * kv->cfg.n_layers <= kv->n_free;
+    return (int64_t)kvs_kv_blocks_for(kv, prompt_len) * kv->cfg.n_layers <= kv->n_free;
 }
 
 kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
-    seq_state *s = get_seq(kv, seq_id);
+    seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
     if (n_new < 0) return kvs_fail(KVS_ERR_INVALID, "kv cache: negative reservation");
     int64_t need = kvs_kv_blocks_needed(kv, seq_id, n_new);
@@ -133,7 +120,7 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
                         (long long)kv->n_free);
     for (int l = 0; l < kv->cfg.n_layers; l++) {
         layer_table *t = &s->layers[l];
-        int want = blocks_for(kv, t->len + n_new);
+        int want = kvs_kv_blocks_for(kv, t->len + n_new);
         if (want > t->cap) {
             int cap = t->cap ? t->cap : 4;
             while (cap < want) cap *= 2;
@@ -148,19 +135,19 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
 }
 
 void kvs_kv_commit(kvs_kv_cache *kv, int seq_id, int n_new) {
-    seq_state *s = get_seq(kv, seq_id);
+    seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s) return;
     s->n_tokens += n_new;
     for (int l = 0; l < kv->cfg.n_layers; l++) s->layers[l].len += n_new;
 }
 
 int kvs_kv_len(const kvs_kv_cache *kv, int seq_id, int layer) {
-    const seq_state *s = get_seq(kv, seq_id);
+    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
     return s && layer >= 0 && layer < kv->cfg.n_layers ? s->layers[layer].len : 0;
 }
 
 const int32_t *kvs_kv_blocks(const kvs_kv_cache *kv, int seq_id, int layer, int *n_blocks) {
-    const seq_state *s = get_seq(kv, seq_id);
+    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s || layer < 0 || layer >= kv->cfg.n_layers) {
         *n_blocks = 0;
         return NULL;
@@ -175,7 +162,7 @@ int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry) {
 }
 
 kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t *keep, int n_keep) {
-    seq_state *s = get_seq(kv, seq_id);
+    seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s || layer < 0 || layer >= kv->cfg.n_layers)
         return kvs_fail(KVS_ERR_INVALID, "kv compact: no sequence %d layer %d", seq_id, layer);
     layer_table *t = &s->layers[layer];
@@ -205,7 +192,7 @@ kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t
         be->free(be, d_tab);
     }
     t->len = n_keep;
-    release_tail(kv, t, blocks_for(kv, n_keep));
+    kvs_kv_release_tail(kv, t, kvs_kv_blocks_for(kv, n_keep));
     return KVS_OK;
 }
 
@@ -213,7 +200,7 @@ int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv) { return kv->n_free; }
 int64_t kvs_kv_used_blocks(const kvs_kv_cache *kv) { return kv->cfg.n_blocks - kv->n_free; }
 
 void kvs_kv_seq_usage(const kvs_kv_cache *kv, int seq_id, int64_t *held, int64_t *full) {
-    const seq_state *s = get_seq(kv, seq_id);
+    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
     *held = *full = 0;
     if (!s) return;
     for (int l = 0; l < kv->cfg.n_layers; l++) *held += s->layers[l].len;
@@ -233,7 +220,7 @@ kvs_status kvs_kv_check(const kvs_kv_cache *kv) {
         if (!kv->seqs[s].used) continue;
         for (int l = 0; l < kv->cfg.n_layers && st == KVS_OK; l++) {
             const layer_table *t = &kv->seqs[s].layers[l];
-            if (t->n_blocks < blocks_for(kv, t->len))
+            if (t->n_blocks < kvs_kv_blocks_for(kv, t->len))
                 st = kvs_fail(KVS_ERR_INTERNAL, "kv check: seq %d layer %d holds %d entries in %d blocks", s, l,
                               t->len, t->n_blocks);
             for (int i = 0; i < t->n_blocks && st == KVS_OK; i++) {

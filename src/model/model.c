@@ -105,13 +105,16 @@ kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backe
 
 static void free_step_buffers(kvs_backend *be, kvs_step_buffers *b) {
     void *dev[] = {b->x, b->xn, b->q, b->k, b->v, b->att, b->tmp, b->gate_up, b->act, b->last, b->logits,
-                   b->ids, b->positions, b->slots, b->q_start, b->kv_len, b->block_tables, b->last_rows};
+                   b->ids, b->positions, b->slots, b->q_start, b->kv_len, b->block_tables, b->last_rows,
+                   b->lse, b->cap_src, b->cap_dst};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(be, dev[i]);
     free(b->h_slots);
     free(b->h_kv_len);
     free(b->h_block_tables);
     free(b->h_last_rows);
+    free(b->h_cap_src);
+    free(b->h_cap_dst);
     memset(b, 0, sizeof *b);
 }
 

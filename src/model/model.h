@@ -100,8 +100,9 @@ typedef struct {
 } kvs_batch;
 
 /* One forward over the batch. The KV cache must already hold room for the new
- * tokens (kvs_kv_reserve). logits: [number of seqs that want them][vocab], in
- * order of the sequences. */
+ * tokens (kvs_kv_reserve); the forward writes and commits them, then compacts
+ * what the sequences' KV policies say is due (kvs_kv_sparsify). logits:
+ * [number of seqs that want them][vocab], in order of the sequences. */
 kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits);
 
 #endif

@@ -13,9 +13,10 @@ typedef struct {
 typedef struct {
     int cap_tokens, cap_seqs, cap_blocks, cap_logits;
     void *x, *xn, *q, *k, *v, *att, *tmp, *gate_up, *act, *last, *logits;
-    int32_t *ids, *positions, *slots, *q_start, *kv_len, *block_tables, *last_rows;
+    float *lse; /* [tokens, heads] */
+    int32_t *ids, *positions, *slots, *q_start, *kv_len, *block_tables, *last_rows, *cap_src, *cap_dst;
     /* host staging */
-    int32_t *h_slots, *h_kv_len, *h_block_tables, *h_last_rows;
+    int32_t *h_slots, *h_kv_len, *h_block_tables, *h_last_rows, *h_cap_src, *h_cap_dst;
 } kvs_step_buffers;
 
 struct kvs_model {

@@ -6,13 +6,7 @@
 
 #include "backend/cpu/cpu_ops.h"
 
-/* K (kind 0) or V (kind 1) vector of (block, head, offset). */
-static inline float *kv_at(const kvs_kv_pool *p, int32_t block, int kind, int head, int offset) {
-    size_t per_head = (size_t)p->block_size * p->head_dim;
-    size_t per_block = 2 * (size_t)p->n_kv_heads * per_head;
-    return (float *)p->data + (size_t)block * per_block + ((size_t)kind * p->n_kv_heads + head) * per_head +
-           (size_t)offset * p->head_dim;
-}
+#define kv_at kvs_cpu_kv_at
 
 void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v,
                       const int32_t *slots, int n) {
@@ -29,6 +23,18 @@ void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, co
     }
 }
 
+/* A dot product the compiler can vectorise (independent partial sums). */
+static inline float dot(const float *a, const float *b, int n) {
+    float acc[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int j = 0; j < 16; j++) s += acc[j];
+    return s;
+}
+
 /* One (query token, head): scores over entries 0..n_keys-1 of the sequence's table. */
 static void attend_one(const kvs_kv_pool *pool, const int32_t *table, int n_keys, int kv_head,
                        const float *q, float scale, float *scores, float *out, float *lse) {
@@ -36,9 +42,7 @@ static void attend_one(const kvs_kv_pool *pool, const int32_t *table, int n_keys
     float mx = -INFINITY;
     for (int e = 0; e < n_keys; e++) {
         const float *kv = kv_at(pool, table[e / bs], 0, kv_head, e % bs);
-        float s = 0;
-        for (int j = 0; j < d; j++) s += q[j] * kv[j];
-        s *= scale;
+        float s = dot(q, kv, d) * scale;
         scores[e] = s;
         if (s > mx) mx = s;
     }

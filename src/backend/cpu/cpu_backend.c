@@ -1,6 +1,7 @@
 /* The CPU backend: fp32 weights, activations and KV in host memory; the
  * reference (oracle) that other backends are tested against. */
 #include <stdlib.h>
+#include <cblas.h>
 #include <string.h>
 
 #include "backend/cpu/cpu_ops.h"
@@ -23,6 +24,7 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     kvs_backend *b = calloc(1, sizeof *b);
     if (!b) return kvs_fail(KVS_ERR_NOMEM, "cpu backend: out of memory");
     if (n_threads > 0) omp_set_num_threads(n_threads);
+    openblas_set_num_threads(1); /* OpenMP splits the matmuls (cpu_ops.c) */
     b->name = "cpu";
     b->weight_dtype = b->act_dtype = b->kv_dtype = KVS_F32;
     b->alloc = cpu_alloc;
@@ -42,6 +44,9 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->kv_write = kvs_cpu_kv_write;
     b->attention = kvs_cpu_attention;
     b->kv_gather = kvs_cpu_kv_gather;
+    b->copy = cpu_copy;
+    b->window_capture = kvs_cpu_window_capture;
+    b->sparsity_scores = kvs_cpu_sparsity_scores;
     b->destroy = cpu_destroy;
     *out = b;
     return KVS_OK;

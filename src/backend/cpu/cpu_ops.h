@@ -22,4 +22,16 @@ void kvs_cpu_attention(kvs_backend *b, void *out, float *lse, const void *q, con
 void kvs_cpu_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
                        const int32_t *src_entry, int n);
 
+void kvs_cpu_window_capture(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,
+                            const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim);
+void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
+                             const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
+/* K (kind 0) or V (kind 1) vector of (block, head, offset) in an f32 pool. */
+static inline float *kvs_cpu_kv_at(const kvs_kv_pool *p, int32_t block, int kind, int head, int offset) {
+    size_t per_head = (size_t)p->block_size * p->head_dim;
+    size_t per_block = 2 * (size_t)p->n_kv_heads * per_head;
+    return (float *)p->data + (size_t)block * per_block + ((size_t)kind * p->n_kv_heads + head) * per_head +
+           (size_t)offset * p->head_dim;
+}
+
 #endif

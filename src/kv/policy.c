@@ -1,0 +1,99 @@
+/* Layer policies: presets, parsing and per-layer budgets (SnapKV uniform,
+ * PyramidKV linear, StreamingLLM). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv/kv.h"
+
+static const char *kind_names[] = {"full", "snapkv", "pyramidkv", "streamingllm"};
+
+kvs_kv_policy kvs_kv_policy_default(kvs_policy_kind kind) {
+    return (kvs_kv_policy){.kind = kind, .budget_tokens = 0, .budget_fraction = 0.10f, .full_layers = 0,
+                           .window = 32, .pool = 7, .min_prompt = 64, .sinks = 4};
+}
+
+const char *kvs_kv_policy_name(kvs_policy_kind kind) {
+    return (unsigned)kind < sizeof kind_names / sizeof kind_names[0] ? kind_names[kind] : "?";
+}
+
+kvs_status kvs_kv_policy_kind_parse(const char *name, kvs_policy_kind *kind) {
+    for (int i = 0; i < (int)(sizeof kind_names / sizeof kind_names[0]); i++)
+        if (!strcmp(name, kind_names[i])) {
+            *kind = (kvs_policy_kind)i;
+            return KVS_OK;
+        }
+    return kvs_fail(KVS_ERR_INVALID, "unknown KV policy '%s' (expected full, snapkv, pyramidkv or streamingllm)",
+                    name);
+}
+
+kvs_status kvs_kv_budget_parse(const char *text, kvs_kv_policy *p) {
+    char *end;
+    double v = strtod(text, &end);
+    bool percent = *end == '%';
+    if (end == text || (*end && !(percent && !end[1])) || !isfinite(v) || v <= 0)
+        return kvs_fail(KVS_ERR_INVALID, "KV budget '%s': expected a fraction (0.1), a percentage (10%%) or tokens (256)",
+                        text);
+    if (percent) v /= 100;
+    if (percent || v < 1) {
+        if (v > 1) return kvs_fail(KVS_ERR_INVALID, "KV budget '%s' is over 100%%", text);
+        p->budget_fraction = (float)v;
+        p->budget_tokens = 0;
+    } else {
+        if (v != floor(v) || v > 1e9) return kvs_fail(KVS_ERR_INVALID, "KV budget '%s': tokens must be a whole number", text);
+        p->budget_tokens = (int)v;
+    }
+    return KVS_OK;
+}
+
+kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers) {
+    if ((unsigned)p->kind > KVS_POLICY_STREAMINGLLM) return kvs_fail(KVS_ERR_INVALID, "unknown KV policy kind");
+    if (p->kind == KVS_POLICY_FULL) return KVS_OK;
+    if (p->budget_tokens < 0 || (p->budget_tokens == 0 && !(p->budget_fraction > 0 && p->budget_fraction <= 1)))
+        return kvs_fail(KVS_ERR_INVALID, "kv_budget must be a fraction in (0, 1] or a positive number of tokens");
+    if (p->window < 1 || p->window > 512) return kvs_fail(KVS_ERR_INVALID, "kv_window must be in [1, 512]");
+    if (p->pool < 1 || p->pool % 2 == 0 || p->pool > 255)
+        return kvs_fail(KVS_ERR_INVALID, "kv_pool must be an odd number in [1, 255]");
+    if (p->full_layers < 0 || p->full_layers > n_layers)
+        return kvs_fail(KVS_ERR_INVALID, "kv_full_layers must be in [0, %d]", n_layers);
+    if (p->min_prompt < 0) return kvs_fail(KVS_ERR_INVALID, "kv_min_prompt must be >= 0");
+    if (p->sinks < 0 || p->sinks > 1024) return kvs_fail(KVS_ERR_INVALID, "kv_sinks must be in [0, 1024]");
+    return KVS_OK;
+}
+
+void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len, int *budgets) {
+    int floor_budget = p->kind == KVS_POLICY_STREAMINGLLM ? p->sinks + 1 : p->window;
+    int threshold = p->min_prompt > 2 * p->window ? p->min_prompt : 2 * p->window;
+    bool off = p->kind == KVS_POLICY_FULL || prompt_len < threshold;
+    int B = p->budget_tokens > 0 ? p->budget_tokens : (int)lround(p->budget_fraction * prompt_len);
+    int first = p->full_layers, m = n_layers - first;
+    for (int l = 0; l < n_layers; l++) {
+        if (off || l < first) {
+            budgets[l] = -1;
+            continue;
+        }
+        double b = B;
+        if (p->kind == KVS_POLICY_PYRAMIDKV && m > 1) {
+            /* PyramidKV: beyond the window, budgets fall linearly from 2(B-w) - min at the
+               lowest sparse layer to min = (B-w)/beta at the highest; the mean stays B */
+            double extra = B - p->window > 0 ? B - p->window : 0, beta = 20;
+            double lo = extra / beta, hi = 2 * extra - lo;
+            b = p->window + hi - (hi - lo) * (l - first) / (m - 1);
+        }
+        int bl = (int)lround(b);
+        budgets[l] = bl < floor_budget ? floor_budget : bl;
+    }
+}
+
+void kvs_kv_policy_describe(const kvs_kv_policy *p, char *buf, size_t cap) {
+    if (p->kind == KVS_POLICY_FULL) {
+        snprintf(buf, cap, "full");
+        return;
+    }
+    char budget[32];
+    if (p->budget_tokens > 0) snprintf(budget, sizeof budget, "%d", p->budget_tokens);
+    else snprintf(budget, sizeof budget, "%g%%", 100.0 * p->budget_fraction);
+    snprintf(buf, cap, "%s budget=%s full_layers=%d window=%d pool=%d", kvs_kv_policy_name(p->kind), budget,
+             p->full_layers, p->window, p->pool);
+}

@@ -1,0 +1,195 @@
+/* Sparsity orchestration: per-sequence policies, the window queries, scoring,
+ * selection and compaction, and forking a sequence. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv/kv_internal.h"
+
+void kvs_kv_free_sparsity(kvs_kv_cache *kv, seq_state *s) {
+    free(s->budgets);
+    free(s->ring_base);
+    s->budgets = s->ring_base = NULL;
+}
+
+static int window_cap(const kvs_kv_cache *kv) { return kv->cfg.max_window > 0 ? kv->cfg.max_window : 64; }
+
+static kvs_status alloc_windows(kvs_kv_cache *kv) {
+    if (kv->win_q) return KVS_OK;
+    kvs_backend *be = kv->be;
+    int L = kv->cfg.n_layers;
+    if (kv->cfg.n_heads <= 0) return kvs_fail(KVS_ERR_INVALID, "kv cache: sparsity needs n_heads in the kv config");
+    kv->window_cap = window_cap(kv);
+    kv->win_q = calloc((size_t)L, sizeof(void *));
+    kv->win_lse = calloc((size_t)L, sizeof(float *));
+    if (!kv->win_q || !kv->win_lse) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
+    size_t rows = (size_t)kv->cfg.max_seqs * kv->window_cap;
+    size_t qbytes = rows * kv->cfg.n_heads * kv->cfg.head_dim * kvs_dtype_size(be->act_dtype);
+    for (int l = 0; l < L; l++) {
+        kv->win_q[l] = be->alloc(be, qbytes);
+        kv->win_lse[l] = be->alloc(be, rows * kv->cfg.n_heads * sizeof(float));
+        if (!kv->win_q[l] || !kv->win_lse[l])
+            return kvs_fail(KVS_ERR_NOMEM, "kv cache: cannot allocate the sparsity windows (%zu bytes per layer)", qbytes);
+    }
+    return KVS_OK;
+}
+
+kvs_status kvs_kv_set_policy(kvs_kv_cache *kv, int seq_id, const kvs_kv_policy *p, int prompt_len) {
+    seq_state *s = kvs_kv_get_seq(kv, seq_id);
+    if (!s) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
+    KVS_TRY(kvs_kv_policy_validate(p, kv->cfg.n_layers));
+    if (p->kind != KVS_POLICY_FULL && p->window > window_cap(kv))
+        return kvs_fail(KVS_ERR_INVALID, "kv_window %d exceeds this server's maximum %d", p->window, window_cap(kv));
+    kvs_kv_free_sparsity(kv, s);
+    s->policy = *p;
+    s->prompt_len = prompt_len;
+    s->prefill_done = false; /* kvs_kv_sparsify compacts once n_tokens reaches prompt_len */
+    if (p->kind == KVS_POLICY_FULL) return KVS_OK;
+    KVS_TRY(alloc_windows(kv));
+    int L = kv->cfg.n_layers;
+    s->budgets = malloc(sizeof(int) * L);
+    s->ring_base = malloc(sizeof(int) * L);
+    if (!s->budgets || !s->ring_base) {
+        kvs_kv_free_sparsity(kv, s);
+        return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
+    }
+    kvs_kv_policy_budgets(p, L, prompt_len, s->budgets);
+    for (int l = 0; l < L; l++) s->ring_base[l] = prompt_len;
+    return KVS_OK;
+}
+
+int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int position) {
+    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
+    if (!s || !s->budgets || s->budgets[layer] < 0 || s->policy.kind == KVS_POLICY_STREAMINGLLM) return -1;
+    int w = s->policy.window, base = seq_id * kv->window_cap;
+    if (position < s->prompt_len) return position >= s->prompt_len - w ? base + position - (s->prompt_len - w) : -1;
+    return base + (position - s->ring_base[layer]) % w;
+}
+
+void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse) {
+    *q = kv->win_q ? kv->win_q[layer] : NULL;
+    *lse = kv->win_lse ? kv->win_lse[layer] : NULL;
+}
+
+/* SnapKV: keep the top (budget - w) of entries [0, n - w) by pooled score, plus the window. */
+static kvs_status select_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int budget, int32_t *keep) {
+    seq_state *s = &kv->seqs[seq_id];
+    kvs_backend *be = kv->be;
+    int n = s->layers[layer].len, w = s->policy.window, n_keys = n - w, H = kv->cfg.n_kv_heads;
+    int k = budget - w, d = kv->cfg.head_dim, nh = kv->cfg.n_heads;
+    size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks, sc_bytes = sizeof(float) * (size_t)H * n_keys;
+    int32_t *d_tab = be->alloc(be, tab_bytes);
+    float *d_scores = be->alloc(be, sc_bytes), *scores = malloc(sc_bytes), *pooled = malloc(sizeof(float) * n_keys);
+    kvs_status st = d_tab && d_scores && scores && pooled ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory");
+    if (st == KVS_OK) {
+        size_t row = (size_t)seq_id * kv->window_cap;
+        const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
+        be->to_device(be, d_tab, s->layers[layer].blocks, tab_bytes);
+        be->sparsity_scores(be, d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, d_tab, n_keys, nh,
+                            1.0f / sqrtf((float)d));
+        be->to_host(be, scores, d_scores, sc_bytes);
+        for (int h = 0; h < H; h++) {
+            kvs_kv_pool_scores(scores + (size_t)h * n_keys, n_keys, s->policy.pool, pooled);
+            kvs_kv_top_k_sorted(pooled, n_keys, k, keep + (size_t)h * budget);
+            for (int i = 0; i < w; i++) keep[(size_t)h * budget + k + i] = n_keys + i;
+        }
+    }
+    if (d_tab) be->free(be, d_tab);
+    if (d_scores) be->free(be, d_scores);
+    free(scores);
+    free(pooled);
+    return st;
+}
+
+/* StreamingLLM: the first `sinks` entries and the most recent ones. */
+static void select_streaming(const seq_state *s, int layer, int budget, int H, int32_t *keep) {
+    int n = s->layers[layer].len, sinks = s->policy.sinks < budget ? s->policy.sinks : budget;
+    for (int h = 0; h < H; h++) {
+        int32_t *k = keep + (size_t)h * budget;
+        for (int i = 0; i < sinks; i++) k[i] = i;
+        for (int i = sinks; i < budget; i++) k[i] = n - budget + i;
+    }
+}
+
+static kvs_status compress_layer(kvs_kv_cache *kv, int seq_id, int layer) {
+    seq_state *s = &kv->seqs[seq_id];
+    int budget = s->budgets[layer], H = kv->cfg.n_kv_heads;
+    if (s->layers[layer].len <= budget) return KVS_OK;
+    int32_t *keep = malloc(sizeof(int32_t) * (size_t)H * budget);
+    if (!keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory");
+    kvs_status st = KVS_OK;
+    if (s->policy.kind == KVS_POLICY_STREAMINGLLM) select_streaming(s, layer, budget, H, keep);
+    else st = select_snapkv(kv, seq_id, layer, budget, keep);
+    if (st == KVS_OK) st = kvs_kv_compact(kv, seq_id, layer, keep, budget);
+    free(keep);
+    s->ring_base[layer] = s->n_tokens;
+    return st;
+}
+
+kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id) {
+    seq_state *s = kvs_kv_get_seq(kv, seq_id);
+    if (!s) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
+    if (!s->budgets || s->n_tokens < s->prompt_len) return KVS_OK;
+    bool at_prefill_end = !s->prefill_done;
+    s->prefill_done = true;
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        int b = s->budgets[l];
+        if (b < 0) continue;
+        /* after the prefill: compact to B_l; in decode: when the layer reaches B_l + w */
+        bool due = at_prefill_end ? s->layers[l].len > b
+                                  : s->layers[l].len >= b + s->policy.window &&
+                                        s->n_tokens - s->ring_base[l] >= s->policy.window;
+        if (due) KVS_TRY(compress_layer(kv, seq_id, l));
+    }
+    return KVS_OK;
+}
+
+kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq) {
+    seq_state *src = kvs_kv_get_seq(kv, seq_id);
+    if (!src) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
+    int64_t need = 0;
+    for (int l = 0; l < kv->cfg.n_layers; l++) need += src->layers[l].n_blocks;
+    if (need > kv->n_free) return kvs_fail(KVS_ERR_NOMEM, "kv fork: %lld blocks needed, %lld free", (long long)need,
+                                          (long long)kv->n_free);
+    int id = kvs_kv_seq_create(kv);
+    if (id < 0) return KVS_ERR_NOMEM;
+    seq_state *dst = &kv->seqs[id];
+    size_t block_bytes = kvs_kv_block_bytes(&kv->cfg, kv->be->kv_dtype);
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        layer_table *a = &src->layers[l], *b = &dst->layers[l];
+        b->blocks = malloc(sizeof(int32_t) * (a->n_blocks ? a->n_blocks : 1));
+        if (!b->blocks) {
+            kvs_kv_free(kv, id);
+            return kvs_fail(KVS_ERR_NOMEM, "kv fork: out of memory");
+        }
+        b->cap = a->n_blocks ? a->n_blocks : 1;
+        for (int i = 0; i < a->n_blocks; i++) {
+            int32_t blk = kv->free_blocks[--kv->n_free];
+            b->blocks[b->n_blocks++] = blk;
+            kv->be->copy(kv->be, (char *)kv->pool.data + (size_t)blk * block_bytes,
+                         (char *)kv->pool.data + (size_t)a->blocks[i] * block_bytes, block_bytes);
+        }
+        b->len = a->len;
+    }
+    dst->n_tokens = src->n_tokens;
+    kvs_status st = kvs_kv_set_policy(kv, id, &src->policy, src->prompt_len);
+    if (st == KVS_OK && src->budgets) {
+        memcpy(dst->budgets, src->budgets, sizeof(int) * kv->cfg.n_layers);
+        memcpy(dst->ring_base, src->ring_base, sizeof(int) * kv->cfg.n_layers);
+        dst->prefill_done = src->prefill_done;
+        size_t rows = kv->window_cap, nh = kv->cfg.n_heads;
+        size_t qrow = nh * kv->cfg.head_dim * kvs_dtype_size(kv->be->act_dtype);
+        for (int l = 0; l < kv->cfg.n_layers; l++) {
+            kv->be->copy(kv->be, (char *)kv->win_q[l] + (size_t)id * rows * qrow,
+                         (char *)kv->win_q[l] + (size_t)seq_id * rows * qrow, rows * qrow);
+            kv->be->copy(kv->be, kv->win_lse[l] + (size_t)id * rows * nh, kv->win_lse[l] + (size_t)seq_id * rows * nh,
+                         rows * nh * sizeof(float));
+        }
+    }
+    if (st != KVS_OK) {
+        kvs_kv_free(kv, id);
+        return st;
+    }
+    *new_seq = id;
+    return KVS_OK;
+}

@@ -1,0 +1,388 @@
+/* Layer-wise sparsity: LSE-based SnapKV scores against an explicit softmax,
+ * selection, attention over a compacted cache, chunked vs one-shot prefill,
+ * bounded decode, and the policies' budgets. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/backend.h"
+#include "kv/kv.h"
+#include "model/model.h"
+#include "testutil.h"
+
+static uint64_t fresh_seed(void) { return (uint64_t)time(NULL) ^ (uint64_t)clock(); }
+
+/* A cache of one layer filled with random K/V for one sequence of n entries. */
+typedef struct {
+    kvs_backend *be;
+    kvs_kv_cache *kv;
+    int seq, n, H, KVH, d;
+    float *k, *v; /* [n][KVH][d] host copies */
+} filled_cache;
+
+static void fill_cache(filled_cache *f, int n, int H, int KVH, int d, kvs_rng *rng) {
+    memset(f, 0, sizeof *f);
+    cr_assert_eq(kvs_backend_cpu_create(1, &f->be), KVS_OK);
+    kvs_kv_config kc = {.n_layers = 1, .n_kv_heads = KVH, .head_dim = d, .n_heads = H, .block_size = 16,
+                        .n_blocks = (n + 15) / 16 * 2 + 4, .max_seqs = 2};
+    cr_assert_eq(kvs_kv_create(&kc, f->be, &f->kv), KVS_OK);
+    f->seq = kvs_kv_seq_create(f->kv);
+    f->n = n, f->H = H, f->KVH = KVH, f->d = d;
+    cr_assert_eq(kvs_kv_reserve(f->kv, f->seq, n), KVS_OK);
+    size_t sz = (size_t)n * KVH * d;
+    f->k = malloc(sizeof(float) * sz);
+    f->v = malloc(sizeof(float) * sz);
+    for (size_t i = 0; i < sz; i++) {
+        f->k[i] = kvs_rng_normal(rng);
+        f->v[i] = kvs_rng_normal(rng);
+    }
+    int32_t *slots = malloc(sizeof(int32_t) * n);
+    for (int e = 0; e < n; e++) slots[e] = kvs_kv_slot(f->kv, f->seq, 0, e);
+    f->be->kv_write(f->be, kvs_kv_get_pool(f->kv), f->k, f->v, slots, n);
+    kvs_kv_commit(f->kv, f->seq, n);
+    free(slots);
+}
+
+static void free_cache(filled_cache *f) {
+    kvs_kv_destroy(f->kv);
+    f->be->destroy(f->be);
+    free(f->k);
+    free(f->v);
+}
+
+/* The attention op's view of one sequence whose last q_len entries are the queries. */
+static kvs_attn_batch one_seq_batch(const filled_cache *f, int q_len, int32_t *qs, int32_t *kvlen, int32_t **table) {
+    int nb;
+    const int32_t *blocks = kvs_kv_blocks(f->kv, f->seq, 0, &nb);
+    *table = malloc(sizeof(int32_t) * nb);
+    memcpy(*table, blocks, sizeof(int32_t) * nb);
+    qs[0] = 0, qs[1] = q_len;
+    *kvlen = kvs_kv_len(f->kv, f->seq, 0);
+    return (kvs_attn_batch){1, q_len, nb, q_len, *kvlen, qs, kvlen, *table};
+}
+
+/* Scores from the prefill's LSE equal the explicit softmax over the window
+ * (double-precision reference; relative tolerance 1e-4). GQA 1, 2 and 4. */
+Test(sparsity, lse_scores_equal_explicit_softmax) {
+    uint64_t seed = fresh_seed();
+    kvs_rng rng;
+    kvs_rng_seed(&rng, seed);
+    int cases[][3] = {{4, 4, 16}, {4, 2, 32}, {8, 2, 64}}; /* H, KVH, d */
+    for (int c = 0; c < 3; c++) {
+        int H = cases[c][0], KVH = cases[c][1], d = cases[c][2], g = H / KVH;
+        int n = 37 + (int)(kvs_rng_u64(&rng) % 200), w = 1 + (int)(kvs_rng_u64(&rng) % 32);
+        filled_cache f;
+        fill_cache(&f, n, H, KVH, d, &rng);
+        float *q = malloc(sizeof(float) * w * H * d), *out = malloc(sizeof(float) * w * H * d);
+        float *lse = malloc(sizeof(float) * w * H), *scores = malloc(sizeof(float) * KVH * (n - w));
+        for (int i = 0; i < w * H * d; i++) q[i] = kvs_rng_normal(&rng);
+        int32_t qs[2], kvlen, *table;
+        kvs_attn_batch ab = one_seq_batch(&f, w, qs, &kvlen, &table);
+        float scale = 1.0f / sqrtf((float)d);
+        f.be->attention(f.be, out, lse, q, kvs_kv_get_pool(f.kv), &ab, H, scale);
+        f.be->sparsity_scores(f.be, scores, q, lse, w, kvs_kv_get_pool(f.kv), table, n - w, H, scale);
+        for (int kh = 0; kh < KVH; kh++) {
+            double *ref = calloc(n, sizeof(double)), mx_ref = 0, mx_diff = 0;
+            for (int i = 0; i < w; i++)
+                for (int h = kh * g; h < (kh + 1) * g; h++) {
+                    int n_keys = n - w + i + 1; /* causal */
+                    double *p = malloc(sizeof(double) * n_keys), m = -INFINITY, sum = 0;
+                    for (int j = 0; j < n_keys; j++) {
+                        double dot = 0;
+                        for (int t = 0; t < d; t++) dot += (double)q[(i * H + h) * d + t] * f.k[(j * KVH + kh) * d + t];
+                        p[j] = dot * scale;
+                        if (p[j] > m) m = p[j];
+                    }
+                    for (int j = 0; j < n_keys; j++) sum += p[j] = exp(p[j] - m);
+                    for (int j = 0; j < n - w; j++) ref[j] += p[j] / sum;
+                    free(p);
+                }
+            for (int j = 0; j < n - w; j++) {
+                double diff = fabs(scores[kh * (n - w) + j] - ref[j]);
+                if (isnan(scores[kh * (n - w) + j])) diff = INFINITY;
+                if (diff > mx_diff) mx_diff = diff;
+                if (ref[j] > mx_ref) mx_ref = ref[j];
+            }
+            cr_expect(mx_diff <= 1e-4 * mx_ref, "seed %llu H %d KVH %d d %d n %d w %d: max diff %g of %g",
+                      (unsigned long long)seed, H, KVH, d, n, w, mx_diff, mx_ref);
+            free(ref);
+        }
+        free(q), free(out), free(lse), free(scores), free(table);
+        free_cache(&f);
+    }
+}
+
+Test(sparsity, pooling_and_top_k_match_brute_force) {
+    kvs_rng rng;
+    kvs_rng_seed(&rng, fresh_seed());
+    for (int trial = 0; trial < 50; trial++) {
+        int n = 1 + (int)(kvs_rng_u64(&rng) % 300), p = 1 + 2 * (int)(kvs_rng_u64(&rng) % 5);
+        int k = (int)(kvs_rng_u64(&rng) % (n + 2));
+        float *s = malloc(sizeof(float) * n), *pooled = malloc(sizeof(float) * n);
+        for (int i = 0; i < n; i++) s[i] = (float)(kvs_rng_u64(&rng) % 50); /* ties on purpose */
+        kvs_kv_pool_scores(s, n, p, pooled);
+        for (int j = 0; j < n; j++) {
+            float m = -INFINITY;
+            for (int t = j - p / 2; t <= j + p / 2; t++)
+                if (t >= 0 && t < n && s[t] > m) m = s[t];
+            cr_assert_eq(pooled[j], m);
+        }
+        int32_t *top = malloc(sizeof(int32_t) * (n + 2));
+        kvs_kv_top_k_sorted(pooled, n, k, top);
+        int kk = k < n ? k : n;
+        for (int i = 1; i < kk; i++) cr_assert_lt(top[i - 1], top[i]);
+        /* every kept score >= every dropped score */
+        char *kept = calloc(n, 1);
+        for (int i = 0; i < kk; i++) kept[top[i]] = 1;
+        float min_kept = INFINITY, max_dropped = -INFINITY;
+        for (int j = 0; j < n; j++) {
+            if (kept[j] && pooled[j] < min_kept) min_kept = pooled[j];
+            if (!kept[j] && pooled[j] > max_dropped) max_dropped = pooled[j];
+        }
+        if (kk > 0 && kk < n) cr_assert_geq(min_kept, max_dropped);
+        free(s), free(pooled), free(top), free(kept);
+    }
+}
+
+/* Attention over a compacted cache equals dense attention restricted to the
+ * kept entries (double reference, 1e-5 relative). */
+Test(sparsity, attention_over_compacted_cache_equals_restricted_dense) {
+    uint64_t seed = fresh_seed();
+    kvs_rng rng;
+    kvs_rng_seed(&rng, seed);
+    int H = 4, KVH = 2, d = 32, n = 150 + (int)(kvs_rng_u64(&rng) % 100), n_keep = 40;
+    filled_cache f;
+    fill_cache(&f, n, H, KVH, d, &rng);
+    int32_t *keep = malloc(sizeof(int32_t) * KVH * n_keep);
+    for (int h = 0; h < KVH; h++) {
+        int k = 0;
+        for (int e = 0; e < n && k < n_keep; e++)
+            if ((int)(kvs_rng_u64(&rng) % (n - e)) < n_keep - k) keep[h * n_keep + k++] = e;
+    }
+    cr_assert_eq(kvs_kv_compact(f.kv, f.seq, 0, keep, n_keep), KVS_OK, "%s", kvs_last_error());
+    /* one decode query appended after the kept entries */
+    cr_assert_eq(kvs_kv_reserve(f.kv, f.seq, 1), KVS_OK);
+    float qk[2 * 32], qv[2 * 32], q[4 * 32], out[4 * 32], lse[4];
+    for (int i = 0; i < KVH * d; i++) qk[i] = kvs_rng_normal(&rng), qv[i] = kvs_rng_normal(&rng);
+    for (int i = 0; i < H * d; i++) q[i] = kvs_rng_normal(&rng);
+    int32_t slot = kvs_kv_slot(f.kv, f.seq, 0, n_keep);
+    f.be->kv_write(f.be, kvs_kv_get_pool(f.kv), qk, qv, &slot, 1);
+    kvs_kv_commit(f.kv, f.seq, 1);
+    int32_t qs[2], kvlen, *table;
+    kvs_attn_batch ab = one_seq_batch(&f, 1, qs, &kvlen, &table);
+    float scale = 1.0f / sqrtf((float)d);
+    f.be->attention(f.be, out, lse, q, kvs_kv_get_pool(f.kv), &ab, H, scale);
+    for (int h = 0; h < H; h++) {
+        int kh = h / (H / KVH);
+        double s[64], m = -INFINITY, sum = 0, ref[32] = {0};
+        for (int i = 0; i <= n_keep; i++) {
+            const float *kk = i < n_keep ? f.k + ((size_t)keep[kh * n_keep + i] * KVH + kh) * d : qk + kh * d;
+            double dot = 0;
+            for (int t = 0; t < d; t++) dot += (double)q[h * d + t] * kk[t];
+            s[i] = dot * scale;
+            if (s[i] > m) m = s[i];
+        }
+        for (int i = 0; i <= n_keep; i++) sum += s[i] = exp(s[i] - m);
+        for (int i = 0; i <= n_keep; i++) {
+            const float *vv = i < n_keep ? f.v + ((size_t)keep[kh * n_keep + i] * KVH + kh) * d : qv + kh * d;
+            for (int t = 0; t < d; t++) ref[t] += s[i] / sum * vv[t];
+        }
+        for (int t = 0; t < d; t++)
+            cr_assert(fabs(out[h * d + t] - ref[t]) <= 1e-5 * (1 + fabs(ref[t])), "seed %llu head %d dim %d: %g vs %g",
+                      (unsigned long long)seed, h, t, out[h * d + t], ref[t]);
+        cr_assert(fabs(lse[h] - (m + log(sum))) < 1e-4);
+    }
+    free(keep), free(table);
+    free_cache(&f);
+}
+
+Test(sparsity, policy_budgets) {
+    int b[32];
+    kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
+    kvs_kv_policy_budgets(&p, 8, 2000, b);
+    for (int l = 0; l < 8; l++) cr_assert_eq(b[l], 200);
+    p.full_layers = 2;
+    kvs_kv_policy_budgets(&p, 8, 2000, b);
+    cr_assert_eq(b[0], -1);
+    cr_assert_eq(b[1], -1);
+    cr_assert_eq(b[2], 200);
+    p = kvs_kv_policy_default(KVS_POLICY_PYRAMIDKV);
+    kvs_kv_policy_budgets(&p, 32, 4000, b);
+    long total = 0;
+    for (int l = 0; l < 32; l++) {
+        total += b[l];
+        if (l) cr_assert_leq(b[l], b[l - 1], "pyramid budgets fall with depth");
+        cr_assert_geq(b[l], p.window);
+    }
+    cr_assert(labs(total - 32 * 400) <= 32, "pyramid total %ld vs uniform %d", total, 32 * 400);
+    p.min_prompt = 500;
+    kvs_kv_policy_budgets(&p, 32, 499, b);
+    cr_assert_eq(b[5], -1, "short prompts are not compressed");
+    cr_assert_eq(kvs_kv_budget_parse("5%", &p), KVS_OK);
+    cr_assert_float_eq(p.budget_fraction, 0.05f, 1e-7);
+    cr_assert_eq(kvs_kv_budget_parse("256", &p), KVS_OK);
+    cr_assert_eq(p.budget_tokens, 256);
+    cr_assert_eq(kvs_kv_budget_parse("-1", &p), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_kv_budget_parse("abc", &p), KVS_ERR_INVALID);
+    kvs_policy_kind k;
+    cr_assert_eq(kvs_kv_policy_kind_parse("h2o", &k), KVS_ERR_INVALID);
+    cr_assert(strstr(kvs_last_error(), "h2o"));
+    p = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
+    p.pool = 4;
+    cr_assert_eq(kvs_kv_policy_validate(&p, 8), KVS_ERR_INVALID);
+    cr_assert(strstr(kvs_last_error(), "kv_pool"));
+}
+
+/* ---- on the tiny model --------------------------------------------------- */
+typedef struct {
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    kvs_backend *be;
+    kvs_model *m;
+    kvs_kv_cache *kv;
+} rig;
+
+static void rig_open(rig *r, int n_blocks, int max_seqs) {
+    const char *dir = src_path("models/tiny-needle-llama");
+    cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
+    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_config kc = {.n_layers = r->cfg.n_layers, .n_kv_heads = r->cfg.n_kv_heads, .head_dim = r->cfg.head_dim,
+                        .n_heads = r->cfg.n_heads, .block_size = 16, .n_blocks = n_blocks, .max_seqs = max_seqs};
+    cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
+}
+
+static void rig_close(rig *r) {
+    kvs_kv_destroy(r->kv);
+    kvs_model_destroy(r->m);
+    kvs_checkpoint_destroy(r->ck);
+    r->be->destroy(r->be);
+}
+
+static void run_tokens(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits) {
+    int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
+    for (int i = 0; i < n; i++) pos[i] = pos0 + i;
+    uint8_t want = 1;
+    cr_assert_eq(kvs_kv_reserve(r->kv, seq, n), KVS_OK, "%s", kvs_last_error());
+    kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
+    cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, logits), KVS_OK, "%s", kvs_last_error());
+    free(pos);
+}
+
+/* The K vector of (seq, layer, head, entry). */
+static const float *key_of(rig *r, int seq, int layer, int head, int entry) {
+    const kvs_kv_pool *p = kvs_kv_get_pool(r->kv);
+    int32_t slot = kvs_kv_slot(r->kv, seq, layer, entry);
+    size_t per_head = (size_t)p->block_size * p->head_dim;
+    return (const float *)p->data + (size_t)(slot / p->block_size) * 2 * p->n_kv_heads * per_head +
+           (size_t)head * per_head + (size_t)(slot % p->block_size) * p->head_dim;
+}
+
+Test(sparsity, chunked_and_one_shot_prefill_select_the_same_entries, .timeout = 600) {
+    rig r;
+    rig_open(&r, 2 * 8 * 40 + 16, 2);
+    kvs_rng rng;
+    kvs_rng_seed(&rng, fresh_seed());
+    int n = 500 + (int)(kvs_rng_u64(&rng) % 100);
+    int32_t *ids = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % 8187);
+    kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_PYRAMIDKV);
+    float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
+    int a = kvs_kv_seq_create(r.kv), b = kvs_kv_seq_create(r.kv);
+    cr_assert_eq(kvs_kv_set_policy(r.kv, a, &p, n), KVS_OK);
+    cr_assert_eq(kvs_kv_set_policy(r.kv, b, &p, n), KVS_OK);
+    run_tokens(&r, a, ids, n, 0, logits);
+    int chunk = 7 + (int)(kvs_rng_u64(&rng) % 120); /* the window may straddle chunks */
+    for (int s = 0; s < n; s += chunk) run_tokens(&r, b, ids + s, s + chunk > n ? n - s : chunk, s, logits);
+    int budgets[8];
+    kvs_kv_policy_budgets(&p, 8, n, budgets);
+    for (int l = 0; l < 8; l++) {
+        cr_assert_eq(kvs_kv_len(r.kv, a, l), budgets[l], "layer %d holds its budget", l);
+        cr_assert_eq(kvs_kv_len(r.kv, b, l), budgets[l]);
+        /* the same entry holds the same key up to float rounding (sgemm over
+           other row counts); different tokens' keys differ by O(1) */
+        for (int h = 0; h < 2; h++)
+            for (int e = 0; e < budgets[l]; e++) {
+                const float *ka = key_of(&r, a, l, h, e), *kb = key_of(&r, b, l, h, e);
+                double diff = 0, norm = 0;
+                for (int t = 0; t < 128; t++) {
+                    diff = fmax(diff, fabs(ka[t] - kb[t]));
+                    norm = fmax(norm, fabs(ka[t]));
+                }
+                cr_assert(diff <= 1e-4 * norm, "n %d chunk %d: layer %d head %d entry %d differs (%g of %g)", n,
+                          chunk, l, h, e, diff, norm);
+            }
+    }
+    int64_t held, full;
+    kvs_kv_seq_usage(r.kv, a, &held, &full);
+    cr_assert_lt(held * 5, full, "about 10x compression: %lld of %lld", (long long)held, (long long)full);
+    kvs_kv_free(r.kv, a);
+    kvs_kv_free(r.kv, b);
+    cr_assert_eq(kvs_kv_check(r.kv), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_kv_used_blocks(r.kv), 0);
+    free(ids), free(logits);
+    rig_close(&r);
+}
+
+/* 2,000 decode tokens with a 10% budget: every sparse layer stays <= B_l + w. */
+Test(sparsity, decode_stays_bounded, .timeout = 1200) {
+    rig r;
+    rig_open(&r, 8 * 40, 1);
+    int n = 400, steps = 2000;
+    int32_t *ids = malloc(sizeof(int32_t) * n);
+    kvs_rng rng;
+    kvs_rng_seed(&rng, fresh_seed());
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % 8187);
+    float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
+    kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
+    p.full_layers = 0;
+    int seq = kvs_kv_seq_create(r.kv);
+    cr_assert_eq(kvs_kv_set_policy(r.kv, seq, &p, n), KVS_OK);
+    run_tokens(&r, seq, ids, n, 0, logits);
+    int budgets[8];
+    kvs_kv_policy_budgets(&p, 8, n, budgets);
+    int64_t peak_blocks = kvs_kv_used_blocks(r.kv);
+    for (int t = 0; t < steps; t++) {
+        int32_t id = argmax_f(logits, r.cfg.vocab_size);
+        run_tokens(&r, seq, &id, 1, n + t, logits);
+        for (int l = 0; l < 8; l++)
+            cr_assert_leq(kvs_kv_len(r.kv, seq, l), budgets[l] + p.window, "step %d layer %d: %d entries", t, l,
+                          kvs_kv_len(r.kv, seq, l));
+        if (kvs_kv_used_blocks(r.kv) > peak_blocks) peak_blocks = kvs_kv_used_blocks(r.kv);
+    }
+    cr_assert_leq(peak_blocks, 8 * ((40 + 32 + 15) / 16 + 1), "blocks held stay bounded: %lld", (long long)peak_blocks);
+    cr_assert_eq(kvs_kv_check(r.kv), KVS_OK, "%s", kvs_last_error());
+    free(ids), free(logits);
+    rig_close(&r);
+}
+
+/* StreamingLLM keeps the sinks and the most recent entries. */
+Test(sparsity, streamingllm_keeps_sinks_and_recent) {
+    rig r;
+    rig_open(&r, 8 * 40, 1);
+    int n = 300;
+    int32_t *ids = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(i * 37 % 8187);
+    float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
+    int seq = kvs_kv_seq_create(r.kv);
+    kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_STREAMINGLLM);
+    /* reference keys: the same prompt in a full sequence, compared entry by entry */
+    kvs_kv_cache *kv_sparse = r.kv;
+    cr_assert_eq(kvs_kv_set_policy(kv_sparse, seq, &p, n), KVS_OK);
+    run_tokens(&r, seq, ids, n, 0, logits);
+    int B = 30; /* round(10% of 300) */
+    for (int l = 0; l < 8; l++) cr_assert_eq(kvs_kv_len(r.kv, seq, l), B);
+    float first[128], last[128];
+    memcpy(first, key_of(&r, seq, 3, 1, 0), sizeof first);
+    memcpy(last, key_of(&r, seq, 3, 1, B - 1), sizeof last);
+    kvs_kv_free(r.kv, seq);
+    seq = kvs_kv_seq_create(r.kv);
+    run_tokens(&r, seq, ids, n, 0, logits);
+    cr_assert(!memcmp(first, key_of(&r, seq, 3, 1, 0), sizeof first), "sink 0 kept");
+    cr_assert(!memcmp(last, key_of(&r, seq, 3, 1, n - 1), sizeof last), "most recent kept");
+    free(ids), free(logits);
+    rig_close(&r);
+}
