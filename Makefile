@@ -39,5 +39,14 @@ bench: build
 	@scripts/fetch-tokenizers .cache/tokenizers
 	./$(BUILD)/kvsparse bench tokenizer -m .cache/tokenizers/llama3
 
+# The retrieval table of docs/SPARSITY.md: every policy at 10% and 5% budgets, and the
+# default preset with two full layers, on the 200 public prompts (CPU, ~30 min).
+eval: build
+	@mkdir -p out
+	./$(BUILD)/kvsparse eval retrieval -m $(MODEL) --data ../shared/eval/retrieval_public.jsonl \
+	  --kv-policy full,snapkv,pyramidkv,streamingllm --kv-budget 10%,5% --json | tee out/eval-retrieval.json
+	./$(BUILD)/kvsparse eval retrieval -m $(MODEL) --data ../shared/eval/retrieval_public.jsonl \
+	  --kv-policy snapkv,pyramidkv --kv-budget 10% --kv-full-layers 2 --json | tee out/eval-retrieval-full2.json
+
 clean:
 	rm -rf $(BUILD) $(ASAN) $(FUZZB)

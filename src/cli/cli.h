@@ -7,5 +7,9 @@ int kvs_cmd_info(int argc, char **argv);           /* cmd_info.c */
 int kvs_cmd_tokenize(int argc, char **argv);       /* cmd_tokenize.c */
 int kvs_cmd_bench(int argc, char **argv);          /* cmd_bench.c: bench model | tokenizer */
 int kvs_cmd_bench_tokenizer(int argc, char **argv); /* cmd_bench_tokenizer.c */
+int kvs_cmd_bench_throughput(int argc, char **argv); /* cmd_bench_throughput.c */
+int kvs_cmd_bench_serve(int argc, char **argv);   /* cmd_bench_serve.c */
+int kvs_cmd_serve(int argc, char **argv);         /* cmd_serve.c */
+int kvs_cmd_eval(int argc, char **argv);          /* cmd_eval.c: eval retrieval | ppl */
 
 #endif

@@ -30,6 +30,47 @@ int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i) {
     return 1;
 }
 
+static bool parse_int(const char *s, int lo, int hi, int *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end || errno || v < lo || v > hi) return false;
+    *out = (int)v;
+    return true;
+}
+
+int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i) {
+    const char *a = argv[*i];
+    if (strncmp(a, "--kv-", 5) != 0) return 0;
+    if (*i + 1 >= argc) return -1;
+    const char *v = argv[*i + 1];
+    bool ok;
+    if (!strcmp(a, "--kv-policy")) {
+        kvs_policy_kind kind;
+        ok = kvs_kv_policy_kind_parse(v, &kind) == KVS_OK;
+        if (ok) p->kind = kind;
+    } else if (!strcmp(a, "--kv-budget")) {
+        ok = kvs_kv_budget_parse(v, p) == KVS_OK;
+    } else if (!strcmp(a, "--kv-full-layers")) {
+        ok = parse_int(v, 0, 100000, &p->full_layers);
+    } else if (!strcmp(a, "--kv-window")) {
+        ok = parse_int(v, 1, 512, &p->window);
+    } else if (!strcmp(a, "--kv-pool")) {
+        ok = parse_int(v, 1, 255, &p->pool) && p->pool % 2 == 1;
+    } else if (!strcmp(a, "--kv-pyramid-beta")) {
+        char *end;
+        p->pyramid_beta = strtof(v, &end);
+        ok = end != v && !*end && p->pyramid_beta >= 1 && p->pyramid_beta <= 1000;
+    } else if (!strcmp(a, "--kv-min-prompt")) {
+        ok = parse_int(v, 0, 1 << 30, &p->min_prompt);
+    } else {
+        return 0;
+    }
+    ++*i;
+    if (!ok) fprintf(stderr, "kvsparse: bad value '%s' for %s\n", v, a);
+    return ok ? 1 : -1;
+}
+
 kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     memset(out, 0, sizeof *out);
     kvs_status st;

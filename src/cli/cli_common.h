@@ -28,6 +28,19 @@ typedef struct {
  * Returns 1 if consumed, 0 if not one of these, -1 on a bad value. */
 int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i);
 kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out);
+
+/* KV policy options at argv[*i]: --kv-policy full|snapkv|pyramidkv|streamingllm,
+ * --kv-budget 0.1|10%|256, --kv-full-layers N, --kv-window W, --kv-pool P,
+ * --kv-min-prompt N. Same contract as kvs_cli_load_option (1, 0, -1). */
+int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i);
+#define KVS_CLI_POLICY_HELP                                                                \
+    "  --kv-policy P          full (default), snapkv, pyramidkv or streamingllm\n"         \
+    "  --kv-budget B          entries kept per KV head in sparse layers: 0.1, 10%% or 256\n" \
+    "  --kv-full-layers N     the first N layers stay full (default 0)\n"                  \
+    "  --kv-window W          observation window (default 32)\n"                           \
+    "  --kv-pool P            max-pool kernel, odd (default 7)\n"                          \
+    "  --kv-min-prompt N      prompts shorter than N are not compressed (default 64)\n"       \
+    "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 3)\n"
 void kvs_cli_unload(kvs_loaded *l);
 
 /* A KV cache for the model holding max_tokens tokens per sequence for max_seqs sequences. */

@@ -134,6 +134,8 @@ static int bench_model(int argc, char **argv) {
 int kvs_cmd_bench(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "model")) return bench_model(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "tokenizer")) return kvs_cmd_bench_tokenizer(argc - 1, argv + 1);
-    fprintf(stderr, "usage: kvsparse bench (model | tokenizer) [options]\n");
+    if (argc >= 2 && !strcmp(argv[1], "throughput")) return kvs_cmd_bench_throughput(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "serve")) return kvs_cmd_bench_serve(argc - 1, argv + 1);
+    fprintf(stderr, "usage: kvsparse bench (model | tokenizer | throughput | serve) [options]\n");
     return 2;
 }

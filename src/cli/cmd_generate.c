@@ -17,6 +17,7 @@ typedef struct {
     int32_t stop_ids[16];
     int n_stop_ids;
     bool ignore_eos;
+    kvs_kv_policy policy;
 } gen_options;
 
 static void usage(FILE *f) {
@@ -28,7 +29,7 @@ static void usage(FILE *f) {
                "  --stop-ids 1,2         extra stop token ids; --ignore-eos to not stop at EOS\n"
                "  --json                 print one JSON object instead of streaming text\n"
                "  --load-format dummy    seeded random weights (with -m or --config FILE)\n"
-               "  --threads N\n"
+               "  --threads N\n" KVS_CLI_POLICY_HELP
                "Text prompts are the operator's: special-token text in them becomes control tokens.\n");
 }
 
@@ -42,9 +43,11 @@ static int parse_args(int argc, char **argv, gen_options *o) {
     memset(o, 0, sizeof *o);
     o->max_new = 64;
     o->sp = kvs_sampling_default();
+    o->policy = kvs_kv_policy_default(KVS_POLICY_FULL);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
+        if (r == 0) r = kvs_cli_policy_option(&o->policy, argc, argv, &i);
         if (r < 0) goto bad;
         if (r > 0) continue;
         bool v = i + 1 < argc;
@@ -118,6 +121,7 @@ typedef struct {
     int n, cap;
     const char *finish;
     double t_prefill, t_decode;
+    double compression; /* KV entries a full cache would hold / entries held, after the prompt */
 } gen_result;
 
 static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt, int n_prompt, gen_result *r) {
@@ -146,11 +150,15 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     uint8_t want = 1;
     int32_t qs[2] = {0, n_prompt};
     double t0 = kvs_now();
+    if (st == KVS_OK) st = kvs_kv_set_policy(kv, seq, &o->policy, n_prompt);
     if (st == KVS_OK) st = kvs_kv_reserve(kv, seq, n_prompt);
     if (st == KVS_OK) {
         kvs_batch b = {n_prompt, 1, prompt, positions, qs, &seq, &want};
         st = kvs_model_forward(l->model, &b, kv, logits);
     }
+    int64_t held, full;
+    kvs_kv_seq_usage(kv, seq, &held, &full);
+    r->compression = held ? (double)full / held : 1;
     r->t_prefill = kvs_now() - t0;
     r->finish = "length";
     t0 = kvs_now();
@@ -206,6 +214,10 @@ static void print_json(const gen_options *o, const kvs_loaded *l, const int32_t 
         json_object_set_new(root, "text", json_null());
     free(text);
     json_object_set_new(root, "finish_reason", json_string(r->finish));
+    char policy[96];
+    kvs_kv_policy_describe(&o->policy, policy, sizeof policy);
+    json_object_set_new(root, "kv_policy", json_string(policy));
+    json_object_set_new(root, "kv_compression_ratio", json_real(r->compression));
     int n_decoded = r->n > 0 ? r->n - 1 : 0; /* the first token comes from the prefill */
     json_object_set_new(root, "timings",
                         json_pack("{s:f, s:f, s:f, s:f}", "prefill_s", r->t_prefill, "decode_s", r->t_decode,

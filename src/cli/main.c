@@ -9,7 +9,9 @@ static void usage(FILE *f) {
             "  generate -m MODEL_DIR (-p TEXT | --prompt-ids 1,2,3) [-n N] [sampling options] [--json]\n"
             "  info     -m MODEL_DIR [--memory GiB]\n"
             "  tokenize -m MODEL_DIR [--special] (TEXT | --decode 1,2,3)\n"
-            "  bench    model -m MODEL_DIR | tokenizer -m MODEL_DIR\n"
+            "  serve    -m MODEL_DIR [--host H] [--port P] [engine and KV policy options]\n"
+            "  eval     retrieval -m MODEL_DIR --data FILE.jsonl [KV policy options] | ppl -m MODEL_DIR --text FILE\n"
+            "  bench    model | tokenizer | throughput | serve  (see --help of each)\n"
             "Run 'kvsparse COMMAND --help' for a command's options.\n");
 }
 
@@ -23,6 +25,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "info")) return kvs_cmd_info(argc - 1, argv + 1);
     if (!strcmp(cmd, "tokenize")) return kvs_cmd_tokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return kvs_cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(cmd, "serve")) return kvs_cmd_serve(argc - 1, argv + 1);
+    if (!strcmp(cmd, "eval")) return kvs_cmd_eval(argc - 1, argv + 1);
     fprintf(stderr, "kvsparse: unknown command '%s'\n", cmd);
     usage(stderr);
     return 2;

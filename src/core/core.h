@@ -21,6 +21,7 @@ typedef enum {
     KVS_ERR_NOMEM,       /* out of memory / out of KV blocks */
     KVS_ERR_NOT_FOUND,
     KVS_ERR_INTERNAL,
+    KVS_ERR_BUSY,        /* a queue is full: try again later */
 } kvs_status;
 
 kvs_status kvs_fail(kvs_status code, const char *fmt, ...)

@@ -24,6 +24,7 @@ const char *kvs_status_name(kvs_status s) {
     case KVS_ERR_NOMEM: return "out of memory";
     case KVS_ERR_NOT_FOUND: return "not found";
     case KVS_ERR_INTERNAL: return "internal error";
+    case KVS_ERR_BUSY: return "busy";
     }
     return "unknown status";
 }

@@ -3,6 +3,9 @@
 #define KVS_ENGINE_H
 
 #include "core/core.h"
+#include "kv/kv.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
 
 /* ---- sampling ------------------------------------------------------------- */
 typedef struct {
@@ -33,5 +36,101 @@ typedef struct {
 } kvs_stop_params;
 
 bool kvs_is_stop_token(const kvs_stop_params *p, int32_t id);
+
+/* ---- the engine: continuous batching over one model ------------------------
+ * Requests are submitted from any thread; one engine thread runs steps:
+ * running decodes first, then chunked prefill of waiting requests (FCFS)
+ * within max_num_batched_tokens; a request is admitted when the pool can hold
+ * its prompt in every layer (the peak, before compaction); when the pool runs
+ * dry the newest running request is preempted (blocks freed, recomputed
+ * later). Outputs are delivered through a callback on the engine thread. */
+typedef struct {
+    int max_num_seqs;           /* running sequences at most (default 64) */
+    int max_num_batched_tokens; /* tokens per step (default 2048) */
+    int max_model_len;          /* context limit; 0 = the model's max_position_embeddings */
+    size_t kv_memory_bytes;     /* the KV pool's size (0: 1 GiB) */
+    int max_waiting;            /* queued requests at most; more get KVS_ERR_BUSY (default 1024) */
+    kvs_kv_policy default_policy;
+} kvs_engine_config;
+
+kvs_engine_config kvs_engine_config_default(void);
+
+#define KVS_MAX_STOP_STRINGS 8
+
+typedef struct {
+    const int32_t *prompt_ids; /* copied */
+    int n_prompt;
+    kvs_sampling_params sampling;
+    int max_tokens;            /* > 0 */
+    const int32_t *stop_ids;   /* extra stop token ids, copied */
+    int n_stop_ids;
+    const char *const *stop_strings; /* copied; matched across token boundaries, not emitted */
+    int n_stop_strings;
+    bool ignore_eos;
+    int logprobs;              /* 0: none; n > 0: the chosen token's logprob (and top-n when supported) */
+    const kvs_kv_policy *policy; /* NULL: the engine's default */
+} kvs_request_params;
+
+typedef enum { KVS_FINISH_NONE, KVS_FINISH_STOP, KVS_FINISH_LENGTH, KVS_FINISH_ABORT, KVS_FINISH_ERROR } kvs_finish;
+const char *kvs_finish_name(kvs_finish f); /* "stop", "length", "abort", "error" (OpenAI's names where they exist) */
+
+/* One delivery for one request: the new tokens of a step and their text. */
+typedef struct {
+    uint64_t request_id;
+    const int32_t *token_ids; /* new tokens (usually 1) */
+    const float *logprobs;    /* [n_tokens] when asked, else NULL */
+    int n_tokens;
+    const char *text;         /* new UTF-8 text (complete characters; stop strings cut) */
+    size_t text_len;
+    kvs_finish finish;        /* != NONE on the last delivery */
+    const char *error;        /* message when finish == ERROR */
+    int prompt_tokens, completion_tokens;
+} kvs_request_output;
+
+/* Called on the engine thread; must not block for long and must not call
+ * back into the engine except kvs_engine_abort. */
+typedef void (*kvs_output_fn)(void *user, const kvs_request_output *out);
+
+typedef struct kvs_engine kvs_engine;
+
+/* tok may be NULL (ids only: no text in outputs, no stop strings). */
+kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
+                             kvs_engine **out);
+/* Starts the engine thread. Without it, drive the engine with kvs_engine_step. */
+kvs_status kvs_engine_start(kvs_engine *e);
+/* Thread-safe. Errors: KVS_ERR_INVALID (message names the field: empty prompt,
+ * prompt + max_tokens beyond the context, bad sampling parameter, policy),
+ * KVS_ERR_BUSY (queue full), KVS_ERR_UNSUPPORTED (stop strings without a tokenizer). */
+kvs_status kvs_engine_submit(kvs_engine *e, const kvs_request_params *p, kvs_output_fn fn, void *user,
+                             uint64_t *request_id);
+/* Thread-safe; the request ends with finish ABORT and its blocks are freed at
+ * the next step. Unknown or finished ids are ignored. */
+void kvs_engine_abort(kvs_engine *e, uint64_t request_id);
+/* One iteration (when not started). Returns KVS_OK also when idle. */
+kvs_status kvs_engine_step(kvs_engine *e);
+bool kvs_engine_idle(kvs_engine *e); /* nothing waiting or running */
+/* Stops the thread: drain = finish every request first; else abort them all. */
+void kvs_engine_stop(kvs_engine *e, bool drain);
+void kvs_engine_destroy(kvs_engine *e);
+
+/* Latency histograms (seconds): counts per bucket with these upper bounds (+Inf last). */
+#define KVS_HIST_BUCKETS 12
+extern const double kvs_hist_bounds[KVS_HIST_BUCKETS]; /* constant table */
+typedef struct {
+    uint64_t counts[KVS_HIST_BUCKETS + 1];
+    double sum;
+    uint64_t n;
+} kvs_histogram;
+
+typedef struct {
+    int running, waiting;
+    int64_t kv_blocks_total, kv_blocks_used, kv_blocks_full_layers, kv_blocks_sparse_layers;
+    double compression_ratio;   /* KV entries a full cache would hold / entries held, over running requests */
+    uint64_t prompt_tokens_total, generation_tokens_total, requests_finished, preemptions;
+    kvs_histogram ttft, itl;     /* time to first token, inter-token latency */
+    int64_t kv_tokens_capacity;  /* tokens the pool holds (every layer full) */
+} kvs_engine_stats;
+
+void kvs_engine_get_stats(kvs_engine *e, kvs_engine_stats *s); /* thread-safe */
 
 #endif

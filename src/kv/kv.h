@@ -75,6 +75,7 @@ typedef struct {
     int pool;              /* max-pool kernel p, odd (7) */
     int min_prompt;        /* prompts shorter than this are not compressed */
     int sinks;             /* streamingllm: first entries always kept (4) */
+    float pyramid_beta;    /* pyramidkv: the top sparse layer keeps (B - w) / beta beyond the window (3) */
 } kvs_kv_policy;
 
 kvs_kv_policy kvs_kv_policy_default(kvs_policy_kind kind); /* 10% budget, w 32, p 7 */
@@ -115,6 +116,8 @@ int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv);
 int64_t kvs_kv_used_blocks(const kvs_kv_cache *kv);
 /* Entries held by seq summed over layers, and what a full cache would hold. */
 void kvs_kv_seq_usage(const kvs_kv_cache *kv, int seq_id, int64_t *held, int64_t *full);
+/* Whether layer of seq is a sparse layer under its policy (compacted to a budget). */
+bool kvs_kv_layer_sparse(const kvs_kv_cache *kv, int seq_id, int layer);
 /* Checks internal invariants (every block owned once or free); for tests. */
 kvs_status kvs_kv_check(const kvs_kv_cache *kv);
 

@@ -207,6 +207,11 @@ void kvs_kv_seq_usage(const kvs_kv_cache *kv, int seq_id, int64_t *held, int64_t
     *full = (int64_t)s->n_tokens * kv->cfg.n_layers;
 }
 
+bool kvs_kv_layer_sparse(const kvs_kv_cache *kv, int seq_id, int layer) {
+    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
+    return s && s->budgets && layer >= 0 && layer < kv->cfg.n_layers && s->budgets[layer] >= 0;
+}
+
 kvs_status kvs_kv_check(const kvs_kv_cache *kv) {
     int64_t n = kv->cfg.n_blocks;
     uint8_t *seen = calloc((size_t)n, 1);

@@ -11,7 +11,8 @@ static const char *kind_names[] = {"full", "snapkv", "pyramidkv", "streamingllm"
 
 kvs_kv_policy kvs_kv_policy_default(kvs_policy_kind kind) {
     return (kvs_kv_policy){.kind = kind, .budget_tokens = 0, .budget_fraction = 0.10f, .full_layers = 0,
-                           .window = 32, .pool = 7, .min_prompt = 64, .sinks = 4};
+                           .window = 32, .pool = 7, .min_prompt = 64, .sinks = 4,
+                           .pyramid_beta = 3};
 }
 
 const char *kvs_kv_policy_name(kvs_policy_kind kind) {
@@ -59,6 +60,8 @@ kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers) {
         return kvs_fail(KVS_ERR_INVALID, "kv_full_layers must be in [0, %d]", n_layers);
     if (p->min_prompt < 0) return kvs_fail(KVS_ERR_INVALID, "kv_min_prompt must be >= 0");
     if (p->sinks < 0 || p->sinks > 1024) return kvs_fail(KVS_ERR_INVALID, "kv_sinks must be in [0, 1024]");
+    if (!(p->pyramid_beta >= 1 && p->pyramid_beta <= 1000))
+        return kvs_fail(KVS_ERR_INVALID, "kv_pyramid_beta must be in [1, 1000]");
     return KVS_OK;
 }
 
@@ -76,8 +79,10 @@ void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len,
         double b = B;
         if (p->kind == KVS_POLICY_PYRAMIDKV && m > 1) {
             /* PyramidKV: beyond the window, budgets fall linearly from 2(B-w) - min at the
-               lowest sparse layer to min = (B-w)/beta at the highest; the mean stays B */
-            double extra = B - p->window > 0 ? B - p->window : 0, beta = 20;
+               lowest sparse layer to min = (B-w)/beta at the highest; the mean stays B.
+               The paper's beta (20, for 32 layers) starves the top layers of shallow
+               models; the default is milder (docs/SPARSITY.md has the measurements). */
+            double extra = B - p->window > 0 ? B - p->window : 0, beta = p->pyramid_beta;
             double lo = extra / beta, hi = 2 * extra - lo;
             b = p->window + hi - (hi - lo) * (l - first) / (m - 1);
         }

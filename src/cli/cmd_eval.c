@@ -1,0 +1,242 @@
+/* kvsparse eval retrieval: long-context retrieval accuracy of KV policies
+ * against the full cache, one shared prefill per prompt. */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "cli/eval.h"
+#include "engine/engine.h"
+
+int kvs_cmd_eval_ppl(int argc, char **argv); /* cmd_eval_ppl.c */
+
+#define MAX_BUCKETS 16
+#define MAX_NEW 16
+
+typedef struct {
+    int bucket[MAX_BUCKETS], correct[MAX_BUCKETS], count[MAX_BUCKETS];
+    int n_buckets, total, n_correct, n_agree_hf;
+    double ratio_sum; /* compression ratio after the prompt, summed */
+} policy_score;
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvsparse eval retrieval -m MODEL_DIR --data FILE.jsonl [options]\n"
+               "       kvsparse eval ppl -m MODEL_DIR --text FILE [--prefix N] [--continuation N] [options]\n"
+               "  --limit N              the first N samples (retrieval)\n"
+               "  --json                 one JSON object (an array when several policies)\n"
+               "  --kv-policy and --kv-budget take comma-separated lists; every combination\n"
+               "  is evaluated over one shared prefill per prompt.\n" KVS_CLI_POLICY_HELP);
+}
+
+static int bucket_index(policy_score *s, int bucket) {
+    for (int i = 0; i < s->n_buckets; i++)
+        if (s->bucket[i] == bucket) return i;
+    if (s->n_buckets == MAX_BUCKETS) return MAX_BUCKETS - 1;
+    s->bucket[s->n_buckets] = bucket;
+    return s->n_buckets++;
+}
+
+/* "pub-4000-12" -> 4000; otherwise the prompt length rounded to thousands. */
+static int bucket_of(const char *id, int n_prompt) {
+    const char *dash = id ? strchr(id, '-') : NULL;
+    int b = dash ? atoi(dash + 1) : 0;
+    return b > 0 ? b : (n_prompt + 500) / 1000 * 1000;
+}
+
+static char *trimmed(const char *s) {
+    while (*s == ' ' || *s == '\n' || *s == '\t' || *s == '\r') s++;
+    size_t n = strlen(s);
+    while (n && (s[n - 1] == ' ' || s[n - 1] == '\n' || s[n - 1] == '\t' || s[n - 1] == '\r')) n--;
+    char *out = malloc(n + 1);
+    memcpy(out, s, n);
+    out[n] = 0;
+    return out;
+}
+
+/* Greedy decode of up to MAX_NEW tokens from the prefill's logits; returns the text. */
+static kvs_status answer(kvs_loaded *l, kvs_kv_cache *kv, int seq, const float *prefill_logits, int n_prompt,
+                         char **text) {
+    int V = l->cfg.vocab_size;
+    float *logits = malloc(sizeof(float) * V);
+    memcpy(logits, prefill_logits, sizeof(float) * V);
+    int32_t out[MAX_NEW];
+    int n = 0;
+    kvs_status st = KVS_OK;
+    kvs_stop_params stop = {MAX_NEW, l->cfg.eos_token_ids, l->cfg.n_eos};
+    while (n < MAX_NEW) {
+        int32_t id = 0;
+        for (int i = 1; i < V; i++)
+            if (logits[i] > logits[id]) id = i;
+        out[n++] = id;
+        if (kvs_is_stop_token(&stop, id) || n == MAX_NEW) break;
+        st = kvs_eval_step(l, kv, seq, id, n_prompt + n - 1, logits);
+        if (st != KVS_OK) break;
+    }
+    free(logits);
+    char *raw = NULL;
+    if (st == KVS_OK) st = kvs_tokenizer_decode(l->tok, out, n, true, &raw);
+    if (st == KVS_OK) {
+        *text = trimmed(raw);
+        free(raw);
+    }
+    return st;
+}
+
+static json_t *score_json(const char *name, const policy_score *s, int n_samples) {
+    json_t *o = json_object(), *by = json_object();
+    for (int i = 0; i < s->n_buckets; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "%d", s->bucket[i]);
+        json_object_set_new(by, key, json_pack("{s:f, s:i}", "accuracy", s->count[i] ? (double)s->correct[i] / s->count[i] : 0.0,
+                                               "count", s->count[i]));
+    }
+    json_object_set_new(o, "policy", json_string(name));
+    json_object_set_new(o, "accuracy", json_real(s->total ? (double)s->n_correct / s->total : 0));
+    json_object_set_new(o, "agreement_with_hf_full", json_real(s->total ? (double)s->n_agree_hf / s->total : 0));
+    json_object_set_new(o, "by_length", by);
+    json_object_set_new(o, "compression_ratio", json_real(s->total ? s->ratio_sum / s->total : 1));
+    json_object_set_new(o, "samples", json_integer(n_samples));
+    return o;
+}
+
+static void print_table(const kvs_eval_policies *P, const policy_score *S, double tok_s) {
+    printf("%-52s %8s %7s", "policy", "accuracy", "ratio");
+    for (int i = 0; i < S[0].n_buckets; i++) printf(" %7d", S[0].bucket[i]);
+    printf("  hf-agree\n");
+    for (int p = 0; p < P->n; p++) {
+        const policy_score *s = &S[p];
+        printf("%-52s %7.1f%% %6.1fx", P->names[p], 100.0 * s->n_correct / (s->total ? s->total : 1),
+               s->ratio_sum / (s->total ? s->total : 1));
+        for (int i = 0; i < s->n_buckets; i++) printf(" %6.1f%%", 100.0 * s->correct[i] / (s->count[i] ? s->count[i] : 1));
+        printf("  %6.1f%%\n", 100.0 * s->n_agree_hf / (s->total ? s->total : 1));
+    }
+    printf("prefill throughput: %.0f tokens/s\n", tok_s);
+}
+
+static int eval_retrieval(int argc, char **argv) {
+    kvs_load_options lo = {0};
+    kvs_kv_policy base = kvs_kv_policy_default(KVS_POLICY_FULL);
+    char kinds[512] = "", budgets[512] = "";
+    const char *data = NULL;
+    int limit = 0, chunk = 2048;
+    bool as_json = false;
+    for (int i = 1; i < argc; i++) {
+        int r = kvs_cli_load_option(&lo, argc, argv, &i);
+        if (r == 0) r = kvs_eval_policy_option(&base, kinds, budgets, sizeof kinds, argc, argv, &i);
+        if (r > 0) continue;
+        if (r == 0 && !strcmp(argv[i], "--data") && i + 1 < argc) data = argv[++i];
+        else if (r == 0 && !strcmp(argv[i], "--limit") && i + 1 < argc) limit = atoi(argv[++i]);
+        else if (r == 0 && !strcmp(argv[i], "--json")) as_json = true;
+        else if (r == 0 && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) { usage(stdout); return 0; }
+        else { fprintf(stderr, "kvsparse eval retrieval: bad or incomplete option '%s'\n", argv[i]); usage(stderr); return 2; }
+    }
+    if (!data || limit < 0) { fprintf(stderr, "kvsparse eval retrieval: --data FILE.jsonl is required\n"); return 2; }
+    FILE *f = fopen(data, "rb");
+    if (!f) { fprintf(stderr, "kvsparse: %s: cannot open\n", data); return 1; }
+    kvs_loaded l;
+    if (kvs_cli_load(&lo, &l) != KVS_OK) { fclose(f); return kvs_cli_error(); }
+    kvs_eval_policies P;
+    kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
+    if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
+    kvs_kv_cache *kv = NULL;
+    if (st == KVS_OK) st = kvs_eval_kv_cache(&l, l.cfg.max_position_embeddings, base.window, &kv);
+    policy_score *S = calloc((size_t)P.n, sizeof *S);
+    float *logits = malloc(sizeof(float) * l.cfg.vocab_size);
+    /* count lines for the progress bar */
+    int n_lines = 0, c;
+    while ((c = fgetc(f)) != EOF) n_lines += c == '\n';
+    rewind(f);
+    if (limit && limit < n_lines) n_lines = limit;
+    kvs_progress bar;
+    kvs_progress_start(&bar, "eval", n_lines);
+    char *line = NULL;
+    size_t cap = 0;
+    int n_samples = 0, line_no = 0;
+    double prefill_time = 0, prefill_tokens = 0;
+    while (st == KVS_OK && getline(&line, &cap, f) > 0 && (!limit || n_samples < limit)) {
+        line_no++;
+        json_error_t jerr;
+        json_t *o = json_loads(line, 0, &jerr);
+        const char *prompt = json_string_value(json_object_get(o, "prompt"));
+        const char *ans = json_string_value(json_object_get(o, "answer"));
+        const char *hf = json_string_value(json_object_get(json_object_get(o, "hf_full_answer"), "text"));
+        if (!prompt || !ans) {
+            json_decref(o);
+            if (line[0] == '\n') continue;
+            st = kvs_fail(KVS_ERR_FORMAT, "%s:%d: expected an object with \"prompt\" and \"answer\" strings", data, line_no);
+            break;
+        }
+        int32_t *ids = NULL;
+        int n = 0, seq = -1;
+        kvs_encode_options eo = {.add_special_tokens = false, .parse_special = true};
+        st = kvs_tokenizer_encode(l.tok, prompt, strlen(prompt), eo, &ids, &n);
+        if (st == KVS_OK && n + MAX_NEW > l.cfg.max_position_embeddings)
+            st = kvs_fail(KVS_ERR_INVALID, "%s:%d: prompt of %d tokens exceeds the context", data, line_no, n);
+        double t0 = kvs_now();
+        if (st == KVS_OK) st = kvs_eval_prefill(&l, kv, ids, n, base.window, chunk, logits, &seq);
+        prefill_time += kvs_now() - t0;
+        prefill_tokens += n;
+        char *want = ans ? trimmed(ans) : NULL, *hf_text = hf ? trimmed(hf) : NULL;
+        for (int p = 0; st == KVS_OK && p < P.n; p++) {
+            int fork;
+            st = kvs_kv_fork(kv, seq, &fork);
+            if (st == KVS_OK) st = kvs_kv_set_policy(kv, fork, &P.list[p], n);
+            if (st == KVS_OK) st = kvs_kv_sparsify(kv, fork);
+            int64_t held, full;
+            kvs_kv_seq_usage(kv, fork, &held, &full);
+            char *text = NULL;
+            if (st == KVS_OK) st = answer(&l, kv, fork, logits, n, &text);
+            kvs_kv_free(kv, fork);
+            if (st != KVS_OK) break;
+            policy_score *s = &S[p];
+            int b = bucket_index(s, bucket_of(json_string_value(json_object_get(o, "id")), n));
+            bool ok = !strcmp(text, want);
+            s->count[b]++, s->correct[b] += ok, s->total++, s->n_correct += ok;
+            s->n_agree_hf += hf_text && !strcmp(text, hf_text);
+            s->ratio_sum += held ? (double)full / held : 1;
+            free(text);
+        }
+        if (seq >= 0) kvs_kv_free(kv, seq);
+        free(want);
+        free(hf_text);
+        free(ids);
+        json_decref(o);
+        n_samples++;
+        kvs_progress_update(&bar, n_samples);
+    }
+    kvs_progress_finish(&bar);
+    free(line);
+    fclose(f);
+    if (st == KVS_OK) {
+        double tok_s = prefill_time > 0 ? prefill_tokens / prefill_time : 0;
+        if (as_json) {
+            json_t *arr = json_array();
+            for (int p = 0; p < P.n; p++) {
+                json_t *o = score_json(P.names[p], &S[p], n_samples);
+                json_object_set_new(o, "prefill_tokens_per_s", json_real(tok_s));
+                json_array_append_new(arr, o);
+            }
+            json_t *out = P.n == 1 ? json_incref(json_array_get(arr, 0)) : json_incref(arr);
+            char *s = json_dumps(out, JSON_INDENT(1));
+            printf("%s\n", s);
+            free(s);
+            json_decref(out);
+            json_decref(arr);
+        } else {
+            print_table(&P, S, tok_s);
+        }
+    }
+    free(S);
+    free(logits);
+    kvs_kv_destroy(kv);
+    kvs_cli_unload(&l);
+    return st == KVS_OK ? 0 : kvs_cli_error();
+}
+
+int kvs_cmd_eval(int argc, char **argv) {
+    if (argc >= 2 && !strcmp(argv[1], "retrieval")) return eval_retrieval(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "ppl")) return kvs_cmd_eval_ppl(argc - 1, argv + 1);
+    usage(argc >= 2 && !strcmp(argv[1], "--help") ? stdout : stderr);
+    return argc >= 2 && !strcmp(argv[1], "--help") ? 0 : 2;
+}
