@@ -1,5 +1,7 @@
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 
@@ -15,7 +17,18 @@ static void usage(FILE *f) {
             "Run 'kvsparse COMMAND --help' for a command's options.\n");
 }
 
+/* OpenMP threads that spin between parallel regions starve the other threads
+ * (and every other process) on a busy machine: decode ran 10-20x slower with
+ * the default policy on 2 shared cores. libgomp reads OMP_WAIT_POLICY when it
+ * loads, so set it and re-execute once unless the user chose a policy. */
+static void prefer_passive_openmp(char **argv) {
+    if (getenv("OMP_WAIT_POLICY")) return;
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    execv("/proc/self/exe", argv); /* returns only on failure: carry on */
+}
+
 int main(int argc, char **argv) {
+    prefer_passive_openmp(argv);
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;

@@ -1,5 +1,6 @@
 /* Paged KV write, causal GQA attention over the paged cache (with LSE), and
  * the per-head gather used by compaction. */
+#include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,29 +63,103 @@ static void attend_one(const kvs_kv_pool *pool, const int32_t *table, int n_keys
     if (lse) *lse = mx + (float)log(sum);
 }
 
+/* Prefill chunks of at least this many queries go through sgemm on the
+ * sequence's keys gathered into contiguous buffers; shorter ones (decode) are
+ * attended one query at a time straight from the paged pool. */
+enum { BLOCKED_MIN_Q = 16, Q_BLOCK = 64 };
+
+typedef struct {
+    int s, h, i0, i1; /* sequence, query head, query rows [i0, i1) of the sequence's chunk */
+    bool blocked;
+} work_item;
+
+/* Rows [i0, i1) of sequence s, head h, against the gathered keys k/v [n_kv][d]. */
+static void attend_rows(const kvs_attn_batch *ab, int s, int h, int i0, int i1, const float *k, const float *v,
+                        const float *q, float *out, float *lse, int n_heads, int d, float scale, float *S) {
+    int q_len = ab->q_start[s + 1] - ab->q_start[s], past = ab->kv_len[s] - q_len;
+    int nb = i1 - i0, nk = past + i1, ld = n_heads * d;
+    size_t row0 = ((size_t)(ab->q_start[s] + i0) * n_heads + h);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, nk, d, scale, q + row0 * d, ld, k, d, 0.0f, S, nk);
+    float *inv = S + (size_t)nb * nk; /* nb floats after the scores */
+    for (int r = 0; r < nb; r++) {
+        float *sr = S + (size_t)r * nk, mx = -INFINITY;
+        int limit = past + i0 + r + 1; /* causal */
+        for (int e = 0; e < limit; e++) mx = sr[e] > mx ? sr[e] : mx;
+        double sum = 0;
+        for (int e = 0; e < limit; e++) sum += sr[e] = expf(sr[e] - mx);
+        for (int e = limit; e < nk; e++) sr[e] = 0;
+        inv[r] = (float)(1.0 / sum);
+        if (lse) lse[(row0 + (size_t)r * n_heads)] = mx + (float)log(sum);
+    }
+    float *o = out + row0 * d;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, d, nk, 1.0f, S, nk, v, d, 0.0f, o, ld);
+    for (int r = 0; r < nb; r++)
+        for (int j = 0; j < d; j++) o[(size_t)r * ld + j] *= inv[r];
+}
+
+/* Copies the K and V of (sequence s, KV head g) into contiguous [kv_len][d] buffers. */
+static void gather_head(const kvs_kv_pool *pool, const kvs_attn_batch *ab, int s, int g, float *k, float *v) {
+    int d = pool->head_dim, bs = pool->block_size, n = ab->kv_len[s];
+    const int32_t *table = ab->block_tables + (size_t)s * ab->max_blocks;
+    for (int e0 = 0; e0 < n; e0 += bs) {
+        int cnt = n - e0 < bs ? n - e0 : bs;
+        memcpy(k + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 0, g, 0), sizeof(float) * d * cnt);
+        memcpy(v + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 1, g, 0), sizeof(float) * d * cnt);
+    }
+}
+
 void kvs_cpu_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
                        const kvs_attn_batch *ab, int n_heads, float scale) {
-    int d = pool->head_dim, group = n_heads / pool->n_kv_heads;
+    int d = pool->head_dim, KVH = pool->n_kv_heads, group = n_heads / KVH;
     const float *qq = q;
     float *o = out;
-    int total = ab->n_tokens * n_heads;
+    /* the work list and, for blocked sequences, their gathered keys */
+    size_t n_items = 0, cap = (size_t)ab->n_tokens * n_heads + 1;
+    work_item *items = malloc(sizeof(work_item) * cap);
+    float **kbuf = calloc((size_t)ab->n_seqs * KVH, sizeof(float *)), **vbuf = calloc((size_t)ab->n_seqs * KVH, sizeof(float *));
+    for (int s = 0; s < ab->n_seqs; s++) {
+        int q_len = ab->q_start[s + 1] - ab->q_start[s];
+        bool blocked = q_len >= BLOCKED_MIN_Q;
+        for (int h = 0; h < n_heads; h++)
+            for (int i0 = 0; i0 < q_len; i0 += blocked ? Q_BLOCK : 1)
+                items[n_items++] = (work_item){s, h, i0, blocked ? (i0 + Q_BLOCK < q_len ? i0 + Q_BLOCK : q_len) : i0 + 1,
+                                               blocked};
+        for (int g = 0; blocked && g < KVH; g++) {
+            kbuf[s * KVH + g] = malloc(sizeof(float) * (size_t)ab->kv_len[s] * d);
+            vbuf[s * KVH + g] = malloc(sizeof(float) * (size_t)ab->kv_len[s] * d);
+        }
+    }
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)(ab->max_kv_len > 0 ? ab->max_kv_len : 1));
-        int s = 0;
-#pragma omp for schedule(dynamic, 4)
-        for (int th = 0; th < total; th++) {
-            int t = th / n_heads, h = th % n_heads;
-            while (s > 0 && t < ab->q_start[s]) s--;
-            while (t >= ab->q_start[s + 1]) s++;
-            int q_len = ab->q_start[s + 1] - ab->q_start[s];
-            int n_keys = ab->kv_len[s] - q_len + (t - ab->q_start[s]) + 1;
-            attend_one(pool, ab->block_tables + (size_t)s * ab->max_blocks, n_keys, h / group,
-                       qq + ((size_t)t * n_heads + h) * d, scale, scores, o + ((size_t)t * n_heads + h) * d,
-                       lse ? lse + (size_t)t * n_heads + h : NULL);
+#pragma omp for schedule(dynamic, 1)
+        for (int sg = 0; sg < ab->n_seqs * KVH; sg++)
+            if (kbuf[sg]) gather_head(pool, ab, sg / KVH, sg % KVH, kbuf[sg], vbuf[sg]);
+        size_t s_cap = (size_t)(Q_BLOCK + 1) * (ab->max_kv_len > 0 ? ab->max_kv_len : 1) + Q_BLOCK;
+        float *S = malloc(sizeof(float) * s_cap);
+#pragma omp for schedule(dynamic, 2)
+        for (size_t it = 0; it < n_items; it++) {
+            work_item w = items[it];
+            if (w.blocked) {
+                int g = w.h / group;
+                attend_rows(ab, w.s, w.h, w.i0, w.i1, kbuf[w.s * KVH + g], vbuf[w.s * KVH + g], qq, o, lse, n_heads,
+                            d, scale, S);
+            } else {
+                int t = ab->q_start[w.s] + w.i0, q_len = ab->q_start[w.s + 1] - ab->q_start[w.s];
+                int n_keys = ab->kv_len[w.s] - q_len + w.i0 + 1;
+                attend_one(pool, ab->block_tables + (size_t)w.s * ab->max_blocks, n_keys, w.h / group,
+                           qq + ((size_t)t * n_heads + w.h) * d, scale, S, o + ((size_t)t * n_heads + w.h) * d,
+                           lse ? lse + (size_t)t * n_heads + w.h : NULL);
+            }
         }
-        free(scores);
+        free(S);
     }
+    for (int i = 0; i < ab->n_seqs * KVH; i++) {
+        free(kbuf[i]);
+        free(vbuf[i]);
+    }
+    free(kbuf);
+    free(vbuf);
+    free(items);
 }
 
 void kvs_cpu_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
