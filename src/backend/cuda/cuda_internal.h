@@ -1,0 +1,94 @@
+/* Internal to the CUDA backend: the implementation state, error checks and
+ * the launchers each .cu file provides. Host code is C++ compiled by nvcc; the
+ * project headers are C, so they are included with C linkage. */
+#ifndef KVS_CUDA_INTERNAL_H
+#define KVS_CUDA_INTERNAL_H
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+extern "C" {
+#include "backend/backend.h"
+}
+
+typedef __nv_bfloat16 bf16;
+
+/* A cached cuBLASLt plan for one (n, in_dim, out_dim) shape. */
+typedef struct {
+    int n, in_dim, out_dim, valid;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+} kvs_cuda_gemm_plan;
+
+#define KVS_CUDA_GEMM_PLANS 64
+
+typedef struct {
+    int device;
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    void *lt_workspace;
+    size_t lt_workspace_bytes;
+    kvs_cuda_gemm_plan plans[KVS_CUDA_GEMM_PLANS];
+    int next_plan;
+    /* grow-only scratch (attention split partials, kv_gather staging) */
+    void *scratch;
+    size_t scratch_bytes;
+    int n_sms;
+    int failed; /* sticky: a CUDA call failed (the message is in kvs_last_error) */
+} kvs_cuda;
+
+static inline kvs_cuda *kvs_cuda_of(kvs_backend *b) { return (kvs_cuda *)b->impl; }
+
+/* Records a failed CUDA / cuBLASLt call (kvs_fail + an error log line). */
+void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const char *file, int line);
+
+#define KVS_CUDA_CHECK(b, call)                                                        \
+    do {                                                                               \
+        cudaError_t kvs_e_ = (call);                                                   \
+        if (kvs_e_ != cudaSuccess)                                                     \
+            kvs_cuda_report((b), #call, cudaGetErrorString(kvs_e_), __FILE__, __LINE__); \
+    } while (0)
+
+/* After a kernel launch: reports launch errors (bad configuration etc.). */
+#define KVS_CUDA_LAUNCHED(b, name) KVS_CUDA_CHECK(b, cudaGetLastError())
+
+/* Scratch of at least bytes (synchronizes the stream when it must grow); NULL on failure. */
+void *kvs_cuda_scratch(kvs_backend *b, size_t bytes);
+
+static inline unsigned kvs_cuda_blocks(size_t n, unsigned threads) {
+    return (unsigned)((n + threads - 1) / threads);
+}
+
+/* ops (cuda_ops.cu) */
+void kvs_cuda_embedding(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
+void kvs_cuda_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps);
+void kvs_cuda_add(kvs_backend *b, void *x, const void *y, size_t n);
+void kvs_cuda_rope(kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n, int n_heads,
+                   int head_dim);
+void kvs_cuda_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int dim);
+void kvs_cuda_gather_rows(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim);
+void kvs_cuda_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v, const int32_t *slots,
+                       int n);
+void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
+                        const int32_t *src_entry, int n);
+void kvs_cuda_window_capture(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,
+                             const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim);
+void kvs_cuda_add_bias(kvs_backend *b, void *out, const void *bias, int n, int dim);
+void kvs_cuda_f32_to_bf16(kvs_backend *b, void *dst, const float *src, size_t n);
+
+/* matmul (cuda_matmul.cu) */
+void kvs_cuda_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n, int in_dim,
+                     int out_dim);
+void kvs_cuda_gemm_destroy(kvs_cuda *c);
+
+/* attention (cuda_attention.cu) */
+void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
+                        const kvs_attn_batch *ab, int n_heads, float scale);
+
+/* sparsity (cuda_sparsity.cu) */
+void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
+                              const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
+
+#endif

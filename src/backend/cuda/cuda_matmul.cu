@@ -1,0 +1,86 @@
+/* matmul through cuBLASLt: bf16 x bf16 -> bf16, fp32 compute. Row-major
+ * out[n, o] = in[n, i] @ w[o, i]^T is, column-major, C(o x n) = W^T(o x i) B(i x n)
+ * with W stored as (i x o, ld i) and transposed, B = in as (i x n, ld i).
+ * One plan (descriptors + heuristic algorithm) is cached per shape. */
+#include <string.h>
+
+#include "backend/cuda/cuda_internal.h"
+
+#define LT_CHECK(b, call, ok)                                                                     \
+    do {                                                                                          \
+        cublasStatus_t kvs_s_ = (call);                                                           \
+        if (kvs_s_ != CUBLAS_STATUS_SUCCESS) {                                                    \
+            kvs_cuda_report((b), #call, cublasLtGetStatusString(kvs_s_), __FILE__, __LINE__);       \
+            ok = 0;                                                                               \
+        }                                                                                         \
+    } while (0)
+
+static void plan_release(kvs_cuda_gemm_plan *p) {
+    if (p->op) cublasLtMatmulDescDestroy(p->op);
+    if (p->a) cublasLtMatrixLayoutDestroy(p->a);
+    if (p->b) cublasLtMatrixLayoutDestroy(p->b);
+    if (p->c) cublasLtMatrixLayoutDestroy(p->c);
+    memset(p, 0, sizeof *p);
+}
+
+void kvs_cuda_gemm_destroy(kvs_cuda *c) {
+    for (int i = 0; i < KVS_CUDA_GEMM_PLANS; i++) plan_release(&c->plans[i]);
+}
+
+static kvs_cuda_gemm_plan *plan_for(kvs_backend *b, int n, int in_dim, int out_dim) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    for (int i = 0; i < KVS_CUDA_GEMM_PLANS; i++) {
+        kvs_cuda_gemm_plan *p = &c->plans[i];
+        if (p->valid && p->n == n && p->in_dim == in_dim && p->out_dim == out_dim) return p;
+    }
+    kvs_cuda_gemm_plan *p = &c->plans[c->next_plan];
+    c->next_plan = (c->next_plan + 1) % KVS_CUDA_GEMM_PLANS;
+    plan_release(p);
+    int ok = 1;
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    LT_CHECK(b, cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), ok);
+    if (!ok) return NULL;
+    LT_CHECK(b, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), ok);
+    LT_CHECK(b, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), ok);
+    LT_CHECK(b, cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, in_dim, out_dim, in_dim), ok);
+    LT_CHECK(b, cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, in_dim, n, in_dim), ok);
+    LT_CHECK(b, cublasLtMatrixLayoutCreate(&p->c, CUDA_R_16BF, out_dim, n, out_dim), ok);
+    if (!ok) {
+        plan_release(p);
+        return NULL;
+    }
+    cublasLtMatmulPreference_t pref = NULL;
+    LT_CHECK(b, cublasLtMatmulPreferenceCreate(&pref), ok);
+    if (ok)
+        LT_CHECK(b, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                         &c->lt_workspace_bytes, sizeof c->lt_workspace_bytes),
+                 ok);
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    if (ok) LT_CHECK(b, cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->a, p->b, p->c, p->c, pref, 1, &res, &found), ok);
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (!ok || found == 0) {
+        if (ok) kvs_cuda_report(b, "cublasLtMatmulAlgoGetHeuristic", "no algorithm for this shape", __FILE__, __LINE__);
+        plan_release(p);
+        return NULL;
+    }
+    p->algo = res.algo;
+    p->n = n;
+    p->in_dim = in_dim;
+    p->out_dim = out_dim;
+    p->valid = 1;
+    return p;
+}
+
+void kvs_cuda_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n, int in_dim,
+                     int out_dim) {
+    if (n <= 0 || out_dim <= 0) return;
+    kvs_cuda *c = kvs_cuda_of(b);
+    kvs_cuda_gemm_plan *p = plan_for(b, n, in_dim, out_dim);
+    if (!p) return;
+    float alpha = 1.0f, beta = 0.0f;
+    int ok = 1;
+    LT_CHECK(b, cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, in, p->b, &beta, out, p->c, out, p->c, &p->algo,
+                               c->lt_workspace, c->lt_workspace_bytes, c->stream), ok);
+    if (ok && bias) kvs_cuda_add_bias(b, out, bias, n, out_dim);
+}
