@@ -25,6 +25,7 @@ static void usage(FILE *f) {
                "       kvsparse eval ppl -m MODEL_DIR --text FILE [--prefix N] [--continuation N] [options]\n"
                "  --limit N              the first N samples (retrieval)\n"
                "  --json                 one JSON object (an array when several policies)\n"
+               "  --answers FILE         write every sample's answer per policy (JSON lines)\n"
                "  --kv-policy and --kv-budget take comma-separated lists; every combination\n"
                "  is evaluated over one shared prefill per prompt.\n" KVS_CLI_POLICY_HELP);
 }
@@ -118,7 +119,7 @@ static int eval_retrieval(int argc, char **argv) {
     kvs_load_options lo = {0};
     kvs_kv_policy base = kvs_kv_policy_default(KVS_POLICY_FULL);
     char kinds[512] = "", budgets[512] = "";
-    const char *data = NULL;
+    const char *data = NULL, *answers_path = NULL;
     int limit = 0, chunk = 2048;
     bool as_json = false;
     for (int i = 1; i < argc; i++) {
@@ -128,14 +129,25 @@ static int eval_retrieval(int argc, char **argv) {
         if (r == 0 && !strcmp(argv[i], "--data") && i + 1 < argc) data = argv[++i];
         else if (r == 0 && !strcmp(argv[i], "--limit") && i + 1 < argc) limit = atoi(argv[++i]);
         else if (r == 0 && !strcmp(argv[i], "--json")) as_json = true;
+        else if (r == 0 && !strcmp(argv[i], "--answers") && i + 1 < argc) answers_path = argv[++i];
         else if (r == 0 && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) { usage(stdout); return 0; }
         else { fprintf(stderr, "kvsparse eval retrieval: bad or incomplete option '%s'\n", argv[i]); usage(stderr); return 2; }
     }
     if (!data || limit < 0) { fprintf(stderr, "kvsparse eval retrieval: --data FILE.jsonl is required\n"); return 2; }
     FILE *f = fopen(data, "rb");
     if (!f) { fprintf(stderr, "kvsparse: %s: cannot open\n", data); return 1; }
+    FILE *answers = answers_path ? fopen(answers_path, "w") : NULL;
+    if (answers_path && !answers) {
+        fprintf(stderr, "kvsparse: %s: cannot write\n", answers_path);
+        fclose(f);
+        return 1;
+    }
     kvs_loaded l;
-    if (kvs_cli_load(&lo, &l) != KVS_OK) { fclose(f); return kvs_cli_error(); }
+    if (kvs_cli_load(&lo, &l) != KVS_OK) {
+        fclose(f);
+        if (answers) fclose(answers);
+        return kvs_cli_error();
+    }
     kvs_eval_policies P;
     kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
     if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
@@ -178,6 +190,9 @@ static int eval_retrieval(int argc, char **argv) {
         prefill_time += kvs_now() - t0;
         prefill_tokens += n;
         char *want = ans ? trimmed(ans) : NULL, *hf_text = hf ? trimmed(hf) : NULL;
+        json_t *row = answers ? json_pack("{s:O?, s:i, s:o}", "id", json_object_get(o, "id"), "n_prompt_tokens", n,
+                                          "answers", json_object())
+                              : NULL;
         for (int p = 0; st == KVS_OK && p < P.n; p++) {
             int fork;
             st = kvs_kv_fork(kv, seq, &fork);
@@ -195,9 +210,16 @@ static int eval_retrieval(int argc, char **argv) {
             s->count[b]++, s->correct[b] += ok, s->total++, s->n_correct += ok;
             s->n_agree_hf += hf_text && !strcmp(text, hf_text);
             s->ratio_sum += held ? (double)full / held : 1;
+            if (row) json_object_set_new(json_object_get(row, "answers"), P.names[p], json_string(text));
             free(text);
         }
         if (seq >= 0) kvs_kv_free(kv, seq);
+        if (row && st == KVS_OK) {
+            char *js = json_dumps(row, JSON_COMPACT);
+            fprintf(answers, "%s\n", js);
+            free(js);
+        }
+        json_decref(row);
         free(want);
         free(hf_text);
         free(ids);
@@ -208,6 +230,7 @@ static int eval_retrieval(int argc, char **argv) {
     kvs_progress_finish(&bar);
     free(line);
     fclose(f);
+    if (answers) fclose(answers);
     if (st == KVS_OK) {
         double tok_s = prefill_time > 0 ? prefill_tokens / prefill_time : 0;
         if (as_json) {
