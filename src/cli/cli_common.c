@@ -24,6 +24,12 @@ int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i) {
         if (!has_value) return -1;
         o->threads = atoi(argv[++*i]);
         if (o->threads <= 0) return -1;
+    } else if (!strcmp(a, "--tensor-parallel-size") || !strcmp(a, "-tp")) {
+        if (!has_value) return -1;
+        char *end;
+        long v = strtol(argv[++*i], &end, 10);
+        if (end == argv[*i] || *end || v < 1 || v > 1024) return -1;
+        o->tensor_parallel = (int)v;
     } else {
         return 0;
     }
@@ -90,8 +96,20 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     if (st == KVS_OK)
         st = o->dummy ? kvs_checkpoint_dummy(&out->cfg, o->dummy_seed, &out->ck)
                       : kvs_checkpoint_open(o->model_dir, &out->cfg, &out->ck);
+    int tp = o->tensor_parallel > 1 ? o->tensor_parallel : 1;
+    if (st == KVS_OK && tp > 1 && !o->allow_tp)
+        st = kvs_fail(KVS_ERR_UNSUPPORTED, "--tensor-parallel-size %d: not available in this command yet (generate has it)",
+                      tp);
+    if (st == KVS_OK && tp > 1) st = kvs_tp_validate(&out->cfg, tp, -1);
     if (st == KVS_OK) st = kvs_backend_cpu_create(o->threads, &out->be);
-    if (st == KVS_OK && !o->skip_model) st = kvs_model_create(&out->cfg, out->ck, out->be, &out->model);
+    if (st == KVS_OK && !o->skip_model) {
+        if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
+            int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;
+            st = kvs_tp_group_create_cpu(&out->cfg, out->ck, tp, per_rank, &out->tp);
+        } else {
+            st = kvs_model_create(&out->cfg, out->ck, out->be, &out->model);
+        }
+    }
     if (st == KVS_OK && o->model_dir) {
         char path[4096];
         if (kvs_path_join(path, sizeof path, o->model_dir, "tokenizer.json") == KVS_OK && kvs_file_exists(path))
@@ -102,6 +120,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
 }
 
 void kvs_cli_unload(kvs_loaded *l) {
+    kvs_tp_group_destroy(l->tp);
     kvs_model_destroy(l->model);
     kvs_checkpoint_destroy(l->ck);
     if (l->tok) kvs_tokenizer_destroy(l->tok);
@@ -109,10 +128,15 @@ void kvs_cli_unload(kvs_loaded *l) {
     memset(l, 0, sizeof *l);
 }
 
+kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs) {
+    kvs_kv_config kc = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
+                        .n_heads = cfg->n_heads, .block_size = 16, .max_seqs = max_seqs};
+    kc.n_blocks = (int64_t)((max_tokens + 15) / 16) * cfg->n_layers * max_seqs;
+    return kc;
+}
+
 kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, kvs_kv_cache **out) {
-    kvs_kv_config kc = {.n_layers = l->cfg.n_layers, .n_kv_heads = l->cfg.n_kv_heads, .head_dim = l->cfg.head_dim,
-                        .n_heads = l->cfg.n_heads, .block_size = 16, .max_seqs = max_seqs};
-    kc.n_blocks = (int64_t)((max_tokens + 15) / 16) * l->cfg.n_layers * max_seqs;
+    kvs_kv_config kc = kvs_cli_kv_config(&l->cfg, max_tokens, max_seqs);
     return kvs_kv_create(&kc, l->be, out);
 }
 

@@ -14,17 +14,20 @@ typedef struct {
     uint64_t dummy_seed;
     int threads;             /* --threads */
     bool skip_model;         /* load config, checkpoint and backend only */
+    int tensor_parallel;     /* --tensor-parallel-size (0 or 1: none) */
+    bool allow_tp;           /* set by the commands wired for tensor parallelism */
 } kvs_load_options;
 
 typedef struct {
     kvs_config cfg;
     kvs_checkpoint *ck;
     kvs_backend *be;
-    kvs_model *model;
+    kvs_model *model;   /* NULL with tensor parallelism: use tp */
     kvs_tokenizer *tok; /* NULL when the folder has no tokenizer.json */
+    kvs_tp_group *tp;   /* --tensor-parallel-size N > 1: N ranks (the CPU simulation: N threads) */
 } kvs_loaded;
 
-/* Handles -m, --config, --load-format, --threads at argv[*i]; advances *i.
+/* Handles -m, --config, --load-format, --threads, --tensor-parallel-size at argv[*i]; advances *i.
  * Returns 1 if consumed, 0 if not one of these, -1 on a bad value. */
 int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i);
 kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out);
@@ -45,6 +48,11 @@ void kvs_cli_unload(kvs_loaded *l);
 
 /* A KV cache for the model holding max_tokens tokens per sequence for max_seqs sequences. */
 kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, kvs_kv_cache **out);
+/* Its config (the whole model's heads; a TP group gives each rank its slice). */
+kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs);
+#define KVS_CLI_TP_HELP                                                                     \
+    "  --tensor-parallel-size N  split heads, MLP and vocabulary over N ranks (one thread each;\n" \
+    "                         on the CPU backend a simulation: same results as N = 1)\n"
 
 /* "1,2,3" -> ids (malloc'ed); false on a malformed list. */
 bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n);

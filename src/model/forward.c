@@ -19,16 +19,29 @@ static kvs_status grow_host(int32_t **p, size_t n) {
     return *p ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
 }
 
+static kvs_status grow_host_f32(float **p, size_t n) {
+    free(*p);
+    *p = malloc(sizeof(float) * (n ? n : 1));
+    return *p ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
+}
+
+/* The sum over the ranks of this rank's partial output (row-parallel O and
+ * down projections); nothing without tensor parallelism. */
+static kvs_status tp_sum(kvs_model *m, void *buf, size_t n) {
+    return m->comm ? m->comm->all_reduce_sum(m->comm, buf, n, m->be->act_dtype) : KVS_OK;
+}
+
 /* Makes the step buffers large enough for this batch. */
 static kvs_status ensure_buffers(kvs_model *m, int n_tokens, int n_seqs, int max_blocks, int n_logits) {
     kvs_step_buffers *b = &m->buf;
     kvs_backend *be = m->be;
     const kvs_config *c = &m->cfg;
+    const kvs_shard *sh = &m->shard; /* this rank's heads and MLP columns */
     size_t a = kvs_dtype_size(be->act_dtype);
     if (n_tokens > b->cap_tokens) {
         size_t n = (size_t)n_tokens;
-        size_t qd = (size_t)c->n_heads * c->head_dim, kd = (size_t)c->n_kv_heads * c->head_dim;
-        size_t wide = (size_t)c->intermediate_size > qd ? (size_t)c->intermediate_size : qd;
+        size_t qd = (size_t)sh->n_heads * c->head_dim, kd = (size_t)sh->n_kv_heads * c->head_dim;
+        size_t wide = (size_t)sh->intermediate > qd ? (size_t)sh->intermediate : qd;
         if (wide < (size_t)c->hidden_size) wide = c->hidden_size;
         KVS_TRY(grow(be, &b->x, n * c->hidden_size * a));
         KVS_TRY(grow(be, &b->xn, n * c->hidden_size * a));
@@ -37,12 +50,12 @@ static kvs_status ensure_buffers(kvs_model *m, int n_tokens, int n_seqs, int max
         KVS_TRY(grow(be, &b->v, n * kd * a));
         KVS_TRY(grow(be, &b->att, n * qd * a));
         KVS_TRY(grow(be, &b->tmp, n * c->hidden_size * a));
-        KVS_TRY(grow(be, &b->gate_up, n * 2 * c->intermediate_size * a));
+        KVS_TRY(grow(be, &b->gate_up, n * 2 * sh->intermediate * a));
         KVS_TRY(grow(be, &b->act, n * wide * a));
         KVS_TRY(grow(be, (void **)&b->ids, n * 4));
         KVS_TRY(grow(be, (void **)&b->positions, n * 4));
         KVS_TRY(grow(be, (void **)&b->slots, n * 4));
-        KVS_TRY(grow(be, (void **)&b->lse, n * c->n_heads * sizeof(float)));
+        KVS_TRY(grow(be, (void **)&b->lse, n * sh->n_heads * sizeof(float)));
         KVS_TRY(grow(be, (void **)&b->cap_src, n * 4));
         KVS_TRY(grow(be, (void **)&b->cap_dst, n * 4));
         KVS_TRY(grow_host(&b->h_slots, n));
@@ -62,19 +75,35 @@ static kvs_status ensure_buffers(kvs_model *m, int n_tokens, int n_seqs, int max
     }
     if (n_logits > b->cap_logits) {
         KVS_TRY(grow(be, &b->last, (size_t)n_logits * c->hidden_size * a));
-        KVS_TRY(grow(be, &b->logits, (size_t)n_logits * c->vocab_size * a));
+        KVS_TRY(grow(be, &b->logits, (size_t)n_logits * sh->vocab_pad * a));
         KVS_TRY(grow(be, (void **)&b->last_rows, (size_t)n_logits * 4));
         KVS_TRY(grow_host(&b->h_last_rows, (size_t)n_logits));
+        size_t all = (size_t)sh->world * n_logits * sh->vocab_pad;
+        KVS_TRY(grow_host_f32(&b->h_logits, sh->world > 1 ? all : (size_t)n_logits * sh->vocab_pad));
+        KVS_TRY(grow(be, (void **)&b->pairs, (size_t)n_logits * 2 * sizeof(float)));
+        KVS_TRY(grow_host_f32(&b->h_pairs, (size_t)sh->world * n_logits * 2));
+        if (sh->world > 1) {
+            KVS_TRY(grow(be, &b->logits_all, all * a));
+            KVS_TRY(grow(be, (void **)&b->pairs_all, (size_t)sh->world * n_logits * 2 * sizeof(float)));
+        }
         b->cap_logits = n_logits;
     }
     return KVS_OK;
 }
 
-static kvs_status check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv) {
+kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv) {
     if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->query_start[0] != 0 || b->query_start[b->n_seqs] != b->n_tokens)
         return kvs_fail(KVS_ERR_INVALID, "forward: malformed batch (%d tokens, %d sequences)", b->n_tokens,
                         b->n_seqs);
     const kvs_kv_config *kc = kvs_kv_get_config(kv);
+    const kvs_shard *sh = &m->shard;
+    if (kc->n_kv_heads != sh->n_kv_heads || kc->head_dim != m->cfg.head_dim || kc->n_layers != m->cfg.n_layers ||
+        (kc->n_heads && kc->n_heads != sh->n_heads))
+        return kvs_fail(KVS_ERR_INVALID,
+                        "forward: the KV cache (%d layers, %d KV heads, %d heads, head_dim %d) does not match "
+                        "rank %d of %d of the model (%d layers, %d KV heads, %d heads, head_dim %d)",
+                        kc->n_layers, kc->n_kv_heads, kc->n_heads, kc->head_dim, sh->rank, sh->world,
+                        m->cfg.n_layers, sh->n_kv_heads, sh->n_heads, m->cfg.head_dim);
     for (int s = 0; s < b->n_seqs; s++) {
         int q_len = b->query_start[s + 1] - b->query_start[s];
         if (q_len <= 0) return kvs_fail(KVS_ERR_INVALID, "forward: sequence %d has no tokens", s);
@@ -129,47 +158,54 @@ static int layer_metadata(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *
     return n_cap;
 }
 
-static void attention_block(kvs_model *m, const kvs_layer_weights *w, const kvs_kv_cache *kv, int layer,
-                            const kvs_attn_batch *ab, int n, int n_cap) {
+static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, const kvs_kv_cache *kv, int layer,
+                                  const kvs_attn_batch *ab, int n, int n_cap) {
     kvs_backend *be = m->be;
     kvs_step_buffers *sb = &m->buf;
     const kvs_config *c = &m->cfg;
-    int qd = c->n_heads * c->head_dim, kd = c->n_kv_heads * c->head_dim;
+    int n_heads = m->shard.n_heads, n_kv_heads = m->shard.n_kv_heads; /* this rank's */
+    int qd = n_heads * c->head_dim, kd = n_kv_heads * c->head_dim;
     be->rmsnorm(be, sb->xn, sb->x, w->attn_norm, n, c->hidden_size, c->rms_norm_eps);
     be->matmul(be, sb->q, sb->xn, w->wq, w->bq, n, c->hidden_size, qd);
     be->matmul(be, sb->k, sb->xn, w->wk, w->bk, n, c->hidden_size, kd);
     be->matmul(be, sb->v, sb->xn, w->wv, w->bv, n, c->hidden_size, kd);
-    be->rope(be, sb->q, sb->positions, m->inv_freq, n, c->n_heads, c->head_dim);
-    be->rope(be, sb->k, sb->positions, m->inv_freq, n, c->n_kv_heads, c->head_dim);
+    be->rope(be, sb->q, sb->positions, m->inv_freq, n, n_heads, c->head_dim);
+    be->rope(be, sb->k, sb->positions, m->inv_freq, n, n_kv_heads, c->head_dim);
     const kvs_kv_pool *pool = kvs_kv_get_pool(kv);
     be->kv_write(be, pool, sb->k, sb->v, sb->slots, n);
-    be->attention(be, sb->att, n_cap ? sb->lse : NULL, sb->q, pool, ab, c->n_heads, 1.0f / sqrtf((float)c->head_dim));
+    be->attention(be, sb->att, n_cap ? sb->lse : NULL, sb->q, pool, ab, n_heads, 1.0f / sqrtf((float)c->head_dim));
     if (n_cap) { /* the sparsity window keeps these queries and their log-sum-exp */
         void *win_q;
         float *win_lse;
         kvs_kv_window_buffers(kv, layer, &win_q, &win_lse);
-        be->window_capture(be, win_q, win_lse, sb->q, sb->lse, sb->cap_src, sb->cap_dst, n_cap, c->n_heads,
+        be->window_capture(be, win_q, win_lse, sb->q, sb->lse, sb->cap_src, sb->cap_dst, n_cap, n_heads,
                            c->head_dim);
     }
     be->matmul(be, sb->tmp, sb->att, w->wo, NULL, n, qd, c->hidden_size);
+    KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel O */
     be->add(be, sb->x, sb->tmp, (size_t)n * c->hidden_size);
+    return KVS_OK;
 }
 
-static void mlp_block(kvs_model *m, const kvs_layer_weights *w, int n) {
+static kvs_status mlp_block(kvs_model *m, const kvs_layer_weights *w, int n) {
     kvs_backend *be = m->be;
     kvs_step_buffers *sb = &m->buf;
     const kvs_config *c = &m->cfg;
+    int inter = m->shard.intermediate; /* this rank's columns */
     be->rmsnorm(be, sb->xn, sb->x, w->mlp_norm, n, c->hidden_size, c->rms_norm_eps);
-    be->matmul(be, sb->gate_up, sb->xn, w->w_gate_up, NULL, n, c->hidden_size, 2 * c->intermediate_size);
-    be->swiglu(be, sb->act, sb->gate_up, n, c->intermediate_size);
-    be->matmul(be, sb->tmp, sb->act, w->w_down, NULL, n, c->intermediate_size, c->hidden_size);
+    be->matmul(be, sb->gate_up, sb->xn, w->w_gate_up, NULL, n, c->hidden_size, 2 * inter);
+    be->swiglu(be, sb->act, sb->gate_up, n, inter);
+    be->matmul(be, sb->tmp, sb->act, w->w_down, NULL, n, inter, c->hidden_size);
+    KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel down */
     be->add(be, sb->x, sb->tmp, (size_t)n * c->hidden_size);
+    return KVS_OK;
 }
 
-static void final_logits(kvs_model *m, const kvs_batch *b, int n_logits, float *logits);
+static void local_logits(kvs_model *m, const kvs_batch *b, int n_logits);
 
-kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
-    KVS_TRY(check_batch(m, b, kv));
+/* The step up to each rank's logits slice in buf.logits [n_logits][vocab_pad]. */
+static kvs_status forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int *n_logits_out) {
+    KVS_TRY(kvs_model_check_batch(m, b, kv));
     const kvs_config *c = &m->cfg;
     kvs_backend *be = m->be;
     int n = b->n_tokens, n_logits = 0, max_blocks = 1;
@@ -190,18 +226,102 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
     for (int l = 0; l < c->n_layers; l++) {
         kvs_attn_batch ab;
         int n_cap = layer_metadata(m, b, kv, l, max_blocks, &ab);
-        attention_block(m, &m->layers[l], kv, l, &ab, n, n_cap);
-        mlp_block(m, &m->layers[l], n);
+        KVS_TRY(attention_block(m, &m->layers[l], kv, l, &ab, n, n_cap));
+        KVS_TRY(mlp_block(m, &m->layers[l], n));
     }
     for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
-    if (n_logits > 0) final_logits(m, b, n_logits, logits);
+    if (n_logits > 0) local_logits(m, b, n_logits);
     /* compaction of what the sequences' policies say is due (after their
-       prompt; decode layers reaching B_l + window) */
+       prompt; decode layers reaching B_l + window); with tensor parallelism
+       each rank scores and compacts its own KV heads: no communication */
     for (int s = 0; s < b->n_seqs; s++) KVS_TRY(kvs_kv_sparsify(kv, b->seq_ids[s]));
+    *n_logits_out = n_logits;
     return KVS_OK;
 }
 
-static void final_logits(kvs_model *m, const kvs_batch *b, int n_logits, float *logits) {
+kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
+    int n_logits;
+    KVS_TRY(forward_step(m, b, kv, &n_logits));
+    if (n_logits == 0) return KVS_OK;
+    kvs_backend *be = m->be;
+    kvs_step_buffers *sb = &m->buf;
+    const kvs_shard *sh = &m->shard;
+    int V = m->cfg.vocab_size, vp = sh->vocab_pad;
+    if (sh->world == 1) { /* vocab_pad == vocab */
+        if (logits) be->to_host_f32(be, logits, sb->logits, (size_t)n_logits * V);
+        return KVS_OK;
+    }
+    /* every rank's slice, then [rank][seq][vp] -> [seq][vocab] without the padding */
+    size_t per_rank = (size_t)n_logits * vp;
+    KVS_TRY(m->comm->all_gather(m->comm, sb->logits_all, sb->logits, per_rank, be->act_dtype));
+    if (!logits) return KVS_OK;
+    be->to_host_f32(be, sb->h_logits, sb->logits_all, (size_t)sh->world * per_rank);
+    for (int r = 0; r < sh->world; r++) {
+        int begin = r * vp, count = V - begin < vp ? V - begin : vp;
+        for (int s = 0; s < n_logits && count > 0; s++)
+            memcpy(logits + (size_t)s * V + begin, sb->h_logits + r * per_rank + (size_t)s * vp,
+                   sizeof(float) * count);
+    }
+    return KVS_OK;
+}
+
+/* Index bits travel in a float slot: the gather copies bytes, never converts. */
+static float index_bits(int32_t i) {
+    float f;
+    memcpy(&f, &i, sizeof f);
+    return f;
+}
+
+static int32_t bits_index(float f) {
+    int32_t i;
+    memcpy(&i, &f, sizeof i);
+    return i;
+}
+
+kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids) {
+    int n_logits;
+    KVS_TRY(forward_step(m, b, kv, &n_logits));
+    if (n_logits == 0) return KVS_OK;
+    kvs_backend *be = m->be;
+    kvs_step_buffers *sb = &m->buf;
+    const kvs_shard *sh = &m->shard;
+    int vp = sh->vocab_pad;
+    /* this rank's best (value, global id) per sequence: the first maximum of its real rows */
+    be->to_host_f32(be, sb->h_logits, sb->logits, (size_t)n_logits * vp);
+    for (int s = 0; s < n_logits; s++) {
+        const float *row = sb->h_logits + (size_t)s * vp;
+        int best = -1;
+        for (int v = 0; v < sh->vocab_count; v++)
+            if (best < 0 || row[v] > row[best]) best = v;
+        sb->h_pairs[2 * s] = best < 0 ? -INFINITY : row[best];
+        sb->h_pairs[2 * s + 1] = index_bits(best < 0 ? -1 : sh->vocab_begin + best);
+    }
+    const float *pairs = sb->h_pairs; /* [world][n_logits][2] */
+    if (sh->world > 1) {
+        size_t bytes = sizeof(float) * 2 * (size_t)n_logits;
+        be->to_device(be, sb->pairs, sb->h_pairs, bytes);
+        KVS_TRY(m->comm->all_gather(m->comm, sb->pairs_all, sb->pairs, 2 * (size_t)n_logits, KVS_F32));
+        if (!ids) return KVS_OK;
+        be->to_host(be, sb->h_pairs, sb->pairs_all, bytes * sh->world);
+    }
+    if (!ids) return KVS_OK;
+    /* ranks in vocabulary order and a strict '>': ties go to the lowest id,
+       as an argmax over the full logits would */
+    for (int s = 0; s < n_logits; s++) {
+        float best_v = 0;
+        int32_t best = -1;
+        for (int r = 0; r < sh->world; r++) {
+            const float *p = pairs + ((size_t)r * n_logits + s) * 2;
+            int32_t id = bits_index(p[1]);
+            if (id >= 0 && (best < 0 || p[0] > best_v)) best_v = p[0], best = id;
+        }
+        ids[s] = best;
+    }
+    return KVS_OK;
+}
+
+/* This rank's vocab slice of the logits of the tokens that want them. */
+static void local_logits(kvs_model *m, const kvs_batch *b, int n_logits) {
     kvs_backend *be = m->be;
     kvs_step_buffers *sb = &m->buf;
     const kvs_config *c = &m->cfg;
@@ -211,6 +331,5 @@ static void final_logits(kvs_model *m, const kvs_batch *b, int n_logits, float *
     be->to_device(be, sb->last_rows, sb->h_last_rows, sizeof(int32_t) * n_logits);
     be->gather_rows(be, sb->last, sb->x, sb->last_rows, n_logits, c->hidden_size);
     be->rmsnorm(be, sb->last, sb->last, m->final_norm, n_logits, c->hidden_size, c->rms_norm_eps);
-    be->matmul(be, sb->logits, sb->last, m->lm_head, NULL, n_logits, c->hidden_size, c->vocab_size);
-    be->to_host_f32(be, logits, sb->logits, (size_t)n_logits * c->vocab_size);
+    be->matmul(be, sb->logits, sb->last, m->lm_head, NULL, n_logits, c->hidden_size, m->shard.vocab_pad);
 }

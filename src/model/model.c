@@ -29,61 +29,180 @@ void kvs_rope_inv_freq(const kvs_config *cfg, float *inv_freq) {
     }
 }
 
-static kvs_status upload(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, void **dst,
-                         size_t offset_elems, size_t alloc_elems) {
+kvs_status kvs_tp_validate(const kvs_config *cfg, int world, int n_devices) {
+    if (world < 1)
+        return kvs_fail(KVS_ERR_INVALID, "--tensor-parallel-size %d: must be at least 1", world);
+    if (cfg->n_kv_heads % world)
+        return kvs_fail(KVS_ERR_INVALID,
+                        "--tensor-parallel-size %d does not divide the model's %d KV heads (num_key_value_heads)",
+                        world, cfg->n_kv_heads);
+    if (cfg->n_heads % world)
+        return kvs_fail(KVS_ERR_INVALID,
+                        "--tensor-parallel-size %d does not divide the model's %d attention heads "
+                        "(num_attention_heads)",
+                        world, cfg->n_heads);
+    if (cfg->intermediate_size % world)
+        return kvs_fail(KVS_ERR_INVALID,
+                        "--tensor-parallel-size %d does not divide the model's MLP size %d (intermediate_size)",
+                        world, cfg->intermediate_size);
+    if (n_devices >= 0 && world > n_devices)
+        return kvs_fail(KVS_ERR_INVALID, "--tensor-parallel-size %d exceeds the %d GPU%s present", world, n_devices,
+                        n_devices == 1 ? "" : "s");
+    return KVS_OK;
+}
+
+kvs_status kvs_shard_dims(const kvs_config *cfg, int rank, int world, kvs_shard *out) {
+    KVS_TRY(kvs_tp_validate(cfg, world, -1));
+    if (rank < 0 || rank >= world)
+        return kvs_fail(KVS_ERR_INVALID, "tensor parallel: rank %d out of range for %d ranks", rank, world);
+    int pad = (cfg->vocab_size + world - 1) / world, begin = rank * pad;
+    int count = cfg->vocab_size - begin;
+    if (count > pad) count = pad;
+    if (count < 0) count = 0;
+    *out = (kvs_shard){rank, world, cfg->n_heads / world, cfg->n_kv_heads / world, cfg->intermediate_size / world,
+                       begin, count, pad};
+    return KVS_OK;
+}
+
+/* Uploads rows [r0, r0 + nr) x columns [c0, c0 + nc) of a weight (nr or nc < 0:
+ * all of them; 1-D tensors are one column) to *dst + offset_elems, allocating
+ * *dst with alloc_elems elements (0: the slice's) when it is NULL. A column
+ * slice (row-parallel weights) is gathered on the host first, so every
+ * backend gets one upload per weight. */
+static kvs_status upload_slice(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0,
+                               int64_t nr, int64_t c0, int64_t nc, void **dst, size_t offset_elems,
+                               size_t alloc_elems) {
     kvs_host_tensor t;
     KVS_TRY(kvs_checkpoint_read(ck, kind, layer, &t));
-    size_t n = (size_t)t.shape[0] * (t.ndim == 2 ? (size_t)t.shape[1] : 1);
+    int64_t rows = t.shape[0], cols = t.ndim == 2 ? t.shape[1] : 1;
+    if (nr < 0) r0 = 0, nr = rows;
+    if (nc < 0) c0 = 0, nc = cols;
+    if (r0 < 0 || c0 < 0 || r0 + nr > rows || c0 + nc > cols) {
+        char name[160];
+        kvs_weight_name(kind, layer, name, sizeof name);
+        return kvs_fail(KVS_ERR_INVALID, "model: %s [%lld, %lld] has no slice rows %lld+%lld, columns %lld+%lld",
+                        name, (long long)rows, (long long)cols, (long long)r0, (long long)nr, (long long)c0,
+                        (long long)nc);
+    }
+    size_t n = (size_t)nr * (size_t)nc, es = kvs_dtype_size(t.dtype);
     if (!*dst) {
         *dst = m->be->alloc(m->be, (alloc_elems ? alloc_elems : n) * kvs_dtype_size(m->be->weight_dtype));
         if (!*dst) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
     }
-    m->be->upload_weight(m->be, (char *)*dst + offset_elems * kvs_dtype_size(m->be->weight_dtype), t.data,
-                         t.dtype, n);
+    void *to = (char *)*dst + offset_elems * kvs_dtype_size(m->be->weight_dtype);
+    const char *from = (const char *)t.data + ((size_t)r0 * (size_t)cols + (size_t)c0) * es;
+    if (nc == cols || nr <= 1) { /* contiguous */
+        m->be->upload_weight(m->be, to, from, t.dtype, n);
+        return KVS_OK;
+    }
+    char *staging = malloc(n * es);
+    if (!staging) return kvs_fail(KVS_ERR_NOMEM, "model: out of host memory slicing weights");
+    for (int64_t r = 0; r < nr; r++) memcpy(staging + (size_t)r * nc * es, from + (size_t)r * cols * es, nc * es);
+    m->be->upload_weight(m->be, to, staging, t.dtype, n);
+    free(staging);
     return KVS_OK;
+}
+
+static kvs_status upload(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, void **dst) {
+    return upload_slice(m, ck, kind, layer, 0, -1, 0, -1, dst, 0, 0);
+}
+
+static kvs_status upload_rows(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0,
+                              int64_t nr, void **dst, size_t offset_elems, size_t alloc_elems) {
+    return upload_slice(m, ck, kind, layer, r0, nr, 0, -1, dst, offset_elems, alloc_elems);
 }
 
 static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
     const kvs_config *c = &m->cfg;
+    const kvs_shard *sh = &m->shard;
     kvs_layer_weights *w = &m->layers[l];
-    KVS_TRY(upload(m, ck, KVS_W_ATTN_NORM, l, &w->attn_norm, 0, 0));
-    KVS_TRY(upload(m, ck, KVS_W_Q, l, &w->wq, 0, 0));
-    KVS_TRY(upload(m, ck, KVS_W_K, l, &w->wk, 0, 0));
-    KVS_TRY(upload(m, ck, KVS_W_V, l, &w->wv, 0, 0));
+    int64_t hd = c->head_dim, q0 = (int64_t)sh->rank * sh->n_heads * hd, qn = (int64_t)sh->n_heads * hd;
+    int64_t k0 = (int64_t)sh->rank * sh->n_kv_heads * hd, kn = (int64_t)sh->n_kv_heads * hd;
+    int64_t i0 = (int64_t)sh->rank * sh->intermediate, in = sh->intermediate;
+    KVS_TRY(upload(m, ck, KVS_W_ATTN_NORM, l, &w->attn_norm));
+    /* column-parallel: this rank's heads are rows of Q, K, V */
+    KVS_TRY(upload_rows(m, ck, KVS_W_Q, l, q0, qn, &w->wq, 0, 0));
+    KVS_TRY(upload_rows(m, ck, KVS_W_K, l, k0, kn, &w->wk, 0, 0));
+    KVS_TRY(upload_rows(m, ck, KVS_W_V, l, k0, kn, &w->wv, 0, 0));
     if (c->attention_bias) {
-        KVS_TRY(upload(m, ck, KVS_W_Q_BIAS, l, &w->bq, 0, 0));
-        KVS_TRY(upload(m, ck, KVS_W_K_BIAS, l, &w->bk, 0, 0));
-        KVS_TRY(upload(m, ck, KVS_W_V_BIAS, l, &w->bv, 0, 0));
+        KVS_TRY(upload_rows(m, ck, KVS_W_Q_BIAS, l, q0, qn, &w->bq, 0, 0));
+        KVS_TRY(upload_rows(m, ck, KVS_W_K_BIAS, l, k0, kn, &w->bk, 0, 0));
+        KVS_TRY(upload_rows(m, ck, KVS_W_V_BIAS, l, k0, kn, &w->bv, 0, 0));
     }
-    KVS_TRY(upload(m, ck, KVS_W_O, l, &w->wo, 0, 0));
-    KVS_TRY(upload(m, ck, KVS_W_MLP_NORM, l, &w->mlp_norm, 0, 0));
-    size_t gate_elems = (size_t)c->intermediate_size * c->hidden_size;
-    KVS_TRY(upload(m, ck, KVS_W_GATE, l, &w->w_gate_up, 0, 2 * gate_elems));
-    KVS_TRY(upload(m, ck, KVS_W_UP, l, &w->w_gate_up, gate_elems, 0));
-    KVS_TRY(upload(m, ck, KVS_W_DOWN, l, &w->w_down, 0, 0));
+    /* row-parallel: O [hidden, heads * head_dim] keeps the columns of this rank's heads */
+    KVS_TRY(upload_slice(m, ck, KVS_W_O, l, 0, -1, q0, qn, &w->wo, 0, 0));
+    KVS_TRY(upload(m, ck, KVS_W_MLP_NORM, l, &w->mlp_norm));
+    size_t gate_elems = (size_t)in * c->hidden_size;
+    KVS_TRY(upload_rows(m, ck, KVS_W_GATE, l, i0, in, &w->w_gate_up, 0, 2 * gate_elems));
+    KVS_TRY(upload_rows(m, ck, KVS_W_UP, l, i0, in, &w->w_gate_up, gate_elems, 0));
+    /* row-parallel: down [hidden, intermediate] keeps this rank's intermediate columns */
+    KVS_TRY(upload_slice(m, ck, KVS_W_DOWN, l, 0, -1, i0, in, &w->w_down, 0, 0));
+    return KVS_OK;
+}
+
+/* This rank's LM-head rows, zero-padded to vocab_pad rows. When the head is
+ * tied and the slice needs no padding it is a view into the embedding. */
+static kvs_status upload_lm_head(kvs_model *m, kvs_checkpoint *ck) {
+    const kvs_config *c = &m->cfg;
+    const kvs_shard *sh = &m->shard;
+    kvs_weight_kind kind = c->tie_word_embeddings ? KVS_W_EMBED : KVS_W_LM_HEAD;
+    size_t ws = kvs_dtype_size(m->be->weight_dtype), row = (size_t)c->hidden_size;
+    if (c->tie_word_embeddings && sh->vocab_count == sh->vocab_pad) {
+        m->lm_head = (char *)m->embed + (size_t)sh->vocab_begin * row * ws;
+        m->lm_head_owned = false;
+        return KVS_OK;
+    }
+    m->lm_head_owned = true;
+    size_t pad_rows = (size_t)(sh->vocab_pad - sh->vocab_count);
+    if (sh->vocab_count > 0) {
+        KVS_TRY(upload_rows(m, ck, kind, -1, sh->vocab_begin, sh->vocab_count, &m->lm_head, 0,
+                            (size_t)sh->vocab_pad * row));
+    } else {
+        m->lm_head = m->be->alloc(m->be, (size_t)sh->vocab_pad * row * ws);
+        if (!m->lm_head) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
+    }
+    if (pad_rows) { /* padding rows give logits the gather and the argmax skip */
+        float *zeros = calloc(pad_rows * row, sizeof(float));
+        if (!zeros) return kvs_fail(KVS_ERR_NOMEM, "model: out of host memory");
+        m->be->upload_weight(m->be, (char *)m->lm_head + (size_t)sh->vocab_count * row * ws, zeros, KVS_F32,
+                             pad_rows * row);
+        free(zeros);
+    }
     return KVS_OK;
 }
 
 kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, kvs_model **out) {
+    return kvs_model_create_shard(cfg, ck, be, 0, 1, NULL, out);
+}
+
+kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, int rank, int world,
+                                  kvs_comm *comm, kvs_model **out) {
     *out = NULL;
+    kvs_shard shard;
+    KVS_TRY(kvs_shard_dims(cfg, rank, world, &shard));
+    if (world > 1 && (!comm || comm->rank != rank || comm->world != world))
+        return kvs_fail(KVS_ERR_INVALID, "model: rank %d of %d needs a communicator of that rank and world (got %s)",
+                        rank, world, comm ? "another" : "none");
     kvs_model *m = calloc(1, sizeof *m);
     if (!m) return kvs_fail(KVS_ERR_NOMEM, "model: out of memory");
     m->cfg = *cfg;
     m->be = be;
+    m->shard = shard;
+    m->comm = world > 1 ? comm : NULL;
     m->layers = calloc((size_t)cfg->n_layers, sizeof(kvs_layer_weights));
     kvs_status st = m->layers ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "model: out of memory");
     kvs_progress bar;
-    kvs_progress_start(&bar, "loading weights", cfg->n_layers + 2);
-    if (st == KVS_OK) st = upload(m, ck, KVS_W_EMBED, -1, &m->embed, 0, 0);
-    if (st == KVS_OK) st = upload(m, ck, KVS_W_FINAL_NORM, -1, &m->final_norm, 0, 0);
-    if (st == KVS_OK && !cfg->tie_word_embeddings) st = upload(m, ck, KVS_W_LM_HEAD, -1, &m->lm_head, 0, 0);
-    if (st == KVS_OK && cfg->tie_word_embeddings) m->lm_head = m->embed;
-    kvs_progress_update(&bar, 2);
+    bool show = rank == 0; /* one bar for the group */
+    if (show) kvs_progress_start(&bar, "loading weights", cfg->n_layers + 2);
+    if (st == KVS_OK) st = upload(m, ck, KVS_W_EMBED, -1, &m->embed);
+    if (st == KVS_OK) st = upload(m, ck, KVS_W_FINAL_NORM, -1, &m->final_norm);
+    if (st == KVS_OK) st = upload_lm_head(m, ck);
+    if (show) kvs_progress_update(&bar, 2);
     for (int l = 0; l < cfg->n_layers && st == KVS_OK; l++) {
         st = upload_layer(m, ck, l);
-        kvs_progress_update(&bar, 3 + l);
+        if (show) kvs_progress_update(&bar, 3 + l);
     }
-    kvs_progress_finish(&bar);
+    if (show) kvs_progress_finish(&bar);
     if (st == KVS_OK) {
         float host[1024];
         size_t bytes = sizeof(float) * (size_t)(cfg->head_dim / 2);
@@ -106,7 +225,7 @@ kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backe
 static void free_step_buffers(kvs_backend *be, kvs_step_buffers *b) {
     void *dev[] = {b->x, b->xn, b->q, b->k, b->v, b->att, b->tmp, b->gate_up, b->act, b->last, b->logits,
                    b->ids, b->positions, b->slots, b->q_start, b->kv_len, b->block_tables, b->last_rows,
-                   b->lse, b->cap_src, b->cap_dst};
+                   b->lse, b->cap_src, b->cap_dst, b->logits_all, b->pairs, b->pairs_all};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(be, dev[i]);
     free(b->h_slots);
@@ -115,6 +234,8 @@ static void free_step_buffers(kvs_backend *be, kvs_step_buffers *b) {
     free(b->h_last_rows);
     free(b->h_cap_src);
     free(b->h_cap_dst);
+    free(b->h_logits);
+    free(b->h_pairs);
     memset(b, 0, sizeof *b);
 }
 
@@ -132,7 +253,7 @@ void kvs_model_destroy(kvs_model *m) {
         }
         free(m->layers);
     }
-    if (m->lm_head && m->lm_head != m->embed) be->free(be, m->lm_head);
+    if (m->lm_head && m->lm_head_owned) be->free(be, m->lm_head);
     if (m->embed) be->free(be, m->embed);
     if (m->final_norm) be->free(be, m->final_norm);
     if (m->inv_freq) be->free(be, m->inv_freq);
@@ -140,4 +261,6 @@ void kvs_model_destroy(kvs_model *m) {
 }
 
 const kvs_config *kvs_model_config(const kvs_model *m) { return &m->cfg; }
+const kvs_shard *kvs_model_shard(const kvs_model *m) { return &m->shard; }
+kvs_backend *kvs_model_backend(const kvs_model *m) { return m->be; }
 

@@ -84,9 +84,42 @@ kvs_status kvs_safetensors_parse(const uint8_t *buf, size_t len, const char *fil
 
 /* ---- the model ------------------------------------------------------------ */
 typedef struct kvs_model kvs_model;
+typedef struct kvs_comm kvs_comm; /* backend/comm.h */
 
-/* Uploads the checkpoint's weights into the backend (progress bar on a TTY). */
+/* Uploads the checkpoint's weights into the backend (progress bar on a TTY).
+ * The same as kvs_model_create_shard(cfg, ck, be, 0, 1, NULL, out). */
 kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, kvs_model **out);
+
+/* ---- tensor parallelism (docs/TP.md) ----------------------------------------
+ * Rank r of world N holds query heads [r*H/N, (r+1)*H/N), KV heads
+ * [r*KV/N, (r+1)*KV/N), MLP columns [r*I/N, (r+1)*I/N) and LM-head rows
+ * [r*Vp, r*Vp + vocab_count) with Vp = ceil(V/N) (the last rank's slice is
+ * zero-padded to Vp rows). Q, K, V (and their biases), gate and up are split
+ * by rows (column-parallel), O and down by columns (row-parallel, their
+ * outputs summed over the ranks with the communicator's all-reduce); norms and
+ * embeddings are replicated. */
+typedef struct {
+    int rank, world;
+    int n_heads, n_kv_heads, intermediate; /* this rank's */
+    int vocab_begin, vocab_count;          /* LM-head rows of this rank */
+    int vocab_pad;                         /* ceil(vocab / world): rows of every rank's slice */
+} kvs_shard;
+
+/* Checks that world divides the KV heads, the query heads and the MLP size and,
+ * when n_devices >= 0, that world does not exceed n_devices; the error names
+ * the numbers. */
+kvs_status kvs_tp_validate(const kvs_config *cfg, int world, int n_devices);
+/* rank's slice of the model (after kvs_tp_validate). */
+kvs_status kvs_shard_dims(const kvs_config *cfg, int rank, int world, kvs_shard *out);
+/* Rank's model: the checkpoint's host tensors sliced at upload. comm (comm->rank
+ * == rank, comm->world == world) carries the all-reduces and the logits gather;
+ * it may be NULL when world is 1. The checkpoint is not thread-safe: create the
+ * ranks' models one at a time. A rank's KV cache must hold its local heads
+ * (kvs_shard n_kv_heads, n_heads). */
+kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, int rank, int world,
+                                  kvs_comm *comm, kvs_model **out);
+const kvs_shard *kvs_model_shard(const kvs_model *m);
+kvs_backend *kvs_model_backend(const kvs_model *m);
 void kvs_model_destroy(kvs_model *m);
 const kvs_config *kvs_model_config(const kvs_model *m);
 
@@ -104,5 +137,54 @@ typedef struct {
  * what the sequences' KV policies say is due (kvs_kv_sparsify). logits:
  * [number of seqs that want them][vocab], in order of the sequences. */
 kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits);
+/* With tensor parallelism every rank calls kvs_model_forward for the same batch
+ * (collectives inside); each computes the logits of its vocabulary slice and
+ * they are all-gathered, so logits is the full [n][vocab] on every rank that
+ * passes one (NULL: the rank takes part in the gather, copies nothing out).
+ *
+ * Greedy without the full logits: the same forward, but each rank takes the
+ * max (value, lowest index) of its vocab slice and the ranks all-gather those
+ * pairs (8 bytes per sequence and rank instead of 4 x vocab / N); the winner is
+ * the largest value, ties to the lowest token id, exactly the argmax of the
+ * full logits. ids: [number of seqs that want logits]; NULL as for logits. */
+kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids);
+
+/* ---- a tensor-parallel group: one thread per rank ---------------------------
+ * world ranks, each a thread that owns one backend, one communicator, one
+ * rank model and one KV cache of its local KV heads. The calls below run the
+ * same operation on every rank in lockstep and return when all are done; the
+ * caller sees one model. Block tables are identical across ranks (same
+ * lengths, same policy, same budgets; each rank selects among its own heads),
+ * so the scheduler can look at rank 0's cache (kvs_tp_kv(g, 0)) for admission. */
+typedef struct kvs_tp_group kvs_tp_group;
+
+/* Rank models on backends[r] with comms[r] (both stay the caller's), created
+ * in the rank threads one after the other (the checkpoint is read once per
+ * rank). n_devices as for kvs_tp_validate (-1: no device limit, the CPU
+ * simulation). */
+kvs_status kvs_tp_group_create(const kvs_config *cfg, kvs_checkpoint *ck, int world, kvs_backend **backends,
+                               kvs_comm **comms, int n_devices, kvs_tp_group **out);
+/* The CPU simulation: world CPU backends (threads_per_rank OpenMP threads each,
+ * 0: the default) and host communicators, owned by the group. */
+kvs_status kvs_tp_group_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
+                                   kvs_tp_group **out);
+void kvs_tp_group_destroy(kvs_tp_group *g);
+int kvs_tp_world(const kvs_tp_group *g);
+kvs_model *kvs_tp_model(kvs_tp_group *g, int rank);
+kvs_kv_cache *kvs_tp_kv(kvs_tp_group *g, int rank); /* NULL before kvs_tp_kv_create */
+
+/* Each rank's KV cache from a whole-model config (n_kv_heads, n_heads of the
+ * full model; each rank gets its slice, the same n_blocks). Replaces old ones. */
+kvs_status kvs_tp_kv_create(kvs_tp_group *g, const kvs_kv_config *global);
+/* Lockstep KV operations (see kv.h); the ranks' results must agree. */
+int kvs_tp_seq_create(kvs_tp_group *g);
+void kvs_tp_seq_free(kvs_tp_group *g, int seq_id);
+kvs_status kvs_tp_set_policy(kvs_tp_group *g, int seq_id, const kvs_kv_policy *p, int prompt_len);
+kvs_status kvs_tp_reserve(kvs_tp_group *g, int seq_id, int n_new);
+/* kvs_model_forward on every rank; rank 0's gathered logits in logits. A rank
+ * failing mid-step aborts the communicators: the group is then unusable. */
+kvs_status kvs_tp_forward(kvs_tp_group *g, const kvs_batch *b, float *logits);
+/* kvs_model_forward_argmax on every rank; greedy ids in ids. */
+kvs_status kvs_tp_forward_argmax(kvs_tp_group *g, const kvs_batch *b, int32_t *ids);
 
 #endif

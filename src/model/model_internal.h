@@ -2,6 +2,7 @@
 #ifndef KVS_MODEL_INTERNAL_H
 #define KVS_MODEL_INTERNAL_H
 
+#include "backend/comm.h"
 #include "model/model.h"
 
 typedef struct {
@@ -17,12 +18,20 @@ typedef struct {
     int32_t *ids, *positions, *slots, *q_start, *kv_len, *block_tables, *last_rows, *cap_src, *cap_dst;
     /* host staging */
     int32_t *h_slots, *h_kv_len, *h_block_tables, *h_last_rows, *h_cap_src, *h_cap_dst;
+    /* tensor parallelism: every rank's logits slices [world][cap_logits][vocab_pad]
+       and the argmax pairs (value, index bits) [cap_logits][2] / [world][cap_logits][2] */
+    void *logits_all;
+    float *pairs, *pairs_all;
+    float *h_logits, *h_pairs; /* host staging */
 } kvs_step_buffers;
 
 struct kvs_model {
     kvs_config cfg;
     kvs_backend *be;
-    void *embed, *final_norm, *lm_head; /* lm_head == embed when tied */
+    kvs_shard shard; /* this rank's slice (rank 0 of 1 without tensor parallelism) */
+    kvs_comm *comm;  /* NULL when world is 1 */
+    void *embed, *final_norm, *lm_head; /* lm_head points into embed when tied and unpadded */
+    bool lm_head_owned;
     kvs_layer_weights *layers;
     float *inv_freq; /* [head_dim / 2], backend memory */
     kvs_step_buffers buf;
@@ -30,5 +39,7 @@ struct kvs_model {
 
 /* RoPE inverse frequencies with the config's scaling (none, linear, llama3). */
 void kvs_rope_inv_freq(const kvs_config *cfg, float *inv_freq);
+/* The batch checks of kvs_model_forward (tp.c runs them once before a step). */
+kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
 
 #endif

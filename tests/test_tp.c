@@ -1,0 +1,575 @@
+/* Tensor parallelism simulated on the CPU: N ranks as N threads with sharded
+ * weights and host all-reduces, checked against the single-rank model. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/comm.h"
+#include "kv/kv.h"
+#include "model/model.h"
+#include "model/model_internal.h" /* the LM-head slices, for the tie test */
+#include "testutil.h"
+
+/* A model run either as one kvs_model_create model (world 0) or as a
+ * tensor-parallel group of world ranks (world >= 1). */
+typedef struct {
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    int world;
+    kvs_backend *be;
+    kvs_model *m;
+    kvs_kv_cache *kv;
+    kvs_tp_group *g;
+} rig;
+
+static kvs_kv_config kv_config(const kvs_config *c, int max_tokens, int max_seqs) {
+    kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+                        .n_heads = c->n_heads, .block_size = 16, .max_seqs = max_seqs};
+    kc.n_blocks = (int64_t)((max_tokens + 15) / 16 + 1) * c->n_layers * max_seqs;
+    return kc;
+}
+
+static void rig_start(rig *r, int world, int max_tokens, int max_seqs) {
+    r->world = world;
+    kvs_kv_config kc = kv_config(&r->cfg, max_tokens, max_seqs);
+    if (world == 0) {
+        cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
+        cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
+    } else {
+        cr_assert_eq(kvs_tp_group_create_cpu(&r->cfg, r->ck, world, 0, &r->g), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_tp_kv_create(r->g, &kc), KVS_OK, "%s", kvs_last_error());
+    }
+}
+
+static void rig_open(rig *r, const char *dir, int world, int max_tokens, int max_seqs) {
+    memset(r, 0, sizeof *r);
+    cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
+    rig_start(r, world, max_tokens, max_seqs);
+}
+
+/* Seeded dummy weights for a config given as JSON. */
+static void rig_open_dummy(rig *r, const char *json, int world, int max_tokens) {
+    memset(r, 0, sizeof *r);
+    cr_assert_eq(kvs_config_parse(json, strlen(json), "test config", &r->cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_dummy(&r->cfg, 1234, &r->ck), KVS_OK, "%s", kvs_last_error());
+    rig_start(r, world, max_tokens, 3);
+}
+
+static void rig_close(rig *r) {
+    if (r->g) {
+        for (int k = 0; k < kvs_tp_world(r->g); k++)
+            cr_expect_eq(kvs_kv_check(kvs_tp_kv(r->g, k)), KVS_OK, "rank %d: %s", k, kvs_last_error());
+        kvs_tp_group_destroy(r->g);
+    } else {
+        kvs_kv_destroy(r->kv);
+        kvs_model_destroy(r->m);
+        r->be->destroy(r->be);
+    }
+    kvs_checkpoint_destroy(r->ck);
+}
+
+static int rig_seq(rig *r, const kvs_kv_policy *p, int prompt_len) {
+    int seq = r->g ? kvs_tp_seq_create(r->g) : kvs_kv_seq_create(r->kv);
+    cr_assert_geq(seq, 0, "%s", kvs_last_error());
+    if (p) {
+        kvs_status st = r->g ? kvs_tp_set_policy(r->g, seq, p, prompt_len) : kvs_kv_set_policy(r->kv, seq, p, prompt_len);
+        cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
+    }
+    return seq;
+}
+
+static void rig_free(rig *r, int seq) {
+    if (r->g) kvs_tp_seq_free(r->g, seq);
+    else kvs_kv_free(r->kv, seq);
+}
+
+/* ids[0..n) of seq at positions pos0.. in chunks; the last token's logits
+ * (and, through the group's argmax path, its greedy id when argmax is set). */
+static void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, int chunk, float *logits, int32_t *argmax) {
+    for (int start = 0; start < n; start += chunk) {
+        int len = n - start < chunk ? n - start : chunk;
+        int32_t *pos = malloc(sizeof(int32_t) * len), qs[2] = {0, len};
+        for (int i = 0; i < len; i++) pos[i] = pos0 + start + i;
+        uint8_t want = start + len == n;
+        kvs_batch b = {len, 1, ids + start, pos, qs, &seq, &want};
+        kvs_status st;
+        if (r->g) {
+            cr_assert_eq(kvs_tp_reserve(r->g, seq, len), KVS_OK, "%s", kvs_last_error());
+            st = argmax ? kvs_tp_forward_argmax(r->g, &b, argmax) : kvs_tp_forward(r->g, &b, logits);
+        } else {
+            cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
+            st = kvs_model_forward(r->m, &b, r->kv, logits);
+        }
+        cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
+        free(pos);
+    }
+}
+
+static kvs_kv_cache *rank_kv(rig *r, int rank) { return r->g ? kvs_tp_kv(r->g, rank) : r->kv; }
+
+/* Greedy continuation of n_new tokens after logits (prompt of n tokens): the
+ * TP rig runs the steps twice over, once through the gathered logits and once
+ * through the argmax that gathers none, on two sequences. */
+static void greedy(rig *r, int seq, int pos, float *logits, int n_new, int32_t *out) {
+    for (int i = 0; i < n_new; i++) {
+        out[i] = argmax_f(logits, r->cfg.vocab_size);
+        if (i + 1 < n_new) rig_run(r, seq, &out[i], 1, pos + i, 1, logits, NULL);
+    }
+}
+
+static void greedy_argmax(rig *r, int seq, const int32_t *prompt, int n, int chunk, int n_new, int32_t *out) {
+    rig_run(r, seq, prompt, n, 0, chunk, NULL, &out[0]);
+    for (int i = 1; i < n_new; i++) rig_run(r, seq, &out[i - 1], 1, n + i - 1, 1, NULL, &out[i]);
+}
+
+/* ---- tiny-needle-llama: 8 layers, 4 heads, 2 KV heads, tied 8192 vocab ---- */
+Test(tp, tiny_needle_llama_tp2_matches_single_rank, .timeout = 900) {
+    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    cr_assert(cases && json_array_size(cases) == 4);
+    rig one, two;
+    rig_open(&one, src_path("models/tiny-needle-llama"), 0, 700, 1);
+    rig_open(&two, src_path("models/tiny-needle-llama"), 2, 700, 2);
+    int V = one.cfg.vocab_size;
+    float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
+    size_t i;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        const char *name = json_string_value(json_object_get(c, "name"));
+        int n, n_ref;
+        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
+        int32_t *want = json_ids(json_object_get(c, "greedy32_ids"), &n_ref);
+        int s1 = rig_seq(&one, NULL, n), s2 = rig_seq(&two, NULL, n);
+        rig_run(&one, s1, ids, n, 0, n, l1, NULL);
+        rig_run(&two, s2, ids, n, 0, n, l2, NULL);
+        double d = rel_max_diff(l2, l1, V);
+        cr_log_info("tiny-needle-llama %s: TP=2 vs TP=1 rel diff %.2e", name, d);
+        cr_expect(d <= 1e-4, "%s: TP=2 logits rel diff %g", name, d);
+        int32_t g1[32], g2[32], g3[32];
+        greedy(&one, s1, n, l1, n_ref, g1);
+        greedy(&two, s2, n, l2, n_ref, g2);
+        int s3 = rig_seq(&two, NULL, n);
+        greedy_argmax(&two, s3, ids, n, n, n_ref, g3);
+        for (int k = 0; k < n_ref; k++) {
+            cr_expect_eq(g2[k], g1[k], "%s: greedy token %d: TP=2 %d, TP=1 %d", name, k, g2[k], g1[k]);
+            cr_expect_eq(g3[k], g1[k], "%s: greedy token %d: TP=2 argmax %d, TP=1 %d", name, k, g3[k], g1[k]);
+            cr_expect_eq(g2[k], want[k], "%s: greedy token %d: TP=2 %d, transformers %d", name, k, g2[k], want[k]);
+        }
+        rig_free(&one, s1);
+        rig_free(&two, s2);
+        rig_free(&two, s3);
+        free(ids);
+        free(want);
+    }
+    free(l1);
+    free(l2);
+    rig_close(&one);
+    rig_close(&two);
+    json_decref(cases);
+}
+
+/* ---- the architecture fixtures: llama3 rope scaling, qwen2 bias + tied, mistral ---- */
+static void check_arch(const char *name) {
+    char dir[512], ref_path[512];
+    snprintf(dir, sizeof dir, "fixtures/arch/%s", name);
+    snprintf(ref_path, sizeof ref_path, "fixtures/arch/%s/reference.json", name);
+    json_t *ref = load_json(shared_path(ref_path));
+    cr_assert(ref, "cannot read %s", ref_path);
+    rig one, two;
+    rig_open(&one, shared_path(dir), 0, 2048 + 64, 1);
+    rig_open(&two, shared_path(dir), 2, 2048 + 64, 2);
+    cr_assert_eq(two.cfg.n_kv_heads, 2);
+    int V = one.cfg.vocab_size;
+    float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
+    size_t i;
+    json_t *c;
+    json_array_foreach(json_object_get(ref, "cases"), i, c) {
+        const char *cname = json_string_value(json_object_get(c, "name"));
+        int n, n_new;
+        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
+        int32_t *want = json_ids(json_object_get(c, "greedy_new_ids"), &n_new);
+        int s1 = rig_seq(&one, NULL, n), s2 = rig_seq(&two, NULL, n);
+        json_t *all = json_object_get(c, "logits_f32_b64");
+        if (all) { /* every position, one token at a time */
+            size_t nl;
+            float *refs = b64_floats(json_string_value(all), &nl);
+            cr_assert_eq((int)nl, n * V);
+            double worst = 0;
+            for (int p = 0; p < n; p++) {
+                rig_run(&one, s1, ids + p, 1, p, 1, l1, NULL);
+                rig_run(&two, s2, ids + p, 1, p, 1, l2, NULL);
+                double d = rel_max_diff(l2, l1, V), dr = rel_max_diff(l2, refs + (size_t)p * V, V);
+                worst = fmax(worst, d);
+                cr_expect(d <= 1e-4, "%s %s position %d: TP=2 vs TP=1 rel diff %g", name, cname, p, d);
+                cr_expect(dr <= 1e-3, "%s %s position %d: TP=2 vs transformers rel diff %g", name, cname, p, dr);
+            }
+            cr_log_info("%s %s: %d positions, worst TP=2 vs TP=1 rel diff %.2e", name, cname, n, worst);
+            free(refs);
+        } else { /* the last position, prefill in chunks of 300 */
+            size_t nl;
+            float *last = b64_floats(json_string_value(json_object_get(c, "last_logits_f32_b64")), &nl);
+            rig_run(&one, s1, ids, n, 0, 300, l1, NULL);
+            rig_run(&two, s2, ids, n, 0, 300, l2, NULL);
+            double d = rel_max_diff(l2, l1, V), dr = rel_max_diff(l2, last, V);
+            cr_log_info("%s %s last position: TP=2 vs TP=1 rel diff %.2e", name, cname, d);
+            cr_expect(d <= 1e-4, "%s %s last position: TP=2 vs TP=1 rel diff %g", name, cname, d);
+            cr_expect(dr <= 1e-3, "%s %s last position: TP=2 vs transformers rel diff %g", name, cname, dr);
+            free(last);
+        }
+        int32_t g1[64], g2[64];
+        greedy(&one, s1, n, l1, n_new, g1);
+        greedy(&two, s2, n, l2, n_new, g2);
+        for (int k = 0; k < n_new; k++) {
+            cr_expect_eq(g2[k], g1[k], "%s %s greedy token %d: TP=2 %d, TP=1 %d", name, cname, k, g2[k], g1[k]);
+            cr_expect_eq(g2[k], want[k], "%s %s greedy token %d: TP=2 %d, transformers %d", name, cname, k, g2[k],
+                         want[k]);
+        }
+        rig_free(&one, s1);
+        rig_free(&two, s2);
+        free(ids);
+        free(want);
+    }
+    free(l1);
+    free(l2);
+    rig_close(&one);
+    rig_close(&two);
+    json_decref(ref);
+}
+
+Test(tp, llama3_rope_scaling_bf16, .timeout = 900) { check_arch("llama3-rope-scaling"); }
+Test(tp, qwen2_bias_tied_fp16, .timeout = 900) { check_arch("qwen2-bias-tied"); }
+Test(tp, mistral_fp32, .timeout = 900) { check_arch("mistral"); }
+
+/* ---- a vocabulary that does not split evenly: padded LM-head slices ---- */
+static const char *odd_vocab_config(bool tied, bool bias) {
+    static char buf[1024];
+    snprintf(buf, sizeof buf,
+             "{\"architectures\": [\"%s\"], \"hidden_size\": 64, \"num_hidden_layers\": 2,"
+             " \"num_attention_heads\": 8, \"num_key_value_heads\": 4, \"head_dim\": 16,"
+             " \"intermediate_size\": 96, \"vocab_size\": 515, \"max_position_embeddings\": 1024,"
+             " \"rms_norm_eps\": 1e-5, \"rope_theta\": 10000.0, \"tie_word_embeddings\": %s,"
+             " \"torch_dtype\": \"float32\"}",
+             bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM", tied ? "true" : "false");
+    return buf;
+}
+
+static void check_odd_vocab(bool tied, bool bias, int world) {
+    rig one, tp;
+    rig_open_dummy(&one, odd_vocab_config(tied, bias), 0, 128);
+    rig_open_dummy(&tp, odd_vocab_config(tied, bias), world, 128);
+    cr_assert_eq(one.cfg.attention_bias, bias);
+    const kvs_shard *last = kvs_model_shard(kvs_tp_model(tp.g, world - 1));
+    cr_assert_eq(last->vocab_pad, (515 + world - 1) / world);
+    cr_assert_eq(last->vocab_begin + last->vocab_count, 515, "the last slice ends at the vocabulary's end");
+    int V = 515;
+    float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
+    int32_t ids[40];
+    for (int i = 0; i < 40; i++) ids[i] = (i * 37 + 11) % V;
+    int s1 = rig_seq(&one, NULL, 40), s2 = rig_seq(&tp, NULL, 40), s3 = rig_seq(&tp, NULL, 40);
+    rig_run(&one, s1, ids, 40, 0, 40, l1, NULL);
+    rig_run(&tp, s2, ids, 40, 0, 40, l2, NULL);
+    double d = rel_max_diff(l2, l1, V);
+    cr_expect(d <= 1e-4, "vocab 515 over %d ranks (tied %d, bias %d): rel diff %g", world, tied, bias, d);
+    int32_t g1[12], g3[12];
+    greedy(&one, s1, 40, l1, 12, g1);
+    greedy_argmax(&tp, s3, ids, 40, 40, 12, g3);
+    for (int k = 0; k < 12; k++) cr_expect_eq(g3[k], g1[k], "greedy token %d over %d ranks: %d != %d", k, world, g3[k], g1[k]);
+    free(l1);
+    free(l2);
+    rig_close(&one);
+    rig_close(&tp);
+}
+
+Test(tp, odd_vocab_padded_slices) {
+    check_odd_vocab(false, false, 2);
+    check_odd_vocab(true, false, 4);
+    check_odd_vocab(true, true, 2);
+    check_odd_vocab(false, true, 4);
+}
+
+/* The argmax that gathers no logits picks the lowest id among equal maxima, as
+ * an argmax over the full logits does, also across ranks. */
+Test(tp, argmax_ties_go_to_the_lowest_id) {
+    const char *json = "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 32, \"num_hidden_layers\": 1,"
+                       " \"num_attention_heads\": 2, \"num_key_value_heads\": 2, \"head_dim\": 16,"
+                       " \"intermediate_size\": 32, \"vocab_size\": 9, \"max_position_embeddings\": 64,"
+                       " \"rms_norm_eps\": 1e-5, \"rope_theta\": 10000.0, \"tie_word_embeddings\": false,"
+                       " \"torch_dtype\": \"float32\"}";
+    rig tp;
+    rig_open_dummy(&tp, json, 2, 16);
+    /* LM-head rows: w everywhere, 2w at ids 6 and 8 (rank 1): logits tie in
+       groups whichever sign h.w has; the lowest id of the top group wins */
+    int H = 32;
+    float *w0 = kvs_tp_model(tp.g, 0)->lm_head, *w1 = kvs_tp_model(tp.g, 1)->lm_head;
+    cr_assert_eq(kvs_model_shard(kvs_tp_model(tp.g, 1))->vocab_pad, 5);
+    cr_assert_eq(kvs_model_shard(kvs_tp_model(tp.g, 1))->vocab_count, 4);
+    float row[32];
+    memcpy(row, w0, sizeof row);
+    for (int v = 0; v < 5; v++) memcpy(w0 + v * H, row, sizeof row);
+    for (int v = 0; v < 4; v++)
+        for (int k = 0; k < H; k++) w1[v * H + k] = (v == 1 || v == 3 ? 2 : 1) * row[k];
+    float logits[9];
+    int32_t tok = 3, pos = 0, got;
+    int seq = rig_seq(&tp, NULL, 1), seq2 = rig_seq(&tp, NULL, 1);
+    rig_run(&tp, seq, &tok, 1, 0, 1, logits, NULL);
+    rig_run(&tp, seq2, &tok, 1, 0, 1, NULL, &got);
+    (void)pos;
+    cr_assert_eq(logits[0], logits[5], "rows 0 and 5 tie across ranks");
+    cr_assert_eq(logits[6], logits[8]);
+    cr_assert_eq(got, argmax_f(logits, 9), "argmax path %d, gathered logits %d", got, argmax_f(logits, 9));
+    cr_assert(got == 0 || got == 6, "got %d", got);
+    rig_close(&tp);
+}
+
+/* ---- sparsity: each rank scores, selects and compacts its own KV heads ---- */
+static const float *key_of(kvs_kv_cache *kv, int seq, int layer, int head, int entry) {
+    const kvs_kv_pool *p = kvs_kv_get_pool(kv);
+    int32_t slot = kvs_kv_slot(kv, seq, layer, entry);
+    size_t per_head = (size_t)p->block_size * p->head_dim;
+    return (const float *)p->data + (size_t)(slot / p->block_size) * 2 * p->n_kv_heads * per_head +
+           (size_t)head * per_head + (size_t)(slot % p->block_size) * p->head_dim;
+}
+
+/* Rank r's head h holds the entries of global head r * local + h. */
+static void expect_same_selection(rig *one, int s1, rig *tp, int s2, const char *when) {
+    const kvs_config *c = &one->cfg;
+    int local = c->n_kv_heads / tp->world;
+    for (int l = 0; l < c->n_layers; l++) {
+        int len = kvs_kv_len(one->kv, s1, l);
+        for (int r = 0; r < tp->world; r++) {
+            kvs_kv_cache *kv = rank_kv(tp, r);
+            cr_assert_eq(kvs_kv_len(kv, s2, l), len, "%s: layer %d rank %d holds %d entries, TP=1 %d", when, l, r,
+                         kvs_kv_len(kv, s2, l), len);
+            for (int h = 0; h < local; h++)
+                for (int e = 0; e < len; e++) {
+                    const float *ka = key_of(one->kv, s1, l, r * local + h, e), *kb = key_of(kv, s2, l, h, e);
+                    double diff = 0, norm = 0;
+                    for (int t = 0; t < c->head_dim; t++) {
+                        diff = fmax(diff, fabs(ka[t] - kb[t]));
+                        norm = fmax(norm, fabs(ka[t]));
+                    }
+                    cr_assert(diff <= 1e-4 * norm, "%s: layer %d rank %d head %d (global %d) entry %d differs (%g of %g)",
+                              when, l, r, h, r * local + h, e, diff, norm);
+                }
+        }
+    }
+}
+
+static void check_sparse(kvs_policy_kind kind) {
+    rig one, two;
+    rig_open(&one, src_path("models/tiny-needle-llama"), 0, 700, 1);
+    rig_open(&two, src_path("models/tiny-needle-llama"), 2, 700, 1);
+    int V = one.cfg.vocab_size, n = 480;
+    int32_t *ids = malloc(sizeof(int32_t) * n);
+    kvs_rng rng;
+    kvs_rng_seed(&rng, 77);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % 8187);
+    kvs_kv_policy p = kvs_kv_policy_default(kind);
+    p.budget_fraction = 0.1f;
+    float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
+    int s1 = rig_seq(&one, &p, n), s2 = rig_seq(&two, &p, n);
+    rig_run(&one, s1, ids, n, 0, 200, l1, NULL);
+    rig_run(&two, s2, ids, n, 0, 200, l2, NULL);
+    int64_t held, full;
+    kvs_kv_seq_usage(one.kv, s1, &held, &full);
+    cr_assert_lt(held * 4, full, "the policy compacted: %lld of %lld", (long long)held, (long long)full);
+    expect_same_selection(&one, s1, &two, s2, "after the prompt");
+    double d = rel_max_diff(l2, l1, V);
+    cr_expect(d <= 1e-4, "sparse prefill: TP=2 vs TP=1 rel diff %g", d);
+    /* 48 decode tokens: sparse layers reach B_l + window and are re-compressed */
+    for (int t = 0; t < 48; t++) {
+        int32_t a = argmax_f(l1, V), b = argmax_f(l2, V);
+        cr_assert_eq(b, a, "decode step %d: TP=2 %d, TP=1 %d", t, b, a);
+        rig_run(&one, s1, &a, 1, n + t, 1, l1, NULL);
+        rig_run(&two, s2, &b, 1, n + t, 1, l2, NULL);
+        d = rel_max_diff(l2, l1, V);
+        cr_expect(d <= 1e-4, "sparse decode step %d: TP=2 vs TP=1 rel diff %g", t, d);
+    }
+    expect_same_selection(&one, s1, &two, s2, "after 48 decode tokens");
+    rig_free(&one, s1);
+    rig_free(&two, s2);
+    for (int r = 0; r < 2; r++) cr_expect_eq(kvs_kv_used_blocks(kvs_tp_kv(two.g, r)), 0);
+    free(ids);
+    free(l1);
+    free(l2);
+    rig_close(&one);
+    rig_close(&two);
+}
+
+Test(tp, snapkv_ranks_select_their_own_heads, .timeout = 900) { check_sparse(KVS_POLICY_SNAPKV); }
+Test(tp, pyramidkv_ranks_select_their_own_heads, .timeout = 900) { check_sparse(KVS_POLICY_PYRAMIDKV); }
+
+/* ---- validation ---- */
+Test(tp, sizes_that_do_not_divide_fail_naming_the_numbers) {
+    kvs_config cfg;
+    cr_assert_eq(kvs_config_load(src_path("models/tiny-needle-llama"), &cfg), KVS_OK);
+    kvs_checkpoint *ck;
+    cr_assert_eq(kvs_checkpoint_open(src_path("models/tiny-needle-llama"), &cfg, &ck), KVS_OK);
+    kvs_tp_group *g = (kvs_tp_group *)1;
+    cr_assert_eq(kvs_tp_group_create_cpu(&cfg, ck, 3, 1, &g), KVS_ERR_INVALID);
+    cr_assert_null(g);
+    const char *msg = kvs_last_error();
+    cr_expect(strstr(msg, "3") && strstr(msg, "2 KV heads"), "message: %s", msg);
+    cr_assert_eq(kvs_tp_validate(&cfg, 4, -1), KVS_ERR_INVALID); /* 4 does not divide 2 KV heads */
+    cr_expect(strstr(kvs_last_error(), "4") && strstr(kvs_last_error(), "2 KV heads"), "%s", kvs_last_error());
+    cr_assert_eq(kvs_tp_validate(&cfg, 0, -1), KVS_ERR_INVALID);
+    /* more ranks than GPUs */
+    cr_assert_eq(kvs_tp_validate(&cfg, 2, 1), KVS_ERR_INVALID);
+    cr_expect(strstr(kvs_last_error(), "2") && strstr(kvs_last_error(), "1 GPU present"), "%s", kvs_last_error());
+    cr_assert_eq(kvs_tp_validate(&cfg, 2, 2), KVS_OK);
+    cr_assert_eq(kvs_tp_validate(&cfg, 2, -1), KVS_OK);
+    /* the intermediate size too */
+    kvs_config odd = cfg;
+    odd.intermediate_size = 767;
+    cr_assert_eq(kvs_tp_validate(&odd, 2, -1), KVS_ERR_INVALID);
+    cr_expect(strstr(kvs_last_error(), "767"), "%s", kvs_last_error());
+    /* a shard model without a communicator, or a rank out of range */
+    kvs_backend *be;
+    cr_assert_eq(kvs_backend_cpu_create(1, &be), KVS_OK);
+    kvs_model *m;
+    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 2, NULL, &m), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 2, 2, NULL, &m), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 3, NULL, &m), KVS_ERR_INVALID);
+    cr_expect(strstr(kvs_last_error(), "3") && strstr(kvs_last_error(), "2 KV heads"), "%s", kvs_last_error());
+    /* the GPU path without enough GPUs (or without NCCL) says so */
+    kvs_backend *bes[2] = {be, be};
+    kvs_comm *comms[2];
+    cr_assert_neq(kvs_comm_nccl_create(bes, 2, comms), KVS_OK);
+    be->destroy(be);
+    kvs_checkpoint_destroy(ck);
+}
+
+/* A rank's model with a KV cache of the whole model's heads is refused. */
+Test(tp, shard_with_a_full_kv_cache_is_refused) {
+    kvs_config cfg;
+    cr_assert_eq(kvs_config_load(src_path("models/tiny-needle-llama"), &cfg), KVS_OK);
+    kvs_checkpoint *ck;
+    cr_assert_eq(kvs_checkpoint_open(src_path("models/tiny-needle-llama"), &cfg, &ck), KVS_OK);
+    kvs_tp_group *g;
+    cr_assert_eq(kvs_tp_group_create_cpu(&cfg, ck, 2, 1, &g), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_config kc = kv_config(&cfg, 32, 1);
+    kvs_kv_cache *kv;
+    kvs_backend *be;
+    cr_assert_eq(kvs_backend_cpu_create(1, &be), KVS_OK);
+    cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK);
+    int seq = kvs_kv_seq_create(kv);
+    cr_assert_eq(kvs_kv_reserve(kv, seq, 1), KVS_OK);
+    int32_t tok = 5, pos = 0, qs[2] = {0, 1};
+    uint8_t want = 1;
+    kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
+    float *logits = malloc(sizeof(float) * cfg.vocab_size);
+    cr_assert_eq(kvs_model_forward(kvs_tp_model(g, 0), &b, kv, logits), KVS_ERR_INVALID);
+    cr_expect(strstr(kvs_last_error(), "rank 0 of 2") && strstr(kvs_last_error(), "1 KV heads"), "%s",
+              kvs_last_error());
+    /* the group refuses a forward before its caches exist, and bad batches before any rank runs */
+    cr_assert_eq(kvs_tp_forward(g, &b, logits), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_tp_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());
+    int s = kvs_tp_seq_create(g);
+    cr_assert_eq(s, 0);
+    kvs_batch bad = {1, 1, &tok, &pos, qs, &s, &want};
+    cr_assert_eq(kvs_tp_forward(g, &bad, logits), KVS_ERR_INVALID); /* no room reserved */
+    cr_assert_eq(kvs_tp_reserve(g, s, 1), KVS_OK);
+    cr_assert_eq(kvs_tp_forward(g, &bad, logits), KVS_OK, "%s", kvs_last_error()); /* still usable */
+    free(logits);
+    kvs_kv_destroy(kv);
+    be->destroy(be);
+    kvs_tp_group_destroy(g);
+    kvs_checkpoint_destroy(ck);
+}
+
+/* ---- TP = 1 through the group and through kvs_model_create_shard ---- */
+Test(tp, tp1_equals_model_create, .timeout = 600) {
+    rig one, grp;
+    rig_open(&one, src_path("models/tiny-needle-llama"), 0, 200, 1);
+    rig_open(&grp, src_path("models/tiny-needle-llama"), 1, 200, 1);
+    int V = one.cfg.vocab_size;
+    kvs_backend *be;
+    cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
+    kvs_model *shard;
+    cr_assert_eq(kvs_model_create_shard(&one.cfg, one.ck, be, 0, 1, NULL, &shard), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_config kc = kv_config(&one.cfg, 200, 1);
+    kvs_kv_cache *kv;
+    cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK);
+    int32_t ids[150];
+    for (int i = 0; i < 150; i++) ids[i] = (i * 131 + 7) % 8187;
+    float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V), *l3 = malloc(sizeof(float) * V);
+    int s1 = rig_seq(&one, NULL, 150), s2 = rig_seq(&grp, NULL, 150), s3 = kvs_kv_seq_create(kv);
+    for (int step = 0; step < 3; step++) {
+        int n = step ? 1 : 150, pos0 = step ? 149 + step : 0;
+        const int32_t *t = step ? &ids[step] : ids;
+        rig_run(&one, s1, t, n, pos0, n, l1, NULL);
+        rig_run(&grp, s2, t, n, pos0, n, l2, NULL);
+        int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
+        for (int i = 0; i < n; i++) pos[i] = pos0 + i;
+        uint8_t want = 1;
+        cr_assert_eq(kvs_kv_reserve(kv, s3, n), KVS_OK);
+        kvs_batch b = {n, 1, t, pos, qs, &s3, &want};
+        cr_assert_eq(kvs_model_forward(shard, &b, kv, l3), KVS_OK, "%s", kvs_last_error());
+        free(pos);
+        cr_expect(memcmp(l1, l2, sizeof(float) * V) == 0, "step %d: the TP=1 group differs from kvs_model_create",
+                  step);
+        cr_expect(memcmp(l1, l3, sizeof(float) * V) == 0, "step %d: kvs_model_create_shard(0, 1) differs", step);
+    }
+    const kvs_shard *sh = kvs_model_shard(shard);
+    cr_expect(sh->world == 1 && sh->n_kv_heads == 2 && sh->vocab_pad == V && sh->vocab_count == V);
+    free(l1), free(l2), free(l3);
+    kvs_kv_destroy(kv);
+    kvs_model_destroy(shard);
+    be->destroy(be);
+    rig_close(&one);
+    rig_close(&grp);
+}
+
+/* ---- the host communicator ---- */
+typedef struct {
+    kvs_comm *c;
+    float out[3 * 5];
+    float buf[5];
+    kvs_status st, st_after_abort;
+} comm_job;
+
+static void *comm_worker(void *p) {
+    comm_job *j = p;
+    int r = j->c->rank;
+    for (int i = 0; i < 5; i++) j->buf[i] = (float)(r + 1) * (i == 0 ? 1e8f : 1.0f) + 0.25f * (float)i;
+    j->st = j->c->all_reduce_sum(j->c, j->buf, 5, KVS_F32);
+    float mine[5] = {(float)r, (float)r + 0.5f, -1, -2, (float)(10 * r)};
+    if (j->st == KVS_OK) j->st = j->c->all_gather(j->c, j->out, mine, 5, KVS_F32);
+    /* rank 2 fails and aborts; the others' next collective fails instead of hanging */
+    if (r == 2) j->c->abort(j->c);
+    else j->st_after_abort = j->c->all_reduce_sum(j->c, j->buf, 5, KVS_F32);
+    return NULL;
+}
+
+Test(tp, host_comm_sums_in_rank_order_gathers_and_aborts) {
+    kvs_comm *comms[3];
+    cr_assert_eq(kvs_comm_host_create(3, comms), KVS_OK);
+    comm_job jobs[3];
+    pthread_t th[3];
+    for (int r = 0; r < 3; r++) {
+        memset(&jobs[r], 0, sizeof jobs[r]);
+        jobs[r].c = comms[r];
+        pthread_create(&th[r], NULL, comm_worker, &jobs[r]);
+    }
+    for (int r = 0; r < 3; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 3; r++) {
+        cr_assert_eq(jobs[r].st, KVS_OK);
+        /* every rank holds the same bits: ((a0 + a1) + a2) */
+        cr_expect(memcmp(jobs[r].buf, jobs[0].buf, sizeof jobs[0].buf) == 0, "rank %d's sum differs", r);
+        for (int i = 1; i < 5; i++) cr_expect_float_eq(jobs[r].buf[i], 6.0f + 0.75f * i, 1e-6);
+        float expect0 = (1e8f + 2e8f) + 3e8f;
+        cr_expect_eq(jobs[r].buf[0], expect0);
+        for (int k = 0; k < 3; k++) {
+            cr_expect_eq(jobs[r].out[k * 5 + 0], (float)k);
+            cr_expect_eq(jobs[r].out[k * 5 + 4], (float)(10 * k));
+        }
+        if (r != 2) {
+            cr_expect_eq(jobs[r].st_after_abort, KVS_ERR_INTERNAL);
+        }
+    }
+    for (int r = 0; r < 3; r++) comms[r]->destroy(comms[r]);
+}
