@@ -1,9 +1,227 @@
-/* placeholder until this command lands */
+/* kvsparse bench throughput: offline throughput of the engine loop with every
+ * request queued at once (random prompt ids, seeded), like vLLM's
+ * benchmark_throughput. */
+#include <jansson.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cli/cli.h"
+#include "cli/cli_common.h"
+#include "engine/engine.h"
+
+typedef struct {
+    kvs_load_options load;
+    kvs_kv_policy policy;
+    int input_len, output_len, num_prompts, max_num_seqs, max_num_batched_tokens;
+    double kv_gib, gpu_gib;
+    uint64_t seed;
+    bool ignore_eos, json;
+} tp_options;
+
+typedef struct {
+    uint64_t tokens, finished;
+} tp_counts;
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvsparse bench throughput (-m MODEL_DIR | --config CONFIG.json --load-format dummy) [options]\n"
+               "  --input-len N          prompt tokens per request (default 4000)\n"
+               "  --output-len N         tokens generated per request (default 500)\n"
+               "  --num-prompts N        requests, all queued at once (default 100)\n"
+               "  --ignore-eos           always generate --output-len tokens\n"
+               "  --max-num-seqs N       running sequences at most (default 64)\n"
+               "  --max-num-batched-tokens N  tokens per step (default 2048)\n"
+               "  --kv-memory GiB        the KV pool's size (default 1)\n"
+               "  --gpu-memory GiB       cap on the memory taken: KV = cap - weights - activations\n"
+               KVS_CLI_POLICY_HELP
+               "  --seed S               prompt ids seed (default 0)\n"
+               "  --json                 print one JSON object\n"
+               "  --threads N\n");
+}
+
+static bool parse_pos_int(const char *s, int *out) {
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end || v <= 0 || v > (1 << 30)) return false;
+    *out = (int)v;
+    return true;
+}
+
+static bool parse_gib(const char *s, double *out) {
+    char *end;
+    *out = strtod(s, &end);
+    return end != s && !*end && *out > 0 && *out < 1e6;
+}
+
+static int parse_args(int argc, char **argv, tp_options *o) {
+    memset(o, 0, sizeof *o);
+    o->policy = kvs_kv_policy_default(KVS_POLICY_FULL);
+    o->input_len = 4000;
+    o->output_len = 500;
+    o->num_prompts = 100;
+    o->max_num_seqs = 64;
+    o->max_num_batched_tokens = 2048;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int r = kvs_cli_load_option(&o->load, argc, argv, &i);
+        if (r == 0) r = kvs_cli_policy_option(&o->policy, argc, argv, &i);
+        if (r < 0) goto bad;
+        if (r > 0) continue;
+        bool v = i + 1 < argc;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
+        else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = true;
+        else if (!strcmp(a, "--json")) o->json = true;
+        else if (!strcmp(a, "--input-len") && v) { if (!parse_pos_int(argv[++i], &o->input_len)) goto bad; }
+        else if (!strcmp(a, "--output-len") && v) { if (!parse_pos_int(argv[++i], &o->output_len)) goto bad; }
+        else if (!strcmp(a, "--num-prompts") && v) { if (!parse_pos_int(argv[++i], &o->num_prompts)) goto bad; }
+        else if (!strcmp(a, "--max-num-seqs") && v) { if (!parse_pos_int(argv[++i], &o->max_num_seqs)) goto bad; }
+        else if (!strcmp(a, "--max-num-batched-tokens") && v) {
+            if (!parse_pos_int(argv[++i], &o->max_num_batched_tokens)) goto bad;
+        } else if (!strcmp(a, "--kv-memory") && v) { if (!parse_gib(argv[++i], &o->kv_gib)) goto bad; }
+        else if (!strcmp(a, "--gpu-memory") && v) { if (!parse_gib(argv[++i], &o->gpu_gib)) goto bad; }
+        else if (!strcmp(a, "--seed") && v) o->seed = strtoull(argv[++i], NULL, 10);
+        else goto bad;
+        continue;
+    bad:
+        fprintf(stderr, "kvsparse bench throughput: bad or incomplete option '%s'\n", a);
+        usage(stderr);
+        return 2;
+    }
+    if (o->kv_gib > 0 && o->gpu_gib > 0) {
+        fprintf(stderr, "kvsparse bench throughput: give --kv-memory or --gpu-memory, not both\n");
+        return 2;
+    }
+    return -1;
+}
+
+/* The KV pool's bytes: --kv-memory, or --gpu-memory minus the weights and an activation reserve. */
+static kvs_status kv_budget(const tp_options *o, const kvs_loaded *l, size_t *bytes) {
+    if (o->gpu_gib <= 0) {
+        *bytes = o->kv_gib > 0 ? (size_t)(o->kv_gib * (1 << 30)) : (size_t)1 << 30;
+        return KVS_OK;
+    }
+    const kvs_config *c = &l->cfg;
+    double cap = o->gpu_gib * (1 << 30);
+    double weights = (double)kvs_checkpoint_total_bytes(l->ck) / kvs_dtype_size(c->dtype) *
+                     kvs_dtype_size(l->be->weight_dtype);
+    double act = (double)o->max_num_batched_tokens *
+                     (6.0 * c->hidden_size + 3.0 * c->intermediate_size + 2.0 * c->n_heads * c->head_dim) *
+                     kvs_dtype_size(l->be->act_dtype) +
+                 2.0 * o->max_num_seqs * c->vocab_size * sizeof(float) + 64.0 * (1 << 20);
+    double left = cap - weights - act;
+    if (left < 1 << 20)
+        return kvs_fail(KVS_ERR_INVALID,
+                        "--gpu-memory %.2f GiB leaves no room for the KV cache: weights take %.2f GiB and "
+                        "activations %.2f GiB", o->gpu_gib, weights / (1 << 30), act / (1 << 30));
+    *bytes = (size_t)left;
+    return KVS_OK;
+}
+
+static void on_output(void *user, const kvs_request_output *out) {
+    tp_counts *c = user;
+    c->tokens += out->n_tokens;
+    if (out->finish != KVS_FINISH_NONE) c->finished++;
+    if (out->finish == KVS_FINISH_ERROR) kvs_log(KVS_LOG_WARN, "request %llu: %s", (unsigned long long)out->request_id,
+                                                 out->error ? out->error : "error");
+}
+
+typedef struct {
+    double elapsed, mean_batch, mean_blocks;
+    int64_t peak_blocks, steps;
+    kvs_engine_stats stats;
+} tp_result;
+
+static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_result *res) {
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = o->max_num_seqs;
+    c.max_num_batched_tokens = o->max_num_batched_tokens;
+    c.max_waiting = o->num_prompts + 1;
+    c.default_policy = o->policy;
+    KVS_TRY(kv_budget(o, l, &c.kv_memory_bytes));
+    kvs_engine *e;
+    KVS_TRY(kvs_engine_create(l->model, l->tok, &c, &e));
+    int32_t *prompt = malloc(sizeof(int32_t) * o->input_len);
+    kvs_status st = prompt ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    kvs_rng rng;
+    kvs_rng_seed(&rng, o->seed);
+    kvs_request_params p = {.prompt_ids = prompt, .n_prompt = o->input_len, .sampling = kvs_sampling_default(),
+                            .max_tokens = o->output_len, .ignore_eos = o->ignore_eos};
+    for (int r = 0; st == KVS_OK && r < o->num_prompts; r++) {
+        for (int i = 0; i < o->input_len; i++) prompt[i] = (int32_t)(kvs_rng_u64(&rng) % l->cfg.vocab_size);
+        st = kvs_engine_submit(e, &p, on_output, counts, NULL);
+    }
+    free(prompt);
+    kvs_progress bar;
+    kvs_progress_start(&bar, "requests", o->num_prompts);
+    double t0 = kvs_now(), batch_sum = 0, block_sum = 0;
+    while (st == KVS_OK && !kvs_engine_idle(e)) {
+        st = kvs_engine_step(e);
+        kvs_engine_stats s;
+        kvs_engine_get_stats(e, &s);
+        res->steps++;
+        batch_sum += s.running;
+        block_sum += s.kv_blocks_used;
+        if (s.kv_blocks_used > res->peak_blocks) res->peak_blocks = s.kv_blocks_used;
+        kvs_progress_update(&bar, (double)counts->finished);
+    }
+    res->elapsed = kvs_now() - t0;
+    kvs_progress_finish(&bar);
+    kvs_engine_get_stats(e, &res->stats);
+    res->mean_batch = res->steps ? batch_sum / res->steps : 0;
+    res->mean_blocks = res->steps ? block_sum / res->steps : 0;
+    kvs_engine_destroy(e);
+    return st;
+}
+
+static void report(const tp_options *o, const tp_counts *c, const tp_result *r) {
+    double in_tok = (double)o->num_prompts * o->input_len, t = r->elapsed > 0 ? r->elapsed : 1e-9;
+    char policy[128];
+    kvs_kv_policy_describe(&o->policy, policy, sizeof policy);
+    const kvs_engine_stats *s = &r->stats;
+    double total = (double)s->kv_blocks_total;
+    if (o->json) {
+        json_t *j = json_pack("{s:i, s:i, s:i, s:s, s:f, s:f, s:f, s:f, s:f, s:I, s:f, s:f, s:I, s:I, s:I, s:I, s:I}",
+                              "num_prompts", o->num_prompts, "input_len", o->input_len, "output_len", o->output_len,
+                              "kv_policy", policy, "elapsed_s", r->elapsed, "requests_per_s", c->finished / t,
+                              "input_tokens_per_s", in_tok / t, "output_tokens_per_s", c->tokens / t,
+                              "mean_running_batch", r->mean_batch, "output_tokens", (json_int_t)c->tokens,
+                              "mean_kv_blocks_used", r->mean_blocks, "mean_kv_usage",
+                              total > 0 ? r->mean_blocks / total : 0.0, "peak_kv_blocks_used",
+                              (json_int_t)r->peak_blocks, "kv_blocks_total", (json_int_t)s->kv_blocks_total,
+                              "kv_tokens_capacity", (json_int_t)s->kv_tokens_capacity, "preemptions",
+                              (json_int_t)s->preemptions, "steps", (json_int_t)r->steps);
+        char *text = json_dumps(j, JSON_COMPACT);
+        printf("%s\n", text);
+        free(text);
+        json_decref(j);
+        return;
+    }
+    printf("requests:            %d x (%d in, %d out), kv policy: %s\n", o->num_prompts, o->input_len, o->output_len,
+           policy);
+    printf("elapsed:             %.2f s over %lld steps\n", r->elapsed, (long long)r->steps);
+    printf("throughput:          %.2f requests/s, %.1f input tokens/s, %.1f output tokens/s\n", c->finished / t,
+           in_tok / t, c->tokens / t);
+    printf("mean running batch:  %.1f sequences\n", r->mean_batch);
+    printf("KV blocks in use:    mean %.0f, peak %lld of %lld (%.1f%%), %lld tokens capacity\n", r->mean_blocks,
+           (long long)r->peak_blocks, (long long)s->kv_blocks_total, total > 0 ? 100.0 * r->peak_blocks / total : 0,
+           (long long)s->kv_tokens_capacity);
+    printf("preemptions:         %llu\n", (unsigned long long)s->preemptions);
+}
 
 int kvs_cmd_bench_throughput(int argc, char **argv) {
-    fprintf(stderr, "kvsparse: this command is not implemented yet\n");
-    return 1;
+    tp_options o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc >= 0) return rc;
+    kvs_loaded l;
+    if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
+    tp_counts counts = {0};
+    tp_result res = {0};
+    kvs_status st = KVS_OK;
+    if ((int64_t)o.input_len + o.output_len > l.cfg.max_position_embeddings)
+        st = kvs_fail(KVS_ERR_INVALID, "--input-len %d + --output-len %d exceeds the model's context %d", o.input_len,
+                      o.output_len, l.cfg.max_position_embeddings);
+    if (st == KVS_OK) st = run(&o, &l, &counts, &res);
+    if (st == KVS_OK) report(&o, &counts, &res);
+    kvs_cli_unload(&l);
+    return st == KVS_OK ? 0 : kvs_cli_error();
 }

@@ -1,0 +1,292 @@
+/* engine: create / start / submit / abort / step / stop / destroy, the engine
+ * thread and the locked queues. The stepping thread owns the waiting and
+ * running lists; other threads touch only `incoming`, the abort list, the
+ * flags and the stats, under `mu`. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine_internal.h"
+
+kvs_engine_config kvs_engine_config_default(void) {
+    return (kvs_engine_config){.max_num_seqs = 64, .max_num_batched_tokens = 2048, .max_model_len = 0,
+                               .kv_memory_bytes = 0, .max_waiting = 1024,
+                               .default_policy = kvs_kv_policy_default(KVS_POLICY_FULL)};
+}
+
+static kvs_status resolve_config(const kvs_config *mc, kvs_engine_config *c) {
+    if (c->max_num_seqs < 0 || c->max_num_seqs > 4096)
+        return kvs_fail(KVS_ERR_INVALID, "max_num_seqs must be in [1, 4096] (got %d)", c->max_num_seqs);
+    if (c->max_num_batched_tokens < 0)
+        return kvs_fail(KVS_ERR_INVALID, "max_num_batched_tokens must be >= 1 (got %d)", c->max_num_batched_tokens);
+    if (c->max_model_len < 0 || c->max_model_len > mc->max_position_embeddings)
+        return kvs_fail(KVS_ERR_INVALID, "max_model_len must be in [1, %d] (the model's context; got %d)",
+                        mc->max_position_embeddings, c->max_model_len);
+    if (c->max_waiting < 0) return kvs_fail(KVS_ERR_INVALID, "max_waiting must be >= 1 (got %d)", c->max_waiting);
+    if (!c->max_num_seqs) c->max_num_seqs = 64;
+    if (!c->max_num_batched_tokens) c->max_num_batched_tokens = 2048;
+    if (!c->max_model_len) c->max_model_len = mc->max_position_embeddings;
+    if (!c->kv_memory_bytes) c->kv_memory_bytes = (size_t)1 << 30;
+    if (!c->max_waiting) c->max_waiting = 1024;
+    if (c->max_num_batched_tokens < c->max_num_seqs)
+        return kvs_fail(KVS_ERR_INVALID, "max_num_batched_tokens (%d) must be >= max_num_seqs (%d)",
+                        c->max_num_batched_tokens, c->max_num_seqs);
+    return kvs_kv_policy_validate(&c->default_policy, mc->n_layers);
+}
+
+kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
+                             kvs_engine **out) {
+    *out = NULL;
+    if (!model) return kvs_fail(KVS_ERR_INVALID, "engine: no model");
+    kvs_engine_config c = cfg ? *cfg : kvs_engine_config_default();
+    const kvs_config *mc = kvs_model_config(model);
+    KVS_TRY(resolve_config(mc, &c));
+    kvs_engine *e = calloc(1, sizeof *e);
+    if (!e) return kvs_fail(KVS_ERR_NOMEM, "engine: out of memory");
+    e->model = model;
+    e->tok = tok;
+    e->cfg = c;
+    e->mcfg = *mc;
+    e->be = kvs_model_backend(model);
+    e->vocab = mc->vocab_size;
+    e->next_id = 1;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    kvs_kv_config kc = {.n_layers = mc->n_layers, .n_kv_heads = mc->n_kv_heads, .head_dim = mc->head_dim,
+                        .n_heads = mc->n_heads, .block_size = 16, .max_seqs = c.max_num_seqs,
+                        .max_window = c.default_policy.window > 64 ? c.default_policy.window : 64};
+    kc.n_blocks = kvs_kv_blocks_for_budget(&kc, e->be->kv_dtype, c.kv_memory_bytes);
+    kvs_status st = KVS_OK;
+    if (kc.n_blocks < mc->n_layers)
+        st = kvs_fail(KVS_ERR_INVALID, "kv_memory_bytes (%zu) holds %lld blocks: less than one token in every layer",
+                      c.kv_memory_bytes, (long long)kc.n_blocks);
+    if (st == KVS_OK) st = kvs_kv_create(&kc, e->be, &e->kv);
+    kvs_step_batch *b = &e->batch;
+    b->cap_tokens = c.max_num_batched_tokens;
+    b->cap_seqs = c.max_num_seqs;
+    b->token_ids = malloc(sizeof(int32_t) * b->cap_tokens);
+    b->positions = malloc(sizeof(int32_t) * b->cap_tokens);
+    b->query_start = malloc(sizeof(int32_t) * (b->cap_seqs + 1));
+    b->seq_ids = malloc(sizeof(int32_t) * b->cap_seqs);
+    b->wants_logits = malloc(b->cap_seqs);
+    b->reqs = malloc(sizeof(kvs_request *) * b->cap_seqs);
+    e->logits = malloc(sizeof(float) * (size_t)b->cap_seqs * e->vocab);
+    if (st == KVS_OK && (!b->token_ids || !b->positions || !b->query_start || !b->seq_ids || !b->wants_logits ||
+                         !b->reqs || !e->logits))
+        st = kvs_fail(KVS_ERR_NOMEM, "engine: out of memory");
+    if (st != KVS_OK) {
+        kvs_engine_destroy(e);
+        return st;
+    }
+    kvs_stats_refresh(e);
+    *out = e;
+    return KVS_OK;
+}
+
+static void free_list(kvs_req_list *l) {
+    while (l->head) {
+        kvs_request *r = l->head;
+        kvs_list_remove(l, r);
+        kvs_request_destroy(r);
+    }
+}
+
+void kvs_engine_destroy(kvs_engine *e) {
+    if (!e) return;
+    if (e->thread_started) kvs_engine_stop(e, false);
+    for (kvs_request *r = e->running.head; r; r = r->next) kvs_release_seq(e, r);
+    free_list(&e->incoming);
+    free_list(&e->waiting);
+    free_list(&e->running);
+    kvs_kv_destroy(e->kv);
+    kvs_step_batch *b = &e->batch;
+    free(b->token_ids);
+    free(b->positions);
+    free(b->query_start);
+    free(b->seq_ids);
+    free(b->wants_logits);
+    free(b->reqs);
+    free(e->logits);
+    free(e->aborts);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+}
+
+kvs_status kvs_engine_submit(kvs_engine *e, const kvs_request_params *p, kvs_output_fn fn, void *user,
+                             uint64_t *request_id) {
+    kvs_request *r;
+    KVS_TRY(kvs_request_create(e, p, fn, user, &r));
+    pthread_mutex_lock(&e->mu);
+    kvs_status st = KVS_OK;
+    if (e->stop_requested) st = kvs_fail(KVS_ERR_BUSY, "the engine is shutting down");
+    else if (e->n_queued + e->incoming.n >= e->cfg.max_waiting)
+        st = kvs_fail(KVS_ERR_BUSY, "the engine's queue is full (max_waiting %d requests)", e->cfg.max_waiting);
+    if (st == KVS_OK) {
+        r->id = e->next_id++;
+        r->t_arrival = kvs_now();
+        kvs_list_push_back(&e->incoming, r);
+        if (request_id) *request_id = r->id;
+        pthread_cond_signal(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (st != KVS_OK) kvs_request_destroy(r);
+    return st;
+}
+
+void kvs_engine_abort(kvs_engine *e, uint64_t request_id) {
+    pthread_mutex_lock(&e->mu);
+    if (request_id > 0 && request_id < e->next_id) {
+        if (e->n_aborts == e->cap_aborts) {
+            int cap = e->cap_aborts ? 2 * e->cap_aborts : 16;
+            uint64_t *a = realloc(e->aborts, sizeof(uint64_t) * cap);
+            if (a) e->aborts = a, e->cap_aborts = cap;
+        }
+        if (e->n_aborts < e->cap_aborts) e->aborts[e->n_aborts++] = request_id;
+        pthread_cond_signal(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Ends r (in running or waiting) with finish f and frees it. */
+static void retire(kvs_engine *e, kvs_req_list *l, kvs_request *r, kvs_finish f, const char *msg) {
+    kvs_release_seq(e, r);
+    kvs_list_remove(l, r);
+    if (f != KVS_FINISH_NONE) kvs_request_finish(e, r, f, msg);
+    kvs_request_destroy(r);
+    pthread_mutex_lock(&e->mu);
+    e->stats.requests_finished++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+static bool abort_in(kvs_engine *e, kvs_req_list *l, uint64_t id) {
+    for (kvs_request *r = l->head; r; r = r->next)
+        if (r->id == id) {
+            retire(e, l, r, KVS_FINISH_ABORT, NULL);
+            return true;
+        }
+    return false;
+}
+
+/* Takes new requests and aborts from the other threads. */
+static void take_inputs(kvs_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    while (e->incoming.head) {
+        kvs_request *r = e->incoming.head;
+        kvs_list_remove(&e->incoming, r);
+        kvs_list_push_back(&e->waiting, r);
+    }
+    int n = e->n_aborts;
+    uint64_t *ids = n ? malloc(sizeof(uint64_t) * n) : NULL;
+    if (ids) memcpy(ids, e->aborts, sizeof(uint64_t) * n);
+    e->n_aborts = 0;
+    bool all = e->abort_all;
+    e->abort_all = false;
+    kvs_stats_refresh(e);
+    pthread_mutex_unlock(&e->mu);
+    for (int i = 0; ids && i < n; i++)
+        if (!abort_in(e, &e->running, ids[i])) abort_in(e, &e->waiting, ids[i]);
+    free(ids);
+    while (all && e->running.head) retire(e, &e->running, e->running.head, KVS_FINISH_ABORT, NULL);
+    while (all && e->waiting.head) retire(e, &e->waiting, e->waiting.head, KVS_FINISH_ABORT, NULL);
+}
+
+/* Runs the step's batch through the model and samples the requests that want a token. */
+static kvs_status run_batch(kvs_engine *e) {
+    kvs_step_batch *b = &e->batch;
+    kvs_batch mb = {b->n_tokens, b->n_seqs, b->token_ids, b->positions, b->query_start, b->seq_ids, b->wants_logits};
+    kvs_status st = kvs_model_forward(e->model, &mb, e->kv, e->logits);
+    if (st != KVS_OK) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "model forward failed: %s", kvs_last_error());
+        kvs_log(KVS_LOG_ERROR, "engine: %s", msg);
+        for (int s = 0; s < b->n_seqs; s++) retire(e, &e->running, b->reqs[s], KVS_FINISH_ERROR, msg);
+        return st;
+    }
+    for (int s = 0, k = 0; s < b->n_seqs; s++) {
+        kvs_request *r = b->reqs[s];
+        r->n_computed += r->n_sched;
+        r->n_sched = 0;
+        if (!b->wants_logits[s]) continue;
+        float lp = 0;
+        int32_t id = kvs_sampler_sample(r->sampler, e->logits + (size_t)k++ * e->vocab, r->logprobs > 0 ? &lp : NULL);
+        kvs_request_append(e, r, id, lp);
+        if (r->finish != KVS_FINISH_NONE) retire(e, &e->running, r, KVS_FINISH_NONE, NULL);
+    }
+    return KVS_OK;
+}
+
+static kvs_status step(kvs_engine *e) {
+    take_inputs(e);
+    kvs_status st = kvs_schedule(e);
+    if (st == KVS_OK && e->batch.n_seqs > 0) st = run_batch(e);
+    pthread_mutex_lock(&e->mu);
+    kvs_stats_refresh(e);
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+kvs_status kvs_engine_step(kvs_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    bool threaded = e->thread_started;
+    pthread_mutex_unlock(&e->mu);
+    if (threaded) return kvs_fail(KVS_ERR_INVALID, "kvs_engine_step: the engine thread is running");
+    return step(e);
+}
+
+bool kvs_engine_idle(kvs_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    bool idle = !e->incoming.n && !e->n_queued && !e->n_running && !e->n_aborts && !e->abort_all;
+    pthread_mutex_unlock(&e->mu);
+    return idle;
+}
+
+static bool has_work(const kvs_engine *e) { /* with mu held */
+    return e->incoming.n || e->n_queued || e->n_running || e->n_aborts || e->abort_all;
+}
+
+static void *engine_main(void *arg) {
+    kvs_engine *e = arg;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        if (!has_work(e)) {
+            if (e->stop_requested) break;
+            pthread_cond_wait(&e->cv, &e->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&e->mu);
+        if (step(e) != KVS_OK) kvs_log(KVS_LOG_WARN, "engine: step failed: %s", kvs_last_error());
+        pthread_mutex_lock(&e->mu);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+kvs_status kvs_engine_start(kvs_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    kvs_status st = KVS_OK;
+    if (e->thread_started || e->stop_requested) st = kvs_fail(KVS_ERR_INVALID, "engine: already started or stopped");
+    else if (pthread_create(&e->thread, NULL, engine_main, e) != 0)
+        st = kvs_fail(KVS_ERR_INTERNAL, "engine: cannot start the engine thread");
+    else e->thread_started = true;
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+void kvs_engine_stop(kvs_engine *e, bool drain) {
+    pthread_mutex_lock(&e->mu);
+    bool threaded = e->thread_started;
+    e->stop_requested = true;
+    if (!drain) e->abort_all = true;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    if (threaded) {
+        pthread_join(e->thread, NULL);
+        pthread_mutex_lock(&e->mu);
+        e->thread_started = false;
+        pthread_mutex_unlock(&e->mu);
+    } else {
+        while (!kvs_engine_idle(e))
+            if (step(e) != KVS_OK) kvs_log(KVS_LOG_WARN, "engine: step failed: %s", kvs_last_error());
+    }
+}

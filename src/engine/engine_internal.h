@@ -1,0 +1,110 @@
+/* engine: the internal state shared by engine.c, scheduler.c, request.c and stats.c. */
+#ifndef KVS_ENGINE_INTERNAL_H
+#define KVS_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+
+#include "engine/engine.h"
+
+/* One request: its parameters, its tokens, its place in the scheduler. */
+typedef struct kvs_request {
+    uint64_t id;
+    kvs_output_fn fn;
+    void *user;
+    int32_t *prompt;
+    int n_prompt;
+    int32_t *gen; /* [max_tokens] generated ids */
+    int n_gen, max_tokens;
+    kvs_sampler *sampler;
+    int32_t *stop_ids;
+    int n_stop_ids;
+    char *stop_strings[KVS_MAX_STOP_STRINGS];
+    int n_stop_strings;
+    bool ignore_eos;
+    int logprobs;
+    kvs_kv_policy policy;
+    /* text */
+    kvs_detokenizer *detok;
+    char *pending; /* decoded text not yet sent (could start a stop string) */
+    size_t pending_len, pending_cap;
+    /* scheduling: the KV holds tokens [0, n_computed) of prompt ++ gen */
+    int seq;          /* kv sequence id, -1 when not running */
+    int n_computed;
+    int n_sched;      /* tokens scheduled in the current step */
+    bool recompute;   /* was preempted: its next prefill recomputes prompt ++ gen */
+    double t_arrival, t_last_token;
+    kvs_finish finish;
+    char error[200];
+    struct kvs_request *prev, *next;
+} kvs_request;
+
+typedef struct {
+    kvs_request *head, *tail;
+    int n;
+} kvs_req_list;
+
+void kvs_list_push_back(kvs_req_list *l, kvs_request *r);
+void kvs_list_push_front(kvs_req_list *l, kvs_request *r);
+void kvs_list_remove(kvs_req_list *l, kvs_request *r);
+
+/* The step's batch, host side. */
+typedef struct {
+    int cap_tokens, cap_seqs;
+    int n_tokens, n_seqs;
+    int32_t *token_ids, *positions, *query_start, *seq_ids;
+    uint8_t *wants_logits;
+    kvs_request **reqs; /* [n_seqs] */
+} kvs_step_batch;
+
+struct kvs_engine {
+    kvs_model *model;
+    const kvs_tokenizer *tok;
+    kvs_engine_config cfg;
+    kvs_config mcfg;
+    kvs_backend *be;
+    kvs_kv_cache *kv;
+    int vocab;
+    float *logits; /* [max_num_seqs][vocab] */
+    kvs_step_batch batch;
+    /* owned by the stepping thread */
+    kvs_req_list waiting, running;
+    /* guarded by mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    kvs_req_list incoming;
+    uint64_t *aborts;
+    int n_aborts, cap_aborts;
+    uint64_t next_id;
+    int n_queued, n_running; /* mirrors of waiting.n / running.n for submit, idle and stats */
+    bool abort_all, stop_requested, thread_started;
+    pthread_t thread;
+    kvs_engine_stats stats;
+};
+
+/* request.c */
+kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, kvs_output_fn fn, void *user,
+                              kvs_request **out);
+void kvs_request_destroy(kvs_request *r);
+/* The token at position i of prompt ++ gen. */
+static inline int32_t kvs_request_token(const kvs_request *r, int i) {
+    return i < r->n_prompt ? r->prompt[i] : r->gen[i - r->n_prompt];
+}
+static inline int kvs_request_len(const kvs_request *r) { return r->n_prompt + r->n_gen; }
+/* Appends a sampled token, applies the stop conditions and delivers the output
+ * (finish set when the request ends). */
+void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob);
+/* Delivers a final output with no new tokens (abort, error). */
+void kvs_request_finish(kvs_engine *e, kvs_request *r, kvs_finish f, const char *error);
+
+/* scheduler.c: picks this step's batch into e->batch; preempts when the pool runs dry. */
+kvs_status kvs_schedule(kvs_engine *e);
+void kvs_preempt(kvs_engine *e, kvs_request *r);
+/* Frees r's KV sequence (if any). */
+void kvs_release_seq(kvs_engine *e, kvs_request *r);
+
+/* stats.c */
+void kvs_hist_add(kvs_histogram *h, double v);
+/* Recomputes the KV and queue parts of e->stats (call with mu held). */
+void kvs_stats_refresh(kvs_engine *e);
+
+#endif

@@ -1,0 +1,211 @@
+/* engine: one request's state, validation, stop conditions and streamed text. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine_internal.h"
+
+const char *kvs_finish_name(kvs_finish f) {
+    switch (f) {
+    case KVS_FINISH_NONE: return "none";
+    case KVS_FINISH_STOP: return "stop";
+    case KVS_FINISH_LENGTH: return "length";
+    case KVS_FINISH_ABORT: return "abort";
+    case KVS_FINISH_ERROR: return "error";
+    }
+    return "?";
+}
+
+static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
+    if (!p->prompt_ids || p->n_prompt <= 0) return kvs_fail(KVS_ERR_INVALID, "prompt: the prompt is empty");
+    if (p->max_tokens <= 0) return kvs_fail(KVS_ERR_INVALID, "max_tokens must be > 0 (got %d)", p->max_tokens);
+    int max_len = e->cfg.max_model_len;
+    if ((int64_t)p->n_prompt + p->max_tokens > max_len)
+        return kvs_fail(KVS_ERR_INVALID,
+                        "max_tokens: the prompt (%d tokens) + max_tokens (%d) exceeds the context length "
+                        "max_model_len %d", p->n_prompt, p->max_tokens, max_len);
+    for (int i = 0; i < p->n_prompt; i++)
+        if (p->prompt_ids[i] < 0 || p->prompt_ids[i] >= e->vocab)
+            return kvs_fail(KVS_ERR_INVALID, "prompt: token id %d at position %d is outside the vocabulary [0, %d)",
+                            p->prompt_ids[i], i, e->vocab);
+    if (p->n_stop_ids < 0 || (p->n_stop_ids > 0 && !p->stop_ids))
+        return kvs_fail(KVS_ERR_INVALID, "stop_token_ids: bad list");
+    if (p->n_stop_ids > 1024) return kvs_fail(KVS_ERR_INVALID, "stop_token_ids: at most 1024 ids");
+    if (p->n_stop_strings < 0 || p->n_stop_strings > KVS_MAX_STOP_STRINGS)
+        return kvs_fail(KVS_ERR_INVALID, "stop: at most %d stop strings (got %d)", KVS_MAX_STOP_STRINGS,
+                        p->n_stop_strings);
+    for (int i = 0; i < p->n_stop_strings; i++) {
+        if (!p->stop_strings || !p->stop_strings[i] || !p->stop_strings[i][0])
+            return kvs_fail(KVS_ERR_INVALID, "stop: stop string %d is empty", i);
+        if (strlen(p->stop_strings[i]) > 1024) return kvs_fail(KVS_ERR_INVALID, "stop: stop string %d is too long", i);
+    }
+    if (p->n_stop_strings > 0 && !e->tok)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "stop: stop strings need a tokenizer");
+    if (p->logprobs < 0 || p->logprobs > 20) return kvs_fail(KVS_ERR_INVALID, "logprobs must be in [0, 20]");
+    KVS_TRY(kvs_sampling_validate(&p->sampling));
+    if (p->policy) {
+        KVS_TRY(kvs_kv_policy_validate(p->policy, e->mcfg.n_layers));
+        int max_w = kvs_kv_get_config(e->kv)->max_window;
+        if (p->policy->kind != KVS_POLICY_FULL && p->policy->window > max_w)
+            return kvs_fail(KVS_ERR_INVALID, "kv_window %d exceeds this server's maximum %d", p->policy->window, max_w);
+    }
+    return KVS_OK;
+}
+
+kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, kvs_output_fn fn, void *user,
+                              kvs_request **out) {
+    *out = NULL;
+    if (!p) return kvs_fail(KVS_ERR_INVALID, "request: no parameters");
+    KVS_TRY(validate(e, p));
+    kvs_request *r = calloc(1, sizeof *r);
+    if (!r) return kvs_fail(KVS_ERR_NOMEM, "request: out of memory");
+    r->fn = fn;
+    r->user = user;
+    r->seq = -1;
+    r->n_prompt = p->n_prompt;
+    r->max_tokens = p->max_tokens;
+    r->ignore_eos = p->ignore_eos;
+    r->logprobs = p->logprobs;
+    r->policy = p->policy ? *p->policy : e->cfg.default_policy;
+    r->prompt = malloc(sizeof(int32_t) * p->n_prompt);
+    r->gen = malloc(sizeof(int32_t) * p->max_tokens);
+    bool ok = r->prompt && r->gen;
+    if (ok) memcpy(r->prompt, p->prompt_ids, sizeof(int32_t) * p->n_prompt);
+    if (ok && p->n_stop_ids > 0) {
+        r->stop_ids = malloc(sizeof(int32_t) * p->n_stop_ids);
+        ok = r->stop_ids;
+        if (ok) memcpy(r->stop_ids, p->stop_ids, sizeof(int32_t) * p->n_stop_ids);
+        r->n_stop_ids = p->n_stop_ids;
+    }
+    for (int i = 0; ok && i < p->n_stop_strings; i++) {
+        ok = (r->stop_strings[i] = strdup(p->stop_strings[i])) != NULL;
+        r->n_stop_strings = i + 1;
+    }
+    if (ok && e->tok) ok = (r->detok = kvs_detokenizer_create(e->tok, true)) != NULL;
+    kvs_status st = ok ? kvs_sampler_create(&p->sampling, e->vocab, &r->sampler)
+                       : kvs_fail(KVS_ERR_NOMEM, "request: out of memory");
+    if (st != KVS_OK) {
+        kvs_request_destroy(r);
+        return st;
+    }
+    *out = r;
+    return KVS_OK;
+}
+
+void kvs_request_destroy(kvs_request *r) {
+    if (!r) return;
+    free(r->prompt);
+    free(r->gen);
+    free(r->stop_ids);
+    for (int i = 0; i < r->n_stop_strings; i++) free(r->stop_strings[i]);
+    kvs_detokenizer_destroy(r->detok);
+    kvs_sampler_destroy(r->sampler);
+    free(r->pending);
+    free(r);
+}
+
+static bool pending_add(kvs_request *r, const char *s, size_t n) {
+    if (r->pending_len + n + 1 > r->pending_cap) {
+        size_t cap = r->pending_cap ? r->pending_cap : 64;
+        while (cap < r->pending_len + n + 1) cap *= 2;
+        char *p = realloc(r->pending, cap);
+        if (!p) return false;
+        r->pending = p;
+        r->pending_cap = cap;
+    }
+    memcpy(r->pending + r->pending_len, s, n);
+    r->pending_len += n;
+    r->pending[r->pending_len] = 0;
+    return true;
+}
+
+/* Earliest occurrence of any stop string in the pending text, or -1. */
+static long find_stop(const kvs_request *r) {
+    long best = -1;
+    for (int i = 0; i < r->n_stop_strings && r->pending; i++) {
+        const char *hit = strstr(r->pending, r->stop_strings[i]);
+        if (hit && (best < 0 || hit - r->pending < best)) best = hit - r->pending;
+    }
+    return best;
+}
+
+/* Bytes at the end of the pending text that could still grow into a stop string. */
+static size_t held_suffix(const kvs_request *r) {
+    size_t hold = 0;
+    for (int i = 0; i < r->n_stop_strings; i++) {
+        size_t sl = strlen(r->stop_strings[i]);
+        for (size_t k = sl - 1; k > hold; k--)
+            if (k <= r->pending_len && !memcmp(r->pending + r->pending_len - k, r->stop_strings[i], k)) {
+                hold = k;
+                break;
+            }
+    }
+    return hold;
+}
+
+static void set_error(kvs_request *r, const char *msg) {
+    r->finish = KVS_FINISH_ERROR;
+    snprintf(r->error, sizeof r->error, "%s", msg);
+}
+
+static bool is_stop_id(const kvs_engine *e, const kvs_request *r, int32_t id) {
+    for (int i = 0; !r->ignore_eos && i < e->mcfg.n_eos; i++)
+        if (e->mcfg.eos_token_ids[i] == id) return true;
+    for (int i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] == id) return true;
+    return false;
+}
+
+static void deliver(kvs_request *r, const int32_t *ids, const float *lp, int n, size_t text_len) {
+    if (!r->fn) return;
+    kvs_request_output o = {.request_id = r->id, .token_ids = ids, .logprobs = lp, .n_tokens = n,
+                            .text = r->pending ? r->pending : "", .text_len = text_len, .finish = r->finish,
+                            .error = r->finish == KVS_FINISH_ERROR ? r->error : NULL, .prompt_tokens = r->n_prompt, .completion_tokens = r->n_gen};
+    r->fn(r->user, &o);
+}
+
+/* Sends text_len bytes of the pending text and drops them. */
+static void deliver_and_consume(kvs_request *r, const int32_t *ids, const float *lp, int n, size_t text_len) {
+    deliver(r, ids, lp, n, text_len);
+    if (r->pending) {
+        memmove(r->pending, r->pending + text_len, r->pending_len - text_len);
+        r->pending_len -= text_len;
+        r->pending[r->pending_len] = 0;
+    }
+}
+
+void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob) {
+    double now = kvs_now();
+    pthread_mutex_lock(&e->mu);
+    if (r->n_gen == 0) kvs_hist_add(&e->stats.ttft, now - r->t_arrival);
+    else kvs_hist_add(&e->stats.itl, now - r->t_last_token);
+    e->stats.generation_tokens_total++;
+    pthread_mutex_unlock(&e->mu);
+    r->t_last_token = now;
+    r->gen[r->n_gen++] = id;
+    bool stop_id = is_stop_id(e, r, id);
+    if (stop_id) r->finish = KVS_FINISH_STOP;
+    else if (r->n_gen >= r->max_tokens || kvs_request_len(r) >= e->cfg.max_model_len) r->finish = KVS_FINISH_LENGTH;
+    const char *piece;
+    size_t len;
+    if (r->detok && !stop_id && kvs_detokenizer_push(r->detok, id, &piece, &len) == KVS_OK && !pending_add(r, piece, len))
+        set_error(r, "out of memory");
+    if (r->detok && r->finish != KVS_FINISH_NONE && r->finish != KVS_FINISH_ERROR &&
+        kvs_detokenizer_finish(r->detok, &piece, &len) == KVS_OK && !pending_add(r, piece, len))
+        set_error(r, "out of memory");
+    size_t send = r->pending_len;
+    long hit = find_stop(r);
+    if (hit >= 0) {
+        send = (size_t)hit;
+        r->finish = KVS_FINISH_STOP;
+    } else if (r->finish == KVS_FINISH_NONE) {
+        send -= held_suffix(r);
+    }
+    deliver_and_consume(r, &r->gen[r->n_gen - 1], r->logprobs > 0 ? &logprob : NULL, 1, send);
+}
+
+void kvs_request_finish(kvs_engine *e, kvs_request *r, kvs_finish f, const char *error) {
+    r->finish = f;
+    snprintf(r->error, sizeof r->error, "%s", error ? error : "");
+    deliver(r, NULL, NULL, 0, 0);
+}

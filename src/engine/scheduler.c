@@ -1,0 +1,173 @@
+/* engine: the scheduler. Each step: running decodes first (one token each),
+ * then prefill chunks of running requests still in their prefill, then new
+ * requests from the waiting queue (FCFS), within max_num_batched_tokens and
+ * max_num_seqs. A request is admitted when the pool can hold its whole prompt
+ * in every layer (its peak, before compaction) beyond what the running
+ * requests need for their next token; its prompt's blocks are reserved at
+ * admission. When a decode finds the pool dry, the newest running request is
+ * preempted: its blocks are freed and it goes back to the front of the
+ * waiting queue, to be recomputed (prompt ++ generated tokens) later. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine_internal.h"
+
+void kvs_list_push_back(kvs_req_list *l, kvs_request *r) {
+    r->next = NULL;
+    r->prev = l->tail;
+    if (l->tail) l->tail->next = r;
+    else l->head = r;
+    l->tail = r;
+    l->n++;
+}
+
+void kvs_list_push_front(kvs_req_list *l, kvs_request *r) {
+    r->prev = NULL;
+    r->next = l->head;
+    if (l->head) l->head->prev = r;
+    else l->tail = r;
+    l->head = r;
+    l->n++;
+}
+
+void kvs_list_remove(kvs_req_list *l, kvs_request *r) {
+    if (r->prev) r->prev->next = r->next;
+    else l->head = r->next;
+    if (r->next) r->next->prev = r->prev;
+    else l->tail = r->prev;
+    r->prev = r->next = NULL;
+    l->n--;
+}
+
+void kvs_release_seq(kvs_engine *e, kvs_request *r) {
+    if (r->seq >= 0) kvs_kv_free(e->kv, r->seq);
+    r->seq = -1;
+    r->n_computed = 0;
+    r->n_sched = 0;
+}
+
+void kvs_preempt(kvs_engine *e, kvs_request *r) {
+    kvs_release_seq(e, r);
+    kvs_list_remove(&e->running, r);
+    kvs_list_push_front(&e->waiting, r);
+    r->recompute = r->n_gen > 0;
+    pthread_mutex_lock(&e->mu);
+    e->stats.preemptions++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Adds r's next n tokens (from n_computed) to the batch. */
+static void batch_add(kvs_engine *e, kvs_request *r, int n) {
+    kvs_step_batch *b = &e->batch;
+    int s = b->n_seqs++;
+    b->reqs[s] = r;
+    b->seq_ids[s] = r->seq;
+    b->query_start[s] = b->n_tokens;
+    for (int i = 0; i < n; i++) {
+        b->token_ids[b->n_tokens] = kvs_request_token(r, r->n_computed + i);
+        b->positions[b->n_tokens++] = r->n_computed + i;
+    }
+    b->query_start[s + 1] = b->n_tokens;
+    b->wants_logits[s] = r->n_computed + n == kvs_request_len(r);
+    r->n_sched = n;
+}
+
+static bool is_decode(const kvs_request *r) {
+    return r->n_computed > 0 && kvs_request_len(r) - r->n_computed == 1 && r->n_gen > 0;
+}
+
+/* Reserves a decode token for r, preempting the newest running requests while
+ * the pool is dry. Returns false when r itself was preempted or failed. */
+static bool reserve_decode(kvs_engine *e, kvs_request *r) {
+    while (kvs_kv_reserve(e->kv, r->seq, 1) != KVS_OK) {
+        kvs_request *victim = e->running.tail;
+        if (victim == r && e->running.n == 1) { /* alone and still no room: the pool is too small */
+            kvs_release_seq(e, r);
+            kvs_list_remove(&e->running, r);
+            kvs_request_finish(e, r, KVS_FINISH_ERROR, "the KV cache is too small for this request");
+            kvs_request_destroy(r);
+            return false;
+        }
+        kvs_preempt(e, victim);
+        if (victim == r) return false;
+    }
+    return true;
+}
+
+/* Blocks the running requests need beyond what they hold for what is scheduled plus one more token. */
+static int64_t running_headroom(const kvs_engine *e) {
+    int64_t need = 0;
+    for (kvs_request *r = e->running.head; r; r = r->next)
+        need += kvs_kv_blocks_needed(e->kv, r->seq, kvs_request_len(r) - r->n_computed + 1);
+    return need;
+}
+
+/* Starts the waiting head r: a KV sequence, its policy, its whole prompt reserved. */
+static kvs_status admit(kvs_engine *e, kvs_request *r) {
+    int n = kvs_request_len(r);
+    r->seq = kvs_kv_seq_create(e->kv);
+    if (r->seq < 0) return KVS_ERR_NOMEM;
+    kvs_status st = kvs_kv_set_policy(e->kv, r->seq, &r->policy, n);
+    if (st == KVS_OK) st = kvs_kv_reserve(e->kv, r->seq, n);
+    if (st != KVS_OK) {
+        kvs_release_seq(e, r);
+        return st;
+    }
+    r->n_computed = 0;
+    kvs_list_remove(&e->waiting, r);
+    kvs_list_push_back(&e->running, r);
+    if (!r->recompute) {
+        pthread_mutex_lock(&e->mu);
+        e->stats.prompt_tokens_total += r->n_prompt;
+        pthread_mutex_unlock(&e->mu);
+    }
+    return KVS_OK;
+}
+
+kvs_status kvs_schedule(kvs_engine *e) {
+    kvs_step_batch *b = &e->batch;
+    b->n_tokens = b->n_seqs = 0;
+    b->query_start[0] = 0;
+    int budget = e->cfg.max_num_batched_tokens;
+    const kvs_kv_config *kc = kvs_kv_get_config(e->kv);
+    /* 1. decodes, oldest first */
+    for (kvs_request *r = e->running.head; r; r = r->next) r->n_sched = 0;
+    for (kvs_request *r = e->running.head; r && budget > 0;) {
+        if (!is_decode(r)) {
+            r = r->next;
+            continue;
+        }
+        /* victims come from the tail: when r itself goes, nothing after it remains */
+        if (!reserve_decode(e, r)) break;
+        batch_add(e, r, 1);
+        budget--;
+        r = r->next;
+    }
+    /* 2. running requests in the middle of their prefill (their blocks are reserved) */
+    for (kvs_request *r = e->running.head; r && budget > 0; r = r->next) {
+        if (is_decode(r) || r->n_sched) continue;
+        int n = kvs_request_len(r) - r->n_computed;
+        if (n > budget) n = budget;
+        if (kvs_kv_reserve(e->kv, r->seq, n) != KVS_OK) break; /* cannot happen: reserved at admission */
+        batch_add(e, r, n);
+        budget -= n;
+    }
+    /* 3. admit waiting requests, FCFS */
+    while (e->waiting.head && budget > 0 && e->running.n < e->cfg.max_num_seqs) {
+        kvs_request *r = e->waiting.head;
+        int n = kvs_request_len(r);
+        int64_t peak = (int64_t)((n + kc->block_size - 1) / kc->block_size) * kc->n_layers;
+        if (peak > kc->n_blocks) { /* can never fit */
+            kvs_list_remove(&e->waiting, r);
+            kvs_request_finish(e, r, KVS_FINISH_ERROR, "the prompt does not fit in the KV cache");
+            kvs_request_destroy(r);
+            continue;
+        }
+        if (!kvs_kv_can_admit(e->kv, n) || kvs_kv_free_blocks(e->kv) - running_headroom(e) < peak) break;
+        if (admit(e, r) != KVS_OK) break;
+        int chunk = n < budget ? n : budget;
+        batch_add(e, r, chunk);
+        budget -= chunk;
+    }
+    return KVS_OK;
+}

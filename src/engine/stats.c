@@ -1,0 +1,50 @@
+/* engine: latency histograms and the stats snapshot. */
+#include <string.h>
+
+#include "engine/engine_internal.h"
+
+const double kvs_hist_bounds[KVS_HIST_BUCKETS] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                                  0.5,   1.0,  2.5,   5.0,  7.5, 10.0};
+
+void kvs_hist_add(kvs_histogram *h, double v) {
+    int b = 0;
+    while (b < KVS_HIST_BUCKETS && v > kvs_hist_bounds[b]) b++;
+    h->counts[b]++;
+    h->sum += v;
+    h->n++;
+}
+
+void kvs_stats_refresh(kvs_engine *e) {
+    kvs_engine_stats *s = &e->stats;
+    const kvs_kv_config *kc = kvs_kv_get_config(e->kv);
+    e->n_queued = e->waiting.n;
+    e->n_running = e->running.n;
+    s->running = e->running.n;
+    s->kv_blocks_total = kc->n_blocks;
+    s->kv_blocks_used = kvs_kv_used_blocks(e->kv);
+    s->kv_tokens_capacity = kc->n_blocks / kc->n_layers * kc->block_size;
+    int64_t full_blocks = 0, sparse_blocks = 0, held = 0, full = 0;
+    for (kvs_request *r = e->running.head; r; r = r->next) {
+        if (r->seq < 0) continue;
+        for (int l = 0; l < kc->n_layers; l++) {
+            int nb;
+            kvs_kv_blocks(e->kv, r->seq, l, &nb);
+            if (kvs_kv_layer_sparse(e->kv, r->seq, l)) sparse_blocks += nb;
+            else full_blocks += nb;
+        }
+        int64_t h, f;
+        kvs_kv_seq_usage(e->kv, r->seq, &h, &f);
+        held += h;
+        full += f;
+    }
+    s->kv_blocks_full_layers = full_blocks;
+    s->kv_blocks_sparse_layers = sparse_blocks;
+    s->compression_ratio = held > 0 ? (double)full / held : 1.0;
+}
+
+void kvs_engine_get_stats(kvs_engine *e, kvs_engine_stats *s) {
+    pthread_mutex_lock(&e->mu);
+    *s = e->stats;
+    s->waiting = e->n_queued + e->incoming.n;
+    pthread_mutex_unlock(&e->mu);
+}

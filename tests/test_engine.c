@@ -1,0 +1,573 @@
+/* The continuous-batching engine: batched outputs equal single-sequence runs,
+ * chunked prefill, preemption, aborts, stop conditions, validation, stats and
+ * the engine thread. Uses the bundled tiny model on the CPU backend. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine/engine.h"
+#include "testutil.h"
+
+typedef struct {
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    kvs_backend *be;
+    kvs_model *m;
+    kvs_tokenizer *tok;
+} fixture;
+
+static void fx_open(fixture *f) {
+    memset(f, 0, sizeof *f);
+    const char *dir = src_path("models/tiny-needle-llama");
+    cr_assert_eq(kvs_config_load(dir, &f->cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_open(dir, &f->cfg, &f->ck), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_backend_cpu_create(0, &f->be), KVS_OK);
+    cr_assert_eq(kvs_model_create(&f->cfg, f->ck, f->be, &f->m), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_tokenizer_load(dir, &f->tok), KVS_OK, "%s", kvs_last_error());
+}
+
+static void fx_close(fixture *f) {
+    kvs_tokenizer_destroy(f->tok);
+    kvs_model_destroy(f->m);
+    kvs_checkpoint_destroy(f->ck);
+    f->be->destroy(f->be);
+}
+
+/* What one request received through the callback. */
+typedef struct {
+    int32_t ids[512];
+    float lp[512];
+    int n, deliveries, n_lp;
+    char text[8192];
+    size_t text_len;
+    kvs_finish finish;
+    char error[256];
+    int finals;
+    pthread_mutex_t *mu; /* thread mode */
+} sink;
+
+static void on_output(void *user, const kvs_request_output *o) {
+    sink *s = user;
+    if (s->mu) pthread_mutex_lock(s->mu);
+    cr_assert_eq(s->finish, KVS_FINISH_NONE, "delivery after the final one");
+    for (int i = 0; i < o->n_tokens && s->n < 512; i++) {
+        if (o->logprobs) s->lp[s->n_lp++] = o->logprobs[i];
+        s->ids[s->n++] = o->token_ids[i];
+    }
+    if (o->text_len && s->text_len + o->text_len < sizeof s->text) {
+        memcpy(s->text + s->text_len, o->text, o->text_len);
+        s->text_len += o->text_len;
+    }
+    s->deliveries++;
+    if (o->finish != KVS_FINISH_NONE) {
+        s->finals++;
+        if (o->error) snprintf(s->error, sizeof s->error, "%s", o->error);
+        cr_assert_eq(o->completion_tokens, s->n);
+        s->finish = o->finish;
+    }
+    if (s->mu) pthread_mutex_unlock(s->mu);
+}
+
+static int32_t *random_prompt(uint64_t seed, int n) {
+    kvs_rng rng;
+    kvs_rng_seed(&rng, seed);
+    int32_t *p = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++) p[i] = (int32_t)(kvs_rng_u64(&rng) % 8000);
+    return p;
+}
+
+/* Greedy decoding of one sequence straight through the model (the reference). */
+static void reference(fixture *f, const int32_t *prompt, int n, int n_new, int32_t *out) {
+    kvs_kv_config kc = {.n_layers = f->cfg.n_layers, .n_kv_heads = f->cfg.n_kv_heads, .head_dim = f->cfg.head_dim,
+                        .n_heads = f->cfg.n_heads, .block_size = 16, .max_seqs = 1};
+    kc.n_blocks = (int64_t)((n + n_new + 15) / 16 + 1) * kc.n_layers;
+    kvs_kv_cache *kv;
+    cr_assert_eq(kvs_kv_create(&kc, f->be, &kv), KVS_OK);
+    int seq = kvs_kv_seq_create(kv);
+    float *logits = malloc(sizeof(float) * f->cfg.vocab_size);
+    int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
+    for (int i = 0; i < n; i++) pos[i] = i;
+    uint8_t want = 1;
+    cr_assert_eq(kvs_kv_reserve(kv, seq, n), KVS_OK);
+    kvs_batch b = {n, 1, prompt, pos, qs, &seq, &want};
+    cr_assert_eq(kvs_model_forward(f->m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+    for (int i = 0; i < n_new; i++) {
+        out[i] = argmax_f(logits, f->cfg.vocab_size);
+        if (i + 1 == n_new) break;
+        int32_t p = n + i, q1[2] = {0, 1};
+        cr_assert_eq(kvs_kv_reserve(kv, seq, 1), KVS_OK);
+        kvs_batch d = {1, 1, &out[i], &p, q1, &seq, &want};
+        cr_assert_eq(kvs_model_forward(f->m, &d, kv, logits), KVS_OK, "%s", kvs_last_error());
+    }
+    free(pos);
+    free(logits);
+    kvs_kv_destroy(kv);
+}
+
+static kvs_request_params greedy_params(const int32_t *prompt, int n, int max_tokens) {
+    return (kvs_request_params){.prompt_ids = prompt, .n_prompt = n, .sampling = kvs_sampling_default(),
+                                .max_tokens = max_tokens, .ignore_eos = true};
+}
+
+static void run_until_idle(kvs_engine *e, int max_steps) {
+    for (int i = 0; i < max_steps && !kvs_engine_idle(e); i++) cr_assert_eq(kvs_engine_step(e), KVS_OK, "%s", kvs_last_error());
+    cr_assert(kvs_engine_idle(e), "the engine did not finish in %d steps", max_steps);
+}
+
+/* Streams ids through a detokenizer: the text of each token and the whole text. */
+static char *stream_text(const kvs_tokenizer *tok, const int32_t *ids, int n, size_t *ends) {
+    kvs_detokenizer *d = kvs_detokenizer_create(tok, true);
+    size_t cap = 1 << 14, len = 0;
+    char *text = calloc(cap, 1);
+    for (int i = 0; i < n; i++) {
+        const char *piece;
+        size_t pl;
+        cr_assert_eq(kvs_detokenizer_push(d, ids[i], &piece, &pl), KVS_OK);
+        cr_assert_lt(len + pl, cap);
+        memcpy(text + len, piece, pl);
+        len += pl;
+        ends[i] = len;
+    }
+    kvs_detokenizer_destroy(d);
+    return text;
+}
+
+/* Submits n requests (prompt lengths from lens, seeds from seed0), runs them and checks
+ * each against the single-sequence reference. */
+static void batch_vs_reference(fixture *f, kvs_engine *e, int n, const int *lens, int n_new, uint64_t seed0,
+                               const kvs_kv_policy *policy) {
+    sink *sinks = calloc(n, sizeof(sink));
+    int32_t **prompts = malloc(sizeof(int32_t *) * n);
+    for (int i = 0; i < n; i++) {
+        prompts[i] = random_prompt(seed0 + i, lens[i]);
+        kvs_request_params p = greedy_params(prompts[i], lens[i], n_new + i % 5);
+        p.policy = policy;
+        cr_assert_eq(kvs_engine_submit(e, &p, on_output, &sinks[i], NULL), KVS_OK, "%s", kvs_last_error());
+    }
+    run_until_idle(e, 100000);
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(sinks[i].finish, KVS_FINISH_LENGTH, "request %d: %s", i, kvs_finish_name(sinks[i].finish));
+        cr_assert_eq(sinks[i].finals, 1);
+        cr_assert_eq(sinks[i].n, n_new + i % 5);
+        size_t ends[512];
+        char *text = stream_text(f->tok, sinks[i].ids, sinks[i].n, ends);
+        cr_assert_eq(sinks[i].text_len, strlen(text), "request %d: streamed text", i);
+        cr_assert(!memcmp(sinks[i].text, text, sinks[i].text_len), "request %d: streamed text", i);
+        free(text);
+        if (policy) continue;
+        int32_t want[64];
+        reference(f, prompts[i], lens[i], sinks[i].n, want);
+        for (int k = 0; k < sinks[i].n; k++)
+            cr_assert_eq(sinks[i].ids[k], want[k], "request %d (prompt %d) token %d: %d != %d", i, lens[i], k,
+                         sinks[i].ids[k], want[k]);
+    }
+    for (int i = 0; i < n; i++) free(prompts[i]);
+    free(prompts);
+    free(sinks);
+}
+
+Test(engine, batch_of_32_matches_single_runs) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 16;
+    c.max_num_batched_tokens = 96; /* prompts over 96 tokens take several chunks */
+    c.kv_memory_bytes = 64 << 20;
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    int lens[32];
+    uint64_t prompt_total = 0, gen_total = 0;
+    for (int i = 0; i < 32; i++) {
+        lens[i] = 5 + (i * 37) % 260;
+        prompt_total += lens[i];
+        gen_total += 12 + i % 5;
+    }
+    batch_vs_reference(&f, e, 32, lens, 12, 1000, NULL);
+    kvs_engine_stats s;
+    kvs_engine_get_stats(e, &s);
+    cr_expect_eq(s.running, 0);
+    cr_expect_eq(s.waiting, 0);
+    cr_expect_eq(s.kv_blocks_used, 0);
+    cr_expect_eq(s.requests_finished, 32);
+    cr_expect_eq(s.prompt_tokens_total, prompt_total);
+    cr_expect_eq(s.generation_tokens_total, gen_total);
+    cr_expect_eq(s.ttft.n, 32);
+    cr_expect_eq(s.itl.n, gen_total - 32);
+    uint64_t in_buckets = 0;
+    for (int b = 0; b <= KVS_HIST_BUCKETS; b++) in_buckets += s.itl.counts[b];
+    cr_expect_eq(in_buckets, s.itl.n);
+    cr_expect_eq(s.preemptions, 0);
+    cr_expect_gt(s.kv_tokens_capacity, 0);
+    cr_expect_eq(s.kv_blocks_total * 16 / f.cfg.n_layers, s.kv_tokens_capacity);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}
+
+Test(engine, preemption_keeps_outputs_and_frees_blocks) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 8;
+    c.max_num_batched_tokens = 256;
+    kvs_kv_config kc = {.n_layers = f.cfg.n_layers, .n_kv_heads = f.cfg.n_kv_heads, .head_dim = f.cfg.head_dim,
+                        .block_size = 16};
+    c.kv_memory_bytes = kvs_kv_block_bytes(&kc, f.be->kv_dtype) * 24 * f.cfg.n_layers; /* 384 tokens a layer */
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    int lens[8];
+    for (int i = 0; i < 8; i++) lens[i] = 30 + 9 * i; /* peaks of 60 .. 130 tokens: 8 don't fit at once */
+    batch_vs_reference(&f, e, 8, lens, 30, 2000, NULL);
+    kvs_engine_stats s;
+    kvs_engine_get_stats(e, &s);
+    cr_expect_gt(s.preemptions, 0, "the pool was meant to run dry");
+    cr_log_info("preemptions: %llu", (unsigned long long)s.preemptions);
+    cr_expect_eq(s.requests_finished, 8);
+    cr_expect_eq(s.kv_blocks_used, 0);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}
+
+static kvs_engine *small_engine(fixture *f, int max_batched) {
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 4;
+    c.max_num_batched_tokens = max_batched;
+    c.kv_memory_bytes = 16 << 20;
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f->m, f->tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    return e;
+}
+
+Test(engine, abort_frees_blocks) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine *e = small_engine(&f, 32);
+    int32_t *prompt = random_prompt(7, 200);
+    sink a = {0}, b = {0}, w = {0};
+    uint64_t ida, idb, idw;
+    kvs_request_params p = greedy_params(prompt, 200, 20);
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &a, &ida), KVS_OK);
+    p.n_prompt = 20;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &b, &idb), KVS_OK);
+    cr_assert_eq(kvs_engine_step(e), KVS_OK); /* a: first 32 prompt tokens */
+    kvs_engine_stats s;
+    kvs_engine_get_stats(e, &s);
+    cr_assert_gt(s.kv_blocks_used, 0);
+    kvs_engine_abort(e, ida); /* mid-prefill */
+    cr_assert_eq(kvs_engine_step(e), KVS_OK);
+    cr_assert_eq(a.finish, KVS_FINISH_ABORT);
+    cr_assert_eq(a.n, 0);
+    while (b.n < 3) cr_assert_eq(kvs_engine_step(e), KVS_OK);
+    kvs_engine_abort(e, idb); /* mid-decode */
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &w, &idw), KVS_OK);
+    kvs_engine_abort(e, idw); /* still queued */
+    kvs_engine_abort(e, 999999); /* unknown: ignored */
+    cr_assert_eq(kvs_engine_step(e), KVS_OK);
+    cr_assert_eq(b.finish, KVS_FINISH_ABORT);
+    cr_assert_eq(w.finish, KVS_FINISH_ABORT);
+    cr_assert(kvs_engine_idle(e));
+    kvs_engine_get_stats(e, &s);
+    cr_assert_eq(s.kv_blocks_used, 0);
+    cr_assert_eq(s.running + s.waiting, 0);
+    kvs_engine_abort(e, idb); /* finished: ignored */
+    cr_assert_eq(kvs_engine_step(e), KVS_OK);
+    cr_assert_eq(b.finals, 1);
+    free(prompt);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}
+
+Test(engine, stop_string_across_tokens) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine *e = small_engine(&f, 512);
+    int32_t *ids;
+    int n;
+    const char *text = "The secret code is 4471. Remember the secret code, then tell a story about it.";
+    kvs_encode_options eo = {.add_special_tokens = true};
+    cr_assert_eq(kvs_tokenizer_encode(f.tok, text, strlen(text), eo, &ids, &n), KVS_OK);
+    sink full = {0};
+    kvs_request_params p = greedy_params(ids, n, 40);
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &full, NULL), KVS_OK);
+    run_until_idle(e, 1000);
+    size_t ends[512];
+    char *all = stream_text(f.tok, full.ids, full.n, ends);
+    cr_assert_eq(full.text_len, strlen(all));
+    cr_assert(!memcmp(full.text, all, full.text_len), "streamed text differs from the detokenizer's");
+    /* a stop string made of the end of one token's text and the start of the next's */
+    int k = -1;
+    for (int i = 2; i + 1 < full.n && k < 0; i++)
+        if (ends[i] - ends[i - 1] >= 2 && ends[i + 1] - ends[i] >= 2) k = i;
+    cr_assert(k >= 0, "no two adjacent tokens with text in: %s", all);
+    char stop[8] = {0};
+    memcpy(stop, all + ends[k] - 2, 4);
+    char *hit = strstr(all, stop);
+    size_t want_len = hit - all;
+    sink s = {0};
+    const char *stops[2] = {"no such stop string", stop};
+    p.stop_strings = stops;
+    p.n_stop_strings = 2;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s, NULL), KVS_OK);
+    run_until_idle(e, 1000);
+    cr_log_info("stop '%s' in '%s'", stop, all);
+    cr_assert_eq(s.finish, KVS_FINISH_STOP);
+    cr_assert_eq(s.text_len, want_len, "got '%.*s'", (int)s.text_len, s.text);
+    cr_assert(!memcmp(s.text, all, want_len));
+    cr_assert_leq(s.n, k + 2);
+    free(all);
+    free(ids);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}
+
+Test(engine, max_tokens_and_context_limit) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 4;
+    c.max_model_len = 64;
+    c.kv_memory_bytes = 8 << 20;
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    int32_t *prompt = random_prompt(3, 50);
+    sink a = {0}, b = {0};
+    kvs_request_params p = greedy_params(prompt, 50, 5);
+    p.logprobs = 1;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &a, NULL), KVS_OK);
+    p.max_tokens = 14; /* exactly up to the context */
+    p.logprobs = 0;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &b, NULL), KVS_OK);
+    p.max_tokens = 15;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &b, NULL), KVS_ERR_INVALID);
+    cr_assert(strstr(kvs_last_error(), "max_model_len"), "%s", kvs_last_error());
+    run_until_idle(e, 1000);
+    cr_assert_eq(a.finish, KVS_FINISH_LENGTH);
+    cr_assert_eq(a.n, 5);
+    cr_assert_eq(a.n_lp, 5);
+    for (int i = 0; i < 5; i++) cr_assert(a.lp[i] <= 0 && a.lp[i] > -100, "logprob %g", a.lp[i]);
+    cr_assert_eq(b.finish, KVS_FINISH_LENGTH);
+    cr_assert_eq(b.n, 14);
+    cr_assert_eq(b.n_lp, 0);
+    cr_assert_str_eq(kvs_finish_name(b.finish), "length");
+    free(prompt);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}
+
+static void expect_invalid(kvs_engine *e, const kvs_request_params *p, kvs_status want, const char *field) {
+    cr_assert_eq(kvs_engine_submit(e, p, on_output, NULL, NULL), want, "%s", field);
+    cr_assert(strstr(kvs_last_error(), field), "'%s' does not name %s", kvs_last_error(), field);
+}
+
+Test(engine, submit_validation_and_busy) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_waiting = 2;
+    c.kv_memory_bytes = 8 << 20;
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    int32_t prompt[4] = {1, 2, 3, 4};
+    kvs_request_params p = greedy_params(prompt, 0, 4);
+    expect_invalid(e, &p, KVS_ERR_INVALID, "prompt");
+    p.n_prompt = 4;
+    p.max_tokens = 0;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "max_tokens");
+    p.max_tokens = 8192;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "max_model_len");
+    p.max_tokens = 4;
+    prompt[2] = 8192;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "vocabulary");
+    prompt[2] = -1;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "vocabulary");
+    prompt[2] = 3;
+    p.sampling.temperature = -1;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "temperature");
+    p.sampling = kvs_sampling_default();
+    p.sampling.top_p = 0;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "top_p");
+    p.sampling = kvs_sampling_default();
+    kvs_kv_policy pol = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
+    pol.pool = 4;
+    p.policy = &pol;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "kv_pool");
+    pol = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
+    pol.window = 500;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "kv_window");
+    p.policy = NULL;
+    const char *stops[9] = {"a", "b", "c", "d", "e", "f", "g", "h", "i"};
+    p.stop_strings = stops;
+    p.n_stop_strings = 9;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "stop");
+    stops[0] = "";
+    p.n_stop_strings = 1;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "stop");
+    p.n_stop_strings = 0;
+    expect_invalid(e, &(kvs_request_params){.prompt_ids = prompt, .n_prompt = 4, .max_tokens = 1, .logprobs = -1,
+                                            .sampling = kvs_sampling_default()},
+                   KVS_ERR_INVALID, "logprobs");
+    cr_assert_eq(kvs_engine_submit(e, &p, NULL, NULL, NULL), KVS_OK);
+    cr_assert_eq(kvs_engine_submit(e, &p, NULL, NULL, NULL), KVS_OK);
+    expect_invalid(e, &p, KVS_ERR_BUSY, "max_waiting");
+    run_until_idle(e, 100);
+    cr_assert_eq(kvs_engine_submit(e, &p, NULL, NULL, NULL), KVS_OK);
+    kvs_engine_destroy(e); /* with a request still queued */
+    /* stop strings need a tokenizer; bad engine configurations name the field */
+    cr_assert_eq(kvs_engine_create(f.m, NULL, &c, &e), KVS_OK);
+    p.stop_strings = stops + 1;
+    p.n_stop_strings = 1;
+    expect_invalid(e, &p, KVS_ERR_UNSUPPORTED, "stop");
+    kvs_engine_destroy(e);
+    c.max_num_seqs = 100;
+    c.max_num_batched_tokens = 50;
+    cr_assert_eq(kvs_engine_create(f.m, NULL, &c, &e), KVS_ERR_INVALID);
+    cr_assert(strstr(kvs_last_error(), "max_num_batched_tokens"));
+    c = kvs_engine_config_default();
+    c.kv_memory_bytes = 1000;
+    cr_assert_eq(kvs_engine_create(f.m, NULL, &c, &e), KVS_ERR_INVALID);
+    cr_assert(strstr(kvs_last_error(), "kv_memory"));
+    fx_close(&f);
+}
+
+Test(engine, sparse_policy_compresses) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 4;
+    c.max_num_batched_tokens = 256;
+    c.kv_memory_bytes = 32 << 20;
+    c.default_policy = kvs_kv_policy_default(KVS_POLICY_SNAPKV); /* 10% */
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    int32_t *prompt = random_prompt(11, 600);
+    sink s[3] = {0};
+    kvs_request_params p = greedy_params(prompt, 600, 24);
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s[0], NULL), KVS_OK);
+    kvs_kv_policy pyr = kvs_kv_policy_default(KVS_POLICY_PYRAMIDKV);
+    pyr.full_layers = 2;
+    p.policy = &pyr;
+    p.n_prompt = 550;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s[1], NULL), KVS_OK);
+    kvs_kv_policy full = kvs_kv_policy_default(KVS_POLICY_FULL);
+    p.policy = &full;
+    p.n_prompt = 300;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s[2], NULL), KVS_OK);
+    double best_ratio = 0;
+    int64_t sparse_blocks = 0, full_blocks = 0;
+    while (!kvs_engine_idle(e)) {
+        cr_assert_eq(kvs_engine_step(e), KVS_OK, "%s", kvs_last_error());
+        kvs_engine_stats st;
+        kvs_engine_get_stats(e, &st);
+        cr_assert_eq(st.kv_blocks_full_layers + st.kv_blocks_sparse_layers, st.kv_blocks_used);
+        if (st.running == 3 && s[0].n > 0 && s[1].n > 0 && s[2].n > 0 && st.compression_ratio > best_ratio) {
+            best_ratio = st.compression_ratio;
+            sparse_blocks = st.kv_blocks_sparse_layers;
+            full_blocks = st.kv_blocks_full_layers;
+        }
+    }
+    cr_log_info("compression %.2fx, blocks: %lld in full layers, %lld in sparse layers", best_ratio,
+                (long long)full_blocks, (long long)sparse_blocks);
+    /* 1450 tokens x 8 layers held as: 600 x 10% + 550 x ~10% in 6 layers + full rest */
+    cr_assert_gt(best_ratio, 1.8);
+    cr_assert_gt(sparse_blocks, 0);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(s[i].finish, KVS_FINISH_LENGTH);
+        cr_assert_eq(s[i].n, 24);
+    }
+    /* the full-policy request is unaffected by its sparse neighbours */
+    int32_t want[24];
+    reference(&f, prompt, 300, 24, want);
+    for (int k = 0; k < 24; k++) cr_assert_eq(s[2].ids[k], want[k], "token %d", k);
+    kvs_engine_stats st;
+    kvs_engine_get_stats(e, &st);
+    cr_assert_eq(st.kv_blocks_used, 0);
+    free(prompt);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}
+
+typedef struct {
+    kvs_engine *e;
+    int32_t *prompt;
+    sink *sinks; /* 4 */
+    int base_len;
+} submitter;
+
+static void *submit_four(void *arg) {
+    submitter *t = arg;
+    for (int i = 0; i < 4; i++) {
+        kvs_request_params p = greedy_params(t->prompt, t->base_len + 7 * i, 8 + i);
+        cr_assert_eq(kvs_engine_submit(t->e, &p, on_output, &t->sinks[i], NULL), KVS_OK, "%s", kvs_last_error());
+        kvs_engine_stats s;
+        kvs_engine_get_stats(t->e, &s);
+    }
+    return NULL;
+}
+
+Test(engine, thread_mode) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine *e = small_engine(&f, 128);
+    cr_assert_eq(kvs_engine_start(e), KVS_OK);
+    cr_assert_eq(kvs_engine_step(e), KVS_ERR_INVALID);
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    sink sinks[16] = {0};
+    for (int i = 0; i < 16; i++) sinks[i].mu = &mu;
+    int32_t *prompt = random_prompt(5, 100);
+    submitter subs[4];
+    pthread_t th[4];
+    for (int t = 0; t < 4; t++) {
+        subs[t] = (submitter){e, prompt, sinks + 4 * t, 20 + 10 * t};
+        pthread_create(&th[t], NULL, submit_four, &subs[t]);
+    }
+    for (int t = 0; t < 4; t++) pthread_join(th[t], NULL);
+    for (int tries = 0;; tries++) {
+        int done = 0;
+        pthread_mutex_lock(&mu);
+        for (int i = 0; i < 16; i++) done += sinks[i].finish != KVS_FINISH_NONE;
+        pthread_mutex_unlock(&mu);
+        if (done == 16) break;
+        cr_assert_lt(tries, 6000, "requests did not finish");
+        usleep(20000);
+    }
+    for (int t = 0; t < 4; t++)
+        for (int i = 0; i < 4; i++) {
+            sink *s = &sinks[4 * t + i];
+            cr_assert_eq(s->finish, KVS_FINISH_LENGTH);
+            cr_assert_eq(s->n, 8 + i);
+            int32_t want[16];
+            reference(&f, prompt, 20 + 10 * t + 7 * i, s->n, want);
+            for (int k = 0; k < s->n; k++) cr_assert_eq(s->ids[k], want[k]);
+        }
+    /* more work, then stop with draining; then a second engine stopped without */
+    sink late = {.mu = &mu};
+    kvs_request_params p = greedy_params(prompt, 60, 10);
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &late, NULL), KVS_OK);
+    kvs_engine_stop(e, true);
+    cr_assert_eq(late.finish, KVS_FINISH_LENGTH);
+    cr_assert_eq(late.n, 10);
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &late, NULL), KVS_ERR_BUSY);
+    kvs_engine_destroy(e);
+
+    e = small_engine(&f, 128);
+    cr_assert_eq(kvs_engine_start(e), KVS_OK);
+    sink ab[6] = {0};
+    p.max_tokens = 200;
+    for (int i = 0; i < 6; i++) {
+        ab[i].mu = &mu;
+        cr_assert_eq(kvs_engine_submit(e, &p, on_output, &ab[i], NULL), KVS_OK);
+    }
+    usleep(100000);
+    kvs_engine_stop(e, false);
+    for (int i = 0; i < 6; i++) {
+        cr_assert_eq(ab[i].finish, KVS_FINISH_ABORT);
+        cr_assert_eq(ab[i].finals, 1);
+    }
+    kvs_engine_stats s;
+    kvs_engine_get_stats(e, &s);
+    cr_assert_eq(s.kv_blocks_used, 0);
+    kvs_engine_destroy(e);
+    free(prompt);
+    fx_close(&f);
+}
