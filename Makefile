@@ -6,7 +6,7 @@ JOBS    ?= $(shell nproc)
 MODEL   ?= models/tiny-needle-llama
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build run test test-asan fuzz-smoke bench eval clean
+.PHONY: all deps build run demo test test-asan fuzz-smoke bench eval clean
 
 all: build
 
@@ -17,7 +17,12 @@ build: deps
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
+# Serves the bundled model on http://127.0.0.1:8000/v1 (OpenAI API; Ctrl-C stops it)
 run: build
+	./$(BUILD)/kvsparse serve -m $(MODEL)
+
+# One generation from the command line, without the server
+demo: build
 	./$(BUILD)/kvsparse generate -m $(MODEL) --chat -n 48 \
 	  -p "The access code for Marigold is 48213. The sky was grey over the harbour. What is the access code for Marigold?"
 

@@ -1,9 +1,197 @@
-/* placeholder until this command lands */
+/* kvsparse serve: the OpenAI-compatible HTTP server over one engine.
+ * SIGTERM / SIGINT drain: stop accepting, finish what is in flight, exit 0
+ * (a second signal exits at once). */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
+#include "cli/cli_common.h"
+#include "engine/engine.h"
+#include "server/server.h"
+
+/* Signal handling only: the self-pipe the main thread sleeps on, and a count. */
+static int g_signal_pipe[2] = {-1, -1};
+static volatile sig_atomic_t g_signals;
+
+static void on_signal(int sig) {
+    if (g_signals++ > 0) _exit(128 + sig);
+    int saved = errno;
+    char c = 1;
+    if (write(g_signal_pipe[1], &c, 1) < 0) { /* nothing to do */
+    }
+    errno = saved;
+}
+
+typedef struct {
+    kvs_load_options load;
+    kvs_engine_config ecfg;
+    kvs_server_config scfg;
+    double kv_gib;
+} serve_options;
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvsparse serve -m MODEL_DIR [options]\n"
+               "  --host H                  address to listen on (default 127.0.0.1)\n"
+               "  --port P                  port (default 8000; 0 picks a free one and prints it)\n"
+               "  --api-key KEY             require 'Authorization: Bearer KEY' on /v1/*\n"
+               "  --served-model-name NAME  the model name clients use (default: the model folder's name)\n"
+               "  --max-num-seqs N          running requests at most (default 64)\n"
+               "  --max-num-batched-tokens N  tokens per engine step (default 2048)\n"
+               "  --max-model-len N         context limit (default: the model's)\n"
+               "  --kv-memory GiB           KV pool size (default 1)\n"
+               "  --max-waiting N           queued requests at most; more get 429 (default 1024)\n"
+               "  --max-body-bytes N        request body limit (default 4 MiB; more gets 413)\n"
+               "  --threads N  --load-format dummy\n" KVS_CLI_POLICY_HELP
+               "The API is described in docs/SERVING.md.\n");
+}
+
+static bool parse_int(const char *s, int lo, int *out) {
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end || v < lo || v > (1L << 30)) return false;
+    *out = (int)v;
+    return true;
+}
+
+static int parse_args(int argc, char **argv, serve_options *o) {
+    memset(o, 0, sizeof *o);
+    o->ecfg = kvs_engine_config_default();
+    o->scfg.host = "127.0.0.1";
+    o->scfg.port = 8000;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int r = kvs_cli_load_option(&o->load, argc, argv, &i);
+        if (r == 0) r = kvs_cli_policy_option(&o->ecfg.default_policy, argc, argv, &i);
+        if (r < 0) goto bad;
+        if (r > 0) continue;
+        bool v = i + 1 < argc;
+        int n;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
+        else if (!strcmp(a, "--host") && v) o->scfg.host = argv[++i];
+        else if (!strcmp(a, "--port") && v) { if (!parse_int(argv[++i], 0, &n) || n > 65535) goto bad; o->scfg.port = n; }
+        else if (!strcmp(a, "--api-key") && v) o->scfg.api_key = argv[++i];
+        else if (!strcmp(a, "--served-model-name") && v) o->scfg.served_model_name = argv[++i];
+        else if (!strcmp(a, "--max-num-seqs") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_num_seqs)) goto bad; }
+        else if (!strcmp(a, "--max-num-batched-tokens") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_num_batched_tokens)) goto bad; }
+        else if (!strcmp(a, "--max-model-len") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_model_len)) goto bad; }
+        else if (!strcmp(a, "--max-waiting") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_waiting)) goto bad; }
+        else if (!strcmp(a, "--max-body-bytes") && v) { if (!parse_int(argv[++i], 1024, &n)) goto bad; o->scfg.max_body_bytes = (size_t)n; }
+        else if (!strcmp(a, "--kv-memory") && v) {
+            char *end;
+            o->kv_gib = strtod(argv[++i], &end);
+            if (end == argv[i] || *end || !(o->kv_gib > 0 && o->kv_gib < 1e5)) goto bad;
+            o->ecfg.kv_memory_bytes = (size_t)(o->kv_gib * (double)(1ull << 30));
+        } else goto bad;
+        continue;
+    bad:
+        fprintf(stderr, "kvsparse serve: bad or incomplete option '%s'\n", a);
+        usage(stderr);
+        return 2;
+    }
+    if (!o->load.model_dir && !o->load.config_path) {
+        fprintf(stderr, "kvsparse serve: -m MODEL_DIR is required\n");
+        return 2;
+    }
+    return -1;
+}
+
+/* The model folder's last path component. */
+static const char *folder_name(const char *dir, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s", dir ? dir : "model");
+    size_t n = strlen(buf);
+    while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
+    const char *slash = strrchr(buf, '/');
+    return slash && slash[1] ? slash + 1 : buf;
+}
+
+/* Blocks one sequence of len tokens holds in every layer, full or with the policy after compaction. */
+static int64_t seq_blocks(const kvs_kv_policy *p, int n_layers, int len, bool use_policy) {
+    int *budgets = calloc((size_t)n_layers, sizeof(int));
+    if (!budgets) return 1;
+    for (int l = 0; l < n_layers; l++) budgets[l] = -1;
+    if (use_policy && p->kind != KVS_POLICY_FULL) kvs_kv_policy_budgets(p, n_layers, len, budgets);
+    int64_t blocks = 0;
+    for (int l = 0; l < n_layers; l++) {
+        int held = budgets[l] < 0 ? len : budgets[l] + p->window;
+        if (held > len) held = len;
+        blocks += (held + 15) / 16;
+    }
+    free(budgets);
+    return blocks > 0 ? blocks : 1;
+}
+
+static void log_capacity(const kvs_loaded *l, const kvs_engine_config *ec, int max_len) {
+    const kvs_config *c = &l->cfg;
+    kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+                        .n_heads = c->n_heads, .block_size = 16, .max_seqs = ec->max_num_seqs};
+    size_t bytes = ec->kv_memory_bytes ? ec->kv_memory_bytes : (size_t)1 << 30;
+    int64_t blocks = kvs_kv_blocks_for_budget(&kc, l->be->kv_dtype, bytes);
+    int64_t full = seq_blocks(&ec->default_policy, c->n_layers, max_len, false);
+    int64_t sparse = seq_blocks(&ec->default_policy, c->n_layers, max_len, true);
+    char desc[160];
+    kvs_kv_policy_describe(&ec->default_policy, desc, sizeof desc);
+    kvs_log(KVS_LOG_INFO, "KV pool: %.2f GiB, %lld blocks = %lld tokens in every layer", (double)bytes / (1 << 30),
+            (long long)blocks, (long long)(blocks / c->n_layers * 16));
+    kvs_log(KVS_LOG_INFO, "requests of the maximum length (%d tokens) that fit at once: %lld with a full cache, "
+            "%lld with policy %s (after compaction; admission needs the prompt in every layer)",
+            max_len, (long long)(blocks / full), (long long)(blocks / sparse), desc);
+}
 
 int kvs_cmd_serve(int argc, char **argv) {
-    fprintf(stderr, "kvsparse: this command is not implemented yet\n");
-    return 1;
+    serve_options o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc >= 0) return rc;
+    kvs_loaded l;
+    if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
+    if (!l.tok) kvs_log(KVS_LOG_WARN, "the model has no tokenizer.json: only token-id prompts will work");
+    int max_len = o.ecfg.max_model_len ? o.ecfg.max_model_len : l.cfg.max_position_embeddings;
+    char namebuf[512];
+    if (!o.scfg.served_model_name) o.scfg.served_model_name = folder_name(o.load.model_dir, namebuf, sizeof namebuf);
+    o.scfg.max_model_len = max_len;
+    o.scfg.n_layers = l.cfg.n_layers;
+    kvs_engine *e = NULL;
+    kvs_server *srv = NULL;
+    kvs_status st = kvs_engine_create(l.model, l.tok, &o.ecfg, &e);
+    if (st == KVS_OK) st = kvs_engine_start(e);
+    if (st == KVS_OK && (pipe(g_signal_pipe) != 0 || fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK) != 0))
+        st = kvs_fail(KVS_ERR_IO, "pipe: %s", strerror(errno));
+    if (st == KVS_OK) {
+        signal(SIGPIPE, SIG_IGN);
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_signal;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGTERM, &sa, NULL);
+        sigaction(SIGINT, &sa, NULL);
+        st = kvs_server_start(&o.scfg, e, l.tok, &srv);
+    }
+    if (st != KVS_OK) {
+        kvs_engine_destroy(e);
+        kvs_cli_unload(&l);
+        return kvs_cli_error();
+    }
+    log_capacity(&l, &o.ecfg, max_len);
+    const char *host = o.scfg.host;
+    bool v6 = strchr(host, ':') != NULL;
+    printf("kvsparse: serving '%s' at http://%s%s%s:%d/v1 (port %d)\n", o.scfg.served_model_name, v6 ? "[" : "", host,
+           v6 ? "]" : "", kvs_server_port(srv), kvs_server_port(srv));
+    fflush(stdout);
+    char c;
+    while (read(g_signal_pipe[0], &c, 1) < 0 && errno == EINTR) {
+    }
+    kvs_log(KVS_LOG_INFO, "signal received: draining requests in flight (a second signal exits at once)");
+    kvs_server_drain(srv);
+    kvs_engine_stop(e, true);
+    kvs_server_stop(srv);
+    kvs_engine_destroy(e);
+    kvs_cli_unload(&l);
+    close(g_signal_pipe[0]);
+    close(g_signal_pipe[1]);
+    kvs_log(KVS_LOG_INFO, "stopped");
+    return 0;
 }

@@ -1,0 +1,95 @@
+/* server: GET /metrics, the engine's stats in Prometheus' text format (0.0.4). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/server.h"
+
+typedef struct {
+    char *s;
+    size_t len, cap;
+    const char *labels; /* model="..." */
+} text_buf;
+
+static void put(text_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(text_buf *b, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->s ? b->s + b->len : NULL, b->s ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) return;
+        if (b->s && b->len + (size_t)n < b->cap) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t cap = (b->cap + (size_t)n + 1) * 2;
+        char *p = realloc(b->s, cap);
+        if (!p) return;
+        b->s = p;
+        b->cap = cap;
+    }
+}
+
+static void metric(text_buf *b, const char *name, const char *type, const char *help, double v) {
+    put(b, "# HELP %s %s\n# TYPE %s %s\n%s{%s} %.17g\n", name, help, name, type, name, b->labels, v);
+}
+
+static void histogram(text_buf *b, const char *name, const char *help, const kvs_histogram *h) {
+    put(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int i = 0; i < KVS_HIST_BUCKETS; i++) {
+        cum += h->counts[i];
+        put(b, "%s_bucket{%s,le=\"%g\"} %llu\n", name, b->labels, kvs_hist_bounds[i], (unsigned long long)cum);
+    }
+    cum += h->counts[KVS_HIST_BUCKETS];
+    put(b, "%s_bucket{%s,le=\"+Inf\"} %llu\n", name, b->labels, (unsigned long long)cum);
+    put(b, "%s_sum{%s} %.17g\n%s_count{%s} %llu\n", name, b->labels, h->sum, name, b->labels,
+        (unsigned long long)h->n);
+}
+
+char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, uint64_t http_requests,
+                              uint64_t http_errors) {
+    kvs_engine_stats st;
+    memset(&st, 0, sizeof st);
+    if (engine) kvs_engine_get_stats(engine, &st);
+    /* a label value escapes backslash, quote and newline */
+    char labels[512], *o = labels;
+    o += snprintf(o, 32, "model_name=\"");
+    for (const char *p = model_name; *p && o < labels + sizeof labels - 8; p++) {
+        if (*p == '\\' || *p == '"') *o++ = '\\', *o++ = *p;
+        else if (*p == '\n') *o++ = '\\', *o++ = 'n';
+        else *o++ = *p;
+    }
+    *o++ = '"';
+    *o = 0;
+    text_buf b = {NULL, 0, 0, labels};
+    metric(&b, "kvsparse_num_requests_running", "gauge", "Requests in the running batch.", st.running);
+    metric(&b, "kvsparse_num_requests_waiting", "gauge", "Requests waiting to be scheduled.", st.waiting);
+    metric(&b, "kvsparse_kv_blocks_total", "gauge", "KV blocks in the pool (one block: 16 tokens of one layer).",
+           (double)st.kv_blocks_total);
+    metric(&b, "kvsparse_kv_blocks_used", "gauge", "KV blocks in use.", (double)st.kv_blocks_used);
+    put(&b, "# HELP kvsparse_kv_blocks_in_use KV blocks in use by running requests, per layer kind.\n"
+            "# TYPE kvsparse_kv_blocks_in_use gauge\n"
+            "kvsparse_kv_blocks_in_use{%s,layer_kind=\"full\"} %lld\n"
+            "kvsparse_kv_blocks_in_use{%s,layer_kind=\"sparse\"} %lld\n",
+        labels, (long long)st.kv_blocks_full_layers, labels, (long long)st.kv_blocks_sparse_layers);
+    metric(&b, "kvsparse_kv_usage_ratio", "gauge", "Fraction of the KV pool in use.",
+           st.kv_blocks_total > 0 ? (double)st.kv_blocks_used / (double)st.kv_blocks_total : 0.0);
+    metric(&b, "kvsparse_kv_compression_ratio", "gauge",
+           "KV entries a full cache would hold / entries held, over running requests.", st.compression_ratio);
+    metric(&b, "kvsparse_kv_tokens_capacity", "gauge", "Tokens the KV pool holds with every layer full.",
+           (double)st.kv_tokens_capacity);
+    metric(&b, "kvsparse_prompt_tokens_total", "counter", "Prompt tokens processed.", (double)st.prompt_tokens_total);
+    metric(&b, "kvsparse_generation_tokens_total", "counter", "Tokens generated.", (double)st.generation_tokens_total);
+    metric(&b, "kvsparse_requests_finished_total", "counter", "Requests finished.", (double)st.requests_finished);
+    metric(&b, "kvsparse_preemptions_total", "counter", "Requests preempted (KV blocks freed, recomputed later).",
+           (double)st.preemptions);
+    metric(&b, "kvsparse_http_requests_total", "counter", "HTTP requests answered.", (double)http_requests);
+    metric(&b, "kvsparse_http_errors_total", "counter", "HTTP requests answered with a 4xx or 5xx status.",
+           (double)http_errors);
+    histogram(&b, "kvsparse_time_to_first_token_seconds", "Time to first token.", &st.ttft);
+    histogram(&b, "kvsparse_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &st.itl);
+    return b.s ? b.s : strdup("");
+}

@@ -1,0 +1,361 @@
+/* server: OpenAI request bodies -> kvs_api_request, strictly validated.
+ * Every rejection names the field at fault (error.param). */
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/server_internal.h"
+
+bool kvs_api_fail(kvs_api_error *err, int http_status, const char *param, const char *fmt, ...) {
+    err->http_status = http_status;
+    err->type = http_status == 401   ? "authentication_error"
+                : http_status == 404 ? "not_found_error"
+                : http_status >= 500 ? "server_error"
+                                     : "invalid_request_error";
+    err->code = NULL;
+    snprintf(err->param, sizeof err->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    va_end(ap);
+    return false;
+}
+
+char *kvs_api_error_json(const kvs_api_error *err) {
+    json_t *e = json_object();
+    json_object_set_new(e, "message", json_string(err->message[0] ? err->message : "error"));
+    json_object_set_new(e, "type", json_string(err->type ? err->type : "invalid_request_error"));
+    json_object_set_new(e, "param", err->param[0] ? json_string(err->param) : json_null());
+    json_object_set_new(e, "code", err->code ? json_string(err->code) : json_null());
+    json_t *root = json_pack("{s:o}", "error", e);
+    char *s = json_dumps(root, JSON_COMPACT);
+    json_decref(root);
+    if (!s) s = strdup("{\"error\":{\"message\":\"error\",\"type\":\"server_error\",\"param\":null,\"code\":null}}");
+    return s;
+}
+
+void kvs_api_request_free(kvs_api_request *r) {
+    free(r->model);
+    free(r->prompt);
+    free(r->prompt_ids);
+    for (int i = 0; i < r->n_messages; i++) {
+        free((char *)r->messages[i].role);
+        free((char *)r->messages[i].content);
+    }
+    free(r->messages);
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- typed field readers: each returns false after filling err ------------- */
+static bool get_number(json_t *v, const char *name, double lo, double hi, double *out, kvs_api_error *err) {
+    if (!json_is_number(v)) return kvs_api_fail(err, 400, name, "'%s' must be a number", name);
+    double x = json_number_value(v);
+    if (!(x >= lo && x <= hi)) return kvs_api_fail(err, 400, name, "'%s' must be in [%g, %g], got %g", name, lo, hi, x);
+    *out = x;
+    return true;
+}
+
+bool kvs_api_get_int(json_t *v, const char *name, json_int_t lo, json_int_t hi, json_int_t *out, kvs_api_error *err) {
+    if (!json_is_integer(v)) return kvs_api_fail(err, 400, name, "'%s' must be an integer", name);
+    json_int_t x = json_integer_value(v);
+    if (x < lo || x > hi)
+        return kvs_api_fail(err, 400, name, "'%s' must be in [%lld, %lld], got %lld", name, (long long)lo,
+                            (long long)hi, (long long)x);
+    *out = x;
+    return true;
+}
+
+static bool get_bool(json_t *v, const char *name, bool *out, kvs_api_error *err) {
+    if (!json_is_boolean(v)) return kvs_api_fail(err, 400, name, "'%s' must be a boolean", name);
+    *out = json_is_true(v);
+    return true;
+}
+
+static bool parse_stop(json_t *v, kvs_api_request *r, kvs_api_error *err) {
+    if (json_is_null(v)) return true;
+    if (json_is_string(v)) {
+        json_t *arr = json_pack("[O]", v);
+        bool ok = parse_stop(arr, r, err);
+        json_decref(arr);
+        return ok;
+    }
+    if (!json_is_array(v)) return kvs_api_fail(err, 400, "stop", "'stop' must be a string or an array of strings");
+    if (json_array_size(v) > KVS_MAX_STOP_STRINGS)
+        return kvs_api_fail(err, 400, "stop", "'stop' holds at most %d strings", KVS_MAX_STOP_STRINGS);
+    size_t i;
+    json_t *s;
+    json_array_foreach(v, i, s) {
+        if (!json_is_string(s)) return kvs_api_fail(err, 400, "stop", "'stop' must hold strings");
+        size_t n = json_string_length(s);
+        if (n == 0 || n > 256) return kvs_api_fail(err, 400, "stop", "stop strings must have 1 to 256 bytes");
+        if (memchr(json_string_value(s), 0, n)) return kvs_api_fail(err, 400, "stop", "stop strings must not hold NUL");
+        r->stop[r->n_stop++] = strdup(json_string_value(s));
+    }
+    return true;
+}
+
+static bool parse_ids(json_t *arr, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
+    size_t n = json_array_size(arr), i;
+    if (n == 0) return kvs_api_fail(err, 400, "prompt", "'prompt' is empty");
+    if (n > (size_t)lim->max_model_len)
+        return kvs_api_fail(err, 400, "prompt", "the prompt has %zu tokens; this model's maximum context length is %d",
+                            n, lim->max_model_len);
+    r->prompt_ids = malloc(sizeof(int32_t) * n);
+    if (!r->prompt_ids) return kvs_api_fail(err, 500, NULL, "out of memory");
+    json_t *t;
+    json_array_foreach(arr, i, t) {
+        if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) >= lim->vocab_size)
+            return kvs_api_fail(err, 400, "prompt", "prompt token ids must be integers in [0, %d)", lim->vocab_size);
+        r->prompt_ids[i] = (int32_t)json_integer_value(t);
+    }
+    r->n_prompt_ids = (int)n;
+    return true;
+}
+
+static bool parse_prompt(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
+    if (!v) return kvs_api_fail(err, 400, "prompt", "'prompt' is required");
+    if (json_is_array(v) && json_array_size(v) == 1 &&
+        (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
+        v = json_array_get(v, 0); /* a batch of one */
+    if (json_is_string(v)) {
+        size_t n = json_string_length(v);
+        if (n == 0) return kvs_api_fail(err, 400, "prompt", "'prompt' is empty");
+        if (memchr(json_string_value(v), 0, n)) return kvs_api_fail(err, 400, "prompt", "'prompt' must not hold NUL");
+        r->prompt = strdup(json_string_value(v));
+        return true;
+    }
+    if (json_is_array(v)) {
+        json_t *first = json_array_get(v, 0);
+        if (first && !json_is_integer(first))
+            return kvs_api_fail(err, 400, "prompt", "batched prompts are not supported: send one prompt per request");
+        return parse_ids(v, lim, r, err);
+    }
+    return kvs_api_fail(err, 400, "prompt", "'prompt' must be a string or an array of token ids");
+}
+
+/* content: a string, or an array of {"type": "text", "text": ...} parts (joined). */
+static bool parse_content(json_t *c, int i, char **out, kvs_api_error *err) {
+    char param[48];
+    snprintf(param, sizeof param, "messages[%d].content", i);
+    if (!c || json_is_null(c)) { *out = strdup(""); return true; }
+    if (json_is_string(c)) {
+        if (memchr(json_string_value(c), 0, json_string_length(c)))
+            return kvs_api_fail(err, 400, param, "'%s' must not hold NUL", param);
+        *out = strdup(json_string_value(c));
+        return true;
+    }
+    if (!json_is_array(c)) return kvs_api_fail(err, 400, param, "'%s' must be a string or an array of text parts", param);
+    size_t total = 0, k;
+    json_t *part;
+    json_array_foreach(c, k, part) {
+        json_t *type = json_object_get(part, "type"), *text = json_object_get(part, "text");
+        if (!json_is_string(type) || strcmp(json_string_value(type), "text") || !json_is_string(text))
+            return kvs_api_fail(err, 400, param, "'%s': only parts {\"type\": \"text\", \"text\": ...} are supported", param);
+        if (memchr(json_string_value(text), 0, json_string_length(text)))
+            return kvs_api_fail(err, 400, param, "'%s' must not hold NUL", param);
+        total += json_string_length(text);
+    }
+    char *s = malloc(total + 1);
+    if (!s) return kvs_api_fail(err, 500, NULL, "out of memory");
+    size_t at = 0;
+    json_array_foreach(c, k, part) {
+        json_t *text = json_object_get(part, "text");
+        memcpy(s + at, json_string_value(text), json_string_length(text));
+        at += json_string_length(text);
+    }
+    s[at] = 0;
+    *out = s;
+    return true;
+}
+
+static bool parse_messages(json_t *v, kvs_api_request *r, kvs_api_error *err) {
+    if (!v) return kvs_api_fail(err, 400, "messages", "'messages' is required");
+    if (!json_is_array(v) || json_array_size(v) == 0)
+        return kvs_api_fail(err, 400, "messages", "'messages' must be a non-empty array");
+    if (json_array_size(v) > 4096) return kvs_api_fail(err, 400, "messages", "'messages' holds at most 4096 messages");
+    r->messages = calloc(json_array_size(v), sizeof *r->messages);
+    if (!r->messages) return kvs_api_fail(err, 500, NULL, "out of memory");
+    size_t i;
+    json_t *m;
+    json_array_foreach(v, i, m) {
+        char param[48];
+        snprintf(param, sizeof param, "messages[%d].role", (int)i);
+        if (!json_is_object(m)) return kvs_api_fail(err, 400, "messages", "messages[%d] must be an object", (int)i);
+        json_t *role = json_object_get(m, "role");
+        if (!json_is_string(role)) return kvs_api_fail(err, 400, param, "'%s' must be a string", param);
+        const char *rs = json_string_value(role);
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "developer") &&
+            strcmp(rs, "tool"))
+            return kvs_api_fail(err, 400, param,
+                                "'%s' must be one of system, developer, user, assistant, tool", param);
+        char *content = NULL;
+        if (!parse_content(json_object_get(m, "content"), (int)i, &content, err)) return false;
+        if (!content) return kvs_api_fail(err, 500, NULL, "out of memory");
+        r->messages[i].role = strdup(!strcmp(rs, "developer") ? "system" : rs);
+        r->messages[i].content = content;
+        r->n_messages = (int)i + 1;
+    }
+    return true;
+}
+
+/* Fields accepted with their neutral value only (so clients that send the defaults work). */
+static bool check_neutral(const char *key, json_t *v, kvs_api_error *err) {
+    if (json_is_null(v)) return true;
+    if (!strcmp(key, "presence_penalty") || !strcmp(key, "frequency_penalty") || !strcmp(key, "repetition_penalty")) {
+        double want = strcmp(key, "repetition_penalty") ? 0.0 : 1.0;
+        if (json_is_number(v) && json_number_value(v) == want) return true;
+        return kvs_api_fail(err, 400, key, "'%s' is not supported (only %g)", key, want);
+    }
+    if (!strcmp(key, "best_of")) {
+        if (json_is_integer(v) && json_integer_value(v) == 1) return true;
+        return kvs_api_fail(err, 400, key, "'best_of' must be 1");
+    }
+    if (!strcmp(key, "echo")) {
+        if (json_is_false(v)) return true;
+        return kvs_api_fail(err, 400, key, "'echo' is not supported");
+    }
+    if (!strcmp(key, "logit_bias")) {
+        if (json_is_object(v) && json_object_size(v) == 0) return true;
+        return kvs_api_fail(err, 400, key, "'logit_bias' is not supported");
+    }
+    if (!strcmp(key, "user")) {
+        if (json_is_string(v)) return true;
+        return kvs_api_fail(err, 400, key, "'user' must be a string");
+    }
+    if (!strcmp(key, "tools") || !strcmp(key, "functions")) {
+        if (json_is_array(v) && json_array_size(v) == 0) return true;
+        return kvs_api_fail(err, 400, key, "'%s' (tool calling) is not supported", key);
+    }
+    if (!strcmp(key, "response_format")) {
+        json_t *t = json_object_get(v, "type");
+        if (json_is_string(t) && !strcmp(json_string_value(t), "text")) return true;
+        return kvs_api_fail(err, 400, key, "only 'response_format' {\"type\": \"text\"} is supported");
+    }
+    return kvs_api_fail(err, 400, key, "unrecognized request argument supplied: %.40s", key);
+}
+
+static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *lim, kvs_api_request *r,
+                         kvs_api_error *err) {
+    const char *key;
+    json_t *v;
+    bool want_logprobs = false;
+    json_int_t top = -1;
+    json_object_foreach(root, key, v) {
+        json_int_t x;
+        double d;
+        if (!strcmp(key, "model")) {
+            if (!json_is_string(v)) return kvs_api_fail(err, 400, "model", "'model' must be a string");
+            r->model = strdup(json_string_value(v));
+        } else if (!strcmp(key, "prompt") && kind == KVS_API_COMPLETIONS) {
+            if (!parse_prompt(v, lim, r, err)) return false;
+        } else if (!strcmp(key, "messages") && kind == KVS_API_CHAT) {
+            if (!parse_messages(v, r, err)) return false;
+        } else if (!strcmp(key, "stream")) {
+            if (!json_is_null(v) && !get_bool(v, "stream", &r->stream, err)) return false;
+        } else if (!strcmp(key, "stream_options")) {
+            if (json_is_null(v)) continue;
+            json_t *u = json_object_get(v, "include_usage");
+            if (!json_is_object(v) || (u && !json_is_boolean(u)))
+                return kvs_api_fail(err, 400, "stream_options", "'stream_options' must be {\"include_usage\": bool}");
+            r->include_usage = json_is_true(u);
+        } else if (!strcmp(key, "temperature")) {
+            if (json_is_null(v)) continue;
+            if (!get_number(v, "temperature", 0, 100, &d, err)) return false;
+            r->sampling.temperature = (float)d;
+        } else if (!strcmp(key, "top_p")) {
+            if (json_is_null(v)) continue;
+            if (!get_number(v, "top_p", 0, 1, &d, err)) return false;
+            if (d <= 0) return kvs_api_fail(err, 400, "top_p", "'top_p' must be in (0, 1]");
+            r->sampling.top_p = (float)d;
+        } else if (!strcmp(key, "top_k")) {
+            if (json_is_null(v)) continue;
+            if (!kvs_api_get_int(v, "top_k", -1, 1 << 30, &x, err)) return false;
+            r->sampling.top_k = x < 0 ? 0 : (int)x;
+        } else if (!strcmp(key, "min_p")) {
+            if (json_is_null(v)) continue;
+            if (!get_number(v, "min_p", 0, 1, &d, err)) return false;
+            r->sampling.min_p = (float)d;
+        } else if (!strcmp(key, "seed")) {
+            if (json_is_null(v)) continue;
+            if (!json_is_integer(v)) return kvs_api_fail(err, 400, "seed", "'seed' must be an integer");
+            r->sampling.seed = (uint64_t)json_integer_value(v);
+        } else if (!strcmp(key, "max_tokens") || !strcmp(key, "max_completion_tokens")) {
+            if (json_is_null(v)) continue;
+            if (!kvs_api_get_int(v, key, 1, lim->max_model_len, &x, err)) return false;
+            r->max_tokens = (int)x;
+        } else if (!strcmp(key, "stop")) {
+            if (!parse_stop(v, r, err)) return false;
+        } else if (!strcmp(key, "n")) {
+            if (json_is_null(v)) continue;
+            if (!json_is_integer(v) || json_integer_value(v) != 1)
+                return kvs_api_fail(err, 400, "n", "only 'n' = 1 is supported");
+        } else if (!strcmp(key, "ignore_eos")) {
+            if (!json_is_null(v) && !get_bool(v, "ignore_eos", &r->ignore_eos, err)) return false;
+        } else if (!strcmp(key, "logprobs")) {
+            if (json_is_null(v)) continue;
+            if (kind == KVS_API_CHAT) {
+                if (!get_bool(v, "logprobs", &want_logprobs, err)) return false;
+            } else {
+                if (json_is_boolean(v)) return kvs_api_fail(err, 400, "logprobs", "'logprobs' must be an integer");
+                if (!kvs_api_get_int(v, "logprobs", 0, 20, &x, err)) return false;
+                want_logprobs = true;
+                top = x;
+            }
+        } else if (!strcmp(key, "top_logprobs") && kind == KVS_API_CHAT) {
+            if (json_is_null(v)) continue;
+            if (!kvs_api_get_int(v, "top_logprobs", 0, 20, &top, err)) return false;
+        } else if (!strcmp(key, "kv_policy")) {
+            if (!kvs_api_parse_policy(v, lim, &r->policy, err)) return false;
+            r->has_policy = !json_is_null(v);
+        } else if (!strcmp(key, "suffix") && kind == KVS_API_COMPLETIONS) {
+            if (!json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
+                return kvs_api_fail(err, 400, "suffix", "'suffix' is not supported");
+        } else if (!check_neutral(key, v, err)) {
+            return false;
+        }
+    }
+    if (kind == KVS_API_CHAT && top >= 0 && !want_logprobs)
+        return kvs_api_fail(err, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    r->logprobs = want_logprobs;
+    r->top_logprobs = top > 0 ? (int)top : 0;
+    if (kind == KVS_API_COMPLETIONS && !r->prompt && !r->prompt_ids)
+        return kvs_api_fail(err, 400, "prompt", "'prompt' is required");
+    if (kind == KVS_API_CHAT && !r->messages) return kvs_api_fail(err, 400, "messages", "'messages' is required");
+    if (r->include_usage && !r->stream)
+        return kvs_api_fail(err, 400, "stream_options", "'stream_options' is only allowed with 'stream': true");
+    if (r->n_prompt_ids && r->max_tokens && r->n_prompt_ids + r->max_tokens > lim->max_model_len)
+        return kvs_api_fail(err, 400, "max_tokens",
+                            "this model's maximum context length is %d tokens; the prompt has %d and max_tokens is %d",
+                            lim->max_model_len, r->n_prompt_ids, r->max_tokens);
+    return true;
+}
+
+bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, const kvs_api_limits *lim,
+                           kvs_api_request *r, kvs_api_error *err) {
+    memset(r, 0, sizeof *r);
+    memset(err, 0, sizeof *err);
+    r->kind = kind;
+    r->sampling = kvs_sampling_default();
+    r->sampling.temperature = 1.0f; /* OpenAI's default */
+    json_error_t jerr;
+    json_t *root = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) {
+        kvs_api_fail(err, 400, NULL, "malformed JSON body: %s (at line %d, column %d)", jerr.text, jerr.line,
+                     jerr.column);
+        return false;
+    }
+    bool ok;
+    if (!json_is_object(root))
+        ok = kvs_api_fail(err, 400, NULL, "the request body must be a JSON object");
+    else
+        ok = parse_fields(root, kind, lim, r, err);
+    json_decref(root);
+    if (ok && kvs_sampling_validate(&r->sampling) != KVS_OK)
+        ok = kvs_api_fail(err, 400, NULL, "%s", kvs_last_error());
+    if (!ok) kvs_api_request_free(r);
+    return ok;
+}

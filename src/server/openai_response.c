@@ -1,0 +1,152 @@
+/* server: OpenAI response shapes: completions / chat completions, whole or as
+ * streaming chunks, with usage and logprobs. */
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/server_internal.h"
+
+const char *kvs_resp_finish_reason(kvs_finish f) {
+    switch (f) {
+    case KVS_FINISH_STOP: return "stop";
+    case KVS_FINISH_LENGTH: return "length";
+    case KVS_FINISH_ABORT: return "abort";
+    case KVS_FINISH_ERROR: return "error";
+    default: return NULL;
+    }
+}
+
+/* A JSON string of UTF-8 text; invalid bytes (never expected) become U+FFFD. */
+static json_t *text_json(const char *s, size_t n) {
+    json_t *j = json_stringn(s ? s : "", s ? n : 0);
+    if (j) return j;
+    char *fixed = malloc(n * 3 + 1);
+    if (!fixed) return json_string("");
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        json_t *probe = len && i + len <= n ? json_stringn(s + i, len) : NULL;
+        if (probe && c != 0) {
+            memcpy(fixed + o, s + i, len);
+            o += len;
+            i += len;
+        } else {
+            memcpy(fixed + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i++;
+        }
+        json_decref(probe);
+    }
+    j = json_stringn(fixed, o);
+    free(fixed);
+    return j ? j : json_string("");
+}
+
+static char *token_text(const kvs_tokenizer *tok, int32_t id) {
+    char *s = NULL;
+    if (!tok || kvs_tokenizer_decode(tok, &id, 1, false, &s) != KVS_OK) return strdup("");
+    return s;
+}
+
+static json_t *usage_json(int prompt_tokens, int completion_tokens) {
+    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt_tokens, "completion_tokens", completion_tokens,
+                     "total_tokens", prompt_tokens + completion_tokens);
+}
+
+static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
+    if (!m->logprobs || !s->lps) return json_null();
+    if (m->kind == KVS_API_CHAT) {
+        json_t *content = json_array();
+        for (int i = 0; i < s->n; i++) {
+            char *t = token_text(m->tok, s->ids[i]);
+            json_t *bytes = json_array();
+            for (const unsigned char *b = (const unsigned char *)t; *b; b++) json_array_append_new(bytes, json_integer(*b));
+            json_t *top = json_array();
+            if (m->top_logprobs > 0)
+                json_array_append_new(top, json_pack("{s:o, s:f, s:O}", "token", text_json(t, strlen(t)), "logprob",
+                                                     (double)s->lps[i], "bytes", bytes));
+            json_array_append_new(content, json_pack("{s:o, s:f, s:o, s:o}", "token", text_json(t, strlen(t)),
+                                                     "logprob", (double)s->lps[i], "bytes", bytes, "top_logprobs", top));
+            free(t);
+        }
+        return json_pack("{s:o, s:n}", "content", content, "refusal");
+    }
+    json_t *tokens = json_array(), *lps = json_array(), *offs = json_array();
+    json_t *tops = m->top_logprobs > 0 ? json_array() : json_null();
+    size_t off = s->text_offset;
+    for (int i = 0; i < s->n; i++) {
+        char *t = token_text(m->tok, s->ids[i]);
+        json_array_append_new(tokens, text_json(t, strlen(t)));
+        json_array_append_new(lps, json_real(s->lps[i]));
+        json_array_append_new(offs, json_integer((json_int_t)off));
+        if (json_is_array(tops)) {
+            json_t *one = json_object();
+            json_object_set_new(one, t, json_real(s->lps[i]));
+            json_array_append_new(tops, one);
+        }
+        off += strlen(t);
+        free(t);
+    }
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", lps, "top_logprobs", tops,
+                     "text_offset", offs);
+}
+
+static json_t *finish_json(kvs_finish f) {
+    const char *r = kvs_resp_finish_reason(f);
+    return r ? json_string(r) : json_null();
+}
+
+static json_t *envelope(const kvs_resp_meta *m, const char *object) {
+    return json_pack("{s:s, s:s, s:I, s:s}", "id", m->id, "object", object, "created", (json_int_t)m->created,
+                     "model", m->model);
+}
+
+static char *dump(json_t *root) {
+    char *s = root ? json_dumps(root, JSON_COMPACT) : NULL;
+    json_decref(root);
+    return s;
+}
+
+char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, kvs_finish finish, int prompt_tokens,
+                    int completion_tokens) {
+    bool chat = m->kind == KVS_API_CHAT;
+    json_t *root = envelope(m, chat ? "chat.completion" : "text_completion");
+    json_t *choice = json_pack("{s:i}", "index", 0);
+    if (chat)
+        json_object_set_new(choice, "message",
+                            json_pack("{s:s, s:o}", "role", "assistant", "content", text_json(s->text, s->text_len)));
+    else
+        json_object_set_new(choice, "text", text_json(s->text, s->text_len));
+    json_object_set_new(choice, "logprobs", logprobs_json(m, s));
+    json_object_set_new(choice, "finish_reason", finish_json(finish));
+    json_object_set_new(root, "choices", json_pack("[o]", choice));
+    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens));
+    return dump(root);
+}
+
+char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, kvs_finish finish, bool usage_field) {
+    bool chat = m->kind == KVS_API_CHAT;
+    json_t *root = envelope(m, chat ? "chat.completion.chunk" : "text_completion");
+    json_t *choice = json_pack("{s:i}", "index", 0);
+    if (chat) {
+        json_t *delta = json_object();
+        if (first) json_object_set_new(delta, "role", json_string("assistant"));
+        if (s->text_len || first) json_object_set_new(delta, "content", text_json(s->text, s->text_len));
+        json_object_set_new(choice, "delta", delta);
+    } else {
+        json_object_set_new(choice, "text", text_json(s->text, s->text_len));
+    }
+    json_object_set_new(choice, "logprobs", s->n ? logprobs_json(m, s) : json_null());
+    json_object_set_new(choice, "finish_reason", finish_json(finish));
+    json_object_set_new(root, "choices", json_pack("[o]", choice));
+    if (usage_field) json_object_set_new(root, "usage", json_null());
+    return dump(root);
+}
+
+char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens) {
+    json_t *root = envelope(m, m->kind == KVS_API_CHAT ? "chat.completion.chunk" : "text_completion");
+    json_object_set_new(root, "choices", json_array());
+    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens));
+    return dump(root);
+}

@@ -1,0 +1,106 @@
+/* server: the OpenAI-compatible HTTP API over one engine (libmicrohttpd).
+ * Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as
+ * SSE), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+ * docs/SERVING.md describes the fields, the kv_policy extension and errors. */
+#ifndef KVS_SERVER_H
+#define KVS_SERVER_H
+
+#include "core/core.h"
+#include "engine/engine.h"
+#include "kv/kv.h"
+#include "tokenizer/tokenizer.h"
+
+/* ---- OpenAI requests: parsing and validation (no engine needed) ----------- */
+typedef enum { KVS_API_COMPLETIONS, KVS_API_CHAT } kvs_api_kind;
+
+/* An OpenAI-style error: {"error": {"message", "type", "param", "code"}}. */
+typedef struct {
+    int http_status;   /* 400, 401, 404, 405, 413, 429, 500, 503 */
+    const char *type;  /* "invalid_request_error", ... (a constant) */
+    const char *code;  /* NULL or a constant such as "model_not_found" */
+    char param[64];    /* the offending field ("" when none) */
+    char message[512];
+} kvs_api_error;
+
+/* What the validator needs to know about the model. */
+typedef struct {
+    int vocab_size;    /* token ids in prompts must be below this */
+    int max_model_len; /* context limit: prompt + max_tokens */
+    int n_layers;      /* for kv_policy validation */
+} kvs_api_limits;
+
+typedef struct {
+    kvs_api_kind kind;
+    char *model;                        /* NULL when absent */
+    bool stream, include_usage;
+    char *prompt;                       /* completions: a text prompt, or NULL */
+    int32_t *prompt_ids;                /* completions: a token-id prompt, or NULL */
+    int n_prompt_ids;
+    kvs_chat_message *messages;         /* chat: strings owned */
+    int n_messages;
+    kvs_sampling_params sampling;
+    int max_tokens;                     /* 0: the default (16 for completions, the rest of the context for chat) */
+    char *stop[KVS_MAX_STOP_STRINGS];
+    int n_stop;
+    bool ignore_eos;
+    bool logprobs;                      /* return the chosen tokens' logprobs */
+    int top_logprobs;                   /* completions' integer logprobs / chat's top_logprobs */
+    bool has_policy;
+    kvs_kv_policy policy;
+} kvs_api_request;
+
+/* Parses and validates a request body. On failure fills err (HTTP status,
+ * param naming the field) and returns false; req is then empty. */
+bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, const kvs_api_limits *lim,
+                           kvs_api_request *req, kvs_api_error *err);
+void kvs_api_request_free(kvs_api_request *req);
+/* Fills err; returns false (for `return kvs_api_fail(...)`). */
+bool kvs_api_fail(kvs_api_error *err, int http_status, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* {"error": {...}} as a malloc'ed string. */
+char *kvs_api_error_json(const kvs_api_error *err);
+
+/* Renders chat messages with the template and encodes the result: template
+ * text may hold control tokens, message contents never do (parse_special is
+ * false for them). *ids is malloc'ed. */
+kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template *tpl,
+                               const kvs_chat_message *msgs, int n_msgs, int32_t **ids, int *n_ids);
+
+/* ---- the HTTP server -------------------------------------------------------- */
+typedef struct {
+    const char *host;              /* "127.0.0.1" */
+    int port;                      /* 0: any free port (kvs_server_port tells which) */
+    const char *api_key;           /* NULL: no auth */
+    const char *served_model_name; /* the "model" clients name */
+    size_t max_body_bytes;         /* 0: 4 MiB */
+    int max_model_len;
+    int n_layers;
+    unsigned connection_limit;     /* 0: 1024 */
+} kvs_server_config;
+
+typedef struct kvs_server kvs_server;
+
+/* Binds and starts serving on its own threads (one per connection). */
+kvs_status kvs_server_start(const kvs_server_config *cfg, kvs_engine *engine, const kvs_tokenizer *tok,
+                            kvs_server **out);
+int kvs_server_port(const kvs_server *s);
+/* Stops accepting connections, answers new requests on open connections 503,
+ * and waits until the generation requests in flight have finished. */
+void kvs_server_drain(kvs_server *s);
+/* Closes every connection and frees the server (drain first for a clean stop). */
+void kvs_server_stop(kvs_server *s);
+
+/* Prometheus text exposition of the engine's stats (malloc'ed). */
+char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, uint64_t http_requests,
+                              uint64_t http_errors);
+
+/* ---- for `kvsparse bench serve --plot` (plot_png.c, libpng) ----------------- */
+typedef struct {
+    const char *name; /* panel title: digits, capitals, '.', '/', '-' */
+    const double *y;  /* [n] */
+} kvs_plot_series;
+/* One panel per series, side by side, against the shared x values. */
+kvs_status kvs_plot_png(const char *path, const char *xlabel, const double *x, int n, const kvs_plot_series *series,
+                        int n_series);
+
+#endif

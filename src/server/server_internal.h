@@ -1,0 +1,88 @@
+/* server: internals shared by http.c, generate.c, openai_response.c and metrics.c. */
+#ifndef KVS_SERVER_INTERNAL_H
+#define KVS_SERVER_INTERNAL_H
+
+#include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "server/server.h"
+
+/* ---- request fields (openai_request.c, kv_policy_json.c) ------------------- */
+/* An integer field in [lo, hi]; false after filling err. */
+bool kvs_api_get_int(json_t *v, const char *name, json_int_t lo, json_int_t hi, json_int_t *out, kvs_api_error *err);
+/* "kv_policy": {...} (null leaves *out alone); false after filling err. */
+bool kvs_api_parse_policy(json_t *v, const kvs_api_limits *lim, kvs_kv_policy *out, kvs_api_error *err);
+
+/* ---- response shapes (openai_response.c); every string is malloc'ed ------- */
+typedef struct {
+    kvs_api_kind kind;
+    const char *id;    /* "cmpl-..." / "chatcmpl-..." */
+    const char *model;
+    long long created;
+    const kvs_tokenizer *tok;
+    bool logprobs;
+    int top_logprobs;
+} kvs_resp_meta;
+
+/* A slice of generated tokens and their text. */
+typedef struct {
+    const char *text;
+    size_t text_len;
+    const int32_t *ids;
+    const float *lps; /* NULL when not asked */
+    int n;
+    size_t text_offset; /* completions' logprobs.text_offset of the first token */
+} kvs_resp_slice;
+
+char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, kvs_finish finish, int prompt_tokens,
+                    int completion_tokens);
+/* One SSE chunk's JSON: chat's first chunk carries role; finish NONE gives null. */
+char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, kvs_finish finish,
+                     bool usage_field);
+char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens);
+const char *kvs_resp_finish_reason(kvs_finish f);
+
+/* ---- one generation request, shared by the HTTP thread and the engine ------ */
+typedef struct kvs_gen {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;           /* the connection's and, until its last output, the engine's */
+    uint64_t engine_id;
+    /* filled by the engine callback (under mu) */
+    char *text;         /* pending text (streaming) or all of it */
+    size_t text_len, text_cap;
+    int32_t *ids;
+    float *lps;
+    int n_ids, cap_ids;
+    kvs_finish finish;
+    char *error;
+    int prompt_tokens, completion_tokens;
+    bool done;
+    double t_first;     /* when the first token arrived (0: not yet) */
+} kvs_gen;
+
+kvs_gen *kvs_gen_create(void);
+void kvs_gen_release(kvs_gen *g);
+/* The engine's output callback (user = the kvs_gen). */
+void kvs_gen_on_output(void *user, const kvs_request_output *out);
+
+/* ---- the server ------------------------------------------------------------ */
+struct kvs_server {
+    kvs_server_config cfg;     /* strings below are copies */
+    char *host, *api_key, *model_name;
+    kvs_engine *engine;
+    const kvs_tokenizer *tok;
+    kvs_chat_template *tpl;
+    kvs_api_limits limits;
+    struct MHD_Daemon *daemon;
+    int port;
+    long long started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int in_flight;             /* generation requests not yet answered */
+    atomic_bool draining;
+    atomic_uint_fast64_t next_id, http_requests, http_errors;
+};
+
+#endif

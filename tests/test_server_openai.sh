@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The official `openai` npm client (pinned) against `kvsparse serve` on the
+# bundled tiny model: completions and chat, streaming and not, usage, stops.
+set -euo pipefail
+SRC="${KVS_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"
+BIN="${KVS_BINARY:-$SRC/build/kvsparse}"
+OPENAI_VERSION=5.12.0
+PREFIX="$SRC/.cache/npm-openai"
+
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  echo "test_server_openai: node/npm missing (scripts/install-deps installs them)" >&2
+  exit 1
+fi
+if [ "$(node -p "try{require('$PREFIX/node_modules/openai/package.json').version}catch(e){''}")" != "$OPENAI_VERSION" ]; then
+  mkdir -p "$PREFIX"
+  npm install --prefix "$PREFIX" --no-audit --no-fund --silent "openai@$OPENAI_VERSION" >&2
+fi
+
+LOG=$(mktemp)
+OUT=$(mktemp)
+OMP_WAIT_POLICY=passive "$BIN" serve -m "$SRC/models/tiny-needle-llama" --port 0 --api-key test-key \
+  --served-model-name tiny >"$OUT" 2>"$LOG" &
+PID=$!
+cleanup() { kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; rm -f "$LOG" "$OUT"; }
+trap cleanup EXIT
+
+PORT=""
+for _ in $(seq 1 300); do
+  PORT=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$OUT")
+  [ -n "$PORT" ] && break
+  kill -0 "$PID" 2>/dev/null || { cat "$LOG" >&2; echo "the server exited" >&2; exit 1; }
+  sleep 0.1
+done
+[ -n "$PORT" ] || { cat "$LOG" >&2; echo "the server did not print its port" >&2; exit 1; }
+
+fail=0
+for t in "$SRC"/tests/openai/*.mjs; do
+  if NODE_PATH="$PREFIX/node_modules" KVS_URL="http://127.0.0.1:$PORT/v1" KVS_MODEL=tiny KVS_API_KEY=test-key \
+     OPENAI_MODULE="$PREFIX/node_modules/openai/index.mjs" node "$t"; then
+    echo "PASS $(basename "$t")"
+  else
+    echo "FAIL $(basename "$t")"
+    fail=1
+  fi
+done
+kill -TERM "$PID"
+wait "$PID" && rc=0 || rc=$?
+[ "$rc" -eq 0 ] || { echo "the server exited $rc after SIGTERM" >&2; fail=1; }
+exit $fail
