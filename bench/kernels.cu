@@ -4,13 +4,27 @@
  *   - cuBLASLt bf16 GEMM 8192^3 (TFLOP/s)
  *   - paged decode attention, batch 64 x 4096 context, Llama-3-8B shape
  *     (32 query heads, 8 KV heads, head_dim 128): KV bytes read per second
- *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s
+ *     (split targets of 8 and 16 blocks per SM)
+ *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s (three block
+ *     shapes; bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
+ *   - SnapKV cost for one layer of a 4000-token Llama-3-8B prompt: sparsity_scores
+ *     (32 window queries x 4000 keys x 8 KV heads), the host selection (pool +
+ *     top-k), kv_gather compaction (keep 2000), against the prefill of that layer
+ *     (attention over 4000 tokens + its four GEMMs)
  * Times are wall clock around many queued launches between two stream syncs.
  * Usage: kvs_bench_kernels [device] */
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "backend/cuda/cuda_internal.h"
+
+extern "C" {
+#include "kv/kv.h"
+}
+
+/* tuning knobs of cuda_attention.cu */
+extern "C" int kvs_cuda_attn_prefill_variant;      /* 0: 4 warps x 32 rows, 1: 8 x 32, 2: 4 x 16 */
+extern "C" int kvs_cuda_attn_decode_blocks_per_sm; /* split target, default 8 */
 
 __global__ void kvs_bench_fill_kernel(bf16 *x, size_t n, uint32_t seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -127,28 +141,106 @@ int main(int argc, char **argv) {
     b->free(b, gc.in), b->free(b, gc.w), b->free(b, gc.out);
     printf("gemm: bf16 8192^3 %.1f TFLOP/s (%.3f ms)\n", gemm_tf, t_gemm * 1e3);
 
-    /* decode attention: 64 x 4096 */
+    /* decode attention: 64 x 4096 (split targets 8 and 16 blocks per SM) */
     attn_ctx dc;
+    double kv_bytes = 64.0 * 4096 * 8 * 128 * 2 * 2, dec_bw_v[2], t_dec_v[2];
     if (!attn_setup(b, &dc, 64, 4096, 1, false)) return fprintf(stderr, "out of memory\n"), 1;
-    double t_dec = time_it(b, 20, run_attn, &dc);
-    double kv_bytes = 64.0 * 4096 * 8 * 128 * 2 * 2;
-    double dec_bw = kv_bytes / t_dec / 1e9;
-    attn_free(b, &dc);
-    printf("decode attention: batch 64 x 4096, 32/8 heads, d 128: %.3f ms, %.0f GB/s of KV read (%.0f%% of copy)\n",
-           t_dec * 1e3, dec_bw, 100 * dec_bw / copy_bw);
-
-    /* prefill attention: 4096 tokens, causal */
-    attn_ctx pc;
-    double pre_tf[2];
-    for (int with_lse = 0; with_lse < 2; with_lse++) {
-        if (!attn_setup(b, &pc, 1, 4096, 4096, with_lse)) return fprintf(stderr, "out of memory\n"), 1;
-        double t_pre = time_it(b, 10, run_attn, &pc);
-        double flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
-        pre_tf[with_lse] = flops / t_pre / 1e12;
-        attn_free(b, &pc);
-        printf("prefill attention: 4096 tokens causal, 32/8 heads, d 128%s: %.3f ms, %.1f TFLOP/s (%.0f%% of gemm)\n",
-               with_lse ? " + lse" : "", t_pre * 1e3, pre_tf[with_lse], 100 * pre_tf[with_lse] / gemm_tf);
+    for (int v = 0; v < 2; v++) {
+        kvs_cuda_attn_decode_blocks_per_sm = v == 0 ? 8 : 16;
+        t_dec_v[v] = time_it(b, 50, run_attn, &dc);
+        dec_bw_v[v] = kv_bytes / t_dec_v[v] / 1e9;
+        printf("decode attention: batch 64 x 4096, 32/8 heads, d 128, split target %d blocks/SM: %.3f ms, %.0f GB/s "
+               "of KV read (%.0f%% of copy)\n",
+               kvs_cuda_attn_decode_blocks_per_sm, t_dec_v[v] * 1e3, dec_bw_v[v], 100 * dec_bw_v[v] / copy_bw);
     }
+    kvs_cuda_attn_decode_blocks_per_sm = 8;
+    attn_free(b, &dc);
+    double t_dec = t_dec_v[0], dec_bw = dec_bw_v[0];
+
+    /* prefill attention: 4096 tokens, causal; 4-warp blocks (with and without lse), 8-warp blocks */
+    attn_ctx pc;
+    double pre_tf[4], flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
+    const char *pre_name[4] = {"4 warps x 32 rows", "4 warps x 32 rows + lse", "8 warps x 32 rows",
+                               "4 warps x 16 rows"};
+    const int pre_variant[4] = {0, 0, 1, 2};
+    for (int v = 0; v < 4; v++) {
+        kvs_cuda_attn_prefill_variant = pre_variant[v];
+        if (!attn_setup(b, &pc, 1, 4096, 4096, v == 1)) return fprintf(stderr, "out of memory\n"), 1;
+        double t_pre = time_it(b, 20, run_attn, &pc);
+        pre_tf[v] = flops / t_pre / 1e12;
+        attn_free(b, &pc);
+        printf("prefill attention: 4096 tokens causal, 32/8 heads, d 128, %s: %.3f ms, %.1f TFLOP/s (%.0f%% of gemm)\n",
+               pre_name[v], t_pre * 1e3, pre_tf[v], 100 * pre_tf[v] / gemm_tf);
+    }
+    kvs_cuda_attn_prefill_variant = 0;
+
+    /* SnapKV cost vs the prefill of one layer, 4000-token prompt, Llama-3-8B shape */
+    const int P = 4000, W = 32, H = 32, KV = 8, D = 128, KEEP = 2000;
+    double t_layer_attn, t_layer_gemm = 0, t_scores, t_gather, t_select;
+    {
+        attn_ctx lc;
+        if (!attn_setup(b, &lc, 1, P, P, true)) return fprintf(stderr, "out of memory\n"), 1;
+        t_layer_attn = time_it(b, 20, run_attn, &lc);
+        /* GEMMs of the layer: qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096 */
+        const int shapes[4][2] = {{4096, 6144}, {4096, 4096}, {4096, 28672}, {14336, 4096}};
+        for (int i = 0; i < 4; i++) {
+            struct lg { void *out, *in, *w; int n, in_dim, out_dim; } g = {NULL, NULL, NULL, P, shapes[i][0], shapes[i][1]};
+            g.in = b->alloc(b, (size_t)P * g.in_dim * 2), g.w = b->alloc(b, (size_t)g.in_dim * g.out_dim * 2);
+            g.out = b->alloc(b, (size_t)P * g.out_dim * 2);
+            fill((bf16 *)g.in, (size_t)P * g.in_dim, 11 + i), fill((bf16 *)g.w, (size_t)g.in_dim * g.out_dim, 21 + i);
+            auto fn = [](kvs_backend *bb, void *p) {
+                lg *c = (lg *)p;
+                bb->matmul(bb, c->out, c->in, c->w, NULL, c->n, c->in_dim, c->out_dim);
+            };
+            t_layer_gemm += time_it(b, 10, fn, &g);
+            b->free(b, g.in), b->free(b, g.w), b->free(b, g.out);
+        }
+        /* sparsity_scores over the layer's 4000 - 32 keys */
+        struct sc { float *scores; void *win_q; float *win_lse; kvs_kv_pool pool; const int32_t *table; int n_keys; } s_;
+        s_.n_keys = P - W;
+        s_.scores = (float *)b->alloc(b, sizeof(float) * KV * P);
+        s_.win_q = b->alloc(b, (size_t)W * H * D * 2);
+        s_.win_lse = (float *)b->alloc(b, sizeof(float) * W * H);
+        fill((bf16 *)s_.win_q, (size_t)W * H * D, 31);
+        cudaMemset(s_.win_lse, 0, sizeof(float) * W * H);
+        s_.pool = lc.pool, s_.table = lc.ab.block_tables;
+        t_scores = time_it(b, 50, [](kvs_backend *bb, void *p) {
+            sc *c = (sc *)p;
+            bb->sparsity_scores(bb, c->scores, c->win_q, c->win_lse, W, &c->pool, c->table, c->n_keys, H, 0.08838834764f);
+        }, &s_);
+        /* host selection as src/kv/sparsify.c does it: copy scores back, pool, top-k per KV head */
+        float *scores = (float *)malloc(sizeof(float) * KV * s_.n_keys), *pooled = (float *)malloc(sizeof(float) * s_.n_keys);
+        int32_t *keep = (int32_t *)malloc(sizeof(int32_t) * KV * KEEP);
+        double t0 = kvs_now();
+        for (int it = 0; it < 10; it++) {
+            b->sparsity_scores(b, s_.scores, s_.win_q, s_.win_lse, W, &s_.pool, s_.table, s_.n_keys, H, 0.08838834764f);
+            b->to_host(b, scores, s_.scores, sizeof(float) * KV * s_.n_keys);
+            for (int h = 0; h < KV; h++) {
+                kvs_kv_pool_scores(scores + (size_t)h * s_.n_keys, s_.n_keys, 7, pooled);
+                kvs_kv_top_k_sorted(pooled, s_.n_keys, KEEP - W, keep + (size_t)h * KEEP);
+            }
+        }
+        t_select = (kvs_now() - t0) / 10 - t_scores;
+        /* kv_gather: keep every other entry (2000 of 4000) per head, in place */
+        struct gc_ { kvs_kv_pool pool; const int32_t *blocks; int n_blocks; int32_t *src; } g_;
+        int32_t *src = (int32_t *)malloc(sizeof(int32_t) * KV * KEEP);
+        for (int h = 0; h < KV; h++)
+            for (int i = 0; i < KEEP; i++) src[h * KEEP + i] = 2 * i;
+        g_.pool = lc.pool, g_.blocks = lc.ab.block_tables, g_.n_blocks = (P + 15) / 16;
+        g_.src = (int32_t *)b->alloc(b, sizeof(int32_t) * KV * KEEP);
+        b->to_device(b, g_.src, src, sizeof(int32_t) * KV * KEEP);
+        t_gather = time_it(b, 50, [](kvs_backend *bb, void *p) {
+            gc_ *c = (gc_ *)p;
+            bb->kv_gather(bb, &c->pool, c->blocks, c->n_blocks, c->src, KEEP);
+        }, &g_);
+        free(scores), free(pooled), free(keep), free(src);
+        b->free(b, s_.scores), b->free(b, s_.win_q), b->free(b, s_.win_lse), b->free(b, g_.src);
+        attn_free(b, &lc);
+    }
+    double t_layer = t_layer_attn + t_layer_gemm;
+    printf("snapkv, one layer of a %d-token prompt: scores %.1f us, host select %.1f us, kv_gather %.1f us; "
+           "prefill attention %.1f us + gemms %.1f us\n",
+           P, t_scores * 1e6, t_select * 1e6, t_gather * 1e6, t_layer_attn * 1e6, t_layer_gemm * 1e6);
     b->synchronize(b);
     int failed = kvs_cuda_of(b)->failed;
     b->destroy(b);
@@ -156,10 +248,15 @@ int main(int argc, char **argv) {
     printf("\n| benchmark | result | same-run baseline | ratio |\n| --- | --- | --- | --- |\n");
     printf("| decode attention 64 x 4096, 32/8 x 128 | %.0f GB/s KV read (%.3f ms) | D2D copy %.0f GB/s | %.0f%% |\n",
            dec_bw, t_dec * 1e3, copy_bw, 100 * dec_bw / copy_bw);
-    printf("| prefill attention 4096 causal, 32/8 x 128 | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
-           pre_tf[0], gemm_tf, 100 * pre_tf[0] / gemm_tf);
-    printf("| prefill attention + lse | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n", pre_tf[1],
-           gemm_tf, 100 * pre_tf[1] / gemm_tf);
+    printf("| decode attention, split target 16 blocks/SM | %.0f GB/s KV read (%.3f ms) | D2D copy %.0f GB/s | %.0f%% |\n",
+           dec_bw_v[1], t_dec_v[1] * 1e3, copy_bw, 100 * dec_bw_v[1] / copy_bw);
+    for (int v = 0; v < 4; v++)
+        printf("| prefill attention 4096 causal, 32/8 x 128, %s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
+               pre_name[v], pre_tf[v], gemm_tf, 100 * pre_tf[v] / gemm_tf);
+    printf("| sparsity_scores, 32 x 4000 x 8/32 heads | %.1f us | layer prefill attention %.1f us | %.2f%% |\n",
+           t_scores * 1e6, t_layer_attn * 1e6, 100 * t_scores / t_layer_attn);
+    printf("| scores + host select + kv_gather | %.1f us | layer prefill (attention + gemms) %.1f us | %.2f%% |\n",
+           (t_scores + t_select + t_gather) * 1e6, t_layer * 1e6, 100 * (t_scores + t_select + t_gather) / t_layer);
     if (failed) fprintf(stderr, "a CUDA call failed: %s\n", kvs_last_error());
     return failed ? 1 : 0;
 }

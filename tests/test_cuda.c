@@ -362,6 +362,22 @@ Test(cuda, attention_prefill_long_d128) {
     attention_case(32, 8, 128, 2, kv, q);
 }
 
+#ifdef KVS_HAVE_CUDA
+/* the other prefill block shapes (benchmark variants of cuda_attention.cu) */
+extern int kvs_cuda_attn_prefill_variant;
+Test(cuda, attention_prefill_variants) {
+    const int kv[] = {1500, 333}, q[] = {1500, 333};
+    for (int v = 1; v <= 2; v++) {
+        kvs_cuda_attn_prefill_variant = v;
+        cr_log_info("prefill variant %d", v);
+        attention_case(32, 8, 128, 2, kv, q);
+        attention_case(32, 8, 128, MIX_N, mix_kv, mix_q);
+        attention_case(16, 4, 64, MIX_N, mix_kv, mix_q);
+    }
+    kvs_cuda_attn_prefill_variant = 0;
+}
+#endif
+
 static const int dec_kv[] = {1, 15, 16, 17, 63, 64, 65, 1000, 5000, 4097};
 static const int dec_q[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 

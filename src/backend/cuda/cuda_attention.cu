@@ -1,22 +1,29 @@
 /* Causal GQA attention over the paged KV cache, with LSE.
  *
- * Two kernels behind one entry point:
- *  - kvs_attn_prefill_kernel (head_dim 32/64/128, any batch with a chunk longer
- *    than one token): FlashAttention-2 style. A block of 4 warps owns 64 query
- *    rows of one head; it walks the sequence's K/V in tiles of 64 keys through
- *    shared memory, S = QK^T and O += PV on the tensor cores (WMMA bf16, fp32
- *    accumulation), online softmax in fp32 registers (two lanes per row).
- *  - kvs_attn_split_kernel (decode batches, and the fallback for other head
- *    sizes): a block owns one token and one KV head, so each K/V tile is read
- *    once for the whole GQA group; long sequences are split across blocks
- *    (flash-decoding) and kvs_attn_combine_kernel merges the partial softmaxes.
+ * Three kernels behind one entry point:
+ *  - kvs_attn_fa2mt_kernel (head_dim 32/64/128, batches with a chunk longer than
+ *    one token): FlashAttention-2 structure on mma.sync m16n8k16 bf16. A block of
+ *    4 warps owns 128 query rows of one head (each warp two 16-row m-tiles, so each
+ *    K/V fragment read from shared memory feeds two mma's; Q stays in shared
+ *    memory); K/V tiles of 64 keys stream through shared memory with cp.async
+ *    (double buffered, rows padded by 16 bytes so ldmatrix is conflict free); S
+ *    stays in registers and becomes the bf16 A fragments of P.V directly; online
+ *    softmax in the exp2 domain; causal masking only on the tiles that cross the
+ *    diagonal; heaviest query tiles launch first. kvs_attn_fa2_kernel (one m-tile
+ *    a warp, Q in registers) and an 8-warp shape remain as benchmark variants.
+ *  - kvs_attn_decode_kernel (one-token batches, head_dim 32/64/128, GQA group
+ *    <= 16): a block owns one token, one KV head and one split of its keys; the
+ *    group's query heads are the 16 rows of the mma A operand (rows past the group
+ *    are zero), so each K/V byte is read once for the whole group; 3-stage cp.async
+ *    pipeline of 64-key tiles, each warp takes 16 keys of a tile, the four warps'
+ *    partial softmaxes merge in shared memory, kvs_attn_combine_kernel merges
+ *    the splits.
+ *  - kvs_attn_split_kernel: the scalar fallback for other head sizes (80, 96,
+ *    256) and larger groups, also split + combine.
  * LSE is the natural log of the softmax denominator of the scaled scores. */
 #include <math.h>
-#include <mma.h>
 
 #include "backend/cuda/cuda_internal.h"
-
-using namespace nvcuda;
 
 #define KVS_ATTN_TILE 64    /* keys per K/V tile; query rows per prefill block */
 #define KVS_ATTN_THREADS 128
@@ -51,137 +58,6 @@ __device__ __forceinline__ void kvs_attn_load_kv_tile(const kvs_attn_args &a, co
         }
         *(uint4 *)(k_s + r * LD + c * 8) = kv;
         *(uint4 *)(v_s + r * LD + c * 8) = vv;
-    }
-}
-
-/* ---- prefill: tensor-core tiles --------------------------------------------- */
-
-template <int D>
-struct kvs_prefill_smem {
-    static constexpr int LD = D + 8;      /* bf16 rows of Q, K, V */
-    static constexpr int S_LD = KVS_ATTN_TILE + 4;  /* f32 rows of S */
-    static constexpr int P_LD = KVS_ATTN_TILE + 8;  /* bf16 rows of P */
-    static constexpr size_t q = 0, k = q + KVS_ATTN_TILE * LD * 2, v = k + KVS_ATTN_TILE * LD * 2,
-                            s = v + KVS_ATTN_TILE * LD * 2, p = s + 4 * 16 * S_LD * 4,
-                            bytes = p + 4 * 16 * P_LD * 2;
-};
-
-template <int D>
-__global__ void __launch_bounds__(KVS_ATTN_THREADS)
-    kvs_attn_prefill_kernel(kvs_attn_args a, bf16 *out, float *lse, int tiles_per_seq) {
-    using L = kvs_prefill_smem<D>;
-    extern __shared__ __align__(128) unsigned char smem[];
-    bf16 *q_s = (bf16 *)(smem + L::q), *k_s = (bf16 *)(smem + L::k), *v_s = (bf16 *)(smem + L::v);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float *s_w = (float *)(smem + L::s) + warp * 16 * L::S_LD;
-    bf16 *p_w = (bf16 *)(smem + L::p) + warp * 16 * L::P_LD;
-
-    const int seq = blockIdx.x / tiles_per_seq, q0 = (blockIdx.x % tiles_per_seq) * KVS_ATTN_TILE;
-    const int h = blockIdx.y, g = h / (a.n_heads / a.n_kv_heads);
-    const int t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, kv_len = a.kv_len[seq];
-    if (q0 >= q_len) return;
-    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
-
-    /* Q tile: rows q0 .. q0 + 63 of the chunk (zero past its end) */
-    for (int idx = threadIdx.x; idx < KVS_ATTN_TILE * (D / 8); idx += blockDim.x) {
-        int r = idx / (D / 8), c = idx % (D / 8);
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (q0 + r < q_len) v = *(const uint4 *)(a.q + ((size_t)(t0 + q0 + r) * a.n_heads + h) * D + c * 8);
-        *(uint4 *)(q_s + r * L::LD + c * 8) = v;
-    }
-
-    /* this lane's row (two lanes a row, each half of the columns) */
-    const int row = lane / 2, half = lane % 2, qi = q0 + warp * 16 + row;
-    const int limit = qi < q_len ? kv_len - q_len + qi : -1; /* last key this row sees */
-    const int last_row = min(q0 + KVS_ATTN_TILE, q_len) - 1;
-    const int n_keys = kv_len - q_len + last_row + 1;
-    float m = -INFINITY, l = 0.f, o[D / 16][8];
-#pragma unroll
-    for (int j = 0; j < D / 16; j++)
-#pragma unroll
-        for (int c = 0; c < 8; c++) o[j][c] = 0.f;
-
-    for (int key0 = 0; key0 < n_keys; key0 += KVS_ATTN_TILE) {
-        __syncthreads(); /* the previous tile is no longer read */
-        kvs_attn_load_kv_tile<D>(a, table, g, key0, n_keys, k_s, v_s);
-        __syncthreads();
-
-        /* S (16 x 64 per warp) = Q_w K^T */
-#pragma unroll
-        for (int j = 0; j < KVS_ATTN_TILE / 16; j++) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
-                wmma::load_matrix_sync(fa, q_s + (warp * 16) * L::LD + kk * 16, L::LD);
-                wmma::load_matrix_sync(fb, k_s + (j * 16) * L::LD + kk * 16, L::LD);
-                wmma::mma_sync(acc, fa, fb, acc);
-            }
-            wmma::store_matrix_sync(s_w + j * 16, acc, L::S_LD, wmma::mem_row_major);
-        }
-        __syncwarp();
-
-        /* online softmax over this lane's 32 columns; the pair shares max and sum */
-        const float *srow = s_w + row * L::S_LD + half * 32;
-        float sv[32], tmax = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < 32; c++) {
-            int e = key0 + half * 32 + c;
-            sv[c] = e <= limit ? srow[c] * a.scale : -INFINITY;
-            tmax = fmaxf(tmax, sv[c]);
-        }
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-        float m_new = fmaxf(m, tmax), alpha = 1.f, sum = 0.f;
-        bf16 *prow = p_w + row * L::P_LD + half * 32;
-        if (m_new == -INFINITY) {
-#pragma unroll
-            for (int c = 0; c < 32; c++) prow[c] = __float2bfloat16(0.f);
-        } else {
-            alpha = __expf(m - m_new);
-#pragma unroll
-            for (int c = 0; c < 32; c++) {
-                float p = __expf(sv[c] - m_new);
-                sum += p;
-                prow[c] = __float2bfloat16(p);
-            }
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        l = l * alpha + sum;
-        m = m_new;
-        __syncwarp();
-
-        /* O_w (16 x D) = alpha O_w + P_w V, one 16-column chunk at a time through s_w */
-#pragma unroll
-        for (int j = 0; j < D / 16; j++) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-            for (int kk = 0; kk < KVS_ATTN_TILE / 16; kk++) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb;
-                wmma::load_matrix_sync(fa, p_w + kk * 16, L::P_LD);
-                wmma::load_matrix_sync(fb, v_s + (kk * 16) * L::LD + j * 16, L::LD);
-                wmma::mma_sync(acc, fa, fb, acc);
-            }
-            wmma::store_matrix_sync(s_w, acc, L::S_LD, wmma::mem_row_major);
-            __syncwarp();
-#pragma unroll
-            for (int c = 0; c < 8; c++) o[j][c] = o[j][c] * alpha + s_w[row * L::S_LD + half * 8 + c];
-            __syncwarp();
-        }
-    }
-
-    if (qi < q_len) {
-        size_t t = (size_t)t0 + qi;
-        float inv = 1.f / l;
-        bf16 *orow = out + (t * a.n_heads + h) * D;
-#pragma unroll
-        for (int j = 0; j < D / 16; j++)
-#pragma unroll
-            for (int c = 0; c < 8; c++) orow[j * 16 + half * 8 + c] = __float2bfloat16(o[j][c] * inv);
-        if (lse && half == 0) lse[t * a.n_heads + h] = m + logf(l);
     }
 }
 
@@ -318,44 +194,681 @@ __global__ void kvs_attn_combine_kernel(bf16 *out, float *lse, const float *part
     if (lse && threadIdx.x == 0) lse[row] = M + logf(L);
 }
 
+/* ---- tensor-core helpers (mma.sync m16n8k16, ldmatrix, cp.async) -------------- */
+
+__device__ __forceinline__ uint32_t kvs_smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* 16-byte async copy global -> shared; zero fill when !valid (src must still be a
+ * valid address). */
+__device__ __forceinline__ void kvs_cp_async16(uint32_t dst, const void *src, bool valid) {
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void kvs_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void kvs_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void kvs_ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
+                                                uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void kvs_ldmatrix_x4_trans(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
+                                                      uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+/* c += a (16x16 bf16, row) * b (16x8 bf16, col), fp32 accumulators */
+__device__ __forceinline__ void kvs_mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float kvs_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t kvs_pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&v;
+}
+
+#define KVS_LOG2E 1.4426950408889634f
+#define KVS_LN2 0.6931471805599453f
+
+/* Shared-memory rows of K, V and Q: head_dim bf16 plus 16 bytes of padding, so the
+ * eight 16-byte row pieces one ldmatrix phase reads fall in distinct banks. */
+template <int D>
+struct kvs_rows {
+    static constexpr int BYTES = (D + 8) * 2;
+    static constexpr int TILE_BYTES = KVS_ATTN_TILE * BYTES; /* one 64-key K (or V) tile */
+};
+
+/* Issues the async copies of keys [key0, key0 + 64) of (seq, kv head g) into the
+ * K and V tiles at k_s, v_s (shared addresses); rows at or past key_end are zero. */
+template <int D, int THREADS>
+__device__ __forceinline__ void kvs_attn_issue_kv_tile(const kvs_attn_args &a, const int32_t *table, int g, int key0,
+                                                       int key_end, uint32_t k_s, uint32_t v_s) {
+    constexpr int CH = D / 8, PIECES = KVS_ATTN_TILE * CH;
+    const size_t v_delta = (size_t)a.n_kv_heads * a.block_size * D;
+#pragma unroll
+    for (int p = threadIdx.x; p < PIECES; p += THREADS) {
+        int r = p / CH, c = p % CH, e = key0 + r;
+        bool ok = e < key_end;
+        const bf16 *src = a.pool;
+        if (ok) src = a.pool + kvs_attn_kv_offset(a, table[e / a.block_size], 0, g, e % a.block_size, D) + c * 8;
+        uint32_t off = r * kvs_rows<D>::BYTES + c * 16;
+        kvs_cp_async16(k_s + off, src, ok);
+        kvs_cp_async16(v_s + off, ok ? src + v_delta : a.pool, ok);
+    }
+}
+
+/* Q A-fragments of a warp's 16 rows from shared memory (rows of kvs_rows<D>::BYTES). */
+template <int D>
+__device__ __forceinline__ void kvs_attn_load_q_frags(uint32_t (&qa)[D / 16][4], uint32_t q_w, int lane) {
+    uint32_t base = q_w + ((lane & 7) + ((lane >> 3) & 1) * 8) * kvs_rows<D>::BYTES + (lane >> 4) * 16;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) kvs_ldmatrix_x4(qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], base + kk * 32);
+}
+
+/* One warp, one tile of NK keys (rows k_w, v_w of shared memory, key index key_base
+ * for the first): S = Q K^T (16 x NK, registers), online softmax in the log2
+ * domain (m: running max of scale*log2e*s; l: this thread's part of the running
+ * sum, the quad adds them at the end), O = alpha O + P V with P converted from the
+ * S accumulators straight into A fragments. Rows g and g + 8 of the warp (g = lane/4)
+ * see keys e <= lim0 and e <= lim1 when MASK. */
+template <int D, int NK, bool MASK>
+__device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][4], uint32_t k_w, uint32_t v_w,
+                                                   int key_base, int lim0, int lim1, float scale_log2,
+                                                   float (&o)[D / 8][4], float &m0, float &m1, float &l0, float &l1,
+                                                   int lane) {
+    constexpr int RB = kvs_rows<D>::BYTES;
+    float s[NK / 8][4];
+#pragma unroll
+    for (int j = 0; j < NK / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+
+    /* S = Q K^T: K rows are the B operand as stored (n = key, k = dim) */
+    const uint32_t k_lane = k_w + (((lane >> 4) * 8) + (lane & 7)) * RB + ((lane >> 3) & 1) * 16;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+        for (int j = 0; j < NK / 8; j += 2) {
+            uint32_t b0, b1, b2, b3;
+            kvs_ldmatrix_x4(b0, b1, b2, b3, k_lane + j * 8 * RB + kk * 32);
+            kvs_mma_bf16(s[j], qa[kk], b0, b1);
+            kvs_mma_bf16(s[j + 1], qa[kk], b2, b3);
+        }
+    }
+
+    /* online softmax */
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+    const int col = key_base + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < NK / 8; j++) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            float x = s[j][c] * scale_log2;
+            if (MASK) {
+                int e = col + 8 * j + (c & 1);
+                if (e > (c < 2 ? lim0 : lim1)) x = -INFINITY;
+            }
+            s[j][c] = x;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
+    m0 = mn0, m1 = mn1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < NK / 8; j++) {
+        s[j][0] = kvs_exp2(s[j][0] - mu0);
+        s[j][1] = kvs_exp2(s[j][1] - mu0);
+        s[j][2] = kvs_exp2(s[j][2] - mu1);
+        s[j][3] = kvs_exp2(s[j][3] - mu1);
+        sum0 += s[j][0] + s[j][1];
+        sum1 += s[j][2] + s[j][3];
+    }
+    l0 = l0 * alpha0 + sum0;
+    l1 = l1 * alpha1 + sum1;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+        o[n][0] *= alpha0, o[n][1] *= alpha0;
+        o[n][2] *= alpha1, o[n][3] *= alpha1;
+    }
+
+    /* O += P V: V rows (k = key, n = dim) through ldmatrix.trans */
+    const uint32_t v_lane = v_w + (((lane >> 3) & 1) * 8 + (lane & 7)) * RB + (lane >> 4) * 16;
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; kk++) {
+        uint32_t pa[4];
+        pa[0] = kvs_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+        pa[1] = kvs_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+        pa[2] = kvs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[3] = kvs_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t b0, b1, b2, b3;
+            kvs_ldmatrix_x4_trans(b0, b1, b2, b3, v_lane + kk * 16 * RB + n * 16);
+            kvs_mma_bf16(o[n], pa, b0, b1);
+            kvs_mma_bf16(o[n + 1], pa, b2, b3);
+        }
+    }
+}
+
+/* The prefill variant of kvs_attn_warp_tile: the warp owns MT x 16 query rows
+ * (m-tile mt: rows g and g + 8 of it see keys up to lim_base + 16 mt and + 8), so each K/V
+ * fragment read from shared memory feeds MT mma's; its Q fragments are re-read
+ * from shared memory (q_w: the warp's first row) at each tile, which costs less
+ * shared-memory bandwidth than the K/V fragments it saves. */
+template <int D, int NK, bool MASK, int MT>
+__device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w, uint32_t v_w, int key_base,
+                                                      int lim_base, float scale_log2,
+                                                      float (&o)[MT][D / 8][4], float (&m)[MT][2],
+                                                      float (&l)[MT][2], int lane) {
+    constexpr int RB = kvs_rows<D>::BYTES;
+    float s[MT][NK / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < NK / 8; j++) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+
+    const uint32_t q_lane = q_w + ((lane & 7) + ((lane >> 3) & 1) * 8) * RB + (lane >> 4) * 16;
+    const uint32_t k_lane = k_w + (((lane >> 4) * 8) + (lane & 7)) * RB + ((lane >> 3) & 1) * 16;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t qa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            kvs_ldmatrix_x4(qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], q_lane + mt * 16 * RB + kk * 32);
+#pragma unroll
+        for (int j = 0; j < NK / 8; j += 2) {
+            uint32_t b0, b1, b2, b3;
+            kvs_ldmatrix_x4(b0, b1, b2, b3, k_lane + j * 8 * RB + kk * 32);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                kvs_mma_bf16(s[mt][j], qa[mt], b0, b1);
+                kvs_mma_bf16(s[mt][j + 1], qa[mt], b2, b3);
+            }
+        }
+    }
+
+    const int col = key_base + 2 * (lane & 3);
+    uint32_t pa[MT][NK / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < NK / 8; j++) {
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                float x = s[mt][j][c] * scale_log2;
+                if (MASK) {
+                    int e = col + 8 * j + (c & 1);
+                    if (e > lim_base + 16 * mt + 8 * (c >> 1)) x = -INFINITY;
+                }
+                s[mt][j][c] = x;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[mt][j][0], s[mt][j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[mt][j][2], s[mt][j][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
+        const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+        const float alpha0 = kvs_exp2(m[mt][0] - mu0), alpha1 = kvs_exp2(m[mt][1] - mu1);
+        m[mt][0] = mn0, m[mt][1] = mn1;
+        float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < NK / 8; j++) {
+            float p0 = kvs_exp2(s[mt][j][0] - mu0), p1 = kvs_exp2(s[mt][j][1] - mu0);
+            float p2 = kvs_exp2(s[mt][j][2] - mu1), p3 = kvs_exp2(s[mt][j][3] - mu1);
+            sum0 += p0 + p1;
+            sum1 += p2 + p3;
+            pa[mt][j / 2][(j & 1) * 2] = kvs_pack_bf16(p0, p1);
+            pa[mt][j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(p2, p3);
+        }
+        l[mt][0] = l[mt][0] * alpha0 + sum0;
+        l[mt][1] = l[mt][1] * alpha1 + sum1;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[mt][n][0] *= alpha0, o[mt][n][1] *= alpha0;
+            o[mt][n][2] *= alpha1, o[mt][n][3] *= alpha1;
+        }
+    }
+
+    const uint32_t v_lane = v_w + (((lane >> 3) & 1) * 8 + (lane & 7)) * RB + (lane >> 4) * 16;
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; kk++) {
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t b0, b1, b2, b3;
+            kvs_ldmatrix_x4_trans(b0, b1, b2, b3, v_lane + kk * 16 * RB + n * 16);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                kvs_mma_bf16(o[mt][n], pa[mt][kk], b0, b1);
+                kvs_mma_bf16(o[mt][n + 1], pa[mt][kk], b2, b3);
+            }
+        }
+    }
+}
+
+/* ---- prefill: FlashAttention-2 on mma.sync ------------------------------------ */
+
+/* Two K/V stages; the Q tile lands in the second stage (read into registers before
+ * the first load into that stage is issued). */
+template <int D, int WARPS>
+struct kvs_fa2_smem {
+    static constexpr int M = 16 * WARPS; /* query rows per block */
+    static constexpr int STAGES = 2;
+    static constexpr size_t kv = 0, q = 2 * (size_t)kvs_rows<D>::TILE_BYTES,
+                            bytes = (size_t)STAGES * 2 * kvs_rows<D>::TILE_BYTES;
+    static_assert((size_t)M * kvs_rows<D>::BYTES <= 2 * (size_t)kvs_rows<D>::TILE_BYTES, "Q fits a stage");
+};
+
+/* 4-warp blocks: at most 168 registers, so three blocks (12 warps) fit an SM */
+#define KVS_FA2_MIN_BLOCKS(WARPS) ((WARPS) == 4 ? 3 : 1)
+
+template <int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, KVS_FA2_MIN_BLOCKS(WARPS))
+    kvs_attn_fa2_kernel(kvs_attn_args a, bf16 *out, float *lse) {
+    using L = kvs_fa2_smem<D, WARPS>;
+    constexpr int THREADS = WARPS * 32, M = L::M, RB = kvs_rows<D>::BYTES, TB = kvs_rows<D>::TILE_BYTES;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    /* heads fastest (the query heads of a KV group run together and share K/V in L2),
+     * the query tiles with the most keys first */
+    const int h = blockIdx.x, g = h / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * M;
+    const int t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, kv_len = a.kv_len[seq];
+    if (q0 >= q_len) return;
+    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
+    const int past = kv_len - q_len; /* query i sees keys 0 .. past + i */
+    const int last_row = min(q0 + M, q_len) - 1;
+    const int n_keys = past + last_row + 1, n_tiles = (n_keys + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
+
+    const uint32_t q_s = kvs_smem_u32(smem) + (uint32_t)L::q, kv_s = kvs_smem_u32(smem) + (uint32_t)L::kv;
+    for (int p = threadIdx.x; p < M * (D / 8); p += THREADS) {
+        int r = p / (D / 8), c = p % (D / 8);
+        bool ok = q0 + r < q_len;
+        const bf16 *src = ok ? a.q + ((size_t)(t0 + q0 + r) * a.n_heads + h) * D + c * 8 : a.q;
+        kvs_cp_async16(q_s + r * RB + c * 16, src, ok);
+    }
+    kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, 0, n_keys, kv_s, kv_s + TB);
+    kvs_cp_async_commit();
+
+    const int row0 = q0 + warp * 16 + lane / 4, row1 = row0 + 8;
+    const int lim0 = past + row0, lim1 = past + row1;
+    const int full_limit = past + q0; /* keys every row of the block sees */
+    const float scale_log2 = a.scale * KVS_LOG2E;
+    uint32_t qa[D / 16][4];
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int i = 0; i < n_tiles; i++) {
+        kvs_cp_async_wait<0>();
+        __syncthreads(); /* tile i landed for every thread; tile i - 1 is no longer read */
+        if (i == 0) {
+            kvs_attn_load_q_frags<D>(qa, q_s + warp * 16 * RB, lane);
+            __syncthreads(); /* Q is in stage 1, which the next load overwrites */
+        }
+        if (i + 1 < n_tiles) {
+            uint32_t st = kv_s + ((i + 1) % L::STAGES) * 2 * TB;
+            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, (i + 1) * KVS_ATTN_TILE, n_keys, st, st + TB);
+        }
+        kvs_cp_async_commit();
+        const uint32_t k_w = kv_s + (i % L::STAGES) * 2 * TB, v_w = k_w + TB;
+        const int key0 = i * KVS_ATTN_TILE;
+        if (key0 + KVS_ATTN_TILE - 1 <= full_limit)
+            kvs_attn_warp_tile<D, KVS_ATTN_TILE, false>(qa, k_w, v_w, key0, lim0, lim1, scale_log2, o, m0, m1, l0, l1,
+                                                        lane);
+        else
+            kvs_attn_warp_tile<D, KVS_ATTN_TILE, true>(qa, k_w, v_w, key0, lim0, lim1, scale_log2, o, m0, m1, l0, l1,
+                                                       lane);
+    }
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int cq = 2 * (lane & 3);
+    if (row0 < q_len) {
+        size_t t = (size_t)t0 + row0;
+        float inv = 1.f / l0;
+        bf16 *orow = out + (t * a.n_heads + h) * D + cq;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) *(uint32_t *)(orow + 8 * n) = kvs_pack_bf16(o[n][0] * inv, o[n][1] * inv);
+        if (lse && (lane & 3) == 0) lse[t * a.n_heads + h] = (m0 + __log2f(l0)) * KVS_LN2;
+    }
+    if (row1 < q_len) {
+        size_t t = (size_t)t0 + row1;
+        float inv = 1.f / l1;
+        bf16 *orow = out + (t * a.n_heads + h) * D + cq;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) *(uint32_t *)(orow + 8 * n) = kvs_pack_bf16(o[n][2] * inv, o[n][3] * inv);
+        if (lse && (lane & 3) == 0) lse[t * a.n_heads + h] = (m1 + __log2f(l1)) * KVS_LN2;
+    }
+}
+
+/* Prefill with MT m-tiles a warp: WARPS x MT x 16 query rows a block, the Q tile
+ * kept in shared memory beside two K/V stages. */
+template <int D, int WARPS, int MT>
+struct kvs_fa2mt_smem {
+    static constexpr int M = 16 * MT * WARPS;
+    static constexpr int STAGES = 2;
+    static constexpr size_t q = 0, kv = (size_t)M * kvs_rows<D>::BYTES,
+                            bytes = kv + (size_t)STAGES * 2 * kvs_rows<D>::TILE_BYTES;
+};
+
+template <int D, int WARPS, int MT>
+__global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
+    kvs_attn_fa2mt_kernel(kvs_attn_args a, bf16 *out, float *lse) {
+    using L = kvs_fa2mt_smem<D, WARPS, MT>;
+    constexpr int THREADS = WARPS * 32, M = L::M, RB = kvs_rows<D>::BYTES, TB = kvs_rows<D>::TILE_BYTES;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int h = blockIdx.x, g = h / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * M;
+    const int t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, kv_len = a.kv_len[seq];
+    if (q0 >= q_len) return;
+    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
+    const int past = kv_len - q_len;
+    const int last_row = min(q0 + M, q_len) - 1;
+    const int n_keys = past + last_row + 1, n_tiles = (n_keys + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
+
+    const uint32_t q_s = kvs_smem_u32(smem) + (uint32_t)L::q, kv_s = kvs_smem_u32(smem) + (uint32_t)L::kv;
+    for (int p = threadIdx.x; p < M * (D / 8); p += THREADS) {
+        int r = p / (D / 8), c = p % (D / 8);
+        bool ok = q0 + r < q_len;
+        const bf16 *src = ok ? a.q + ((size_t)(t0 + q0 + r) * a.n_heads + h) * D + c * 8 : a.q;
+        kvs_cp_async16(q_s + r * RB + c * 16, src, ok);
+    }
+    kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, 0, n_keys, kv_s, kv_s + TB);
+    kvs_cp_async_commit();
+
+    const int wrow = q0 + warp * 16 * MT + lane / 4; /* row g of the warp's first m-tile */
+    const int lim_base = past + wrow;
+    const int full_limit = past + q0;
+    const float scale_log2 = a.scale * KVS_LOG2E;
+    const uint32_t q_w = q_s + warp * 16 * MT * RB;
+    float o[MT][D / 8][4], m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
+
+    for (int i = 0; i < n_tiles; i++) {
+        kvs_cp_async_wait<0>();
+        __syncthreads(); /* tile i (and Q) landed; tile i - 1 is no longer read */
+        if (i + 1 < n_tiles) {
+            uint32_t st = kv_s + ((i + 1) % L::STAGES) * 2 * TB;
+            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, (i + 1) * KVS_ATTN_TILE, n_keys, st, st + TB);
+        }
+        kvs_cp_async_commit();
+        const uint32_t k_w = kv_s + (i % L::STAGES) * 2 * TB, v_w = k_w + TB;
+        const int key0 = i * KVS_ATTN_TILE;
+        if (key0 + KVS_ATTN_TILE - 1 <= full_limit)
+            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, false, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l, lane);
+        else
+            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, true, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l, lane);
+    }
+
+    const int cq = 2 * (lane & 3);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float lt = l[mt][hf];
+            lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+            lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+            const int row = wrow + 16 * mt + 8 * hf;
+            if (row < q_len) {
+                size_t t = (size_t)t0 + row;
+                float inv = 1.f / lt;
+                bf16 *orow = out + (t * a.n_heads + h) * D + cq;
+#pragma unroll
+                for (int n = 0; n < D / 8; n++)
+                    *(uint32_t *)(orow + 8 * n) = kvs_pack_bf16(o[mt][n][2 * hf] * inv, o[mt][n][2 * hf + 1] * inv);
+                if (lse && (lane & 3) == 0) lse[t * a.n_heads + h] = (m[mt][hf] + __log2f(lt)) * KVS_LN2;
+            }
+        }
+    }
+}
+
+/* ---- decode on the tensor cores: one token x one KV group x one split a block --- */
+
+#define KVS_DEC_WARPS 4
+#define KVS_DEC_STAGES 3
+
+template <int D>
+struct kvs_dec_smem {
+    static constexpr size_t q = 0, kv = 16 * (size_t)kvs_rows<D>::BYTES,
+                            bytes = kv + (size_t)KVS_DEC_STAGES * 2 * kvs_rows<D>::TILE_BYTES;
+    /* after the loop, the warps' partial (m, l, o) reuse the K/V stages */
+    static_assert(KVS_DEC_WARPS * 16 * (D + 2) * 4 <= KVS_DEC_STAGES * 2 * kvs_rows<D>::TILE_BYTES, "merge area");
+};
+
+template <int D>
+__global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
+    kvs_attn_decode_kernel(kvs_attn_args a, float *part_o, float *part_ml, int split_len) {
+    using L = kvs_dec_smem<D>;
+    constexpr int THREADS = KVS_DEC_WARPS * 32, RB = kvs_rows<D>::BYTES, TB = kvs_rows<D>::TILE_BYTES;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = a.n_heads / a.n_kv_heads;
+    const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, h0 = g * group;
+    const int seq = kvs_attn_seq_of(a.q_start, a.n_seqs, t);
+    const int q_len = a.q_start[seq + 1] - a.q_start[seq];
+    const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
+    const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
+    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
+    const size_t base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
+    if (k0 >= k1) { /* an empty split (a shorter sequence of the batch) */
+        for (int i = threadIdx.x; i < group * D; i += THREADS) part_o[base * D + i] = 0.f;
+        for (int i = threadIdx.x; i < group; i += THREADS) {
+            part_ml[(base + i) * 2] = -INFINITY;
+            part_ml[(base + i) * 2 + 1] = 0.f;
+        }
+        return;
+    }
+    const int n_tiles = (k1 - k0 + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
+
+    const uint32_t q_s = kvs_smem_u32(smem) + (uint32_t)L::q, kv_s = kvs_smem_u32(smem) + (uint32_t)L::kv;
+    for (int p = threadIdx.x; p < 16 * (D / 8); p += THREADS) {
+        int r = p / (D / 8), c = p % (D / 8);
+        bool ok = r < group;
+        const bf16 *src = ok ? a.q + ((size_t)t * a.n_heads + h0 + r) * D + c * 8 : a.q;
+        kvs_cp_async16(q_s + r * RB + c * 16, src, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < KVS_DEC_STAGES - 1; i++) {
+        if (i < n_tiles) {
+            uint32_t st = kv_s + i * 2 * TB;
+            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, k0 + i * KVS_ATTN_TILE, k1, st, st + TB);
+        }
+        kvs_cp_async_commit();
+    }
+
+    const float scale_log2 = a.scale * KVS_LOG2E;
+    uint32_t qa[D / 16][4];
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    const int lim = k1 - 1;
+
+    for (int i = 0; i < n_tiles; i++) {
+        kvs_cp_async_wait<KVS_DEC_STAGES - 2>();
+        __syncthreads();
+        if (i == 0) kvs_attn_load_q_frags<D>(qa, q_s, lane);
+        {
+            int nt = i + KVS_DEC_STAGES - 1;
+            if (nt < n_tiles) {
+                uint32_t st = kv_s + (nt % KVS_DEC_STAGES) * 2 * TB;
+                kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, k0 + nt * KVS_ATTN_TILE, k1, st, st + TB);
+            }
+            kvs_cp_async_commit();
+        }
+        const uint32_t k_w = kv_s + (i % KVS_DEC_STAGES) * 2 * TB + warp * 16 * RB, v_w = k_w + TB;
+        const int key_base = k0 + i * KVS_ATTN_TILE + warp * 16;
+        if (key_base + 15 <= lim)
+            kvs_attn_warp_tile<D, 16, false>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+        else
+            kvs_attn_warp_tile<D, 16, true>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+
+    /* merge the warps: partial (m, l, o) of each warp's rows through shared memory */
+    kvs_cp_async_wait<0>();
+    __syncthreads();
+    constexpr int OLD = D + 2; /* floats per merge row: o[D], m, l */
+    float *mw = (float *)(smem + L::kv);
+    const int r0 = lane / 4, cq = 2 * (lane & 3);
+    {
+        float *w0 = mw + (warp * 16 + r0) * OLD, *w1 = w0 + 8 * OLD;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            *(float2 *)(w0 + 8 * n + cq) = make_float2(o[n][0], o[n][1]);
+            *(float2 *)(w1 + 8 * n + cq) = make_float2(o[n][2], o[n][3]);
+        }
+        if ((lane & 3) == 0) {
+            w0[D] = m0, w0[D + 1] = l0;
+            w1[D] = m1, w1[D + 1] = l1;
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * D; idx += THREADS) {
+        int r = idx / D, d = idx % D;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < KVS_DEC_WARPS; w++) M = fmaxf(M, mw[(w * 16 + r) * OLD + D]);
+        float acc = 0.f, Lsum = 0.f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int w = 0; w < KVS_DEC_WARPS; w++) {
+                const float *row = mw + (w * 16 + r) * OLD;
+                float f = kvs_exp2(row[D] - M);
+                acc += row[d] * f;
+                Lsum += row[D + 1] * f;
+            }
+        }
+        part_o[(base + r) * D + d] = acc;
+        if (d == 0) {
+            part_ml[(base + r) * 2] = M == -INFINITY ? -INFINITY : M * KVS_LN2; /* natural-log domain */
+            part_ml[(base + r) * 2 + 1] = Lsum;
+        }
+    }
+}
+
 /* ---- dispatch ------------------------------------------------------------------ */
+
+/* Prefill kernel variant, a tuning knob for kvs_bench_kernels: 0 (default): 4 warps
+ * x 2 m-tiles (128 query rows a block); 1: 8 warps x 2 m-tiles (256 rows);
+ * 2: 4 warps x 1 m-tile with Q in registers (64 rows). */
+extern "C" int kvs_cuda_attn_prefill_variant;
+int kvs_cuda_attn_prefill_variant = 0;
+/* Decode: blocks aimed at per SM when choosing the number of splits (knob). */
+extern "C" int kvs_cuda_attn_decode_blocks_per_sm;
+int kvs_cuda_attn_decode_blocks_per_sm = 8;
+
+template <int D, int WARPS>
+static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
+    using L = kvs_fa2_smem<D, WARPS>;
+    int tiles = (max_q_len + L::M - 1) / L::M;
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_fa2_kernel<D, WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)L::bytes));
+    dim3 grid((unsigned)a.n_heads, (unsigned)tiles, (unsigned)a.n_seqs);
+    kvs_attn_fa2_kernel<D, WARPS><<<grid, WARPS * 32, L::bytes, kvs_cuda_of(b)->stream>>>(a, out, lse);
+    KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2_kernel");
+}
+
+template <int D, int WARPS, int MT>
+static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
+    using L = kvs_fa2mt_smem<D, WARPS, MT>;
+    int tiles = (max_q_len + L::M - 1) / L::M;
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_fa2mt_kernel<D, WARPS, MT>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
+    dim3 grid((unsigned)a.n_heads, (unsigned)tiles, (unsigned)a.n_seqs);
+    kvs_attn_fa2mt_kernel<D, WARPS, MT><<<grid, WARPS * 32, L::bytes, kvs_cuda_of(b)->stream>>>(a, out, lse);
+    KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2mt_kernel");
+}
 
 template <int D>
 static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    using L = kvs_prefill_smem<D>;
-    int tiles = (max_q_len + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
-    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_prefill_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)L::bytes));
-    dim3 grid((unsigned)(a.n_seqs * tiles), (unsigned)a.n_heads);
-    kvs_attn_prefill_kernel<D><<<grid, KVS_ATTN_THREADS, L::bytes, kvs_cuda_of(b)->stream>>>(a, out, lse, tiles);
-    KVS_CUDA_LAUNCHED(b, "kvs_attn_prefill_kernel");
+    switch (kvs_cuda_attn_prefill_variant) {
+    case 1: launch_fa2mt<D, 8, 2>(b, a, out, lse, max_q_len); break;
+    case 2: launch_fa2<D, 4>(b, a, out, lse, max_q_len); break;
+    default: launch_fa2mt<D, 4, 2>(b, a, out, lse, max_q_len); break;
+    }
+}
+
+/* Splits of whole 64-key tiles so that about blocks_per_sm x SMs blocks run in all. */
+static int kvs_attn_split_len(const kvs_cuda *c, const kvs_attn_args &a, int max_kv_len, int *n_splits_out) {
+    long base_blocks = (long)a.n_tokens * a.n_kv_heads;
+    int max_tiles = (max_kv_len + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
+    if (max_tiles < 1) max_tiles = 1;
+    long target = (long)kvs_cuda_attn_decode_blocks_per_sm * c->n_sms;
+    int n_splits = (int)((target + base_blocks - 1) / base_blocks);
+    if (n_splits > max_tiles) n_splits = max_tiles;
+    if (n_splits < 1) n_splits = 1;
+    int split_len = (max_tiles + n_splits - 1) / n_splits * KVS_ATTN_TILE;
+    n_splits = (max_kv_len + split_len - 1) / split_len;
+    *n_splits_out = n_splits < 1 ? 1 : n_splits;
+    return split_len;
 }
 
 template <int D>
 static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len) {
     kvs_cuda *c = kvs_cuda_of(b);
     int group = a.n_heads / a.n_kv_heads;
-    /* enough blocks for several waves over the GPU, in splits of whole tiles */
-    long base_blocks = (long)a.n_tokens * a.n_kv_heads;
-    int max_tiles = (max_kv_len + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
-    int n_splits = (int)((8L * c->n_sms + base_blocks - 1) / base_blocks);
-    if (n_splits > max_tiles) n_splits = max_tiles;
-    if (n_splits < 1) n_splits = 1;
-    int split_len = (max_tiles + n_splits - 1) / n_splits * KVS_ATTN_TILE;
-    n_splits = (max_kv_len + split_len - 1) / split_len;
-    if (n_splits < 1) n_splits = 1;
+    bool tensor_cores = (D == 32 || D == 64 || D == 128) && group <= 16;
+    int n_splits, split_len = kvs_attn_split_len(c, a, max_kv_len, &n_splits);
     size_t rows = (size_t)a.n_tokens * a.n_heads;
     size_t o_bytes = (size_t)n_splits * rows * D * sizeof(float), ml_bytes = (size_t)n_splits * rows * 2 * sizeof(float);
     char *scratch = (char *)kvs_cuda_scratch(b, o_bytes + ml_bytes);
     if (!scratch) return;
     float *part_o = (float *)scratch, *part_ml = (float *)(scratch + o_bytes);
-    size_t smem = kvs_split_smem_bytes<D>(group);
-    if (smem > 48 * 1024)
-        KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_split_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem));
     dim3 grid((unsigned)a.n_tokens, (unsigned)a.n_kv_heads, (unsigned)n_splits);
-    kvs_attn_split_kernel<D><<<grid, KVS_ATTN_THREADS, smem, c->stream>>>(a, part_o, part_ml, split_len);
-    KVS_CUDA_LAUNCHED(b, "kvs_attn_split_kernel");
+    if (tensor_cores) {
+        constexpr int DT = D == 32 || D == 64 ? D : 128; /* only instantiated for 32/64/128 */
+        size_t smem = kvs_dec_smem<DT>::bytes;
+        KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_decode_kernel<DT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem));
+        kvs_attn_decode_kernel<DT><<<grid, KVS_DEC_WARPS * 32, smem, c->stream>>>(a, part_o, part_ml, split_len);
+        KVS_CUDA_LAUNCHED(b, "kvs_attn_decode_kernel");
+    } else {
+        size_t smem = kvs_split_smem_bytes<D>(group);
+        if (smem > 48 * 1024)
+            KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_split_kernel<D>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        kvs_attn_split_kernel<D><<<grid, KVS_ATTN_THREADS, smem, c->stream>>>(a, part_o, part_ml, split_len);
+        KVS_CUDA_LAUNCHED(b, "kvs_attn_split_kernel");
+    }
     kvs_attn_combine_kernel<<<(unsigned)rows, D < 128 ? D : 128, 0, c->stream>>>(out, lse, part_o, part_ml, n_splits,
                                                                                   (int)rows, D);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_combine_kernel");
