@@ -24,6 +24,10 @@ int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i) {
         if (!has_value) return -1;
         o->threads = atoi(argv[++*i]);
         if (o->threads <= 0) return -1;
+    } else if (!strcmp(a, "--device")) {
+        if (!has_value) return -1;
+        o->device = argv[++*i];
+        if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda") && strncmp(o->device, "cuda:", 5)) return -1;
     } else if (!strcmp(a, "--tensor-parallel-size") || !strcmp(a, "-tp")) {
         if (!has_value) return -1;
         char *end;
@@ -101,7 +105,12 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
         st = kvs_fail(KVS_ERR_UNSUPPORTED, "--tensor-parallel-size %d: not available in this command yet (generate has it)",
                       tp);
     if (st == KVS_OK && tp > 1) st = kvs_tp_validate(&out->cfg, tp, -1);
-    if (st == KVS_OK) st = kvs_backend_cpu_create(o->threads, &out->be);
+    bool cuda = o->device && !strncmp(o->device, "cuda", 4);
+    if (st == KVS_OK && cuda && tp > 1)
+        st = kvs_fail(KVS_ERR_UNSUPPORTED, "--tensor-parallel-size with --device cuda is not wired into the CLI yet");
+    if (st == KVS_OK)
+        st = cuda ? kvs_backend_cuda_create(o->device[4] == ':' ? atoi(o->device + 5) : 0, &out->be)
+                  : kvs_backend_cpu_create(o->threads, &out->be);
     if (st == KVS_OK && !o->skip_model) {
         if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
             int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;

@@ -33,7 +33,7 @@ static void usage(FILE *f) {
                "  --max-num-batched-tokens N  tokens per step (default 2048)\n"
                "  --kv-memory GiB        the KV pool's size (default 1)\n"
                "  --gpu-memory GiB       cap on the memory taken: KV = cap - weights - activations\n"
-               KVS_CLI_POLICY_HELP
+               KVS_CLI_DEVICE_HELP KVS_CLI_POLICY_HELP
                "  --seed S               prompt ids seed (default 0)\n"
                "  --json                 print one JSON object\n"
                "  --threads N\n");
@@ -108,6 +108,10 @@ static kvs_status kv_budget(const tp_options *o, const kvs_loaded *l, size_t *by
                      (6.0 * c->hidden_size + 3.0 * c->intermediate_size + 2.0 * c->n_heads * c->head_dim) *
                      kvs_dtype_size(l->be->act_dtype) +
                  2.0 * o->max_num_seqs * c->vocab_size * sizeof(float) + 64.0 * (1 << 20);
+    /* a sparse policy's window queries and LSE: [max_num_seqs * window] rows per layer */
+    if (o->policy.kind != KVS_POLICY_FULL)
+        act += (double)o->max_num_seqs * o->policy.window * c->n_layers * c->n_heads *
+               (c->head_dim * kvs_dtype_size(l->be->act_dtype) + sizeof(float));
     double left = cap - weights - act;
     if (left < 1 << 20)
         return kvs_fail(KVS_ERR_INVALID,

@@ -27,7 +27,7 @@ static void usage(FILE *f) {
                "  --json                 one JSON object (an array when several policies)\n"
                "  --answers FILE         write every sample's answer per policy (JSON lines)\n"
                "  --kv-policy and --kv-budget take comma-separated lists; every combination\n"
-               "  is evaluated over one shared prefill per prompt.\n" KVS_CLI_POLICY_HELP);
+               "  is evaluated over one shared prefill per prompt.\n" KVS_CLI_DEVICE_HELP KVS_CLI_POLICY_HELP);
 }
 
 static int bucket_index(policy_score *s, int bucket) {

@@ -29,7 +29,7 @@ static void usage(FILE *f) {
                "  --stop-ids 1,2         extra stop token ids; --ignore-eos to not stop at EOS\n"
                "  --json                 print one JSON object instead of streaming text\n"
                "  --load-format dummy    seeded random weights (with -m or --config FILE)\n"
-               "  --threads N\n" KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
+               "  --threads N\n" KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "Text prompts are the operator's: special-token text in them becomes control tokens.\n");
 }
 

@@ -46,7 +46,7 @@ static void usage(FILE *f) {
                "  --kv-memory GiB           KV pool size (default 1)\n"
                "  --max-waiting N           queued requests at most; more get 429 (default 1024)\n"
                "  --max-body-bytes N        request body limit (default 4 MiB; more gets 413)\n"
-               "  --threads N  --load-format dummy\n" KVS_CLI_POLICY_HELP
+               "  --threads N  --load-format dummy\n" KVS_CLI_DEVICE_HELP KVS_CLI_POLICY_HELP
                "The API is described in docs/SERVING.md.\n");
 }
 

@@ -54,7 +54,7 @@ kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const k
     pthread_cond_init(&e->cv, NULL);
     kvs_kv_config kc = {.n_layers = mc->n_layers, .n_kv_heads = mc->n_kv_heads, .head_dim = mc->head_dim,
                         .n_heads = mc->n_heads, .block_size = 16, .max_seqs = c.max_num_seqs,
-                        .max_window = c.default_policy.window > 64 ? c.default_policy.window : 64};
+                        .max_window = c.default_policy.window}; /* requests may use windows up to the default's */
     kc.n_blocks = kvs_kv_blocks_for_budget(&kc, e->be->kv_dtype, c.kv_memory_bytes);
     kvs_status st = KVS_OK;
     if (kc.n_blocks < mc->n_layers)
