@@ -46,7 +46,7 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i);
     "  --kv-window W          observation window (default 32)\n"                           \
     "  --kv-pool P            max-pool kernel, odd (default 7)\n"                          \
     "  --kv-min-prompt N      prompts shorter than N are not compressed (default 64)\n"       \
-    "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 3)\n"
+    "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 1.5)\n"
 void kvs_cli_unload(kvs_loaded *l);
 
 /* A KV cache for the model holding max_tokens tokens per sequence for max_seqs sequences. */

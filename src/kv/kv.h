@@ -75,7 +75,7 @@ typedef struct {
     int pool;              /* max-pool kernel p, odd (7) */
     int min_prompt;        /* prompts shorter than this are not compressed */
     int sinks;             /* streamingllm: first entries always kept (4) */
-    float pyramid_beta;    /* pyramidkv: the top sparse layer keeps (B - w) / beta beyond the window (3) */
+    float pyramid_beta;    /* pyramidkv: the top sparse layer keeps (B - w) / beta beyond the window (1.5) */
 } kvs_kv_policy;
 
 kvs_kv_policy kvs_kv_policy_default(kvs_policy_kind kind); /* 10% budget, w 32, p 7 */

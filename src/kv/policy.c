@@ -12,7 +12,7 @@ static const char *kind_names[] = {"full", "snapkv", "pyramidkv", "streamingllm"
 kvs_kv_policy kvs_kv_policy_default(kvs_policy_kind kind) {
     return (kvs_kv_policy){.kind = kind, .budget_tokens = 0, .budget_fraction = 0.10f, .full_layers = 0,
                            .window = 32, .pool = 7, .min_prompt = 64, .sinks = 4,
-                           .pyramid_beta = 3};
+                           .pyramid_beta = 1.5f};
 }
 
 const char *kvs_kv_policy_name(kvs_policy_kind kind) {
