@@ -508,32 +508,6 @@ Test(cuda, copy_and_transfers) {
 
 /* ---- end to end: whole models on both backends -------------------------------- */
 
-typedef struct {
-    kvs_config cfg;
-    kvs_checkpoint *ck;
-    kvs_backend *be;
-    kvs_model *m;
-    kvs_kv_cache *kv;
-} rig;
-
-static void rig_open(rig *r, kvs_backend *be, const char *dir, int max_tokens) {
-    memset(r, 0, sizeof *r);
-    r->be = be;
-    cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, be, &r->m), KVS_OK, "%s", kvs_last_error());
-    kvs_kv_config kc = {.n_layers = r->cfg.n_layers, .n_kv_heads = r->cfg.n_kv_heads, .head_dim = r->cfg.head_dim,
-                        .n_heads = r->cfg.n_heads, .block_size = 16, .max_seqs = 2};
-    kc.n_blocks = (int64_t)((max_tokens + 15) / 16 + 1) * r->cfg.n_layers * 2;
-    cr_assert_eq(kvs_kv_create(&kc, be, &r->kv), KVS_OK, "%s", kvs_last_error());
-}
-
-static void rig_close(rig *r) {
-    kvs_kv_destroy(r->kv);
-    kvs_model_destroy(r->m);
-    kvs_checkpoint_destroy(r->ck);
-}
-
 static void run_tokens(rig *r, int seq, const int32_t *ids, int n, int pos0, int chunk, float *out) {
     for (int start = 0; start < n; start += chunk) {
         int len = n - start < chunk ? n - start : chunk;
@@ -571,8 +545,8 @@ static double top2_gap(const float *x, int n) {
 static void compare_models(duo *d, const char *dir, const char *name, const int32_t *ids, int n, int chunk,
                            int n_greedy, double max_abs, double rel, const kvs_kv_policy *policy) {
     rig rc, rg;
-    rig_open(&rc, d->cpu, dir, n + n_greedy + 16);
-    rig_open(&rg, d->gpu, dir, n + n_greedy + 16);
+    rig_open(&rc, dir, d->cpu, RIG_BLOCKS(n + n_greedy + 16, 2), 2);
+    rig_open(&rg, dir, d->gpu, RIG_BLOCKS(n + n_greedy + 16, 2), 2);
     int V = rc.cfg.vocab_size;
     float *lc = malloc(sizeof(float) * V), *lg = malloc(sizeof(float) * V);
     int sc = kvs_kv_seq_create(rc.kv), sg = kvs_kv_seq_create(rg.kv);

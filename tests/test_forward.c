@@ -11,46 +11,11 @@
 #include "model/model.h"
 #include "testutil.h"
 
-typedef struct {
-    kvs_config cfg;
-    kvs_checkpoint *ck;
-    kvs_backend *be;
-    kvs_model *m;
-    kvs_kv_cache *kv;
-} rig;
-
-static void rig_open(rig *r, const char *dir, int max_tokens, int max_seqs) {
-    memset(r, 0, sizeof *r);
-    cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
-    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
-    kvs_kv_config kc = {.n_layers = r->cfg.n_layers, .n_kv_heads = r->cfg.n_kv_heads, .head_dim = r->cfg.head_dim,
-                        .n_heads = r->cfg.n_heads, .block_size = 16, .max_seqs = max_seqs};
-    kc.n_blocks = (int64_t)((max_tokens + 15) / 16 + 1) * r->cfg.n_layers * max_seqs;
-    cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
-}
-
-static void rig_close(rig *r) {
-    kvs_kv_destroy(r->kv);
-    kvs_model_destroy(r->m);
-    kvs_checkpoint_destroy(r->ck);
-    r->be->destroy(r->be);
-}
-
 /* Runs ids[0..n) of one sequence as a prefill of `chunk` tokens at a time
  * starting at position pos0; logits of the last token into out. */
 static void prefill(rig *r, int seq, const int32_t *ids, int n, int pos0, int chunk, float *out) {
-    for (int start = 0; start < n; start += chunk) {
-        int len = n - start < chunk ? n - start : chunk;
-        int32_t *pos = malloc(sizeof(int32_t) * len), qs[2] = {0, len};
-        for (int i = 0; i < len; i++) pos[i] = pos0 + start + i;
-        uint8_t want = start + len == n;
-        cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
-        kvs_batch b = {len, 1, ids + start, pos, qs, &seq, &want};
-        cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out), KVS_OK, "%s", kvs_last_error());
-        free(pos);
-    }
+    for (int start = 0; start < n; start += chunk)
+        rig_run(r, seq, ids + start, n - start < chunk ? n - start : chunk, pos0 + start, out);
 }
 
 /* Greedy decoding of n_new tokens after a prefill whose logits are in logits. */
@@ -65,7 +30,7 @@ Test(forward, tiny_needle_llama_matches_hf) {
     json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases && json_array_size(cases) == 4);
     rig r;
-    rig_open(&r, src_path("models/tiny-needle-llama"), 700, 1);
+    rig_open(&r, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(700, 1), 1);
     size_t i;
     json_t *c;
     json_array_foreach(cases, i, c) {
@@ -104,7 +69,7 @@ static void check_arch(const char *name) {
     json_t *ref = load_json(shared_path(ref_path));
     cr_assert(ref, "cannot read %s", ref_path);
     rig r;
-    rig_open(&r, shared_path(dir), 2048 + 16, 1);
+    rig_open(&r, shared_path(dir), NULL, RIG_BLOCKS(2048 + 16, 1), 1);
     int V = r.cfg.vocab_size;
     float *logits = malloc(sizeof(float) * V);
     size_t i;
@@ -157,7 +122,7 @@ Test(forward, mistral_fp32) { check_arch("mistral"); }
  * with single decode tokens) give the logits each gives alone. */
 Test(forward, varlen_batch_equals_single_runs) {
     rig r;
-    rig_open(&r, src_path("models/tiny-needle-llama"), 200, 8);
+    rig_open(&r, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(200, 8), 8);
     int V = r.cfg.vocab_size;
     kvs_rng rng;
     kvs_rng_seed(&rng, (uint64_t)time(NULL));
@@ -210,7 +175,7 @@ Test(forward, varlen_batch_equals_single_runs) {
 
 Test(forward, rejects_bad_batches) {
     rig r;
-    rig_open(&r, src_path("models/tiny-needle-llama"), 32, 1);
+    rig_open(&r, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(32, 1), 1);
     float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
     int seq = kvs_kv_seq_create(r.kv);
     int32_t tok = 99999, pos = 0, qs[2] = {0, 1};

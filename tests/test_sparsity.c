@@ -236,42 +236,6 @@ Test(sparsity, policy_budgets) {
 }
 
 /* ---- on the tiny model --------------------------------------------------- */
-typedef struct {
-    kvs_config cfg;
-    kvs_checkpoint *ck;
-    kvs_backend *be;
-    kvs_model *m;
-    kvs_kv_cache *kv;
-} rig;
-
-static void rig_open(rig *r, int n_blocks, int max_seqs) {
-    const char *dir = src_path("models/tiny-needle-llama");
-    cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
-    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
-    kvs_kv_config kc = {.n_layers = r->cfg.n_layers, .n_kv_heads = r->cfg.n_kv_heads, .head_dim = r->cfg.head_dim,
-                        .n_heads = r->cfg.n_heads, .block_size = 16, .n_blocks = n_blocks, .max_seqs = max_seqs};
-    cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
-}
-
-static void rig_close(rig *r) {
-    kvs_kv_destroy(r->kv);
-    kvs_model_destroy(r->m);
-    kvs_checkpoint_destroy(r->ck);
-    r->be->destroy(r->be);
-}
-
-static void run_tokens(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits) {
-    int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
-    for (int i = 0; i < n; i++) pos[i] = pos0 + i;
-    uint8_t want = 1;
-    cr_assert_eq(kvs_kv_reserve(r->kv, seq, n), KVS_OK, "%s", kvs_last_error());
-    kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
-    cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, logits), KVS_OK, "%s", kvs_last_error());
-    free(pos);
-}
-
 /* The K vector of (seq, layer, head, entry). */
 static const float *key_of(rig *r, int seq, int layer, int head, int entry) {
     const kvs_kv_pool *p = kvs_kv_get_pool(r->kv);
@@ -305,7 +269,7 @@ static void pooled_scores(rig *r, int seq, int layer, int n, int w, float *poole
  * Compaction keeps exactly the selected entries. */
 Test(sparsity, chunked_and_one_shot_prefill_select_the_same_entries, .timeout = 600) {
     rig r;
-    rig_open(&r, 4 * 8 * 40 + 16, 4);
+    rig_open(&r, src_path("models/tiny-needle-llama"), NULL, 4 * 8 * 40 + 16, 4);
     kvs_rng rng;
     uint64_t seed = fresh_seed();
     kvs_rng_seed(&rng, seed);
@@ -318,9 +282,9 @@ Test(sparsity, chunked_and_one_shot_prefill_select_the_same_entries, .timeout = 
     int a = kvs_kv_seq_create(r.kv), b = kvs_kv_seq_create(r.kv);
     cr_assert_eq(kvs_kv_set_policy(r.kv, a, &capture, n), KVS_OK);
     cr_assert_eq(kvs_kv_set_policy(r.kv, b, &capture, n), KVS_OK);
-    run_tokens(&r, a, ids, n, 0, logits);
+    rig_run(&r, a, ids, n, 0, logits);
     int chunk = 7 + (int)(kvs_rng_u64(&rng) % 120);
-    for (int s = 0; s < n; s += chunk) run_tokens(&r, b, ids + s, s + chunk > n ? n - s : chunk, s, logits);
+    for (int s = 0; s < n; s += chunk) rig_run(&r, b, ids + s, s + chunk > n ? n - s : chunk, s, logits);
     int budgets[8], m = n - w, ties = 0;
     kvs_kv_policy_budgets(&p, 8, n, budgets);
     int32_t *sel_a = malloc(sizeof(int32_t) * 2 * n), *sel_b = malloc(sizeof(int32_t) * 2 * n);
@@ -385,7 +349,7 @@ Test(sparsity, chunked_and_one_shot_prefill_select_the_same_entries, .timeout = 
 /* 2,000 decode tokens with a 10% budget: every sparse layer stays <= B_l + w. */
 Test(sparsity, decode_stays_bounded, .timeout = 1200) {
     rig r;
-    rig_open(&r, 8 * 40, 1);
+    rig_open(&r, src_path("models/tiny-needle-llama"), NULL, 8 * 40, 1);
     int n = 400, steps = 2000;
     int32_t *ids = malloc(sizeof(int32_t) * n);
     kvs_rng rng;
@@ -396,13 +360,13 @@ Test(sparsity, decode_stays_bounded, .timeout = 1200) {
     p.full_layers = 0;
     int seq = kvs_kv_seq_create(r.kv);
     cr_assert_eq(kvs_kv_set_policy(r.kv, seq, &p, n), KVS_OK);
-    run_tokens(&r, seq, ids, n, 0, logits);
+    rig_run(&r, seq, ids, n, 0, logits);
     int budgets[8];
     kvs_kv_policy_budgets(&p, 8, n, budgets);
     int64_t peak_blocks = kvs_kv_used_blocks(r.kv);
     for (int t = 0; t < steps; t++) {
         int32_t id = argmax_f(logits, r.cfg.vocab_size);
-        run_tokens(&r, seq, &id, 1, n + t, logits);
+        rig_run(&r, seq, &id, 1, n + t, logits);
         for (int l = 0; l < 8; l++)
             cr_assert_leq(kvs_kv_len(r.kv, seq, l), budgets[l] + p.window, "step %d layer %d: %d entries", t, l,
                           kvs_kv_len(r.kv, seq, l));
@@ -417,7 +381,7 @@ Test(sparsity, decode_stays_bounded, .timeout = 1200) {
 /* StreamingLLM keeps the sinks and the most recent entries. */
 Test(sparsity, streamingllm_keeps_sinks_and_recent) {
     rig r;
-    rig_open(&r, 8 * 40, 1);
+    rig_open(&r, src_path("models/tiny-needle-llama"), NULL, 8 * 40, 1);
     int n = 300;
     int32_t *ids = malloc(sizeof(int32_t) * n);
     for (int i = 0; i < n; i++) ids[i] = (int32_t)(i * 37 % 8187);
@@ -427,7 +391,7 @@ Test(sparsity, streamingllm_keeps_sinks_and_recent) {
     /* reference keys: the same prompt in a full sequence, compared entry by entry */
     kvs_kv_cache *kv_sparse = r.kv;
     cr_assert_eq(kvs_kv_set_policy(kv_sparse, seq, &p, n), KVS_OK);
-    run_tokens(&r, seq, ids, n, 0, logits);
+    rig_run(&r, seq, ids, n, 0, logits);
     int B = 30; /* round(10% of 300) */
     for (int l = 0; l < 8; l++) cr_assert_eq(kvs_kv_len(r.kv, seq, l), B);
     float first[128], last[128];
@@ -435,7 +399,7 @@ Test(sparsity, streamingllm_keeps_sinks_and_recent) {
     memcpy(last, key_of(&r, seq, 3, 1, B - 1), sizeof last);
     kvs_kv_free(r.kv, seq);
     seq = kvs_kv_seq_create(r.kv);
-    run_tokens(&r, seq, ids, n, 0, logits);
+    rig_run(&r, seq, ids, n, 0, logits);
     cr_assert(!memcmp(first, key_of(&r, seq, 3, 1, 0), sizeof first), "sink 0 kept");
     cr_assert(!memcmp(last, key_of(&r, seq, 3, 1, n - 1), sizeof last), "most recent kept");
     free(ids), free(logits);

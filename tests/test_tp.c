@@ -23,7 +23,7 @@ typedef struct {
     kvs_model *m;
     kvs_kv_cache *kv;
     kvs_tp_group *g;
-} rig;
+} tp_rig;
 
 static kvs_kv_config kv_config(const kvs_config *c, int max_tokens, int max_seqs) {
     kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
@@ -32,7 +32,7 @@ static kvs_kv_config kv_config(const kvs_config *c, int max_tokens, int max_seqs
     return kc;
 }
 
-static void rig_start(rig *r, int world, int max_tokens, int max_seqs) {
+static void tp_rig_start(tp_rig *r, int world, int max_tokens, int max_seqs) {
     r->world = world;
     kvs_kv_config kc = kv_config(&r->cfg, max_tokens, max_seqs);
     if (world == 0) {
@@ -45,22 +45,22 @@ static void rig_start(rig *r, int world, int max_tokens, int max_seqs) {
     }
 }
 
-static void rig_open(rig *r, const char *dir, int world, int max_tokens, int max_seqs) {
+static void tp_rig_open(tp_rig *r, const char *dir, int world, int max_tokens, int max_seqs) {
     memset(r, 0, sizeof *r);
     cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
-    rig_start(r, world, max_tokens, max_seqs);
+    tp_rig_start(r, world, max_tokens, max_seqs);
 }
 
 /* Seeded dummy weights for a config given as JSON. */
-static void rig_open_dummy(rig *r, const char *json, int world, int max_tokens) {
+static void tp_rig_open_dummy(tp_rig *r, const char *json, int world, int max_tokens) {
     memset(r, 0, sizeof *r);
     cr_assert_eq(kvs_config_parse(json, strlen(json), "test config", &r->cfg), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_checkpoint_dummy(&r->cfg, 1234, &r->ck), KVS_OK, "%s", kvs_last_error());
-    rig_start(r, world, max_tokens, 3);
+    tp_rig_start(r, world, max_tokens, 3);
 }
 
-static void rig_close(rig *r) {
+static void tp_rig_close(tp_rig *r) {
     if (r->g) {
         for (int k = 0; k < kvs_tp_world(r->g); k++)
             cr_expect_eq(kvs_kv_check(kvs_tp_kv(r->g, k)), KVS_OK, "rank %d: %s", k, kvs_last_error());
@@ -73,7 +73,7 @@ static void rig_close(rig *r) {
     kvs_checkpoint_destroy(r->ck);
 }
 
-static int rig_seq(rig *r, const kvs_kv_policy *p, int prompt_len) {
+static int rig_seq(tp_rig *r, const kvs_kv_policy *p, int prompt_len) {
     int seq = r->g ? kvs_tp_seq_create(r->g) : kvs_kv_seq_create(r->kv);
     cr_assert_geq(seq, 0, "%s", kvs_last_error());
     if (p) {
@@ -83,14 +83,14 @@ static int rig_seq(rig *r, const kvs_kv_policy *p, int prompt_len) {
     return seq;
 }
 
-static void rig_free(rig *r, int seq) {
+static void rig_free(tp_rig *r, int seq) {
     if (r->g) kvs_tp_seq_free(r->g, seq);
     else kvs_kv_free(r->kv, seq);
 }
 
 /* ids[0..n) of seq at positions pos0.. in chunks; the last token's logits
  * (and, through the group's argmax path, its greedy id when argmax is set). */
-static void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, int chunk, float *logits, int32_t *argmax) {
+static void tp_rig_run(tp_rig *r, int seq, const int32_t *ids, int n, int pos0, int chunk, float *logits, int32_t *argmax) {
     for (int start = 0; start < n; start += chunk) {
         int len = n - start < chunk ? n - start : chunk;
         int32_t *pos = malloc(sizeof(int32_t) * len), qs[2] = {0, len};
@@ -110,30 +110,30 @@ static void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, int ch
     }
 }
 
-static kvs_kv_cache *rank_kv(rig *r, int rank) { return r->g ? kvs_tp_kv(r->g, rank) : r->kv; }
+static kvs_kv_cache *rank_kv(tp_rig *r, int rank) { return r->g ? kvs_tp_kv(r->g, rank) : r->kv; }
 
 /* Greedy continuation of n_new tokens after logits (prompt of n tokens): the
- * TP rig runs the steps twice over, once through the gathered logits and once
+ * TP tp_rig runs the steps twice over, once through the gathered logits and once
  * through the argmax that gathers none, on two sequences. */
-static void greedy(rig *r, int seq, int pos, float *logits, int n_new, int32_t *out) {
+static void greedy(tp_rig *r, int seq, int pos, float *logits, int n_new, int32_t *out) {
     for (int i = 0; i < n_new; i++) {
         out[i] = argmax_f(logits, r->cfg.vocab_size);
-        if (i + 1 < n_new) rig_run(r, seq, &out[i], 1, pos + i, 1, logits, NULL);
+        if (i + 1 < n_new) tp_rig_run(r, seq, &out[i], 1, pos + i, 1, logits, NULL);
     }
 }
 
-static void greedy_argmax(rig *r, int seq, const int32_t *prompt, int n, int chunk, int n_new, int32_t *out) {
-    rig_run(r, seq, prompt, n, 0, chunk, NULL, &out[0]);
-    for (int i = 1; i < n_new; i++) rig_run(r, seq, &out[i - 1], 1, n + i - 1, 1, NULL, &out[i]);
+static void greedy_argmax(tp_rig *r, int seq, const int32_t *prompt, int n, int chunk, int n_new, int32_t *out) {
+    tp_rig_run(r, seq, prompt, n, 0, chunk, NULL, &out[0]);
+    for (int i = 1; i < n_new; i++) tp_rig_run(r, seq, &out[i - 1], 1, n + i - 1, 1, NULL, &out[i]);
 }
 
 /* ---- tiny-needle-llama: 8 layers, 4 heads, 2 KV heads, tied 8192 vocab ---- */
 Test(tp, tiny_needle_llama_tp2_matches_single_rank, .timeout = 900) {
     json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases && json_array_size(cases) == 4);
-    rig one, two;
-    rig_open(&one, src_path("models/tiny-needle-llama"), 0, 700, 1);
-    rig_open(&two, src_path("models/tiny-needle-llama"), 2, 700, 2);
+    tp_rig one, two;
+    tp_rig_open(&one, src_path("models/tiny-needle-llama"), 0, 700, 1);
+    tp_rig_open(&two, src_path("models/tiny-needle-llama"), 2, 700, 2);
     int V = one.cfg.vocab_size;
     float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
     size_t i;
@@ -144,8 +144,8 @@ Test(tp, tiny_needle_llama_tp2_matches_single_rank, .timeout = 900) {
         int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
         int32_t *want = json_ids(json_object_get(c, "greedy32_ids"), &n_ref);
         int s1 = rig_seq(&one, NULL, n), s2 = rig_seq(&two, NULL, n);
-        rig_run(&one, s1, ids, n, 0, n, l1, NULL);
-        rig_run(&two, s2, ids, n, 0, n, l2, NULL);
+        tp_rig_run(&one, s1, ids, n, 0, n, l1, NULL);
+        tp_rig_run(&two, s2, ids, n, 0, n, l2, NULL);
         double d = rel_max_diff(l2, l1, V);
         cr_log_info("tiny-needle-llama %s: TP=2 vs TP=1 rel diff %.2e", name, d);
         cr_expect(d <= 1e-4, "%s: TP=2 logits rel diff %g", name, d);
@@ -167,8 +167,8 @@ Test(tp, tiny_needle_llama_tp2_matches_single_rank, .timeout = 900) {
     }
     free(l1);
     free(l2);
-    rig_close(&one);
-    rig_close(&two);
+    tp_rig_close(&one);
+    tp_rig_close(&two);
     json_decref(cases);
 }
 
@@ -179,9 +179,9 @@ static void check_arch(const char *name) {
     snprintf(ref_path, sizeof ref_path, "fixtures/arch/%s/reference.json", name);
     json_t *ref = load_json(shared_path(ref_path));
     cr_assert(ref, "cannot read %s", ref_path);
-    rig one, two;
-    rig_open(&one, shared_path(dir), 0, 2048 + 64, 1);
-    rig_open(&two, shared_path(dir), 2, 2048 + 64, 2);
+    tp_rig one, two;
+    tp_rig_open(&one, shared_path(dir), 0, 2048 + 64, 1);
+    tp_rig_open(&two, shared_path(dir), 2, 2048 + 64, 2);
     cr_assert_eq(two.cfg.n_kv_heads, 2);
     int V = one.cfg.vocab_size;
     float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
@@ -200,8 +200,8 @@ static void check_arch(const char *name) {
             cr_assert_eq((int)nl, n * V);
             double worst = 0;
             for (int p = 0; p < n; p++) {
-                rig_run(&one, s1, ids + p, 1, p, 1, l1, NULL);
-                rig_run(&two, s2, ids + p, 1, p, 1, l2, NULL);
+                tp_rig_run(&one, s1, ids + p, 1, p, 1, l1, NULL);
+                tp_rig_run(&two, s2, ids + p, 1, p, 1, l2, NULL);
                 double d = rel_max_diff(l2, l1, V), dr = rel_max_diff(l2, refs + (size_t)p * V, V);
                 worst = fmax(worst, d);
                 cr_expect(d <= 1e-4, "%s %s position %d: TP=2 vs TP=1 rel diff %g", name, cname, p, d);
@@ -212,8 +212,8 @@ static void check_arch(const char *name) {
         } else { /* the last position, prefill in chunks of 300 */
             size_t nl;
             float *last = b64_floats(json_string_value(json_object_get(c, "last_logits_f32_b64")), &nl);
-            rig_run(&one, s1, ids, n, 0, 300, l1, NULL);
-            rig_run(&two, s2, ids, n, 0, 300, l2, NULL);
+            tp_rig_run(&one, s1, ids, n, 0, 300, l1, NULL);
+            tp_rig_run(&two, s2, ids, n, 0, 300, l2, NULL);
             double d = rel_max_diff(l2, l1, V), dr = rel_max_diff(l2, last, V);
             cr_log_info("%s %s last position: TP=2 vs TP=1 rel diff %.2e", name, cname, d);
             cr_expect(d <= 1e-4, "%s %s last position: TP=2 vs TP=1 rel diff %g", name, cname, d);
@@ -235,8 +235,8 @@ static void check_arch(const char *name) {
     }
     free(l1);
     free(l2);
-    rig_close(&one);
-    rig_close(&two);
+    tp_rig_close(&one);
+    tp_rig_close(&two);
     json_decref(ref);
 }
 
@@ -258,9 +258,9 @@ static const char *odd_vocab_config(bool tied, bool bias) {
 }
 
 static void check_odd_vocab(bool tied, bool bias, int world) {
-    rig one, tp;
-    rig_open_dummy(&one, odd_vocab_config(tied, bias), 0, 128);
-    rig_open_dummy(&tp, odd_vocab_config(tied, bias), world, 128);
+    tp_rig one, tp;
+    tp_rig_open_dummy(&one, odd_vocab_config(tied, bias), 0, 128);
+    tp_rig_open_dummy(&tp, odd_vocab_config(tied, bias), world, 128);
     cr_assert_eq(one.cfg.attention_bias, bias);
     const kvs_shard *last = kvs_model_shard(kvs_tp_model(tp.g, world - 1));
     cr_assert_eq(last->vocab_pad, (515 + world - 1) / world);
@@ -270,8 +270,8 @@ static void check_odd_vocab(bool tied, bool bias, int world) {
     int32_t ids[40];
     for (int i = 0; i < 40; i++) ids[i] = (i * 37 + 11) % V;
     int s1 = rig_seq(&one, NULL, 40), s2 = rig_seq(&tp, NULL, 40), s3 = rig_seq(&tp, NULL, 40);
-    rig_run(&one, s1, ids, 40, 0, 40, l1, NULL);
-    rig_run(&tp, s2, ids, 40, 0, 40, l2, NULL);
+    tp_rig_run(&one, s1, ids, 40, 0, 40, l1, NULL);
+    tp_rig_run(&tp, s2, ids, 40, 0, 40, l2, NULL);
     double d = rel_max_diff(l2, l1, V);
     cr_expect(d <= 1e-4, "vocab 515 over %d ranks (tied %d, bias %d): rel diff %g", world, tied, bias, d);
     int32_t g1[12], g3[12];
@@ -280,8 +280,8 @@ static void check_odd_vocab(bool tied, bool bias, int world) {
     for (int k = 0; k < 12; k++) cr_expect_eq(g3[k], g1[k], "greedy token %d over %d ranks: %d != %d", k, world, g3[k], g1[k]);
     free(l1);
     free(l2);
-    rig_close(&one);
-    rig_close(&tp);
+    tp_rig_close(&one);
+    tp_rig_close(&tp);
 }
 
 Test(tp, odd_vocab_padded_slices) {
@@ -299,8 +299,8 @@ Test(tp, argmax_ties_go_to_the_lowest_id) {
                        " \"intermediate_size\": 32, \"vocab_size\": 9, \"max_position_embeddings\": 64,"
                        " \"rms_norm_eps\": 1e-5, \"rope_theta\": 10000.0, \"tie_word_embeddings\": false,"
                        " \"torch_dtype\": \"float32\"}";
-    rig tp;
-    rig_open_dummy(&tp, json, 2, 16);
+    tp_rig tp;
+    tp_rig_open_dummy(&tp, json, 2, 16);
     /* LM-head rows: w everywhere, 2w at ids 6 and 8 (rank 1): logits tie in
        groups whichever sign h.w has; the lowest id of the top group wins */
     int H = 32;
@@ -315,14 +315,14 @@ Test(tp, argmax_ties_go_to_the_lowest_id) {
     float logits[9];
     int32_t tok = 3, pos = 0, got;
     int seq = rig_seq(&tp, NULL, 1), seq2 = rig_seq(&tp, NULL, 1);
-    rig_run(&tp, seq, &tok, 1, 0, 1, logits, NULL);
-    rig_run(&tp, seq2, &tok, 1, 0, 1, NULL, &got);
+    tp_rig_run(&tp, seq, &tok, 1, 0, 1, logits, NULL);
+    tp_rig_run(&tp, seq2, &tok, 1, 0, 1, NULL, &got);
     (void)pos;
     cr_assert_eq(logits[0], logits[5], "rows 0 and 5 tie across ranks");
     cr_assert_eq(logits[6], logits[8]);
     cr_assert_eq(got, argmax_f(logits, 9), "argmax path %d, gathered logits %d", got, argmax_f(logits, 9));
     cr_assert(got == 0 || got == 6, "got %d", got);
-    rig_close(&tp);
+    tp_rig_close(&tp);
 }
 
 /* ---- sparsity: each rank scores, selects and compacts its own KV heads ---- */
@@ -335,7 +335,7 @@ static const float *key_of(kvs_kv_cache *kv, int seq, int layer, int head, int e
 }
 
 /* Rank r's head h holds the entries of global head r * local + h. */
-static void expect_same_selection(rig *one, int s1, rig *tp, int s2, const char *when) {
+static void expect_same_selection(tp_rig *one, int s1, tp_rig *tp, int s2, const char *when) {
     const kvs_config *c = &one->cfg;
     int local = c->n_kv_heads / tp->world;
     for (int l = 0; l < c->n_layers; l++) {
@@ -360,9 +360,9 @@ static void expect_same_selection(rig *one, int s1, rig *tp, int s2, const char 
 }
 
 static void check_sparse(kvs_policy_kind kind) {
-    rig one, two;
-    rig_open(&one, src_path("models/tiny-needle-llama"), 0, 700, 1);
-    rig_open(&two, src_path("models/tiny-needle-llama"), 2, 700, 1);
+    tp_rig one, two;
+    tp_rig_open(&one, src_path("models/tiny-needle-llama"), 0, 700, 1);
+    tp_rig_open(&two, src_path("models/tiny-needle-llama"), 2, 700, 1);
     int V = one.cfg.vocab_size, n = 480;
     int32_t *ids = malloc(sizeof(int32_t) * n);
     kvs_rng rng;
@@ -372,8 +372,8 @@ static void check_sparse(kvs_policy_kind kind) {
     p.budget_fraction = 0.1f;
     float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
     int s1 = rig_seq(&one, &p, n), s2 = rig_seq(&two, &p, n);
-    rig_run(&one, s1, ids, n, 0, 200, l1, NULL);
-    rig_run(&two, s2, ids, n, 0, 200, l2, NULL);
+    tp_rig_run(&one, s1, ids, n, 0, 200, l1, NULL);
+    tp_rig_run(&two, s2, ids, n, 0, 200, l2, NULL);
     int64_t held, full;
     kvs_kv_seq_usage(one.kv, s1, &held, &full);
     cr_assert_lt(held * 4, full, "the policy compacted: %lld of %lld", (long long)held, (long long)full);
@@ -384,8 +384,8 @@ static void check_sparse(kvs_policy_kind kind) {
     for (int t = 0; t < 48; t++) {
         int32_t a = argmax_f(l1, V), b = argmax_f(l2, V);
         cr_assert_eq(b, a, "decode step %d: TP=2 %d, TP=1 %d", t, b, a);
-        rig_run(&one, s1, &a, 1, n + t, 1, l1, NULL);
-        rig_run(&two, s2, &b, 1, n + t, 1, l2, NULL);
+        tp_rig_run(&one, s1, &a, 1, n + t, 1, l1, NULL);
+        tp_rig_run(&two, s2, &b, 1, n + t, 1, l2, NULL);
         d = rel_max_diff(l2, l1, V);
         cr_expect(d <= 1e-4, "sparse decode step %d: TP=2 vs TP=1 rel diff %g", t, d);
     }
@@ -396,8 +396,8 @@ static void check_sparse(kvs_policy_kind kind) {
     free(ids);
     free(l1);
     free(l2);
-    rig_close(&one);
-    rig_close(&two);
+    tp_rig_close(&one);
+    tp_rig_close(&two);
 }
 
 Test(tp, snapkv_ranks_select_their_own_heads, .timeout = 900) { check_sparse(KVS_POLICY_SNAPKV); }
@@ -483,9 +483,9 @@ Test(tp, shard_with_a_full_kv_cache_is_refused) {
 
 /* ---- TP = 1 through the group and through kvs_model_create_shard ---- */
 Test(tp, tp1_equals_model_create, .timeout = 600) {
-    rig one, grp;
-    rig_open(&one, src_path("models/tiny-needle-llama"), 0, 200, 1);
-    rig_open(&grp, src_path("models/tiny-needle-llama"), 1, 200, 1);
+    tp_rig one, grp;
+    tp_rig_open(&one, src_path("models/tiny-needle-llama"), 0, 200, 1);
+    tp_rig_open(&grp, src_path("models/tiny-needle-llama"), 1, 200, 1);
     int V = one.cfg.vocab_size;
     kvs_backend *be;
     cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
@@ -501,8 +501,8 @@ Test(tp, tp1_equals_model_create, .timeout = 600) {
     for (int step = 0; step < 3; step++) {
         int n = step ? 1 : 150, pos0 = step ? 149 + step : 0;
         const int32_t *t = step ? &ids[step] : ids;
-        rig_run(&one, s1, t, n, pos0, n, l1, NULL);
-        rig_run(&grp, s2, t, n, pos0, n, l2, NULL);
+        tp_rig_run(&one, s1, t, n, pos0, n, l1, NULL);
+        tp_rig_run(&grp, s2, t, n, pos0, n, l2, NULL);
         int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
         for (int i = 0; i < n; i++) pos[i] = pos0 + i;
         uint8_t want = 1;
@@ -520,8 +520,8 @@ Test(tp, tp1_equals_model_create, .timeout = 600) {
     kvs_kv_destroy(kv);
     kvs_model_destroy(shard);
     be->destroy(be);
-    rig_close(&one);
-    rig_close(&grp);
+    tp_rig_close(&one);
+    tp_rig_close(&grp);
 }
 
 /* ---- the host communicator ---- */

@@ -1,5 +1,7 @@
 #include "testutil.h"
 
+#include <criterion/criterion.h>
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -135,4 +137,34 @@ int run_capture(const char *cmd, char **out) {
     int st = pclose(p);
     if (out) *out = buf; else free(buf);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+void rig_open(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs) {
+    memset(r, 0, sizeof *r);
+    cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
+    r->be = be;
+    r->owns_be = !be;
+    if (!be) cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
+    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_config kc = {.n_layers = r->cfg.n_layers, .n_kv_heads = r->cfg.n_kv_heads, .head_dim = r->cfg.head_dim,
+                        .n_heads = r->cfg.n_heads, .block_size = 16, .n_blocks = n_blocks, .max_seqs = max_seqs};
+    cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
+}
+
+void rig_close(rig *r) {
+    kvs_kv_destroy(r->kv);
+    kvs_model_destroy(r->m);
+    kvs_checkpoint_destroy(r->ck);
+    if (r->owns_be) r->be->destroy(r->be);
+}
+
+void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits) {
+    int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
+    for (int i = 0; i < n; i++) pos[i] = pos0 + i;
+    uint8_t want = 1;
+    cr_assert_eq(kvs_kv_reserve(r->kv, seq, n), KVS_OK, "%s", kvs_last_error());
+    kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
+    cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, logits), KVS_OK, "%s", kvs_last_error());
+    free(pos);
 }

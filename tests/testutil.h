@@ -31,4 +31,26 @@ void write_file(const char *dir, const char *name, const void *data, size_t len)
 /* Runs a shell command; captures combined output into *out (malloc'ed); returns exit status. */
 int run_capture(const char *cmd, char **out);
 
+/* A model on the CPU backend with a KV cache, for the model-level tests. */
+#include "backend/backend.h"
+#include "kv/kv.h"
+#include "model/model.h"
+
+typedef struct {
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    kvs_backend *be;
+    bool owns_be;
+    kvs_model *m;
+    kvs_kv_cache *kv;
+} rig;
+
+/* Loads dir on be (NULL: a new CPU backend) with a cache of n_blocks blocks and max_seqs sequences. */
+void rig_open(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs);
+void rig_close(rig *r);
+/* Room for max_seqs sequences of max_tokens in every layer of a model of up to 8 layers. */
+#define RIG_BLOCKS(max_tokens, max_seqs) ((int64_t)(((max_tokens) + 15) / 16 + 1) * 8 * (max_seqs))
+/* Reserves and runs ids[0..n) of seq at positions pos0.. in one step; logits of the last token. */
+void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits);
+
 #endif

@@ -44,14 +44,6 @@ void tk_decoder_free(tk_decoder *d) {
     free(d);
 }
 
-static char *dup_n(const char *s, size_t n) {
-    char *d = malloc(n + 1);
-    if (d) {
-        memcpy(d, s, n);
-        d[n] = 0;
-    }
-    return d;
-}
 
 static kvs_status parse_int(json_t *j, const char *key, const char *where, int *out) {
     json_t *v = json_object_get(j, key);
@@ -101,7 +93,7 @@ static kvs_status parse_fields(json_t *j, const char *type, const char *where, t
             else if (!strcmp(scheme, "never")) d->prepend = TK_PREPEND_NEVER;
             else return kvs_fail(KVS_ERR_FORMAT, "tokenizer.json: %s.prepend_scheme '%s' is unknown", where, scheme);
         }
-        if (!(d->a = dup_n(s, n))) return kvs_fail(KVS_ERR_NOMEM, "tokenizer.json: %s: out of memory", where);
+        if (!(d->a = tk_strndup(s, n))) return kvs_fail(KVS_ERR_NOMEM, "tokenizer.json: %s: out of memory", where);
         d->a_len = n;
     } else if (!strcmp(type, "Strip")) {
         d->type = TK_DEC_STRIP;
@@ -119,8 +111,8 @@ static kvs_status parse_fields(json_t *j, const char *type, const char *where, t
             return kvs_fail(KVS_ERR_UNSUPPORTED, "tokenizer.json: %s.pattern must be a non-empty String pattern", where);
         KVS_TRY(tk_json_string(j, "content", where, true, &s, &n));
         d->a_len = json_string_length(ps);
-        d->a = dup_n(json_string_value(ps), d->a_len);
-        d->b = dup_n(s, n);
+        d->a = tk_strndup(json_string_value(ps), d->a_len);
+        d->b = tk_strndup(s, n);
         d->b_len = n;
         if (!d->a || !d->b) return kvs_fail(KVS_ERR_NOMEM, "tokenizer.json: %s: out of memory", where);
     } else {

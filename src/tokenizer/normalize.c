@@ -18,14 +18,6 @@ void tk_normalizer_free(tk_normalizer *n) {
     free(n);
 }
 
-static char *dup_n(const char *s, size_t n) {
-    char *d = malloc(n + 1);
-    if (d) {
-        memcpy(d, s, n);
-        d[n] = 0;
-    }
-    return d;
-}
 
 /* Replace patterns: {"String": "..."} or {"Regex": "..."}. Shared with pretokenize.c
  * through the same shape, so kept here as a small local helper. */
@@ -37,7 +29,7 @@ static kvs_status parse_pattern(json_t *j, const char *where, char **lit, size_t
     json_t *s = json_object_get(p, "String"), *r = json_object_get(p, "Regex");
     if (json_is_string(s)) {
         *lit_len = json_string_length(s);
-        *lit = dup_n(json_string_value(s), *lit_len);
+        *lit = tk_strndup(json_string_value(s), *lit_len);
         if (!*lit) return kvs_fail(KVS_ERR_NOMEM, "tokenizer.json: %s: out of memory", where);
         return KVS_OK;
     }
@@ -76,13 +68,13 @@ kvs_status tk_normalizer_parse(json_t *j, const char *where, tk_normalizer **out
         n->type = TK_NORM_PREPEND;
         const char *s;
         st = tk_json_string(j, "prepend", where, true, &s, &n->a_len);
-        if (st == KVS_OK) n->a = dup_n(s, n->a_len);
+        if (st == KVS_OK) n->a = tk_strndup(s, n->a_len);
     } else if (!strcmp(type, "Replace")) {
         n->type = TK_NORM_REPLACE;
         const char *s;
         st = parse_pattern(j, where, &n->a, &n->a_len, &n->re);
         if (st == KVS_OK) st = tk_json_string(j, "content", where, true, &s, &n->b_len);
-        if (st == KVS_OK) n->b = dup_n(s, n->b_len);
+        if (st == KVS_OK) n->b = tk_strndup(s, n->b_len);
         if (st == KVS_OK && !n->re && n->a_len == 0)
             st = kvs_fail(KVS_ERR_FORMAT, "tokenizer.json: %s.pattern.String is empty", where);
     } else if (!strcmp(type, "NFC")) {

@@ -5,6 +5,15 @@
 #include "tokenizer/tokenizer_internal.h"
 
 /* ---- buffers ---------------------------------------------------------------------- */
+char *tk_strndup(const char *s, size_t n) {
+    char *d = malloc(n + 1);
+    if (d) {
+        memcpy(d, s, n);
+        d[n] = 0;
+    }
+    return d;
+}
+
 bool tk_buf_reserve(tk_buf *b, size_t extra) {
     if (b->len + extra + 1 <= b->cap) return true;
     size_t cap = b->cap ? b->cap : 64;

@@ -18,6 +18,8 @@ typedef struct {
     char *data;
     size_t len, cap;
 } tk_buf;
+/* A NUL-terminated copy of s[0..n) (malloc'ed; NULL when out of memory). */
+char *tk_strndup(const char *s, size_t n);
 bool tk_buf_reserve(tk_buf *b, size_t extra);
 bool tk_buf_append(tk_buf *b, const void *p, size_t n);
 void tk_buf_free(tk_buf *b);
