@@ -50,6 +50,8 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
     }
     free(kv->win_q);
     free(kv->win_lse);
+    for (int i = 0; i < KVS_KV_SCRATCH_SLOTS; i++)
+        if (kv->scratch[i]) kv->be->free(kv->be, kv->scratch[i]);
     free(kv->free_blocks);
     free(kv->seqs);
     free(kv);
@@ -179,21 +181,26 @@ kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t
     if (n_keep > 0) {
         kvs_backend *be = kv->be;
         size_t keep_bytes = sizeof(int32_t) * (size_t)H * n_keep, tab_bytes = sizeof(int32_t) * t->n_blocks;
-        int32_t *d_keep = be->alloc(be, keep_bytes), *d_tab = be->alloc(be, tab_bytes);
-        if (!d_keep || !d_tab) {
-            be->free(be, d_keep);
-            be->free(be, d_tab);
-            return kvs_fail(KVS_ERR_NOMEM, "kv compact: out of backend memory");
-        }
+        int32_t *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, keep_bytes);
+        int32_t *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
+        if (!d_keep || !d_tab) return kvs_fail(KVS_ERR_NOMEM, "kv compact: out of backend memory");
         be->to_device(be, d_keep, keep, keep_bytes);
         be->to_device(be, d_tab, t->blocks, tab_bytes);
         be->kv_gather(be, &kv->pool, d_tab, t->n_blocks, d_keep, n_keep);
-        be->free(be, d_keep);
-        be->free(be, d_tab);
     }
     t->len = n_keep;
     kvs_kv_release_tail(kv, t, kvs_kv_blocks_for(kv, n_keep));
     return KVS_OK;
+}
+
+void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes) {
+    if (bytes > kv->scratch_cap[slot]) {
+        size_t cap = bytes > 2 * kv->scratch_cap[slot] ? bytes : 2 * kv->scratch_cap[slot];
+        if (kv->scratch[slot]) kv->be->free(kv->be, kv->scratch[slot]);
+        kv->scratch[slot] = kv->be->alloc(kv->be, cap);
+        kv->scratch_cap[slot] = kv->scratch[slot] ? cap : 0;
+    }
+    return kv->scratch[slot];
 }
 
 int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv) { return kv->n_free; }

@@ -4,6 +4,8 @@
 
 #include "kv/kv.h"
 
+enum { KVS_KV_SCRATCH_TABLE, KVS_KV_SCRATCH_SCORES, KVS_KV_SCRATCH_KEEP, KVS_KV_SCRATCH_SLOTS };
+
 typedef struct {
     int32_t *blocks; /* physical block ids */
     int n_blocks, cap;
@@ -34,6 +36,11 @@ struct kvs_kv_cache {
     int window_cap;
     void **win_q;
     float **win_lse;
+    /* backend scratch for scoring and compaction (block tables, scores, keep
+       lists), kept between calls: a device allocation per layer and sequence
+       would cost more than the work (and cudaFree synchronises the device) */
+    void *scratch[KVS_KV_SCRATCH_SLOTS];
+    size_t scratch_cap[KVS_KV_SCRATCH_SLOTS];
 };
 
 
@@ -41,5 +48,7 @@ seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id);
 int kvs_kv_blocks_for(const kvs_kv_cache *kv, int entries);
 void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks);
 void kvs_kv_free_sparsity(kvs_kv_cache *kv, seq_state *s);
+/* Backend scratch buffer `slot` of at least bytes (grown on demand); NULL when out of memory. */
+void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes);
 
 #endif

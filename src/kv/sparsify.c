@@ -78,8 +78,9 @@ static kvs_status select_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int bud
     int n = s->layers[layer].len, w = s->policy.window, n_keys = n - w, H = kv->cfg.n_kv_heads;
     int k = budget - w, d = kv->cfg.head_dim, nh = kv->cfg.n_heads;
     size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks, sc_bytes = sizeof(float) * (size_t)H * n_keys;
-    int32_t *d_tab = be->alloc(be, tab_bytes);
-    float *d_scores = be->alloc(be, sc_bytes), *scores = malloc(sc_bytes), *pooled = malloc(sizeof(float) * n_keys);
+    int32_t *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
+    float *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sc_bytes);
+    float *scores = malloc(sc_bytes), *pooled = malloc(sizeof(float) * n_keys);
     kvs_status st = d_tab && d_scores && scores && pooled ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory");
     if (st == KVS_OK) {
         size_t row = (size_t)seq_id * kv->window_cap;
@@ -94,8 +95,6 @@ static kvs_status select_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int bud
             for (int i = 0; i < w; i++) keep[(size_t)h * budget + k + i] = n_keys + i;
         }
     }
-    if (d_tab) be->free(be, d_tab);
-    if (d_scores) be->free(be, d_scores);
     free(scores);
     free(pooled);
     return st;
