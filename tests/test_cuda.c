@@ -633,11 +633,8 @@ Test(cuda, e2e_tiny_needle_llama_snapkv, .timeout = 600) {
 static void e2e_arch(const char *arch) {
     duo d;
     OPEN_OR_SKIP(&d);
-    char dir[256], ref_path[256];
-    snprintf(dir, sizeof dir, "fixtures/arch/%s", arch);
-    snprintf(ref_path, sizeof ref_path, "fixtures/arch/%s/reference.json", arch);
-    json_t *ref = load_json(shared_path(ref_path));
-    cr_assert(ref, "cannot read %s", shared_path(ref_path));
+    char dir[1024];
+    json_t *ref = arch_reference(arch, dir, sizeof dir);
     size_t i;
     json_t *c;
     json_array_foreach(json_object_get(ref, "cases"), i, c) {
@@ -645,7 +642,7 @@ static void e2e_arch(const char *arch) {
         int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
         char name[128];
         snprintf(name, sizeof name, "%s %s", arch, json_string_value(json_object_get(c, "name")));
-        compare_models(&d, shared_path(dir), name, ids, n, 300, 16, 0.25, 0.03, NULL);
+        compare_models(&d, dir, name, ids, n, 300, 16, 0.25, 0.03, NULL);
         free(ids);
     }
     json_decref(ref);

@@ -63,13 +63,10 @@ Test(forward, tiny_needle_llama_matches_hf) {
 }
 
 static void check_arch(const char *name) {
-    char dir[512], ref_path[512];
-    snprintf(dir, sizeof dir, "fixtures/arch/%s", name);
-    snprintf(ref_path, sizeof ref_path, "fixtures/arch/%s/reference.json", name);
-    json_t *ref = load_json(shared_path(ref_path));
-    cr_assert(ref, "cannot read %s", ref_path);
+    char dir[1024];
+    json_t *ref = arch_reference(name, dir, sizeof dir);
     rig r;
-    rig_open(&r, shared_path(dir), NULL, RIG_BLOCKS(2048 + 16, 1), 1);
+    rig_open(&r, dir, NULL, RIG_BLOCKS(2048 + 16, 1), 1);
     int V = r.cfg.vocab_size;
     float *logits = malloc(sizeof(float) * V);
     size_t i;

@@ -174,14 +174,11 @@ Test(tp, tiny_needle_llama_tp2_matches_single_rank, .timeout = 900) {
 
 /* ---- the architecture fixtures: llama3 rope scaling, qwen2 bias + tied, mistral ---- */
 static void check_arch(const char *name) {
-    char dir[512], ref_path[512];
-    snprintf(dir, sizeof dir, "fixtures/arch/%s", name);
-    snprintf(ref_path, sizeof ref_path, "fixtures/arch/%s/reference.json", name);
-    json_t *ref = load_json(shared_path(ref_path));
-    cr_assert(ref, "cannot read %s", ref_path);
+    char dir[1024];
+    json_t *ref = arch_reference(name, dir, sizeof dir);
     tp_rig one, two;
-    tp_rig_open(&one, shared_path(dir), 0, 2048 + 64, 1);
-    tp_rig_open(&two, shared_path(dir), 2, 2048 + 64, 2);
+    tp_rig_open(&one, dir, 0, 2048 + 64, 1);
+    tp_rig_open(&two, dir, 2, 2048 + 64, 2);
     cr_assert_eq(two.cfg.n_kv_heads, 2);
     int V = one.cfg.vocab_size;
     float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);

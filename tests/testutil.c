@@ -49,6 +49,16 @@ json_t *load_json(const char *path) {
     return json_load_file(path, 0, &err);
 }
 
+json_t *arch_reference(const char *name, char *dir, size_t cap) {
+    char rel[512];
+    snprintf(rel, sizeof rel, "fixtures/arch/%s", name);
+    snprintf(dir, cap, "%s", shared_path(rel));
+    snprintf(rel, sizeof rel, "fixtures/arch/%s/reference.json", name);
+    json_t *ref = load_json(shared_path(rel));
+    cr_assert(ref, "cannot read %s", shared_path(rel));
+    return ref;
+}
+
 static int b64_value(int c) {
     if (c >= 'A' && c <= 'Z') return c - 'A';
     if (c >= 'a' && c <= 'z') return c - 'a' + 26;
