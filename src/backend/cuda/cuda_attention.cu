@@ -375,8 +375,11 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
  * (m-tile mt: rows g and g + 8 of it see keys up to lim_base + 16 mt and + 8), so each K/V
  * fragment read from shared memory feeds MT mma's; its Q fragments are re-read
  * from shared memory (q_w: the warp's first row) at each tile, which costs less
- * shared-memory bandwidth than the K/V fragments it saves. */
-template <int D, int NK, bool MASK, int MT>
+ * shared-memory bandwidth than the K/V fragments it saves.
+ * FAST (needs scale > 0): the row max is taken over the raw scores and each
+ * probability costs one FFMA + ex2 (exp2(s * scale_log2 - m)); the O rescale is
+ * skipped when no row max of the warp's m-tile changed (alpha == 1 everywhere). */
+template <int D, int NK, bool MASK, int MT, bool FAST>
 __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w, uint32_t v_w, int key_base,
                                                       int lim_base, float scale_log2,
                                                       float (&o)[MT][D / 8][4], float (&m)[MT][2],
@@ -417,7 +420,7 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
         for (int j = 0; j < NK / 8; j++) {
 #pragma unroll
             for (int c = 0; c < 4; c++) {
-                float x = s[mt][j][c] * scale_log2;
+                float x = FAST ? s[mt][j][c] : s[mt][j][c] * scale_log2;
                 if (MASK) {
                     int e = col + 8 * j + (c & 1);
                     if (e > lim_base + 16 * mt + 8 * (c >> 1)) x = -INFINITY;
@@ -431,15 +434,23 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        if (FAST) mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
         const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
         const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
         const float alpha0 = kvs_exp2(m[mt][0] - mu0), alpha1 = kvs_exp2(m[mt][1] - mu1);
+        const bool grew = mn0 != m[mt][0] || mn1 != m[mt][1];
         m[mt][0] = mn0, m[mt][1] = mn1;
         float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
         for (int j = 0; j < NK / 8; j++) {
-            float p0 = kvs_exp2(s[mt][j][0] - mu0), p1 = kvs_exp2(s[mt][j][1] - mu0);
-            float p2 = kvs_exp2(s[mt][j][2] - mu1), p3 = kvs_exp2(s[mt][j][3] - mu1);
+            float p0, p1, p2, p3;
+            if (FAST) {
+                p0 = kvs_exp2(fmaf(s[mt][j][0], scale_log2, -mu0)), p1 = kvs_exp2(fmaf(s[mt][j][1], scale_log2, -mu0));
+                p2 = kvs_exp2(fmaf(s[mt][j][2], scale_log2, -mu1)), p3 = kvs_exp2(fmaf(s[mt][j][3], scale_log2, -mu1));
+            } else {
+                p0 = kvs_exp2(s[mt][j][0] - mu0), p1 = kvs_exp2(s[mt][j][1] - mu0);
+                p2 = kvs_exp2(s[mt][j][2] - mu1), p3 = kvs_exp2(s[mt][j][3] - mu1);
+            }
             sum0 += p0 + p1;
             sum1 += p2 + p3;
             pa[mt][j / 2][(j & 1) * 2] = kvs_pack_bf16(p0, p1);
@@ -447,10 +458,12 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
         }
         l[mt][0] = l[mt][0] * alpha0 + sum0;
         l[mt][1] = l[mt][1] * alpha1 + sum1;
+        if (!FAST || __any_sync(0xffffffffu, grew)) {
 #pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            o[mt][n][0] *= alpha0, o[mt][n][1] *= alpha0;
-            o[mt][n][2] *= alpha1, o[mt][n][3] *= alpha1;
+            for (int n = 0; n < D / 8; n++) {
+                o[mt][n][0] *= alpha0, o[mt][n][1] *= alpha0;
+                o[mt][n][2] *= alpha1, o[mt][n][3] *= alpha1;
+            }
         }
     }
 
@@ -579,7 +592,7 @@ struct kvs_fa2mt_smem {
                             bytes = kv + (size_t)STAGES * 2 * kvs_rows<D>::TILE_BYTES;
 };
 
-template <int D, int WARPS, int MT>
+template <int D, int WARPS, int MT, bool FAST>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     kvs_attn_fa2mt_kernel(kvs_attn_args a, bf16 *out, float *lse) {
     using L = kvs_fa2mt_smem<D, WARPS, MT>;
@@ -630,9 +643,11 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
         const uint32_t k_w = kv_s + (i % L::STAGES) * 2 * TB, v_w = k_w + TB;
         const int key0 = i * KVS_ATTN_TILE;
         if (key0 + KVS_ATTN_TILE - 1 <= full_limit)
-            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, false, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l, lane);
+            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, false, MT, FAST>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l,
+                                                                     lane);
         else
-            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, true, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l, lane);
+            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, true, MT, FAST>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l,
+                                                                    lane);
     }
 
     const int cq = 2 * (lane & 3);
@@ -685,8 +700,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
     const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
     const size_t base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
-    if (k0 >= k1) { /* an empty split (a shorter sequence of the batch) */
-        for (int i = threadIdx.x; i < group * D; i += THREADS) part_o[base * D + i] = 0.f;
+    if (k0 >= k1) { /* an empty split (a shorter sequence of the batch); the combine skips it */
         for (int i = threadIdx.x; i < group; i += THREADS) {
             part_ml[(base + i) * 2] = -INFINITY;
             part_ml[(base + i) * 2 + 1] = 0.f;
@@ -785,16 +799,191 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     }
 }
 
+/* ---- decode with per-warp pipelines (no block barrier in the key loop) ---------
+ * A block still owns one token, one KV group and one split, but each of its
+ * warps streams its own 16-key sub-tiles (sub-tiles w, w + 4, w + 8, ... of the
+ * split) through its own STAGES-deep cp.async ring, waiting only for its own
+ * copies (wait_group + __syncwarp): a slow copy stalls one warp, not the block.
+ * A sub-tile is 16 keys of one paged block (block_size % 16 == 0, split starts on
+ * multiples of 64), so it costs one block-table entry; the entries of 32
+ * sub-tiles at a time sit in the warp's lanes (one load, then __shfl_sync), off
+ * the copy path. With one split (gridDim.z == 1) the block writes the final
+ * output and LSE itself and no combine runs. */
+template <int D, int STAGES>
+struct kvs_decw_smem {
+    static constexpr int SUB = 16 * kvs_rows<D>::BYTES; /* one 16-key K (or V) sub-tile */
+    static constexpr size_t q = 0, kv = 16 * (size_t)kvs_rows<D>::BYTES,
+                            bytes = kv + (size_t)KVS_DEC_WARPS * STAGES * 2 * SUB;
+    static_assert(KVS_DEC_WARPS * 16 * (D + 2) * 4 <= (size_t)KVS_DEC_WARPS * STAGES * 2 * SUB, "merge area");
+};
+
+template <int D, int STAGES>
+__global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
+    kvs_attn_decode_warp_kernel(kvs_attn_args a, float *part_o, float *part_ml, int split_len, bf16 *out, float *lse) {
+    using L = kvs_decw_smem<D, STAGES>;
+    constexpr int THREADS = KVS_DEC_WARPS * 32, RB = kvs_rows<D>::BYTES, SUB = L::SUB, CH = D / 8;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = a.n_heads / a.n_kv_heads;
+    const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, h0 = g * group;
+    const int seq = kvs_attn_seq_of(a.q_start, a.n_seqs, t);
+    const int q_len = a.q_start[seq + 1] - a.q_start[seq];
+    const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
+    const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
+    const size_t base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
+    if (k0 >= k1) { /* past this sequence's keys (a shorter sequence, or graph mode's capacity) */
+        if (gridDim.z == 1) { /* no keys at all (kv_len 0: a padding slot): zeros, lse -inf */
+            for (int i = threadIdx.x; i < group * D; i += THREADS) out[((size_t)t * a.n_heads + h0) * D + i] = 0.f;
+            for (int i = threadIdx.x; lse && i < group; i += THREADS) lse[(size_t)t * a.n_heads + h0 + i] = -INFINITY;
+            return;
+        }
+        for (int i = threadIdx.x; i < group; i += THREADS) {
+            part_ml[(base + i) * 2] = -INFINITY; /* the combine skips this split (part_o unread) */
+            part_ml[(base + i) * 2 + 1] = 0.f;
+        }
+        return;
+    }
+    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
+    const int n_sub = (k1 - k0 + 15) / 16;
+    const int n_mine = n_sub > warp ? (n_sub - warp + KVS_DEC_WARPS - 1) / KVS_DEC_WARPS : 0;
+
+    const uint32_t q_s = kvs_smem_u32(smem) + (uint32_t)L::q;
+    const uint32_t ring = kvs_smem_u32(smem) + (uint32_t)L::kv + warp * STAGES * 2 * SUB;
+    for (int p = threadIdx.x; p < 16 * CH; p += THREADS) {
+        int r = p / CH, c = p % CH;
+        bool ok = r < group;
+        const bf16 *src = ok ? a.q + ((size_t)t * a.n_heads + h0 + r) * D + c * 8 : a.q;
+        kvs_cp_async16(q_s + r * RB + c * 16, src, ok);
+    }
+    kvs_cp_async_commit();
+
+    const size_t v_delta = (size_t)a.n_kv_heads * a.block_size * D;
+    int blk_lanes = 0; /* lane j: block of this warp's sub-tile 32 * chunk + j */
+    /* issues this warp's sub-tile i into stage i % STAGES (warp-uniform i) */
+    auto issue = [&](int i) {
+        if (i >= n_mine) return;
+        if ((i & 31) == 0) {
+            int key = k0 + (warp + KVS_DEC_WARPS * (i + lane)) * 16;
+            blk_lanes = key < k1 ? table[key / a.block_size] : 0;
+        }
+        const int key0 = k0 + (warp + KVS_DEC_WARPS * i) * 16;
+        const int blk = __shfl_sync(0xffffffffu, blk_lanes, i & 31);
+        const bf16 *kb = a.pool + kvs_attn_kv_offset(a, blk, 0, g, key0 % a.block_size, D);
+        const uint32_t st = ring + (i % STAGES) * 2 * SUB;
+#pragma unroll
+        for (int u = 0; u < CH / 2; u++) {
+            int p = lane + 32 * u, r = p / CH, c = p % CH;
+            bool ok = key0 + r < k1;
+            const bf16 *src = ok ? kb + r * D + c * 8 : a.pool;
+            uint32_t off = r * RB + c * 16;
+            kvs_cp_async16(st + off, src, ok);
+            kvs_cp_async16(st + SUB + off, ok ? src + v_delta : a.pool, ok);
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; i++) {
+        issue(i);
+        kvs_cp_async_commit();
+    }
+    kvs_cp_async_wait<STAGES - 1>(); /* this thread's Q pieces */
+    __syncthreads();                 /* everyone's */
+    uint32_t qa[D / 16][4];
+    kvs_attn_load_q_frags<D>(qa, q_s, lane);
+
+    const float scale_log2 = a.scale * KVS_LOG2E;
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    const int lim = k1 - 1;
+    for (int i = 0; i < n_mine; i++) {
+        kvs_cp_async_wait<STAGES - 2>();
+        __syncwarp(); /* sub-tile i landed for every lane; stage (i - 1) % STAGES is no longer read */
+        issue(i + STAGES - 1);
+        kvs_cp_async_commit();
+        const uint32_t k_w = ring + (i % STAGES) * 2 * SUB, v_w = k_w + SUB;
+        const int key_base = k0 + (warp + KVS_DEC_WARPS * i) * 16;
+        if (key_base + 15 <= lim)
+            kvs_attn_warp_tile<D, 16, false>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+        else
+            kvs_attn_warp_tile<D, 16, true>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+
+    /* merge the warps through shared memory (reusing the rings) */
+    kvs_cp_async_wait<0>();
+    __syncthreads();
+    constexpr int OLD = D + 2; /* floats per merge row: o[D], m, l */
+    float *mw = (float *)(smem + L::kv);
+    const int r0 = lane / 4, cq = 2 * (lane & 3);
+    {
+        float *w0 = mw + (warp * 16 + r0) * OLD, *w1 = w0 + 8 * OLD;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            *(float2 *)(w0 + 8 * n + cq) = make_float2(o[n][0], o[n][1]);
+            *(float2 *)(w1 + 8 * n + cq) = make_float2(o[n][2], o[n][3]);
+        }
+        if ((lane & 3) == 0) {
+            w0[D] = m0, w0[D + 1] = l0;
+            w1[D] = m1, w1[D + 1] = l1;
+        }
+    }
+    __syncthreads();
+    const bool direct = gridDim.z == 1; /* the only split: write the result itself */
+    for (int idx = threadIdx.x; idx < group * D; idx += THREADS) {
+        int r = idx / D, d = idx % D;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < KVS_DEC_WARPS; w++) M = fmaxf(M, mw[(w * 16 + r) * OLD + D]);
+        float acc = 0.f, Lsum = 0.f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int w = 0; w < KVS_DEC_WARPS; w++) {
+                const float *row = mw + (w * 16 + r) * OLD;
+                float f = kvs_exp2(row[D] - M);
+                acc += row[d] * f;
+                Lsum += row[D + 1] * f;
+            }
+        }
+        if (direct) { /* M is finite: the split holds key k0 < k1 */
+            size_t orow = (size_t)t * a.n_heads + h0 + r;
+            out[orow * D + d] = __float2bfloat16(acc / Lsum);
+            if (lse && d == 0) lse[orow] = (M + __log2f(Lsum)) * KVS_LN2;
+        } else {
+            part_o[(base + r) * D + d] = acc;
+            if (d == 0) {
+                part_ml[(base + r) * 2] = M == -INFINITY ? -INFINITY : M * KVS_LN2; /* natural-log domain */
+                part_ml[(base + r) * 2 + 1] = Lsum;
+            }
+        }
+    }
+}
+
 /* ---- dispatch ------------------------------------------------------------------ */
 
-/* Prefill kernel variant, a tuning knob for kvs_bench_kernels: 0 (default): 4 warps
- * x 2 m-tiles (128 query rows a block); 1: 8 warps x 2 m-tiles (256 rows);
- * 2: 4 warps x 1 m-tile with Q in registers (64 rows). */
+/* Prefill kernel variant, a tuning knob for kvs_bench_kernels: 0: 4 warps x 2
+ * m-tiles (128 query rows a block); 1: 8 warps x 2 m-tiles (256 rows); 2: 4 warps
+ * x 1 m-tile with Q in registers (64 rows); 3 (default): variant 0 with one FFMA
+ * + ex2 per probability and the O rescale skipped when no row max changed
+ * (falls back to 0 when scale <= 0). Other values act as 3. */
 extern "C" int kvs_cuda_attn_prefill_variant;
-int kvs_cuda_attn_prefill_variant = 0;
-/* Decode: blocks aimed at per SM when choosing the number of splits (knob). */
+int kvs_cuda_attn_prefill_variant = 3;
+/* Decode: blocks aimed at per SM when choosing the number of splits (knob; the
+ * split policy of decode variants 0 and 1). */
 extern "C" int kvs_cuda_attn_decode_blocks_per_sm;
 int kvs_cuda_attn_decode_blocks_per_sm = 8;
+/* Decode kernel variant (head_dim 32/64/128, group <= 16), a knob for
+ * kvs_bench_kernels: 0: kvs_attn_decode_kernel (block-wide 3-stage pipeline of
+ * 64-key tiles), splits from blocks_per_sm; 1: kvs_attn_decode_warp_kernel (per-warp
+ * 3-stage rings of 16-key sub-tiles), same splits; 2 (default): variant 1 with
+ * wave-aware splits (kvs_attn_split_waves; one split writes the output directly,
+ * no combine); 3: variant 2 with 6-stage rings (one block per SM). Pools whose
+ * block_size is not a multiple of 16 use variant 0. Other values act as 2. */
+extern "C" int kvs_cuda_attn_decode_variant;
+int kvs_cuda_attn_decode_variant = 2;
 
 template <int D, int WARPS>
 static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
@@ -807,23 +996,26 @@ static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float 
     KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2_kernel");
 }
 
-template <int D, int WARPS, int MT>
+template <int D, int WARPS, int MT, bool FAST>
 static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     using L = kvs_fa2mt_smem<D, WARPS, MT>;
     int tiles = (max_q_len + L::M - 1) / L::M;
-    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_fa2mt_kernel<D, WARPS, MT>,
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
     dim3 grid((unsigned)a.n_heads, (unsigned)tiles, (unsigned)a.n_seqs);
-    kvs_attn_fa2mt_kernel<D, WARPS, MT><<<grid, WARPS * 32, L::bytes, kvs_cuda_of(b)->stream>>>(a, out, lse);
+    kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST><<<grid, WARPS * 32, L::bytes, kvs_cuda_of(b)->stream>>>(a, out, lse);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2mt_kernel");
 }
 
 template <int D>
 static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    switch (kvs_cuda_attn_prefill_variant) {
-    case 1: launch_fa2mt<D, 8, 2>(b, a, out, lse, max_q_len); break;
+    int v = kvs_cuda_attn_prefill_variant;
+    if (v == 3 && !(a.scale > 0.f)) v = 0; /* FAST takes the max over unscaled scores */
+    switch (v) {
+    case 0: launch_fa2mt<D, 4, 2, false>(b, a, out, lse, max_q_len); break;
+    case 1: launch_fa2mt<D, 8, 2, false>(b, a, out, lse, max_q_len); break;
     case 2: launch_fa2<D, 4>(b, a, out, lse, max_q_len); break;
-    default: launch_fa2mt<D, 4, 2>(b, a, out, lse, max_q_len); break;
+    default: launch_fa2mt<D, 4, 2, true>(b, a, out, lse, max_q_len); break;
     }
 }
 
@@ -842,11 +1034,94 @@ static int kvs_attn_split_len(const kvs_cuda *c, const kvs_attn_args &a, int max
     return split_len;
 }
 
+/* Wave-aware split count: resident blocks fill `slots` places, so a launch of B
+ * blocks takes ceil(B / slots) waves, each as long as one split (its tiles plus
+ * about two tiles of fill, drain and combine). Picks the count with the least
+ * predicted time (the smallest on ties); splits are whole 64-key tiles. */
+static int kvs_attn_split_waves(const kvs_attn_args &a, int max_kv_len, long slots, int *n_splits_out) {
+    long base_blocks = (long)a.n_tokens * a.n_kv_heads;
+    int max_tiles = (max_kv_len + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
+    if (max_tiles < 1) max_tiles = 1;
+    if (slots < 1) slots = 1;
+    int best = 1;
+    double best_cost = 0;
+    for (int s = 1; s <= max_tiles; s++) {
+        int per = (max_tiles + s - 1) / s;
+        if (s > 1 && (max_tiles + per - 1) / per < s) continue; /* same split length as a smaller s */
+        double waves = (double)((base_blocks * s + slots - 1) / slots);
+        double cost = waves * (per + 2.0);
+        if (s == 1 || cost < best_cost) best = s, best_cost = cost;
+    }
+    int split_len = (max_tiles + best - 1) / best * KVS_ATTN_TILE;
+    int n_splits = (max_kv_len + split_len - 1) / split_len;
+    *n_splits_out = n_splits < 1 ? 1 : n_splits;
+    return split_len;
+}
+
+/* Resident blocks per SM of a kernel (cached; a host query, no stream work). */
+template <typename K>
+static int kvs_attn_blocks_per_sm(K kernel, int threads, size_t smem, int *cache) {
+    if (*cache <= 0) {
+        int n = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n < 1) {
+            cudaGetLastError();
+            n = 1;
+        }
+        *cache = n;
+    }
+    return *cache;
+}
+
+/* The per-warp decode kernel with its split policy; false when it does not apply. */
+template <int D, int STAGES>
+static bool launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len,
+                               bool waves) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    if (a.block_size % 16 != 0) return false;
+    using L = kvs_decw_smem<D, STAGES>;
+    auto kernel = kvs_attn_decode_warp_kernel<D, STAGES>;
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
+    static int per_sm = 0;
+    int n_splits, split_len;
+    if (waves)
+        split_len = kvs_attn_split_waves(
+            a, max_kv_len, (long)kvs_attn_blocks_per_sm(kernel, KVS_DEC_WARPS * 32, L::bytes, &per_sm) * c->n_sms,
+            &n_splits);
+    else
+        split_len = kvs_attn_split_len(c, a, max_kv_len, &n_splits);
+    size_t rows = (size_t)a.n_tokens * a.n_heads;
+    float *part_o = NULL, *part_ml = NULL;
+    if (n_splits > 1) {
+        size_t o_bytes = (size_t)n_splits * rows * D * sizeof(float), ml_bytes = (size_t)n_splits * rows * 2 * sizeof(float);
+        char *scratch = (char *)kvs_cuda_scratch(b, o_bytes + ml_bytes);
+        if (!scratch) return true;
+        part_o = (float *)scratch, part_ml = (float *)(scratch + o_bytes);
+    }
+    dim3 grid((unsigned)a.n_tokens, (unsigned)a.n_kv_heads, (unsigned)n_splits);
+    kernel<<<grid, KVS_DEC_WARPS * 32, L::bytes, c->stream>>>(a, part_o, part_ml, split_len, out, lse);
+    KVS_CUDA_LAUNCHED(b, "kvs_attn_decode_warp_kernel");
+    if (n_splits > 1) {
+        kvs_attn_combine_kernel<<<(unsigned)rows, D < 128 ? D : 128, 0, c->stream>>>(out, lse, part_o, part_ml,
+                                                                                      n_splits, (int)rows, D);
+        KVS_CUDA_LAUNCHED(b, "kvs_attn_combine_kernel");
+    }
+    return true;
+}
+
 template <int D>
 static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len) {
     kvs_cuda *c = kvs_cuda_of(b);
     int group = a.n_heads / a.n_kv_heads;
     bool tensor_cores = (D == 32 || D == 64 || D == 128) && group <= 16;
+    if (tensor_cores) {
+        constexpr int DT = D == 32 || D == 64 ? D : 128; /* only instantiated for 32/64/128 */
+        switch (kvs_cuda_attn_decode_variant) {
+        case 0: break;
+        case 1: if (launch_decode_warp<DT, 3>(b, a, out, lse, max_kv_len, false)) return; break;
+        case 3: if (launch_decode_warp<DT, 6>(b, a, out, lse, max_kv_len, true)) return; break;
+        default: if (launch_decode_warp<DT, 3>(b, a, out, lse, max_kv_len, true)) return; break;
+        }
+    }
     int n_splits, split_len = kvs_attn_split_len(c, a, max_kv_len, &n_splits);
     size_t rows = (size_t)a.n_tokens * a.n_heads;
     size_t o_bytes = (size_t)n_splits * rows * D * sizeof(float), ml_bytes = (size_t)n_splits * rows * 2 * sizeof(float);
