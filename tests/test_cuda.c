@@ -297,8 +297,12 @@ static void check_pools_equal(duo *d, paged *p, const char *what) {
     free(got);
 }
 
-/* One attention call over sequences (kv_len[s], q_len[s]) on both backends. */
-static void attention_case(int n_heads, int n_kv, int D, int n_seqs, const int *kv_len, const int *q_len) {
+/* One attention call over sequences (kv_len[s], q_len[s]) on both backends.
+ * capacity > 1 emulates CUDA-graph mode: the block-table stride and max_kv_len
+ * are capacity x what the sequences need (the extra table entries are block 0),
+ * so most decode splits start past kv_len[s] and must contribute nothing. */
+static void attention_case_cap(int n_heads, int n_kv, int D, int n_seqs, const int *kv_len, const int *q_len,
+                               int capacity) {
     duo d;
     OPEN_OR_SKIP(&d);
     paged p;
@@ -311,6 +315,15 @@ static void attention_case(int n_heads, int n_kv, int D, int n_seqs, const int *
         qs[s + 1] = qs[s] + q_len[s];
         if (q_len[s] > max_q) max_q = q_len[s];
         if (kv_len[s] > max_kv) max_kv = kv_len[s];
+    }
+    if (capacity > 1) { /* restride the tables; max_kv_len = capacity x the longest */
+        int stride = p.max_blocks * capacity;
+        int32_t *wide = calloc((size_t)n_seqs * stride, sizeof(int32_t));
+        for (int s = 0; s < n_seqs; s++)
+            memcpy(wide + (size_t)s * stride, p.tables + (size_t)s * p.max_blocks, sizeof(int32_t) * p.max_blocks);
+        free(p.tables);
+        p.tables = wide, p.max_blocks = stride;
+        max_kv *= capacity;
     }
     int n = qs[n_seqs];
     size_t qn = (size_t)n * n_heads * D;
@@ -346,6 +359,10 @@ static void attention_case(int n_heads, int n_kv, int D, int n_seqs, const int *
     duo_close(&d);
 }
 
+static void attention_case(int n_heads, int n_kv, int D, int n_seqs, const int *kv_len, const int *q_len) {
+    attention_case_cap(n_heads, n_kv, D, n_seqs, kv_len, q_len, 1);
+}
+
 /* prefill chunks (starting fresh or after cached entries) mixed with decode tokens */
 static const int mix_kv[] = {1, 17, 100, 300, 33, 64, 130, 700, 16, 255};
 static const int mix_q[] = {1, 17, 37, 1, 1, 64, 65, 200, 16, 128};
@@ -367,14 +384,18 @@ Test(cuda, attention_prefill_long_d128) {
 extern int kvs_cuda_attn_prefill_variant;
 Test(cuda, attention_prefill_variants) {
     const int kv[] = {1500, 333}, q[] = {1500, 333};
-    for (int v = 1; v <= 2; v++) {
+    const int def = kvs_cuda_attn_prefill_variant; /* the other tests cover the default */
+    for (int v = 0; v <= 3; v++) {
+        if (v == def) continue;
         kvs_cuda_attn_prefill_variant = v;
         cr_log_info("prefill variant %d", v);
         attention_case(32, 8, 128, 2, kv, q);
         attention_case(32, 8, 128, MIX_N, mix_kv, mix_q);
         attention_case(16, 4, 64, MIX_N, mix_kv, mix_q);
+        attention_case(32, 4, 128, MIX_N, mix_kv, mix_q);
+        attention_case(4, 2, 32, MIX_N, mix_kv, mix_q);
     }
-    kvs_cuda_attn_prefill_variant = 0;
+    kvs_cuda_attn_prefill_variant = def;
 }
 #endif
 
@@ -389,6 +410,43 @@ Test(cuda, attention_decode_single_long) {
     const int kv[] = {20000}, q[] = {1};
     attention_case(32, 8, 128, 1, kv, q);
 }
+
+/* CUDA-graph mode: max_kv_len and the table stride 8 x what the sequences need */
+Test(cuda, attention_decode_graph_capacity) {
+    const int kv[] = {4096, 4000}, q[] = {1, 1};
+    attention_case_cap(32, 8, 128, 10, dec_kv, dec_q, 8);
+    attention_case_cap(32, 4, 128, 10, dec_kv, dec_q, 8);
+    attention_case_cap(8, 8, 64, 10, dec_kv, dec_q, 8);
+    attention_case_cap(4, 2, 32, 10, dec_kv, dec_q, 8);
+    attention_case_cap(32, 8, 128, 2, kv, q, 8);
+    attention_case_cap(32, 8, 128, MIX_N, mix_kv, mix_q, 8); /* prefill chunks too */
+}
+
+#ifdef KVS_HAVE_CUDA
+/* the decode kernel variants of cuda_attention.cu, each on every decode case,
+ * plain and in graph mode (capacity 8) */
+extern int kvs_cuda_attn_decode_variant;
+Test(cuda, attention_decode_variants) {
+    const int def = kvs_cuda_attn_decode_variant;
+    const int kv_long[] = {20000}, q_long[] = {1};
+    const int kv_batch[] = {4096, 4095, 4097, 3000, 1, 64, 65, 2049}, q_batch[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    for (int v = 0; v <= 3; v++) {
+        kvs_cuda_attn_decode_variant = v;
+        cr_log_info("decode variant %d", v);
+        attention_case(32, 4, 128, 10, dec_kv, dec_q);
+        attention_case(32, 8, 128, 10, dec_kv, dec_q);
+        attention_case(8, 8, 64, 10, dec_kv, dec_q);
+        attention_case(16, 4, 64, 10, dec_kv, dec_q);
+        attention_case(4, 2, 32, 10, dec_kv, dec_q);
+        attention_case(32, 8, 128, 1, kv_long, q_long);
+        attention_case(32, 8, 128, 8, kv_batch, q_batch);
+        attention_case_cap(32, 8, 128, 10, dec_kv, dec_q, 8);
+        attention_case_cap(8, 8, 64, 10, dec_kv, dec_q, 8);
+        attention_case_cap(32, 8, 128, 8, kv_batch, q_batch, 8);
+    }
+    kvs_cuda_attn_decode_variant = def;
+}
+#endif
 
 static void scores_case(int n_heads, int n_kv, int D, int n_keys, int n_win) {
     duo d;
