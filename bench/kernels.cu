@@ -3,10 +3,11 @@
  *   - device-to-device copy bandwidth (bytes read + written per second)
  *   - cuBLASLt bf16 GEMM 8192^3 (TFLOP/s)
  *   - paged decode attention, batch 64 x 4096 context, Llama-3-8B shape
- *     (32 query heads, 8 KV heads, head_dim 128): KV bytes read per second
- *     (split targets of 8 and 16 blocks per SM)
- *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s (three block
- *     shapes; bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
+ *     (32 query heads, 8 KV heads, head_dim 128): KV bytes read per second, one
+ *     line per decode variant (and variant 0 with a split target of 16 blocks
+ *     per SM), plus the default in graph mode (max_kv_len and table stride 8x)
+ *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s, one line per
+ *     prefill variant (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
  *   - SnapKV cost for one layer of a 4000-token Llama-3-8B prompt: sparsity_scores
  *     (32 window queries x 4000 keys x 8 KV heads), the host selection (pool +
  *     top-k), kv_gather compaction (keep 2000), against the prefill of that layer
@@ -23,8 +24,9 @@ extern "C" {
 }
 
 /* tuning knobs of cuda_attention.cu */
-extern "C" int kvs_cuda_attn_prefill_variant;      /* 0: 4 warps x 32 rows, 1: 8 x 32, 2: 4 x 16 */
-extern "C" int kvs_cuda_attn_decode_blocks_per_sm; /* split target, default 8 */
+extern "C" int kvs_cuda_attn_prefill_variant;      /* 0: 4 warps x 32 rows, 1: 8 x 32, 2: 4 x 16, 3: 0 + FFMA/skip */
+extern "C" int kvs_cuda_attn_decode_blocks_per_sm; /* split target of decode variants 0/1, default 8 */
+extern "C" int kvs_cuda_attn_decode_variant;       /* 0: block pipeline, 1-3: per-warp rings (see cuda_attention.cu) */
 
 __global__ void kvs_bench_fill_kernel(bf16 *x, size_t n, uint32_t seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -141,38 +143,50 @@ int main(int argc, char **argv) {
     b->free(b, gc.in), b->free(b, gc.w), b->free(b, gc.out);
     printf("gemm: bf16 8192^3 %.1f TFLOP/s (%.3f ms)\n", gemm_tf, t_gemm * 1e3);
 
-    /* decode attention: 64 x 4096 (split targets 8 and 16 blocks per SM) */
+    /* decode attention: 64 x 4096, every variant; then the default in graph mode */
     attn_ctx dc;
-    double kv_bytes = 64.0 * 4096 * 8 * 128 * 2 * 2, dec_bw_v[2], t_dec_v[2];
+    double kv_bytes = 64.0 * 4096 * 8 * 128 * 2 * 2;
+    enum { N_DEC = 6 };
+    const char *dec_name[N_DEC] = {"v0 block pipeline, 8 blocks/SM", "v0 block pipeline, 16 blocks/SM",
+                                   "v1 per-warp rings x3, 8 blocks/SM", "v2 per-warp rings x3, wave splits",
+                                   "v3 per-warp rings x6, wave splits", "default, graph mode (max_kv_len 8x)"};
+    const int dec_variant[N_DEC] = {0, 0, 1, 2, 3, -1}, dec_bps[N_DEC] = {8, 16, 8, 8, 8, 8};
+    const int dec_default = kvs_cuda_attn_decode_variant;
+    double dec_bw_v[N_DEC], t_dec_v[N_DEC];
     if (!attn_setup(b, &dc, 64, 4096, 1, false)) return fprintf(stderr, "out of memory\n"), 1;
-    for (int v = 0; v < 2; v++) {
-        kvs_cuda_attn_decode_blocks_per_sm = v == 0 ? 8 : 16;
-        t_dec_v[v] = time_it(b, 50, run_attn, &dc);
+    for (int v = 0; v < N_DEC; v++) {
+        kvs_cuda_attn_decode_variant = dec_variant[v] < 0 ? dec_default : dec_variant[v];
+        kvs_cuda_attn_decode_blocks_per_sm = dec_bps[v];
+        attn_ctx gc_ = dc;
+        if (dec_variant[v] < 0) gc_.ab.max_kv_len *= 8; /* the table stride stays: only max_kv_len is read */
+        t_dec_v[v] = time_it(b, 50, run_attn, &gc_);
         dec_bw_v[v] = kv_bytes / t_dec_v[v] / 1e9;
-        printf("decode attention: batch 64 x 4096, 32/8 heads, d 128, split target %d blocks/SM: %.3f ms, %.0f GB/s "
-               "of KV read (%.0f%% of copy)\n",
-               kvs_cuda_attn_decode_blocks_per_sm, t_dec_v[v] * 1e3, dec_bw_v[v], 100 * dec_bw_v[v] / copy_bw);
+        printf("decode attention: batch 64 x 4096, 32/8 heads, d 128, %s: %.3f ms, %.0f GB/s of KV read "
+               "(%.0f%% of copy)\n",
+               dec_name[v], t_dec_v[v] * 1e3, dec_bw_v[v], 100 * dec_bw_v[v] / copy_bw);
     }
     kvs_cuda_attn_decode_blocks_per_sm = 8;
+    kvs_cuda_attn_decode_variant = dec_default;
     attn_free(b, &dc);
-    double t_dec = t_dec_v[0], dec_bw = dec_bw_v[0];
 
-    /* prefill attention: 4096 tokens, causal; 4-warp blocks (with and without lse), 8-warp blocks */
+    /* prefill attention: 4096 tokens, causal; every variant (the default also with lse) */
     attn_ctx pc;
-    double pre_tf[4], flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
-    const char *pre_name[4] = {"4 warps x 32 rows", "4 warps x 32 rows + lse", "8 warps x 32 rows",
-                               "4 warps x 16 rows"};
-    const int pre_variant[4] = {0, 0, 1, 2};
-    for (int v = 0; v < 4; v++) {
-        kvs_cuda_attn_prefill_variant = pre_variant[v];
-        if (!attn_setup(b, &pc, 1, 4096, 4096, v == 1)) return fprintf(stderr, "out of memory\n"), 1;
+    enum { N_PRE = 5 };
+    double pre_tf[N_PRE], flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
+    const char *pre_name[N_PRE] = {"v0 4 warps x 32 rows", "v1 8 warps x 32 rows", "v2 4 warps x 16 rows",
+                                   "v3 4 warps x 32 rows, FFMA + rescale skip", "default + lse"};
+    const int pre_default = kvs_cuda_attn_prefill_variant;
+    const int pre_variant[N_PRE] = {0, 1, 2, 3, -1};
+    for (int v = 0; v < N_PRE; v++) {
+        kvs_cuda_attn_prefill_variant = pre_variant[v] < 0 ? pre_default : pre_variant[v];
+        if (!attn_setup(b, &pc, 1, 4096, 4096, pre_variant[v] < 0)) return fprintf(stderr, "out of memory\n"), 1;
         double t_pre = time_it(b, 20, run_attn, &pc);
         pre_tf[v] = flops / t_pre / 1e12;
         attn_free(b, &pc);
         printf("prefill attention: 4096 tokens causal, 32/8 heads, d 128, %s: %.3f ms, %.1f TFLOP/s (%.0f%% of gemm)\n",
                pre_name[v], t_pre * 1e3, pre_tf[v], 100 * pre_tf[v] / gemm_tf);
     }
-    kvs_cuda_attn_prefill_variant = 0;
+    kvs_cuda_attn_prefill_variant = pre_default;
 
     /* SnapKV cost vs the prefill of one layer, 4000-token prompt, Llama-3-8B shape */
     const int P = 4000, W = 32, H = 32, KV = 8, D = 128, KEEP = 2000;
@@ -246,13 +260,14 @@ int main(int argc, char **argv) {
     b->destroy(b);
 
     printf("\n| benchmark | result | same-run baseline | ratio |\n| --- | --- | --- | --- |\n");
-    printf("| decode attention 64 x 4096, 32/8 x 128 | %.0f GB/s KV read (%.3f ms) | D2D copy %.0f GB/s | %.0f%% |\n",
-           dec_bw, t_dec * 1e3, copy_bw, 100 * dec_bw / copy_bw);
-    printf("| decode attention, split target 16 blocks/SM | %.0f GB/s KV read (%.3f ms) | D2D copy %.0f GB/s | %.0f%% |\n",
-           dec_bw_v[1], t_dec_v[1] * 1e3, copy_bw, 100 * dec_bw_v[1] / copy_bw);
-    for (int v = 0; v < 4; v++)
-        printf("| prefill attention 4096 causal, 32/8 x 128, %s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
-               pre_name[v], pre_tf[v], gemm_tf, 100 * pre_tf[v] / gemm_tf);
+    for (int v = 0; v < N_DEC; v++)
+        printf("| decode attention 64 x 4096, 32/8 x 128, %s%s | %.0f GB/s KV read (%.3f ms) | D2D copy %.0f GB/s | %.0f%% |\n",
+               dec_name[v], dec_variant[v] == dec_default && dec_bps[v] == 8 ? " (default)" : "", dec_bw_v[v],
+               t_dec_v[v] * 1e3, copy_bw, 100 * dec_bw_v[v] / copy_bw);
+    for (int v = 0; v < N_PRE; v++)
+        printf("| prefill attention 4096 causal, 32/8 x 128, %s%s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
+               pre_name[v], pre_variant[v] == pre_default ? " (default)" : "", pre_tf[v], gemm_tf,
+               100 * pre_tf[v] / gemm_tf);
     printf("| sparsity_scores, 32 x 4000 x 8/32 heads | %.1f us | layer prefill attention %.1f us | %.2f%% |\n",
            t_scores * 1e6, t_layer_attn * 1e6, 100 * t_scores / t_layer_attn);
     printf("| scores + host select + kv_gather | %.1f us | layer prefill (attention + gemms) %.1f us | %.2f%% |\n",
