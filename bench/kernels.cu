@@ -8,6 +8,8 @@
  *     per SM), plus the default in graph mode (max_kv_len and table stride 8x)
  *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s, one line per
  *     prefill variant (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
+ *   - sampling 256 rows of 128,256 logits on the GPU (greedy, temperature,
+ *     top-k + top-p + min-p; with logprobs) against copying them to the host as f32
  *   - SnapKV cost for one layer of a 4000-token Llama-3-8B prompt: sparsity_scores
  *     (32 window queries x 4000 keys x 8 KV heads), the host selection (pool +
  *     top-k), kv_gather compaction (keep 2000), against the prefill of that layer
@@ -20,6 +22,7 @@
 #include "backend/cuda/cuda_internal.h"
 
 extern "C" {
+#include "backend/sample.h"
 #include "kv/kv.h"
 }
 
@@ -48,6 +51,16 @@ static double time_it(kvs_backend *b, int iters, void (*fn)(kvs_backend *, void 
     for (int i = 0; i < iters; i++) fn(b, ctx);
     b->synchronize(b);
     return (kvs_now() - t0) / iters;
+}
+
+struct sample_ctx { void *logits; int32_t *ids; float *lp; kvs_sample_row *params; float *host; int n, vocab; };
+static void run_sample(kvs_backend *b, void *p) {
+    sample_ctx *c = (sample_ctx *)p;
+    b->sample(b, c->ids, c->lp, c->logits, c->n, c->vocab, c->vocab, c->params);
+}
+static void run_logits_d2h(kvs_backend *b, void *p) {
+    sample_ctx *c = (sample_ctx *)p;
+    b->to_host_f32(b, c->host, c->logits, (size_t)c->n * c->vocab);
 }
 
 struct copy_ctx { void *dst, *src; size_t bytes; };
@@ -255,6 +268,34 @@ int main(int argc, char **argv) {
     printf("snapkv, one layer of a %d-token prompt: scores %.1f us, host select %.1f us, kv_gather %.1f us; "
            "prefill attention %.1f us + gemms %.1f us\n",
            P, t_scores * 1e6, t_select * 1e6, t_gather * 1e6, t_layer_attn * 1e6, t_layer_gemm * 1e6);
+    /* sampling on the GPU (backend/sample.h) vs copying the f32 logits to the host */
+    double t_sample[3], t_logits_d2h;
+    const int SR = 256, SV = 128256;
+    {
+        sample_ctx sc = {};
+        sc.n = SR, sc.vocab = SV;
+        sc.logits = b->alloc(b, (size_t)SR * SV * 2);
+        sc.ids = (int32_t *)b->alloc(b, SR * 4);
+        sc.lp = (float *)b->alloc(b, SR * 4);
+        sc.params = (kvs_sample_row *)b->alloc(b, SR * sizeof(kvs_sample_row));
+        sc.host = (float *)malloc((size_t)SR * SV * 4);
+        if (!sc.logits || !sc.ids || !sc.lp || !sc.params || !sc.host) return fprintf(stderr, "out of memory\n"), 1;
+        fill((bf16 *)sc.logits, (size_t)SR * SV, 99);
+        kvs_sample_row *hp = (kvs_sample_row *)malloc(SR * sizeof(kvs_sample_row));
+        const kvs_sample_row kinds[3] = {{0, 0, 1, 0, 1, 0}, {0.8f, 0, 1, 0, 1, 0}, {0.8f, 50, 0.9f, 0.05f, 1, 0}};
+        for (int k = 0; k < 3; k++) {
+            for (int r = 0; r < SR; r++) hp[r] = kinds[k], hp[r].seed = r;
+            b->to_device(b, sc.params, hp, SR * sizeof(kvs_sample_row));
+            t_sample[k] = time_it(b, 20, run_sample, &sc);
+        }
+        t_logits_d2h = time_it(b, 5, run_logits_d2h, &sc);
+        printf("sample %d x %d (+ logprobs): greedy %.1f us, temperature %.1f us, top-k 50 + top-p 0.9 + min-p 0.05 "
+               "%.1f us; logits to the host as f32 (the old path, before any host sampling) %.1f us\n",
+               SR, SV, t_sample[0] * 1e6, t_sample[1] * 1e6, t_sample[2] * 1e6, t_logits_d2h * 1e6);
+        free(hp), free(sc.host);
+        b->free(b, sc.logits), b->free(b, sc.ids), b->free(b, sc.lp), b->free(b, sc.params);
+    }
+
     b->synchronize(b);
     int failed = kvs_cuda_of(b)->failed;
     b->destroy(b);
@@ -272,6 +313,8 @@ int main(int argc, char **argv) {
            t_scores * 1e6, t_layer_attn * 1e6, 100 * t_scores / t_layer_attn);
     printf("| scores + host select + kv_gather | %.1f us | layer prefill (attention + gemms) %.1f us | %.2f%% |\n",
            (t_scores + t_select + t_gather) * 1e6, t_layer * 1e6, 100 * (t_scores + t_select + t_gather) / t_layer);
+    printf("| sample 256 x 128256: greedy / temperature / top-k+top-p+min-p | %.1f / %.1f / %.1f us | logits to host (f32) %.1f us | %.0f%% |\n",
+           t_sample[0] * 1e6, t_sample[1] * 1e6, t_sample[2] * 1e6, t_logits_d2h * 1e6, 100 * t_sample[2] / t_logits_d2h);
     if (failed) fprintf(stderr, "a CUDA call failed: %s\n", kvs_last_error());
     return failed ? 1 : 0;
 }

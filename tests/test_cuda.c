@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "backend/backend.h"
+#include "backend/sample.h"
 #include "kv/kv.h"
 #include "model/model.h"
 #include "testutil.h"
@@ -710,3 +711,142 @@ static void e2e_arch(const char *arch) {
 Test(cuda, e2e_llama3_rope_scaling, .timeout = 600) { e2e_arch("llama3-rope-scaling"); }
 Test(cuda, e2e_qwen2_bias_tied, .timeout = 600) { e2e_arch("qwen2-bias-tied"); }
 Test(cuda, e2e_mistral, .timeout = 600) { e2e_arch("mistral"); }
+
+/* ---- sampling (backend/sample.h) ---------------------------------------------
+ * The same bf16 logits on both backends, so z = x / T is the same f32 on both
+ * and the kept sets are thresholds over integer sums: ids must agree. The only
+ * allowed difference is a near-tie of the winning scores z + g (the Gumbel
+ * noise's double logs may differ by an ulp): then the GPU's token must still be
+ * one the filters keep and score within 1e-5 of the CPU's winner; at most 1% of
+ * the sampled rows. Greedy must agree exactly. */
+static int sample_desc(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* backend/sample.h's kept set, restated by sorting; z[i] = x[i] / T into z. */
+static void sample_kept(const float *x, int V, const kvs_sample_row *p, bool *kept, float *z) {
+    float *s = malloc(sizeof(float) * V), m = -INFINITY, kth = -INFINITY;
+    for (int i = 0; i < V; i++) z[i] = x[i] / p->temperature, m = z[i] > m ? z[i] : m;
+    double lmp = p->min_p > 0 ? log((double)p->min_p) : -INFINITY;
+    if (p->top_k > 0 && p->top_k < V) {
+        memcpy(s, z, sizeof(float) * V);
+        qsort(s, V, sizeof(float), sample_desc);
+        kth = s[p->top_k - 1];
+    }
+    int n = 0;
+    uint64_t total = 0;
+    for (int i = 0; i < V; i++) {
+        kept[i] = z[i] >= kth && (double)z[i] - m >= lmp;
+        if (kept[i]) s[n++] = z[i], total += kvs_sample_weight(z[i], m);
+    }
+    if (p->top_p < 1) {
+        qsort(s, n, sizeof(float), sample_desc);
+        uint64_t acc = 0;
+        float tau = s[0];
+        for (int j = 0; j < n; j++) {
+            acc += kvs_sample_weight(s[j], m);
+            tau = s[j];
+            if ((double)acc >= (double)p->top_p * (double)total) break;
+        }
+        for (int i = 0; i < V; i++) kept[i] = kept[i] && z[i] >= tau;
+    }
+    free(s);
+}
+
+static void sample_case(duo *d, int n_rows, int V, int ld) {
+    float *x = rnd(d, (size_t)n_rows * ld, 3.0f);
+    for (int r = 0; r < n_rows; r++) {
+        for (int i = V; i < ld; i++) x[(size_t)r * ld + i] = 1e30f; /* padding: never read */
+        if (r % 5 == 1) x[(size_t)r * ld + r % V] = x[(size_t)r * ld + (r * 7 + 3) % V] = 12.0f; /* a tie at the top */
+    }
+    kvs_sample_row *p = malloc(sizeof *p * n_rows);
+    for (int r = 0; r < n_rows; r++) { /* each filter alone and combined, greedy every 8th row */
+        static const kvs_sample_row kinds[8] = {
+            {0, 0, 1, 0, 0, 0},    {1.0f, 0, 1, 0, 0, 0},   {0.7f, 40, 1, 0, 0, 0},     {1.0f, 0, 0.9f, 0, 0, 0},
+            {1.2f, 0, 1, 0.05f, 0, 0}, {0.8f, 50, 0.95f, 0.02f, 0, 0}, {1.5f, 1, 1, 0, 0, 0}, {0.6f, 0, 0.3f, 0, 0, 0}};
+        p[r] = kinds[r % 8];
+        p[r].seed = kvs_rng_u64(&d->rng);
+        p[r].step = kvs_rng_u64(&d->rng) % 4096;
+    }
+    void *xc = cpu_put(d, x, (size_t)n_rows * ld), *xg = gpu_put(d, x, (size_t)n_rows * ld);
+    int32_t *ids_c = malloc(sizeof(int32_t) * n_rows), *ids_g = malloc(sizeof(int32_t) * n_rows);
+    int32_t *ids_g2 = malloc(sizeof(int32_t) * n_rows);
+    float *lp_c = malloc(sizeof(float) * n_rows), *lp_g = malloc(sizeof(float) * n_rows);
+    d->cpu->sample(d->cpu, ids_c, lp_c, xc, n_rows, ld, V, p);
+    void *pg = d->gpu->alloc(d->gpu, sizeof *p * n_rows);
+    d->gpu->to_device(d->gpu, pg, p, sizeof *p * n_rows);
+    int32_t *idg = d->gpu->alloc(d->gpu, sizeof(int32_t) * n_rows);
+    float *lpg = d->gpu->alloc(d->gpu, sizeof(float) * n_rows);
+    d->gpu->sample(d->gpu, idg, lpg, xg, n_rows, ld, V, pg);
+    d->gpu->to_host(d->gpu, ids_g, idg, sizeof(int32_t) * n_rows);
+    d->gpu->to_host(d->gpu, lp_g, lpg, sizeof(float) * n_rows);
+    d->gpu->sample(d->gpu, idg, NULL, xg, n_rows, ld, V, pg);
+    d->gpu->to_host(d->gpu, ids_g2, idg, sizeof(int32_t) * n_rows);
+
+    bool *kept = malloc(V);
+    float *z = malloc(sizeof(float) * V);
+    int near_ties = 0, sampled = 0;
+    for (int r = 0; r < n_rows; r++) {
+        const float *row = x + (size_t)r * ld;
+        cr_expect_eq(ids_g2[r], ids_g[r], "V %d row %d: the GPU drew %d, then %d (must repeat)", V, r, ids_g[r],
+                     ids_g2[r]);
+        cr_expect(ids_g[r] >= 0 && ids_g[r] < V, "V %d row %d: id %d out of range", V, r, ids_g[r]);
+        if (ids_g[r] < 0 || ids_g[r] >= V) continue;
+        if (p[r].temperature == 0) {
+            cr_expect_eq(ids_g[r], ids_c[r], "V %d row %d greedy: GPU %d, CPU %d", V, r, ids_g[r], ids_c[r]);
+        } else {
+            sampled++;
+            sample_kept(row, V, &p[r], kept, z);
+            cr_expect(kept[ids_c[r]], "V %d row %d: the CPU picked filtered token %d", V, r, ids_c[r]);
+            if (ids_g[r] != ids_c[r]) {
+                uint64_t st = kvs_sample_stream(p[r].seed, p[r].step);
+                float sg = z[ids_g[r]] + kvs_sample_gumbel(st, ids_g[r]), sc = z[ids_c[r]] + kvs_sample_gumbel(st, ids_c[r]);
+                bool tie = kept[ids_g[r]] && fabsf(sg - sc) <= 1e-5f * fmaxf(1.0f, fabsf(sc));
+                cr_expect(tie, "V %d row %d (T %g k %d p %g min_p %g): GPU %d (kept %d, score %.7g), CPU %d (score %.7g)",
+                          V, r, p[r].temperature, p[r].top_k, p[r].top_p, p[r].min_p, ids_g[r], kept[ids_g[r]], sg,
+                          ids_c[r], sc);
+                near_ties++;
+            }
+        }
+        /* logprob of the token each picked, from the same logits */
+        if (ids_g[r] == ids_c[r])
+            cr_expect(isfinite(lp_g[r]) && fabsf(lp_g[r] - lp_c[r]) <= 2e-3f * fmaxf(1.0f, fabsf(lp_c[r])),
+                      "V %d row %d: logprob GPU %g, CPU %g", V, r, lp_g[r], lp_c[r]);
+    }
+    cr_log_info("sample V %d (ld %d): %d rows, %d sampled, %d near-tie differences", V, ld, n_rows, sampled,
+                near_ties);
+    cr_expect(near_ties * 100 <= sampled, "V %d: %d of %d sampled rows differ (near ties; at most 1%%)", V, near_ties,
+              sampled);
+    free(kept);
+    free(z);
+    d->gpu->free(d->gpu, pg);
+    d->gpu->free(d->gpu, idg);
+    d->gpu->free(d->gpu, lpg);
+    d->cpu->free(d->cpu, xc);
+    d->gpu->free(d->gpu, xg);
+    free(x);
+    free(p);
+    free(ids_c);
+    free(ids_g);
+    free(ids_g2);
+    free(lp_c);
+    free(lp_g);
+}
+
+Test(cuda, sample_llama3_vocab, .timeout = 600) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    sample_case(&d, 96, 128256, 128256);
+    duo_close(&d);
+}
+
+Test(cuda, sample_odd_sizes_and_padding) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    sample_case(&d, 77, 1001, 1008);
+    sample_case(&d, 33, 515, 515);
+    sample_case(&d, 9, 3, 8);
+    sample_case(&d, 200, 32000, 32003);
+    duo_close(&d);
+}

@@ -33,6 +33,7 @@ typedef struct {
 } kvs_attn_batch;
 
 typedef struct kvs_backend kvs_backend;
+struct kvs_sample_row; /* backend/sample.h */
 struct kvs_backend {
     const char *name;
     kvs_dtype weight_dtype, act_dtype, kv_dtype;
@@ -89,6 +90,13 @@ struct kvs_backend {
      * the n_win window queries i of exp(scale * q[i,h] . k[g,j] - lse[i,h]). */
     void (*sparsity_scores)(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
                             const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
+
+    /* sampling (backend/sample.h: the parameters and the exact semantics):
+     * ids[r] (int32) for each row r < n_rows of logits [n_rows][ld] (act_dtype,
+     * columns 0 .. vocab - 1 used) with params[r]; logprobs[r] (f32) too when
+     * not NULL. All arrays in backend memory; no host round trip. */
+    void (*sample)(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
+                   const struct kvs_sample_row *params);
 
     void (*destroy)(kvs_backend *b);
 };

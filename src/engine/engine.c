@@ -70,9 +70,11 @@ kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const k
     b->seq_ids = malloc(sizeof(int32_t) * b->cap_seqs);
     b->wants_logits = malloc(b->cap_seqs);
     b->reqs = malloc(sizeof(kvs_request *) * b->cap_seqs);
-    e->logits = malloc(sizeof(float) * (size_t)b->cap_seqs * e->vocab);
+    e->sample_rows = malloc(sizeof(kvs_sample_row) * b->cap_seqs);
+    e->sample_ids = malloc(sizeof(int32_t) * b->cap_seqs);
+    e->sample_lp = malloc(sizeof(float) * b->cap_seqs);
     if (st == KVS_OK && (!b->token_ids || !b->positions || !b->query_start || !b->seq_ids || !b->wants_logits ||
-                         !b->reqs || !e->logits))
+                         !b->reqs || !e->sample_rows || !e->sample_ids || !e->sample_lp))
         st = kvs_fail(KVS_ERR_NOMEM, "engine: out of memory");
     if (st != KVS_OK) {
         kvs_engine_destroy(e);
@@ -106,7 +108,9 @@ void kvs_engine_destroy(kvs_engine *e) {
     free(b->seq_ids);
     free(b->wants_logits);
     free(b->reqs);
-    free(e->logits);
+    free(e->sample_rows);
+    free(e->sample_ids);
+    free(e->sample_lp);
     free(e->aborts);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
@@ -191,11 +195,26 @@ static void take_inputs(kvs_engine *e) {
     while (all && e->waiting.head) retire(e, &e->waiting, e->waiting.head, KVS_FINISH_ABORT, NULL);
 }
 
-/* Runs the step's batch through the model and samples the requests that want a token. */
+/* Runs the step's batch through the model and samples the requests that want
+ * a token, on the backend: only their ids (and logprobs) come back. Draw
+ * number n_gen of the request's seed: a preempted request recomputes the same
+ * tokens. */
 static kvs_status run_batch(kvs_engine *e) {
     kvs_step_batch *b = &e->batch;
     kvs_batch mb = {b->n_tokens, b->n_seqs, b->token_ids, b->positions, b->query_start, b->seq_ids, b->wants_logits};
-    kvs_status st = kvs_model_forward(e->model, &mb, e->kv, e->logits);
+    bool want_lp = false;
+    int n_rows = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const kvs_request *r = b->reqs[s];
+        if (!b->wants_logits[s]) continue;
+        const kvs_sampling_params *p = &r->sampling;
+        e->sample_rows[n_rows++] = (kvs_sample_row){.temperature = p->temperature, .top_k = p->top_k,
+                                                    .top_p = p->top_p, .min_p = p->min_p, .seed = p->seed,
+                                                    .step = (uint64_t)r->n_gen};
+        want_lp |= r->logprobs > 0;
+    }
+    kvs_status st = kvs_model_forward_sample(e->model, &mb, e->kv, e->sample_rows, e->sample_ids,
+                                             want_lp ? e->sample_lp : NULL);
     if (st != KVS_OK) {
         char msg[200];
         snprintf(msg, sizeof msg, "model forward failed: %s", kvs_last_error());
@@ -208,9 +227,8 @@ static kvs_status run_batch(kvs_engine *e) {
         r->n_computed += r->n_sched;
         r->n_sched = 0;
         if (!b->wants_logits[s]) continue;
-        float lp = 0;
-        int32_t id = kvs_sampler_sample(r->sampler, e->logits + (size_t)k++ * e->vocab, r->logprobs > 0 ? &lp : NULL);
-        kvs_request_append(e, r, id, lp);
+        float lp = r->logprobs > 0 ? e->sample_lp[k] : 0;
+        kvs_request_append(e, r, e->sample_ids[k++], lp);
         if (r->finish != KVS_FINISH_NONE) retire(e, &e->running, r, KVS_FINISH_NONE, NULL);
     }
     return KVS_OK;

@@ -14,12 +14,17 @@ typedef struct {
     float top_p;       /* 1 = off */
     float min_p;       /* 0 = off */
     uint64_t seed;
+    bool has_seed;     /* false: the engine draws a seed per request (the host sampler uses seed as is) */
 } kvs_sampling_params;
 
 kvs_sampling_params kvs_sampling_default(void); /* greedy */
 /* Checks ranges; errors name the parameter (e.g. "temperature must be >= 0"). */
 kvs_status kvs_sampling_validate(const kvs_sampling_params *p);
 
+/* The host sampler (the CLI's `generate`): its own RNG stream per sampler.
+ * The engine samples on the backend instead (kvs_model_forward_sample,
+ * backend/sample.h), with the same parameters and filters, a counter-based
+ * draw per (seed, generated-token index) and the same greedy and logprobs. */
 typedef struct kvs_sampler kvs_sampler;
 kvs_status kvs_sampler_create(const kvs_sampling_params *p, int vocab_size, kvs_sampler **out);
 void kvs_sampler_destroy(kvs_sampler *s);

@@ -15,7 +15,7 @@ typedef struct kvs_request {
     int n_prompt;
     int32_t *gen; /* [max_tokens] generated ids */
     int n_gen, max_tokens;
-    kvs_sampler *sampler;
+    kvs_sampling_params sampling; /* has_seed always true here: the engine drew one when the request had none */
     int32_t *stop_ids;
     int n_stop_ids;
     char *stop_strings[KVS_MAX_STOP_STRINGS];
@@ -64,7 +64,10 @@ struct kvs_engine {
     kvs_backend *be;
     kvs_kv_cache *kv;
     int vocab;
-    float *logits; /* [max_num_seqs][vocab] */
+    /* run_batch's sampling rows, ids and logprobs [max_num_seqs] */
+    kvs_sample_row *sample_rows;
+    int32_t *sample_ids;
+    float *sample_lp;
     kvs_step_batch batch;
     /* owned by the stepping thread */
     kvs_req_list waiting, running;

@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine/engine_internal.h"
 
@@ -82,8 +83,15 @@ kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, 
         r->n_stop_strings = i + 1;
     }
     if (ok && e->tok) ok = (r->detok = kvs_detokenizer_create(e->tok, true)) != NULL;
-    kvs_status st = ok ? kvs_sampler_create(&p->sampling, e->vocab, &r->sampler)
-                       : kvs_fail(KVS_ERR_NOMEM, "request: out of memory");
+    r->sampling = p->sampling;
+    if (!r->sampling.has_seed) { /* a fresh stream per request: the clock and the request's address */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        r->sampling.seed = kvs_sample_mix64(((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^
+                                            kvs_sample_mix64((uint64_t)(uintptr_t)r));
+        r->sampling.has_seed = true;
+    }
+    kvs_status st = ok ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "request: out of memory");
     if (st != KVS_OK) {
         kvs_request_destroy(r);
         return st;
@@ -99,7 +107,6 @@ void kvs_request_destroy(kvs_request *r) {
     free(r->stop_ids);
     for (int i = 0; i < r->n_stop_strings; i++) free(r->stop_strings[i]);
     kvs_detokenizer_destroy(r->detok);
-    kvs_sampler_destroy(r->sampler);
     free(r->pending);
     free(r);
 }

@@ -18,7 +18,7 @@ struct kvs_sampler {
 };
 
 kvs_sampling_params kvs_sampling_default(void) {
-    return (kvs_sampling_params){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .seed = 0};
+    return (kvs_sampling_params){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .seed = 0, .has_seed = false};
 }
 
 kvs_status kvs_sampling_validate(const kvs_sampling_params *p) {

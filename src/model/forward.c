@@ -333,3 +333,81 @@ static void local_logits(kvs_model *m, const kvs_batch *b, int n_logits) {
     be->rmsnorm(be, sb->last, sb->last, m->final_norm, n_logits, c->hidden_size, c->rms_norm_eps);
     be->matmul(be, sb->logits, sb->last, m->lm_head, NULL, n_logits, c->hidden_size, m->shard.vocab_pad);
 }
+
+/* ---- sampling on the backend (kvs_model_forward_sample) ---------------------- */
+
+void kvs_model_free_sample_buffers(kvs_model *m) {
+    kvs_sample_buffers *s = &m->sample;
+    void *dev[] = {s->params, s->out, s->rows, s->order};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+        if (dev[i]) m->be->free(m->be, dev[i]);
+    free(s->h_out);
+    free(s->h_order);
+    memset(s, 0, sizeof *s);
+}
+
+static kvs_status ensure_sample_buffers(kvs_model *m, int n) {
+    kvs_sample_buffers *s = &m->sample;
+    if (n <= s->cap_rows) return KVS_OK;
+    kvs_backend *be = m->be;
+    const kvs_shard *sh = &m->shard;
+    KVS_TRY(grow(be, (void **)&s->params, sizeof(kvs_sample_row) * n));
+    KVS_TRY(grow(be, (void **)&s->out, sizeof(int32_t) * 2 * n));
+    KVS_TRY(grow_host(&s->h_out, 2 * (size_t)n));
+    if (sh->world > 1) {
+        KVS_TRY(grow(be, &s->rows, (size_t)n * sh->world * sh->vocab_pad * kvs_dtype_size(be->act_dtype)));
+        KVS_TRY(grow(be, (void **)&s->order, sizeof(int32_t) * sh->world * n));
+        KVS_TRY(grow_host(&s->h_order, (size_t)sh->world * n));
+    }
+    s->cap_rows = n;
+    return KVS_OK;
+}
+
+static kvs_status check_sample_row(const kvs_sample_row *p, int row) {
+    if (!(p->temperature >= 0) || !isfinite(p->temperature) || p->top_k < 0 || !(p->top_p > 0 && p->top_p <= 1) ||
+        !(p->min_p >= 0 && p->min_p <= 1))
+        return kvs_fail(KVS_ERR_INVALID,
+                        "forward_sample: row %d: bad sampling parameters (temperature %g, top_k %d, top_p %g, "
+                        "min_p %g)", row, p->temperature, p->top_k, p->top_p, p->min_p);
+    return KVS_OK;
+}
+
+kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params) {
+    for (int s = 0, q = 0; s < b->n_seqs; s++)
+        if (b->wants_logits[s]) {
+            KVS_TRY(check_sample_row(&params[q], q));
+            q++;
+        }
+    return KVS_OK;
+}
+
+kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                                    int32_t *ids, float *logprobs) {
+    if (params) KVS_TRY(kvs_model_check_sample(b, params)); /* before the step: a bad row changes nothing */
+    int n;
+    KVS_TRY(forward_step(m, b, kv, &n));
+    if (n == 0) return KVS_OK;
+    KVS_TRY(ensure_sample_buffers(m, n));
+    kvs_backend *be = m->be;
+    kvs_sample_buffers *s = &m->sample;
+    const kvs_shard *sh = &m->shard;
+    const void *rows = m->buf.logits;
+    int ld = sh->vocab_pad, world = sh->world;
+    if (world > 1) { /* every rank's slice, then [rank][seq][vp] -> [seq][rank][vp] on the device */
+        KVS_TRY(m->comm->all_gather(m->comm, m->buf.logits_all, m->buf.logits, (size_t)n * ld, be->act_dtype));
+        if (!ids) return KVS_OK;
+        for (int q = 0; q < n; q++)
+            for (int r = 0; r < world; r++) s->h_order[q * world + r] = r * n + q;
+        be->to_device(be, s->order, s->h_order, sizeof(int32_t) * world * n);
+        be->gather_rows(be, s->rows, m->buf.logits_all, s->order, world * n, ld);
+        rows = s->rows;
+        ld *= world; /* column c is token c: rank r's slice starts at r * vocab_pad */
+    }
+    if (!ids) return KVS_OK;
+    be->to_device(be, s->params, params, sizeof(kvs_sample_row) * n);
+    be->sample(be, s->out, logprobs ? (float *)(s->out + n) : NULL, rows, n, ld, m->cfg.vocab_size, s->params);
+    be->to_host(be, s->h_out, s->out, sizeof(int32_t) * (logprobs ? 2 : 1) * n); /* the one copy back */
+    memcpy(ids, s->h_out, sizeof(int32_t) * n);
+    if (logprobs) memcpy(logprobs, s->h_out + n, sizeof(float) * n);
+    return KVS_OK;
+}

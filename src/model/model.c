@@ -243,6 +243,7 @@ void kvs_model_destroy(kvs_model *m) {
     if (!m) return;
     kvs_backend *be = m->be;
     free_step_buffers(be, &m->buf);
+    kvs_model_free_sample_buffers(m);
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
             kvs_layer_weights *w = &m->layers[l];

@@ -4,6 +4,7 @@
 #define KVS_MODEL_H
 
 #include "backend/backend.h"
+#include "backend/sample.h"
 #include "core/core.h"
 #include "kv/kv.h"
 
@@ -149,6 +150,19 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
  * full logits. ids: [number of seqs that want logits]; NULL as for logits. */
 kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids);
 
+/* The forward, then the backend's sample op on the logits in backend memory
+ * (backend/sample.h: greedy, temperature, top-k, top-p, min-p, a counter-based
+ * seeded draw), then one small copy back: ids [n] and, when logprobs is not
+ * NULL, logprobs [n] (log softmax of the raw logits at the chosen id), n = the
+ * sequences that want logits, in order; params [n] (host) their parameters.
+ * With tensor parallelism every rank calls it for the same batch: the logits
+ * slices are all-gathered on the device and the ranks that pass ids sample
+ * (ids NULL: the rank takes part in the gather and samples nothing; params
+ * may then be NULL). Errors: KVS_ERR_INVALID for bad parameters (before the
+ * step, nothing changed). */
+kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                                    int32_t *ids, float *logprobs);
+
 /* ---- a tensor-parallel group: one thread per rank ---------------------------
  * world ranks, each a thread that owns one backend, one communicator, one
  * rank model and one KV cache of its local KV heads. The calls below run the
@@ -186,5 +200,9 @@ kvs_status kvs_tp_reserve(kvs_tp_group *g, int seq_id, int n_new);
 kvs_status kvs_tp_forward(kvs_tp_group *g, const kvs_batch *b, float *logits);
 /* kvs_model_forward_argmax on every rank; greedy ids in ids. */
 kvs_status kvs_tp_forward_argmax(kvs_tp_group *g, const kvs_batch *b, int32_t *ids);
+/* kvs_model_forward_sample on every rank (rank 0 samples); ids and logprobs
+ * (NULL: none) as there. */
+kvs_status kvs_tp_forward_sample(kvs_tp_group *g, const kvs_batch *b, const kvs_sample_row *params, int32_t *ids,
+                                 float *logprobs);
 
 #endif

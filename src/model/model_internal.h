@@ -25,6 +25,16 @@ typedef struct {
     float *h_logits, *h_pairs; /* host staging */
 } kvs_step_buffers;
 
+/* kvs_model_forward_sample's buffers, grown on demand (forward.c). */
+typedef struct {
+    int cap_rows;
+    struct kvs_sample_row *params; /* [cap_rows] */
+    int32_t *out;                  /* [2][cap_rows]: the ids, then the logprobs' f32 bits */
+    void *rows;                    /* tensor parallelism: the gathered logits as [cap_rows][world * vocab_pad] */
+    int32_t *order;                /* [world * cap_rows]: the rows of that gather */
+    int32_t *h_out, *h_order;      /* host staging */
+} kvs_sample_buffers;
+
 struct kvs_model {
     kvs_config cfg;
     kvs_backend *be;
@@ -35,11 +45,17 @@ struct kvs_model {
     kvs_layer_weights *layers;
     float *inv_freq; /* [head_dim / 2], backend memory */
     kvs_step_buffers buf;
+    kvs_sample_buffers sample;
 };
 
 /* RoPE inverse frequencies with the config's scaling (none, linear, llama3). */
 void kvs_rope_inv_freq(const kvs_config *cfg, float *inv_freq);
 /* The batch checks of kvs_model_forward (tp.c runs them once before a step). */
 kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
+
+/* The parameters of kvs_model_forward_sample (one row per sequence that wants logits). */
+kvs_status kvs_model_check_sample(const kvs_batch *b, const struct kvs_sample_row *params);
+/* Frees m->sample (forward.c). */
+void kvs_model_free_sample_buffers(kvs_model *m);
 
 #endif

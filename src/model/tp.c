@@ -332,30 +332,43 @@ typedef struct {
     const kvs_batch *b;
     float *logits;
     int32_t *ids;
+    const kvs_sample_row *params; /* kvs_tp_forward_sample */
+    float *logprobs;
 } step_args;
 
 static kvs_status job_forward(kvs_tp_group *g, int rank, void *arg) {
     const step_args *a = arg;
     tp_rank *r = &g->ranks[rank];
+    if (a->params)
+        return kvs_model_forward_sample(r->model, a->b, r->kv, a->params, rank == 0 ? a->ids : NULL,
+                                        rank == 0 ? a->logprobs : NULL);
     if (a->ids || !a->logits) return kvs_model_forward_argmax(r->model, a->b, r->kv, rank == 0 ? a->ids : NULL);
     return kvs_model_forward(r->model, a->b, r->kv, rank == 0 ? a->logits : NULL);
 }
 
-static kvs_status step(kvs_tp_group *g, const kvs_batch *b, float *logits, int32_t *ids) {
+static kvs_status step(kvs_tp_group *g, const kvs_batch *b, float *logits, int32_t *ids,
+                       const kvs_sample_row *params, float *logprobs) {
     KVS_TRY(need_kv(g));
     /* what can be wrong with the batch is wrong on every rank alike: check it
        here, so that only real failures inside a step abort the group */
     KVS_TRY(kvs_model_check_batch(g->ranks[0].model, b, g->ranks[0].kv));
-    step_args a = {b, logits, ids};
+    step_args a = {b, logits, ids, params, logprobs};
     return run_all(g, job_forward, &a, true);
 }
 
 kvs_status kvs_tp_forward(kvs_tp_group *g, const kvs_batch *b, float *logits) {
     if (!logits) return kvs_fail(KVS_ERR_INVALID, "kvs_tp_forward: logits is NULL");
-    return step(g, b, logits, NULL);
+    return step(g, b, logits, NULL, NULL, NULL);
 }
 
 kvs_status kvs_tp_forward_argmax(kvs_tp_group *g, const kvs_batch *b, int32_t *ids) {
     if (!ids) return kvs_fail(KVS_ERR_INVALID, "kvs_tp_forward_argmax: ids is NULL");
-    return step(g, b, NULL, ids);
+    return step(g, b, NULL, ids, NULL, NULL);
+}
+
+kvs_status kvs_tp_forward_sample(kvs_tp_group *g, const kvs_batch *b, const kvs_sample_row *params, int32_t *ids,
+                                 float *logprobs) {
+    if (!ids || !params) return kvs_fail(KVS_ERR_INVALID, "kvs_tp_forward_sample: ids or params is NULL");
+    KVS_TRY(kvs_model_check_sample(b, params)); /* here: a bad row must not break the group */
+    return step(g, b, NULL, ids, params, logprobs);
 }

@@ -283,6 +283,7 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
             if (json_is_null(v)) continue;
             if (!json_is_integer(v)) return kvs_api_fail(err, 400, "seed", "'seed' must be an integer");
             r->sampling.seed = (uint64_t)json_integer_value(v);
+            r->sampling.has_seed = true;
         } else if (!strcmp(key, "max_tokens") || !strcmp(key, "max_completion_tokens")) {
             if (json_is_null(v)) continue;
             if (!kvs_api_get_int(v, key, 1, lim->max_model_len, &x, err)) return false;

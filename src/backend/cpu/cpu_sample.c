@@ -1,0 +1,90 @@
+/* The sample op on the CPU: the reference for the CUDA kernel (same passes,
+ * same thresholds; backend/sample.h states the semantics). */
+#include "backend/cpu/cpu_ops.h"
+#include "backend/sample.h"
+
+/* What one row's filters see: z = x / t, m = max z. */
+typedef struct {
+    const float *x;
+    int vocab;
+    float t, m;
+    uint32_t tau;     /* keep key(z) >= tau */
+    double log_min_p; /* keep z - m >= log_min_p */
+} row_view;
+
+static float z_at(const row_view *r, int i) { return kvs_sample_clean(r->x[i]) / r->t; }
+
+static bool kept(const row_view *r, float z) {
+    return kvs_sample_key(z) >= r->tau && kvs_sample_min_p_ok(z, r->m, r->log_min_p);
+}
+
+/* Radix select, most significant byte first: the largest key tau such that the
+ * weight (1 per token for top-k, the fixed-point softmax weight for top-p) of
+ * the kept tokens with key >= tau reaches target (frac * their total weight
+ * when frac > 0). */
+static uint32_t threshold(const row_view *r, bool by_mass, double target, double frac) {
+    uint32_t prefix = 0;
+    uint64_t above = 0; /* weight of the tokens above the prefix's range */
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        uint64_t bins[256] = {0};
+        uint32_t hi_mask = shift == 24 ? 0 : ~0u << (shift + 8);
+        for (int i = 0; i < r->vocab; i++) {
+            float z = z_at(r, i);
+            uint32_t key = kvs_sample_key(z);
+            if ((key & hi_mask) != prefix || !kept(r, z)) continue;
+            bins[(key >> shift) & 255] += by_mass ? kvs_sample_weight(z, r->m) : 1;
+        }
+        if (shift == 24 && frac > 0) {
+            uint64_t total = 0;
+            for (int d = 0; d < 256; d++) total += bins[d];
+            target = frac * (double)total;
+        }
+        int d = 255;
+        for (; d > 0; d--) {
+            if ((double)(above + bins[d]) >= target) break;
+            above += bins[d];
+        }
+        prefix |= (uint32_t)d << shift;
+    }
+    return prefix;
+}
+
+static int32_t sample_row(const float *x, int vocab, const kvs_sample_row *p, float *logprob) {
+    int best = 0;
+    float bx = kvs_sample_clean(x[0]);
+    for (int i = 1; i < vocab; i++) {
+        float v = kvs_sample_clean(x[i]);
+        if (v > bx) bx = v, best = i;
+    }
+    int32_t id = best;
+    if (p->temperature > 0) {
+        row_view r = {x, vocab, p->temperature, bx / p->temperature, 0,
+                      p->min_p > 0 ? log((double)p->min_p) : -INFINITY};
+        if (p->top_k > 0 && p->top_k < vocab) r.tau = threshold(&r, false, p->top_k, 0);
+        if (p->top_p < 1) r.tau = threshold(&r, true, 0, p->top_p);
+        uint64_t stream = kvs_sample_stream(p->seed, p->step);
+        float best_s = -INFINITY;
+        int pick = -1;
+        for (int i = 0; i < vocab; i++) {
+            float z = z_at(&r, i);
+            if (!kept(&r, z)) continue;
+            float s = z + kvs_sample_gumbel(stream, i);
+            if (pick < 0 || s > best_s) best_s = s, pick = i;
+        }
+        if (pick >= 0) id = pick; /* else every logit is -inf / NaN: the argmax (0) */
+    }
+    if (logprob) {
+        double sum = 0;
+        for (int i = 0; i < vocab; i++) sum += exp((double)kvs_sample_clean(x[i]) - bx);
+        *logprob = (float)((double)kvs_sample_clean(x[id]) - bx - log(sum));
+    }
+    return id;
+}
+
+void kvs_cpu_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
+                    const struct kvs_sample_row *params) {
+    const float *x = logits;
+#pragma omp parallel for schedule(dynamic, 1) if (n_rows > 1)
+    for (int r = 0; r < n_rows; r++)
+        ids[r] = sample_row(x + (size_t)r * ld, vocab, &params[r], logprobs ? &logprobs[r] : NULL);
+}

@@ -1,0 +1,165 @@
+/* The sample op on the GPU: one block per row, the CPU op's passes
+ * (cpu/cpu_sample.c) with block reductions; backend/sample.h states the
+ * semantics. Thresholds use integer sums (order-free), so the kept set does
+ * not depend on the reduction order and runs repeat exactly. No allocation,
+ * no host round trip: ids (and logprobs) stay in device memory. */
+#include "backend/cuda/cuda_internal.h"
+
+extern "C" {
+#include "backend/sample.h"
+}
+
+#define KVS_SAMPLE_THREADS 512
+
+/* (v, i) beats (bv, bi): a larger value, ties to the lower id; i < 0 is nothing. */
+__device__ __forceinline__ bool kvs_sample_better(float v, int i, float bv, int bi) {
+    return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+/* The block's best (v, i), returned to every thread. */
+__device__ void kvs_sample_block_best(float &v, int &i, float *sv, int *si) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int k = 16; k > 0; k >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, k);
+        int oi = __shfl_xor_sync(0xffffffffu, i, k);
+        if (kvs_sample_better(ov, oi, v, i)) v = ov, i = oi;
+    }
+    if (lane == 0) sv[warp] = v, si[warp] = i;
+    __syncthreads();
+    if (warp == 0) {
+        bool have = lane < (int)(blockDim.x >> 5);
+        v = have ? sv[lane] : -INFINITY;
+        i = have ? si[lane] : -1;
+        for (int k = 16; k > 0; k >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, v, k);
+            int oi = __shfl_xor_sync(0xffffffffu, i, k);
+            if (kvs_sample_better(ov, oi, v, i)) v = ov, i = oi;
+        }
+        if (lane == 0) sv[0] = v, si[0] = i;
+    }
+    __syncthreads();
+    v = sv[0];
+    i = si[0];
+    __syncthreads(); /* sv, si free for the next reduction */
+}
+
+__device__ float kvs_sample_block_sum(float v, float *sv) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+    if (lane == 0) sv[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? sv[lane] : 0.f;
+        for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+        if (lane == 0) sv[0] = v;
+    }
+    __syncthreads();
+    v = sv[0];
+    __syncthreads();
+    return v;
+}
+
+/* One row's filter state: z = x / t, m = max z, keep key(z) >= tau and z - m >= log_min_p. */
+struct kvs_sample_view {
+    const bf16 *x;
+    int vocab;
+    float t, m;
+    uint32_t tau;
+    double log_min_p;
+    __device__ float z(int i) const { return kvs_sample_clean(__bfloat162float(x[i])) / t; }
+    __device__ bool kept(float z) const {
+        return kvs_sample_key(z) >= tau && kvs_sample_min_p_ok(z, m, log_min_p);
+    }
+};
+
+/* Radix select over the keys, most significant byte first (cpu_sample.c's
+ * threshold): the largest tau whose kept weight at or above reaches target
+ * (frac * the kept total when frac > 0). */
+__device__ uint32_t kvs_sample_threshold(const kvs_sample_view &r, bool by_mass, double target, double frac,
+                                         unsigned long long *bins, uint32_t *s_prefix) {
+    uint32_t prefix = 0;
+    unsigned long long above = 0; /* thread 0's */
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int j = threadIdx.x; j < 256; j += blockDim.x) bins[j] = 0;
+        __syncthreads();
+        uint32_t hi_mask = shift == 24 ? 0u : ~0u << (shift + 8);
+        for (int i = threadIdx.x; i < r.vocab; i += blockDim.x) {
+            float z = r.z(i);
+            uint32_t key = kvs_sample_key(z);
+            if ((key & hi_mask) != prefix || !r.kept(z)) continue;
+            atomicAdd(&bins[(key >> shift) & 255], by_mass ? (unsigned long long)kvs_sample_weight(z, r.m) : 1ull);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            if (shift == 24 && frac > 0) {
+                unsigned long long total = 0;
+                for (int d = 0; d < 256; d++) total += bins[d];
+                target = frac * (double)total;
+            }
+            int d = 255;
+            for (; d > 0; d--) {
+                if ((double)(above + bins[d]) >= target) break;
+                above += bins[d];
+            }
+            *s_prefix = prefix | (uint32_t)d << shift;
+        }
+        __syncthreads();
+        prefix = *s_prefix;
+    }
+    return prefix;
+}
+
+__global__ void __launch_bounds__(KVS_SAMPLE_THREADS)
+    kvs_sample_kernel(int32_t *ids, float *logprobs, const bf16 *logits, int ld, int vocab,
+                      const kvs_sample_row *params) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    __shared__ unsigned long long bins[256];
+    __shared__ uint32_t s_prefix;
+    const int row = blockIdx.x;
+    const bf16 *x = logits + (size_t)row * ld;
+    const kvs_sample_row p = params[row];
+
+    float bx = -INFINITY; /* the argmax of the raw logits, first maximum */
+    int best = -1;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float v = kvs_sample_clean(__bfloat162float(x[i]));
+        if (best < 0 || v > bx) bx = v, best = i;
+    }
+    kvs_sample_block_best(bx, best, sv, si);
+    int id = best;
+
+    if (p.temperature > 0) {
+        kvs_sample_view r = {x, vocab, p.temperature, bx / p.temperature, 0u,
+                             p.min_p > 0 ? log((double)p.min_p) : -INFINITY};
+        if (p.top_k > 0 && p.top_k < vocab) r.tau = kvs_sample_threshold(r, false, (double)p.top_k, 0, bins, &s_prefix);
+        if (p.top_p < 1) r.tau = kvs_sample_threshold(r, true, 0, p.top_p, bins, &s_prefix);
+        uint64_t stream = kvs_sample_stream(p.seed, p.step);
+        float bs = -INFINITY;
+        int pick = -1;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            float z = r.z(i);
+            if (!r.kept(z)) continue;
+            float s = z + kvs_sample_gumbel(stream, i);
+            if (pick < 0 || s > bs) bs = s, pick = i;
+        }
+        kvs_sample_block_best(bs, pick, sv, si);
+        if (pick >= 0) id = pick;
+    }
+    if (logprobs) {
+        float sum = 0.f;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            sum += expf(kvs_sample_clean(__bfloat162float(x[i])) - bx);
+        sum = kvs_sample_block_sum(sum, sv);
+        if (threadIdx.x == 0) logprobs[row] = kvs_sample_clean(__bfloat162float(x[id])) - bx - logf(sum);
+    }
+    if (threadIdx.x == 0) ids[row] = id;
+}
+
+void kvs_cuda_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
+                     const struct kvs_sample_row *params) {
+    if (n_rows <= 0 || vocab <= 0) return;
+    kvs_sample_kernel<<<n_rows, KVS_SAMPLE_THREADS, 0, kvs_cuda_of(b)->stream>>>(ids, logprobs, (const bf16 *)logits,
+                                                                                 ld, vocab, params);
+    KVS_CUDA_LAUNCHED(b, "kvs_sample_kernel");
+}
