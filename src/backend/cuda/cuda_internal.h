@@ -91,4 +91,8 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
 void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
                               const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
 
+/* cuda_dummy.cu */
+void kvs_cuda_dummy_fill(kvs_backend *b, void *dst, uint64_t seed, float scale, kvs_dtype src_dtype, int64_t full_cols,
+                         int64_t r0, int64_t nr, int64_t c0, int64_t nc);
+
 #endif
