@@ -850,3 +850,92 @@ Test(cuda, sample_odd_sizes_and_padding) {
     sample_case(&d, 200, 32000, 32003);
     duo_close(&d);
 }
+
+/* ---- dummy weights made on the GPU (dummy_fill) ------------------------------
+ * The GPU op gives bit for bit the CPU op's values (the host generator's, see
+ * test_model_load dummy/backend_fill_equals_host_slices) in bf16: random seeds,
+ * random odd shapes and slices, each checkpoint dtype, element indices beyond
+ * 2^32; and bit for bit what upload_weight makes of the host dummy tensor. */
+static void fill_case(duo *d, uint64_t seed, kvs_dtype src, int64_t full_cols, int64_t r0, int64_t nr, int64_t c0,
+                      int64_t nc) {
+    size_t n = (size_t)nr * nc;
+    float scale = 0.02f / 37837.23f;
+    float *cpu = malloc(sizeof(float) * n);
+    uint16_t *gpu = malloc(2 * n);
+    d->cpu->dummy_fill(d->cpu, cpu, seed, scale, src, full_cols, r0, nr, c0, nc);
+    void *g = d->gpu->alloc(d->gpu, 2 * n);
+    cr_assert(g, "cuda alloc");
+    d->gpu->dummy_fill(d->gpu, g, seed, scale, src, full_cols, r0, nr, c0, nc);
+    d->gpu->to_host(d->gpu, gpu, g, 2 * n);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(gpu[i], kvs_f32_to_bf16(cpu[i]),
+                     "%s seed %llu cols %lld slice rows %lld+%lld cols %lld+%lld element %zu: gpu %04x cpu %a",
+                     kvs_dtype_name(src), (unsigned long long)seed, (long long)full_cols, (long long)r0, (long long)nr,
+                     (long long)c0, (long long)nc, i, gpu[i], cpu[i]);
+    d->gpu->free(d->gpu, g);
+    free(cpu);
+    free(gpu);
+}
+
+Test(cuda, dummy_fill_matches_cpu) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const kvs_dtype src[3] = {KVS_F32, KVS_F16, KVS_BF16};
+    for (int t = 0; t < 3; t++) {
+        for (int k = 0; k < 6; k++) {
+            uint64_t seed = kvs_rng_u64(&d.rng);
+            int64_t cols = 1 + (int64_t)(kvs_rng_u64(&d.rng) % 5000), rows = 1 + (int64_t)(kvs_rng_u64(&d.rng) % 300);
+            int64_t r0 = (int64_t)(kvs_rng_u64(&d.rng) % rows), c0 = (int64_t)(kvs_rng_u64(&d.rng) % cols);
+            int64_t nr = 1 + (int64_t)(kvs_rng_u64(&d.rng) % (uint64_t)(rows - r0));
+            int64_t nc = 1 + (int64_t)(kvs_rng_u64(&d.rng) % (uint64_t)(cols - c0));
+            fill_case(&d, seed, src[t], cols, r0, nr, c0, nc);
+            fill_case(&d, seed, src[t], cols, 0, rows, 0, cols); /* whole */
+        }
+        fill_case(&d, kvs_rng_u64(&d.rng), src[t], 28672, 8100, 92, 14336 + 5, 333); /* 70B down_proj, rank 1 */
+        fill_case(&d, kvs_rng_u64(&d.rng), src[t], (int64_t)1 << 20, 5000, 3, 1000, 70001); /* indices > 2^32 */
+    }
+    duo_close(&d);
+}
+
+Test(cuda, dummy_fill_matches_upload_of_host_tensor) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const char *dtypes[3] = {"float32", "float16", "bfloat16"};
+    for (int t = 0; t < 3; t++) {
+        char json[1024];
+        snprintf(json, sizeof json,
+                 "{\"architectures\": [\"Qwen2ForCausalLM\"], \"hidden_size\": 96, \"num_hidden_layers\": 2,"
+                 " \"num_attention_heads\": 6, \"num_key_value_heads\": 2, \"head_dim\": 16,"
+                 " \"intermediate_size\": 160, \"vocab_size\": 1500, \"max_position_embeddings\": 256,"
+                 " \"rms_norm_eps\": 1e-5, \"rope_theta\": 10000.0, \"tie_word_embeddings\": false,"
+                 " \"torch_dtype\": \"%s\"}",
+                 dtypes[t]);
+        kvs_config c;
+        cr_assert_eq(kvs_config_parse(json, strlen(json), "test", &c), KVS_OK, "%s", kvs_last_error());
+        kvs_checkpoint *ck;
+        cr_assert_eq(kvs_checkpoint_dummy(&c, kvs_rng_u64(&d.rng), &ck), KVS_OK);
+        const kvs_weight_kind kinds[5] = {KVS_W_EMBED, KVS_W_Q, KVS_W_K_BIAS, KVS_W_DOWN, KVS_W_LM_HEAD};
+        for (int k = 0; k < 5; k++) {
+            kvs_dummy_weight dw;
+            cr_assert(kvs_checkpoint_dummy_weight(ck, kinds[k], 1, &dw));
+            kvs_host_tensor h;
+            cr_assert_eq(kvs_checkpoint_read(ck, kinds[k], 1, &h), KVS_OK, "%s", kvs_last_error());
+            size_t n = (size_t)(dw.rows * dw.cols);
+            void *a = d.gpu->alloc(d.gpu, 2 * n), *b = d.gpu->alloc(d.gpu, 2 * n);
+            d.gpu->upload_weight(d.gpu, a, h.data, h.dtype, n);
+            d.gpu->dummy_fill(d.gpu, b, dw.seed, dw.scale, dw.dtype, dw.cols, 0, dw.rows, 0, dw.cols);
+            uint16_t *ha = malloc(2 * n), *hb = malloc(2 * n);
+            d.gpu->to_host(d.gpu, ha, a, 2 * n);
+            d.gpu->to_host(d.gpu, hb, b, 2 * n);
+            for (size_t i = 0; i < n; i++)
+                cr_assert_eq(hb[i], ha[i], "%s weight %d element %zu: fill %04x upload %04x", dtypes[t], (int)kinds[k], i,
+                             hb[i], ha[i]);
+            d.gpu->free(d.gpu, a);
+            d.gpu->free(d.gpu, b);
+            free(ha);
+            free(hb);
+        }
+        kvs_checkpoint_destroy(ck);
+    }
+    duo_close(&d);
+}

@@ -571,3 +571,80 @@ Test(engine, thread_mode) {
     free(prompt);
     fx_close(&f);
 }
+
+/* The engine over tensor-parallel groups: a 2-rank CPU group (host
+ * communicator, each rank its half of the heads and its own KV pool) gives the
+ * same greedy outputs as a world-1 group and as the plain model, with full and
+ * snapkv policies, chunked prefill and preemption included. */
+static void engine_run_all(kvs_engine *e, int n, int32_t **prompts, const int *lens, int max_tokens, sink *sinks,
+                           const kvs_kv_policy *policy) {
+    for (int i = 0; i < n; i++) {
+        kvs_request_params p = greedy_params(prompts[i], lens[i], max_tokens);
+        p.policy = policy;
+        cr_assert_eq(kvs_engine_submit(e, &p, on_output, &sinks[i], NULL), KVS_OK, "%s", kvs_last_error());
+    }
+    run_until_idle(e, 4000);
+    for (int i = 0; i < n; i++) cr_assert_eq(sinks[i].finish, KVS_FINISH_LENGTH, "request %d: %s", i, sinks[i].error);
+}
+
+Test(engine, tensor_parallel_group_matches_one_rank) {
+    fixture f;
+    fx_open(&f);
+    enum { N = 10, MAX_TOKENS = 24 };
+    int32_t *prompts[N];
+    int lens[N];
+    for (int i = 0; i < N; i++) {
+        lens[i] = 20 + (i * 53) % 200;
+        prompts[i] = random_prompt(900 + i, lens[i]);
+    }
+    kvs_kv_policy policies[2] = {kvs_kv_policy_default(KVS_POLICY_FULL), kvs_kv_policy_default(KVS_POLICY_SNAPKV)};
+    kvs_kv_budget_parse("25%", &policies[1]);
+    for (int pi = 0; pi < 2; pi++) {
+        sink *want = calloc(N, sizeof(sink)), *got1 = calloc(N, sizeof(sink)), *got2 = calloc(N, sizeof(sink));
+        kvs_engine_config c = kvs_engine_config_default();
+        c.max_num_seqs = 4;
+        c.max_num_batched_tokens = 64; /* chunked prefill */
+        kvs_kv_config kc = {.n_layers = f.cfg.n_layers, .n_kv_heads = f.cfg.n_kv_heads, .head_dim = f.cfg.head_dim,
+                            .block_size = 16};
+        c.kv_memory_bytes = kvs_kv_block_bytes(&kc, f.be->kv_dtype) * 40 * f.cfg.n_layers; /* tight: preemption */
+        kvs_engine *e;
+        cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+        engine_run_all(e, N, prompts, lens, MAX_TOKENS, want, &policies[pi]);
+        kvs_engine_destroy(e);
+
+        kvs_tp_group *g1, *g2;
+        cr_assert_eq(kvs_tp_group_create_cpu(&f.cfg, f.ck, 1, 0, &g1), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_engine_create_tp(g1, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+        engine_run_all(e, N, prompts, lens, MAX_TOKENS, got1, &policies[pi]);
+        kvs_engine_destroy(e);
+        kvs_tp_group_destroy(g1);
+
+        cr_assert_eq(kvs_tp_group_create_cpu(&f.cfg, f.ck, 2, 1, &g2), KVS_OK, "%s", kvs_last_error());
+        /* per-rank budget: each rank holds half the heads, so half the bytes give the same blocks */
+        c.kv_memory_bytes /= 2;
+        cr_assert_eq(kvs_engine_create_tp(g2, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_kv_get_config(kvs_tp_kv(g2, 1))->n_kv_heads, f.cfg.n_kv_heads / 2);
+        engine_run_all(e, N, prompts, lens, MAX_TOKENS, got2, &policies[pi]);
+        kvs_engine_stats s;
+        kvs_engine_get_stats(e, &s);
+        cr_expect_eq(s.kv_blocks_used, 0);
+        cr_expect_eq(kvs_kv_used_blocks(kvs_tp_kv(g2, 1)), 0, "rank 1 kept blocks");
+        cr_log_info("policy %d: TP=2 preemptions %llu", pi, (unsigned long long)s.preemptions);
+        kvs_engine_destroy(e);
+        kvs_tp_group_destroy(g2);
+
+        for (int i = 0; i < N; i++) {
+            cr_assert_eq(got1[i].n, want[i].n);
+            cr_assert_eq(got2[i].n, want[i].n);
+            for (int k = 0; k < want[i].n; k++) {
+                cr_assert_eq(got1[i].ids[k], want[i].ids[k], "policy %d request %d token %d (world 1)", pi, i, k);
+                cr_assert_eq(got2[i].ids[k], want[i].ids[k], "policy %d request %d token %d (world 2)", pi, i, k);
+            }
+        }
+        free(want);
+        free(got1);
+        free(got2);
+    }
+    for (int i = 0; i < N; i++) free(prompts[i]);
+    fx_close(&f);
+}

@@ -839,6 +839,115 @@ Test(dummy, other_dtypes) {
     kvs_checkpoint_destroy(ck);
 }
 
+/* The backends' dummy_fill op makes a slice of a dummy weight in place: the
+ * CPU op gives bit for bit what the host tensor holds at those elements
+ * (after upload_weight's conversion to f32), for every dtype, 1-D and 2-D
+ * weights, slices with odd offsets and slices crossing the generator's chunks. */
+static void check_fill_slice(kvs_backend *be, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0,
+                             int64_t nr, int64_t c0, int64_t nc) {
+    kvs_dummy_weight dw;
+    cr_assert(kvs_checkpoint_dummy_weight(ck, kind, layer, &dw), "weight %d layer %d", (int)kind, layer);
+    kvs_host_tensor t;
+    cr_assert_eq(kvs_checkpoint_read(ck, kind, layer, &t), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(t.dtype, dw.dtype);
+    cr_assert_eq(t.shape[0], dw.rows);
+    cr_assert_eq(t.ndim == 2 ? t.shape[1] : 1, dw.cols);
+    if (nr < 0) r0 = 0, nr = dw.rows;
+    if (nc < 0) c0 = 0, nc = dw.cols;
+    size_t n = (size_t)nr * nc, es = kvs_dtype_size(t.dtype);
+    float *want = malloc(n * sizeof(float)), *got = malloc(n * sizeof(float));
+    for (int64_t r = 0; r < nr; r++)
+        kvs_to_f32(want + r * nc, (const char *)t.data + ((size_t)(r0 + r) * dw.cols + c0) * es, t.dtype, nc);
+    be->dummy_fill(be, got, dw.seed, dw.scale, dw.dtype, dw.cols, r0, nr, c0, nc);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(memcmp(&got[i], &want[i], 4), 0,
+                     "weight %d layer %d %s slice rows %lld+%lld cols %lld+%lld, element %zu: %a != %a", (int)kind,
+                     layer, kvs_dtype_name(t.dtype), (long long)r0, (long long)nr, (long long)c0, (long long)nc, i,
+                     got[i], want[i]);
+    free(want);
+    free(got);
+}
+
+Test(dummy, backend_fill_equals_host_slices) {
+    kvs_backend *be;
+    cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
+    const char *dtypes[3] = {"float32", "float16", "bfloat16"};
+    for (int d = 0; d < 3; d++) {
+        char json[1024];
+        /* embed 1500 x 96 = 144,000 elements: three generator chunks */
+        snprintf(json, sizeof json,
+                 "{\"architectures\": [\"Qwen2ForCausalLM\"], \"hidden_size\": 96, \"num_hidden_layers\": 2,"
+                 " \"num_attention_heads\": 6, \"num_key_value_heads\": 2, \"head_dim\": 16,"
+                 " \"intermediate_size\": 160, \"vocab_size\": 1500, \"max_position_embeddings\": 256,"
+                 " \"rms_norm_eps\": 1e-5, \"rope_theta\": 10000.0, \"tie_word_embeddings\": false,"
+                 " \"torch_dtype\": \"%s\"}",
+                 dtypes[d]);
+        kvs_config c;
+        cr_assert_eq(kvs_config_parse(json, strlen(json), "test", &c), KVS_OK, "%s", kvs_last_error());
+        kvs_checkpoint *ck;
+        cr_assert_eq(kvs_checkpoint_dummy(&c, 7 + d, &ck), KVS_OK);
+        check_fill_slice(be, ck, KVS_W_EMBED, -1, 0, -1, 0, -1);
+        check_fill_slice(be, ck, KVS_W_EMBED, -1, 681, 7, 0, -1); /* rows across the first chunk's end */
+        check_fill_slice(be, ck, KVS_W_LM_HEAD, -1, 750, 750, 0, -1);
+        check_fill_slice(be, ck, KVS_W_Q, 1, 32, 48, 0, -1);
+        check_fill_slice(be, ck, KVS_W_O, 0, 0, -1, 48, 48); /* a column slice */
+        check_fill_slice(be, ck, KVS_W_DOWN, 1, 3, 90, 77, 3);
+        check_fill_slice(be, ck, KVS_W_K_BIAS, 1, 16, 16, 0, -1); /* 1-D */
+        check_fill_slice(be, ck, KVS_W_GATE, 0, 0, -1, 0, -1);
+        kvs_dummy_weight dw;
+        cr_assert_not(kvs_checkpoint_dummy_weight(ck, KVS_W_ATTN_NORM, 0, &dw), "norms stay on the host path");
+        kvs_checkpoint_destroy(ck);
+    }
+    /* a slice of a 70B weight deep in the tensor (no whole-tensor work on the op's side) */
+    kvs_config c = load_bench_config("bench/llama-3-70b.json");
+    kvs_checkpoint *ck, *real;
+    cr_assert_eq(kvs_checkpoint_dummy(&c, 42, &ck), KVS_OK);
+    check_fill_slice(be, ck, KVS_W_DOWN, 79, 8100, 92, 14336 + 5, 333);
+    kvs_dummy_weight dw;
+    kvs_config tc;
+    load_cfg(tiny_dir(), &tc);
+    cr_assert_eq(kvs_checkpoint_open(tiny_dir(), &tc, &real), KVS_OK, "%s", kvs_last_error());
+    cr_assert_not(kvs_checkpoint_dummy_weight(real, KVS_W_Q, 0, &dw), "a real checkpoint has no dummy weights");
+    kvs_checkpoint_destroy(real);
+    kvs_checkpoint_destroy(ck);
+    be->destroy(be);
+}
+
+/* A model uploaded through dummy_fill equals one uploaded from the host tensors. */
+Test(dummy, model_through_fill_equals_host_upload) {
+    kvs_config c;
+    load_cfg(arch_dir("qwen2-bias-tied"), &c);
+    kvs_checkpoint *ck;
+    cr_assert_eq(kvs_checkpoint_dummy(&c, 5, &ck), KVS_OK);
+    float *logits[2];
+    for (int k = 0; k < 2; k++) {
+        kvs_backend *be;
+        cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
+        if (k == 1) be->dummy_fill = NULL; /* the host path */
+        kvs_model *m;
+        cr_assert_eq(kvs_model_create(&c, ck, be, &m), KVS_OK, "%s", kvs_last_error());
+        kvs_kv_config kc = {.n_layers = c.n_layers, .n_kv_heads = c.n_kv_heads, .head_dim = c.head_dim,
+                            .n_heads = c.n_heads, .block_size = 16, .max_seqs = 1, .n_blocks = 4 * c.n_layers};
+        kvs_kv_cache *kv;
+        cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK, "%s", kvs_last_error());
+        int seq = kvs_kv_seq_create(kv);
+        int32_t ids[20], pos[20], qs[2] = {0, 20};
+        for (int i = 0; i < 20; i++) ids[i] = (i * 31 + 3) % c.vocab_size, pos[i] = i;
+        uint8_t want = 1;
+        cr_assert_eq(kvs_kv_reserve(kv, seq, 20), KVS_OK);
+        kvs_batch b = {20, 1, ids, pos, qs, &seq, &want};
+        logits[k] = malloc(sizeof(float) * c.vocab_size);
+        cr_assert_eq(kvs_model_forward(m, &b, kv, logits[k]), KVS_OK, "%s", kvs_last_error());
+        kvs_kv_destroy(kv);
+        kvs_model_destroy(m);
+        be->destroy(be);
+    }
+    cr_assert_eq(memcmp(logits[0], logits[1], sizeof(float) * c.vocab_size), 0, "logits differ");
+    free(logits[0]);
+    free(logits[1]);
+    kvs_checkpoint_destroy(ck);
+}
+
 /* ---- kvsparse info ------------------------------------------------------------------------- */
 static int run_info(const char *args, char **out) {
     const char *bin = kvsparse_binary();

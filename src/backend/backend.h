@@ -97,6 +97,14 @@ struct kvs_backend {
      * not NULL. All arrays in backend memory; no host round trip. */
     void (*sample)(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
                    const struct kvs_sample_row *params);
+    /* Dummy weights (--load-format dummy) made in place, without the host:
+     * dst (weight_dtype, nr x nc, row-major) gets the zero-mean dummy elements
+     * (r0 + r) * full_cols + c0 + c of the weight with per-weight seed `seed`
+     * (backend/dummy_values.h: kvs_dummy_value(seed, i, scale, src_dtype)), i.e.
+     * exactly what the checkpoint's host tensor of dtype src_dtype would hold
+     * there, converted as upload_weight converts it. */
+    void (*dummy_fill)(kvs_backend *b, void *dst, uint64_t seed, float scale, kvs_dtype src_dtype, int64_t full_cols,
+                       int64_t r0, int64_t nr, int64_t c0, int64_t nc);
 
     void (*destroy)(kvs_backend *b);
 };

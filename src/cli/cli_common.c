@@ -1,5 +1,7 @@
 #include "cli/cli_common.h"
 
+#include "backend/comm.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -81,6 +83,26 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i) {
     return ok ? 1 : -1;
 }
 
+/* --device cuda[:K] --tensor-parallel-size N: CUDA backends on GPUs K .. K+N-1,
+ * their NCCL communicators and the group (one thread per GPU). */
+static kvs_status load_cuda_ranks(const kvs_load_options *o, kvs_loaded *out, int tp, int device0) {
+    int gpus = kvs_comm_gpu_count();
+    if (device0 < 0 || device0 + tp > gpus)
+        return kvs_fail(KVS_ERR_INVALID,
+                        "--tensor-parallel-size %d on %s needs GPUs %d .. %d, but %d GPU%s present%s", tp, o->device,
+                        device0, device0 + tp - 1, gpus, gpus == 1 ? " is" : "s are",
+                        gpus == 0 ? " (or this kvsparse was built without CUDA and NCCL)" : "");
+    out->rank_be = calloc((size_t)tp, sizeof *out->rank_be);
+    out->rank_comm = calloc((size_t)tp, sizeof *out->rank_comm);
+    if (!out->rank_be || !out->rank_comm) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    for (int r = 0; r < tp; r++) KVS_TRY(kvs_backend_cuda_create(device0 + r, &out->rank_be[r]));
+    out->be = out->rank_be[0];
+    KVS_TRY(kvs_comm_nccl_create(out->rank_be, tp, out->rank_comm));
+    if (o->skip_model) return KVS_OK;
+    /* the group's device check counts from device0: the range was checked above */
+    return kvs_tp_group_create(&out->cfg, out->ck, tp, out->rank_be, out->rank_comm, gpus - device0, &out->tp);
+}
+
 kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     memset(out, 0, sizeof *out);
     kvs_status st;
@@ -101,22 +123,26 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
         st = o->dummy ? kvs_checkpoint_dummy(&out->cfg, o->dummy_seed, &out->ck)
                       : kvs_checkpoint_open(o->model_dir, &out->cfg, &out->ck);
     int tp = o->tensor_parallel > 1 ? o->tensor_parallel : 1;
+    out->world = tp;
     if (st == KVS_OK && tp > 1 && !o->allow_tp)
-        st = kvs_fail(KVS_ERR_UNSUPPORTED, "--tensor-parallel-size %d: not available in this command yet (generate has it)",
+        st = kvs_fail(KVS_ERR_UNSUPPORTED,
+                      "--tensor-parallel-size %d: not available in this command yet (serve, generate and "
+                      "bench throughput have it)",
                       tp);
     if (st == KVS_OK && tp > 1) st = kvs_tp_validate(&out->cfg, tp, -1);
     bool cuda = o->device && !strncmp(o->device, "cuda", 4);
-    if (st == KVS_OK && cuda && tp > 1)
-        st = kvs_fail(KVS_ERR_UNSUPPORTED, "--tensor-parallel-size with --device cuda is not wired into the CLI yet");
-    if (st == KVS_OK)
-        st = cuda ? kvs_backend_cuda_create(o->device[4] == ':' ? atoi(o->device + 5) : 0, &out->be)
-                  : kvs_backend_cpu_create(o->threads, &out->be);
-    if (st == KVS_OK && !o->skip_model) {
-        if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
-            int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;
-            st = kvs_tp_group_create_cpu(&out->cfg, out->ck, tp, per_rank, &out->tp);
-        } else {
-            st = kvs_model_create(&out->cfg, out->ck, out->be, &out->model);
+    int device0 = cuda && o->device[4] == ':' ? atoi(o->device + 5) : 0;
+    if (st == KVS_OK && cuda && tp > 1) {
+        st = load_cuda_ranks(o, out, tp, device0);
+    } else if (st == KVS_OK) {
+        st = cuda ? kvs_backend_cuda_create(device0, &out->be) : kvs_backend_cpu_create(o->threads, &out->be);
+        if (st == KVS_OK && !o->skip_model) {
+            if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
+                int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;
+                st = kvs_tp_group_create_cpu(&out->cfg, out->ck, tp, per_rank, &out->tp);
+            } else {
+                st = kvs_model_create(&out->cfg, out->ck, out->be, &out->model);
+            }
         }
     }
     if (st == KVS_OK && o->model_dir) {
@@ -133,6 +159,15 @@ void kvs_cli_unload(kvs_loaded *l) {
     kvs_model_destroy(l->model);
     kvs_checkpoint_destroy(l->ck);
     if (l->tok) kvs_tokenizer_destroy(l->tok);
+    if (l->rank_be) { /* CUDA ranks: communicators before their backends */
+        for (int r = 0; r < l->world; r++)
+            if (l->rank_comm && l->rank_comm[r]) l->rank_comm[r]->destroy(l->rank_comm[r]);
+        for (int r = 0; r < l->world; r++)
+            if (l->rank_be[r]) l->rank_be[r]->destroy(l->rank_be[r]);
+        l->be = NULL;
+    }
+    free(l->rank_be);
+    free(l->rank_comm);
     if (l->be) l->be->destroy(l->be);
     memset(l, 0, sizeof *l);
 }

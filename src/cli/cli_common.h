@@ -26,6 +26,11 @@ typedef struct {
     kvs_model *model;   /* NULL with tensor parallelism: use tp */
     kvs_tokenizer *tok; /* NULL when the folder has no tokenizer.json */
     kvs_tp_group *tp;   /* --tensor-parallel-size N > 1: N ranks (the CPU simulation: N threads) */
+    int world;          /* ranks (1 without tensor parallelism) */
+    /* --device cuda with N > 1: one CUDA backend and one NCCL communicator per
+       rank (be is rank_be[0]); the group uses them, the CLI owns them */
+    kvs_backend **rank_be;
+    struct kvs_comm **rank_comm;
 } kvs_loaded;
 
 #define KVS_CLI_DEVICE_HELP "  --device D             cpu (default), cuda or cuda:N\n"
@@ -54,8 +59,9 @@ kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, k
 /* Its config (the whole model's heads; a TP group gives each rank its slice). */
 kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs);
 #define KVS_CLI_TP_HELP                                                                     \
-    "  --tensor-parallel-size N  split heads, MLP and vocabulary over N ranks (one thread each;\n" \
-    "                         on the CPU backend a simulation: same results as N = 1)\n"
+    "  --tensor-parallel-size N  split heads, MLP and vocabulary over N ranks, one thread each:\n" \
+    "                         with --device cuda[:K] GPUs K .. K+N-1 over NCCL; on the CPU\n"   \
+    "                         backend a simulation (same results as N = 1)\n"
 
 /* "1,2,3" -> ids (malloc'ed); false on a malformed list. */
 bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n);

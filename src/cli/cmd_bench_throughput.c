@@ -31,9 +31,9 @@ static void usage(FILE *f) {
                "  --ignore-eos           always generate --output-len tokens\n"
                "  --max-num-seqs N       running sequences at most (default 64)\n"
                "  --max-num-batched-tokens N  tokens per step (default 2048)\n"
-               "  --kv-memory GiB        the KV pool's size (default 1)\n"
-               "  --gpu-memory GiB       cap on the memory taken: KV = cap - weights - activations\n"
-               KVS_CLI_DEVICE_HELP KVS_CLI_POLICY_HELP
+               "  --kv-memory GiB        the KV pool's size (default 1; per rank)\n"
+               "  --gpu-memory GiB       cap on the memory taken (per GPU): KV = cap - weights - activations\n"
+               KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "  --seed S               prompt ids seed (default 0)\n"
                "  --json                 print one JSON object\n"
                "  --threads N\n");
@@ -56,6 +56,7 @@ static bool parse_gib(const char *s, double *out) {
 static int parse_args(int argc, char **argv, tp_options *o) {
     memset(o, 0, sizeof *o);
     o->policy = kvs_kv_policy_default(KVS_POLICY_FULL);
+    o->load.allow_tp = true;
     o->input_len = 4000;
     o->output_len = 500;
     o->num_prompts = 100;
@@ -94,7 +95,9 @@ static int parse_args(int argc, char **argv, tp_options *o) {
     return -1;
 }
 
-/* The KV pool's bytes: --kv-memory, or --gpu-memory minus the weights and an activation reserve. */
+/* The KV pool's bytes (per rank with tensor parallelism: --gpu-memory is each
+ * GPU's): --kv-memory, or --gpu-memory minus the rank's weights and an
+ * activation reserve. */
 static kvs_status kv_budget(const tp_options *o, const kvs_loaded *l, size_t *bytes) {
     if (o->gpu_gib <= 0) {
         *bytes = o->kv_gib > 0 ? (size_t)(o->kv_gib * (1 << 30)) : (size_t)1 << 30;
@@ -102,15 +105,17 @@ static kvs_status kv_budget(const tp_options *o, const kvs_loaded *l, size_t *by
     }
     const kvs_config *c = &l->cfg;
     double cap = o->gpu_gib * (1 << 30);
+    int w = l->world > 0 ? l->world : 1; /* a rank holds 1/w of the weights (embeddings aside) */
     double weights = (double)kvs_checkpoint_total_bytes(l->ck) / kvs_dtype_size(c->dtype) *
-                     kvs_dtype_size(l->be->weight_dtype);
+                     kvs_dtype_size(l->be->weight_dtype) / w;
+    if (w > 1) weights += (double)c->vocab_size * c->hidden_size * kvs_dtype_size(l->be->weight_dtype);
     double act = (double)o->max_num_batched_tokens *
-                     (6.0 * c->hidden_size + 3.0 * c->intermediate_size + 2.0 * c->n_heads * c->head_dim) *
+                     (6.0 * c->hidden_size + 3.0 * c->intermediate_size / w + 2.0 * c->n_heads / w * c->head_dim) *
                      kvs_dtype_size(l->be->act_dtype) +
                  2.0 * o->max_num_seqs * c->vocab_size * sizeof(float) + 64.0 * (1 << 20);
     /* a sparse policy's window queries and LSE: [max_num_seqs * window] rows per layer */
     if (o->policy.kind != KVS_POLICY_FULL)
-        act += (double)o->max_num_seqs * o->policy.window * c->n_layers * c->n_heads *
+        act += (double)o->max_num_seqs * o->policy.window * c->n_layers * c->n_heads / w *
                (c->head_dim * kvs_dtype_size(l->be->act_dtype) + sizeof(float));
     double left = cap - weights - act;
     if (left < 1 << 20)
@@ -143,7 +148,7 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     c.default_policy = o->policy;
     KVS_TRY(kv_budget(o, l, &c.kv_memory_bytes));
     kvs_engine *e;
-    KVS_TRY(kvs_engine_create(l->model, l->tok, &c, &e));
+    KVS_TRY(l->tp ? kvs_engine_create_tp(l->tp, l->tok, &c, &e) : kvs_engine_create(l->model, l->tok, &c, &e));
     int32_t *prompt = malloc(sizeof(int32_t) * o->input_len);
     kvs_status st = prompt ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "out of memory");
     kvs_rng rng;

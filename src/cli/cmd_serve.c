@@ -43,10 +43,10 @@ static void usage(FILE *f) {
                "  --max-num-seqs N          running requests at most (default 64)\n"
                "  --max-num-batched-tokens N  tokens per engine step (default 2048)\n"
                "  --max-model-len N         context limit (default: the model's)\n"
-               "  --kv-memory GiB           KV pool size (default 1)\n"
+               "  --kv-memory GiB           KV pool size (default 1; per rank with --tensor-parallel-size)\n"
                "  --max-waiting N           queued requests at most; more get 429 (default 1024)\n"
                "  --max-body-bytes N        request body limit (default 4 MiB; more gets 413)\n"
-               "  --threads N  --load-format dummy\n" KVS_CLI_DEVICE_HELP KVS_CLI_POLICY_HELP
+               "  --threads N  --load-format dummy\n" KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "The API is described in docs/SERVING.md.\n");
 }
 
@@ -61,6 +61,7 @@ static bool parse_int(const char *s, int lo, int *out) {
 static int parse_args(int argc, char **argv, serve_options *o) {
     memset(o, 0, sizeof *o);
     o->ecfg = kvs_engine_config_default();
+    o->load.allow_tp = true;
     o->scfg.host = "127.0.0.1";
     o->scfg.port = 8000;
     for (int i = 1; i < argc; i++) {
@@ -127,15 +128,15 @@ static int64_t seq_blocks(const kvs_kv_policy *p, int n_layers, int len, bool us
 
 static void log_capacity(const kvs_loaded *l, const kvs_engine_config *ec, int max_len) {
     const kvs_config *c = &l->cfg;
-    kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
-                        .n_heads = c->n_heads, .block_size = 16, .max_seqs = ec->max_num_seqs};
+    kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads / l->world, .head_dim = c->head_dim,
+                        .n_heads = c->n_heads / l->world, .block_size = 16, .max_seqs = ec->max_num_seqs};
     size_t bytes = ec->kv_memory_bytes ? ec->kv_memory_bytes : (size_t)1 << 30;
     int64_t blocks = kvs_kv_blocks_for_budget(&kc, l->be->kv_dtype, bytes);
     int64_t full = seq_blocks(&ec->default_policy, c->n_layers, max_len, false);
     int64_t sparse = seq_blocks(&ec->default_policy, c->n_layers, max_len, true);
     char desc[160];
     kvs_kv_policy_describe(&ec->default_policy, desc, sizeof desc);
-    kvs_log(KVS_LOG_INFO, "KV pool: %.2f GiB, %lld blocks = %lld tokens in every layer", (double)bytes / (1 << 30),
+    kvs_log(KVS_LOG_INFO, "KV pool%s: %.2f GiB, %lld blocks = %lld tokens in every layer", l->world > 1 ? " (per rank)" : "", (double)bytes / (1 << 30),
             (long long)blocks, (long long)(blocks / c->n_layers * 16));
     kvs_log(KVS_LOG_INFO, "requests of the maximum length (%d tokens) that fit at once: %lld with a full cache, "
             "%lld with policy %s (after compaction; admission needs the prompt in every layer)",
@@ -156,7 +157,7 @@ int kvs_cmd_serve(int argc, char **argv) {
     o.scfg.n_layers = l.cfg.n_layers;
     kvs_engine *e = NULL;
     kvs_server *srv = NULL;
-    kvs_status st = kvs_engine_create(l.model, l.tok, &o.ecfg, &e);
+    kvs_status st = l.tp ? kvs_engine_create_tp(l.tp, l.tok, &o.ecfg, &e) : kvs_engine_create(l.model, l.tok, &o.ecfg, &e);
     if (st == KVS_OK) st = kvs_engine_start(e);
     if (st == KVS_OK && (pipe(g_signal_pipe) != 0 || fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK) != 0))
         st = kvs_fail(KVS_ERR_IO, "pipe: %s", strerror(errno));

@@ -34,15 +34,15 @@ static kvs_status resolve_config(const kvs_config *mc, kvs_engine_config *c) {
     return kvs_kv_policy_validate(&c->default_policy, mc->n_layers);
 }
 
-kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
-                             kvs_engine **out) {
-    *out = NULL;
-    if (!model) return kvs_fail(KVS_ERR_INVALID, "engine: no model");
+static kvs_status engine_create(kvs_tp_group *g, bool owns_tp, const kvs_tokenizer *tok,
+                                const kvs_engine_config *cfg, kvs_engine **out) {
+    kvs_model *model = kvs_tp_model(g, 0);
     kvs_engine_config c = cfg ? *cfg : kvs_engine_config_default();
     const kvs_config *mc = kvs_model_config(model);
     KVS_TRY(resolve_config(mc, &c));
     kvs_engine *e = calloc(1, sizeof *e);
     if (!e) return kvs_fail(KVS_ERR_NOMEM, "engine: out of memory");
+    e->tp = g; /* owns_tp is set on success: on failure the caller keeps the group */
     e->model = model;
     e->tok = tok;
     e->cfg = c;
@@ -52,15 +52,19 @@ kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const k
     e->next_id = 1;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
-    kvs_kv_config kc = {.n_layers = mc->n_layers, .n_kv_heads = mc->n_kv_heads, .head_dim = mc->head_dim,
-                        .n_heads = mc->n_heads, .block_size = 16, .max_seqs = c.max_num_seqs,
+    int world = kvs_tp_world(g);
+    kvs_kv_config kc = {.n_layers = mc->n_layers, .n_kv_heads = mc->n_kv_heads / world, .head_dim = mc->head_dim,
+                        .n_heads = mc->n_heads / world, .block_size = 16, .max_seqs = c.max_num_seqs,
                         .max_window = c.default_policy.window}; /* requests may use windows up to the default's */
-    kc.n_blocks = kvs_kv_blocks_for_budget(&kc, e->be->kv_dtype, c.kv_memory_bytes);
+    kc.n_blocks = kvs_kv_blocks_for_budget(&kc, e->be->kv_dtype, c.kv_memory_bytes); /* one rank's pool */
     kvs_status st = KVS_OK;
     if (kc.n_blocks < mc->n_layers)
         st = kvs_fail(KVS_ERR_INVALID, "kv_memory_bytes (%zu) holds %lld blocks: less than one token in every layer",
                       c.kv_memory_bytes, (long long)kc.n_blocks);
-    if (st == KVS_OK) st = kvs_kv_create(&kc, e->be, &e->kv);
+    kc.n_kv_heads = mc->n_kv_heads; /* kvs_tp_kv_create takes the whole model's heads */
+    kc.n_heads = mc->n_heads;
+    if (st == KVS_OK) st = kvs_tp_kv_create(g, &kc);
+    if (st == KVS_OK) e->kv = kvs_tp_kv(g, 0);
     kvs_step_batch *b = &e->batch;
     b->cap_tokens = c.max_num_batched_tokens;
     b->cap_seqs = c.max_num_seqs;
@@ -81,8 +85,27 @@ kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const k
         return st;
     }
     kvs_stats_refresh(e);
+    e->owns_tp = owns_tp;
     *out = e;
     return KVS_OK;
+}
+
+kvs_status kvs_engine_create_tp(kvs_tp_group *group, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
+                                kvs_engine **out) {
+    *out = NULL;
+    if (!group || !kvs_tp_model(group, 0)) return kvs_fail(KVS_ERR_INVALID, "engine: no model");
+    return engine_create(group, false, tok, cfg, out);
+}
+
+kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
+                             kvs_engine **out) {
+    *out = NULL;
+    if (!model) return kvs_fail(KVS_ERR_INVALID, "engine: no model");
+    kvs_tp_group *g;
+    KVS_TRY(kvs_tp_group_wrap(model, &g));
+    kvs_status st = engine_create(g, true, tok, cfg, out);
+    if (st != KVS_OK) kvs_tp_group_destroy(g);
+    return st;
 }
 
 static void free_list(kvs_req_list *l) {
@@ -100,7 +123,7 @@ void kvs_engine_destroy(kvs_engine *e) {
     free_list(&e->incoming);
     free_list(&e->waiting);
     free_list(&e->running);
-    kvs_kv_destroy(e->kv);
+    if (e->owns_tp) kvs_tp_group_destroy(e->tp); /* its rank caches go with it */
     kvs_step_batch *b = &e->batch;
     free(b->token_ids);
     free(b->positions);
@@ -213,8 +236,8 @@ static kvs_status run_batch(kvs_engine *e) {
                                                     .step = (uint64_t)r->n_gen};
         want_lp |= r->logprobs > 0;
     }
-    kvs_status st = kvs_model_forward_sample(e->model, &mb, e->kv, e->sample_rows, e->sample_ids,
-                                             want_lp ? e->sample_lp : NULL);
+    kvs_status st = kvs_tp_forward_sample(e->tp, &mb, e->sample_rows, e->sample_ids,
+                                          want_lp ? e->sample_lp : NULL);
     if (st != KVS_OK) {
         char msg[200];
         snprintf(msg, sizeof msg, "model forward failed: %s", kvs_last_error());

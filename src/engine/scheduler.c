@@ -40,7 +40,7 @@ void kvs_list_remove(kvs_req_list *l, kvs_request *r) {
 }
 
 void kvs_release_seq(kvs_engine *e, kvs_request *r) {
-    if (r->seq >= 0) kvs_kv_free(e->kv, r->seq);
+    if (r->seq >= 0) kvs_tp_seq_free(e->tp, r->seq);
     r->seq = -1;
     r->n_computed = 0;
     r->n_sched = 0;
@@ -79,7 +79,7 @@ static bool is_decode(const kvs_request *r) {
 /* Reserves a decode token for r, preempting the newest running requests while
  * the pool is dry. Returns false when r itself was preempted or failed. */
 static bool reserve_decode(kvs_engine *e, kvs_request *r) {
-    while (kvs_kv_reserve(e->kv, r->seq, 1) != KVS_OK) {
+    while (kvs_tp_reserve(e->tp, r->seq, 1) != KVS_OK) {
         kvs_request *victim = e->running.tail;
         if (victim == r && e->running.n == 1) { /* alone and still no room: the pool is too small */
             kvs_release_seq(e, r);
@@ -105,10 +105,10 @@ static int64_t running_headroom(const kvs_engine *e) {
 /* Starts the waiting head r: a KV sequence, its policy, its whole prompt reserved. */
 static kvs_status admit(kvs_engine *e, kvs_request *r) {
     int n = kvs_request_len(r);
-    r->seq = kvs_kv_seq_create(e->kv);
+    r->seq = kvs_tp_seq_create(e->tp);
     if (r->seq < 0) return KVS_ERR_NOMEM;
-    kvs_status st = kvs_kv_set_policy(e->kv, r->seq, &r->policy, n);
-    if (st == KVS_OK) st = kvs_kv_reserve(e->kv, r->seq, n);
+    kvs_status st = kvs_tp_set_policy(e->tp, r->seq, &r->policy, n);
+    if (st == KVS_OK) st = kvs_tp_reserve(e->tp, r->seq, n);
     if (st != KVS_OK) {
         kvs_release_seq(e, r);
         return st;
@@ -148,7 +148,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
         if (is_decode(r) || r->n_sched) continue;
         int n = kvs_request_len(r) - r->n_computed;
         if (n > budget) n = budget;
-        if (kvs_kv_reserve(e->kv, r->seq, n) != KVS_OK) break; /* cannot happen: reserved at admission */
+        if (kvs_tp_reserve(e->tp, r->seq, n) != KVS_OK) break; /* cannot happen: reserved at admission */
         batch_add(e, r, n);
         budget -= n;
     }

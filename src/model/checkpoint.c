@@ -1,6 +1,7 @@
 /* Checkpoints: safetensors files (single or sharded via the index) mapped into
  * memory, or seeded dummy weights generated on demand into a scratch buffer. */
 #include "model/model.h"
+#include "backend/dummy_values.h"
 
 #include <jansson.h>
 #include <stdio.h>
@@ -227,15 +228,6 @@ kvs_status kvs_checkpoint_open(const char *model_dir, const kvs_config *cfg, kvs
 }
 
 /* ---- dummy weights ------------------------------------------------------------- */
-#define DUMMY_CHUNK 65536 /* elements per independently seeded chunk */
-
-static uint64_t mix64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 static size_t weight_elems(const kvs_config *cfg, kvs_weight_kind k, int64_t shape[2], int *ndim) {
     if (!kvs_weight_expected(cfg, k, shape, ndim)) return 0;
     return (size_t)(*ndim == 2 ? shape[0] * shape[1] : shape[0]);
@@ -265,26 +257,24 @@ kvs_status kvs_checkpoint_dummy(const kvs_config *cfg, uint64_t seed, kvs_checkp
  * Each chunk has its own seed, so the result does not depend on thread count.
  * The normal is Irwin-Hall: the sum of four 16-bit uniforms, standardized. */
 static void dummy_fill(void *dst, kvs_dtype dtype, size_t n, uint64_t seed, float mean, float std) {
-    const float scale = std / 37837.23f; /* 65536 / sqrt(3) */
-    long long n_chunks = (long long)((n + DUMMY_CHUNK - 1) / DUMMY_CHUNK);
+    const float scale = kvs_dummy_scale(std);
+    long long n_chunks = (long long)((n + KVS_DUMMY_CHUNK - 1) / KVS_DUMMY_CHUNK);
 #pragma omp parallel for schedule(static)
     for (long long c = 0; c < n_chunks; c++) {
-        uint64_t state = mix64(seed ^ mix64((uint64_t)c));
-        size_t lo = (size_t)c * DUMMY_CHUNK, hi = lo + DUMMY_CHUNK < n ? lo + DUMMY_CHUNK : n;
+        uint64_t state = kvs_dummy_chunk_state(seed, (uint64_t)c);
+        size_t lo = (size_t)c * KVS_DUMMY_CHUNK, hi = lo + KVS_DUMMY_CHUNK < n ? lo + KVS_DUMMY_CHUNK : n;
         for (size_t i = lo; i < hi; i++) {
-            state += 0x9e3779b97f4a7c15ull; /* splitmix64 */
-            uint64_t z = state;
-            z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-            z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-            z ^= z >> 31;
-            int64_t s = (int64_t)(z & 0xffff) + (int64_t)((z >> 16) & 0xffff) + (int64_t)((z >> 32) & 0xffff) +
-                        (int64_t)(z >> 48);
-            float x = mean + (float)(s - 131070) * scale;
+            state += KVS_DUMMY_GOLDEN; /* splitmix64 */
+            float x = mean + (float)kvs_dummy_int_of_state(state) * scale;
             if (dtype == KVS_BF16) ((uint16_t *)dst)[i] = kvs_f32_to_bf16(x);
             else if (dtype == KVS_F16) ((uint16_t *)dst)[i] = kvs_f32_to_f16(x);
             else ((float *)dst)[i] = x;
         }
     }
+}
+
+static bool dummy_is_norm(kvs_weight_kind kind) {
+    return kind == KVS_W_ATTN_NORM || kind == KVS_W_MLP_NORM || kind == KVS_W_FINAL_NORM;
 }
 
 static kvs_status dummy_read(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, const int64_t shape[2], int ndim,
@@ -298,8 +288,8 @@ static kvs_status dummy_read(kvs_checkpoint *ck, kvs_weight_kind kind, int layer
         if (!ck->scratch) return kvs_fail(KVS_ERR_NOMEM, "dummy weights: out of memory for a %zu-byte scratch buffer", bytes);
         ck->scratch_size = bytes;
     }
-    bool norm = kind == KVS_W_ATTN_NORM || kind == KVS_W_MLP_NORM || kind == KVS_W_FINAL_NORM;
-    uint64_t seed = mix64(ck->seed ^ mix64(((uint64_t)kind << 32) ^ (uint64_t)(uint32_t)(layer + 1)));
+    bool norm = dummy_is_norm(kind);
+    uint64_t seed = kvs_dummy_seed(ck->seed, (int)kind, layer);
     dummy_fill(ck->scratch, ck->cfg.dtype, n, seed, norm ? 1.0f : 0.0f, norm ? 0.01f : 0.02f);
     out->dtype = ck->cfg.dtype;
     out->data = ck->scratch;
@@ -334,6 +324,21 @@ kvs_status kvs_checkpoint_read(kvs_checkpoint *ck, kvs_weight_kind kind, int lay
     out->data = t->data;
     out->nbytes = t->nbytes;
     return KVS_OK;
+}
+
+bool kvs_checkpoint_dummy_weight(const kvs_checkpoint *ck, kvs_weight_kind kind, int layer, kvs_dummy_weight *out) {
+    if (!ck || !ck->dummy || (unsigned)kind >= KVS_W_KIND_COUNT || dummy_is_norm(kind)) return false;
+    if (kind < KVS_W_ATTN_NORM) layer = -1;
+    else if (layer < 0 || layer >= ck->cfg.n_layers) return false;
+    int64_t shape[2];
+    int ndim;
+    if (!kvs_weight_expected(&ck->cfg, kind, shape, &ndim)) return false;
+    out->seed = kvs_dummy_seed(ck->seed, (int)kind, layer);
+    out->scale = kvs_dummy_scale(0.02f);
+    out->dtype = ck->cfg.dtype;
+    out->rows = shape[0];
+    out->cols = ndim == 2 ? shape[1] : 1;
+    return true;
 }
 
 size_t kvs_checkpoint_total_bytes(const kvs_checkpoint *ck) { return ck ? ck->total_bytes : 0; }

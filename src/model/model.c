@@ -72,6 +72,21 @@ kvs_status kvs_shard_dims(const kvs_config *cfg, int rank, int world, kvs_shard 
 static kvs_status upload_slice(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0,
                                int64_t nr, int64_t c0, int64_t nc, void **dst, size_t offset_elems,
                                size_t alloc_elems) {
+    kvs_dummy_weight dw;
+    if (m->be->dummy_fill && kvs_checkpoint_dummy_weight(ck, kind, layer, &dw)) {
+        /* dummy weights: the backend makes the slice itself (no host tensor, no copy) */
+        if (nr < 0) r0 = 0, nr = dw.rows;
+        if (nc < 0) c0 = 0, nc = dw.cols;
+        if (r0 < 0 || c0 < 0 || r0 + nr > dw.rows || c0 + nc > dw.cols)
+            return kvs_fail(KVS_ERR_INVALID, "model: dummy weight %d of layer %d has no slice rows %lld+%lld", (int)kind,
+                            layer, (long long)r0, (long long)nr);
+        size_t n = (size_t)nr * (size_t)nc, ws = kvs_dtype_size(m->be->weight_dtype);
+        if (!*dst) *dst = m->be->alloc(m->be, (alloc_elems ? alloc_elems : n) * ws);
+        if (!*dst) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
+        m->be->dummy_fill(m->be, (char *)*dst + offset_elems * ws, dw.seed, dw.scale, dw.dtype, dw.cols, r0, nr, c0,
+                          nc);
+        return KVS_OK;
+    }
     kvs_host_tensor t;
     KVS_TRY(kvs_checkpoint_read(ck, kind, layer, &t));
     int64_t rows = t.shape[0], cols = t.ndim == 2 ? t.shape[1] : 1;

@@ -73,6 +73,18 @@ kvs_status kvs_checkpoint_dummy(const kvs_config *cfg, uint64_t seed, kvs_checkp
  * are generated into a scratch buffer). Fails if the model has no such weight. */
 kvs_status kvs_checkpoint_read(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, kvs_host_tensor *out);
 size_t kvs_checkpoint_total_bytes(const kvs_checkpoint *ck);
+/* A dummy checkpoint's zero-mean weight (every weight but the norms), for the
+ * backends' dummy_fill op: element i of the weight is
+ * kvs_dummy_value(seed, i, scale, dtype) (backend/dummy_values.h), the value
+ * kvs_checkpoint_read would give. false when ck is not dummy or the weight is
+ * a norm or absent. */
+typedef struct {
+    uint64_t seed;
+    float scale;
+    kvs_dtype dtype;
+    int64_t rows, cols; /* cols 1 for 1-D weights (biases) */
+} kvs_dummy_weight;
+bool kvs_checkpoint_dummy_weight(const kvs_checkpoint *ck, kvs_weight_kind kind, int layer, kvs_dummy_weight *out);
 void kvs_checkpoint_destroy(kvs_checkpoint *ck);
 
 /* safetensors header parsing, exposed for the fuzz target and tests: parses the
@@ -182,6 +194,10 @@ kvs_status kvs_tp_group_create(const kvs_config *cfg, kvs_checkpoint *ck, int wo
  * 0: the default) and host communicators, owned by the group. */
 kvs_status kvs_tp_group_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
                                    kvs_tp_group **out);
+/* A world-1 group over an existing whole model (it stays the caller's and
+ * outlives the group), so single-model callers take the group's code path.
+ * World 1 runs every job on the caller's thread (no rank thread). */
+kvs_status kvs_tp_group_wrap(kvs_model *model, kvs_tp_group **out);
 void kvs_tp_group_destroy(kvs_tp_group *g);
 int kvs_tp_world(const kvs_tp_group *g);
 kvs_model *kvs_tp_model(kvs_tp_group *g, int rank);

@@ -36,6 +36,8 @@ struct kvs_tp_group {
     int world;
     tp_rank *ranks;
     bool owns_devices; /* backends and comms made by kvs_tp_group_create_cpu */
+    bool borrowed_model; /* kvs_tp_group_wrap: rank 0's model stays the caller's */
+    bool inline_rank;    /* world 1: jobs run on the caller's thread, no rank thread */
     bool broken;       /* a rank failed mid-step: the communicators were aborted */
     /* job hand-off: the caller publishes (job, arg) and bumps generation;
        each rank runs it once and counts itself done */
@@ -87,6 +89,10 @@ static void *rank_main(void *p) {
 static kvs_status run_all(kvs_tp_group *g, tp_job job, void *arg, bool collective) {
     if (g->broken)
         return kvs_fail(KVS_ERR_INTERNAL, "tensor parallel: the group is unusable after a failed step");
+    if (g->inline_rank) { /* world 1: no thread hop, no communicator to abort, the error as it is */
+        g->ranks[0].status = job(g, 0, arg);
+        return g->ranks[0].status;
+    }
     pthread_mutex_lock(&g->mu);
     g->job = job;
     g->arg = arg;
@@ -115,7 +121,7 @@ static kvs_status job_create_model(kvs_tp_group *g, int rank, void *arg) {
 static void destroy_rank_state(kvs_tp_group *g, int rank) {
     tp_rank *r = &g->ranks[rank];
     kvs_kv_destroy(r->kv);
-    kvs_model_destroy(r->model);
+    if (!g->borrowed_model) kvs_model_destroy(r->model);
     r->kv = NULL;
     r->model = NULL;
 }
@@ -134,6 +140,7 @@ static kvs_status group_alloc(const kvs_config *cfg, int world, kvs_tp_group **o
     }
     g->cfg = *cfg;
     g->world = world;
+    g->inline_rank = world == 1;
     pthread_mutex_init(&g->mu, NULL);
     pthread_mutex_init(&g->ck_mu, NULL);
     pthread_cond_init(&g->start, NULL);
@@ -152,6 +159,10 @@ static kvs_status group_start(kvs_tp_group *g, kvs_checkpoint *ck, int cpu_threa
     for (int r = 0; r < g->world; r++) {
         g->ranks[r].g = g;
         g->ranks[r].rank = r;
+        if (g->inline_rank) {
+            if (g->ranks[r].comm && g->ranks[r].comm->bind_thread) g->ranks[r].comm->bind_thread(g->ranks[r].comm);
+            continue;
+        }
         if (pthread_create(&g->ranks[r].thread, NULL, rank_main, &g->ranks[r]) != 0)
             return kvs_fail(KVS_ERR_INTERNAL, "tensor parallel: cannot start the thread of rank %d", r);
         g->ranks[r].started = true;
@@ -206,9 +217,25 @@ kvs_status kvs_tp_group_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, in
     return KVS_OK;
 }
 
+kvs_status kvs_tp_group_wrap(kvs_model *model, kvs_tp_group **out) {
+    *out = NULL;
+    if (!model) return kvs_fail(KVS_ERR_INVALID, "tensor parallel: no model to wrap");
+    if (kvs_model_shard(model)->world != 1)
+        return kvs_fail(KVS_ERR_INVALID, "tensor parallel: a rank model of %d ranks is no whole model to wrap",
+                        kvs_model_shard(model)->world);
+    kvs_tp_group *g;
+    KVS_TRY(group_alloc(kvs_model_config(model), 1, &g));
+    g->borrowed_model = true;
+    g->ranks[0].g = g;
+    g->ranks[0].be = kvs_model_backend(model);
+    g->ranks[0].model = model;
+    *out = g;
+    return KVS_OK;
+}
+
 void kvs_tp_group_destroy(kvs_tp_group *g) {
     if (!g) return;
-    bool threads = true;
+    bool threads = !g->inline_rank;
     for (int r = 0; r < g->world; r++) threads = threads && g->ranks[r].started;
     if (threads) {
         g->broken = false; /* destroying needs no collective */
@@ -350,8 +377,9 @@ static kvs_status step(kvs_tp_group *g, const kvs_batch *b, float *logits, int32
                        const kvs_sample_row *params, float *logprobs) {
     KVS_TRY(need_kv(g));
     /* what can be wrong with the batch is wrong on every rank alike: check it
-       here, so that only real failures inside a step abort the group */
-    KVS_TRY(kvs_model_check_batch(g->ranks[0].model, b, g->ranks[0].kv));
+       here, so that only real failures inside a step abort the group (world 1:
+       the forward's own check is enough) */
+    if (!g->inline_rank) KVS_TRY(kvs_model_check_batch(g->ranks[0].model, b, g->ranks[0].kv));
     step_args a = {b, logits, ids, params, logprobs};
     return run_all(g, job_forward, &a, true);
 }

@@ -48,6 +48,7 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->window_capture = kvs_cpu_window_capture;
     b->sparsity_scores = kvs_cpu_sparsity_scores;
     b->sample = kvs_cpu_sample;
+    b->dummy_fill = kvs_cpu_dummy_fill;
     b->destroy = cpu_destroy;
     *out = b;
     return KVS_OK;

@@ -94,5 +94,8 @@ void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, 
 /* sampling (cuda_sample.cu) */
 void kvs_cuda_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
                      const struct kvs_sample_row *params);
+/* cuda_dummy.cu */
+void kvs_cuda_dummy_fill(kvs_backend *b, void *dst, uint64_t seed, float scale, kvs_dtype src_dtype, int64_t full_cols,
+                         int64_t r0, int64_t nr, int64_t c0, int64_t nc);
 
 #endif
