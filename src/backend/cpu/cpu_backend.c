@@ -47,6 +47,7 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->copy = cpu_copy;
     b->window_capture = kvs_cpu_window_capture;
     b->sparsity_scores = kvs_cpu_sparsity_scores;
+    b->snapkv_select = kvs_cpu_snapkv_select;
     b->destroy = cpu_destroy;
     *out = b;
     return KVS_OK;

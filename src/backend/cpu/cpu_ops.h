@@ -26,6 +26,8 @@ void kvs_cpu_window_capture(kvs_backend *b, void *win_q, float *win_lse, const v
                             const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim);
 void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
                              const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
+void kvs_cpu_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
+                           int k, int n_win);
 /* K (kind 0) or V (kind 1) vector of (block, head, offset) in an f32 pool. */
 static inline float *kvs_cpu_kv_at(const kvs_kv_pool *p, int32_t block, int kind, int head, int offset) {
     size_t per_head = (size_t)p->block_size * p->head_dim;
