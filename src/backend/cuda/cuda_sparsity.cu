@@ -189,12 +189,9 @@ template <int D>
 static void launch_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
                           const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale) {
     using S = kvs_sc_shape<D>;
-    static bool attr_set = false; /* the same value from every thread: a benign race */
-    if (!attr_set) {
-        KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_sparsity_scores_mma_kernel<D>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S::BYTES));
-        attr_set = true;
-    }
+    /* every launch, like the attention kernels: the attribute is per device (tensor parallelism) */
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_sparsity_scores_mma_kernel<D>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S::BYTES));
     dim3 grid(kvs_cuda_blocks(n_keys, S::KEYS), pool->n_kv_heads);
     kvs_sparsity_scores_mma_kernel<D><<<grid, KVS_SC_WARPS * 32, S::BYTES, kvs_cuda_of(b)->stream>>>(
         scores, (const bf16 *)win_q, win_lse, n_win, (const bf16 *)pool->data, table, n_keys, n_heads,
