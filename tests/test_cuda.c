@@ -481,6 +481,69 @@ static void scores_case(int n_heads, int n_kv, int D, int n_keys, int n_win) {
 Test(cuda, sparsity_scores_d128_gqa4) { scores_case(32, 8, 128, 1000, 32); }
 Test(cuda, sparsity_scores_d64_gqa1) { scores_case(8, 8, 64, 333, 17); }
 Test(cuda, sparsity_scores_d32_gqa2) { scores_case(4, 2, 32, 129, 8); }
+/* the tensor-core kernel: GQA 1/4/8, head_dim 64/128 (and 80/96/256), key counts that
+ * end mid-block and mid-tile, windows that end mid-chunk (64 rows of (query, head)) */
+Test(cuda, sparsity_scores_d128_gqa8_long) { scores_case(32, 4, 128, 3968, 32); }
+Test(cuda, sparsity_scores_d128_gqa1_odd) { scores_case(8, 8, 128, 1001, 33); }
+Test(cuda, sparsity_scores_d128_gqa4_w1) { scores_case(32, 8, 128, 17, 1); }
+Test(cuda, sparsity_scores_d64_gqa4_odd) { scores_case(16, 4, 64, 777, 31); }
+Test(cuda, sparsity_scores_d64_gqa8_w70) { scores_case(16, 2, 64, 130, 70); }
+Test(cuda, sparsity_scores_d80_gqa2) { scores_case(4, 2, 80, 255, 9); }
+Test(cuda, sparsity_scores_d96_gqa4) { scores_case(8, 2, 96, 300, 13); }
+Test(cuda, sparsity_scores_d256_gqa4) { scores_case(16, 4, 256, 517, 33); }
+
+/* snapkv_select: the GPU radix select against the CPU op, exactly (the same
+ * indices in the same slots), on scores full of exact ties and on smooth ones. */
+static void select_case(duo *d, int n_kv, int n_keys, int pool, int k, int n_win, int kind) {
+    size_t sn = (size_t)n_kv * n_keys, kn = (size_t)n_kv * (k + n_win);
+    float *s = malloc(sizeof(float) * (sn ? sn : 1));
+    for (size_t i = 0; i < sn; i++) {
+        uint64_t u = kvs_rng_u64(&d->rng);
+        s[i] = kind == 0   ? (float)(u % 13) * 0.125f                    /* a few values: ties everywhere */
+               : kind == 1 ? (float)exp(kvs_rng_normal(&d->rng) * 3.0)   /* smooth, wide range */
+               : kind == 2 ? 0.5f                                        /* all equal */
+                           : (u % 5 == 0 ? 0.0f : (float)(u % 1000) * 1e-3f); /* zeros and near ties */
+    }
+    float *cs = put_f32(d->cpu, s, sn), *gs = put_f32(d->gpu, s, sn);
+    int32_t *ck = d->cpu->alloc(d->cpu, sizeof(int32_t) * (kn ? kn : 1)), *gk = d->gpu->alloc(d->gpu, sizeof(int32_t) * (kn ? kn : 1));
+    d->cpu->snapkv_select(d->cpu, ck, cs, n_keys, n_kv, pool, k, n_win);
+    d->gpu->snapkv_select(d->gpu, gk, gs, n_keys, n_kv, pool, k, n_win);
+    int32_t *got = malloc(sizeof(int32_t) * (kn ? kn : 1));
+    d->gpu->to_host(d->gpu, got, gk, sizeof(int32_t) * kn);
+    size_t bad = 0, at = 0;
+    for (size_t i = 0; i < kn; i++)
+        if (got[i] != ck[i] && bad++ == 0) at = i;
+    cr_expect(bad == 0,
+              "snapkv_select kv heads %d keys %d pool %d k %d window %d scores kind %d: %zu of %zu slots differ; "
+              "first at %zu: gpu %d cpu %d",
+              n_kv, n_keys, pool, k, n_win, kind, bad, kn, at, bad ? got[at] : 0, bad ? ck[at] : 0);
+    free(s), free(got);
+    d->cpu->free(d->cpu, cs), d->cpu->free(d->cpu, ck), d->gpu->free(d->gpu, gs), d->gpu->free(d->gpu, gk);
+}
+
+Test(cuda, snapkv_select_exact) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const int heads[] = {1, 2, 8}, pools[] = {1, 3, 7}, keys[] = {1, 5, 333, 1023, 1025, 3968};
+    int cases = 0;
+    for (int a = 0; a < 3; a++)
+        for (int p = 0; p < 3; p++)
+            for (int n = 0; n < 6; n++) {
+                int nk = keys[n], ks[] = {0, 1, nk / 2, nk - 1, nk, nk + 3};
+                for (int i = 0; i < 6; i++) {
+                    int kind = (int)(kvs_rng_u64(&d.rng) % 4), w = (int)(kvs_rng_u64(&d.rng) % 3) * 16 + (i & 1);
+                    select_case(&d, heads[a], nk, pools[p], ks[i], w, kind);
+                    cases++;
+                }
+            }
+    /* past the shared-memory limit (global scratch), and the bench's shape */
+    select_case(&d, 2, 20001, 7, 9000, 32, 0);
+    select_case(&d, 2, 20001, 7, 9000, 32, 1);
+    select_case(&d, 8, 3968, 7, 1968, 32, 1);
+    select_case(&d, 3, 0, 7, 0, 5, 0);
+    cr_log_info("snapkv_select: %d cases + 4 large, all exact", cases);
+    duo_close(&d);
+}
 
 Test(cuda, window_capture) {
     duo d;
@@ -536,6 +599,123 @@ Test(cuda, kv_gather_compaction) {
     }
     duo_close(&d);
 }
+
+/* kv_gather in place with a kept prefix (rows that stay put), an odd count, and a
+ * head_dim that is not a multiple of 8 (the 2-byte path). */
+Test(cuda, kv_gather_prefix_and_odd_sizes) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const int dims[] = {128, 36, 64}, lens[] = {4001, 203, 1000}, keeps[] = {2001, 100, 999};
+    for (int c = 0; c < 3; c++) {
+        paged p;
+        int len[1] = {lens[c]}, n_kv = c == 1 ? 2 : 8, keep = keeps[c], D = dims[c];
+        paged_build(&d, &p, 1, len, n_kv, D);
+        int32_t *src = malloc(sizeof(int32_t) * n_kv * keep);
+        for (int h = 0; h < n_kv; h++) {
+            int prefix = (int)(kvs_rng_u64(&d.rng) % (keep / 2 + 1)), chosen = 0;
+            for (; chosen < prefix; chosen++) src[h * keep + chosen] = chosen;
+            for (int e = prefix; e < len[0] && chosen < keep; e++)
+                if (kvs_rng_u64(&d.rng) % (uint64_t)(len[0] - e) < (uint64_t)(keep - chosen)) src[h * keep + chosen++] = e;
+            cr_assert_eq(chosen, keep);
+        }
+        void *ct = put_i32(d.cpu, p.tables, p.max_blocks), *gt = put_i32(d.gpu, p.tables, p.max_blocks);
+        void *cs = put_i32(d.cpu, src, (size_t)n_kv * keep), *gs = put_i32(d.gpu, src, (size_t)n_kv * keep);
+        d.cpu->kv_gather(d.cpu, &p.cpu, ct, p.max_blocks, cs, keep);
+        d.gpu->kv_gather(d.gpu, &p.gpu, gt, p.max_blocks, gs, keep);
+        char what[96];
+        snprintf(what, sizeof what, "kv_gather head_dim %d, %d of %d kept, kept prefix", D, keep, len[0]);
+        check_pools_equal(&d, &p, what);
+        void *pc[] = {ct, cs}, *pg[] = {gt, gs};
+        for (int i = 0; i < 2; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
+        free(src);
+        paged_free(&d, &p);
+    }
+    duo_close(&d);
+}
+
+/* SnapKV end to end on the ops, as src/kv/sparsify.c runs them: scores ->
+ * snapkv_select -> kv_gather, all in backend memory, on both backends. The kept
+ * entries must agree except at near-ties of the pooled CPU score (within the
+ * scores' tolerance of the k-th largest), and every slot that keeps the same
+ * entry on both must hold the same K and V afterwards. */
+static void snapkv_e2e_case(int n_heads, int n_kv, int D, int n, int w, int budget, int pool) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    paged p;
+    int kv_len[1] = {n}, n_keys = n - w, k = budget - w;
+    paged_build(&d, &p, 1, kv_len, n_kv, D);
+    size_t qn = (size_t)w * n_heads * D;
+    float *q = rnd(&d, qn, 1.0f), *lse = malloc(sizeof(float) * w * n_heads);
+    for (int i = 0; i < w * n_heads; i++) lse[i] = 2.0f + (float)kvs_rng_uniform(&d.rng) * 3.0f;
+    void *cq = cpu_put(&d, q, qn), *gq = gpu_put(&d, q, qn);
+    float *cl = put_f32(d.cpu, lse, (size_t)w * n_heads), *gl = put_f32(d.gpu, lse, (size_t)w * n_heads);
+    void *ct = put_i32(d.cpu, p.tables, p.max_blocks), *gt = put_i32(d.gpu, p.tables, p.max_blocks);
+    size_t sn = (size_t)n_kv * n_keys, kn = (size_t)n_kv * budget;
+    float *cs = d.cpu->alloc(d.cpu, sn * 4), *gs = d.gpu->alloc(d.gpu, sn * 4);
+    int32_t *ck = d.cpu->alloc(d.cpu, kn * 4), *gk = d.gpu->alloc(d.gpu, kn * 4);
+    float scale = 1.0f / sqrtf((float)D);
+    /* the CPU pool before compaction, for the near-tie check */
+    float *pooled = malloc(sizeof(float) * (n_keys ? n_keys : 1));
+    d.cpu->sparsity_scores(d.cpu, cs, cq, cl, w, &p.cpu, ct, n_keys, n_heads, scale);
+    d.cpu->snapkv_select(d.cpu, ck, cs, n_keys, n_kv, pool, k, w);
+    d.cpu->kv_gather(d.cpu, &p.cpu, ct, p.max_blocks, ck, budget);
+    d.gpu->sparsity_scores(d.gpu, gs, gq, gl, w, &p.gpu, gt, n_keys, n_heads, scale);
+    d.gpu->snapkv_select(d.gpu, gk, gs, n_keys, n_kv, pool, k, w);
+    d.gpu->kv_gather(d.gpu, &p.gpu, gt, p.max_blocks, gk, budget);
+    int32_t *got = malloc(sizeof(int32_t) * kn);
+    d.gpu->to_host(d.gpu, got, gk, sizeof(int32_t) * kn);
+    size_t elems = (size_t)p.n_blocks * 2 * n_kv * 16 * D;
+    float *gpool = gpu_get(&d, p.gpu.data, elems), *cpool = p.cpu.data;
+    int differ = 0, far = 0, rows_bad = 0;
+    for (int h = 0; h < n_kv; h++) {
+        kvs_kv_pool_scores(cs + (size_t)h * n_keys, n_keys, pool, pooled);
+        float *sorted = malloc(sizeof(float) * n_keys);
+        memcpy(sorted, pooled, sizeof(float) * n_keys);
+        /* the k-th largest pooled score: a partial selection sort is enough for the test */
+        float kth = 0;
+        for (int i = 0; i < k && i < n_keys; i++) {
+            int best = i;
+            for (int j = i + 1; j < n_keys; j++)
+                if (sorted[j] > sorted[best]) best = j;
+            float t = sorted[i];
+            sorted[i] = sorted[best], sorted[best] = t;
+            kth = sorted[i];
+        }
+        free(sorted);
+        const int32_t *a = got + (size_t)h * budget, *b = ck + (size_t)h * budget;
+        /* symmetric difference of two sorted lists */
+        int i = 0, j = 0;
+        while (i < budget || j < budget) {
+            int32_t x = i < budget ? a[i] : INT32_MAX, y = j < budget ? b[j] : INT32_MAX, e;
+            if (x == y) { i++, j++; continue; }
+            e = x < y ? x : y;
+            if (x < y) i++;
+            else j++;
+            differ++;
+            if (e >= n_keys || fabsf(pooled[e] - kth) > 1e-6f + 4e-3f * kth) far++;
+        }
+        for (int s = 0; s < budget; s++) {
+            if (a[s] != b[s]) continue;
+            for (int kind = 0; kind < 2; kind++) {
+                size_t off = ((((size_t)p.tables[s / 16] * 2 + kind) * n_kv + h) * 16 + s % 16) * D;
+                if (memcmp(gpool + off, cpool + off, sizeof(float) * D)) rows_bad++;
+            }
+        }
+    }
+    cr_log_info("snapkv e2e heads %d/%d d %d n %d w %d budget %d: %d of %zu kept entries differ (near-ties)", n_heads,
+                n_kv, D, n, w, budget, differ / 2, kn);
+    cr_expect(far == 0, "snapkv e2e: %d entries kept by one backend only are not near-ties of the k-th score", far);
+    cr_expect(rows_bad == 0, "snapkv e2e: %d K/V rows differ where both kept the same entry", rows_bad);
+    free(q), free(lse), free(pooled), free(got), free(gpool);
+    void *pc[] = {cq, cl, ct, cs, ck}, *pg[] = {gq, gl, gt, gs, gk};
+    for (int i = 0; i < 5; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
+    paged_free(&d, &p);
+    duo_close(&d);
+}
+
+Test(cuda, snapkv_e2e_d128_gqa4) { snapkv_e2e_case(32, 8, 128, 4000, 32, 2000, 7); }
+Test(cuda, snapkv_e2e_d64_gqa8_odd) { snapkv_e2e_case(16, 2, 64, 1337, 17, 301, 3); }
+Test(cuda, snapkv_e2e_d128_gqa1_pool1) { snapkv_e2e_case(8, 8, 128, 999, 31, 131, 1); }
 
 Test(cuda, copy_and_transfers) {
     duo d;

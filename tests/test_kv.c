@@ -138,3 +138,45 @@ Test(kv, admission_and_budget) {
     kc.n_blocks = 0;
     cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_ERR_INVALID);
 }
+
+/* The backend's snapkv_select (CPU) against the kv module's reference helpers
+ * (kvs_kv_pool_scores + kvs_kv_top_k_sorted, a heap): the same entries in the same
+ * slots, then the window, on scores full of exact ties; k = 0, k >= n_keys (-1
+ * padding), pools 1/3/7 and 1/2/8 KV heads. */
+Test(kv, snapkv_select_matches_reference) {
+    kvs_rng rng;
+    uint64_t seed = (uint64_t)time(NULL);
+    kvs_rng_seed(&rng, seed);
+    const int heads[] = {1, 2, 8}, pools[] = {1, 3, 7};
+    for (int trial = 0; trial < 300; trial++) {
+        int H = heads[trial % 3], p = pools[(trial / 3) % 3], n = (int)(kvs_rng_u64(&rng) % 700);
+        int k = trial % 7 == 0 ? 0 : trial % 7 == 1 ? n + (int)(kvs_rng_u64(&rng) % 4) : (int)(kvs_rng_u64(&rng) % (n + 1));
+        int w = (int)(kvs_rng_u64(&rng) % 40), row = k + w, ties = trial % 2;
+        float *s = malloc(sizeof(float) * (H * n + 1)), *pooled = malloc(sizeof(float) * (n + 1));
+        for (int i = 0; i < H * n; i++)
+            s[i] = ties ? (float)(kvs_rng_u64(&rng) % 9) * 0.25f : (float)kvs_rng_uniform(&rng);
+        int32_t *got = malloc(sizeof(int32_t) * (H * row + 1)), *want = malloc(sizeof(int32_t) * (row + 1));
+        be->snapkv_select(be, got, s, n, H, p, k, w);
+        for (int h = 0; h < H; h++) {
+            kvs_kv_pool_scores(s + (size_t)h * n, n, p, pooled);
+            kvs_kv_top_k_sorted(pooled, n, k, want);
+            int take = k < n ? k : n;
+            for (int i = 0; i < w; i++) want[take + i] = n + i;
+            for (int i = take + w; i < row; i++) want[i] = -1;
+            for (int i = 0; i < row; i++)
+                cr_assert_eq(got[(size_t)h * row + i], want[i],
+                             "seed %llu trial %d: head %d of %d, n %d pool %d k %d window %d: slot %d is %d, want %d",
+                             (unsigned long long)seed, trial, h, H, n, p, k, w, i, got[(size_t)h * row + i], want[i]);
+        }
+        free(s), free(pooled), free(got), free(want);
+    }
+}
+
+Test(kv, snapkv_select_rejects_bad_arguments) {
+    int32_t keep[4] = {7, 7, 7, 7};
+    float s[2] = {1, 2};
+    be->snapkv_select(be, keep, s, 2, 1, 0, 1, 1); /* pool 0 */
+    cr_assert(strstr(kvs_last_error(), "snapkv_select"), "%s", kvs_last_error());
+    be->snapkv_select(be, keep, s, 2, 1, 3, -1, 1); /* negative k */
+    cr_assert_eq(keep[0], 7, "nothing is written on bad arguments");
+}

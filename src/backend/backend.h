@@ -105,6 +105,17 @@ struct kvs_backend {
      * there, converted as upload_weight converts it. */
     void (*dummy_fill)(kvs_backend *b, void *dst, uint64_t seed, float scale, kvs_dtype src_dtype, int64_t full_cols,
                        int64_t r0, int64_t nr, int64_t c0, int64_t nc);
+    /* SnapKV selection from scores already in backend memory (scores[g * n_keys + j],
+     * as sparsity_scores writes them). For each KV head g: max-pool its n_keys scores
+     * (kernel `pool`, stride 1, same size, borders use the part inside), take the
+     * min(k, n_keys) entries of highest pooled score (ties to the lower index) and
+     * write them ascending to keep[g * (k + n_win) + 0 ..], followed by the window
+     * entries n_keys .. n_keys + n_win - 1; slots left over when k > n_keys get -1.
+     * keep [n_kv_heads * (k + n_win)] is what kv_gather takes as src_entry.
+     * Scores must not be NaN. Bad arguments (negative sizes, pool < 1) are reported
+     * and nothing is written. */
+    void (*snapkv_select)(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
+                          int k, int n_win);
 
     void (*destroy)(kvs_backend *b);
 };

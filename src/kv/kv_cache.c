@@ -178,19 +178,26 @@ kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t
                 return kvs_fail(KVS_ERR_INVALID, "kv compact: head %d keep list not sorted, distinct and < %d",
                                 h, t->len);
         }
+    int32_t *d_keep = NULL, *d_tab = NULL;
     if (n_keep > 0) {
         kvs_backend *be = kv->be;
         size_t keep_bytes = sizeof(int32_t) * (size_t)H * n_keep, tab_bytes = sizeof(int32_t) * t->n_blocks;
-        int32_t *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, keep_bytes);
-        int32_t *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
+        d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, keep_bytes);
+        d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
         if (!d_keep || !d_tab) return kvs_fail(KVS_ERR_NOMEM, "kv compact: out of backend memory");
         be->to_device(be, d_keep, keep, keep_bytes);
         be->to_device(be, d_tab, t->blocks, tab_bytes);
-        be->kv_gather(be, &kv->pool, d_tab, t->n_blocks, d_keep, n_keep);
     }
+    kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, n_keep);
+    return KVS_OK;
+}
+
+void kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep, const int32_t *d_tab,
+                             int n_keep) {
+    layer_table *t = &s->layers[layer];
+    if (n_keep > 0) kv->be->kv_gather(kv->be, &kv->pool, d_tab, t->n_blocks, d_keep, n_keep);
     t->len = n_keep;
     kvs_kv_release_tail(kv, t, kvs_kv_blocks_for(kv, n_keep));
-    return KVS_OK;
 }
 
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes) {

@@ -48,6 +48,11 @@ seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id);
 int kvs_kv_blocks_for(const kvs_kv_cache *kv, int entries);
 void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks);
 void kvs_kv_free_sparsity(kvs_kv_cache *kv, seq_state *s);
+/* kvs_kv_compact from keep lists already in backend memory (d_keep [n_kv_heads *
+ * n_keep], each head's list sorted, distinct, < len; not checked) and the layer's
+ * block table uploaded to d_tab: kv_gather, then the new length and the freed tail. */
+void kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep, const int32_t *d_tab,
+                             int n_keep);
 /* Backend scratch buffer `slot` of at least bytes (grown on demand); NULL when out of memory. */
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes);
 

@@ -71,8 +71,10 @@ void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **
     *lse = kv->win_lse ? kv->win_lse[layer] : NULL;
 }
 
-/* SnapKV: keep the top (budget - w) of entries [0, n - w) by pooled score, plus the window. */
-static kvs_status select_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int budget, int32_t *keep) {
+/* SnapKV: keep the top (budget - w) of entries [0, n - w) by pooled score, plus the
+ * window, and compact. Scores, selection and compaction stay in backend memory:
+ * nothing comes back to the host. */
+static kvs_status compact_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int budget) {
     seq_state *s = &kv->seqs[seq_id];
     kvs_backend *be = kv->be;
     int n = s->layers[layer].len, w = s->policy.window, n_keys = n - w, H = kv->cfg.n_kv_heads;
@@ -80,24 +82,16 @@ static kvs_status select_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int bud
     size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks, sc_bytes = sizeof(float) * (size_t)H * n_keys;
     int32_t *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
     float *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sc_bytes);
-    float *scores = malloc(sc_bytes), *pooled = malloc(sizeof(float) * n_keys);
-    kvs_status st = d_tab && d_scores && scores && pooled ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory");
-    if (st == KVS_OK) {
-        size_t row = (size_t)seq_id * kv->window_cap;
-        const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
-        be->to_device(be, d_tab, s->layers[layer].blocks, tab_bytes);
-        be->sparsity_scores(be, d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, d_tab, n_keys, nh,
-                            1.0f / sqrtf((float)d));
-        be->to_host(be, scores, d_scores, sc_bytes);
-        for (int h = 0; h < H; h++) {
-            kvs_kv_pool_scores(scores + (size_t)h * n_keys, n_keys, s->policy.pool, pooled);
-            kvs_kv_top_k_sorted(pooled, n_keys, k, keep + (size_t)h * budget);
-            for (int i = 0; i < w; i++) keep[(size_t)h * budget + k + i] = n_keys + i;
-        }
-    }
-    free(scores);
-    free(pooled);
-    return st;
+    int32_t *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, sizeof(int32_t) * (size_t)H * budget);
+    if (!d_tab || !d_scores || !d_keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of backend memory");
+    size_t row = (size_t)seq_id * kv->window_cap;
+    const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
+    be->to_device(be, d_tab, s->layers[layer].blocks, tab_bytes);
+    be->sparsity_scores(be, d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, d_tab, n_keys, nh,
+                        1.0f / sqrtf((float)d));
+    be->snapkv_select(be, d_keep, d_scores, n_keys, H, s->policy.pool, k, w);
+    kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, budget);
+    return KVS_OK;
 }
 
 /* StreamingLLM: the first `sinks` entries and the most recent ones. */
@@ -114,13 +108,16 @@ static kvs_status compress_layer(kvs_kv_cache *kv, int seq_id, int layer) {
     seq_state *s = &kv->seqs[seq_id];
     int budget = s->budgets[layer], H = kv->cfg.n_kv_heads;
     if (s->layers[layer].len <= budget) return KVS_OK;
-    int32_t *keep = malloc(sizeof(int32_t) * (size_t)H * budget);
-    if (!keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory");
-    kvs_status st = KVS_OK;
-    if (s->policy.kind == KVS_POLICY_STREAMINGLLM) select_streaming(s, layer, budget, H, keep);
-    else st = select_snapkv(kv, seq_id, layer, budget, keep);
-    if (st == KVS_OK) st = kvs_kv_compact(kv, seq_id, layer, keep, budget);
-    free(keep);
+    kvs_status st;
+    if (s->policy.kind == KVS_POLICY_STREAMINGLLM) {
+        int32_t *keep = malloc(sizeof(int32_t) * (size_t)H * budget);
+        if (!keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory");
+        select_streaming(s, layer, budget, H, keep);
+        st = kvs_kv_compact(kv, seq_id, layer, keep, budget);
+        free(keep);
+    } else {
+        st = compact_snapkv(kv, seq_id, layer, budget);
+    }
     s->ring_base[layer] = s->n_tokens;
     return st;
 }

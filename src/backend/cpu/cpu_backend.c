@@ -49,6 +49,7 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->sparsity_scores = kvs_cpu_sparsity_scores;
     b->sample = kvs_cpu_sample;
     b->dummy_fill = kvs_cpu_dummy_fill;
+    b->snapkv_select = kvs_cpu_snapkv_select;
     b->destroy = cpu_destroy;
     *out = b;
     return KVS_OK;

@@ -30,6 +30,8 @@ void kvs_cpu_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *l
                     const struct kvs_sample_row *params);
 void kvs_cpu_dummy_fill(kvs_backend *b, void *dst, uint64_t seed, float scale, kvs_dtype src_dtype, int64_t full_cols,
                         int64_t r0, int64_t nr, int64_t c0, int64_t nc);
+void kvs_cpu_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
+                           int k, int n_win);
 /* K (kind 0) or V (kind 1) vector of (block, head, offset) in an f32 pool. */
 static inline float *kvs_cpu_kv_at(const kvs_kv_pool *p, int32_t block, int kind, int head, int offset) {
     size_t per_head = (size_t)p->block_size * p->head_dim;

@@ -194,6 +194,7 @@ extern "C" kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
     b->sparsity_scores = kvs_cuda_sparsity_scores;
     b->sample = kvs_cuda_sample;
     b->dummy_fill = kvs_cuda_dummy_fill;
+    b->snapkv_select = kvs_cuda_snapkv_select;
     b->destroy = cuda_destroy;
     kvs_log(KVS_LOG_INFO, "cuda backend: %s (sm_%d%d, %d SMs, %.1f GiB)", prop.name, prop.major, prop.minor,
             prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0);

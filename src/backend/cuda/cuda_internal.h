@@ -90,6 +90,8 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
 /* sparsity (cuda_sparsity.cu) */
 void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
                               const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
+void kvs_cuda_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
+                            int k, int n_win);
 
 /* sampling (cuda_sample.cu) */
 void kvs_cuda_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,

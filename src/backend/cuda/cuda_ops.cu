@@ -196,49 +196,58 @@ void kvs_cuda_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, c
     KVS_CUDA_LAUNCHED(b, "kvs_kv_write_kernel");
 }
 
-/* Compaction, phase 1: staging[h][i][kind][:] <- entry src[h * n + i] of head h. */
-__global__ void kvs_kv_gather_stage_kernel(bf16 *staging, const bf16 *pool, const int32_t *blocks,
-                                           const int32_t *src_entry, int n, int n_kv_heads, int block_size,
-                                           int head_dim) {
-    size_t total = (size_t)n_kv_heads * n * 2 * head_dim;
+/* Compaction through a staging buffer, in pieces of type T (16 bytes when head_dim
+ * % 8 == 0): phase 1 (SCATTER false) copies entry src[h * n + i] of head h into
+ * staging[h][i][kind], phase 2 copies staging[h][i][kind] into entry i. Reading
+ * everything before writing anything keeps it right when sources and
+ * destinations overlap (compaction into the layer's leading blocks). Rows whose
+ * source is their own entry (src == i: a kept prefix) move in neither phase. */
+template <typename T, bool SCATTER>
+__global__ void kvs_kv_gather_kernel(T *staging, bf16 *pool, const int32_t *blocks, const int32_t *src_entry, int n,
+                                     int n_kv_heads, int block_size, int head_dim) {
+    constexpr int PER = sizeof(T) / sizeof(bf16);
+    const int pieces = head_dim / PER;
+    size_t total = (size_t)n_kv_heads * n * 2 * pieces;
     for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {
-        int e = (int)(t % head_dim);
-        size_t r = t / head_dim;
-        int kind = (int)(r % 2), i = (int)((r / 2) % n), h = (int)(r / 2 / n);
+        int c = (int)(t % pieces);
+        size_t r = t / pieces;
+        int kind = (int)(r & 1), i = (int)((r >> 1) % n), h = (int)((r >> 1) / n);
         int src = src_entry[(size_t)h * n + i];
-        staging[t] = pool[kvs_kv_offset(blocks[src / block_size], kind, h, src % block_size, n_kv_heads,
-                                        block_size, head_dim) + e];
+        if (src == i) continue;
+        if (SCATTER) {
+            T *dst = (T *)(pool + kvs_kv_offset(blocks[i / block_size], kind, h, i % block_size, n_kv_heads,
+                                                block_size, head_dim)) + c;
+            *dst = staging[t];
+        } else {
+            staging[t] = ((const T *)(pool + kvs_kv_offset(blocks[src / block_size], kind, h, src % block_size,
+                                                           n_kv_heads, block_size, head_dim)))[c];
+        }
     }
 }
 
-/* Compaction, phase 2: entry i of head h <- staging[h][i]. */
-__global__ void kvs_kv_gather_scatter_kernel(bf16 *pool, const bf16 *staging, const int32_t *blocks, int n,
-                                             int n_kv_heads, int block_size, int head_dim) {
-    size_t total = (size_t)n_kv_heads * n * 2 * head_dim;
-    for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {
-        int e = (int)(t % head_dim);
-        size_t r = t / head_dim;
-        int kind = (int)(r % 2), i = (int)((r / 2) % n), h = (int)(r / 2 / n);
-        pool[kvs_kv_offset(blocks[i / block_size], kind, h, i % block_size, n_kv_heads, block_size, head_dim) + e] =
-            staging[t];
-    }
-}
-
-void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
-                        const int32_t *src_entry, int n) {
-    size_t total = (size_t)pool->n_kv_heads * n * 2 * pool->head_dim;
-    if (!total) return;
-    bf16 *staging = (bf16 *)kvs_cuda_scratch(b, total * sizeof(bf16));
+template <typename T>
+static void launch_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks,
+                             const int32_t *src_entry, int n) {
+    size_t total = (size_t)pool->n_kv_heads * n * 2 * (pool->head_dim / (sizeof(T) / sizeof(bf16)));
+    T *staging = (T *)kvs_cuda_scratch(b, total * sizeof(T));
     if (!staging) return;
     unsigned g = kvs_cuda_blocks(total, 256);
     if (g > 65535u) g = 65535u;
     cudaStream_t s = kvs_cuda_of(b)->stream;
-    kvs_kv_gather_stage_kernel<<<g, 256, 0, s>>>(staging, (const bf16 *)pool->data, blocks, src_entry, n,
-                                                  pool->n_kv_heads, pool->block_size, pool->head_dim);
-    KVS_CUDA_LAUNCHED(b, "kvs_kv_gather_stage_kernel");
-    kvs_kv_gather_scatter_kernel<<<g, 256, 0, s>>>((bf16 *)pool->data, staging, blocks, n, pool->n_kv_heads,
+    bf16 *data = (bf16 *)pool->data;
+    kvs_kv_gather_kernel<T, false><<<g, 256, 0, s>>>(staging, data, blocks, src_entry, n, pool->n_kv_heads,
+                                                     pool->block_size, pool->head_dim);
+    KVS_CUDA_LAUNCHED(b, "kvs_kv_gather_kernel (stage)");
+    kvs_kv_gather_kernel<T, true><<<g, 256, 0, s>>>(staging, data, blocks, src_entry, n, pool->n_kv_heads,
                                                     pool->block_size, pool->head_dim);
-    KVS_CUDA_LAUNCHED(b, "kvs_kv_gather_scatter_kernel");
+    KVS_CUDA_LAUNCHED(b, "kvs_kv_gather_kernel (scatter)");
+}
+
+void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
+                        const int32_t *src_entry, int n) {
+    if ((size_t)pool->n_kv_heads * n * pool->head_dim == 0) return;
+    if (pool->head_dim % 8 == 0) launch_kv_gather<uint4>(b, pool, blocks, src_entry, n);
+    else launch_kv_gather<bf16>(b, pool, blocks, src_entry, n);
 }
 
 /* ---- sparsity window capture: q rows (bf16) and lse rows (f32) ---------------- */
