@@ -1119,3 +1119,70 @@ Test(cuda, dummy_fill_matches_upload_of_host_tensor) {
     }
     duo_close(&d);
 }
+
+/* ---- CUDA graphs of decode steps (src/model/forward.c) ------------------------- */
+
+/* The same scenario (testutil.c: joins, leaves, SnapKV compaction between steps,
+ * decode batches of 3, 5, 4, 37 and 19: not buckets) with graphs, with the
+ * graphs' padded layout run eagerly, and eagerly on the batch as given.
+ * Graphs vs padded eager: the same kernels with the same arguments, so the
+ * logits must be bitwise equal (tolerance 0; NaN fails). Graphs vs eager on the
+ * batch as given: other split counts in decode attention and other GEMM row
+ * counts, so bf16 rounding differs: max|graphs - eager| <= 0.35 (the GPU-vs-CPU
+ * e2e limit; compaction near-ties can keep other entries). The first three
+ * decode steps (batch 3, bucket 4) are eager, captured + replayed, replayed. */
+Test(cuda, decode_graphs_match_eager, .timeout = 600) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), d.gpu, RIG_BLOCKS(128, 40), 40);
+    uint64_t seed = kvs_rng_u64(&d.rng);
+    scen_run graphs, padded, eager;
+    scen_decode_run(&r, KVS_GRAPHS_ON, seed, &graphs);
+    scen_decode_run(&r, KVS_GRAPHS_PADDED, seed, &padded);
+    scen_decode_run(&r, KVS_GRAPHS_OFF, seed, &eager);
+    cr_assert_eq(graphs.n_rows, padded.n_rows);
+    cr_assert_eq(graphs.n_rows, eager.n_rows);
+    cr_expect(graphs.compacted, "the scenario should compact its sparse layers");
+    int V = graphs.vocab, row = 0, n_decode = 0, bitwise_bad = 0;
+    double worst_padded = 0, worst_eager = 0;
+    for (int st = 0; st < graphs.n_steps; st++) {
+        n_decode += graphs.decode[st];
+        for (int s = 0; s < graphs.rows[st]; s++, row++) {
+            const float *g = graphs.logits + (size_t)row * V, *p = padded.logits + (size_t)row * V,
+                        *e = eager.logits + (size_t)row * V;
+            double dp = max_abs_diff(g, p, V), de = max_abs_diff(g, e, V);
+            if (dp != 0) bitwise_bad++;
+            if (dp > worst_padded) worst_padded = dp;
+            if (de > worst_eager) worst_eager = de;
+            cr_expect(de <= 0.35, "step %d (%d sequences%s) row %d: max|graphs - eager| = %g > 0.35", st,
+                      graphs.rows[st], graphs.decode[st] ? ", decode" : "", s, de);
+        }
+    }
+    kvs_graph_stats t = graphs.after[graphs.n_steps - 1];
+    cr_log_info("graphs: %d steps (%d decode), %d rows; vs padded eager max|d| %.3g (%d rows not bitwise equal); "
+                "vs eager %.4f; %lld captures, %lld replays, %lld padded eager, %lld capture failures, "
+                "%lld invalidations",
+                graphs.n_steps, n_decode, graphs.n_rows, worst_padded, bitwise_bad, worst_eager,
+                (long long)t.captures, (long long)t.replays, (long long)t.padded_eager_steps,
+                (long long)t.capture_failures, (long long)t.invalidations);
+    cr_expect_eq(bitwise_bad, 0, "graphs vs the same layout run eagerly: %d logits rows differ (max %g)", bitwise_bad,
+                 worst_padded);
+    cr_expect_eq(t.capture_failures, 0, "%lld captures failed (see the log)", (long long)t.capture_failures);
+    cr_expect_geq(t.captures, 4, "buckets 4, 8, 64 and 32 should each be captured");
+    cr_expect_eq(t.replays + t.padded_eager_steps, n_decode);
+    cr_expect_eq(t.eager_steps, graphs.n_steps - n_decode);
+    /* the first bucket: step 0 is the prefill, steps 1, 2, 3 decode 3 sequences */
+    cr_expect(graphs.decode[1] && graphs.rows[1] == 3);
+    kvs_graph_stats s1 = graphs.after[1], s2 = graphs.after[2], s3 = graphs.after[3];
+    cr_expect(s1.padded_eager_steps == 1 && s1.captures == 0 && s1.replays == 0, "1st step of a bucket: eager");
+    cr_expect(s2.padded_eager_steps == 1 && s2.captures == 1 && s2.replays == 1, "2nd: captured and replayed");
+    cr_expect(s3.padded_eager_steps == 1 && s3.captures == 1 && s3.replays == 2, "3rd: replayed");
+    kvs_graph_stats pe = padded.after[padded.n_steps - 1], ee = eager.after[eager.n_steps - 1];
+    cr_expect_eq(pe.captures + pe.replays + ee.captures + ee.replays, 0);
+    scen_free(&graphs);
+    scen_free(&padded);
+    scen_free(&eager);
+    rig_close(&r);
+    duo_close(&d);
+}

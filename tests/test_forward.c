@@ -185,3 +185,128 @@ Test(forward, rejects_bad_batches) {
     free(logits);
     rig_close(&r);
 }
+
+/* ---- the per-step metadata and the graphs' padded layout (CPU) ------------------ */
+
+/* Padding rows do nothing: slot -1 writes no KV, dst row -1 captures no window
+ * query, kv_len 0 attends to nothing (output 0, lse -inf). */
+Test(forward, padding_rows_do_nothing) {
+    kvs_backend *be;
+    cr_assert_eq(kvs_backend_cpu_create(1, &be), KVS_OK);
+    enum { D = 8, KVH = 1, H = 2, BS = 4 };
+    float pool_data[2 * 2 * KVH * BS * D], before[sizeof pool_data / sizeof(float)];
+    for (size_t i = 0; i < sizeof pool_data / sizeof(float); i++) pool_data[i] = before[i] = (float)i * 0.25f;
+    kvs_kv_pool pool = {pool_data, 2, BS, KVH, D};
+    float k[2 * D], v[2 * D];
+    for (int i = 0; i < 2 * D; i++) k[i] = v[i] = -1.0f;
+    int32_t slots[2] = {-1, 5};
+    be->kv_write(be, &pool, k, v, slots, 2);
+    /* only slot 5 (block 1, offset 1) changed, K and V */
+    int changed = 0;
+    for (size_t i = 0; i < sizeof pool_data / sizeof(float); i++) changed += pool_data[i] != before[i];
+    cr_expect_eq(changed, 2 * D, "kv_write with slots {-1, 5} changed %d values (want %d)", changed, 2 * D);
+    /* attention: sequence 0 real (kv_len 2, block 1), sequence 1 padding (kv_len 0) */
+    float q[2 * H * D], out[2 * H * D], lse[2 * H];
+    for (int i = 0; i < 2 * H * D; i++) q[i] = 0.1f * (float)(i % 5), out[i] = 7.0f;
+    int32_t qs[3] = {0, 1, 2}, kv_len[2] = {2, 0}, tables[2] = {1, 0};
+    kvs_attn_batch ab = {2, 2, 1, 1, 4, qs, kv_len, tables};
+    be->attention(be, out, lse, q, &pool, &ab, H, 0.5f);
+    for (int i = H * D; i < 2 * H * D; i++) cr_expect_eq(out[i], 0.0f, "padding row output %d = %g", i, out[i]);
+    for (int h = 0; h < H; h++) {
+        cr_expect(isinf(lse[H + h]) && lse[H + h] < 0, "padding row lse = %g", lse[H + h]);
+        cr_expect(isfinite(lse[h]), "real row lse = %g", lse[h]);
+    }
+    /* window capture: dst -1 skips */
+    float win_q[2 * H * D], win_lse[2 * H];
+    for (int i = 0; i < 2 * H * D; i++) win_q[i] = 3.0f;
+    for (int i = 0; i < 2 * H; i++) win_lse[i] = 3.0f;
+    int32_t src[2] = {0, 1}, dst[2] = {-1, 0};
+    be->window_capture(be, win_q, win_lse, q, lse, src, dst, 2, H, D);
+    for (int i = 0; i < H * D; i++) cr_expect_eq(win_q[i], q[H * D + i]);
+    for (int i = H * D; i < 2 * H * D; i++) cr_expect_eq(win_q[i], 3.0f, "row 1 of the window was written");
+    be->destroy(be);
+}
+
+/* Decode steps in the graphs' padded layout (dummy rows up to the batch
+ * bucket, bucket-wide table strides, window capture over every row) give the
+ * logits of the batch as given, through joins, leaves and compaction; on the
+ * CPU (no graphs) KVS_GRAPHS_ON runs the batch as given. */
+Test(forward, padded_decode_layout_equals_eager, .timeout = 300) {
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(128, 40), 40);
+    uint64_t seed = (uint64_t)time(NULL);
+    cr_log_info("seed %llu", (unsigned long long)seed);
+    scen_run eager, padded, on;
+    scen_decode_run(&r, KVS_GRAPHS_OFF, seed, &eager);
+    scen_decode_run(&r, KVS_GRAPHS_PADDED, seed, &padded);
+    scen_decode_run(&r, KVS_GRAPHS_ON, seed, &on);
+    cr_assert_eq(eager.n_rows, padded.n_rows);
+    cr_expect(eager.compacted && padded.compacted, "the scenario should compact its sparse layers");
+    int V = eager.vocab, row = 0, n_decode = 0;
+    double worst = 0;
+    for (int st = 0; st < eager.n_steps; st++) {
+        n_decode += eager.decode[st];
+        for (int s = 0; s < eager.rows[st]; s++, row++) {
+            double d = rel_max_diff(padded.logits + (size_t)row * V, eager.logits + (size_t)row * V, V);
+            if (!(d <= 1e-5)) /* NaN fails too */
+                cr_expect_fail("step %d (%d sequences%s) row %d: rel diff %g", st, eager.rows[st],
+                               eager.decode[st] ? ", decode" : "", s, d);
+            if (d > worst) worst = d;
+        }
+    }
+    cr_log_info("padded vs eager: %d steps (%d decode), %d logits rows, max rel diff %.2e", eager.n_steps, n_decode,
+                eager.n_rows, worst);
+    kvs_graph_stats e = eager.after[eager.n_steps - 1], p = padded.after[padded.n_steps - 1],
+                    o = on.after[on.n_steps - 1];
+    cr_expect_eq(e.eager_steps, eager.n_steps);
+    cr_expect_eq(e.padded_eager_steps, 0);
+    cr_expect_eq(p.padded_eager_steps, n_decode);
+    cr_expect_eq(p.eager_steps, padded.n_steps - n_decode);
+    cr_expect_eq(o.eager_steps, on.n_steps); /* the CPU backend has no graphs */
+    cr_expect_eq(o.captures + p.captures + o.replays, 0);
+    scen_free(&eager);
+    scen_free(&padded);
+    scen_free(&on);
+    rig_close(&r);
+}
+
+/* A CPU backend that counts its to_device calls. */
+typedef struct {
+    kvs_backend base;
+    kvs_backend *inner;
+    int uploads;
+} counting_backend;
+
+static void counting_to_device(kvs_backend *b, void *dst, const void *src, size_t bytes) {
+    counting_backend *c = (counting_backend *)b;
+    c->uploads++;
+    c->inner->to_device(c->inner, dst, src, bytes);
+}
+
+/* A step uploads its metadata once for all layers (it was 3 + 4 per layer). */
+Test(forward, one_metadata_upload_per_step) {
+    kvs_backend *cpu;
+    cr_assert_eq(kvs_backend_cpu_create(1, &cpu), KVS_OK);
+    counting_backend cb = {*cpu, cpu, 0};
+    cb.base.to_device = counting_to_device;
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), &cb.base, RIG_BLOCKS(64, 1), 1);
+    float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
+    int seq = kvs_kv_seq_create(r.kv);
+    int32_t ids[20];
+    for (int i = 0; i < 20; i++) ids[i] = 100 + i;
+    for (int mode = 0; mode < 2; mode++) {
+        kvs_model_set_graph_mode(r.m, mode ? KVS_GRAPHS_PADDED : KVS_GRAPHS_OFF);
+        rig_run(&r, seq, ids, 19, 0, logits); /* warm the buffers up */
+        cb.uploads = 0;
+        rig_run(&r, seq, ids + 19, 1, 19, logits);
+        /* the metadata, and the logits rows (local_logits) */
+        cr_expect_leq(cb.uploads, 2, "%s: a decode step of %d layers made %d uploads", mode ? "padded" : "eager",
+                     r.cfg.n_layers, cb.uploads);
+        kvs_kv_free(r.kv, seq);
+        seq = kvs_kv_seq_create(r.kv);
+    }
+    free(logits);
+    rig_close(&r);
+    cpu->destroy(cpu);
+}

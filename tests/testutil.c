@@ -178,3 +178,96 @@ void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits
     cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, logits), KVS_OK, "%s", kvs_last_error());
     free(pos);
 }
+
+/* ---- the decode-step graph scenario (testutil.h) ------------------------------ */
+
+static kvs_graph_stats stats_minus(kvs_graph_stats a, kvs_graph_stats b) {
+    return (kvs_graph_stats){a.eager_steps - b.eager_steps, a.padded_eager_steps - b.padded_eager_steps,
+                             a.captures - b.captures, a.replays - b.replays,
+                             a.capture_failures - b.capture_failures, a.invalidations - b.invalidations};
+}
+
+/* One step over the active sequences: prompts for the ones with prompt_left, else one token each. */
+static void scen_step(rig *r, scen_run *out, kvs_rng *rng, int *active, int n_active, int *pos, const int *prompt,
+                      kvs_graph_stats base) {
+    int V = r->cfg.vocab_size, n = 0;
+    for (int a = 0; a < n_active; a++) n += pos[active[a]] == 0 ? prompt[active[a]] : 1;
+    int32_t *tok = malloc(sizeof(int32_t) * n), *ps = malloc(sizeof(int32_t) * n), qs[41] = {0};
+    uint8_t want[40];
+    bool decode = true;
+    int k = 0;
+    for (int a = 0; a < n_active; a++) {
+        int s = active[a], len = pos[s] == 0 ? prompt[s] : 1;
+        decode = decode && len == 1;
+        cr_assert_eq(kvs_kv_reserve(r->kv, s, len), KVS_OK, "%s", kvs_last_error());
+        for (int i = 0; i < len; i++, k++) {
+            tok[k] = (int32_t)(kvs_rng_u64(rng) % (uint64_t)V);
+            ps[k] = pos[s] + i;
+        }
+        pos[s] += len;
+        qs[a + 1] = k;
+        want[a] = 1;
+    }
+    int st = out->n_steps++;
+    cr_assert(st < SCEN_MAX_STEPS);
+    out->logits = realloc(out->logits, sizeof(float) * (size_t)V * (out->n_rows + n_active));
+    cr_assert(out->logits);
+    kvs_batch b = {n, n_active, tok, ps, qs, active, want};
+    cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out->logits + (size_t)out->n_rows * V), KVS_OK, "%s",
+                 kvs_last_error());
+    out->n_rows += n_active;
+    out->rows[st] = n_active;
+    out->decode[st] = decode;
+    out->after[st] = stats_minus(kvs_model_graph_stats(r->m), base);
+    free(tok);
+    free(ps);
+}
+
+void scen_decode_run(rig *r, kvs_graph_mode mode, uint64_t seed, scen_run *out) {
+    memset(out, 0, sizeof *out);
+    out->vocab = r->cfg.vocab_size;
+    kvs_model_set_graph_mode(r->m, mode);
+    kvs_graph_stats base = kvs_model_graph_stats(r->m);
+    kvs_rng rng;
+    kvs_rng_seed(&rng, seed);
+    kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
+    p.budget_tokens = 24, p.budget_fraction = 0, p.full_layers = 1, p.window = 8, p.pool = 3, p.min_prompt = 16;
+    int active[40], n_active = 0, pos[40] = {0}, prompt[40] = {0};
+    /* phases: join, then decode steps; -k: the k-th active sequence leaves (then every other one for -99) */
+    static const int joins[] = {3, 2, 0, 32, 0}, decodes[] = {4, 3, 2, 3, 2};
+    for (int ph = 0; ph < 5; ph++) {
+        if (ph == 2) { /* the second sequence leaves: 5 -> 4 */
+            kvs_kv_free(r->kv, active[1]);
+            memmove(active + 1, active + 2, sizeof(int) * (n_active - 2));
+            n_active--;
+        }
+        if (ph == 4) { /* every other sequence but the first leaves: 37 -> 19 */
+            int kept = 1;
+            for (int a = 1; a < n_active; a++) {
+                if (a % 2) kvs_kv_free(r->kv, active[a]);
+                else active[kept++] = active[a];
+            }
+            n_active = kept;
+        }
+        for (int j = 0; j < joins[ph]; j++) {
+            int s = kvs_kv_seq_create(r->kv);
+            cr_assert(s >= 0 && s < 40, "%s", kvs_last_error());
+            /* the first sequence's 70-token prompt keeps the table stride bucket at 8
+               blocks for the whole run (its full layer holds 5 to 7 blocks) */
+            prompt[s] = n_active == 0 ? 70 : 20 + (int)(kvs_rng_u64(&rng) % 41);
+            pos[s] = 0;
+            cr_assert_eq(kvs_kv_set_policy(r->kv, s, &p, prompt[s]), KVS_OK, "%s", kvs_last_error());
+            active[n_active++] = s;
+        }
+        if (joins[ph]) scen_step(r, out, &rng, active, n_active, pos, prompt, base);
+        for (int d = 0; d < decodes[ph]; d++) scen_step(r, out, &rng, active, n_active, pos, prompt, base);
+    }
+    out->compacted = kvs_kv_len(r->kv, active[0], r->cfg.n_layers - 1) < pos[active[0]];
+    for (int a = 0; a < n_active; a++) kvs_kv_free(r->kv, active[a]);
+    cr_assert_eq(kvs_kv_used_blocks(r->kv), 0);
+}
+
+void scen_free(scen_run *s) {
+    free(s->logits);
+    s->logits = NULL;
+}

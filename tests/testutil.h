@@ -56,4 +56,23 @@ void rig_close(rig *r);
 /* Reserves and runs ids[0..n) of seq at positions pos0.. in one step; logits of the last token. */
 void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits);
 
+/* The decode-step graph scenario (tests of src/model/forward.c's padded
+ * layout and CUDA graphs): sequences join (prefill steps) and leave between
+ * runs of pure-decode steps of 3, 5, 4, 37 and 18 sequences, under SnapKV
+ * (budget 24, window 8, first layer full) so sequences are compacted after
+ * their prompt and again during decode. Tokens come from seed only (never from
+ * the logits), so runs in different modes are comparable row for row. Needs a
+ * rig of max_seqs >= 37 and RIG_BLOCKS(128, 40) blocks; frees its sequences. */
+enum { SCEN_MAX_STEPS = 32 };
+typedef struct {
+    int n_steps, n_rows, vocab;
+    float *logits;                          /* [n_rows][vocab]: every step's rows, in order */
+    int rows[SCEN_MAX_STEPS];               /* logits rows (= sequences) of each step */
+    bool decode[SCEN_MAX_STEPS];            /* a pure-decode step */
+    kvs_graph_stats after[SCEN_MAX_STEPS];  /* graph stats after each step, counted from the run's start */
+    bool compacted;                         /* a sparse layer ended shorter than its sequence */
+} scen_run;
+void scen_decode_run(rig *r, kvs_graph_mode mode, uint64_t seed, scen_run *out);
+void scen_free(scen_run *s);
+
 #endif

@@ -5,7 +5,9 @@
  * Conventions: matrices are row-major. Activations and weights use the
  * backend's dtypes (act_dtype, weight_dtype); the KV pool uses kv_dtype.
  * Index arrays (ids, positions, slots, block tables, lengths) live in backend
- * memory too: upload them with to_device. */
+ * memory too: upload them with to_device. A negative slot in kv_write and a
+ * negative dst row in window_capture mean "skip this row" (the padding rows of
+ * a graph-bucketed batch). */
 #ifndef KVS_BACKEND_H
 #define KVS_BACKEND_H
 
@@ -116,6 +118,25 @@ struct kvs_backend {
      * and nothing is written. */
     void (*snapkv_select)(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
                           int k, int n_win);
+    /* ---- per-step metadata and CUDA graphs (appended for src/model/forward.c) ---- */
+    /* Host memory for uploads: pinned on CUDA (to_device from it is a truly
+     * asynchronous copy, so the source must stay unchanged until the stream has
+     * run the copy: the next synchronize or to_host), malloc on the CPU. NULL
+     * when out of memory. */
+    void *(*host_alloc)(kvs_backend *b, size_t bytes);
+    void (*host_free)(kvs_backend *b, void *p);
+    /* Graphs (NULL where the backend has none, e.g. the CPU): graph_begin starts
+     * capturing what this thread enqueues on the backend's stream (collectives a
+     * communicator puts on that stream included); nothing runs until graph_end,
+     * which returns the replayable graph in *graph, or fails with *graph NULL when
+     * the capture broke (then none of the captured ops ran: run them again). */
+    kvs_status (*graph_begin)(kvs_backend *b);
+    kvs_status (*graph_end)(kvs_backend *b, void **graph);
+    /* Replays graph on the stream. Fails without running anything when memory
+     * the graph baked in moved since the capture (the backend's grow-only scratch
+     * grew): destroy it, run eagerly, capture again. */
+    kvs_status (*graph_launch)(kvs_backend *b, void *graph);
+    void (*graph_destroy)(kvs_backend *b, void *graph);
 
     void (*destroy)(kvs_backend *b);
 };

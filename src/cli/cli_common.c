@@ -30,6 +30,8 @@ int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i) {
         if (!has_value) return -1;
         o->device = argv[++*i];
         if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda") && strncmp(o->device, "cuda:", 5)) return -1;
+    } else if (!strcmp(a, "--enforce-eager")) {
+        o->enforce_eager = true;
     } else if (!strcmp(a, "--tensor-parallel-size") || !strcmp(a, "-tp")) {
         if (!has_value) return -1;
         char *end;
@@ -144,6 +146,9 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
                 st = kvs_model_create(&out->cfg, out->ck, out->be, &out->model);
             }
         }
+        if (st == KVS_OK && out->model) kvs_model_set_enforce_eager(out->model, o->enforce_eager);
+        for (int r = 0; st == KVS_OK && out->tp && r < kvs_tp_world(out->tp); r++)
+            kvs_model_set_enforce_eager(kvs_tp_model(out->tp, r), o->enforce_eager);
     }
     if (st == KVS_OK && o->model_dir) {
         char path[4096];

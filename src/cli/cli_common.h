@@ -17,6 +17,7 @@ typedef struct {
     int tensor_parallel;     /* --tensor-parallel-size (0 or 1: none) */
     bool allow_tp;           /* set by the commands wired for tensor parallelism */
     const char *device;      /* --device cpu (default) | cuda | cuda:N */
+    bool enforce_eager;      /* --enforce-eager: no CUDA graphs for decode steps */
 } kvs_load_options;
 
 typedef struct {
@@ -33,9 +34,12 @@ typedef struct {
     struct kvs_comm **rank_comm;
 } kvs_loaded;
 
-#define KVS_CLI_DEVICE_HELP "  --device D             cpu (default), cuda or cuda:N\n"
+#define KVS_CLI_DEVICE_HELP                                                                  \
+    "  --device D             cpu (default), cuda or cuda:N\n"                                 \
+    "  --enforce-eager        no CUDA graphs for decode steps (default: graphs on cuda)\n"
 
-/* Handles -m, --config, --load-format, --threads, --device, --tensor-parallel-size at argv[*i]; advances *i.
+/* Handles -m, --config, --load-format, --threads, --device, --enforce-eager, --tensor-parallel-size at argv[*i];
+ * advances *i.
  * Returns 1 if consumed, 0 if not one of these, -1 on a bad value. */
 int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i);
 kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out);

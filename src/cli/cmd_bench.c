@@ -47,19 +47,97 @@ static double sgemm_rate(kvs_backend *be, int n, int reps) {
     return 2.0 * n * n * n / best / 1e9;
 }
 
+/* Decode-step time at batch sizes `batches` over a context of ctx tokens per
+ * sequence (faked: reserved and committed without a prefill; what the KV holds
+ * does not change the time), eager vs CUDA graphs. Each mode: 3 warm-up steps
+ * (a bucket's first step runs eagerly, the second is captured), then n_steps
+ * timed steps, each ending with a synchronize like a step's logits read. */
+static kvs_status bench_decode_steps(kvs_loaded *l, kvs_model *m, const int32_t *batches, int n_batches, int ctx,
+                                     int n_steps) {
+    int max_b = 0;
+    for (int i = 0; i < n_batches; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
+    kvs_kv_cache *kv = NULL;
+    KVS_TRY(kvs_cli_kv_cache(l, ctx + n_steps + 8, max_b, &kv));
+    kvs_backend *be = kvs_model_backend(m);
+    int32_t *ids = malloc(sizeof(int32_t) * max_b), *pos = malloc(sizeof(int32_t) * max_b),
+            *qs = malloc(sizeof(int32_t) * (max_b + 1)), *seqs = malloc(sizeof(int32_t) * max_b);
+    uint8_t *want = malloc((size_t)max_b);
+    kvs_status st = ids && pos && qs && seqs && want ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
+    printf("decode steps (context %d per sequence, %d timed steps; graphs %s on this backend):\n", ctx, n_steps,
+           be->graph_begin ? "available" : "not available");
+    for (int bi = 0; st == KVS_OK && bi < n_batches; bi++) {
+        int B = batches[bi];
+        double ms[2] = {0, 0};
+        kvs_graph_stats gs = {0};
+        for (int mode = 0; st == KVS_OK && mode < 2; mode++) {
+            kvs_model_set_enforce_eager(m, mode == 0);
+            for (int s = 0; s < B && st == KVS_OK; s++) {
+                seqs[s] = kvs_kv_seq_create(kv);
+                st = kvs_kv_reserve(kv, seqs[s], ctx);
+                if (st == KVS_OK) kvs_kv_commit(kv, seqs[s], ctx);
+                qs[s] = s, want[s] = 1;
+            }
+            qs[B] = B;
+            kvs_graph_stats g0 = kvs_model_graph_stats(m);
+            double t0 = 0;
+            for (int step = 0; st == KVS_OK && step < 3 + n_steps; step++) {
+                if (step == 3) t0 = kvs_now();
+                for (int s = 0; s < B && st == KVS_OK; s++) {
+                    st = kvs_kv_reserve(kv, seqs[s], 1);
+                    ids[s] = (int32_t)((step * 7919 + s * 104729) % l->cfg.vocab_size);
+                    pos[s] = ctx + step;
+                }
+                kvs_batch b = {B, B, ids, pos, qs, seqs, want};
+                if (st == KVS_OK) st = kvs_model_forward(m, &b, kv, NULL);
+                be->synchronize(be);
+            }
+            ms[mode] = (kvs_now() - t0) * 1e3 / n_steps;
+            if (mode == 1) {
+                kvs_graph_stats g1 = kvs_model_graph_stats(m);
+                gs.captures = g1.captures - g0.captures, gs.replays = g1.replays - g0.replays;
+                gs.capture_failures = g1.capture_failures - g0.capture_failures;
+            }
+            for (int s = 0; s < B; s++) kvs_kv_free(kv, seqs[s]);
+        }
+        if (st == KVS_OK)
+            printf("  batch %3d: eager %.3f ms/step, graphs %.3f ms/step (%.2fx; %lld captures, %lld replays, "
+                   "%lld capture failures)\n",
+                   B, ms[0], ms[1], ms[0] / ms[1], (long long)gs.captures, (long long)gs.replays,
+                   (long long)gs.capture_failures);
+    }
+    kvs_model_set_graph_mode(m, KVS_GRAPHS_ON);
+    free(ids), free(pos), free(qs), free(seqs), free(want);
+    kvs_kv_destroy(kv);
+    return st;
+}
+
 static int bench_model(int argc, char **argv) {
     kvs_load_options lo = {.skip_model = true};
-    int prompt_len = 1024, decode_len = 128;
+    int prompt_len = 1024, decode_len = 128, n_batches = 0;
+    int32_t *batches = NULL;
     for (int i = 1; i < argc; i++) {
         int r = kvs_cli_load_option(&lo, argc, argv, &i);
         if (r > 0) continue;
         if (r == 0 && !strcmp(argv[i], "--prompt-len") && i + 1 < argc) prompt_len = atoi(argv[++i]);
         else if (r == 0 && !strcmp(argv[i], "--decode-len") && i + 1 < argc) decode_len = atoi(argv[++i]);
+        else if (r == 0 && !strcmp(argv[i], "--decode-batches") && i + 1 < argc && !batches &&
+                 kvs_cli_parse_ids(argv[++i], &batches, &n_batches))
+            continue;
         else {
-            fprintf(stderr, "usage: kvsparse bench model -m MODEL_DIR [--prompt-len N] [--decode-len N] [--threads N]\n");
+            fprintf(stderr, "usage: kvsparse bench model -m MODEL_DIR [--prompt-len N] [--decode-len N] [--threads N]\n"
+                            "         [--device D] [--enforce-eager] [--decode-batches 1,64]\n"
+                            "  --decode-batches B,..  also time decode steps of B sequences at context --prompt-len,\n"
+                            "                         eager vs CUDA graphs (--decode-len steps each)\n");
+            free(batches);
             return 2;
         }
     }
+    for (int i = 0; i < n_batches; i++)
+        if (batches[i] < 1 || batches[i] > 1024) {
+            fprintf(stderr, "kvsparse bench model: --decode-batches: %d is not in 1..1024\n", batches[i]);
+            free(batches);
+            return 2;
+        }
     if (prompt_len <= 0 || decode_len <= 0) {
         fprintf(stderr, "kvsparse bench model: --prompt-len and --decode-len must be positive\n");
         return 2;
@@ -71,6 +149,8 @@ static int bench_model(int argc, char **argv) {
     kvs_model *m = NULL;
     kvs_kv_cache *kv = NULL;
     kvs_status st = kvs_model_create(&l.cfg, l.ck, &tb.base, &m);
+    /* the timed matmul synchronizes, which no graph can capture: this part runs eagerly */
+    if (st == KVS_OK) kvs_model_set_enforce_eager(m, true);
     int total = prompt_len + decode_len;
     if (st == KVS_OK && total > l.cfg.max_position_embeddings)
         st = kvs_fail(KVS_ERR_INVALID, "--prompt-len + --decode-len exceeds the context length %d",
@@ -122,6 +202,14 @@ static int bench_model(int argc, char **argv) {
         printf("decode matmuls:  %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of decode time\n",
                tb.flops / tb.seconds / 1e9, 100 * tb.flops / tb.seconds / 1e9 / peak, 100 * tb.seconds / t_decode);
     }
+    if (st == KVS_OK && n_batches > 0) {
+        kvs_kv_destroy(kv); /* room for the batches' cache */
+        kv = NULL;
+        tb.base.matmul = l.be->matmul; /* untimed: the timing synchronizes, which no graph can capture */
+        st = bench_decode_steps(&l, m, batches, n_batches, prompt_len, decode_len);
+        if (st != KVS_OK) kvs_cli_error();
+    }
+    free(batches);
     free(ids);
     free(pos);
     free(logits);

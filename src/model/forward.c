@@ -31,14 +31,16 @@ static kvs_status tp_sum(kvs_model *m, void *buf, size_t n) {
     return m->comm ? m->comm->all_reduce_sum(m->comm, buf, n, m->be->act_dtype) : KVS_OK;
 }
 
-/* Makes the step buffers large enough for this batch. */
-static kvs_status ensure_buffers(kvs_model *m, int n_tokens, int n_seqs, int max_blocks, int n_logits) {
+/* Makes the step buffers large enough for this batch (n_tokens rows, padding
+ * included). Graphs baked in the old buffers: growing any invalidates them. */
+static kvs_status ensure_buffers(kvs_model *m, int n_tokens, int n_logits) {
     kvs_step_buffers *b = &m->buf;
     kvs_backend *be = m->be;
     const kvs_config *c = &m->cfg;
     const kvs_shard *sh = &m->shard; /* this rank's heads and MLP columns */
     size_t a = kvs_dtype_size(be->act_dtype);
     if (n_tokens > b->cap_tokens) {
+        kvs_graphs_invalidate(m);
         size_t n = (size_t)n_tokens;
         size_t qd = (size_t)sh->n_heads * c->head_dim, kd = (size_t)sh->n_kv_heads * c->head_dim;
         size_t wide = (size_t)sh->intermediate > qd ? (size_t)sh->intermediate : qd;
@@ -52,26 +54,8 @@ static kvs_status ensure_buffers(kvs_model *m, int n_tokens, int n_seqs, int max
         KVS_TRY(grow(be, &b->tmp, n * c->hidden_size * a));
         KVS_TRY(grow(be, &b->gate_up, n * 2 * sh->intermediate * a));
         KVS_TRY(grow(be, &b->act, n * wide * a));
-        KVS_TRY(grow(be, (void **)&b->ids, n * 4));
-        KVS_TRY(grow(be, (void **)&b->positions, n * 4));
-        KVS_TRY(grow(be, (void **)&b->slots, n * 4));
         KVS_TRY(grow(be, (void **)&b->lse, n * sh->n_heads * sizeof(float)));
-        KVS_TRY(grow(be, (void **)&b->cap_src, n * 4));
-        KVS_TRY(grow(be, (void **)&b->cap_dst, n * 4));
-        KVS_TRY(grow_host(&b->h_slots, n));
-        KVS_TRY(grow_host(&b->h_cap_src, n));
-        KVS_TRY(grow_host(&b->h_cap_dst, n));
         b->cap_tokens = n_tokens;
-    }
-    if (n_seqs > b->cap_seqs || max_blocks > b->cap_blocks) {
-        int s = n_seqs > b->cap_seqs ? n_seqs : b->cap_seqs, mb = max_blocks > b->cap_blocks ? max_blocks : b->cap_blocks;
-        KVS_TRY(grow(be, (void **)&b->q_start, (size_t)(s + 1) * 4));
-        KVS_TRY(grow(be, (void **)&b->kv_len, (size_t)s * 4));
-        KVS_TRY(grow(be, (void **)&b->block_tables, (size_t)s * mb * 4));
-        KVS_TRY(grow_host(&b->h_kv_len, (size_t)s));
-        KVS_TRY(grow_host(&b->h_block_tables, (size_t)s * mb));
-        b->cap_seqs = s;
-        b->cap_blocks = mb;
     }
     if (n_logits > b->cap_logits) {
         KVS_TRY(grow(be, &b->last, (size_t)n_logits * c->hidden_size * a));
@@ -121,41 +105,160 @@ kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const k
     return KVS_OK;
 }
 
-/* Fills this layer's slots, lengths, block tables and window-capture rows and
- * uploads them; returns how many tokens' queries the sparsity window captures. */
-static int layer_metadata(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, int layer, int max_blocks,
-                          kvs_attn_batch *ab) {
+/* ---- per-step metadata: built once, uploaded with one copy ---------------------
+ * What a step runs on: n_rows token rows and n_seqs sequences (padding
+ * included). Padded steps (the graphs' layout) append dummy sequences of one
+ * token each (id 0, position 0, slot -1, kv_len 0, no window row) up to the
+ * batch bucket, and give every layer the bucket's table stride and max_kv_len
+ * = stride x block_size, so that every pointer and size a graph bakes in is
+ * fixed for the bucket. Eager steps pad each layer's tables to that layer's
+ * most blocks in the batch (sparse layers are short, full layers long). */
+typedef struct {
+    int n_rows, n_seqs;
+    bool padded;
+    int stride;     /* padded: blocks per sequence of every layer's table */
+    int bucket, si; /* padded: graph slot [bucket][si] */
+} step_shape;
+
+static int ceil_log2(int n) {
+    int i = 0;
+    while ((1 << i) < n) i++;
+    return i;
+}
+
+static void plan_step(const kvs_model *m, const kvs_batch *b, int max_blocks, step_shape *sh) {
+    *sh = (step_shape){b->n_tokens, b->n_seqs, false, 0, 0, 0};
+    const kvs_graphs *g = &m->graphs;
+    bool layout = g->mode == KVS_GRAPHS_PADDED || (g->mode == KVS_GRAPHS_ON && m->be->graph_begin);
+    if (!layout || b->n_tokens != b->n_seqs) return; /* graphs for pure decode only */
+    int bi = ceil_log2(b->n_seqs), si = ceil_log2(max_blocks);
+    if (bi >= KVS_GRAPH_BATCHES || si >= KVS_GRAPH_STRIDES) return;
+    *sh = (step_shape){1 << bi, 1 << bi, true, 1 << si, bi, si};
+}
+
+/* Grows the metadata buffers to n int32 (device and pinned host); the device
+ * buffer moving invalidates the graphs. */
+static kvs_status ensure_meta(kvs_model *m, size_t n) {
     kvs_step_buffers *sb = &m->buf;
     kvs_backend *be = m->be;
-    int max_kv = 0, max_q = 0, n_cap = 0;
-    memset(sb->h_block_tables, 0, sizeof(int32_t) * (size_t)b->n_seqs * max_blocks);
+    if (!sb->layer_meta) {
+        sb->layer_meta = calloc((size_t)m->cfg.n_layers, sizeof(kvs_layer_meta));
+        if (!sb->layer_meta) return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
+    }
+    if (n <= sb->cap_meta) return KVS_OK;
+    kvs_graphs_invalidate(m);
+    size_t want = n + n / 4;
+    if (sb->meta) be->free(be, sb->meta);
+    if (sb->h_meta) be->host_free ? be->host_free(be, sb->h_meta) : free(sb->h_meta);
+    sb->cap_meta = 0;
+    sb->meta = be->alloc(be, want * sizeof(int32_t));
+    sb->h_meta = be->host_alloc ? be->host_alloc(be, want * sizeof(int32_t)) : malloc(want * sizeof(int32_t));
+    if (!sb->meta || !sb->h_meta)
+        return kvs_fail(KVS_ERR_NOMEM, "forward: out of memory for the step metadata (%zu bytes)",
+                        want * sizeof(int32_t));
+    sb->cap_meta = want;
+    return KVS_OK;
+}
+
+/* Most blocks any sequence of the batch holds in layer l (at least 1). */
+static int layer_max_blocks(const kvs_batch *b, const kvs_kv_cache *kv, int l) {
+    int mb = 1, nb;
     for (int s = 0; s < b->n_seqs; s++) {
-        int seq = b->seq_ids[s], q0 = b->query_start[s], q_len = b->query_start[s + 1] - q0;
-        int len = kvs_kv_len(kv, seq, layer), nb;
-        const int32_t *blocks = kvs_kv_blocks(kv, seq, layer, &nb);
-        memcpy(sb->h_block_tables + (size_t)s * max_blocks, blocks, sizeof(int32_t) * nb);
-        for (int i = 0; i < q_len; i++) {
-            sb->h_slots[q0 + i] = kvs_kv_slot(kv, seq, layer, len + i);
-            int row = kvs_kv_window_row(kv, seq, layer, b->positions[q0 + i]);
-            if (row >= 0) {
-                sb->h_cap_src[n_cap] = q0 + i;
-                sb->h_cap_dst[n_cap++] = row;
+        kvs_kv_blocks(kv, b->seq_ids[s], l, &nb);
+        if (nb > mb) mb = nb;
+    }
+    return mb;
+}
+
+/* Builds every layer's slots, lengths, block tables and window-capture rows in
+ * the pinned host buffer and uploads it with one copy. The host buffer is
+ * reused every step: the backend is synchronized first (cheap: the previous
+ * step normally ended with its logits' device-to-host read, which already
+ * synchronized; only steps without a read, e.g. prefill chunks, lose their
+ * host/GPU overlap here). */
+static kvs_status step_metadata(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, const step_shape *sh) {
+    kvs_step_buffers *sb = &m->buf;
+    kvs_backend *be = m->be;
+    const int L = m->cfg.n_layers, T = sh->n_rows, S = sh->n_seqs, n = b->n_tokens, bs = kvs_kv_get_config(kv)->block_size;
+    size_t off = 0, o_ids = off, o_pos = (off += T), o_qs = (off += T);
+    off += S + 1;
+    KVS_TRY(ensure_meta(m, 0)); /* layer_meta */
+    for (int l = 0; l < L; l++) {
+        kvs_layer_meta *lm = &sb->layer_meta[l];
+        lm->max_blocks = sh->padded ? sh->stride : layer_max_blocks(b, kv, l);
+        lm->slots = off, off += T;
+        lm->kv_len = off, off += S;
+        lm->cap_src = off, off += T;
+        lm->cap_dst = off, off += T;
+        lm->tables = off, off += (size_t)S * lm->max_blocks;
+    }
+    KVS_TRY(ensure_meta(m, off));
+    be->synchronize(be); /* the last step's upload may still read h_meta */
+    int32_t *h = sb->h_meta;
+    memcpy(h + o_ids, b->token_ids, sizeof(int32_t) * n);
+    memcpy(h + o_pos, b->positions, sizeof(int32_t) * n);
+    memcpy(h + o_qs, b->query_start, sizeof(int32_t) * (b->n_seqs + 1));
+    for (int i = n; i < T; i++) h[o_ids + i] = h[o_pos + i] = 0;
+    for (int s = b->n_seqs; s < S; s++) h[o_qs + s + 1] = h[o_qs + s] + 1; /* dummies: one token each */
+    for (int l = 0; l < L; l++) {
+        kvs_layer_meta *lm = &sb->layer_meta[l];
+        int32_t *slots = h + lm->slots, *kv_len = h + lm->kv_len, *cap_src = h + lm->cap_src,
+                *cap_dst = h + lm->cap_dst, *tables = h + lm->tables;
+        int max_kv = 0, max_q = 0, n_cap = 0;
+        memset(tables, 0, sizeof(int32_t) * (size_t)S * lm->max_blocks);
+        for (int s = 0; s < b->n_seqs; s++) {
+            int seq = b->seq_ids[s], q0 = b->query_start[s], q_len = b->query_start[s + 1] - q0;
+            int len = kvs_kv_len(kv, seq, l), nb;
+            const int32_t *blocks = kvs_kv_blocks(kv, seq, l, &nb);
+            memcpy(tables + (size_t)s * lm->max_blocks, blocks, sizeof(int32_t) * nb);
+            for (int i = 0; i < q_len; i++) {
+                slots[q0 + i] = kvs_kv_slot(kv, seq, l, len + i);
+                int row = kvs_kv_window_row(kv, seq, l, b->positions[q0 + i]);
+                if (sh->padded) { /* every row goes through window_capture; -1 skips */
+                    cap_src[q0 + i] = q0 + i;
+                    cap_dst[q0 + i] = row;
+                } else if (row >= 0) {
+                    cap_src[n_cap] = q0 + i;
+                    cap_dst[n_cap++] = row;
+                }
             }
+            kv_len[s] = len + q_len;
+            if (len + q_len > max_kv) max_kv = len + q_len;
+            if (q_len > max_q) max_q = q_len;
         }
-        sb->h_kv_len[s] = len + q_len;
-        if (len + q_len > max_kv) max_kv = len + q_len;
-        if (q_len > max_q) max_q = q_len;
+        for (int i = n; i < T; i++) slots[i] = -1, cap_src[i] = i, cap_dst[i] = -1;
+        for (int s = b->n_seqs; s < S; s++) kv_len[s] = 0;
+        if (sh->padded) { /* the bucket's fixed sizes; LSE and window capture always (when windows exist) */
+            void *win_q;
+            float *win_lse;
+            kvs_kv_window_buffers(kv, l, &win_q, &win_lse);
+            max_kv = sh->stride * bs;
+            max_q = 1;
+            n_cap = win_q ? T : 0;
+        }
+        lm->max_kv_len = max_kv;
+        lm->max_q_len = max_q;
+        lm->n_cap = n_cap;
     }
-    be->to_device(be, sb->slots, sb->h_slots, sizeof(int32_t) * b->n_tokens);
-    be->to_device(be, sb->kv_len, sb->h_kv_len, sizeof(int32_t) * b->n_seqs);
-    be->to_device(be, sb->block_tables, sb->h_block_tables, sizeof(int32_t) * (size_t)b->n_seqs * max_blocks);
-    if (n_cap) {
-        be->to_device(be, sb->cap_src, sb->h_cap_src, sizeof(int32_t) * n_cap);
-        be->to_device(be, sb->cap_dst, sb->h_cap_dst, sizeof(int32_t) * n_cap);
-    }
-    *ab = (kvs_attn_batch){b->n_seqs, b->n_tokens, max_blocks, max_q, max_kv, sb->q_start, sb->kv_len,
-                           sb->block_tables};
-    return n_cap;
+    be->to_device(be, sb->meta, h, sizeof(int32_t) * off);
+    sb->ids = sb->meta + o_ids;
+    sb->positions = sb->meta + o_pos;
+    sb->q_start = sb->meta + o_qs;
+    return KVS_OK;
+}
+
+/* Points the step buffers at layer l's metadata; its attention batch in ab. */
+static int set_layer(kvs_model *m, int l, const step_shape *sh, kvs_attn_batch *ab) {
+    kvs_step_buffers *sb = &m->buf;
+    const kvs_layer_meta *lm = &sb->layer_meta[l];
+    sb->slots = sb->meta + lm->slots;
+    sb->kv_len = sb->meta + lm->kv_len;
+    sb->cap_src = sb->meta + lm->cap_src;
+    sb->cap_dst = sb->meta + lm->cap_dst;
+    sb->block_tables = sb->meta + lm->tables;
+    *ab = (kvs_attn_batch){sh->n_seqs, sh->n_rows, lm->max_blocks, lm->max_q_len, lm->max_kv_len, sb->q_start,
+                           sb->kv_len, sb->block_tables};
+    return lm->n_cap;
 }
 
 static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, const kvs_kv_cache *kv, int layer,
@@ -203,12 +306,88 @@ static kvs_status mlp_block(kvs_model *m, const kvs_layer_weights *w, int n) {
 
 static void local_logits(kvs_model *m, const kvs_batch *b, int n_logits);
 
+/* Everything a graph holds: embedding and the layers, reading only the step
+ * buffers and the metadata buffer. */
+static kvs_status step_body(kvs_model *m, const kvs_kv_cache *kv, const step_shape *sh) {
+    kvs_backend *be = m->be;
+    const kvs_config *c = &m->cfg;
+    be->embedding(be, m->buf.x, m->embed, m->buf.ids, sh->n_rows, c->hidden_size);
+    for (int l = 0; l < c->n_layers; l++) {
+        kvs_attn_batch ab;
+        int n_cap = set_layer(m, l, sh, &ab);
+        KVS_TRY(attention_block(m, &m->layers[l], kv, l, &ab, sh->n_rows, n_cap));
+        KVS_TRY(mlp_block(m, &m->layers[l], sh->n_rows));
+    }
+    return KVS_OK;
+}
+
+/* Runs the step body: eagerly, or for a padded step on a backend with graphs
+ * (vLLM's protocol) eagerly the first time its bucket is seen, captured the
+ * second time, replayed after. */
+static kvs_status run_step(kvs_model *m, const kvs_kv_cache *kv, const step_shape *sh) {
+    kvs_backend *be = m->be;
+    kvs_graphs *g = &m->graphs;
+    if (!sh->padded) {
+        g->stats.eager_steps++;
+        return step_body(m, kv, sh);
+    }
+    if (g->mode != KVS_GRAPHS_ON || !be->graph_begin) {
+        g->stats.padded_eager_steps++;
+        return step_body(m, kv, sh);
+    }
+    KVS_TRY(kvs_graphs_check_kv(m, kv));
+    kvs_graph_slot *slot = &g->slot[sh->bucket][sh->si];
+    if (slot->exec) {
+        if (be->graph_launch(be, slot->exec) == KVS_OK) {
+            g->stats.replays++;
+            return KVS_OK;
+        }
+        /* stale (the backend's scratch moved): eager now, capture next time */
+        be->graph_destroy(be, slot->exec);
+        slot->exec = NULL;
+        slot->seen = 1;
+        g->stats.invalidations++;
+        g->stats.padded_eager_steps++;
+        return step_body(m, kv, sh);
+    }
+    if (slot->failed || slot->seen++ == 0) {
+        g->stats.padded_eager_steps++;
+        return step_body(m, kv, sh);
+    }
+    kvs_status st = be->graph_begin(be);
+    if (st == KVS_OK) {
+        kvs_status body = step_body(m, kv, sh);
+        void *exec = NULL;
+        st = be->graph_end(be, &exec); /* always close the capture */
+        if (body != KVS_OK) {
+            if (exec) be->graph_destroy(be, exec);
+            return body;
+        }
+        if (st == KVS_OK) {
+            slot->exec = exec;
+            g->stats.captures++;
+            st = be->graph_launch(be, exec);
+            if (st == KVS_OK) {
+                g->stats.replays++;
+                return KVS_OK;
+            }
+            be->graph_destroy(be, exec);
+            slot->exec = NULL;
+        }
+    }
+    slot->failed = true;
+    g->stats.capture_failures++;
+    kvs_log(KVS_LOG_WARN, "forward: no CUDA graph for %d sequences x %d blocks (%s); that bucket stays eager",
+            sh->n_seqs, sh->stride, kvs_last_error());
+    g->stats.padded_eager_steps++;
+    return step_body(m, kv, sh); /* nothing of the failed capture ran */
+}
+
 /* The step up to each rank's logits slice in buf.logits [n_logits][vocab_pad]. */
 static kvs_status forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int *n_logits_out) {
     KVS_TRY(kvs_model_check_batch(m, b, kv));
     const kvs_config *c = &m->cfg;
-    kvs_backend *be = m->be;
-    int n = b->n_tokens, n_logits = 0, max_blocks = 1;
+    int n_logits = 0, max_blocks = 1;
     for (int s = 0; s < b->n_seqs; s++) {
         n_logits += b->wants_logits[s] ? 1 : 0;
         for (int l = 0; l < c->n_layers; l++) {
@@ -217,18 +396,11 @@ static kvs_status forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *k
             if (nb > max_blocks) max_blocks = nb;
         }
     }
-    KVS_TRY(ensure_buffers(m, n, b->n_seqs, max_blocks, n_logits));
-    kvs_step_buffers *sb = &m->buf;
-    be->to_device(be, sb->ids, b->token_ids, sizeof(int32_t) * n);
-    be->to_device(be, sb->positions, b->positions, sizeof(int32_t) * n);
-    be->to_device(be, sb->q_start, b->query_start, sizeof(int32_t) * (b->n_seqs + 1));
-    be->embedding(be, sb->x, m->embed, sb->ids, n, c->hidden_size);
-    for (int l = 0; l < c->n_layers; l++) {
-        kvs_attn_batch ab;
-        int n_cap = layer_metadata(m, b, kv, l, max_blocks, &ab);
-        KVS_TRY(attention_block(m, &m->layers[l], kv, l, &ab, n, n_cap));
-        KVS_TRY(mlp_block(m, &m->layers[l], n));
-    }
+    step_shape sh;
+    plan_step(m, b, max_blocks, &sh);
+    KVS_TRY(ensure_buffers(m, sh.n_rows, n_logits));
+    KVS_TRY(step_metadata(m, b, kv, &sh));
+    KVS_TRY(run_step(m, kv, &sh));
     for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
     if (n_logits > 0) local_logits(m, b, n_logits);
     /* compaction of what the sequences' policies say is due (after their

@@ -238,17 +238,12 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
 }
 
 static void free_step_buffers(kvs_backend *be, kvs_step_buffers *b) {
+    /* ids .. cap_dst point into the metadata buffer (freed by kvs_graphs_free) */
     void *dev[] = {b->x, b->xn, b->q, b->k, b->v, b->att, b->tmp, b->gate_up, b->act, b->last, b->logits,
-                   b->ids, b->positions, b->slots, b->q_start, b->kv_len, b->block_tables, b->last_rows,
-                   b->lse, b->cap_src, b->cap_dst, b->logits_all, b->pairs, b->pairs_all};
+                   b->last_rows, b->lse, b->logits_all, b->pairs, b->pairs_all};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(be, dev[i]);
-    free(b->h_slots);
-    free(b->h_kv_len);
-    free(b->h_block_tables);
     free(b->h_last_rows);
-    free(b->h_cap_src);
-    free(b->h_cap_dst);
     free(b->h_logits);
     free(b->h_pairs);
     memset(b, 0, sizeof *b);
@@ -257,6 +252,7 @@ static void free_step_buffers(kvs_backend *be, kvs_step_buffers *b) {
 void kvs_model_destroy(kvs_model *m) {
     if (!m) return;
     kvs_backend *be = m->be;
+    kvs_graphs_free(m);
     free_step_buffers(be, &m->buf);
     kvs_model_free_sample_buffers(m);
     if (m->layers) {

@@ -174,6 +174,34 @@ kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cac
  * step, nothing changed). */
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
                                     int32_t *ids, float *logprobs);
+/* ---- CUDA graphs for decode steps ---------------------------------------------
+ * A pure-decode step (every sequence has one new token) on a backend with graphs
+ * runs as a graph captured per bucket: the batch padded with dummy rows (slot -1:
+ * no KV write; kv_len 0: no attention; no logits) to 1, 2, 4, ..., 256 sequences,
+ * every layer's block table padded to a power-of-two stride, all per-step
+ * metadata in fixed device buffers re-uploaded every step. The first step of a
+ * bucket runs eagerly (growing scratch to the bucket's sizes), the second is
+ * captured, later ones replay. A failed capture is logged once and the bucket
+ * stays eager. Steps with prefill tokens, larger batches and the CPU backend
+ * run eagerly on the batch as given. */
+typedef enum {
+    KVS_GRAPHS_ON = 0, /* the default: graphs where the backend has them */
+    KVS_GRAPHS_OFF,    /* eager, the batch as given (--enforce-eager) */
+    KVS_GRAPHS_PADDED, /* the graphs' padded layout, always run eagerly (any backend): tests, benchmarks */
+} kvs_graph_mode;
+void kvs_model_set_graph_mode(kvs_model *m, kvs_graph_mode mode);
+/* eager: KVS_GRAPHS_OFF, else KVS_GRAPHS_ON. */
+void kvs_model_set_enforce_eager(kvs_model *m, bool eager);
+
+typedef struct {
+    int64_t eager_steps;        /* steps run on the batch as given */
+    int64_t padded_eager_steps; /* padded steps run eagerly (a bucket's first, failed buckets, PADDED mode) */
+    int64_t captures;           /* graphs captured */
+    int64_t replays;            /* steps run as a graph */
+    int64_t capture_failures;
+    int64_t invalidations;      /* graphs destroyed because memory they baked in moved */
+} kvs_graph_stats;
+kvs_graph_stats kvs_model_graph_stats(const kvs_model *m);
 
 /* ---- a tensor-parallel group: one thread per rank ---------------------------
  * world ranks, each a thread that owns one backend, one communicator, one

@@ -14,6 +14,7 @@ void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, co
     const float *kk = k, *vv = v;
     size_t row = (size_t)pool->n_kv_heads * pool->head_dim;
     for (int i = 0; i < n; i++) {
+        if (slots[i] < 0) continue; /* a padding row: no KV */
         int32_t block = slots[i] / pool->block_size, off = slots[i] % pool->block_size;
         for (int h = 0; h < pool->n_kv_heads; h++) {
             memcpy(kv_at(pool, block, 0, h, off), kk + i * row + (size_t)h * pool->head_dim,
@@ -40,6 +41,11 @@ static inline float dot(const float *a, const float *b, int n) {
 static void attend_one(const kvs_kv_pool *pool, const int32_t *table, int n_keys, int kv_head,
                        const float *q, float scale, float *scores, float *out, float *lse) {
     int d = pool->head_dim, bs = pool->block_size;
+    if (n_keys <= 0) { /* a padding row (kv_len 0): no keys, output 0 */
+        memset(out, 0, sizeof(float) * d);
+        if (lse) *lse = -INFINITY;
+        return;
+    }
     float mx = -INFINITY;
     for (int e = 0; e < n_keys; e++) {
         const float *kv = kv_at(pool, table[e / bs], 0, kv_head, e % bs);

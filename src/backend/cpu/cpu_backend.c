@@ -18,6 +18,8 @@ static void cpu_synchronize(kvs_backend *b) {}
 static void cpu_to_host_f32(kvs_backend *b, float *dst, const void *src, size_t n) {
     memcpy(dst, src, n * sizeof(float));
 }
+static void *cpu_host_alloc(kvs_backend *b, size_t bytes) { return malloc(bytes ? bytes : 16); }
+static void cpu_host_free(kvs_backend *b, void *p) { free(p); }
 static void cpu_destroy(kvs_backend *b) { free(b); }
 
 kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
@@ -50,6 +52,9 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->sample = kvs_cpu_sample;
     b->dummy_fill = kvs_cpu_dummy_fill;
     b->snapkv_select = kvs_cpu_snapkv_select;
+    b->host_alloc = cpu_host_alloc;
+    b->host_free = cpu_host_free;
+    /* no graphs: graph_begin .. graph_destroy stay NULL (calloc) */
     b->destroy = cpu_destroy;
     *out = b;
     return KVS_OK;

@@ -8,6 +8,7 @@ void kvs_cpu_window_capture(kvs_backend *b, void *win_q, float *win_lse, const v
                             const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim) {
     size_t row = (size_t)n_heads * head_dim;
     for (int i = 0; i < m; i++) {
+        if (dst_rows[i] < 0) continue; /* not a window query (graph mode captures every row) */
         memcpy((float *)win_q + (size_t)dst_rows[i] * row, (const float *)q + (size_t)src_rows[i] * row,
                sizeof(float) * row);
         memcpy(win_lse + (size_t)dst_rows[i] * n_heads, lse + (size_t)src_rows[i] * n_heads,

@@ -1108,6 +1108,20 @@ static bool launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out
     return true;
 }
 
+/* CUDA graphs (src/model/forward.c, padded decode steps): the graph of a bucket
+ * is captured once and replayed while its sequences grow and get compacted, so
+ * max_kv_len here is the bucket's capacity (stride x block_size), not the
+ * batch's longest sequence, and the split count below depends only on the
+ * bucket. Requirements on the kernels (keep them in any rewrite):
+ *  - a split whose first key is at or past its sequence's n_keys exits at once
+ *    (writes m = -inf, l = 0, o = 0), so the cost of a short (sparse) layer
+ *    does not grow with the bucket's capacity beyond one tiny block per split;
+ *  - the combine ignores splits with m = -inf;
+ *  - padding rows have kv_len 0 (n_keys 0: every split empty); their output is
+ *    never read (today the combine writes 0/0 = NaN there and lse -inf; rows
+ *    are independent, so that NaN stays in its row), but 0 would be cleaner;
+ *  - the scratch below is only taken, never grown, inside a capture (a bucket
+ *    runs eagerly once first; kvs_cuda_scratch fails the capture otherwise). */
 template <int D>
 static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len) {
     kvs_cuda *c = kvs_cuda_of(b);

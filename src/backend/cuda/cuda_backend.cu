@@ -8,7 +8,10 @@
 #include "backend/cuda/cuda_internal.h"
 
 void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const char *file, int line) {
-    if (b && b->impl) kvs_cuda_of(b)->failed = 1;
+    if (b && b->impl) {
+        kvs_cuda_of(b)->failed = 1;
+        if (kvs_cuda_of(b)->capturing) kvs_cuda_of(b)->capture_broken = 1;
+    }
     kvs_fail(KVS_ERR_INTERNAL, "cuda: %s failed: %s (%s:%d)", call, err, file, line);
     kvs_log(KVS_LOG_ERROR, "cuda: %s failed: %s (%s:%d)", call, err, file, line);
 }
@@ -16,7 +19,12 @@ void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const ch
 void *kvs_cuda_scratch(kvs_backend *b, size_t bytes) {
     kvs_cuda *c = kvs_cuda_of(b);
     if (bytes <= c->scratch_bytes) return c->scratch;
+    if (c->capturing) { /* no synchronize or cudaMalloc inside a capture */
+        c->capture_broken = 1;
+        return NULL;
+    }
     KVS_CUDA_CHECK(b, cudaStreamSynchronize(c->stream));
+    c->scratch_gen++;
     if (c->scratch) cudaFree(c->scratch);
     c->scratch = NULL;
     c->scratch_bytes = 0;
@@ -48,7 +56,8 @@ static void cuda_free(kvs_backend *b, void *p) {
 }
 
 /* Pageable host sources: cudaMemcpyAsync returns once the source is staged, so
- * the caller may reuse its buffer at once. */
+ * the caller may reuse its buffer at once. Pinned sources (host_alloc): truly
+ * asynchronous; the source must stay unchanged until the stream runs the copy. */
 static void cuda_to_device(kvs_backend *b, void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
     KVS_CUDA_CHECK(b, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, kvs_cuda_of(b)->stream));
@@ -106,6 +115,94 @@ static void cuda_to_host_f32(kvs_backend *b, float *dst, const void *src, size_t
     cuda_to_host(b, tmp, src, n * 2);
     for (size_t i = 0; i < n; i++) dst[i] = kvs_bf16_to_f32(tmp[i]);
     free(tmp);
+}
+
+/* ---- pinned host memory and CUDA graphs ---------------------------------------- */
+
+static void *cuda_host_alloc(kvs_backend *b, size_t bytes) {
+    void *p = NULL;
+    if (cudaHostAlloc(&p, bytes ? bytes : 16, cudaHostAllocDefault) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_host_free(kvs_backend *b, void *p) {
+    if (!p) return;
+    KVS_CUDA_CHECK(b, cudaStreamSynchronize(kvs_cuda_of(b)->stream)); /* a copy may still read p */
+    KVS_CUDA_CHECK(b, cudaFreeHost(p));
+}
+
+/* A captured graph, with the scratch generation it baked in. */
+typedef struct {
+    cudaGraphExec_t exec;
+    unsigned scratch_gen;
+} kvs_cuda_graph;
+
+static kvs_status cuda_graph_begin(kvs_backend *b) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    if (c->capturing) return kvs_fail(KVS_ERR_INTERNAL, "cuda graph: a capture is already open");
+    /* thread-local: tensor-parallel ranks capture on their own threads at once */
+    cudaError_t e = cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return kvs_fail(KVS_ERR_INTERNAL, "cuda graph: cudaStreamBeginCapture: %s", cudaGetErrorString(e));
+    }
+    c->capturing = 1;
+    c->capture_broken = 0;
+    return KVS_OK;
+}
+
+static kvs_status cuda_graph_end(kvs_backend *b, void **graph) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    *graph = NULL;
+    if (!c->capturing) return kvs_fail(KVS_ERR_INTERNAL, "cuda graph: no capture is open");
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    c->capturing = 0;
+    if (e != cudaSuccess || !g || c->capture_broken) {
+        cudaGetLastError(); /* an invalidated capture is an answer: stay eager */
+        if (g) cudaGraphDestroy(g);
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "cuda graph: capture failed (%s)",
+                        e != cudaSuccess ? cudaGetErrorString(e) : "an op could not be captured");
+    }
+    cudaGraphExec_t exec = NULL;
+    e = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "cuda graph: cudaGraphInstantiate: %s", cudaGetErrorString(e));
+    }
+    kvs_cuda_graph *h = (kvs_cuda_graph *)malloc(sizeof *h);
+    if (!h) {
+        cudaGraphExecDestroy(exec);
+        return kvs_fail(KVS_ERR_NOMEM, "cuda graph: out of host memory");
+    }
+    h->exec = exec;
+    h->scratch_gen = c->scratch_gen;
+    *graph = h;
+    return KVS_OK;
+}
+
+static kvs_status cuda_graph_launch(kvs_backend *b, void *graph) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    kvs_cuda_graph *h = (kvs_cuda_graph *)graph;
+    if (h->scratch_gen != c->scratch_gen)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "cuda graph: stale (the backend's scratch moved since the capture)");
+    cudaError_t e = cudaGraphLaunch(h->exec, c->stream);
+    if (e != cudaSuccess) {
+        kvs_cuda_report(b, "cudaGraphLaunch", cudaGetErrorString(e), __FILE__, __LINE__);
+        return KVS_ERR_INTERNAL;
+    }
+    return KVS_OK;
+}
+
+static void cuda_graph_destroy(kvs_backend *b, void *graph) {
+    if (!graph) return;
+    kvs_cuda_graph *h = (kvs_cuda_graph *)graph;
+    KVS_CUDA_CHECK(b, cudaGraphExecDestroy(h->exec));
+    free(h);
 }
 
 static void cuda_destroy(kvs_backend *b) {
@@ -195,6 +292,12 @@ extern "C" kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
     b->sample = kvs_cuda_sample;
     b->dummy_fill = kvs_cuda_dummy_fill;
     b->snapkv_select = kvs_cuda_snapkv_select;
+    b->host_alloc = cuda_host_alloc;
+    b->host_free = cuda_host_free;
+    b->graph_begin = cuda_graph_begin;
+    b->graph_end = cuda_graph_end;
+    b->graph_launch = cuda_graph_launch;
+    b->graph_destroy = cuda_graph_destroy;
     b->destroy = cuda_destroy;
     kvs_log(KVS_LOG_INFO, "cuda backend: %s (sm_%d%d, %d SMs, %.1f GiB)", prop.name, prop.major, prop.minor,
             prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0);

@@ -35,6 +35,9 @@ typedef struct {
     /* grow-only scratch (attention split partials, kv_gather staging) */
     void *scratch;
     size_t scratch_bytes;
+    unsigned scratch_gen; /* bumped when scratch moves: graphs captured before are stale */
+    int capturing;        /* a graph capture is open on stream */
+    int capture_broken;   /* something during this capture could not be captured */
     int n_sms;
     int failed; /* sticky: a CUDA call failed (the message is in kvs_last_error) */
 } kvs_cuda;
@@ -54,7 +57,9 @@ void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const ch
 /* After a kernel launch: reports launch errors (bad configuration etc.). */
 #define KVS_CUDA_LAUNCHED(b, name) KVS_CUDA_CHECK(b, cudaGetLastError())
 
-/* Scratch of at least bytes (synchronizes the stream when it must grow); NULL on failure. */
+/* Scratch of at least bytes (synchronizes the stream when it must grow); NULL on
+ * failure. During a graph capture it cannot grow: NULL, and the capture fails
+ * (run the same shapes eagerly once before capturing them). */
 void *kvs_cuda_scratch(kvs_backend *b, size_t bytes);
 
 static inline unsigned kvs_cuda_blocks(size_t n, unsigned threads) {

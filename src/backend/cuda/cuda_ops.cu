@@ -178,6 +178,7 @@ __global__ void kvs_kv_write_kernel(bf16 *pool, const bf16 *k, const bf16 *v, co
         size_t r = t % (2 * row);
         int kind = (int)(r / row), h = (int)((r % row) / head_dim), e = (int)(r % head_dim);
         int slot = slots[i];
+        if (slot < 0) continue; /* a padding row of a graph-bucketed batch: no KV */
         const bf16 *src = kind ? v : k;
         pool[kvs_kv_offset(slot / block_size, kind, h, slot % block_size, n_kv_heads, block_size, head_dim) + e] =
             src[(size_t)i * row + (size_t)h * head_dim + e];
@@ -257,6 +258,7 @@ __global__ void kvs_window_capture_kernel(bf16 *win_q, float *win_lse, const bf1
                                           int head_dim) {
     int i = blockIdx.x;
     size_t row = (size_t)n_heads * head_dim;
+    if (dst_rows[i] < 0) return; /* not a window query (graph mode captures every row) */
     size_t s = (size_t)src_rows[i], d = (size_t)dst_rows[i];
     for (size_t j = threadIdx.x; j < row; j += blockDim.x) win_q[d * row + j] = q[s * row + j];
     for (int h = threadIdx.x; h < n_heads; h += blockDim.x) win_lse[d * n_heads + h] = lse[s * n_heads + h];
