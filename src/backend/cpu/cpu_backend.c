@@ -47,6 +47,8 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->copy = cpu_copy;
     b->window_capture = kvs_cpu_window_capture;
     b->sparsity_scores = kvs_cpu_sparsity_scores;
+    b->add_rmsnorm = kvs_cpu_add_rmsnorm;
+    b->rope_kv_write = kvs_cpu_rope_kv_write;
     b->destroy = cpu_destroy;
     *out = b;
     return KVS_OK;

@@ -169,7 +169,7 @@ __device__ __forceinline__ size_t kvs_kv_offset(int block, int kind, int head, i
     return ((((size_t)block * 2 + kind) * n_kv_heads + head) * block_size + offset) * (size_t)head_dim;
 }
 
-/* One thread per (token, kind, head, element): pool slot <- k or v. */
+/* One thread per (token, kind, head, element): pool slot <- k or v; negative slots skipped. */
 __global__ void kvs_kv_write_kernel(bf16 *pool, const bf16 *k, const bf16 *v, const int32_t *slots, int n,
                                     int n_kv_heads, int block_size, int head_dim) {
     size_t row = (size_t)n_kv_heads * head_dim, total = (size_t)n * 2 * row;
@@ -178,6 +178,7 @@ __global__ void kvs_kv_write_kernel(bf16 *pool, const bf16 *k, const bf16 *v, co
         size_t r = t % (2 * row);
         int kind = (int)(r / row), h = (int)((r % row) / head_dim), e = (int)(r % head_dim);
         int slot = slots[i];
+        if (slot < 0) continue; /* a padding row */
         const bf16 *src = kind ? v : k;
         pool[kvs_kv_offset(slot / block_size, kind, h, slot % block_size, n_kv_heads, block_size, head_dim) + e] =
             src[(size_t)i * row + (size_t)h * head_dim + e];
