@@ -380,6 +380,46 @@ Test(cuda, matmul) {
     duo_close(&d);
 }
 
+/* The two ways a bias is added: cuBLASLt's bias epilogue (16-byte aligned bias,
+ * the weights' case) and the kernel after the GEMM (a bias 2 bytes off 16-byte
+ * alignment), both against the CPU and each other with matmul's tolerance
+ * (2e-2, 1e-2: the kernel rounds the GEMM to bf16 before adding, the epilogue
+ * adds in fp32 and rounds once). */
+Test(cuda, matmul_bias_epilogue_and_kernel) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const int shapes[][3] = {{1, 4096, 1024}, {37, 1024, 328}, {100, 896, 128}, {7, 3584, 3584}};
+    for (int k = 0; k < 4; k++) {
+        int n = shapes[k][0], in = shapes[k][1], out = shapes[k][2];
+        float *x = rnd(&d, (size_t)n * in, 1.0f), *w = rnd(&d, (size_t)out * in, 1.0f / sqrtf((float)in));
+        float *bias = rnd(&d, out, 2.0f);
+        void *cx = cpu_put(&d, x, (size_t)n * in), *gx = gpu_put(&d, x, (size_t)n * in);
+        void *cw = cpu_put(&d, w, (size_t)out * in), *gw = gpu_put(&d, w, (size_t)out * in);
+        void *cb = cpu_put(&d, bias, out), *gb = gpu_put(&d, bias, out);
+        void *co = d.cpu->alloc(d.cpu, sizeof(float) * n * out);
+        void *ge = d.gpu->alloc(d.gpu, 2 * (size_t)n * out), *gk = d.gpu->alloc(d.gpu, 2 * (size_t)n * out);
+        float *shifted = malloc(sizeof(float) * (out + 1)); /* bias one element on: from gb_off + 2 bytes */
+        shifted[0] = 0, memcpy(shifted + 1, bias, sizeof(float) * out);
+        void *gb_off = gpu_put(&d, shifted, out + 1);
+        d.cpu->matmul(d.cpu, co, cx, cw, cb, n, in, out);
+        d.gpu->matmul(d.gpu, ge, gx, gw, gb, n, in, out);
+        d.gpu->matmul(d.gpu, gk, gx, gw, (uint16_t *)gb_off + 1, n, in, out);
+        float *got_e = gpu_get(&d, ge, (size_t)n * out), *got_k = gpu_get(&d, gk, (size_t)n * out);
+        char what[128];
+        snprintf(what, sizeof what, "matmul %dx%d @ %dx%d^T + bias, epilogue", n, in, out, in);
+        expect_close(what, got_e, co, (size_t)n * out, 2e-2, 1e-2);
+        snprintf(what, sizeof what, "matmul %dx%d @ %dx%d^T + bias, kernel (unaligned bias)", n, in, out, in);
+        expect_close(what, got_k, co, (size_t)n * out, 2e-2, 1e-2);
+        snprintf(what, sizeof what, "matmul %dx%d @ %dx%d^T + bias, epilogue vs kernel", n, in, out, in);
+        expect_close(what, got_e, got_k, (size_t)n * out, 2e-2, 1e-2);
+        free(got_e), free(got_k), free(x), free(w), free(bias), free(shifted);
+        void *pc[] = {cx, cw, cb, co}, *pg[] = {gx, gw, gb, ge, gk, gb_off};
+        for (int i = 0; i < 4; i++) d.cpu->free(d.cpu, pc[i]);
+        for (int i = 0; i < 6; i++) d.gpu->free(d.gpu, pg[i]);
+    }
+    duo_close(&d);
+}
+
 /* ---- paged KV, attention, scores, compaction --------------------------------- */
 
 /* A paged pool on both backends holding n_seqs sequences of kv_len[s] entries

@@ -14,9 +14,10 @@ extern "C" {
 
 typedef __nv_bfloat16 bf16;
 
-/* A cached cuBLASLt plan for one (n, in_dim, out_dim) shape. */
+/* A cached cuBLASLt plan for one (n, in_dim, out_dim) shape, with or without the bias epilogue. */
 typedef struct {
     int n, in_dim, out_dim, valid;
+    int bias; /* CUBLASLT_EPILOGUE_BIAS; the pointer is set on op before each call */
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;
