@@ -354,6 +354,7 @@ Test(cuda, rope_kv_write_d128_gqa8) { rope_kv_write_case(32, 4, 128, 301); }
 Test(cuda, rope_kv_write_d64_gqa1) { rope_kv_write_case(8, 8, 64, 37); }
 Test(cuda, rope_kv_write_d64_gqa4_decode) { rope_kv_write_case(16, 4, 64, 1); }
 Test(cuda, rope_kv_write_d20_scalar) { rope_kv_write_case(4, 2, 20, 19); }
+Test(cuda, rope_kv_write_d21_odd) { rope_kv_write_case(4, 2, 21, 19); }
 
 Test(cuda, matmul) {
     duo d;

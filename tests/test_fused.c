@@ -73,8 +73,9 @@ Test(fused, rope_kv_write_equals_rope_then_kv_write) {
     kvs_backend *be;
     cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
     kvs_rng rng = seeded();
-    const int shapes[][3] = {{32, 8, 128}, {8, 8, 64}, {8, 1, 128}, {28, 4, 64}}; /* heads, KV heads, head_dim */
-    for (int sh = 0; sh < 4; sh++) {
+    /* heads, KV heads, head_dim (an odd one too: its last element is not rotated) */
+    const int shapes[][3] = {{32, 8, 128}, {8, 8, 64}, {8, 1, 128}, {28, 4, 64}, {4, 2, 21}};
+    for (int sh = 0; sh < 5; sh++) {
         int H = shapes[sh][0], KV = shapes[sh][1], D = shapes[sh][2], n = 37, n_blocks = 7;
         size_t qn = (size_t)n * H * D, kn = (size_t)n * KV * D, pool_n = (size_t)n_blocks * 2 * KV * 16 * D;
         float *q = normal(&rng, qn, 1.0f), *k = normal(&rng, kn, 1.0f), *v = normal(&rng, kn, 1.0f);

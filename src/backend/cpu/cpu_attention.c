@@ -56,8 +56,11 @@ void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, con
             }
         }
         if (slot < 0) continue;
-        for (int h = 0; h < n_kv; h++)
+        for (int h = 0; h < n_kv; h++) {
+            if (d & 1) /* an odd head_dim's last element is not rotated (as kvs_cpu_rope) */
+                kv_at(pool, block, 0, h, off)[d - 1] = kk[i * row + (size_t)h * d + d - 1];
             memcpy(kv_at(pool, block, 1, h, off), vv + i * row + (size_t)h * d, sizeof(float) * d);
+        }
     }
 }
 

@@ -154,6 +154,10 @@ __global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, con
         }
     }
     if (slot < 0) return;
+    if (!VEC && (head_dim & 1)) /* an odd head_dim's last element is not rotated (as kvs_rope_kernel) */
+        for (int h = threadIdx.x; h < n_kv_heads; h += blockDim.x)
+            pool[kvs_fused_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim) + head_dim - 1] =
+                k[((size_t)i * n_kv_heads + h) * head_dim + head_dim - 1];
     int piece = VEC ? 8 : 1, per_head = head_dim / piece;
     const bf16 *vrow = v + (size_t)i * n_kv_heads * head_dim;
     for (int t = threadIdx.x; t < n_kv_heads * per_head; t += blockDim.x) {
