@@ -15,6 +15,11 @@
  *     (pool + top-k + window), kv_gather compaction (keep 2000), alone and queued
  *     together, against the prefill of that layer (attention over 4000 tokens +
  *     its four GEMMs): the target is <= 3%
+ *   - fused ops against the unfused pairs they replace, same shapes, same run:
+ *     add_rmsnorm vs add + rmsnorm (64 and 4096 rows x 4096), rope_kv_write vs
+ *     rope(q) + rope(k) + kv_write (64 and 4096 tokens, 32/8 heads x 128):
+ *     time, the fused op's nominal bytes per second as a share of copy
+ *     bandwidth, and the speed-up
  * Times are wall clock around many queued launches between two stream syncs.
  * Usage: kvs_bench_kernels [device] */
 #include <stdio.h>
@@ -118,6 +123,75 @@ static bool attn_setup(kvs_backend *b, attn_ctx *c, int n_seqs, int ctx, int q_l
     c->n_heads = H;
     free(perm), free(qs), free(kl);
     return true;
+}
+
+/* fused ops vs the unfused pairs */
+struct norm_ctx { void *x, *xn, *y, *w; int n, dim; };
+static void run_add_rmsnorm(kvs_backend *b, void *p) {
+    norm_ctx *c = (norm_ctx *)p;
+    b->add_rmsnorm(b, c->x, c->xn, c->y, c->w, c->n, c->dim, 1e-5f);
+}
+static void run_add_then_rmsnorm(kvs_backend *b, void *p) {
+    norm_ctx *c = (norm_ctx *)p;
+    b->add(b, c->x, c->y, (size_t)c->n * c->dim);
+    b->rmsnorm(b, c->xn, c->x, c->w, c->n, c->dim, 1e-5f);
+}
+
+struct rope_ctx { kvs_kv_pool pool; void *q, *k, *v; int32_t *pos, *slots; float *inv_freq; int n, n_heads; };
+static void run_rope_kv_write(kvs_backend *b, void *p) {
+    rope_ctx *c = (rope_ctx *)p;
+    b->rope_kv_write(b, &c->pool, c->q, c->k, c->v, c->pos, c->inv_freq, c->slots, c->n, c->n_heads);
+}
+static void run_rope_then_kv_write(kvs_backend *b, void *p) {
+    rope_ctx *c = (rope_ctx *)p;
+    b->rope(b, c->q, c->pos, c->inv_freq, c->n, c->n_heads, c->pool.head_dim);
+    b->rope(b, c->k, c->pos, c->inv_freq, c->n, c->pool.n_kv_heads, c->pool.head_dim);
+    b->kv_write(b, &c->pool, c->k, c->v, c->slots, c->n);
+}
+
+/* One fused-op measurement: fused and unfused times, the fused op's nominal bytes. */
+struct fused_result { const char *what; int n; double t_fused, t_unfused, bytes; };
+
+static fused_result bench_add_rmsnorm(kvs_backend *b, int n, int dim) {
+    norm_ctx c = {NULL, NULL, NULL, NULL, n, dim};
+    size_t t = (size_t)n * dim;
+    c.x = b->alloc(b, t * 2), c.xn = b->alloc(b, t * 2), c.y = b->alloc(b, t * 2), c.w = b->alloc(b, (size_t)dim * 2);
+    fill((bf16 *)c.x, t, 41), fill((bf16 *)c.y, t, 42), fill((bf16 *)c.w, dim, 43);
+    /* x grows by y each call: values stay finite over the iterations (|y| <= 1, a few hundred calls) */
+    fused_result r = {"add_rmsnorm", n, 0, 0, 4.0 * t * 2 + dim * 2.0};
+    r.t_fused = time_it(b, 200, run_add_rmsnorm, &c);
+    r.t_unfused = time_it(b, 200, run_add_then_rmsnorm, &c);
+    b->free(b, c.x), b->free(b, c.xn), b->free(b, c.y), b->free(b, c.w);
+    return r;
+}
+
+static fused_result bench_rope_kv_write(kvs_backend *b, int n) {
+    const int H = 32, KV = 8, D = 128, BS = 16;
+    rope_ctx c;
+    c.n = n, c.n_heads = H;
+    int64_t nb = (n + BS - 1) / BS;
+    c.pool = (kvs_kv_pool){b->alloc(b, (size_t)nb * 2 * KV * BS * D * 2), nb, BS, KV, D};
+    c.q = b->alloc(b, (size_t)n * H * D * 2), c.k = b->alloc(b, (size_t)n * KV * D * 2);
+    c.v = b->alloc(b, (size_t)n * KV * D * 2);
+    fill((bf16 *)c.q, (size_t)n * H * D, 51), fill((bf16 *)c.k, (size_t)n * KV * D, 52);
+    fill((bf16 *)c.v, (size_t)n * KV * D, 53);
+    int32_t *pos = (int32_t *)malloc(4 * n), *slots = (int32_t *)malloc(4 * n);
+    float inv_freq[D / 2];
+    for (int i = 0; i < n; i++) pos[i] = 4000 + i, slots[i] = i;
+    for (int k = 0; k < D / 2; k++) inv_freq[k] = powf(500000.0f, -2.0f * k / D);
+    c.pos = (int32_t *)b->alloc(b, 4 * n), c.slots = (int32_t *)b->alloc(b, 4 * n);
+    c.inv_freq = (float *)b->alloc(b, sizeof inv_freq);
+    b->to_device(b, c.pos, pos, 4 * n), b->to_device(b, c.slots, slots, 4 * n);
+    b->to_device(b, c.inv_freq, inv_freq, sizeof inv_freq);
+    b->synchronize(b);
+    /* q r+w, k read, v read, k and v written to the pool */
+    fused_result r = {"rope_kv_write", n, 0, 0, (double)n * (4.0 * H * D + 8.0 * KV * D)};
+    r.t_fused = time_it(b, 200, run_rope_kv_write, &c);
+    r.t_unfused = time_it(b, 200, run_rope_then_kv_write, &c);
+    b->free(b, c.pool.data), b->free(b, c.q), b->free(b, c.k), b->free(b, c.v);
+    b->free(b, c.pos), b->free(b, c.slots), b->free(b, c.inv_freq);
+    free(pos), free(slots);
+    return r;
 }
 
 static void attn_free(kvs_backend *b, attn_ctx *c) {
@@ -303,6 +377,14 @@ int main(int argc, char **argv) {
         b->free(b, sc.logits), b->free(b, sc.ids), b->free(b, sc.lp), b->free(b, sc.params);
     }
 
+    /* fused ops vs the unfused pairs (Llama-3-8B shapes; decode batch 64 and a 4096-token prefill) */
+    fused_result fr[4] = {bench_add_rmsnorm(b, 64, 4096), bench_add_rmsnorm(b, 4096, 4096),
+                          bench_rope_kv_write(b, 64), bench_rope_kv_write(b, 4096)};
+    for (int i = 0; i < 4; i++)
+        printf("fused %s, %d rows: %.2f us (%.0f GB/s, %.0f%% of copy) vs unfused %.2f us: %.2fx\n", fr[i].what,
+               fr[i].n, fr[i].t_fused * 1e6, fr[i].bytes / fr[i].t_fused / 1e9,
+               100 * fr[i].bytes / fr[i].t_fused / 1e9 / copy_bw, fr[i].t_unfused * 1e6,
+               fr[i].t_unfused / fr[i].t_fused);
     b->synchronize(b);
     int failed = kvs_cuda_of(b)->failed;
     b->destroy(b);
@@ -330,6 +412,13 @@ int main(int argc, char **argv) {
            "%.2f%% (target <= 3%%) |\n", t_all * 1e6, t_layer_us, 100 * t_all / t_layer);
     printf("| sample 256 x 128256: greedy / temperature / top-k+top-p+min-p | %.1f / %.1f / %.1f us | logits to host (f32) %.1f us | %.0f%% |\n",
            t_sample[0] * 1e6, t_sample[1] * 1e6, t_sample[2] * 1e6, t_logits_d2h * 1e6, 100 * t_sample[2] / t_logits_d2h);
+    const char *fused_pair[4] = {"add + rmsnorm", "add + rmsnorm", "rope q + rope k + kv_write",
+                                 "rope q + rope k + kv_write"};
+    const char *fused_shape[4] = {"64 x 4096", "4096 x 4096", "64 tokens, 32/8 x 128", "4096 tokens, 32/8 x 128"};
+    for (int i = 0; i < 4; i++)
+        printf("| %s %s | %.2f us, %.0f GB/s (%.0f%% of copy) | %s %.2f us | %.2fx |\n", fr[i].what, fused_shape[i],
+               fr[i].t_fused * 1e6, fr[i].bytes / fr[i].t_fused / 1e9, 100 * fr[i].bytes / fr[i].t_fused / 1e9 / copy_bw,
+               fused_pair[i], fr[i].t_unfused * 1e6, fr[i].t_unfused / fr[i].t_fused);
     if (failed) fprintf(stderr, "a CUDA call failed: %s\n", kvs_last_error());
     return failed ? 1 : 0;
 }

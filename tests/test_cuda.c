@@ -13,6 +13,7 @@
 #include "backend/sample.h"
 #include "kv/kv.h"
 #include "model/model.h"
+#include "model/model_internal.h"
 #include "testutil.h"
 
 typedef struct {
@@ -202,6 +203,160 @@ Test(cuda, rope) {
     duo_close(&d);
 }
 
+/* ---- fused ops: add_rmsnorm, rope_kv_write ------------------------------------ */
+
+/* x += y; xn = rmsnorm(x) * w, against the CPU op and against the GPU's own
+ * add + rmsnorm. Tolerances: x one bf16 rounding of the sum (rtol 8e-3); xn as
+ * rmsnorm (atol 1e-2, rtol 1e-2: x rounded to bf16 before the norm, as the
+ * unfused add + rmsnorm do, then the bf16 output); against the GPU's unfused
+ * pair: x bitwise, xn within one bf16 ulp (the sum of squares in another order).
+ * dim 1003 takes the scalar path; 32768 needs 64 KiB of shared memory. */
+Test(cuda, add_rmsnorm) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const int ns[] = {1, 37, 64}, dims[] = {1000, 1003, 4096, 32768};
+    for (int a = 0; a < 3; a++)
+        for (int k = 0; k < 4; k++) {
+            int n = ns[a], dim = dims[k];
+            if (dim == 32768 && n > 1) continue;
+            size_t t = (size_t)n * dim;
+            float *x = rnd(&d, t, 3.0f), *y = rnd(&d, t, 1.0f), *w = rnd(&d, dim, 1.0f);
+            void *cx = cpu_put(&d, x, t), *cy = cpu_put(&d, y, t), *cw = cpu_put(&d, w, dim);
+            void *cxn = d.cpu->alloc(d.cpu, sizeof(float) * t);
+            void *gx = gpu_put(&d, x, t), *gy = gpu_put(&d, y, t), *gw = gpu_put(&d, w, dim);
+            void *gxn = d.gpu->alloc(d.gpu, 2 * t), *ux = gpu_put(&d, x, t), *uxn = d.gpu->alloc(d.gpu, 2 * t);
+            d.cpu->add_rmsnorm(d.cpu, cx, cxn, cy, cw, n, dim, 1e-5f);
+            d.gpu->add_rmsnorm(d.gpu, gx, gxn, gy, gw, n, dim, 1e-5f);
+            d.gpu->add(d.gpu, ux, gy, t); /* the unfused pair */
+            d.gpu->rmsnorm(d.gpu, uxn, ux, gw, n, dim, 1e-5f);
+            float *got_x = gpu_get(&d, gx, t), *got_xn = gpu_get(&d, gxn, t);
+            float *un_x = gpu_get(&d, ux, t), *un_xn = gpu_get(&d, uxn, t);
+            char what[96];
+            snprintf(what, sizeof what, "add_rmsnorm x, n %d dim %d", n, dim);
+            expect_close(what, got_x, cx, t, 1e-6, 8e-3);
+            snprintf(what, sizeof what, "add_rmsnorm xn, n %d dim %d", n, dim);
+            expect_close(what, got_xn, cxn, t, 1e-2, 1e-2);
+            snprintf(what, sizeof what, "add_rmsnorm x vs gpu add, n %d dim %d", n, dim);
+            expect_close(what, got_x, un_x, t, 0, 0);
+            snprintf(what, sizeof what, "add_rmsnorm xn vs gpu add + rmsnorm, n %d dim %d", n, dim);
+            expect_close(what, got_xn, un_xn, t, 1e-6, 8e-3);
+            free(got_x), free(got_xn), free(un_x), free(un_xn), free(x), free(y), free(w);
+            void *pc[] = {cx, cy, cw, cxn}, *pg[] = {gx, gy, gw, gxn, ux, uxn};
+            for (int i = 0; i < 4; i++) d.cpu->free(d.cpu, pc[i]);
+            for (int i = 0; i < 6; i++) d.gpu->free(d.gpu, pg[i]);
+        }
+    duo_close(&d);
+}
+
+/* Llama 3.1's scaled inverse frequencies (theta 500000, factor 8, 1 / 4, 8192). */
+static void llama3_inv_freq(int D, float *inv_freq) {
+    kvs_config cfg = {0};
+    cfg.head_dim = D, cfg.rope_theta = 500000.0f, cfg.rope_type = KVS_ROPE_LLAMA3, cfg.rope_factor = 8.0f;
+    cfg.rope_low_freq_factor = 1.0f, cfg.rope_high_freq_factor = 4.0f, cfg.rope_original_max_position = 8192;
+    kvs_rope_inv_freq(&cfg, inv_freq);
+}
+
+/* Splits a pool [blocks][2][kv][16][D] (f32 host copy) into its K and V halves. */
+static void pool_split(const float *pool, int64_t n_blocks, int n_kv, int D, float *k, float *v) {
+    size_t half = (size_t)n_kv * 16 * D;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        memcpy(k + b * half, pool + (2 * b) * half, sizeof(float) * half);
+        memcpy(v + b * half, pool + (2 * b + 1) * half, sizeof(float) * half);
+    }
+}
+
+/* rope on q and k + the paged write of k and v for n tokens, against the CPU op,
+ * the GPU's unfused rope + rope + kv_write, and (kv_write alone) the CPU kv_write.
+ * The pools start with the same random contents and one guard block before them
+ * (slot -1 must not write there); slots: shuffled blocks, the last one ending
+ * mid-block, every 6th row padding (-1). Tolerances: q and K as the rope test
+ * (atol 1e-2, rtol 1e-2), V and untouched entries exact; fused vs unfused GPU
+ * within one bf16 ulp (rtol 8e-3), V exact. */
+static void rope_kv_write_case(int H, int KV, int D, int n) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    int n_blocks = (n + 15) / 16 + 2;
+    size_t blk = (size_t)2 * KV * 16 * D, pool_n = (size_t)n_blocks * blk, all_n = pool_n + blk;
+    size_t qn = (size_t)n * H * D, kn = (size_t)n * KV * D;
+    float *q = rnd(&d, qn, 1.0f), *k = rnd(&d, kn, 1.0f), *v = rnd(&d, kn, 1.0f), *init = rnd(&d, all_n, 1.0f);
+    float inv_freq[128];
+    llama3_inv_freq(D, inv_freq);
+    int32_t *pos = malloc(sizeof(int32_t) * n), *slots = malloc(sizeof(int32_t) * n);
+    int32_t *order = malloc(sizeof(int32_t) * n_blocks);
+    for (int i = 0; i < n_blocks; i++) order[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        int j = (int)(kvs_rng_u64(&d.rng) % (uint64_t)(i + 1)), t = order[i];
+        order[i] = order[j], order[j] = t;
+    }
+    for (int i = 0; i < n; i++) {
+        pos[i] = i < 4 ? i : i == 4 ? 131072 : (int32_t)(kvs_rng_u64(&d.rng) % 131073);
+        slots[i] = i % 6 == 5 ? -1 : order[(i + 3) / 16] * 16 + (i + 3) % 16; /* starts mid-block too */
+    }
+    /* the CPU pool, the GPU fused pool, the GPU unfused pool; each after a guard block */
+    float *c_all = cpu_put(&d, init, all_n);
+    void *g_all = gpu_put(&d, init, all_n), *u_all = gpu_put(&d, init, all_n);
+    kvs_kv_pool cp = {c_all + blk, n_blocks, 16, KV, D};
+    kvs_kv_pool gp = {(uint16_t *)g_all + blk, n_blocks, 16, KV, D}, up = {(uint16_t *)u_all + blk, n_blocks, 16, KV, D};
+    void *cq = cpu_put(&d, q, qn), *ck = cpu_put(&d, k, kn), *cv = cpu_put(&d, v, kn);
+    void *gq = gpu_put(&d, q, qn), *gk = gpu_put(&d, k, kn), *gv = gpu_put(&d, v, kn);
+    void *uq = gpu_put(&d, q, qn), *uk = gpu_put(&d, k, kn);
+    void *cpos = put_i32(d.cpu, pos, n), *gpos = put_i32(d.gpu, pos, n);
+    void *cs = put_i32(d.cpu, slots, n), *gs = put_i32(d.gpu, slots, n);
+    void *cf = put_f32(d.cpu, inv_freq, D / 2), *gf = put_f32(d.gpu, inv_freq, D / 2);
+    d.cpu->rope_kv_write(d.cpu, &cp, cq, ck, cv, cpos, cf, cs, n, H);
+    d.gpu->rope_kv_write(d.gpu, &gp, gq, gk, gv, gpos, gf, gs, n, H);
+    d.gpu->rope(d.gpu, uq, gpos, gf, n, H, D);
+    d.gpu->rope(d.gpu, uk, gpos, gf, n, KV, D);
+    d.gpu->kv_write(d.gpu, &up, uk, gv, gs, n);
+    char what[128];
+    float *got_q = gpu_get(&d, gq, qn), *un_q = gpu_get(&d, uq, qn);
+    snprintf(what, sizeof what, "rope_kv_write q, %d/%d heads x %d, %d tokens", H, KV, D, n);
+    expect_close(what, got_q, cq, qn, 1e-2, 1e-2);
+    snprintf(what, sizeof what, "rope_kv_write q vs gpu rope, %d/%d heads x %d", H, KV, D);
+    expect_close(what, got_q, un_q, qn, 1e-6, 8e-3);
+    float *got = gpu_get(&d, g_all, all_n), *un = gpu_get(&d, u_all, all_n);
+    snprintf(what, sizeof what, "rope_kv_write guard block, %d/%d heads x %d", H, KV, D);
+    expect_close(what, got, init, blk, 0, 0);
+    float *ck_all = malloc(sizeof(float) * pool_n / 2), *cv_all = malloc(sizeof(float) * pool_n / 2);
+    float *gk_all = malloc(sizeof(float) * pool_n / 2), *gv_all = malloc(sizeof(float) * pool_n / 2);
+    float *uk_all = malloc(sizeof(float) * pool_n / 2), *uv_all = malloc(sizeof(float) * pool_n / 2);
+    pool_split(c_all + blk, n_blocks, KV, D, ck_all, cv_all);
+    pool_split(got + blk, n_blocks, KV, D, gk_all, gv_all);
+    pool_split(un + blk, n_blocks, KV, D, uk_all, uv_all);
+    snprintf(what, sizeof what, "rope_kv_write pool K, %d/%d heads x %d", H, KV, D);
+    expect_close(what, gk_all, ck_all, pool_n / 2, 1e-2, 1e-2);
+    snprintf(what, sizeof what, "rope_kv_write pool V, %d/%d heads x %d", H, KV, D);
+    expect_close(what, gv_all, cv_all, pool_n / 2, 0, 0);
+    snprintf(what, sizeof what, "rope_kv_write pool K vs gpu rope + kv_write, %d/%d heads x %d", H, KV, D);
+    expect_close(what, gk_all, uk_all, pool_n / 2, 1e-6, 8e-3);
+    snprintf(what, sizeof what, "rope_kv_write pool V vs gpu kv_write, %d/%d heads x %d", H, KV, D);
+    expect_close(what, gv_all, uv_all, pool_n / 2, 0, 0);
+    snprintf(what, sizeof what, "kv_write guard block (slot -1), %d/%d heads x %d", H, KV, D);
+    expect_close(what, un, init, blk, 0, 0);
+    /* kv_write alone, with padding rows, against the CPU's (same inputs: exact) */
+    d.cpu->to_device(d.cpu, c_all, init, sizeof(float) * all_n);
+    d.gpu->upload_weight(d.gpu, u_all, init, KVS_F32, all_n);
+    d.cpu->kv_write(d.cpu, &cp, ck, cv, cs, n);
+    d.gpu->kv_write(d.gpu, &up, gk, gv, gs, n);
+    free(un);
+    un = gpu_get(&d, u_all, all_n);
+    snprintf(what, sizeof what, "kv_write with padding rows, %d/%d heads x %d", H, KV, D);
+    expect_close(what, un, c_all, all_n, 0, 0);
+    free(q), free(k), free(v), free(init), free(pos), free(slots), free(order), free(got_q), free(un_q), free(got),
+        free(un), free(ck_all), free(cv_all), free(gk_all), free(gv_all), free(uk_all), free(uv_all);
+    void *pc[] = {c_all, cq, ck, cv, cpos, cs, cf}, *pg[] = {g_all, gq, gk, gv, gpos, gs, gf, u_all, uq, uk};
+    for (int i = 0; i < 7; i++) d.cpu->free(d.cpu, pc[i]);
+    for (int i = 0; i < 10; i++) d.gpu->free(d.gpu, pg[i]);
+    duo_close(&d);
+}
+
+Test(cuda, rope_kv_write_d128_gqa4) { rope_kv_write_case(32, 8, 128, 37); }
+Test(cuda, rope_kv_write_d128_gqa8) { rope_kv_write_case(32, 4, 128, 301); }
+Test(cuda, rope_kv_write_d64_gqa1) { rope_kv_write_case(8, 8, 64, 37); }
+Test(cuda, rope_kv_write_d64_gqa4_decode) { rope_kv_write_case(16, 4, 64, 1); }
+Test(cuda, rope_kv_write_d20_scalar) { rope_kv_write_case(4, 2, 20, 19); }
+Test(cuda, rope_kv_write_d21_odd) { rope_kv_write_case(4, 2, 21, 19); }
+
 Test(cuda, matmul) {
     duo d;
     OPEN_OR_SKIP(&d);
@@ -223,6 +378,46 @@ Test(cuda, matmul) {
         free(got), free(x), free(w), free(bias);
         void *pc[] = {cx, cw, cb, co}, *pg[] = {gx, gw, gb, go};
         for (int i = 0; i < 4; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
+    }
+    duo_close(&d);
+}
+
+/* The two ways a bias is added: cuBLASLt's bias epilogue (16-byte aligned bias,
+ * the weights' case) and the kernel after the GEMM (a bias 2 bytes off 16-byte
+ * alignment), both against the CPU and each other with matmul's tolerance
+ * (2e-2, 1e-2: the kernel rounds the GEMM to bf16 before adding, the epilogue
+ * adds in fp32 and rounds once). */
+Test(cuda, matmul_bias_epilogue_and_kernel) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const int shapes[][3] = {{1, 4096, 1024}, {37, 1024, 328}, {100, 896, 128}, {7, 3584, 3584}};
+    for (int k = 0; k < 4; k++) {
+        int n = shapes[k][0], in = shapes[k][1], out = shapes[k][2];
+        float *x = rnd(&d, (size_t)n * in, 1.0f), *w = rnd(&d, (size_t)out * in, 1.0f / sqrtf((float)in));
+        float *bias = rnd(&d, out, 2.0f);
+        void *cx = cpu_put(&d, x, (size_t)n * in), *gx = gpu_put(&d, x, (size_t)n * in);
+        void *cw = cpu_put(&d, w, (size_t)out * in), *gw = gpu_put(&d, w, (size_t)out * in);
+        void *cb = cpu_put(&d, bias, out), *gb = gpu_put(&d, bias, out);
+        void *co = d.cpu->alloc(d.cpu, sizeof(float) * n * out);
+        void *ge = d.gpu->alloc(d.gpu, 2 * (size_t)n * out), *gk = d.gpu->alloc(d.gpu, 2 * (size_t)n * out);
+        float *shifted = malloc(sizeof(float) * (out + 1)); /* bias one element on: from gb_off + 2 bytes */
+        shifted[0] = 0, memcpy(shifted + 1, bias, sizeof(float) * out);
+        void *gb_off = gpu_put(&d, shifted, out + 1);
+        d.cpu->matmul(d.cpu, co, cx, cw, cb, n, in, out);
+        d.gpu->matmul(d.gpu, ge, gx, gw, gb, n, in, out);
+        d.gpu->matmul(d.gpu, gk, gx, gw, (uint16_t *)gb_off + 1, n, in, out);
+        float *got_e = gpu_get(&d, ge, (size_t)n * out), *got_k = gpu_get(&d, gk, (size_t)n * out);
+        char what[128];
+        snprintf(what, sizeof what, "matmul %dx%d @ %dx%d^T + bias, epilogue", n, in, out, in);
+        expect_close(what, got_e, co, (size_t)n * out, 2e-2, 1e-2);
+        snprintf(what, sizeof what, "matmul %dx%d @ %dx%d^T + bias, kernel (unaligned bias)", n, in, out, in);
+        expect_close(what, got_k, co, (size_t)n * out, 2e-2, 1e-2);
+        snprintf(what, sizeof what, "matmul %dx%d @ %dx%d^T + bias, epilogue vs kernel", n, in, out, in);
+        expect_close(what, got_e, got_k, (size_t)n * out, 2e-2, 1e-2);
+        free(got_e), free(got_k), free(x), free(w), free(bias), free(shifted);
+        void *pc[] = {cx, cw, cb, co}, *pg[] = {gx, gw, gb, ge, gk, gb_off};
+        for (int i = 0; i < 4; i++) d.cpu->free(d.cpu, pc[i]);
+        for (int i = 0; i < 6; i++) d.gpu->free(d.gpu, pg[i]);
     }
     duo_close(&d);
 }

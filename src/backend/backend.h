@@ -60,7 +60,8 @@ struct kvs_backend {
     /* In-place rotate-half RoPE on x[n, n_heads, head_dim]; inv_freq[head_dim/2] (f32). */
     void (*rope)(kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n,
                  int n_heads, int head_dim);
-    /* Writes k, v [n, n_kv_heads, head_dim] into pool slots (slot = block * block_size + offset). */
+    /* Writes k, v [n, n_kv_heads, head_dim] into pool slots (slot = block * block_size + offset);
+     * rows whose slot is negative (padding) are skipped. */
     void (*kv_write)(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v,
                      const int32_t *slots, int n);
     /* Causal GQA attention over the paged cache: out[n_tokens, n_heads, head_dim];
@@ -137,6 +138,18 @@ struct kvs_backend {
      * grew): destroy it, run eagerly, capture again. */
     kvs_status (*graph_launch)(kvs_backend *b, void *graph);
     void (*graph_destroy)(kvs_backend *b, void *graph);
+    /* fused ops (each equals the unfused sequence named in its comment) */
+    /* x += y, then xn = rmsnorm(x) * w over rows of dim: add then rmsnorm in one
+     * pass (one read of x and y, one write of x and xn). The norm reads x as
+     * stored (bf16 on CUDA: rounded after the add, like add + rmsnorm). */
+    void (*add_rmsnorm)(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
+                        float eps);
+    /* rope on q [n, n_heads, head_dim] (in place) and on k [n, n_kv_heads, head_dim],
+     * the rotated k and v written into pool slots like kv_write; k itself is left
+     * unrotated. Rows whose slot is negative (padding) write nothing to the pool. */
+    void (*rope_kv_write)(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+                          const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
+                          int n_heads);
 
     void (*destroy)(kvs_backend *b);
 };

@@ -261,6 +261,8 @@ static int set_layer(kvs_model *m, int l, const step_shape *sh, kvs_attn_batch *
     return lm->n_cap;
 }
 
+/* Expects xn = attn_norm(x) (the previous layer's mlp_block fuses it into its
+ * residual add); leaves x += attention and xn = mlp_norm(x). */
 static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, const kvs_kv_cache *kv, int layer,
                                   const kvs_attn_batch *ab, int n, int n_cap) {
     kvs_backend *be = m->be;
@@ -268,14 +270,12 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
     const kvs_config *c = &m->cfg;
     int n_heads = m->shard.n_heads, n_kv_heads = m->shard.n_kv_heads; /* this rank's */
     int qd = n_heads * c->head_dim, kd = n_kv_heads * c->head_dim;
-    be->rmsnorm(be, sb->xn, sb->x, w->attn_norm, n, c->hidden_size, c->rms_norm_eps);
+    if (layer == 0) be->rmsnorm(be, sb->xn, sb->x, w->attn_norm, n, c->hidden_size, c->rms_norm_eps);
     be->matmul(be, sb->q, sb->xn, w->wq, w->bq, n, c->hidden_size, qd);
     be->matmul(be, sb->k, sb->xn, w->wk, w->bk, n, c->hidden_size, kd);
     be->matmul(be, sb->v, sb->xn, w->wv, w->bv, n, c->hidden_size, kd);
-    be->rope(be, sb->q, sb->positions, m->inv_freq, n, n_heads, c->head_dim);
-    be->rope(be, sb->k, sb->positions, m->inv_freq, n, n_kv_heads, c->head_dim);
     const kvs_kv_pool *pool = kvs_kv_get_pool(kv);
-    be->kv_write(be, pool, sb->k, sb->v, sb->slots, n);
+    be->rope_kv_write(be, pool, sb->q, sb->k, sb->v, sb->positions, m->inv_freq, sb->slots, n, n_heads);
     be->attention(be, sb->att, n_cap ? sb->lse : NULL, sb->q, pool, ab, n_heads, 1.0f / sqrtf((float)c->head_dim));
     if (n_cap) { /* the sparsity window keeps these queries and their log-sum-exp */
         void *win_q;
@@ -286,21 +286,25 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
     }
     be->matmul(be, sb->tmp, sb->att, w->wo, NULL, n, qd, c->hidden_size);
     KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel O */
-    be->add(be, sb->x, sb->tmp, (size_t)n * c->hidden_size);
+    be->add_rmsnorm(be, sb->x, sb->xn, sb->tmp, w->mlp_norm, n, c->hidden_size, c->rms_norm_eps);
     return KVS_OK;
 }
 
-static kvs_status mlp_block(kvs_model *m, const kvs_layer_weights *w, int n) {
+/* Expects xn = mlp_norm(x); leaves x += mlp and, when there is a next layer,
+ * xn = its attn_norm(x) (the last layer's rows are normed by local_logits). */
+static kvs_status mlp_block(kvs_model *m, const kvs_layer_weights *w, const kvs_layer_weights *next, int n) {
     kvs_backend *be = m->be;
     kvs_step_buffers *sb = &m->buf;
     const kvs_config *c = &m->cfg;
     int inter = m->shard.intermediate; /* this rank's columns */
-    be->rmsnorm(be, sb->xn, sb->x, w->mlp_norm, n, c->hidden_size, c->rms_norm_eps);
     be->matmul(be, sb->gate_up, sb->xn, w->w_gate_up, NULL, n, c->hidden_size, 2 * inter);
     be->swiglu(be, sb->act, sb->gate_up, n, inter);
     be->matmul(be, sb->tmp, sb->act, w->w_down, NULL, n, inter, c->hidden_size);
     KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel down */
-    be->add(be, sb->x, sb->tmp, (size_t)n * c->hidden_size);
+    if (next)
+        be->add_rmsnorm(be, sb->x, sb->xn, sb->tmp, next->attn_norm, n, c->hidden_size, c->rms_norm_eps);
+    else
+        be->add(be, sb->x, sb->tmp, (size_t)n * c->hidden_size);
     return KVS_OK;
 }
 
@@ -316,7 +320,7 @@ static kvs_status step_body(kvs_model *m, const kvs_kv_cache *kv, const step_sha
         kvs_attn_batch ab;
         int n_cap = set_layer(m, l, sh, &ab);
         KVS_TRY(attention_block(m, &m->layers[l], kv, l, &ab, sh->n_rows, n_cap));
-        KVS_TRY(mlp_block(m, &m->layers[l], sh->n_rows));
+        KVS_TRY(mlp_block(m, &m->layers[l], l + 1 < c->n_layers ? &m->layers[l + 1] : NULL, sh->n_rows));
     }
     return KVS_OK;
 }

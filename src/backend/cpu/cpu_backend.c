@@ -55,6 +55,8 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->host_alloc = cpu_host_alloc;
     b->host_free = cpu_host_free;
     /* no graphs: graph_begin .. graph_destroy stay NULL (calloc) */
+    b->add_rmsnorm = kvs_cpu_add_rmsnorm;
+    b->rope_kv_write = kvs_cpu_rope_kv_write;
     b->destroy = cpu_destroy;
     *out = b;
     return KVS_OK;

@@ -30,6 +30,26 @@ void kvs_cpu_add(kvs_backend *b, void *x, const void *y, size_t n) {
     for (size_t i = 0; i < n; i++) a[i] += c[i];
 }
 
+/* add then rmsnorm, row by row: the same arithmetic in the same order as
+ * kvs_cpu_add + kvs_cpu_rmsnorm, so the results are bitwise equal. */
+void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
+                         float eps) {
+    float *a = x, *o = xn;
+    const float *c = y, *g = w;
+#pragma omp parallel for if (n > 4)
+    for (int i = 0; i < n; i++) {
+        float *xi = a + (size_t)i * dim;
+        const float *yi = c + (size_t)i * dim;
+        double ss = 0;
+        for (int j = 0; j < dim; j++) {
+            xi[j] += yi[j];
+            ss += (double)xi[j] * xi[j];
+        }
+        float r = 1.0f / sqrtf((float)(ss / dim) + eps);
+        for (int j = 0; j < dim; j++) o[(size_t)i * dim + j] = xi[j] * r * g[j];
+    }
+}
+
 /* OpenBLAS runs single-threaded (set at backend creation); the OpenMP threads
  * split the output columns, so one thread pool serves every op. */
 void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,

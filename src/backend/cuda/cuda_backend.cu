@@ -298,6 +298,8 @@ extern "C" kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
     b->graph_end = cuda_graph_end;
     b->graph_launch = cuda_graph_launch;
     b->graph_destroy = cuda_graph_destroy;
+    b->add_rmsnorm = kvs_cuda_add_rmsnorm;
+    b->rope_kv_write = kvs_cuda_rope_kv_write;
     b->destroy = cuda_destroy;
     kvs_log(KVS_LOG_INFO, "cuda backend: %s (sm_%d%d, %d SMs, %.1f GiB)", prop.name, prop.major, prop.minor,
             prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0);

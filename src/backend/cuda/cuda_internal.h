@@ -14,9 +14,10 @@ extern "C" {
 
 typedef __nv_bfloat16 bf16;
 
-/* A cached cuBLASLt plan for one (n, in_dim, out_dim) shape. */
+/* A cached cuBLASLt plan for one (n, in_dim, out_dim) shape, with or without the bias epilogue. */
 typedef struct {
     int n, in_dim, out_dim, valid;
+    int bias; /* CUBLASLT_EPILOGUE_BIAS; the pointer is set on op before each call */
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;
@@ -82,6 +83,13 @@ void kvs_cuda_window_capture(kvs_backend *b, void *win_q, float *win_lse, const 
                              const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim);
 void kvs_cuda_add_bias(kvs_backend *b, void *out, const void *bias, int n, int dim);
 void kvs_cuda_f32_to_bf16(kvs_backend *b, void *dst, const float *src, size_t n);
+
+/* fused ops (cuda_fused.cu) */
+void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
+                          float eps);
+void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+                            const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
+                            int n_heads);
 
 /* matmul (cuda_matmul.cu) */
 void kvs_cuda_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n, int in_dim,

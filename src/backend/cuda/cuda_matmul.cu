@@ -1,7 +1,10 @@
 /* matmul through cuBLASLt: bf16 x bf16 -> bf16, fp32 compute. Row-major
  * out[n, o] = in[n, i] @ w[o, i]^T is, column-major, C(o x n) = W^T(o x i) B(i x n)
  * with W stored as (i x o, ld i) and transposed, B = in as (i x n, ld i).
- * One plan (descriptors + heuristic algorithm) is cached per shape. */
+ * One plan (descriptors + heuristic algorithm) is cached per shape. A bias is
+ * added by cuBLASLt's bias epilogue (fp32, before the one rounding to bf16)
+ * when its pointer is 16-byte aligned, else by a kernel after the GEMM. */
+#include <stdint.h>
 #include <string.h>
 
 #include "backend/cuda/cuda_internal.h"
@@ -27,11 +30,11 @@ void kvs_cuda_gemm_destroy(kvs_cuda *c) {
     for (int i = 0; i < KVS_CUDA_GEMM_PLANS; i++) plan_release(&c->plans[i]);
 }
 
-static kvs_cuda_gemm_plan *plan_for(kvs_backend *b, int n, int in_dim, int out_dim) {
+static kvs_cuda_gemm_plan *plan_for(kvs_backend *b, int n, int in_dim, int out_dim, int bias) {
     kvs_cuda *c = kvs_cuda_of(b);
     for (int i = 0; i < KVS_CUDA_GEMM_PLANS; i++) {
         kvs_cuda_gemm_plan *p = &c->plans[i];
-        if (p->valid && p->n == n && p->in_dim == in_dim && p->out_dim == out_dim) return p;
+        if (p->valid && p->n == n && p->in_dim == in_dim && p->out_dim == out_dim && p->bias == bias) return p;
     }
     kvs_cuda_gemm_plan *p = &c->plans[c->next_plan];
     c->next_plan = (c->next_plan + 1) % KVS_CUDA_GEMM_PLANS;
@@ -42,6 +45,12 @@ static kvs_cuda_gemm_plan *plan_for(kvs_backend *b, int n, int in_dim, int out_d
     if (!ok) return NULL;
     LT_CHECK(b, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), ok);
     LT_CHECK(b, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), ok);
+    if (bias) { /* bias[out_dim]: one value per row of C (o x n), broadcast over its n columns */
+        cublasLtEpilogue_t ep = CUBLASLT_EPILOGUE_BIAS;
+        cudaDataType_t bt = CUDA_R_16BF;
+        LT_CHECK(b, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof ep), ok);
+        LT_CHECK(b, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt), ok);
+    }
     LT_CHECK(b, cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, in_dim, out_dim, in_dim), ok);
     LT_CHECK(b, cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, in_dim, n, in_dim), ok);
     LT_CHECK(b, cublasLtMatrixLayoutCreate(&p->c, CUDA_R_16BF, out_dim, n, out_dim), ok);
@@ -68,6 +77,7 @@ static kvs_cuda_gemm_plan *plan_for(kvs_backend *b, int n, int in_dim, int out_d
     p->n = n;
     p->in_dim = in_dim;
     p->out_dim = out_dim;
+    p->bias = bias;
     p->valid = 1;
     return p;
 }
@@ -76,11 +86,16 @@ void kvs_cuda_matmul(kvs_backend *b, void *out, const void *in, const void *w, c
                      int out_dim) {
     if (n <= 0 || out_dim <= 0) return;
     kvs_cuda *c = kvs_cuda_of(b);
-    kvs_cuda_gemm_plan *p = plan_for(b, n, in_dim, out_dim);
+    int epilogue = bias && ((uintptr_t)bias & 15) == 0;
+    kvs_cuda_gemm_plan *p = plan_for(b, n, in_dim, out_dim, epilogue);
     if (!p) return;
     float alpha = 1.0f, beta = 0.0f;
     int ok = 1;
-    LT_CHECK(b, cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, in, p->b, &beta, out, p->c, out, p->c, &p->algo,
-                               c->lt_workspace, c->lt_workspace_bytes, c->stream), ok);
-    if (ok && bias) kvs_cuda_add_bias(b, out, bias, n, out_dim);
+    if (epilogue)
+        LT_CHECK(b, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias), ok);
+    if (ok)
+        LT_CHECK(b, cublasLtMatmul(c->lt, p->op, &alpha, w, p->a, in, p->b, &beta, out, p->c, out, p->c, &p->algo,
+                                   c->lt_workspace, c->lt_workspace_bytes, c->stream),
+                 ok);
+    if (ok && bias && !epilogue) kvs_cuda_add_bias(b, out, bias, n, out_dim);
 }

@@ -169,7 +169,7 @@ __device__ __forceinline__ size_t kvs_kv_offset(int block, int kind, int head, i
     return ((((size_t)block * 2 + kind) * n_kv_heads + head) * block_size + offset) * (size_t)head_dim;
 }
 
-/* One thread per (token, kind, head, element): pool slot <- k or v. */
+/* One thread per (token, kind, head, element): pool slot <- k or v; negative slots skipped. */
 __global__ void kvs_kv_write_kernel(bf16 *pool, const bf16 *k, const bf16 *v, const int32_t *slots, int n,
                                     int n_kv_heads, int block_size, int head_dim) {
     size_t row = (size_t)n_kv_heads * head_dim, total = (size_t)n * 2 * row;

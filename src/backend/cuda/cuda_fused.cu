@@ -1,0 +1,186 @@
+/* Fused forward-pass kernels: residual add + RMSNorm, and RoPE + paged KV write.
+ * Each one equals the unfused sequence of cuda_ops.cu (add then rmsnorm; rope on
+ * q and k then kv_write) up to the order of the fp32 sum of squares; the CPU
+ * references are kvs_cpu_add_rmsnorm and kvs_cpu_rope_kv_write. */
+#include <stdint.h>
+
+#include "backend/cuda/cuda_internal.h"
+
+/* ---- residual add + RMSNorm: one block per row ---------------------------------
+ * Pass 1 reads x and y once, stores x + y rounded to bf16 (as kvs_add_kernel
+ * does) into x and into a shared-memory copy of the row, and sums the squares
+ * of the rounded values in fp32 (so the norm sees the x that add + rmsnorm
+ * would read); pass 2 writes xn from the shared copy. VEC: 16-byte pieces. */
+
+union kvs_bf16x8 {
+    uint4 u;
+    __nv_bfloat162 h[4];
+};
+
+template <bool VEC>
+__global__ void kvs_add_rmsnorm_kernel(bf16 *x, bf16 *xn, const bf16 *y, const bf16 *w, int dim, float eps) {
+    extern __shared__ uint4 kvs_add_rmsnorm_row[]; /* dim bf16 */
+    bf16 *row = (bf16 *)kvs_add_rmsnorm_row;
+    size_t base = (size_t)blockIdx.x * dim;
+    float ss = 0.f;
+    if (VEC) {
+        uint4 *xv = (uint4 *)(x + base), *rv = (uint4 *)row;
+        const uint4 *yv = (const uint4 *)(y + base);
+        for (int j = threadIdx.x; j < dim / 8; j += blockDim.x) {
+            kvs_bf16x8 a, c;
+            a.u = xv[j], c.u = yv[j];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float2 fa = __bfloat1622float2(a.h[e]), fc = __bfloat1622float2(c.h[e]);
+                a.h[e] = __floats2bfloat162_rn(fa.x + fc.x, fa.y + fc.y);
+                float2 s = __bfloat1622float2(a.h[e]);
+                ss += s.x * s.x;
+                ss += s.y * s.y;
+            }
+            xv[j] = a.u;
+            rv[j] = a.u;
+        }
+    } else {
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+            bf16 s = __float2bfloat16(__bfloat162float(x[base + j]) + __bfloat162float(y[base + j]));
+            float f = __bfloat162float(s);
+            ss += f * f;
+            x[base + j] = s;
+            row[j] = s;
+        }
+    }
+    __shared__ float part[32];
+    for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads(); /* also publishes the shared row */
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
+        for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+        if (threadIdx.x == 0) part[0] = v;
+    }
+    __syncthreads();
+    float r = rsqrtf(part[0] / dim + eps);
+    if (VEC) {
+        const uint4 *rv = (const uint4 *)row, *wv = (const uint4 *)w;
+        uint4 *ov = (uint4 *)(xn + base);
+        for (int j = threadIdx.x; j < dim / 8; j += blockDim.x) {
+            kvs_bf16x8 a, g;
+            a.u = rv[j], g.u = wv[j];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float2 fa = __bfloat1622float2(a.h[e]), fg = __bfloat1622float2(g.h[e]);
+                a.h[e] = __floats2bfloat162_rn(fa.x * r * fg.x, fa.y * r * fg.y);
+            }
+            ov[j] = a.u;
+        }
+    } else {
+        for (int j = threadIdx.x; j < dim; j += blockDim.x)
+            xn[base + j] = __float2bfloat16(__bfloat162float(row[j]) * r * __bfloat162float(w[j]));
+    }
+}
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
+                          float eps) {
+    if (n <= 0 || dim <= 0) return;
+    bool vec = dim % 8 == 0 && aligned16(x) && aligned16(xn) && aligned16(y) && aligned16(w);
+    size_t smem = (size_t)dim * sizeof(bf16);
+    /* a thread per 16-byte piece up to 1024 threads (whole warps); 256 for the scalar path */
+    int units = vec ? dim / 8 : 256;
+    int threads = units >= 1024 ? 1024 : (units + 31) / 32 * 32;
+    if (threads < 64) threads = 64;
+    void (*kernel)(bf16 *, bf16 *, const bf16 *, const bf16 *, int, float) =
+        vec ? kvs_add_rmsnorm_kernel<true> : kvs_add_rmsnorm_kernel<false>;
+    if (smem > 48 * 1024) /* rows over 24576 elements: opt in to more shared memory */
+        KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<n, threads, smem, kvs_cuda_of(b)->stream>>>((bf16 *)x, (bf16 *)xn, (const bf16 *)y, (const bf16 *)w,
+                                                          dim, eps);
+    KVS_CUDA_LAUNCHED(b, "kvs_add_rmsnorm_kernel");
+}
+
+/* ---- RoPE + paged KV write: one block per token --------------------------------
+ * The token's cos/sin table (angle and sincos in double, like kvs_rope_kernel)
+ * goes to shared memory once; then the block rotates its q heads in place and
+ * its k heads straight into the pool slot, and copies v into the slot. A
+ * negative slot (a padding row) rotates q only. VEC (head_dim % 8 == 0): pairs
+ * (j, j + 1) rotated as bf16x2, v copied in 16-byte pieces. */
+
+__device__ __forceinline__ size_t kvs_fused_kv_offset(int block, int kind, int head, int offset, int n_kv_heads,
+                                                      int block_size, int head_dim) {
+    return ((((size_t)block * 2 + kind) * n_kv_heads + head) * block_size + offset) * (size_t)head_dim;
+}
+
+template <bool VEC>
+__global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, const bf16 *v,
+                                         const int32_t *positions, const float *inv_freq, const int32_t *slots,
+                                         int n_heads, int n_kv_heads, int block_size, int head_dim) {
+    extern __shared__ float2 kvs_rope_cs[]; /* [head_dim / 2] (cos, sin) */
+    int i = blockIdx.x, half = head_dim / 2;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        double s, c;
+        sincos((double)positions[i] * inv_freq[j], &s, &c);
+        kvs_rope_cs[j] = make_float2((float)c, (float)s);
+    }
+    __syncthreads();
+    int slot = slots[i];
+    int blk = slot >= 0 ? slot / block_size : 0, off = slot >= 0 ? slot % block_size : 0;
+    int rows = n_heads + (slot >= 0 ? n_kv_heads : 0); /* q heads, then k heads */
+    int step = VEC ? 2 : 1, per_row = half / step;
+    for (int t = threadIdx.x; t < rows * per_row; t += blockDim.x) {
+        int h = t / per_row, j = (t % per_row) * step;
+        const bf16 *src;
+        bf16 *dst;
+        if (h < n_heads) {
+            dst = q + ((size_t)i * n_heads + h) * head_dim;
+            src = dst;
+        } else {
+            h -= n_heads;
+            src = k + ((size_t)i * n_kv_heads + h) * head_dim;
+            dst = pool + kvs_fused_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim);
+        }
+        if (VEC) {
+            float2 c0 = kvs_rope_cs[j], c1 = kvs_rope_cs[j + 1];
+            float2 x1 = __bfloat1622float2(*(const __nv_bfloat162 *)(src + j));
+            float2 x2 = __bfloat1622float2(*(const __nv_bfloat162 *)(src + j + half));
+            *(__nv_bfloat162 *)(dst + j) = __floats2bfloat162_rn(x1.x * c0.x - x2.x * c0.y, x1.y * c1.x - x2.y * c1.y);
+            *(__nv_bfloat162 *)(dst + j + half) =
+                __floats2bfloat162_rn(x2.x * c0.x + x1.x * c0.y, x2.y * c1.x + x1.y * c1.y);
+        } else {
+            float2 cs = kvs_rope_cs[j];
+            float x1 = __bfloat162float(src[j]), x2 = __bfloat162float(src[j + half]);
+            dst[j] = __float2bfloat16(x1 * cs.x - x2 * cs.y);
+            dst[j + half] = __float2bfloat16(x2 * cs.x + x1 * cs.y);
+        }
+    }
+    if (slot < 0) return;
+    if (!VEC && (head_dim & 1)) /* an odd head_dim's last element is not rotated (as kvs_rope_kernel) */
+        for (int h = threadIdx.x; h < n_kv_heads; h += blockDim.x)
+            pool[kvs_fused_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim) + head_dim - 1] =
+                k[((size_t)i * n_kv_heads + h) * head_dim + head_dim - 1];
+    int piece = VEC ? 8 : 1, per_head = head_dim / piece;
+    const bf16 *vrow = v + (size_t)i * n_kv_heads * head_dim;
+    for (int t = threadIdx.x; t < n_kv_heads * per_head; t += blockDim.x) {
+        int h = t / per_head, e = (t % per_head) * piece;
+        bf16 *dst = pool + kvs_fused_kv_offset(blk, 1, h, off, n_kv_heads, block_size, head_dim) + e;
+        if (VEC)
+            *(uint4 *)dst = *(const uint4 *)(vrow + (size_t)h * head_dim + e);
+        else
+            *dst = vrow[(size_t)h * head_dim + e];
+    }
+}
+
+void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+                            const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
+                            int n_heads) {
+    int D = pool->head_dim;
+    if (n <= 0 || D < 2) return;
+    bool vec = D % 8 == 0 && aligned16(pool->data) && aligned16(q) && aligned16(k) && aligned16(v);
+    size_t smem = sizeof(float2) * (size_t)(D / 2);
+    void (*kernel)(bf16 *, bf16 *, const bf16 *, const bf16 *, const int32_t *, const float *, const int32_t *, int,
+                   int, int, int) = vec ? kvs_rope_kv_write_kernel<true> : kvs_rope_kv_write_kernel<false>;
+    kernel<<<n, 256, smem, kvs_cuda_of(b)->stream>>>((bf16 *)pool->data, (bf16 *)q, (const bf16 *)k,
+                                                     (const bf16 *)v, positions, inv_freq, slots, n_heads,
+                                                     pool->n_kv_heads, pool->block_size, D);
+    KVS_CUDA_LAUNCHED(b, "kvs_rope_kv_write_kernel");
+}

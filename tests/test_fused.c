@@ -1,0 +1,165 @@
+/* The fused backend ops on the CPU backend (the reference) against the
+ * unfused sequences they replace: add_rmsnorm == add + rmsnorm and
+ * rope_kv_write == rope(q) + rope(k) + kv_write, bitwise; negative (padding)
+ * slots leave the pool untouched; and a whole model gives bitwise the same
+ * logits with the fused ops as with the unfused sequences. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend/backend.h"
+#include "model/model_internal.h"
+#include "testutil.h"
+
+static kvs_rng seeded(void) {
+    kvs_rng rng;
+    uint64_t seed = getenv("KVS_TEST_SEED") ? strtoull(getenv("KVS_TEST_SEED"), NULL, 10) : (uint64_t)time(NULL);
+    cr_log_info("seed %llu", (unsigned long long)seed);
+    kvs_rng_seed(&rng, seed);
+    return rng;
+}
+
+static float *normal(kvs_rng *rng, size_t n, float scale) {
+    float *x = malloc(sizeof(float) * (n ? n : 1));
+    for (size_t i = 0; i < n; i++) x[i] = kvs_rng_normal(rng) * scale;
+    return x;
+}
+
+static float *dup(const float *x, size_t n) {
+    float *y = malloc(sizeof(float) * (n ? n : 1));
+    memcpy(y, x, sizeof(float) * n);
+    return y;
+}
+
+Test(fused, add_rmsnorm_equals_add_then_rmsnorm) {
+    kvs_backend *be;
+    cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
+    kvs_rng rng = seeded();
+    const int ns[] = {1, 5, 37}, dims[] = {1000, 1003, 4096};
+    for (int a = 0; a < 3; a++)
+        for (int c = 0; c < 3; c++) {
+            int n = ns[a], dim = dims[c];
+            size_t t = (size_t)n * dim;
+            float *x = normal(&rng, t, 3.0f), *y = normal(&rng, t, 1.0f), *w = normal(&rng, dim, 1.0f);
+            float *x1 = dup(x, t), *xn1 = malloc(sizeof(float) * t), *x2 = dup(x, t), *xn2 = malloc(sizeof(float) * t);
+            be->add(be, x1, y, t);
+            be->rmsnorm(be, xn1, x1, w, n, dim, 1e-5f);
+            be->add_rmsnorm(be, x2, xn2, y, w, n, dim, 1e-5f);
+            cr_expect(memcmp(x1, x2, sizeof(float) * t) == 0, "add_rmsnorm n %d dim %d: x differs", n, dim);
+            cr_expect(memcmp(xn1, xn2, sizeof(float) * t) == 0, "add_rmsnorm n %d dim %d: xn differs", n, dim);
+            free(x), free(y), free(w), free(x1), free(xn1), free(x2), free(xn2);
+        }
+    be->destroy(be);
+}
+
+/* Llama 3.1's scaled inverse frequencies for head_dim d. */
+static void llama3_inv_freq(int d, float *inv_freq) {
+    kvs_config cfg = {0};
+    cfg.head_dim = d;
+    cfg.rope_theta = 500000.0f;
+    cfg.rope_type = KVS_ROPE_LLAMA3;
+    cfg.rope_factor = 8.0f;
+    cfg.rope_low_freq_factor = 1.0f;
+    cfg.rope_high_freq_factor = 4.0f;
+    cfg.rope_original_max_position = 8192;
+    kvs_rope_inv_freq(&cfg, inv_freq);
+}
+
+#define SENTINEL 12345.0f
+
+Test(fused, rope_kv_write_equals_rope_then_kv_write) {
+    kvs_backend *be;
+    cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
+    kvs_rng rng = seeded();
+    /* heads, KV heads, head_dim (an odd one too: its last element is not rotated) */
+    const int shapes[][3] = {{32, 8, 128}, {8, 8, 64}, {8, 1, 128}, {28, 4, 64}, {4, 2, 21}};
+    for (int sh = 0; sh < 5; sh++) {
+        int H = shapes[sh][0], KV = shapes[sh][1], D = shapes[sh][2], n = 37, n_blocks = 7;
+        size_t qn = (size_t)n * H * D, kn = (size_t)n * KV * D, pool_n = (size_t)n_blocks * 2 * KV * 16 * D;
+        float *q = normal(&rng, qn, 1.0f), *k = normal(&rng, kn, 1.0f), *v = normal(&rng, kn, 1.0f);
+        float inv_freq[128];
+        llama3_inv_freq(D, inv_freq);
+        /* positions 0.. then up to 131072; slots: shuffled entries of 7 blocks, every 5th row padding (-1) */
+        int32_t pos[37], slots[37], entries[7 * 16];
+        for (int e = 0; e < n_blocks * 16; e++) entries[e] = e;
+        for (int e = n_blocks * 16 - 1; e > 0; e--) {
+            int j = (int)(kvs_rng_u64(&rng) % (uint64_t)(e + 1)), t = entries[e];
+            entries[e] = entries[j], entries[j] = t;
+        }
+        for (int i = 0; i < n; i++) {
+            pos[i] = i < 8 ? i : (int32_t)(kvs_rng_u64(&rng) % 131073);
+            slots[i] = i % 5 == 4 ? -1 : entries[i];
+        }
+        float *pool1 = malloc(sizeof(float) * pool_n), *pool2 = malloc(sizeof(float) * pool_n);
+        for (size_t i = 0; i < pool_n; i++) pool1[i] = pool2[i] = SENTINEL;
+        kvs_kv_pool p1 = {pool1, n_blocks, 16, KV, D}, p2 = {pool2, n_blocks, 16, KV, D};
+        float *q1 = dup(q, qn), *k1 = dup(k, kn), *q2 = dup(q, qn);
+        be->rope(be, q1, pos, inv_freq, n, H, D);
+        be->rope(be, k1, pos, inv_freq, n, KV, D);
+        be->kv_write(be, &p1, k1, v, slots, n);
+        be->rope_kv_write(be, &p2, q2, k, v, pos, inv_freq, slots, n, H);
+        cr_expect(memcmp(q1, q2, sizeof(float) * qn) == 0, "rope_kv_write %d/%d x %d: q differs", H, KV, D);
+        cr_expect(memcmp(pool1, pool2, sizeof(float) * pool_n) == 0, "rope_kv_write %d/%d x %d: pool differs", H,
+                  KV, D);
+        /* exactly the non-padding rows' slots were written, in K and V of every head */
+        int written = 0, want = 0;
+        for (int i = 0; i < n; i++) want += slots[i] >= 0;
+        for (int blk = 0; blk < n_blocks; blk++)
+            for (int off = 0; off < 16; off++) {
+                bool hit = pool2[(((size_t)blk * 2 + 0) * KV + 0) * 16 * D + (size_t)off * D] != SENTINEL;
+                written += hit;
+                for (int kind = 0; kind < 2; kind++)
+                    for (int h = 0; h < KV; h++)
+                        cr_assert_eq(pool2[(((size_t)blk * 2 + kind) * KV + h) * 16 * D + (size_t)off * D] != SENTINEL,
+                                     hit, "block %d offset %d: heads/kinds disagree on being written", blk, off);
+            }
+        cr_expect_eq(written, want, "%d slots written, %d non-padding rows", written, want);
+        free(q), free(k), free(v), free(q1), free(k1), free(q2), free(pool1), free(pool2);
+    }
+    be->destroy(be);
+}
+
+/* The unfused sequences, as a backend's fused ops. */
+static void unfused_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
+                                float eps) {
+    b->add(b, x, y, (size_t)n * dim);
+    b->rmsnorm(b, xn, x, w, n, dim, eps);
+}
+
+static void unfused_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+                                  const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
+                                  int n_heads) {
+    b->rope(b, q, positions, inv_freq, n, n_heads, pool->head_dim);
+    b->rope(b, (void *)k, positions, inv_freq, n, pool->n_kv_heads, pool->head_dim);
+    b->kv_write(b, pool, k, v, slots, n);
+}
+
+Test(fused, model_logits_equal_unfused) {
+    kvs_backend *plain;
+    cr_assert_eq(kvs_backend_cpu_create(0, &plain), KVS_OK);
+    plain->add_rmsnorm = unfused_add_rmsnorm;
+    plain->rope_kv_write = unfused_rope_kv_write;
+    rig fused, ref;
+    rig_open(&fused, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(200, 1), 1);
+    rig_open(&ref, src_path("models/tiny-needle-llama"), plain, RIG_BLOCKS(200, 1), 1);
+    kvs_rng rng = seeded();
+    int V = fused.cfg.vocab_size, n = 61;
+    int32_t ids[64];
+    for (int i = 0; i < 64; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % (uint64_t)V);
+    float *a = malloc(sizeof(float) * V), *b = malloc(sizeof(float) * V);
+    int sa = kvs_kv_seq_create(fused.kv), sb = kvs_kv_seq_create(ref.kv);
+    rig_run(&fused, sa, ids, n, 0, a); /* a prefill, then three decode steps */
+    rig_run(&ref, sb, ids, n, 0, b);
+    cr_expect(memcmp(a, b, sizeof(float) * V) == 0, "prefill logits differ");
+    for (int i = n; i < 64; i++) {
+        rig_run(&fused, sa, ids + i, 1, i, a);
+        rig_run(&ref, sb, ids + i, 1, i, b);
+        cr_expect(memcmp(a, b, sizeof(float) * V) == 0, "decode step at position %d: logits differ", i);
+    }
+    free(a), free(b);
+    rig_close(&fused);
+    rig_close(&ref);
+    plain->destroy(plain);
+}
