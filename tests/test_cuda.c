@@ -581,7 +581,7 @@ extern int kvs_cuda_attn_prefill_variant;
 Test(cuda, attention_prefill_variants) {
     const int kv[] = {1500, 333}, q[] = {1500, 333};
     const int def = kvs_cuda_attn_prefill_variant; /* the other tests cover the default */
-    for (int v = 0; v <= 3; v++) {
+    for (int v = 0; v <= 10; v++) {
         if (v == def) continue;
         kvs_cuda_attn_prefill_variant = v;
         cr_log_info("prefill variant %d", v);

@@ -377,9 +377,10 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
  * from shared memory (q_w: the warp's first row) at each tile, which costs less
  * shared-memory bandwidth than the K/V fragments it saves.
  * FAST (needs scale > 0): the row max is taken over the raw scores and each
- * probability costs one FFMA + ex2 (exp2(s * scale_log2 - m)); the O rescale is
- * skipped when no row max of the warp's m-tile changed (alpha == 1 everywhere). */
-template <int D, int NK, bool MASK, int MT, bool FAST>
+ * probability costs one FFMA + ex2 (exp2(s * scale_log2 - m)). SKIP (with FAST):
+ * the O rescale is skipped when no row max of the warp's m-tile changed
+ * (alpha == 1 everywhere; a warp vote, so a branch). */
+template <int D, int NK, bool MASK, int MT, bool FAST, bool SKIP = FAST>
 __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w, uint32_t v_w, int key_base,
                                                       int lim_base, float scale_log2,
                                                       float (&o)[MT][D / 8][4], float (&m)[MT][2],
@@ -458,7 +459,7 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
         }
         l[mt][0] = l[mt][0] * alpha0 + sum0;
         l[mt][1] = l[mt][1] * alpha1 + sum1;
-        if (!FAST || __any_sync(0xffffffffu, grew)) {
+        if (!SKIP || __any_sync(0xffffffffu, grew)) {
 #pragma unroll
             for (int n = 0; n < D / 8; n++) {
                 o[mt][n][0] *= alpha0, o[mt][n][1] *= alpha0;
@@ -480,6 +481,123 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
                 kvs_mma_bf16(o[mt][n + 1], pa[mt][kk], b2, b3);
             }
         }
+    }
+}
+
+/* One m-tile's online softmax (FAST fold: raw scores s, their row maxima mx0/mx1
+ * over this thread's columns, scale > 0) and O = alpha O + P V, rescale always
+ * (no branch). */
+template <int D, int NK>
+__device__ __forceinline__ void kvs_attn_pp_softmax_pv(float (&s)[NK / 8][4], float mx0, float mx1, float scale_log2,
+                                                       float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
+                                                       uint32_t v_lane, int lane) {
+    constexpr int RB = kvs_rows<D>::BYTES;
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
+    const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
+    const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float alpha0 = kvs_exp2(m[0] - mu0), alpha1 = kvs_exp2(m[1] - mu1);
+    m[0] = mn0, m[1] = mn1;
+    float sum0 = 0.f, sum1 = 0.f;
+    uint32_t pa[NK / 16][4];
+#pragma unroll
+    for (int j = 0; j < NK / 8; j++) {
+        float p0 = kvs_exp2(fmaf(s[j][0], scale_log2, -mu0)), p1 = kvs_exp2(fmaf(s[j][1], scale_log2, -mu0));
+        float p2 = kvs_exp2(fmaf(s[j][2], scale_log2, -mu1)), p3 = kvs_exp2(fmaf(s[j][3], scale_log2, -mu1));
+        sum0 += p0 + p1;
+        sum1 += p2 + p3;
+        pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(p0, p1);
+        pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(p2, p3);
+    }
+    l[0] = l[0] * alpha0 + sum0;
+    l[1] = l[1] * alpha1 + sum1;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+        o[n][0] *= alpha0, o[n][1] *= alpha0;
+        o[n][2] *= alpha1, o[n][3] *= alpha1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < NK / 16; kk++) {
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t b0, b1, b2, b3;
+            kvs_ldmatrix_x4_trans(b0, b1, b2, b3, v_lane + kk * 16 * RB + n * 16);
+            kvs_mma_bf16(o[n], pa[kk], b0, b1);
+            kvs_mma_bf16(o[n + 1], pa[kk], b2, b3);
+        }
+    }
+}
+
+/* Variant of kvs_attn_warp_tile_mt for MT m-tiles done one after the other
+ * ("ping-pong" inside a warp): S of m-tile mt + 1 is computed (mma) before the
+ * softmax of m-tile mt, and P.V of mt before the softmax of mt + 1, so within one
+ * basic block (FAST fold, no rescale-skip branch) ptxas can overlap one m-tile's
+ * exponentials with the other's tensor-core work. Each K/V fragment is read from
+ * shared memory once per m-tile (MT times per tile instead of once). */
+template <int D, int NK, bool MASK, int MT>
+__device__ __forceinline__ void kvs_attn_warp_tile_pp(uint32_t q_w, uint32_t k_w, uint32_t v_w, int key_base,
+                                                      int lim_base, float scale_log2, float (&o)[MT][D / 8][4],
+                                                      float (&m)[MT][2], float (&l)[MT][2], int lane) {
+    constexpr int RB = kvs_rows<D>::BYTES;
+    const uint32_t q_lane = q_w + ((lane & 7) + ((lane >> 3) & 1) * 8) * RB + (lane >> 4) * 16;
+    const uint32_t k_lane = k_w + (((lane >> 4) * 8) + (lane & 7)) * RB + ((lane >> 3) & 1) * 16;
+    const uint32_t v_lane = v_w + (((lane >> 3) & 1) * 8 + (lane & 7)) * RB + (lane >> 4) * 16;
+    const int col = key_base + 2 * (lane & 3);
+    float s[MT][NK / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        /* S of m-tile mt (raw scores) */
+#pragma unroll
+        for (int j = 0; j < NK / 8; j++) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t qa[4];
+            kvs_ldmatrix_x4(qa[0], qa[1], qa[2], qa[3], q_lane + mt * 16 * RB + kk * 32);
+#pragma unroll
+            for (int j = 0; j < NK / 8; j += 2) {
+                uint32_t b0, b1, b2, b3;
+                kvs_ldmatrix_x4(b0, b1, b2, b3, k_lane + j * 8 * RB + kk * 32);
+                kvs_mma_bf16(s[mt][j], qa, b0, b1);
+                kvs_mma_bf16(s[mt][j + 1], qa, b2, b3);
+            }
+        }
+        if (mt == 0) continue;
+        /* softmax and P.V of the previous m-tile, whose S is complete */
+        const int pm = mt - 1;
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < NK / 8; j++) {
+            if (MASK) {
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int e = col + 8 * j + (c & 1);
+                    if (e > lim_base + 16 * pm + 8 * (c >> 1)) s[pm][j][c] = -INFINITY;
+                }
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[pm][j][0], s[pm][j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[pm][j][2], s[pm][j][3]));
+        }
+        kvs_attn_pp_softmax_pv<D, NK>(s[pm], mx0, mx1, scale_log2, o[pm], m[pm], l[pm], v_lane, lane);
+    }
+    {
+        constexpr int pm = MT - 1;
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < NK / 8; j++) {
+            if (MASK) {
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int e = col + 8 * j + (c & 1);
+                    if (e > lim_base + 16 * pm + 8 * (c >> 1)) s[pm][j][c] = -INFINITY;
+                }
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[pm][j][0], s[pm][j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[pm][j][2], s[pm][j][3]));
+        }
+        kvs_attn_pp_softmax_pv<D, NK>(s[pm], mx0, mx1, scale_log2, o[pm], m[pm], l[pm], v_lane, lane);
     }
 }
 
@@ -583,19 +701,27 @@ __global__ void __launch_bounds__(WARPS * 32, KVS_FA2_MIN_BLOCKS(WARPS))
 }
 
 /* Prefill with MT m-tiles a warp: WARPS x MT x 16 query rows a block, the Q tile
- * kept in shared memory beside two K/V stages. */
-template <int D, int WARPS, int MT>
+ * kept in shared memory beside STAGES K/V stages (64-key tiles). */
+template <int D, int WARPS, int MT, int STAGES_ = 2>
 struct kvs_fa2mt_smem {
     static constexpr int M = 16 * MT * WARPS;
-    static constexpr int STAGES = 2;
+    static constexpr int STAGES = STAGES_;
     static constexpr size_t q = 0, kv = (size_t)M * kvs_rows<D>::BYTES,
                             bytes = kv + (size_t)STAGES * 2 * kvs_rows<D>::TILE_BYTES;
 };
 
-template <int D, int WARPS, int MT, bool FAST>
+/* STAGES: K/V tiles in flight (cp.async groups; the wait leaves STAGES - 2 pending).
+ * NSUB: keys per softmax step (64: one step a tile; 32: two steps a tile, half the
+ * S registers live at once). SKIP: see kvs_attn_warp_tile_mt. PP: the m-tiles one
+ * after the other (kvs_attn_warp_tile_pp; needs FAST, ignores SKIP). */
+template <int D, int WARPS, int MT, bool FAST, int STAGES = 2, int NSUB = KVS_ATTN_TILE, bool SKIP = FAST,
+          bool PP = false>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     kvs_attn_fa2mt_kernel(kvs_attn_args a, bf16 *out, float *lse) {
-    using L = kvs_fa2mt_smem<D, WARPS, MT>;
+    static_assert(KVS_ATTN_TILE % NSUB == 0 && NSUB % 16 == 0, "whole 16-key steps");
+    static_assert(STAGES >= 2, "at least double buffered");
+    static_assert(!PP || FAST, "the ping-pong tile folds the scale");
+    using L = kvs_fa2mt_smem<D, WARPS, MT, STAGES>;
     constexpr int THREADS = WARPS * 32, M = L::M, RB = kvs_rows<D>::BYTES, TB = kvs_rows<D>::TILE_BYTES;
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -615,8 +741,15 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
         const bf16 *src = ok ? a.q + ((size_t)(t0 + q0 + r) * a.n_heads + h) * D + c * 8 : a.q;
         kvs_cp_async16(q_s + r * RB + c * 16, src, ok);
     }
-    kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, 0, n_keys, kv_s, kv_s + TB);
-    kvs_cp_async_commit();
+    /* tiles 0 .. STAGES - 2 in flight (one group each, Q in the first; empty groups past the end) */
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        if (st == 0 || st < n_tiles) { /* n_tiles >= 1 */
+            uint32_t dst = kv_s + st * 2 * TB;
+            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, st * KVS_ATTN_TILE, n_keys, dst, dst + TB);
+        }
+        kvs_cp_async_commit();
+    }
 
     const int wrow = q0 + warp * 16 * MT + lane / 4; /* row g of the warp's first m-tile */
     const int lim_base = past + wrow;
@@ -633,21 +766,31 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     }
 
     for (int i = 0; i < n_tiles; i++) {
-        kvs_cp_async_wait<0>();
+        kvs_cp_async_wait<STAGES - 2>();
         __syncthreads(); /* tile i (and Q) landed; tile i - 1 is no longer read */
-        if (i + 1 < n_tiles) {
-            uint32_t st = kv_s + ((i + 1) % L::STAGES) * 2 * TB;
-            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, (i + 1) * KVS_ATTN_TILE, n_keys, st, st + TB);
+        if (i + STAGES - 1 < n_tiles) { /* into the stage tile i - 1 used */
+            uint32_t st = kv_s + ((i + STAGES - 1) % STAGES) * 2 * TB;
+            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, (i + STAGES - 1) * KVS_ATTN_TILE, n_keys, st, st + TB);
         }
         kvs_cp_async_commit();
-        const uint32_t k_w = kv_s + (i % L::STAGES) * 2 * TB, v_w = k_w + TB;
-        const int key0 = i * KVS_ATTN_TILE;
-        if (key0 + KVS_ATTN_TILE - 1 <= full_limit)
-            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, false, MT, FAST>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l,
-                                                                     lane);
-        else
-            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, true, MT, FAST>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l,
-                                                                    lane);
+        const uint32_t k_t = kv_s + (i % STAGES) * 2 * TB;
+#pragma unroll
+        for (int sub = 0; sub < KVS_ATTN_TILE / NSUB; sub++) {
+            const uint32_t k_w = k_t + sub * NSUB * RB, v_w = k_t + TB + sub * NSUB * RB;
+            const int key0 = i * KVS_ATTN_TILE + sub * NSUB;
+            if (NSUB < KVS_ATTN_TILE && key0 >= n_keys) break; /* the last tile's empty half */
+            if (PP) {
+                if (key0 + NSUB - 1 <= full_limit)
+                    kvs_attn_warp_tile_pp<D, NSUB, false, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l, lane);
+                else
+                    kvs_attn_warp_tile_pp<D, NSUB, true, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l, lane);
+            } else if (key0 + NSUB - 1 <= full_limit)
+                kvs_attn_warp_tile_mt<D, NSUB, false, MT, FAST, SKIP>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m,
+                                                                      l, lane);
+            else
+                kvs_attn_warp_tile_mt<D, NSUB, true, MT, FAST, SKIP>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m,
+                                                                     l, lane);
+        }
     }
 
     const int cq = 2 * (lane & 3);
@@ -967,8 +1110,13 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
 /* Prefill kernel variant, a tuning knob for kvs_bench_kernels: 0: 4 warps x 2
  * m-tiles (128 query rows a block); 1: 8 warps x 2 m-tiles (256 rows); 2: 4 warps
  * x 1 m-tile with Q in registers (64 rows); 3 (default): variant 0 with one FFMA
- * + ex2 per probability and the O rescale skipped when no row max changed
- * (falls back to 0 when scale <= 0). Other values act as 3. */
+ * + ex2 per probability and the O rescale skipped when no row max changed;
+ * 4: 3 on 8 warps (256 rows); 5: 3 with softmax steps of 32 keys (two a tile; no
+ * spills); 6: 4 with three K/V stages; 7: 3 without the rescale skip (the fold
+ * alone); 8: 6 with 32-key softmax steps; 9: 7 with the m-tiles one after the
+ * other (kvs_attn_warp_tile_pp); 10: 9 with 32-key softmax steps. 3-10 fall
+ * back to 0 when scale <= 0.
+ * Other values act as 3. */
 extern "C" int kvs_cuda_attn_prefill_variant;
 int kvs_cuda_attn_prefill_variant = 3;
 /* Decode: blocks aimed at per SM when choosing the number of splits (knob; the
@@ -996,25 +1144,33 @@ static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float 
     KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2_kernel");
 }
 
-template <int D, int WARPS, int MT, bool FAST>
+template <int D, int WARPS, int MT, bool FAST, int STAGES = 2, int NSUB = KVS_ATTN_TILE, bool SKIP = FAST,
+          bool PP = false>
 static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    using L = kvs_fa2mt_smem<D, WARPS, MT>;
+    using L = kvs_fa2mt_smem<D, WARPS, MT, STAGES>;
+    auto kernel = kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST, STAGES, NSUB, SKIP, PP>;
     int tiles = (max_q_len + L::M - 1) / L::M;
-    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
     dim3 grid((unsigned)a.n_heads, (unsigned)tiles, (unsigned)a.n_seqs);
-    kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST><<<grid, WARPS * 32, L::bytes, kvs_cuda_of(b)->stream>>>(a, out, lse);
+    kernel<<<grid, WARPS * 32, L::bytes, kvs_cuda_of(b)->stream>>>(a, out, lse);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2mt_kernel");
 }
 
 template <int D>
 static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     int v = kvs_cuda_attn_prefill_variant;
-    if (v == 3 && !(a.scale > 0.f)) v = 0; /* FAST takes the max over unscaled scores */
+    if (v != 0 && v != 1 && v != 2 && !(a.scale > 0.f)) v = 0; /* FAST takes the max over unscaled scores */
     switch (v) {
     case 0: launch_fa2mt<D, 4, 2, false>(b, a, out, lse, max_q_len); break;
     case 1: launch_fa2mt<D, 8, 2, false>(b, a, out, lse, max_q_len); break;
     case 2: launch_fa2<D, 4>(b, a, out, lse, max_q_len); break;
+    case 4: launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len); break;
+    case 5: launch_fa2mt<D, 4, 2, true, 2, 32>(b, a, out, lse, max_q_len); break;
+    case 6: launch_fa2mt<D, 8, 2, true, 3>(b, a, out, lse, max_q_len); break;
+    case 7: launch_fa2mt<D, 4, 2, true, 2, 64, false>(b, a, out, lse, max_q_len); break;
+    case 8: launch_fa2mt<D, 8, 2, true, 3, 32>(b, a, out, lse, max_q_len); break;
+    case 9: launch_fa2mt<D, 4, 2, true, 2, 64, false, true>(b, a, out, lse, max_q_len); break;
+    case 10: launch_fa2mt<D, 4, 2, true, 2, 32, false, true>(b, a, out, lse, max_q_len); break;
     default: launch_fa2mt<D, 4, 2, true>(b, a, out, lse, max_q_len); break;
     }
 }
