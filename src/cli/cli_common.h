@@ -58,6 +58,12 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i);
     "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 1.5)\n"
 void kvs_cli_unload(kvs_loaded *l);
 
+/* The KV pool's bytes per rank: kv_gib when > 0 (1 GiB when both are 0), else
+ * gpu_gib (a cap on each GPU's memory, emulating a smaller card) minus this
+ * rank's weights and an activation reserve for the batch sizes and policy. */
+kvs_status kvs_cli_kv_bytes(const kvs_loaded *l, double kv_gib, double gpu_gib, int max_num_batched_tokens,
+                            int max_num_seqs, const kvs_kv_policy *policy, size_t *bytes);
+
 /* A KV cache for the model holding max_tokens tokens per sequence for max_seqs sequences. */
 kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, kvs_kv_cache **out);
 /* Its config (the whole model's heads; a TP group gives each rank its slice). */

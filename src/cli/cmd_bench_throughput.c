@@ -95,37 +95,6 @@ static int parse_args(int argc, char **argv, tp_options *o) {
     return -1;
 }
 
-/* The KV pool's bytes (per rank with tensor parallelism: --gpu-memory is each
- * GPU's): --kv-memory, or --gpu-memory minus the rank's weights and an
- * activation reserve. */
-static kvs_status kv_budget(const tp_options *o, const kvs_loaded *l, size_t *bytes) {
-    if (o->gpu_gib <= 0) {
-        *bytes = o->kv_gib > 0 ? (size_t)(o->kv_gib * (1 << 30)) : (size_t)1 << 30;
-        return KVS_OK;
-    }
-    const kvs_config *c = &l->cfg;
-    double cap = o->gpu_gib * (1 << 30);
-    int w = l->world > 0 ? l->world : 1; /* a rank holds 1/w of the weights (embeddings aside) */
-    double weights = (double)kvs_checkpoint_total_bytes(l->ck) / kvs_dtype_size(c->dtype) *
-                     kvs_dtype_size(l->be->weight_dtype) / w;
-    if (w > 1) weights += (double)c->vocab_size * c->hidden_size * kvs_dtype_size(l->be->weight_dtype);
-    double act = (double)o->max_num_batched_tokens *
-                     (6.0 * c->hidden_size + 3.0 * c->intermediate_size / w + 2.0 * c->n_heads / w * c->head_dim) *
-                     kvs_dtype_size(l->be->act_dtype) +
-                 2.0 * o->max_num_seqs * c->vocab_size * sizeof(float) + 64.0 * (1 << 20);
-    /* a sparse policy's window queries and LSE: [max_num_seqs * window] rows per layer */
-    if (o->policy.kind != KVS_POLICY_FULL)
-        act += (double)o->max_num_seqs * o->policy.window * c->n_layers * c->n_heads / w *
-               (c->head_dim * kvs_dtype_size(l->be->act_dtype) + sizeof(float));
-    double left = cap - weights - act;
-    if (left < 1 << 20)
-        return kvs_fail(KVS_ERR_INVALID,
-                        "--gpu-memory %.2f GiB leaves no room for the KV cache: weights take %.2f GiB and "
-                        "activations %.2f GiB", o->gpu_gib, weights / (1 << 30), act / (1 << 30));
-    *bytes = (size_t)left;
-    return KVS_OK;
-}
-
 static void on_output(void *user, const kvs_request_output *out) {
     tp_counts *c = user;
     c->tokens += out->n_tokens;
@@ -146,7 +115,8 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     c.max_num_batched_tokens = o->max_num_batched_tokens;
     c.max_waiting = o->num_prompts + 1;
     c.default_policy = o->policy;
-    KVS_TRY(kv_budget(o, l, &c.kv_memory_bytes));
+    KVS_TRY(kvs_cli_kv_bytes(l, o->kv_gib, o->gpu_gib, o->max_num_batched_tokens, o->max_num_seqs, &o->policy,
+                             &c.kv_memory_bytes));
     kvs_engine *e;
     KVS_TRY(l->tp ? kvs_engine_create_tp(l->tp, l->tok, &c, &e) : kvs_engine_create(l->model, l->tok, &c, &e));
     int32_t *prompt = malloc(sizeof(int32_t) * o->input_len);

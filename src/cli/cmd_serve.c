@@ -31,7 +31,7 @@ typedef struct {
     kvs_load_options load;
     kvs_engine_config ecfg;
     kvs_server_config scfg;
-    double kv_gib;
+    double kv_gib, gpu_gib;
 } serve_options;
 
 static void usage(FILE *f) {
@@ -44,6 +44,7 @@ static void usage(FILE *f) {
                "  --max-num-batched-tokens N  tokens per engine step (default 2048)\n"
                "  --max-model-len N         context limit (default: the model's)\n"
                "  --kv-memory GiB           KV pool size (default 1; per rank with --tensor-parallel-size)\n"
+               "  --gpu-memory GiB          cap on each GPU's memory: KV = cap - weights - activations\n"
                "  --max-waiting N           queued requests at most; more get 429 (default 1024)\n"
                "  --max-body-bytes N        request body limit (default 4 MiB; more gets 413)\n"
                "  --threads N  --load-format dummy\n" KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
@@ -86,12 +87,19 @@ static int parse_args(int argc, char **argv, serve_options *o) {
             char *end;
             o->kv_gib = strtod(argv[++i], &end);
             if (end == argv[i] || *end || !(o->kv_gib > 0 && o->kv_gib < 1e5)) goto bad;
-            o->ecfg.kv_memory_bytes = (size_t)(o->kv_gib * (double)(1ull << 30));
+        } else if (!strcmp(a, "--gpu-memory") && v) {
+            char *end;
+            o->gpu_gib = strtod(argv[++i], &end);
+            if (end == argv[i] || *end || !(o->gpu_gib > 0 && o->gpu_gib < 1e5)) goto bad;
         } else goto bad;
         continue;
     bad:
         fprintf(stderr, "kvsparse serve: bad or incomplete option '%s'\n", a);
         usage(stderr);
+        return 2;
+    }
+    if (o->kv_gib > 0 && o->gpu_gib > 0) {
+        fprintf(stderr, "kvsparse serve: give --kv-memory or --gpu-memory, not both\n");
         return 2;
     }
     if (!o->load.model_dir && !o->load.config_path) {
@@ -149,6 +157,12 @@ int kvs_cmd_serve(int argc, char **argv) {
     if (rc >= 0) return rc;
     kvs_loaded l;
     if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
+    if (kvs_cli_kv_bytes(&l, o.kv_gib, o.gpu_gib, o.ecfg.max_num_batched_tokens ? o.ecfg.max_num_batched_tokens : 2048,
+                         o.ecfg.max_num_seqs ? o.ecfg.max_num_seqs : 64, &o.ecfg.default_policy,
+                         &o.ecfg.kv_memory_bytes) != KVS_OK) {
+        kvs_cli_unload(&l);
+        return kvs_cli_error();
+    }
     if (!l.tok) kvs_log(KVS_LOG_WARN, "the model has no tokenizer.json: only token-id prompts will work");
     int max_len = o.ecfg.max_model_len ? o.ecfg.max_model_len : l.cfg.max_position_embeddings;
     char namebuf[512];
