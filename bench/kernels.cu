@@ -33,8 +33,8 @@ extern "C" {
 }
 
 /* tuning knobs of cuda_attention.cu */
-extern "C" int kvs_cuda_attn_prefill_variant;      /* 0: 4 warps x 32 rows, 1: 8 x 32, 2: 4 x 16, 3: 0 + FFMA/skip,
-                                                       4-8: see cuda_attention.cu */
+extern "C" int kvs_cuda_attn_prefill_variant;      /* -1: auto; 0: 4 warps x 32 rows, 1: 8 x 32, 2: 4 x 16,
+                                                       3: 0 + FFMA/skip, 4-14: see cuda_attention.cu */
 extern "C" int kvs_cuda_attn_decode_blocks_per_sm; /* split target of decode variants 0/1, default 8 */
 extern "C" int kvs_cuda_attn_decode_variant;       /* 0: block pipeline, 1-3: per-warp rings (see cuda_attention.cu) */
 
@@ -260,7 +260,7 @@ int main(int argc, char **argv) {
 
     /* prefill attention: 4096 tokens, causal; every variant (the default also with lse) */
     attn_ctx pc;
-    enum { N_PRE = 12 };
+    enum { N_PRE = 16 };
     double pre_tf[N_PRE], flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
     const char *pre_name[N_PRE] = {"v0 4 warps x 32 rows", "v1 8 warps x 32 rows", "v2 4 warps x 16 rows",
                                    "v3 4 warps x 32 rows, FFMA + rescale skip",
@@ -270,12 +270,17 @@ int main(int argc, char **argv) {
                                    "v7 v3 without the rescale skip",
                                    "v8 v6 with 32-key softmax steps (no spills)",
                                    "v9 v7 with the m-tiles one after the other (ping-pong)",
-                                   "v10 v9 with 32-key softmax steps (no spills)", "default + lse"};
+                                   "v10 v9 with 32-key softmax steps (no spills)",
+                                   "v11 v4 with GQA pairing (2 heads x 128 rows a block)",
+                                   "v12 v11 with warps skipping fully masked tiles",
+                                   "v13 v12 with 4 heads x 64 rows a block",
+                                   "v14 v4 with warps skipping fully masked tiles",
+                                   "default (auto: v4 where it fits) + lse"};
     const int pre_default = kvs_cuda_attn_prefill_variant;
-    const int pre_variant[N_PRE] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, -1};
+    const int pre_variant[N_PRE] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, -2};
     for (int v = 0; v < N_PRE; v++) {
-        kvs_cuda_attn_prefill_variant = pre_variant[v] < 0 ? pre_default : pre_variant[v];
-        if (!attn_setup(b, &pc, 1, 4096, 4096, pre_variant[v] < 0)) return fprintf(stderr, "out of memory\n"), 1;
+        kvs_cuda_attn_prefill_variant = pre_variant[v] == -2 ? pre_default : pre_variant[v];
+        if (!attn_setup(b, &pc, 1, 4096, 4096, pre_variant[v] == -2)) return fprintf(stderr, "out of memory\n"), 1;
         double t_pre = time_it(b, 20, run_attn, &pc);
         pre_tf[v] = flops / t_pre / 1e12;
         attn_free(b, &pc);

@@ -581,7 +581,12 @@ extern int kvs_cuda_attn_prefill_variant;
 Test(cuda, attention_prefill_variants) {
     const int kv[] = {1500, 333}, q[] = {1500, 333};
     const int def = kvs_cuda_attn_prefill_variant; /* the other tests cover the default */
-    for (int v = 0; v <= 10; v++) {
+    /* 11-13 pair 2 or 4 query heads of a KV group a block: groups 4, 8 and 2 here
+     * (4/2 x 32 falls back for 13), and group 1 (8/8 x 64) and 3 (6/2 x 128) fall back;
+     * 99 is unknown and acts as the automatic choice */
+    const int variants[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 99};
+    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
+        const int v = variants[i];
         if (v == def) continue;
         kvs_cuda_attn_prefill_variant = v;
         cr_log_info("prefill variant %d", v);
@@ -590,6 +595,10 @@ Test(cuda, attention_prefill_variants) {
         attention_case(16, 4, 64, MIX_N, mix_kv, mix_q);
         attention_case(32, 4, 128, MIX_N, mix_kv, mix_q);
         attention_case(4, 2, 32, MIX_N, mix_kv, mix_q);
+        if (v >= 11) {
+            attention_case(8, 8, 64, MIX_N, mix_kv, mix_q);
+            attention_case(6, 2, 128, MIX_N, mix_kv, mix_q);
+        }
     }
     kvs_cuda_attn_prefill_variant = def;
 }

@@ -713,32 +713,41 @@ struct kvs_fa2mt_smem {
 /* STAGES: K/V tiles in flight (cp.async groups; the wait leaves STAGES - 2 pending).
  * NSUB: keys per softmax step (64: one step a tile; 32: two steps a tile, half the
  * S registers live at once). SKIP: see kvs_attn_warp_tile_mt. PP: the m-tiles one
- * after the other (kvs_attn_warp_tile_pp; needs FAST, ignores SKIP). */
+ * after the other (kvs_attn_warp_tile_pp; needs FAST, ignores SKIP).
+ * HEADS: query heads of one KV group a block (GQA pairing; the group size must be a
+ * multiple): warps [k WARPS / HEADS, (k + 1) WARPS / HEADS) own the block's query
+ * rows of head HEADS x blockIdx.x + k, so every K/V tile in shared memory feeds
+ * HEADS heads while the block covers only M / HEADS query positions (the causal
+ * diagonal's waste of M / HEADS-row tiles). WSKIP: a warp skips a (sub-)tile whose
+ * keys are all past its last row's causal limit (an exact no-op: p = 0, alpha = 1). */
 template <int D, int WARPS, int MT, bool FAST, int STAGES = 2, int NSUB = KVS_ATTN_TILE, bool SKIP = FAST,
-          bool PP = false>
+          bool PP = false, int HEADS = 1, bool WSKIP = false>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     kvs_attn_fa2mt_kernel(kvs_attn_args a, bf16 *out, float *lse) {
     static_assert(KVS_ATTN_TILE % NSUB == 0 && NSUB % 16 == 0, "whole 16-key steps");
     static_assert(STAGES >= 2, "at least double buffered");
     static_assert(!PP || FAST, "the ping-pong tile folds the scale");
+    static_assert(HEADS >= 1 && WARPS % HEADS == 0, "whole warps per head");
     using L = kvs_fa2mt_smem<D, WARPS, MT, STAGES>;
     constexpr int THREADS = WARPS * 32, M = L::M, RB = kvs_rows<D>::BYTES, TB = kvs_rows<D>::TILE_BYTES;
+    constexpr int MH = M / HEADS, WPH = WARPS / HEADS; /* query rows and warps per head */
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int h = blockIdx.x, g = h / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * M;
+    const int h0 = blockIdx.x * HEADS, g = h0 / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
+    const int h = h0 + warp / WPH; /* this warp's head */
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * MH;
     const int t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, kv_len = a.kv_len[seq];
     if (q0 >= q_len) return;
     const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
     const int past = kv_len - q_len;
-    const int last_row = min(q0 + M, q_len) - 1;
+    const int last_row = min(q0 + MH, q_len) - 1;
     const int n_keys = past + last_row + 1, n_tiles = (n_keys + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
 
     const uint32_t q_s = kvs_smem_u32(smem) + (uint32_t)L::q, kv_s = kvs_smem_u32(smem) + (uint32_t)L::kv;
     for (int p = threadIdx.x; p < M * (D / 8); p += THREADS) {
-        int r = p / (D / 8), c = p % (D / 8);
-        bool ok = q0 + r < q_len;
-        const bf16 *src = ok ? a.q + ((size_t)(t0 + q0 + r) * a.n_heads + h) * D + c * 8 : a.q;
+        int r = p / (D / 8), c = p % (D / 8), qr = q0 + r % MH; /* shared row r: head h0 + r / MH */
+        bool ok = qr < q_len;
+        const bf16 *src = ok ? a.q + ((size_t)(t0 + qr) * a.n_heads + h0 + r / MH) * D + c * 8 : a.q;
         kvs_cp_async16(q_s + r * RB + c * 16, src, ok);
     }
     /* tiles 0 .. STAGES - 2 in flight (one group each, Q in the first; empty groups past the end) */
@@ -751,9 +760,10 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
         kvs_cp_async_commit();
     }
 
-    const int wrow = q0 + warp * 16 * MT + lane / 4; /* row g of the warp's first m-tile */
+    const int wrow = q0 + (warp % WPH) * 16 * MT + lane / 4; /* row g of the warp's first m-tile */
     const int lim_base = past + wrow;
     const int full_limit = past + q0;
+    const int warp_limit = past + q0 + (warp % WPH + 1) * 16 * MT - 1; /* keys any row of the warp sees */
     const float scale_log2 = a.scale * KVS_LOG2E;
     const uint32_t q_w = q_s + warp * 16 * MT * RB;
     float o[MT][D / 8][4], m[MT][2], l[MT][2];
@@ -779,6 +789,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
             const uint32_t k_w = k_t + sub * NSUB * RB, v_w = k_t + TB + sub * NSUB * RB;
             const int key0 = i * KVS_ATTN_TILE + sub * NSUB;
             if (NSUB < KVS_ATTN_TILE && key0 >= n_keys) break; /* the last tile's empty half */
+            if (WSKIP && key0 > warp_limit) break;            /* warp-uniform: every row masked */
             if (PP) {
                 if (key0 + NSUB - 1 <= full_limit)
                     kvs_attn_warp_tile_pp<D, NSUB, false, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l, lane);
@@ -1107,18 +1118,24 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
 
 /* ---- dispatch ------------------------------------------------------------------ */
 
-/* Prefill kernel variant, a tuning knob for kvs_bench_kernels: 0: 4 warps x 2
- * m-tiles (128 query rows a block); 1: 8 warps x 2 m-tiles (256 rows); 2: 4 warps
- * x 1 m-tile with Q in registers (64 rows); 3 (default): variant 0 with one FFMA
- * + ex2 per probability and the O rescale skipped when no row max changed;
- * 4: 3 on 8 warps (256 rows); 5: 3 with softmax steps of 32 keys (two a tile; no
- * spills); 6: 4 with three K/V stages; 7: 3 without the rescale skip (the fold
- * alone); 8: 6 with 32-key softmax steps; 9: 7 with the m-tiles one after the
- * other (kvs_attn_warp_tile_pp); 10: 9 with 32-key softmax steps. 3-10 fall
- * back to 0 when scale <= 0.
- * Other values act as 3. */
+/* Prefill kernel variant, a tuning knob for kvs_bench_kernels and an override:
+ * -1 (default): automatic, v4 where the device's opt-in shared memory per block
+ * allows it, else v0, else v2 (kvs_prefill_pick; sizes at kvs_prefill_smem_bytes).
+ * 0: 4 warps x 2 m-tiles (128 query rows a block); 1: 8 warps x 2 m-tiles (256
+ * rows); 2: 4 warps x 1 m-tile with Q in registers (64 rows); 3: variant 0 with
+ * one FFMA + ex2 per probability and the O rescale skipped when no row max
+ * changed; 4: 3 on 8 warps (256 rows); 5: 3 with softmax steps of 32 keys (two a
+ * tile; no spills); 6: 4 with three K/V stages; 7: 3 without the rescale skip
+ * (the fold alone); 8: 6 with 32-key softmax steps; 9: 7 with the m-tiles one
+ * after the other (kvs_attn_warp_tile_pp); 10: 9 with 32-key softmax steps;
+ * 11: 4 with GQA pairing (2 query heads of a KV group a block, 4 warps x 32 rows
+ * each: 128 query positions); 12: 11 with warps skipping tiles past their rows'
+ * causal limit; 13: 12 with 4 heads a block (2 warps x 32 rows each: 64 query
+ * positions); 14: 4 with the warp skip alone. 3-14 fall back to 0 (8 warps: 1)
+ * when scale <= 0; a variant whose shared memory does not fit the device, or an
+ * unknown one, acts as -1. */
 extern "C" int kvs_cuda_attn_prefill_variant;
-int kvs_cuda_attn_prefill_variant = 3;
+int kvs_cuda_attn_prefill_variant = -1;
 /* Decode: blocks aimed at per SM when choosing the number of splits (knob; the
  * split policy of decode variants 0 and 1). */
 extern "C" int kvs_cuda_attn_decode_blocks_per_sm;
@@ -1145,33 +1162,106 @@ static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float 
 }
 
 template <int D, int WARPS, int MT, bool FAST, int STAGES = 2, int NSUB = KVS_ATTN_TILE, bool SKIP = FAST,
-          bool PP = false>
+          bool PP = false, int HEADS = 1, bool WSKIP = false>
 static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     using L = kvs_fa2mt_smem<D, WARPS, MT, STAGES>;
-    auto kernel = kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST, STAGES, NSUB, SKIP, PP>;
-    int tiles = (max_q_len + L::M - 1) / L::M;
+    auto kernel = kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST, STAGES, NSUB, SKIP, PP, HEADS, WSKIP>;
+    constexpr int MH = L::M / HEADS;
+    int tiles = (max_q_len + MH - 1) / MH;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
-    dim3 grid((unsigned)a.n_heads, (unsigned)tiles, (unsigned)a.n_seqs);
+    dim3 grid((unsigned)(a.n_heads / HEADS), (unsigned)tiles, (unsigned)a.n_seqs);
     kernel<<<grid, WARPS * 32, L::bytes, kvs_cuda_of(b)->stream>>>(a, out, lse);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2mt_kernel");
 }
 
+/* Dynamic shared memory of prefill variant v at head_dim D, in bytes (0: unknown
+ * variant). At D = 128 (rows of 272 bytes, 64-key K/V tiles of 17,408 bytes):
+ *   v2                      68 KiB (69,632: two K/V stages, Q inside them)
+ *   v0 v3 v5 v7 v9 v10     102 KiB (104,448: 128 Q rows + two stages)
+ *   v1 v4 v11-v14          136 KiB (139,264: 256 Q rows + two stages)
+ *   v6 v8                  170 KiB (174,080: 256 Q rows + three stages)
+ * Opt-in limits per block: sm_80 163 KiB, sm_86/sm_89 99 KiB, sm_90 227 KiB; so
+ * at D = 128 an RTX 4090 runs only v2, an A100 everything but v6/v8. At D = 64
+ * (144-byte rows) v0 needs 54 KiB, v4 72 KiB, v6 90 KiB: all fit sm_89. */
+template <int D>
+static size_t kvs_prefill_smem_bytes(int v) {
+    switch (v) {
+    case 2: return kvs_fa2_smem<D, 4>::bytes;
+    case 0: case 3: case 5: case 7: case 9: case 10: return kvs_fa2mt_smem<D, 4, 2, 2>::bytes;
+    case 1: case 4: case 11: case 12: case 13: case 14: return kvs_fa2mt_smem<D, 8, 2, 2>::bytes;
+    case 6: case 8: return kvs_fa2mt_smem<D, 8, 2, 3>::bytes;
+    default: return 0;
+    }
+}
+
+/* cudaDevAttrMaxSharedMemoryPerBlockOptin of a device, queried once per device
+ * (a benign race between threads: they store the same value). */
+static int kvs_attn_smem_optin(kvs_cuda *c) {
+    static int cache[64];
+    int dev = c->device, v = dev >= 0 && dev < 64 ? cache[dev] : 0;
+    if (v > 0) return v;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || v <= 0) {
+        cudaGetLastError();
+        v = 48 * 1024; /* the limit without opt-in */
+    }
+    if (dev >= 0 && dev < 64) cache[dev] = v;
+    return v;
+}
+
+/* The variant to run: the knob when it is set (>= 0), is known and fits this
+ * device's shared memory; otherwise v4 (the fastest measured on the H200) where it
+ * fits, else v0, else v2. FAST variants (3-14) need scale > 0: otherwise their
+ * shape without the fold (8 warps: v1, 4 warps: v0), or v2 when that does not fit. */
+template <int D>
+static int kvs_prefill_pick(kvs_cuda *c, float scale) {
+    const size_t optin = (size_t)kvs_attn_smem_optin(c);
+    int v = kvs_cuda_attn_prefill_variant;
+    size_t need = v >= 0 ? kvs_prefill_smem_bytes<D>(v) : 0;
+    if (need == 0 || need > optin) {
+        static const int ladder[] = {4, 0, 2};
+        for (int i = 0; i < 3; i++) {
+            v = ladder[i];
+            if (kvs_prefill_smem_bytes<D>(v) <= optin) break;
+        }
+    }
+    if (v > 2 && !(scale > 0.f)) { /* FAST takes the max over unscaled scores */
+        v = kvs_prefill_smem_bytes<D>(v) == kvs_prefill_smem_bytes<D>(1) ? 1 : 0;
+        if (kvs_prefill_smem_bytes<D>(v) > optin) v = 2;
+    }
+    return v;
+}
+
 template <int D>
 static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    int v = kvs_cuda_attn_prefill_variant;
-    if (v != 0 && v != 1 && v != 2 && !(a.scale > 0.f)) v = 0; /* FAST takes the max over unscaled scores */
+    const int v = kvs_prefill_pick<D>(kvs_cuda_of(b), a.scale);
+    const int group = a.n_heads / a.n_kv_heads;
     switch (v) {
     case 0: launch_fa2mt<D, 4, 2, false>(b, a, out, lse, max_q_len); break;
     case 1: launch_fa2mt<D, 8, 2, false>(b, a, out, lse, max_q_len); break;
     case 2: launch_fa2<D, 4>(b, a, out, lse, max_q_len); break;
-    case 4: launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len); break;
+    case 3: launch_fa2mt<D, 4, 2, true>(b, a, out, lse, max_q_len); break;
     case 5: launch_fa2mt<D, 4, 2, true, 2, 32>(b, a, out, lse, max_q_len); break;
     case 6: launch_fa2mt<D, 8, 2, true, 3>(b, a, out, lse, max_q_len); break;
     case 7: launch_fa2mt<D, 4, 2, true, 2, 64, false>(b, a, out, lse, max_q_len); break;
     case 8: launch_fa2mt<D, 8, 2, true, 3, 32>(b, a, out, lse, max_q_len); break;
     case 9: launch_fa2mt<D, 4, 2, true, 2, 64, false, true>(b, a, out, lse, max_q_len); break;
     case 10: launch_fa2mt<D, 4, 2, true, 2, 32, false, true>(b, a, out, lse, max_q_len); break;
-    default: launch_fa2mt<D, 4, 2, true>(b, a, out, lse, max_q_len); break;
+    /* GQA pairing needs the group to be a multiple of the heads a block takes;
+     * otherwise v12 runs as v14 and v11/v13 as v4 */
+    case 11:
+        if (group % 2 == 0) launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 2>(b, a, out, lse, max_q_len);
+        else launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len);
+        break;
+    case 12:
+        if (group % 2 == 0) launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 2, true>(b, a, out, lse, max_q_len);
+        else launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 1, true>(b, a, out, lse, max_q_len);
+        break;
+    case 13:
+        if (group % 4 == 0) launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 4, true>(b, a, out, lse, max_q_len);
+        else launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len);
+        break;
+    case 14: launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 1, true>(b, a, out, lse, max_q_len); break;
+    default: launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len); break; /* 4 */
     }
 }
 
