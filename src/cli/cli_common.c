@@ -128,8 +128,8 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     out->world = tp;
     if (st == KVS_OK && tp > 1 && !o->allow_tp)
         st = kvs_fail(KVS_ERR_UNSUPPORTED,
-                      "--tensor-parallel-size %d: not available in this command yet (serve, generate and "
-                      "bench throughput have it)",
+                      "--tensor-parallel-size %d: not available in this command yet (serve, generate, eval, "
+                      "bench throughput and bench model have it)",
                       tp);
     if (st == KVS_OK && tp > 1) st = kvs_tp_validate(&out->cfg, tp, -1);
     bool cuda = o->device && !strncmp(o->device, "cuda", 4);
@@ -175,6 +175,12 @@ void kvs_cli_unload(kvs_loaded *l) {
     free(l->rank_comm);
     if (l->be) l->be->destroy(l->be);
     memset(l, 0, sizeof *l);
+}
+
+kvs_status kvs_cli_group(kvs_loaded *l, kvs_tp_group **out) {
+    if (!l->tp) KVS_TRY(kvs_tp_group_wrap(l->model, &l->tp)); /* destroyed by kvs_cli_unload, before the model */
+    *out = l->tp;
+    return KVS_OK;
 }
 
 kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs) {

@@ -58,6 +58,11 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i);
     "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 1.5)\n"
 void kvs_cli_unload(kvs_loaded *l);
 
+/* The loaded model as a group: l->tp, or for N = 1 a world-1 group wrapping
+ * l->model (kvs_tp_group_wrap, kept in l->tp), so a command has one code path
+ * for every N. */
+kvs_status kvs_cli_group(kvs_loaded *l, kvs_tp_group **out);
+
 /* The KV pool's bytes per rank: kv_gib when > 0 (1 GiB when both are 0), else
  * gpu_gib (a cap on each GPU's memory, emulating a smaller card) minus this
  * rank's weights and an activation reserve for the batch sizes and policy. */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "backend/comm.h"
 #include "cli/cli_common.h"
 
 /* A backend whose matmul is timed; every other op is the inner backend's. */
@@ -47,18 +48,54 @@ static double sgemm_rate(kvs_backend *be, int n, int reps) {
     return 2.0 * n * n * n / best / 1e9;
 }
 
+/* The rank's backend with its matmul timed (kvs_tp_backend_wrap): tb[rank]. */
+static kvs_backend *wrap_timed(void *user, int rank, kvs_backend *be) {
+    timed_backend *t = &((timed_backend *)user)[rank];
+    *t = (timed_backend){*be, be, 0, 0};
+    t->base.matmul = timed_matmul;
+    return &t->base;
+}
+
+/* The group that bench model times: N ranks (N = 1: one model on the timed
+ * backend, wrapped; the model is *m1, the caller's), each rank's matmul timed
+ * in tb[rank]. */
+static kvs_status timed_group(kvs_loaded *l, const kvs_load_options *lo, timed_backend *tb, kvs_model **m1,
+                              kvs_tp_group **g) {
+    *m1 = NULL;
+    if (l->world == 1) {
+        KVS_TRY(kvs_model_create(&l->cfg, l->ck, wrap_timed(tb, 0, l->be), m1));
+        return kvs_tp_group_wrap(*m1, g);
+    }
+    if (!l->rank_be) { /* the CPU simulation: backends made in the rank threads, wrapped there */
+        int per_rank = lo->threads > 0 ? (lo->threads + l->world - 1) / l->world : 0;
+        return kvs_tp_group_create_cpu_wrapped(&l->cfg, l->ck, l->world, per_rank, wrap_timed, tb, g);
+    }
+    kvs_backend **be = calloc((size_t)l->world, sizeof *be); /* GPUs: kvs_cli_load made backends and NCCL comms */
+    if (!be) return kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
+    for (int r = 0; r < l->world; r++) be[r] = wrap_timed(tb, r, l->rank_be[r]);
+    kvs_status st = kvs_tp_group_create(&l->cfg, l->ck, l->world, be, l->rank_comm, -1, g);
+    free(be);
+    return st;
+}
+
+static void set_graph_mode(kvs_tp_group *g, kvs_graph_mode mode) {
+    for (int r = 0; r < kvs_tp_world(g); r++) kvs_model_set_graph_mode(kvs_tp_model(g, r), mode);
+}
+
 /* Decode-step time at batch sizes `batches` over a context of ctx tokens per
  * sequence (faked: reserved and committed without a prefill; what the KV holds
  * does not change the time), eager vs CUDA graphs. Each mode: 3 warm-up steps
  * (a bucket's first step runs eagerly, the second is captured), then n_steps
- * timed steps, each ending with a synchronize like a step's logits read. */
-static kvs_status bench_decode_steps(kvs_loaded *l, kvs_model *m, const int32_t *batches, int n_batches, int ctx,
+ * timed steps, each ending with a synchronize (of every rank) like a step's
+ * logits read. Graph counts are rank 0's. */
+static kvs_status bench_decode_steps(kvs_loaded *l, kvs_tp_group *g, const int32_t *batches, int n_batches, int ctx,
                                      int n_steps) {
     int max_b = 0;
     for (int i = 0; i < n_batches; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
-    kvs_kv_cache *kv = NULL;
-    KVS_TRY(kvs_cli_kv_cache(l, ctx + n_steps + 8, max_b, &kv));
-    kvs_backend *be = kvs_model_backend(m);
+    kvs_kv_config kc = kvs_cli_kv_config(&l->cfg, ctx + n_steps + 8, max_b);
+    KVS_TRY(kvs_tp_kv_create(g, &kc)); /* replaces the prefill's caches */
+    kvs_model *m0 = kvs_tp_model(g, 0);
+    kvs_backend *be = kvs_model_backend(m0);
     int32_t *ids = malloc(sizeof(int32_t) * max_b), *pos = malloc(sizeof(int32_t) * max_b),
             *qs = malloc(sizeof(int32_t) * (max_b + 1)), *seqs = malloc(sizeof(int32_t) * max_b);
     uint8_t *want = malloc((size_t)max_b);
@@ -70,34 +107,37 @@ static kvs_status bench_decode_steps(kvs_loaded *l, kvs_model *m, const int32_t 
         double ms[2] = {0, 0};
         kvs_graph_stats gs = {0};
         for (int mode = 0; st == KVS_OK && mode < 2; mode++) {
-            kvs_model_set_enforce_eager(m, mode == 0);
+            set_graph_mode(g, mode == 0 ? KVS_GRAPHS_OFF : KVS_GRAPHS_ON);
+            int n_seqs = 0;
             for (int s = 0; s < B && st == KVS_OK; s++) {
-                seqs[s] = kvs_kv_seq_create(kv);
-                st = kvs_kv_reserve(kv, seqs[s], ctx);
-                if (st == KVS_OK) kvs_kv_commit(kv, seqs[s], ctx);
+                seqs[s] = kvs_tp_seq_create(g);
+                if (seqs[s] < 0) st = kvs_fail(KVS_ERR_NOMEM, "bench: no free sequence for batch %d", B);
+                else n_seqs++;
+                if (st == KVS_OK) st = kvs_tp_reserve(g, seqs[s], ctx);
+                if (st == KVS_OK) kvs_tp_commit(g, seqs[s], ctx);
                 qs[s] = s, want[s] = 1;
             }
             qs[B] = B;
-            kvs_graph_stats g0 = kvs_model_graph_stats(m);
+            kvs_graph_stats g0 = kvs_model_graph_stats(m0);
             double t0 = 0;
             for (int step = 0; st == KVS_OK && step < 3 + n_steps; step++) {
                 if (step == 3) t0 = kvs_now();
                 for (int s = 0; s < B && st == KVS_OK; s++) {
-                    st = kvs_kv_reserve(kv, seqs[s], 1);
+                    st = kvs_tp_reserve(g, seqs[s], 1);
                     ids[s] = (int32_t)((step * 7919 + s * 104729) % l->cfg.vocab_size);
                     pos[s] = ctx + step;
                 }
                 kvs_batch b = {B, B, ids, pos, qs, seqs, want};
-                if (st == KVS_OK) st = kvs_model_forward(m, &b, kv, NULL);
-                be->synchronize(be);
+                if (st == KVS_OK) st = kvs_tp_forward(g, &b, NULL);
+                kvs_tp_synchronize(g);
             }
             ms[mode] = (kvs_now() - t0) * 1e3 / n_steps;
             if (mode == 1) {
-                kvs_graph_stats g1 = kvs_model_graph_stats(m);
+                kvs_graph_stats g1 = kvs_model_graph_stats(m0);
                 gs.captures = g1.captures - g0.captures, gs.replays = g1.replays - g0.replays;
                 gs.capture_failures = g1.capture_failures - g0.capture_failures;
             }
-            for (int s = 0; s < B; s++) kvs_kv_free(kv, seqs[s]);
+            for (int s = 0; s < n_seqs; s++) kvs_tp_seq_free(g, seqs[s]);
         }
         if (st == KVS_OK)
             printf("  batch %3d: eager %.3f ms/step, graphs %.3f ms/step (%.2fx; %lld captures, %lld replays, "
@@ -105,14 +145,13 @@ static kvs_status bench_decode_steps(kvs_loaded *l, kvs_model *m, const int32_t 
                    B, ms[0], ms[1], ms[0] / ms[1], (long long)gs.captures, (long long)gs.replays,
                    (long long)gs.capture_failures);
     }
-    kvs_model_set_graph_mode(m, KVS_GRAPHS_ON);
+    set_graph_mode(g, KVS_GRAPHS_ON);
     free(ids), free(pos), free(qs), free(seqs), free(want);
-    kvs_kv_destroy(kv);
     return st;
 }
 
 static int bench_model(int argc, char **argv) {
-    kvs_load_options lo = {.skip_model = true};
+    kvs_load_options lo = {.skip_model = true, .allow_tp = true};
     int prompt_len = 1024, decode_len = 128, n_batches = 0;
     int32_t *batches = NULL;
     for (int i = 1; i < argc; i++) {
@@ -125,9 +164,10 @@ static int bench_model(int argc, char **argv) {
             continue;
         else {
             fprintf(stderr, "usage: kvsparse bench model -m MODEL_DIR [--prompt-len N] [--decode-len N] [--threads N]\n"
-                            "         [--device D] [--enforce-eager] [--decode-batches 1,64]\n"
+                            "         [--device D] [--enforce-eager] [--decode-batches 1,64] [--tensor-parallel-size N]\n"
                             "  --decode-batches B,..  also time decode steps of B sequences at context --prompt-len,\n"
-                            "                         eager vs CUDA graphs (--decode-len steps each)\n");
+                            "                         eager vs CUDA graphs (--decode-len steps each)\n"
+                            "  with N > 1 the tokens/s are the group's, the matmul figures rank 0's slice\n");
             free(batches);
             return 2;
         }
@@ -144,22 +184,27 @@ static int bench_model(int argc, char **argv) {
     }
     kvs_loaded l;
     if (kvs_cli_load(&lo, &l) != KVS_OK) return kvs_cli_error();
-    timed_backend tb = {*l.be, l.be, 0, 0};
-    tb.base.matmul = timed_matmul;
-    kvs_model *m = NULL;
-    kvs_kv_cache *kv = NULL;
-    kvs_status st = kvs_model_create(&l.cfg, l.ck, &tb.base, &m);
+    int world = l.world;
+    timed_backend *tb = calloc((size_t)world, sizeof *tb);
+    kvs_model *m1 = NULL; /* N = 1: the model under the world-1 group */
+    kvs_tp_group *g = NULL;
+    kvs_status st = tb ? timed_group(&l, &lo, tb, &m1, &g) : kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
     /* the timed matmul synchronizes, which no graph can capture: this part runs eagerly */
-    if (st == KVS_OK) kvs_model_set_enforce_eager(m, true);
+    if (st == KVS_OK) set_graph_mode(g, KVS_GRAPHS_OFF);
     int total = prompt_len + decode_len;
     if (st == KVS_OK && total > l.cfg.max_position_embeddings)
         st = kvs_fail(KVS_ERR_INVALID, "--prompt-len + --decode-len exceeds the context length %d",
                       l.cfg.max_position_embeddings);
-    if (st == KVS_OK) st = kvs_cli_kv_cache(&l, total, 1, &kv);
+    kvs_kv_config kc = kvs_cli_kv_config(&l.cfg, total, 1);
+    if (st == KVS_OK) st = kvs_tp_kv_create(g, &kc);
     if (st != KVS_OK) {
-        kvs_model_destroy(m);
+        kvs_cli_error();
+        kvs_tp_group_destroy(g);
+        kvs_model_destroy(m1);
+        free(tb);
+        free(batches);
         kvs_cli_unload(&l);
-        return kvs_cli_error();
+        return 1;
     }
     int32_t *ids = malloc(sizeof(int32_t) * total), *pos = malloc(sizeof(int32_t) * total);
     kvs_rng rng;
@@ -169,52 +214,57 @@ static int bench_model(int argc, char **argv) {
         pos[i] = i;
     }
     float *logits = malloc(sizeof(float) * l.cfg.vocab_size);
-    int seq = kvs_kv_seq_create(kv);
+    int seq = kvs_tp_seq_create(g);
     uint8_t want = 1;
     int32_t qs[2] = {0, prompt_len};
-    kvs_kv_reserve(kv, seq, prompt_len);
+    st = seq >= 0 ? kvs_tp_reserve(g, seq, prompt_len) : KVS_ERR_NOMEM;
     double t0 = kvs_now();
     kvs_batch b = {prompt_len, 1, ids, pos, qs, &seq, &want};
-    st = kvs_model_forward(m, &b, kv, logits);
-    double t_prefill = kvs_now() - t0, mm_prefill = tb.seconds, fl_prefill = tb.flops;
-    tb.seconds = tb.flops = 0;
+    if (st == KVS_OK) st = kvs_tp_forward(g, &b, logits);
+    double t_prefill = kvs_now() - t0, mm_prefill = tb[0].seconds, fl_prefill = tb[0].flops;
+    for (int r = 0; r < world; r++) tb[r].seconds = tb[r].flops = 0;
     t0 = kvs_now();
     for (int i = prompt_len; st == KVS_OK && i < total; i++) {
         int32_t q1[2] = {0, 1};
-        kvs_kv_reserve(kv, seq, 1);
+        st = kvs_tp_reserve(g, seq, 1);
         kvs_batch d = {1, 1, ids + i, pos + i, q1, &seq, &want};
-        st = kvs_model_forward(m, &d, kv, logits);
+        if (st == KVS_OK) st = kvs_tp_forward(g, &d, logits);
     }
     double t_decode = kvs_now() - t0;
     if (st != KVS_OK) {
         kvs_cli_error();
     } else {
+        /* on GPUs the calling thread works on rank 0's device, like the rank 0 thread */
+        if (l.rank_comm && l.rank_comm[0]->bind_thread) l.rank_comm[0]->bind_thread(l.rank_comm[0]);
         double peak = sgemm_rate(l.be, 1024, 5);
-        printf("model: %s, %d layers, hidden %d, backend %s\n", l.cfg.architecture, l.cfg.n_layers, l.cfg.hidden_size,
-               l.be->name);
+        char ranks[64] = "";
+        if (world > 1) snprintf(ranks, sizeof ranks, " (rank 0's slice of %d)", world);
+        printf("model: %s, %d layers, hidden %d, backend %s, tensor parallel %d\n", l.cfg.architecture,
+               l.cfg.n_layers, l.cfg.hidden_size, l.be->name, world);
         printf("prefill: %d tokens in %.3f s = %.1f tokens/s\n", prompt_len, t_prefill, prompt_len / t_prefill);
         printf("decode:  %d tokens in %.3f s = %.1f tokens/s (context %d..%d)\n", decode_len, t_decode,
                decode_len / t_decode, prompt_len, total);
         printf("matmul 1024^3 rate (this run, same backend): %.1f GFLOP/s\n", peak);
-        printf("prefill matmuls: %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of prefill time\n",
+        printf("prefill matmuls%s: %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of prefill time\n", ranks,
                fl_prefill / mm_prefill / 1e9, 100 * fl_prefill / mm_prefill / 1e9 / peak,
                100 * mm_prefill / t_prefill);
-        printf("decode matmuls:  %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of decode time\n",
-               tb.flops / tb.seconds / 1e9, 100 * tb.flops / tb.seconds / 1e9 / peak, 100 * tb.seconds / t_decode);
+        printf("decode matmuls%s:  %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of decode time\n", ranks,
+               tb[0].flops / tb[0].seconds / 1e9, 100 * tb[0].flops / tb[0].seconds / 1e9 / peak,
+               100 * tb[0].seconds / t_decode);
     }
     if (st == KVS_OK && n_batches > 0) {
-        kvs_kv_destroy(kv); /* room for the batches' cache */
-        kv = NULL;
-        tb.base.matmul = l.be->matmul; /* untimed: the timing synchronizes, which no graph can capture */
-        st = bench_decode_steps(&l, m, batches, n_batches, prompt_len, decode_len);
+        /* untimed: the timing synchronizes, which no graph can capture */
+        for (int r = 0; r < world; r++) tb[r].base.matmul = tb[r].inner->matmul;
+        st = bench_decode_steps(&l, g, batches, n_batches, prompt_len, decode_len);
         if (st != KVS_OK) kvs_cli_error();
     }
     free(batches);
     free(ids);
     free(pos);
     free(logits);
-    kvs_kv_destroy(kv);
-    kvs_model_destroy(m);
+    kvs_tp_group_destroy(g); /* the ranks' models and caches; then the N = 1 model */
+    kvs_model_destroy(m1);
+    free(tb);
     kvs_cli_unload(&l);
     return st == KVS_OK ? 0 : 1;
 }

@@ -27,7 +27,7 @@ static void usage(FILE *f) {
                "  --json                 one JSON object (an array when several policies)\n"
                "  --answers FILE         write every sample's answer per policy (JSON lines)\n"
                "  --kv-policy and --kv-budget take comma-separated lists; every combination\n"
-               "  is evaluated over one shared prefill per prompt.\n" KVS_CLI_DEVICE_HELP KVS_CLI_POLICY_HELP);
+               "  is evaluated over one shared prefill per prompt.\n" KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP);
 }
 
 static int bucket_index(policy_score *s, int bucket) {
@@ -56,7 +56,7 @@ static char *trimmed(const char *s) {
 }
 
 /* Greedy decode of up to MAX_NEW tokens from the prefill's logits; returns the text. */
-static kvs_status answer(kvs_loaded *l, kvs_kv_cache *kv, int seq, const float *prefill_logits, int n_prompt,
+static kvs_status answer(kvs_loaded *l, kvs_tp_group *g, int seq, const float *prefill_logits, int n_prompt,
                          char **text) {
     int V = l->cfg.vocab_size;
     float *logits = malloc(sizeof(float) * V);
@@ -71,7 +71,7 @@ static kvs_status answer(kvs_loaded *l, kvs_kv_cache *kv, int seq, const float *
             if (logits[i] > logits[id]) id = i;
         out[n++] = id;
         if (kvs_is_stop_token(&stop, id) || n == MAX_NEW) break;
-        st = kvs_eval_step(l, kv, seq, id, n_prompt + n - 1, logits);
+        st = kvs_eval_step(g, seq, id, n_prompt + n - 1, logits);
         if (st != KVS_OK) break;
     }
     free(logits);
@@ -116,7 +116,7 @@ static void print_table(const kvs_eval_policies *P, const policy_score *S, doubl
 }
 
 static int eval_retrieval(int argc, char **argv) {
-    kvs_load_options lo = {0};
+    kvs_load_options lo = {.allow_tp = true};
     kvs_kv_policy base = kvs_kv_policy_default(KVS_POLICY_FULL);
     char kinds[512] = "", budgets[512] = "";
     const char *data = NULL, *answers_path = NULL;
@@ -151,8 +151,8 @@ static int eval_retrieval(int argc, char **argv) {
     kvs_eval_policies P;
     kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
     if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
-    kvs_kv_cache *kv = NULL;
-    if (st == KVS_OK) st = kvs_eval_kv_cache(&l, l.cfg.max_position_embeddings, base.window, &kv);
+    kvs_tp_group *g = NULL; /* N >= 1 ranks; N = 1 wraps the model */
+    if (st == KVS_OK) st = kvs_eval_group(&l, l.cfg.max_position_embeddings, base.window, &g);
     policy_score *S = calloc((size_t)P.n, sizeof *S);
     float *logits = malloc(sizeof(float) * l.cfg.vocab_size);
     /* count lines for the progress bar */
@@ -186,7 +186,7 @@ static int eval_retrieval(int argc, char **argv) {
         if (st == KVS_OK && n + MAX_NEW > l.cfg.max_position_embeddings)
             st = kvs_fail(KVS_ERR_INVALID, "%s:%d: prompt of %d tokens exceeds the context", data, line_no, n);
         double t0 = kvs_now();
-        if (st == KVS_OK) st = kvs_eval_prefill(&l, kv, ids, n, base.window, chunk, logits, &seq);
+        if (st == KVS_OK) st = kvs_eval_prefill(g, ids, n, base.window, chunk, logits, &seq);
         prefill_time += kvs_now() - t0;
         prefill_tokens += n;
         char *want = ans ? trimmed(ans) : NULL, *hf_text = hf ? trimmed(hf) : NULL;
@@ -195,14 +195,13 @@ static int eval_retrieval(int argc, char **argv) {
                               : NULL;
         for (int p = 0; st == KVS_OK && p < P.n; p++) {
             int fork;
-            st = kvs_kv_fork(kv, seq, &fork);
-            if (st == KVS_OK) st = kvs_kv_set_policy(kv, fork, &P.list[p], n);
-            if (st == KVS_OK) st = kvs_kv_sparsify(kv, fork);
-            int64_t held, full;
-            kvs_kv_seq_usage(kv, fork, &held, &full);
+            st = kvs_eval_fork(g, seq, &P.list[p], n, &fork);
+            if (st != KVS_OK) break;
+            int64_t held, full; /* the ranks' block tables are alike: rank 0 speaks for all */
+            kvs_kv_seq_usage(kvs_tp_kv(g, 0), fork, &held, &full);
             char *text = NULL;
-            if (st == KVS_OK) st = answer(&l, kv, fork, logits, n, &text);
-            kvs_kv_free(kv, fork);
+            st = answer(&l, g, fork, logits, n, &text);
+            kvs_tp_seq_free(g, fork);
             if (st != KVS_OK) break;
             policy_score *s = &S[p];
             int b = bucket_index(s, bucket_of(json_string_value(json_object_get(o, "id")), n));
@@ -213,7 +212,7 @@ static int eval_retrieval(int argc, char **argv) {
             if (row) json_object_set_new(json_object_get(row, "answers"), P.names[p], json_string(text));
             free(text);
         }
-        if (seq >= 0) kvs_kv_free(kv, seq);
+        if (seq >= 0) kvs_tp_seq_free(g, seq);
         if (row && st == KVS_OK) {
             char *js = json_dumps(row, JSON_COMPACT);
             fprintf(answers, "%s\n", js);
@@ -252,8 +251,7 @@ static int eval_retrieval(int argc, char **argv) {
     }
     free(S);
     free(logits);
-    kvs_kv_destroy(kv);
-    kvs_cli_unload(&l);
+    kvs_cli_unload(&l); /* the group and its KV caches too */
     return st == KVS_OK ? 0 : kvs_cli_error();
 }
 

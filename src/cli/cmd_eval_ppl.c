@@ -38,7 +38,7 @@ static double log_softmax(const float *x, int n, int i) {
 }
 
 int kvs_cmd_eval_ppl(int argc, char **argv) {
-    kvs_load_options lo = {0};
+    kvs_load_options lo = {.allow_tp = true};
     kvs_kv_policy base = kvs_kv_policy_default(KVS_POLICY_FULL);
     char kinds[512] = "", budgets[512] = "";
     const char *path = NULL;
@@ -64,7 +64,7 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
     char *text = NULL;
     int32_t *ids = NULL;
     int n = 0, seq = -1;
-    kvs_kv_cache *kv = NULL;
+    kvs_tp_group *g = NULL; /* N >= 1 ranks; N = 1 wraps the model */
     float *logits = malloc(sizeof(float) * l.cfg.vocab_size), *first = malloc(sizeof(float) * l.cfg.vocab_size);
     kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
     if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
@@ -75,21 +75,20 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
         st = kvs_fail(KVS_ERR_INVALID, "%s has %d tokens; --prefix %d + --continuation %d needs more", path, n, prefix, cont);
     if (st == KVS_OK && prefix + cont > l.cfg.max_position_embeddings)
         st = kvs_fail(KVS_ERR_INVALID, "--prefix + --continuation exceeds the context %d", l.cfg.max_position_embeddings);
-    if (st == KVS_OK) st = kvs_eval_kv_cache(&l, prefix + cont, base.window, &kv);
-    if (st == KVS_OK) st = kvs_eval_prefill(&l, kv, ids, prefix, base.window, 2048, first, &seq);
+    if (st == KVS_OK) st = kvs_eval_group(&l, prefix + cont, base.window, &g);
+    if (st == KVS_OK) st = kvs_eval_prefill(g, ids, prefix, base.window, 2048, first, &seq);
     json_t *arr = json_array();
     for (int p = 0; st == KVS_OK && p < P.n; p++) {
         int fork;
-        st = kvs_kv_fork(kv, seq, &fork);
-        if (st == KVS_OK) st = kvs_kv_set_policy(kv, fork, &P.list[p], prefix);
-        if (st == KVS_OK) st = kvs_kv_sparsify(kv, fork);
+        st = kvs_eval_fork(g, seq, &P.list[p], prefix, &fork);
+        if (st != KVS_OK) break;
         double nll = 0;
         memcpy(logits, first, sizeof(float) * l.cfg.vocab_size);
         for (int t = 0; st == KVS_OK && t < cont; t++) { /* teacher forcing */
             nll -= log_softmax(logits, l.cfg.vocab_size, ids[prefix + t]);
-            if (t + 1 < cont) st = kvs_eval_step(&l, kv, fork, ids[prefix + t], prefix + t, logits);
+            if (t + 1 < cont) st = kvs_eval_step(g, fork, ids[prefix + t], prefix + t, logits);
         }
-        kvs_kv_free(kv, fork);
+        kvs_tp_seq_free(g, fork);
         if (st != KVS_OK) break;
         double ppl = exp(nll / cont);
         json_array_append_new(arr, json_pack("{s:s, s:f, s:i, s:i}", "policy", P.names[p], "ppl", ppl, "prefix", prefix,
@@ -103,7 +102,6 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
     }
     json_decref(arr);
     free(text), free(ids), free(logits), free(first);
-    kvs_kv_destroy(kv);
-    kvs_cli_unload(&l);
+    kvs_cli_unload(&l); /* the group and its KV caches too */
     return st == KVS_OK ? 0 : kvs_cli_error();
 }

@@ -222,6 +222,14 @@ kvs_status kvs_tp_group_create(const kvs_config *cfg, kvs_checkpoint *ck, int wo
  * 0: the default) and host communicators, owned by the group. */
 kvs_status kvs_tp_group_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
                                    kvs_tp_group **out);
+/* kvs_tp_group_create_cpu, each rank's CPU backend (made in its rank thread)
+ * passed through wrap(user, rank, be) before the rank's model is created on
+ * what wrap returns (a wrapper that the caller owns and keeps alive while the
+ * group lives; the group still owns and destroys be). NULL from wrap fails the
+ * creation. bench model times the ranks' matmuls this way. */
+typedef kvs_backend *(*kvs_tp_backend_wrap)(void *user, int rank, kvs_backend *be);
+kvs_status kvs_tp_group_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
+                                           kvs_tp_backend_wrap wrap, void *user, kvs_tp_group **out);
 /* A world-1 group over an existing whole model (it stays the caller's and
  * outlives the group), so single-model callers take the group's code path.
  * World 1 runs every job on the caller's thread (no rank thread). */
@@ -239,9 +247,22 @@ int kvs_tp_seq_create(kvs_tp_group *g);
 void kvs_tp_seq_free(kvs_tp_group *g, int seq_id);
 kvs_status kvs_tp_set_policy(kvs_tp_group *g, int seq_id, const kvs_kv_policy *p, int prompt_len);
 kvs_status kvs_tp_reserve(kvs_tp_group *g, int seq_id, int n_new);
-/* kvs_model_forward on every rank; rank 0's gathered logits in logits. A rank
- * failing mid-step aborts the communicators: the group is then unusable. */
+/* kvs_kv_commit on every rank (n_new tokens marked written without a forward:
+ * benchmarks faking a context). */
+void kvs_tp_commit(kvs_tp_group *g, int seq_id, int n_new);
+/* kvs_kv_fork on every rank (each copies its own heads' blocks); the new
+ * sequence id, the same on every rank, in *new_seq (-1 on failure, nothing
+ * left behind on any rank). */
+kvs_status kvs_tp_fork(kvs_tp_group *g, int seq_id, int *new_seq);
+/* kvs_kv_sparsify on every rank: each scores and compacts its own KV heads
+ * (no communication); fails if the ranks' layer lengths then differ. */
+kvs_status kvs_tp_sparsify(kvs_tp_group *g, int seq_id);
+/* kvs_model_forward on every rank; rank 0's gathered logits in logits (NULL:
+ * gathered, copied out nowhere: benchmarks). A rank failing mid-step aborts
+ * the communicators: the group is then unusable. */
 kvs_status kvs_tp_forward(kvs_tp_group *g, const kvs_batch *b, float *logits);
+/* Waits for every rank's backend work (each rank's synchronize, on its thread). */
+void kvs_tp_synchronize(kvs_tp_group *g);
 /* kvs_model_forward_argmax on every rank; greedy ids in ids. */
 kvs_status kvs_tp_forward_argmax(kvs_tp_group *g, const kvs_batch *b, int32_t *ids);
 /* kvs_model_forward_sample on every rank (rank 0 samples); ids and logprobs

@@ -22,6 +22,7 @@ typedef struct {
     pthread_t thread;
     bool started;
     kvs_backend *be;
+    kvs_backend *model_be; /* the model's backend when a caller wraps be (kvs_tp_group_create_cpu_wrapped) */
     kvs_comm *comm;
     kvs_model *model;
     kvs_kv_cache *kv;
@@ -52,6 +53,8 @@ struct kvs_tp_group {
     /* kvs_tp_group_create's inputs for the create job */
     kvs_checkpoint *ck;
     pthread_mutex_t ck_mu; /* the checkpoint is read by one rank at a time */
+    kvs_tp_backend_wrap wrap; /* kvs_tp_group_create_cpu_wrapped */
+    void *wrap_user;
 };
 
 static void *rank_main(void *p) {
@@ -113,7 +116,8 @@ static kvs_status run_all(kvs_tp_group *g, tp_job job, void *arg, bool collectiv
 static kvs_status job_create_model(kvs_tp_group *g, int rank, void *arg) {
     tp_rank *r = &g->ranks[rank];
     pthread_mutex_lock(&g->ck_mu);
-    kvs_status st = kvs_model_create_shard(&g->cfg, g->ck, r->be, rank, g->world, r->comm, &r->model);
+    kvs_status st = kvs_model_create_shard(&g->cfg, g->ck, r->model_be ? r->model_be : r->be, rank, g->world, r->comm,
+                                           &r->model);
     pthread_mutex_unlock(&g->ck_mu);
     return st;
 }
@@ -152,7 +156,11 @@ static kvs_status group_alloc(const kvs_config *cfg, int world, kvs_tp_group **o
 /* The CPU simulation's backends, made in the rank threads so that each
  * backend's OpenMP thread count (omp_set_num_threads) is its rank thread's. */
 static kvs_status job_create_cpu_backend(kvs_tp_group *g, int rank, void *arg) {
-    return kvs_backend_cpu_create(*(const int *)arg, &g->ranks[rank].be);
+    tp_rank *r = &g->ranks[rank];
+    KVS_TRY(kvs_backend_cpu_create(*(const int *)arg, &r->be));
+    if (g->wrap && !(r->model_be = g->wrap(g->wrap_user, rank, r->be)))
+        return kvs_fail(KVS_ERR_INTERNAL, "tensor parallel: the backend wrapper of rank %d failed", rank);
+    return KVS_OK;
 }
 
 static kvs_status group_start(kvs_tp_group *g, kvs_checkpoint *ck, int cpu_threads) {
@@ -199,11 +207,18 @@ kvs_status kvs_tp_group_create(const kvs_config *cfg, kvs_checkpoint *ck, int wo
 
 kvs_status kvs_tp_group_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
                                    kvs_tp_group **out) {
+    return kvs_tp_group_create_cpu_wrapped(cfg, ck, world, threads_per_rank, NULL, NULL, out);
+}
+
+kvs_status kvs_tp_group_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
+                                           kvs_tp_backend_wrap wrap, void *user, kvs_tp_group **out) {
     *out = NULL;
     KVS_TRY(kvs_tp_validate(cfg, world, -1));
     kvs_tp_group *g;
     KVS_TRY(group_alloc(cfg, world, &g));
     g->owns_devices = true;
+    g->wrap = wrap;
+    g->wrap_user = user;
     kvs_comm **comms = calloc((size_t)world, sizeof *comms);
     kvs_status st = comms ? kvs_comm_host_create(world, comms) : kvs_fail(KVS_ERR_NOMEM, "tensor parallel: out of memory");
     for (int r = 0; r < world; r++) g->ranks[r].comm = st == KVS_OK ? comms[r] : NULL;
@@ -341,6 +356,68 @@ kvs_status kvs_tp_set_policy(kvs_tp_group *g, int seq_id, const kvs_kv_policy *p
     return run_all(g, job_set_policy, &a, false);
 }
 
+static kvs_status job_commit(kvs_tp_group *g, int rank, void *arg) {
+    const kv_args *a = arg;
+    kvs_kv_commit(g->ranks[rank].kv, a->seq, a->n);
+    return KVS_OK;
+}
+
+static kvs_status job_fork(kvs_tp_group *g, int rank, void *arg) {
+    const kv_args *a = arg;
+    return kvs_kv_fork(g->ranks[rank].kv, a->seq, &g->ranks[rank].result);
+}
+
+static kvs_status job_sparsify(kvs_tp_group *g, int rank, void *arg) {
+    const kv_args *a = arg;
+    return kvs_kv_sparsify(g->ranks[rank].kv, a->seq);
+}
+
+/* Every rank's layer lengths equal rank 0's (same policy, same budgets, same
+ * lengths: a difference is a bug, named here rather than later in a step). */
+static kvs_status check_lengths_agree(kvs_tp_group *g, int seq_id, const char *what) {
+    for (int r = 1; r < g->world; r++)
+        for (int l = 0; l < g->cfg.n_layers; l++) {
+            int a = kvs_kv_len(g->ranks[0].kv, seq_id, l), b = kvs_kv_len(g->ranks[r].kv, seq_id, l);
+            if (a != b)
+                return kvs_fail(KVS_ERR_INTERNAL, "tensor parallel %s: sequence %d layer %d holds %d entries on rank %d, %d on rank 0",
+                                what, seq_id, l, b, r, a);
+        }
+    return KVS_OK;
+}
+
+void kvs_tp_commit(kvs_tp_group *g, int seq_id, int n_new) {
+    if (need_kv(g) != KVS_OK) return;
+    kv_args a = {seq_id, n_new, NULL};
+    run_all(g, job_commit, &a, false);
+}
+
+kvs_status kvs_tp_fork(kvs_tp_group *g, int seq_id, int *new_seq) {
+    *new_seq = -1;
+    KVS_TRY(need_kv(g));
+    for (int r = 0; r < g->world; r++) g->ranks[r].result = -1;
+    kv_args a = {seq_id, 0, NULL};
+    kvs_status st = run_all(g, job_fork, &a, false);
+    for (int r = 1; st == KVS_OK && r < g->world; r++)
+        if (g->ranks[r].result != g->ranks[0].result)
+            st = kvs_fail(KVS_ERR_INTERNAL, "tensor parallel: rank %d forked sequence %d into %d, rank 0 into %d", r,
+                          seq_id, g->ranks[r].result, g->ranks[0].result);
+    if (st == KVS_OK) st = check_lengths_agree(g, g->ranks[0].result, "fork");
+    if (st != KVS_OK) {
+        for (int r = 0; r < g->world; r++) /* undo the ranks that got one */
+            if (g->ranks[r].result >= 0) kvs_kv_free(g->ranks[r].kv, g->ranks[r].result);
+        return st;
+    }
+    *new_seq = g->ranks[0].result;
+    return KVS_OK;
+}
+
+kvs_status kvs_tp_sparsify(kvs_tp_group *g, int seq_id) {
+    KVS_TRY(need_kv(g));
+    kv_args a = {seq_id, 0, NULL};
+    KVS_TRY(run_all(g, job_sparsify, &a, false));
+    return check_lengths_agree(g, seq_id, "sparsify");
+}
+
 kvs_status kvs_tp_reserve(kvs_tp_group *g, int seq_id, int n_new) {
     KVS_TRY(need_kv(g));
     kv_args a = {seq_id, n_new, NULL};
@@ -369,7 +446,7 @@ static kvs_status job_forward(kvs_tp_group *g, int rank, void *arg) {
     if (a->params)
         return kvs_model_forward_sample(r->model, a->b, r->kv, a->params, rank == 0 ? a->ids : NULL,
                                         rank == 0 ? a->logprobs : NULL);
-    if (a->ids || !a->logits) return kvs_model_forward_argmax(r->model, a->b, r->kv, rank == 0 ? a->ids : NULL);
+    if (a->ids) return kvs_model_forward_argmax(r->model, a->b, r->kv, rank == 0 ? a->ids : NULL);
     return kvs_model_forward(r->model, a->b, r->kv, rank == 0 ? a->logits : NULL);
 }
 
@@ -385,9 +462,16 @@ static kvs_status step(kvs_tp_group *g, const kvs_batch *b, float *logits, int32
 }
 
 kvs_status kvs_tp_forward(kvs_tp_group *g, const kvs_batch *b, float *logits) {
-    if (!logits) return kvs_fail(KVS_ERR_INVALID, "kvs_tp_forward: logits is NULL");
-    return step(g, b, logits, NULL, NULL, NULL);
+    return step(g, b, logits, NULL, NULL, NULL); /* logits NULL: gathered, not copied out */
 }
+
+static kvs_status job_synchronize(kvs_tp_group *g, int rank, void *arg) {
+    kvs_backend *be = kvs_model_backend(g->ranks[rank].model);
+    be->synchronize(be);
+    return KVS_OK;
+}
+
+void kvs_tp_synchronize(kvs_tp_group *g) { run_all(g, job_synchronize, NULL, false); }
 
 kvs_status kvs_tp_forward_argmax(kvs_tp_group *g, const kvs_batch *b, int32_t *ids) {
     if (!ids) return kvs_fail(KVS_ERR_INVALID, "kvs_tp_forward_argmax: ids is NULL");
