@@ -1726,3 +1726,54 @@ Test(cuda, tp2_graphs_and_sampling_without_the_gather, .timeout = 600) {
     free(r1), free(rg), free(re), free(ids);
     tp_pair_close(&t);
 }
+
+/* The sample_shard op (one GPU): the CUDA parts of fresh random bf16 rows
+ * split into slices (odd counts, a padded last slice, an empty one) against
+ * the CPU op's: x_max and x_id exact, s_id exact except a near-tie of z + g
+ * within 1e-5 (the Gumbel noise's double logs), sum_exp within 1e-4 relative
+ * (f32 vs double sums). Greedy and temperature rows. */
+Test(cuda, sample_shard_matches_cpu) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const int vocabs[] = {1000, 32003, 7};
+    int bad = 0, ties = 0, rows_checked = 0;
+    for (int vi = 0; vi < 3; vi++) {
+        int V = vocabs[vi], world = 3, vp = (V + world) / world; /* the last slice short; world + 1 slices */
+        enum { ROWS = 12 };
+        float *x = rnd(&d, (size_t)ROWS * V, 3.0f);
+        kvs_sample_row p[ROWS];
+        for (int r = 0; r < ROWS; r++)
+            p[r] = (kvs_sample_row){.temperature = r % 3 == 0 ? 0 : 0.5f * (r % 3), .top_p = 1,
+                                    .seed = kvs_rng_u64(&d.rng), .step = (uint64_t)r};
+        void *gx = gpu_put(&d, x, (size_t)ROWS * V);
+        kvs_sample_row *gp = d.gpu->alloc(d.gpu, sizeof p);
+        d.gpu->to_device(d.gpu, gp, p, sizeof p);
+        kvs_sample_part *gparts = d.gpu->alloc(d.gpu, sizeof(kvs_sample_part) * ROWS);
+        kvs_sample_part cparts[ROWS], hparts[ROWS];
+        for (int k = 0; k <= world; k++) {
+            int c0 = k * vp, count = V - c0 < vp ? V - c0 : vp;
+            if (count < 0) count = 0;
+            d.cpu->sample_shard(d.cpu, cparts, x + (c0 < V ? c0 : 0), ROWS, V, count, c0, p);
+            d.gpu->sample_shard(d.gpu, gparts, (const uint16_t *)gx + (c0 < V ? c0 : 0), ROWS, V, count, c0, gp);
+            d.gpu->to_host(d.gpu, hparts, gparts, sizeof hparts);
+            for (int r = 0; r < ROWS; r++, rows_checked++) {
+                const kvs_sample_part *c = &cparts[r], *g = &hparts[r];
+                bool ok = c->x_id == g->x_id && (c->x_id < 0 || c->x_max == g->x_max);
+                ok = ok && fabsf(g->sum_exp - c->sum_exp) <= 1e-4f * c->sum_exp;
+                if (ok && g->s_id != c->s_id) {
+                    bool tie = g->s_id >= 0 && c->s_id >= 0 && fabsf(g->s_max - c->s_max) <= 1e-5f * (1 + fabsf(c->s_max));
+                    ties += tie;
+                    ok = tie;
+                }
+                bad += !ok;
+                cr_expect(ok, "V %d slice %d row %d (T %g): gpu (x %g id %d, s %g id %d, sum %g) cpu (x %g id %d, s %g "
+                          "id %d, sum %g)", V, k, r, p[r].temperature, g->x_max, g->x_id, g->s_max, g->s_id, g->sum_exp,
+                          c->x_max, c->x_id, c->s_max, c->s_id, c->sum_exp);
+            }
+        }
+        d.gpu->free(d.gpu, gx), d.gpu->free(d.gpu, gp), d.gpu->free(d.gpu, gparts);
+        free(x);
+    }
+    cr_log_info("sample_shard: %d parts, %d off, %d near-ties", rows_checked, bad, ties);
+    duo_close(&d);
+}
