@@ -1390,3 +1390,399 @@ Test(cuda, decode_graphs_match_eager, .timeout = 600) {
     rig_close(&r);
     duo_close(&d);
 }
+
+/* ---- tensor parallelism on 2 GPUs ---------------------------------------------
+ * TP = 2 (ranks on GPUs 0 and 1, NCCL) against TP = 1 (GPU 0), teacher-forced:
+ * TP = 1 prefills the prompt (in chunks) and continues greedily for 16 tokens;
+ * TP = 2 is fed the same prompt and TP = 1's tokens, so every step's full
+ * logits row is comparable. bf16: TP = 2 sums two bf16 partials of the O and
+ * down projections (the all-reduce), TP = 1 does one GEMM, so logits differ by
+ * bf16 rounding; the limits are the GPU-vs-CPU e2e ones above (the fixtures'
+ * bf16 noise): max|TP2 - TP1| <= 0.35 on tiny-needle-llama, <= max(0.25,
+ * 0.03 x peak |logit|) on the arch fixtures. The argmax must agree wherever
+ * TP = 1's top-2 gap exceeds the limit; each case logs its max diff and the
+ * steps where the argmax differs with the gap there. Decode steps run as CUDA
+ * graphs (the default) with the NCCL all-reduces captured inside. Needs 2 GPUs
+ * ("needs 2 GPUs: skipped" otherwise). */
+typedef struct {
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    kvs_backend *be[2], *be1;
+    kvs_comm *comm[2];
+    kvs_tp_group *g; /* TP = 2 */
+    rig one;         /* TP = 1 */
+    int V;
+} tp_pair;
+
+static bool tp_pair_open(tp_pair *t, const char *dir, int max_tokens) {
+    memset(t, 0, sizeof *t);
+    int gpus = kvs_comm_gpu_count();
+    if (gpus < 2) return false;
+    cr_assert_eq(kvs_config_load(dir, &t->cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_open(dir, &t->cfg, &t->ck), KVS_OK, "%s", kvs_last_error());
+    for (int r = 0; r < 2; r++) cr_assert_eq(kvs_backend_cuda_create(r, &t->be[r]), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_comm_nccl_create(t->be, 2, t->comm), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_tp_group_create(&t->cfg, t->ck, 2, t->be, t->comm, gpus, &t->g), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_config kc = {.n_layers = t->cfg.n_layers, .n_kv_heads = t->cfg.n_kv_heads, .head_dim = t->cfg.head_dim,
+                        .n_heads = t->cfg.n_heads, .block_size = 16, .n_blocks = RIG_BLOCKS(max_tokens, 2),
+                        .max_seqs = 2};
+    cr_assert_eq(kvs_tp_kv_create(t->g, &kc), KVS_OK, "%s", kvs_last_error());
+    /* TP = 1 last: creating a CUDA backend makes its GPU this thread's device,
+       and TP = 1 runs on this thread (the ranks run on their own, bound threads) */
+    cr_assert_eq(kvs_backend_cuda_create(0, &t->be1), KVS_OK, "%s", kvs_last_error());
+    rig_open(&t->one, dir, t->be1, RIG_BLOCKS(max_tokens, 2), 2);
+    t->V = t->cfg.vocab_size;
+    return true;
+}
+
+#define TP_PAIR_OPEN_OR_SKIP(t, dir, max_tokens)                                                    \
+    do {                                                                                            \
+        if (!tp_pair_open(t, dir, max_tokens)) {                                                    \
+            cr_skip("needs 2 GPUs: skipped (%d present to NCCL)", kvs_comm_gpu_count());             \
+            return;                                                                                 \
+        }                                                                                           \
+    } while (0)
+
+static void tp_pair_close(tp_pair *t) {
+    rig_close(&t->one);
+    t->be1->destroy(t->be1);
+    kvs_tp_group_destroy(t->g);
+    for (int r = 0; r < 2; r++) {
+        t->comm[r]->destroy(t->comm[r]);
+        t->be[r]->destroy(t->be[r]);
+    }
+    kvs_checkpoint_destroy(t->ck);
+}
+
+/* TP = 1: the prompt in chunks, then its own greedy tokens; rows [n_steps][V]
+ * (row k: the logits after the prompt and tokens toks[0 .. k)), toks [n_steps]. */
+static void tp1_greedy(tp_pair *t, const kvs_kv_policy *p, const int32_t *ids, int n, int chunk, int n_steps,
+                       float *rows, int32_t *toks, int64_t *held) {
+    rig *r = &t->one;
+    int seq = kvs_kv_seq_create(r->kv);
+    cr_assert_geq(seq, 0);
+    if (p) cr_assert_eq(kvs_kv_set_policy(r->kv, seq, p, n), KVS_OK, "%s", kvs_last_error());
+    run_tokens(r, seq, ids, n, 0, chunk, rows);
+    for (int k = 0; k < n_steps; k++) {
+        toks[k] = argmax_f(rows + (size_t)k * t->V, t->V);
+        if (k + 1 < n_steps) run_tokens(r, seq, &toks[k], 1, n + k, 1, rows + (size_t)(k + 1) * t->V);
+    }
+    int64_t full;
+    if (held) kvs_kv_seq_usage(r->kv, seq, held, &full);
+    kvs_kv_free(r->kv, seq);
+}
+
+/* One TP = 2 step of ids[0 .. n) at pos0: the gathered logits, or (params not
+ * NULL) the sampled id through kvs_tp_forward_sample. */
+static void tp2_step(tp_pair *t, int seq, const int32_t *ids, int n, int pos0, float *logits,
+                     const kvs_sample_row *params, int32_t *id) {
+    int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
+    for (int i = 0; i < n; i++) pos[i] = pos0 + i;
+    uint8_t want = 1;
+    cr_assert_eq(kvs_tp_reserve(t->g, seq, n), KVS_OK, "%s", kvs_last_error());
+    kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
+    kvs_status st = params ? kvs_tp_forward_sample(t->g, &b, params, id, NULL) : kvs_tp_forward(t->g, &b, logits);
+    cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
+    free(pos);
+}
+
+/* TP = 2 teacher-forced on toks: rows [n_steps][V] (params NULL), or the ids
+ * sampled at each step with params (its step field set to the step). */
+static void tp2_forced(tp_pair *t, const kvs_kv_policy *p, const int32_t *ids, int n, int chunk, int n_steps,
+                       const int32_t *toks, float *rows, const kvs_sample_row *params, int32_t *sampled,
+                       int64_t *held) {
+    int seq = kvs_tp_seq_create(t->g);
+    cr_assert_geq(seq, 0, "%s", kvs_last_error());
+    if (p) cr_assert_eq(kvs_tp_set_policy(t->g, seq, p, n), KVS_OK, "%s", kvs_last_error());
+    float *scratch = malloc(sizeof(float) * t->V);
+    kvs_sample_row pr;
+    for (int k = 0; k < n_steps; k++) {
+        if (params) pr = *params, pr.step = (uint64_t)k;
+        float *row = rows ? rows + (size_t)k * t->V : scratch;
+        if (k == 0) {
+            for (int s = 0; s < n; s += chunk) {
+                int len = n - s < chunk ? n - s : chunk;
+                bool last = s + len == n;
+                tp2_step(t, seq, ids + s, len, s, last ? row : scratch, last && params ? &pr : NULL,
+                         sampled ? &sampled[0] : NULL);
+            }
+        } else {
+            tp2_step(t, seq, &toks[k - 1], 1, n + k - 1, row, params ? &pr : NULL, sampled ? &sampled[k] : NULL);
+        }
+    }
+    int64_t full;
+    if (held) kvs_kv_seq_usage(kvs_tp_kv(t->g, 0), seq, held, &full);
+    kvs_tp_seq_free(t->g, seq);
+    free(scratch);
+}
+
+/* Every step's max|a - b| within the limit, argmax equal where b's top-2 gap
+ * exceeds it; logs the case. Returns the worst diff. */
+static double tp_compare(const char *name, const float *a, const float *b, int n_steps, int V, double max_abs,
+                         double rel) {
+    double worst = 0, worst_limit = 0;
+    char flips[512] = "";
+    size_t used = 0;
+    int n_flips = 0;
+    for (int k = 0; k < n_steps; k++) {
+        const float *x = a + (size_t)k * V, *y = b + (size_t)k * V;
+        double peak = 0;
+        for (int i = 0; i < V; i++) peak = fabs(y[i]) > peak ? fabs(y[i]) : peak;
+        double limit = rel * peak > max_abs ? rel * peak : max_abs;
+        double d = max_abs_diff(x, y, V), gap = top2_gap(y, V);
+        if (d > worst) worst = d, worst_limit = limit;
+        cr_expect(d <= limit, "%s step %d: max|TP2 - TP1| = %g > %g", name, k, d, limit);
+        int ax = argmax_f(x, V), ay = argmax_f(y, V);
+        if (ax != ay) {
+            n_flips++;
+            if (used < sizeof flips - 64)
+                used += (size_t)snprintf(flips + used, sizeof flips - used, " step %d (%d vs %d, gap %.4f)", k, ax, ay,
+                                         gap);
+            cr_expect(gap <= limit, "%s step %d: argmax TP2 %d, TP1 %d with a top-2 gap of %g > the limit %g", name, k,
+                      ax, ay, gap, limit);
+        }
+    }
+    cr_log_info("%s: %d steps, max|a - b| = %.4f (limit %.3f); argmax differs at %d step(s)%s", name, n_steps,
+                worst, worst_limit, n_flips, n_flips ? flips : "");
+    return worst;
+}
+
+static void graph_stats_log(tp_pair *t, const char *name, kvs_graph_stats before[2]) {
+    for (int r = 0; r < 2; r++) {
+        kvs_graph_stats s = kvs_model_graph_stats(kvs_tp_model(t->g, r));
+        long long cap = s.captures - before[r].captures, rep = s.replays - before[r].replays,
+                  fail = s.capture_failures - before[r].capture_failures;
+        cr_log_info("%s: rank %d graphs: %lld captures, %lld replays, %lld capture failures", name, r, cap, rep, fail);
+        cr_expect(cap >= 1 && rep >= 1, "%s rank %d: decode steps should be captured (NCCL inside) and replayed", name,
+                  r);
+        cr_expect_eq(fail, 0, "%s rank %d: %lld graph captures failed", name, r, fail);
+        before[r] = s;
+    }
+}
+
+enum { TP_STEPS = 16 };
+
+/* One prompt: TP = 1 greedy, TP = 2 teacher-forced with graphs; compared. */
+static void tp_case(tp_pair *t, const char *name, const int32_t *ids, int n, int chunk, double max_abs, double rel) {
+    float *r1 = malloc(sizeof(float) * TP_STEPS * t->V), *r2 = malloc(sizeof(float) * TP_STEPS * t->V);
+    int32_t toks[TP_STEPS];
+    kvs_graph_stats before[2] = {kvs_model_graph_stats(kvs_tp_model(t->g, 0)),
+                                 kvs_model_graph_stats(kvs_tp_model(t->g, 1))};
+    tp1_greedy(t, NULL, ids, n, chunk, TP_STEPS, r1, toks, NULL);
+    tp2_forced(t, NULL, ids, n, chunk, TP_STEPS, toks, r2, NULL, NULL, NULL);
+    tp_compare(name, r2, r1, TP_STEPS, t->V, max_abs, rel);
+    graph_stats_log(t, name, before);
+    free(r1), free(r2);
+}
+
+Test(cuda, tp2_tiny_needle_llama, .timeout = 600) {
+    tp_pair t;
+    TP_PAIR_OPEN_OR_SKIP(&t, src_path("models/tiny-needle-llama"), 700);
+    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
+    size_t i;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        int n;
+        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
+        char name[96];
+        snprintf(name, sizeof name, "tp2 tiny-needle-llama %s", json_string_value(json_object_get(c, "name")));
+        tp_case(&t, name, ids, n, 256, 0.35, 0);
+        free(ids);
+    }
+    json_decref(cases);
+    tp_pair_close(&t);
+}
+
+static void tp2_arch(const char *arch) {
+    char dir[1024];
+    json_t *ref = arch_reference(arch, dir, sizeof dir);
+    tp_pair t;
+    if (!tp_pair_open(&t, dir, 2100)) {
+        json_decref(ref);
+        cr_skip("needs 2 GPUs: skipped (%d present to NCCL)", kvs_comm_gpu_count());
+        return;
+    }
+    size_t i;
+    json_t *c;
+    json_array_foreach(json_object_get(ref, "cases"), i, c) {
+        int n;
+        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
+        char name[128];
+        snprintf(name, sizeof name, "tp2 %s %s", arch, json_string_value(json_object_get(c, "name")));
+        tp_case(&t, name, ids, n, 300, 0.25, 0.03);
+        free(ids);
+    }
+    json_decref(ref);
+    tp_pair_close(&t);
+}
+
+Test(cuda, tp2_llama3_rope_scaling, .timeout = 600) { tp2_arch("llama3-rope-scaling"); }
+Test(cuda, tp2_qwen2_bias_tied, .timeout = 600) { tp2_arch("qwen2-bias-tied"); }
+Test(cuda, tp2_mistral, .timeout = 600) { tp2_arch("mistral"); }
+
+/* The 638-token retrieval chat of tiny-needle-llama (prefill in chunks of 256). */
+static int32_t *tiny_long_prompt(int *n) {
+    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
+    int32_t *ids = json_ids(json_object_get(json_array_get(cases, json_array_size(cases) - 1), "input_ids"), n);
+    json_decref(cases);
+    return ids;
+}
+
+/* SnapKV and PyramidKV at 10% (first layer full): each rank scores and
+ * compacts its own KV heads after the chunked prefill. Logits within the
+ * limit (compaction near-ties can keep other entries, as on one GPU vs the
+ * CPU), greedy ids equal except at near-ties, and every rank holds as many
+ * entries per layer as TP = 1. */
+Test(cuda, tp2_tiny_needle_llama_sparse, .timeout = 600) {
+    tp_pair t;
+    TP_PAIR_OPEN_OR_SKIP(&t, src_path("models/tiny-needle-llama"), 700);
+    int n;
+    int32_t *ids = tiny_long_prompt(&n);
+    float *r1 = malloc(sizeof(float) * TP_STEPS * t.V), *r2 = malloc(sizeof(float) * TP_STEPS * t.V);
+    int32_t toks[TP_STEPS];
+    const kvs_policy_kind kinds[] = {KVS_POLICY_SNAPKV, KVS_POLICY_PYRAMIDKV};
+    for (int k = 0; k < 2; k++) {
+        kvs_kv_policy p = kvs_kv_policy_default(kinds[k]);
+        p.budget_tokens = 0;
+        p.budget_fraction = 0.1f;
+        p.full_layers = 1;
+        char name[96];
+        snprintf(name, sizeof name, "tp2 tiny-needle-llama %s 10%%", kvs_kv_policy_name(kinds[k]));
+        int64_t h1, h2;
+        tp1_greedy(&t, &p, ids, n, 256, TP_STEPS, r1, toks, &h1);
+        tp2_forced(&t, &p, ids, n, 256, TP_STEPS, toks, r2, NULL, NULL, &h2);
+        tp_compare(name, r2, r1, TP_STEPS, t.V, 0.35, 0);
+        cr_log_info("%s: KV entries held TP1 %lld, TP2 rank 0 %lld", name, (long long)h1, (long long)h2);
+        cr_expect_eq(h1, h2, "%s: TP1 holds %lld entries, TP2 rank 0 %lld", name, (long long)h1, (long long)h2);
+    }
+    free(r1), free(r2), free(ids);
+    tp_pair_close(&t);
+}
+
+/* CUDA graphs with the NCCL all-reduces inside, and sampling without the
+ * logits gather, on the 638-token prompt (16 steps: 15 decode steps, the
+ * first of the bucket eager, then captured and replayed):
+ * - graphs vs the same padded layout run eagerly: the same kernels and the
+ *   same collectives, expected bitwise equal (logged; failing only beyond the
+ *   0.35 limit, in case NCCL picks another algorithm under capture);
+ * - kvs_tp_forward_sample greedy (each rank's slice reduced on its GPU, 24
+ *   bytes per rank gathered) equals the argmax of the gathered logits of the
+ *   same steps, exactly;
+ * - temperature 0.8 through the same path equals the CPU sample op over the
+ *   gathered logits, except near-ties of z + g within 1e-5 (the Gumbel
+ *   noise's double logs may differ by an ulp between host and device). */
+Test(cuda, tp2_graphs_and_sampling_without_the_gather, .timeout = 600) {
+    tp_pair t;
+    TP_PAIR_OPEN_OR_SKIP(&t, src_path("models/tiny-needle-llama"), 700);
+    int n, V = t.V;
+    int32_t *ids = tiny_long_prompt(&n);
+    float *r1 = malloc(sizeof(float) * TP_STEPS * V), *rg = malloc(sizeof(float) * TP_STEPS * V),
+          *re = malloc(sizeof(float) * TP_STEPS * V);
+    int32_t toks[TP_STEPS], greedy[TP_STEPS], drawn[TP_STEPS];
+    tp1_greedy(&t, NULL, ids, n, 256, TP_STEPS, r1, toks, NULL);
+    /* the padded layout eagerly first: switching modes destroys captured
+       graphs, which must happen on the rank threads (the group's destroy),
+       so switch only while none exist */
+    for (int r = 0; r < 2; r++) kvs_model_set_graph_mode(kvs_tp_model(t.g, r), KVS_GRAPHS_PADDED);
+    tp2_forced(&t, NULL, ids, n, 256, TP_STEPS, toks, re, NULL, NULL, NULL);
+    for (int r = 0; r < 2; r++) kvs_model_set_graph_mode(kvs_tp_model(t.g, r), KVS_GRAPHS_ON);
+    kvs_graph_stats before[2] = {kvs_model_graph_stats(kvs_tp_model(t.g, 0)),
+                                 kvs_model_graph_stats(kvs_tp_model(t.g, 1))};
+    tp2_forced(&t, NULL, ids, n, 256, TP_STEPS, toks, rg, NULL, NULL, NULL);
+    graph_stats_log(&t, "tp2 graphs", before);
+    int not_bitwise = 0;
+    for (int k = 0; k < TP_STEPS; k++) not_bitwise += max_abs_diff(rg + (size_t)k * V, re + (size_t)k * V, V) != 0;
+    double d = tp_compare("tp2 graphs vs padded eager", rg, re, TP_STEPS, V, 0.35, 0);
+    cr_log_info("tp2 graphs vs padded eager: %d of %d rows not bitwise equal (max %g)", not_bitwise, TP_STEPS, d);
+    if (not_bitwise) cr_log_warn("tp2: graphs and eager differ (NCCL under capture?): max %g", d);
+    tp_compare("tp2 graphs vs TP1", rg, r1, TP_STEPS, V, 0.35, 0);
+
+    kvs_sample_row g0 = {.temperature = 0, .top_p = 1, .seed = 1};
+    tp2_forced(&t, NULL, ids, n, 256, TP_STEPS, toks, NULL, &g0, greedy, NULL);
+    int greedy_bad = 0;
+    for (int k = 0; k < TP_STEPS; k++) {
+        int want = argmax_f(rg + (size_t)k * V, V);
+        greedy_bad += greedy[k] != want;
+        cr_expect_eq(greedy[k], want, "step %d: sharded greedy %d, argmax of the gathered logits %d", k, greedy[k],
+                     want);
+    }
+    kvs_sample_row t8 = {.temperature = 0.8f, .top_p = 1, .seed = 77};
+    tp2_forced(&t, NULL, ids, n, 256, TP_STEPS, toks, NULL, &t8, drawn, NULL);
+    kvs_backend *cpu;
+    cr_assert_eq(kvs_backend_cpu_create(1, &cpu), KVS_OK);
+    int draw_ties = 0, draw_bad = 0;
+    for (int k = 0; k < TP_STEPS; k++) {
+        kvs_sample_row pk = t8;
+        pk.step = (uint64_t)k;
+        int32_t want;
+        const float *x = rg + (size_t)k * V;
+        cpu->sample(cpu, &want, NULL, x, 1, V, V, &pk);
+        if (drawn[k] == want) continue;
+        uint64_t stream = kvs_sample_stream(pk.seed, pk.step);
+        bool in_range = drawn[k] >= 0 && drawn[k] < V;
+        double s_got = in_range ? x[drawn[k]] / pk.temperature + kvs_sample_gumbel(stream, drawn[k]) : -INFINITY;
+        double s_want = x[want] / pk.temperature + kvs_sample_gumbel(stream, want);
+        if (fabs(s_got - s_want) <= 1e-5 * (1 + fabs(s_want))) draw_ties++;
+        else draw_bad++;
+        cr_expect(fabs(s_got - s_want) <= 1e-5 * (1 + fabs(s_want)),
+                  "step %d: sharded draw %d (z + g %.7g), CPU op %d (%.7g)", k, drawn[k], s_got, want, s_want);
+    }
+    cr_log_info("tp2 sampling without the gather: greedy %d of %d steps off; T 0.8: %d near-ties, %d off", greedy_bad,
+                TP_STEPS, draw_ties, draw_bad);
+    cpu->destroy(cpu);
+    free(r1), free(rg), free(re), free(ids);
+    tp_pair_close(&t);
+}
+
+/* The sample_shard op (one GPU): the CUDA parts of fresh random bf16 rows
+ * split into slices (odd counts, a padded last slice, an empty one) against
+ * the CPU op's: x_max and x_id exact, s_id exact except a near-tie of z + g
+ * within 1e-5 (the Gumbel noise's double logs), sum_exp within 1e-4 relative
+ * (f32 vs double sums). Greedy and temperature rows. */
+Test(cuda, sample_shard_matches_cpu) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const int vocabs[] = {1000, 32003, 7};
+    int bad = 0, ties = 0, rows_checked = 0;
+    for (int vi = 0; vi < 3; vi++) {
+        int V = vocabs[vi], world = 3, vp = (V + world) / world; /* the last slice short; world + 1 slices */
+        enum { ROWS = 12 };
+        float *x = rnd(&d, (size_t)ROWS * V, 3.0f);
+        kvs_sample_row p[ROWS];
+        for (int r = 0; r < ROWS; r++)
+            p[r] = (kvs_sample_row){.temperature = r % 3 == 0 ? 0 : 0.5f * (r % 3), .top_p = 1,
+                                    .seed = kvs_rng_u64(&d.rng), .step = (uint64_t)r};
+        void *gx = gpu_put(&d, x, (size_t)ROWS * V);
+        kvs_sample_row *gp = d.gpu->alloc(d.gpu, sizeof p);
+        d.gpu->to_device(d.gpu, gp, p, sizeof p);
+        kvs_sample_part *gparts = d.gpu->alloc(d.gpu, sizeof(kvs_sample_part) * ROWS);
+        kvs_sample_part cparts[ROWS], hparts[ROWS];
+        for (int k = 0; k <= world; k++) {
+            int c0 = k * vp, count = V - c0 < vp ? V - c0 : vp;
+            if (count < 0) count = 0;
+            d.cpu->sample_shard(d.cpu, cparts, x + (c0 < V ? c0 : 0), ROWS, V, count, c0, p);
+            d.gpu->sample_shard(d.gpu, gparts, (const uint16_t *)gx + (c0 < V ? c0 : 0), ROWS, V, count, c0, gp);
+            d.gpu->to_host(d.gpu, hparts, gparts, sizeof hparts);
+            for (int r = 0; r < ROWS; r++, rows_checked++) {
+                const kvs_sample_part *c = &cparts[r], *g = &hparts[r];
+                bool ok = c->x_id == g->x_id && (c->x_id < 0 || c->x_max == g->x_max);
+                ok = ok && fabsf(g->sum_exp - c->sum_exp) <= 1e-4f * c->sum_exp;
+                if (ok && g->s_id != c->s_id) {
+                    bool tie = g->s_id >= 0 && c->s_id >= 0 && fabsf(g->s_max - c->s_max) <= 1e-5f * (1 + fabsf(c->s_max));
+                    ties += tie;
+                    ok = tie;
+                }
+                bad += !ok;
+                cr_expect(ok, "V %d slice %d row %d (T %g): gpu (x %g id %d, s %g id %d, sum %g) cpu (x %g id %d, s %g "
+                          "id %d, sum %g)", V, k, r, p[r].temperature, g->x_max, g->x_id, g->s_max, g->s_id, g->sum_exp,
+                          c->x_max, c->x_id, c->s_max, c->s_id, c->sum_exp);
+            }
+        }
+        d.gpu->free(d.gpu, gx), d.gpu->free(d.gpu, gp), d.gpu->free(d.gpu, gparts);
+        free(x);
+    }
+    cr_log_info("sample_shard: %d parts, %d off, %d near-ties", rows_checked, bad, ties);
+    duo_close(&d);
+}

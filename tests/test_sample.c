@@ -1,7 +1,9 @@
 /* The backend's sample op on the CPU (the reference for the CUDA kernel):
  * greedy, the draw's statistics, what the filters keep (checked against a
  * sort-based restatement of backend/sample.h), determinism, padded rows; then
- * kvs_tp_forward_sample on the CPU simulation against the single-rank model.
+ * kvs_tp_forward_sample on the CPU simulation against the single-rank model;
+ * the sample_shard op + kvs_sample_pick (tensor parallelism without the
+ * logits gather) against the op over whole rows.
  * Inputs are fixed (seeded) so every check is deterministic. */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -11,6 +13,7 @@
 #include "backend/backend.h"
 #include "backend/sample.h"
 #include "model/model.h"
+#include "model/model_internal.h" /* which way out a rank took */
 #include "testutil.h"
 
 static kvs_backend *cpu(void) {
@@ -212,6 +215,90 @@ Test(sample, gumbel_max_is_shardable) {
     b->destroy(b);
 }
 
+/* ---- sample_shard + kvs_sample_pick: a row split into world slices ------------
+ * Every row kind where the slices could disagree with the whole row: random,
+ * a slice of -inf only, NaN, +inf (in one slice or everywhere), the maximum
+ * tied across a slice boundary, everything -inf, a temperature so small that
+ * z overflows; greedy and temperature rows, several draws. Ids must equal the
+ * sample op's exactly; logprobs within 1e-5 (the sum's order differs) where
+ * the whole row's is finite, else not finite either. */
+static void fill_row_kind(kvs_rng *rng, float *x, int V, int vp, int kind) {
+    for (int i = 0; i < V; i++) x[i] = kvs_rng_normal(rng) * 2;
+    switch (kind) {
+    case 1: for (int i = 0; i < vp && i < V; i++) x[i] = -INFINITY; break;             /* rank 0 all -inf */
+    case 2: for (int i = V - 1; i >= vp; i--) x[i] = -INFINITY; break;                 /* ranks >= 1 all -inf */
+    case 3: for (int i = 0; i < V; i += 3) x[i] = NAN; break;
+    case 4: x[V - 1] = INFINITY; break;
+    case 5: for (int i = 0; i < V; i++) x[i] = i % 2 ? INFINITY : -INFINITY; break;
+    case 6: x[V / 2] = x[vp < V ? vp : 0] = x[1] = 9.0f; break;                        /* ties across slices */
+    case 7: for (int i = 0; i < V; i++) x[i] = -INFINITY; break;
+    case 8: for (int i = 0; i < V; i++) x[i] = NAN; break;
+    case 9: for (int i = vp; i < V; i++) x[i] = INFINITY; break;                       /* +inf slices, one finite */
+    case 10: for (int i = 0; i < V; i++) x[i] = i < vp ? -INFINITY : INFINITY; break;  /* only -inf is kept */
+    }
+}
+
+Test(sample, shard_parts_pick_what_the_whole_row_picks) {
+    kvs_backend *b = cpu();
+    kvs_rng rng;
+    kvs_rng_seed(&rng, 99);
+    const int vocabs[] = {515, 7, 64, 1000};
+    const float temps[] = {0, 1.0f, 0.7f, 1e-38f, 3.0f};
+    enum { KINDS = 11, DRAWS = 6, ROWS = KINDS * 5 * DRAWS };
+    int checked = 0, bad_id = 0, bad_lp = 0;
+    for (size_t vi = 0; vi < sizeof vocabs / sizeof vocabs[0]; vi++)
+        for (int world = 2; world <= 5; world++) {
+            int V = vocabs[vi], vp = (V + world - 1) / world;
+            float *x = malloc(sizeof(float) * (size_t)ROWS * V);
+            kvs_sample_row p[ROWS];
+            for (int r = 0; r < ROWS; r++) {
+                int kind = r / (5 * DRAWS), ti = r / DRAWS % 5;
+                fill_row_kind(&rng, x + (size_t)r * V, V, vp, kind);
+                p[r] = row_params(temps[ti], 0, 1, 0, 7 + kind, (uint64_t)r);
+            }
+            kvs_sample_part *parts = malloc(sizeof(kvs_sample_part) * (size_t)world * ROWS);
+            for (int k = 0; k < world; k++) { /* rank k's columns of every row (ld = V) */
+                int count = V - k * vp < vp ? V - k * vp : vp;
+                b->sample_shard(b, parts + (size_t)k * ROWS, x + (size_t)k * vp, ROWS, V, count < 0 ? 0 : count,
+                                k * vp, p);
+            }
+            for (int r = 0; r < ROWS; r++) {
+                float lp_full = 0, lp = 0;
+                int32_t full = sample1(b, x + (size_t)r * V, V, p[r], &lp_full);
+                int32_t id = kvs_sample_pick(parts + r, world, ROWS, &p[r], &lp);
+                checked++;
+                if (id != full) {
+                    bad_id++;
+                    cr_expect_eq(id, full, "V %d world %d row kind %d T %g: sharded %d, whole row %d", V, world,
+                                 r / (5 * DRAWS), p[r].temperature, id, full);
+                }
+                bool ok = isfinite(lp_full) ? fabsf(lp - lp_full) <= 1e-5f * (1 + fabsf(lp_full)) : !isfinite(lp);
+                if (!ok) {
+                    bad_lp++;
+                    cr_expect(ok, "V %d world %d row kind %d T %g: logprob %g, whole row %g", V, world,
+                              r / (5 * DRAWS), p[r].temperature, lp, lp_full);
+                }
+            }
+            free(parts);
+            free(x);
+        }
+    cr_log_info("sample_shard + pick: %d rows, %d ids and %d logprobs off", checked, bad_id, bad_lp);
+    /* filters make a row unshardable; greedy ignores them */
+    kvs_sample_row q = row_params(1, 0, 1, 0, 1, 0);
+    cr_expect(kvs_sample_shardable(&q, 515));
+    q.top_k = 515;
+    cr_expect(kvs_sample_shardable(&q, 515), "top_k >= vocab is off");
+    q.top_k = 50;
+    cr_expect(!kvs_sample_shardable(&q, 515));
+    q = row_params(1, 0, 0.9f, 0, 1, 0);
+    cr_expect(!kvs_sample_shardable(&q, 515));
+    q = row_params(1, 0, 1, 0.01f, 1, 0);
+    cr_expect(!kvs_sample_shardable(&q, 515));
+    q = row_params(0, 50, 0.5f, 0.5f, 1, 0);
+    cr_expect(kvs_sample_shardable(&q, 515));
+    b->destroy(b);
+}
+
 /* ---- kvs_tp_forward_sample on the CPU simulation ---------------------------- */
 static const char *odd_vocab_json =
     "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, \"num_hidden_layers\": 2,"
@@ -334,5 +421,62 @@ Test(sample, tp_forward_sample_matches_the_single_rank_model, .timeout = 600) {
     cr_expect_eq(kvs_tp_forward_sample(g.g, &b, &params[1], out, NULL), KVS_OK, "%s", kvs_last_error());
     cr_expect(out[0] >= 0 && out[0] < 515);
     srig_close(&g);
+    kvs_checkpoint_destroy(ck);
+}
+
+/* Greedy and temperature-only rows take the parts path (no logits gather):
+ * at TP = 2 and 4 the same ids as TP = 1 (up to near-ties of the ranks'
+ * other summation order, as above; greedy rows every step), and at TP = 2
+ * exactly the ids of the gather path over the same logits (one row given a
+ * min-p of 1e-30 sends the whole batch through the gather; the other rows'
+ * logits are bitwise the same), logprobs within 1e-5. */
+Test(sample, tp_greedy_and_temperature_without_the_gather, .timeout = 600) {
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    cr_assert_eq(kvs_config_parse(odd_vocab_json, strlen(odd_vocab_json), "test config", &cfg), KVS_OK);
+    cr_assert_eq(kvs_checkpoint_dummy(&cfg, 1234, &ck), KVS_OK);
+    kvs_sample_row params[4] = {row_params(0, 0, 1, 0, 1, 0), row_params(1, 0, 1, 0, 2, 0),
+                                row_params(0.7f, 515, 1, 0, 3, 0), row_params(0, 40, 0.5f, 0.5f, 4, 0)};
+    enum { STEPS = 12 };
+    int32_t ids1[STEPS * 4], ids2[STEPS * 4], ids4[STEPS * 4], idsg[STEPS * 4];
+    float lp1[STEPS * 4], lp2[STEPS * 4], lp4[STEPS * 4], lpg[STEPS * 4];
+    sample_rig one, two, four, gather;
+    srig_open(&one, &cfg, ck, 1);
+    srig_generate(&one, 4, params, STEPS, ids1, lp1);
+    srig_close(&one);
+    srig_open(&two, &cfg, ck, 2);
+    srig_generate(&two, 4, params, STEPS, ids2, lp2);
+    for (int k = 0; k < 2; k++)
+        cr_expect(kvs_tp_model(two.g, k)->sample.parts_all != NULL, "rank %d took the parts path", k);
+    srig_close(&two);
+    srig_open(&four, &cfg, ck, 4);
+    srig_generate(&four, 4, params, STEPS, ids4, lp4);
+    srig_close(&four);
+    kvs_sample_row with_filter[4] = {params[0], params[1], params[2], row_params(1, 0, 1, 1e-30f, 4, 0)};
+    srig_open(&gather, &cfg, ck, 2);
+    srig_generate(&gather, 4, with_filter, STEPS, idsg, lpg);
+    srig_close(&gather);
+    for (int s = 0; s < 4; s++) {
+        int same2 = 0, same4 = 0;
+        while (same2 < STEPS && ids2[same2 * 4 + s] == ids1[same2 * 4 + s]) same2++;
+        while (same4 < STEPS && ids4[same4 * 4 + s] == ids1[same4 * 4 + s]) same4++;
+        cr_log_info("sequence %d (T %g): TP=2 agrees with TP=1 for %d of %d steps, TP=4 for %d", s,
+                    params[s].temperature, same2, STEPS, same4);
+        cr_expect(same2 >= STEPS / 2 && same4 >= STEPS / 2, "sequence %d: TP=2 agrees for %d of %d steps, TP=4 for %d",
+                  s, same2, STEPS, same4);
+        if (params[s].temperature == 0)
+            cr_expect(same2 == STEPS && same4 == STEPS, "greedy sequence %d: TP=2 %d, TP=4 %d of %d steps", s, same2,
+                      same4, STEPS);
+        for (int k = 0; k < same2; k++)
+            cr_expect(fabsf(lp2[k * 4 + s] - lp1[k * 4 + s]) <= 1e-4, "seq %d step %d: logprob %g vs %g", s, k,
+                      lp2[k * 4 + s], lp1[k * 4 + s]);
+        if (s == 3) continue; /* the row whose filter forced the gather */
+        for (int k = 0; k < STEPS; k++) {
+            cr_expect_eq(ids2[k * 4 + s], idsg[k * 4 + s], "seq %d step %d: parts %d, gather %d", s, k,
+                         ids2[k * 4 + s], idsg[k * 4 + s]);
+            cr_expect(fabsf(lp2[k * 4 + s] - lpg[k * 4 + s]) <= 1e-5, "seq %d step %d: logprob %g vs gather %g", s, k,
+                      lp2[k * 4 + s], lpg[k * 4 + s]);
+        }
+    }
     kvs_checkpoint_destroy(ck);
 }

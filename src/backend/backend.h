@@ -36,6 +36,7 @@ typedef struct {
 
 typedef struct kvs_backend kvs_backend;
 struct kvs_sample_row; /* backend/sample.h */
+struct kvs_sample_part; /* backend/sample.h */
 struct kvs_backend {
     const char *name;
     kvs_dtype weight_dtype, act_dtype, kv_dtype;
@@ -150,6 +151,16 @@ struct kvs_backend {
     void (*rope_kv_write)(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
                           const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                           int n_heads);
+
+    /* Tensor-parallel sampling (backend/sample.h, kvs_sample_part): for each row
+     * r < n_rows of logits [n_rows][ld] (act_dtype), a vocabulary slice whose
+     * columns 0 .. count - 1 are the global token ids id0 .. id0 + count - 1,
+     * parts[r] = the slice's share of the sample op's pick with params[r]
+     * (greedy or temperature; top-k, top-p and min-p are ignored: callers use
+     * it only for rows kvs_sample_shardable accepts). count 0: an empty part.
+     * All arrays in backend memory. */
+    void (*sample_shard)(kvs_backend *b, struct kvs_sample_part *parts, const void *logits, int n_rows, int ld,
+                         int count, int id0, const struct kvs_sample_row *params);
 
     void (*destroy)(kvs_backend *b);
 };

@@ -92,5 +92,67 @@ KVS_HD bool kvs_sample_min_p_ok(float z, float m, double log_min_p) { return (do
 /* NaN logits read as -inf. */
 KVS_HD float kvs_sample_clean(float x) { return x != x ? -INFINITY : x; }
 
+/* ---- tensor parallelism: sampling a row whose logits are split by vocabulary
+ * A rank holding the slice of global ids id0 .. id0 + count - 1 reduces it to
+ * one kvs_sample_part (the sample_shard op); the ranks all-gather the parts
+ * (24 bytes per row and rank instead of the slice) and kvs_sample_pick
+ * combines them, in rank (= vocabulary) order, into exactly the id the sample
+ * op picks over the whole row: for greedy rows and for pure temperature rows
+ * (top-k, top-p and min-p off; the filters need the whole row). logprob: as
+ * the sample op's, from per-slice sums (equal up to the order of the sum). */
+typedef struct kvs_sample_part {
+    float x_max;   /* the slice's first maximum of the clean logits */
+    int32_t x_id;  /* its global id; -1: an empty slice (count 0) */
+    float s_max;   /* temperature rows: the slice's best kept z + g */
+    int32_t s_id;  /* its global id; -1: a greedy row or nothing kept */
+    float x_at_s;  /* the clean logit at s_id */
+    float sum_exp; /* sum over the slice of exp(x - x_max) */
+} kvs_sample_part;
+
+/* Whether a row can be sampled from parts: greedy, or temperature alone
+ * (top_k 0 or >= vocab, top_p 1, min_p 0). */
+KVS_HD bool kvs_sample_shardable(const kvs_sample_row *p, int vocab) {
+    return p->temperature == 0 || ((p->top_k <= 0 || p->top_k >= vocab) && p->top_p >= 1 && p->min_p <= 0);
+}
+
+/* The id of a row from world parts (parts[r * stride] is rank r's), and its
+ * logprob when logprob is not NULL.
+ * Why it is exact: greedy is the first maximum over the slices' first maxima.
+ * With temperature, M = (global max x) / T; when M > -inf every token except
+ * +inf ones (M = +inf) is kept, so each slice's kept set is the global one
+ * restricted to it, except a slice whose own max is -inf (it reports its
+ * first token with s = -inf, which is what the whole row's scan would keep);
+ * the scan's "first kept token, then a strictly larger z + g" is the same
+ * over slices taken in order. M = -inf or nothing kept: the argmax. */
+KVS_HD int32_t kvs_sample_pick(const kvs_sample_part *parts, int world, size_t stride, const kvs_sample_row *p,
+                               float *logprob) {
+    float m = -INFINITY, x_at = -INFINITY;
+    int32_t id = -1;
+    for (int r = 0; r < world; r++) {
+        const kvs_sample_part *q = parts + (size_t)r * stride;
+        if (q->x_id >= 0 && (id < 0 || q->x_max > m)) m = q->x_max, id = q->x_id;
+    }
+    x_at = m;
+    if (p->temperature > 0 && m / p->temperature > -INFINITY) {
+        float best = -INFINITY;
+        int32_t pick = -1;
+        for (int r = 0; r < world; r++) {
+            const kvs_sample_part *q = parts + (size_t)r * stride;
+            if (q->s_id >= 0 && (pick < 0 || q->s_max > best)) best = q->s_max, pick = q->s_id, x_at = q->x_at_s;
+        }
+        if (pick >= 0) id = pick;
+    }
+    if (logprob) {
+        double sum = 0;
+        for (int r = 0; r < world; r++) {
+            const kvs_sample_part *q = parts + (size_t)r * stride;
+            if (q->x_id >= 0 && !(q->x_max == -INFINITY && m > -INFINITY)) /* all--inf slices add 0 */
+                sum += (double)q->sum_exp * exp((double)q->x_max - (double)m);
+        }
+        *logprob = (float)((double)x_at - (double)m - log(sum));
+    }
+    return id < 0 ? 0 : id;
+}
+
 #undef KVS_HD
 #endif

@@ -514,11 +514,12 @@ static void local_logits(kvs_model *m, const kvs_batch *b, int n_logits) {
 
 void kvs_model_free_sample_buffers(kvs_model *m) {
     kvs_sample_buffers *s = &m->sample;
-    void *dev[] = {s->params, s->out, s->rows, s->order};
+    void *dev[] = {s->params, s->out, s->rows, s->order, s->parts, s->parts_all};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) m->be->free(m->be, dev[i]);
     free(s->h_out);
     free(s->h_order);
+    free(s->h_parts);
     memset(s, 0, sizeof *s);
 }
 
@@ -534,6 +535,11 @@ static kvs_status ensure_sample_buffers(kvs_model *m, int n) {
         KVS_TRY(grow(be, &s->rows, (size_t)n * sh->world * sh->vocab_pad * kvs_dtype_size(be->act_dtype)));
         KVS_TRY(grow(be, (void **)&s->order, sizeof(int32_t) * sh->world * n));
         KVS_TRY(grow_host(&s->h_order, (size_t)sh->world * n));
+        KVS_TRY(grow(be, (void **)&s->parts, sizeof(kvs_sample_part) * n));
+        KVS_TRY(grow(be, (void **)&s->parts_all, sizeof(kvs_sample_part) * sh->world * n));
+        free(s->h_parts);
+        s->h_parts = malloc(sizeof(kvs_sample_part) * sh->world * n);
+        if (!s->h_parts) return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
     }
     s->cap_rows = n;
     return KVS_OK;
@@ -557,18 +563,51 @@ kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *para
     return KVS_OK;
 }
 
+/* Tensor parallelism without the logits gather: every rank reduces its
+ * vocabulary slice to one kvs_sample_part per row on the device, the ranks
+ * all-gather the parts (24 bytes per row and rank), and the ranks that pass
+ * ids pick on the host (backend/sample.h: the same ids as the sample op over
+ * the whole row, logprobs up to the order of the sum). */
+static kvs_status sample_sharded(kvs_model *m, int n, const kvs_sample_row *params, int32_t *ids, float *logprobs) {
+    kvs_backend *be = m->be;
+    kvs_sample_buffers *s = &m->sample;
+    const kvs_shard *sh = &m->shard;
+    be->to_device(be, s->params, params, sizeof(kvs_sample_row) * n);
+    be->sample_shard(be, s->parts, m->buf.logits, n, sh->vocab_pad, sh->vocab_count, sh->vocab_begin, s->params);
+    size_t floats = sizeof(kvs_sample_part) / sizeof(float) * (size_t)n; /* the gather copies bytes */
+    KVS_TRY(m->comm->all_gather(m->comm, s->parts_all, s->parts, floats, KVS_F32));
+    if (!ids) return KVS_OK;
+    be->to_host(be, s->h_parts, s->parts_all, sizeof(kvs_sample_part) * sh->world * n); /* the one copy back */
+    for (int q = 0; q < n; q++)
+        ids[q] = kvs_sample_pick(s->h_parts + q, sh->world, (size_t)n, &params[q], logprobs ? &logprobs[q] : NULL);
+    return KVS_OK;
+}
+
+/* Whether every row can take sample_sharded: greedy or temperature alone. */
+static bool all_shardable(const kvs_sample_row *params, int n, int vocab) {
+    for (int q = 0; q < n; q++)
+        if (!kvs_sample_shardable(&params[q], vocab)) return false;
+    return true;
+}
+
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
                                     int32_t *ids, float *logprobs) {
+    const kvs_shard *sh = &m->shard;
+    int world = sh->world;
+    /* the ranks choose between the parts and the gather from params alone,
+       so that they all run the same collectives: every rank needs them */
+    if (!params && (ids || world > 1))
+        return kvs_fail(KVS_ERR_INVALID, "forward_sample: rank %d of %d has no sampling parameters", sh->rank, world);
     if (params) KVS_TRY(kvs_model_check_sample(b, params)); /* before the step: a bad row changes nothing */
     int n;
     KVS_TRY(forward_step(m, b, kv, &n));
     if (n == 0) return KVS_OK;
     KVS_TRY(ensure_sample_buffers(m, n));
+    if (world > 1 && all_shardable(params, n, m->cfg.vocab_size)) return sample_sharded(m, n, params, ids, logprobs);
     kvs_backend *be = m->be;
     kvs_sample_buffers *s = &m->sample;
-    const kvs_shard *sh = &m->shard;
     const void *rows = m->buf.logits;
-    int ld = sh->vocab_pad, world = sh->world;
+    int ld = sh->vocab_pad;
     if (world > 1) { /* every rank's slice, then [rank][seq][vp] -> [seq][rank][vp] on the device */
         KVS_TRY(m->comm->all_gather(m->comm, m->buf.logits_all, m->buf.logits, (size_t)n * ld, be->act_dtype));
         if (!ids) return KVS_OK;

@@ -167,10 +167,14 @@ kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cac
  * seeded draw), then one small copy back: ids [n] and, when logprobs is not
  * NULL, logprobs [n] (log softmax of the raw logits at the chosen id), n = the
  * sequences that want logits, in order; params [n] (host) their parameters.
- * With tensor parallelism every rank calls it for the same batch: the logits
- * slices are all-gathered on the device and the ranks that pass ids sample
- * (ids NULL: the rank takes part in the gather and samples nothing; params
- * may then be NULL). Errors: KVS_ERR_INVALID for bad parameters (before the
+ * With tensor parallelism every rank calls it for the same batch and the same
+ * params (every rank needs them: the way out depends on them). When every row
+ * is greedy or temperature alone (kvs_sample_shardable), each rank reduces its
+ * vocabulary slice on the device (the sample_shard op) and the ranks
+ * all-gather 24 bytes per row instead of the logits; otherwise the logits
+ * slices are all-gathered on the device and sampled whole. Either way the ranks
+ * that pass ids get the ids (ids NULL: the rank takes part and samples
+ * nothing). Errors: KVS_ERR_INVALID for bad or missing parameters (before the
  * step, nothing changed). */
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
                                     int32_t *ids, float *logprobs);

@@ -49,6 +49,9 @@ typedef struct {
     void *rows;                    /* tensor parallelism: the gathered logits as [cap_rows][world * vocab_pad] */
     int32_t *order;                /* [world * cap_rows]: the rows of that gather */
     int32_t *h_out, *h_order;      /* host staging */
+    /* tensor parallelism without the gather (rows kvs_sample_shardable accepts):
+       this rank's parts [cap_rows], every rank's [world][cap_rows], host copy */
+    struct kvs_sample_part *parts, *parts_all, *h_parts;
 } kvs_sample_buffers;
 /* CUDA graphs of pure-decode steps (graphs.c, forward.c), one per bucket:
  * batch padded to 2^bi sequences (1 .. 256), block tables to a stride of 2^si

@@ -50,6 +50,7 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->window_capture = kvs_cpu_window_capture;
     b->sparsity_scores = kvs_cpu_sparsity_scores;
     b->sample = kvs_cpu_sample;
+    b->sample_shard = kvs_cpu_sample_shard;
     b->dummy_fill = kvs_cpu_dummy_fill;
     b->snapkv_select = kvs_cpu_snapkv_select;
     b->host_alloc = cpu_host_alloc;

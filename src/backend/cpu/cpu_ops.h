@@ -33,6 +33,8 @@ void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, c
                              const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
 void kvs_cpu_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
                     const struct kvs_sample_row *params);
+void kvs_cpu_sample_shard(kvs_backend *b, struct kvs_sample_part *parts, const void *logits, int n_rows, int ld,
+                          int count, int id0, const struct kvs_sample_row *params);
 void kvs_cpu_dummy_fill(kvs_backend *b, void *dst, uint64_t seed, float scale, kvs_dtype src_dtype, int64_t full_cols,
                         int64_t r0, int64_t nr, int64_t c0, int64_t nc);
 void kvs_cpu_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,

@@ -88,3 +88,40 @@ void kvs_cpu_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *l
     for (int r = 0; r < n_rows; r++)
         ids[r] = sample_row(x + (size_t)r * ld, vocab, &params[r], logprobs ? &logprobs[r] : NULL);
 }
+
+/* One slice of a row (tensor parallelism): kvs_sample_pick's part. */
+static kvs_sample_part shard_row(const float *x, int count, int id0, const kvs_sample_row *p) {
+    kvs_sample_part o = {-INFINITY, -1, -INFINITY, -1, -INFINITY, 0};
+    if (count <= 0) return o;
+    int best = 0;
+    float bx = kvs_sample_clean(x[0]);
+    for (int i = 1; i < count; i++) {
+        float v = kvs_sample_clean(x[i]);
+        if (v > bx) bx = v, best = i;
+    }
+    double sum = 0;
+    for (int i = 0; i < count; i++) sum += exp((double)kvs_sample_clean(x[i]) - bx);
+    o.x_max = bx, o.x_id = id0 + best, o.sum_exp = (float)sum;
+    if (p->temperature > 0) {
+        float t = p->temperature, m = bx / t;
+        if (m == -INFINITY) { /* the whole row's scan keeps these (z = -inf) unless its max is -inf too */
+            o.s_id = id0, o.x_at_s = kvs_sample_clean(x[0]);
+            return o;
+        }
+        uint64_t stream = kvs_sample_stream(p->seed, p->step);
+        for (int i = 0; i < count; i++) {
+            float z = kvs_sample_clean(x[i]) / t;
+            if (!kvs_sample_min_p_ok(z, m, -INFINITY)) continue; /* z = m = +inf */
+            float s = z + kvs_sample_gumbel(stream, (int64_t)id0 + i);
+            if (o.s_id < 0 || s > o.s_max) o.s_max = s, o.s_id = id0 + i, o.x_at_s = kvs_sample_clean(x[i]);
+        }
+    }
+    return o;
+}
+
+void kvs_cpu_sample_shard(kvs_backend *b, kvs_sample_part *parts, const void *logits, int n_rows, int ld, int count,
+                          int id0, const struct kvs_sample_row *params) {
+    const float *x = logits;
+#pragma omp parallel for schedule(dynamic, 1) if (n_rows > 1)
+    for (int r = 0; r < n_rows; r++) parts[r] = shard_row(x + (size_t)r * ld, count, id0, &params[r]);
+}

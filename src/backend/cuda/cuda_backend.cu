@@ -290,6 +290,7 @@ extern "C" kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
     b->window_capture = kvs_cuda_window_capture;
     b->sparsity_scores = kvs_cuda_sparsity_scores;
     b->sample = kvs_cuda_sample;
+    b->sample_shard = kvs_cuda_sample_shard;
     b->dummy_fill = kvs_cuda_dummy_fill;
     b->snapkv_select = kvs_cuda_snapkv_select;
     b->host_alloc = cuda_host_alloc;

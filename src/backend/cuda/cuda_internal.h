@@ -109,6 +109,8 @@ void kvs_cuda_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, 
 /* sampling (cuda_sample.cu) */
 void kvs_cuda_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
                      const struct kvs_sample_row *params);
+void kvs_cuda_sample_shard(kvs_backend *b, struct kvs_sample_part *parts, const void *logits, int n_rows, int ld,
+                           int count, int id0, const struct kvs_sample_row *params);
 /* cuda_dummy.cu */
 void kvs_cuda_dummy_fill(kvs_backend *b, void *dst, uint64_t seed, float scale, kvs_dtype src_dtype, int64_t full_cols,
                          int64_t r0, int64_t nr, int64_t c0, int64_t nc);

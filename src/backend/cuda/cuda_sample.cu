@@ -163,3 +163,58 @@ void kvs_cuda_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *
                                                                                  ld, vocab, params);
     KVS_CUDA_LAUNCHED(b, "kvs_sample_kernel");
 }
+
+/* One vocabulary slice of each row (tensor parallelism): cpu_sample.c's
+ * shard_row, one block per row. */
+__global__ void __launch_bounds__(KVS_SAMPLE_THREADS)
+    kvs_sample_shard_kernel(kvs_sample_part *parts, const bf16 *logits, int ld, int count, int id0,
+                            const kvs_sample_row *params) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int row = blockIdx.x;
+    kvs_sample_part o = {-INFINITY, -1, -INFINITY, -1, -INFINITY, 0.f};
+    if (count <= 0) { /* block-uniform */
+        if (threadIdx.x == 0) parts[row] = o;
+        return;
+    }
+    const bf16 *x = logits + (size_t)row * ld;
+    const kvs_sample_row p = params[row];
+    float bx = -INFINITY;
+    int best = -1;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        float v = kvs_sample_clean(__bfloat162float(x[i]));
+        if (best < 0 || v > bx) bx = v, best = i;
+    }
+    kvs_sample_block_best(bx, best, sv, si);
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) sum += expf(kvs_sample_clean(__bfloat162float(x[i])) - bx);
+    sum = kvs_sample_block_sum(sum, sv);
+    o.x_max = bx, o.x_id = id0 + best, o.sum_exp = sum;
+    if (p.temperature > 0) {
+        float t = p.temperature, m = bx / t;
+        if (m == -INFINITY) { /* block-uniform: see shard_row */
+            o.s_id = id0, o.x_at_s = kvs_sample_clean(__bfloat162float(x[0]));
+        } else {
+            uint64_t stream = kvs_sample_stream(p.seed, p.step);
+            float bs = -INFINITY;
+            int pick = -1;
+            for (int i = threadIdx.x; i < count; i += blockDim.x) {
+                float z = kvs_sample_clean(__bfloat162float(x[i])) / t;
+                if (!kvs_sample_min_p_ok(z, m, -INFINITY)) continue; /* z = m = +inf */
+                float s = z + kvs_sample_gumbel(stream, (int64_t)id0 + i);
+                if (pick < 0 || s > bs) bs = s, pick = i;
+            }
+            kvs_sample_block_best(bs, pick, sv, si);
+            if (pick >= 0) o.s_max = bs, o.s_id = id0 + pick, o.x_at_s = kvs_sample_clean(__bfloat162float(x[pick]));
+        }
+    }
+    if (threadIdx.x == 0) parts[row] = o;
+}
+
+void kvs_cuda_sample_shard(kvs_backend *b, kvs_sample_part *parts, const void *logits, int n_rows, int ld, int count,
+                           int id0, const struct kvs_sample_row *params) {
+    if (n_rows <= 0) return;
+    kvs_sample_shard_kernel<<<n_rows, KVS_SAMPLE_THREADS, 0, kvs_cuda_of(b)->stream>>>(
+        parts, (const bf16 *)logits, ld, count, id0, params);
+    KVS_CUDA_LAUNCHED(b, "kvs_sample_shard_kernel");
+}
