@@ -275,7 +275,7 @@ int main(int argc, char **argv) {
                                    "v12 v11 with warps skipping fully masked tiles",
                                    "v13 v12 with 4 heads x 64 rows a block",
                                    "v14 v4 with warps skipping fully masked tiles",
-                                   "default (auto: v4 where it fits) + lse"};
+                                   "default (auto: v13 where it fits) + lse"};
     const int pre_default = kvs_cuda_attn_prefill_variant;
     const int pre_variant[N_PRE] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, -2};
     for (int v = 0; v < N_PRE; v++) {
