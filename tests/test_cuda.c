@@ -1639,15 +1639,18 @@ static int32_t *tiny_long_prompt(int *n) {
  * So after every step the test reads both pools and matches, in every layer
  * and GLOBAL KV head g (rank g / local, local head g % local), each K row TP = 2
  * holds to the nearest K row TP = 1 holds: matched when
- * max|k2 - k1| <= KV_MATCH_REL x max|k2|. bf16 drift of one K row is ~1e-2 of
- * its scale after 8 layers; two different entries (another token or another
+ * max|k2 - k1| <= KV_MATCH_REL x max|k2|. bf16 drift of one K row is expected
+ * at ~1e-2 of its scale; two different entries (another token or another
  * position: RoPE rotates the high-frequency pairs by ~1 rad per position)
- * differ by O(1) of it, so 0.15 separates them (each step logs the worst
- * matched and the nearest unmatched distance, so the margin is visible).
+ * differ by far more: on this prompt (f32, CPU) the nearest two distinct rows
+ * of one head are 0.166 apart in the dense layer 0 (all 638 entries) and
+ * >= 0.25 among the rows any sparse layer keeps, so 0.10 separates them (each
+ * step logs the worst matched and the nearest unmatched distance: the margin
+ * is visible; a worst matched near 0.10 would mean drift, not selection).
  * Unmatched rows = entries selected differently. tests/test_tp.c
  * (pyramidkv_needle_prompt_like_the_gpu_test) runs this very case in f32 on
  * the CPU: there TP = 2 keeps exactly TP = 1's entries and logits. */
-#define KV_MATCH_REL 0.15
+#define KV_MATCH_REL 0.10
 #define KV_DIFF_TOTAL 0.05 /* differing entries: at most 5% of the sparse layers' entries */
 #define KV_DIFF_HEAD 0.25  /* and at most 25% of any one layer-head's entries */
 #define KV_DIFF_SANITY 10  /* logits where entries differ: within 10x the dense limit (garbage, not drift) */
