@@ -159,8 +159,10 @@ static void run_one(const bench_opts *o, const char *body, req_result *r) {
             if (!strncmp(line + 6, "[DONE]", 6)) { done = true; break; }
             json_t *j = json_loadb(line + 6, (size_t)(ev - line - 6), 0, NULL);
             json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+            /* a token chunk: text (possibly empty: a model without a tokenizer, or
+               bytes the detokenizer holds back) before the finish_reason */
             const char *t = json_string_value(json_object_get(ch, "text"));
-            if (t && *t) {
+            if (t && (*t || json_is_null(json_object_get(ch, "finish_reason")))) {
                 if (!r->ttft) r->ttft = now - t0;
                 else if (r->n_itl < o->output_len + 8) r->itl[r->n_itl++] = now - last;
                 last = now;
