@@ -21,6 +21,7 @@
 #include <math.h>
 
 #include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/cuda_mma.cuh"
 
 #define KVS_ATTN_TILE 64    /* keys per K/V tile; query rows per prefill block */
 #define KVS_ATTN_THREADS 128
@@ -33,12 +34,6 @@ struct kvs_attn_args {
     float scale;
 };
 
-/* Element offset of (block, kind, head, offset) in a bf16 pool. */
-__device__ __forceinline__ size_t kvs_attn_kv_offset(const kvs_attn_args &a, int block, int kind, int head,
-                                                     int offset, int head_dim) {
-    return ((((size_t)block * 2 + kind) * a.n_kv_heads + head) * a.block_size + offset) * (size_t)head_dim;
-}
-
 /* Loads keys [key0, key0 + 64) of (seq, kv head) into k_s and v_s (rows of D + 8;
  * rows at or past key_end are zero). 16-byte pieces. */
 template <int D>
@@ -50,8 +45,8 @@ __device__ __forceinline__ void kvs_attn_load_kv_tile(const kvs_attn_args &a, co
         uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
         if (e < key_end) {
             int blk = table[e / a.block_size], off = e % a.block_size;
-            kv = *(const uint4 *)(a.pool + kvs_attn_kv_offset(a, blk, 0, g, off, D) + c * 8);
-            vv = *(const uint4 *)(a.pool + kvs_attn_kv_offset(a, blk, 1, g, off, D) + c * 8);
+            kv = *(const uint4 *)(a.pool + kvs_kv_offset(blk, 0, g, off, a.n_kv_heads, a.block_size, D) + c * 8);
+            vv = *(const uint4 *)(a.pool + kvs_kv_offset(blk, 1, g, off, a.n_kv_heads, a.block_size, D) + c * 8);
         }
         *(uint4 *)(k_s + r * LD + c * 8) = kv;
         *(uint4 *)(v_s + r * LD + c * 8) = vv;
@@ -191,57 +186,6 @@ __global__ void kvs_attn_combine_kernel(bf16 *out, float *lse, const float *part
     if (lse && threadIdx.x == 0) lse[row] = M + logf(L);
 }
 
-/* ---- tensor-core helpers (mma.sync m16n8k16, ldmatrix, cp.async) -------------- */
-
-__device__ __forceinline__ uint32_t kvs_smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-/* 16-byte async copy global -> shared; zero fill when !valid (src must still be a
- * valid address). */
-__device__ __forceinline__ void kvs_cp_async16(uint32_t dst, const void *src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void kvs_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void kvs_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void kvs_ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
-                                                uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void kvs_ldmatrix_x4_trans(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
-                                                      uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-/* c += a (16x16 bf16, row) * b (16x8 bf16, col), fp32 accumulators */
-__device__ __forceinline__ void kvs_mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float kvs_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ uint32_t kvs_pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *(uint32_t *)&v;
-}
-
-#define KVS_LOG2E 1.4426950408889634f
-#define KVS_LN2 0.6931471805599453f
-
 /* Shared-memory rows of K, V and Q: head_dim bf16 plus 16 bytes of padding, so the
  * eight 16-byte row pieces one ldmatrix phase reads fall in distinct banks. */
 template <int D>
@@ -262,7 +206,9 @@ __device__ __forceinline__ void kvs_attn_issue_kv_tile(const kvs_attn_args &a, c
         int r = p / CH, c = p % CH, e = key0 + r;
         bool ok = e < key_end;
         const bf16 *src = a.pool;
-        if (ok) src = a.pool + kvs_attn_kv_offset(a, table[e / a.block_size], 0, g, e % a.block_size, D) + c * 8;
+        if (ok)
+            src = a.pool + kvs_kv_offset(table[e / a.block_size], 0, g, e % a.block_size, a.n_kv_heads,
+                                         a.block_size, D) + c * 8;
         uint32_t off = r * kvs_rows<D>::BYTES + c * 16;
         kvs_cp_async16(k_s + off, src, ok);
         kvs_cp_async16(v_s + off, ok ? src + v_delta : a.pool, ok);
@@ -758,7 +704,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
         }
         const int key0 = k0 + (warp + KVS_DEC_WARPS * i) * 16;
         const int blk = __shfl_sync(0xffffffffu, blk_lanes, i & 31);
-        const bf16 *kb = a.pool + kvs_attn_kv_offset(a, blk, 0, g, key0 % a.block_size, D);
+        const bf16 *kb = a.pool + kvs_kv_offset(blk, 0, g, key0 % a.block_size, a.n_kv_heads, a.block_size, D);
         const uint32_t st = ring + (i % STAGES) * 2 * SUB;
 #pragma unroll
         for (int u = 0; u < CH / 2; u++) {
