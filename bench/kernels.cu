@@ -3,11 +3,11 @@
  *   - device-to-device copy bandwidth (bytes read + written per second)
  *   - cuBLASLt bf16 GEMM 8192^3 (TFLOP/s)
  *   - paged decode attention, batch 64 x 4096 context, Llama-3-8B shape
- *     (32 query heads, 8 KV heads, head_dim 128): KV bytes read per second, one
- *     line per decode variant (and variant 0 with a split target of 16 blocks
- *     per SM), plus the default in graph mode (max_kv_len and table stride 8x)
+ *     (32 query heads, 8 KV heads, head_dim 128): KV bytes read per second, the
+ *     decode kernel, then in graph mode (max_kv_len 8x)
  *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s, one line per
- *     prefill variant (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
+ *     prefill variant (0, 2, 4, 13) and the default with lse
+ *     (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
  *   - sampling 256 rows of 128,256 logits on the GPU (greedy, temperature,
  *     top-k + top-p + min-p; with logprobs) against copying them to the host as f32
  *   - SnapKV cost for one layer of a 4000-token Llama-3-8B prompt: sparsity_scores
@@ -32,11 +32,9 @@ extern "C" {
 #include "kv/kv.h"
 }
 
-/* tuning knobs of cuda_attention.cu */
-extern "C" int kvs_cuda_attn_prefill_variant;      /* -1: auto; 0: 4 warps x 32 rows, 1: 8 x 32, 2: 4 x 16,
-                                                       3: 0 + FFMA/skip, 4-14: see cuda_attention.cu */
-extern "C" int kvs_cuda_attn_decode_blocks_per_sm; /* split target of decode variants 0/1, default 8 */
-extern "C" int kvs_cuda_attn_decode_variant;       /* 0: block pipeline, 1-3: per-warp rings (see cuda_attention.cu) */
+/* tuning knob of cuda_attention.cu: -1: auto; 0: 4 warps x 32 rows, 2: 4 x 16,
+ * 4: 8 x 32 + FFMA/rescale skip, 13: 4 heads of a GQA group a block (see there) */
+extern "C" int kvs_cuda_attn_prefill_variant;
 
 __global__ void kvs_bench_fill_kernel(bf16 *x, size_t n, uint32_t seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -232,52 +230,35 @@ int main(int argc, char **argv) {
     b->free(b, gc.in), b->free(b, gc.w), b->free(b, gc.out);
     printf("gemm: bf16 8192^3 %.1f TFLOP/s (%.3f ms)\n", gemm_tf, t_gemm * 1e3);
 
-    /* decode attention: 64 x 4096, every variant; then the default in graph mode */
+    /* decode attention: 64 x 4096, the per-warp kernel; then in graph mode */
     attn_ctx dc;
     double kv_bytes = 64.0 * 4096 * 8 * 128 * 2 * 2;
-    enum { N_DEC = 6 };
-    const char *dec_name[N_DEC] = {"v0 block pipeline, 8 blocks/SM", "v0 block pipeline, 16 blocks/SM",
-                                   "v1 per-warp rings x3, 8 blocks/SM", "v2 per-warp rings x3, wave splits",
-                                   "v3 per-warp rings x6, wave splits", "default, graph mode (max_kv_len 8x)"};
-    const int dec_variant[N_DEC] = {0, 0, 1, 2, 3, -1}, dec_bps[N_DEC] = {8, 16, 8, 8, 8, 8};
-    const int dec_default = kvs_cuda_attn_decode_variant;
+    enum { N_DEC = 2 };
+    const char *dec_name[N_DEC] = {"per-warp rings x3, wave splits", "graph mode (max_kv_len 8x)"};
+    const int dec_graph[N_DEC] = {0, 1};
     double dec_bw_v[N_DEC], t_dec_v[N_DEC];
     if (!attn_setup(b, &dc, 64, 4096, 1, false)) return fprintf(stderr, "out of memory\n"), 1;
     for (int v = 0; v < N_DEC; v++) {
-        kvs_cuda_attn_decode_variant = dec_variant[v] < 0 ? dec_default : dec_variant[v];
-        kvs_cuda_attn_decode_blocks_per_sm = dec_bps[v];
         attn_ctx gc_ = dc;
-        if (dec_variant[v] < 0) gc_.ab.max_kv_len *= 8; /* the table stride stays: only max_kv_len is read */
+        if (dec_graph[v]) gc_.ab.max_kv_len *= 8; /* the table stride stays: only max_kv_len is read */
         t_dec_v[v] = time_it(b, 50, run_attn, &gc_);
         dec_bw_v[v] = kv_bytes / t_dec_v[v] / 1e9;
         printf("decode attention: batch 64 x 4096, 32/8 heads, d 128, %s: %.3f ms, %.0f GB/s of KV read "
                "(%.0f%% of copy)\n",
                dec_name[v], t_dec_v[v] * 1e3, dec_bw_v[v], 100 * dec_bw_v[v] / copy_bw);
     }
-    kvs_cuda_attn_decode_blocks_per_sm = 8;
-    kvs_cuda_attn_decode_variant = dec_default;
     attn_free(b, &dc);
 
     /* prefill attention: 4096 tokens, causal; every variant (the default also with lse) */
     attn_ctx pc;
-    enum { N_PRE = 16 };
+    enum { N_PRE = 5 };
     double pre_tf[N_PRE], flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
-    const char *pre_name[N_PRE] = {"v0 4 warps x 32 rows", "v1 8 warps x 32 rows", "v2 4 warps x 16 rows",
-                                   "v3 4 warps x 32 rows, FFMA + rescale skip",
+    const char *pre_name[N_PRE] = {"v0 4 warps x 32 rows", "v2 4 warps x 16 rows",
                                    "v4 8 warps x 32 rows, FFMA + rescale skip",
-                                   "v5 v3 with 32-key softmax steps (no spills)",
-                                   "v6 v4 with 3 K/V stages",
-                                   "v7 v3 without the rescale skip",
-                                   "v8 v6 with 32-key softmax steps (no spills)",
-                                   "v9 v7 with the m-tiles one after the other (ping-pong)",
-                                   "v10 v9 with 32-key softmax steps (no spills)",
-                                   "v11 v4 with GQA pairing (2 heads x 128 rows a block)",
-                                   "v12 v11 with warps skipping fully masked tiles",
-                                   "v13 v12 with 4 heads x 64 rows a block",
-                                   "v14 v4 with warps skipping fully masked tiles",
+                                   "v13 v4 with 4 heads x 64 rows a block, warps skipping fully masked tiles",
                                    "default (auto: v13 where it fits) + lse"};
     const int pre_default = kvs_cuda_attn_prefill_variant;
-    const int pre_variant[N_PRE] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, -2};
+    const int pre_variant[N_PRE] = {0, 2, 4, 13, -2};
     for (int v = 0; v < N_PRE; v++) {
         kvs_cuda_attn_prefill_variant = pre_variant[v] == -2 ? pre_default : pre_variant[v];
         if (!attn_setup(b, &pc, 1, 4096, 4096, pre_variant[v] == -2)) return fprintf(stderr, "out of memory\n"), 1;
@@ -405,7 +386,7 @@ int main(int argc, char **argv) {
     printf("\n| benchmark | result | same-run baseline | ratio |\n| --- | --- | --- | --- |\n");
     for (int v = 0; v < N_DEC; v++)
         printf("| decode attention 64 x 4096, 32/8 x 128, %s%s | %.0f GB/s KV read (%.3f ms) | D2D copy %.0f GB/s | %.0f%% |\n",
-               dec_name[v], dec_variant[v] == dec_default && dec_bps[v] == 8 ? " (default)" : "", dec_bw_v[v],
+               dec_name[v], dec_graph[v] ? "" : " (default)", dec_bw_v[v],
                t_dec_v[v] * 1e3, copy_bw, 100 * dec_bw_v[v] / copy_bw);
     for (int v = 0; v < N_PRE; v++)
         printf("| prefill attention 4096 causal, 32/8 x 128, %s%s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",

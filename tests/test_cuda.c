@@ -433,12 +433,17 @@ typedef struct {
     int32_t *tables; /* [n_seqs * max_blocks] */
 } paged;
 
+/* entries per paged block of the pools paged_build makes (16 unless a test
+ * sets another size for its cases and puts 16 back) */
+static int paged_block_size = 16;
+
 static void paged_build(duo *d, paged *p, int n_seqs, const int *kv_len, int n_kv, int D) {
     memset(p, 0, sizeof *p);
-    p->n_seqs = n_seqs, p->n_kv = n_kv, p->D = D, p->bs = 16;
+    const int bs = paged_block_size;
+    p->n_seqs = n_seqs, p->n_kv = n_kv, p->D = D, p->bs = bs;
     int total_tokens = 0;
     for (int s = 0; s < n_seqs; s++) {
-        int nb = (kv_len[s] + 15) / 16;
+        int nb = (kv_len[s] + bs - 1) / bs;
         if (nb > p->max_blocks) p->max_blocks = nb;
         p->n_blocks += nb;
         total_tokens += kv_len[s];
@@ -454,10 +459,10 @@ static void paged_build(duo *d, paged *p, int n_seqs, const int *kv_len, int n_k
     p->tables = calloc((size_t)n_seqs * p->max_blocks, sizeof(int32_t));
     int64_t next = 0;
     for (int s = 0; s < n_seqs; s++)
-        for (int b = 0; b < (kv_len[s] + 15) / 16; b++) p->tables[(size_t)s * p->max_blocks + b] = order[next++];
-    size_t elems = (size_t)p->n_blocks * 2 * n_kv * 16 * D;
-    p->cpu = (kvs_kv_pool){d->cpu->alloc(d->cpu, elems * 4), p->n_blocks, 16, n_kv, D};
-    p->gpu = (kvs_kv_pool){d->gpu->alloc(d->gpu, elems * 2), p->n_blocks, 16, n_kv, D};
+        for (int b = 0; b < (kv_len[s] + bs - 1) / bs; b++) p->tables[(size_t)s * p->max_blocks + b] = order[next++];
+    size_t elems = (size_t)p->n_blocks * 2 * n_kv * bs * D;
+    p->cpu = (kvs_kv_pool){d->cpu->alloc(d->cpu, elems * 4), p->n_blocks, bs, n_kv, D};
+    p->gpu = (kvs_kv_pool){d->gpu->alloc(d->gpu, elems * 2), p->n_blocks, bs, n_kv, D};
     cr_assert(p->gpu.data, "cuda alloc of the pool");
     float *zero = calloc(elems, sizeof(float));
     d->cpu->to_device(d->cpu, p->cpu.data, zero, elems * 4);
@@ -469,7 +474,7 @@ static void paged_build(duo *d, paged *p, int n_seqs, const int *kv_len, int n_k
     int32_t *slots = malloc(sizeof(int32_t) * total_tokens);
     int t = 0;
     for (int s = 0; s < n_seqs; s++)
-        for (int e = 0; e < kv_len[s]; e++, t++) slots[t] = p->tables[(size_t)s * p->max_blocks + e / 16] * 16 + e % 16;
+        for (int e = 0; e < kv_len[s]; e++, t++) slots[t] = p->tables[(size_t)s * p->max_blocks + e / bs] * bs + e % bs;
     void *ck = cpu_put(d, k, total_tokens * row), *cv = cpu_put(d, v, total_tokens * row);
     void *gk = gpu_put(d, k, total_tokens * row), *gv = gpu_put(d, v, total_tokens * row);
     void *cs = put_i32(d->cpu, slots, total_tokens), *gs = put_i32(d->gpu, slots, total_tokens);
@@ -487,7 +492,7 @@ static void paged_free(duo *d, paged *p) {
 }
 
 static void check_pools_equal(duo *d, paged *p, const char *what) {
-    size_t elems = (size_t)p->n_blocks * 2 * p->n_kv * 16 * p->D;
+    size_t elems = (size_t)p->n_blocks * 2 * p->n_kv * p->bs * p->D;
     float *got = gpu_get(d, p->gpu.data, elems);
     expect_close(what, got, p->cpu.data, elems, 0, 0);
     free(got);
@@ -576,18 +581,18 @@ Test(cuda, attention_prefill_long_d128) {
 }
 
 #ifdef KVS_HAVE_CUDA
-/* the other prefill block shapes (benchmark variants of cuda_attention.cu) */
+/* every prefill variant of cuda_attention.cu (0, 2, 4, 13; the automatic
+ * choice is covered by the other tests) on every case */
 extern int kvs_cuda_attn_prefill_variant;
 Test(cuda, attention_prefill_variants) {
     const int kv[] = {1500, 333}, q[] = {1500, 333};
-    const int def = kvs_cuda_attn_prefill_variant; /* the other tests cover the default */
-    /* 11-13 pair 2 or 4 query heads of a KV group a block: groups 4, 8 and 2 here
-     * (4/2 x 32 falls back for 13), and group 1 (8/8 x 64) and 3 (6/2 x 128) fall back;
-     * 99 is unknown and acts as the automatic choice */
-    const int variants[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 99};
+    const int def = kvs_cuda_attn_prefill_variant;
+    /* 13 pairs 4 query heads of a KV group a block: groups 4 and 8 here; groups
+     * 2 (4/2 x 32), 1 (8/8 x 64) and 3 (6/2 x 128) fall back to 4. 1 (a deleted
+     * variant) and 99 are unknown and act as the automatic choice */
+    const int variants[] = {0, 2, 4, 13, 1, 99};
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
         const int v = variants[i];
-        if (v == def) continue;
         kvs_cuda_attn_prefill_variant = v;
         cr_log_info("prefill variant %d", v);
         attention_case(32, 8, 128, 2, kv, q);
@@ -595,10 +600,8 @@ Test(cuda, attention_prefill_variants) {
         attention_case(16, 4, 64, MIX_N, mix_kv, mix_q);
         attention_case(32, 4, 128, MIX_N, mix_kv, mix_q);
         attention_case(4, 2, 32, MIX_N, mix_kv, mix_q);
-        if (v >= 11) {
-            attention_case(8, 8, 64, MIX_N, mix_kv, mix_q);
-            attention_case(6, 2, 128, MIX_N, mix_kv, mix_q);
-        }
+        attention_case(8, 8, 64, MIX_N, mix_kv, mix_q);
+        attention_case(6, 2, 128, MIX_N, mix_kv, mix_q);
     }
     kvs_cuda_attn_prefill_variant = def;
 }
@@ -627,17 +630,18 @@ Test(cuda, attention_decode_graph_capacity) {
     attention_case_cap(32, 8, 128, MIX_N, mix_kv, mix_q, 8); /* prefill chunks too */
 }
 
-#ifdef KVS_HAVE_CUDA
-/* the decode kernel variants of cuda_attention.cu, each on every decode case,
- * plain and in graph mode (capacity 8) */
-extern int kvs_cuda_attn_decode_variant;
-Test(cuda, attention_decode_variants) {
-    const int def = kvs_cuda_attn_decode_variant;
+/* the decode routes of cuda_attention.cu, each on the decode cases, plain and
+ * in graph mode (capacity 8): the per-warp mma kernel (head_dim 32/64/128,
+ * group <= 16, block_size a multiple of 16: the tests above and block size 32
+ * here) and the scalar split kernel for the rest (block sizes 12 and 24, head_dim
+ * 96, group 32) */
+Test(cuda, attention_decode_routes) {
     const int kv_long[] = {20000}, q_long[] = {1};
     const int kv_batch[] = {4096, 4095, 4097, 3000, 1, 64, 65, 2049}, q_batch[] = {1, 1, 1, 1, 1, 1, 1, 1};
-    for (int v = 0; v <= 3; v++) {
-        kvs_cuda_attn_decode_variant = v;
-        cr_log_info("decode variant %d", v);
+    const int block_sizes[] = {32, 12, 24};
+    for (int i = 0; i < 3; i++) {
+        paged_block_size = block_sizes[i];
+        cr_log_info("decode, block_size %d", paged_block_size);
         attention_case(32, 4, 128, 10, dec_kv, dec_q);
         attention_case(32, 8, 128, 10, dec_kv, dec_q);
         attention_case(8, 8, 64, 10, dec_kv, dec_q);
@@ -648,10 +652,16 @@ Test(cuda, attention_decode_variants) {
         attention_case_cap(32, 8, 128, 10, dec_kv, dec_q, 8);
         attention_case_cap(8, 8, 64, 10, dec_kv, dec_q, 8);
         attention_case_cap(32, 8, 128, 8, kv_batch, q_batch, 8);
+        attention_case(32, 8, 128, MIX_N, mix_kv, mix_q); /* prefill chunks on this pool too */
     }
-    kvs_cuda_attn_decode_variant = def;
+    paged_block_size = 16;
+    cr_log_info("decode, scalar kernel: head_dim 96, group 32");
+    attention_case(8, 2, 96, 10, dec_kv, dec_q);
+    attention_case_cap(8, 2, 96, 10, dec_kv, dec_q, 8);
+    attention_case(32, 1, 128, 10, dec_kv, dec_q);
+    attention_case_cap(32, 1, 128, 10, dec_kv, dec_q, 8);
+    attention_case(32, 1, 64, 8, kv_batch, q_batch);
 }
-#endif
 
 static void scores_case(int n_heads, int n_kv, int D, int n_keys, int n_win) {
     duo d;

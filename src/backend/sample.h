@@ -92,6 +92,26 @@ KVS_HD bool kvs_sample_min_p_ok(float z, float m, double log_min_p) { return (do
 /* NaN logits read as -inf. */
 KVS_HD float kvs_sample_clean(float x) { return x != x ? -INFINITY : x; }
 
+/* One byte of the radix select over the keys (cpu_sample.c's threshold,
+ * cuda_sample.cu's kvs_sample_threshold), from the 256 bins of the kept weight
+ * under the prefix: on the first byte (first) with frac > 0 the target becomes
+ * frac x the bins' total; the byte is the highest d whose bins from 255 down to
+ * d reach the target (0 when none), and above gains the bins past d. */
+KVS_HD uint32_t kvs_sample_radix_digit(const unsigned long long *bins, bool first, double frac, double *target,
+                                       unsigned long long *above) {
+    if (first && frac > 0) {
+        unsigned long long total = 0;
+        for (int d = 0; d < 256; d++) total += bins[d];
+        *target = frac * (double)total;
+    }
+    int d = 255;
+    for (; d > 0; d--) {
+        if ((double)(*above + bins[d]) >= *target) break;
+        *above += bins[d];
+    }
+    return (uint32_t)d;
+}
+
 /* ---- tensor parallelism: sampling a row whose logits are split by vocabulary
  * A rank holding the slice of global ids id0 .. id0 + count - 1 reduces it to
  * one kvs_sample_part (the sample_shard op); the ranks all-gather the parts

@@ -24,9 +24,9 @@ static bool kept(const row_view *r, float z) {
  * when frac > 0). */
 static uint32_t threshold(const row_view *r, bool by_mass, double target, double frac) {
     uint32_t prefix = 0;
-    uint64_t above = 0; /* weight of the tokens above the prefix's range */
+    unsigned long long above = 0; /* weight of the tokens above the prefix's range */
     for (int shift = 24; shift >= 0; shift -= 8) {
-        uint64_t bins[256] = {0};
+        unsigned long long bins[256] = {0};
         uint32_t hi_mask = shift == 24 ? 0 : ~0u << (shift + 8);
         for (int i = 0; i < r->vocab; i++) {
             float z = z_at(r, i);
@@ -34,17 +34,7 @@ static uint32_t threshold(const row_view *r, bool by_mass, double target, double
             if ((key & hi_mask) != prefix || !kept(r, z)) continue;
             bins[(key >> shift) & 255] += by_mass ? kvs_sample_weight(z, r->m) : 1;
         }
-        if (shift == 24 && frac > 0) {
-            uint64_t total = 0;
-            for (int d = 0; d < 256; d++) total += bins[d];
-            target = frac * (double)total;
-        }
-        int d = 255;
-        for (; d > 0; d--) {
-            if ((double)(above + bins[d]) >= target) break;
-            above += bins[d];
-        }
-        prefix |= (uint32_t)d << shift;
+        prefix |= kvs_sample_radix_digit(bins, shift == 24, frac, &target, &above) << shift;
     }
     return prefix;
 }

@@ -2,28 +2,26 @@
  *
  * Three kernels behind one entry point:
  *  - kvs_attn_fa2mt_kernel (head_dim 32/64/128, batches with a chunk longer than
- *    one token): FlashAttention-2 structure on mma.sync m16n8k16 bf16. A block of
- *    4 warps owns 128 query rows of one head (each warp two 16-row m-tiles, so each
- *    K/V fragment read from shared memory feeds two mma's; Q stays in shared
- *    memory); K/V tiles of 64 keys stream through shared memory with cp.async
- *    (double buffered, rows padded by 16 bytes so ldmatrix is conflict free); S
- *    stays in registers and becomes the bf16 A fragments of P.V directly; online
- *    softmax in the exp2 domain; causal masking only on the tiles that cross the
- *    diagonal; heaviest query tiles launch first. kvs_attn_fa2_kernel (one m-tile
- *    a warp, Q in registers) and an 8-warp shape remain as benchmark variants.
- *  - kvs_attn_decode_kernel (one-token batches, head_dim 32/64/128, GQA group
- *    <= 16): a block owns one token, one KV head and one split of its keys; the
- *    group's query heads are the 16 rows of the mma A operand (rows past the group
- *    are zero), so each K/V byte is read once for the whole group; 3-stage cp.async
- *    pipeline of 64-key tiles, each warp takes 16 keys of a tile, the four warps'
- *    partial softmaxes merge in shared memory, kvs_attn_combine_kernel merges
- *    the splits.
+ *    one token): FlashAttention-2 structure on mma.sync m16n8k16 bf16. Each warp
+ *    owns two 16-row m-tiles (each K/V fragment read from shared memory feeds two
+ *    mma's; Q stays in shared memory); K/V tiles of 64 keys stream through shared
+ *    memory with cp.async (double buffered, rows padded by 16 bytes so ldmatrix is
+ *    conflict free); S stays in registers and becomes the bf16 A fragments of P.V
+ *    directly; online softmax in the exp2 domain; causal masking only on the
+ *    tiles that cross the diagonal; heaviest query tiles launch first. The default
+ *    (v13) puts 4 query heads of a GQA group in one block of 8 warps. Where its
+ *    shared memory does not fit, 4-warp blocks (v0), or kvs_attn_fa2_kernel (one
+ *    m-tile a warp, Q in registers: v2).
+ *  - kvs_attn_decode_warp_kernel (one-token batches, head_dim 32/64/128, GQA group
+ *    <= 16, block_size a multiple of 16): per-warp cp.async rings, wave-aware
+ *    splits, kvs_attn_combine_kernel merges the splits (none with one split).
  *  - kvs_attn_split_kernel: the scalar fallback for other head sizes (80, 96,
- *    256) and larger groups, also split + combine.
+ *    256), larger groups and block sizes not a multiple of 16, also split + combine.
  * LSE is the natural log of the softmax denominator of the scaled scores. */
 #include <math.h>
 
 #include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/cuda_mma.cuh"
 
 #define KVS_ATTN_TILE 64    /* keys per K/V tile; query rows per prefill block */
 #define KVS_ATTN_THREADS 128
@@ -36,12 +34,6 @@ struct kvs_attn_args {
     float scale;
 };
 
-/* Element offset of (block, kind, head, offset) in a bf16 pool. */
-__device__ __forceinline__ size_t kvs_attn_kv_offset(const kvs_attn_args &a, int block, int kind, int head,
-                                                     int offset, int head_dim) {
-    return ((((size_t)block * 2 + kind) * a.n_kv_heads + head) * a.block_size + offset) * (size_t)head_dim;
-}
-
 /* Loads keys [key0, key0 + 64) of (seq, kv head) into k_s and v_s (rows of D + 8;
  * rows at or past key_end are zero). 16-byte pieces. */
 template <int D>
@@ -53,8 +45,8 @@ __device__ __forceinline__ void kvs_attn_load_kv_tile(const kvs_attn_args &a, co
         uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
         if (e < key_end) {
             int blk = table[e / a.block_size], off = e % a.block_size;
-            kv = *(const uint4 *)(a.pool + kvs_attn_kv_offset(a, blk, 0, g, off, D) + c * 8);
-            vv = *(const uint4 *)(a.pool + kvs_attn_kv_offset(a, blk, 1, g, off, D) + c * 8);
+            kv = *(const uint4 *)(a.pool + kvs_kv_offset(blk, 0, g, off, a.n_kv_heads, a.block_size, D) + c * 8);
+            vv = *(const uint4 *)(a.pool + kvs_kv_offset(blk, 1, g, off, a.n_kv_heads, a.block_size, D) + c * 8);
         }
         *(uint4 *)(k_s + r * LD + c * 8) = kv;
         *(uint4 *)(v_s + r * LD + c * 8) = vv;
@@ -194,57 +186,6 @@ __global__ void kvs_attn_combine_kernel(bf16 *out, float *lse, const float *part
     if (lse && threadIdx.x == 0) lse[row] = M + logf(L);
 }
 
-/* ---- tensor-core helpers (mma.sync m16n8k16, ldmatrix, cp.async) -------------- */
-
-__device__ __forceinline__ uint32_t kvs_smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-/* 16-byte async copy global -> shared; zero fill when !valid (src must still be a
- * valid address). */
-__device__ __forceinline__ void kvs_cp_async16(uint32_t dst, const void *src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void kvs_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void kvs_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void kvs_ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
-                                                uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-__device__ __forceinline__ void kvs_ldmatrix_x4_trans(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
-                                                      uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-/* c += a (16x16 bf16, row) * b (16x8 bf16, col), fp32 accumulators */
-__device__ __forceinline__ void kvs_mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float kvs_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ uint32_t kvs_pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *(uint32_t *)&v;
-}
-
-#define KVS_LOG2E 1.4426950408889634f
-#define KVS_LN2 0.6931471805599453f
-
 /* Shared-memory rows of K, V and Q: head_dim bf16 plus 16 bytes of padding, so the
  * eight 16-byte row pieces one ldmatrix phase reads fall in distinct banks. */
 template <int D>
@@ -265,7 +206,9 @@ __device__ __forceinline__ void kvs_attn_issue_kv_tile(const kvs_attn_args &a, c
         int r = p / CH, c = p % CH, e = key0 + r;
         bool ok = e < key_end;
         const bf16 *src = a.pool;
-        if (ok) src = a.pool + kvs_attn_kv_offset(a, table[e / a.block_size], 0, g, e % a.block_size, D) + c * 8;
+        if (ok)
+            src = a.pool + kvs_kv_offset(table[e / a.block_size], 0, g, e % a.block_size, a.n_kv_heads,
+                                         a.block_size, D) + c * 8;
         uint32_t off = r * kvs_rows<D>::BYTES + c * 16;
         kvs_cp_async16(k_s + off, src, ok);
         kvs_cp_async16(v_s + off, ok ? src + v_delta : a.pool, ok);
@@ -377,10 +320,10 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
  * from shared memory (q_w: the warp's first row) at each tile, which costs less
  * shared-memory bandwidth than the K/V fragments it saves.
  * FAST (needs scale > 0): the row max is taken over the raw scores and each
- * probability costs one FFMA + ex2 (exp2(s * scale_log2 - m)). SKIP (with FAST):
- * the O rescale is skipped when no row max of the warp's m-tile changed
- * (alpha == 1 everywhere; a warp vote, so a branch). */
-template <int D, int NK, bool MASK, int MT, bool FAST, bool SKIP = FAST>
+ * probability costs one FFMA + ex2 (exp2(s * scale_log2 - m)), and the O rescale
+ * is skipped when no row max of the warp's m-tile changed (alpha == 1
+ * everywhere; a warp vote, so a branch). */
+template <int D, int NK, bool MASK, int MT, bool FAST>
 __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w, uint32_t v_w, int key_base,
                                                       int lim_base, float scale_log2,
                                                       float (&o)[MT][D / 8][4], float (&m)[MT][2],
@@ -459,7 +402,7 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
         }
         l[mt][0] = l[mt][0] * alpha0 + sum0;
         l[mt][1] = l[mt][1] * alpha1 + sum1;
-        if (!SKIP || __any_sync(0xffffffffu, grew)) {
+        if (!FAST || __any_sync(0xffffffffu, grew)) {
 #pragma unroll
             for (int n = 0; n < D / 8; n++) {
                 o[mt][n][0] *= alpha0, o[mt][n][1] *= alpha0;
@@ -481,123 +424,6 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
                 kvs_mma_bf16(o[mt][n + 1], pa[mt][kk], b2, b3);
             }
         }
-    }
-}
-
-/* One m-tile's online softmax (FAST fold: raw scores s, their row maxima mx0/mx1
- * over this thread's columns, scale > 0) and O = alpha O + P V, rescale always
- * (no branch). */
-template <int D, int NK>
-__device__ __forceinline__ void kvs_attn_pp_softmax_pv(float (&s)[NK / 8][4], float mx0, float mx1, float scale_log2,
-                                                       float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
-                                                       uint32_t v_lane, int lane) {
-    constexpr int RB = kvs_rows<D>::BYTES;
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
-    const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
-    const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float alpha0 = kvs_exp2(m[0] - mu0), alpha1 = kvs_exp2(m[1] - mu1);
-    m[0] = mn0, m[1] = mn1;
-    float sum0 = 0.f, sum1 = 0.f;
-    uint32_t pa[NK / 16][4];
-#pragma unroll
-    for (int j = 0; j < NK / 8; j++) {
-        float p0 = kvs_exp2(fmaf(s[j][0], scale_log2, -mu0)), p1 = kvs_exp2(fmaf(s[j][1], scale_log2, -mu0));
-        float p2 = kvs_exp2(fmaf(s[j][2], scale_log2, -mu1)), p3 = kvs_exp2(fmaf(s[j][3], scale_log2, -mu1));
-        sum0 += p0 + p1;
-        sum1 += p2 + p3;
-        pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(p0, p1);
-        pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(p2, p3);
-    }
-    l[0] = l[0] * alpha0 + sum0;
-    l[1] = l[1] * alpha1 + sum1;
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-        o[n][0] *= alpha0, o[n][1] *= alpha0;
-        o[n][2] *= alpha1, o[n][3] *= alpha1;
-    }
-#pragma unroll
-    for (int kk = 0; kk < NK / 16; kk++) {
-#pragma unroll
-        for (int n = 0; n < D / 8; n += 2) {
-            uint32_t b0, b1, b2, b3;
-            kvs_ldmatrix_x4_trans(b0, b1, b2, b3, v_lane + kk * 16 * RB + n * 16);
-            kvs_mma_bf16(o[n], pa[kk], b0, b1);
-            kvs_mma_bf16(o[n + 1], pa[kk], b2, b3);
-        }
-    }
-}
-
-/* Variant of kvs_attn_warp_tile_mt for MT m-tiles done one after the other
- * ("ping-pong" inside a warp): S of m-tile mt + 1 is computed (mma) before the
- * softmax of m-tile mt, and P.V of mt before the softmax of mt + 1, so within one
- * basic block (FAST fold, no rescale-skip branch) ptxas can overlap one m-tile's
- * exponentials with the other's tensor-core work. Each K/V fragment is read from
- * shared memory once per m-tile (MT times per tile instead of once). */
-template <int D, int NK, bool MASK, int MT>
-__device__ __forceinline__ void kvs_attn_warp_tile_pp(uint32_t q_w, uint32_t k_w, uint32_t v_w, int key_base,
-                                                      int lim_base, float scale_log2, float (&o)[MT][D / 8][4],
-                                                      float (&m)[MT][2], float (&l)[MT][2], int lane) {
-    constexpr int RB = kvs_rows<D>::BYTES;
-    const uint32_t q_lane = q_w + ((lane & 7) + ((lane >> 3) & 1) * 8) * RB + (lane >> 4) * 16;
-    const uint32_t k_lane = k_w + (((lane >> 4) * 8) + (lane & 7)) * RB + ((lane >> 3) & 1) * 16;
-    const uint32_t v_lane = v_w + (((lane >> 3) & 1) * 8 + (lane & 7)) * RB + (lane >> 4) * 16;
-    const int col = key_base + 2 * (lane & 3);
-    float s[MT][NK / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        /* S of m-tile mt (raw scores) */
-#pragma unroll
-        for (int j = 0; j < NK / 8; j++) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t qa[4];
-            kvs_ldmatrix_x4(qa[0], qa[1], qa[2], qa[3], q_lane + mt * 16 * RB + kk * 32);
-#pragma unroll
-            for (int j = 0; j < NK / 8; j += 2) {
-                uint32_t b0, b1, b2, b3;
-                kvs_ldmatrix_x4(b0, b1, b2, b3, k_lane + j * 8 * RB + kk * 32);
-                kvs_mma_bf16(s[mt][j], qa, b0, b1);
-                kvs_mma_bf16(s[mt][j + 1], qa, b2, b3);
-            }
-        }
-        if (mt == 0) continue;
-        /* softmax and P.V of the previous m-tile, whose S is complete */
-        const int pm = mt - 1;
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < NK / 8; j++) {
-            if (MASK) {
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    int e = col + 8 * j + (c & 1);
-                    if (e > lim_base + 16 * pm + 8 * (c >> 1)) s[pm][j][c] = -INFINITY;
-                }
-            }
-            mx0 = fmaxf(mx0, fmaxf(s[pm][j][0], s[pm][j][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[pm][j][2], s[pm][j][3]));
-        }
-        kvs_attn_pp_softmax_pv<D, NK>(s[pm], mx0, mx1, scale_log2, o[pm], m[pm], l[pm], v_lane, lane);
-    }
-    {
-        constexpr int pm = MT - 1;
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < NK / 8; j++) {
-            if (MASK) {
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    int e = col + 8 * j + (c & 1);
-                    if (e > lim_base + 16 * pm + 8 * (c >> 1)) s[pm][j][c] = -INFINITY;
-                }
-            }
-            mx0 = fmaxf(mx0, fmaxf(s[pm][j][0], s[pm][j][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[pm][j][2], s[pm][j][3]));
-        }
-        kvs_attn_pp_softmax_pv<D, NK>(s[pm], mx0, mx1, scale_log2, o[pm], m[pm], l[pm], v_lane, lane);
     }
 }
 
@@ -701,34 +527,27 @@ __global__ void __launch_bounds__(WARPS * 32, KVS_FA2_MIN_BLOCKS(WARPS))
 }
 
 /* Prefill with MT m-tiles a warp: WARPS x MT x 16 query rows a block, the Q tile
- * kept in shared memory beside STAGES K/V stages (64-key tiles). */
-template <int D, int WARPS, int MT, int STAGES_ = 2>
+ * kept in shared memory beside two K/V stages (64-key tiles). */
+template <int D, int WARPS, int MT>
 struct kvs_fa2mt_smem {
     static constexpr int M = 16 * MT * WARPS;
-    static constexpr int STAGES = STAGES_;
+    static constexpr int STAGES = 2;
     static constexpr size_t q = 0, kv = (size_t)M * kvs_rows<D>::BYTES,
                             bytes = kv + (size_t)STAGES * 2 * kvs_rows<D>::TILE_BYTES;
 };
 
-/* STAGES: K/V tiles in flight (cp.async groups; the wait leaves STAGES - 2 pending).
- * NSUB: keys per softmax step (64: one step a tile; 32: two steps a tile, half the
- * S registers live at once). SKIP: see kvs_attn_warp_tile_mt. PP: the m-tiles one
- * after the other (kvs_attn_warp_tile_pp; needs FAST, ignores SKIP).
+/* FAST: see kvs_attn_warp_tile_mt (needs scale > 0).
  * HEADS: query heads of one KV group a block (GQA pairing; the group size must be a
  * multiple): warps [k WARPS / HEADS, (k + 1) WARPS / HEADS) own the block's query
  * rows of head HEADS x blockIdx.x + k, so every K/V tile in shared memory feeds
  * HEADS heads while the block covers only M / HEADS query positions (the causal
- * diagonal's waste of M / HEADS-row tiles). WSKIP: a warp skips a (sub-)tile whose
- * keys are all past its last row's causal limit (an exact no-op: p = 0, alpha = 1). */
-template <int D, int WARPS, int MT, bool FAST, int STAGES = 2, int NSUB = KVS_ATTN_TILE, bool SKIP = FAST,
-          bool PP = false, int HEADS = 1, bool WSKIP = false>
+ * diagonal's waste of M / HEADS-row tiles). WSKIP: a warp skips a tile whose keys
+ * are all past its last row's causal limit (an exact no-op: p = 0, alpha = 1). */
+template <int D, int WARPS, int MT, bool FAST, int HEADS = 1, bool WSKIP = false>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     kvs_attn_fa2mt_kernel(kvs_attn_args a, bf16 *out, float *lse) {
-    static_assert(KVS_ATTN_TILE % NSUB == 0 && NSUB % 16 == 0, "whole 16-key steps");
-    static_assert(STAGES >= 2, "at least double buffered");
-    static_assert(!PP || FAST, "the ping-pong tile folds the scale");
     static_assert(HEADS >= 1 && WARPS % HEADS == 0, "whole warps per head");
-    using L = kvs_fa2mt_smem<D, WARPS, MT, STAGES>;
+    using L = kvs_fa2mt_smem<D, WARPS, MT>;
     constexpr int THREADS = WARPS * 32, M = L::M, RB = kvs_rows<D>::BYTES, TB = kvs_rows<D>::TILE_BYTES;
     constexpr int MH = M / HEADS, WPH = WARPS / HEADS; /* query rows and warps per head */
     extern __shared__ __align__(128) unsigned char smem[];
@@ -750,15 +569,9 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
         const bf16 *src = ok ? a.q + ((size_t)(t0 + qr) * a.n_heads + h0 + r / MH) * D + c * 8 : a.q;
         kvs_cp_async16(q_s + r * RB + c * 16, src, ok);
     }
-    /* tiles 0 .. STAGES - 2 in flight (one group each, Q in the first; empty groups past the end) */
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; st++) {
-        if (st == 0 || st < n_tiles) { /* n_tiles >= 1 */
-            uint32_t dst = kv_s + st * 2 * TB;
-            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, st * KVS_ATTN_TILE, n_keys, dst, dst + TB);
-        }
-        kvs_cp_async_commit();
-    }
+    /* tile 0 in flight, in one group with Q (n_tiles >= 1) */
+    kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, 0, n_keys, kv_s, kv_s + TB);
+    kvs_cp_async_commit();
 
     const int wrow = q0 + (warp % WPH) * 16 * MT + lane / 4; /* row g of the warp's first m-tile */
     const int lim_base = past + wrow;
@@ -776,32 +589,22 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     }
 
     for (int i = 0; i < n_tiles; i++) {
-        kvs_cp_async_wait<STAGES - 2>();
+        kvs_cp_async_wait<0>();
         __syncthreads(); /* tile i (and Q) landed; tile i - 1 is no longer read */
-        if (i + STAGES - 1 < n_tiles) { /* into the stage tile i - 1 used */
-            uint32_t st = kv_s + ((i + STAGES - 1) % STAGES) * 2 * TB;
-            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, (i + STAGES - 1) * KVS_ATTN_TILE, n_keys, st, st + TB);
+        if (i + 1 < n_tiles) { /* into the stage tile i - 1 used */
+            uint32_t st = kv_s + ((i + 1) % L::STAGES) * 2 * TB;
+            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, (i + 1) * KVS_ATTN_TILE, n_keys, st, st + TB);
         }
         kvs_cp_async_commit();
-        const uint32_t k_t = kv_s + (i % STAGES) * 2 * TB;
-#pragma unroll
-        for (int sub = 0; sub < KVS_ATTN_TILE / NSUB; sub++) {
-            const uint32_t k_w = k_t + sub * NSUB * RB, v_w = k_t + TB + sub * NSUB * RB;
-            const int key0 = i * KVS_ATTN_TILE + sub * NSUB;
-            if (NSUB < KVS_ATTN_TILE && key0 >= n_keys) break; /* the last tile's empty half */
-            if (WSKIP && key0 > warp_limit) break;            /* warp-uniform: every row masked */
-            if (PP) {
-                if (key0 + NSUB - 1 <= full_limit)
-                    kvs_attn_warp_tile_pp<D, NSUB, false, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l, lane);
-                else
-                    kvs_attn_warp_tile_pp<D, NSUB, true, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l, lane);
-            } else if (key0 + NSUB - 1 <= full_limit)
-                kvs_attn_warp_tile_mt<D, NSUB, false, MT, FAST, SKIP>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m,
-                                                                      l, lane);
-            else
-                kvs_attn_warp_tile_mt<D, NSUB, true, MT, FAST, SKIP>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m,
+        const uint32_t k_w = kv_s + (i % L::STAGES) * 2 * TB, v_w = k_w + TB;
+        const int key0 = i * KVS_ATTN_TILE;
+        if (WSKIP && key0 > warp_limit) continue; /* warp-uniform: every row masked */
+        if (key0 + KVS_ATTN_TILE - 1 <= full_limit)
+            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, false, MT, FAST>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m,
                                                                      l, lane);
-        }
+        else
+            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, true, MT, FAST>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m,
+                                                                    l, lane);
     }
 
     const int cq = 2 * (lane & 3);
@@ -826,156 +629,35 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     }
 }
 
-/* ---- decode on the tensor cores: one token x one KV group x one split a block --- */
-
-#define KVS_DEC_WARPS 4
-#define KVS_DEC_STAGES 3
-
-template <int D>
-struct kvs_dec_smem {
-    static constexpr size_t q = 0, kv = 16 * (size_t)kvs_rows<D>::BYTES,
-                            bytes = kv + (size_t)KVS_DEC_STAGES * 2 * kvs_rows<D>::TILE_BYTES;
-    /* after the loop, the warps' partial (m, l, o) reuse the K/V stages */
-    static_assert(KVS_DEC_WARPS * 16 * (D + 2) * 4 <= KVS_DEC_STAGES * 2 * kvs_rows<D>::TILE_BYTES, "merge area");
-};
-
-template <int D>
-__global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
-    kvs_attn_decode_kernel(kvs_attn_args a, float *part_o, float *part_ml, int split_len) {
-    using L = kvs_dec_smem<D>;
-    constexpr int THREADS = KVS_DEC_WARPS * 32, RB = kvs_rows<D>::BYTES, TB = kvs_rows<D>::TILE_BYTES;
-    extern __shared__ __align__(128) unsigned char smem[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int group = a.n_heads / a.n_kv_heads;
-    const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, h0 = g * group;
-    const int seq = kvs_attn_seq_of(a.q_start, a.n_seqs, t);
-    const int q_len = a.q_start[seq + 1] - a.q_start[seq];
-    const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
-    const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
-    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
-    const size_t base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
-    if (k0 >= k1) { /* an empty split (a shorter sequence of the batch); the combine skips it */
-        for (int i = threadIdx.x; i < group; i += THREADS) {
-            part_ml[(base + i) * 2] = -INFINITY;
-            part_ml[(base + i) * 2 + 1] = 0.f;
-        }
-        return;
-    }
-    const int n_tiles = (k1 - k0 + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
-
-    const uint32_t q_s = kvs_smem_u32(smem) + (uint32_t)L::q, kv_s = kvs_smem_u32(smem) + (uint32_t)L::kv;
-    for (int p = threadIdx.x; p < 16 * (D / 8); p += THREADS) {
-        int r = p / (D / 8), c = p % (D / 8);
-        bool ok = r < group;
-        const bf16 *src = ok ? a.q + ((size_t)t * a.n_heads + h0 + r) * D + c * 8 : a.q;
-        kvs_cp_async16(q_s + r * RB + c * 16, src, ok);
-    }
-#pragma unroll
-    for (int i = 0; i < KVS_DEC_STAGES - 1; i++) {
-        if (i < n_tiles) {
-            uint32_t st = kv_s + i * 2 * TB;
-            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, k0 + i * KVS_ATTN_TILE, k1, st, st + TB);
-        }
-        kvs_cp_async_commit();
-    }
-
-    const float scale_log2 = a.scale * KVS_LOG2E;
-    uint32_t qa[D / 16][4];
-    float o[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-    const int lim = k1 - 1;
-
-    for (int i = 0; i < n_tiles; i++) {
-        kvs_cp_async_wait<KVS_DEC_STAGES - 2>();
-        __syncthreads();
-        if (i == 0) kvs_attn_load_q_frags<D>(qa, q_s, lane);
-        {
-            int nt = i + KVS_DEC_STAGES - 1;
-            if (nt < n_tiles) {
-                uint32_t st = kv_s + (nt % KVS_DEC_STAGES) * 2 * TB;
-                kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, k0 + nt * KVS_ATTN_TILE, k1, st, st + TB);
-            }
-            kvs_cp_async_commit();
-        }
-        const uint32_t k_w = kv_s + (i % KVS_DEC_STAGES) * 2 * TB + warp * 16 * RB, v_w = k_w + TB;
-        const int key_base = k0 + i * KVS_ATTN_TILE + warp * 16;
-        if (key_base + 15 <= lim)
-            kvs_attn_warp_tile<D, 16, false>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
-        else
-            kvs_attn_warp_tile<D, 16, true>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
-    }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-
-    /* merge the warps: partial (m, l, o) of each warp's rows through shared memory */
-    kvs_cp_async_wait<0>();
-    __syncthreads();
-    constexpr int OLD = D + 2; /* floats per merge row: o[D], m, l */
-    float *mw = (float *)(smem + L::kv);
-    const int r0 = lane / 4, cq = 2 * (lane & 3);
-    {
-        float *w0 = mw + (warp * 16 + r0) * OLD, *w1 = w0 + 8 * OLD;
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            *(float2 *)(w0 + 8 * n + cq) = make_float2(o[n][0], o[n][1]);
-            *(float2 *)(w1 + 8 * n + cq) = make_float2(o[n][2], o[n][3]);
-        }
-        if ((lane & 3) == 0) {
-            w0[D] = m0, w0[D + 1] = l0;
-            w1[D] = m1, w1[D + 1] = l1;
-        }
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < group * D; idx += THREADS) {
-        int r = idx / D, d = idx % D;
-        float M = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < KVS_DEC_WARPS; w++) M = fmaxf(M, mw[(w * 16 + r) * OLD + D]);
-        float acc = 0.f, Lsum = 0.f;
-        if (M != -INFINITY) {
-#pragma unroll
-            for (int w = 0; w < KVS_DEC_WARPS; w++) {
-                const float *row = mw + (w * 16 + r) * OLD;
-                float f = kvs_exp2(row[D] - M);
-                acc += row[d] * f;
-                Lsum += row[D + 1] * f;
-            }
-        }
-        part_o[(base + r) * D + d] = acc;
-        if (d == 0) {
-            part_ml[(base + r) * 2] = M == -INFINITY ? -INFINITY : M * KVS_LN2; /* natural-log domain */
-            part_ml[(base + r) * 2 + 1] = Lsum;
-        }
-    }
-}
-
-/* ---- decode with per-warp pipelines (no block barrier in the key loop) ---------
- * A block still owns one token, one KV group and one split, but each of its
- * warps streams its own 16-key sub-tiles (sub-tiles w, w + 4, w + 8, ... of the
- * split) through its own STAGES-deep cp.async ring, waiting only for its own
+/* ---- decode on the tensor cores, per-warp pipelines (no block barrier in the key loop)
+ * A block owns one token, one KV group and one split of its keys (the group's
+ * query heads are the 16 rows of the mma A operand; rows past the group are
+ * zero, so each K/V byte is read once for the whole group). Each of its 4 warps
+ * streams its own 16-key sub-tiles (sub-tiles w, w + 4, w + 8, ... of the
+ * split) through its own 3-stage cp.async ring, waiting only for its own
  * copies (wait_group + __syncwarp): a slow copy stalls one warp, not the block.
  * A sub-tile is 16 keys of one paged block (block_size % 16 == 0, split starts on
  * multiples of 64), so it costs one block-table entry; the entries of 32
  * sub-tiles at a time sit in the warp's lanes (one load, then __shfl_sync), off
  * the copy path. With one split (gridDim.z == 1) the block writes the final
  * output and LSE itself and no combine runs. */
-template <int D, int STAGES>
+#define KVS_DEC_WARPS 4
+#define KVS_DEC_STAGES 3
+
+template <int D>
 struct kvs_decw_smem {
+    static constexpr int STAGES = KVS_DEC_STAGES;
     static constexpr int SUB = 16 * kvs_rows<D>::BYTES; /* one 16-key K (or V) sub-tile */
     static constexpr size_t q = 0, kv = 16 * (size_t)kvs_rows<D>::BYTES,
                             bytes = kv + (size_t)KVS_DEC_WARPS * STAGES * 2 * SUB;
     static_assert(KVS_DEC_WARPS * 16 * (D + 2) * 4 <= (size_t)KVS_DEC_WARPS * STAGES * 2 * SUB, "merge area");
 };
 
-template <int D, int STAGES>
+template <int D>
 __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     kvs_attn_decode_warp_kernel(kvs_attn_args a, float *part_o, float *part_ml, int split_len, bf16 *out, float *lse) {
-    using L = kvs_decw_smem<D, STAGES>;
-    constexpr int THREADS = KVS_DEC_WARPS * 32, RB = kvs_rows<D>::BYTES, SUB = L::SUB, CH = D / 8;
+    using L = kvs_decw_smem<D>;
+    constexpr int STAGES = L::STAGES, THREADS = KVS_DEC_WARPS * 32, RB = kvs_rows<D>::BYTES, SUB = L::SUB, CH = D / 8;
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = a.n_heads / a.n_kv_heads;
@@ -1022,7 +704,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
         }
         const int key0 = k0 + (warp + KVS_DEC_WARPS * i) * 16;
         const int blk = __shfl_sync(0xffffffffu, blk_lanes, i & 31);
-        const bf16 *kb = a.pool + kvs_attn_kv_offset(a, blk, 0, g, key0 % a.block_size, D);
+        const bf16 *kb = a.pool + kvs_kv_offset(blk, 0, g, key0 % a.block_size, a.n_kv_heads, a.block_size, D);
         const uint32_t st = ring + (i % STAGES) * 2 * SUB;
 #pragma unroll
         for (int u = 0; u < CH / 2; u++) {
@@ -1119,37 +801,19 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
 /* ---- dispatch ------------------------------------------------------------------ */
 
 /* Prefill kernel variant, a tuning knob for kvs_bench_kernels and an override:
- * -1 (default): automatic, v13 (4 heads of a GQA group share each K/V tile; v4 when
- * the group is not a multiple of 4) where the device's opt-in shared memory per
- * block allows it, else v0, else v2 (kvs_prefill_pick; sizes at kvs_prefill_smem_bytes).
- * 0: 4 warps x 2 m-tiles (128 query rows a block); 1: 8 warps x 2 m-tiles (256
- * rows); 2: 4 warps x 1 m-tile with Q in registers (64 rows); 3: variant 0 with
- * one FFMA + ex2 per probability and the O rescale skipped when no row max
- * changed; 4: 3 on 8 warps (256 rows); 5: 3 with softmax steps of 32 keys (two a
- * tile; no spills); 6: 4 with three K/V stages; 7: 3 without the rescale skip
- * (the fold alone); 8: 6 with 32-key softmax steps; 9: 7 with the m-tiles one
- * after the other (kvs_attn_warp_tile_pp); 10: 9 with 32-key softmax steps;
- * 11: 4 with GQA pairing (2 query heads of a KV group a block, 4 warps x 32 rows
- * each: 128 query positions); 12: 11 with warps skipping tiles past their rows'
- * causal limit; 13: 12 with 4 heads a block (2 warps x 32 rows each: 64 query
- * positions); 14: 4 with the warp skip alone. 3-14 fall back to 0 (8 warps: 1)
- * when scale <= 0; a variant whose shared memory does not fit the device, or an
- * unknown one, acts as -1. */
+ * -1 (default): automatic, v13 where the device's opt-in shared memory per block
+ * allows it, else v0, else v2 (kvs_prefill_pick; sizes at kvs_prefill_smem_bytes).
+ * 0: 4 warps x 2 m-tiles (128 query rows a block); 2: 4 warps x 1 m-tile with Q
+ * in registers (64 rows); 4: 8 warps x 2 m-tiles (256 rows) with one FFMA + ex2
+ * per probability and the O rescale skipped when no row max changed (FAST);
+ * 13: 4 with GQA pairing, 4 query heads of a KV group a block (2 warps x 32
+ * rows each: 64 query positions), warps skipping tiles past their rows' causal
+ * limit (v4 when the group is not a multiple of 4). 4 and 13 fall back to 0
+ * (else 2) when scale <= 0; a variant whose shared memory does not fit the
+ * device, or an unknown one (the numbers of deleted variants included), acts
+ * as -1. The numbers are those of the H200 measurements in docs/CUDA.md. */
 extern "C" int kvs_cuda_attn_prefill_variant;
 int kvs_cuda_attn_prefill_variant = -1;
-/* Decode: blocks aimed at per SM when choosing the number of splits (knob; the
- * split policy of decode variants 0 and 1). */
-extern "C" int kvs_cuda_attn_decode_blocks_per_sm;
-int kvs_cuda_attn_decode_blocks_per_sm = 8;
-/* Decode kernel variant (head_dim 32/64/128, group <= 16), a knob for
- * kvs_bench_kernels: 0: kvs_attn_decode_kernel (block-wide 3-stage pipeline of
- * 64-key tiles), splits from blocks_per_sm; 1: kvs_attn_decode_warp_kernel (per-warp
- * 3-stage rings of 16-key sub-tiles), same splits; 2 (default): variant 1 with
- * wave-aware splits (kvs_attn_split_waves; one split writes the output directly,
- * no combine); 3: variant 2 with 6-stage rings (one block per SM). Pools whose
- * block_size is not a multiple of 16 use variant 0. Other values act as 2. */
-extern "C" int kvs_cuda_attn_decode_variant;
-int kvs_cuda_attn_decode_variant = 2;
 
 template <int D, int WARPS>
 static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
@@ -1162,11 +826,10 @@ static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float 
     KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2_kernel");
 }
 
-template <int D, int WARPS, int MT, bool FAST, int STAGES = 2, int NSUB = KVS_ATTN_TILE, bool SKIP = FAST,
-          bool PP = false, int HEADS = 1, bool WSKIP = false>
+template <int D, int WARPS, int MT, bool FAST, int HEADS = 1, bool WSKIP = false>
 static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    using L = kvs_fa2mt_smem<D, WARPS, MT, STAGES>;
-    auto kernel = kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST, STAGES, NSUB, SKIP, PP, HEADS, WSKIP>;
+    using L = kvs_fa2mt_smem<D, WARPS, MT>;
+    auto kernel = kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST, HEADS, WSKIP>;
     constexpr int MH = L::M / HEADS;
     int tiles = (max_q_len + MH - 1) / MH;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
@@ -1177,20 +840,18 @@ static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
 
 /* Dynamic shared memory of prefill variant v at head_dim D, in bytes (0: unknown
  * variant). At D = 128 (rows of 272 bytes, 64-key K/V tiles of 17,408 bytes):
- *   v2                      68 KiB (69,632: two K/V stages, Q inside them)
- *   v0 v3 v5 v7 v9 v10     102 KiB (104,448: 128 Q rows + two stages)
- *   v1 v4 v11-v14          136 KiB (139,264: 256 Q rows + two stages)
- *   v6 v8                  170 KiB (174,080: 256 Q rows + three stages)
+ *   v2        68 KiB (69,632: two K/V stages, Q inside them)
+ *   v0       102 KiB (104,448: 128 Q rows + two stages)
+ *   v4 v13   136 KiB (139,264: 256 Q rows + two stages)
  * Opt-in limits per block: sm_80 163 KiB, sm_86/sm_89 99 KiB, sm_90 227 KiB; so
- * at D = 128 an RTX 4090 runs only v2, an A100 everything but v6/v8. At D = 64
- * (144-byte rows) v0 needs 54 KiB, v4 72 KiB, v6 90 KiB: all fit sm_89. */
+ * at D = 128 an RTX 4090 runs only v2, an A100 everything. At D = 64 (144-byte
+ * rows) v0 needs 54 KiB, v4 72 KiB: all fit sm_89. */
 template <int D>
 static size_t kvs_prefill_smem_bytes(int v) {
     switch (v) {
     case 2: return kvs_fa2_smem<D, 4>::bytes;
-    case 0: case 3: case 5: case 7: case 9: case 10: return kvs_fa2mt_smem<D, 4, 2, 2>::bytes;
-    case 1: case 4: case 11: case 12: case 13: case 14: return kvs_fa2mt_smem<D, 8, 2, 2>::bytes;
-    case 6: case 8: return kvs_fa2mt_smem<D, 8, 2, 3>::bytes;
+    case 0: return kvs_fa2mt_smem<D, 4, 2>::bytes;
+    case 4: case 13: return kvs_fa2mt_smem<D, 8, 2>::bytes;
     default: return 0;
     }
 }
@@ -1211,8 +872,8 @@ static int kvs_attn_smem_optin(kvs_cuda *c) {
 
 /* The variant to run: the knob when it is set (>= 0), is known and fits this
  * device's shared memory; otherwise v13 (the fastest measured on the H200: 270.8
- * TFLOP/s against v4's 257.8 in the same run) where it fits, else v0, else v2. FAST variants (3-14) need scale > 0: otherwise their
- * shape without the fold (8 warps: v1, 4 warps: v0), or v2 when that does not fit. */
+ * TFLOP/s against v4's 257.8 in the same run) where it fits, else v0, else v2.
+ * FAST variants (4, 13) need scale > 0: otherwise v0, or v2 when that does not fit. */
 template <int D>
 static int kvs_prefill_pick(kvs_cuda *c, float scale) {
     const size_t optin = (size_t)kvs_attn_smem_optin(c);
@@ -1225,10 +886,8 @@ static int kvs_prefill_pick(kvs_cuda *c, float scale) {
             if (kvs_prefill_smem_bytes<D>(v) <= optin) break;
         }
     }
-    if (v > 2 && !(scale > 0.f)) { /* FAST takes the max over unscaled scores */
-        v = kvs_prefill_smem_bytes<D>(v) == kvs_prefill_smem_bytes<D>(1) ? 1 : 0;
-        if (kvs_prefill_smem_bytes<D>(v) > optin) v = 2;
-    }
+    if ((v == 4 || v == 13) && !(scale > 0.f)) /* FAST takes the max over unscaled scores */
+        v = kvs_prefill_smem_bytes<D>(0) <= optin ? 0 : 2;
     return v;
 }
 
@@ -1238,40 +897,23 @@ static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, fl
     const int group = a.n_heads / a.n_kv_heads;
     switch (v) {
     case 0: launch_fa2mt<D, 4, 2, false>(b, a, out, lse, max_q_len); break;
-    case 1: launch_fa2mt<D, 8, 2, false>(b, a, out, lse, max_q_len); break;
     case 2: launch_fa2<D, 4>(b, a, out, lse, max_q_len); break;
-    case 3: launch_fa2mt<D, 4, 2, true>(b, a, out, lse, max_q_len); break;
-    case 5: launch_fa2mt<D, 4, 2, true, 2, 32>(b, a, out, lse, max_q_len); break;
-    case 6: launch_fa2mt<D, 8, 2, true, 3>(b, a, out, lse, max_q_len); break;
-    case 7: launch_fa2mt<D, 4, 2, true, 2, 64, false>(b, a, out, lse, max_q_len); break;
-    case 8: launch_fa2mt<D, 8, 2, true, 3, 32>(b, a, out, lse, max_q_len); break;
-    case 9: launch_fa2mt<D, 4, 2, true, 2, 64, false, true>(b, a, out, lse, max_q_len); break;
-    case 10: launch_fa2mt<D, 4, 2, true, 2, 32, false, true>(b, a, out, lse, max_q_len); break;
-    /* GQA pairing needs the group to be a multiple of the heads a block takes;
-     * otherwise v12 runs as v14 and v11/v13 as v4 */
-    case 11:
-        if (group % 2 == 0) launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 2>(b, a, out, lse, max_q_len);
+    case 13: /* GQA pairing needs the group to be a multiple of the 4 heads a block takes */
+        if (group % 4 == 0) launch_fa2mt<D, 8, 2, true, 4, true>(b, a, out, lse, max_q_len);
         else launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len);
         break;
-    case 12:
-        if (group % 2 == 0) launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 2, true>(b, a, out, lse, max_q_len);
-        else launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 1, true>(b, a, out, lse, max_q_len);
-        break;
-    case 13:
-        if (group % 4 == 0) launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 4, true>(b, a, out, lse, max_q_len);
-        else launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len);
-        break;
-    case 14: launch_fa2mt<D, 8, 2, true, 2, 64, true, false, 1, true>(b, a, out, lse, max_q_len); break;
     default: launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len); break; /* 4 */
     }
 }
 
-/* Splits of whole 64-key tiles so that about blocks_per_sm x SMs blocks run in all. */
+/* Splits of whole 64-key tiles so that about 8 blocks per SM run in all (the
+ * scalar fallback's split policy). */
+#define KVS_ATTN_SPLIT_BLOCKS_PER_SM 8
 static int kvs_attn_split_len(const kvs_cuda *c, const kvs_attn_args &a, int max_kv_len, int *n_splits_out) {
     long base_blocks = (long)a.n_tokens * a.n_kv_heads;
     int max_tiles = (max_kv_len + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
     if (max_tiles < 1) max_tiles = 1;
-    long target = (long)kvs_cuda_attn_decode_blocks_per_sm * c->n_sms;
+    long target = (long)KVS_ATTN_SPLIT_BLOCKS_PER_SM * c->n_sms;
     int n_splits = (int)((target + base_blocks - 1) / base_blocks);
     if (n_splits > max_tiles) n_splits = max_tiles;
     if (n_splits < 1) n_splits = 1;
@@ -1319,29 +961,23 @@ static int kvs_attn_blocks_per_sm(K kernel, int threads, size_t smem, int *cache
     return *cache;
 }
 
-/* The per-warp decode kernel with its split policy; false when it does not apply. */
-template <int D, int STAGES>
-static bool launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len,
-                               bool waves) {
+/* The per-warp decode kernel (head_dim 32/64/128, group <= 16, block_size a
+ * multiple of 16) with its wave-aware split policy. */
+template <int D>
+static void launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len) {
     kvs_cuda *c = kvs_cuda_of(b);
-    if (a.block_size % 16 != 0) return false;
-    using L = kvs_decw_smem<D, STAGES>;
-    auto kernel = kvs_attn_decode_warp_kernel<D, STAGES>;
+    using L = kvs_decw_smem<D>;
+    auto kernel = kvs_attn_decode_warp_kernel<D>;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
     static int per_sm = 0;
-    int n_splits, split_len;
-    if (waves)
-        split_len = kvs_attn_split_waves(
-            a, max_kv_len, (long)kvs_attn_blocks_per_sm(kernel, KVS_DEC_WARPS * 32, L::bytes, &per_sm) * c->n_sms,
-            &n_splits);
-    else
-        split_len = kvs_attn_split_len(c, a, max_kv_len, &n_splits);
+    int n_splits, split_len = kvs_attn_split_waves(
+        a, max_kv_len, (long)kvs_attn_blocks_per_sm(kernel, KVS_DEC_WARPS * 32, L::bytes, &per_sm) * c->n_sms, &n_splits);
     size_t rows = (size_t)a.n_tokens * a.n_heads;
     float *part_o = NULL, *part_ml = NULL;
     if (n_splits > 1) {
         size_t o_bytes = (size_t)n_splits * rows * D * sizeof(float), ml_bytes = (size_t)n_splits * rows * 2 * sizeof(float);
         char *scratch = (char *)kvs_cuda_scratch(b, o_bytes + ml_bytes);
-        if (!scratch) return true;
+        if (!scratch) return;
         part_o = (float *)scratch, part_ml = (float *)(scratch + o_bytes);
     }
     dim3 grid((unsigned)a.n_tokens, (unsigned)a.n_kv_heads, (unsigned)n_splits);
@@ -1352,7 +988,6 @@ static bool launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out
                                                                                       n_splits, (int)rows, D);
         KVS_CUDA_LAUNCHED(b, "kvs_attn_combine_kernel");
     }
-    return true;
 }
 
 /* CUDA graphs (src/model/forward.c, padded decode steps): the graph of a bucket
@@ -1373,15 +1008,11 @@ template <int D>
 static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len) {
     kvs_cuda *c = kvs_cuda_of(b);
     int group = a.n_heads / a.n_kv_heads;
-    bool tensor_cores = (D == 32 || D == 64 || D == 128) && group <= 16;
-    if (tensor_cores) {
+    /* the per-warp kernel takes 16-key sub-tiles of one paged block each */
+    if ((D == 32 || D == 64 || D == 128) && group <= 16 && a.block_size % 16 == 0) {
         constexpr int DT = D == 32 || D == 64 ? D : 128; /* only instantiated for 32/64/128 */
-        switch (kvs_cuda_attn_decode_variant) {
-        case 0: break;
-        case 1: if (launch_decode_warp<DT, 3>(b, a, out, lse, max_kv_len, false)) return; break;
-        case 3: if (launch_decode_warp<DT, 6>(b, a, out, lse, max_kv_len, true)) return; break;
-        default: if (launch_decode_warp<DT, 3>(b, a, out, lse, max_kv_len, true)) return; break;
-        }
+        launch_decode_warp<DT>(b, a, out, lse, max_kv_len);
+        return;
     }
     int n_splits, split_len = kvs_attn_split_len(c, a, max_kv_len, &n_splits);
     size_t rows = (size_t)a.n_tokens * a.n_heads;
@@ -1390,21 +1021,12 @@ static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     if (!scratch) return;
     float *part_o = (float *)scratch, *part_ml = (float *)(scratch + o_bytes);
     dim3 grid((unsigned)a.n_tokens, (unsigned)a.n_kv_heads, (unsigned)n_splits);
-    if (tensor_cores) {
-        constexpr int DT = D == 32 || D == 64 ? D : 128; /* only instantiated for 32/64/128 */
-        size_t smem = kvs_dec_smem<DT>::bytes;
-        KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_decode_kernel<DT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    size_t smem = kvs_split_smem_bytes<D>(group);
+    if (smem > 48 * 1024)
+        KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_split_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem));
-        kvs_attn_decode_kernel<DT><<<grid, KVS_DEC_WARPS * 32, smem, c->stream>>>(a, part_o, part_ml, split_len);
-        KVS_CUDA_LAUNCHED(b, "kvs_attn_decode_kernel");
-    } else {
-        size_t smem = kvs_split_smem_bytes<D>(group);
-        if (smem > 48 * 1024)
-            KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_split_kernel<D>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        kvs_attn_split_kernel<D><<<grid, KVS_ATTN_THREADS, smem, c->stream>>>(a, part_o, part_ml, split_len);
-        KVS_CUDA_LAUNCHED(b, "kvs_attn_split_kernel");
-    }
+    kvs_attn_split_kernel<D><<<grid, KVS_ATTN_THREADS, smem, c->stream>>>(a, part_o, part_ml, split_len);
+    KVS_CUDA_LAUNCHED(b, "kvs_attn_split_kernel");
     kvs_attn_combine_kernel<<<(unsigned)rows, D < 128 ? D : 128, 0, c->stream>>>(out, lse, part_o, part_ml, n_splits,
                                                                                   (int)rows, D);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_combine_kernel");

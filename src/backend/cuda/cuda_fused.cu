@@ -49,17 +49,7 @@ __global__ void kvs_add_rmsnorm_kernel(bf16 *x, bf16 *xn, const bf16 *y, const b
             row[j] = s;
         }
     }
-    __shared__ float part[32];
-    for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads(); /* also publishes the shared row */
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
-        for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
-        if (threadIdx.x == 0) part[0] = v;
-    }
-    __syncthreads();
-    float r = rsqrtf(part[0] / dim + eps);
+    float r = rsqrtf(kvs_block_sum(ss) / dim + eps); /* its barrier also publishes the shared row */
     if (VEC) {
         const uint4 *rv = (const uint4 *)row, *wv = (const uint4 *)w;
         uint4 *ov = (uint4 *)(xn + base);
@@ -106,11 +96,6 @@ void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, cons
  * negative slot (a padding row) rotates q only. VEC (head_dim % 8 == 0): pairs
  * (j, j + 1) rotated as bf16x2, v copied in 16-byte pieces. */
 
-__device__ __forceinline__ size_t kvs_fused_kv_offset(int block, int kind, int head, int offset, int n_kv_heads,
-                                                      int block_size, int head_dim) {
-    return ((((size_t)block * 2 + kind) * n_kv_heads + head) * block_size + offset) * (size_t)head_dim;
-}
-
 template <bool VEC>
 __global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, const bf16 *v,
                                          const int32_t *positions, const float *inv_freq, const int32_t *slots,
@@ -137,7 +122,7 @@ __global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, con
         } else {
             h -= n_heads;
             src = k + ((size_t)i * n_kv_heads + h) * head_dim;
-            dst = pool + kvs_fused_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim);
+            dst = pool + kvs_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim);
         }
         if (VEC) {
             float2 c0 = kvs_rope_cs[j], c1 = kvs_rope_cs[j + 1];
@@ -156,13 +141,13 @@ __global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, con
     if (slot < 0) return;
     if (!VEC && (head_dim & 1)) /* an odd head_dim's last element is not rotated (as kvs_rope_kernel) */
         for (int h = threadIdx.x; h < n_kv_heads; h += blockDim.x)
-            pool[kvs_fused_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim) + head_dim - 1] =
+            pool[kvs_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim) + head_dim - 1] =
                 k[((size_t)i * n_kv_heads + h) * head_dim + head_dim - 1];
     int piece = VEC ? 8 : 1, per_head = head_dim / piece;
     const bf16 *vrow = v + (size_t)i * n_kv_heads * head_dim;
     for (int t = threadIdx.x; t < n_kv_heads * per_head; t += blockDim.x) {
         int h = t / per_head, e = (t % per_head) * piece;
-        bf16 *dst = pool + kvs_fused_kv_offset(blk, 1, h, off, n_kv_heads, block_size, head_dim) + e;
+        bf16 *dst = pool + kvs_kv_offset(blk, 1, h, off, n_kv_heads, block_size, head_dim) + e;
         if (VEC)
             *(uint4 *)dst = *(const uint4 *)(vrow + (size_t)h * head_dim + e);
         else

@@ -14,6 +14,29 @@ extern "C" {
 
 typedef __nv_bfloat16 bf16;
 
+/* Element offset of (block, kind, head, offset) in a bf16 paged KV pool. */
+__device__ __forceinline__ size_t kvs_kv_offset(int block, int kind, int head, int offset, int n_kv_heads,
+                                                int block_size, int head_dim) {
+    return ((((size_t)block * 2 + kind) * n_kv_heads + head) * block_size + offset) * (size_t)head_dim;
+}
+
+/* Sum of v over the block, returned to every thread (blockDim.x a multiple of
+ * 32, at most 1024). Its barriers also publish the block's earlier shared-memory
+ * writes; call it from every thread, at most once per kernel. */
+__device__ __forceinline__ float kvs_block_sum(float v) {
+    __shared__ float part[32];
+    for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float w = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
+        for (int k = 16; k > 0; k >>= 1) w += __shfl_xor_sync(0xffffffffu, w, k);
+        if (threadIdx.x == 0) part[0] = w;
+    }
+    __syncthreads();
+    return part[0];
+}
+
 /* A cached cuBLASLt plan for one (n, in_dim, out_dim) shape, with or without the bias epilogue. */
 typedef struct {
     int n, in_dim, out_dim, valid;

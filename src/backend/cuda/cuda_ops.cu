@@ -47,17 +47,7 @@ __global__ void kvs_rmsnorm_kernel(bf16 *out, const bf16 *in, const bf16 *w, int
         float v = __bfloat162float(x[j]);
         ss += v * v;
     }
-    __shared__ float part[32];
-    for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
-        for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
-        if (threadIdx.x == 0) part[0] = v;
-    }
-    __syncthreads();
-    float r = rsqrtf(part[0] / dim + eps);
+    float r = rsqrtf(kvs_block_sum(ss) / dim + eps);
     for (int j = threadIdx.x; j < dim; j += blockDim.x)
         o[j] = __float2bfloat16(__bfloat162float(x[j]) * r * __bfloat162float(w[j]));
 }
@@ -162,12 +152,6 @@ void kvs_cuda_rope(kvs_backend *b, void *x, const int32_t *positions, const floa
 }
 
 /* ---- paged KV ---------------------------------------------------------------- */
-
-/* Element offset of (block, kind, head, offset) in a bf16 pool. */
-__device__ __forceinline__ size_t kvs_kv_offset(int block, int kind, int head, int offset, int n_kv_heads,
-                                                int block_size, int head_dim) {
-    return ((((size_t)block * 2 + kind) * n_kv_heads + head) * block_size + offset) * (size_t)head_dim;
-}
 
 /* One thread per (token, kind, head, element): pool slot <- k or v; negative slots skipped. */
 __global__ void kvs_kv_write_kernel(bf16 *pool, const bf16 *k, const bf16 *v, const int32_t *slots, int n,

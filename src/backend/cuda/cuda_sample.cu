@@ -90,19 +90,8 @@ __device__ uint32_t kvs_sample_threshold(const kvs_sample_view &r, bool by_mass,
             atomicAdd(&bins[(key >> shift) & 255], by_mass ? (unsigned long long)kvs_sample_weight(z, r.m) : 1ull);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            if (shift == 24 && frac > 0) {
-                unsigned long long total = 0;
-                for (int d = 0; d < 256; d++) total += bins[d];
-                target = frac * (double)total;
-            }
-            int d = 255;
-            for (; d > 0; d--) {
-                if ((double)(above + bins[d]) >= target) break;
-                above += bins[d];
-            }
-            *s_prefix = prefix | (uint32_t)d << shift;
-        }
+        if (threadIdx.x == 0)
+            *s_prefix = prefix | kvs_sample_radix_digit(bins, shift == 24, frac, &target, &above) << shift;
         __syncthreads();
         prefix = *s_prefix;
     }

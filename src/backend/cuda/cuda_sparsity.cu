@@ -15,44 +15,12 @@
  * to take (the lowest indices), then an ordered compaction (ballots + a block
  * scan per 1024 entries) writes the kept indices ascending. */
 #include "backend/cuda/cuda_internal.h"
-
-/* ---- tensor-core helpers (the same instructions as cuda_attention.cu) -------- */
-
-__device__ __forceinline__ uint32_t kvs_sc_smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void kvs_sc_cp_async16(uint32_t dst, const void *src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void kvs_sc_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void kvs_sc_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void kvs_sc_ldmatrix_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
-                                                   uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-/* c += a (16x16 bf16, row) * b (16x8 bf16, col), fp32 accumulators */
-__device__ __forceinline__ void kvs_sc_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ float kvs_sc_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
+#include "backend/cuda/cuda_mma.cuh"
 
 /* ---- scores ------------------------------------------------------------------ */
 
 #define KVS_SC_WARPS 4
 #define KVS_SC_ROWS 64 /* window (query, head) rows per shared-memory chunk */
-#define KVS_SC_LOG2E 1.4426950408889634f
 
 template <int D>
 struct kvs_sc_shape {
@@ -76,11 +44,11 @@ __device__ __forceinline__ void kvs_sc_issue_rows(uint32_t q_s, float *lse_s, co
         bool ok = r < n_rows;
         const bf16 *src = win_q;
         if (ok) src = win_q + ((size_t)(r / group) * n_heads + g * group + r % group) * D + c * 8;
-        kvs_sc_cp_async16(q_s + rr * RB + c * 16, src, ok);
+        kvs_cp_async16(q_s + rr * RB + c * 16, src, ok);
     }
     for (int rr = threadIdx.x; rr < KVS_SC_ROWS; rr += KVS_SC_WARPS * 32) {
         int r = r0 + rr;
-        lse_s[rr] = r < n_rows ? win_lse[(size_t)(r / group) * n_heads + g * group + r % group] * KVS_SC_LOG2E
+        lse_s[rr] = r < n_rows ? win_lse[(size_t)(r / group) * n_heads + g * group + r % group] * KVS_LOG2E
                                : INFINITY;
     }
 }
@@ -96,7 +64,7 @@ __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = blockIdx.y, group = n_heads / n_kv_heads, key0 = blockIdx.x * S::KEYS;
     const int n_rows = n_win * group, n_chunks = (n_rows + KVS_SC_ROWS - 1) / KVS_SC_ROWS;
-    const uint32_t k_s = kvs_sc_smem_u32(smem), q_s0 = k_s + (uint32_t)S::K_BYTES;
+    const uint32_t k_s = kvs_smem_u32(smem), q_s0 = k_s + (uint32_t)S::K_BYTES;
     float *lse_s0 = (float *)(smem + S::K_BYTES + 2 * S::Q_BYTES);
 
     /* the block's K rows (zero past n_keys), then the first window chunk */
@@ -105,26 +73,25 @@ __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
         bool ok = e < n_keys;
         const bf16 *src = pool;
         if (ok)
-            src = pool + ((((size_t)table[e / block_size] * 2) * n_kv_heads + g) * block_size + e % block_size) * D +
-                  c * 8;
-        kvs_sc_cp_async16(k_s + r * RB + c * 16, src, ok);
+            src = pool + kvs_kv_offset(table[e / block_size], 0, g, e % block_size, n_kv_heads, block_size, D) + c * 8;
+        kvs_cp_async16(k_s + r * RB + c * 16, src, ok);
     }
     kvs_sc_issue_rows<D>(q_s0, lse_s0, win_q, win_lse, 0, n_rows, g, group, n_heads);
-    kvs_sc_cp_async_commit();
+    kvs_cp_async_commit();
 
     uint32_t ka[MT][D / 16][4];
     float acc[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) acc[mt][0] = acc[mt][1] = 0.f;
-    const float scale_log2 = scale * KVS_SC_LOG2E;
+    const float scale_log2 = scale * KVS_LOG2E;
 
     for (int ch = 0; ch < n_chunks; ch++) {
         const int buf = ch & 1;
         if (ch + 1 < n_chunks) /* the other buffer was released by the barrier that ended chunk ch - 1 */
             kvs_sc_issue_rows<D>(q_s0 + (1 - buf) * (uint32_t)S::Q_BYTES, lse_s0 + (1 - buf) * KVS_SC_ROWS, win_q,
                                  win_lse, (ch + 1) * KVS_SC_ROWS, n_rows, g, group, n_heads);
-        kvs_sc_cp_async_commit();
-        kvs_sc_cp_async_wait<1>();
+        kvs_cp_async_commit();
+        kvs_cp_async_wait<1>();
         __syncthreads();
         if (ch == 0) { /* A fragments of the warp's keys, once */
 #pragma unroll
@@ -133,7 +100,7 @@ __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
                                 (lane >> 4) * 16;
 #pragma unroll
                 for (int kk = 0; kk < D / 16; kk++)
-                    kvs_sc_ldmatrix_x4(ka[mt][kk][0], ka[mt][kk][1], ka[mt][kk][2], ka[mt][kk][3], base + kk * 32);
+                    kvs_ldmatrix_x4(ka[mt][kk][0], ka[mt][kk][1], ka[mt][kk][2], ka[mt][kk][3], base + kk * 32);
             }
         }
         const uint32_t q_w = q_s0 + buf * (uint32_t)S::Q_BYTES;
@@ -149,30 +116,30 @@ __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
 #pragma unroll
             for (int kk = 0; kk < D / 16; kk++) {
                 uint32_t b0, b1, b2, b3;
-                kvs_sc_ldmatrix_x4(b0, b1, b2, b3, q_lane + j * 8 * RB + kk * 32);
+                kvs_ldmatrix_x4(b0, b1, b2, b3, q_lane + j * 8 * RB + kk * 32);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
-                    kvs_sc_mma(c[mt][0], ka[mt][kk], b0, b1);
-                    kvs_sc_mma(c[mt][1], ka[mt][kk], b2, b3);
+                    kvs_mma_bf16(c[mt][0], ka[mt][kk], b0, b1);
+                    kvs_mma_bf16(c[mt][1], ka[mt][kk], b2, b3);
                 }
             }
             const int col = j * 8 + 2 * (lane & 3);
             const float l00 = lse_w[col], l01 = lse_w[col + 1], l10 = lse_w[col + 8], l11 = lse_w[col + 9];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                acc[mt][0] += kvs_sc_exp2(fmaf(c[mt][0][0], scale_log2, -l00)) +
-                              kvs_sc_exp2(fmaf(c[mt][0][1], scale_log2, -l01)) +
-                              kvs_sc_exp2(fmaf(c[mt][1][0], scale_log2, -l10)) +
-                              kvs_sc_exp2(fmaf(c[mt][1][1], scale_log2, -l11));
-                acc[mt][1] += kvs_sc_exp2(fmaf(c[mt][0][2], scale_log2, -l00)) +
-                              kvs_sc_exp2(fmaf(c[mt][0][3], scale_log2, -l01)) +
-                              kvs_sc_exp2(fmaf(c[mt][1][2], scale_log2, -l10)) +
-                              kvs_sc_exp2(fmaf(c[mt][1][3], scale_log2, -l11));
+                acc[mt][0] += kvs_exp2(fmaf(c[mt][0][0], scale_log2, -l00)) +
+                              kvs_exp2(fmaf(c[mt][0][1], scale_log2, -l01)) +
+                              kvs_exp2(fmaf(c[mt][1][0], scale_log2, -l10)) +
+                              kvs_exp2(fmaf(c[mt][1][1], scale_log2, -l11));
+                acc[mt][1] += kvs_exp2(fmaf(c[mt][0][2], scale_log2, -l00)) +
+                              kvs_exp2(fmaf(c[mt][0][3], scale_log2, -l01)) +
+                              kvs_exp2(fmaf(c[mt][1][2], scale_log2, -l10)) +
+                              kvs_exp2(fmaf(c[mt][1][3], scale_log2, -l11));
             }
         }
         __syncthreads(); /* this chunk's buffer may be refilled */
     }
-    kvs_sc_cp_async_wait<0>();
+    kvs_cp_async_wait<0>();
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
