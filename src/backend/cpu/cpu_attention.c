@@ -25,43 +25,22 @@ void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, co
     }
 }
 
-/* rope on q (in place) and k (into the pool), v copied: the arithmetic of
- * kvs_cpu_rope + kvs_cpu_kv_write, so q and the pool are bitwise equal to theirs. */
+/* The CPU reference of the fused op is the unfused sequence: rope on q in
+ * place, rope on a copy of k, then kv_write (padding rows skipped there). */
 void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
                            const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                            int n_heads) {
-    float *qq = q;
-    const float *kk = k, *vv = v;
-    int d = pool->head_dim, half = d / 2, n_kv = pool->n_kv_heads;
-    size_t row = (size_t)n_kv * d;
-#pragma omp parallel for if (n > 4)
-    for (int i = 0; i < n; i++) {
-        int32_t slot = slots[i], block = slot / pool->block_size, off = slot % pool->block_size;
-        for (int j = 0; j < half; j++) {
-            double ang = (double)positions[i] * inv_freq[j];
-            float c = (float)cos(ang), s = (float)sin(ang);
-            for (int h = 0; h < n_heads; h++) {
-                float *r = qq + ((size_t)i * n_heads + h) * d;
-                float x1 = r[j], x2 = r[j + half];
-                r[j] = x1 * c - x2 * s;
-                r[j + half] = x2 * c + x1 * s;
-            }
-            if (slot < 0) continue; /* a padding row: nothing into the pool */
-            for (int h = 0; h < n_kv; h++) {
-                const float *r = kk + i * row + (size_t)h * d;
-                float *dst = kv_at(pool, block, 0, h, off);
-                float x1 = r[j], x2 = r[j + half];
-                dst[j] = x1 * c - x2 * s;
-                dst[j + half] = x2 * c + x1 * s;
-            }
-        }
-        if (slot < 0) continue;
-        for (int h = 0; h < n_kv; h++) {
-            if (d & 1) /* an odd head_dim's last element is not rotated (as kvs_cpu_rope) */
-                kv_at(pool, block, 0, h, off)[d - 1] = kk[i * row + (size_t)h * d + d - 1];
-            memcpy(kv_at(pool, block, 1, h, off), vv + i * row + (size_t)h * d, sizeof(float) * d);
-        }
+    size_t kn = (size_t)n * pool->n_kv_heads * pool->head_dim;
+    float *kr = malloc(sizeof(float) * (kn ? kn : 1));
+    if (!kr) {
+        kvs_fail(KVS_ERR_NOMEM, "cpu rope_kv_write: out of memory");
+        return;
     }
+    memcpy(kr, k, sizeof(float) * kn);
+    kvs_cpu_rope(b, q, positions, inv_freq, n, n_heads, pool->head_dim);
+    kvs_cpu_rope(b, kr, positions, inv_freq, n, pool->n_kv_heads, pool->head_dim);
+    kvs_cpu_kv_write(b, pool, kr, v, slots, n);
+    free(kr);
 }
 
 /* A dot product the compiler can vectorise (independent partial sums). */
