@@ -62,13 +62,10 @@ static kvs_status ensure_buffers(kvs_model *m, int n_tokens, int n_logits) {
         KVS_TRY(grow(be, &b->logits, (size_t)n_logits * sh->vocab_pad * a));
         KVS_TRY(grow(be, (void **)&b->last_rows, (size_t)n_logits * 4));
         KVS_TRY(grow_host(&b->h_last_rows, (size_t)n_logits));
-        size_t all = (size_t)sh->world * n_logits * sh->vocab_pad;
-        KVS_TRY(grow_host_f32(&b->h_logits, sh->world > 1 ? all : (size_t)n_logits * sh->vocab_pad));
-        KVS_TRY(grow(be, (void **)&b->pairs, (size_t)n_logits * 2 * sizeof(float)));
-        KVS_TRY(grow_host_f32(&b->h_pairs, (size_t)sh->world * n_logits * 2));
         if (sh->world > 1) {
+            size_t all = (size_t)sh->world * n_logits * sh->vocab_pad;
+            KVS_TRY(grow_host_f32(&b->h_logits, all));
             KVS_TRY(grow(be, &b->logits_all, all * a));
-            KVS_TRY(grow(be, (void **)&b->pairs_all, (size_t)sh->world * n_logits * 2 * sizeof(float)));
         }
         b->cap_logits = n_logits;
     }
@@ -441,61 +438,6 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
     return KVS_OK;
 }
 
-/* Index bits travel in a float slot: the gather copies bytes, never converts. */
-static float index_bits(int32_t i) {
-    float f;
-    memcpy(&f, &i, sizeof f);
-    return f;
-}
-
-static int32_t bits_index(float f) {
-    int32_t i;
-    memcpy(&i, &f, sizeof i);
-    return i;
-}
-
-kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids) {
-    int n_logits;
-    KVS_TRY(forward_step(m, b, kv, &n_logits));
-    if (n_logits == 0) return KVS_OK;
-    kvs_backend *be = m->be;
-    kvs_step_buffers *sb = &m->buf;
-    const kvs_shard *sh = &m->shard;
-    int vp = sh->vocab_pad;
-    /* this rank's best (value, global id) per sequence: the first maximum of its real rows */
-    be->to_host_f32(be, sb->h_logits, sb->logits, (size_t)n_logits * vp);
-    for (int s = 0; s < n_logits; s++) {
-        const float *row = sb->h_logits + (size_t)s * vp;
-        int best = -1;
-        for (int v = 0; v < sh->vocab_count; v++)
-            if (best < 0 || row[v] > row[best]) best = v;
-        sb->h_pairs[2 * s] = best < 0 ? -INFINITY : row[best];
-        sb->h_pairs[2 * s + 1] = index_bits(best < 0 ? -1 : sh->vocab_begin + best);
-    }
-    const float *pairs = sb->h_pairs; /* [world][n_logits][2] */
-    if (sh->world > 1) {
-        size_t bytes = sizeof(float) * 2 * (size_t)n_logits;
-        be->to_device(be, sb->pairs, sb->h_pairs, bytes);
-        KVS_TRY(m->comm->all_gather(m->comm, sb->pairs_all, sb->pairs, 2 * (size_t)n_logits, KVS_F32));
-        if (!ids) return KVS_OK;
-        be->to_host(be, sb->h_pairs, sb->pairs_all, bytes * sh->world);
-    }
-    if (!ids) return KVS_OK;
-    /* ranks in vocabulary order and a strict '>': ties go to the lowest id,
-       as an argmax over the full logits would */
-    for (int s = 0; s < n_logits; s++) {
-        float best_v = 0;
-        int32_t best = -1;
-        for (int r = 0; r < sh->world; r++) {
-            const float *p = pairs + ((size_t)r * n_logits + s) * 2;
-            int32_t id = bits_index(p[1]);
-            if (id >= 0 && (best < 0 || p[0] > best_v)) best_v = p[0], best = id;
-        }
-        ids[s] = best;
-    }
-    return KVS_OK;
-}
-
 /* This rank's vocab slice of the logits of the tokens that want them. */
 static void local_logits(kvs_model *m, const kvs_batch *b, int n_logits) {
     kvs_backend *be = m->be;
@@ -625,4 +567,17 @@ kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cac
     memcpy(ids, s->h_out, sizeof(int32_t) * n);
     if (logprobs) memcpy(logprobs, s->h_out + n, sizeof(float) * n);
     return KVS_OK;
+}
+
+/* Greedy is the sample op with temperature 0 (the argmax, ties to the lowest
+ * id): on the device, and with tensor parallelism through the per-rank parts. */
+kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids) {
+    int n = 0;
+    for (int s = 0; s < b->n_seqs; s++) n += b->wants_logits[s] ? 1 : 0;
+    kvs_sample_row *greedy = malloc(sizeof *greedy * (n ? n : 1));
+    if (!greedy) return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
+    for (int q = 0; q < n; q++) greedy[q] = (kvs_sample_row){.temperature = 0, .top_p = 1};
+    kvs_status st = kvs_model_forward_sample(m, b, kv, greedy, ids, NULL);
+    free(greedy);
+    return st;
 }

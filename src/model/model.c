@@ -240,12 +240,11 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
 static void free_step_buffers(kvs_backend *be, kvs_step_buffers *b) {
     /* ids .. cap_dst point into the metadata buffer (freed by kvs_graphs_free) */
     void *dev[] = {b->x, b->xn, b->q, b->k, b->v, b->att, b->tmp, b->gate_up, b->act, b->last, b->logits,
-                   b->last_rows, b->lse, b->logits_all, b->pairs, b->pairs_all};
+                   b->last_rows, b->lse, b->logits_all};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) be->free(be, dev[i]);
     free(b->h_last_rows);
     free(b->h_logits);
-    free(b->h_pairs);
     memset(b, 0, sizeof *b);
 }
 

@@ -155,11 +155,10 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
  * they are all-gathered, so logits is the full [n][vocab] on every rank that
  * passes one (NULL: the rank takes part in the gather, copies nothing out).
  *
- * Greedy without the full logits: the same forward, but each rank takes the
- * max (value, lowest index) of its vocab slice and the ranks all-gather those
- * pairs (8 bytes per sequence and rank instead of 4 x vocab / N); the winner is
- * the largest value, ties to the lowest token id, exactly the argmax of the
- * full logits. ids: [number of seqs that want logits]; NULL as for logits. */
+ * Greedy without the full logits: kvs_model_forward_sample with temperature 0
+ * in every row (the argmax on the device, ties to the lowest token id; with
+ * tensor parallelism each rank reduces its slice and the ranks all-gather 24
+ * bytes per row). ids: [number of seqs that want logits]; NULL as for logits. */
 kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids);
 
 /* The forward, then the backend's sample op on the logits in backend memory

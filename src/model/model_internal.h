@@ -34,11 +34,9 @@ typedef struct {
     int32_t *ids, *positions, *slots, *q_start, *kv_len, *block_tables, *cap_src, *cap_dst;
     /* host staging */
     int32_t *h_last_rows;
-    /* tensor parallelism: every rank's logits slices [world][cap_logits][vocab_pad]
-       and the argmax pairs (value, index bits) [cap_logits][2] / [world][cap_logits][2] */
+    /* tensor parallelism: every rank's logits slices [world][cap_logits][vocab_pad] */
     void *logits_all;
-    float *pairs, *pairs_all;
-    float *h_logits, *h_pairs; /* host staging */
+    float *h_logits; /* their host staging (kvs_model_forward) */
 } kvs_step_buffers;
 
 /* kvs_model_forward_sample's buffers, grown on demand (forward.c). */
