@@ -117,40 +117,26 @@ static kvs_status prompt_to_ids(const gen_options *o, const kvs_loaded *l, int32
     return st;
 }
 
-/* One step through the single model or the tensor-parallel group. Greedy
- * decoding over a group takes the argmax that gathers no logits. */
+/* Every step runs through a tensor-parallel group (one rank wraps the single
+ * model: one path for any N). Greedy decoding takes the argmax on the device;
+ * sampling takes the gathered logits to the host sampler. */
 typedef struct {
-    kvs_loaded *l;
-    kvs_kv_cache *kv; /* the single model's, or rank 0's (for the usage numbers) */
+    kvs_tp_group *g;
+    kvs_kv_cache *kv; /* rank 0's (for the usage numbers) */
     bool greedy;
 } gen_target;
 
-static kvs_status gen_kv_create(gen_target *t, int max_tokens) {
-    if (!t->l->tp) return kvs_cli_kv_cache(t->l, max_tokens, 1, &t->kv);
-    kvs_kv_config kc = kvs_cli_kv_config(&t->l->cfg, max_tokens, 1);
-    KVS_TRY(kvs_tp_kv_create(t->l->tp, &kc));
-    t->kv = kvs_tp_kv(t->l->tp, 0);
+static kvs_status gen_kv_create(gen_target *t, kvs_loaded *l, int max_tokens) {
+    KVS_TRY(kvs_cli_group(l, &t->g));
+    kvs_kv_config kc = kvs_cli_kv_config(&l->cfg, max_tokens, 1);
+    KVS_TRY(kvs_tp_kv_create(t->g, &kc)); /* the group owns its ranks' caches */
+    t->kv = kvs_tp_kv(t->g, 0);
     return KVS_OK;
 }
 
-static int gen_seq_create(gen_target *t) { return t->l->tp ? kvs_tp_seq_create(t->l->tp) : kvs_kv_seq_create(t->kv); }
-
-static kvs_status gen_set_policy(gen_target *t, int seq, const kvs_kv_policy *p, int prompt_len) {
-    return t->l->tp ? kvs_tp_set_policy(t->l->tp, seq, p, prompt_len) : kvs_kv_set_policy(t->kv, seq, p, prompt_len);
-}
-
-static kvs_status gen_reserve(gen_target *t, int seq, int n) {
-    return t->l->tp ? kvs_tp_reserve(t->l->tp, seq, n) : kvs_kv_reserve(t->kv, seq, n);
-}
-
-/* logits, or (greedy over a group) *argmax */
+/* logits, or (greedy) *argmax */
 static kvs_status gen_forward(gen_target *t, const kvs_batch *b, float *logits, int32_t *argmax) {
-    if (!t->l->tp) return kvs_model_forward(t->l->model, b, t->kv, logits);
-    return t->greedy ? kvs_tp_forward_argmax(t->l->tp, b, argmax) : kvs_tp_forward(t->l->tp, b, logits);
-}
-
-static void gen_kv_destroy(gen_target *t) {
-    if (!t->l->tp) kvs_kv_destroy(t->kv); /* the group owns its ranks' caches */
+    return t->greedy ? kvs_tp_forward_argmax(t->g, b, argmax) : kvs_tp_forward(t->g, b, logits);
 }
 
 typedef struct {
@@ -171,25 +157,25 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     for (int i = 0; !o->ignore_eos && i < c->n_eos; i++) stops[n_stops++] = c->eos_token_ids[i];
     for (int i = 0; i < o->n_stop_ids; i++) stops[n_stops++] = o->stop_ids[i];
     kvs_stop_params stop = {o->max_new, stops, n_stops};
-    gen_target tgt = {l, NULL, o->sp.temperature == 0};
-    int32_t next = -1; /* the argmax path's token */
+    gen_target tgt = {NULL, NULL, o->sp.temperature == 0};
+    int32_t next = -1; /* the greedy path's token */
     kvs_sampler *sampler = NULL;
     kvs_detokenizer *detok = NULL;
     float *logits = malloc(sizeof(float) * c->vocab_size);
     r->ids = malloc(sizeof(int32_t) * o->max_new);
     kvs_status st = logits && r->ids ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "out of memory");
-    if (st == KVS_OK) st = gen_kv_create(&tgt, n_prompt + o->max_new);
+    if (st == KVS_OK) st = gen_kv_create(&tgt, l, n_prompt + o->max_new);
     if (st == KVS_OK) st = kvs_sampler_create(&o->sp, c->vocab_size, &sampler);
     if (st == KVS_OK && l->tok && !o->json) detok = kvs_detokenizer_create(l->tok, true);
-    int seq = st == KVS_OK ? gen_seq_create(&tgt) : -1;
+    int seq = st == KVS_OK ? kvs_tp_seq_create(tgt.g) : -1;
     if (st == KVS_OK && seq < 0) st = KVS_ERR_NOMEM;
     int32_t *positions = malloc(sizeof(int32_t) * n_prompt);
     for (int i = 0; positions && i < n_prompt; i++) positions[i] = i;
     uint8_t want = 1;
     int32_t qs[2] = {0, n_prompt};
     double t0 = kvs_now();
-    if (st == KVS_OK) st = gen_set_policy(&tgt, seq, &o->policy, n_prompt);
-    if (st == KVS_OK) st = gen_reserve(&tgt, seq, n_prompt);
+    if (st == KVS_OK) st = kvs_tp_set_policy(tgt.g, seq, &o->policy, n_prompt);
+    if (st == KVS_OK) st = kvs_tp_reserve(tgt.g, seq, n_prompt);
     if (st == KVS_OK) {
         kvs_batch b = {n_prompt, 1, prompt, positions, qs, &seq, &want};
         st = gen_forward(&tgt, &b, logits, &next);
@@ -201,7 +187,7 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     r->finish = "length";
     t0 = kvs_now();
     while (st == KVS_OK && r->n < o->max_new) {
-        int32_t id = tgt.l->tp && tgt.greedy ? next : kvs_sampler_sample(sampler, logits, NULL);
+        int32_t id = tgt.greedy ? next : kvs_sampler_sample(sampler, logits, NULL);
         r->ids[r->n++] = id;
         if (detok) {
             const char *piece;
@@ -218,7 +204,7 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
         }
         if (r->n == o->max_new) break;
         int32_t pos = n_prompt + r->n - 1, q1[2] = {0, 1};
-        st = gen_reserve(&tgt, seq, 1);
+        st = kvs_tp_reserve(tgt.g, seq, 1);
         if (st != KVS_OK) break;
         kvs_batch b = {1, 1, &id, &pos, q1, &seq, &want};
         st = gen_forward(&tgt, &b, logits, &next);
@@ -234,7 +220,6 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     free(positions);
     free(logits);
     kvs_sampler_destroy(sampler);
-    gen_kv_destroy(&tgt);
     return st;
 }
 

@@ -389,13 +389,10 @@ static kvs_status forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *k
     KVS_TRY(kvs_model_check_batch(m, b, kv));
     const kvs_config *c = &m->cfg;
     int n_logits = 0, max_blocks = 1;
-    for (int s = 0; s < b->n_seqs; s++) {
-        n_logits += b->wants_logits[s] ? 1 : 0;
-        for (int l = 0; l < c->n_layers; l++) {
-            int nb;
-            kvs_kv_blocks(kv, b->seq_ids[s], l, &nb);
-            if (nb > max_blocks) max_blocks = nb;
-        }
+    for (int s = 0; s < b->n_seqs; s++) n_logits += b->wants_logits[s] ? 1 : 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        int mb = layer_max_blocks(b, kv, l);
+        if (mb > max_blocks) max_blocks = mb;
     }
     step_shape sh;
     plan_step(m, b, max_blocks, &sh);
