@@ -188,6 +188,10 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     t0 = kvs_now();
     while (st == KVS_OK && r->n < o->max_new) {
         int32_t id = tgt.greedy ? next : kvs_sampler_sample(sampler, logits, NULL);
+        if (id < 0) { /* the sample op's answer to NaN or inf logits */
+            st = kvs_fail(KVS_ERR_INTERNAL, "non-finite logits (NaN or infinity) at generated token %d", r->n + 1);
+            break;
+        }
         r->ids[r->n++] = id;
         if (detok) {
             const char *piece;
