@@ -86,6 +86,8 @@ struct kvs_engine {
     uint64_t next_id;
     int n_queued, n_running; /* mirrors of waiting.n / running.n for submit, idle and stats */
     bool abort_all, stop_requested, thread_started;
+    bool failed;        /* a step failed: every request ended, submit refuses (set once, never cleared) */
+    char failure[512];  /* why; written before failed is set, constant after */
     pthread_t thread;
     kvs_engine_stats stats;
 };
