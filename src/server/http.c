@@ -102,6 +102,13 @@ static json_t *model_json(const kvs_server *s) {
 }
 
 static enum MHD_Result answer_get(kvs_server *s, struct MHD_Connection *c, route r, const char *url) {
+    const char *why;
+    if (r == ROUTE_HEALTH && kvs_engine_failed(s->engine, &why)) { /* a supervisor restarts the process */
+        json_t *j = json_pack("{s:s, s:s}", "status", "failed", "reason", why);
+        char *body = json_dumps(j, JSON_COMPACT);
+        json_decref(j);
+        return kvs_http_respond(s, c, 503, "application/json", body);
+    }
     if (r == ROUTE_HEALTH) {
         bool d = atomic_load(&s->draining);
         return kvs_http_respond(s, c, d ? 503 : 200, "application/json",
@@ -138,6 +145,9 @@ static enum MHD_Result on_headers(kvs_server *s, struct MHD_Connection *c, conn_
         err.code = "invalid_api_key";
         return kvs_http_error(s, c, &err);
     }
+    const char *why;
+    if (post && kvs_engine_failed(s->engine, &why))
+        return cs->answered = true, fail(s, c, 503, "the engine failed: %.400s", why);
     if (post && atomic_load(&s->draining))
         return cs->answered = true, fail(s, c, 503, "%s", "the server is shutting down");
     if (!post) return cs->answered = true, answer_get(s, c, cs->r, url);
