@@ -30,7 +30,8 @@ kvs_status kvs_sampler_create(const kvs_sampling_params *p, int vocab_size, kvs_
 void kvs_sampler_destroy(kvs_sampler *s);
 /* Picks a token from logits[vocab] (logits may be modified). Reproducible for a
  * given seed and sequence of calls. If logprob is not NULL it receives the
- * log-probability of the chosen token under the unmodified distribution. */
+ * log-probability of the chosen token under the unmodified distribution.
+ * -1 (logprob NaN) when a logit is NaN or infinite, as the sample op. */
 int32_t kvs_sampler_sample(kvs_sampler *s, float *logits, float *logprob);
 
 /* Stop conditions for generation. */
