@@ -105,7 +105,7 @@ static enum MHD_Result answer_get(kvs_server *s, struct MHD_Connection *c, route
     const char *why;
     if (r == ROUTE_HEALTH && kvs_engine_failed(s->engine, &why)) { /* a supervisor restarts the process */
         json_t *j = json_pack("{s:s, s:s}", "status", "failed", "reason", why);
-        char *body = json_dumps(j, JSON_COMPACT);
+        char *body = j ? json_dumps(j, JSON_COMPACT) : strdup("{\"status\":\"failed\"}"); /* not UTF-8 */
         json_decref(j);
         return kvs_http_respond(s, c, 503, "application/json", body);
     }
