@@ -26,9 +26,11 @@ typedef struct {
 /* Encodes UTF-8 text; *ids is malloc'ed. Invalid UTF-8 is an error. */
 kvs_status kvs_tokenizer_encode(const kvs_tokenizer *t, const char *text, size_t len,
                                 kvs_encode_options opt, int32_t **ids, int *n_ids);
-/* Decodes ids to text (malloc'ed, NUL-terminated). */
+/* Decodes ids to text: *text is malloc'ed, *len bytes long (it may hold NUL bytes,
+ * e.g. a byte-level token for 0x00; a NUL follows the last byte). len may be NULL
+ * only where a NUL byte may end the text. Unknown ids add no text. */
 kvs_status kvs_tokenizer_decode(const kvs_tokenizer *t, const int32_t *ids, int n_ids,
-                                bool skip_special, char **text);
+                                bool skip_special, char **text, size_t *len);
 
 int kvs_tokenizer_vocab_size(const kvs_tokenizer *t);
 int kvs_tokenizer_token_id(const kvs_tokenizer *t, const char *token); /* -1 if none */
