@@ -23,7 +23,7 @@
 #include "tokenizer/tokenizer_internal.h"
 
 #define TK_HOLD_MAX 8    /* ids a held tail waits at most */
-#define TK_WINDOW_MAX 32 /* context ids at most, when no clean cut is nearer */
+#define TK_WINDOW_MAX 16 /* context ids at most, when no clean cut is nearer */
 
 struct kvs_detokenizer {
     const kvs_tokenizer *t;
