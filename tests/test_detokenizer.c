@@ -368,6 +368,9 @@ Test(detokenizer, stop_sendable) {
     cr_expect_eq(kvs_stop_sendable(stops, 2, "a\0b\nxEND", 8, false, &stopped), 3u);
     cr_expect(stopped);
     cr_expect_eq(kvs_stop_sendable(stops, 2, "\0\0\0", 3, false, &stopped), 3u);
+    const char *nested[] = {"s", "ters", "x"}; /* the earliest start wins, whatever the order */
+    cr_expect_eq(kvs_stop_sendable(nested, 3, "afters", 6, false, &stopped), 2u);
+    cr_expect(stopped);
     cr_expect_eq(kvs_stop_sendable(stops, 2, "", 0, false, &stopped), 0u);
     cr_expect(!stopped);
 }

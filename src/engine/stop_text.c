@@ -11,8 +11,8 @@ size_t kvs_stop_sendable(const char *const *stops, int n_stops, const char *text
     *stopped = false;
     size_t send = len;
     for (int i = 0; i < n_stops; i++) { /* the earliest occurrence of any stop string */
-        const char *hit = memmem(text, send, stops[i], strlen(stops[i]));
-        if (hit) {
+        const char *hit = memmem(text, len, stops[i], strlen(stops[i]));
+        if (hit && (size_t)(hit - text) < send) {
             send = (size_t)(hit - text);
             *stopped = true;
         }
