@@ -1,6 +1,7 @@
 /* server: OpenAI response shapes: completions / chat completions, whole or as
  * streaming chunks, with usage and logprobs. */
 #include <jansson.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,6 +55,10 @@ static char *token_text(const kvs_tokenizer *tok, int32_t id, size_t *len) {
     return s;
 }
 
+/* A logprob as JSON: -inf (and NaN, never expected) as OpenAI's -9999.0, since
+ * JSON has no infinities (jansson refuses them: the entry would go missing). */
+static json_t *lp_json(float v) { return json_real(isfinite(v) ? (double)v : -9999.0); }
+
 static json_t *usage_json(int prompt_tokens, int completion_tokens) {
     return json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt_tokens, "completion_tokens", completion_tokens,
                      "total_tokens", prompt_tokens + completion_tokens);
@@ -70,10 +75,10 @@ static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
             for (size_t b = 0; b < tl; b++) json_array_append_new(bytes, json_integer((unsigned char)t[b]));
             json_t *top = json_array();
             if (m->top_logprobs > 0)
-                json_array_append_new(top, json_pack("{s:o, s:f, s:O}", "token", text_json(t, tl), "logprob",
-                                                     (double)s->lps[i], "bytes", bytes));
-            json_array_append_new(content, json_pack("{s:o, s:f, s:o, s:o}", "token", text_json(t, tl),
-                                                     "logprob", (double)s->lps[i], "bytes", bytes, "top_logprobs", top));
+                json_array_append_new(top, json_pack("{s:o, s:o, s:O}", "token", text_json(t, tl), "logprob",
+                                                     lp_json(s->lps[i]), "bytes", bytes));
+            json_array_append_new(content, json_pack("{s:o, s:o, s:o, s:o}", "token", text_json(t, tl), "logprob",
+                                                     lp_json(s->lps[i]), "bytes", bytes, "top_logprobs", top));
             free(t);
         }
         return json_pack("{s:o, s:n}", "content", content, "refusal");
@@ -86,11 +91,11 @@ static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
         char *t = token_text(m->tok, s->ids[i], &tl);
         json_t *tj = text_json(t, tl);
         json_array_append_new(tokens, tj);
-        json_array_append_new(lps, json_real(s->lps[i]));
+        json_array_append_new(lps, lp_json(s->lps[i]));
         json_array_append_new(offs, json_integer((json_int_t)off));
         if (json_is_array(tops)) {
             json_t *one = json_object(); /* keyed by the token's text as sent (valid UTF-8) */
-            json_object_setn_new(one, json_string_value(tj), json_string_length(tj), json_real(s->lps[i]));
+            json_object_setn_new(one, json_string_value(tj), json_string_length(tj), lp_json(s->lps[i]));
             json_array_append_new(tops, one);
         }
         off += tl;
