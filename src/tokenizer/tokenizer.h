@@ -44,7 +44,11 @@ const char *kvs_tokenizer_bos_token(const kvs_tokenizer *t);
 const char *kvs_tokenizer_eos_token(const kvs_tokenizer *t);
 
 /* Streaming decoder: feed one id at a time; each call returns the new text that
- * is complete (never a broken UTF-8 sequence), possibly empty. */
+ * is complete (never a broken UTF-8 sequence), possibly empty: *len bytes at
+ * *piece, NUL bytes included. O(1) per id however long the stream. The pieces
+ * and the final flush add up to kvs_tokenizer_decode of the same ids, except
+ * where a decoder rewrites text already sent (ByteFallback turning a valid byte
+ * run into U+FFFDs when an invalid byte joins it). */
 typedef struct kvs_detokenizer kvs_detokenizer;
 kvs_detokenizer *kvs_detokenizer_create(const kvs_tokenizer *t, bool skip_special);
 /* *piece is owned by the detokenizer, valid until the next call. */
