@@ -235,8 +235,9 @@ static void print_json(const gen_options *o, const kvs_loaded *l, const int32_t 
     json_object_set_new(root, "prompt_ids", pids);
     json_object_set_new(root, "generated_ids", gids);
     char *text = NULL;
-    if (l->tok && kvs_tokenizer_decode(l->tok, r->ids, r->n, true, &text) == KVS_OK)
-        json_object_set_new(root, "text", json_string(text));
+    size_t text_len;
+    if (l->tok && kvs_tokenizer_decode(l->tok, r->ids, r->n, true, &text, &text_len) == KVS_OK)
+        json_object_set_new(root, "text", json_stringn(text, text_len));
     else
         json_object_set_new(root, "text", json_null());
     free(text);
