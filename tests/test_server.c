@@ -691,3 +691,46 @@ Test(server_parse, chat_encode_keeps_user_text_plain) {
     kvs_chat_template_destroy(tpl);
     kvs_tokenizer_destroy(tok);
 }
+
+/* What the template renders from the real contents is what the ids decode to,
+ * for templates that trim, strip, lstrip or rstrip contents or joined strings
+ * (found by fuzz/fuzz_chat_encode.c: Llama 2's '[INST] ' + content.strip() lost
+ * the template's spaces, Unicode whitespace was kept, and a strip of a joined
+ * string went through an empty content into the template's own text). */
+static void expect_chat_text(const kvs_tokenizer *tok, const char *src, const kvs_chat_message *msgs, int n) {
+    kvs_chat_template *tpl;
+    cr_assert_eq(kvs_chat_template_compile(src, strlen(src), &tpl), KVS_OK, "%s", kvs_last_error());
+    char *want = NULL, *got = NULL;
+    int32_t *ids = NULL;
+    int n_ids = 0;
+    cr_assert_eq(kvs_chat_template_render(tpl, msgs, n, true, kvs_tokenizer_bos_token(tok), kvs_tokenizer_eos_token(tok), &want),
+                 KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_api_chat_encode(tok, tpl, msgs, n, &ids, &n_ids), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_tokenizer_decode(tok, ids, n_ids, false, &got), KVS_OK);
+    cr_expect_str_eq(got, want, "template: %s", src);
+    free(want), free(got), free(ids);
+    kvs_chat_template_destroy(tpl);
+}
+
+Test(server_parse, chat_encode_strips_like_the_template) {
+    kvs_tokenizer *tok;
+    cr_assert_eq(kvs_tokenizer_load(src_path("models/tiny-needle-llama"), &tok), KVS_OK, "%s", kvs_last_error());
+    kvs_chat_message conv[] = {{"system", "  sys \n"}, {"user", "  hi  "}, {"assistant", " yo "}, {"user", "\tok\n"}};
+    expect_chat_text(tok, "{% for m in messages %}{{ '[INST] ' + m['content'].strip() + ' [/INST]' }}{% endfor %}", conv, 4);
+    expect_chat_text(tok, "{% for m in messages %}<{{ m.content.lstrip() }}|{{ m.content.rstrip() }}>{% endfor %}", conv, 4);
+    expect_chat_text(tok, "{% for m in messages %}{{ m.content | trim }} {{ m.content }}.{% endfor %}", conv, 4);
+    /* Llama 2's system prompt: a strip of a joined string */
+    const char *sys = "{{ ('<<SYS>>\n' + messages[0]['content'] + '\n<</SYS>>\n\n' + messages[1]['content']).strip() }}";
+    expect_chat_text(tok, sys, conv, 2);
+    kvs_chat_message empty_user[] = {{"system", "s"}, {"user", " \n"}};
+    expect_chat_text(tok, sys, empty_user, 2);
+    kvs_chat_message nothing[] = {{"system", ""}, {"user", ""}};
+    expect_chat_text(tok, sys, nothing, 2);
+    /* Python's whitespace: no-break space, ideographic space, unit separator, line separator */
+    kvs_chat_message uni[] = {{"user", "\xc2\xa0\xe3\x80\x80 hi\xc2\xa0there \xe2\x80\xa8\x1f"}};
+    expect_chat_text(tok, kvs_tokenizer_chat_template(tok), uni, 1);
+    /* an empty content stays empty for templates that test it */
+    kvs_chat_message blank[] = {{"system", ""}, {"user", "q"}};
+    expect_chat_text(tok, "{% for m in messages %}{% if m.content %}[{{ m.content }}]{% endif %}{% endfor %}", blank, 2);
+    kvs_tokenizer_destroy(tok);
+}

@@ -2,10 +2,12 @@
  * control tokens. The template is rendered with a marker in place of each
  * message's content; the template's own text is then encoded with special
  * tokens parsed (it writes <|start_header_id|> and the like), each content
- * with parse_special = false. The marker is padded with spaces so a template
- * that trims contents (Llama 3's `| trim`) is seen to do so, and the content
- * is trimmed the same way. */
-#include <ctype.h>
+ * with parse_special = false. The marker is padded on each side with a byte
+ * that Python's strip() removes but no template writes (0x1f), so a template
+ * that trims or strips contents (Llama 3's `| trim`, Llama 2's `.strip()`,
+ * a strip of a joined string) is seen to do so, side by side, and the content
+ * is stripped the same way. A content that is only whitespace holds no control
+ * token text and is passed to the template as it is. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +16,7 @@
 
 #define MARK_OPEN '\x02'
 #define MARK_CLOSE '\x03'
+#define MARK_PAD '\x1f'
 
 typedef struct {
     int32_t *ids;
@@ -42,13 +45,17 @@ static kvs_status append(id_buf *b, const kvs_tokenizer *tok, const char *text, 
     return KVS_OK;
 }
 
-/* Content with the surrounding whitespace removed (what Jinja's trim does). */
-static void trimmed(const char *s, size_t *start, size_t *len) {
-    size_t a = 0, b = strlen(s);
-    while (a < b && isspace((unsigned char)s[a])) a++;
-    while (b > a && isspace((unsigned char)s[b - 1])) b--;
-    *start = a;
-    *len = b - a;
+/* "M<digits>" at p: the message index and the length read. */
+static bool marker_index(const char *p, int *idx, int *used) {
+    if (p[0] != 'M' || p[1] < '0' || p[1] > '9') return false;
+    int v = 0, k = 1;
+    for (; p[k] >= '0' && p[k] <= '9'; k++) {
+        if (k > 9) return false;
+        v = v * 10 + (p[k] - '0');
+    }
+    *idx = v;
+    *used = k;
+    return true;
 }
 
 kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template *tpl, const kvs_chat_message *msgs,
@@ -61,9 +68,13 @@ kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template
         return kvs_fail(KVS_ERR_NOMEM, "out of memory");
     }
     for (int i = 0; i < n_msgs; i++) {
-        snprintf(marks[i], 32, " %cM%d%c ", MARK_OPEN, i, MARK_CLOSE);
+        size_t start, len;
+        kvs_chat_template_strip(msgs[i].content, strlen(msgs[i].content), true, true, &start, &len);
+        snprintf(marks[i], 32, "%c%cM%d%c%c", MARK_PAD, MARK_OPEN, i, MARK_CLOSE, MARK_PAD);
         marked[i].role = msgs[i].role;
-        marked[i].content = marks[i];
+        /* whitespace (or nothing) is given as it is: a template may test it for
+           emptiness, and a strip of a joined string strips through it */
+        marked[i].content = len ? marks[i] : msgs[i].content;
     }
     char *text = NULL;
     kvs_status st = kvs_chat_template_render(tpl, marked, n_msgs, true, kvs_tokenizer_bos_token(tok),
@@ -75,18 +86,16 @@ kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template
     const char *p = text, *seg = text;
     while (st == KVS_OK && *p) {
         int idx = -1, used = 0;
-        if (*p == MARK_OPEN && sscanf(p + 1, "M%d%n", &idx, &used) == 1 && p[1 + used] == MARK_CLOSE && idx >= 0 &&
-            idx < n_msgs) {
-            /* padded on both sides: the template kept the content as is */
-            bool padded = p > seg && p[-1] == ' ' && p[2 + used] == ' ';
-            const char *end = p + 2 + used;
-            const char *tpl_end = padded ? p - 1 : p;
-            st = append(&b, tok, seg, (size_t)(tpl_end - seg), true);
+        if (*p == MARK_OPEN && marker_index(p + 1, &idx, &used) && p[1 + used] == MARK_CLOSE && idx < n_msgs) {
+            /* a pad that is gone: the template stripped the content on that side */
+            bool pad_left = p > seg && p[-1] == MARK_PAD, pad_right = p[2 + used] == MARK_PAD;
+            const char *end = p + 2 + used + pad_right;
+            st = append(&b, tok, seg, (size_t)(p - pad_left - seg), true);
             const char *c = msgs[idx].content;
-            size_t start = 0, len = strlen(c);
-            if (!padded) trimmed(c, &start, &len);
+            size_t start, len;
+            kvs_chat_template_strip(c, strlen(c), !pad_left, !pad_right, &start, &len);
             if (st == KVS_OK) st = append(&b, tok, c + start, len, false);
-            p = seg = padded ? end + 1 : end;
+            p = seg = end;
         } else {
             p++;
         }
