@@ -712,6 +712,29 @@ static void expect_chat_text(const kvs_tokenizer *tok, const char *src, const kv
     kvs_chat_template_destroy(tpl);
 }
 
+/* template text the vocabulary has no tokens for encodes to nothing (UBSan: no
+ * memcpy from NULL; found by fuzz/fuzz_tokenizer_config.c) */
+Test(server_parse, chat_encode_text_without_tokens) {
+    static const char json[] =
+        "{\"pre_tokenizer\":{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"use_regex\":true},"
+        "\"decoder\":{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"BPE\",\"vocab\":{\"H\":0,\"e\":1,"
+        "\"l\":2,\"o\":3,\"He\":4,\"ll\":5,\"Hell\":6,\"Hello\":7},\"merges\":[\"H e\",\"l l\",\"He ll\",\"Hell o\"]}}";
+    kvs_tokenizer *tok;
+    cr_assert_eq(kvs_tokenizer_parse(json, sizeof json - 1, NULL, 0, &tok), KVS_OK, "%s", kvs_last_error());
+    const char *src = "{% for m in messages %}[{{ m.content }}]{% endfor %}";
+    kvs_chat_template *tpl;
+    cr_assert_eq(kvs_chat_template_compile(src, strlen(src), &tpl), KVS_OK);
+    kvs_chat_message m = {"user", "Hello"};
+    int32_t *ids = NULL;
+    int n = 0;
+    cr_assert_eq(kvs_api_chat_encode(tok, tpl, &m, 1, &ids, &n), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(n, 1);
+    cr_expect(n == 1 && ids[0] == kvs_tokenizer_token_id(tok, "Hello"));
+    free(ids);
+    kvs_chat_template_destroy(tpl);
+    kvs_tokenizer_destroy(tok);
+}
+
 Test(server_parse, chat_encode_strips_like_the_template) {
     kvs_tokenizer *tok;
     cr_assert_eq(kvs_tokenizer_load(src_path("models/tiny-needle-llama"), &tok), KVS_OK, "%s", kvs_last_error());

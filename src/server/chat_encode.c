@@ -29,6 +29,10 @@ static kvs_status append(id_buf *b, const kvs_tokenizer *tok, const char *text, 
     int n = 0;
     kvs_encode_options eo = {.add_special_tokens = false, .parse_special = special};
     KVS_TRY(kvs_tokenizer_encode(tok, text, len, eo, &ids, &n));
+    if (n == 0) { /* text the vocabulary has no tokens for */
+        free(ids);
+        return KVS_OK;
+    }
     if (b->n + n > b->cap) {
         int cap = (b->n + n) * 2 + 64;
         int32_t *p = realloc(b->ids, sizeof(int32_t) * cap);
