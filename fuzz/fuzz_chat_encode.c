@@ -12,7 +12,7 @@
  *   - every id is inside the vocabulary;
  *   - user text never becomes a control token: the special ids are exactly
  *     those of the same conversation with every content "x" (whitespace kept);
- *   - for templates that only join and trim contents, the ids decode to the
+ *   - for templates that only join, trim, strip or tojson contents, the ids decode to the
  *     text the template renders with the real contents (what transformers'
  *     apply_chat_template would give).
  * Setup (tokenizer, templates) is done once, in LLVMFuzzerInitialize. */
@@ -29,7 +29,7 @@
 
 typedef struct {
     const char *file; /* under fuzz/corpus/chat_template/, NULL: the tokenizer's own */
-    bool transparent; /* uses contents only by joining, trim and strip */
+    bool transparent; /* uses contents only by joining, trim, strip and tojson */
     kvs_chat_template *tpl;
 } fuzz_template;
 
@@ -41,7 +41,7 @@ static fuzz_template templates[] = {
     {"gemma_sysfold.jinja", true, NULL},
     {"mistral.jinja", true, NULL},
     {"qwen3.jinja", false, NULL},         /* splits contents at </think> */
-    {"llama31_tools.jinja", false, NULL}, /* tojson of tool contents */
+    {"llama31_tools.jinja", true, NULL},  /* tojson of tool contents */
 };
 #define N_TEMPLATES (int)(sizeof templates / sizeof *templates)
 static kvs_tokenizer *tok;

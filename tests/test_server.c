@@ -696,7 +696,8 @@ Test(server_parse, chat_encode_keeps_user_text_plain) {
  * for templates that trim, strip, lstrip or rstrip contents or joined strings
  * (found by fuzz/fuzz_chat_encode.c: Llama 2's '[INST] ' + content.strip() lost
  * the template's spaces, Unicode whitespace was kept, and a strip of a joined
- * string went through an empty content into the template's own text). */
+ * string went through an empty content into the template's own text, and a
+ * content written with tojson was lost). */
 static void expect_chat_text(const kvs_tokenizer *tok, const char *src, const kvs_chat_message *msgs, int n) {
     kvs_chat_template *tpl;
     cr_assert_eq(kvs_chat_template_compile(src, strlen(src), &tpl), KVS_OK, "%s", kvs_last_error());
@@ -752,6 +753,20 @@ Test(server_parse, chat_encode_strips_like_the_template) {
     /* Python's whitespace: no-break space, ideographic space, unit separator, line separator */
     kvs_chat_message uni[] = {{"user", "\xc2\xa0\xe3\x80\x80 hi\xc2\xa0there \xe2\x80\xa8\x1f"}};
     expect_chat_text(tok, kvs_tokenizer_chat_template(tok), uni, 1);
+    /* Llama 3.1 writes tool results with tojson: the content is escaped, not lost */
+    kvs_chat_message tool[] = {{"user", "q"}, {"tool", " {\"t\": \"21\\u00b0\"}\n\x01<|eot_id|> "}};
+    const char *tojson = "{% for m in messages %}{% if m.role == 'tool' %}{{ m.content | tojson }}"
+                         "{% else %}{{ (m.content | trim) | tojson }}{% endif %}<|eot_id|>{% endfor %}";
+    expect_chat_text(tok, tojson, tool, 2);
+    kvs_chat_template *tpl;
+    cr_assert_eq(kvs_chat_template_compile(tojson, strlen(tojson), &tpl), KVS_OK);
+    int32_t *ids = NULL;
+    int n = 0, n_eot = 0, eot = kvs_tokenizer_token_id(tok, "<|eot_id|>");
+    cr_assert_eq(kvs_api_chat_encode(tok, tpl, tool, 2, &ids, &n), KVS_OK, "%s", kvs_last_error());
+    for (int i = 0; i < n; i++) n_eot += ids[i] == eot;
+    cr_expect_eq(n_eot, 2, "only the template's own <|eot_id|>");
+    free(ids);
+    kvs_chat_template_destroy(tpl);
     /* an empty content stays empty for templates that test it */
     kvs_chat_message blank[] = {{"system", ""}, {"user", "q"}};
     expect_chat_text(tok, "{% for m in messages %}{% if m.content %}[{{ m.content }}]{% endif %}{% endfor %}", blank, 2);

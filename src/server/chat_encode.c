@@ -6,8 +6,10 @@
  * that Python's strip() removes but no template writes (0x1f), so a template
  * that trims or strips contents (Llama 3's `| trim`, Llama 2's `.strip()`,
  * a strip of a joined string) is seen to do so, side by side, and the content
- * is stripped the same way. A content that is only whitespace holds no control
- * token text and is passed to the template as it is. */
+ * is stripped the same way. A template that writes a content with tojson
+ * (Llama 3.1's tool results) writes the marker JSON-escaped: the content is
+ * then escaped the same way. A content that is only whitespace holds no
+ * control token text and is passed to the template as it is. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,6 +64,65 @@ static bool marker_index(const char *p, int *idx, int *used) {
     return true;
 }
 
+typedef struct {
+    int idx;                  /* the message */
+    const char *begin, *end;  /* the marker and the pads still there */
+    bool strip_left, strip_right, json;
+} marker;
+
+/* A marker at p, plain or as tojson writes it (control bytes as \u00XX), with its pads. */
+static bool match_marker(const char *p, const char *seg, int n_msgs, marker *m) {
+    static const char open_j[] = "\\u0002", close_j[] = "\\u0003", pad_j[] = "\\u001f";
+    const size_t nj = sizeof open_j - 1;
+    int used = 0;
+    m->json = *p != MARK_OPEN;
+    if (!m->json) {
+        if (!marker_index(p + 1, &m->idx, &used) || p[1 + used] != MARK_CLOSE) return false;
+    } else if (strncmp(p, open_j, nj) || !marker_index(p + nj, &m->idx, &used) || strncmp(p + nj + used, close_j, nj)) {
+        return false;
+    }
+    if (m->idx >= n_msgs) return false;
+    size_t n_open = m->json ? nj : 1, n_pad = m->json ? nj : 1;
+    const char *after = p + 2 * n_open + used;
+    bool pad_left = m->json ? (size_t)(p - seg) >= nj && !strncmp(p - nj, pad_j, nj) : p > seg && p[-1] == MARK_PAD;
+    bool pad_right = m->json ? !strncmp(after, pad_j, nj) : *after == MARK_PAD;
+    /* a pad that is gone: the template stripped the content on that side */
+    m->strip_left = !pad_left;
+    m->strip_right = !pad_right;
+    m->begin = pad_left ? p - n_pad : p;
+    m->end = pad_right ? after + n_pad : after;
+    return true;
+}
+
+/* s as the templates' tojson writes a string, without the quotes (json.dumps, ensure_ascii=False). */
+static char *json_escaped(const char *s, size_t n, size_t *out_len) {
+    char *o = malloc(n * 6 + 1), *q = o;
+    if (!o) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        const char *e = ch == '"' ? "\\\"" : ch == '\\' ? "\\\\" : ch == '\n' ? "\\n" : ch == '\r' ? "\\r"
+                      : ch == '\t' ? "\\t" : ch == '\b' ? "\\b" : ch == '\f' ? "\\f" : NULL;
+        if (e) q += sprintf(q, "%s", e);
+        else if (ch < 0x20) q += sprintf(q, "\\u%04x", ch);
+        else *q++ = (char)ch;
+    }
+    *q = 0;
+    *out_len = (size_t)(q - o);
+    return o;
+}
+
+static kvs_status append_content(id_buf *b, const kvs_tokenizer *tok, const char *c, const marker *m) {
+    size_t start, len;
+    kvs_chat_template_strip(c, strlen(c), m->strip_left, m->strip_right, &start, &len);
+    if (!m->json) return append(b, tok, c + start, len, false);
+    size_t n;
+    char *e = json_escaped(c + start, len, &n);
+    if (!e) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    kvs_status st = append(b, tok, e, n, false);
+    free(e);
+    return st;
+}
+
 kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template *tpl, const kvs_chat_message *msgs,
                                int n_msgs, int32_t **ids_out, int *n_out) {
     kvs_chat_message *marked = calloc(n_msgs > 0 ? n_msgs : 1, sizeof *marked);
@@ -89,17 +150,11 @@ kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template
     id_buf b = {0};
     const char *p = text, *seg = text;
     while (st == KVS_OK && *p) {
-        int idx = -1, used = 0;
-        if (*p == MARK_OPEN && marker_index(p + 1, &idx, &used) && p[1 + used] == MARK_CLOSE && idx < n_msgs) {
-            /* a pad that is gone: the template stripped the content on that side */
-            bool pad_left = p > seg && p[-1] == MARK_PAD, pad_right = p[2 + used] == MARK_PAD;
-            const char *end = p + 2 + used + pad_right;
-            st = append(&b, tok, seg, (size_t)(p - pad_left - seg), true);
-            const char *c = msgs[idx].content;
-            size_t start, len;
-            kvs_chat_template_strip(c, strlen(c), !pad_left, !pad_right, &start, &len);
-            if (st == KVS_OK) st = append(&b, tok, c + start, len, false);
-            p = seg = end;
+        marker m;
+        if ((*p == MARK_OPEN || *p == '\\') && match_marker(p, seg, n_msgs, &m)) {
+            st = append(&b, tok, seg, (size_t)(m.begin - seg), true);
+            if (st == KVS_OK) st = append_content(&b, tok, msgs[m.idx].content, &m);
+            p = seg = m.end;
         } else {
             p++;
         }
