@@ -691,3 +691,84 @@ Test(server_parse, chat_encode_keeps_user_text_plain) {
     kvs_chat_template_destroy(tpl);
     kvs_tokenizer_destroy(tok);
 }
+
+/* What the template renders from the real contents is what the ids decode to,
+ * for templates that trim, strip, lstrip or rstrip contents or joined strings
+ * (found by fuzz/fuzz_chat_encode.c: Llama 2's '[INST] ' + content.strip() lost
+ * the template's spaces, Unicode whitespace was kept, and a strip of a joined
+ * string went through an empty content into the template's own text, and a
+ * content written with tojson was lost). */
+static void expect_chat_text(const kvs_tokenizer *tok, const char *src, const kvs_chat_message *msgs, int n) {
+    kvs_chat_template *tpl;
+    cr_assert_eq(kvs_chat_template_compile(src, strlen(src), &tpl), KVS_OK, "%s", kvs_last_error());
+    char *want = NULL, *got = NULL;
+    int32_t *ids = NULL;
+    int n_ids = 0;
+    cr_assert_eq(kvs_chat_template_render(tpl, msgs, n, true, kvs_tokenizer_bos_token(tok), kvs_tokenizer_eos_token(tok), &want),
+                 KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_api_chat_encode(tok, tpl, msgs, n, &ids, &n_ids), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_tokenizer_decode(tok, ids, n_ids, false, &got), KVS_OK);
+    cr_expect_str_eq(got, want, "template: %s", src);
+    free(want), free(got), free(ids);
+    kvs_chat_template_destroy(tpl);
+}
+
+/* template text the vocabulary has no tokens for encodes to nothing (UBSan: no
+ * memcpy from NULL; found by fuzz/fuzz_tokenizer_config.c) */
+Test(server_parse, chat_encode_text_without_tokens) {
+    static const char json[] =
+        "{\"pre_tokenizer\":{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"use_regex\":true},"
+        "\"decoder\":{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"BPE\",\"vocab\":{\"H\":0,\"e\":1,"
+        "\"l\":2,\"o\":3,\"He\":4,\"ll\":5,\"Hell\":6,\"Hello\":7},\"merges\":[\"H e\",\"l l\",\"He ll\",\"Hell o\"]}}";
+    kvs_tokenizer *tok;
+    cr_assert_eq(kvs_tokenizer_parse(json, sizeof json - 1, NULL, 0, &tok), KVS_OK, "%s", kvs_last_error());
+    const char *src = "{% for m in messages %}[{{ m.content }}]{% endfor %}";
+    kvs_chat_template *tpl;
+    cr_assert_eq(kvs_chat_template_compile(src, strlen(src), &tpl), KVS_OK);
+    kvs_chat_message m = {"user", "Hello"};
+    int32_t *ids = NULL;
+    int n = 0;
+    cr_assert_eq(kvs_api_chat_encode(tok, tpl, &m, 1, &ids, &n), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(n, 1);
+    cr_expect(n == 1 && ids[0] == kvs_tokenizer_token_id(tok, "Hello"));
+    free(ids);
+    kvs_chat_template_destroy(tpl);
+    kvs_tokenizer_destroy(tok);
+}
+
+Test(server_parse, chat_encode_strips_like_the_template) {
+    kvs_tokenizer *tok;
+    cr_assert_eq(kvs_tokenizer_load(src_path("models/tiny-needle-llama"), &tok), KVS_OK, "%s", kvs_last_error());
+    kvs_chat_message conv[] = {{"system", "  sys \n"}, {"user", "  hi  "}, {"assistant", " yo "}, {"user", "\tok\n"}};
+    expect_chat_text(tok, "{% for m in messages %}{{ '[INST] ' + m['content'].strip() + ' [/INST]' }}{% endfor %}", conv, 4);
+    expect_chat_text(tok, "{% for m in messages %}<{{ m.content.lstrip() }}|{{ m.content.rstrip() }}>{% endfor %}", conv, 4);
+    expect_chat_text(tok, "{% for m in messages %}{{ m.content | trim }} {{ m.content }}.{% endfor %}", conv, 4);
+    /* Llama 2's system prompt: a strip of a joined string */
+    const char *sys = "{{ ('<<SYS>>\n' + messages[0]['content'] + '\n<</SYS>>\n\n' + messages[1]['content']).strip() }}";
+    expect_chat_text(tok, sys, conv, 2);
+    kvs_chat_message empty_user[] = {{"system", "s"}, {"user", " \n"}};
+    expect_chat_text(tok, sys, empty_user, 2);
+    kvs_chat_message nothing[] = {{"system", ""}, {"user", ""}};
+    expect_chat_text(tok, sys, nothing, 2);
+    /* Python's whitespace: no-break space, ideographic space, unit separator, line separator */
+    kvs_chat_message uni[] = {{"user", "\xc2\xa0\xe3\x80\x80 hi\xc2\xa0there \xe2\x80\xa8\x1f"}};
+    expect_chat_text(tok, kvs_tokenizer_chat_template(tok), uni, 1);
+    /* Llama 3.1 writes tool results with tojson: the content is escaped, not lost */
+    kvs_chat_message tool[] = {{"user", "q"}, {"tool", " {\"t\": \"21\\u00b0\"}\n\x01<|eot_id|> "}};
+    const char *tojson = "{% for m in messages %}{% if m.role == 'tool' %}{{ m.content | tojson }}"
+                         "{% else %}{{ (m.content | trim) | tojson }}{% endif %}<|eot_id|>{% endfor %}";
+    expect_chat_text(tok, tojson, tool, 2);
+    kvs_chat_template *tpl;
+    cr_assert_eq(kvs_chat_template_compile(tojson, strlen(tojson), &tpl), KVS_OK);
+    int32_t *ids = NULL;
+    int n = 0, n_eot = 0, eot = kvs_tokenizer_token_id(tok, "<|eot_id|>");
+    cr_assert_eq(kvs_api_chat_encode(tok, tpl, tool, 2, &ids, &n), KVS_OK, "%s", kvs_last_error());
+    for (int i = 0; i < n; i++) n_eot += ids[i] == eot;
+    cr_expect_eq(n_eot, 2, "only the template's own <|eot_id|>");
+    free(ids);
+    kvs_chat_template_destroy(tpl);
+    /* an empty content stays empty for templates that test it */
+    kvs_chat_message blank[] = {{"system", ""}, {"user", "q"}};
+    expect_chat_text(tok, "{% for m in messages %}{% if m.content %}[{{ m.content }}]{% endif %}{% endfor %}", blank, 2);
+    kvs_tokenizer_destroy(tok);
+}

@@ -2,10 +2,14 @@
  * control tokens. The template is rendered with a marker in place of each
  * message's content; the template's own text is then encoded with special
  * tokens parsed (it writes <|start_header_id|> and the like), each content
- * with parse_special = false. The marker is padded with spaces so a template
- * that trims contents (Llama 3's `| trim`) is seen to do so, and the content
- * is trimmed the same way. */
-#include <ctype.h>
+ * with parse_special = false. The marker is padded on each side with a byte
+ * that Python's strip() removes but no template writes (0x1f), so a template
+ * that trims or strips contents (Llama 3's `| trim`, Llama 2's `.strip()`,
+ * a strip of a joined string) is seen to do so, side by side, and the content
+ * is stripped the same way. A template that writes a content with tojson
+ * (Llama 3.1's tool results) writes the marker JSON-escaped: the content is
+ * then escaped the same way. A content that is only whitespace holds no
+ * control token text and is passed to the template as it is. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +18,7 @@
 
 #define MARK_OPEN '\x02'
 #define MARK_CLOSE '\x03'
+#define MARK_PAD '\x1f'
 
 typedef struct {
     int32_t *ids;
@@ -26,6 +31,10 @@ static kvs_status append(id_buf *b, const kvs_tokenizer *tok, const char *text, 
     int n = 0;
     kvs_encode_options eo = {.add_special_tokens = false, .parse_special = special};
     KVS_TRY(kvs_tokenizer_encode(tok, text, len, eo, &ids, &n));
+    if (n == 0) { /* text the vocabulary has no tokens for */
+        free(ids);
+        return KVS_OK;
+    }
     if (b->n + n > b->cap) {
         int cap = (b->n + n) * 2 + 64;
         int32_t *p = realloc(b->ids, sizeof(int32_t) * cap);
@@ -42,13 +51,76 @@ static kvs_status append(id_buf *b, const kvs_tokenizer *tok, const char *text, 
     return KVS_OK;
 }
 
-/* Content with the surrounding whitespace removed (what Jinja's trim does). */
-static void trimmed(const char *s, size_t *start, size_t *len) {
-    size_t a = 0, b = strlen(s);
-    while (a < b && isspace((unsigned char)s[a])) a++;
-    while (b > a && isspace((unsigned char)s[b - 1])) b--;
-    *start = a;
-    *len = b - a;
+/* "M<digits>" at p: the message index and the length read. */
+static bool marker_index(const char *p, int *idx, int *used) {
+    if (p[0] != 'M' || p[1] < '0' || p[1] > '9') return false;
+    int v = 0, k = 1;
+    for (; p[k] >= '0' && p[k] <= '9'; k++) {
+        if (k > 9) return false;
+        v = v * 10 + (p[k] - '0');
+    }
+    *idx = v;
+    *used = k;
+    return true;
+}
+
+typedef struct {
+    int idx;                  /* the message */
+    const char *begin, *end;  /* the marker and the pads still there */
+    bool strip_left, strip_right, json;
+} marker;
+
+/* A marker at p, plain or as tojson writes it (control bytes as \u00XX), with its pads. */
+static bool match_marker(const char *p, const char *seg, int n_msgs, marker *m) {
+    static const char open_j[] = "\\u0002", close_j[] = "\\u0003", pad_j[] = "\\u001f";
+    const size_t nj = sizeof open_j - 1;
+    int used = 0;
+    m->json = *p != MARK_OPEN;
+    if (!m->json) {
+        if (!marker_index(p + 1, &m->idx, &used) || p[1 + used] != MARK_CLOSE) return false;
+    } else if (strncmp(p, open_j, nj) || !marker_index(p + nj, &m->idx, &used) || strncmp(p + nj + used, close_j, nj)) {
+        return false;
+    }
+    if (m->idx >= n_msgs) return false;
+    size_t n_open = m->json ? nj : 1, n_pad = m->json ? nj : 1;
+    const char *after = p + 2 * n_open + used;
+    bool pad_left = m->json ? (size_t)(p - seg) >= nj && !strncmp(p - nj, pad_j, nj) : p > seg && p[-1] == MARK_PAD;
+    bool pad_right = m->json ? !strncmp(after, pad_j, nj) : *after == MARK_PAD;
+    /* a pad that is gone: the template stripped the content on that side */
+    m->strip_left = !pad_left;
+    m->strip_right = !pad_right;
+    m->begin = pad_left ? p - n_pad : p;
+    m->end = pad_right ? after + n_pad : after;
+    return true;
+}
+
+/* s as the templates' tojson writes a string, without the quotes (json.dumps, ensure_ascii=False). */
+static char *json_escaped(const char *s, size_t n, size_t *out_len) {
+    char *o = malloc(n * 6 + 1), *q = o;
+    if (!o) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        const char *e = ch == '"' ? "\\\"" : ch == '\\' ? "\\\\" : ch == '\n' ? "\\n" : ch == '\r' ? "\\r"
+                      : ch == '\t' ? "\\t" : ch == '\b' ? "\\b" : ch == '\f' ? "\\f" : NULL;
+        if (e) q += sprintf(q, "%s", e);
+        else if (ch < 0x20) q += sprintf(q, "\\u%04x", ch);
+        else *q++ = (char)ch;
+    }
+    *q = 0;
+    *out_len = (size_t)(q - o);
+    return o;
+}
+
+static kvs_status append_content(id_buf *b, const kvs_tokenizer *tok, const char *c, const marker *m) {
+    size_t start, len;
+    kvs_chat_template_strip(c, strlen(c), m->strip_left, m->strip_right, &start, &len);
+    if (!m->json) return append(b, tok, c + start, len, false);
+    size_t n;
+    char *e = json_escaped(c + start, len, &n);
+    if (!e) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    kvs_status st = append(b, tok, e, n, false);
+    free(e);
+    return st;
 }
 
 kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template *tpl, const kvs_chat_message *msgs,
@@ -61,9 +133,13 @@ kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template
         return kvs_fail(KVS_ERR_NOMEM, "out of memory");
     }
     for (int i = 0; i < n_msgs; i++) {
-        snprintf(marks[i], 32, " %cM%d%c ", MARK_OPEN, i, MARK_CLOSE);
+        size_t start, len;
+        kvs_chat_template_strip(msgs[i].content, strlen(msgs[i].content), true, true, &start, &len);
+        snprintf(marks[i], 32, "%c%cM%d%c%c", MARK_PAD, MARK_OPEN, i, MARK_CLOSE, MARK_PAD);
         marked[i].role = msgs[i].role;
-        marked[i].content = marks[i];
+        /* whitespace (or nothing) is given as it is: a template may test it for
+           emptiness, and a strip of a joined string strips through it */
+        marked[i].content = len ? marks[i] : msgs[i].content;
     }
     char *text = NULL;
     kvs_status st = kvs_chat_template_render(tpl, marked, n_msgs, true, kvs_tokenizer_bos_token(tok),
@@ -74,19 +150,11 @@ kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template
     id_buf b = {0};
     const char *p = text, *seg = text;
     while (st == KVS_OK && *p) {
-        int idx = -1, used = 0;
-        if (*p == MARK_OPEN && sscanf(p + 1, "M%d%n", &idx, &used) == 1 && p[1 + used] == MARK_CLOSE && idx >= 0 &&
-            idx < n_msgs) {
-            /* padded on both sides: the template kept the content as is */
-            bool padded = p > seg && p[-1] == ' ' && p[2 + used] == ' ';
-            const char *end = p + 2 + used;
-            const char *tpl_end = padded ? p - 1 : p;
-            st = append(&b, tok, seg, (size_t)(tpl_end - seg), true);
-            const char *c = msgs[idx].content;
-            size_t start = 0, len = strlen(c);
-            if (!padded) trimmed(c, &start, &len);
-            if (st == KVS_OK) st = append(&b, tok, c + start, len, false);
-            p = seg = padded ? end + 1 : end;
+        marker m;
+        if ((*p == MARK_OPEN || *p == '\\') && match_marker(p, seg, n_msgs, &m)) {
+            st = append(&b, tok, seg, (size_t)(m.begin - seg), true);
+            if (st == KVS_OK) st = append_content(&b, tok, msgs[m.idx].content, &m);
+            p = seg = m.end;
         } else {
             p++;
         }

@@ -8,6 +8,7 @@
 #include <utf8proc.h>
 
 #include "tokenizer/chat_template_internal.h"
+#include "tokenizer/tokenizer.h"
 
 static bool str_eq(ct_str a, const char *b) { return a.n == strlen(b) && memcmp(a.p, b, a.n) == 0; }
 
@@ -95,15 +96,14 @@ static bool in_chars(ct_str chars, const char *p, size_t len) {
     return false;
 }
 
-ct_value ct_str_strip(ct_ctx *c, ct_str s, ct_value chars, bool left, bool right, size_t pos) {
-    bool ws = chars.t == V_NONE || chars.t == V_UNDEF;
-    ct_str set = ws ? (ct_str){ 0 } : need_str(c, chars, "strip characters", pos);
+/* The range of s kept by Python's strip/lstrip/rstrip: whitespace when set is NULL, else set's characters. */
+static void strip_range(ct_str s, const ct_str *set, bool left, bool right, size_t *lo_out, size_t *hi_out) {
     size_t lo = 0, hi = s.n;
     if (left)
         while (lo < hi) {
             size_t len;
             int32_t cp = next_cp(s.p + lo, hi - lo, &len);
-            if (ws ? !is_space_cp(cp) : !in_chars(set, s.p + lo, len)) break;
+            if (!set ? !is_space_cp(cp) : !in_chars(*set, s.p + lo, len)) break;
             lo += len;
         }
     if (right)
@@ -113,10 +113,26 @@ ct_value ct_str_strip(ct_ctx *c, ct_str s, ct_value chars, bool left, bool right
             size_t len;
             int32_t cp = next_cp(s.p + st, hi - st, &len);
             if (len != hi - st) cp = -1, len = hi - st;
-            if (ws ? !is_space_cp(cp) : !in_chars(set, s.p + st, len)) break;
+            if (!set ? !is_space_cp(cp) : !in_chars(*set, s.p + st, len)) break;
             hi = st;
         }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
+ct_value ct_str_strip(ct_ctx *c, ct_str s, ct_value chars, bool left, bool right, size_t pos) {
+    bool ws = chars.t == V_NONE || chars.t == V_UNDEF;
+    ct_str set = ws ? (ct_str){ 0 } : need_str(c, chars, "strip characters", pos);
+    size_t lo, hi;
+    strip_range(s, ws ? NULL : &set, left, right, &lo, &hi);
     return ct_strref((ct_str){ s.p + lo, hi - lo });
+}
+
+void kvs_chat_template_strip(const char *s, size_t n, bool left, bool right, size_t *start, size_t *len) {
+    size_t lo, hi;
+    strip_range((ct_str){ s, n }, NULL, left, right, &lo, &hi);
+    *start = lo;
+    *len = hi - lo;
 }
 
 static const char *find(ct_str hay, size_t from, ct_str needle) {

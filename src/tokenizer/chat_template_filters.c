@@ -195,7 +195,9 @@ static ct_value select_items(ct_ctx *c, ct_value in, ct_args *a, bool attr, bool
             ct_fail(c->e, a->pos, "unknown test in select filter");
         test = a->v[first_test].s;
     }
-    ct_args ta = { .v = a->v + first_test + 1, .n = a->n > first_test + 1 ? a->n - first_test - 1 : 0, .pos = a->pos };
+    /* the test's own arguments, after the attribute and the test name (a->v is NULL without any) */
+    int n_ta = a->n > first_test + 1 ? a->n - first_test - 1 : 0;
+    ct_args ta = { .v = n_ta ? a->v + first_test + 1 : NULL, .n = n_ta, .pos = a->pos };
     for (size_t i = 0; i < items->n; i++) {
         ct_step(c, a->pos);
         ct_value v = attr ? get_path(c, items->v[i], a->v[0], a->pos) : items->v[i];
@@ -212,7 +214,7 @@ static ct_value map_items(ct_ctx *c, ct_value in, ct_args *a) {
     ct_value dflt = ct_arg(a, -1, "default", ct_undef((ct_str){ 0 }));
     if (attr.t == V_UNDEF && (a->n < 1 || a->v[0].t != V_STR || !ct_filter_known(a->v[0].s.p, a->v[0].s.n)))
         ct_fail(c->e, a->pos, "map: expected attribute= or a filter name");
-    ct_args fa = { .v = a->v + 1, .n = a->n > 1 ? a->n - 1 : 0, .pos = a->pos };
+    ct_args fa = { .v = a->n > 1 ? a->v + 1 : NULL, .n = a->n > 1 ? a->n - 1 : 0, .pos = a->pos };
     for (size_t i = 0; i < items->n; i++) {
         ct_step(c, a->pos);
         if (attr.t != V_UNDEF) {

@@ -73,6 +73,9 @@ kvs_status kvs_chat_template_render(const kvs_chat_template *tpl, const kvs_chat
                                     int n_msgs, bool add_generation_prompt,
                                     const char *bos_token, const char *eos_token, char **text);
 void kvs_chat_template_destroy(kvs_chat_template *tpl);
+/* What the templates' trim filter and strip()/lstrip()/rstrip() keep of s[0..n)
+ * (Python's whitespace: Unicode spaces included): s[*start .. *start + *len). */
+void kvs_chat_template_strip(const char *s, size_t n, bool left, bool right, size_t *start, size_t *len);
 /* The documented fallback for models without a chat_template (ChatML-like). */
 const char *kvs_chat_template_default(void);
 
