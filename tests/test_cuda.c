@@ -7,7 +7,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/backend.h"
 #include "backend/sample.h"
@@ -25,9 +24,7 @@ static bool duo_open(duo *d) {
     memset(d, 0, sizeof *d);
     if (kvs_backend_cuda_create(0, &d->gpu) != KVS_OK) return false;
     cr_assert_eq(kvs_backend_cpu_create(0, &d->cpu), KVS_OK);
-    uint64_t seed = getenv("KVS_TEST_SEED") ? strtoull(getenv("KVS_TEST_SEED"), NULL, 10) : (uint64_t)time(NULL);
-    cr_log_info("seed %llu", (unsigned long long)seed);
-    kvs_rng_seed(&d->rng, seed);
+    kvs_rng_seed(&d->rng, kvs_test_seed());
     return true;
 }
 

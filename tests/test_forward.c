@@ -4,7 +4,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/backend.h"
 #include "kv/kv.h"
@@ -122,7 +121,7 @@ Test(forward, varlen_batch_equals_single_runs) {
     rig_open(&r, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(200, 8), 8);
     int V = r.cfg.vocab_size;
     kvs_rng rng;
-    kvs_rng_seed(&rng, (uint64_t)time(NULL));
+    kvs_rng_seed(&rng, kvs_test_seed());
     enum { S = 8 };
     int first[S], second[S]; /* first step length, second step length */
     int32_t *ids[S];
@@ -234,8 +233,7 @@ Test(forward, padding_rows_do_nothing) {
 Test(forward, padded_decode_layout_equals_eager, .timeout = 300) {
     rig r;
     rig_open(&r, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(128, 40), 40);
-    uint64_t seed = (uint64_t)time(NULL);
-    cr_log_info("seed %llu", (unsigned long long)seed);
+    uint64_t seed = kvs_test_seed();
     scen_run eager, padded, on;
     scen_decode_run(&r, KVS_GRAPHS_OFF, seed, &eager);
     scen_decode_run(&r, KVS_GRAPHS_PADDED, seed, &padded);

@@ -7,11 +7,36 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 static const char *env_or(const char *name, const char *dflt) {
     const char *v = getenv(name);
     return v && *v ? v : dflt;
+}
+
+uint64_t kvs_test_seed(void) {
+    static bool have;
+    static uint64_t seed;
+    if (have) return seed;
+    const char *e = getenv("KVS_TEST_SEED");
+    if (e && *e) {
+        char *end;
+        seed = strtoull(e, &end, 0);
+        cr_assert(*end == 0, "KVS_TEST_SEED=%s is not a number", e);
+    } else {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t x = (uint64_t)ts.tv_sec * 1000000007u ^ (uint64_t)ts.tv_nsec ^ (uint64_t)getpid() << 20;
+        x ^= x >> 29, x *= 0xbf58476d1ce4e5b9ull, x ^= x >> 32; /* mix, then keep it short to type */
+        seed = x % 4294967296u;
+    }
+    have = true;
+    const struct criterion_test *t = criterion_current_test;
+    /* stderr, not cr_log_info (shown only with --verbose): ctest --output-on-failure prints it */
+    fprintf(stderr, "%s::%s: seed %llu (set KVS_TEST_SEED=%llu to repeat)\n", t ? t->category : "?",
+            t ? t->name : "?", (unsigned long long)seed, (unsigned long long)seed);
+    return seed;
 }
 
 static const char *join_rotating(const char *base, const char *rel) {

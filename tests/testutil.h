@@ -6,6 +6,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The seed of a randomised test: $KVS_TEST_SEED when set, else one drawn from
+ * the clock and the process id. Prints "suite::test: seed N (set
+ * KVS_TEST_SEED=N to repeat)" to stderr, so a failing run shows it; later
+ * calls in the same process return the same seed. */
+uint64_t kvs_test_seed(void);
+
 /* $KVS_SOURCE_DIR/rel and $KVS_SHARED_DIR/rel (static buffers, 4 of each, rotating) */
 const char *src_path(const char *rel);
 const char *shared_path(const char *rel);
