@@ -81,4 +81,22 @@ typedef struct {
 void scen_decode_run(rig *r, kvs_graph_mode mode, uint64_t seed, scen_run *out);
 void scen_free(scen_run *s);
 
+/* The scenario in lockstep (CPU rigs: reads KV and windows from host memory):
+ * every step runs first in shadow_mode on forks of the active sequences, then
+ * in mode on the sequences themselves; the forks are compared with the
+ * sequences and freed. So both modes start every step from the same KV state
+ * (the main run's), and a step's difference is that step's alone: a
+ * compaction that keeps other entries at a near-tie of the SnapKV scores in
+ * one mode cannot carry into later steps. shadow gets the shadow steps'
+ * logits rows (row for row with out) and graph stats. Needs max_seqs >= 80. */
+typedef struct {
+    double worst_window_q;   /* max over the sequences' window rows after each step: max|q diff| / max|q| */
+    double worst_window_lse; /* and max|LSE diff| / max(1, |LSE|) */
+    double worst_kv;     /* max over the layers not compacted in the step: |K, V diff| / max|K, V| */
+    int compactions;     /* (sequence, layer) compactions in the main steps */
+    int compactions_other; /* of those, how many kept other entries in the shadow step (a near-tie) */
+} scen_lockstep;
+void scen_lockstep_run(rig *r, kvs_graph_mode mode, kvs_graph_mode shadow_mode, uint64_t seed, scen_run *out,
+                       scen_run *shadow, scen_lockstep *ls);
+
 #endif
