@@ -26,7 +26,7 @@ static void greedy(rig *r, int seq, int pos, float *logits, int n_new, int32_t *
 }
 
 Test(forward, tiny_needle_llama_matches_hf) {
-    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases && json_array_size(cases) == 4);
     rig r;
     rig_open(&r, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(700, 1), 1);
