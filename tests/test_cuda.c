@@ -7,7 +7,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/backend.h"
 #include "backend/fault.h"
@@ -26,9 +25,7 @@ static bool duo_open(duo *d) {
     memset(d, 0, sizeof *d);
     if (kvs_backend_cuda_create(0, &d->gpu) != KVS_OK) return false;
     cr_assert_eq(kvs_backend_cpu_create(0, &d->cpu), KVS_OK);
-    uint64_t seed = getenv("KVS_TEST_SEED") ? strtoull(getenv("KVS_TEST_SEED"), NULL, 10) : (uint64_t)time(NULL);
-    cr_log_info("seed %llu", (unsigned long long)seed);
-    kvs_rng_seed(&d->rng, seed);
+    kvs_rng_seed(&d->rng, kvs_test_seed());
     return true;
 }
 
@@ -1048,7 +1045,7 @@ static void compare_models(duo *d, const char *dir, const char *name, const int3
 Test(cuda, e2e_tiny_needle_llama, .timeout = 600) {
     duo d;
     OPEN_OR_SKIP(&d);
-    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
     size_t i;
     json_t *c;
@@ -1067,7 +1064,7 @@ Test(cuda, e2e_tiny_needle_llama, .timeout = 600) {
 Test(cuda, e2e_tiny_needle_llama_snapkv, .timeout = 600) {
     duo d;
     OPEN_OR_SKIP(&d);
-    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases);
     json_t *c = json_array_get(cases, json_array_size(cases) - 1); /* the 638-token retrieval chat */
     int n;
@@ -1589,7 +1586,7 @@ static void tp_case(tp_pair *t, const char *name, const int32_t *ids, int n, int
 Test(cuda, tp2_tiny_needle_llama, .timeout = 600) {
     tp_pair t;
     TP_PAIR_OPEN_OR_SKIP(&t, src_path("models/tiny-needle-llama"), 700);
-    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
     size_t i;
     json_t *c;
@@ -1634,7 +1631,7 @@ Test(cuda, tp2_mistral, .timeout = 600) { tp2_arch("mistral"); }
 
 /* The 638-token retrieval chat of tiny-needle-llama (prefill in chunks of 256). */
 static int32_t *tiny_long_prompt(int *n) {
-    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
     int32_t *ids = json_ids(json_object_get(json_array_get(cases, json_array_size(cases) - 1), "input_ids"), n);
     json_decref(cases);

@@ -2,6 +2,7 @@
  * chunked prefill, preemption, aborts, stop conditions, validation, stats and
  * the engine thread. Uses the bundled tiny model on the CPU backend. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -647,4 +648,119 @@ Test(engine, tensor_parallel_group_matches_one_rank) {
     }
     for (int i = 0; i < N; i++) free(prompts[i]);
     fx_close(&f);
+}
+
+/* ---- preemption of sparse requests ------------------------------------------------
+ * A preempted request gives the tokens it would have given unpreempted. Two
+ * full-policy neighbours (40-token prompts, 200 tokens each) are admitted
+ * first; the request under test (200-token prompt, 150 tokens, budget 25%,
+ * window 32: decode re-compressions every 32 tokens) comes last, so it is the
+ * newest and the victim when the neighbours' growth dries a 200-block pool
+ * (after ~90 of its tokens); it is re-admitted and recomputed. Its tokens must
+ * equal those of the request alone in a pool that never runs dry, and so must
+ * the logprobs of the tokens after the preemption (the same compaction: a
+ * recompute with another budget or observation window moves them by ~0.1 and,
+ * for this prompt, changes tokens 95 (pyramidkv) and 118 (snapkv)). */
+enum { PRE_NEIGHBOURS = 2, PRE_PROMPT = 200, PRE_TOKENS = 150 };
+
+typedef struct {
+    sink target;
+    unsigned long long preemptions;
+    int tokens_at_preemption; /* the target's tokens when first seen waiting again; -1: never */
+} preempt_run;
+
+static void run_with_neighbours(fixture *f, const kvs_kv_policy *policy, int64_t pool_blocks, bool neighbours,
+                                preempt_run *out) {
+    memset(out, 0, sizeof *out);
+    out->tokens_at_preemption = -1;
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 4;
+    c.max_num_batched_tokens = 256;
+    kvs_kv_config kc = {.n_layers = f->cfg.n_layers, .n_kv_heads = f->cfg.n_kv_heads, .head_dim = f->cfg.head_dim,
+                        .block_size = 16};
+    c.kv_memory_bytes = kvs_kv_block_bytes(&kc, f->be->kv_dtype) * (size_t)pool_blocks;
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f->m, f->tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    sink others[PRE_NEIGHBOURS] = {0};
+    int32_t *prompts[PRE_NEIGHBOURS];
+    kvs_kv_policy full = kvs_kv_policy_default(KVS_POLICY_FULL);
+    for (int i = 0; neighbours && i < PRE_NEIGHBOURS; i++) {
+        prompts[i] = random_prompt(3100 + i, 40);
+        kvs_request_params p = greedy_params(prompts[i], 40, 200);
+        p.policy = &full;
+        cr_assert_eq(kvs_engine_submit(e, &p, on_output, &others[i], NULL), KVS_OK, "%s", kvs_last_error());
+    }
+    int32_t *prompt = random_prompt(5, PRE_PROMPT);
+    kvs_request_params p = greedy_params(prompt, PRE_PROMPT, PRE_TOKENS);
+    p.policy = policy;
+    p.logprobs = 1;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &out->target, NULL), KVS_OK, "%s", kvs_last_error());
+    for (int i = 0; i < 5000 && !kvs_engine_idle(e); i++) {
+        cr_assert_eq(kvs_engine_step(e), KVS_OK, "%s", kvs_last_error());
+        kvs_engine_stats s;
+        kvs_engine_get_stats(e, &s);
+        /* the neighbours never wait once admitted (they are older): a waiting request is the target */
+        if (s.waiting > 0 && out->target.n > 0 && out->target.finish == KVS_FINISH_NONE &&
+            out->tokens_at_preemption < 0)
+            out->tokens_at_preemption = out->target.n;
+    }
+    cr_assert(kvs_engine_idle(e), "the engine did not finish");
+    kvs_engine_stats s;
+    kvs_engine_get_stats(e, &s);
+    out->preemptions = s.preemptions;
+    cr_assert_eq(s.kv_blocks_used, 0);
+    cr_assert_eq(out->target.finish, KVS_FINISH_LENGTH, "%s", out->target.error);
+    cr_assert_eq(out->target.n, PRE_TOKENS);
+    for (int i = 0; neighbours && i < PRE_NEIGHBOURS; i++) {
+        cr_assert_eq(others[i].finish, KVS_FINISH_LENGTH, "neighbour %d: %s", i, others[i].error);
+        free(prompts[i]);
+    }
+    free(prompt);
+    kvs_engine_destroy(e);
+}
+
+static void preempted_equals_unpreempted(kvs_policy_kind kind) {
+    fixture f;
+    fx_open(&f);
+    kvs_kv_policy pol = kvs_kv_policy_default(kind);
+    kvs_kv_budget_parse("25%", &pol);
+    pol.full_layers = kind == KVS_POLICY_FULL ? 0 : 1;
+    const char *name = kvs_kv_policy_name(kind);
+    preempt_run alone, tight;
+    run_with_neighbours(&f, &pol, 4000, false, &alone);
+    run_with_neighbours(&f, &pol, 200, true, &tight);
+    cr_assert_eq(alone.preemptions, 0);
+    cr_assert_gt(tight.preemptions, 0, "%s: the 200-block pool was meant to run dry", name);
+    int k0 = tight.tokens_at_preemption;
+    /* sparse: preempted after decode re-compressions (every window = 32 tokens past the budget) */
+    cr_assert_geq(k0, kind == KVS_POLICY_FULL ? 1 : 2 * pol.window, "%s: preempted after %d tokens", name, k0);
+    for (int k = 0; k < PRE_TOKENS; k++)
+        cr_assert_eq(tight.target.ids[k], alone.target.ids[k], "%s token %d: preempted %d, not preempted %d", name,
+                     k, tight.target.ids[k], alone.target.ids[k]);
+    /* the tokens after the preemption come from the recomputed KV: the same
+       compaction gives the same logprobs, up to the rounding of other batches
+       (another observation window or budget moves them by ~1e-1) */
+    double before = 0, after = 0;
+    for (int k = 0; k < PRE_TOKENS; k++) {
+        double d = fabs((double)tight.target.lp[k] - alone.target.lp[k]);
+        if (k < k0) before = d > before ? d : before;
+        else after = d > after ? d : after;
+    }
+    fprintf(stderr, "%s: %llu preemptions, the first after %d of %d tokens; max |logprob diff| vs not preempted: "
+            "%.2e before it, %.2e after\n", name, tight.preemptions, k0, PRE_TOKENS, before, after);
+    cr_assert_eq(tight.target.n_lp, PRE_TOKENS);
+    cr_assert_leq(after, 1e-3, "%s: logprobs after the preemption differ by %g", name, after);
+    cr_assert_eq(tight.target.text_len, alone.target.text_len);
+    cr_assert(!memcmp(tight.target.text, alone.target.text, alone.target.text_len), "%s: streamed text", name);
+    fx_close(&f);
+}
+
+Test(engine, preempted_snapkv_request_gives_the_same_tokens, .timeout = 600) {
+    preempted_equals_unpreempted(KVS_POLICY_SNAPKV);
+}
+Test(engine, preempted_pyramidkv_request_gives_the_same_tokens, .timeout = 600) {
+    preempted_equals_unpreempted(KVS_POLICY_PYRAMIDKV);
+}
+Test(engine, preempted_full_request_gives_the_same_tokens, .timeout = 600) {
+    preempted_equals_unpreempted(KVS_POLICY_FULL);
 }

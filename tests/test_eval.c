@@ -25,7 +25,7 @@ Test(eval, retrieval_slice_reports_each_policy, .timeout = 900) {
     char args[2048];
     snprintf(args, sizeof args,
              "eval retrieval -m %s --data %s --limit 4 --kv-policy full,snapkv,pyramidkv,streamingllm --kv-budget 10%% --json",
-             src_path("models/tiny-needle-llama"), shared_path("eval/retrieval_public.jsonl"));
+             src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"));
     json_t *arr = run_json(args);
     cr_assert(json_is_array(arr));
     cr_assert_eq(json_array_size(arr), 4);
@@ -52,7 +52,7 @@ Test(eval, ppl_full_and_sparse, .timeout = 900) {
     char args[2048];
     snprintf(args, sizeof args,
              "eval ppl -m %s --text %s --prefix 600 --continuation 24 --kv-policy full,snapkv --kv-budget 20%% --json",
-             src_path("models/tiny-needle-llama"), shared_path("eval/retrieval_public.jsonl"));
+             src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"));
     json_t *arr = run_json(args);
     cr_assert_eq(json_array_size(arr), 2);
     double full = json_real_value(json_object_get(json_array_get(arr, 0), "ppl"));
@@ -108,7 +108,7 @@ Test(eval, tensor_parallel_2_matches_one_rank, .timeout = 900) {
         snprintf(args, sizeof args,
                  "eval retrieval -m %s --data %s --limit 4 --kv-policy full,snapkv,pyramidkv --kv-budget 10%% "
                  "--answers %s --json --tensor-parallel-size %d",
-                 src_path("models/tiny-needle-llama"), shared_path("eval/retrieval_public.jsonl"), answers[k], k + 1);
+                 src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"), answers[k], k + 1);
         r[k] = without_throughput(run_json(args));
         cr_assert_eq(json_array_size(r[k]), 3);
     }
@@ -126,7 +126,7 @@ Test(eval, tensor_parallel_2_matches_one_rank, .timeout = 900) {
         snprintf(args, sizeof args,
                  "eval ppl -m %s --text %s --prefix 600 --continuation 24 --kv-policy full,pyramidkv --kv-budget 20%% "
                  "--json --tensor-parallel-size %d",
-                 src_path("models/tiny-needle-llama"), shared_path("eval/retrieval_public.jsonl"), k + 1);
+                 src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"), k + 1);
         json_t *arr = run_json(args);
         cr_assert_eq(json_array_size(arr), 2);
         for (int p = 0; p < 2; p++) ppl[k][p] = json_real_value(json_object_get(json_array_get(arr, p), "ppl"));
@@ -157,7 +157,7 @@ Test(eval, bench_model_tensor_parallel_2_runs, .timeout = 600) {
     cr_assert(strstr(out, "--tensor-parallel-size 3 does not divide the model's 2 KV heads"), "%s", out);
     free(out);
     snprintf(cmd, sizeof cmd, "%s eval retrieval -m %s --data %s --limit 1 --tensor-parallel-size 3 2>&1",
-             kvsparse_binary(), src_path("models/tiny-needle-llama"), shared_path("eval/retrieval_public.jsonl"));
+             kvsparse_binary(), src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"));
     cr_assert_eq(run_capture(cmd, &out), 1, "%s", out);
     cr_assert(strstr(out, "--tensor-parallel-size 3 does not divide the model's 2 KV heads"), "%s", out);
     free(out);

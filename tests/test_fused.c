@@ -7,7 +7,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/backend.h"
 #include "model/model_internal.h"
@@ -15,9 +14,7 @@
 
 static kvs_rng seeded(void) {
     kvs_rng rng;
-    uint64_t seed = getenv("KVS_TEST_SEED") ? strtoull(getenv("KVS_TEST_SEED"), NULL, 10) : (uint64_t)time(NULL);
-    cr_log_info("seed %llu", (unsigned long long)seed);
-    kvs_rng_seed(&rng, seed);
+    kvs_rng_seed(&rng, kvs_test_seed());
     return rng;
 }
 

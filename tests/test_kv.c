@@ -3,7 +3,6 @@
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/backend.h"
 #include "kv/kv.h"
@@ -23,7 +22,7 @@ Test(kv, random_operations_keep_blocks_consistent) {
     kvs_kv_cache *kv;
     cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK);
     kvs_rng rng;
-    uint64_t seed = (uint64_t)time(NULL);
+    uint64_t seed = kvs_test_seed();
     kvs_rng_seed(&rng, seed);
     int live[12], n_live = 0;
     int32_t keep[2 * 600];
@@ -145,7 +144,7 @@ Test(kv, admission_and_budget) {
  * padding), pools 1/3/7 and 1/2/8 KV heads. */
 Test(kv, snapkv_select_matches_reference) {
     kvs_rng rng;
-    uint64_t seed = (uint64_t)time(NULL);
+    uint64_t seed = kvs_test_seed();
     kvs_rng_seed(&rng, seed);
     const int heads[] = {1, 2, 8}, pools[] = {1, 3, 7};
     for (int trial = 0; trial < 300; trial++) {

@@ -17,7 +17,7 @@ static const char *arch_dir(const char *name) {
     static char buf[4][1024];
     static int next;
     char *b = buf[next++ & 3];
-    snprintf(b, 1024, "%s", shared_path("fixtures/arch"));
+    snprintf(b, 1024, "%s", shared_input("fixtures/arch"));
     snprintf(b + strlen(b), 1024 - strlen(b), "/%s", name);
     return b;
 }

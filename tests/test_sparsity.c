@@ -5,14 +5,11 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend/backend.h"
 #include "kv/kv.h"
 #include "model/model.h"
 #include "testutil.h"
-
-static uint64_t fresh_seed(void) { return (uint64_t)time(NULL) ^ (uint64_t)clock(); }
 
 /* A cache of one layer filled with random K/V for one sequence of n entries. */
 typedef struct {
@@ -66,7 +63,7 @@ static kvs_attn_batch one_seq_batch(const filled_cache *f, int q_len, int32_t *q
 /* Scores from the prefill's LSE equal the explicit softmax over the window
  * (double-precision reference; relative tolerance 1e-4). GQA 1, 2 and 4. */
 Test(sparsity, lse_scores_equal_explicit_softmax) {
-    uint64_t seed = fresh_seed();
+    uint64_t seed = kvs_test_seed();
     kvs_rng rng;
     kvs_rng_seed(&rng, seed);
     int cases[][3] = {{4, 4, 16}, {4, 2, 32}, {8, 2, 64}}; /* H, KVH, d */
@@ -116,7 +113,7 @@ Test(sparsity, lse_scores_equal_explicit_softmax) {
 
 Test(sparsity, pooling_and_top_k_match_brute_force) {
     kvs_rng rng;
-    kvs_rng_seed(&rng, fresh_seed());
+    kvs_rng_seed(&rng, kvs_test_seed());
     for (int trial = 0; trial < 50; trial++) {
         int n = 1 + (int)(kvs_rng_u64(&rng) % 300), p = 1 + 2 * (int)(kvs_rng_u64(&rng) % 5);
         int k = (int)(kvs_rng_u64(&rng) % (n + 2));
@@ -149,7 +146,7 @@ Test(sparsity, pooling_and_top_k_match_brute_force) {
 /* Attention over a compacted cache equals dense attention restricted to the
  * kept entries (double reference, 1e-5 relative). */
 Test(sparsity, attention_over_compacted_cache_equals_restricted_dense) {
-    uint64_t seed = fresh_seed();
+    uint64_t seed = kvs_test_seed();
     kvs_rng rng;
     kvs_rng_seed(&rng, seed);
     int H = 4, KVH = 2, d = 32, n = 150 + (int)(kvs_rng_u64(&rng) % 100), n_keep = 40;
@@ -271,7 +268,7 @@ Test(sparsity, chunked_and_one_shot_prefill_select_the_same_entries, .timeout = 
     rig r;
     rig_open(&r, src_path("models/tiny-needle-llama"), NULL, 4 * 8 * 40 + 16, 4);
     kvs_rng rng;
-    uint64_t seed = fresh_seed();
+    uint64_t seed = kvs_test_seed();
     kvs_rng_seed(&rng, seed);
     int n = 500 + (int)(kvs_rng_u64(&rng) % 100), w = 32;
     int32_t *ids = malloc(sizeof(int32_t) * n);
@@ -353,7 +350,7 @@ Test(sparsity, decode_stays_bounded, .timeout = 1200) {
     int n = 400, steps = 2000;
     int32_t *ids = malloc(sizeof(int32_t) * n);
     kvs_rng rng;
-    kvs_rng_seed(&rng, fresh_seed());
+    kvs_rng_seed(&rng, kvs_test_seed());
     for (int i = 0; i < n; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % 8187);
     float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
     kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_SNAPKV);

