@@ -1,7 +1,9 @@
 /* server: one generation request between the HTTP thread and the engine:
  * the shared kvs_gen (filled by the engine callback), and the streaming
  * (SSE) reader that turns its outputs into chunks. */
+#define _GNU_SOURCE /* POLLRDHUP */
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,6 +11,7 @@
 #include <time.h>
 
 #include "server/generate.h"
+#include "server/http.h"
 
 kvs_gen *kvs_gen_create(void) {
     kvs_gen *g = calloc(1, sizeof *g);
@@ -82,12 +85,18 @@ void kvs_gen_on_output(void *user, const kvs_request_output *o) {
     if (last) kvs_gen_release(g); /* the engine's reference */
 }
 
-bool kvs_peer_closed(int fd) {
-    if (fd < 0) return false;
-    char b;
-    ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0) return true;
-    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+kvs_peer kvs_peer_state(int fd) {
+    if (fd < 0) return KVS_PEER_OPEN;
+    struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+    if (poll(&p, 1, 0) <= 0) return KVS_PEER_OPEN;
+    if (p.revents & (POLLHUP | POLLERR | POLLNVAL)) return KVS_PEER_GONE;
+    return p.revents & POLLRDHUP ? KVS_PEER_EOF : KVS_PEER_OPEN;
+}
+
+bool kvs_peer_probe_1xx(int fd) {
+    static const char probe[] = "HTTP/1.1 100 Continue\r\n\r\n";
+    ssize_t n = send(fd, probe, sizeof probe - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+    return n == (ssize_t)(sizeof probe - 1) || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR));
 }
 
 /* Waits up to ms for news; false on timeout. Called with g->mu held. */
@@ -132,10 +141,10 @@ void kvs_stream_free(void *cls) {
     bool done = g->done;
     pthread_mutex_unlock(&g->mu);
     if (!done) kvs_engine_abort(st->srv->engine, g->engine_id); /* the client went away */
+    kvs_server_request_done(st->srv, g);
     kvs_gen_release(g);
     free(st->out);
     free(st->req_id);
-    kvs_server_request_done(st->srv);
     free(st);
 }
 
@@ -178,16 +187,24 @@ ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             return (ssize_t)n;
         }
         st->out_len = st->out_off = 0;
-        if (st->ended) return -1; /* MHD_CONTENT_READER_END_OF_STREAM */
+        if (st->ended) return MHD_CONTENT_READER_END_OF_STREAM;
         kvs_gen *g = st->gen;
+        bool waited = false, probe = false;
         pthread_mutex_lock(&g->mu);
-        while (!g->done && g->text_len == 0 && g->n_ids == 0 && st->role_sent) {
-            if (!kvs_gen_wait(g, 500) && kvs_peer_closed(st->fd)) {
+        while (!g->done && g->text_len == 0 && g->n_ids == 0 && st->role_sent && !probe) {
+            waited = true;
+            if (kvs_gen_wait(g, 500)) continue;
+            kvs_peer ps = kvs_peer_state(st->fd);
+            if (ps == KVS_PEER_GONE) {
                 pthread_mutex_unlock(&g->mu);
-                return -2; /* MHD_CONTENT_READER_END_WITH_ERROR: kvs_stream_free aborts */
+                return MHD_CONTENT_READER_END_WITH_ERROR; /* kvs_stream_free aborts */
             }
+            if (ps == KVS_PEER_EOF && !st->probed) probe = st->probed = true;
         }
         take_pending(st);
         pthread_mutex_unlock(&g->mu);
+        /* an SSE comment: clients ignore it, a closed socket answers it with a reset */
+        if (probe) out_append(st, ": ping\n\n", 8);
+        if (waited) kvs_http_touch(st->conn, st->srv->cfg.http_timeout_s);
     }
 }

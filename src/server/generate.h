@@ -2,6 +2,7 @@
 #ifndef KVS_SERVER_GENERATE_H
 #define KVS_SERVER_GENERATE_H
 
+#include <microhttpd.h>
 #include <sys/types.h>
 
 #include "server/server_internal.h"
@@ -10,10 +11,12 @@
 typedef struct {
     kvs_server *srv;
     kvs_gen *gen;        /* holds one reference */
+    struct MHD_Connection *conn; /* to restart its --http-timeout clock after a wait */
     kvs_resp_meta meta;
     char *req_id;        /* meta.id's storage */
     int fd;              /* the client's socket, to notice a disconnect while waiting */
     bool include_usage, role_sent, ended;
+    bool probed;         /* sent an SSE comment to tell a closed client from a half-closed one */
     size_t text_offset;
     char *out;           /* formatted bytes not yet handed to MHD */
     size_t out_len, out_off, out_cap;
@@ -22,10 +25,33 @@ typedef struct {
 ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max);
 void kvs_stream_free(void *cls);
 
-bool kvs_peer_closed(int fd);
+/* What a client's socket says, without reading from it.
+ * A FIN alone cannot tell a client that left from one that only shut its
+ * sending side after the request (a half-close, which must not abort it):
+ * writing tells, as a closed socket answers data with a reset. So EOF is only
+ * a reason to probe; GONE (reset, or both directions shut) is the disconnect. */
+typedef enum {
+    KVS_PEER_OPEN, /* nothing new (bytes it sent after its request are left unread) */
+    KVS_PEER_EOF,  /* it sent FIN: closed, or half-closed */
+    KVS_PEER_GONE  /* reset, or both directions shut */
+} kvs_peer;
+kvs_peer kvs_peer_state(int fd);
+/* The probe before a non-streaming answer: "HTTP/1.1 100 Continue" (a client
+ * must accept 1xx responses before the final one; HTTP/1.1 only). False when
+ * the write fails (the client left). */
+bool kvs_peer_probe_1xx(int fd);
 bool kvs_gen_wait(kvs_gen *g, int ms); /* with g->mu held; false on timeout */
 
-/* http.c: a generation request has been answered (drain waits for none left). */
-void kvs_server_request_done(kvs_server *s);
+/* ---- a generation request's life in the server (http.c) ---------------------
+ * begin: counts it in flight (503 while draining); link: puts it on the list
+ * the drain aborts (false once the drain has timed out); submitted: records
+ * its engine id (false, and aborted, when the drain timed out meanwhile);
+ * unlink: off the list (its submit failed); done: answered, off the list
+ * (the drain waits for none in flight). */
+bool kvs_server_request_begin(kvs_server *s, kvs_api_error *err);
+bool kvs_server_request_link(kvs_server *s, kvs_gen *g);
+bool kvs_server_request_submitted(kvs_server *s, kvs_gen *g, uint64_t engine_id);
+void kvs_server_request_unlink(kvs_server *s, kvs_gen *g);
+void kvs_server_request_done(kvs_server *s, kvs_gen *g);
 
 #endif
