@@ -56,7 +56,8 @@ static void usage(FILE *f) {
                "  --http-timeout S          close a connection that makes no progress for S seconds: an idle or\n"
                "                            slow client, or one that stops reading its response (default 60)\n"
                "  --max-connections-per-ip N  open connections one client address may hold; more are refused\n"
-               "                            (default 64; raise it behind a proxy, which is one address)\n"
+               "                            (default 256; behind a proxy, which is one address, or for a\n"
+               "                            benchmark at a higher concurrency, raise it up to 1024 = off)\n"
                "  --drain-timeout S         on SIGTERM/SIGINT, wait up to S seconds for running requests, then\n"
                "                            abort them and exit 0 (default 30)\n"
                "  --threads N  --load-format dummy\n" KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP

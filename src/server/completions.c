@@ -120,6 +120,7 @@ static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, co
     make_meta(s, r, id, 64, &st->meta);
     st->conn = c;
     st->fd = kvs_http_conn_fd(c);
+    kvs_peer_progress_init(&st->progress);
     st->include_usage = r->include_usage;
     st->role_sent = r->kind != KVS_API_CHAT;
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, kvs_stream_read, st,

@@ -1,9 +1,7 @@
 /* server: one generation request between the HTTP thread and the engine:
  * the shared kvs_gen (filled by the engine callback), and the streaming
  * (SSE) reader that turns its outputs into chunks. */
-#define _GNU_SOURCE /* POLLRDHUP */
 #include <errno.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,20 +83,6 @@ void kvs_gen_on_output(void *user, const kvs_request_output *o) {
     if (last) kvs_gen_release(g); /* the engine's reference */
 }
 
-kvs_peer kvs_peer_state(int fd) {
-    if (fd < 0) return KVS_PEER_OPEN;
-    struct pollfd p = {.fd = fd, .events = POLLRDHUP};
-    if (poll(&p, 1, 0) <= 0) return KVS_PEER_OPEN;
-    if (p.revents & (POLLHUP | POLLERR | POLLNVAL)) return KVS_PEER_GONE;
-    return p.revents & POLLRDHUP ? KVS_PEER_EOF : KVS_PEER_OPEN;
-}
-
-bool kvs_peer_probe_1xx(int fd) {
-    static const char probe[] = "HTTP/1.1 100 Continue\r\n\r\n";
-    ssize_t n = send(fd, probe, sizeof probe - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
-    return n == (ssize_t)(sizeof probe - 1) || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR));
-}
-
 /* Waits up to ms for news; false on timeout. Called with g->mu held. */
 bool kvs_gen_wait(kvs_gen *g, int ms) {
     struct timespec ts;
@@ -176,8 +160,17 @@ static void take_pending(kvs_stream *st) {
     st->ended = true;
 }
 
+/* The client stopped reading: it has taken none of what waits for it for --http-timeout. */
+static bool stalled(kvs_stream *st) {
+    unsigned limit = st->srv->cfg.http_timeout_s;
+    if (!kvs_peer_stalled(st->fd, &st->progress, limit)) return false;
+    kvs_log(KVS_LOG_INFO, "closing a stream whose client read nothing for %u s (--http-timeout)", limit);
+    return true;
+}
+
 ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     kvs_stream *st = cls;
+    if (stalled(st)) return MHD_CONTENT_READER_END_WITH_ERROR; /* kvs_stream_free aborts */
     for (;;) {
         if (st->out_off < st->out_len) {
             size_t n = st->out_len - st->out_off;
@@ -195,7 +188,7 @@ ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             waited = true;
             if (kvs_gen_wait(g, 500)) continue;
             kvs_peer ps = kvs_peer_state(st->fd);
-            if (ps == KVS_PEER_GONE) {
+            if (ps == KVS_PEER_GONE || stalled(st)) {
                 pthread_mutex_unlock(&g->mu);
                 return MHD_CONTENT_READER_END_WITH_ERROR; /* kvs_stream_free aborts */
             }

@@ -32,6 +32,7 @@ typedef struct {
     kvs_route r;
     kvs_http_body body;
     bool answered;
+    kvs_http_answer pending; /* decided from the headers of a request without a body */
 } conn_state;
 
 enum MHD_Result kvs_http_respond(kvs_server *s, struct MHD_Connection *c, unsigned status, const char *content_type,
@@ -140,16 +141,27 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         if (!cs) return MHD_NO;
         *con_cls = cs;
         kvs_http_answer a;
-        if (!kvs_http_head(s, method, url, MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization"),
-                           MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length"), &cs->r, &a))
+        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
+        if (!kvs_http_head(s, method, url, MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization"), cl,
+                           &cs->r, &a))
             return MHD_YES;
-        /* answered before the body: libmicrohttpd discards it and closes the connection after the answer */
         cs->answered = true;
-        return respond_answer(s, c, &a);
+        /* an answer queued now, before the body, makes libmicrohttpd discard the
+         * body and close the connection after it: what 401 and 413 want. A
+         * request without a body (a GET) is answered at the next call instead,
+         * which keeps an HTTP/1.1 connection open. */
+        bool bodyless = (!cl || !strcmp(cl, "0")) &&
+                        !MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING);
+        if (!bodyless || a.status == 401 || a.status == 413) return respond_answer(s, c, &a);
+        cs->pending = a;
+        return MHD_YES;
     }
     if (cs->answered) {
         *upload_size = 0;
-        return MHD_YES;
+        if (!cs->pending.status) return MHD_YES;
+        kvs_http_answer a = cs->pending;
+        cs->pending.status = 0;
+        return respond_answer(s, c, &a);
     }
     if (*upload_size) {
         size_t n = *upload_size;
@@ -172,6 +184,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     conn_state *cs = *con_cls;
     if (!cs) return;
     kvs_http_body_free(&cs->body);
+    if (cs->pending.status) free(cs->pending.body);
     free(cs);
     *con_cls = NULL;
 }
@@ -196,7 +209,7 @@ kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, c
     s->cfg = *cfg;
     if (!s->cfg.max_body_bytes) s->cfg.max_body_bytes = 4u << 20;
     if (!s->cfg.connection_limit) s->cfg.connection_limit = 1024;
-    if (!s->cfg.max_connections_per_ip) s->cfg.max_connections_per_ip = 64;
+    if (!s->cfg.max_connections_per_ip) s->cfg.max_connections_per_ip = 256;
     if (!s->cfg.http_timeout_s) s->cfg.http_timeout_s = 60;
     if (s->cfg.max_preparing <= 0) s->cfg.max_preparing = 8;
     s->slot_wait_ms = 5000;

@@ -76,7 +76,7 @@ typedef struct {
     int max_model_len;
     int n_layers;
     unsigned connection_limit;     /* 0: 1024 */
-    unsigned max_connections_per_ip; /* 0: 64; a client's connections beyond are refused */
+    unsigned max_connections_per_ip; /* 0: 256; one address's connections beyond are refused */
     unsigned http_timeout_s;       /* 0: 60; a connection that makes no progress this long is closed */
     int max_preparing;             /* requests parsed and tokenized at once (0: 8); more wait, then 429 */
 } kvs_server_config;
