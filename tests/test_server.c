@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -313,21 +314,138 @@ static void run_load(int port, int threads, int per_thread, int seed0, load_job 
     for (int i = 0; i < threads; i++) pthread_join(th[i], NULL);
 }
 
+/* Clients that misbehave alongside the load until *stop: slow readers take
+ * 64 bytes every 20 ms; never-readers (a tiny receive buffer) send a long
+ * stream, read nothing for 4 s, then look whether the server cut them
+ * (--http-timeout) and hang up. */
+typedef struct {
+    int port;
+    atomic_bool *stop;
+    int completed, failed, cut, kept;
+} odd_job;
+
+static void *slow_reader(void *arg) {
+    odd_job *job = arg;
+    const char *body = "{\"prompt\": \"A slow reader asks about ships\", \"max_tokens\": 16, \"ignore_eos\": true, "
+                       "\"stream\": true}";
+    for (int k = 0; k < 1000 && !atomic_load(job->stop); k++) {
+        int fd = connect_to(job->port);
+        if (fd < 0 || !send_request(fd, "POST", "/v1/completions", NULL, body, strlen(body))) {
+            job->failed++;
+            if (fd >= 0) close(fd);
+            continue;
+        }
+        size_t n = 0, cap = 1 << 16;
+        char *buf = calloc(1, cap);
+        ssize_t got;
+        while ((got = recv(fd, buf + n, cap - n - 1 < 64 ? cap - n - 1 : 64, 0)) > 0) {
+            n += (size_t)got;
+            usleep(20000);
+        }
+        close(fd);
+        if (!strncmp(buf, "HTTP/1.1 200", 12) && strstr(buf, "data: [DONE]")) job->completed++;
+        else job->failed++;
+        free(buf);
+    }
+    return NULL;
+}
+
+static void *never_reader(void *arg) {
+    odd_job *job = arg;
+    const char *body = "{\"messages\": [{\"role\": \"user\", \"content\": \"Never read this\"}], \"max_tokens\": 64, "
+                       "\"ignore_eos\": true, \"stream\": true, \"logprobs\": true, \"top_logprobs\": 1}";
+    for (int k = 0; k < 100 && !atomic_load(job->stop); k++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        int small = 2048;
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)job->port)};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
+            !send_request(fd, "POST", "/v1/chat/completions", NULL, body, strlen(body))) {
+            close(fd);
+            continue;
+        }
+        for (int t = 0; t < 120 && !atomic_load(job->stop); t++) usleep(100000); /* reads nothing for 12 s */
+        /* what arrived: an end without [DONE] means the server cut it; data still coming means not (yet) */
+        bool done = false, eof = false;
+        char b[4096];
+        for (int idle = 0; idle < 20 && !eof;) {
+            ssize_t got = recv(fd, b, sizeof b - 1, MSG_DONTWAIT);
+            if (got > 0) {
+                b[got] = 0;
+                done = done || strstr(b, "[DONE]");
+            } else if (got == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+                eof = true;
+            } else {
+                idle++;
+                usleep(50000);
+            }
+        }
+        if (eof && !done) job->cut++;
+        else job->kept++;
+        struct linger lg = {1, 0};
+        setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+        close(fd);
+    }
+    return NULL;
+}
+
+/* The load with ODD slow readers and ODD never-readers alongside. */
+enum { ODD = 4 };
+typedef struct {
+    int slow_done, slow_failed, cut, kept;
+} odd_totals;
+
+static void run_phase(int port, int per_thread, int seed0, load_job *jobs, odd_totals *t) {
+    atomic_bool stop;
+    atomic_init(&stop, false);
+    odd_job slow[ODD], never[ODD];
+    pthread_t th_slow[ODD], th_never[ODD];
+    for (int i = 0; i < ODD; i++) {
+        slow[i] = never[i] = (odd_job){.port = port, .stop = &stop};
+        pthread_create(&th_slow[i], NULL, slow_reader, &slow[i]);
+        pthread_create(&th_never[i], NULL, never_reader, &never[i]);
+    }
+    run_load(port, 64, per_thread, seed0, jobs);
+    atomic_store(&stop, true);
+    memset(t, 0, sizeof *t);
+    for (int i = 0; i < ODD; i++) {
+        pthread_join(th_slow[i], NULL);
+        pthread_join(th_never[i], NULL);
+        t->slow_done += slow[i].completed, t->slow_failed += slow[i].failed;
+        t->cut += never[i].cut, t->kept += never[i].kept;
+    }
+}
+
+static uint64_t load_seed(void) {
+    const char *e = getenv("KVS_TEST_SEED");
+    uint64_t seed = e ? strtoull(e, NULL, 10) : 1000;
+    fprintf(stderr, "sustained load: seed %llu (set KVS_TEST_SEED=N to repeat)\n", (unsigned long long)seed);
+    return seed;
+}
+
 Test(server, sustained_load_rss_flat) {
-    server_proc s = start_server("--kv-memory 0.05 --max-num-seqs 64");
+    server_proc s = start_server("--kv-memory 0.05 --max-num-seqs 64 --http-timeout 2");
+    int seed = (int)load_seed();
     load_job jobs[64];
-    run_load(s.port, 64, 3, 1000, jobs); /* warm-up: 192 requests */
+    odd_totals warm, odd;
+    run_phase(s.port, 3, seed, jobs, &warm); /* warm-up: 192 requests */
+    cr_expect_eq(warm.slow_failed, 0, "a slow reader failed in the warm-up");
     expect_no_blocks(s.port);
     long before = rss_kb(s.pid);
-    run_load(s.port, 64, 32, 2000, jobs); /* 2,048 requests at concurrency 64 */
+    run_phase(s.port, 32, seed + 1000, jobs, &odd); /* 2,048 requests at concurrency 64 */
     int completed = 0, aborted = 0, failed = 0;
     for (int i = 0; i < 64; i++) completed += jobs[i].completed, aborted += jobs[i].aborted, failed += jobs[i].failed;
     expect_no_blocks(s.port);
     long after = rss_kb(s.pid);
-    fprintf(stderr, "sustained load: %d completed, %d aborted, %d failed; RSS %ld kB -> %ld kB\n", completed, aborted,
-            failed, before, after);
+    fprintf(stderr,
+            "sustained load: %d completed, %d aborted, %d failed; slow readers %d completed, %d failed; never-readers "
+            "%d cut by the server, %d not yet; RSS %ld kB -> %ld kB\n",
+            completed, aborted, failed, odd.slow_done, odd.slow_failed, odd.cut, odd.kept, before, after);
     cr_expect_eq(failed, 0);
+    cr_expect_eq(odd.slow_failed, 0, "a slow reader failed");
     cr_expect_gt(completed, 1200);
+    cr_expect_gt(odd.slow_done, 0);
 #if defined(__SANITIZE_ADDRESS__)
     /* ASan's quarantine holds freed memory: RSS is not meaningful there (leaks: LSan at exit) */
 #else
