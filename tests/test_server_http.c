@@ -40,7 +40,8 @@ static int path_status(kvs_server *s, const char *method, const char *url, const
     cr_expect(a.body, "an answer without a body");
     json_t *j = a.content_type && strstr(a.content_type, "json") ? json_loads(a.body, 0, NULL) : NULL;
     if (a.status >= 400 && strcmp(url, "/health"))
-        cr_expect(json_is_object(json_object_get(j, "error")), "not an error object: %s", a.body);
+        cr_expect(json_is_string(json_object_get(json_object_get(j, "error"), "message")), "not an error object: %s",
+                  a.body);
     json_decref(j);
     free(a.body);
     return a.status;
@@ -50,6 +51,14 @@ Test(http_path, routing_auth_and_body_limit) {
     kvs_server *s = path_server("k", 2048, 64, NULL);
     const char *ok = "Bearer k", *ids = "{\"prompt\": [1, 2, 3], \"max_tokens\": 4}";
     cr_expect_eq(path_status(s, "GET", "/nowhere", ok, NULL, NULL, 0, NULL, 0), 404);
+    /* a URL that is not UTF-8 (quoted in the message): still a JSON error object (found by fuzz_http_request) */
+    cr_expect_eq(path_status(s, "GET", "/v2/\xff\xfe\x91", ok, NULL, NULL, 0, NULL, 0), 404);
+    char url[300];
+    memset(url, 'a', sizeof url);
+    memcpy(url, "/x", 2);
+    memcpy(url + 196, "\xc3\xa9\xc3\xa9\xc3\xa9", 6); /* "Not found: %.200s" cuts an é in two */
+    url[299] = 0;
+    cr_expect_eq(path_status(s, "GET", url, ok, NULL, NULL, 0, NULL, 0), 404);
     cr_expect_eq(path_status(s, "GET", "/v1/completions", ok, NULL, NULL, 0, NULL, 0), 405);
     cr_expect_eq(path_status(s, "DELETE", "/health", NULL, NULL, NULL, 0, NULL, 0), 405);
     cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, ids, 0, NULL, 0), 401);

@@ -24,11 +24,26 @@ bool kvs_api_fail(kvs_api_error *err, int http_status, const char *param, const 
     return false;
 }
 
+/* A JSON string of s. A message may quote a client's bytes (a URL, a field
+ * name) or cut a character short at its length limit: when s is not valid
+ * UTF-8, its non-ASCII bytes become '?'. */
+static json_t *json_text(const char *s) {
+    json_t *j = json_string(s);
+    if (j) return j;
+    char *c = strdup(s);
+    if (!c) return json_string("?");
+    for (char *p = c; *p; p++)
+        if ((unsigned char)*p >= 0x80) *p = '?';
+    j = json_string(c);
+    free(c);
+    return j;
+}
+
 char *kvs_api_error_json(const kvs_api_error *err) {
     json_t *e = json_object();
-    json_object_set_new(e, "message", json_string(err->message[0] ? err->message : "error"));
+    json_object_set_new(e, "message", json_text(err->message[0] ? err->message : "error"));
     json_object_set_new(e, "type", json_string(err->type ? err->type : "invalid_request_error"));
-    json_object_set_new(e, "param", err->param[0] ? json_string(err->param) : json_null());
+    json_object_set_new(e, "param", err->param[0] ? json_text(err->param) : json_null());
     json_object_set_new(e, "code", err->code ? json_string(err->code) : json_null());
     json_t *root = json_pack("{s:o}", "error", e);
     char *s = json_dumps(root, JSON_COMPACT);
