@@ -21,7 +21,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         kvs_encode_options opt = {.add_special_tokens = k == 0, .parse_special = k == 1};
         if (kvs_tokenizer_encode(t, texts[k], strlen(texts[k]), opt, &ids, &n) != KVS_OK) continue;
         char *text = NULL;
-        if (kvs_tokenizer_decode(t, ids, n, k == 2, &text) == KVS_OK) free(text);
+        if (kvs_tokenizer_decode(t, ids, n, k == 2, &text, NULL) == KVS_OK) free(text);
         kvs_detokenizer *d = kvs_detokenizer_create(t, false);
         for (int i = 0; d && i <= n; i++) {
             const char *piece;
@@ -35,7 +35,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     /* out-of-range ids decode to nothing */
     int32_t odd[] = {-1, 0, 1, 2, 3, 1 << 30, kvs_tokenizer_vocab_size(t)};
     char *text = NULL;
-    if (kvs_tokenizer_decode(t, odd, 7, false, &text) == KVS_OK) free(text);
+    if (kvs_tokenizer_decode(t, odd, 7, false, &text, NULL) == KVS_OK) free(text);
     kvs_tokenizer_destroy(t);
     return 0;
 }

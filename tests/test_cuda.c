@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "backend/backend.h"
+#include "backend/fault.h"
 #include "backend/sample.h"
 #include "kv/kv.h"
 #include "model/model.h"
@@ -1957,4 +1958,181 @@ Test(cuda, sample_shard_matches_cpu) {
     }
     cr_log_info("sample_shard: %d parts, %d off, %d near-ties", rows_checked, bad, ties);
     duo_close(&d);
+}
+
+/* ---- health: failures reach the step, NaN rows sample nothing -----------------
+ * The GPU sample ops flag rows holding NaN or inf like the CPU ops (id -1,
+ * logprob NaN; sample_shard's nonfinite); a failed op and a kernel fault fail
+ * the check and the forward step that caused them; the fault wrapper works
+ * over the CUDA backend (eager, NaN in bf16); a failed rank fails the TP step. */
+Test(cuda, nonfinite_rows_sample_nothing) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    enum { ROWS = 12, V = 1003 };
+    const float bad[3] = {NAN, INFINITY, -INFINITY};
+    float *x = rnd(&d, (size_t)ROWS * V, 2.0f);
+    kvs_sample_row p[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        if (r % 2 == 0) x[(size_t)r * V + (r * 97) % V] = bad[r / 2 % 3];
+        p[r] = (kvs_sample_row){.temperature = r % 4 < 2 ? 0 : 0.9f, .top_k = r % 3 == 2 ? 40 : 0, .top_p = 1,
+                                .seed = 7, .step = (uint64_t)r};
+    }
+    int32_t ids_c[ROWS], ids_g[ROWS];
+    float lp_c[ROWS], lp_g[ROWS];
+    void *xc = cpu_put(&d, x, (size_t)ROWS * V), *xg = gpu_put(&d, x, (size_t)ROWS * V);
+    d.cpu->sample(d.cpu, ids_c, lp_c, xc, ROWS, V, V, p);
+    void *pg = d.gpu->alloc(d.gpu, sizeof p);
+    d.gpu->to_device(d.gpu, pg, p, sizeof p);
+    int32_t *idg = d.gpu->alloc(d.gpu, sizeof ids_g);
+    float *lpg = d.gpu->alloc(d.gpu, sizeof lp_g);
+    d.gpu->sample(d.gpu, idg, lpg, xg, ROWS, V, V, pg);
+    d.gpu->to_host(d.gpu, ids_g, idg, sizeof ids_g);
+    d.gpu->to_host(d.gpu, lp_g, lpg, sizeof lp_g);
+    for (int r = 0; r < ROWS; r++) {
+        if (r % 2 == 0) {
+            cr_expect(ids_g[r] == -1 && ids_c[r] == -1, "row %d (%g): GPU %d, CPU %d", r, bad[r / 2 % 3], ids_g[r],
+                      ids_c[r]);
+            cr_expect(isnan(lp_g[r]), "row %d: GPU logprob %g", r, lp_g[r]);
+        } else {
+            cr_expect(ids_g[r] >= 0 && ids_g[r] < V, "row %d: GPU id %d", r, ids_g[r]);
+            if (p[r].temperature == 0) cr_expect_eq(ids_g[r], ids_c[r], "row %d greedy", r);
+        }
+    }
+    /* sample_shard: two slices, the bad value in one of them */
+    kvs_sample_part *gparts = d.gpu->alloc(d.gpu, sizeof(kvs_sample_part) * ROWS);
+    kvs_sample_part cparts[ROWS], hparts[ROWS];
+    const int vp = 502;
+    for (int k = 0; k < 2; k++) {
+        int c0 = k * vp, count = k ? V - vp : vp;
+        d.cpu->sample_shard(d.cpu, cparts, x + c0, ROWS, V, count, c0, p);
+        d.gpu->sample_shard(d.gpu, gparts, (const uint16_t *)xg + c0, ROWS, V, count, c0, pg);
+        d.gpu->to_host(d.gpu, hparts, gparts, sizeof hparts);
+        for (int r = 0; r < ROWS; r++) {
+            int col = (r * 97) % V, want = r % 2 == 0 && col >= c0 && col < c0 + count;
+            cr_expect(hparts[r].nonfinite == want && cparts[r].nonfinite == want,
+                      "slice %d row %d: nonfinite GPU %d, CPU %d, want %d", k, r, hparts[r].nonfinite,
+                      cparts[r].nonfinite, want);
+        }
+    }
+    cr_expect_eq(d.gpu->check(d.gpu), KVS_OK, "%s", kvs_last_error());
+    d.gpu->free(d.gpu, gparts), d.gpu->free(d.gpu, pg), d.gpu->free(d.gpu, idg), d.gpu->free(d.gpu, lpg);
+    d.gpu->free(d.gpu, xg), d.cpu->free(d.cpu, xc);
+    free(x);
+    duo_close(&d);
+}
+
+Test(cuda, a_failed_op_fails_the_check) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    cr_expect_eq(d.gpu->check(d.gpu), KVS_OK, "%s", kvs_last_error());
+    float *s = d.gpu->alloc(d.gpu, sizeof(float) * 8);
+    int32_t *keep = d.gpu->alloc(d.gpu, sizeof(int32_t) * 8);
+    d.gpu->snapkv_select(d.gpu, keep, s, 4, 1, 0, 2, 1); /* pool 0: a bad argument */
+    cr_expect_eq(d.gpu->check(d.gpu), KVS_ERR_INTERNAL);
+    cr_expect(strstr(kvs_last_error(), "snapkv_select"), "%s", kvs_last_error());
+    d.gpu->snapkv_select(d.gpu, keep, s, 4, 1, 3, 2, 1); /* good again: still failed */
+    cr_expect_eq(d.gpu->check(d.gpu), KVS_ERR_INTERNAL);
+    d.gpu->free(d.gpu, s), d.gpu->free(d.gpu, keep);
+    duo_close(&d);
+}
+
+/* One greedy step of token tok at pos through kvs_model_forward_sample. */
+static kvs_status greedy_step(rig *r, int seq, int32_t tok, int32_t pos, uint64_t seed, int32_t *id) {
+    int32_t qs[2] = {0, 1};
+    uint8_t want = 1;
+    kvs_sample_row p = {.temperature = 0, .top_p = 1, .seed = seed};
+    cr_assert_eq(kvs_kv_reserve(r->kv, seq, 1), KVS_OK);
+    kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
+    return kvs_model_forward_sample(r->m, &b, r->kv, &p, id, NULL);
+}
+
+/* A kernel reading an invalid address (the embedding table pointer spoiled):
+ * the forward step that launched it returns the CUDA error. */
+Test(cuda, a_kernel_fault_fails_the_step_that_caused_it) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), d.gpu, RIG_BLOCKS(32, 1), 1);
+    kvs_model_set_graph_mode(r.m, KVS_GRAPHS_OFF);
+    int seq = kvs_kv_seq_create(r.kv), id = -1;
+    cr_expect_eq(greedy_step(&r, seq, 100, 0, 1, &id), KVS_OK, "%s", kvs_last_error());
+    void *embed = r.m->embed;
+    r.m->embed = (void *)(uintptr_t)0x100; /* not device memory */
+    kvs_status st = greedy_step(&r, seq, 101, 1, 1, &id);
+    cr_log_info("the faulting step: %s", kvs_last_error());
+    cr_expect_eq(st, KVS_ERR_INTERNAL);
+    cr_expect(strstr(kvs_last_error(), "cuda"), "%s", kvs_last_error());
+    r.m->embed = embed;
+    cr_expect_neq(greedy_step(&r, seq, 102, 2, 1, &id), KVS_OK, "a faulted context stays failed");
+    rig_close(&r); /* frees fail and log on the dead context; nothing crashes */
+    duo_close(&d);
+}
+
+/* The fault wrapper over the CUDA backend: rows of the chosen seed get a NaN
+ * (bf16) and sample nothing; step 3 fails. */
+Test(cuda, fault_wrapper_on_the_gpu) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    kvs_fault_spec f;
+    cr_assert_eq(kvs_fault_parse("step=3,nan-seed=77", &f), KVS_OK);
+    kvs_backend *w;
+    cr_assert_eq(kvs_backend_fault_wrap(d.gpu, &f, false, &w), KVS_OK);
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), w, RIG_BLOCKS(32, 1), 1);
+    int seq = kvs_kv_seq_create(r.kv), id = 0;
+    cr_expect_eq(greedy_step(&r, seq, 100, 0, 77, &id), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(id, -1, "the poisoned row sampled %d", id);
+    cr_expect_eq(greedy_step(&r, seq, 101, 1, 5, &id), KVS_OK, "%s", kvs_last_error());
+    cr_expect(id >= 0, "an untouched row sampled %d", id);
+    cr_expect_eq(greedy_step(&r, seq, 102, 2, 5, &id), KVS_ERR_INTERNAL);
+    cr_expect(strstr(kvs_last_error(), "injected fault: an op of forward step 3 failed"), "%s", kvs_last_error());
+    cr_expect_eq(kvs_model_graph_stats(r.m).captures, 0, "the wrapper has no graphs");
+    rig_close(&r);
+    w->destroy(w);
+    duo_close(&d);
+}
+
+/* TP = 2 over NCCL, rank 1's backend wrapped: its failed op fails the group's step. */
+Test(cuda, tp2_a_failed_rank_fails_the_step, .timeout = 300) {
+    int gpus = kvs_comm_gpu_count();
+    if (gpus < 2) {
+        cr_skip("needs 2 GPUs: skipped (%d present to NCCL)", gpus);
+        return;
+    }
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    const char *dir = src_path("models/tiny-needle-llama");
+    cr_assert_eq(kvs_config_load(dir, &cfg), KVS_OK);
+    cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK);
+    kvs_backend *be[2], *ranks[2];
+    kvs_comm *comm[2];
+    for (int r = 0; r < 2; r++) cr_assert_eq(kvs_backend_cuda_create(r, &be[r]), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_comm_nccl_create(be, 2, comm), KVS_OK, "%s", kvs_last_error());
+    kvs_fault_spec f = {.fail_step = 2};
+    ranks[0] = be[0];
+    cr_assert_eq(kvs_backend_fault_wrap(be[1], &f, false, &ranks[1]), KVS_OK);
+    kvs_tp_group *g;
+    cr_assert_eq(kvs_tp_group_create(&cfg, ck, 2, ranks, comm, gpus, &g), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_config kc = {.n_layers = cfg.n_layers, .n_kv_heads = cfg.n_kv_heads, .head_dim = cfg.head_dim,
+                        .n_heads = cfg.n_heads, .block_size = 16, .n_blocks = RIG_BLOCKS(32, 1), .max_seqs = 1};
+    cr_assert_eq(kvs_tp_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());
+    int seq = kvs_tp_seq_create(g);
+    kvs_sample_row p = {.temperature = 0, .top_p = 1};
+    for (int step = 0; step < 3; step++) {
+        int32_t tok = 100 + step, pos = step, qs[2] = {0, 1}, id = -1;
+        uint8_t want = 1;
+        kvs_status st = kvs_tp_reserve(g, seq, 1);
+        kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
+        if (st == KVS_OK) st = kvs_tp_forward_sample(g, &b, &p, &id, NULL);
+        cr_log_info("TP step %d: %s", step + 1, st == KVS_OK ? "ok" : kvs_last_error());
+        if (step == 0) cr_expect_eq(st, KVS_OK);
+        else cr_expect_neq(st, KVS_OK, "step %d", step + 1);
+        if (step == 1) cr_expect(strstr(kvs_last_error(), "tensor parallel rank 1 of 2") &&
+                                     strstr(kvs_last_error(), "injected fault"), "%s", kvs_last_error());
+    }
+    kvs_tp_group_destroy(g);
+    ranks[1]->destroy(ranks[1]);
+    for (int r = 0; r < 2; r++) comm[r]->destroy(comm[r]);
+    for (int r = 0; r < 2; r++) be[r]->destroy(be[r]);
+    kvs_checkpoint_destroy(ck);
 }

@@ -41,14 +41,75 @@ static float *random_logits(kvs_rng *rng, int n, float scale) {
 
 Test(sample, greedy_is_the_first_argmax_with_its_logprob) {
     kvs_backend *b = cpu();
-    float x[7] = {0.5f, 2.0f, -1.0f, 2.0f, NAN, 1.0f, 0.0f};
+    float x[7] = {0.5f, 2.0f, -1.0f, 2.0f, -40.0f, 1.0f, 0.0f};
     float lp = 0;
     cr_expect_eq(sample1(b, x, 7, row_params(0, 0, 1, 0, 1, 0), &lp), 1, "ties go to the lowest id");
     double sum = 0;
-    for (int i = 0; i < 7; i++) sum += isnan(x[i]) ? 0 : exp(x[i] - 2.0);
+    for (int i = 0; i < 7; i++) sum += exp(x[i] - 2.0);
     cr_expect_float_eq(lp, (float)(-log(sum)), 1e-6, "logprob %g", lp);
     /* the filters do not apply to greedy */
     cr_expect_eq(sample1(b, x, 7, row_params(0, 1, 0.1f, 0.9f, 1, 0), NULL), 1);
+    b->destroy(b);
+}
+
+/* A row with a NaN or infinite logit is a numerical failure, not a
+ * distribution: id -1 and logprob NaN, for every kind of row and wherever the
+ * bad value sits; the other rows of the same call are sampled as if alone.
+ * The same through sample_shard + kvs_sample_pick (one bad slice is enough). */
+Test(sample, nonfinite_rows_sample_nothing) {
+    kvs_backend *b = cpu();
+    kvs_rng rng;
+    kvs_rng_seed(&rng, 17);
+    enum { V = 300, KINDS = 4, ROWS = 3 * KINDS * 2 };
+    const float bad[3] = {NAN, INFINITY, -INFINITY};
+    const kvs_sample_row kinds[KINDS] = {row_params(0, 0, 1, 0, 5, 0), row_params(1, 0, 1, 0, 5, 1),
+                                         row_params(0.8f, 20, 0.9f, 0, 5, 2), row_params(1.2f, 0, 1, 0.05f, 5, 3)};
+    float *x = malloc(sizeof(float) * ROWS * V);
+    kvs_sample_row p[ROWS];
+    for (int r = 0; r < ROWS; r++) { /* odd rows finite; even rows one bad value at a row-dependent column */
+        for (int i = 0; i < V; i++) x[r * V + i] = kvs_rng_normal(&rng) * 2;
+        if (r % 2 == 0) x[r * V + (r * 37) % V] = bad[r / 2 % 3];
+        p[r] = kinds[r / 2 % KINDS];
+    }
+    int32_t ids[ROWS];
+    float lp[ROWS];
+    b->sample(b, ids, lp, x, ROWS, V, V, p);
+    for (int r = 0; r < ROWS; r++) {
+        if (r % 2 == 0) {
+            cr_expect_eq(ids[r], -1, "row %d (%g at column %d, T %g): id %d", r, bad[r / 2 % 3], (r * 37) % V,
+                         p[r].temperature, ids[r]);
+            cr_expect(isnan(lp[r]), "row %d: logprob %g", r, lp[r]);
+        } else {
+            float lp1;
+            int32_t one = sample1(b, x + r * V, V, p[r], &lp1);
+            cr_expect(one >= 0 && one == ids[r], "row %d: %d in the call, %d alone", r, ids[r], one);
+            cr_expect_float_eq(lp[r], lp1, 1e-6);
+        }
+    }
+    /* two slices; the bad value in the second one only */
+    const int vp = V / 2;
+    for (int r = 0; r < 4; r++) {
+        kvs_sample_row q = kinds[r];
+        float row[V];
+        for (int i = 0; i < V; i++) row[i] = kvs_rng_normal(&rng);
+        for (int poison = 0; poison < 2; poison++) {
+            if (poison) row[vp + 3] = NAN;
+            kvs_sample_part parts[2];
+            b->sample_shard(b, &parts[0], row, 1, V, vp, 0, &q);
+            b->sample_shard(b, &parts[1], row + vp, 1, V, V - vp, vp, &q);
+            float lp2 = 0;
+            int32_t id = kvs_sample_pick(parts, 2, 1, &q, &lp2);
+            cr_expect_eq(parts[1].nonfinite, poison);
+            cr_expect_eq(parts[0].nonfinite, 0);
+            if (poison) {
+                cr_expect_eq(id, -1, "kind %d: a NaN in slice 1 gave id %d", r, id);
+                cr_expect(isnan(lp2));
+            } else {
+                cr_expect(id >= 0 && id < V, "kind %d: id %d", r, id);
+            }
+        }
+    }
+    free(x);
     b->destroy(b);
 }
 
@@ -219,7 +280,8 @@ Test(sample, gumbel_max_is_shardable) {
  * Every row kind where the slices could disagree with the whole row: random,
  * a slice of -inf only, NaN, +inf (in one slice or everywhere), the maximum
  * tied across a slice boundary, everything -inf, a temperature so small that
- * z overflows; greedy and temperature rows, several draws. Ids must equal the
+ * z overflows; greedy and temperature rows, several draws (rows holding NaN or
+ * inf sample nothing: -1 both ways). Ids must equal the
  * sample op's exactly; logprobs within 1e-5 (the sum's order differs) where
  * the whole row's is finite, else not finite either. */
 static void fill_row_kind(kvs_rng *rng, float *x, int V, int vp, int kind) {
@@ -266,6 +328,10 @@ Test(sample, shard_parts_pick_what_the_whole_row_picks) {
                 float lp_full = 0, lp = 0;
                 int32_t full = sample1(b, x + (size_t)r * V, V, p[r], &lp_full);
                 int32_t id = kvs_sample_pick(parts + r, world, ROWS, &p[r], &lp);
+                bool finite = true;
+                for (int i = 0; i < V; i++) finite &= isfinite(x[(size_t)r * V + i]) != 0;
+                cr_expect_eq(full == -1, !finite, "V %d row kind %d: id %d from a row %s finite", V,
+                             r / (5 * DRAWS), full, finite ? "all" : "not all");
                 checked++;
                 if (id != full) {
                     bad_id++;

@@ -138,3 +138,23 @@ Test(sampler, validation_names_the_parameter) {
     p.temperature = NAN;
     cr_assert_eq(kvs_sampling_validate(&p), KVS_ERR_INVALID);
 }
+
+/* NaN or inf anywhere in the row: no token (-1, logprob NaN), greedy or not. */
+Test(sampler, nonfinite_logits_sample_nothing) {
+    const float bad[3] = {NAN, INFINITY, -INFINITY};
+    for (int t = 0; t < 2; t++)
+        for (int b = 0; b < 3; b++) {
+            float x[V];
+            random_logits(x, 3 + b);
+            x[(b * 17 + 5) % V] = bad[b];
+            kvs_sampling_params p = kvs_sampling_default();
+            p.temperature = t ? 0.8f : 0;
+            p.top_k = t ? 10 : 0;
+            kvs_sampler *s;
+            cr_assert_eq(kvs_sampler_create(&p, V, &s), KVS_OK);
+            float lp = 0;
+            cr_expect_eq(kvs_sampler_sample(s, x, &lp), -1, "T %g, %g in the row", p.temperature, bad[b]);
+            cr_expect(isnan(lp));
+            kvs_sampler_destroy(s);
+        }
+}

@@ -75,9 +75,11 @@ static void check_fixtures(const char *name) {
         kvs_status st = kvs_tokenizer_encode(t, text, text_len, opt, &ids, &n_ids);
         bool enc = st == KVS_OK && n_ids == n_want && !memcmp(ids, want, (size_t)n_ids * sizeof *ids);
         enc_ok += enc;
+        size_t want_dec_len = json_string_length(json_object_get(cs, "decoded"));
         char *dec = NULL;
-        st = kvs_tokenizer_decode(t, want, n_want, false, &dec);
-        bool dec_good = st == KVS_OK && !strcmp(dec, want_dec);
+        size_t dec_len = 0;
+        st = kvs_tokenizer_decode(t, want, n_want, false, &dec, &dec_len);
+        bool dec_good = st == KVS_OK && dec_len == want_dec_len && !memcmp(dec, want_dec, dec_len);
         dec_ok += dec_good;
 
         /* streaming: one id at a time */
@@ -96,7 +98,7 @@ static void check_fixtures(const char *name) {
             acc_len += plen;
             acc[acc_len] = 0;
         }
-        bool stream = st == KVS_OK && pieces_valid && dec && !strcmp(acc, dec);
+        bool stream = st == KVS_OK && pieces_valid && dec && acc_len == dec_len && !memcmp(acc, dec, dec_len);
         stream_ok += stream;
         if ((!enc || !dec_good || !stream) && shown++ < 6) {
             fprintf(stderr, "%s case %d (%s): encode %s, decode %s, stream %s\n  text: %s\n", name,
@@ -139,8 +141,10 @@ Test(tokenizer, parse_special_false_keeps_control_tokens_out, .timeout = 120) {
     cr_assert_eq(kvs_tokenizer_encode(t, text, strlen(text), (kvs_encode_options){false, false}, &ids, &n), KVS_OK);
     for (int i = 0; i < n; i++) cr_expect(!kvs_tokenizer_is_special(t, ids[i]), "id %d is a special token", ids[i]);
     char *back;
-    cr_assert_eq(kvs_tokenizer_decode(t, ids, n, false, &back), KVS_OK);
+    size_t back_len;
+    cr_assert_eq(kvs_tokenizer_decode(t, ids, n, false, &back, &back_len), KVS_OK);
     cr_expect_str_eq(back, text);
+    cr_expect_eq(back_len, strlen(text));
     free(back);
     free(ids);
     cr_assert_eq(kvs_tokenizer_encode(t, text, strlen(text), (kvs_encode_options){false, true}, &ids, &n), KVS_OK);
@@ -162,8 +166,10 @@ Test(tokenizer, add_special_tokens_and_metadata, .timeout = 120) {
     cr_expect_eq(kvs_tokenizer_eos_id(t), 2);
     cr_expect_eq(kvs_tokenizer_vocab_size(t), 32000);
     char *s;
-    cr_assert_eq(kvs_tokenizer_decode(t, ids, n, true, &s), KVS_OK);
+    size_t len;
+    cr_assert_eq(kvs_tokenizer_decode(t, ids, n, true, &s, &len), KVS_OK);
     cr_expect_str_eq(s, "Hello");
+    cr_expect_eq(len, 5u);
     free(s);
     free(ids);
     kvs_tokenizer_destroy(t);
@@ -282,8 +288,10 @@ Test(tokenizer, metaspace_digits_and_flags) {
     cr_assert_eq(n, 4, "got %d ids", n);
     cr_expect_arr_eq(ids, want2, sizeof want2);
     char *s;
-    cr_assert_eq(kvs_tokenizer_decode(t, ids, n, true, &s), KVS_OK);
+    size_t len;
+    cr_assert_eq(kvs_tokenizer_decode(t, ids, n, true, &s, &len), KVS_OK);
     cr_expect_str_eq(s, "aab");
+    cr_expect_eq(len, 3u);
     free(s);
     free(ids);
     kvs_tokenizer_destroy(t);
@@ -300,7 +308,7 @@ Test(tokenizer, detokenizer_skip_special, .timeout = 120) {
         int n;
         cr_assert_eq(kvs_tokenizer_encode(t, text, strlen(text), (kvs_encode_options){true, true}, &ids, &n), KVS_OK);
         char *want;
-        cr_assert_eq(kvs_tokenizer_decode(t, ids, n, true, &want), KVS_OK);
+        cr_assert_eq(kvs_tokenizer_decode(t, ids, n, true, &want, NULL), KVS_OK);
         kvs_detokenizer *d = kvs_detokenizer_create(t, true);
         char acc[512] = "";
         for (int i = 0; i <= n; i++) {

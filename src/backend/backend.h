@@ -50,6 +50,14 @@ struct kvs_backend {
     /* dst (weight_dtype, n elements) = convert(src of src_dtype) */
     void (*upload_weight)(kvs_backend *b, void *dst, const void *src, kvs_dtype src_dtype, size_t n);
     void (*synchronize)(kvs_backend *b);
+    /* The backend's health. Ops return nothing, so an op that fails (a CUDA
+     * error, a kernel fault, out of memory inside an op, a bad argument)
+     * records it and the backend stays failed: check returns KVS_OK while no
+     * op has failed, else the first failure's status with its message (set
+     * again with kvs_fail on the calling thread). Waits for the work already
+     * enqueued (CUDA: a fault in flight shows here, not a step later). The
+     * forward calls it at the end of every step. */
+    kvs_status (*check)(kvs_backend *b);
 
     /* ops; n = rows (tokens) */
     void (*embedding)(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);

@@ -4,7 +4,10 @@
  * (seed, step, token id)), Gumbel noise, order-preserving float keys and
  * fixed-point softmax weights (integer sums: exact in any order).
  *
- * The op, for row r with p = params[r] and logits x[0 .. vocab) (NaN read as -inf):
+ * The op, for row r with p = params[r] and logits x[0 .. vocab):
+ * - a row holding a non-finite logit (NaN, +inf or -inf: a numerical failure
+ *   upstream, never a distribution) samples nothing: id -1, logprob NaN. The
+ *   engine fails that request alone.
  * - p.temperature == 0: greedy, the argmax of x, ties to the lowest id; the
  *   filters are ignored.
  * - otherwise z_i = x_i / T (f32) and m = max z; token i is kept when
@@ -89,9 +92,6 @@ KVS_HD uint64_t kvs_sample_weight(float z, float m) {
 
 KVS_HD bool kvs_sample_min_p_ok(float z, float m, double log_min_p) { return (double)z - (double)m >= log_min_p; }
 
-/* NaN logits read as -inf. */
-KVS_HD float kvs_sample_clean(float x) { return x != x ? -INFINITY : x; }
-
 /* One byte of the radix select over the keys (cpu_sample.c's threshold,
  * cuda_sample.cu's kvs_sample_threshold), from the 256 bins of the kept weight
  * under the prefix: on the first byte (first) with frac > 0 the target becomes
@@ -115,18 +115,19 @@ KVS_HD uint32_t kvs_sample_radix_digit(const unsigned long long *bins, bool firs
 /* ---- tensor parallelism: sampling a row whose logits are split by vocabulary
  * A rank holding the slice of global ids id0 .. id0 + count - 1 reduces it to
  * one kvs_sample_part (the sample_shard op); the ranks all-gather the parts
- * (24 bytes per row and rank instead of the slice) and kvs_sample_pick
+ * (28 bytes per row and rank instead of the slice) and kvs_sample_pick
  * combines them, in rank (= vocabulary) order, into exactly the id the sample
  * op picks over the whole row: for greedy rows and for pure temperature rows
  * (top-k, top-p and min-p off; the filters need the whole row). logprob: as
  * the sample op's, from per-slice sums (equal up to the order of the sum). */
 typedef struct kvs_sample_part {
-    float x_max;   /* the slice's first maximum of the clean logits */
-    int32_t x_id;  /* its global id; -1: an empty slice (count 0) */
-    float s_max;   /* temperature rows: the slice's best kept z + g */
-    int32_t s_id;  /* its global id; -1: a greedy row or nothing kept */
-    float x_at_s;  /* the clean logit at s_id */
-    float sum_exp; /* sum over the slice of exp(x - x_max) */
+    float x_max;       /* the slice's first maximum of the logits */
+    int32_t x_id;      /* its global id; -1: an empty slice (count 0) or a non-finite one */
+    float s_max;       /* temperature rows: the slice's best kept z + g */
+    int32_t s_id;      /* its global id; -1: a greedy row or nothing kept */
+    float x_at_s;      /* the logit at s_id */
+    float sum_exp;     /* sum over the slice of exp(x - x_max) */
+    int32_t nonfinite; /* 1: the slice holds a NaN or infinite logit (the row samples nothing) */
 } kvs_sample_part;
 
 /* Whether a row can be sampled from parts: greedy, or temperature alone
@@ -136,7 +137,8 @@ KVS_HD bool kvs_sample_shardable(const kvs_sample_row *p, int vocab) {
 }
 
 /* The id of a row from world parts (parts[r * stride] is rank r's), and its
- * logprob when logprob is not NULL.
+ * logprob when logprob is not NULL; -1 (logprob NaN) when a slice held a
+ * non-finite logit, as the sample op.
  * Why it is exact: greedy is the first maximum over the slices' first maxima.
  * With temperature, M = (global max x) / T; when M > -inf every token except
  * +inf ones (M = +inf) is kept, so each slice's kept set is the global one
@@ -148,6 +150,11 @@ KVS_HD int32_t kvs_sample_pick(const kvs_sample_part *parts, int world, size_t s
                                float *logprob) {
     float m = -INFINITY, x_at = -INFINITY;
     int32_t id = -1;
+    for (int r = 0; r < world; r++)
+        if (parts[(size_t)r * stride].nonfinite) {
+            if (logprob) *logprob = NAN;
+            return -1;
+        }
     for (int r = 0; r < world; r++) {
         const kvs_sample_part *q = parts + (size_t)r * stride;
         if (q->x_id >= 0 && (id < 0 || q->x_max > m)) m = q->x_max, id = q->x_id;

@@ -1,6 +1,7 @@
 #include "cli/cli_common.h"
 
 #include "backend/comm.h"
+#include "backend/fault.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -105,6 +106,21 @@ static kvs_status load_cuda_ranks(const kvs_load_options *o, kvs_loaded *out, in
     return kvs_tp_group_create(&out->cfg, out->ck, tp, out->rank_be, out->rank_comm, gpus - device0, &out->tp);
 }
 
+/* KVSPARSE_FAULT=step=N,nan-seed=S (tests only, backend/fault.h): the backend
+ * wrapped so that forward step N fails and rows of seed S get NaN logits. */
+static kvs_status inject_faults(kvs_loaded *out, int tp) {
+    const char *text = getenv("KVSPARSE_FAULT");
+    if (!text || !*text) return KVS_OK;
+    if (tp > 1) return kvs_fail(KVS_ERR_UNSUPPORTED, "KVSPARSE_FAULT: not with --tensor-parallel-size");
+    kvs_fault_spec spec;
+    KVS_TRY(kvs_fault_parse(text, &spec));
+    kvs_backend *wrapped;
+    KVS_TRY(kvs_backend_fault_wrap(out->be, &spec, true, &wrapped));
+    out->be = wrapped;
+    kvs_log(KVS_LOG_WARN, "KVSPARSE_FAULT=%s: injecting faults into the backend (for tests only)", text);
+    return KVS_OK;
+}
+
 kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     memset(out, 0, sizeof *out);
     kvs_status st;
@@ -138,6 +154,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
         st = load_cuda_ranks(o, out, tp, device0);
     } else if (st == KVS_OK) {
         st = cuda ? kvs_backend_cuda_create(device0, &out->be) : kvs_backend_cpu_create(o->threads, &out->be);
+        if (st == KVS_OK) st = inject_faults(out, tp);
         if (st == KVS_OK && !o->skip_model) {
             if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
                 int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;

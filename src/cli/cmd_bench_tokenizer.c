@@ -124,8 +124,9 @@ int kvs_cmd_bench_tokenizer(int argc, char **argv) {
         return 1;
     }
     char *back = NULL;
+    size_t back_len = 0;
     t0 = kvs_now();
-    st = kvs_tokenizer_decode(t, ids, n, false, &back);
+    st = kvs_tokenizer_decode(t, ids, n, false, &back, &back_len);
     double dec_s = kvs_now() - t0;
     printf("tokenizer        %s (vocab %d)\n", dir, kvs_tokenizer_vocab_size(t));
     printf("load             %.1f ms\n", load_s * 1e3);
@@ -134,7 +135,7 @@ int kvs_cmd_bench_tokenizer(int argc, char **argv) {
            len / 1e6 / enc_s, n, n ? (double)len / n : 0.0, enc_s * 1e3);
     if (st == KVS_OK)
         printf("decode           %.2f MB/s (round trip %s)\n", len / 1e6 / dec_s,
-               !strcmp(back, text) ? "exact" : "differs");
+               back_len == len && !memcmp(back, text, len) ? "exact" : "differs");
     free(back);
     free(ids);
     free(text);

@@ -76,7 +76,7 @@ static kvs_status answer(kvs_loaded *l, kvs_tp_group *g, int seq, const float *p
     }
     free(logits);
     char *raw = NULL;
-    if (st == KVS_OK) st = kvs_tokenizer_decode(l->tok, out, n, true, &raw);
+    if (st == KVS_OK) st = kvs_tokenizer_decode(l->tok, out, n, true, &raw, NULL);
     if (st == KVS_OK) {
         *text = trimmed(raw);
         free(raw);

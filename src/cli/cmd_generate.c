@@ -188,6 +188,10 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     t0 = kvs_now();
     while (st == KVS_OK && r->n < o->max_new) {
         int32_t id = tgt.greedy ? next : kvs_sampler_sample(sampler, logits, NULL);
+        if (id < 0) { /* the sample op's answer to NaN or inf logits */
+            st = kvs_fail(KVS_ERR_INTERNAL, "non-finite logits (NaN or infinity) at generated token %d", r->n + 1);
+            break;
+        }
         r->ids[r->n++] = id;
         if (detok) {
             const char *piece;
@@ -231,8 +235,9 @@ static void print_json(const gen_options *o, const kvs_loaded *l, const int32_t 
     json_object_set_new(root, "prompt_ids", pids);
     json_object_set_new(root, "generated_ids", gids);
     char *text = NULL;
-    if (l->tok && kvs_tokenizer_decode(l->tok, r->ids, r->n, true, &text) == KVS_OK)
-        json_object_set_new(root, "text", json_string(text));
+    size_t text_len;
+    if (l->tok && kvs_tokenizer_decode(l->tok, r->ids, r->n, true, &text, &text_len) == KVS_OK)
+        json_object_set_new(root, "text", json_stringn(text, text_len));
     else
         json_object_set_new(root, "text", json_null());
     free(text);

@@ -1,9 +1,12 @@
 /* kvsparse serve: the OpenAI-compatible HTTP server over one engine.
  * SIGTERM / SIGINT drain: stop accepting, let what is in flight finish for up
  * to --drain-timeout seconds, abort the rest, exit 0 (a second signal exits
- * at once). */
+ * at once). A failed engine (kvs_engine_failed) drains the same way, its
+ * requests already ended with the error, and exits 1 so that a supervisor
+ * (systemd, Kubernetes) restarts the server. */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -232,6 +235,20 @@ static void log_capacity(const kvs_loaded *l, const kvs_engine_config *ec, int m
             max_len, (long long)(blocks / full), (long long)(blocks / sparse), desc);
 }
 
+/* Sleeps until a signal arrives or the engine fails (then its reason in failure). */
+static void wait_for_stop(kvs_engine *e, char *failure, size_t cap) {
+    for (;;) {
+        struct pollfd p = {.fd = g_signal_pipe[0], .events = POLLIN};
+        int n = poll(&p, 1, 200);
+        if (n > 0 || (n < 0 && errno != EINTR)) return;
+        const char *why;
+        if (kvs_engine_failed(e, &why)) {
+            snprintf(failure, cap, "%s", why);
+            return;
+        }
+    }
+}
+
 int kvs_cmd_serve(int argc, char **argv) {
     serve_options o;
     int rc = parse_args(argc, argv, &o);
@@ -286,11 +303,13 @@ int kvs_cmd_serve(int argc, char **argv) {
     printf("kvsparse: serving '%s' at http://%s%s%s:%d/v1 (port %d)\n", o.scfg.served_model_name, v6 ? "[" : "", host,
            v6 ? "]" : "", kvs_server_port(srv), kvs_server_port(srv));
     fflush(stdout);
-    char c;
-    while (read(g_signal_pipe[0], &c, 1) < 0 && errno == EINTR) {
-    }
-    kvs_log(KVS_LOG_INFO, "signal received: draining requests in flight for up to %d s (a second signal exits at once)",
-            o.drain_timeout_s);
+    char failure[600] = "";
+    wait_for_stop(e, failure, sizeof failure);
+    if (failure[0])
+        kvs_log(KVS_LOG_ERROR, "the engine failed (%s): draining, then exiting with status 1 for a restart", failure);
+    else
+        kvs_log(KVS_LOG_INFO, "signal received: draining requests in flight for up to %d s (a second signal exits at once)",
+                o.drain_timeout_s);
     int aborted = kvs_server_drain(srv, o.drain_timeout_s);
     if (aborted)
         kvs_log(KVS_LOG_WARN, "%d request%s still running after --drain-timeout %d s: aborted", aborted,
@@ -302,6 +321,10 @@ int kvs_cmd_serve(int argc, char **argv) {
     close(g_signal_pipe[0]);
     close(g_signal_pipe[1]);
     free(key);
+    if (failure[0]) {
+        kvs_log(KVS_LOG_ERROR, "stopped after an engine failure: %s", failure);
+        return 1;
+    }
     kvs_log(KVS_LOG_INFO, "stopped");
     return 0;
 }

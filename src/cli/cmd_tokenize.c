@@ -67,8 +67,9 @@ int kvs_cmd_tokenize(int argc, char **argv) {
     kvs_status st;
     if (decode) {
         char *s = NULL;
-        st = kvs_tokenizer_decode(t, ids, n, skip_special, &s);
-        if (st == KVS_OK) printf("%s\n", s);
+        size_t len;
+        st = kvs_tokenizer_decode(t, ids, n, skip_special, &s, &len);
+        if (st == KVS_OK) fwrite(s, 1, len, stdout), putchar('\n');
         free(s);
     } else {
         st = kvs_tokenizer_encode(t, text, strlen(text), (kvs_encode_options){bos, special}, &ids, &n);

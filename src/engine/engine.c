@@ -146,7 +146,8 @@ kvs_status kvs_engine_submit(kvs_engine *e, const kvs_request_params *p, kvs_out
     KVS_TRY(kvs_request_create(e, p, fn, user, &r));
     pthread_mutex_lock(&e->mu);
     kvs_status st = KVS_OK;
-    if (e->stop_requested) st = kvs_fail(KVS_ERR_BUSY, "the engine is shutting down");
+    if (e->failed) st = kvs_fail(KVS_ERR_INTERNAL, "the engine failed: %s", e->failure);
+    else if (e->stop_requested) st = kvs_fail(KVS_ERR_BUSY, "the engine is shutting down");
     else if (e->n_queued + e->incoming.n >= e->cfg.max_waiting)
         st = kvs_fail(KVS_ERR_BUSY, "the engine's queue is full (max_waiting %d requests)", e->cfg.max_waiting);
     if (st == KVS_OK) {
@@ -218,6 +219,41 @@ static void take_inputs(kvs_engine *e) {
     while (all && e->waiting.head) retire(e, &e->waiting, e->waiting.head, KVS_FINISH_ABORT, NULL);
 }
 
+bool kvs_engine_failed(kvs_engine *e, const char **reason) {
+    pthread_mutex_lock(&e->mu);
+    bool failed = e->failed;
+    pthread_mutex_unlock(&e->mu);
+    if (failed && reason) *reason = e->failure;
+    return failed;
+}
+
+/* Ends every request with finish ERROR and msg (incoming ones too). */
+static void fail_all(kvs_engine *e, const char *msg) {
+    pthread_mutex_lock(&e->mu);
+    while (e->incoming.head) {
+        kvs_request *r = e->incoming.head;
+        kvs_list_remove(&e->incoming, r);
+        kvs_list_push_back(&e->waiting, r);
+    }
+    pthread_mutex_unlock(&e->mu);
+    while (e->running.head) retire(e, &e->running, e->running.head, KVS_FINISH_ERROR, msg);
+    while (e->waiting.head) retire(e, &e->waiting, e->waiting.head, KVS_FINISH_ERROR, msg);
+}
+
+/* An unrecoverable failure (the step's state is undefined): the engine is
+ * failed for good and every request ends with the reason. */
+static void engine_fail(kvs_engine *e, const char *reason) {
+    pthread_mutex_lock(&e->mu);
+    bool first = !e->failed;
+    if (first) snprintf(e->failure, sizeof e->failure, "%s", reason);
+    e->failed = true; /* submit refuses from here on */
+    pthread_mutex_unlock(&e->mu);
+    if (first) kvs_log(KVS_LOG_ERROR, "engine: failed: %s (every request ends with an error; the engine takes no more)", reason);
+    char msg[sizeof e->failure + 32];
+    snprintf(msg, sizeof msg, "the engine failed: %s", e->failure);
+    fail_all(e, msg);
+}
+
 /* Runs the step's batch through the model and samples the requests that want
  * a token, on the backend: only their ids (and logprobs) come back. Draw
  * number n_gen of the request's seed: a preempted request recomputes the same
@@ -239,11 +275,10 @@ static kvs_status run_batch(kvs_engine *e) {
     kvs_status st = kvs_tp_forward_sample(e->tp, &mb, e->sample_rows, e->sample_ids,
                                           want_lp ? e->sample_lp : NULL);
     if (st != KVS_OK) {
-        char msg[200];
+        char msg[sizeof e->failure];
         snprintf(msg, sizeof msg, "model forward failed: %s", kvs_last_error());
-        kvs_log(KVS_LOG_ERROR, "engine: %s", msg);
-        for (int s = 0; s < b->n_seqs; s++) retire(e, &e->running, b->reqs[s], KVS_FINISH_ERROR, msg);
-        return st;
+        engine_fail(e, msg);
+        return kvs_fail(st, "%s", msg);
     }
     for (int s = 0, k = 0; s < b->n_seqs; s++) {
         kvs_request *r = b->reqs[s];
@@ -251,7 +286,15 @@ static kvs_status run_batch(kvs_engine *e) {
         r->n_sched = 0;
         if (!b->wants_logits[s]) continue;
         float lp = r->logprobs > 0 ? e->sample_lp[k] : 0;
-        kvs_request_append(e, r, e->sample_ids[k++], lp);
+        int32_t id = e->sample_ids[k++];
+        if (id < 0) { /* NaN or inf in its logits: this request alone fails */
+            char msg[128];
+            snprintf(msg, sizeof msg, "non-finite logits (NaN or infinity) at generated token %d", r->n_gen + 1);
+            kvs_log(KVS_LOG_WARN, "engine: request %llu: %s", (unsigned long long)r->id, msg);
+            retire(e, &e->running, r, KVS_FINISH_ERROR, msg);
+            continue;
+        }
+        kvs_request_append(e, r, id, lp);
         if (r->finish != KVS_FINISH_NONE) retire(e, &e->running, r, KVS_FINISH_NONE, NULL);
     }
     return KVS_OK;
@@ -259,6 +302,10 @@ static kvs_status run_batch(kvs_engine *e) {
 
 static kvs_status step(kvs_engine *e) {
     take_inputs(e);
+    if (e->failed) { /* only this thread sets it: no lock needed to read it here */
+        engine_fail(e, e->failure); /* ends what is left: nothing normally, submit refuses */
+        return kvs_fail(KVS_ERR_INTERNAL, "the engine failed: %s", e->failure);
+    }
     kvs_status st = kvs_schedule(e);
     if (st == KVS_OK && e->batch.n_seqs > 0) st = run_batch(e);
     pthread_mutex_lock(&e->mu);
@@ -296,7 +343,7 @@ static void *engine_main(void *arg) {
             continue;
         }
         pthread_mutex_unlock(&e->mu);
-        if (step(e) != KVS_OK) kvs_log(KVS_LOG_WARN, "engine: step failed: %s", kvs_last_error());
+        if (step(e) != KVS_OK && !e->failed) kvs_log(KVS_LOG_WARN, "engine: step failed: %s", kvs_last_error());
         pthread_mutex_lock(&e->mu);
     }
     pthread_mutex_unlock(&e->mu);
@@ -328,6 +375,6 @@ void kvs_engine_stop(kvs_engine *e, bool drain) {
         pthread_mutex_unlock(&e->mu);
     } else {
         while (!kvs_engine_idle(e))
-            if (step(e) != KVS_OK) kvs_log(KVS_LOG_WARN, "engine: step failed: %s", kvs_last_error());
+            if (step(e) != KVS_OK && !e->failed) kvs_log(KVS_LOG_WARN, "engine: step failed: %s", kvs_last_error());
     }
 }

@@ -30,7 +30,8 @@ kvs_status kvs_sampler_create(const kvs_sampling_params *p, int vocab_size, kvs_
 void kvs_sampler_destroy(kvs_sampler *s);
 /* Picks a token from logits[vocab] (logits may be modified). Reproducible for a
  * given seed and sequence of calls. If logprob is not NULL it receives the
- * log-probability of the chosen token under the unmodified distribution. */
+ * log-probability of the chosen token under the unmodified distribution.
+ * -1 (logprob NaN) when a logit is NaN or infinite, as the sample op. */
 int32_t kvs_sampler_sample(kvs_sampler *s, float *logits, float *logprob);
 
 /* Stop conditions for generation. */
@@ -113,7 +114,8 @@ kvs_status kvs_engine_create_tp(kvs_tp_group *group, const kvs_tokenizer *tok, c
 kvs_status kvs_engine_start(kvs_engine *e);
 /* Thread-safe. Errors: KVS_ERR_INVALID (message names the field: empty prompt,
  * prompt + max_tokens beyond the context, bad sampling parameter, policy),
- * KVS_ERR_BUSY (queue full), KVS_ERR_UNSUPPORTED (stop strings without a tokenizer). */
+ * KVS_ERR_BUSY (queue full), KVS_ERR_UNSUPPORTED (stop strings without a tokenizer),
+ * KVS_ERR_INTERNAL when the engine has failed (kvs_engine_failed). */
 kvs_status kvs_engine_submit(kvs_engine *e, const kvs_request_params *p, kvs_output_fn fn, void *user,
                              uint64_t *request_id);
 /* Thread-safe; the request ends with finish ABORT and its blocks are freed at
@@ -122,6 +124,16 @@ void kvs_engine_abort(kvs_engine *e, uint64_t request_id);
 /* One iteration (when not started). Returns KVS_OK also when idle. */
 kvs_status kvs_engine_step(kvs_engine *e);
 bool kvs_engine_idle(kvs_engine *e); /* nothing waiting or running */
+/* Health. A failed step (a CUDA error or kernel fault, a broken
+ * tensor-parallel group, a backend op out of memory: the KV cache and the
+ * model's state are then undefined) fails the engine for good: every running
+ * and waiting request ends with finish ERROR ("the engine failed: ..."),
+ * submit refuses with that message, steps do nothing. The process should
+ * drain and exit so that a supervisor restarts it (`kvsparse serve` does).
+ * A request whose logits are not finite (NaN or inf) fails alone, with
+ * "non-finite logits at generated token N"; the engine carries on.
+ * Thread-safe; *reason (when not NULL and failed) stays valid while e lives. */
+bool kvs_engine_failed(kvs_engine *e, const char **reason);
 /* Stops the thread: drain = finish every request first; else abort them all. */
 void kvs_engine_stop(kvs_engine *e, bool drain);
 void kvs_engine_destroy(kvs_engine *e);

@@ -86,6 +86,8 @@ struct kvs_engine {
     uint64_t next_id;
     int n_queued, n_running; /* mirrors of waiting.n / running.n for submit, idle and stats */
     bool abort_all, stop_requested, thread_started;
+    bool failed;        /* a step failed: every request ended, submit refuses (set once, never cleared) */
+    char failure[512];  /* why; written before failed is set, constant after */
     pthread_t thread;
     kvs_engine_stats stats;
 };
@@ -104,6 +106,14 @@ static inline int kvs_request_len(const kvs_request *r) { return r->n_prompt + r
 void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob);
 /* Delivers a final output with no new tokens (abort, error). */
 void kvs_request_finish(kvs_engine *e, kvs_request *r, kvs_finish f, const char *error);
+
+/* stop_text.c: how many bytes of the pending text[0..len) may be delivered now:
+ * up to the first stop string (then *stopped), else all but a tail that could
+ * still grow into one (all of it when final). stops are non-empty C strings;
+ * text may hold NUL bytes. Costs O(len + total stop length squared), however
+ * long the stream before. */
+size_t kvs_stop_sendable(const char *const *stops, int n_stops, const char *text, size_t len, bool final,
+                         bool *stopped);
 
 /* scheduler.c: picks this step's batch into e->batch; preempts when the pool runs dry. */
 kvs_status kvs_schedule(kvs_engine *e);

@@ -126,30 +126,6 @@ static bool pending_add(kvs_request *r, const char *s, size_t n) {
     return true;
 }
 
-/* Earliest occurrence of any stop string in the pending text, or -1. */
-static long find_stop(const kvs_request *r) {
-    long best = -1;
-    for (int i = 0; i < r->n_stop_strings && r->pending; i++) {
-        const char *hit = strstr(r->pending, r->stop_strings[i]);
-        if (hit && (best < 0 || hit - r->pending < best)) best = hit - r->pending;
-    }
-    return best;
-}
-
-/* Bytes at the end of the pending text that could still grow into a stop string. */
-static size_t held_suffix(const kvs_request *r) {
-    size_t hold = 0;
-    for (int i = 0; i < r->n_stop_strings; i++) {
-        size_t sl = strlen(r->stop_strings[i]);
-        for (size_t k = sl - 1; k > hold; k--)
-            if (k <= r->pending_len && !memcmp(r->pending + r->pending_len - k, r->stop_strings[i], k)) {
-                hold = k;
-                break;
-            }
-    }
-    return hold;
-}
-
 static void set_error(kvs_request *r, const char *msg) {
     r->finish = KVS_FINISH_ERROR;
     snprintf(r->error, sizeof r->error, "%s", msg);
@@ -200,14 +176,10 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
     if (r->detok && r->finish != KVS_FINISH_NONE && r->finish != KVS_FINISH_ERROR &&
         kvs_detokenizer_finish(r->detok, &piece, &len) == KVS_OK && !pending_add(r, piece, len))
         set_error(r, "out of memory");
-    size_t send = r->pending_len;
-    long hit = find_stop(r);
-    if (hit >= 0) {
-        send = (size_t)hit;
-        r->finish = KVS_FINISH_STOP;
-    } else if (r->finish == KVS_FINISH_NONE) {
-        send -= held_suffix(r);
-    }
+    bool stopped;
+    size_t send = kvs_stop_sendable((const char *const *)r->stop_strings, r->n_stop_strings, r->pending ? r->pending : "",
+                                    r->pending_len, r->finish != KVS_FINISH_NONE, &stopped);
+    if (stopped) r->finish = KVS_FINISH_STOP;
     deliver_and_consume(r, &r->gen[r->n_gen - 1], r->logprobs > 0 ? &logprob : NULL, 1, send);
 }
 

@@ -99,6 +99,11 @@ static void top_candidates(const float *logits, kvs_candidate *c, int n, int k) 
 
 int32_t kvs_sampler_sample(kvs_sampler *s, float *logits, float *logprob) {
     int n = s->vocab;
+    for (int i = 0; i < n; i++)
+        if (!isfinite(logits[i])) { /* a numerical failure, not a distribution (as the sample op) */
+            if (logprob) *logprob = NAN;
+            return -1;
+        }
     if (s->p.temperature == 0) {
         int best = argmax(logits, n);
         if (logprob) *logprob = log_softmax_at(logits, n, best);

@@ -409,7 +409,15 @@ static kvs_status forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *k
     return KVS_OK;
 }
 
-kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
+/* Every step ends by asking the backend whether one of its ops failed (ops
+ * return nothing; a failed op or a CUDA fault is recorded there): the step
+ * that caused a failure reports it. */
+static kvs_status step_status(kvs_model *m, kvs_status st) {
+    kvs_status health = m->be->check(m->be);
+    return st != KVS_OK ? st : health;
+}
+
+static kvs_status forward_logits(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
     int n_logits;
     KVS_TRY(forward_step(m, b, kv, &n_logits));
     if (n_logits == 0) return KVS_OK;
@@ -433,6 +441,10 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
                    sizeof(float) * count);
     }
     return KVS_OK;
+}
+
+kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
+    return step_status(m, forward_logits(m, b, kv, logits));
 }
 
 /* This rank's vocab slice of the logits of the tokens that want them. */
@@ -504,7 +516,7 @@ kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *para
 
 /* Tensor parallelism without the logits gather: every rank reduces its
  * vocabulary slice to one kvs_sample_part per row on the device, the ranks
- * all-gather the parts (24 bytes per row and rank), and the ranks that pass
+ * all-gather the parts (28 bytes per row and rank), and the ranks that pass
  * ids pick on the host (backend/sample.h: the same ids as the sample op over
  * the whole row, logprobs up to the order of the sum). */
 static kvs_status sample_sharded(kvs_model *m, int n, const kvs_sample_row *params, int32_t *ids, float *logprobs) {
@@ -529,8 +541,8 @@ static bool all_shardable(const kvs_sample_row *params, int n, int vocab) {
     return true;
 }
 
-kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
-                                    int32_t *ids, float *logprobs) {
+static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                                 int32_t *ids, float *logprobs) {
     const kvs_shard *sh = &m->shard;
     int world = sh->world;
     /* the ranks choose between the parts and the gather from params alone,
@@ -564,6 +576,11 @@ kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cac
     memcpy(ids, s->h_out, sizeof(int32_t) * n);
     if (logprobs) memcpy(logprobs, s->h_out + n, sizeof(float) * n);
     return KVS_OK;
+}
+
+kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                                    int32_t *ids, float *logprobs) {
+    return step_status(m, forward_sample(m, b, kv, params, ids, logprobs));
 }
 
 /* Greedy is the sample op with temperature 0 (the argmax, ties to the lowest

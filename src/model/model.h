@@ -157,7 +157,7 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
  *
  * Greedy without the full logits: kvs_model_forward_sample with temperature 0
  * in every row (the argmax on the device, ties to the lowest token id; with
- * tensor parallelism each rank reduces its slice and the ranks all-gather 24
+ * tensor parallelism each rank reduces its slice and the ranks all-gather 28
  * bytes per row). ids: [number of seqs that want logits]; NULL as for logits. */
 kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids);
 
@@ -170,11 +170,15 @@ kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cac
  * params (every rank needs them: the way out depends on them). When every row
  * is greedy or temperature alone (kvs_sample_shardable), each rank reduces its
  * vocabulary slice on the device (the sample_shard op) and the ranks
- * all-gather 24 bytes per row instead of the logits; otherwise the logits
+ * all-gather 28 bytes per row instead of the logits; otherwise the logits
  * slices are all-gathered on the device and sampled whole. Either way the ranks
  * that pass ids get the ids (ids NULL: the rank takes part and samples
- * nothing). Errors: KVS_ERR_INVALID for bad or missing parameters (before the
- * step, nothing changed). */
+ * nothing). A row whose logits are not all finite (NaN or inf: a numerical
+ * failure) gets id -1 and logprob NaN; the other rows are sampled as usual.
+ * Errors: KVS_ERR_INVALID for bad or missing parameters (before the step,
+ * nothing changed); a failed backend op during the step (backend check: a CUDA
+ * error, an op out of memory; with tensor parallelism on any rank) fails the
+ * step: the KV cache and the model's state are then undefined. */
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
                                     int32_t *ids, float *logprobs);
 /* ---- CUDA graphs for decode steps ---------------------------------------------

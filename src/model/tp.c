@@ -87,6 +87,15 @@ static void *rank_main(void *p) {
     }
 }
 
+static kvs_status run_all(kvs_tp_group *g, tp_job job, void *arg, bool collective);
+
+/* After a failed step: every rank's communicator aborted (the failing rank's
+ * already is), so that none is left waiting on or holding a dead peer. */
+static kvs_status job_abort_comm(kvs_tp_group *g, int rank, void *arg) {
+    if (g->ranks[rank].comm) g->ranks[rank].comm->abort(g->ranks[rank].comm);
+    return KVS_OK;
+}
+
 /* Runs job on every rank and waits; the first failing rank's error becomes
  * the caller's (its message prefixed with the rank). */
 static kvs_status run_all(kvs_tp_group *g, tp_job job, void *arg, bool collective) {
@@ -107,8 +116,14 @@ static kvs_status run_all(kvs_tp_group *g, tp_job job, void *arg, bool collectiv
     pthread_mutex_unlock(&g->mu);
     for (int r = 0; r < g->world; r++) {
         if (g->ranks[r].status == KVS_OK) continue;
-        if (collective) g->broken = true;
-        return kvs_fail(g->ranks[r].status, "tensor parallel rank %d of %d: %s", r, g->world, g->ranks[r].error);
+        kvs_status st = g->ranks[r].status;
+        char msg[sizeof g->ranks[r].error + 64];
+        snprintf(msg, sizeof msg, "tensor parallel rank %d of %d: %s", r, g->world, g->ranks[r].error);
+        if (collective) {
+            run_all(g, job_abort_comm, NULL, false);
+            g->broken = true;
+        }
+        return kvs_fail(st, "%s", msg);
     }
     return KVS_OK;
 }

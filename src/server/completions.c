@@ -39,7 +39,9 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
         g->refs = 1;
         kvs_server_request_unlink(s, g);
         kvs_gen_release(g);
-        if (st == KVS_ERR_BUSY) {
+        if (kvs_engine_failed(s->engine, NULL)) { /* "the engine failed: ..." */
+            kvs_api_fail(err, 503, NULL, "%s", kvs_last_error());
+        } else if (st == KVS_ERR_BUSY) {
             kvs_api_fail(err, 429, NULL, "the server is busy (request queue full): retry later");
             err->type = "rate_limit_error";
         } else if (st == KVS_ERR_INVALID || st == KVS_ERR_UNSUPPORTED) {

@@ -1,6 +1,7 @@
 /* server: OpenAI response shapes: completions / chat completions, whole or as
  * streaming chunks, with usage and logprobs. */
 #include <jansson.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,7 +17,8 @@ const char *kvs_resp_finish_reason(kvs_finish f) {
     }
 }
 
-/* A JSON string of UTF-8 text; invalid bytes (never expected) become U+FFFD. */
+/* A JSON string of UTF-8 text of n bytes (NUL bytes included: "\u0000" once
+ * dumped); invalid bytes (never expected) become U+FFFD. */
 static json_t *text_json(const char *s, size_t n) {
     json_t *j = json_stringn(s ? s : "", s ? n : 0);
     if (j) return j;
@@ -27,7 +29,7 @@ static json_t *text_json(const char *s, size_t n) {
         unsigned char c = (unsigned char)s[i];
         int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
         json_t *probe = len && i + len <= n ? json_stringn(s + i, len) : NULL;
-        if (probe && c != 0) {
+        if (probe) {
             memcpy(fixed + o, s + i, len);
             o += len;
             i += len;
@@ -43,11 +45,19 @@ static json_t *text_json(const char *s, size_t n) {
     return j ? j : json_string("");
 }
 
-static char *token_text(const kvs_tokenizer *tok, int32_t id) {
+/* One token's text (malloc'ed, *len bytes: it may hold NUL bytes). */
+static char *token_text(const kvs_tokenizer *tok, int32_t id, size_t *len) {
     char *s = NULL;
-    if (!tok || kvs_tokenizer_decode(tok, &id, 1, false, &s) != KVS_OK) return strdup("");
+    if (!tok || kvs_tokenizer_decode(tok, &id, 1, false, &s, len) != KVS_OK) {
+        *len = 0;
+        return strdup("");
+    }
     return s;
 }
+
+/* A logprob as JSON: -inf (and NaN, never expected) as OpenAI's -9999.0, since
+ * JSON has no infinities (jansson refuses them: the entry would go missing). */
+static json_t *lp_json(float v) { return json_real(isfinite(v) ? (double)v : -9999.0); }
 
 static json_t *usage_json(int prompt_tokens, int completion_tokens) {
     return json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt_tokens, "completion_tokens", completion_tokens,
@@ -59,15 +69,16 @@ static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
     if (m->kind == KVS_API_CHAT) {
         json_t *content = json_array();
         for (int i = 0; i < s->n; i++) {
-            char *t = token_text(m->tok, s->ids[i]);
+            size_t tl;
+            char *t = token_text(m->tok, s->ids[i], &tl);
             json_t *bytes = json_array();
-            for (const unsigned char *b = (const unsigned char *)t; *b; b++) json_array_append_new(bytes, json_integer(*b));
+            for (size_t b = 0; b < tl; b++) json_array_append_new(bytes, json_integer((unsigned char)t[b]));
             json_t *top = json_array();
             if (m->top_logprobs > 0)
-                json_array_append_new(top, json_pack("{s:o, s:f, s:O}", "token", text_json(t, strlen(t)), "logprob",
-                                                     (double)s->lps[i], "bytes", bytes));
-            json_array_append_new(content, json_pack("{s:o, s:f, s:o, s:o}", "token", text_json(t, strlen(t)),
-                                                     "logprob", (double)s->lps[i], "bytes", bytes, "top_logprobs", top));
+                json_array_append_new(top, json_pack("{s:o, s:o, s:O}", "token", text_json(t, tl), "logprob",
+                                                     lp_json(s->lps[i]), "bytes", bytes));
+            json_array_append_new(content, json_pack("{s:o, s:o, s:o, s:o}", "token", text_json(t, tl), "logprob",
+                                                     lp_json(s->lps[i]), "bytes", bytes, "top_logprobs", top));
             free(t);
         }
         return json_pack("{s:o, s:n}", "content", content, "refusal");
@@ -76,16 +87,18 @@ static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
     json_t *tops = m->top_logprobs > 0 ? json_array() : json_null();
     size_t off = s->text_offset;
     for (int i = 0; i < s->n; i++) {
-        char *t = token_text(m->tok, s->ids[i]);
-        json_array_append_new(tokens, text_json(t, strlen(t)));
-        json_array_append_new(lps, json_real(s->lps[i]));
+        size_t tl;
+        char *t = token_text(m->tok, s->ids[i], &tl);
+        json_t *tj = text_json(t, tl);
+        json_array_append_new(tokens, tj);
+        json_array_append_new(lps, lp_json(s->lps[i]));
         json_array_append_new(offs, json_integer((json_int_t)off));
         if (json_is_array(tops)) {
-            json_t *one = json_object();
-            json_object_set_new(one, t, json_real(s->lps[i]));
+            json_t *one = json_object(); /* keyed by the token's text as sent (valid UTF-8) */
+            json_object_setn_new(one, json_string_value(tj), json_string_length(tj), lp_json(s->lps[i]));
             json_array_append_new(tops, one);
         }
-        off += strlen(t);
+        off += tl;
         free(t);
     }
     return json_pack("{s:o, s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", lps, "top_logprobs", tops,

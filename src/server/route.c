@@ -58,7 +58,17 @@ static json_t *model_json(const kvs_server *s) {
                      (json_int_t)s->started, "owned_by", "kvsparse", "max_model_len", s->limits.max_model_len);
 }
 
+/* The engine has failed (none here: the fuzzer's and the tests' request path). */
+static bool engine_failed(const kvs_server *s, const char **why) { return s->engine && kvs_engine_failed(s->engine, why); }
+
 static void answer_get(kvs_server *s, kvs_route r, const char *url, kvs_http_answer *a) {
+    const char *why;
+    if (r == KVS_ROUTE_HEALTH && engine_failed(s, &why)) { /* a supervisor restarts the process */
+        json_t *j = json_pack("{s:s, s:s}", "status", "failed", "reason", why);
+        answer(a, 503, "application/json", j ? json_dumps(j, JSON_COMPACT) : strdup("{\"status\":\"failed\"}")); /* not UTF-8 */
+        json_decref(j);
+        return;
+    }
     if (r == KVS_ROUTE_HEALTH) {
         bool d = atomic_load(&s->draining);
         answer(a, d ? 503 : 200, "application/json", strdup(d ? "{\"status\":\"draining\"}" : "{\"status\":\"ok\"}"));
@@ -102,6 +112,8 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const cha
         kvs_http_answer_error(a, &err);
         return true;
     }
+    const char *why;
+    if (post && engine_failed(s, &why)) return fail(a, 503, "the engine failed: %.400s", why);
     if (post && atomic_load(&s->draining)) return fail(a, 503, "%s", "the server is shutting down");
     if (!post) {
         answer_get(s, r, url, a);

@@ -330,16 +330,21 @@ const char *tk_token_text(const kvs_tokenizer *t, int id, size_t *len) {
     return t->text[id];
 }
 
+bool tk_token_visible(const kvs_tokenizer *t, int id, bool skip_special) {
+    return tk_token_text(t, id, NULL) && !(skip_special && t->special[id]);
+}
+
 kvs_status kvs_tokenizer_decode(const kvs_tokenizer *t, const int32_t *ids, int n_ids,
-                                bool skip_special, char **text) {
+                                bool skip_special, char **text, size_t *len) {
     *text = NULL;
+    if (len) *len = 0;
     if (!t || (!ids && n_ids > 0)) return kvs_fail(KVS_ERR_INVALID, "tokenizer decode: NULL argument");
     tk_strs toks = {0};
     kvs_status st = KVS_OK;
     for (int i = 0; i < n_ids && st == KVS_OK; i++) {
         size_t n;
         const char *s = tk_token_text(t, ids[i], &n);
-        if (!s || (skip_special && t->special[ids[i]])) continue; /* unknown ids are skipped */
+        if (!tk_token_visible(t, ids[i], skip_special)) continue; /* unknown ids, skipped specials */
         if (!tk_strs_push(&toks, s, n)) st = kvs_fail(KVS_ERR_NOMEM, "tokenizer: out of memory decoding");
     }
     if (st == KVS_OK && t->decoder) st = tk_decode_chain(t->decoder, &toks);
@@ -355,6 +360,7 @@ kvs_status kvs_tokenizer_decode(const kvs_tokenizer *t, const int32_t *ids, int 
         return st;
     }
     *text = out.data;
+    if (len) *len = out.len;
     return KVS_OK;
 }
 

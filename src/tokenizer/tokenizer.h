@@ -26,9 +26,11 @@ typedef struct {
 /* Encodes UTF-8 text; *ids is malloc'ed. Invalid UTF-8 is an error. */
 kvs_status kvs_tokenizer_encode(const kvs_tokenizer *t, const char *text, size_t len,
                                 kvs_encode_options opt, int32_t **ids, int *n_ids);
-/* Decodes ids to text (malloc'ed, NUL-terminated). */
+/* Decodes ids to text: *text is malloc'ed, *len bytes long (it may hold NUL bytes,
+ * e.g. a byte-level token for 0x00; a NUL follows the last byte). len may be NULL
+ * only where a NUL byte may end the text. Unknown ids add no text. */
 kvs_status kvs_tokenizer_decode(const kvs_tokenizer *t, const int32_t *ids, int n_ids,
-                                bool skip_special, char **text);
+                                bool skip_special, char **text, size_t *len);
 
 int kvs_tokenizer_vocab_size(const kvs_tokenizer *t);
 int kvs_tokenizer_token_id(const kvs_tokenizer *t, const char *token); /* -1 if none */
@@ -42,7 +44,11 @@ const char *kvs_tokenizer_bos_token(const kvs_tokenizer *t);
 const char *kvs_tokenizer_eos_token(const kvs_tokenizer *t);
 
 /* Streaming decoder: feed one id at a time; each call returns the new text that
- * is complete (never a broken UTF-8 sequence), possibly empty. */
+ * is complete (never a broken UTF-8 sequence), possibly empty: *len bytes at
+ * *piece, NUL bytes included. O(1) per id however long the stream. The pieces
+ * and the final flush add up to kvs_tokenizer_decode of the same ids, except
+ * where a decoder rewrites text already sent (ByteFallback turning a valid byte
+ * run into U+FFFDs when an invalid byte joins it). */
 typedef struct kvs_detokenizer kvs_detokenizer;
 kvs_detokenizer *kvs_detokenizer_create(const kvs_tokenizer *t, bool skip_special);
 /* *piece is owned by the detokenizer, valid until the next call. */

@@ -252,5 +252,7 @@ struct kvs_tokenizer {
 };
 /* Token text for decoding: added token content or model token. */
 const char *tk_token_text(const kvs_tokenizer *t, int id, size_t *len);
+/* Whether id adds to a decode: a known id, and not a special one when they are skipped. */
+bool tk_token_visible(const kvs_tokenizer *t, int id, bool skip_special);
 
 #endif

@@ -33,7 +33,7 @@ void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, con
     size_t kn = (size_t)n * pool->n_kv_heads * pool->head_dim;
     float *kr = malloc(sizeof(float) * (kn ? kn : 1));
     if (!kr) {
-        kvs_fail(KVS_ERR_NOMEM, "cpu rope_kv_write: out of memory");
+        kvs_cpu_fail(b, KVS_ERR_NOMEM, "rope_kv_write: out of memory");
         return;
     }
     memcpy(kr, k, sizeof(float) * kn);
@@ -140,8 +140,10 @@ void kvs_cpu_attention(kvs_backend *b, void *out, float *lse, const void *q, con
     /* the work list and, for blocked sequences, their gathered keys */
     size_t n_items = 0, cap = (size_t)ab->n_tokens * n_heads + 1;
     work_item *items = malloc(sizeof(work_item) * cap);
-    float **kbuf = calloc((size_t)ab->n_seqs * KVH, sizeof(float *)), **vbuf = calloc((size_t)ab->n_seqs * KVH, sizeof(float *));
-    for (int s = 0; s < ab->n_seqs; s++) {
+    size_t n_bufs = (size_t)ab->n_seqs * KVH;
+    float **kbuf = calloc(n_bufs ? n_bufs : 1, sizeof(float *)), **vbuf = calloc(n_bufs ? n_bufs : 1, sizeof(float *));
+    bool ok = items && kbuf && vbuf;
+    for (int s = 0; ok && s < ab->n_seqs; s++) {
         int q_len = ab->q_start[s + 1] - ab->q_start[s];
         bool blocked = q_len >= BLOCKED_MIN_Q;
         for (int h = 0; h < n_heads; h++)
@@ -151,17 +153,24 @@ void kvs_cpu_attention(kvs_backend *b, void *out, float *lse, const void *q, con
         for (int g = 0; blocked && g < KVH; g++) {
             kbuf[s * KVH + g] = malloc(sizeof(float) * (size_t)ab->kv_len[s] * d);
             vbuf[s * KVH + g] = malloc(sizeof(float) * (size_t)ab->kv_len[s] * d);
+            ok = ok && kbuf[s * KVH + g] && vbuf[s * KVH + g];
         }
     }
-#pragma omp parallel
+    if (!ok) {
+        kvs_cpu_fail(b, KVS_ERR_NOMEM, "attention: out of memory (%d sequences, %d tokens)", ab->n_seqs, ab->n_tokens);
+        n_items = 0;
+    }
+#pragma omp parallel if (ok)
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int sg = 0; sg < ab->n_seqs * KVH; sg++)
+        for (int sg = 0; sg < (ok ? ab->n_seqs * KVH : 0); sg++)
             if (kbuf[sg]) gather_head(pool, ab, sg / KVH, sg % KVH, kbuf[sg], vbuf[sg]);
         size_t s_cap = (size_t)(Q_BLOCK + 1) * (ab->max_kv_len > 0 ? ab->max_kv_len : 1) + Q_BLOCK;
         float *S = malloc(sizeof(float) * s_cap);
+        if (!S) kvs_cpu_fail(b, KVS_ERR_NOMEM, "attention: out of memory (%zu scores)", s_cap);
 #pragma omp for schedule(dynamic, 2)
         for (size_t it = 0; it < n_items; it++) {
+            if (!S) continue;
             work_item w = items[it];
             if (w.blocked) {
                 int g = w.h / group;
@@ -177,7 +186,7 @@ void kvs_cpu_attention(kvs_backend *b, void *out, float *lse, const void *q, con
         }
         free(S);
     }
-    for (int i = 0; i < ab->n_seqs * KVH; i++) {
+    for (size_t i = 0; kbuf && vbuf && i < n_bufs; i++) {
         free(kbuf[i]);
         free(vbuf[i]);
     }

@@ -1,10 +1,47 @@
 /* The CPU backend: fp32 weights, activations and KV in host memory; the
  * reference (oracle) that other backends are tested against. */
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <cblas.h>
 #include <string.h>
 
 #include "backend/cpu/cpu_ops.h"
+
+/* The CPU backend's state (b->impl): its first failure. */
+typedef struct {
+    pthread_mutex_t mu;
+    kvs_status failure; /* KVS_OK: none */
+    char message[512];
+} cpu_state;
+
+void kvs_cpu_fail(kvs_backend *b, kvs_status code, const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    kvs_fail(code, "%s", msg);
+    cpu_state *c = b ? b->impl : NULL;
+    if (!c) return;
+    pthread_mutex_lock(&c->mu);
+    if (c->failure == KVS_OK) {
+        c->failure = code;
+        snprintf(c->message, sizeof c->message, "%s", msg);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+static kvs_status cpu_check(kvs_backend *b) {
+    cpu_state *c = b->impl;
+    pthread_mutex_lock(&c->mu);
+    kvs_status st = c->failure;
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", c->message);
+    pthread_mutex_unlock(&c->mu);
+    return st == KVS_OK ? KVS_OK : kvs_fail(st, "cpu backend: %s", msg);
+}
 
 static void *cpu_alloc(kvs_backend *b, size_t bytes) { return kvs_aligned_alloc(bytes); }
 static void cpu_free(kvs_backend *b, void *p) { free(p); }
@@ -20,11 +57,23 @@ static void cpu_to_host_f32(kvs_backend *b, float *dst, const void *src, size_t 
 }
 static void *cpu_host_alloc(kvs_backend *b, size_t bytes) { return malloc(bytes ? bytes : 16); }
 static void cpu_host_free(kvs_backend *b, void *p) { free(p); }
-static void cpu_destroy(kvs_backend *b) { free(b); }
+static void cpu_destroy(kvs_backend *b) {
+    cpu_state *c = b->impl;
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+    free(b);
+}
 
 kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     kvs_backend *b = calloc(1, sizeof *b);
-    if (!b) return kvs_fail(KVS_ERR_NOMEM, "cpu backend: out of memory");
+    cpu_state *c = calloc(1, sizeof *c);
+    if (!b || !c) {
+        free(b);
+        free(c);
+        return kvs_fail(KVS_ERR_NOMEM, "cpu backend: out of memory");
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    b->impl = c;
     if (n_threads > 0) omp_set_num_threads(n_threads);
     openblas_set_num_threads(1); /* OpenMP splits the matmuls (cpu_ops.c) */
     b->name = "cpu";
@@ -35,6 +84,7 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->to_host = cpu_copy;
     b->upload_weight = cpu_upload_weight;
     b->synchronize = cpu_synchronize;
+    b->check = cpu_check;
     b->to_host_f32 = cpu_to_host_f32;
     b->embedding = kvs_cpu_embedding;
     b->rmsnorm = kvs_cpu_rmsnorm;

@@ -6,6 +6,10 @@
 
 #include "backend/backend.h"
 
+/* Records the first failure of an op on b (its check reports it from then on)
+ * and sets it as the calling thread's error too. Safe from OpenMP threads. */
+void kvs_cpu_fail(kvs_backend *b, kvs_status code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
 void kvs_cpu_embedding(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
 void kvs_cpu_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps);
 void kvs_cpu_add(kvs_backend *b, void *x, const void *y, size_t n);

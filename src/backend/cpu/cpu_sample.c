@@ -1,5 +1,7 @@
 /* The sample op on the CPU: the reference for the CUDA kernel (same passes,
  * same thresholds; backend/sample.h states the semantics). */
+#include <math.h>
+
 #include "backend/cpu/cpu_ops.h"
 #include "backend/sample.h"
 
@@ -12,7 +14,7 @@ typedef struct {
     double log_min_p; /* keep z - m >= log_min_p */
 } row_view;
 
-static float z_at(const row_view *r, int i) { return kvs_sample_clean(r->x[i]) / r->t; }
+static float z_at(const row_view *r, int i) { return r->x[i] / r->t; }
 
 static bool kept(const row_view *r, float z) {
     return kvs_sample_key(z) >= r->tau && kvs_sample_min_p_ok(z, r->m, r->log_min_p);
@@ -41,10 +43,15 @@ static uint32_t threshold(const row_view *r, bool by_mass, double target, double
 
 static int32_t sample_row(const float *x, int vocab, const kvs_sample_row *p, float *logprob) {
     int best = 0;
-    float bx = kvs_sample_clean(x[0]);
-    for (int i = 1; i < vocab; i++) {
-        float v = kvs_sample_clean(x[i]);
-        if (v > bx) bx = v, best = i;
+    float bx = x[0];
+    bool finite = true;
+    for (int i = 0; i < vocab; i++) {
+        finite &= isfinite(x[i]) != 0;
+        if (x[i] > bx) bx = x[i], best = i;
+    }
+    if (!finite) { /* a numerical failure upstream: no token */
+        if (logprob) *logprob = NAN;
+        return -1;
     }
     int32_t id = best;
     if (p->temperature > 0) {
@@ -61,12 +68,12 @@ static int32_t sample_row(const float *x, int vocab, const kvs_sample_row *p, fl
             float s = z + kvs_sample_gumbel(stream, i);
             if (pick < 0 || s > best_s) best_s = s, pick = i;
         }
-        if (pick >= 0) id = pick; /* else every logit is -inf / NaN: the argmax (0) */
+        if (pick >= 0) id = pick; /* else z overflowed (a tiny T): the argmax */
     }
     if (logprob) {
         double sum = 0;
-        for (int i = 0; i < vocab; i++) sum += exp((double)kvs_sample_clean(x[i]) - bx);
-        *logprob = (float)((double)kvs_sample_clean(x[id]) - bx - log(sum));
+        for (int i = 0; i < vocab; i++) sum += exp((double)x[i] - bx);
+        *logprob = (float)((double)x[id] - bx - log(sum));
     }
     return id;
 }
@@ -81,29 +88,30 @@ void kvs_cpu_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *l
 
 /* One slice of a row (tensor parallelism): kvs_sample_pick's part. */
 static kvs_sample_part shard_row(const float *x, int count, int id0, const kvs_sample_row *p) {
-    kvs_sample_part o = {-INFINITY, -1, -INFINITY, -1, -INFINITY, 0};
+    kvs_sample_part o = {-INFINITY, -1, -INFINITY, -1, -INFINITY, 0, 0};
     if (count <= 0) return o;
     int best = 0;
-    float bx = kvs_sample_clean(x[0]);
-    for (int i = 1; i < count; i++) {
-        float v = kvs_sample_clean(x[i]);
-        if (v > bx) bx = v, best = i;
+    float bx = x[0];
+    for (int i = 0; i < count; i++) {
+        if (!isfinite(x[i])) o.nonfinite = 1;
+        if (x[i] > bx) bx = x[i], best = i;
     }
+    if (o.nonfinite) return o;
     double sum = 0;
-    for (int i = 0; i < count; i++) sum += exp((double)kvs_sample_clean(x[i]) - bx);
+    for (int i = 0; i < count; i++) sum += exp((double)x[i] - bx);
     o.x_max = bx, o.x_id = id0 + best, o.sum_exp = (float)sum;
     if (p->temperature > 0) {
         float t = p->temperature, m = bx / t;
-        if (m == -INFINITY) { /* the whole row's scan keeps these (z = -inf) unless its max is -inf too */
-            o.s_id = id0, o.x_at_s = kvs_sample_clean(x[0]);
+        if (m == -INFINITY) { /* z underflowed (a tiny T): the whole row's scan keeps these unless its max is -inf too */
+            o.s_id = id0, o.x_at_s = x[0];
             return o;
         }
         uint64_t stream = kvs_sample_stream(p->seed, p->step);
         for (int i = 0; i < count; i++) {
-            float z = kvs_sample_clean(x[i]) / t;
+            float z = x[i] / t;
             if (!kvs_sample_min_p_ok(z, m, -INFINITY)) continue; /* z = m = +inf */
             float s = z + kvs_sample_gumbel(stream, (int64_t)id0 + i);
-            if (o.s_id < 0 || s > o.s_max) o.s_max = s, o.s_id = id0 + i, o.x_at_s = kvs_sample_clean(x[i]);
+            if (o.s_id < 0 || s > o.s_max) o.s_max = s, o.s_id = id0 + i, o.x_at_s = x[i];
         }
     }
     return o;

@@ -26,14 +26,15 @@ static int by_index(const void *a, const void *b) {
 void kvs_cpu_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
                            int k, int n_win) {
     if (n_keys < 0 || n_kv_heads < 0 || k < 0 || n_win < 0 || pool < 1) {
-        kvs_fail(KVS_ERR_INVALID, "snapkv_select: bad arguments (n_keys %d, kv heads %d, pool %d, k %d, window %d)",
-                 n_keys, n_kv_heads, pool, k, n_win);
+        kvs_cpu_fail(b, KVS_ERR_INVALID,
+                     "snapkv_select: bad arguments (n_keys %d, kv heads %d, pool %d, k %d, window %d)", n_keys,
+                     n_kv_heads, pool, k, n_win);
         return;
     }
     int r = pool / 2, take = k < n_keys ? k : n_keys, row = k + n_win;
     ranked *rk = malloc(sizeof(ranked) * (size_t)(n_keys ? n_keys : 1));
     if (!rk) {
-        kvs_fail(KVS_ERR_NOMEM, "snapkv_select: out of memory for %d keys", n_keys);
+        kvs_cpu_fail(b, KVS_ERR_NOMEM, "snapkv_select: out of memory for %d keys", n_keys);
         return;
     }
     for (int g = 0; g < n_kv_heads; g++) {

@@ -8,12 +8,22 @@
 #include "backend/cuda/cuda_internal.h"
 
 void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const char *file, int line) {
-    if (b && b->impl) {
-        kvs_cuda_of(b)->failed = 1;
-        if (kvs_cuda_of(b)->capturing) kvs_cuda_of(b)->capture_broken = 1;
-    }
     kvs_fail(KVS_ERR_INTERNAL, "cuda: %s failed: %s (%s:%d)", call, err, file, line);
+    if (b && b->impl) {
+        kvs_cuda *c = kvs_cuda_of(b);
+        if (!c->failed) snprintf(c->failure, sizeof c->failure, "%s", kvs_last_error());
+        c->failed = 1;
+        if (c->capturing) c->capture_broken = 1;
+    }
     kvs_log(KVS_LOG_ERROR, "cuda: %s failed: %s (%s:%d)", call, err, file, line);
+}
+
+/* Waits for the stream (a kernel fault shows at the synchronization), then
+ * reports the first recorded failure. */
+static kvs_status cuda_check(kvs_backend *b) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    if (!c->failed && !c->capturing) KVS_CUDA_CHECK(b, cudaStreamSynchronize(c->stream));
+    return c->failed ? kvs_fail(KVS_ERR_INTERNAL, "cuda backend (device %d): %s", c->device, c->failure) : KVS_OK;
 }
 
 void *kvs_cuda_scratch(kvs_backend *b, size_t bytes) {
@@ -275,6 +285,7 @@ extern "C" kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
     b->to_host = cuda_to_host;
     b->upload_weight = cuda_upload_weight;
     b->synchronize = cuda_synchronize;
+    b->check = cuda_check;
     b->to_host_f32 = cuda_to_host_f32;
     b->embedding = kvs_cuda_embedding;
     b->rmsnorm = kvs_cuda_rmsnorm;

@@ -63,12 +63,14 @@ typedef struct {
     int capturing;        /* a graph capture is open on stream */
     int capture_broken;   /* something during this capture could not be captured */
     int n_sms;
-    int failed; /* sticky: a CUDA call failed (the message is in kvs_last_error) */
+    int failed; /* sticky: a CUDA call failed; check reports failure */
+    char failure[512]; /* the first failure's message */
 } kvs_cuda;
 
 static inline kvs_cuda *kvs_cuda_of(kvs_backend *b) { return (kvs_cuda *)b->impl; }
 
-/* Records a failed CUDA / cuBLASLt call (kvs_fail + an error log line). */
+/* Records a failed CUDA / cuBLASLt call (kvs_fail + an error log line); the
+ * backend's check reports the first one from then on. */
 void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const char *file, int line);
 
 #define KVS_CUDA_CHECK(b, call)                                                        \

@@ -66,7 +66,7 @@ struct kvs_sample_view {
     float t, m;
     uint32_t tau;
     double log_min_p;
-    __device__ float z(int i) const { return kvs_sample_clean(__bfloat162float(x[i])) / t; }
+    __device__ float z(int i) const { return __bfloat162float(x[i]) / t; }
     __device__ bool kept(float z) const {
         return kvs_sample_key(z) >= tau && kvs_sample_min_p_ok(z, m, log_min_p);
     }
@@ -110,10 +110,18 @@ __global__ void __launch_bounds__(KVS_SAMPLE_THREADS)
     const kvs_sample_row p = params[row];
 
     float bx = -INFINITY; /* the argmax of the raw logits, first maximum */
-    int best = -1;
+    int best = -1, nonfinite = 0;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = kvs_sample_clean(__bfloat162float(x[i]));
+        float v = __bfloat162float(x[i]);
+        nonfinite |= !isfinite(v);
         if (best < 0 || v > bx) bx = v, best = i;
+    }
+    if (__syncthreads_or(nonfinite)) { /* block-uniform: the row samples nothing */
+        if (threadIdx.x == 0) {
+            ids[row] = -1;
+            if (logprobs) logprobs[row] = NAN;
+        }
+        return;
     }
     kvs_sample_block_best(bx, best, sv, si);
     int id = best;
@@ -138,9 +146,9 @@ __global__ void __launch_bounds__(KVS_SAMPLE_THREADS)
     if (logprobs) {
         float sum = 0.f;
         for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-            sum += expf(kvs_sample_clean(__bfloat162float(x[i])) - bx);
+            sum += expf(__bfloat162float(x[i]) - bx);
         sum = kvs_sample_block_sum(sum, sv);
-        if (threadIdx.x == 0) logprobs[row] = kvs_sample_clean(__bfloat162float(x[id])) - bx - logf(sum);
+        if (threadIdx.x == 0) logprobs[row] = __bfloat162float(x[id]) - bx - logf(sum);
     }
     if (threadIdx.x == 0) ids[row] = id;
 }
@@ -161,7 +169,7 @@ __global__ void __launch_bounds__(KVS_SAMPLE_THREADS)
     __shared__ float sv[32];
     __shared__ int si[32];
     const int row = blockIdx.x;
-    kvs_sample_part o = {-INFINITY, -1, -INFINITY, -1, -INFINITY, 0.f};
+    kvs_sample_part o = {-INFINITY, -1, -INFINITY, -1, -INFINITY, 0.f, 0};
     if (count <= 0) { /* block-uniform */
         if (threadIdx.x == 0) parts[row] = o;
         return;
@@ -169,32 +177,38 @@ __global__ void __launch_bounds__(KVS_SAMPLE_THREADS)
     const bf16 *x = logits + (size_t)row * ld;
     const kvs_sample_row p = params[row];
     float bx = -INFINITY;
-    int best = -1;
+    int best = -1, nonfinite = 0;
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
-        float v = kvs_sample_clean(__bfloat162float(x[i]));
+        float v = __bfloat162float(x[i]);
+        nonfinite |= !isfinite(v);
         if (best < 0 || v > bx) bx = v, best = i;
+    }
+    if (__syncthreads_or(nonfinite)) { /* block-uniform: the row samples nothing */
+        o.nonfinite = 1;
+        if (threadIdx.x == 0) parts[row] = o;
+        return;
     }
     kvs_sample_block_best(bx, best, sv, si);
     float sum = 0.f;
-    for (int i = threadIdx.x; i < count; i += blockDim.x) sum += expf(kvs_sample_clean(__bfloat162float(x[i])) - bx);
+    for (int i = threadIdx.x; i < count; i += blockDim.x) sum += expf(__bfloat162float(x[i]) - bx);
     sum = kvs_sample_block_sum(sum, sv);
     o.x_max = bx, o.x_id = id0 + best, o.sum_exp = sum;
     if (p.temperature > 0) {
         float t = p.temperature, m = bx / t;
         if (m == -INFINITY) { /* block-uniform: see shard_row */
-            o.s_id = id0, o.x_at_s = kvs_sample_clean(__bfloat162float(x[0]));
+            o.s_id = id0, o.x_at_s = __bfloat162float(x[0]);
         } else {
             uint64_t stream = kvs_sample_stream(p.seed, p.step);
             float bs = -INFINITY;
             int pick = -1;
             for (int i = threadIdx.x; i < count; i += blockDim.x) {
-                float z = kvs_sample_clean(__bfloat162float(x[i])) / t;
+                float z = __bfloat162float(x[i]) / t;
                 if (!kvs_sample_min_p_ok(z, m, -INFINITY)) continue; /* z = m = +inf */
                 float s = z + kvs_sample_gumbel(stream, (int64_t)id0 + i);
                 if (pick < 0 || s > bs) bs = s, pick = i;
             }
             kvs_sample_block_best(bs, pick, sv, si);
-            if (pick >= 0) o.s_max = bs, o.s_id = id0 + pick, o.x_at_s = kvs_sample_clean(__bfloat162float(x[pick]));
+            if (pick >= 0) o.s_max = bs, o.s_id = id0 + pick, o.x_at_s = __bfloat162float(x[pick]);
         }
     }
     if (threadIdx.x == 0) parts[row] = o;
