@@ -198,6 +198,6 @@ ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
         pthread_mutex_unlock(&g->mu);
         /* an SSE comment: clients ignore it, a closed socket answers it with a reset */
         if (probe) out_append(st, ": ping\n\n", 8);
-        if (waited) kvs_http_touch(st->conn, st->srv->cfg.http_timeout_s);
+        if (waited && st->conn) kvs_http_touch(st->conn, st->srv->cfg.http_timeout_s);
     }
 }
