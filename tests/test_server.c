@@ -180,7 +180,8 @@ typedef struct {
 } bad_case;
 
 Test(server, bad_input) {
-    server_proc s = start_server("--max-model-len 512");
+    /* the burst of 1,000 connections below holds more at once than the per-address default (256) */
+    server_proc s = start_server("--max-model-len 512 --max-connections-per-ip 1024");
     static const bad_case cases[] = {
         {"/v1/completions", "{bad json", 400, NULL},
         {"/v1/completions", "[1, 2]", 400, NULL},
