@@ -401,7 +401,7 @@ static void serve_open(served *s, const char *spec, int max_num_seqs) {
 }
 
 static void serve_close(served *s) {
-    kvs_server_drain(s->srv); /* returns: every request was answered */
+    kvs_server_drain(s->srv, 30); /* returns at once: every request was answered */
     kvs_server_stop(s->srv);
     fx_close(&s->f);
 }

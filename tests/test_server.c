@@ -1,5 +1,7 @@
 /* server: starts the real binary (`kvsparse serve --port 0`) on the bundled
- * tiny model and talks HTTP to it over loopback with a small raw-socket client. */
+ * tiny model and talks HTTP to it over loopback with a small raw-socket client
+ * (tests/server_client.h). The connection-level behaviour (timeouts, limits,
+ * disconnects, drain, API key sources) is in test_server_http.c. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -7,6 +9,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,200 +20,8 @@
 #include <unistd.h>
 
 #include "server/server.h"
+#include "server_client.h"
 #include "testutil.h"
-
-/* ---- the server process ---------------------------------------------------- */
-typedef struct {
-    pid_t pid;
-    int port;
-} server_proc;
-
-static server_proc start_server(const char *extra) {
-    int fds[2];
-    cr_assert_eq(pipe(fds), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        dup2(fds[1], 1);
-        close(fds[0]);
-        close(fds[1]);
-        char cmd[2048];
-        snprintf(cmd, sizeof cmd, "exec '%s' serve -m '%s' --port 0 --threads 2 %s 2>>/tmp/kvs_test_server.log",
-                 kvsparse_binary(), src_path("models/tiny-needle-llama"), extra ? extra : "");
-        setenv("OMP_WAIT_POLICY", "passive", 1);
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
-    close(fds[1]);
-    FILE *f = fdopen(fds[0], "r");
-    char line[512];
-    server_proc s = {pid, 0};
-    while (fgets(line, sizeof line, f)) {
-        const char *p = strstr(line, "(port ");
-        if (p) {
-            s.port = atoi(p + 6);
-            break;
-        }
-    }
-    fclose(f);
-    cr_assert_gt(s.port, 0, "the server did not print its port");
-    return s;
-}
-
-static int stop_server(server_proc *s) {
-    kill(s->pid, SIGTERM);
-    int status = 0;
-    for (int i = 0; i < 600; i++) {
-        if (waitpid(s->pid, &status, WNOHANG) == s->pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-        usleep(100000);
-    }
-    kill(s->pid, SIGKILL);
-    waitpid(s->pid, &status, 0);
-    return -2;
-}
-
-/* ---- a tiny HTTP/1.0 client (the server closes after each response) ------- */
-typedef struct {
-    int status;
-    char *body;
-    size_t len;
-} http_resp;
-
-static int connect_to(int port) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-        close(fd);
-        return -1;
-    }
-    return fd;
-}
-
-static bool send_all(int fd, const char *p, size_t n) {
-    while (n) {
-        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
-        if (w <= 0) return false;
-        p += w;
-        n -= (size_t)w;
-    }
-    return true;
-}
-
-static bool send_request(int fd, const char *method, const char *path, const char *headers, const char *body,
-                         size_t len) {
-    char head[1024];
-    int n = snprintf(head, sizeof head, "%s %s HTTP/1.0\r\nHost: localhost\r\n%sContent-Length: %zu\r\n\r\n", method,
-                     path, headers ? headers : "", body ? len : 0);
-    return send_all(fd, head, (size_t)n) && (!body || send_all(fd, body, len));
-}
-
-static http_resp read_response(int fd) {
-    http_resp r = {0};
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    ssize_t got;
-    while ((got = recv(fd, buf + n, cap - n - 1, 0)) > 0) {
-        n += (size_t)got;
-        if (cap - n < 4096) buf = realloc(buf, cap *= 2);
-    }
-    buf[n] = 0;
-    sscanf(buf, "HTTP/%*s %d", &r.status);
-    char *b = strstr(buf, "\r\n\r\n");
-    r.body = strdup(b ? b + 4 : "");
-    r.len = strlen(r.body);
-    free(buf);
-    return r;
-}
-
-static http_resp http(int port, const char *method, const char *path, const char *headers, const char *body) {
-    http_resp r = {0};
-    int fd = connect_to(port);
-    if (fd < 0) return r;
-    /* the server may answer (413) and close before the whole body is sent: read anyway */
-    send_request(fd, method, path, headers, body, body ? strlen(body) : 0);
-    r = read_response(fd);
-    close(fd);
-    if (!r.body) r.body = strdup("");
-    return r;
-}
-
-static json_t *post_json(int port, const char *path, const char *body, int want_status) {
-    http_resp r = http(port, "POST", path, NULL, body);
-    cr_assert_eq(r.status, want_status, "POST %s %s -> %d %s", path, body, r.status, r.body);
-    json_t *j = json_loads(r.body, 0, NULL);
-    cr_assert(j, "not JSON: %s", r.body);
-    free(r.body);
-    return j;
-}
-
-/* Joins a stream's text; *finish gets the last finish_reason; usage when present. */
-typedef struct {
-    char text[8192];
-    char finish[16];
-    int n_chunks, prompt_tokens, completion_tokens;
-    bool done, usage;
-} stream_result;
-
-static void parse_stream(const char *body, bool chat, stream_result *out) {
-    memset(out, 0, sizeof *out);
-    for (const char *p = body; (p = strstr(p, "data: ")); ) {
-        p += 6;
-        const char *end = strstr(p, "\n\n");
-        if (!end) break;
-        if (!strncmp(p, "[DONE]", 6)) { out->done = true; break; }
-        json_t *j = json_loadb(p, (size_t)(end - p), 0, NULL);
-        cr_assert(j, "bad chunk: %.*s", (int)(end - p), p);
-        json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
-        if (ch) {
-            json_t *t = chat ? json_object_get(json_object_get(ch, "delta"), "content") : json_object_get(ch, "text");
-            if (json_is_string(t)) strncat(out->text, json_string_value(t), sizeof out->text - strlen(out->text) - 1);
-            json_t *f = json_object_get(ch, "finish_reason");
-            if (json_is_string(f)) snprintf(out->finish, sizeof out->finish, "%s", json_string_value(f));
-            out->n_chunks++;
-        }
-        json_t *u = json_object_get(j, "usage");
-        if (json_is_object(u)) {
-            out->usage = true;
-            out->prompt_tokens = (int)json_integer_value(json_object_get(u, "prompt_tokens"));
-            out->completion_tokens = (int)json_integer_value(json_object_get(u, "completion_tokens"));
-        }
-        json_decref(j);
-        p = end;
-    }
-}
-
-static const char *choice_text(json_t *j, bool chat) {
-    json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
-    json_t *t = chat ? json_object_get(json_object_get(ch, "message"), "content") : json_object_get(ch, "text");
-    return json_string_value(t);
-}
-
-static int usage_of(json_t *j, const char *k) { return (int)json_integer_value(json_object_get(json_object_get(j, "usage"), k)); }
-
-static json_t *metrics_value(int port, const char *name, double *v) {
-    http_resp r = http(port, "GET", "/metrics", NULL, NULL);
-    cr_assert_eq(r.status, 200);
-    char *p = strstr(r.body, name);
-    while (p && p > r.body && p[-1] != '\n') p = strstr(p + 1, name);
-    cr_assert(p, "metric %s missing", name);
-    p = strchr(p, ' ');
-    *v = atof(p + 1);
-    free(r.body);
-    return NULL;
-}
-
-/* Waits until no request runs, then checks that no KV block is in use. */
-static void expect_no_blocks(int port) {
-    double running = 1, used = 1;
-    for (int i = 0; i < 100 && (running > 0 || used > 0); i++) {
-        metrics_value(port, "kvsparse_num_requests_running{", &running);
-        metrics_value(port, "kvsparse_kv_blocks_used{", &used);
-        if (running > 0 || used > 0) usleep(100000);
-    }
-    cr_expect_eq(running, 0);
-    cr_expect_eq(used, 0, "KV blocks still in use after every request ended");
-}
 
 #define PROMPT "The access code for Marigold is 48213. The sky was grey over the harbour. What is the access code for Marigold?"
 
@@ -369,7 +180,8 @@ typedef struct {
 } bad_case;
 
 Test(server, bad_input) {
-    server_proc s = start_server("--max-model-len 512");
+    /* the burst of 1,000 connections below holds more at once than the per-address default (256) */
+    server_proc s = start_server("--max-model-len 512 --max-connections-per-ip 1024");
     static const bad_case cases[] = {
         {"/v1/completions", "{bad json", 400, NULL},
         {"/v1/completions", "[1, 2]", 400, NULL},
@@ -494,17 +306,6 @@ static void *load_thread(void *arg) {
     return NULL;
 }
 
-static long rss_kb(pid_t pid) {
-    char path[64], line[256];
-    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-    FILE *f = fopen(path, "r");
-    long kb = -1;
-    while (f && fgets(line, sizeof line, f))
-        if (!strncmp(line, "VmRSS:", 6)) kb = atol(line + 6);
-    if (f) fclose(f);
-    return kb;
-}
-
 static void run_load(int port, int threads, int per_thread, int seed0, load_job *jobs) {
     pthread_t th[64];
     for (int i = 0; i < threads; i++) {
@@ -514,21 +315,138 @@ static void run_load(int port, int threads, int per_thread, int seed0, load_job 
     for (int i = 0; i < threads; i++) pthread_join(th[i], NULL);
 }
 
+/* Clients that misbehave alongside the load until *stop: slow readers take
+ * 64 bytes every 20 ms; never-readers (a tiny receive buffer) send a long
+ * stream, read nothing for 4 s, then look whether the server cut them
+ * (--http-timeout) and hang up. */
+typedef struct {
+    int port;
+    atomic_bool *stop;
+    int completed, failed, cut, kept;
+} odd_job;
+
+static void *slow_reader(void *arg) {
+    odd_job *job = arg;
+    const char *body = "{\"prompt\": \"A slow reader asks about ships\", \"max_tokens\": 16, \"ignore_eos\": true, "
+                       "\"stream\": true}";
+    for (int k = 0; k < 1000 && !atomic_load(job->stop); k++) {
+        int fd = connect_to(job->port);
+        if (fd < 0 || !send_request(fd, "POST", "/v1/completions", NULL, body, strlen(body))) {
+            job->failed++;
+            if (fd >= 0) close(fd);
+            continue;
+        }
+        size_t n = 0, cap = 1 << 16;
+        char *buf = calloc(1, cap);
+        ssize_t got;
+        while ((got = recv(fd, buf + n, cap - n - 1 < 64 ? cap - n - 1 : 64, 0)) > 0) {
+            n += (size_t)got;
+            usleep(20000);
+        }
+        close(fd);
+        if (!strncmp(buf, "HTTP/1.1 200", 12) && strstr(buf, "data: [DONE]")) job->completed++;
+        else job->failed++;
+        free(buf);
+    }
+    return NULL;
+}
+
+static void *never_reader(void *arg) {
+    odd_job *job = arg;
+    const char *body = "{\"messages\": [{\"role\": \"user\", \"content\": \"Never read this\"}], \"max_tokens\": 64, "
+                       "\"ignore_eos\": true, \"stream\": true, \"logprobs\": true, \"top_logprobs\": 1}";
+    for (int k = 0; k < 100 && !atomic_load(job->stop); k++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        int small = 2048;
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)job->port)};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
+            !send_request(fd, "POST", "/v1/chat/completions", NULL, body, strlen(body))) {
+            close(fd);
+            continue;
+        }
+        for (int t = 0; t < 120 && !atomic_load(job->stop); t++) usleep(100000); /* reads nothing for 12 s */
+        /* what arrived: an end without [DONE] means the server cut it; data still coming means not (yet) */
+        bool done = false, eof = false;
+        char b[4096];
+        for (int idle = 0; idle < 20 && !eof;) {
+            ssize_t got = recv(fd, b, sizeof b - 1, MSG_DONTWAIT);
+            if (got > 0) {
+                b[got] = 0;
+                done = done || strstr(b, "[DONE]");
+            } else if (got == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+                eof = true;
+            } else {
+                idle++;
+                usleep(50000);
+            }
+        }
+        if (eof && !done) job->cut++;
+        else job->kept++;
+        struct linger lg = {1, 0};
+        setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+        close(fd);
+    }
+    return NULL;
+}
+
+/* The load with ODD slow readers and ODD never-readers alongside. */
+enum { ODD = 4 };
+typedef struct {
+    int slow_done, slow_failed, cut, kept;
+} odd_totals;
+
+static void run_phase(int port, int per_thread, int seed0, load_job *jobs, odd_totals *t) {
+    atomic_bool stop;
+    atomic_init(&stop, false);
+    odd_job slow[ODD], never[ODD];
+    pthread_t th_slow[ODD], th_never[ODD];
+    for (int i = 0; i < ODD; i++) {
+        slow[i] = never[i] = (odd_job){.port = port, .stop = &stop};
+        pthread_create(&th_slow[i], NULL, slow_reader, &slow[i]);
+        pthread_create(&th_never[i], NULL, never_reader, &never[i]);
+    }
+    run_load(port, 64, per_thread, seed0, jobs);
+    atomic_store(&stop, true);
+    memset(t, 0, sizeof *t);
+    for (int i = 0; i < ODD; i++) {
+        pthread_join(th_slow[i], NULL);
+        pthread_join(th_never[i], NULL);
+        t->slow_done += slow[i].completed, t->slow_failed += slow[i].failed;
+        t->cut += never[i].cut, t->kept += never[i].kept;
+    }
+}
+
+static uint64_t load_seed(void) {
+    const char *e = getenv("KVS_TEST_SEED");
+    uint64_t seed = e ? strtoull(e, NULL, 10) : 1000;
+    fprintf(stderr, "sustained load: seed %llu (set KVS_TEST_SEED=N to repeat)\n", (unsigned long long)seed);
+    return seed;
+}
+
 Test(server, sustained_load_rss_flat) {
-    server_proc s = start_server("--kv-memory 0.05 --max-num-seqs 64");
+    server_proc s = start_server("--kv-memory 0.05 --max-num-seqs 64 --http-timeout 2");
+    int seed = (int)load_seed();
     load_job jobs[64];
-    run_load(s.port, 64, 3, 1000, jobs); /* warm-up: 192 requests */
+    odd_totals warm, odd;
+    run_phase(s.port, 3, seed, jobs, &warm); /* warm-up: 192 requests */
+    cr_expect_eq(warm.slow_failed, 0, "a slow reader failed in the warm-up");
     expect_no_blocks(s.port);
     long before = rss_kb(s.pid);
-    run_load(s.port, 64, 32, 2000, jobs); /* 2,048 requests at concurrency 64 */
+    run_phase(s.port, 32, seed + 1000, jobs, &odd); /* 2,048 requests at concurrency 64 */
     int completed = 0, aborted = 0, failed = 0;
     for (int i = 0; i < 64; i++) completed += jobs[i].completed, aborted += jobs[i].aborted, failed += jobs[i].failed;
     expect_no_blocks(s.port);
     long after = rss_kb(s.pid);
-    fprintf(stderr, "sustained load: %d completed, %d aborted, %d failed; RSS %ld kB -> %ld kB\n", completed, aborted,
-            failed, before, after);
+    fprintf(stderr,
+            "sustained load: %d completed, %d aborted, %d failed; slow readers %d completed, %d failed; never-readers "
+            "%d cut by the server, %d not yet; RSS %ld kB -> %ld kB\n",
+            completed, aborted, failed, odd.slow_done, odd.slow_failed, odd.cut, odd.kept, before, after);
     cr_expect_eq(failed, 0);
+    cr_expect_eq(odd.slow_failed, 0, "a slow reader failed");
     cr_expect_gt(completed, 1200);
+    cr_expect_gt(odd.slow_done, 0);
 #if defined(__SANITIZE_ADDRESS__)
     /* ASan's quarantine holds freed memory: RSS is not meaningful there (leaks: LSan at exit) */
 #else

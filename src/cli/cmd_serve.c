@@ -1,8 +1,9 @@
 /* kvsparse serve: the OpenAI-compatible HTTP server over one engine.
- * SIGTERM / SIGINT drain: stop accepting, finish what is in flight, exit 0
- * (a second signal exits at once). A failed engine (kvs_engine_failed) drains
- * the same way, its requests already ended with the error, and exits 1 so
- * that a supervisor (systemd, Kubernetes) restarts the server. */
+ * SIGTERM / SIGINT drain: stop accepting, let what is in flight finish for up
+ * to --drain-timeout seconds, abort the rest, exit 0 (a second signal exits
+ * at once). A failed engine (kvs_engine_failed) drains the same way, its
+ * requests already ended with the error, and exits 1 so that a supervisor
+ * (systemd, Kubernetes) restarts the server. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -35,13 +36,18 @@ typedef struct {
     kvs_engine_config ecfg;
     kvs_server_config scfg;
     double kv_gib, gpu_gib;
+    int drain_timeout_s;
+    const char *api_key_file;
 } serve_options;
 
 static void usage(FILE *f) {
     fprintf(f, "usage: kvsparse serve -m MODEL_DIR [options]\n"
                "  --host H                  address to listen on (default 127.0.0.1)\n"
                "  --port P                  port (default 8000; 0 picks a free one and prints it)\n"
-               "  --api-key KEY             require 'Authorization: Bearer KEY' on /v1/*\n"
+               "  --api-key KEY             require 'Authorization: Bearer KEY' on /v1/* (visible in ps: prefer\n"
+               "                            --api-key-file or KVSPARSE_API_KEY)\n"
+               "  --api-key-file FILE       read the key from FILE (surrounding whitespace trimmed)\n"
+               "                            precedence: --api-key, then --api-key-file, then $KVSPARSE_API_KEY\n"
                "  --served-model-name NAME  the model name clients use (default: the model folder's name)\n"
                "  --max-num-seqs N          running requests at most (default 64)\n"
                "  --max-num-batched-tokens N  tokens per engine step (default 2048)\n"
@@ -50,6 +56,13 @@ static void usage(FILE *f) {
                "  --gpu-memory GiB          cap on each GPU's memory: KV = cap - weights - activations\n"
                "  --max-waiting N           queued requests at most; more get 429 (default 1024)\n"
                "  --max-body-bytes N        request body limit (default 4 MiB; more gets 413)\n"
+               "  --http-timeout S          close a connection that makes no progress for S seconds: an idle or\n"
+               "                            slow client, or one that stops reading its response (default 60)\n"
+               "  --max-connections-per-ip N  open connections one client address may hold; more are refused\n"
+               "                            (default 256; behind a proxy, which is one address, or for a\n"
+               "                            benchmark at a higher concurrency, raise it up to 1024 = off)\n"
+               "  --drain-timeout S         on SIGTERM/SIGINT, wait up to S seconds for running requests, then\n"
+               "                            abort them and exit 0 (default 30)\n"
                "  --threads N  --load-format dummy\n" KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "The API is described in docs/SERVING.md.\n");
 }
@@ -68,6 +81,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
     o->load.allow_tp = true;
     o->scfg.host = "127.0.0.1";
     o->scfg.port = 8000;
+    o->drain_timeout_s = 30;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
@@ -80,6 +94,10 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         else if (!strcmp(a, "--host") && v) o->scfg.host = argv[++i];
         else if (!strcmp(a, "--port") && v) { if (!parse_int(argv[++i], 0, &n) || n > 65535) goto bad; o->scfg.port = n; }
         else if (!strcmp(a, "--api-key") && v) o->scfg.api_key = argv[++i];
+        else if (!strcmp(a, "--api-key-file") && v) o->api_key_file = argv[++i];
+        else if (!strcmp(a, "--http-timeout") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.http_timeout_s = (unsigned)n; }
+        else if (!strcmp(a, "--max-connections-per-ip") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.max_connections_per_ip = (unsigned)n; }
+        else if (!strcmp(a, "--drain-timeout") && v) { if (!parse_int(argv[++i], 0, &o->drain_timeout_s)) goto bad; }
         else if (!strcmp(a, "--served-model-name") && v) o->scfg.served_model_name = argv[++i];
         else if (!strcmp(a, "--max-num-seqs") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_num_seqs)) goto bad; }
         else if (!strcmp(a, "--max-num-batched-tokens") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_num_batched_tokens)) goto bad; }
@@ -110,6 +128,69 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         return 2;
     }
     return -1;
+}
+
+/* Trims surrounding whitespace in place; false if what is left is empty or
+ * holds a control character (no HTTP header could carry it). */
+static bool clean_key(char *k, const char *what) {
+    size_t n = strlen(k), a = 0;
+    while (n > 0 && strchr(" \t\r\n", k[n - 1])) k[--n] = 0;
+    while (a < n && strchr(" \t\r\n", k[a])) a++;
+    memmove(k, k + a, n - a + 1);
+    if (!*k) {
+        fprintf(stderr, "kvsparse serve: %s is empty\n", what);
+        return false;
+    }
+    for (const char *p = k; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) {
+            fprintf(stderr, "kvsparse serve: %s holds a line break or another control character\n", what);
+            return false;
+        }
+    return true;
+}
+
+/* The API key: --api-key, else --api-key-file, else $KVSPARSE_API_KEY, else
+ * none. *owned (malloc'ed) backs it when it came from the file or the
+ * environment. False after printing what is wrong. */
+static bool resolve_api_key(serve_options *o, char **owned) {
+    *owned = NULL;
+    if (o->scfg.api_key) return true;
+    char what[600];
+    if (o->api_key_file) {
+        snprintf(what, sizeof what, "--api-key-file %s", o->api_key_file);
+        FILE *f = fopen(o->api_key_file, "rb");
+        if (!f) {
+            fprintf(stderr, "kvsparse serve: %s: %s\n", what, strerror(errno));
+            return false;
+        }
+        char *k = calloc(1, 4097);
+        size_t n = k ? fread(k, 1, 4097, f) : 0;
+        bool bad = !k || ferror(f);
+        fclose(f);
+        if (bad || n > 4096) {
+            fprintf(stderr, "kvsparse serve: %s: %s\n", what, bad ? "could not be read" : "longer than 4096 bytes");
+            free(k);
+            return false;
+        }
+        if (memchr(k, 0, n)) fprintf(stderr, "kvsparse serve: %s holds a NUL byte\n", what);
+        if (memchr(k, 0, n) || !clean_key(k, what)) {
+            free(k);
+            return false;
+        }
+        o->scfg.api_key = *owned = k;
+        kvs_log(KVS_LOG_INFO, "API key read from %s", o->api_key_file);
+        return true;
+    }
+    const char *env = getenv("KVSPARSE_API_KEY");
+    if (!env) return true;
+    char *k = strdup(env);
+    if (!k || !clean_key(k, "KVSPARSE_API_KEY (unset it to serve without a key)")) {
+        free(k);
+        return false;
+    }
+    o->scfg.api_key = *owned = k;
+    kvs_log(KVS_LOG_INFO, "API key taken from $KVSPARSE_API_KEY");
+    return true;
 }
 
 /* The model folder's last path component. */
@@ -172,12 +253,18 @@ int kvs_cmd_serve(int argc, char **argv) {
     serve_options o;
     int rc = parse_args(argc, argv, &o);
     if (rc >= 0) return rc;
+    char *key = NULL;
+    if (!resolve_api_key(&o, &key)) return 2;
     kvs_loaded l;
-    if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
+    if (kvs_cli_load(&o.load, &l) != KVS_OK) {
+        free(key);
+        return kvs_cli_error();
+    }
     if (kvs_cli_kv_bytes(&l, o.kv_gib, o.gpu_gib, o.ecfg.max_num_batched_tokens ? o.ecfg.max_num_batched_tokens : 2048,
                          o.ecfg.max_num_seqs ? o.ecfg.max_num_seqs : 64, &o.ecfg.default_policy,
                          &o.ecfg.kv_memory_bytes) != KVS_OK) {
         kvs_cli_unload(&l);
+        free(key);
         return kvs_cli_error();
     }
     if (!l.tok) kvs_log(KVS_LOG_WARN, "the model has no tokenizer.json: only token-id prompts will work");
@@ -207,6 +294,7 @@ int kvs_cmd_serve(int argc, char **argv) {
     if (st != KVS_OK) {
         kvs_engine_destroy(e);
         kvs_cli_unload(&l);
+        free(key);
         return kvs_cli_error();
     }
     log_capacity(&l, &o.ecfg, max_len);
@@ -220,14 +308,19 @@ int kvs_cmd_serve(int argc, char **argv) {
     if (failure[0])
         kvs_log(KVS_LOG_ERROR, "the engine failed (%s): draining, then exiting with status 1 for a restart", failure);
     else
-        kvs_log(KVS_LOG_INFO, "signal received: draining requests in flight (a second signal exits at once)");
-    kvs_server_drain(srv);
+        kvs_log(KVS_LOG_INFO, "signal received: draining requests in flight for up to %d s (a second signal exits at once)",
+                o.drain_timeout_s);
+    int aborted = kvs_server_drain(srv, o.drain_timeout_s);
+    if (aborted)
+        kvs_log(KVS_LOG_WARN, "%d request%s still running after --drain-timeout %d s: aborted", aborted,
+                aborted == 1 ? "" : "s", o.drain_timeout_s);
     kvs_engine_stop(e, true);
     kvs_server_stop(srv);
     kvs_engine_destroy(e);
     kvs_cli_unload(&l);
     close(g_signal_pipe[0]);
     close(g_signal_pipe[1]);
+    free(key);
     if (failure[0]) {
         kvs_log(KVS_LOG_ERROR, "stopped after an engine failure: %s", failure);
         return 1;

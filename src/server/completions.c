@@ -1,5 +1,6 @@
-/* server: POST /v1/completions and /v1/chat/completions: validate, encode,
- * submit to the engine, then answer with one JSON object or an SSE stream. */
+/* server: POST /v1/completions and /v1/chat/completions: prepare (route.c:
+ * validate, encode), submit to the engine, then answer with one JSON object
+ * or an SSE stream. */
 #include <microhttpd.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,63 +9,16 @@
 
 #include "server/generate.h"
 #include "server/http.h"
+#include "server/route.h"
 
-static bool prompt_ids(kvs_server *s, kvs_api_request *r, int32_t **ids, int *n, kvs_api_error *err) {
-    if (r->prompt_ids) {
-        *ids = r->prompt_ids;
-        *n = r->n_prompt_ids;
-        r->prompt_ids = NULL;
-        return true;
-    }
-    if (!s->tok) return kvs_api_fail(err, 400, "prompt", "this model has no tokenizer: send token ids");
-    kvs_status st;
-    if (r->kind == KVS_API_CHAT) {
-        st = kvs_api_chat_encode(s->tok, s->tpl, r->messages, r->n_messages, ids, n);
-        if (st != KVS_OK) return kvs_api_fail(err, 400, "messages", "%s", kvs_last_error());
-    } else {
-        kvs_encode_options eo = {.add_special_tokens = true, .parse_special = false};
-        st = kvs_tokenizer_encode(s->tok, r->prompt, strlen(r->prompt), eo, ids, n);
-        if (st != KVS_OK) return kvs_api_fail(err, 400, "prompt", "%s", kvs_last_error());
-    }
-    if (*n == 0) return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? "messages" : "prompt", "the prompt is empty");
-    return true;
-}
-
-/* Validates, encodes and submits; on success *gen holds two references (ours and the engine's). */
-static bool submit(kvs_server *s, kvs_api_request *r, kvs_gen **gen, kvs_api_error *err) {
-    if (r->model && strcmp(r->model, s->model_name)) {
-        kvs_api_fail(err, 404, "model", "The model '%.200s' does not exist", r->model);
-        err->code = "model_not_found";
-        return false;
-    }
-    int32_t *ids = NULL;
-    int n = 0;
-    if (!prompt_ids(s, r, &ids, &n, err)) {
-        free(ids);
-        return false;
-    }
-    int max_len = s->limits.max_model_len;
-    if (n >= max_len) {
-        free(ids);
-        return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? "messages" : "prompt",
-                            "this model's maximum context length is %d tokens; the prompt has %d", max_len, n);
-    }
-    int max_tokens = r->max_tokens ? r->max_tokens : r->kind == KVS_API_CHAT ? max_len - n : 16;
-    if (max_tokens > max_len - n) {
-        if (r->max_tokens) {
-            free(ids);
-            return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? "max_completion_tokens" : "max_tokens",
-                                "this model's maximum context length is %d tokens; the prompt has %d and %d were "
-                                "asked for",
-                                max_len, n, max_tokens);
-        }
-        max_tokens = max_len - n;
-    }
+/* Submits a prepared request; on success *gen holds two references (ours and the engine's). */
+static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_error *err) {
+    kvs_api_request *r = &pr->req;
     kvs_request_params p = {
-        .prompt_ids = ids,
-        .n_prompt = n,
+        .prompt_ids = pr->ids,
+        .n_prompt = pr->n_ids,
         .sampling = r->sampling,
-        .max_tokens = max_tokens,
+        .max_tokens = pr->max_tokens,
         .stop_strings = (const char *const *)r->stop,
         .n_stop_strings = r->n_stop,
         .ignore_eos = r->ignore_eos,
@@ -72,16 +26,18 @@ static bool submit(kvs_server *s, kvs_api_request *r, kvs_gen **gen, kvs_api_err
         .policy = r->has_policy ? &r->policy : NULL,
     };
     kvs_gen *g = kvs_gen_create();
-    if (!g) {
-        free(ids);
-        return kvs_api_fail(err, 500, NULL, "out of memory");
+    if (!g) return kvs_api_fail(err, 500, NULL, "out of memory");
+    if (!kvs_server_request_link(s, g)) {
+        kvs_gen_release(g);
+        return kvs_api_fail(err, 503, NULL, "the server is shutting down");
     }
     g->refs = 2; /* ours and the engine's */
     /* the callback may run before submit returns; it never reads engine_id */
-    kvs_status st = kvs_engine_submit(s->engine, &p, kvs_gen_on_output, g, &g->engine_id);
-    free(ids);
+    uint64_t id = 0;
+    kvs_status st = kvs_engine_submit(s->engine, &p, kvs_gen_on_output, g, &id);
     if (st != KVS_OK) {
         g->refs = 1;
+        kvs_server_request_unlink(s, g);
         kvs_gen_release(g);
         if (kvs_engine_failed(s->engine, NULL)) { /* "the engine failed: ..." */
             kvs_api_fail(err, 503, NULL, "%s", kvs_last_error());
@@ -95,6 +51,7 @@ static bool submit(kvs_server *s, kvs_api_request *r, kvs_gen **gen, kvs_api_err
         }
         return false;
     }
+    kvs_server_request_submitted(s, g, id); /* aborted at once when the drain timed out meanwhile */
     *gen = g;
     return true;
 }
@@ -106,12 +63,25 @@ static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t 
     *m = (kvs_resp_meta){r->kind, id, s->model_name, (long long)time(NULL), s->tok, r->logprobs, r->top_logprobs};
 }
 
-static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, const kvs_api_request *r, kvs_gen *g) {
+static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, const kvs_api_request *r, kvs_gen *g,
+                                    bool http11) {
     int fd = kvs_http_conn_fd(c);
     pthread_mutex_lock(&g->mu);
-    bool aborted = false;
+    bool aborted = false, probed = false;
+    double next_check = kvs_now() + 0.5;
     while (!g->done) {
-        if (!kvs_gen_wait(g, 500) && !aborted && kvs_peer_closed(fd)) {
+        /* tokens wake this wait often: look at the client every 500 ms whatever comes */
+        kvs_gen_wait(g, 500);
+        if (aborted || kvs_now() < next_check) continue;
+        next_check = kvs_now() + 0.5;
+        kvs_peer ps = kvs_peer_state(fd);
+        /* a FIN: closed, or half-closed; an HTTP/1.1 client can be asked (an
+         * HTTP/1.0 one cannot: its half-close is taken as it is) */
+        if (ps == KVS_PEER_EOF && http11 && !probed) {
+            probed = true;
+            if (!kvs_peer_probe_1xx(fd)) ps = KVS_PEER_GONE;
+        }
+        if (ps == KVS_PEER_GONE) {
             kvs_engine_abort(s->engine, g->engine_id);
             aborted = true;
         }
@@ -130,8 +100,8 @@ static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, con
         char *body = kvs_resp_full(&m, &sl, g->finish, g->prompt_tokens, g->completion_tokens);
         ret = kvs_http_respond(s, c, 200, "application/json", body);
     }
+    kvs_server_request_done(s, g);
     kvs_gen_release(g);
-    kvs_server_request_done(s);
     return ret;
 }
 
@@ -142,15 +112,17 @@ static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, co
         free(st);
         free(id);
         kvs_engine_abort(s->engine, g->engine_id);
+        kvs_server_request_done(s, g);
         kvs_gen_release(g);
-        kvs_server_request_done(s);
         return MHD_NO;
     }
     st->srv = s;
     st->gen = g;
     st->req_id = id;
     make_meta(s, r, id, 64, &st->meta);
+    st->conn = c;
     st->fd = kvs_http_conn_fd(c);
+    kvs_peer_progress_init(&st->progress);
     st->include_usage = r->include_usage;
     st->role_sent = r->kind != KVS_API_CHAT;
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, kvs_stream_read, st,
@@ -168,20 +140,17 @@ static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, co
 }
 
 enum MHD_Result kvs_http_generate(kvs_server *s, struct MHD_Connection *c, kvs_api_kind kind, const char *body,
-                                  size_t len) {
-    kvs_api_request r;
+                                  size_t len, bool http11) {
     kvs_api_error err;
-    if (!kvs_api_parse_request(body, len, kind, &s->limits, &r, &err)) return kvs_http_error(s, c, &err);
-    pthread_mutex_lock(&s->mu);
-    s->in_flight++;
-    pthread_mutex_unlock(&s->mu);
+    if (!kvs_server_request_begin(s, &err)) return kvs_http_error(s, c, &err);
+    kvs_http_prepared p;
     kvs_gen *g = NULL;
-    if (!submit(s, &r, &g, &err)) {
-        kvs_api_request_free(&r);
-        kvs_server_request_done(s);
+    if (!kvs_http_prepare(s, kind, body, len, &p, &err) || !submit(s, &p, &g, &err)) {
+        kvs_http_prepared_free(&p);
+        kvs_server_request_done(s, NULL);
         return kvs_http_error(s, c, &err);
     }
-    enum MHD_Result ret = r.stream ? answer_stream(s, c, &r, g) : answer_whole(s, c, &r, g);
-    kvs_api_request_free(&r);
+    enum MHD_Result ret = p.req.stream ? answer_stream(s, c, &p.req, g) : answer_whole(s, c, &p.req, g, http11);
+    kvs_http_prepared_free(&p);
     return ret;
 }

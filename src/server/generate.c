@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "server/generate.h"
+#include "server/http.h"
 
 kvs_gen *kvs_gen_create(void) {
     kvs_gen *g = calloc(1, sizeof *g);
@@ -82,14 +83,6 @@ void kvs_gen_on_output(void *user, const kvs_request_output *o) {
     if (last) kvs_gen_release(g); /* the engine's reference */
 }
 
-bool kvs_peer_closed(int fd) {
-    if (fd < 0) return false;
-    char b;
-    ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0) return true;
-    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
-}
-
 /* Waits up to ms for news; false on timeout. Called with g->mu held. */
 bool kvs_gen_wait(kvs_gen *g, int ms) {
     struct timespec ts;
@@ -132,10 +125,10 @@ void kvs_stream_free(void *cls) {
     bool done = g->done;
     pthread_mutex_unlock(&g->mu);
     if (!done) kvs_engine_abort(st->srv->engine, g->engine_id); /* the client went away */
+    kvs_server_request_done(st->srv, g);
     kvs_gen_release(g);
     free(st->out);
     free(st->req_id);
-    kvs_server_request_done(st->srv);
     free(st);
 }
 
@@ -167,8 +160,17 @@ static void take_pending(kvs_stream *st) {
     st->ended = true;
 }
 
+/* The client stopped reading: it has taken none of what waits for it for --http-timeout. */
+static bool stalled(kvs_stream *st) {
+    unsigned limit = st->srv->cfg.http_timeout_s;
+    if (!kvs_peer_stalled(st->fd, &st->progress, limit)) return false;
+    kvs_log(KVS_LOG_INFO, "closing a stream whose client read nothing for %u s (--http-timeout)", limit);
+    return true;
+}
+
 ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     kvs_stream *st = cls;
+    if (stalled(st)) return MHD_CONTENT_READER_END_WITH_ERROR; /* kvs_stream_free aborts */
     for (;;) {
         if (st->out_off < st->out_len) {
             size_t n = st->out_len - st->out_off;
@@ -178,16 +180,24 @@ ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             return (ssize_t)n;
         }
         st->out_len = st->out_off = 0;
-        if (st->ended) return -1; /* MHD_CONTENT_READER_END_OF_STREAM */
+        if (st->ended) return MHD_CONTENT_READER_END_OF_STREAM;
         kvs_gen *g = st->gen;
+        bool waited = false, probe = false;
         pthread_mutex_lock(&g->mu);
-        while (!g->done && g->text_len == 0 && g->n_ids == 0 && st->role_sent) {
-            if (!kvs_gen_wait(g, 500) && kvs_peer_closed(st->fd)) {
+        while (!g->done && g->text_len == 0 && g->n_ids == 0 && st->role_sent && !probe) {
+            waited = true;
+            if (kvs_gen_wait(g, 500)) continue;
+            kvs_peer ps = kvs_peer_state(st->fd);
+            if (ps == KVS_PEER_GONE || stalled(st)) {
                 pthread_mutex_unlock(&g->mu);
-                return -2; /* MHD_CONTENT_READER_END_WITH_ERROR: kvs_stream_free aborts */
+                return MHD_CONTENT_READER_END_WITH_ERROR; /* kvs_stream_free aborts */
             }
+            if (ps == KVS_PEER_EOF && !st->probed) probe = st->probed = true;
         }
         take_pending(st);
         pthread_mutex_unlock(&g->mu);
+        /* an SSE comment: clients ignore it, a closed socket answers it with a reset */
+        if (probe) out_append(st, ": ping\n\n", 8);
+        if (waited && st->conn) kvs_http_touch(st->conn, st->srv->cfg.http_timeout_s);
     }
 }

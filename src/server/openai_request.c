@@ -24,11 +24,26 @@ bool kvs_api_fail(kvs_api_error *err, int http_status, const char *param, const 
     return false;
 }
 
+/* A JSON string of s. A message may quote a client's bytes (a URL, a field
+ * name) or cut a character short at its length limit: when s is not valid
+ * UTF-8, its non-ASCII bytes become '?'. */
+static json_t *json_text(const char *s) {
+    json_t *j = json_string(s);
+    if (j) return j;
+    char *c = strdup(s);
+    if (!c) return json_string("?");
+    for (char *p = c; *p; p++)
+        if ((unsigned char)*p >= 0x80) *p = '?';
+    j = json_string(c);
+    free(c);
+    return j;
+}
+
 char *kvs_api_error_json(const kvs_api_error *err) {
     json_t *e = json_object();
-    json_object_set_new(e, "message", json_string(err->message[0] ? err->message : "error"));
+    json_object_set_new(e, "message", json_text(err->message[0] ? err->message : "error"));
     json_object_set_new(e, "type", json_string(err->type ? err->type : "invalid_request_error"));
-    json_object_set_new(e, "param", err->param[0] ? json_string(err->param) : json_null());
+    json_object_set_new(e, "param", err->param[0] ? json_text(err->param) : json_null());
     json_object_set_new(e, "code", err->code ? json_string(err->code) : json_null());
     json_t *root = json_pack("{s:o}", "error", e);
     char *s = json_dumps(root, JSON_COMPACT);
@@ -116,6 +131,21 @@ static bool parse_ids(json_t *arr, const kvs_api_limits *lim, kvs_api_request *r
     return true;
 }
 
+/* Text far beyond the context is refused before it is tokenized: a token of
+ * a real vocabulary holds fewer bytes than this on average. */
+#define BYTES_PER_TOKEN 64
+
+static unsigned long long max_text_bytes(const kvs_api_limits *lim) {
+    return (unsigned long long)BYTES_PER_TOKEN * (unsigned long long)(lim->max_model_len > 0 ? lim->max_model_len : 0);
+}
+
+static bool too_much_text(kvs_api_error *err, const char *param, const char *what, size_t n, const kvs_api_limits *lim) {
+    return kvs_api_fail(err, 400, param,
+                        "%s %zu bytes, more than this model's context of %d tokens can hold: the limit is %llu bytes "
+                        "(%d per token), checked before tokenizing",
+                        what, n, lim->max_model_len, max_text_bytes(lim), BYTES_PER_TOKEN);
+}
+
 static bool parse_prompt(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
     if (!v) return kvs_api_fail(err, 400, "prompt", "'prompt' is required");
     if (json_is_array(v) && json_array_size(v) == 1 &&
@@ -124,6 +154,7 @@ static bool parse_prompt(json_t *v, const kvs_api_limits *lim, kvs_api_request *
     if (json_is_string(v)) {
         size_t n = json_string_length(v);
         if (n == 0) return kvs_api_fail(err, 400, "prompt", "'prompt' is empty");
+        if (n > max_text_bytes(lim)) return too_much_text(err, "prompt", "the prompt has", n, lim);
         if (memchr(json_string_value(v), 0, n)) return kvs_api_fail(err, 400, "prompt", "'prompt' must not hold NUL");
         r->prompt = strdup(json_string_value(v));
         return true;
@@ -172,11 +203,15 @@ static bool parse_content(json_t *c, int i, char **out, kvs_api_error *err) {
     return true;
 }
 
-static bool parse_messages(json_t *v, kvs_api_request *r, kvs_api_error *err) {
+static bool parse_messages(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
     if (!v) return kvs_api_fail(err, 400, "messages", "'messages' is required");
     if (!json_is_array(v) || json_array_size(v) == 0)
         return kvs_api_fail(err, 400, "messages", "'messages' must be a non-empty array");
     if (json_array_size(v) > 4096) return kvs_api_fail(err, 400, "messages", "'messages' holds at most 4096 messages");
+    if (json_array_size(v) > (size_t)(lim->max_model_len > 0 ? lim->max_model_len : 0))
+        return kvs_api_fail(err, 400, "messages", "'messages' holds %zu messages, more than this model's context of %d "
+                            "tokens can hold", json_array_size(v), lim->max_model_len);
+    size_t total = 0;
     r->messages = calloc(json_array_size(v), sizeof *r->messages);
     if (!r->messages) return kvs_api_fail(err, 500, NULL, "out of memory");
     size_t i;
@@ -195,6 +230,11 @@ static bool parse_messages(json_t *v, kvs_api_request *r, kvs_api_error *err) {
         char *content = NULL;
         if (!parse_content(json_object_get(m, "content"), (int)i, &content, err)) return false;
         if (!content) return kvs_api_fail(err, 500, NULL, "out of memory");
+        total += strlen(content);
+        if (total > max_text_bytes(lim)) {
+            free(content);
+            return too_much_text(err, "messages", "the messages' contents have", total, lim);
+        }
         r->messages[i].role = strdup(!strcmp(rs, "developer") ? "system" : rs);
         r->messages[i].content = content;
         r->n_messages = (int)i + 1;
@@ -253,7 +293,7 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
         } else if (!strcmp(key, "prompt") && kind == KVS_API_COMPLETIONS) {
             if (!parse_prompt(v, lim, r, err)) return false;
         } else if (!strcmp(key, "messages") && kind == KVS_API_CHAT) {
-            if (!parse_messages(v, r, err)) return false;
+            if (!parse_messages(v, lim, r, err)) return false;
         } else if (!strcmp(key, "stream")) {
             if (!json_is_null(v) && !get_bool(v, "stream", &r->stream, err)) return false;
         } else if (!strcmp(key, "stream_options")) {

@@ -76,6 +76,9 @@ typedef struct {
     int max_model_len;
     int n_layers;
     unsigned connection_limit;     /* 0: 1024 */
+    unsigned max_connections_per_ip; /* 0: 256; one address's connections beyond are refused */
+    unsigned http_timeout_s;       /* 0: 60; a connection that makes no progress this long is closed */
+    int max_preparing;             /* requests parsed and tokenized at once (0: 8); more wait, then 429 */
 } kvs_server_config;
 
 typedef struct kvs_server kvs_server;
@@ -85,8 +88,11 @@ kvs_status kvs_server_start(const kvs_server_config *cfg, kvs_engine *engine, co
                             kvs_server **out);
 int kvs_server_port(const kvs_server *s);
 /* Stops accepting connections, answers new requests on open connections 503,
- * and waits until the generation requests in flight have finished. */
-void kvs_server_drain(kvs_server *s);
+ * and waits up to timeout_s seconds for the generation requests in flight to
+ * finish; those still running then are aborted (their clients get finish
+ * "abort"). Returns how many were aborted. Then stop the engine (drain), then
+ * kvs_server_stop. */
+int kvs_server_drain(kvs_server *s, int timeout_s);
 /* Closes every connection and frees the server (drain first for a clean stop). */
 void kvs_server_stop(kvs_server *s);
 

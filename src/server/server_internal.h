@@ -5,6 +5,7 @@
 #include <jansson.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sys/socket.h>
 
 #include "server/server.h"
 
@@ -60,6 +61,9 @@ typedef struct kvs_gen {
     int prompt_tokens, completion_tokens;
     bool done;
     double t_first;     /* when the first token arrived (0: not yet) */
+    /* the server's list of submitted requests (under the server's mu) */
+    struct kvs_gen *live_prev, *live_next;
+    bool live, submitted; /* linked; engine_id is set */
 } kvs_gen;
 
 kvs_gen *kvs_gen_create(void);
@@ -80,9 +84,23 @@ struct kvs_server {
     long long started;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int in_flight;             /* generation requests not yet answered */
+    int in_flight;             /* generation requests not yet answered (under mu) */
+    kvs_gen *live;             /* the submitted ones (under mu) */
+    bool aborting;             /* the drain timed out: abort, submit nothing more (under mu) */
     atomic_bool draining;
     atomic_uint_fast64_t next_id, http_requests, http_errors;
+    /* the prepare slots: requests in parse + template + tokenize */
+    pthread_mutex_t slot_mu;
+    pthread_cond_t slot_cv;
+    int slots_used;
+    int slot_wait_ms;          /* how long a request waits for a slot before 429 */
 };
+
+/* The server's state without a listening socket (kvs_server_start listens). */
+kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, const kvs_tokenizer *tok,
+                             kvs_server **out);
+void kvs_server_free(kvs_server *s);
+/* 127.0.0.0/8, ::1 and ::ffff:127.0.0.0/104. */
+bool kvs_addr_is_loopback(const struct sockaddr *sa);
 
 #endif

@@ -1,0 +1,279 @@
+/* server: the HTTP request path without sockets: routing, auth, the body
+ * limit, the GET endpoints, and a generation request's parsing, validation
+ * and encoding, bounded by the prepare slots (see route.h). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "server/route.h"
+
+static void answer(kvs_http_answer *a, int status, const char *content_type, char *body) {
+    a->status = status;
+    a->content_type = content_type;
+    a->body = body;
+}
+
+void kvs_http_answer_error(kvs_http_answer *a, const kvs_api_error *err) {
+    answer(a, err->http_status, "application/json", kvs_api_error_json(err));
+}
+
+static bool fail(kvs_http_answer *a, int status, const char *fmt, const char *arg) {
+    kvs_api_error err;
+    kvs_api_fail(&err, status, NULL, fmt, arg);
+    kvs_http_answer_error(a, &err);
+    return true;
+}
+
+static void too_large(const kvs_server *s, kvs_http_answer *a) {
+    kvs_api_error err;
+    kvs_api_fail(&err, 413, NULL, "the request body is larger than the limit of %zu bytes", s->cfg.max_body_bytes);
+    kvs_http_answer_error(a, &err);
+}
+
+static kvs_route find_route(const char *url) {
+    if (!strcmp(url, "/v1/completions")) return KVS_ROUTE_COMPLETIONS;
+    if (!strcmp(url, "/v1/chat/completions")) return KVS_ROUTE_CHAT;
+    if (!strcmp(url, "/v1/models")) return KVS_ROUTE_MODELS;
+    if (!strncmp(url, "/v1/models/", 11)) return KVS_ROUTE_MODEL;
+    if (!strcmp(url, "/health")) return KVS_ROUTE_HEALTH;
+    if (!strcmp(url, "/metrics")) return KVS_ROUTE_METRICS;
+    return KVS_ROUTE_NONE;
+}
+
+/* Authorization: Bearer KEY, compared in constant time. */
+static bool authorized(const kvs_server *s, const char *h) {
+    if (!s->api_key) return true;
+    if (!h || strncmp(h, "Bearer ", 7)) return false;
+    h += 7;
+    size_t a = strlen(h), b = strlen(s->api_key);
+    unsigned char diff = a != b;
+    for (size_t i = 0; i < a && i < b; i++) diff |= (unsigned char)(h[i] ^ s->api_key[i]);
+    return diff == 0;
+}
+
+static json_t *model_json(const kvs_server *s) {
+    return json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", s->model_name, "object", "model", "created",
+                     (json_int_t)s->started, "owned_by", "kvsparse", "max_model_len", s->limits.max_model_len);
+}
+
+/* The engine has failed (none here: the fuzzer's and the tests' request path). */
+static bool engine_failed(const kvs_server *s, const char **why) { return s->engine && kvs_engine_failed(s->engine, why); }
+
+static void answer_get(kvs_server *s, kvs_route r, const char *url, kvs_http_answer *a) {
+    const char *why;
+    if (r == KVS_ROUTE_HEALTH && engine_failed(s, &why)) { /* a supervisor restarts the process */
+        json_t *j = json_pack("{s:s, s:s}", "status", "failed", "reason", why);
+        answer(a, 503, "application/json", j ? json_dumps(j, JSON_COMPACT) : strdup("{\"status\":\"failed\"}")); /* not UTF-8 */
+        json_decref(j);
+        return;
+    }
+    if (r == KVS_ROUTE_HEALTH) {
+        bool d = atomic_load(&s->draining);
+        answer(a, d ? 503 : 200, "application/json", strdup(d ? "{\"status\":\"draining\"}" : "{\"status\":\"ok\"}"));
+        return;
+    }
+    if (r == KVS_ROUTE_METRICS) {
+        if (!s->engine) {
+            fail(a, 503, "%s", "no engine");
+            return;
+        }
+        answer(a, 200, "text/plain; version=0.0.4",
+               kvs_server_metrics_text(s->engine, s->model_name, atomic_load(&s->http_requests),
+                                       atomic_load(&s->http_errors)));
+        return;
+    }
+    json_t *root;
+    if (r == KVS_ROUTE_MODELS) {
+        root = json_pack("{s:s, s:[o]}", "object", "list", "data", model_json(s));
+    } else {
+        if (strcmp(url + 11, s->model_name)) {
+            fail(a, 404, "The model '%.200s' does not exist", url + 11);
+            return;
+        }
+        root = model_json(s);
+    }
+    answer(a, 200, "application/json", json_dumps(root, JSON_COMPACT));
+    json_decref(root);
+}
+
+bool kvs_http_head(kvs_server *s, const char *method, const char *url, const char *authorization,
+                   const char *content_length, kvs_route *route, kvs_http_answer *a) {
+    memset(a, 0, sizeof *a);
+    kvs_route r = *route = find_route(url);
+    if (r == KVS_ROUTE_NONE) return fail(a, 404, "Not found: %.200s", url);
+    bool post = r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT;
+    if (strcmp(method, post ? "POST" : "GET")) return fail(a, 405, "Method not allowed: use %s", post ? "POST" : "GET");
+    if (!strncmp(url, "/v1/", 4) && !authorized(s, authorization)) {
+        kvs_api_error err;
+        kvs_api_fail(&err, 401, NULL, "Incorrect or missing API key: send 'Authorization: Bearer KEY'");
+        err.code = "invalid_api_key";
+        kvs_http_answer_error(a, &err);
+        return true;
+    }
+    const char *why;
+    if (post && engine_failed(s, &why)) return fail(a, 503, "the engine failed: %.400s", why);
+    if (post && atomic_load(&s->draining)) return fail(a, 503, "%s", "the server is shutting down");
+    if (!post) {
+        answer_get(s, r, url, a);
+        return true;
+    }
+    if (content_length) {
+        errno = 0;
+        char *end;
+        unsigned long long n = strtoull(content_length, &end, 10);
+        if (errno || n > s->cfg.max_body_bytes) {
+            too_large(s, a);
+            return true;
+        }
+    }
+    return false;
+}
+
+bool kvs_http_body_add(const kvs_server *s, kvs_http_body *b, const char *p, size_t n, kvs_http_answer *a) {
+    if (n > s->cfg.max_body_bytes - b->len) {
+        too_large(s, a);
+        return false;
+    }
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = (b->len + n + 1) * 2;
+        if (cap > s->cfg.max_body_bytes + 1) cap = s->cfg.max_body_bytes + 1;
+        char *q = realloc(b->data, cap);
+        if (!q) {
+            fail(a, 500, "%s", "out of memory");
+            return false;
+        }
+        b->data = q;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, p, n);
+    b->len += n;
+    b->data[b->len] = 0;
+    return true;
+}
+
+void kvs_http_body_free(kvs_http_body *b) {
+    free(b->data);
+    memset(b, 0, sizeof *b);
+}
+
+/* ---- the prepare slots ------------------------------------------------------ */
+bool kvs_http_slot_take(kvs_server *s, kvs_api_error *err) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += s->slot_wait_ms / 1000;
+    until.tv_nsec += (long)(s->slot_wait_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&s->slot_mu);
+    int rc = 0;
+    while (s->slots_used >= s->cfg.max_preparing && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&s->slot_cv, &s->slot_mu, &until);
+    bool ok = s->slots_used < s->cfg.max_preparing;
+    if (ok) s->slots_used++;
+    pthread_mutex_unlock(&s->slot_mu);
+    if (!ok) {
+        kvs_api_fail(err, 429, NULL,
+                     "the server is busy: %d requests are being parsed and tokenized and none finished within %d ms; "
+                     "retry later",
+                     s->cfg.max_preparing, s->slot_wait_ms);
+        err->type = "rate_limit_error";
+    }
+    return ok;
+}
+
+void kvs_http_slot_give(kvs_server *s) {
+    pthread_mutex_lock(&s->slot_mu);
+    s->slots_used--;
+    pthread_cond_signal(&s->slot_cv);
+    pthread_mutex_unlock(&s->slot_mu);
+}
+
+/* ---- a generation request: validate and encode ------------------------------ */
+static bool encode_prompt(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
+    kvs_api_request *r = &p->req;
+    if (r->prompt_ids) {
+        p->ids = r->prompt_ids;
+        p->n_ids = r->n_prompt_ids;
+        r->prompt_ids = NULL;
+        return true;
+    }
+    if (!s->tok) return kvs_api_fail(err, 400, "prompt", "this model has no tokenizer: send token ids");
+    kvs_status st;
+    if (r->kind == KVS_API_CHAT) {
+        st = kvs_api_chat_encode(s->tok, s->tpl, r->messages, r->n_messages, &p->ids, &p->n_ids);
+        if (st != KVS_OK) return kvs_api_fail(err, 400, "messages", "%s", kvs_last_error());
+    } else {
+        kvs_encode_options eo = {.add_special_tokens = true, .parse_special = false};
+        st = kvs_tokenizer_encode(s->tok, r->prompt, strlen(r->prompt), eo, &p->ids, &p->n_ids);
+        if (st != KVS_OK) return kvs_api_fail(err, 400, "prompt", "%s", kvs_last_error());
+    }
+    if (p->n_ids == 0)
+        return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? "messages" : "prompt", "the prompt is empty");
+    return true;
+}
+
+/* The model name, then the prompt's length against the context. */
+static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
+    kvs_api_request *r = &p->req;
+    if (r->model && strcmp(r->model, s->model_name)) {
+        kvs_api_fail(err, 404, "model", "The model '%.200s' does not exist", r->model);
+        err->code = "model_not_found";
+        return false;
+    }
+    if (!encode_prompt(s, p, err)) return false;
+    int max_len = s->limits.max_model_len, n = p->n_ids;
+    const char *prompt_param = r->kind == KVS_API_CHAT ? "messages" : "prompt";
+    if (n >= max_len)
+        return kvs_api_fail(err, 400, prompt_param, "this model's maximum context length is %d tokens; the prompt has %d",
+                            max_len, n);
+    int max_tokens = r->max_tokens ? r->max_tokens : r->kind == KVS_API_CHAT ? max_len - n : 16;
+    if (max_tokens > max_len - n) {
+        if (r->max_tokens)
+            return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? "max_completion_tokens" : "max_tokens",
+                                "this model's maximum context length is %d tokens; the prompt has %d and %d were "
+                                "asked for",
+                                max_len, n, max_tokens);
+        max_tokens = max_len - n;
+    }
+    p->max_tokens = max_tokens;
+    return true;
+}
+
+bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, kvs_http_prepared *p,
+                      kvs_api_error *err) {
+    memset(p, 0, sizeof *p);
+    if (!kvs_http_slot_take(s, err)) return false;
+    bool ok = kvs_api_parse_request(body, len, kind, &s->limits, &p->req, err) && validate(s, p, err);
+    kvs_http_slot_give(s);
+    if (!ok) kvs_http_prepared_free(p);
+    return ok;
+}
+
+void kvs_http_prepared_free(kvs_http_prepared *p) {
+    kvs_api_request_free(&p->req);
+    free(p->ids);
+    memset(p, 0, sizeof *p);
+}
+
+bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const char *authorization,
+                     const char *content_length, const char *body, size_t len, size_t chunk, kvs_http_answer *a,
+                     kvs_http_prepared *p) {
+    memset(p, 0, sizeof *p);
+    kvs_route r;
+    if (kvs_http_head(s, method, url, authorization, content_length, &r, a)) return false;
+    kvs_http_body b = {0};
+    if (!chunk) chunk = len;
+    for (size_t at = 0; at < len; at += chunk) {
+        size_t n = len - at < chunk ? len - at : chunk;
+        if (!kvs_http_body_add(s, &b, body + at, n, a)) {
+            kvs_http_body_free(&b);
+            return false;
+        }
+    }
+    kvs_api_error err;
+    bool ok = kvs_http_prepare(s, r == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS, b.data, b.len, p, &err);
+    kvs_http_body_free(&b);
+    if (!ok) kvs_http_answer_error(a, &err);
+    return ok;
+}
