@@ -116,7 +116,7 @@ static void check(const fuzz_template *ft, const kvs_chat_message *msgs, int n) 
         if (kvs_chat_template_render(ft->tpl, msgs, n, true, kvs_tokenizer_bos_token(tok),
                                      kvs_tokenizer_eos_token(tok), &want) != KVS_OK)
             die("the real contents fail to render");
-        if (kvs_tokenizer_decode(tok, ids, n_ids, false, &got) != KVS_OK) die("decode");
+        if (kvs_tokenizer_decode(tok, ids, n_ids, false, &got, NULL) != KVS_OK) die("decode");
         if (strcmp(want, got)) {
             fprintf(stderr, "rendered: [%s]\nencoded:  [%s]\n", want, got);
             abort();

@@ -625,7 +625,7 @@ static void expect_chat_text(const kvs_tokenizer *tok, const char *src, const kv
     cr_assert_eq(kvs_chat_template_render(tpl, msgs, n, true, kvs_tokenizer_bos_token(tok), kvs_tokenizer_eos_token(tok), &want),
                  KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_api_chat_encode(tok, tpl, msgs, n, &ids, &n_ids), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_tokenizer_decode(tok, ids, n_ids, false, &got), KVS_OK);
+    cr_assert_eq(kvs_tokenizer_decode(tok, ids, n_ids, false, &got, NULL), KVS_OK);
     cr_expect_str_eq(got, want, "template: %s", src);
     free(want), free(got), free(ids);
     kvs_chat_template_destroy(tpl);
