@@ -24,34 +24,15 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "fuzz_bundled_tokenizer.h"
 #include "server/generate.h"
 
 static kvs_tokenizer *tok;
 
-static bool try_load(const char *dir) {
-    if (!dir || access(dir, R_OK) != 0) return false;
-    return kvs_tokenizer_load(dir, &tok) == KVS_OK;
-}
-
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc;
     (void)argv;
-    char path[PATH_MAX + 64];
-    const char *src = getenv("KVS_SOURCE_DIR");
-    if (src) snprintf(path, sizeof path, "%s/models/tiny-needle-llama", src);
-    bool ok = try_load(getenv("KVS_TOKENIZER_DIR")) || (src && try_load(path));
-    char exe[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (!ok && n > 0) {
-        exe[n] = 0;
-        snprintf(path, sizeof path, "%s/../models/tiny-needle-llama", dirname(exe));
-        ok = try_load(path);
-    }
-    if (!ok) ok = try_load("models/tiny-needle-llama");
-    if (!ok) {
-        fprintf(stderr, "fuzz_sse: cannot load the tokenizer (set KVS_TOKENIZER_DIR): %s\n", kvs_last_error());
-        abort();
-    }
+    tok = fuzz_load_bundled_tokenizer("fuzz_sse");
     return 0;
 }
 
