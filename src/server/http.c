@@ -303,6 +303,12 @@ int kvs_server_drain(kvs_server *s, int timeout_s) {
         s->aborting = true;
         for (kvs_gen *g = s->live; g; g = g->live_next)
             if (g->submitted) kvs_engine_abort(s->engine, g->engine_id);
+        /* up to 2 s more for their last events ("abort", [DONE]) to go out;
+         * a client that reads nothing is cut by kvs_server_stop */
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 2;
+        rc = 0;
+        while (s->in_flight > 0 && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&s->cv, &s->mu, &until);
     }
     pthread_mutex_unlock(&s->mu);
     return left;

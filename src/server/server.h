@@ -89,9 +89,9 @@ kvs_status kvs_server_start(const kvs_server_config *cfg, kvs_engine *engine, co
 int kvs_server_port(const kvs_server *s);
 /* Stops accepting connections, answers new requests on open connections 503,
  * and waits up to timeout_s seconds for the generation requests in flight to
- * finish; those still running then are aborted (their clients get finish
- * "abort"). Returns how many were aborted. Then stop the engine (drain), then
- * kvs_server_stop. */
+ * finish; those still running then are aborted, and get up to 2 s more to
+ * send their clients the end (finish "abort", [DONE]). Returns how many were
+ * aborted. Then stop the engine (drain), then kvs_server_stop. */
 int kvs_server_drain(kvs_server *s, int timeout_s);
 /* Closes every connection and frees the server (drain first for a clean stop). */
 void kvs_server_stop(kvs_server *s);
