@@ -225,6 +225,27 @@ static kvs_status parse_with(const char *model, const char *extra, char *msg, si
 
 #define GOOD_MODEL "{\"type\":\"BPE\",\"vocab\":{\"a\":0,\"b\":1,\"ab\":2},\"merges\":[\"a b\"]}"
 
+/* Replaces that match everywhere (an empty regex) with a long content multiply
+ * the text at each step: an error, not minutes of work and gigabytes (found by
+ * fuzz/fuzz_tokenizer_json.c as a 30 s timeout). */
+Test(tokenizer, normalizer_growth_is_bounded, .timeout = 60) {
+    char content[401], rep[600], json[2048];
+    memset(content, 'x', 400);
+    content[400] = 0;
+    snprintf(rep, sizeof rep, "{\"type\":\"Replace\",\"pattern\":{\"Regex\":\"\\\\s*\"},\"content\":\"%s\"}", content);
+    snprintf(json, sizeof json, "{\"model\": %s, \"normalizer\": {\"type\":\"Sequence\",\"normalizers\":[%s,%s,%s]}}",
+             GOOD_MODEL, rep, rep, rep);
+    kvs_tokenizer *t = NULL;
+    cr_assert_eq(kvs_tokenizer_parse(json, strlen(json), NULL, 0, &t), KVS_OK, "%s", kvs_last_error());
+    int32_t *ids = NULL;
+    int n = 0;
+    const char *text = "ab ab ab ab ab ab ab ab ab ab ab ab ab ab ab ab ab ab ab ab";
+    cr_expect_neq(kvs_tokenizer_encode(t, text, strlen(text), (kvs_encode_options){0}, &ids, &n), KVS_OK);
+    cr_expect(strstr(kvs_last_error(), "64 times longer"), "%s", kvs_last_error());
+    free(ids);
+    kvs_tokenizer_destroy(t);
+}
+
 Test(tokenizer, malformed_tokenizer_json) {
     struct { const char *model, *extra, *want; } cases[] = {
         {"[1,2", "", "line"},

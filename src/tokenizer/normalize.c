@@ -182,6 +182,16 @@ static kvs_status strip(const tk_normalizer *n, const char *s, size_t len, tk_bu
     return tk_buf_append(out, s + a, b - a) ? KVS_OK : oom();
 }
 
+/* Normalizers may grow the text (Replace " " -> "\u2581" triples it, NFKC makes
+ * 18 characters of U+FDFA), but a chain
+ * of Replaces that match everywhere would multiply it without end: past this, an error. */
+static bool too_long(size_t out_len, size_t in_len) { return out_len > in_len * 64 + 4096; }
+
+static kvs_status too_long_error(void) {
+    return kvs_fail(KVS_ERR_INVALID, "tokenizer: the normalizer makes the text more than 64 times longer "
+                                     "(a Replace pattern that matches everywhere?)");
+}
+
 static kvs_status replace(const tk_normalizer *n, pcre2_match_data *md, const char *s, size_t len,
                           tk_buf *out) {
     out->len = 0;
@@ -201,6 +211,7 @@ static kvs_status replace(const tk_normalizer *n, pcre2_match_data *md, const ch
                 me = ms + (size_t)tk_utf8_decode(s + ms, &cp);
                 if (!tk_buf_append(out, s + pos, me - pos)) return oom();
                 pos = me;
+                if (too_long(out->len, len)) return too_long_error();
                 continue;
             }
         } else {
@@ -211,6 +222,7 @@ static kvs_status replace(const tk_normalizer *n, pcre2_match_data *md, const ch
         if (!found) break;
         if (!tk_buf_append(out, s + pos, ms - pos) || !tk_buf_append(out, n->b, n->b_len)) return oom();
         pos = me;
+        if (too_long(out->len, len)) return too_long_error();
     }
     if (pos < len && !tk_buf_append(out, s + pos, len - pos)) return oom();
     return tk_buf_append(out, "", 0) ? KVS_OK : oom();
@@ -224,6 +236,7 @@ kvs_status tk_normalize(const tk_normalizer *n, pcre2_match_data *md, const char
         if (!tk_buf_append(&cur, s, len)) return oom();
         for (int i = 0; i < n->n_children; i++) {
             kvs_status st = tk_normalize(n->children[i], md, cur.data, cur.len, &next);
+            if (st == KVS_OK && too_long(next.len, len)) st = too_long_error();
             if (st != KVS_OK) {
                 tk_buf_free(&cur);
                 tk_buf_free(&next);
