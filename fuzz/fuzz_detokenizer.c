@@ -26,6 +26,7 @@
 
 #include "engine/engine_internal.h"
 #include "fuzz_bundled_tokenizer.h"
+#include "fuzz_utf8.h"
 #include "tokenizer/tokenizer.h"
 
 #define MAX_IDS 512
@@ -42,19 +43,6 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     return 0;
 }
 
-static bool valid_utf8(const char *s, size_t n) {
-    const unsigned char *p = (const unsigned char *)s;
-    for (size_t i = 0; i < n;) {
-        int k = p[i] < 0x80 ? 1 : p[i] >= 0xC2 && p[i] <= 0xDF ? 2 : (p[i] >> 4) == 14 ? 3 : p[i] >= 0xF0 && p[i] <= 0xF4 ? 4 : 0;
-        if (!k || i + k > n) return false;
-        for (int j = 1; j < k; j++)
-            if ((p[i + j] & 0xC0) != 0x80) return false;
-        if (k == 3 && ((p[i] == 0xE0 && p[i + 1] < 0xA0) || (p[i] == 0xED && p[i + 1] > 0x9F))) return false;
-        if (k == 4 && ((p[i] == 0xF0 && p[i + 1] < 0x90) || (p[i] == 0xF4 && p[i + 1] > 0x8F))) return false;
-        i += (size_t)k;
-    }
-    return true;
-}
 
 static void check(bool ok, const char *what) {
     if (ok) return;
@@ -90,7 +78,7 @@ typedef struct {
 static void on_output(void *user, const kvs_request_output *o) {
     sink *s = user;
     check(s->finals == 0, "a delivery after the final one");
-    check(valid_utf8(o->text, o->text_len), "a delivery is not valid UTF-8");
+    check(fuzz_valid_utf8(o->text, o->text_len), "a delivery is not valid UTF-8");
     add(&s->text, o->text, o->text_len);
     s->tokens += o->n_tokens;
     if (o->finish != KVS_FINISH_NONE) s->finals++, s->finish = o->finish;
@@ -145,7 +133,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         size_t len;
         kvs_status st = i < n ? kvs_detokenizer_push(d, ids[i], &piece, &len) : kvs_detokenizer_finish(d, &piece, &len);
         check(st == KVS_OK, "push failed");
-        check(valid_utf8(piece, len), "a piece is not valid UTF-8");
+        check(fuzz_valid_utf8(piece, len), "a piece is not valid UTF-8");
         add(&streamed, piece, len);
         if (i < n) ends[i] = streamed.len;
         check(streamed.len <= whole_len || i == n, "the stream ran ahead of the whole text");
@@ -163,7 +151,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (spec[i].slice && len > whole_len - (size_t)(src - whole)) len = whole_len - (size_t)(src - whole);
         const char *nul = memchr(src, 0, len);
         if (nul) len = (size_t)(nul - src);
-        while (len > 0 && !valid_utf8(src, len)) len--;
+        while (len > 0 && !fuzz_valid_utf8(src, len)) len--;
         if (len == 0) continue;
         memcpy(stop_buf[n_valid], src, len);
         stop_buf[n_valid][len] = 0;

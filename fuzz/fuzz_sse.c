@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "fuzz_bundled_tokenizer.h"
+#include "fuzz_utf8.h"
 #include "server/generate.h"
 
 static kvs_tokenizer *tok;
@@ -42,18 +43,6 @@ static void check(bool ok, const char *what, const char *data, size_t len) {
     abort();
 }
 
-static bool valid_utf8(const uint8_t *p, size_t n) {
-    for (size_t i = 0; i < n;) {
-        int k = p[i] < 0x80 ? 1 : p[i] >= 0xC2 && p[i] <= 0xDF ? 2 : (p[i] >> 4) == 14 ? 3 : p[i] >= 0xF0 && p[i] <= 0xF4 ? 4 : 0;
-        if (!k || i + k > n) return false;
-        for (int j = 1; j < k; j++)
-            if ((p[i + j] & 0xC0) != 0x80) return false;
-        if (k == 3 && ((p[i] == 0xE0 && p[i + 1] < 0xA0) || (p[i] == 0xED && p[i + 1] > 0x9F))) return false;
-        if (k == 4 && ((p[i] == 0xF0 && p[i + 1] < 0x90) || (p[i] == 0xF4 && p[i + 1] > 0x8F))) return false;
-        i += (size_t)k;
-    }
-    return true;
-}
 
 typedef struct {
     char *s;
@@ -170,7 +159,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         bool pending = tl || k || fin != KVS_FINISH_NONE || !st->role_sent;
         kvs_gen_on_output(g, &o);
         final = fin != KVS_FINISH_NONE;
-        want_exact = want_exact && valid_utf8((const uint8_t *)text, tl);
+        want_exact = want_exact && fuzz_valid_utf8((const uint8_t *)text, tl);
         add(&want, text, tl);
         if ((tl || k || (final && fin != KVS_FINISH_ERROR)) && chunks_wanted < 256) chunk_tokens[chunks_wanted++] = k;
         if (pending) read_ready(st, &out);
@@ -232,7 +221,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     check(done, "no [DONE]", out.s, out.len);
     check(chunks == chunks_wanted, "a chunk is missing or extra", out.s, out.len);
-    check(valid_utf8((const uint8_t *)text.s, text.len), "the streamed text is not valid UTF-8", text.s, text.len);
+    check(fuzz_valid_utf8((const uint8_t *)text.s, text.len), "the streamed text is not valid UTF-8", text.s, text.len);
     if (nul_as_1)
         for (size_t i = 0; i < text.len; i++) text.s[i] = text.s[i] == 1 ? 0 : text.s[i];
     for (size_t i = 0; nul_as_1 && i < want.len; i++) want.s[i] = want.s[i] == 1 ? 0 : want.s[i];
