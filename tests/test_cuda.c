@@ -1430,7 +1430,7 @@ static bool tp_pair_open(tp_pair *t, const char *dir, int max_tokens) {
     cr_assert_eq(kvs_checkpoint_open(dir, &t->cfg, &t->ck), KVS_OK, "%s", kvs_last_error());
     for (int r = 0; r < 2; r++) cr_assert_eq(kvs_backend_cuda_create(r, &t->be[r]), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_comm_nccl_create(t->be, 2, t->comm), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_tp_group_create(&t->cfg, t->ck, 2, t->be, t->comm, gpus, &t->g), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_tp_group_create(&t->cfg, t->ck, 2, t->be, t->comm, gpus, NULL, &t->g), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = {.n_layers = t->cfg.n_layers, .n_kv_heads = t->cfg.n_kv_heads, .head_dim = t->cfg.head_dim,
                         .n_heads = t->cfg.n_heads, .block_size = 16, .n_blocks = RIG_BLOCKS(max_tokens, 2),
                         .max_seqs = 2};
@@ -2109,7 +2109,7 @@ Test(cuda, tp2_a_failed_rank_fails_the_step, .timeout = 300) {
     ranks[0] = be[0];
     cr_assert_eq(kvs_backend_fault_wrap(be[1], &f, false, &ranks[1]), KVS_OK);
     kvs_tp_group *g;
-    cr_assert_eq(kvs_tp_group_create(&cfg, ck, 2, ranks, comm, gpus, &g), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_tp_group_create(&cfg, ck, 2, ranks, comm, gpus, NULL, &g), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = {.n_layers = cfg.n_layers, .n_kv_heads = cfg.n_kv_heads, .head_dim = cfg.head_dim,
                         .n_heads = cfg.n_heads, .block_size = 16, .n_blocks = RIG_BLOCKS(32, 1), .max_seqs = 1};
     cr_assert_eq(kvs_tp_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());

@@ -25,7 +25,7 @@ static void fx_open(fixture *f) {
     cr_assert_eq(kvs_config_load(dir, &f->cfg), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_checkpoint_open(dir, &f->cfg, &f->ck), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_backend_cpu_create(0, &f->be), KVS_OK);
-    cr_assert_eq(kvs_model_create(&f->cfg, f->ck, f->be, &f->m), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_model_create(&f->cfg, f->ck, f->be, NULL, &f->m), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_tokenizer_load(dir, &f->tok), KVS_OK, "%s", kvs_last_error());
 }
 
@@ -614,13 +614,13 @@ Test(engine, tensor_parallel_group_matches_one_rank) {
         kvs_engine_destroy(e);
 
         kvs_tp_group *g1, *g2;
-        cr_assert_eq(kvs_tp_group_create_cpu(&f.cfg, f.ck, 1, 0, &g1), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_tp_group_create_cpu(&f.cfg, f.ck, 1, 0, NULL, &g1), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_engine_create_tp(g1, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
         engine_run_all(e, N, prompts, lens, MAX_TOKENS, got1, &policies[pi]);
         kvs_engine_destroy(e);
         kvs_tp_group_destroy(g1);
 
-        cr_assert_eq(kvs_tp_group_create_cpu(&f.cfg, f.ck, 2, 1, &g2), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_tp_group_create_cpu(&f.cfg, f.ck, 2, 1, NULL, &g2), KVS_OK, "%s", kvs_last_error());
         /* per-rank budget: each rank holds half the heads, so half the bytes give the same blocks */
         c.kv_memory_bytes /= 2;
         cr_assert_eq(kvs_engine_create_tp(g2, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());

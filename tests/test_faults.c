@@ -124,7 +124,7 @@ static void fx_open(fixture *f, const char *spec, int max_num_seqs) {
     cr_assert_eq(kvs_checkpoint_open(dir, &f->cfg, &f->ck), KVS_OK, "%s", kvs_last_error());
     if (spec) f->be = faulty_cpu(spec);
     else cr_assert_eq(kvs_backend_cpu_create(2, &f->be), KVS_OK);
-    cr_assert_eq(kvs_model_create(&f->cfg, f->ck, f->be, &f->m), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_model_create(&f->cfg, f->ck, f->be, NULL, &f->m), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_tokenizer_load(dir, &f->tok), KVS_OK, "%s", kvs_last_error());
     kvs_engine_config ec = kvs_engine_config_default();
     ec.max_num_seqs = max_num_seqs;
@@ -219,7 +219,7 @@ Test(faults, a_failed_rank_fails_the_engine) {
     cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK);
     kvs_backend *wrapper = NULL;
     kvs_tp_group *g;
-    cr_assert_eq(kvs_tp_group_create_cpu_wrapped(&cfg, ck, 2, 1, wrap_rank1, &wrapper, &g), KVS_OK, "%s",
+    cr_assert_eq(kvs_tp_group_create_cpu_wrapped(&cfg, ck, 2, 1, wrap_rank1, &wrapper, NULL, &g), KVS_OK, "%s",
                  kvs_last_error());
     kvs_engine_config ec = kvs_engine_config_default();
     ec.kv_memory_bytes = 32u << 20;

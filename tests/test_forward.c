@@ -185,6 +185,60 @@ Test(forward, rejects_bad_batches) {
     rig_close(&r);
 }
 
+/* The step buffers are sized once, for the limits given at creation: a batch
+ * beyond them fails before anything runs, naming the numbers; the bytes the
+ * model reports grow with the limits. */
+Test(forward, rejects_batches_beyond_the_limits) {
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    kvs_backend *be;
+    kvs_model *m;
+    cr_assert_eq(kvs_config_load(src_path("models/tiny-needle-llama"), &cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_dummy(&cfg, 1, &ck), KVS_OK);
+    cr_assert_eq(kvs_backend_cpu_create(1, &be), KVS_OK);
+    kvs_model_limits lim = {.max_tokens = 8, .max_seqs = 2, .max_len = 32};
+    cr_assert_eq(kvs_model_create(&cfg, ck, be, &lim, &m), KVS_OK, "%s", kvs_last_error());
+    kvs_model_limits got = kvs_model_get_limits(m);
+    cr_expect(got.max_tokens == 8 && got.max_seqs == 2 && got.max_len == 32 && got.block_size == 16);
+    kvs_model_limits big = {.max_tokens = 16, .max_seqs = 4, .max_len = 64};
+    kvs_shard sh;
+    cr_assert_eq(kvs_shard_dims(&cfg, 0, 1, &sh), KVS_OK);
+    cr_expect_gt(kvs_model_step_bytes(&cfg, &sh, &big, be->act_dtype), kvs_model_step_bytes(&cfg, &sh, &lim, be->act_dtype));
+    kvs_kv_config kc = {.n_layers = cfg.n_layers, .n_kv_heads = cfg.n_kv_heads, .head_dim = cfg.head_dim,
+                        .n_heads = cfg.n_heads, .block_size = 16, .n_blocks = 64 * cfg.n_layers, .max_seqs = 3};
+    kvs_kv_cache *kv;
+    cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK, "%s", kvs_last_error());
+    int32_t ids[40] = {0}, pos[40], qs[4] = {0, 1, 2, 3}, seqs[3];
+    uint8_t want[3] = {1, 1, 1};
+    for (int i = 0; i < 40; i++) pos[i] = i;
+    for (int s = 0; s < 3; s++) {
+        seqs[s] = kvs_kv_seq_create(kv);
+        cr_assert_eq(kvs_kv_reserve(kv, seqs[s], s ? 1 : 40), KVS_OK, "%s", kvs_last_error());
+    }
+    float *logits = malloc(sizeof(float) * 3 * cfg.vocab_size);
+    int32_t out[3];
+    kvs_batch three = {3, 3, ids, pos, qs, seqs, want}; /* one sequence too many */
+    cr_expect_eq(kvs_model_forward(m, &three, kv, logits), KVS_ERR_INVALID);
+    cr_expect(strstr(kvs_last_error(), "3 sequences") && strstr(kvs_last_error(), "2 sequences"), "%s",
+              kvs_last_error());
+    int32_t qs9[2] = {0, 9};
+    kvs_batch nine = {9, 1, ids, pos, qs9, seqs, want}; /* one token too many */
+    cr_expect_eq(kvs_model_forward_argmax(m, &nine, kv, out), KVS_ERR_INVALID);
+    cr_expect(strstr(kvs_last_error(), "9 tokens") && strstr(kvs_last_error(), "8 tokens"), "%s", kvs_last_error());
+    int32_t qs1[2] = {0, 1};
+    kvs_batch long_seq = {1, 1, ids, pos, qs1, seqs, want}; /* 40 entries reserved: 3 blocks, max_len 32 holds 2 */
+    cr_expect_eq(kvs_model_forward(m, &long_seq, kv, logits), KVS_ERR_INVALID);
+    cr_expect(strstr(kvs_last_error(), "3 KV blocks") && strstr(kvs_last_error(), "max_model_len 32"), "%s",
+              kvs_last_error());
+    kvs_batch two = {2, 2, ids, pos, qs, seqs + 1, want}; /* within the limits */
+    cr_expect_eq(kvs_model_forward_argmax(m, &two, kv, out), KVS_OK, "%s", kvs_last_error());
+    free(logits);
+    kvs_kv_destroy(kv);
+    kvs_model_destroy(m);
+    be->destroy(be);
+    kvs_checkpoint_destroy(ck);
+}
+
 /* ---- the per-step metadata and the graphs' padded layout (CPU) ------------------ */
 
 /* Padding rows do nothing: slot -1 writes no KV, dst row -1 captures no window

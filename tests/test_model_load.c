@@ -925,7 +925,7 @@ Test(dummy, model_through_fill_equals_host_upload) {
         cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
         if (k == 1) be->dummy_fill = NULL; /* the host path */
         kvs_model *m;
-        cr_assert_eq(kvs_model_create(&c, ck, be, &m), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_model_create(&c, ck, be, NULL, &m), KVS_OK, "%s", kvs_last_error());
         kvs_kv_config kc = {.n_layers = c.n_layers, .n_kv_heads = c.n_kv_heads, .head_dim = c.head_dim,
                             .n_heads = c.n_heads, .block_size = 16, .max_seqs = 1, .n_blocks = 4 * c.n_layers};
         kvs_kv_cache *kv;

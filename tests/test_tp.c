@@ -38,10 +38,10 @@ static void tp_rig_start(tp_rig *r, int world, int max_tokens, int max_seqs) {
     kvs_kv_config kc = kv_config(&r->cfg, max_tokens, max_seqs);
     if (world == 0) {
         cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
-        cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, NULL, &r->m), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
     } else {
-        cr_assert_eq(kvs_tp_group_create_cpu(&r->cfg, r->ck, world, 0, &r->g), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_tp_group_create_cpu(&r->cfg, r->ck, world, 0, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_tp_kv_create(r->g, &kc), KVS_OK, "%s", kvs_last_error());
     }
 }
@@ -434,7 +434,7 @@ Test(tp, sizes_that_do_not_divide_fail_naming_the_numbers) {
     kvs_checkpoint *ck;
     cr_assert_eq(kvs_checkpoint_open(src_path("models/tiny-needle-llama"), &cfg, &ck), KVS_OK);
     kvs_tp_group *g = (kvs_tp_group *)1;
-    cr_assert_eq(kvs_tp_group_create_cpu(&cfg, ck, 3, 1, &g), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_tp_group_create_cpu(&cfg, ck, 3, 1, NULL, &g), KVS_ERR_INVALID);
     cr_assert_null(g);
     const char *msg = kvs_last_error();
     cr_expect(strstr(msg, "3") && strstr(msg, "2 KV heads"), "message: %s", msg);
@@ -455,9 +455,9 @@ Test(tp, sizes_that_do_not_divide_fail_naming_the_numbers) {
     kvs_backend *be;
     cr_assert_eq(kvs_backend_cpu_create(1, &be), KVS_OK);
     kvs_model *m;
-    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 2, NULL, &m), KVS_ERR_INVALID);
-    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 2, 2, NULL, &m), KVS_ERR_INVALID);
-    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 3, NULL, &m), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 2, NULL, NULL, &m), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 2, 2, NULL, NULL, &m), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 3, NULL, NULL, &m), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "3") && strstr(kvs_last_error(), "2 KV heads"), "%s", kvs_last_error());
     /* the GPU path without enough GPUs (or without NCCL) says so */
     kvs_backend *bes[2] = {be, be};
@@ -474,7 +474,7 @@ Test(tp, shard_with_a_full_kv_cache_is_refused) {
     kvs_checkpoint *ck;
     cr_assert_eq(kvs_checkpoint_open(src_path("models/tiny-needle-llama"), &cfg, &ck), KVS_OK);
     kvs_tp_group *g;
-    cr_assert_eq(kvs_tp_group_create_cpu(&cfg, ck, 2, 1, &g), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_tp_group_create_cpu(&cfg, ck, 2, 1, NULL, &g), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = kv_config(&cfg, 32, 1);
     kvs_kv_cache *kv;
     kvs_backend *be;
@@ -514,7 +514,7 @@ Test(tp, tp1_equals_model_create, .timeout = 600) {
     kvs_backend *be;
     cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
     kvs_model *shard;
-    cr_assert_eq(kvs_model_create_shard(&one.cfg, one.ck, be, 0, 1, NULL, &shard), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_model_create_shard(&one.cfg, one.ck, be, 0, 1, NULL, NULL, &shard), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = kv_config(&one.cfg, 200, 1);
     kvs_kv_cache *kv;
     cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK);

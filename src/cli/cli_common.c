@@ -103,7 +103,8 @@ static kvs_status load_cuda_ranks(const kvs_load_options *o, kvs_loaded *out, in
     KVS_TRY(kvs_comm_nccl_create(out->rank_be, tp, out->rank_comm));
     if (o->skip_model) return KVS_OK;
     /* the group's device check counts from device0: the range was checked above */
-    return kvs_tp_group_create(&out->cfg, out->ck, tp, out->rank_be, out->rank_comm, gpus - device0, &out->tp);
+    return kvs_tp_group_create(&out->cfg, out->ck, tp, out->rank_be, out->rank_comm, gpus - device0, &o->limits,
+                               &out->tp);
 }
 
 /* KVSPARSE_FAULT=step=N,nan-seed=S (tests only, backend/fault.h): the backend
@@ -158,9 +159,9 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
         if (st == KVS_OK && !o->skip_model) {
             if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
                 int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;
-                st = kvs_tp_group_create_cpu(&out->cfg, out->ck, tp, per_rank, &out->tp);
+                st = kvs_tp_group_create_cpu(&out->cfg, out->ck, tp, per_rank, &o->limits, &out->tp);
             } else {
-                st = kvs_model_create(&out->cfg, out->ck, out->be, &out->model);
+                st = kvs_model_create(&out->cfg, out->ck, out->be, &o->limits, &out->model);
             }
         }
         if (st == KVS_OK && out->model) kvs_model_set_enforce_eager(out->model, o->enforce_eager);

@@ -18,6 +18,7 @@ typedef struct {
     bool allow_tp;           /* set by the commands wired for tensor parallelism */
     const char *device;      /* --device cpu (default) | cuda | cuda:N */
     bool enforce_eager;      /* --enforce-eager: no CUDA graphs for decode steps */
+    kvs_model_limits limits; /* what a step of the command may hold (zeros: the defaults) */
 } kvs_load_options;
 
 typedef struct {
@@ -65,9 +66,9 @@ kvs_status kvs_cli_group(kvs_loaded *l, kvs_tp_group **out);
 
 /* The KV pool's bytes per rank: kv_gib when > 0 (1 GiB when both are 0), else
  * gpu_gib (a cap on each GPU's memory, emulating a smaller card) minus this
- * rank's weights and an activation reserve for the batch sizes and policy. */
-kvs_status kvs_cli_kv_bytes(const kvs_loaded *l, double kv_gib, double gpu_gib, int max_num_batched_tokens,
-                            int max_num_seqs, const kvs_kv_policy *policy, size_t *bytes);
+ * rank's weights, the model's step buffers (for the limits it was loaded
+ * with), the backend's scratch and the policy's window buffers. */
+kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const kvs_kv_policy *policy, size_t *bytes);
 
 /* A KV cache for the model holding max_tokens tokens per sequence for max_seqs sequences. */
 kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, kvs_kv_cache **out);

@@ -1,25 +1,24 @@
 /* The KV pool's size from --kv-memory or --gpu-memory (bench throughput, serve). */
 #include "cli/cli_common.h"
 
-kvs_status kvs_cli_kv_bytes(const kvs_loaded *l, double kv_gib, double gpu_gib, int max_num_batched_tokens,
-                            int max_num_seqs, const kvs_kv_policy *policy, size_t *bytes) {
+kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const kvs_kv_policy *policy, size_t *bytes) {
     if (gpu_gib <= 0) {
         *bytes = kv_gib > 0 ? (size_t)(kv_gib * (1 << 30)) : (size_t)1 << 30;
         return KVS_OK;
     }
     const kvs_config *c = &l->cfg;
+    kvs_model *m = l->model ? l->model : kvs_tp_model(l->tp, 0);
+    kvs_model_limits limits = kvs_model_get_limits(m);
     double cap = gpu_gib * (1 << 30);
     int w = l->world > 0 ? l->world : 1; /* a rank holds 1/w of the weights (embeddings aside) */
     double weights = (double)kvs_checkpoint_total_bytes(l->ck) / kvs_dtype_size(c->dtype) *
                      kvs_dtype_size(l->be->weight_dtype) / w;
     if (w > 1) weights += (double)c->vocab_size * c->hidden_size * kvs_dtype_size(l->be->weight_dtype);
-    double act = (double)max_num_batched_tokens *
-                     (6.0 * c->hidden_size + 3.0 * c->intermediate_size / w + 2.0 * c->n_heads / w * c->head_dim) *
-                     kvs_dtype_size(l->be->act_dtype) +
-                 2.0 * max_num_seqs * c->vocab_size * sizeof(float) + 64.0 * (1 << 20);
+    /* the model's step buffers and 64 MiB of backend scratch (attention partials, staging) */
+    double act = (double)kvs_model_step_bytes(c, kvs_model_shard(m), &limits, l->be->act_dtype) + 64.0 * (1 << 20);
     /* a sparse policy's window queries and LSE: [max_num_seqs * window] rows per layer */
     if (policy->kind != KVS_POLICY_FULL)
-        act += (double)max_num_seqs * policy->window * c->n_layers * c->n_heads / w *
+        act += (double)limits.max_seqs * policy->window * c->n_layers * c->n_heads / w *
                (c->head_dim * kvs_dtype_size(l->be->act_dtype) + sizeof(float));
     double left = cap - weights - act;
     if (left < 1 << 20)
@@ -29,4 +28,3 @@ kvs_status kvs_cli_kv_bytes(const kvs_loaded *l, double kv_gib, double gpu_gib, 
     *bytes = (size_t)left;
     return KVS_OK;
 }
-

@@ -63,17 +63,17 @@ static kvs_status timed_group(kvs_loaded *l, const kvs_load_options *lo, timed_b
                               kvs_tp_group **g) {
     *m1 = NULL;
     if (l->world == 1) {
-        KVS_TRY(kvs_model_create(&l->cfg, l->ck, wrap_timed(tb, 0, l->be), m1));
+        KVS_TRY(kvs_model_create(&l->cfg, l->ck, wrap_timed(tb, 0, l->be), &lo->limits, m1));
         return kvs_tp_group_wrap(*m1, g);
     }
     if (!l->rank_be) { /* the CPU simulation: backends made in the rank threads, wrapped there */
         int per_rank = lo->threads > 0 ? (lo->threads + l->world - 1) / l->world : 0;
-        return kvs_tp_group_create_cpu_wrapped(&l->cfg, l->ck, l->world, per_rank, wrap_timed, tb, g);
+        return kvs_tp_group_create_cpu_wrapped(&l->cfg, l->ck, l->world, per_rank, wrap_timed, tb, &lo->limits, g);
     }
     kvs_backend **be = calloc((size_t)l->world, sizeof *be); /* GPUs: kvs_cli_load made backends and NCCL comms */
     if (!be) return kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
     for (int r = 0; r < l->world; r++) be[r] = wrap_timed(tb, r, l->rank_be[r]);
-    kvs_status st = kvs_tp_group_create(&l->cfg, l->ck, l->world, be, l->rank_comm, -1, g);
+    kvs_status st = kvs_tp_group_create(&l->cfg, l->ck, l->world, be, l->rank_comm, -1, &lo->limits, g);
     free(be);
     return st;
 }
@@ -181,6 +181,12 @@ static int bench_model(int argc, char **argv) {
     if (prompt_len <= 0 || decode_len <= 0) {
         fprintf(stderr, "kvsparse bench model: --prompt-len and --decode-len must be positive\n");
         return 2;
+    }
+    /* the prefill in one step; decode steps of up to the largest batch */
+    lo.limits = (kvs_model_limits){prompt_len, 1, prompt_len + decode_len + 8, 0};
+    for (int i = 0; i < n_batches; i++) {
+        if (batches[i] > lo.limits.max_seqs) lo.limits.max_seqs = batches[i];
+        if (batches[i] > lo.limits.max_tokens) lo.limits.max_tokens = batches[i];
     }
     kvs_loaded l;
     if (kvs_cli_load(&lo, &l) != KVS_OK) return kvs_cli_error();

@@ -115,8 +115,7 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     c.max_num_batched_tokens = o->max_num_batched_tokens;
     c.max_waiting = o->num_prompts + 1;
     c.default_policy = o->policy;
-    KVS_TRY(kvs_cli_kv_bytes(l, o->kv_gib, o->gpu_gib, o->max_num_batched_tokens, o->max_num_seqs, &o->policy,
-                             &c.kv_memory_bytes));
+    KVS_TRY(kvs_cli_kv_bytes(l, o->kv_gib, o->gpu_gib, &o->policy, &c.kv_memory_bytes));
     kvs_engine *e;
     kvs_tp_group *g;
     KVS_TRY(kvs_cli_group(l, &g));
@@ -194,6 +193,7 @@ int kvs_cmd_bench_throughput(int argc, char **argv) {
     int rc = parse_args(argc, argv, &o);
     if (rc >= 0) return rc;
     kvs_loaded l;
+    o.load.limits = (kvs_model_limits){o.max_num_batched_tokens, o.max_num_seqs, 0, 0};
     if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
     tp_counts counts = {0};
     tp_result res = {0};

@@ -256,13 +256,12 @@ int kvs_cmd_serve(int argc, char **argv) {
     char *key = NULL;
     if (!resolve_api_key(&o, &key)) return 2;
     kvs_loaded l;
+    o.load.limits = (kvs_model_limits){o.ecfg.max_num_batched_tokens, o.ecfg.max_num_seqs, o.ecfg.max_model_len, 0};
     if (kvs_cli_load(&o.load, &l) != KVS_OK) {
         free(key);
         return kvs_cli_error();
     }
-    if (kvs_cli_kv_bytes(&l, o.kv_gib, o.gpu_gib, o.ecfg.max_num_batched_tokens ? o.ecfg.max_num_batched_tokens : 2048,
-                         o.ecfg.max_num_seqs ? o.ecfg.max_num_seqs : 64, &o.ecfg.default_policy,
-                         &o.ecfg.kv_memory_bytes) != KVS_OK) {
+    if (kvs_cli_kv_bytes(&l, o.kv_gib, o.gpu_gib, &o.ecfg.default_policy, &o.ecfg.kv_memory_bytes) != KVS_OK) {
         kvs_cli_unload(&l);
         free(key);
         return kvs_cli_error();

@@ -1,14 +1,16 @@
-/* Bookkeeping of the decode-step CUDA graphs (the buckets are run by
- * forward.c's run_step): mode, invalidation, the KV memory the graphs baked
- * in, statistics. */
+/* The decode-step CUDA graphs: mode, the capture/replay state machine of the
+ * buckets, invalidation when the KV memory they baked in moves, statistics.
+ * The step buffers never move (buffers.c: sized once). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "model/model_internal.h"
 
+static void invalidate(kvs_model *m);
+
 void kvs_model_set_graph_mode(kvs_model *m, kvs_graph_mode mode) {
     if (m->graphs.mode == mode) return;
-    kvs_graphs_invalidate(m);
+    invalidate(m);
     m->graphs.mode = mode;
 }
 
@@ -18,7 +20,7 @@ void kvs_model_set_enforce_eager(kvs_model *m, bool eager) {
 
 kvs_graph_stats kvs_model_graph_stats(const kvs_model *m) { return m->graphs.stats; }
 
-void kvs_graphs_invalidate(kvs_model *m) {
+static void invalidate(kvs_model *m) {
     kvs_graphs *g = &m->graphs;
     bool any = false;
     for (int i = 0; i < KVS_GRAPH_BATCHES; i++)
@@ -35,47 +37,88 @@ void kvs_graphs_invalidate(kvs_model *m) {
     if (any) g->stats.invalidations++;
 }
 
-kvs_status kvs_graphs_check_kv(kvs_model *m, const kvs_kv_cache *kv) {
+/* Invalidates the graphs when the KV memory they baked in is not kv's. */
+static kvs_status check_kv(kvs_model *m, const kvs_kv_cache *kv) {
     kvs_graphs *g = &m->graphs;
-    int L = m->cfg.n_layers, n = 1 + 2 * L;
-    if (!g->baked) {
-        g->baked = calloc((size_t)n, sizeof(void *));
-        if (!g->baked) return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
-        g->n_baked = n;
-    }
-    const void **now = g->baked;
-    bool same = now[0] == kvs_kv_get_pool(kv)->data;
-    const void *cur[2];
-    for (int l = 0; l < L && same; l++) {
-        void *q;
-        float *lse;
-        kvs_kv_window_buffers(kv, l, &q, &lse);
-        cur[0] = q, cur[1] = lse;
-        same = now[1 + 2 * l] == cur[0] && now[2 + 2 * l] == cur[1];
-    }
-    if (same) return KVS_OK;
-    kvs_graphs_invalidate(m);
+    size_t n = 1 + 2 * (size_t)m->cfg.n_layers;
+    if (!g->baked && !(g->baked = calloc(2 * n, sizeof(void *))))
+        return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
+    const void **now = g->baked + n; /* kv's, after the baked ones */
     now[0] = kvs_kv_get_pool(kv)->data;
-    for (int l = 0; l < L; l++) {
+    for (int l = 0; l < m->cfg.n_layers; l++) {
         void *q;
         float *lse;
         kvs_kv_window_buffers(kv, l, &q, &lse);
         now[1 + 2 * l] = q;
         now[2 + 2 * l] = lse;
     }
+    if (memcmp(g->baked, now, n * sizeof(void *)) == 0) return KVS_OK;
+    invalidate(m);
+    memcpy(g->baked, now, n * sizeof(void *));
     return KVS_OK;
 }
 
-void kvs_graphs_free(kvs_model *m) {
+/* A padded step run eagerly. */
+static kvs_status padded_eager(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh) {
+    m->graphs.stats.padded_eager_steps++;
+    return kvs_forward_layers(m, kv, sh);
+}
+
+/* vLLM's protocol: a bucket's first step runs eagerly, its second is
+ * captured, later ones replay. */
+kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh) {
     kvs_backend *be = m->be;
-    kvs_graphs_invalidate(m);
+    kvs_graphs *g = &m->graphs;
+    if (!sh->padded) {
+        g->stats.eager_steps++;
+        return kvs_forward_layers(m, kv, sh);
+    }
+    if (g->mode != KVS_GRAPHS_ON || !be->graph_begin) return padded_eager(m, kv, sh);
+    KVS_TRY(check_kv(m, kv));
+    kvs_graph_slot *slot = &g->slot[sh->bucket][sh->si];
+    if (slot->exec) {
+        if (be->graph_launch(be, slot->exec) == KVS_OK) {
+            g->stats.replays++;
+            return KVS_OK;
+        }
+        /* stale (the backend's scratch moved): eager now, capture next time */
+        be->graph_destroy(be, slot->exec);
+        slot->exec = NULL;
+        slot->seen = 1;
+        g->stats.invalidations++;
+        return padded_eager(m, kv, sh);
+    }
+    if (slot->failed || slot->seen++ == 0) return padded_eager(m, kv, sh);
+    kvs_status st = be->graph_begin(be);
+    if (st == KVS_OK) {
+        kvs_status body = kvs_forward_layers(m, kv, sh);
+        void *exec = NULL;
+        st = be->graph_end(be, &exec); /* always close the capture */
+        if (body != KVS_OK) {
+            if (exec) be->graph_destroy(be, exec);
+            return body;
+        }
+        if (st == KVS_OK) {
+            slot->exec = exec;
+            g->stats.captures++;
+            st = be->graph_launch(be, exec);
+            if (st == KVS_OK) {
+                g->stats.replays++;
+                return KVS_OK;
+            }
+            be->graph_destroy(be, exec);
+            slot->exec = NULL;
+        }
+    }
+    slot->failed = true;
+    g->stats.capture_failures++;
+    kvs_log(KVS_LOG_WARN, "forward: no CUDA graph for %d sequences x %d blocks (%s); that bucket stays eager",
+            sh->n_seqs, sh->stride, kvs_last_error());
+    return padded_eager(m, kv, sh); /* nothing of the failed capture ran */
+}
+
+void kvs_graphs_free(kvs_model *m) {
+    invalidate(m);
     free(m->graphs.baked);
     m->graphs.baked = NULL;
-    kvs_step_buffers *b = &m->buf;
-    if (b->meta) be->free(be, b->meta);
-    if (b->h_meta) be->host_free ? be->host_free(be, b->h_meta) : free(b->h_meta);
-    free(b->layer_meta);
-    b->meta = b->h_meta = NULL;
-    b->layer_meta = NULL;
-    b->cap_meta = 0;
 }

@@ -186,12 +186,13 @@ static kvs_status upload_lm_head(kvs_model *m, kvs_checkpoint *ck) {
     return KVS_OK;
 }
 
-kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, kvs_model **out) {
-    return kvs_model_create_shard(cfg, ck, be, 0, 1, NULL, out);
+kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be,
+                            const kvs_model_limits *limits, kvs_model **out) {
+    return kvs_model_create_shard(cfg, ck, be, 0, 1, NULL, limits, out);
 }
 
 kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, int rank, int world,
-                                  kvs_comm *comm, kvs_model **out) {
+                                  kvs_comm *comm, const kvs_model_limits *limits, kvs_model **out) {
     *out = NULL;
     kvs_shard shard;
     KVS_TRY(kvs_shard_dims(cfg, rank, world, &shard));
@@ -204,6 +205,7 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
     m->be = be;
     m->shard = shard;
     m->comm = world > 1 ? comm : NULL;
+    m->limits = kvs_limits_resolve(cfg, limits);
     m->layers = calloc((size_t)cfg->n_layers, sizeof(kvs_layer_weights));
     kvs_status st = m->layers ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "model: out of memory");
     kvs_progress bar;
@@ -229,6 +231,7 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
             be->to_device(be, m->inv_freq, host, bytes);
         }
     }
+    if (st == KVS_OK) st = kvs_step_buffers_create(m);
     if (st != KVS_OK) {
         kvs_model_destroy(m);
         return st;
@@ -237,23 +240,11 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
     return KVS_OK;
 }
 
-static void free_step_buffers(kvs_backend *be, kvs_step_buffers *b) {
-    /* ids .. cap_dst point into the metadata buffer (freed by kvs_graphs_free) */
-    void *dev[] = {b->x, b->xn, b->q, b->k, b->v, b->att, b->tmp, b->gate_up, b->act, b->last, b->logits,
-                   b->last_rows, b->lse, b->logits_all};
-    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
-        if (dev[i]) be->free(be, dev[i]);
-    free(b->h_last_rows);
-    free(b->h_logits);
-    memset(b, 0, sizeof *b);
-}
-
 void kvs_model_destroy(kvs_model *m) {
     if (!m) return;
     kvs_backend *be = m->be;
     kvs_graphs_free(m);
-    free_step_buffers(be, &m->buf);
-    kvs_model_free_sample_buffers(m);
+    kvs_step_buffers_free(m);
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
             kvs_layer_weights *w = &m->layers[l];
@@ -274,4 +265,5 @@ void kvs_model_destroy(kvs_model *m) {
 const kvs_config *kvs_model_config(const kvs_model *m) { return &m->cfg; }
 const kvs_shard *kvs_model_shard(const kvs_model *m) { return &m->shard; }
 kvs_backend *kvs_model_backend(const kvs_model *m) { return m->be; }
+kvs_model_limits kvs_model_get_limits(const kvs_model *m) { return m->limits; }
 

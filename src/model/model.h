@@ -99,9 +99,20 @@ kvs_status kvs_safetensors_parse(const uint8_t *buf, size_t len, const char *fil
 typedef struct kvs_model kvs_model;
 typedef struct kvs_comm kvs_comm; /* backend/comm.h */
 
-/* Uploads the checkpoint's weights into the backend (progress bar on a TTY).
- * The same as kvs_model_create_shard(cfg, ck, be, 0, 1, NULL, out). */
-kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, kvs_model **out);
+/* What one step may hold: the model sizes its step buffers for it once, when
+ * it is created; a larger batch fails (KVS_ERR_INVALID). 0: the default. */
+typedef struct {
+    int max_tokens; /* tokens per step: the engine's max_num_batched_tokens (2048) */
+    int max_seqs;   /* sequences per step: max_num_seqs (64) */
+    int max_len;    /* KV entries of a sequence in a layer: max_model_len (the config's max_position_embeddings) */
+    int block_size; /* the KV cache's entries per block (16) */
+} kvs_model_limits;
+
+/* Uploads the checkpoint's weights into the backend (progress bar on a TTY)
+ * and allocates the step buffers for limits (NULL: the defaults).
+ * The same as kvs_model_create_shard(cfg, ck, be, 0, 1, NULL, limits, out). */
+kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be,
+                            const kvs_model_limits *limits, kvs_model **out);
 
 /* ---- tensor parallelism (docs/TP.md) ----------------------------------------
  * Rank r of world N holds query heads [r*H/N, (r+1)*H/N), KV heads
@@ -130,7 +141,13 @@ kvs_status kvs_shard_dims(const kvs_config *cfg, int rank, int world, kvs_shard 
  * ranks' models one at a time. A rank's KV cache must hold its local heads
  * (kvs_shard n_kv_heads, n_heads). */
 kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, int rank, int world,
-                                  kvs_comm *comm, kvs_model **out);
+                                  kvs_comm *comm, const kvs_model_limits *limits, kvs_model **out);
+/* The backend bytes of a rank model's step buffers (what it allocates besides
+ * the weights) on a backend of act_dtype activations. */
+size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const kvs_model_limits *limits,
+                            kvs_dtype act_dtype);
+/* The limits the model was created for, defaults filled in. */
+kvs_model_limits kvs_model_get_limits(const kvs_model *m);
 const kvs_shard *kvs_model_shard(const kvs_model *m);
 kvs_backend *kvs_model_backend(const kvs_model *m);
 void kvs_model_destroy(kvs_model *m);
@@ -222,13 +239,13 @@ typedef struct kvs_tp_group kvs_tp_group;
 /* Rank models on backends[r] with comms[r] (both stay the caller's), created
  * in the rank threads one after the other (the checkpoint is read once per
  * rank). n_devices as for kvs_tp_validate (-1: no device limit, the CPU
- * simulation). */
+ * simulation); limits as for kvs_model_create. */
 kvs_status kvs_tp_group_create(const kvs_config *cfg, kvs_checkpoint *ck, int world, kvs_backend **backends,
-                               kvs_comm **comms, int n_devices, kvs_tp_group **out);
+                               kvs_comm **comms, int n_devices, const kvs_model_limits *limits, kvs_tp_group **out);
 /* The CPU simulation: world CPU backends (threads_per_rank OpenMP threads each,
  * 0: the default) and host communicators, owned by the group. */
 kvs_status kvs_tp_group_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                   kvs_tp_group **out);
+                                   const kvs_model_limits *limits, kvs_tp_group **out);
 /* kvs_tp_group_create_cpu, each rank's CPU backend (made in its rank thread)
  * passed through wrap(user, rank, be) before the rank's model is created on
  * what wrap returns (a wrapper that the caller owns and keeps alive while the
@@ -236,7 +253,8 @@ kvs_status kvs_tp_group_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, in
  * creation. bench model times the ranks' matmuls this way. */
 typedef kvs_backend *(*kvs_tp_backend_wrap)(void *user, int rank, kvs_backend *be);
 kvs_status kvs_tp_group_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                           kvs_tp_backend_wrap wrap, void *user, kvs_tp_group **out);
+                                           kvs_tp_backend_wrap wrap, void *user, const kvs_model_limits *limits,
+                                           kvs_tp_group **out);
 /* A world-1 group over an existing whole model (it stays the caller's and
  * outlives the group), so single-model callers take the group's code path.
  * World 1 runs every job on the caller's thread (no rank thread). */

@@ -17,41 +17,42 @@ typedef struct {
     int max_blocks, max_kv_len, max_q_len, n_cap;
 } kvs_layer_meta;
 
-/* Per-step buffers, grown on demand. */
+/* The step buffers (buffers.c), allocated once when the model is created, for
+ * its limits: rows are max_tokens or the largest padded graph bucket, logits
+ * rows max_seqs. */
 typedef struct {
-    int cap_tokens, cap_logits;
-    void *x, *xn, *q, *k, *v, *att, *tmp, *gate_up, *act, *last, *logits;
-    float *lse; /* [tokens, heads] */
-    int32_t *last_rows;
-    /* Per-step metadata (forward.c, step_metadata): token ids, positions,
-       q_start, then every layer's slots, kv lengths, window-capture rows and
-       block tables, built in h_meta (pinned) and uploaded with one copy into
-       meta. The pointers below point into meta (not owned): ids, positions and
-       q_start for the step, the others at the layer being run. */
+    void *x, *xn, *q, *k, *v, *att, *tmp, *gate_up, *act; /* [rows][...] */
+    float *lse;                                         /* [rows][heads] */
+    void *last, *logits;                                /* [max_seqs][hidden], [max_seqs][vocab_pad] */
+    int32_t *last_rows, *h_last_rows;                   /* [max_seqs] */
+    /* Per-step metadata (step_meta.c): token ids, positions, q_start, then
+       every layer's slots, kv lengths, window-capture rows and block tables,
+       built in h_meta (pinned) and uploaded with one copy into meta. The
+       pointers below point into meta (not owned): ids, positions and q_start
+       for the step, the others at the layer being run. */
     int32_t *meta, *h_meta;
-    size_t cap_meta; /* int32 elements of both */
     kvs_layer_meta *layer_meta; /* [n_layers] */
     int32_t *ids, *positions, *slots, *q_start, *kv_len, *block_tables, *cap_src, *cap_dst;
-    /* host staging */
-    int32_t *h_last_rows;
-    /* tensor parallelism: every rank's logits slices [world][cap_logits][vocab_pad] */
+    /* tensor parallelism: every rank's logits slices [world][max_seqs][vocab_pad] */
     void *logits_all;
     float *h_logits; /* their host staging (kvs_model_forward) */
 } kvs_step_buffers;
 
-/* kvs_model_forward_sample's buffers, grown on demand (forward.c). */
+/* kvs_model_forward_sample's buffers (buffers.c, logits.c). */
 typedef struct {
-    int cap_rows;
-    struct kvs_sample_row *params; /* [cap_rows] */
-    int32_t *out;                  /* [2][cap_rows]: the ids, then the logprobs' f32 bits */
-    void *rows;                    /* tensor parallelism: the gathered logits as [cap_rows][world * vocab_pad] */
-    int32_t *order;                /* [world * cap_rows]: the rows of that gather */
+    struct kvs_sample_row *params; /* [max_seqs] */
+    int32_t *out;                  /* [2][max_seqs]: the ids, then the logprobs' f32 bits */
+    void *rows;                    /* tensor parallelism: the gathered logits as [max_seqs][world * vocab_pad] */
+    int32_t *order;                /* [world * max_seqs]: the rows of that gather */
     int32_t *h_out, *h_order;      /* host staging */
     /* tensor parallelism without the gather (rows kvs_sample_shardable accepts):
-       this rank's parts [cap_rows], every rank's [world][cap_rows], host copy */
+       this rank's parts [max_seqs], every rank's [world][max_seqs], host copy */
     struct kvs_sample_part *parts, *parts_all, *h_parts;
+    struct kvs_sample_row *greedy; /* [max_seqs] host: temperature 0 (kvs_model_forward_argmax) */
+    int64_t sharded_steps;         /* steps sampled through the parts */
 } kvs_sample_buffers;
-/* CUDA graphs of pure-decode steps (graphs.c, forward.c), one per bucket:
+
+/* CUDA graphs of pure-decode steps (graphs.c), one per bucket:
  * batch padded to 2^bi sequences (1 .. 256), block tables to a stride of 2^si
  * blocks per sequence. */
 #define KVS_GRAPH_BATCHES 9
@@ -65,9 +66,9 @@ typedef struct {
 typedef struct {
     kvs_graph_mode mode;
     kvs_graph_slot slot[KVS_GRAPH_BATCHES][KVS_GRAPH_STRIDES];
-    /* the KV memory the graphs baked in: pool, then each layer's window q and lse */
+    /* the KV memory the graphs baked in: pool, then each layer's window q and
+       lse; then the same of the step's KV cache */
     const void **baked;
-    int n_baked;
     kvs_graph_stats stats;
 } kvs_graphs;
 
@@ -76,6 +77,7 @@ struct kvs_model {
     kvs_backend *be;
     kvs_shard shard; /* this rank's slice (rank 0 of 1 without tensor parallelism) */
     kvs_comm *comm;  /* NULL when world is 1 */
+    kvs_model_limits limits; /* defaults filled in */
     void *embed, *final_norm, *lm_head; /* lm_head points into embed when tied and unpadded */
     bool lm_head_owned;
     kvs_layer_weights *layers;
@@ -87,19 +89,44 @@ struct kvs_model {
 
 /* RoPE inverse frequencies with the config's scaling (none, linear, llama3). */
 void kvs_rope_inv_freq(const kvs_config *cfg, float *inv_freq);
-/* graphs.c: destroys every captured graph (step buffers or KV memory moved). */
-void kvs_graphs_invalidate(kvs_model *m);
-/* graphs.c: invalidates the graphs when the KV memory they baked in is not kv's. */
-kvs_status kvs_graphs_check_kv(kvs_model *m, const kvs_kv_cache *kv);
-/* graphs.c: frees what kvs_model_destroy must (graphs, metadata buffers). */
+
+/* buffers.c: the limits with their defaults filled in; every step buffer
+ * allocated, or freed. */
+kvs_model_limits kvs_limits_resolve(const kvs_config *cfg, const kvs_model_limits *in);
+kvs_status kvs_step_buffers_create(kvs_model *m);
+void kvs_step_buffers_free(kvs_model *m);
+
+/* step_meta.c: what a step runs on: n_rows token rows and n_seqs sequences,
+ * padding included (the graphs' layout: up to the bucket, tables of `stride`
+ * blocks per sequence). */
+typedef struct {
+    int n_rows, n_seqs;
+    bool padded;
+    int stride, bucket, si; /* padded: the table stride, graph slot [bucket][si] */
+} kvs_step_shape;
+int kvs_ceil_log2(int n);
+/* The batch checks of a step (tp.c runs them once before a step). */
+kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
+/* Plans the step's shape and uploads its metadata (one copy). */
+kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_step_shape *sh);
+/* Points the step buffers at layer l's metadata, its attention batch in ab;
+ * returns the rows the window captures. */
+int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch *ab);
+
+/* forward.c: the embedding and the layers (all a graph holds); the step up
+ * to each rank's logits slice in buf.logits [n_logits][vocab_pad], after
+ * kvs_model_check_batch; st, or a failed backend op's status. */
+kvs_status kvs_forward_layers(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh);
+kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int *n_logits);
+kvs_status kvs_forward_status(kvs_model *m, kvs_status st);
+
+/* graphs.c: kvs_forward_layers for the step: eagerly, or as its bucket's
+ * graph; destroying every graph. */
+kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh);
 void kvs_graphs_free(kvs_model *m);
 
-/* The batch checks of kvs_model_forward (tp.c runs them once before a step). */
-kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
-
-/* The parameters of kvs_model_forward_sample (one row per sequence that wants logits). */
+/* logits.c: the parameters of kvs_model_forward_sample (one row per sequence
+ * that wants logits). */
 kvs_status kvs_model_check_sample(const kvs_batch *b, const struct kvs_sample_row *params);
-/* Frees m->sample (forward.c). */
-void kvs_model_free_sample_buffers(kvs_model *m);
 
 #endif

@@ -52,6 +52,7 @@ struct kvs_tp_group {
     bool job_collective; /* a failing rank aborts the communicators */
     /* kvs_tp_group_create's inputs for the create job */
     kvs_checkpoint *ck;
+    kvs_model_limits limits;
     pthread_mutex_t ck_mu; /* the checkpoint is read by one rank at a time */
     kvs_tp_backend_wrap wrap; /* kvs_tp_group_create_cpu_wrapped */
     void *wrap_user;
@@ -132,7 +133,7 @@ static kvs_status job_create_model(kvs_tp_group *g, int rank, void *arg) {
     tp_rank *r = &g->ranks[rank];
     pthread_mutex_lock(&g->ck_mu);
     kvs_status st = kvs_model_create_shard(&g->cfg, g->ck, r->model_be ? r->model_be : r->be, rank, g->world, r->comm,
-                                           &r->model);
+                                           &g->limits, &r->model);
     pthread_mutex_unlock(&g->ck_mu);
     return st;
 }
@@ -178,7 +179,7 @@ static kvs_status job_create_cpu_backend(kvs_tp_group *g, int rank, void *arg) {
     return KVS_OK;
 }
 
-static kvs_status group_start(kvs_tp_group *g, kvs_checkpoint *ck, int cpu_threads) {
+static kvs_status group_start(kvs_tp_group *g, kvs_checkpoint *ck, const kvs_model_limits *limits, int cpu_threads) {
     for (int r = 0; r < g->world; r++) {
         g->ranks[r].g = g;
         g->ranks[r].rank = r;
@@ -192,13 +193,14 @@ static kvs_status group_start(kvs_tp_group *g, kvs_checkpoint *ck, int cpu_threa
     }
     if (g->owns_devices) KVS_TRY(run_all(g, job_create_cpu_backend, &cpu_threads, false));
     g->ck = ck;
+    if (limits) g->limits = *limits;
     kvs_status st = run_all(g, job_create_model, NULL, false);
     g->ck = NULL;
     return st;
 }
 
 kvs_status kvs_tp_group_create(const kvs_config *cfg, kvs_checkpoint *ck, int world, kvs_backend **backends,
-                               kvs_comm **comms, int n_devices, kvs_tp_group **out) {
+                               kvs_comm **comms, int n_devices, const kvs_model_limits *limits, kvs_tp_group **out) {
     *out = NULL;
     KVS_TRY(kvs_tp_validate(cfg, world, n_devices));
     for (int r = 0; r < world; r++)
@@ -211,7 +213,7 @@ kvs_status kvs_tp_group_create(const kvs_config *cfg, kvs_checkpoint *ck, int wo
         g->ranks[r].be = backends[r];
         g->ranks[r].comm = comms ? comms[r] : NULL;
     }
-    kvs_status st = group_start(g, ck, 0);
+    kvs_status st = group_start(g, ck, limits, 0);
     if (st != KVS_OK) {
         kvs_tp_group_destroy(g);
         return st;
@@ -221,12 +223,13 @@ kvs_status kvs_tp_group_create(const kvs_config *cfg, kvs_checkpoint *ck, int wo
 }
 
 kvs_status kvs_tp_group_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                   kvs_tp_group **out) {
-    return kvs_tp_group_create_cpu_wrapped(cfg, ck, world, threads_per_rank, NULL, NULL, out);
+                                   const kvs_model_limits *limits, kvs_tp_group **out) {
+    return kvs_tp_group_create_cpu_wrapped(cfg, ck, world, threads_per_rank, NULL, NULL, limits, out);
 }
 
 kvs_status kvs_tp_group_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                           kvs_tp_backend_wrap wrap, void *user, kvs_tp_group **out) {
+                                           kvs_tp_backend_wrap wrap, void *user, const kvs_model_limits *limits,
+                                           kvs_tp_group **out) {
     *out = NULL;
     KVS_TRY(kvs_tp_validate(cfg, world, -1));
     kvs_tp_group *g;
@@ -238,7 +241,7 @@ kvs_status kvs_tp_group_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint
     kvs_status st = comms ? kvs_comm_host_create(world, comms) : kvs_fail(KVS_ERR_NOMEM, "tensor parallel: out of memory");
     for (int r = 0; r < world; r++) g->ranks[r].comm = st == KVS_OK ? comms[r] : NULL;
     free(comms);
-    if (st == KVS_OK) st = group_start(g, ck, threads_per_rank);
+    if (st == KVS_OK) st = group_start(g, ck, limits, threads_per_rank);
     if (st != KVS_OK) {
         kvs_tp_group_destroy(g);
         return st;

@@ -1,0 +1,128 @@
+/* The step buffers, sized once when the model is created for its limits (no
+ * growth during steps, so the pointers a CUDA graph bakes in stay put):
+ * activations for the largest step's rows, logits and sampling for max_seqs
+ * rows, and the metadata of max_seqs sequences of max_len entries in every
+ * layer. One walk over the buffers counts them, allocates them and frees them. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model_internal.h"
+
+kvs_model_limits kvs_limits_resolve(const kvs_config *cfg, const kvs_model_limits *in) {
+    kvs_model_limits l = in ? *in : (kvs_model_limits){0};
+    if (l.max_tokens <= 0) l.max_tokens = 2048;
+    if (l.max_seqs <= 0) l.max_seqs = 64;
+    if (l.max_len <= 0) l.max_len = cfg->max_position_embeddings > 0 ? cfg->max_position_embeddings : 1;
+    if (l.block_size <= 0) l.block_size = 16;
+    return l;
+}
+
+int kvs_ceil_log2(int n) {
+    int i = 0;
+    while ((1 << i) < n) i++;
+    return i;
+}
+
+/* n, or the power of two a graph pads it to when there is a graph for it. */
+static int padded(int n, int n_graph_sizes) {
+    int p = kvs_ceil_log2(n);
+    return p < n_graph_sizes ? 1 << p : n;
+}
+
+typedef enum { COUNT, ALLOC, FREE } walk_mode;
+typedef struct {
+    walk_mode mode;
+    kvs_backend *be;
+    size_t bytes; /* backend memory counted */
+    bool failed;
+} walk;
+
+static void on_device(walk *w, void *ptr, size_t bytes) {
+    void **p = ptr;
+    w->bytes += bytes;
+    if (w->mode == ALLOC && !(*p = w->be->alloc(w->be, bytes ? bytes : 16))) w->failed = true;
+    if (w->mode == FREE && *p) w->be->free(w->be, *p);
+}
+
+static void on_host(walk *w, void *ptr, size_t bytes) { /* pinned where the backend has it: fast copies */
+    void **p = ptr;
+    kvs_backend *be = w->be;
+    if (w->mode == ALLOC && !(*p = be->host_alloc ? be->host_alloc(be, bytes) : malloc(bytes ? bytes : 1))) w->failed = true;
+    if (w->mode == FREE && *p) be->host_free ? be->host_free(be, *p) : free(*p);
+}
+
+/* Every step buffer of a rank model (shard) for limits l. */
+static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, const kvs_config *c,
+                         const kvs_shard *sh, const kvs_model_limits *l, kvs_dtype act_dtype) {
+    /* S sequences (max_seqs or the graph bucket it pads to), n rows (a padded
+       decode step has one per sequence), B blocks in a sequence's table */
+    size_t a = kvs_dtype_size(act_dtype), S = padded(l->max_seqs, KVS_GRAPH_BATCHES), n = (size_t)l->max_tokens;
+    size_t B = padded((l->max_len + l->block_size - 1) / l->block_size, KVS_GRAPH_STRIDES);
+    if (n < S) n = S;
+    size_t qd = (size_t)sh->n_heads * c->head_dim, kd = (size_t)sh->n_kv_heads * c->head_dim;
+    size_t wide = (size_t)sh->intermediate > qd ? (size_t)sh->intermediate : qd;
+    if (wide < (size_t)c->hidden_size) wide = c->hidden_size;
+    on_device(w, &b->x, n * c->hidden_size * a);
+    on_device(w, &b->xn, n * c->hidden_size * a);
+    on_device(w, &b->q, n * qd * a);
+    on_device(w, &b->k, n * kd * a);
+    on_device(w, &b->v, n * kd * a);
+    on_device(w, &b->att, n * qd * a);
+    on_device(w, &b->tmp, n * c->hidden_size * a);
+    on_device(w, &b->gate_up, n * 2 * sh->intermediate * a);
+    on_device(w, &b->act, n * wide * a);
+    on_device(w, &b->lse, n * sh->n_heads * sizeof(float));
+    /* the metadata (step_meta.c): ids, positions, q_start, then per layer
+       slots, kv lengths, window-capture rows and block tables */
+    size_t meta = 2 * n + S + 1 + (size_t)c->n_layers * (3 * n + S + S * B);
+    on_device(w, &b->meta, meta * sizeof(int32_t));
+    on_host(w, &b->h_meta, meta * sizeof(int32_t));
+    on_host(w, &b->layer_meta, c->n_layers * sizeof(kvs_layer_meta));
+    /* the logits of the sequences that want them (at most one per sequence) */
+    size_t L = (size_t)l->max_seqs, world = (size_t)sh->world, vp = (size_t)sh->vocab_pad;
+    on_device(w, &b->last, L * c->hidden_size * a);
+    on_device(w, &b->logits, L * vp * a);
+    on_device(w, &b->last_rows, L * sizeof(int32_t));
+    on_host(w, &b->h_last_rows, L * sizeof(int32_t));
+    on_device(w, &s->params, L * sizeof(kvs_sample_row));
+    on_device(w, &s->out, 2 * L * sizeof(int32_t));
+    on_host(w, &s->h_out, 2 * L * sizeof(int32_t));
+    on_host(w, &s->greedy, L * sizeof(kvs_sample_row));
+    if (world == 1) return;
+    on_device(w, &b->logits_all, world * L * vp * a); /* the logits gather */
+    on_host(w, &b->h_logits, world * L * vp * sizeof(float));
+    on_device(w, &s->rows, L * world * vp * a); /* sampling the gathered rows */
+    on_device(w, &s->order, world * L * sizeof(int32_t));
+    on_host(w, &s->h_order, world * L * sizeof(int32_t));
+    on_device(w, &s->parts, L * sizeof(kvs_sample_part)); /* sampling without the gather */
+    on_device(w, &s->parts_all, world * L * sizeof(kvs_sample_part));
+    on_host(w, &s->h_parts, world * L * sizeof(kvs_sample_part));
+}
+
+size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const kvs_model_limits *limits,
+                            kvs_dtype act_dtype) {
+    kvs_model_limits l = kvs_limits_resolve(cfg, limits);
+    kvs_step_buffers b;
+    kvs_sample_buffers s;
+    walk w = {COUNT, NULL, 0, false};
+    walk_buffers(&w, &b, &s, cfg, shard, &l, act_dtype);
+    return w.bytes;
+}
+
+kvs_status kvs_step_buffers_create(kvs_model *m) {
+    walk w = {ALLOC, m->be, 0, false};
+    walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
+    for (int q = 0; !w.failed && q < m->limits.max_seqs; q++)
+        m->sample.greedy[q] = (kvs_sample_row){.temperature = 0, .top_p = 1};
+    if (!w.failed) return KVS_OK;
+    return kvs_fail(KVS_ERR_NOMEM, "model: out of memory for the step buffers (%.1f MiB of backend memory for %d "
+                    "tokens and %d sequences per step)", w.bytes / 1048576.0, m->limits.max_tokens,
+                    m->limits.max_seqs);
+}
+
+void kvs_step_buffers_free(kvs_model *m) {
+    walk w = {FREE, m->be, 0, false};
+    walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
+    memset(&m->buf, 0, sizeof m->buf);
+    memset(&m->sample, 0, sizeof m->sample);
+}

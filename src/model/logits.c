@@ -1,0 +1,132 @@
+/* What a step gives out: the full logits on the host (kvs_model_forward; with
+ * tensor parallelism every rank's vocabulary slice all-gathered), or ids the
+ * backend's sample op draws from the logits in backend memory, one small copy
+ * back (kvs_model_forward_sample; with tensor parallelism through the per-rank
+ * parts or the logits gathered on the device). Greedy is the sample op at
+ * temperature 0. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model_internal.h"
+
+static kvs_status forward_logits(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
+    int n_logits;
+    KVS_TRY(kvs_model_check_batch(m, b, kv));
+    KVS_TRY(kvs_forward_step(m, b, kv, &n_logits));
+    if (n_logits == 0) return KVS_OK;
+    kvs_backend *be = m->be;
+    kvs_step_buffers *sb = &m->buf;
+    const kvs_shard *sh = &m->shard;
+    int V = m->cfg.vocab_size, vp = sh->vocab_pad;
+    if (sh->world == 1) { /* vocab_pad == vocab */
+        if (logits) be->to_host_f32(be, logits, sb->logits, (size_t)n_logits * V);
+        return KVS_OK;
+    }
+    /* every rank's slice, then [rank][seq][vp] -> [seq][vocab] without the padding */
+    size_t per_rank = (size_t)n_logits * vp;
+    KVS_TRY(m->comm->all_gather(m->comm, sb->logits_all, sb->logits, per_rank, be->act_dtype));
+    if (!logits) return KVS_OK;
+    be->to_host_f32(be, sb->h_logits, sb->logits_all, (size_t)sh->world * per_rank);
+    for (int r = 0; r < sh->world; r++) {
+        int begin = r * vp, count = V - begin < vp ? V - begin : vp;
+        for (int s = 0; s < n_logits && count > 0; s++)
+            memcpy(logits + (size_t)s * V + begin, sb->h_logits + r * per_rank + (size_t)s * vp,
+                   sizeof(float) * count);
+    }
+    return KVS_OK;
+}
+
+kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
+    return kvs_forward_status(m, forward_logits(m, b, kv, logits));
+}
+
+kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params) {
+    for (int s = 0, q = 0; s < b->n_seqs; s++) {
+        const kvs_sample_row *p = &params[q];
+        if (!b->wants_logits[s]) continue;
+        if (!(p->temperature >= 0) || !isfinite(p->temperature) || p->top_k < 0 || !(p->top_p > 0 && p->top_p <= 1) ||
+            !(p->min_p >= 0 && p->min_p <= 1))
+            return kvs_fail(KVS_ERR_INVALID,
+                            "forward_sample: row %d: bad sampling parameters (temperature %g, top_k %d, top_p %g, "
+                            "min_p %g)", q, p->temperature, p->top_k, p->top_p, p->min_p);
+        q++;
+    }
+    return KVS_OK;
+}
+
+/* Tensor parallelism without the logits gather: every rank reduces its
+ * vocabulary slice to one kvs_sample_part per row on the device, the ranks
+ * all-gather the parts (28 bytes per row and rank), and the ranks that pass
+ * ids pick on the host (backend/sample.h: the same ids as the sample op over
+ * the whole row, logprobs up to the order of the sum). */
+static kvs_status sample_sharded(kvs_model *m, int n, const kvs_sample_row *params, int32_t *ids, float *logprobs) {
+    kvs_backend *be = m->be;
+    kvs_sample_buffers *s = &m->sample;
+    const kvs_shard *sh = &m->shard;
+    s->sharded_steps++;
+    be->to_device(be, s->params, params, sizeof(kvs_sample_row) * n);
+    be->sample_shard(be, s->parts, m->buf.logits, n, sh->vocab_pad, sh->vocab_count, sh->vocab_begin, s->params);
+    size_t floats = sizeof(kvs_sample_part) / sizeof(float) * (size_t)n; /* the gather copies bytes */
+    KVS_TRY(m->comm->all_gather(m->comm, s->parts_all, s->parts, floats, KVS_F32));
+    if (!ids) return KVS_OK;
+    be->to_host(be, s->h_parts, s->parts_all, sizeof(kvs_sample_part) * sh->world * n); /* the one copy back */
+    for (int q = 0; q < n; q++)
+        ids[q] = kvs_sample_pick(s->h_parts + q, sh->world, (size_t)n, &params[q], logprobs ? &logprobs[q] : NULL);
+    return KVS_OK;
+}
+
+/* Whether every row can take sample_sharded: greedy or temperature alone. */
+static bool all_shardable(const kvs_sample_row *params, int n, int vocab) {
+    for (int q = 0; q < n; q++)
+        if (!kvs_sample_shardable(&params[q], vocab)) return false;
+    return true;
+}
+
+static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                                 int32_t *ids, float *logprobs) {
+    const kvs_shard *sh = &m->shard;
+    int world = sh->world;
+    /* the ranks choose between the parts and the gather from params alone,
+       so that they all run the same collectives: every rank needs them */
+    if (!params && (ids || world > 1))
+        return kvs_fail(KVS_ERR_INVALID, "forward_sample: rank %d of %d has no sampling parameters", sh->rank, world);
+    KVS_TRY(kvs_model_check_batch(m, b, kv));
+    if (params) KVS_TRY(kvs_model_check_sample(b, params)); /* before the step: a bad row changes nothing */
+    int n;
+    KVS_TRY(kvs_forward_step(m, b, kv, &n));
+    if (n == 0) return KVS_OK;
+    if (world > 1 && all_shardable(params, n, m->cfg.vocab_size)) return sample_sharded(m, n, params, ids, logprobs);
+    kvs_backend *be = m->be;
+    kvs_sample_buffers *s = &m->sample;
+    const void *rows = m->buf.logits;
+    int ld = sh->vocab_pad;
+    if (world > 1) { /* every rank's slice, then [rank][seq][vp] -> [seq][rank][vp] on the device */
+        KVS_TRY(m->comm->all_gather(m->comm, m->buf.logits_all, m->buf.logits, (size_t)n * ld, be->act_dtype));
+        if (!ids) return KVS_OK;
+        for (int q = 0; q < n; q++)
+            for (int r = 0; r < world; r++) s->h_order[q * world + r] = r * n + q;
+        be->to_device(be, s->order, s->h_order, sizeof(int32_t) * world * n);
+        be->gather_rows(be, s->rows, m->buf.logits_all, s->order, world * n, ld);
+        rows = s->rows;
+        ld *= world; /* column c is token c: rank r's slice starts at r * vocab_pad */
+    }
+    if (!ids) return KVS_OK;
+    be->to_device(be, s->params, params, sizeof(kvs_sample_row) * n);
+    be->sample(be, s->out, logprobs ? (float *)(s->out + n) : NULL, rows, n, ld, m->cfg.vocab_size, s->params);
+    be->to_host(be, s->h_out, s->out, sizeof(int32_t) * (logprobs ? 2 : 1) * n); /* the one copy back */
+    memcpy(ids, s->h_out, sizeof(int32_t) * n);
+    if (logprobs) memcpy(logprobs, s->h_out + n, sizeof(float) * n);
+    return KVS_OK;
+}
+
+kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                                    int32_t *ids, float *logprobs) {
+    return kvs_forward_status(m, forward_sample(m, b, kv, params, ids, logprobs));
+}
+
+/* The argmax on the device (ties to the lowest id); with tensor parallelism
+ * through the per-rank parts. */
+kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids) {
+    return kvs_model_forward_sample(m, b, kv, m->sample.greedy, ids, NULL);
+}
