@@ -1332,7 +1332,7 @@ Test(cuda, dummy_fill_matches_upload_of_host_tensor) {
     duo_close(&d);
 }
 
-/* ---- CUDA graphs of decode steps (src/model/forward.c) ------------------------- */
+/* ---- CUDA graphs of decode steps (src/model/graphs.c) ------------------------- */
 
 /* The same scenario (testutil.c: joins, leaves, SnapKV compaction between steps,
  * decode batches of 3, 5, 4, 37 and 19: not buckets) with graphs, with the

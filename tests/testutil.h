@@ -73,7 +73,7 @@ void rig_close(rig *r);
 /* Reserves and runs ids[0..n) of seq at positions pos0.. in one step; logits of the last token. */
 void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits);
 
-/* The decode-step graph scenario (tests of src/model/forward.c's padded
+/* The decode-step graph scenario (tests of src/model/step_meta.c's padded
  * layout and CUDA graphs): sequences join (prefill steps) and leave between
  * runs of pure-decode steps of 3, 5, 4, 37 and 18 sequences, under SnapKV
  * (budget 24, window 8, first layer full) so sequences are compacted after

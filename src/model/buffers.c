@@ -1,10 +1,9 @@
-/* The step buffers, sized once when the model is created for its limits (no
- * growth during steps, so the pointers a CUDA graph bakes in stay put):
- * activations for the largest step's rows, logits and sampling for max_seqs
- * rows, and the metadata of max_seqs sequences of max_len entries in every
- * layer. One walk over the buffers counts them, allocates them and frees them. */
+/* The step buffers, sized once when the model is created for its limits (so
+ * the pointers a CUDA graph bakes in stay put): activations for the largest
+ * step's rows, logits and sampling for max_seqs rows, the metadata of max_seqs
+ * sequences of max_len entries in every layer. One walk over the buffers
+ * counts them, allocates them and frees them. */
 #include <stdlib.h>
-#include <string.h>
 
 #include "model/model_internal.h"
 
@@ -12,7 +11,7 @@ kvs_model_limits kvs_limits_resolve(const kvs_config *cfg, const kvs_model_limit
     kvs_model_limits l = in ? *in : (kvs_model_limits){0};
     if (l.max_tokens <= 0) l.max_tokens = 2048;
     if (l.max_seqs <= 0) l.max_seqs = 64;
-    if (l.max_len <= 0) l.max_len = cfg->max_position_embeddings > 0 ? cfg->max_position_embeddings : 1;
+    if (l.max_len <= 0) l.max_len = cfg->max_position_embeddings;
     if (l.block_size <= 0) l.block_size = 16;
     return l;
 }
@@ -40,14 +39,14 @@ typedef struct {
 static void on_device(walk *w, void *ptr, size_t bytes) {
     void **p = ptr;
     w->bytes += bytes;
-    if (w->mode == ALLOC && !(*p = w->be->alloc(w->be, bytes ? bytes : 16))) w->failed = true;
+    if (w->mode == ALLOC && !(*p = w->be->alloc(w->be, bytes))) w->failed = true;
     if (w->mode == FREE && *p) w->be->free(w->be, *p);
 }
 
 static void on_host(walk *w, void *ptr, size_t bytes) { /* pinned where the backend has it: fast copies */
     void **p = ptr;
     kvs_backend *be = w->be;
-    if (w->mode == ALLOC && !(*p = be->host_alloc ? be->host_alloc(be, bytes) : malloc(bytes ? bytes : 1))) w->failed = true;
+    if (w->mode == ALLOC && !(*p = be->host_alloc ? be->host_alloc(be, bytes) : malloc(bytes))) w->failed = true;
     if (w->mode == FREE && *p) be->host_free ? be->host_free(be, *p) : free(*p);
 }
 
@@ -123,6 +122,4 @@ kvs_status kvs_step_buffers_create(kvs_model *m) {
 void kvs_step_buffers_free(kvs_model *m) {
     walk w = {FREE, m->be, 0, false};
     walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
-    memset(&m->buf, 0, sizeof m->buf);
-    memset(&m->sample, 0, sizeof m->sample);
 }

@@ -1,10 +1,9 @@
-/* The transformer over one step's batch (varlen prefill chunks and decode
- * tokens together), as a sequence of backend ops, the same for every backend:
- * embedding; for each layer the attention block, then the MLP block; the final
- * norm and the logits of the rows that want them. With tensor parallelism
- * each rank runs its heads and MLP columns, and the row-parallel outputs are
- * summed over the ranks. The batch's metadata is step_meta.c's, the graphs
- * graphs.c's, the way out (full logits, sampled ids) logits.c's. */
+/* The transformer over one step's batch (prefill chunks and decode tokens
+ * together) as backend ops, the same for every backend: embedding; for each
+ * layer the attention block, then the MLP block; the final norm and the
+ * logits. With tensor parallelism each rank runs its heads and MLP columns and
+ * the row-parallel outputs are summed over the ranks. Beside it: step_meta.c
+ * (the batch's metadata), graphs.c, logits.c (full logits, sampled ids). */
 #include <math.h>
 
 #include "model/model_internal.h"
@@ -104,11 +103,4 @@ kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, 
     for (int s = 0; s < b->n_seqs; s++) KVS_TRY(kvs_kv_sparsify(kv, b->seq_ids[s]));
     *n_logits_out = n_logits;
     return KVS_OK;
-}
-
-/* Ops return nothing; a failed op or a CUDA fault is recorded in the backend:
- * the step that caused a failure reports it. */
-kvs_status kvs_forward_status(kvs_model *m, kvs_status st) {
-    kvs_status health = m->be->check(m->be);
-    return st != KVS_OK ? st : health;
 }

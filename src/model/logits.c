@@ -10,6 +10,13 @@
 
 #include "model/model_internal.h"
 
+/* Ops return nothing; a failed op or a CUDA fault is recorded in the backend:
+ * the step that caused a failure reports it. */
+static kvs_status step_status(kvs_model *m, kvs_status st) {
+    kvs_status health = m->be->check(m->be);
+    return st != KVS_OK ? st : health;
+}
+
 static kvs_status forward_logits(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
     int n_logits;
     KVS_TRY(kvs_model_check_batch(m, b, kv));
@@ -38,7 +45,7 @@ static kvs_status forward_logits(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
 }
 
 kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
-    return kvs_forward_status(m, forward_logits(m, b, kv, logits));
+    return step_status(m, forward_logits(m, b, kv, logits));
 }
 
 kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params) {
@@ -122,7 +129,7 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
 
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
                                     int32_t *ids, float *logprobs) {
-    return kvs_forward_status(m, forward_sample(m, b, kv, params, ids, logprobs));
+    return step_status(m, forward_sample(m, b, kv, params, ids, logprobs));
 }
 
 /* The argmax on the device (ties to the lowest id); with tensor parallelism

@@ -17,9 +17,8 @@ typedef struct {
     int max_blocks, max_kv_len, max_q_len, n_cap;
 } kvs_layer_meta;
 
-/* The step buffers (buffers.c), allocated once when the model is created, for
- * its limits: rows are max_tokens or the largest padded graph bucket, logits
- * rows max_seqs. */
+/* The step buffers (buffers.c), for the model's limits: rows are max_tokens or
+ * the largest padded graph bucket. */
 typedef struct {
     void *x, *xn, *q, *k, *v, *att, *tmp, *gate_up, *act; /* [rows][...] */
     float *lse;                                         /* [rows][heads] */
@@ -115,10 +114,9 @@ int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch
 
 /* forward.c: the embedding and the layers (all a graph holds); the step up
  * to each rank's logits slice in buf.logits [n_logits][vocab_pad], after
- * kvs_model_check_batch; st, or a failed backend op's status. */
+ * kvs_model_check_batch. */
 kvs_status kvs_forward_layers(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh);
 kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int *n_logits);
-kvs_status kvs_forward_status(kvs_model *m, kvs_status st);
 
 /* graphs.c: kvs_forward_layers for the step: eagerly, or as its bucket's
  * graph; destroying every graph. */

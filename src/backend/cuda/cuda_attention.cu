@@ -990,7 +990,7 @@ static void launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out
     }
 }
 
-/* CUDA graphs (src/model/forward.c, padded decode steps): the graph of a bucket
+/* CUDA graphs (src/model/graphs.c, padded decode steps): the graph of a bucket
  * is captured once and replayed while its sequences grow and get compacted, so
  * max_kv_len here is the bucket's capacity (stride x block_size), not the
  * batch's longest sequence, and the split count below depends only on the
