@@ -43,11 +43,17 @@ static void on_device(walk *w, void *ptr, size_t bytes) {
     if (w->mode == FREE && *p) w->be->free(w->be, *p);
 }
 
-static void on_host(walk *w, void *ptr, size_t bytes) { /* pinned where the backend has it: fast copies */
+static void on_host(walk *w, void *ptr, size_t bytes) {
     void **p = ptr;
-    kvs_backend *be = w->be;
-    if (w->mode == ALLOC && !(*p = be->host_alloc ? be->host_alloc(be, bytes) : malloc(bytes))) w->failed = true;
-    if (w->mode == FREE && *p) be->host_free ? be->host_free(be, *p) : free(*p);
+    if (w->mode == ALLOC && !(*p = malloc(bytes))) w->failed = true;
+    if (w->mode == FREE) free(*p);
+}
+
+/* Pinned on CUDA: to_device from it is truly asynchronous (backend.h). */
+static void on_pinned(walk *w, void *ptr, size_t bytes) {
+    void **p = ptr;
+    if (w->mode == ALLOC && !(*p = w->be->host_alloc(w->be, bytes))) w->failed = true;
+    if (w->mode == FREE && *p) w->be->host_free(w->be, *p);
 }
 
 /* Every step buffer of a rank model (shard) for limits l. */
@@ -75,7 +81,7 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
        slots, kv lengths, window-capture rows and block tables */
     size_t meta = 2 * n + S + 1 + (size_t)c->n_layers * (3 * n + S + S * B);
     on_device(w, &b->meta, meta * sizeof(int32_t));
-    on_host(w, &b->h_meta, meta * sizeof(int32_t));
+    on_pinned(w, &b->h_meta, meta * sizeof(int32_t));
     on_host(w, &b->layer_meta, c->n_layers * sizeof(kvs_layer_meta));
     /* the logits of the sequences that want them (at most one per sequence) */
     size_t L = (size_t)l->max_seqs, world = (size_t)sh->world, vp = (size_t)sh->vocab_pad;

@@ -61,6 +61,7 @@ static kvs_status mlp_block(kvs_model *m, const kvs_layer_weights *w, const kvs_
     return KVS_OK;
 }
 
+/* The embedding, then every layer: what a decode step's CUDA graph holds. */
 kvs_status kvs_forward_layers(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh) {
     kvs_backend *be = m->be;
     const kvs_config *c = &m->cfg;
