@@ -114,7 +114,7 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
 }
 
 #ifndef KVS_HAVE_CUDA
-kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
+kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out) {
     *out = NULL;
     return kvs_fail(KVS_ERR_UNSUPPORTED, "this kvsparse was built without CUDA");
 }

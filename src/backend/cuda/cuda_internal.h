@@ -63,6 +63,7 @@ typedef struct {
     int capturing;        /* a graph capture is open on stream */
     int capture_broken;   /* something during this capture could not be captured */
     int n_sms;
+    int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int failed; /* sticky: a CUDA call failed; check reports failure */
     char failure[512]; /* the first failure's message */
 } kvs_cuda;
