@@ -185,12 +185,10 @@ typedef enum {
     KVS_CUDA_PREFILL_HEAD,  /* 8 warps, 256 query rows of one head a block */
     KVS_CUDA_PREFILL_SMALL, /* 4 warps, 64 rows, Q in registers: the least shared memory */
 } kvs_cuda_prefill;
-
 typedef struct {
     int device;               /* CUDA device index */
     kvs_cuda_prefill prefill; /* 0: AUTO */
 } kvs_cuda_options;
-
 /* CUDA backend; KVS_ERR_UNSUPPORTED when built without CUDA or no GPU present. */
 kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out);
 

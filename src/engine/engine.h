@@ -1,6 +1,5 @@
-/* engine: requests, the scheduler (continuous batching, chunked prefill,
- * admission, preemption), the step loop, sampling parameters and stop
- * conditions, and each request's output stream (tokens and their text). */
+/* engine: requests, the scheduler (continuous batching, chunked prefill, admission,
+ * preemption), the step loop, sampling parameters and each request's output stream. */
 #ifndef KVS_ENGINE_H
 #define KVS_ENGINE_H
 
