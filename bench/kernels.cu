@@ -6,7 +6,9 @@
  *     (32 query heads, 8 KV heads, head_dim 128): KV bytes read per second, the
  *     decode kernel, then in graph mode (max_kv_len 8x)
  *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s, one line per
- *     prefill variant (0, 2, 4, 13) and the default with lse
+ *     prefill kernel (kvs_cuda_options.prefill: SMALL, HEAD, GQA), the version
+ *     kept in bench/prefill_versions.cuh (v0, its output checked against the
+ *     default's) and the default with lse
  *     (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
  *   - sampling 256 rows of 128,256 logits on the GPU (greedy, temperature,
  *     top-k + top-p + min-p; with logprobs) against copying them to the host as f32
@@ -22,19 +24,18 @@
  *     bandwidth, and the speed-up
  * Times are wall clock around many queued launches between two stream syncs.
  * Usage: kvs_bench_kernels [device] */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/cuda_mma.cuh"
+#include "prefill_versions.cuh"
 
 extern "C" {
 #include "backend/sample.h"
 #include "kv/kv.h"
 }
-
-/* tuning knob of cuda_attention.cu: -1: auto; 0: 4 warps x 32 rows, 2: 4 x 16,
- * 4: 8 x 32 + FFMA/rescale skip, 13: 4 heads of a GQA group a block (see there) */
-extern "C" int kvs_cuda_attn_prefill_variant;
 
 __global__ void kvs_bench_fill_kernel(bf16 *x, size_t n, uint32_t seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -84,6 +85,10 @@ struct attn_ctx { void *out, *q; float *lse; kvs_kv_pool pool; kvs_attn_batch ab
 static void run_attn(kvs_backend *b, void *p) {
     attn_ctx *c = (attn_ctx *)p;
     b->attention(b, c->out, c->lse, c->q, &c->pool, &c->ab, c->n_heads, 0.08838834764f);
+}
+static void run_attn_v0(kvs_backend *b, void *p) {
+    attn_ctx *c = (attn_ctx *)p;
+    prefill_v0::attention(b, c->out, c->lse, c->q, &c->pool, &c->ab, c->n_heads, 0.08838834764f);
 }
 
 /* A batch of n_seqs sequences of ctx entries each (q_len new tokens each), blocks shuffled. */
@@ -201,7 +206,9 @@ static void attn_free(kvs_backend *b, attn_ctx *c) {
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     kvs_backend *b;
-    if (kvs_backend_cuda_create(device, &b) != KVS_OK) {
+    kvs_cuda_options opt = {};
+    opt.device = device;
+    if (kvs_backend_cuda_create(&opt, &b) != KVS_OK) {
         fprintf(stderr, "kvs_bench_kernels: %s\n", kvs_last_error());
         return 1;
     }
@@ -249,26 +256,42 @@ int main(int argc, char **argv) {
     }
     attn_free(b, &dc);
 
-    /* prefill attention: 4096 tokens, causal; every variant (the default also with lse) */
+    /* prefill attention: 4096 tokens, causal; every kernel (the default also with
+       lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh
+       (-1), its output compared with the default's */
     attn_ctx pc;
     enum { N_PRE = 5 };
     double pre_tf[N_PRE], flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
-    const char *pre_name[N_PRE] = {"v0 4 warps x 32 rows", "v2 4 warps x 16 rows",
-                                   "v4 8 warps x 32 rows, FFMA + rescale skip",
-                                   "v13 v4 with 4 heads x 64 rows a block, warps skipping fully masked tiles",
-                                   "default (auto: v13 where it fits) + lse"};
-    const int pre_default = kvs_cuda_attn_prefill_variant;
-    const int pre_variant[N_PRE] = {0, 2, 4, 13, -2};
+    const char *pre_name[N_PRE] = {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)",
+                                   "SMALL (v2) 4 warps x 16 rows",
+                                   "HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip",
+                                   "GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles",
+                                   "default (AUTO: GQA where it fits) + lse"};
+    const int pre_kernel[N_PRE] = {-1, KVS_CUDA_PREFILL_SMALL, KVS_CUDA_PREFILL_HEAD, KVS_CUDA_PREFILL_GQA,
+                                   KVS_CUDA_PREFILL_AUTO};
     for (int v = 0; v < N_PRE; v++) {
-        kvs_cuda_attn_prefill_variant = pre_variant[v] == -2 ? pre_default : pre_variant[v];
-        if (!attn_setup(b, &pc, 1, 4096, 4096, pre_variant[v] == -2)) return fprintf(stderr, "out of memory\n"), 1;
-        double t_pre = time_it(b, 20, run_attn, &pc);
+        kvs_cuda_of(b)->prefill = pre_kernel[v] < 0 ? KVS_CUDA_PREFILL_AUTO : pre_kernel[v];
+        bool auto_lse = pre_kernel[v] == KVS_CUDA_PREFILL_AUTO;
+        if (!attn_setup(b, &pc, 1, 4096, 4096, auto_lse)) return fprintf(stderr, "out of memory\n"), 1;
+        double t_pre = time_it(b, 20, pre_kernel[v] < 0 ? run_attn_v0 : run_attn, &pc);
         pre_tf[v] = flops / t_pre / 1e12;
-        attn_free(b, &pc);
         printf("prefill attention: 4096 tokens causal, 32/8 heads, d 128, %s: %.3f ms, %.1f TFLOP/s (%.0f%% of gemm)\n",
                pre_name[v], t_pre * 1e3, pre_tf[v], 100 * pre_tf[v] / gemm_tf);
+        if (pre_kernel[v] < 0) { /* a kernel kept outside the backend: its output against the default's */
+            size_t n_out = (size_t)4096 * 32 * 128;
+            float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
+            b->to_host_f32(b, got, pc.out, n_out);
+            run_attn(b, &pc);
+            b->to_host_f32(b, want, pc.out, n_out);
+            double worst = 0;
+            for (size_t i = 0; i < n_out; i++) worst = fmax(worst, fabs((double)got[i] - want[i]));
+            printf("prefill attention: %s against the default: max |difference| %.3g (bf16 outputs)\n", pre_name[v],
+                   worst);
+            free(got), free(want);
+        }
+        attn_free(b, &pc);
     }
-    kvs_cuda_attn_prefill_variant = pre_default;
+    kvs_cuda_of(b)->prefill = KVS_CUDA_PREFILL_AUTO;
 
     /* SnapKV cost vs the prefill of one layer, 4000-token prompt, Llama-3-8B shape */
     const int P = 4000, W = 32, H = 32, KV = 8, D = 128, KEEP = 2000;
@@ -389,9 +412,8 @@ int main(int argc, char **argv) {
                dec_name[v], dec_graph[v] ? "" : " (default)", dec_bw_v[v],
                t_dec_v[v] * 1e3, copy_bw, 100 * dec_bw_v[v] / copy_bw);
     for (int v = 0; v < N_PRE; v++)
-        printf("| prefill attention 4096 causal, 32/8 x 128, %s%s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
-               pre_name[v], pre_variant[v] == pre_default ? " (default)" : "", pre_tf[v], gemm_tf,
-               100 * pre_tf[v] / gemm_tf);
+        printf("| prefill attention 4096 causal, 32/8 x 128, %s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
+               pre_name[v], pre_tf[v], gemm_tf, 100 * pre_tf[v] / gemm_tf);
     printf("| sparsity_scores, 32 x 4000 x 8/32 heads | %.1f us | layer prefill attention %.1f us | %.2f%% |\n",
            t_scores * 1e6, t_layer_attn * 1e6, 100 * t_scores / t_layer_attn);
     const double t_layer_us = t_layer * 1e6;

@@ -1,4 +1,4 @@
-/* libFuzzer target: chat messages -> prompt ids (kvs_api_chat_encode) with the
+/* libFuzzer target: chat messages -> prompt ids (kvs_tokenizer_encode_chat) with the
  * real tokenizer of models/tiny-needle-llama and several real chat templates.
  *
  * Input: byte 0 picks the template (low 3 bits) and the mode (bit 3):
@@ -85,7 +85,7 @@ static int special_ids(const int32_t *ids, int n, int32_t *out) {
 static void check(const fuzz_template *ft, const kvs_chat_message *msgs, int n) {
     int32_t *ids = NULL;
     int n_ids = 0;
-    if (kvs_api_chat_encode(tok, ft->tpl, msgs, n, &ids, &n_ids) != KVS_OK) {
+    if (kvs_tokenizer_encode_chat(tok, ft->tpl, msgs, n, &ids, &n_ids) != KVS_OK) {
         if (!kvs_last_error()[0]) die("an error without a message");
         return;
     }
@@ -103,7 +103,7 @@ static void check(const fuzz_template *ft, const kvs_chat_message *msgs, int n) 
     }
     int32_t *base = NULL;
     int n_base = 0;
-    if (kvs_api_chat_encode(tok, ft->tpl, empty, n, &base, &n_base) != KVS_OK)
+    if (kvs_tokenizer_encode_chat(tok, ft->tpl, empty, n, &base, &n_base) != KVS_OK)
         die("\"x\" contents fail where the real ones encode");
     free(empty);
     int32_t *sa = malloc(sizeof *sa * (size_t)(n_ids + 1)), *sb = malloc(sizeof *sb * (size_t)(n_base + 1));

@@ -4,7 +4,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "tokenizer/tokenizer.h"
+#include "template/template.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     kvs_chat_template *tpl = NULL;

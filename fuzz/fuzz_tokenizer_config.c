@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/server.h"
+#include "tokenizer/tokenizer.h"
 
 /* byte-level BPE with the control tokens real configs name */
 static const char tokenizer_json[] =
@@ -61,14 +61,14 @@ static int special_ids(const kvs_tokenizer *t, const int32_t *ids, int n, int32_
 static void encode_chat(const kvs_tokenizer *t, const kvs_chat_template *tpl) {
     int32_t *ids = NULL, *base = NULL;
     int n = 0, n_base = 0;
-    if (kvs_api_chat_encode(t, tpl, msgs, N_MSGS, &ids, &n) != KVS_OK) return;
+    if (kvs_tokenizer_encode_chat(t, tpl, msgs, N_MSGS, &ids, &n) != KVS_OK) return;
     kvs_chat_message x[N_MSGS];
     for (int i = 0; i < N_MSGS; i++) {
         size_t start, len;
         kvs_chat_template_strip(msgs[i].content, strlen(msgs[i].content), true, true, &start, &len);
         x[i] = (kvs_chat_message){msgs[i].role, len ? "x" : msgs[i].content};
     }
-    if (kvs_api_chat_encode(t, tpl, x, N_MSGS, &base, &n_base) != KVS_OK) abort();
+    if (kvs_tokenizer_encode_chat(t, tpl, x, N_MSGS, &base, &n_base) != KVS_OK) abort();
     int32_t *sa = malloc(sizeof *sa * (size_t)(n + 1)), *sb = malloc(sizeof *sb * (size_t)(n_base + 1));
     int ka = special_ids(t, ids, n, sa), kb = special_ids(t, base, n_base, sb);
     if (ka != kb || memcmp(sa, sb, sizeof *sa * (size_t)ka)) abort(); /* user text became a control token */

@@ -9,7 +9,7 @@
 #include <sys/wait.h>
 
 #include "testutil.h"
-#include "tokenizer/tokenizer.h"
+#include "template/template.h"
 
 /* ---- helpers -------------------------------------------------------------------- */
 static const kvs_chat_message MSGS[] = {

@@ -21,9 +21,10 @@ typedef struct {
     kvs_rng rng;
 } duo;
 
-static bool duo_open(duo *d) {
+/* the GPU backend with the given prefill attention kernel */
+static bool duo_open_prefill(duo *d, kvs_cuda_prefill prefill) {
     memset(d, 0, sizeof *d);
-    if (kvs_backend_cuda_create(0, &d->gpu) != KVS_OK) return false;
+    if (kvs_backend_cuda_create(&(kvs_cuda_options){.device = 0, .prefill = prefill}, &d->gpu) != KVS_OK) return false;
     cr_assert_eq(kvs_backend_cpu_create(0, &d->cpu), KVS_OK);
     kvs_rng_seed(&d->rng, kvs_test_seed());
     return true;
@@ -34,9 +35,10 @@ static void duo_close(duo *d) {
     d->cpu->destroy(d->cpu);
 }
 
-#define OPEN_OR_SKIP(d)                                                          \
+#define OPEN_OR_SKIP(d) OPEN_PREFILL_OR_SKIP(d, KVS_CUDA_PREFILL_AUTO)
+#define OPEN_PREFILL_OR_SKIP(d, prefill)                                         \
     do {                                                                         \
-        if (!duo_open(d)) {                                                      \
+        if (!duo_open_prefill(d, prefill)) {                                     \
             cr_skip("no GPU: skipped (%s)", kvs_last_error());                   \
             return;                                                              \
         }                                                                        \
@@ -500,10 +502,10 @@ static void check_pools_equal(duo *d, paged *p, const char *what) {
  * capacity > 1 emulates CUDA-graph mode: the block-table stride and max_kv_len
  * are capacity x what the sequences need (the extra table entries are block 0),
  * so most decode splits start past kv_len[s] and must contribute nothing. */
-static void attention_case_cap(int n_heads, int n_kv, int D, int n_seqs, const int *kv_len, const int *q_len,
-                               int capacity) {
+static void attention_case_prefill(kvs_cuda_prefill prefill, int n_heads, int n_kv, int D, int n_seqs,
+                                   const int *kv_len, const int *q_len, int capacity) {
     duo d;
-    OPEN_OR_SKIP(&d);
+    OPEN_PREFILL_OR_SKIP(&d, prefill);
     paged p;
     paged_build(&d, &p, n_seqs, kv_len, n_kv, D);
     check_pools_equal(&d, &p, "kv_write");
@@ -558,6 +560,11 @@ static void attention_case_cap(int n_heads, int n_kv, int D, int n_seqs, const i
     duo_close(&d);
 }
 
+static void attention_case_cap(int n_heads, int n_kv, int D, int n_seqs, const int *kv_len, const int *q_len,
+                               int capacity) {
+    attention_case_prefill(KVS_CUDA_PREFILL_AUTO, n_heads, n_kv, D, n_seqs, kv_len, q_len, capacity);
+}
+
 static void attention_case(int n_heads, int n_kv, int D, int n_seqs, const int *kv_len, const int *q_len) {
     attention_case_cap(n_heads, n_kv, D, n_seqs, kv_len, q_len, 1);
 }
@@ -578,32 +585,27 @@ Test(cuda, attention_prefill_long_d128) {
     attention_case(32, 8, 128, 2, kv, q);
 }
 
-#ifdef KVS_HAVE_CUDA
-/* every prefill variant of cuda_attention.cu (0, 2, 4, 13; the automatic
- * choice is covered by the other tests) on every case */
-extern int kvs_cuda_attn_prefill_variant;
+/* every prefill kernel of cuda_attention.cu (kvs_cuda_options.prefill; the
+ * automatic choice is also covered by the other tests) on every case */
 Test(cuda, attention_prefill_variants) {
     const int kv[] = {1500, 333}, q[] = {1500, 333};
-    const int def = kvs_cuda_attn_prefill_variant;
-    /* 13 pairs 4 query heads of a KV group a block: groups 4 and 8 here; groups
-     * 2 (4/2 x 32), 1 (8/8 x 64) and 3 (6/2 x 128) fall back to 4. 1 (a deleted
-     * variant) and 99 are unknown and act as the automatic choice */
-    const int variants[] = {0, 2, 4, 13, 1, 99};
-    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
-        const int v = variants[i];
-        kvs_cuda_attn_prefill_variant = v;
-        cr_log_info("prefill variant %d", v);
-        attention_case(32, 8, 128, 2, kv, q);
-        attention_case(32, 8, 128, MIX_N, mix_kv, mix_q);
-        attention_case(16, 4, 64, MIX_N, mix_kv, mix_q);
-        attention_case(32, 4, 128, MIX_N, mix_kv, mix_q);
-        attention_case(4, 2, 32, MIX_N, mix_kv, mix_q);
-        attention_case(8, 8, 64, MIX_N, mix_kv, mix_q);
-        attention_case(6, 2, 128, MIX_N, mix_kv, mix_q);
+    /* GQA pairs 4 query heads of a KV group a block: groups 4 and 8 here; groups
+     * 2 (4/2 x 32), 1 (8/8 x 64) and 3 (6/2 x 128) fall back to HEAD. 99 is
+     * unknown and acts as the automatic choice */
+    const kvs_cuda_prefill kernels[] = {KVS_CUDA_PREFILL_SMALL, KVS_CUDA_PREFILL_HEAD, KVS_CUDA_PREFILL_GQA,
+                                        KVS_CUDA_PREFILL_AUTO, (kvs_cuda_prefill)99};
+    for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
+        const kvs_cuda_prefill k = kernels[i];
+        cr_log_info("prefill kernel %d", (int)k);
+        attention_case_prefill(k, 32, 8, 128, 2, kv, q, 1);
+        attention_case_prefill(k, 32, 8, 128, MIX_N, mix_kv, mix_q, 1);
+        attention_case_prefill(k, 16, 4, 64, MIX_N, mix_kv, mix_q, 1);
+        attention_case_prefill(k, 32, 4, 128, MIX_N, mix_kv, mix_q, 1);
+        attention_case_prefill(k, 4, 2, 32, MIX_N, mix_kv, mix_q, 1);
+        attention_case_prefill(k, 8, 8, 64, MIX_N, mix_kv, mix_q, 1);
+        attention_case_prefill(k, 6, 2, 128, MIX_N, mix_kv, mix_q, 1);
     }
-    kvs_cuda_attn_prefill_variant = def;
 }
-#endif
 
 static const int dec_kv[] = {1, 15, 16, 17, 63, 64, 65, 1000, 5000, 4097};
 static const int dec_q[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
@@ -1428,7 +1430,8 @@ static bool tp_pair_open(tp_pair *t, const char *dir, int max_tokens) {
     if (gpus < 2) return false;
     cr_assert_eq(kvs_config_load(dir, &t->cfg), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_checkpoint_open(dir, &t->cfg, &t->ck), KVS_OK, "%s", kvs_last_error());
-    for (int r = 0; r < 2; r++) cr_assert_eq(kvs_backend_cuda_create(r, &t->be[r]), KVS_OK, "%s", kvs_last_error());
+    for (int r = 0; r < 2; r++)
+        cr_assert_eq(kvs_backend_cuda_create(&(kvs_cuda_options){.device = r}, &t->be[r]), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_comm_nccl_create(t->be, 2, t->comm), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_tp_group_create(&t->cfg, t->ck, 2, t->be, t->comm, gpus, NULL, &t->g), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = {.n_layers = t->cfg.n_layers, .n_kv_heads = t->cfg.n_kv_heads, .head_dim = t->cfg.head_dim,
@@ -1437,7 +1440,7 @@ static bool tp_pair_open(tp_pair *t, const char *dir, int max_tokens) {
     cr_assert_eq(kvs_tp_kv_create(t->g, &kc), KVS_OK, "%s", kvs_last_error());
     /* TP = 1 last: creating a CUDA backend makes its GPU this thread's device,
        and TP = 1 runs on this thread (the ranks run on their own, bound threads) */
-    cr_assert_eq(kvs_backend_cuda_create(0, &t->be1), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_backend_cuda_create(&(kvs_cuda_options){.device = 0}, &t->be1), KVS_OK, "%s", kvs_last_error());
     rig_open(&t->one, dir, t->be1, RIG_BLOCKS(max_tokens, 2), 2);
     t->V = t->cfg.vocab_size;
     return true;
@@ -2103,7 +2106,8 @@ Test(cuda, tp2_a_failed_rank_fails_the_step, .timeout = 300) {
     cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK);
     kvs_backend *be[2], *ranks[2];
     kvs_comm *comm[2];
-    for (int r = 0; r < 2; r++) cr_assert_eq(kvs_backend_cuda_create(r, &be[r]), KVS_OK, "%s", kvs_last_error());
+    for (int r = 0; r < 2; r++)
+        cr_assert_eq(kvs_backend_cuda_create(&(kvs_cuda_options){.device = r}, &be[r]), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_comm_nccl_create(be, 2, comm), KVS_OK, "%s", kvs_last_error());
     kvs_fault_spec f = {.fail_step = 2};
     ranks[0] = be[0];

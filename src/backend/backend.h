@@ -1,6 +1,6 @@
 /* backend: one ops interface over memory the backend owns (host memory for
- * cpu/, device memory for cuda/). kvs_model_forward and the kv module call
- * only these ops, so the forward pass is the same code for every backend.
+ * cpu/, device memory for cuda/). The model and the kv module call only these
+ * ops, so the forward pass is the same code for every backend.
  *
  * Conventions: matrices are row-major. Activations and weights use the
  * backend's dtypes (act_dtype, weight_dtype); the KV pool uses kv_dtype.
@@ -84,9 +84,11 @@ struct kvs_backend {
     void (*gather_rows)(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim);
     /* Copies act_dtype x[n] to f32 host memory. */
     void (*to_host_f32)(kvs_backend *b, float *dst, const void *src, size_t n);
-    /* KV block copies for compaction: for each (head h, i < n): entry dst_entry[i]
-     * of the table dst_blocks gets entry src_entry[h * n + i] of head h.
-     * Arrays in backend memory; entries index into the block lists. */
+    /* KV copies for compaction, in place in one sequence's layer table: for each
+     * (head h, i < n), entry i of head h gets its entry src_entry[h * n + i]
+     * (ascending per head, src_entry[h * n + i] >= i). Entry e lives in block
+     * blocks[e / block_size] (n_blocks of them) at offset e % block_size.
+     * Arrays in backend memory. */
     void (*kv_gather)(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
                       const int32_t *src_entry, int n);
     /* dst <- src, both backend memory */
@@ -128,7 +130,7 @@ struct kvs_backend {
      * and nothing is written. */
     void (*snapkv_select)(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
                           int k, int n_win);
-    /* ---- per-step metadata and CUDA graphs (appended for src/model/forward.c) ---- */
+    /* ---- the model's step buffers and decode-step graphs ---- */
     /* Host memory for uploads: pinned on CUDA (to_device from it is a truly
      * asynchronous copy, so the source must stay unchanged until the stream has
      * run the copy: the next synchronize or to_host), malloc on the CPU. NULL
@@ -174,7 +176,20 @@ struct kvs_backend {
 };
 
 kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out);
+
+/* The CUDA backend's prefill attention kernel (docs/CUDA.md). A kernel whose
+ * shared memory does not fit the device, or an unknown value, acts as AUTO. */
+typedef enum {
+    KVS_CUDA_PREFILL_AUTO,  /* GQA where it fits the device's shared memory, else SMALL */
+    KVS_CUDA_PREFILL_GQA,   /* 8 warps, 4 query heads of a KV group a block (HEAD for other groups) */
+    KVS_CUDA_PREFILL_HEAD,  /* 8 warps, 256 query rows of one head a block */
+    KVS_CUDA_PREFILL_SMALL, /* 4 warps, 64 rows, Q in registers: the least shared memory */
+} kvs_cuda_prefill;
+typedef struct {
+    int device;               /* CUDA device index */
+    kvs_cuda_prefill prefill; /* 0: AUTO */
+} kvs_cuda_options;
 /* CUDA backend; KVS_ERR_UNSUPPORTED when built without CUDA or no GPU present. */
-kvs_status kvs_backend_cuda_create(int device, kvs_backend **out);
+kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out);
 
 #endif

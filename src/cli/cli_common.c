@@ -98,7 +98,8 @@ static kvs_status load_cuda_ranks(const kvs_load_options *o, kvs_loaded *out, in
     out->rank_be = calloc((size_t)tp, sizeof *out->rank_be);
     out->rank_comm = calloc((size_t)tp, sizeof *out->rank_comm);
     if (!out->rank_be || !out->rank_comm) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
-    for (int r = 0; r < tp; r++) KVS_TRY(kvs_backend_cuda_create(device0 + r, &out->rank_be[r]));
+    for (int r = 0; r < tp; r++)
+        KVS_TRY(kvs_backend_cuda_create(&(kvs_cuda_options){.device = device0 + r}, &out->rank_be[r]));
     out->be = out->rank_be[0];
     KVS_TRY(kvs_comm_nccl_create(out->rank_be, tp, out->rank_comm));
     if (o->skip_model) return KVS_OK;
@@ -154,7 +155,8 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     if (st == KVS_OK && cuda && tp > 1) {
         st = load_cuda_ranks(o, out, tp, device0);
     } else if (st == KVS_OK) {
-        st = cuda ? kvs_backend_cuda_create(device0, &out->be) : kvs_backend_cpu_create(o->threads, &out->be);
+        st = cuda ? kvs_backend_cuda_create(&(kvs_cuda_options){.device = device0}, &out->be)
+                  : kvs_backend_cpu_create(o->threads, &out->be);
         if (st == KVS_OK) st = inject_faults(out, tp);
         if (st == KVS_OK && !o->skip_model) {
             if (tp > 1) { /* the CPU simulation: --threads split over the ranks */

@@ -17,7 +17,7 @@
 
 #include "cli/cli.h"
 #include "core/core.h"
-#include "server/server.h"
+#include "cli/plot_png.h"
 
 typedef struct {
     char host[300], port[16], base[256]; /* base: path prefix, e.g. "/v1" */

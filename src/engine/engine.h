@@ -1,4 +1,5 @@
-/* engine: sampling, and (later) requests, the scheduler and the step loop. */
+/* engine: requests, the scheduler (continuous batching, chunked prefill, admission,
+ * preemption), the step loop, sampling parameters and each request's output stream. */
 #ifndef KVS_ENGINE_H
 #define KVS_ENGINE_H
 
@@ -49,7 +50,8 @@ bool kvs_is_stop_token(const kvs_stop_params *p, int32_t id);
  * within max_num_batched_tokens; a request is admitted when the pool can hold
  * its prompt in every layer (the peak, before compaction); when the pool runs
  * dry the newest running request is preempted (blocks freed, recomputed
- * later). Outputs are delivered through a callback on the engine thread. */
+ * later). Outputs are delivered through a callback on the thread that runs the
+ * step (the engine thread once started). */
 typedef struct {
     int max_num_seqs;           /* running sequences at most (default 64) */
     int max_num_batched_tokens; /* tokens per step (default 2048) */
@@ -73,7 +75,7 @@ typedef struct {
     const char *const *stop_strings; /* copied; matched across token boundaries, not emitted */
     int n_stop_strings;
     bool ignore_eos;
-    int logprobs;              /* 0: none; n > 0: the chosen token's logprob (and top-n when supported) */
+    int logprobs;              /* 0: none; 1 .. 20: the chosen token's logprob (no top-n alternatives) */
     const kvs_kv_policy *policy; /* NULL: the engine's default */
 } kvs_request_params;
 
@@ -93,8 +95,8 @@ typedef struct {
     int prompt_tokens, completion_tokens;
 } kvs_request_output;
 
-/* Called on the engine thread; must not block for long and must not call
- * back into the engine except kvs_engine_abort. */
+/* Called on the thread that runs the step; must not block for long and must
+ * not call back into the engine except kvs_engine_abort. */
 typedef void (*kvs_output_fn)(void *user, const kvs_request_output *out);
 
 typedef struct kvs_engine kvs_engine;

@@ -201,7 +201,7 @@ static bool encode_prompt(kvs_server *s, kvs_http_prepared *p, kvs_api_error *er
     if (!s->tok) return kvs_api_fail(err, 400, "prompt", "this model has no tokenizer: send token ids");
     kvs_status st;
     if (r->kind == KVS_API_CHAT) {
-        st = kvs_api_chat_encode(s->tok, s->tpl, r->messages, r->n_messages, &p->ids, &p->n_ids);
+        st = kvs_tokenizer_encode_chat(s->tok, s->tpl, r->messages, r->n_messages, &p->ids, &p->n_ids);
         if (st != KVS_OK) return kvs_api_fail(err, 400, "messages", "%s", kvs_last_error());
     } else {
         kvs_encode_options eo = {.add_special_tokens = true, .parse_special = false};

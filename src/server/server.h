@@ -60,12 +60,6 @@ bool kvs_api_fail(kvs_api_error *err, int http_status, const char *param, const 
 /* {"error": {...}} as a malloc'ed string. */
 char *kvs_api_error_json(const kvs_api_error *err);
 
-/* Renders chat messages with the template and encodes the result: template
- * text may hold control tokens, message contents never do (parse_special is
- * false for them). *ids is malloc'ed. */
-kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template *tpl,
-                               const kvs_chat_message *msgs, int n_msgs, int32_t **ids, int *n_ids);
-
 /* ---- the HTTP server -------------------------------------------------------- */
 typedef struct {
     const char *host;              /* "127.0.0.1" */
@@ -99,14 +93,5 @@ void kvs_server_stop(kvs_server *s);
 /* Prometheus text exposition of the engine's stats (malloc'ed). */
 char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, uint64_t http_requests,
                               uint64_t http_errors);
-
-/* ---- for `kvsparse bench serve --plot` (plot_png.c, libpng) ----------------- */
-typedef struct {
-    const char *name; /* panel title: digits, capitals, '.', '/', '-' */
-    const double *y;  /* [n] */
-} kvs_plot_series;
-/* One panel per series, side by side, against the shared x values. */
-kvs_status kvs_plot_png(const char *path, const char *xlabel, const double *x, int n, const kvs_plot_series *series,
-                        int n_series);
 
 #endif

@@ -1,10 +1,12 @@
 /* tokenizer: Hugging Face tokenizer.json (byte-level BPE and SentencePiece-style
  * BPE), normalizers, pre-tokenizers, added/special tokens, decoders, an
- * incremental (streaming) decoder, and chat templates (a Jinja subset). */
+ * incremental (streaming) decoder, and chat messages encoded through a chat
+ * template (template/template.h renders them). */
 #ifndef KVS_TOKENIZER_H
 #define KVS_TOKENIZER_H
 
 #include "core/core.h"
+#include "template/template.h"
 
 /* ======================= tokenizer.json ===================================== */
 typedef struct kvs_tokenizer kvs_tokenizer;
@@ -57,26 +59,11 @@ kvs_status kvs_detokenizer_push(kvs_detokenizer *d, int32_t id, const char **pie
 kvs_status kvs_detokenizer_finish(kvs_detokenizer *d, const char **piece, size_t *len);
 void kvs_detokenizer_destroy(kvs_detokenizer *d);
 
-/* ======================= chat templates ===================================== */
-typedef struct {
-    const char *role;    /* "system", "user", "assistant", ... */
-    const char *content;
-} kvs_chat_message;
-
-typedef struct kvs_chat_template kvs_chat_template;
-
-/* Compiles a Jinja template; errors name the line and column. */
-kvs_status kvs_chat_template_compile(const char *source, size_t len, kvs_chat_template **out);
-/* Renders messages; *text is malloc'ed. raise_exception() in the template
- * becomes an error with its message. */
-kvs_status kvs_chat_template_render(const kvs_chat_template *tpl, const kvs_chat_message *msgs,
-                                    int n_msgs, bool add_generation_prompt,
-                                    const char *bos_token, const char *eos_token, char **text);
-void kvs_chat_template_destroy(kvs_chat_template *tpl);
-/* What the templates' trim filter and strip()/lstrip()/rstrip() keep of s[0..n)
- * (Python's whitespace: Unicode spaces included): s[*start .. *start + *len). */
-void kvs_chat_template_strip(const char *s, size_t n, bool left, bool right, size_t *start, size_t *len);
-/* The documented fallback for models without a chat_template (ChatML-like). */
-const char *kvs_chat_template_default(void);
+/* ======================= chat messages -> prompt ids ======================= */
+/* Renders chat messages with the template and encodes the result: template
+ * text may hold control tokens, message contents never do (parse_special is
+ * false for them). *ids is malloc'ed. */
+kvs_status kvs_tokenizer_encode_chat(const kvs_tokenizer *t, const kvs_chat_template *tpl,
+                                     const kvs_chat_message *msgs, int n_msgs, int32_t **ids, int *n_ids);
 
 #endif

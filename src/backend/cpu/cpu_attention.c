@@ -1,5 +1,4 @@
-/* Paged KV write, causal GQA attention over the paged cache (with LSE), and
- * the per-head gather used by compaction. */
+/* Causal GQA attention over the paged KV cache (with LSE). */
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
@@ -8,40 +7,6 @@
 #include "backend/cpu/cpu_ops.h"
 
 #define kv_at kvs_cpu_kv_at
-
-void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v,
-                      const int32_t *slots, int n) {
-    const float *kk = k, *vv = v;
-    size_t row = (size_t)pool->n_kv_heads * pool->head_dim;
-    for (int i = 0; i < n; i++) {
-        if (slots[i] < 0) continue; /* a padding row: no KV */
-        int32_t block = slots[i] / pool->block_size, off = slots[i] % pool->block_size;
-        for (int h = 0; h < pool->n_kv_heads; h++) {
-            memcpy(kv_at(pool, block, 0, h, off), kk + i * row + (size_t)h * pool->head_dim,
-                   sizeof(float) * pool->head_dim);
-            memcpy(kv_at(pool, block, 1, h, off), vv + i * row + (size_t)h * pool->head_dim,
-                   sizeof(float) * pool->head_dim);
-        }
-    }
-}
-
-/* The CPU reference of the fused op is the unfused sequence: rope on q in
- * place, rope on a copy of k, then kv_write (padding rows skipped there). */
-void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
-                           const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
-                           int n_heads) {
-    size_t kn = (size_t)n * pool->n_kv_heads * pool->head_dim;
-    float *kr = malloc(sizeof(float) * (kn ? kn : 1));
-    if (!kr) {
-        kvs_cpu_fail(b, KVS_ERR_NOMEM, "rope_kv_write: out of memory");
-        return;
-    }
-    memcpy(kr, k, sizeof(float) * kn);
-    kvs_cpu_rope(b, q, positions, inv_freq, n, n_heads, pool->head_dim);
-    kvs_cpu_rope(b, kr, positions, inv_freq, n, pool->n_kv_heads, pool->head_dim);
-    kvs_cpu_kv_write(b, pool, kr, v, slots, n);
-    free(kr);
-}
 
 /* A dot product the compiler can vectorise (independent partial sums). */
 static inline float dot(const float *a, const float *b, int n) {
@@ -193,19 +158,4 @@ void kvs_cpu_attention(kvs_backend *b, void *out, float *lse, const void *q, con
     free(kbuf);
     free(vbuf);
     free(items);
-}
-
-void kvs_cpu_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
-                       const int32_t *src_entry, int n) {
-    int bs = pool->block_size;
-    size_t bytes = sizeof(float) * pool->head_dim;
-    for (int h = 0; h < pool->n_kv_heads; h++) {
-        const int32_t *src = src_entry + (size_t)h * n;
-        for (int i = 0; i < n; i++) { /* src[i] >= i (sorted, distinct): in-place safe */
-            if (src[i] == i) continue;
-            for (int kind = 0; kind < 2; kind++)
-                memcpy(kv_at(pool, blocks[i / bs], kind, h, i % bs),
-                       kv_at(pool, blocks[src[i] / bs], kind, h, src[i] % bs), bytes);
-        }
-    }
 }

@@ -75,7 +75,7 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     pthread_mutex_init(&c->mu, NULL);
     b->impl = c;
     if (n_threads > 0) omp_set_num_threads(n_threads);
-    openblas_set_num_threads(1); /* OpenMP splits the matmuls (cpu_ops.c) */
+    openblas_set_num_threads(1); /* OpenMP splits the matmuls (cpu_matmul.c) */
     b->name = "cpu";
     b->weight_dtype = b->act_dtype = b->kv_dtype = KVS_F32;
     b->alloc = cpu_alloc;
@@ -114,7 +114,7 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
 }
 
 #ifndef KVS_HAVE_CUDA
-kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
+kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out) {
     *out = NULL;
     return kvs_fail(KVS_ERR_UNSUPPORTED, "this kvsparse was built without CUDA");
 }

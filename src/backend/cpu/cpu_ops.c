@@ -1,5 +1,4 @@
-/* Row-wise CPU ops: embedding, RMSNorm, add, matmul (OpenBLAS), RoPE, SwiGLU. */
-#include <cblas.h>
+/* Row-wise CPU ops: embedding, RMSNorm, add, RoPE, SwiGLU, row gathers. */
 #include <math.h>
 #include <string.h>
 
@@ -28,47 +27,6 @@ void kvs_cpu_add(kvs_backend *b, void *x, const void *y, size_t n) {
     float *a = x;
     const float *c = y;
     for (size_t i = 0; i < n; i++) a[i] += c[i];
-}
-
-/* add then rmsnorm, row by row: the same arithmetic in the same order as
- * kvs_cpu_add + kvs_cpu_rmsnorm, so the results are bitwise equal. */
-void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
-                         float eps) {
-    float *a = x, *o = xn;
-    const float *c = y, *g = w;
-#pragma omp parallel for if (n > 4)
-    for (int i = 0; i < n; i++) {
-        float *xi = a + (size_t)i * dim;
-        const float *yi = c + (size_t)i * dim;
-        double ss = 0;
-        for (int j = 0; j < dim; j++) {
-            xi[j] += yi[j];
-            ss += (double)xi[j] * xi[j];
-        }
-        float r = 1.0f / sqrtf((float)(ss / dim) + eps);
-        for (int j = 0; j < dim; j++) o[(size_t)i * dim + j] = xi[j] * r * g[j];
-    }
-}
-
-/* OpenBLAS runs single-threaded (set at backend creation); the OpenMP threads
- * split the output columns, so one thread pool serves every op. */
-void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
-                    int in_dim, int out_dim) {
-    float *o = out;
-    const float *x = in, *wt = w;
-    if (bias) {
-        for (int i = 0; i < n; i++) memcpy(o + (size_t)i * out_dim, bias, sizeof(float) * out_dim);
-    }
-#pragma omp parallel
-    {
-        int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        int per = (out_dim + nt - 1) / nt;
-        per = (per + 15) / 16 * 16;
-        int c0 = t * per, c1 = c0 + per > out_dim ? out_dim : c0 + per;
-        if (c0 < c1)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, c1 - c0, in_dim, 1.0f, x, in_dim,
-                        wt + (size_t)c0 * in_dim, in_dim, bias ? 1.0f : 0.0f, o + c0, out_dim);
-    }
 }
 
 void kvs_cpu_rope(kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n,

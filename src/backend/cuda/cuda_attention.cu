@@ -8,10 +8,11 @@
  *    memory with cp.async (double buffered, rows padded by 16 bytes so ldmatrix is
  *    conflict free); S stays in registers and becomes the bf16 A fragments of P.V
  *    directly; online softmax in the exp2 domain; causal masking only on the
- *    tiles that cross the diagonal; heaviest query tiles launch first. The default
- *    (v13) puts 4 query heads of a GQA group in one block of 8 warps. Where its
- *    shared memory does not fit, 4-warp blocks (v0), or kvs_attn_fa2_kernel (one
- *    m-tile a warp, Q in registers: v2).
+ *    tiles that cross the diagonal; heaviest query tiles launch first. By default
+ *    (KVS_CUDA_PREFILL_GQA) a block of 8 warps takes 4 query heads of a GQA group
+ *    (HEAD: one head, for groups not a multiple of 4). Where its shared memory
+ *    does not fit, kvs_attn_fa2_kernel (SMALL: one m-tile a warp, Q in
+ *    registers). The other kernel versions measured live in bench/.
  *  - kvs_attn_decode_warp_kernel (one-token batches, head_dim 32/64/128, GQA group
  *    <= 16, block_size a multiple of 16): per-warp cp.async rings, wave-aware
  *    splits, kvs_attn_combine_kernel merges the splits (none with one split).
@@ -319,11 +320,11 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
  * fragment read from shared memory feeds MT mma's; its Q fragments are re-read
  * from shared memory (q_w: the warp's first row) at each tile, which costs less
  * shared-memory bandwidth than the K/V fragments it saves.
- * FAST (needs scale > 0): the row max is taken over the raw scores and each
+ * Needs scale > 0: the row max is taken over the raw scores and each
  * probability costs one FFMA + ex2 (exp2(s * scale_log2 - m)), and the O rescale
  * is skipped when no row max of the warp's m-tile changed (alpha == 1
  * everywhere; a warp vote, so a branch). */
-template <int D, int NK, bool MASK, int MT, bool FAST>
+template <int D, int NK, bool MASK, int MT>
 __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w, uint32_t v_w, int key_base,
                                                       int lim_base, float scale_log2,
                                                       float (&o)[MT][D / 8][4], float (&m)[MT][2],
@@ -364,7 +365,7 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
         for (int j = 0; j < NK / 8; j++) {
 #pragma unroll
             for (int c = 0; c < 4; c++) {
-                float x = FAST ? s[mt][j][c] : s[mt][j][c] * scale_log2;
+                float x = s[mt][j][c];
                 if (MASK) {
                     int e = col + 8 * j + (c & 1);
                     if (e > lim_base + 16 * mt + 8 * (c >> 1)) x = -INFINITY;
@@ -378,7 +379,7 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        if (FAST) mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
+        mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
         const float mn0 = fmaxf(m[mt][0], mx0), mn1 = fmaxf(m[mt][1], mx1);
         const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
         const float alpha0 = kvs_exp2(m[mt][0] - mu0), alpha1 = kvs_exp2(m[mt][1] - mu1);
@@ -387,14 +388,8 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
         float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
         for (int j = 0; j < NK / 8; j++) {
-            float p0, p1, p2, p3;
-            if (FAST) {
-                p0 = kvs_exp2(fmaf(s[mt][j][0], scale_log2, -mu0)), p1 = kvs_exp2(fmaf(s[mt][j][1], scale_log2, -mu0));
-                p2 = kvs_exp2(fmaf(s[mt][j][2], scale_log2, -mu1)), p3 = kvs_exp2(fmaf(s[mt][j][3], scale_log2, -mu1));
-            } else {
-                p0 = kvs_exp2(s[mt][j][0] - mu0), p1 = kvs_exp2(s[mt][j][1] - mu0);
-                p2 = kvs_exp2(s[mt][j][2] - mu1), p3 = kvs_exp2(s[mt][j][3] - mu1);
-            }
+            float p0 = kvs_exp2(fmaf(s[mt][j][0], scale_log2, -mu0)), p1 = kvs_exp2(fmaf(s[mt][j][1], scale_log2, -mu0));
+            float p2 = kvs_exp2(fmaf(s[mt][j][2], scale_log2, -mu1)), p3 = kvs_exp2(fmaf(s[mt][j][3], scale_log2, -mu1));
             sum0 += p0 + p1;
             sum1 += p2 + p3;
             pa[mt][j / 2][(j & 1) * 2] = kvs_pack_bf16(p0, p1);
@@ -402,7 +397,7 @@ __device__ __forceinline__ void kvs_attn_warp_tile_mt(uint32_t q_w, uint32_t k_w
         }
         l[mt][0] = l[mt][0] * alpha0 + sum0;
         l[mt][1] = l[mt][1] * alpha1 + sum1;
-        if (!FAST || __any_sync(0xffffffffu, grew)) {
+        if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
             for (int n = 0; n < D / 8; n++) {
                 o[mt][n][0] *= alpha0, o[mt][n][1] *= alpha0;
@@ -536,14 +531,14 @@ struct kvs_fa2mt_smem {
                             bytes = kv + (size_t)STAGES * 2 * kvs_rows<D>::TILE_BYTES;
 };
 
-/* FAST: see kvs_attn_warp_tile_mt (needs scale > 0).
+/* Needs scale > 0 (kvs_attn_warp_tile_mt).
  * HEADS: query heads of one KV group a block (GQA pairing; the group size must be a
  * multiple): warps [k WARPS / HEADS, (k + 1) WARPS / HEADS) own the block's query
  * rows of head HEADS x blockIdx.x + k, so every K/V tile in shared memory feeds
  * HEADS heads while the block covers only M / HEADS query positions (the causal
  * diagonal's waste of M / HEADS-row tiles). WSKIP: a warp skips a tile whose keys
  * are all past its last row's causal limit (an exact no-op: p = 0, alpha = 1). */
-template <int D, int WARPS, int MT, bool FAST, int HEADS = 1, bool WSKIP = false>
+template <int D, int WARPS, int MT, int HEADS = 1, bool WSKIP = false>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     kvs_attn_fa2mt_kernel(kvs_attn_args a, bf16 *out, float *lse) {
     static_assert(HEADS >= 1 && WARPS % HEADS == 0, "whole warps per head");
@@ -600,11 +595,11 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
         const int key0 = i * KVS_ATTN_TILE;
         if (WSKIP && key0 > warp_limit) continue; /* warp-uniform: every row masked */
         if (key0 + KVS_ATTN_TILE - 1 <= full_limit)
-            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, false, MT, FAST>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m,
-                                                                     l, lane);
+            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, false, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l,
+                                                               lane);
         else
-            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, true, MT, FAST>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m,
-                                                                    l, lane);
+            kvs_attn_warp_tile_mt<D, KVS_ATTN_TILE, true, MT>(q_w, k_w, v_w, key0, lim_base, scale_log2, o, m, l,
+                                                              lane);
     }
 
     const int cq = 2 * (lane & 3);
@@ -800,21 +795,6 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
 
 /* ---- dispatch ------------------------------------------------------------------ */
 
-/* Prefill kernel variant, a tuning knob for kvs_bench_kernels and an override:
- * -1 (default): automatic, v13 where the device's opt-in shared memory per block
- * allows it, else v0, else v2 (kvs_prefill_pick; sizes at kvs_prefill_smem_bytes).
- * 0: 4 warps x 2 m-tiles (128 query rows a block); 2: 4 warps x 1 m-tile with Q
- * in registers (64 rows); 4: 8 warps x 2 m-tiles (256 rows) with one FFMA + ex2
- * per probability and the O rescale skipped when no row max changed (FAST);
- * 13: 4 with GQA pairing, 4 query heads of a KV group a block (2 warps x 32
- * rows each: 64 query positions), warps skipping tiles past their rows' causal
- * limit (v4 when the group is not a multiple of 4). 4 and 13 fall back to 0
- * (else 2) when scale <= 0; a variant whose shared memory does not fit the
- * device, or an unknown one (the numbers of deleted variants included), acts
- * as -1. The numbers are those of the H200 measurements in docs/CUDA.md. */
-extern "C" int kvs_cuda_attn_prefill_variant;
-int kvs_cuda_attn_prefill_variant = -1;
-
 template <int D, int WARPS>
 static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     using L = kvs_fa2_smem<D, WARPS>;
@@ -826,10 +806,10 @@ static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float 
     KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2_kernel");
 }
 
-template <int D, int WARPS, int MT, bool FAST, int HEADS = 1, bool WSKIP = false>
+template <int D, int WARPS, int MT, int HEADS = 1, bool WSKIP = false>
 static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     using L = kvs_fa2mt_smem<D, WARPS, MT>;
-    auto kernel = kvs_attn_fa2mt_kernel<D, WARPS, MT, FAST, HEADS, WSKIP>;
+    auto kernel = kvs_attn_fa2mt_kernel<D, WARPS, MT, HEADS, WSKIP>;
     constexpr int MH = L::M / HEADS;
     int tiles = (max_q_len + MH - 1) / MH;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
@@ -838,20 +818,18 @@ static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2mt_kernel");
 }
 
-/* Dynamic shared memory of prefill variant v at head_dim D, in bytes (0: unknown
- * variant). At D = 128 (rows of 272 bytes, 64-key K/V tiles of 17,408 bytes):
- *   v2        68 KiB (69,632: two K/V stages, Q inside them)
- *   v0       102 KiB (104,448: 128 Q rows + two stages)
- *   v4 v13   136 KiB (139,264: 256 Q rows + two stages)
- * Opt-in limits per block: sm_80 163 KiB, sm_86/sm_89 99 KiB, sm_90 227 KiB; so
- * at D = 128 an RTX 4090 runs only v2, an A100 everything. At D = 64 (144-byte
- * rows) v0 needs 54 KiB, v4 72 KiB: all fit sm_89. */
+/* Dynamic shared memory of prefill kernel k at head_dim D, in bytes (0: AUTO or
+ * an unknown value). At D = 128 (rows of 272 bytes, 64-key K/V tiles of 17,408
+ * bytes): GQA and HEAD 136 KiB (139,264: 256 Q rows + two K/V stages), SMALL
+ * 68 KiB (69,632: two K/V stages, Q inside them). Opt-in limits per block:
+ * sm_80 163 KiB, sm_86/sm_89 99 KiB, sm_90 227 KiB; so at D = 128 an RTX 4090
+ * runs only SMALL, an A100 everything. At D = 64 (144-byte rows) GQA needs
+ * 72 KiB: it fits sm_89. */
 template <int D>
-static size_t kvs_prefill_smem_bytes(int v) {
-    switch (v) {
-    case 2: return kvs_fa2_smem<D, 4>::bytes;
-    case 0: return kvs_fa2mt_smem<D, 4, 2>::bytes;
-    case 4: case 13: return kvs_fa2mt_smem<D, 8, 2>::bytes;
+static size_t kvs_prefill_smem_bytes(int k) {
+    switch (k) {
+    case KVS_CUDA_PREFILL_GQA: case KVS_CUDA_PREFILL_HEAD: return kvs_fa2mt_smem<D, 8, 2>::bytes;
+    case KVS_CUDA_PREFILL_SMALL: return kvs_fa2_smem<D, 4>::bytes;
     default: return 0;
     }
 }
@@ -870,40 +848,28 @@ static int kvs_attn_smem_optin(kvs_cuda *c) {
     return v;
 }
 
-/* The variant to run: the knob when it is set (>= 0), is known and fits this
- * device's shared memory; otherwise v13 (the fastest measured on the H200: 270.8
- * TFLOP/s against v4's 257.8 in the same run) where it fits, else v0, else v2.
- * FAST variants (4, 13) need scale > 0: otherwise v0, or v2 when that does not fit. */
+/* The kernel to run: the backend's option (kvs_cuda_options.prefill) when it is
+ * set, is known and fits this device's shared memory; otherwise GQA (the
+ * fastest measured on the H200, docs/CUDA.md) where it fits, else SMALL. GQA
+ * and HEAD take the row max over unscaled scores, so they need scale > 0:
+ * SMALL otherwise. */
 template <int D>
 static int kvs_prefill_pick(kvs_cuda *c, float scale) {
     const size_t optin = (size_t)kvs_attn_smem_optin(c);
-    int v = kvs_cuda_attn_prefill_variant;
-    size_t need = v >= 0 ? kvs_prefill_smem_bytes<D>(v) : 0;
-    if (need == 0 || need > optin) {
-        static const int ladder[] = {13, 4, 0, 2};
-        for (int i = 0; i < 4; i++) {
-            v = ladder[i];
-            if (kvs_prefill_smem_bytes<D>(v) <= optin) break;
-        }
-    }
-    if ((v == 4 || v == 13) && !(scale > 0.f)) /* FAST takes the max over unscaled scores */
-        v = kvs_prefill_smem_bytes<D>(0) <= optin ? 0 : 2;
-    return v;
+    int k = c->prefill;
+    size_t need = kvs_prefill_smem_bytes<D>(k);
+    if (need == 0 || need > optin)
+        k = kvs_prefill_smem_bytes<D>(KVS_CUDA_PREFILL_GQA) <= optin ? KVS_CUDA_PREFILL_GQA : KVS_CUDA_PREFILL_SMALL;
+    return scale > 0.f ? k : KVS_CUDA_PREFILL_SMALL;
 }
 
 template <int D>
 static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    const int v = kvs_prefill_pick<D>(kvs_cuda_of(b), a.scale);
+    const int k = kvs_prefill_pick<D>(kvs_cuda_of(b), a.scale);
     const int group = a.n_heads / a.n_kv_heads;
-    switch (v) {
-    case 0: launch_fa2mt<D, 4, 2, false>(b, a, out, lse, max_q_len); break;
-    case 2: launch_fa2<D, 4>(b, a, out, lse, max_q_len); break;
-    case 13: /* GQA pairing needs the group to be a multiple of the 4 heads a block takes */
-        if (group % 4 == 0) launch_fa2mt<D, 8, 2, true, 4, true>(b, a, out, lse, max_q_len);
-        else launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len);
-        break;
-    default: launch_fa2mt<D, 8, 2, true>(b, a, out, lse, max_q_len); break; /* 4 */
-    }
+    if (k == KVS_CUDA_PREFILL_SMALL) launch_fa2<D, 4>(b, a, out, lse, max_q_len);
+    else if (k == KVS_CUDA_PREFILL_GQA && group % 4 == 0) launch_fa2mt<D, 8, 2, 4, true>(b, a, out, lse, max_q_len);
+    else launch_fa2mt<D, 8, 2>(b, a, out, lse, max_q_len); /* HEAD, and GQA for groups not a multiple of 4 */
 }
 
 /* Splits of whole 64-key tiles so that about 8 blocks per SM run in all (the

@@ -231,8 +231,9 @@ static void cuda_destroy(kvs_backend *b) {
     free(b);
 }
 
-extern "C" kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
+extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out) {
     *out = NULL;
+    const int device = opt->device;
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess || count == 0) {
@@ -257,6 +258,7 @@ extern "C" kvs_status kvs_backend_cuda_create(int device, kvs_backend **out) {
     }
     b->impl = c;
     c->device = device;
+    c->prefill = opt->prefill;
     c->n_sms = prop.multiProcessorCount;
     kvs_status st = KVS_OK;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||

@@ -1,7 +1,7 @@
 /* Fused forward-pass kernels: residual add + RMSNorm, and RoPE + paged KV write.
- * Each one equals the unfused sequence of cuda_ops.cu (add then rmsnorm; rope on
- * q and k then kv_write) up to the order of the fp32 sum of squares; the CPU
- * references are kvs_cpu_add_rmsnorm and kvs_cpu_rope_kv_write. */
+ * Each one equals the unfused sequence of cuda_ops.cu and cuda_kv.cu (add then
+ * rmsnorm; rope on q and k then kv_write) up to the order of the fp32 sum of
+ * squares; the CPU references are in cpu/cpu_fused.c. */
 #include <stdint.h>
 
 #include "backend/cuda/cuda_internal.h"

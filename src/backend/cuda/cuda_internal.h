@@ -63,6 +63,7 @@ typedef struct {
     int capturing;        /* a graph capture is open on stream */
     int capture_broken;   /* something during this capture could not be captured */
     int n_sms;
+    int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int failed; /* sticky: a CUDA call failed; check reports failure */
     char failure[512]; /* the first failure's message */
 } kvs_cuda;
@@ -100,14 +101,14 @@ void kvs_cuda_rope(kvs_backend *b, void *x, const int32_t *positions, const floa
                    int head_dim);
 void kvs_cuda_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int dim);
 void kvs_cuda_gather_rows(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim);
+void kvs_cuda_add_bias(kvs_backend *b, void *out, const void *bias, int n, int dim);
+void kvs_cuda_f32_to_bf16(kvs_backend *b, void *dst, const float *src, size_t n);
+
+/* paged KV (cuda_kv.cu) */
 void kvs_cuda_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v, const int32_t *slots,
                        int n);
 void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
                         const int32_t *src_entry, int n);
-void kvs_cuda_window_capture(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,
-                             const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim);
-void kvs_cuda_add_bias(kvs_backend *b, void *out, const void *bias, int n, int dim);
-void kvs_cuda_f32_to_bf16(kvs_backend *b, void *dst, const float *src, size_t n);
 
 /* fused ops (cuda_fused.cu) */
 void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
@@ -126,6 +127,8 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
                         const kvs_attn_batch *ab, int n_heads, float scale);
 
 /* sparsity (cuda_sparsity.cu) */
+void kvs_cuda_window_capture(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,
+                             const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim);
 void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
                               const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
 void kvs_cuda_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,

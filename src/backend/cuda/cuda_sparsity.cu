@@ -1,6 +1,7 @@
-/* SnapKV on the GPU: the scores from the window queries' log-sum-exp on the
- * tensor cores, and the selection (max-pool + top-k + window) straight into the
- * keep lists that kv_gather consumes; nothing goes back to the host.
+/* SnapKV on the GPU: the window capture, the scores from the window queries'
+ * log-sum-exp on the tensor cores, and the selection (max-pool + top-k +
+ * window) straight into the keep lists that kv_gather consumes; nothing goes
+ * back to the host.
  *
  * Scores: a block owns 128 keys (32 per warp, 64 for head_dim 256: 16) of one KV
  * head. A warp loads its keys' K rows once as mma A fragments (keys are the M
@@ -16,6 +17,27 @@
  * scan per 1024 entries) writes the kept indices ascending. */
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_mma.cuh"
+
+/* ---- sparsity window capture: q rows (bf16) and lse rows (f32) ---------------- */
+
+__global__ void kvs_window_capture_kernel(bf16 *win_q, float *win_lse, const bf16 *q, const float *lse,
+                                          const int32_t *src_rows, const int32_t *dst_rows, int n_heads,
+                                          int head_dim) {
+    int i = blockIdx.x;
+    size_t row = (size_t)n_heads * head_dim;
+    if (dst_rows[i] < 0) return; /* not a window query (graph mode captures every row) */
+    size_t s = (size_t)src_rows[i], d = (size_t)dst_rows[i];
+    for (size_t j = threadIdx.x; j < row; j += blockDim.x) win_q[d * row + j] = q[s * row + j];
+    for (int h = threadIdx.x; h < n_heads; h += blockDim.x) win_lse[d * n_heads + h] = lse[s * n_heads + h];
+}
+
+void kvs_cuda_window_capture(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,
+                             const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim) {
+    if (m <= 0) return;
+    kvs_window_capture_kernel<<<m, 256, 0, kvs_cuda_of(b)->stream>>>((bf16 *)win_q, win_lse, (const bf16 *)q, lse,
+                                                                      src_rows, dst_rows, n_heads, head_dim);
+    KVS_CUDA_LAUNCHED(b, "kvs_window_capture_kernel");
+}
 
 /* ---- scores ------------------------------------------------------------------ */
 

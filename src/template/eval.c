@@ -5,7 +5,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "tokenizer/chat_template_internal.h"
+#include "template/template_internal.h"
 
 struct ct_frame {
     ct_frame *parent;

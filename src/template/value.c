@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/chat_template_internal.h"
+#include "template/template_internal.h"
 
 ct_value ct_none(void) { return (ct_value){ .t = V_NONE }; }
 ct_value ct_undef(ct_str name) { return (ct_value){ .t = V_UNDEF, .s = name }; }

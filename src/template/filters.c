@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/chat_template_internal.h"
+#include "template/template_internal.h"
 
 static bool str_eq(ct_str a, const char *b) { return a.n == strlen(b) && memcmp(a.p, b, a.n) == 0; }
 static ct_value empty_str(void) { return ct_strref((ct_str){ "", 0 }); }

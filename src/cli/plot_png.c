@@ -1,4 +1,4 @@
-/* server: a small PNG line chart for `kvsparse bench serve --plot` (libpng):
+/* cli: a small PNG line chart for `kvsparse bench serve --plot` (libpng):
  * one panel per series against a shared x axis, with ticks and labels drawn
  * in a built-in 5x7 bitmap font (digits, '.', '/', '-' and capitals). */
 #include <math.h>
@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/server.h"
+#include "cli/plot_png.h"
 
 typedef struct {
     uint8_t *px;

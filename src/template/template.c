@@ -1,5 +1,5 @@
-/* Chat templates: the public API (tokenizer.h) over the Jinja-subset engine
- * (chat_template_lex.c, _parse.c, _eval.c, _value.c, _builtins.c, _filters.c).
+/* Chat templates: the public API (template.h) over the Jinja-subset engine
+ * (lex.c, parse.c, parse_stmt.c, eval.c, value.c, builtins.c, filters.c).
  *
  * Rendering follows transformers' apply_chat_template: jinja2 with
  * trim_blocks=True and lstrip_blocks=True, loop controls, transformers' tojson
@@ -15,8 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/chat_template_internal.h"
-#include "tokenizer/tokenizer.h"
+#include "template/template_internal.h"
+#include "template/template.h"
 
 struct kvs_chat_template {
     ct_arena arena; /* AST, tokens, normalized source */

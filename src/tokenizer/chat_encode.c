@@ -1,4 +1,4 @@
-/* server: chat messages -> prompt token ids, without letting user text become
+/* tokenizer: chat messages -> prompt token ids, without letting user text become
  * control tokens. The template is rendered with a marker in place of each
  * message's content; the template's own text is then encoded with special
  * tokens parsed (it writes <|start_header_id|> and the like), each content
@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/server.h"
+#include "tokenizer/tokenizer.h"
 
 #define MARK_OPEN '\x02'
 #define MARK_CLOSE '\x03'
@@ -123,8 +123,8 @@ static kvs_status append_content(id_buf *b, const kvs_tokenizer *tok, const char
     return st;
 }
 
-kvs_status kvs_api_chat_encode(const kvs_tokenizer *tok, const kvs_chat_template *tpl, const kvs_chat_message *msgs,
-                               int n_msgs, int32_t **ids_out, int *n_out) {
+kvs_status kvs_tokenizer_encode_chat(const kvs_tokenizer *tok, const kvs_chat_template *tpl,
+                                     const kvs_chat_message *msgs, int n_msgs, int32_t **ids_out, int *n_out) {
     kvs_chat_message *marked = calloc(n_msgs > 0 ? n_msgs : 1, sizeof *marked);
     char (*marks)[32] = calloc(n_msgs > 0 ? n_msgs : 1, 32);
     if (!marked || !marks) {

@@ -1,13 +1,14 @@
 /* Internal interfaces of the chat-template engine (a Jinja subset):
- *   chat_template_lex.c    source -> tokens (whitespace control, trim/lstrip_blocks)
- *   chat_template_parse.c  tokens -> AST
- *   chat_template_eval.c   values, filters, tests, methods, rendering
- *   chat_template.c        public API (tokenizer.h) and the default template
+ *   lex.c                  source -> tokens (whitespace control, trim/lstrip_blocks)
+ *   parse.c, parse_stmt.c  tokens -> AST
+ *   eval.c, value.c, builtins.c, filters.c
+ *                          values, filters, tests, methods, rendering
+ *   template.c             public API (template.h) and the default template
  * Memory: every allocation goes to an arena (one per compiled template, one per
  * render), bounded by a byte limit; errors longjmp back to the API entry point,
  * so nothing leaks and nothing on the error path needs cleanup. */
-#ifndef KVS_CHAT_TEMPLATE_INTERNAL_H
-#define KVS_CHAT_TEMPLATE_INTERNAL_H
+#ifndef KVS_TEMPLATE_INTERNAL_H
+#define KVS_TEMPLATE_INTERNAL_H
 
 #include <setjmp.h>
 #include <stdbool.h>
@@ -112,8 +113,8 @@ struct ct_node {
 
 ct_node *ct_parse(ct_err *e, const ct_token *toks, size_t n_toks);
 
-/* parser internals shared by chat_template_parse.c (expressions) and
- * chat_template_parse_stmt.c (statements) */
+/* parser internals shared by parse.c (expressions) and
+ * parse_stmt.c (statements) */
 typedef struct {
     ct_err *e;
     const ct_token *t;
@@ -138,7 +139,7 @@ ct_node *ctp_parse_or(ct_parser *P);         /* without ternary */
 ct_node *ctp_parse_tuple_expr(ct_parser *P); /* a, b -> tuple */
 ct_node *ctp_parse_filter(ct_parser *P, ct_node *input); /* after '|' */
 
-/* ---- values (chat_template_value.c) ----------------------------------------- */
+/* ---- values (value.c) ----------------------------------------- */
 typedef enum { V_UNDEF, V_NONE, V_BOOL, V_INT, V_FLOAT, V_STR, V_LIST, V_DICT, V_MACRO, V_FUNC,
                V_METHOD, V_LOOP } ct_vtype;
 typedef struct ct_value ct_value;
@@ -216,7 +217,7 @@ size_t ct_utf8_offset(const char *p, size_t n, size_t idx); /* byte offset of co
 ct_list *ct_iterate(ct_ctx *c, ct_value v, size_t pos); /* list items, dict keys, str chars */
 void ct_step(ct_ctx *c, size_t pos);                  /* counts work; fails past the limit */
 
-/* ---- builtins (chat_template_builtins.c) -------------------------------------- */
+/* ---- builtins (builtins.c) -------------------------------------- */
 bool ct_filter_known(const char *name, size_t n);
 bool ct_test_known(const char *name, size_t n);
 ct_value ct_filter(ct_ctx *c, ct_str name, ct_value in, ct_args *a);
@@ -233,7 +234,7 @@ ct_value ct_str_replace(ct_ctx *c, ct_str s, ct_str old, ct_str rep, int64_t cou
 /* positional i, else keyword name, else dflt */
 ct_value ct_arg(ct_args *a, int i, const char *name, ct_value dflt);
 
-/* ---- evaluation (chat_template_eval.c) ---------------------------------------- */
+/* ---- evaluation (eval.c) ---------------------------------------- */
 typedef struct {
     const char *role, *content;
 } ct_message;

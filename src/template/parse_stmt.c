@@ -1,10 +1,10 @@
 /* Chat-template parser, statements: {% if %}, {% for %}, {% set %}, {% macro %},
  * {% filter %}, {% generation %}, break/continue, and the template body.
- * Expressions and the shared helpers are in chat_template_parse.c. */
+ * Expressions and the shared helpers are in parse.c. */
 #include <stdio.h>
 #include <string.h>
 
-#include "tokenizer/chat_template_internal.h"
+#include "template/template_internal.h"
 
 /* ---- statements ---------------------------------------------------------------- */
 static int parse_body(ct_parser *P, const char *const *ends, ct_nodes *out);

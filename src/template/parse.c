@@ -1,12 +1,12 @@
 /* Chat-template parser, expressions: tokens -> AST (recursive descent, jinja2's
  * grammar and operator precedence; filters bind tighter than binary operators),
- * plus the token helpers the statement parser (chat_template_parse_stmt.c)
+ * plus the token helpers the statement parser (parse_stmt.c)
  * shares. Nesting is bounded by CT_MAX_DEPTH; unknown filters and tests are
  * compile errors. */
 #include <stdio.h>
 #include <string.h>
 
-#include "tokenizer/chat_template_internal.h"
+#include "template/template_internal.h"
 
 const ct_token *ctp_cur(ct_parser *P) { return &P->t[P->i]; }
 void ctp_adv(ct_parser *P) { if (P->t[P->i].type != T_EOF) P->i++; }

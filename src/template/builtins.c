@@ -7,8 +7,8 @@
 #include <time.h>
 #include <utf8proc.h>
 
-#include "tokenizer/chat_template_internal.h"
-#include "tokenizer/tokenizer.h"
+#include "template/template_internal.h"
+#include "template/template.h"
 
 static bool str_eq(ct_str a, const char *b) { return a.n == strlen(b) && memcmp(a.p, b, a.n) == 0; }
 

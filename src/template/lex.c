@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/chat_template_internal.h"
+#include "template/template_internal.h"
 
 typedef struct {
     ct_err *e;

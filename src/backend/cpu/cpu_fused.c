@@ -1,0 +1,45 @@
+/* Fused ops on the CPU: each is the unfused sequence it replaces, so the CPU
+ * results are what the separate ops give (add then rmsnorm; rope then kv_write). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_ops.h"
+
+/* add then rmsnorm, row by row: the same arithmetic in the same order as
+ * kvs_cpu_add + kvs_cpu_rmsnorm, so the results are bitwise equal. */
+void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
+                         float eps) {
+    float *a = x, *o = xn;
+    const float *c = y, *g = w;
+#pragma omp parallel for if (n > 4)
+    for (int i = 0; i < n; i++) {
+        float *xi = a + (size_t)i * dim;
+        const float *yi = c + (size_t)i * dim;
+        double ss = 0;
+        for (int j = 0; j < dim; j++) {
+            xi[j] += yi[j];
+            ss += (double)xi[j] * xi[j];
+        }
+        float r = 1.0f / sqrtf((float)(ss / dim) + eps);
+        for (int j = 0; j < dim; j++) o[(size_t)i * dim + j] = xi[j] * r * g[j];
+    }
+}
+
+/* The CPU reference of the fused op is the unfused sequence: rope on q in
+ * place, rope on a copy of k, then kv_write (padding rows skipped there). */
+void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+                           const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
+                           int n_heads) {
+    size_t kn = (size_t)n * pool->n_kv_heads * pool->head_dim;
+    float *kr = malloc(sizeof(float) * (kn ? kn : 1));
+    if (!kr) {
+        kvs_cpu_fail(b, KVS_ERR_NOMEM, "rope_kv_write: out of memory");
+        return;
+    }
+    memcpy(kr, k, sizeof(float) * kn);
+    kvs_cpu_rope(b, q, positions, inv_freq, n, n_heads, pool->head_dim);
+    kvs_cpu_rope(b, kr, positions, inv_freq, n, pool->n_kv_heads, pool->head_dim);
+    kvs_cpu_kv_write(b, pool, kr, v, slots, n);
+    free(kr);
+}

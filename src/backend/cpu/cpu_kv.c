@@ -1,0 +1,37 @@
+/* The paged KV pool on the CPU: the KV write and compaction's per-head gather. */
+#include <string.h>
+
+#include "backend/cpu/cpu_ops.h"
+
+#define kv_at kvs_cpu_kv_at
+
+void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v,
+                      const int32_t *slots, int n) {
+    const float *kk = k, *vv = v;
+    size_t row = (size_t)pool->n_kv_heads * pool->head_dim;
+    for (int i = 0; i < n; i++) {
+        if (slots[i] < 0) continue; /* a padding row: no KV */
+        int32_t block = slots[i] / pool->block_size, off = slots[i] % pool->block_size;
+        for (int h = 0; h < pool->n_kv_heads; h++) {
+            memcpy(kv_at(pool, block, 0, h, off), kk + i * row + (size_t)h * pool->head_dim,
+                   sizeof(float) * pool->head_dim);
+            memcpy(kv_at(pool, block, 1, h, off), vv + i * row + (size_t)h * pool->head_dim,
+                   sizeof(float) * pool->head_dim);
+        }
+    }
+}
+
+void kvs_cpu_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
+                       const int32_t *src_entry, int n) {
+    int bs = pool->block_size;
+    size_t bytes = sizeof(float) * pool->head_dim;
+    for (int h = 0; h < pool->n_kv_heads; h++) {
+        const int32_t *src = src_entry + (size_t)h * n;
+        for (int i = 0; i < n; i++) { /* src[i] >= i (sorted, distinct): in-place safe */
+            if (src[i] == i) continue;
+            for (int kind = 0; kind < 2; kind++)
+                memcpy(kv_at(pool, blocks[i / bs], kind, h, i % bs),
+                       kv_at(pool, blocks[src[i] / bs], kind, h, src[i] % bs), bytes);
+        }
+    }
+}
