@@ -117,12 +117,14 @@ static json_t *score_json(const char *name, const policy_score *s, int n_samples
 }
 
 static void print_table(const kvs_eval_policies *P, const policy_score *S, double tok_s) {
-    printf("%-52s %8s %7s", "policy", "accuracy", "ratio");
+    int w = 52; /* or the longest policy name */
+    for (int p = 0; p < P->n; p++) w = (int)strlen(P->names[p]) > w ? (int)strlen(P->names[p]) : w;
+    printf("%-*s %8s %7s", w, "policy", "accuracy", "ratio");
     for (int i = 0; i < S[0].n_buckets; i++) printf(" %7d", S[0].bucket[i]);
     printf("  hf-agree\n");
     for (int p = 0; p < P->n; p++) {
         const policy_score *s = &S[p];
-        printf("%-52s %7.1f%% %6.1fx", P->names[p], 100.0 * s->n_correct / (s->total ? s->total : 1),
+        printf("%-*s %7.1f%% %6.1fx", w, P->names[p], 100.0 * s->n_correct / (s->total ? s->total : 1),
                s->ratio_sum / (s->total ? s->total : 1));
         for (int i = 0; i < s->n_buckets; i++) printf(" %6.1f%%", 100.0 * s->correct[i] / (s->count[i] ? s->count[i] : 1));
         printf("  %6.1f%%\n", 100.0 * s->n_agree_hf / (s->total ? s->total : 1));
