@@ -6,23 +6,33 @@ JOBS    ?= $(shell nproc)
 MODEL   ?= models/tiny-needle-llama
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build run demo test test-asan fuzz-smoke bench eval clean
+# cmake --build runs make again: without this every build prints "make[1]: Entering directory"
+MAKEFLAGS += --no-print-directory
+
+.PHONY: all deps configure kvsparse build run demo test test-asan fuzz-smoke bench eval clean
 
 all: build
 
 deps:
 	@scripts/install-deps
 
-build: deps
+configure: deps
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
+
+# the kvsparse binary alone (what run, demo, bench and eval need)
+kvsparse: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target kvsparse
+
+# everything: kvsparse and the test binaries
+build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
 # Serves the bundled model on http://127.0.0.1:8000/v1 (OpenAI API; Ctrl-C stops it)
-run: build
+run: kvsparse
 	./$(BUILD)/kvsparse serve -m $(MODEL)
 
 # One generation from the command line, without the server
-demo: build
+demo: kvsparse
 	./$(BUILD)/kvsparse generate -m $(MODEL) --chat -n 48 \
 	  -p "The access code for Marigold is 48213. The sky was grey over the harbour. What is the access code for Marigold?"
 
@@ -39,14 +49,14 @@ fuzz-smoke: deps
 	@cmake --build $(FUZZB) -j $(JOBS)
 	scripts/fuzz-smoke $(FUZZB)
 
-bench: build
+bench: kvsparse
 	./$(BUILD)/kvsparse bench model -m $(MODEL)
 	@scripts/fetch-tokenizers .cache/tokenizers
 	./$(BUILD)/kvsparse bench tokenizer -m .cache/tokenizers/llama3
 
 # The retrieval table of docs/SPARSITY.md: every policy at 10% and 5% budgets, and the
 # default preset with two full layers, on the 200 public prompts (CPU, ~30 min).
-eval: build
+eval: kvsparse
 	@mkdir -p out
 	./$(BUILD)/kvsparse eval retrieval -m $(MODEL) --data ../shared/eval/retrieval_public.jsonl \
 	  --kv-policy full,snapkv,pyramidkv,streamingllm --kv-budget 10%,5% --json | tee out/eval-retrieval.json

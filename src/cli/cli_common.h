@@ -35,6 +35,11 @@ typedef struct {
     struct kvs_comm **rank_comm;
 } kvs_loaded;
 
+#define KVS_CLI_LOAD_HELP                                                                    \
+    "  -m, --model DIR        the model folder: config.json, safetensors, tokenizer.json\n"      \
+    "  --config FILE          a config.json alone, with --load-format dummy (no checkpoint)\n"   \
+    "  --load-format F        auto (default): the safetensors; dummy: seeded random weights\n"   \
+    "  --threads N            CPU threads (default: one per core, or $OMP_NUM_THREADS)\n"
 #define KVS_CLI_DEVICE_HELP                                                                  \
     "  --device D             cpu (default), cuda or cuda:N\n"                                 \
     "  --enforce-eager        no CUDA graphs for decode steps (default: graphs on cuda)\n"
@@ -75,7 +80,7 @@ kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, k
 /* Its config (the whole model's heads; a TP group gives each rank its slice). */
 kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs);
 #define KVS_CLI_TP_HELP                                                                     \
-    "  --tensor-parallel-size N  split heads, MLP and vocabulary over N ranks, one thread each:\n" \
+    "  -tp, --tensor-parallel-size N  split heads, MLP and vocabulary over N ranks, one thread each:\n" \
     "                         with --device cuda[:K] GPUs K .. K+N-1 over NCCL; on the CPU\n"   \
     "                         backend a simulation (same results as N = 1)\n"
 

@@ -150,6 +150,17 @@ static kvs_status bench_decode_steps(kvs_loaded *l, kvs_tp_group *g, const int32
     return st;
 }
 
+static void bench_model_usage(FILE *f) {
+    fprintf(f, "usage: kvsparse bench model (-m MODEL_DIR | --config CONFIG.json --load-format dummy) [options]\n"
+               "Prefill and decode tokens/s of one sequence, and the matmul rate against sgemm's.\n"
+               "  --prompt-len N         prompt tokens, random ids (default 1024)\n"
+               "  --decode-len N         tokens decoded after the prompt (default 128)\n"
+               "  --decode-batches B,..  also time decode steps of B sequences at context --prompt-len,\n"
+               "                         eager vs CUDA graphs (--decode-len steps each)\n"
+               KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP
+               "With --tensor-parallel-size N > 1 the tokens/s are the group's, the matmul figures rank 0's slice.\n");
+}
+
 static int bench_model(int argc, char **argv) {
     kvs_load_options lo = {.skip_model = true, .allow_tp = true};
     int prompt_len = 1024, decode_len = 128, n_batches = 0;
@@ -157,17 +168,19 @@ static int bench_model(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         int r = kvs_cli_load_option(&lo, argc, argv, &i);
         if (r > 0) continue;
+        if (r == 0 && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) {
+            bench_model_usage(stdout);
+            free(batches);
+            return 0;
+        }
         if (r == 0 && !strcmp(argv[i], "--prompt-len") && i + 1 < argc) prompt_len = atoi(argv[++i]);
         else if (r == 0 && !strcmp(argv[i], "--decode-len") && i + 1 < argc) decode_len = atoi(argv[++i]);
         else if (r == 0 && !strcmp(argv[i], "--decode-batches") && i + 1 < argc && !batches &&
                  kvs_cli_parse_ids(argv[++i], &batches, &n_batches))
             continue;
         else {
-            fprintf(stderr, "usage: kvsparse bench model -m MODEL_DIR [--prompt-len N] [--decode-len N] [--threads N]\n"
-                            "         [--device D] [--enforce-eager] [--decode-batches 1,64] [--tensor-parallel-size N]\n"
-                            "  --decode-batches B,..  also time decode steps of B sequences at context --prompt-len,\n"
-                            "                         eager vs CUDA graphs (--decode-len steps each)\n"
-                            "  with N > 1 the tokens/s are the group's, the matmul figures rank 0's slice\n");
+            fprintf(stderr, "kvsparse bench model: bad or incomplete option '%s'\n", argv[i]);
+            bench_model_usage(stderr);
             free(batches);
             return 2;
         }
@@ -280,6 +293,13 @@ int kvs_cmd_bench(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "tokenizer")) return kvs_cmd_bench_tokenizer(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "throughput")) return kvs_cmd_bench_throughput(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "serve")) return kvs_cmd_bench_serve(argc - 1, argv + 1);
-    fprintf(stderr, "usage: kvsparse bench (model | tokenizer | throughput | serve) [options]\n");
-    return 2;
+    bool help = argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
+    fprintf(help ? stdout : stderr,
+            "usage: kvsparse bench (model | tokenizer | throughput | serve) [options]\n"
+            "  model       prefill and decode tokens/s of one sequence, matmul GFLOP/s\n"
+            "  tokenizer   tokenizer.json load time and encode MB/s\n"
+            "  throughput  offline serving: many requests through the engine, tokens/s\n"
+            "  serve       a running server over HTTP: throughput and latency per concurrency\n"
+            "Run 'kvsparse bench COMMAND --help' for a command's options.\n");
+    return help ? 0 : 2;
 }

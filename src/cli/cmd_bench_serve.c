@@ -49,10 +49,12 @@ static void usage(FILE *f) {
                "  --output-len N       generated tokens per request (ignore_eos; default 500)\n"
                "  --concurrency LIST   requests in flight, e.g. 1,10,20 (default 1)\n"
                "  --num-prompts N      requests per concurrency level (default: 4 x concurrency, at least 8)\n"
-               "  --model NAME         default: the first of GET /v1/models\n"
+               "  --model NAME         the model to request (default: the first of GET /v1/models)\n"
                "  --api-key KEY        sent as 'Authorization: Bearer KEY'\n"
                "  --id-range LO,HI     random prompt ids in [LO, HI) (default 10,8000)\n"
-               "  --seed S  --json-out FILE  --plot FILE.png\n");
+               "  --seed S             random prompt ids seed (default 0)\n"
+               "  --json-out FILE      write the results as JSON to FILE\n"
+               "  --plot FILE.png      plot output tokens/s and median TTFT against concurrency\n");
 }
 
 static bool parse_url(const char *url, bench_opts *o) {

@@ -33,10 +33,9 @@ static void usage(FILE *f) {
                "  --max-num-batched-tokens N  tokens per step (default 2048)\n"
                "  --kv-memory GiB        the KV pool's size (default 1; per rank)\n"
                "  --gpu-memory GiB       cap on the memory taken (per GPU): KV = cap - weights - activations\n"
-               KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "  --seed S               prompt ids seed (default 0)\n"
                "  --json                 print one JSON object\n"
-               "  --threads N\n");
+               KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP);
 }
 
 static bool parse_pos_int(const char *s, int *out) {

@@ -20,14 +20,29 @@ typedef struct {
     double ratio_sum; /* compression ratio after the prompt, summed */
 } policy_score;
 
+/* the table's columns, under the table and in --help */
+#define TABLE_LEGEND                                                                                   \
+    "accuracy: exact-match answers; ratio: compression (KV entries a full cache would hold / entries\n" \
+    "kept, after the prompt); 1000, 2000, ...: accuracy on the prompts of about that many tokens;\n"    \
+    "hf-agree: answers equal to Hugging Face transformers' full-cache answer (the samples' hf_full_answer).\n"
+
 static void usage(FILE *f) {
     fprintf(f, "usage: kvsparse eval retrieval -m MODEL_DIR --data FILE.jsonl [options]\n"
-               "       kvsparse eval ppl -m MODEL_DIR --text FILE [--prefix N] [--continuation N] [options]\n"
-               "  --limit N              the first N samples (retrieval)\n"
+               "Retrieval accuracy of KV policies: greedy answers (16 tokens at most) against each sample's answer.\n"
+               "  --data FILE.jsonl      the samples: prompt, answer, hf_full_answer (../shared/eval/)\n"
+               "  --limit N              the first N samples\n"
                "  --json                 one JSON object (an array when several policies)\n"
                "  --answers FILE         write every sample's answer per policy (JSON lines)\n"
-               "  --kv-policy and --kv-budget take comma-separated lists; every combination\n"
-               "  is evaluated over one shared prefill per prompt.\n" KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP);
+               KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
+               "In eval, --kv-policy and --kv-budget take comma-separated lists: every combination is\n"
+               "evaluated over one shared prefill per prompt. The table's columns:\n" TABLE_LEGEND);
+}
+
+static void eval_usage(FILE *f) {
+    fprintf(f, "usage: kvsparse eval (retrieval | ppl) [options]\n"
+               "  retrieval  long-context retrieval accuracy of KV policies (--data FILE.jsonl)\n"
+               "  ppl        perplexity of a text's continuation after a long prefix (--text FILE)\n"
+               "Run 'kvsparse eval COMMAND --help' for a command's options.\n");
 }
 
 static int bucket_index(policy_score *s, int bucket) {
@@ -102,17 +117,19 @@ static json_t *score_json(const char *name, const policy_score *s, int n_samples
 }
 
 static void print_table(const kvs_eval_policies *P, const policy_score *S, double tok_s) {
-    printf("%-52s %8s %7s", "policy", "accuracy", "ratio");
+    int w = 52; /* or the longest policy name */
+    for (int p = 0; p < P->n; p++) w = (int)strlen(P->names[p]) > w ? (int)strlen(P->names[p]) : w;
+    printf("%-*s %8s %7s", w, "policy", "accuracy", "ratio");
     for (int i = 0; i < S[0].n_buckets; i++) printf(" %7d", S[0].bucket[i]);
     printf("  hf-agree\n");
     for (int p = 0; p < P->n; p++) {
         const policy_score *s = &S[p];
-        printf("%-52s %7.1f%% %6.1fx", P->names[p], 100.0 * s->n_correct / (s->total ? s->total : 1),
+        printf("%-*s %7.1f%% %6.1fx", w, P->names[p], 100.0 * s->n_correct / (s->total ? s->total : 1),
                s->ratio_sum / (s->total ? s->total : 1));
         for (int i = 0; i < s->n_buckets; i++) printf(" %6.1f%%", 100.0 * s->correct[i] / (s->count[i] ? s->count[i] : 1));
         printf("  %6.1f%%\n", 100.0 * s->n_agree_hf / (s->total ? s->total : 1));
     }
-    printf("prefill throughput: %.0f tokens/s\n", tok_s);
+    printf("prefill throughput: %.0f tokens/s\n" TABLE_LEGEND, tok_s);
 }
 
 static int eval_retrieval(int argc, char **argv) {
@@ -258,6 +275,7 @@ static int eval_retrieval(int argc, char **argv) {
 int kvs_cmd_eval(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "retrieval")) return eval_retrieval(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "ppl")) return kvs_cmd_eval_ppl(argc - 1, argv + 1);
-    usage(argc >= 2 && !strcmp(argv[1], "--help") ? stdout : stderr);
-    return argc >= 2 && !strcmp(argv[1], "--help") ? 0 : 2;
+    bool help = argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
+    eval_usage(help ? stdout : stderr);
+    return help ? 0 : 2;
 }

@@ -37,6 +37,18 @@ static double log_softmax(const float *x, int n, int i) {
     return (double)x[i] - m - log(s);
 }
 
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvsparse eval ppl -m MODEL_DIR --text FILE [options]\n"
+               "Perplexity of --continuation tokens after a --prefix, for the full cache and each KV policy.\n"
+               "  --text FILE            the text: a plain file, or the \"prompt\" of a .jsonl file's first line\n"
+               "  --prefix N             tokens prefilled (and compressed) before the continuation (default 2048)\n"
+               "  --continuation N       tokens scored after the prefix, teacher-forced (default 256)\n"
+               "  --json                 print one JSON array\n"
+               KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
+               "In eval, --kv-policy and --kv-budget take comma-separated lists: every combination is\n"
+               "scored over one shared prefill.\n");
+}
+
 int kvs_cmd_eval_ppl(int argc, char **argv) {
     kvs_load_options lo = {.allow_tp = true};
     kvs_kv_policy base = kvs_kv_policy_default(KVS_POLICY_FULL);
@@ -52,10 +64,11 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
         else if (r == 0 && !strcmp(argv[i], "--prefix") && i + 1 < argc) prefix = atoi(argv[++i]);
         else if (r == 0 && !strcmp(argv[i], "--continuation") && i + 1 < argc) cont = atoi(argv[++i]);
         else if (r == 0 && !strcmp(argv[i], "--json")) as_json = true;
-        else { fprintf(stderr, "kvsparse eval ppl: bad or incomplete option '%s'\n", argv[i]); return 2; }
+        else if (r == 0 && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) { usage(stdout); return 0; }
+        else { fprintf(stderr, "kvsparse eval ppl: bad or incomplete option '%s'\n", argv[i]); usage(stderr); return 2; }
     }
     if (!path || prefix < 1 || cont < 1) {
-        fprintf(stderr, "usage: kvsparse eval ppl -m MODEL_DIR --text FILE [--prefix N] [--continuation N] [KV policy options]\n");
+        usage(stderr);
         return 2;
     }
     kvs_loaded l;

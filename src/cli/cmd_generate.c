@@ -22,14 +22,18 @@ typedef struct {
 
 static void usage(FILE *f) {
     fprintf(f, "usage: kvsparse generate -m MODEL_DIR (-p TEXT | --prompt-ids 1,2,3) [options]\n"
+               "  -p, --prompt TEXT      the prompt\n"
+               "  --prompt-ids 1,2,3     the prompt as token ids (a model without tokenizer.json)\n"
                "  -n, --max-tokens N     tokens to generate (default 64)\n"
                "  --chat                 wrap the prompt as a user message with the chat template\n"
                "  --temperature T        0 = greedy (default)\n"
-               "  --top-k K  --top-p P  --min-p P  --seed S\n"
-               "  --stop-ids 1,2         extra stop token ids; --ignore-eos to not stop at EOS\n"
-               "  --json                 print one JSON object instead of streaming text\n"
-               "  --load-format dummy    seeded random weights (with -m or --config FILE)\n"
-               "  --threads N\n" KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
+               "  --top-k K              sample among the K most likely tokens (default 0 = all)\n"
+               "  --top-p P              among the most likely tokens of total probability P (default 1 = all)\n"
+               "  --min-p P              drop tokens less likely than P x the most likely (default 0 = none)\n"
+               "  --seed S               the sampling seed (default 0)\n"
+               "  --stop-ids 1,2         extra stop token ids\n"
+               "  --ignore-eos           do not stop at the model's end-of-sequence tokens\n"
+               "  --json                 print one JSON object instead of streaming text\n" KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "Text prompts are the operator's: special-token text in them becomes control tokens.\n");
 }
 

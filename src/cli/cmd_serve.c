@@ -63,7 +63,7 @@ static void usage(FILE *f) {
                "                            benchmark at a higher concurrency, raise it up to 1024 = off)\n"
                "  --drain-timeout S         on SIGTERM/SIGINT, wait up to S seconds for running requests, then\n"
                "                            abort them and exit 0 (default 30)\n"
-               "  --threads N  --load-format dummy\n" KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
+               KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "The API is described in docs/SERVING.md.\n");
 }
 

@@ -14,6 +14,8 @@ static void usage(FILE *f) {
             "  serve    -m MODEL_DIR [--host H] [--port P] [engine and KV policy options]\n"
             "  eval     retrieval -m MODEL_DIR --data FILE.jsonl [KV policy options] | ppl -m MODEL_DIR --text FILE\n"
             "  bench    model | tokenizer | throughput | serve  (see --help of each)\n"
+            "  -h, --help     this help\n"
+            "  -V, --version  print the version and exit\n"
             "Run 'kvsparse COMMAND --help' for a command's options.\n");
 }
 
@@ -32,6 +34,10 @@ int main(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-V")) {
+        printf("kvsparse %s (git %s)\n", KVS_VERSION, KVS_GIT_HASH);
+        return 0;
     }
     const char *cmd = argv[1];
     if (!strcmp(cmd, "generate")) return kvs_cmd_generate(argc - 1, argv + 1);
