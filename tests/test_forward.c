@@ -155,6 +155,7 @@ Test(forward, varlen_batch_equals_single_runs) {
         }
         kvs_batch b = {n, S, tok, pos, qs, seqs, want};
         cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, batched), KVS_OK, "%s", kvs_last_error());
+        kv_keep(r.kv, &b);
     }
     for (int s = 0; s < S; s++) {
         double d = rel_max_diff(batched + (size_t)s * V, alone + (size_t)s * V, V);

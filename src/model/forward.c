@@ -386,7 +386,6 @@ static kvs_status run_step(kvs_model *m, const kvs_kv_cache *kv, const step_shap
 
 /* The step up to each rank's logits slice in buf.logits [n_logits][vocab_pad]. */
 static kvs_status forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int *n_logits_out) {
-    KVS_TRY(kvs_model_check_batch(m, b, kv));
     const kvs_config *c = &m->cfg;
     int n_logits = 0, max_blocks = 1;
     for (int s = 0; s < b->n_seqs; s++) n_logits += b->wants_logits[s] ? 1 : 0;
@@ -399,12 +398,9 @@ static kvs_status forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *k
     KVS_TRY(ensure_buffers(m, sh.n_rows, n_logits));
     KVS_TRY(step_metadata(m, b, kv, &sh));
     KVS_TRY(run_step(m, kv, &sh));
-    for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
     if (n_logits > 0) local_logits(m, b, n_logits);
-    /* compaction of what the sequences' policies say is due (after their
-       prompt; decode layers reaching B_l + window); with tensor parallelism
-       each rank scores and compacts its own KV heads: no communication */
-    for (int s = 0; s < b->n_seqs; s++) KVS_TRY(kvs_kv_sparsify(kv, b->seq_ids[s]));
+    /* the new tokens stay uncommitted: the runner commits them and applies
+       the sequences' KV policies after the step (src/runner/step.c) */
     *n_logits_out = n_logits;
     return KVS_OK;
 }
@@ -444,6 +440,7 @@ static kvs_status forward_logits(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
 }
 
 kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
+    KVS_TRY(kvs_model_check_batch(m, b, kv));
     return step_status(m, forward_logits(m, b, kv, logits));
 }
 
@@ -549,7 +546,6 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
        so that they all run the same collectives: every rank needs them */
     if (!params && (ids || world > 1))
         return kvs_fail(KVS_ERR_INVALID, "forward_sample: rank %d of %d has no sampling parameters", sh->rank, world);
-    if (params) KVS_TRY(kvs_model_check_sample(b, params)); /* before the step: a bad row changes nothing */
     int n;
     KVS_TRY(forward_step(m, b, kv, &n));
     if (n == 0) return KVS_OK;
@@ -580,18 +576,12 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
 
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
                                     int32_t *ids, float *logprobs) {
+    if (params) KVS_TRY(kvs_model_check_sample(b, params)); /* before the step: a bad row changes nothing */
+    KVS_TRY(kvs_model_check_batch(m, b, kv));
     return step_status(m, forward_sample(m, b, kv, params, ids, logprobs));
 }
 
-/* Greedy is the sample op with temperature 0 (the argmax, ties to the lowest
- * id): on the device, and with tensor parallelism through the per-rank parts. */
-kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids) {
-    int n = 0;
-    for (int s = 0; s < b->n_seqs; s++) n += b->wants_logits[s] ? 1 : 0;
-    kvs_sample_row *greedy = malloc(sizeof *greedy * (n ? n : 1));
-    if (!greedy) return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
-    for (int q = 0; q < n; q++) greedy[q] = (kvs_sample_row){.temperature = 0, .top_p = 1};
-    kvs_status st = kvs_model_forward_sample(m, b, kv, greedy, ids, NULL);
-    free(greedy);
-    return st;
+kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
+                                       const kvs_sample_row *params, int32_t *ids, float *logprobs, float *logits) {
+    return params ? forward_sample(m, b, kv, params, ids, logprobs) : forward_logits(m, b, kv, logits);
 }

@@ -94,11 +94,6 @@ kvs_status kvs_graphs_check_kv(kvs_model *m, const kvs_kv_cache *kv);
 /* graphs.c: frees what kvs_model_destroy must (graphs, metadata buffers). */
 void kvs_graphs_free(kvs_model *m);
 
-/* The batch checks of kvs_model_forward (tp.c runs them once before a step). */
-kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
-
-/* The parameters of kvs_model_forward_sample (one row per sequence that wants logits). */
-kvs_status kvs_model_check_sample(const kvs_batch *b, const struct kvs_sample_row *params);
 /* Frees m->sample (forward.c). */
 void kvs_model_free_sample_buffers(kvs_model *m);
 
