@@ -25,8 +25,8 @@ typedef struct {
     kvs_config cfg;
     kvs_checkpoint *ck;
     kvs_backend *be;
-    kvs_tokenizer *tok;  /* NULL when the folder has no tokenizer.json */
-    kvs_runner *runner;  /* the model over N ranks (--tensor-parallel-size; N = 1 included); NULL with skip_model */
+    kvs_tokenizer *tok; /* NULL when the folder has no tokenizer.json */
+    kvs_runner *runner; /* the model over N >= 1 ranks (--tensor-parallel-size); NULL with skip_model */
     int world;          /* ranks (1 without tensor parallelism) */
     /* --device cuda with N > 1: one CUDA backend and one NCCL communicator per
        rank (be is rank_be[0]); the runner uses them, the CLI owns them */
