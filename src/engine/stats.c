@@ -21,7 +21,7 @@ void kvs_stats_refresh(kvs_engine *e) {
     e->n_running = e->running.n;
     s->running = e->running.n;
     s->kv_blocks_total = kc->n_blocks;
-    s->kv_blocks_used = kvs_runner_used_blocks(e->runner);
+    s->kv_blocks_used = kc->n_blocks - kvs_runner_free_blocks(e->runner);
     s->kv_tokens_capacity = kc->n_blocks / kc->n_layers * kc->block_size;
     int64_t full_blocks = 0, sparse_blocks = 0, held = 0, full = 0;
     for (kvs_request *r = e->running.head; r; r = r->next) {

@@ -39,7 +39,6 @@ kvs_status kvs_runner_need_kv(const kvs_runner *g) {
 const kvs_kv_config *kvs_runner_kv_config(const kvs_runner *g) { return kvs_kv_get_config(g->ranks[0].kv); }
 bool kvs_runner_can_admit(const kvs_runner *g, int prompt_len) { return kvs_kv_can_admit(g->ranks[0].kv, prompt_len); }
 int64_t kvs_runner_free_blocks(const kvs_runner *g) { return kvs_kv_free_blocks(g->ranks[0].kv); }
-int64_t kvs_runner_used_blocks(const kvs_runner *g) { return kvs_kv_used_blocks(g->ranks[0].kv); }
 
 int64_t kvs_runner_blocks_needed(const kvs_runner *g, int seq_id, int n_new) {
     return kvs_kv_blocks_needed(g->ranks[0].kv, seq_id, n_new);

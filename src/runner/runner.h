@@ -49,7 +49,6 @@ int64_t kvs_runner_kv_blocks_for_budget(const kvs_runner *r, const kvs_kv_config
 const kvs_kv_config *kvs_runner_kv_config(const kvs_runner *r);
 bool kvs_runner_can_admit(const kvs_runner *r, int prompt_len);
 int64_t kvs_runner_free_blocks(const kvs_runner *r);
-int64_t kvs_runner_used_blocks(const kvs_runner *r);
 int64_t kvs_runner_blocks_needed(const kvs_runner *r, int seq_id, int n_new);
 typedef struct {
     int64_t held, full; /* kvs_kv_seq_usage */
