@@ -14,6 +14,7 @@
 #include "kv/kv.h"
 #include "model/model.h"
 #include "model/model_internal.h"
+#include "runner/runner_internal.h" /* a rank's model and cache */
 #include "testutil.h"
 
 typedef struct {
@@ -970,6 +971,7 @@ static void run_tokens(rig *r, int seq, const int32_t *ids, int n, int pos0, int
         cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
         kvs_batch b = {len, 1, ids + start, pos, qs, &seq, &want};
         cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out), KVS_OK, "%s", kvs_last_error());
+        kv_keep(r->kv, &b);
         free(pos);
     }
 }
@@ -1419,7 +1421,7 @@ typedef struct {
     kvs_checkpoint *ck;
     kvs_backend *be[2], *be1;
     kvs_comm *comm[2];
-    kvs_tp_group *g; /* TP = 2 */
+    kvs_runner *g; /* TP = 2 */
     rig one;         /* TP = 1 */
     int V;
 } tp_pair;
@@ -1433,11 +1435,11 @@ static bool tp_pair_open(tp_pair *t, const char *dir, int max_tokens) {
     for (int r = 0; r < 2; r++)
         cr_assert_eq(kvs_backend_cuda_create(&(kvs_cuda_options){.device = r}, &t->be[r]), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_comm_nccl_create(t->be, 2, t->comm), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_tp_group_create(&t->cfg, t->ck, 2, t->be, t->comm, gpus, NULL, &t->g), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_runner_create(&t->cfg, t->ck, 2, t->be, t->comm, gpus, NULL, &t->g), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = {.n_layers = t->cfg.n_layers, .n_kv_heads = t->cfg.n_kv_heads, .head_dim = t->cfg.head_dim,
                         .n_heads = t->cfg.n_heads, .block_size = 16, .n_blocks = RIG_BLOCKS(max_tokens, 2),
                         .max_seqs = 2};
-    cr_assert_eq(kvs_tp_kv_create(t->g, &kc), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_runner_kv_create(t->g, &kc), KVS_OK, "%s", kvs_last_error());
     /* TP = 1 last: creating a CUDA backend makes its GPU this thread's device,
        and TP = 1 runs on this thread (the ranks run on their own, bound threads) */
     cr_assert_eq(kvs_backend_cuda_create(&(kvs_cuda_options){.device = 0}, &t->be1), KVS_OK, "%s", kvs_last_error());
@@ -1457,7 +1459,7 @@ static bool tp_pair_open(tp_pair *t, const char *dir, int max_tokens) {
 static void tp_pair_close(tp_pair *t) {
     rig_close(&t->one);
     t->be1->destroy(t->be1);
-    kvs_tp_group_destroy(t->g);
+    kvs_runner_destroy(t->g);
     for (int r = 0; r < 2; r++) {
         t->comm[r]->destroy(t->comm[r]);
         t->be[r]->destroy(t->be[r]);
@@ -1484,15 +1486,15 @@ static void tp1_greedy(tp_pair *t, const kvs_kv_policy *p, const int32_t *ids, i
 }
 
 /* One TP = 2 step of ids[0 .. n) at pos0: the gathered logits, or (params not
- * NULL) the sampled id through kvs_tp_forward_sample. */
+ * NULL) the sampled id through kvs_runner_step_sample. */
 static void tp2_step(tp_pair *t, int seq, const int32_t *ids, int n, int pos0, float *logits,
                      const kvs_sample_row *params, int32_t *id) {
     int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
     for (int i = 0; i < n; i++) pos[i] = pos0 + i;
     uint8_t want = 1;
-    cr_assert_eq(kvs_tp_reserve(t->g, seq, n), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_runner_reserve(t->g, seq, n), KVS_OK, "%s", kvs_last_error());
     kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
-    kvs_status st = params ? kvs_tp_forward_sample(t->g, &b, params, id, NULL) : kvs_tp_forward(t->g, &b, logits);
+    kvs_status st = params ? kvs_runner_step_sample(t->g, &b, params, id, NULL) : kvs_runner_step(t->g, &b, logits);
     cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
     free(pos);
 }
@@ -1502,9 +1504,9 @@ static void tp2_step(tp_pair *t, int seq, const int32_t *ids, int n, int pos0, f
 static void tp2_forced(tp_pair *t, const kvs_kv_policy *p, const int32_t *ids, int n, int chunk, int n_steps,
                        const int32_t *toks, float *rows, const kvs_sample_row *params, int32_t *sampled,
                        int64_t *held) {
-    int seq = kvs_tp_seq_create(t->g);
+    int seq = kvs_runner_seq_create(t->g);
     cr_assert_geq(seq, 0, "%s", kvs_last_error());
-    if (p) cr_assert_eq(kvs_tp_set_policy(t->g, seq, p, n), KVS_OK, "%s", kvs_last_error());
+    if (p) cr_assert_eq(kvs_runner_set_policy(t->g, seq, p, n), KVS_OK, "%s", kvs_last_error());
     float *scratch = malloc(sizeof(float) * t->V);
     kvs_sample_row pr;
     for (int k = 0; k < n_steps; k++) {
@@ -1522,8 +1524,8 @@ static void tp2_forced(tp_pair *t, const kvs_kv_policy *p, const int32_t *ids, i
         }
     }
     int64_t full;
-    if (held) kvs_kv_seq_usage(kvs_tp_kv(t->g, 0), seq, held, &full);
-    kvs_tp_seq_free(t->g, seq);
+    if (held) kvs_kv_seq_usage(kvs_runner_kv(t->g, 0), seq, held, &full);
+    kvs_runner_seq_free(t->g, seq);
     free(scratch);
 }
 
@@ -1560,7 +1562,7 @@ static double tp_compare(const char *name, const float *a, const float *b, int n
 
 static void graph_stats_log(tp_pair *t, const char *name, kvs_graph_stats before[2]) {
     for (int r = 0; r < 2; r++) {
-        kvs_graph_stats s = kvs_model_graph_stats(kvs_tp_model(t->g, r));
+        kvs_graph_stats s = kvs_model_graph_stats(kvs_runner_model(t->g, r));
         long long cap = s.captures - before[r].captures, rep = s.replays - before[r].replays,
                   fail = s.capture_failures - before[r].capture_failures;
         cr_log_info("%s: rank %d graphs: %lld captures, %lld replays, %lld capture failures", name, r, cap, rep, fail);
@@ -1577,8 +1579,8 @@ enum { TP_STEPS = 16 };
 static void tp_case(tp_pair *t, const char *name, const int32_t *ids, int n, int chunk, double max_abs, double rel) {
     float *r1 = malloc(sizeof(float) * TP_STEPS * t->V), *r2 = malloc(sizeof(float) * TP_STEPS * t->V);
     int32_t toks[TP_STEPS];
-    kvs_graph_stats before[2] = {kvs_model_graph_stats(kvs_tp_model(t->g, 0)),
-                                 kvs_model_graph_stats(kvs_tp_model(t->g, 1))};
+    kvs_graph_stats before[2] = {kvs_model_graph_stats(kvs_runner_model(t->g, 0)),
+                                 kvs_model_graph_stats(kvs_runner_model(t->g, 1))};
     tp1_greedy(t, NULL, ids, n, chunk, TP_STEPS, r1, toks, NULL);
     tp2_forced(t, NULL, ids, n, chunk, TP_STEPS, toks, r2, NULL, NULL, NULL);
     tp_compare(name, r2, r1, TP_STEPS, t->V, max_abs, rel);
@@ -1702,7 +1704,7 @@ static void kv_compare(tp_pair *t, int s1, int s2, kv_diff *o) {
         for (int g = 0; g < H; g++) {
             int r = g / local, n1, n2;
             float *a = kv_head_keys(t->one.kv, t->be1, s1, l, g, &n1);
-            float *b = kv_head_keys(kvs_tp_kv(t->g, r), t->be[r], s2, l, g % local, &n2);
+            float *b = kv_head_keys(kvs_runner_kv(t->g, r), t->be[r], s2, l, g % local, &n2);
             if (n1 != n2) o->len_mismatch++;
             int unmatched = 0;
             for (int j = 0; j < n2; j++) {
@@ -1741,10 +1743,10 @@ static void kv_compare(tp_pair *t, int s1, int s2, kv_diff *o) {
 static void tp_sparse_case(tp_pair *t, const kvs_kv_policy *p, const char *name, const int32_t *ids, int n) {
     const double dense = 0.35, loose = KV_DIFF_SANITY * dense;
     rig *one = &t->one;
-    int s1 = kvs_kv_seq_create(one->kv), s2 = kvs_tp_seq_create(t->g);
+    int s1 = kvs_kv_seq_create(one->kv), s2 = kvs_runner_seq_create(t->g);
     cr_assert(s1 >= 0 && s2 >= 0, "%s", kvs_last_error());
     cr_assert_eq(kvs_kv_set_policy(one->kv, s1, p, n), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_tp_set_policy(t->g, s2, p, n), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_runner_set_policy(t->g, s2, p, n), KVS_OK, "%s", kvs_last_error());
     float *r1 = malloc(sizeof(float) * t->V), *r2 = malloc(sizeof(float) * t->V), *scratch = malloc(sizeof(float) * t->V);
     int32_t tok = 0;
     bool clean = true;
@@ -1805,10 +1807,10 @@ static void tp_sparse_case(tp_pair *t, const kvs_kv_policy *p, const char *name,
                 worst_matched, nearest_unmatched, KV_MATCH_REL);
     int64_t h1, h2, full;
     kvs_kv_seq_usage(one->kv, s1, &h1, &full);
-    kvs_kv_seq_usage(kvs_tp_kv(t->g, 0), s2, &h2, &full);
+    kvs_kv_seq_usage(kvs_runner_kv(t->g, 0), s2, &h2, &full);
     cr_expect_eq(h1, h2, "%s: TP1 holds %lld entries, TP2 rank 0 %lld", name, (long long)h1, (long long)h2);
     kvs_kv_free(one->kv, s1);
-    kvs_tp_seq_free(t->g, s2);
+    kvs_runner_seq_free(t->g, s2);
     free(r1), free(r2), free(scratch);
 }
 
@@ -1840,7 +1842,7 @@ Test(cuda, tp2_tiny_needle_llama_sparse, .timeout = 600) {
  * - graphs vs the same padded layout run eagerly: the same kernels and the
  *   same collectives, expected bitwise equal (logged; failing only beyond the
  *   0.35 limit, in case NCCL picks another algorithm under capture);
- * - kvs_tp_forward_sample greedy (each rank's slice reduced on its GPU, 24
+ * - kvs_runner_step_sample greedy (each rank's slice reduced on its GPU, 24
  *   bytes per rank gathered) equals the argmax of the gathered logits of the
  *   same steps, exactly;
  * - temperature 0.8 through the same path equals the CPU sample op over the
@@ -1858,11 +1860,11 @@ Test(cuda, tp2_graphs_and_sampling_without_the_gather, .timeout = 600) {
     /* the padded layout eagerly first: switching modes destroys captured
        graphs, which must happen on the rank threads (the group's destroy),
        so switch only while none exist */
-    for (int r = 0; r < 2; r++) kvs_model_set_graph_mode(kvs_tp_model(t.g, r), KVS_GRAPHS_PADDED);
+    for (int r = 0; r < 2; r++) kvs_model_set_graph_mode(kvs_runner_model(t.g, r), KVS_GRAPHS_PADDED);
     tp2_forced(&t, NULL, ids, n, 256, TP_STEPS, toks, re, NULL, NULL, NULL);
-    for (int r = 0; r < 2; r++) kvs_model_set_graph_mode(kvs_tp_model(t.g, r), KVS_GRAPHS_ON);
-    kvs_graph_stats before[2] = {kvs_model_graph_stats(kvs_tp_model(t.g, 0)),
-                                 kvs_model_graph_stats(kvs_tp_model(t.g, 1))};
+    for (int r = 0; r < 2; r++) kvs_model_set_graph_mode(kvs_runner_model(t.g, r), KVS_GRAPHS_ON);
+    kvs_graph_stats before[2] = {kvs_model_graph_stats(kvs_runner_model(t.g, 0)),
+                                 kvs_model_graph_stats(kvs_runner_model(t.g, 1))};
     tp2_forced(&t, NULL, ids, n, 256, TP_STEPS, toks, rg, NULL, NULL, NULL);
     graph_stats_log(&t, "tp2 graphs", before);
     int not_bitwise = 0;
@@ -2043,7 +2045,9 @@ static kvs_status greedy_step(rig *r, int seq, int32_t tok, int32_t pos, uint64_
     kvs_sample_row p = {.temperature = 0, .top_p = 1, .seed = seed};
     cr_assert_eq(kvs_kv_reserve(r->kv, seq, 1), KVS_OK);
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-    return kvs_model_forward_sample(r->m, &b, r->kv, &p, id, NULL);
+    kvs_status st = kvs_model_forward_sample(r->m, &b, r->kv, &p, id, NULL);
+    if (st == KVS_OK) kv_keep(r->kv, &b);
+    return st;
 }
 
 /* A kernel reading an invalid address (the embedding table pointer spoiled):
@@ -2112,26 +2116,26 @@ Test(cuda, tp2_a_failed_rank_fails_the_step, .timeout = 300) {
     kvs_fault_spec f = {.fail_step = 2};
     ranks[0] = be[0];
     cr_assert_eq(kvs_backend_fault_wrap(be[1], &f, false, &ranks[1]), KVS_OK);
-    kvs_tp_group *g;
-    cr_assert_eq(kvs_tp_group_create(&cfg, ck, 2, ranks, comm, gpus, NULL, &g), KVS_OK, "%s", kvs_last_error());
+    kvs_runner *g;
+    cr_assert_eq(kvs_runner_create(&cfg, ck, 2, ranks, comm, gpus, NULL, &g), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = {.n_layers = cfg.n_layers, .n_kv_heads = cfg.n_kv_heads, .head_dim = cfg.head_dim,
                         .n_heads = cfg.n_heads, .block_size = 16, .n_blocks = RIG_BLOCKS(32, 1), .max_seqs = 1};
-    cr_assert_eq(kvs_tp_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());
-    int seq = kvs_tp_seq_create(g);
+    cr_assert_eq(kvs_runner_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());
+    int seq = kvs_runner_seq_create(g);
     kvs_sample_row p = {.temperature = 0, .top_p = 1};
     for (int step = 0; step < 3; step++) {
         int32_t tok = 100 + step, pos = step, qs[2] = {0, 1}, id = -1;
         uint8_t want = 1;
-        kvs_status st = kvs_tp_reserve(g, seq, 1);
+        kvs_status st = kvs_runner_reserve(g, seq, 1);
         kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-        if (st == KVS_OK) st = kvs_tp_forward_sample(g, &b, &p, &id, NULL);
+        if (st == KVS_OK) st = kvs_runner_step_sample(g, &b, &p, &id, NULL);
         cr_log_info("TP step %d: %s", step + 1, st == KVS_OK ? "ok" : kvs_last_error());
         if (step == 0) cr_expect_eq(st, KVS_OK);
         else cr_expect_neq(st, KVS_OK, "step %d", step + 1);
         if (step == 1) cr_expect(strstr(kvs_last_error(), "tensor parallel rank 1 of 2") &&
                                      strstr(kvs_last_error(), "injected fault"), "%s", kvs_last_error());
     }
-    kvs_tp_group_destroy(g);
+    kvs_runner_destroy(g);
     ranks[1]->destroy(ranks[1]);
     for (int r = 0; r < 2; r++) comm[r]->destroy(comm[r]);
     for (int r = 0; r < 2; r++) be[r]->destroy(be[r]);

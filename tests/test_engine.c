@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "runner/runner_internal.h" /* a rank's cache */
 #include "testutil.h"
 
 typedef struct {
@@ -94,6 +95,7 @@ static void reference(fixture *f, const int32_t *prompt, int n, int n_new, int32
     cr_assert_eq(kvs_kv_reserve(kv, seq, n), KVS_OK);
     kvs_batch b = {n, 1, prompt, pos, qs, &seq, &want};
     cr_assert_eq(kvs_model_forward(f->m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+    kv_keep(kv, &b);
     for (int i = 0; i < n_new; i++) {
         out[i] = argmax_f(logits, f->cfg.vocab_size);
         if (i + 1 == n_new) break;
@@ -101,6 +103,7 @@ static void reference(fixture *f, const int32_t *prompt, int n, int n_new, int32
         cr_assert_eq(kvs_kv_reserve(kv, seq, 1), KVS_OK);
         kvs_batch d = {1, 1, &out[i], &p, q1, &seq, &want};
         cr_assert_eq(kvs_model_forward(f->m, &d, kv, logits), KVS_OK, "%s", kvs_last_error());
+        kv_keep(kv, &d);
     }
     free(pos);
     free(logits);
@@ -613,26 +616,26 @@ Test(engine, tensor_parallel_group_matches_one_rank) {
         engine_run_all(e, N, prompts, lens, MAX_TOKENS, want, &policies[pi]);
         kvs_engine_destroy(e);
 
-        kvs_tp_group *g1, *g2;
-        cr_assert_eq(kvs_tp_group_create_cpu(&f.cfg, f.ck, 1, 0, NULL, &g1), KVS_OK, "%s", kvs_last_error());
-        cr_assert_eq(kvs_engine_create_tp(g1, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+        kvs_runner *g1, *g2;
+        cr_assert_eq(kvs_runner_create_cpu(&f.cfg, f.ck, 1, 0, NULL, &g1), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_engine_create_runner(g1, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
         engine_run_all(e, N, prompts, lens, MAX_TOKENS, got1, &policies[pi]);
         kvs_engine_destroy(e);
-        kvs_tp_group_destroy(g1);
+        kvs_runner_destroy(g1);
 
-        cr_assert_eq(kvs_tp_group_create_cpu(&f.cfg, f.ck, 2, 1, NULL, &g2), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_create_cpu(&f.cfg, f.ck, 2, 1, NULL, &g2), KVS_OK, "%s", kvs_last_error());
         /* per-rank budget: each rank holds half the heads, so half the bytes give the same blocks */
         c.kv_memory_bytes /= 2;
-        cr_assert_eq(kvs_engine_create_tp(g2, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
-        cr_assert_eq(kvs_kv_get_config(kvs_tp_kv(g2, 1))->n_kv_heads, f.cfg.n_kv_heads / 2);
+        cr_assert_eq(kvs_engine_create_runner(g2, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_kv_get_config(kvs_runner_kv(g2, 1))->n_kv_heads, f.cfg.n_kv_heads / 2);
         engine_run_all(e, N, prompts, lens, MAX_TOKENS, got2, &policies[pi]);
         kvs_engine_stats s;
         kvs_engine_get_stats(e, &s);
         cr_expect_eq(s.kv_blocks_used, 0);
-        cr_expect_eq(kvs_kv_used_blocks(kvs_tp_kv(g2, 1)), 0, "rank 1 kept blocks");
+        cr_expect_eq(kvs_kv_used_blocks(kvs_runner_kv(g2, 1)), 0, "rank 1 kept blocks");
         cr_log_info("policy %d: TP=2 preemptions %llu", pi, (unsigned long long)s.preemptions);
         kvs_engine_destroy(e);
-        kvs_tp_group_destroy(g2);
+        kvs_runner_destroy(g2);
 
         for (int i = 0; i < N; i++) {
             cr_assert_eq(got1[i].n, want[i].n);

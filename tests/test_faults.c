@@ -76,6 +76,7 @@ Test(faults, the_failing_step_returns_the_error) {
         cr_assert_eq(kvs_kv_reserve(r.kv, seq, 1), KVS_OK);
         kvs_batch bt = {1, 1, &tok, &pos, qs, &seq, &want};
         kvs_status st = kvs_model_forward_sample(r.m, &bt, r.kv, &greedy, &id, NULL);
+        if (st == KVS_OK) kv_keep(r.kv, &bt);
         if (step < 3) {
             cr_expect_eq(st, KVS_OK, "step %d: %s", step, kvs_last_error());
         } else {
@@ -218,13 +219,13 @@ Test(faults, a_failed_rank_fails_the_engine) {
     cr_assert_eq(kvs_config_load(dir, &cfg), KVS_OK);
     cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK);
     kvs_backend *wrapper = NULL;
-    kvs_tp_group *g;
-    cr_assert_eq(kvs_tp_group_create_cpu_wrapped(&cfg, ck, 2, 1, wrap_rank1, &wrapper, NULL, &g), KVS_OK, "%s",
+    kvs_runner *g;
+    cr_assert_eq(kvs_runner_create_cpu_wrapped(&cfg, ck, 2, 1, wrap_rank1, &wrapper, NULL, &g), KVS_OK, "%s",
                  kvs_last_error());
     kvs_engine_config ec = kvs_engine_config_default();
     ec.kv_memory_bytes = 32u << 20;
     kvs_engine *e;
-    cr_assert_eq(kvs_engine_create_tp(g, NULL, &ec, &e), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_engine_create_runner(g, NULL, &ec, &e), KVS_OK, "%s", kvs_last_error());
     sink s[2] = {0};
     for (int i = 0; i < 2; i++) {
         kvs_request_params p = params(i, 20);
@@ -240,7 +241,7 @@ Test(faults, a_failed_rank_fails_the_engine) {
         cr_expect_eq(s[i].n, 1);
     }
     kvs_engine_destroy(e);
-    kvs_tp_group_destroy(g);
+    kvs_runner_destroy(g);
     wrapper->destroy(wrapper); /* the group destroyed rank 1's backend under it */
     kvs_checkpoint_destroy(ck);
 }

@@ -155,6 +155,7 @@ Test(forward, varlen_batch_equals_single_runs) {
         }
         kvs_batch b = {n, S, tok, pos, qs, seqs, want};
         cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, batched), KVS_OK, "%s", kvs_last_error());
+        kv_keep(r.kv, &b);
     }
     for (int s = 0; s < S; s++) {
         double d = rel_max_diff(batched + (size_t)s * V, alone + (size_t)s * V, V);
@@ -217,13 +218,14 @@ Test(forward, rejects_batches_beyond_the_limits) {
     }
     float *logits = malloc(sizeof(float) * 3 * cfg.vocab_size);
     int32_t out[3];
+    kvs_sample_row greedy[3] = {{.temperature = 0, .top_p = 1}, {.temperature = 0, .top_p = 1}, {.temperature = 0, .top_p = 1}};
     kvs_batch three = {3, 3, ids, pos, qs, seqs, want}; /* one sequence too many */
     cr_expect_eq(kvs_model_forward(m, &three, kv, logits), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "3 sequences") && strstr(kvs_last_error(), "2 sequences"), "%s",
               kvs_last_error());
     int32_t qs9[2] = {0, 9};
     kvs_batch nine = {9, 1, ids, pos, qs9, seqs, want}; /* one token too many */
-    cr_expect_eq(kvs_model_forward_argmax(m, &nine, kv, out), KVS_ERR_INVALID);
+    cr_expect_eq(kvs_model_forward_sample(m, &nine, kv, greedy, out, NULL), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "9 tokens") && strstr(kvs_last_error(), "8 tokens"), "%s", kvs_last_error());
     int32_t qs1[2] = {0, 1};
     kvs_batch long_seq = {1, 1, ids, pos, qs1, seqs, want}; /* 40 entries reserved: 3 blocks, max_len 32 holds 2 */
@@ -231,7 +233,7 @@ Test(forward, rejects_batches_beyond_the_limits) {
     cr_expect(strstr(kvs_last_error(), "3 KV blocks") && strstr(kvs_last_error(), "max_model_len 32"), "%s",
               kvs_last_error());
     kvs_batch two = {2, 2, ids, pos, qs, seqs + 1, want}; /* within the limits */
-    cr_expect_eq(kvs_model_forward_argmax(m, &two, kv, out), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(kvs_model_forward_sample(m, &two, kv, greedy, out, NULL), KVS_OK, "%s", kvs_last_error());
     free(logits);
     kvs_kv_destroy(kv);
     kvs_model_destroy(m);

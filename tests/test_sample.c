@@ -1,7 +1,7 @@
 /* The backend's sample op on the CPU (the reference for the CUDA kernel):
  * greedy, the draw's statistics, what the filters keep (checked against a
  * sort-based restatement of backend/sample.h), determinism, padded rows; then
- * kvs_tp_forward_sample on the CPU simulation against the single-rank model;
+ * kvs_runner_step_sample on the CPU simulation against the single-rank model;
  * the sample_shard op + kvs_sample_pick (tensor parallelism without the
  * logits gather) against the op over whole rows.
  * Inputs are fixed (seeded) so every check is deterministic. */
@@ -14,6 +14,7 @@
 #include "backend/sample.h"
 #include "model/model.h"
 #include "model/model_internal.h" /* which way out a rank took */
+#include "runner/runner_internal.h"
 #include "testutil.h"
 
 static kvs_backend *cpu(void) {
@@ -365,7 +366,7 @@ Test(sample, shard_parts_pick_what_the_whole_row_picks) {
     b->destroy(b);
 }
 
-/* ---- kvs_tp_forward_sample on the CPU simulation ---------------------------- */
+/* ---- kvs_runner_step_sample on the CPU simulation ---------------------------- */
 static const char *odd_vocab_json =
     "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, \"num_hidden_layers\": 2,"
     " \"num_attention_heads\": 8, \"num_key_value_heads\": 4, \"head_dim\": 16,"
@@ -377,7 +378,7 @@ typedef struct {
     kvs_backend *be;
     kvs_model *m;
     kvs_kv_cache *kv;
-    kvs_tp_group *g;
+    kvs_runner *g;
 } sample_rig;
 
 static void srig_open(sample_rig *r, const kvs_config *c, kvs_checkpoint *ck, int world) {
@@ -389,13 +390,13 @@ static void srig_open(sample_rig *r, const kvs_config *c, kvs_checkpoint *ck, in
         cr_assert_eq(kvs_model_create(c, ck, r->be, NULL, &r->m), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
     } else {
-        cr_assert_eq(kvs_tp_group_create_cpu(c, ck, world, 1, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
-        cr_assert_eq(kvs_tp_kv_create(r->g, &kc), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_create_cpu(c, ck, world, 1, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_kv_create(r->g, &kc), KVS_OK, "%s", kvs_last_error());
     }
 }
 
 static void srig_close(sample_rig *r) {
-    if (r->g) kvs_tp_group_destroy(r->g);
+    if (r->g) kvs_runner_destroy(r->g);
     else {
         kvs_kv_destroy(r->kv);
         kvs_model_destroy(r->m);
@@ -412,7 +413,7 @@ static void srig_generate(sample_rig *r, int n_seqs, const kvs_sample_row *param
     int32_t toks[4 * 20], pos[4 * 20], qs[5];
     uint8_t want[4];
     for (int s = 0; s < n_seqs; s++) {
-        seqs[s] = r->g ? kvs_tp_seq_create(r->g) : kvs_kv_seq_create(r->kv);
+        seqs[s] = r->g ? kvs_runner_seq_create(r->g) : kvs_kv_seq_create(r->kv);
         cr_assert_geq(seqs[s], 0);
     }
     for (int step = 0; step < n_steps; step++) {
@@ -425,16 +426,17 @@ static void srig_generate(sample_rig *r, int n_seqs, const kvs_sample_row *param
                 pos[nt] = step == 0 ? i : n + step - 1;
             }
             want[s] = 1;
-            kvs_status st = r->g ? kvs_tp_reserve(r->g, seqs[s], len) : kvs_kv_reserve(r->kv, seqs[s], len);
+            kvs_status st = r->g ? kvs_runner_reserve(r->g, seqs[s], len) : kvs_kv_reserve(r->kv, seqs[s], len);
             cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
         }
         qs[n_seqs] = nt;
         kvs_batch b = {nt, n_seqs, toks, pos, qs, seqs, want};
         kvs_sample_row p[4];
         for (int s = 0; s < n_seqs; s++) p[s] = params[s], p[s].step = (uint64_t)step;
-        kvs_status st = r->g ? kvs_tp_forward_sample(r->g, &b, p, ids + step * n_seqs, lps + step * n_seqs)
+        kvs_status st = r->g ? kvs_runner_step_sample(r->g, &b, p, ids + step * n_seqs, lps + step * n_seqs)
                              : kvs_model_forward_sample(r->m, &b, r->kv, p, ids + step * n_seqs, lps + step * n_seqs);
         cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
+        if (!r->g) kv_keep(r->kv, &b);
     }
 }
 
@@ -477,14 +479,14 @@ Test(sample, tp_forward_sample_matches_the_single_rank_model, .timeout = 600) {
     srig_open(&g, &cfg, ck, 2);
     kvs_sample_row bad[4] = {params[0], params[1], params[2], params[3]};
     bad[2].top_p = 0;
-    int seq = kvs_tp_seq_create(g.g);
+    int seq = kvs_runner_seq_create(g.g);
     int32_t t[1] = {5}, pos[1] = {0}, qs[2] = {0, 1}, out[1];
     uint8_t want = 1;
     kvs_batch b = {1, 1, t, pos, qs, &seq, &want};
-    cr_assert_eq(kvs_tp_reserve(g.g, seq, 1), KVS_OK);
-    cr_expect_eq(kvs_tp_forward_sample(g.g, &b, &bad[2], out, NULL), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_runner_reserve(g.g, seq, 1), KVS_OK);
+    cr_expect_eq(kvs_runner_step_sample(g.g, &b, &bad[2], out, NULL), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "row 0"), "%s", kvs_last_error());
-    cr_expect_eq(kvs_tp_forward_sample(g.g, &b, &params[1], out, NULL), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(kvs_runner_step_sample(g.g, &b, &params[1], out, NULL), KVS_OK, "%s", kvs_last_error());
     cr_expect(out[0] >= 0 && out[0] < 515);
     srig_close(&g);
     kvs_checkpoint_destroy(ck);
@@ -513,7 +515,7 @@ Test(sample, tp_greedy_and_temperature_without_the_gather, .timeout = 600) {
     srig_open(&two, &cfg, ck, 2);
     srig_generate(&two, 4, params, STEPS, ids2, lp2);
     for (int k = 0; k < 2; k++)
-        cr_expect(kvs_tp_model(two.g, k)->sample.sharded_steps > 0, "rank %d took the parts path", k);
+        cr_expect(kvs_runner_model(two.g, k)->sample.sharded_steps > 0, "rank %d took the parts path", k);
     srig_close(&two);
     srig_open(&four, &cfg, ck, 4);
     srig_generate(&four, 4, params, STEPS, ids4, lp4);

@@ -12,6 +12,7 @@
 #include "kv/kv.h"
 #include "model/model.h"
 #include "model/model_internal.h" /* the LM-head slices, for the tie test */
+#include "runner/runner_internal.h" /* a rank's model and cache */
 #include "testutil.h"
 
 /* A model run either as one kvs_model_create model (world 0) or as a
@@ -23,7 +24,7 @@ typedef struct {
     kvs_backend *be;
     kvs_model *m;
     kvs_kv_cache *kv;
-    kvs_tp_group *g;
+    kvs_runner *g;
 } tp_rig;
 
 static kvs_kv_config kv_config(const kvs_config *c, int max_tokens, int max_seqs) {
@@ -41,8 +42,8 @@ static void tp_rig_start(tp_rig *r, int world, int max_tokens, int max_seqs) {
         cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, NULL, &r->m), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
     } else {
-        cr_assert_eq(kvs_tp_group_create_cpu(&r->cfg, r->ck, world, 0, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
-        cr_assert_eq(kvs_tp_kv_create(r->g, &kc), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_create_cpu(&r->cfg, r->ck, world, 0, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_kv_create(r->g, &kc), KVS_OK, "%s", kvs_last_error());
     }
 }
 
@@ -63,9 +64,9 @@ static void tp_rig_open_dummy(tp_rig *r, const char *json, int world, int max_to
 
 static void tp_rig_close(tp_rig *r) {
     if (r->g) {
-        for (int k = 0; k < kvs_tp_world(r->g); k++)
-            cr_expect_eq(kvs_kv_check(kvs_tp_kv(r->g, k)), KVS_OK, "rank %d: %s", k, kvs_last_error());
-        kvs_tp_group_destroy(r->g);
+        for (int k = 0; k < kvs_runner_world(r->g); k++)
+            cr_expect_eq(kvs_kv_check(kvs_runner_kv(r->g, k)), KVS_OK, "rank %d: %s", k, kvs_last_error());
+        kvs_runner_destroy(r->g);
     } else {
         kvs_kv_destroy(r->kv);
         kvs_model_destroy(r->m);
@@ -75,17 +76,17 @@ static void tp_rig_close(tp_rig *r) {
 }
 
 static int rig_seq(tp_rig *r, const kvs_kv_policy *p, int prompt_len) {
-    int seq = r->g ? kvs_tp_seq_create(r->g) : kvs_kv_seq_create(r->kv);
+    int seq = r->g ? kvs_runner_seq_create(r->g) : kvs_kv_seq_create(r->kv);
     cr_assert_geq(seq, 0, "%s", kvs_last_error());
     if (p) {
-        kvs_status st = r->g ? kvs_tp_set_policy(r->g, seq, p, prompt_len) : kvs_kv_set_policy(r->kv, seq, p, prompt_len);
+        kvs_status st = r->g ? kvs_runner_set_policy(r->g, seq, p, prompt_len) : kvs_kv_set_policy(r->kv, seq, p, prompt_len);
         cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
     }
     return seq;
 }
 
 static void rig_free(tp_rig *r, int seq) {
-    if (r->g) kvs_tp_seq_free(r->g, seq);
+    if (r->g) kvs_runner_seq_free(r->g, seq);
     else kvs_kv_free(r->kv, seq);
 }
 
@@ -100,18 +101,19 @@ static void tp_rig_run(tp_rig *r, int seq, const int32_t *ids, int n, int pos0, 
         kvs_batch b = {len, 1, ids + start, pos, qs, &seq, &want};
         kvs_status st;
         if (r->g) {
-            cr_assert_eq(kvs_tp_reserve(r->g, seq, len), KVS_OK, "%s", kvs_last_error());
-            st = argmax ? kvs_tp_forward_argmax(r->g, &b, argmax) : kvs_tp_forward(r->g, &b, logits);
+            cr_assert_eq(kvs_runner_reserve(r->g, seq, len), KVS_OK, "%s", kvs_last_error());
+            st = argmax ? kvs_runner_step_argmax(r->g, &b, argmax) : kvs_runner_step(r->g, &b, logits);
         } else {
             cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
             st = kvs_model_forward(r->m, &b, r->kv, logits);
         }
         cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
+        if (!r->g) kv_keep(r->kv, &b);
         free(pos);
     }
 }
 
-static kvs_kv_cache *rank_kv(tp_rig *r, int rank) { return r->g ? kvs_tp_kv(r->g, rank) : r->kv; }
+static kvs_kv_cache *rank_kv(tp_rig *r, int rank) { return r->g ? kvs_runner_kv(r->g, rank) : r->kv; }
 
 /* Greedy continuation of n_new tokens after logits (prompt of n tokens): the
  * TP tp_rig runs the steps twice over, once through the gathered logits and once
@@ -260,7 +262,7 @@ static void check_odd_vocab(bool tied, bool bias, int world) {
     tp_rig_open_dummy(&one, odd_vocab_config(tied, bias), 0, 128);
     tp_rig_open_dummy(&tp, odd_vocab_config(tied, bias), world, 128);
     cr_assert_eq(one.cfg.attention_bias, bias);
-    const kvs_shard *last = kvs_model_shard(kvs_tp_model(tp.g, world - 1));
+    const kvs_shard *last = kvs_model_shard(kvs_runner_model(tp.g, world - 1));
     cr_assert_eq(last->vocab_pad, (515 + world - 1) / world);
     cr_assert_eq(last->vocab_begin + last->vocab_count, 515, "the last slice ends at the vocabulary's end");
     int V = 515;
@@ -302,9 +304,9 @@ Test(tp, argmax_ties_go_to_the_lowest_id) {
     /* LM-head rows: w everywhere, 2w at ids 6 and 8 (rank 1): logits tie in
        groups whichever sign h.w has; the lowest id of the top group wins */
     int H = 32;
-    float *w0 = kvs_tp_model(tp.g, 0)->lm_head, *w1 = kvs_tp_model(tp.g, 1)->lm_head;
-    cr_assert_eq(kvs_model_shard(kvs_tp_model(tp.g, 1))->vocab_pad, 5);
-    cr_assert_eq(kvs_model_shard(kvs_tp_model(tp.g, 1))->vocab_count, 4);
+    float *w0 = kvs_runner_model(tp.g, 0)->lm_head, *w1 = kvs_runner_model(tp.g, 1)->lm_head;
+    cr_assert_eq(kvs_model_shard(kvs_runner_model(tp.g, 1))->vocab_pad, 5);
+    cr_assert_eq(kvs_model_shard(kvs_runner_model(tp.g, 1))->vocab_count, 4);
     float row[32];
     memcpy(row, w0, sizeof row);
     for (int v = 0; v < 5; v++) memcpy(w0 + v * H, row, sizeof row);
@@ -390,7 +392,7 @@ static void check_sparse_on(kvs_policy_kind kind, const int32_t *ids, int n, int
     expect_same_selection(&one, s1, &two, s2, "after the decode tokens");
     rig_free(&one, s1);
     rig_free(&two, s2);
-    for (int r = 0; r < 2; r++) cr_expect_eq(kvs_kv_used_blocks(kvs_tp_kv(two.g, r)), 0);
+    for (int r = 0; r < 2; r++) cr_expect_eq(kvs_kv_used_blocks(kvs_runner_kv(two.g, r)), 0);
     free(l1);
     free(l2);
     tp_rig_close(&one);
@@ -433,8 +435,8 @@ Test(tp, sizes_that_do_not_divide_fail_naming_the_numbers) {
     cr_assert_eq(kvs_config_load(src_path("models/tiny-needle-llama"), &cfg), KVS_OK);
     kvs_checkpoint *ck;
     cr_assert_eq(kvs_checkpoint_open(src_path("models/tiny-needle-llama"), &cfg, &ck), KVS_OK);
-    kvs_tp_group *g = (kvs_tp_group *)1;
-    cr_assert_eq(kvs_tp_group_create_cpu(&cfg, ck, 3, 1, NULL, &g), KVS_ERR_INVALID);
+    kvs_runner *g = (kvs_runner *)1;
+    cr_assert_eq(kvs_runner_create_cpu(&cfg, ck, 3, 1, NULL, &g), KVS_ERR_INVALID);
     cr_assert_null(g);
     const char *msg = kvs_last_error();
     cr_expect(strstr(msg, "3") && strstr(msg, "2 KV heads"), "message: %s", msg);
@@ -473,8 +475,8 @@ Test(tp, shard_with_a_full_kv_cache_is_refused) {
     cr_assert_eq(kvs_config_load(src_path("models/tiny-needle-llama"), &cfg), KVS_OK);
     kvs_checkpoint *ck;
     cr_assert_eq(kvs_checkpoint_open(src_path("models/tiny-needle-llama"), &cfg, &ck), KVS_OK);
-    kvs_tp_group *g;
-    cr_assert_eq(kvs_tp_group_create_cpu(&cfg, ck, 2, 1, NULL, &g), KVS_OK, "%s", kvs_last_error());
+    kvs_runner *g;
+    cr_assert_eq(kvs_runner_create_cpu(&cfg, ck, 2, 1, NULL, &g), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = kv_config(&cfg, 32, 1);
     kvs_kv_cache *kv;
     kvs_backend *be;
@@ -486,22 +488,22 @@ Test(tp, shard_with_a_full_kv_cache_is_refused) {
     uint8_t want = 1;
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
     float *logits = malloc(sizeof(float) * cfg.vocab_size);
-    cr_assert_eq(kvs_model_forward(kvs_tp_model(g, 0), &b, kv, logits), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_model_forward(kvs_runner_model(g, 0), &b, kv, logits), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "rank 0 of 2") && strstr(kvs_last_error(), "1 KV heads"), "%s",
               kvs_last_error());
     /* the group refuses a forward before its caches exist, and bad batches before any rank runs */
-    cr_assert_eq(kvs_tp_forward(g, &b, logits), KVS_ERR_INVALID);
-    cr_assert_eq(kvs_tp_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());
-    int s = kvs_tp_seq_create(g);
+    cr_assert_eq(kvs_runner_step(g, &b, logits), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_runner_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());
+    int s = kvs_runner_seq_create(g);
     cr_assert_eq(s, 0);
     kvs_batch bad = {1, 1, &tok, &pos, qs, &s, &want};
-    cr_assert_eq(kvs_tp_forward(g, &bad, logits), KVS_ERR_INVALID); /* no room reserved */
-    cr_assert_eq(kvs_tp_reserve(g, s, 1), KVS_OK);
-    cr_assert_eq(kvs_tp_forward(g, &bad, logits), KVS_OK, "%s", kvs_last_error()); /* still usable */
+    cr_assert_eq(kvs_runner_step(g, &bad, logits), KVS_ERR_INVALID); /* no room reserved */
+    cr_assert_eq(kvs_runner_reserve(g, s, 1), KVS_OK);
+    cr_assert_eq(kvs_runner_step(g, &bad, logits), KVS_OK, "%s", kvs_last_error()); /* still usable */
     free(logits);
     kvs_kv_destroy(kv);
     be->destroy(be);
-    kvs_tp_group_destroy(g);
+    kvs_runner_destroy(g);
     kvs_checkpoint_destroy(ck);
 }
 
@@ -533,6 +535,7 @@ Test(tp, tp1_equals_model_create, .timeout = 600) {
         cr_assert_eq(kvs_kv_reserve(kv, s3, n), KVS_OK);
         kvs_batch b = {n, 1, t, pos, qs, &s3, &want};
         cr_assert_eq(kvs_model_forward(shard, &b, kv, l3), KVS_OK, "%s", kvs_last_error());
+        kv_keep(kv, &b);
         free(pos);
         cr_expect(memcmp(l1, l2, sizeof(float) * V) == 0, "step %d: the TP=1 group differs from kvs_model_create",
                   step);

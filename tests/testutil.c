@@ -232,6 +232,12 @@ void rig_close(rig *r) {
     if (r->owns_be) r->be->destroy(r->be);
 }
 
+void kv_keep(kvs_kv_cache *kv, const kvs_batch *b) {
+    for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
+    for (int s = 0; s < b->n_seqs; s++)
+        cr_assert_eq(kvs_kv_sparsify(kv, b->seq_ids[s]), KVS_OK, "%s", kvs_last_error());
+}
+
 void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits) {
     int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
     for (int i = 0; i < n; i++) pos[i] = pos0 + i;
@@ -239,6 +245,7 @@ void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits
     cr_assert_eq(kvs_kv_reserve(r->kv, seq, n), KVS_OK, "%s", kvs_last_error());
     kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
     cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, logits), KVS_OK, "%s", kvs_last_error());
+    kv_keep(r->kv, &b);
     free(pos);
 }
 
@@ -279,6 +286,7 @@ static void scen_forward(rig *r, scen_side *side, const int32_t *tok, const int3
     kvs_batch b = {n, n_active, tok, ps, qs, seqs, want};
     cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out->logits + (size_t)out->n_rows * V), KVS_OK, "%s",
                  kvs_last_error());
+    kv_keep(r->kv, &b);
     side->total = stats_plus(side->total, stats_minus(kvs_model_graph_stats(r->m), before));
     out->n_rows += n_active;
     out->rows[st] = n_active;

@@ -65,6 +65,12 @@ typedef struct {
     kvs_kv_cache *kv;
 } rig;
 
+/* What the runner's step does after the model's forward (src/runner/step.c),
+ * for the tests that call kvs_model_forward* with their own cache: commits the
+ * batch's new tokens, then compacts what the sequences' KV policies say is due
+ * (asserted). */
+void kv_keep(kvs_kv_cache *kv, const kvs_batch *b);
+
 /* Loads dir on be (NULL: a new CPU backend) with a cache of n_blocks blocks and max_seqs sequences. */
 void rig_open(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs);
 void rig_close(rig *r);

@@ -103,9 +103,9 @@ static kvs_status load_cuda_ranks(const kvs_load_options *o, kvs_loaded *out, in
     out->be = out->rank_be[0];
     KVS_TRY(kvs_comm_nccl_create(out->rank_be, tp, out->rank_comm));
     if (o->skip_model) return KVS_OK;
-    /* the group's device check counts from device0: the range was checked above */
-    return kvs_tp_group_create(&out->cfg, out->ck, tp, out->rank_be, out->rank_comm, gpus - device0, &o->limits,
-                               &out->tp);
+    /* the runner's device check counts from device0: the range was checked above */
+    return kvs_runner_create(&out->cfg, out->ck, tp, out->rank_be, out->rank_comm, gpus - device0, &o->limits,
+                             &out->runner);
 }
 
 /* KVSPARSE_FAULT=step=N,nan-seed=S (tests only, backend/fault.h): the backend
@@ -161,15 +161,14 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
         if (st == KVS_OK && !o->skip_model) {
             if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
                 int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;
-                st = kvs_tp_group_create_cpu(&out->cfg, out->ck, tp, per_rank, &o->limits, &out->tp);
+                st = kvs_runner_create_cpu(&out->cfg, out->ck, tp, per_rank, &o->limits, &out->runner);
             } else {
-                st = kvs_model_create(&out->cfg, out->ck, out->be, &o->limits, &out->model);
+                st = kvs_runner_create(&out->cfg, out->ck, 1, &out->be, NULL, -1, &o->limits, &out->runner);
             }
         }
-        if (st == KVS_OK && out->model) kvs_model_set_enforce_eager(out->model, o->enforce_eager);
-        for (int r = 0; st == KVS_OK && out->tp && r < kvs_tp_world(out->tp); r++)
-            kvs_model_set_enforce_eager(kvs_tp_model(out->tp, r), o->enforce_eager);
     }
+    if (st == KVS_OK && out->runner) /* --enforce-eager on every rank, CUDA ranks too */
+        kvs_runner_set_graph_mode(out->runner, o->enforce_eager ? KVS_GRAPHS_OFF : KVS_GRAPHS_ON);
     if (st == KVS_OK && o->model_dir) {
         char path[4096];
         if (kvs_path_join(path, sizeof path, o->model_dir, "tokenizer.json") == KVS_OK && kvs_file_exists(path))
@@ -180,8 +179,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
 }
 
 void kvs_cli_unload(kvs_loaded *l) {
-    kvs_tp_group_destroy(l->tp);
-    kvs_model_destroy(l->model);
+    kvs_runner_destroy(l->runner);
     kvs_checkpoint_destroy(l->ck);
     if (l->tok) kvs_tokenizer_destroy(l->tok);
     if (l->rank_be) { /* CUDA ranks: communicators before their backends */
@@ -197,22 +195,11 @@ void kvs_cli_unload(kvs_loaded *l) {
     memset(l, 0, sizeof *l);
 }
 
-kvs_status kvs_cli_group(kvs_loaded *l, kvs_tp_group **out) {
-    if (!l->tp) KVS_TRY(kvs_tp_group_wrap(l->model, &l->tp)); /* destroyed by kvs_cli_unload, before the model */
-    *out = l->tp;
-    return KVS_OK;
-}
-
 kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs) {
     kvs_kv_config kc = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
                         .n_heads = cfg->n_heads, .block_size = 16, .max_seqs = max_seqs};
     kc.n_blocks = (int64_t)((max_tokens + 15) / 16) * cfg->n_layers * max_seqs;
     return kc;
-}
-
-kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, kvs_kv_cache **out) {
-    kvs_kv_config kc = kvs_cli_kv_config(&l->cfg, max_tokens, max_seqs);
-    return kvs_kv_create(&kc, l->be, out);
 }
 
 bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n) {

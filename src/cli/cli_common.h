@@ -5,6 +5,7 @@
 #include "backend/backend.h"
 #include "kv/kv.h"
 #include "model/model.h"
+#include "runner/runner.h"
 #include "tokenizer/tokenizer.h"
 
 typedef struct {
@@ -25,12 +26,11 @@ typedef struct {
     kvs_config cfg;
     kvs_checkpoint *ck;
     kvs_backend *be;
-    kvs_model *model;   /* NULL with tensor parallelism: use tp */
     kvs_tokenizer *tok; /* NULL when the folder has no tokenizer.json */
-    kvs_tp_group *tp;   /* --tensor-parallel-size N > 1: N ranks (the CPU simulation: N threads) */
+    kvs_runner *runner; /* the model over N >= 1 ranks (--tensor-parallel-size); NULL with skip_model */
     int world;          /* ranks (1 without tensor parallelism) */
     /* --device cuda with N > 1: one CUDA backend and one NCCL communicator per
-       rank (be is rank_be[0]); the group uses them, the CLI owns them */
+       rank (be is rank_be[0]); the runner uses them, the CLI owns them */
     kvs_backend **rank_be;
     struct kvs_comm **rank_comm;
 } kvs_loaded;
@@ -64,20 +64,14 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i);
     "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 1.5)\n"
 void kvs_cli_unload(kvs_loaded *l);
 
-/* The loaded model as a group: l->tp, or for N = 1 a world-1 group wrapping
- * l->model (kvs_tp_group_wrap, kept in l->tp), so a command has one code path
- * for every N. */
-kvs_status kvs_cli_group(kvs_loaded *l, kvs_tp_group **out);
-
 /* The KV pool's bytes per rank: kv_gib when > 0 (1 GiB when both are 0), else
  * gpu_gib (a cap on each GPU's memory, emulating a smaller card) minus this
  * rank's weights, the model's step buffers (for the limits it was loaded
  * with), the backend's scratch and the policy's window buffers. */
 kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const kvs_kv_policy *policy, size_t *bytes);
 
-/* A KV cache for the model holding max_tokens tokens per sequence for max_seqs sequences. */
-kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, kvs_kv_cache **out);
-/* Its config (the whole model's heads; a TP group gives each rank its slice). */
+/* A KV cache config holding max_tokens tokens per sequence for max_seqs
+ * sequences (the whole model's heads; the runner gives each rank its slice). */
 kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs);
 #define KVS_CLI_TP_HELP                                                                     \
     "  -tp, --tensor-parallel-size N  split heads, MLP and vocabulary over N ranks, one thread each:\n" \

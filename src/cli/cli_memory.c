@@ -7,15 +7,16 @@ kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const 
         return KVS_OK;
     }
     const kvs_config *c = &l->cfg;
-    kvs_model *m = l->model ? l->model : kvs_tp_model(l->tp, 0);
-    kvs_model_limits limits = kvs_model_get_limits(m);
+    kvs_model_limits limits = kvs_runner_limits(l->runner);
+    kvs_shard shard;
+    KVS_TRY(kvs_shard_dims(c, 0, l->world > 0 ? l->world : 1, &shard));
     double cap = gpu_gib * (1 << 30);
     int w = l->world > 0 ? l->world : 1; /* a rank holds 1/w of the weights (embeddings aside) */
     double weights = (double)kvs_checkpoint_total_bytes(l->ck) / kvs_dtype_size(c->dtype) *
                      kvs_dtype_size(l->be->weight_dtype) / w;
     if (w > 1) weights += (double)c->vocab_size * c->hidden_size * kvs_dtype_size(l->be->weight_dtype);
     /* the model's step buffers and 64 MiB of backend scratch (attention partials, staging) */
-    double act = (double)kvs_model_step_bytes(c, kvs_model_shard(m), &limits, l->be->act_dtype) + 64.0 * (1 << 20);
+    double act = (double)kvs_model_step_bytes(c, &shard, &limits, l->be->act_dtype) + 64.0 * (1 << 20);
     /* a sparse policy's window queries and LSE: [max_num_seqs * window] rows per layer */
     if (policy->kind != KVS_POLICY_FULL)
         act += (double)limits.max_seqs * policy->window * c->n_layers * c->n_heads / w *

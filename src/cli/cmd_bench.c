@@ -48,7 +48,7 @@ static double sgemm_rate(kvs_backend *be, int n, int reps) {
     return 2.0 * n * n * n / best / 1e9;
 }
 
-/* The rank's backend with its matmul timed (kvs_tp_backend_wrap): tb[rank]. */
+/* The rank's backend with its matmul timed (kvs_runner_backend_wrap): tb[rank]. */
 static kvs_backend *wrap_timed(void *user, int rank, kvs_backend *be) {
     timed_backend *t = &((timed_backend *)user)[rank];
     *t = (timed_backend){*be, be, 0, 0};
@@ -56,30 +56,23 @@ static kvs_backend *wrap_timed(void *user, int rank, kvs_backend *be) {
     return &t->base;
 }
 
-/* The group that bench model times: N ranks (N = 1: one model on the timed
- * backend, wrapped; the model is *m1, the caller's), each rank's matmul timed
- * in tb[rank]. */
-static kvs_status timed_group(kvs_loaded *l, const kvs_load_options *lo, timed_backend *tb, kvs_model **m1,
-                              kvs_tp_group **g) {
-    *m1 = NULL;
+/* The runner that bench model times: N ranks, each rank's matmul timed in
+ * tb[rank]. */
+static kvs_status timed_group(kvs_loaded *l, const kvs_load_options *lo, timed_backend *tb, kvs_runner **g) {
     if (l->world == 1) {
-        KVS_TRY(kvs_model_create(&l->cfg, l->ck, wrap_timed(tb, 0, l->be), &lo->limits, m1));
-        return kvs_tp_group_wrap(*m1, g);
+        kvs_backend *timed = wrap_timed(tb, 0, l->be);
+        return kvs_runner_create(&l->cfg, l->ck, 1, &timed, NULL, -1, &lo->limits, g);
     }
     if (!l->rank_be) { /* the CPU simulation: backends made in the rank threads, wrapped there */
         int per_rank = lo->threads > 0 ? (lo->threads + l->world - 1) / l->world : 0;
-        return kvs_tp_group_create_cpu_wrapped(&l->cfg, l->ck, l->world, per_rank, wrap_timed, tb, &lo->limits, g);
+        return kvs_runner_create_cpu_wrapped(&l->cfg, l->ck, l->world, per_rank, wrap_timed, tb, &lo->limits, g);
     }
     kvs_backend **be = calloc((size_t)l->world, sizeof *be); /* GPUs: kvs_cli_load made backends and NCCL comms */
     if (!be) return kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
     for (int r = 0; r < l->world; r++) be[r] = wrap_timed(tb, r, l->rank_be[r]);
-    kvs_status st = kvs_tp_group_create(&l->cfg, l->ck, l->world, be, l->rank_comm, -1, &lo->limits, g);
+    kvs_status st = kvs_runner_create(&l->cfg, l->ck, l->world, be, l->rank_comm, -1, &lo->limits, g);
     free(be);
     return st;
-}
-
-static void set_graph_mode(kvs_tp_group *g, kvs_graph_mode mode) {
-    for (int r = 0; r < kvs_tp_world(g); r++) kvs_model_set_graph_mode(kvs_tp_model(g, r), mode);
 }
 
 /* Decode-step time at batch sizes `batches` over a context of ctx tokens per
@@ -88,56 +81,54 @@ static void set_graph_mode(kvs_tp_group *g, kvs_graph_mode mode) {
  * (a bucket's first step runs eagerly, the second is captured), then n_steps
  * timed steps, each ending with a synchronize (of every rank) like a step's
  * logits read. Graph counts are rank 0's. */
-static kvs_status bench_decode_steps(kvs_loaded *l, kvs_tp_group *g, const int32_t *batches, int n_batches, int ctx,
+static kvs_status bench_decode_steps(kvs_loaded *l, kvs_runner *g, const int32_t *batches, int n_batches, int ctx,
                                      int n_steps) {
     int max_b = 0;
     for (int i = 0; i < n_batches; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
     kvs_kv_config kc = kvs_cli_kv_config(&l->cfg, ctx + n_steps + 8, max_b);
-    KVS_TRY(kvs_tp_kv_create(g, &kc)); /* replaces the prefill's caches */
-    kvs_model *m0 = kvs_tp_model(g, 0);
-    kvs_backend *be = kvs_model_backend(m0);
+    KVS_TRY(kvs_runner_kv_create(g, &kc)); /* replaces the prefill's caches */
     int32_t *ids = malloc(sizeof(int32_t) * max_b), *pos = malloc(sizeof(int32_t) * max_b),
             *qs = malloc(sizeof(int32_t) * (max_b + 1)), *seqs = malloc(sizeof(int32_t) * max_b);
     uint8_t *want = malloc((size_t)max_b);
     kvs_status st = ids && pos && qs && seqs && want ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
     printf("decode steps (context %d per sequence, %d timed steps; graphs %s on this backend):\n", ctx, n_steps,
-           be->graph_begin ? "available" : "not available");
+           l->be->graph_begin ? "available" : "not available");
     for (int bi = 0; st == KVS_OK && bi < n_batches; bi++) {
         int B = batches[bi];
         double ms[2] = {0, 0};
         kvs_graph_stats gs = {0};
         for (int mode = 0; st == KVS_OK && mode < 2; mode++) {
-            set_graph_mode(g, mode == 0 ? KVS_GRAPHS_OFF : KVS_GRAPHS_ON);
+            kvs_runner_set_graph_mode(g, mode == 0 ? KVS_GRAPHS_OFF : KVS_GRAPHS_ON);
             int n_seqs = 0;
             for (int s = 0; s < B && st == KVS_OK; s++) {
-                seqs[s] = kvs_tp_seq_create(g);
+                seqs[s] = kvs_runner_seq_create(g);
                 if (seqs[s] < 0) st = kvs_fail(KVS_ERR_NOMEM, "bench: no free sequence for batch %d", B);
                 else n_seqs++;
-                if (st == KVS_OK) st = kvs_tp_reserve(g, seqs[s], ctx);
-                if (st == KVS_OK) kvs_tp_commit(g, seqs[s], ctx);
+                if (st == KVS_OK) st = kvs_runner_reserve(g, seqs[s], ctx);
+                if (st == KVS_OK) kvs_runner_commit(g, seqs[s], ctx);
                 qs[s] = s, want[s] = 1;
             }
             qs[B] = B;
-            kvs_graph_stats g0 = kvs_model_graph_stats(m0);
+            kvs_graph_stats g0 = kvs_runner_graph_stats(g);
             double t0 = 0;
             for (int step = 0; st == KVS_OK && step < 3 + n_steps; step++) {
                 if (step == 3) t0 = kvs_now();
                 for (int s = 0; s < B && st == KVS_OK; s++) {
-                    st = kvs_tp_reserve(g, seqs[s], 1);
+                    st = kvs_runner_reserve(g, seqs[s], 1);
                     ids[s] = (int32_t)((step * 7919 + s * 104729) % l->cfg.vocab_size);
                     pos[s] = ctx + step;
                 }
                 kvs_batch b = {B, B, ids, pos, qs, seqs, want};
-                if (st == KVS_OK) st = kvs_tp_forward(g, &b, NULL);
-                kvs_tp_synchronize(g);
+                if (st == KVS_OK) st = kvs_runner_step(g, &b, NULL);
+                kvs_runner_synchronize(g);
             }
             ms[mode] = (kvs_now() - t0) * 1e3 / n_steps;
             if (mode == 1) {
-                kvs_graph_stats g1 = kvs_model_graph_stats(m0);
+                kvs_graph_stats g1 = kvs_runner_graph_stats(g);
                 gs.captures = g1.captures - g0.captures, gs.replays = g1.replays - g0.replays;
                 gs.capture_failures = g1.capture_failures - g0.capture_failures;
             }
-            for (int s = 0; s < n_seqs; s++) kvs_tp_seq_free(g, seqs[s]);
+            for (int s = 0; s < n_seqs; s++) kvs_runner_seq_free(g, seqs[s]);
         }
         if (st == KVS_OK)
             printf("  batch %3d: eager %.3f ms/step, graphs %.3f ms/step (%.2fx; %lld captures, %lld replays, "
@@ -145,7 +136,7 @@ static kvs_status bench_decode_steps(kvs_loaded *l, kvs_tp_group *g, const int32
                    B, ms[0], ms[1], ms[0] / ms[1], (long long)gs.captures, (long long)gs.replays,
                    (long long)gs.capture_failures);
     }
-    set_graph_mode(g, KVS_GRAPHS_ON);
+    kvs_runner_set_graph_mode(g, KVS_GRAPHS_ON);
     free(ids), free(pos), free(qs), free(seqs), free(want);
     return st;
 }
@@ -205,21 +196,19 @@ static int bench_model(int argc, char **argv) {
     if (kvs_cli_load(&lo, &l) != KVS_OK) return kvs_cli_error();
     int world = l.world;
     timed_backend *tb = calloc((size_t)world, sizeof *tb);
-    kvs_model *m1 = NULL; /* N = 1: the model under the world-1 group */
-    kvs_tp_group *g = NULL;
-    kvs_status st = tb ? timed_group(&l, &lo, tb, &m1, &g) : kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
+    kvs_runner *g = NULL;
+    kvs_status st = tb ? timed_group(&l, &lo, tb, &g) : kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
     /* the timed matmul synchronizes, which no graph can capture: this part runs eagerly */
-    if (st == KVS_OK) set_graph_mode(g, KVS_GRAPHS_OFF);
+    if (st == KVS_OK) kvs_runner_set_graph_mode(g, KVS_GRAPHS_OFF);
     int total = prompt_len + decode_len;
     if (st == KVS_OK && total > l.cfg.max_position_embeddings)
         st = kvs_fail(KVS_ERR_INVALID, "--prompt-len + --decode-len exceeds the context length %d",
                       l.cfg.max_position_embeddings);
     kvs_kv_config kc = kvs_cli_kv_config(&l.cfg, total, 1);
-    if (st == KVS_OK) st = kvs_tp_kv_create(g, &kc);
+    if (st == KVS_OK) st = kvs_runner_kv_create(g, &kc);
     if (st != KVS_OK) {
         kvs_cli_error();
-        kvs_tp_group_destroy(g);
-        kvs_model_destroy(m1);
+        kvs_runner_destroy(g);
         free(tb);
         free(batches);
         kvs_cli_unload(&l);
@@ -233,21 +222,21 @@ static int bench_model(int argc, char **argv) {
         pos[i] = i;
     }
     float *logits = malloc(sizeof(float) * l.cfg.vocab_size);
-    int seq = kvs_tp_seq_create(g);
+    int seq = kvs_runner_seq_create(g);
     uint8_t want = 1;
     int32_t qs[2] = {0, prompt_len};
-    st = seq >= 0 ? kvs_tp_reserve(g, seq, prompt_len) : KVS_ERR_NOMEM;
+    st = seq >= 0 ? kvs_runner_reserve(g, seq, prompt_len) : KVS_ERR_NOMEM;
     double t0 = kvs_now();
     kvs_batch b = {prompt_len, 1, ids, pos, qs, &seq, &want};
-    if (st == KVS_OK) st = kvs_tp_forward(g, &b, logits);
+    if (st == KVS_OK) st = kvs_runner_step(g, &b, logits);
     double t_prefill = kvs_now() - t0, mm_prefill = tb[0].seconds, fl_prefill = tb[0].flops;
     for (int r = 0; r < world; r++) tb[r].seconds = tb[r].flops = 0;
     t0 = kvs_now();
     for (int i = prompt_len; st == KVS_OK && i < total; i++) {
         int32_t q1[2] = {0, 1};
-        st = kvs_tp_reserve(g, seq, 1);
+        st = kvs_runner_reserve(g, seq, 1);
         kvs_batch d = {1, 1, ids + i, pos + i, q1, &seq, &want};
-        if (st == KVS_OK) st = kvs_tp_forward(g, &d, logits);
+        if (st == KVS_OK) st = kvs_runner_step(g, &d, logits);
     }
     double t_decode = kvs_now() - t0;
     if (st != KVS_OK) {
@@ -281,8 +270,7 @@ static int bench_model(int argc, char **argv) {
     free(ids);
     free(pos);
     free(logits);
-    kvs_tp_group_destroy(g); /* the ranks' models and caches; then the N = 1 model */
-    kvs_model_destroy(m1);
+    kvs_runner_destroy(g); /* the ranks' models and caches */
     free(tb);
     kvs_cli_unload(&l);
     return st == KVS_OK ? 0 : 1;

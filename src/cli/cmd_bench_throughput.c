@@ -116,9 +116,7 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     c.default_policy = o->policy;
     KVS_TRY(kvs_cli_kv_bytes(l, o->kv_gib, o->gpu_gib, &o->policy, &c.kv_memory_bytes));
     kvs_engine *e;
-    kvs_tp_group *g;
-    KVS_TRY(kvs_cli_group(l, &g));
-    KVS_TRY(kvs_engine_create_tp(g, l->tok, &c, &e));
+    KVS_TRY(kvs_engine_create_runner(l->runner, l->tok, &c, &e));
     int32_t *prompt = malloc(sizeof(int32_t) * o->input_len);
     kvs_status st = prompt ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "out of memory");
     kvs_rng rng;

@@ -71,7 +71,7 @@ static char *trimmed(const char *s) {
 }
 
 /* Greedy decode of up to MAX_NEW tokens from the prefill's logits; returns the text. */
-static kvs_status answer(kvs_loaded *l, kvs_tp_group *g, int seq, const float *prefill_logits, int n_prompt,
+static kvs_status answer(kvs_loaded *l, kvs_runner *g, int seq, const float *prefill_logits, int n_prompt,
                          char **text) {
     int V = l->cfg.vocab_size;
     float *logits = malloc(sizeof(float) * V);
@@ -168,7 +168,7 @@ static int eval_retrieval(int argc, char **argv) {
     kvs_eval_policies P;
     kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
     if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
-    kvs_tp_group *g = NULL; /* N >= 1 ranks; N = 1 wraps the model */
+    kvs_runner *g = NULL; /* N >= 1 ranks */
     if (st == KVS_OK) st = kvs_eval_group(&l, l.cfg.max_position_embeddings, base.window, &g);
     policy_score *S = calloc((size_t)P.n, sizeof *S);
     float *logits = malloc(sizeof(float) * l.cfg.vocab_size);
@@ -214,22 +214,21 @@ static int eval_retrieval(int argc, char **argv) {
             int fork;
             st = kvs_eval_fork(g, seq, &P.list[p], n, &fork);
             if (st != KVS_OK) break;
-            int64_t held, full; /* the ranks' block tables are alike: rank 0 speaks for all */
-            kvs_kv_seq_usage(kvs_tp_kv(g, 0), fork, &held, &full);
+            kvs_seq_usage u = kvs_runner_seq_usage(g, fork);
             char *text = NULL;
             st = answer(&l, g, fork, logits, n, &text);
-            kvs_tp_seq_free(g, fork);
+            kvs_runner_seq_free(g, fork);
             if (st != KVS_OK) break;
             policy_score *s = &S[p];
             int b = bucket_index(s, bucket_of(json_string_value(json_object_get(o, "id")), n));
             bool ok = !strcmp(text, want);
             s->count[b]++, s->correct[b] += ok, s->total++, s->n_correct += ok;
             s->n_agree_hf += hf_text && !strcmp(text, hf_text);
-            s->ratio_sum += held ? (double)full / held : 1;
+            s->ratio_sum += u.held ? (double)u.full / u.held : 1;
             if (row) json_object_set_new(json_object_get(row, "answers"), P.names[p], json_string(text));
             free(text);
         }
-        if (seq >= 0) kvs_tp_seq_free(g, seq);
+        if (seq >= 0) kvs_runner_seq_free(g, seq);
         if (row && st == KVS_OK) {
             char *js = json_dumps(row, JSON_COMPACT);
             fprintf(answers, "%s\n", js);
@@ -268,7 +267,7 @@ static int eval_retrieval(int argc, char **argv) {
     }
     free(S);
     free(logits);
-    kvs_cli_unload(&l); /* the group and its KV caches too */
+    kvs_cli_unload(&l); /* the runner and its KV caches too */
     return st == KVS_OK ? 0 : kvs_cli_error();
 }
 

@@ -77,7 +77,7 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
     char *text = NULL;
     int32_t *ids = NULL;
     int n = 0, seq = -1;
-    kvs_tp_group *g = NULL; /* N >= 1 ranks; N = 1 wraps the model */
+    kvs_runner *g = NULL; /* N >= 1 ranks */
     float *logits = malloc(sizeof(float) * l.cfg.vocab_size), *first = malloc(sizeof(float) * l.cfg.vocab_size);
     kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
     if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
@@ -101,7 +101,7 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
             nll -= log_softmax(logits, l.cfg.vocab_size, ids[prefix + t]);
             if (t + 1 < cont) st = kvs_eval_step(g, fork, ids[prefix + t], prefix + t, logits);
         }
-        kvs_tp_seq_free(g, fork);
+        kvs_runner_seq_free(g, fork);
         if (st != KVS_OK) break;
         double ppl = exp(nll / cont);
         json_array_append_new(arr, json_pack("{s:s, s:f, s:i, s:i}", "policy", P.names[p], "ppl", ppl, "prefix", prefix,
@@ -115,6 +115,6 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
     }
     json_decref(arr);
     free(text), free(ids), free(logits), free(first);
-    kvs_cli_unload(&l); /* the group and its KV caches too */
+    kvs_cli_unload(&l); /* the runner and its KV caches too */
     return st == KVS_OK ? 0 : kvs_cli_error();
 }

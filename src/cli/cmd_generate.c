@@ -121,26 +121,23 @@ static kvs_status prompt_to_ids(const gen_options *o, const kvs_loaded *l, int32
     return st;
 }
 
-/* Every step runs through a tensor-parallel group (one rank wraps the single
- * model: one path for any N). Greedy decoding takes the argmax on the device;
- * sampling takes the gathered logits to the host sampler. */
+/* Every step runs through the runner (one path for any N). Greedy decoding
+ * takes the argmax on the device; sampling takes the gathered logits to the
+ * host sampler. */
 typedef struct {
-    kvs_tp_group *g;
-    kvs_kv_cache *kv; /* rank 0's (for the usage numbers) */
+    kvs_runner *g;
     bool greedy;
 } gen_target;
 
 static kvs_status gen_kv_create(gen_target *t, kvs_loaded *l, int max_tokens) {
-    KVS_TRY(kvs_cli_group(l, &t->g));
+    t->g = l->runner;
     kvs_kv_config kc = kvs_cli_kv_config(&l->cfg, max_tokens, 1);
-    KVS_TRY(kvs_tp_kv_create(t->g, &kc)); /* the group owns its ranks' caches */
-    t->kv = kvs_tp_kv(t->g, 0);
-    return KVS_OK;
+    return kvs_runner_kv_create(t->g, &kc); /* the runner owns its ranks' caches */
 }
 
 /* logits, or (greedy) *argmax */
 static kvs_status gen_forward(gen_target *t, const kvs_batch *b, float *logits, int32_t *argmax) {
-    return t->greedy ? kvs_tp_forward_argmax(t->g, b, argmax) : kvs_tp_forward(t->g, b, logits);
+    return t->greedy ? kvs_runner_step_argmax(t->g, b, argmax) : kvs_runner_step(t->g, b, logits);
 }
 
 typedef struct {
@@ -161,7 +158,7 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     for (int i = 0; !o->ignore_eos && i < c->n_eos; i++) stops[n_stops++] = c->eos_token_ids[i];
     for (int i = 0; i < o->n_stop_ids; i++) stops[n_stops++] = o->stop_ids[i];
     kvs_stop_params stop = {o->max_new, stops, n_stops};
-    gen_target tgt = {NULL, NULL, o->sp.temperature == 0};
+    gen_target tgt = {NULL, o->sp.temperature == 0};
     int32_t next = -1; /* the greedy path's token */
     kvs_sampler *sampler = NULL;
     kvs_detokenizer *detok = NULL;
@@ -171,22 +168,22 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     if (st == KVS_OK) st = gen_kv_create(&tgt, l, n_prompt + o->max_new);
     if (st == KVS_OK) st = kvs_sampler_create(&o->sp, c->vocab_size, &sampler);
     if (st == KVS_OK && l->tok && !o->json) detok = kvs_detokenizer_create(l->tok, true);
-    int seq = st == KVS_OK ? kvs_tp_seq_create(tgt.g) : -1;
+    int seq = st == KVS_OK ? kvs_runner_seq_create(tgt.g) : -1;
     if (st == KVS_OK && seq < 0) st = KVS_ERR_NOMEM;
     int32_t *positions = malloc(sizeof(int32_t) * n_prompt);
     for (int i = 0; positions && i < n_prompt; i++) positions[i] = i;
     uint8_t want = 1;
     int32_t qs[2] = {0, n_prompt};
     double t0 = kvs_now();
-    if (st == KVS_OK) st = kvs_tp_set_policy(tgt.g, seq, &o->policy, n_prompt);
-    if (st == KVS_OK) st = kvs_tp_reserve(tgt.g, seq, n_prompt);
+    if (st == KVS_OK) st = kvs_runner_set_policy(tgt.g, seq, &o->policy, n_prompt);
+    if (st == KVS_OK) st = kvs_runner_reserve(tgt.g, seq, n_prompt);
     if (st == KVS_OK) {
         kvs_batch b = {n_prompt, 1, prompt, positions, qs, &seq, &want};
         st = gen_forward(&tgt, &b, logits, &next);
     }
-    int64_t held = 0, full = 0;
-    if (st == KVS_OK) kvs_kv_seq_usage(tgt.kv, seq, &held, &full);
-    r->compression = held ? (double)full / held : 1;
+    kvs_seq_usage u = {0};
+    if (st == KVS_OK) u = kvs_runner_seq_usage(tgt.g, seq);
+    r->compression = u.held ? (double)u.full / u.held : 1;
     r->t_prefill = kvs_now() - t0;
     r->finish = "length";
     t0 = kvs_now();
@@ -212,7 +209,7 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
         }
         if (r->n == o->max_new) break;
         int32_t pos = n_prompt + r->n - 1, q1[2] = {0, 1};
-        st = kvs_tp_reserve(tgt.g, seq, 1);
+        st = kvs_runner_reserve(tgt.g, seq, 1);
         if (st != KVS_OK) break;
         kvs_batch b = {1, 1, &id, &pos, q1, &seq, &want};
         st = gen_forward(&tgt, &b, logits, &next);

@@ -274,9 +274,7 @@ int kvs_cmd_serve(int argc, char **argv) {
     o.scfg.n_layers = l.cfg.n_layers;
     kvs_engine *e = NULL;
     kvs_server *srv = NULL;
-    kvs_tp_group *g;
-    kvs_status st = kvs_cli_group(&l, &g);
-    if (st == KVS_OK) st = kvs_engine_create_tp(g, l.tok, &o.ecfg, &e);
+    kvs_status st = kvs_engine_create_runner(l.runner, l.tok, &o.ecfg, &e);
     if (st == KVS_OK) st = kvs_engine_start(e);
     if (st == KVS_OK && (pipe(g_signal_pipe) != 0 || fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK) != 0))
         st = kvs_fail(KVS_ERR_IO, "pipe: %s", strerror(errno));

@@ -34,37 +34,30 @@ static kvs_status resolve_config(const kvs_config *mc, kvs_engine_config *c) {
     return kvs_kv_policy_validate(&c->default_policy, mc->n_layers);
 }
 
-static kvs_status engine_create(kvs_tp_group *g, bool owns_tp, const kvs_tokenizer *tok,
+static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_tokenizer *tok,
                                 const kvs_engine_config *cfg, kvs_engine **out) {
-    kvs_model *model = kvs_tp_model(g, 0);
     kvs_engine_config c = cfg ? *cfg : kvs_engine_config_default();
-    const kvs_config *mc = kvs_model_config(model);
+    const kvs_config *mc = kvs_runner_config(g);
     KVS_TRY(resolve_config(mc, &c));
     kvs_engine *e = calloc(1, sizeof *e);
     if (!e) return kvs_fail(KVS_ERR_NOMEM, "engine: out of memory");
-    e->tp = g; /* owns_tp is set on success: on failure the caller keeps the group */
-    e->model = model;
+    e->runner = g; /* owns_runner is set on success: on failure the caller keeps the runner */
     e->tok = tok;
     e->cfg = c;
     e->mcfg = *mc;
-    e->be = kvs_model_backend(model);
     e->vocab = mc->vocab_size;
     e->next_id = 1;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
-    int world = kvs_tp_world(g);
-    kvs_kv_config kc = {.n_layers = mc->n_layers, .n_kv_heads = mc->n_kv_heads / world, .head_dim = mc->head_dim,
-                        .n_heads = mc->n_heads / world, .block_size = 16, .max_seqs = c.max_num_seqs,
+    kvs_kv_config kc = {.n_layers = mc->n_layers, .n_kv_heads = mc->n_kv_heads, .head_dim = mc->head_dim,
+                        .n_heads = mc->n_heads, .block_size = 16, .max_seqs = c.max_num_seqs,
                         .max_window = c.default_policy.window}; /* requests may use windows up to the default's */
-    kc.n_blocks = kvs_kv_blocks_for_budget(&kc, e->be->kv_dtype, c.kv_memory_bytes); /* one rank's pool */
+    kc.n_blocks = kvs_runner_kv_blocks_for_budget(g, &kc, c.kv_memory_bytes); /* one rank's pool */
     kvs_status st = KVS_OK;
     if (kc.n_blocks < mc->n_layers)
         st = kvs_fail(KVS_ERR_INVALID, "kv_memory_bytes (%zu) holds %lld blocks: less than one token in every layer",
                       c.kv_memory_bytes, (long long)kc.n_blocks);
-    kc.n_kv_heads = mc->n_kv_heads; /* kvs_tp_kv_create takes the whole model's heads */
-    kc.n_heads = mc->n_heads;
-    if (st == KVS_OK) st = kvs_tp_kv_create(g, &kc);
-    if (st == KVS_OK) e->kv = kvs_tp_kv(g, 0);
+    if (st == KVS_OK) st = kvs_runner_kv_create(g, &kc);
     kvs_step_batch *b = &e->batch;
     b->cap_tokens = c.max_num_batched_tokens;
     b->cap_seqs = c.max_num_seqs;
@@ -85,26 +78,26 @@ static kvs_status engine_create(kvs_tp_group *g, bool owns_tp, const kvs_tokeniz
         return st;
     }
     kvs_stats_refresh(e);
-    e->owns_tp = owns_tp;
+    e->owns_runner = owns_runner;
     *out = e;
     return KVS_OK;
 }
 
-kvs_status kvs_engine_create_tp(kvs_tp_group *group, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
-                                kvs_engine **out) {
+kvs_status kvs_engine_create_runner(kvs_runner *runner, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
+                                    kvs_engine **out) {
     *out = NULL;
-    if (!group || !kvs_tp_model(group, 0)) return kvs_fail(KVS_ERR_INVALID, "engine: no model");
-    return engine_create(group, false, tok, cfg, out);
+    if (!runner) return kvs_fail(KVS_ERR_INVALID, "engine: no model");
+    return engine_create(runner, false, tok, cfg, out);
 }
 
 kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
                              kvs_engine **out) {
     *out = NULL;
     if (!model) return kvs_fail(KVS_ERR_INVALID, "engine: no model");
-    kvs_tp_group *g;
-    KVS_TRY(kvs_tp_group_wrap(model, &g));
+    kvs_runner *g;
+    KVS_TRY(kvs_runner_wrap(model, &g));
     kvs_status st = engine_create(g, true, tok, cfg, out);
-    if (st != KVS_OK) kvs_tp_group_destroy(g);
+    if (st != KVS_OK) kvs_runner_destroy(g);
     return st;
 }
 
@@ -123,7 +116,7 @@ void kvs_engine_destroy(kvs_engine *e) {
     free_list(&e->incoming);
     free_list(&e->waiting);
     free_list(&e->running);
-    if (e->owns_tp) kvs_tp_group_destroy(e->tp); /* its rank caches go with it */
+    if (e->owns_runner) kvs_runner_destroy(e->runner); /* its rank caches go with it */
     kvs_step_batch *b = &e->batch;
     free(b->token_ids);
     free(b->positions);
@@ -272,8 +265,8 @@ static kvs_status run_batch(kvs_engine *e) {
                                                     .step = (uint64_t)r->n_gen};
         want_lp |= r->logprobs > 0;
     }
-    kvs_status st = kvs_tp_forward_sample(e->tp, &mb, e->sample_rows, e->sample_ids,
-                                          want_lp ? e->sample_lp : NULL);
+    kvs_status st = kvs_runner_step_sample(e->runner, &mb, e->sample_rows, e->sample_ids,
+                                           want_lp ? e->sample_lp : NULL);
     if (st != KVS_OK) {
         char msg[sizeof e->failure];
         snprintf(msg, sizeof msg, "model forward failed: %s", kvs_last_error());

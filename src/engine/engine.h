@@ -6,6 +6,7 @@
 #include "core/core.h"
 #include "kv/kv.h"
 #include "model/model.h"
+#include "runner/runner.h"
 #include "tokenizer/tokenizer.h"
 
 /* ---- sampling ------------------------------------------------------------- */
@@ -104,14 +105,15 @@ typedef struct kvs_engine kvs_engine;
 /* tok may be NULL (ids only: no text in outputs, no stop strings). */
 kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
                              kvs_engine **out);
-/* The same over a tensor-parallel group (docs/TP.md): the engine schedules
- * once and every rank runs the step. The group stays the caller's (destroy it
- * after the engine); the engine makes its ranks' KV caches (kvs_tp_kv_create)
- * with kv_memory_bytes per rank: each rank's pool holds its KV heads only, so
- * N ranks hold N times the tokens of one. kvs_engine_create wraps its model
- * in a world-1 group, so both take the same path. */
-kvs_status kvs_engine_create_tp(kvs_tp_group *group, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
-                                kvs_engine **out);
+/* The same over a runner of any tensor-parallel size (docs/TP.md): the engine
+ * schedules once and every rank runs the step. The runner stays the caller's
+ * (destroy it after the engine); the engine makes its ranks' KV caches
+ * (kvs_runner_kv_create) with kv_memory_bytes per rank: each rank's pool holds
+ * its KV heads only, so N ranks hold N times the tokens of one.
+ * kvs_engine_create wraps its model in a world-1 runner, so both take the
+ * same path. */
+kvs_status kvs_engine_create_runner(kvs_runner *runner, const kvs_tokenizer *tok, const kvs_engine_config *cfg,
+                                    kvs_engine **out);
 /* Starts the engine thread. Without it, drive the engine with kvs_engine_step. */
 kvs_status kvs_engine_start(kvs_engine *e);
 /* Thread-safe. Errors: KVS_ERR_INVALID (message names the field: empty prompt,

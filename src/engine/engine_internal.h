@@ -57,18 +57,13 @@ typedef struct {
 } kvs_step_batch;
 
 struct kvs_engine {
-    /* The model is a tensor-parallel group (world 1 included: a single model
-       is wrapped, owns_tp). Admission, accounting and stats read rank 0's
-       cache `kv` (the ranks' block tables are identical); every KV mutation
-       goes through the lockstep kvs_tp_* calls. */
-    kvs_tp_group *tp;
-    bool owns_tp;
-    kvs_model *model; /* rank 0's */
+    /* The model and its KV caches, for every tensor-parallel size (a single
+       model is wrapped: owns_runner). */
+    kvs_runner *runner;
+    bool owns_runner;
     const kvs_tokenizer *tok;
     kvs_engine_config cfg;
     kvs_config mcfg;
-    kvs_backend *be;
-    kvs_kv_cache *kv;
     int vocab;
     /* run_batch's sampling rows, ids and logprobs [max_num_seqs] */
     kvs_sample_row *sample_rows;

@@ -46,7 +46,7 @@ static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
     KVS_TRY(kvs_sampling_validate(&p->sampling));
     if (p->policy) {
         KVS_TRY(kvs_kv_policy_validate(p->policy, e->mcfg.n_layers));
-        int max_w = kvs_kv_get_config(e->kv)->max_window;
+        int max_w = kvs_runner_kv_config(e->runner)->max_window;
         if (p->policy->kind != KVS_POLICY_FULL && p->policy->window > max_w)
             return kvs_fail(KVS_ERR_INVALID, "kv_window %d exceeds this server's maximum %d", p->policy->window, max_w);
     }

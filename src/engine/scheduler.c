@@ -47,7 +47,7 @@ void kvs_list_remove(kvs_req_list *l, kvs_request *r) {
 }
 
 void kvs_release_seq(kvs_engine *e, kvs_request *r) {
-    if (r->seq >= 0) kvs_tp_seq_free(e->tp, r->seq);
+    if (r->seq >= 0) kvs_runner_seq_free(e->runner, r->seq);
     r->seq = -1;
     r->n_computed = 0;
     r->n_sched = 0;
@@ -95,7 +95,7 @@ static bool is_decode(const kvs_request *r) {
 /* Reserves a decode token for r, preempting the newest running requests while
  * the pool is dry. Returns false when r itself was preempted or failed. */
 static bool reserve_decode(kvs_engine *e, kvs_request *r) {
-    while (kvs_tp_reserve(e->tp, r->seq, 1) != KVS_OK) {
+    while (kvs_runner_reserve(e->runner, r->seq, 1) != KVS_OK) {
         kvs_request *victim = e->running.tail;
         if (victim == r && e->running.n == 1) { /* alone and still no room: the pool is too small */
             kvs_release_seq(e, r);
@@ -114,7 +114,7 @@ static bool reserve_decode(kvs_engine *e, kvs_request *r) {
 static int64_t running_headroom(const kvs_engine *e) {
     int64_t need = 0;
     for (kvs_request *r = e->running.head; r; r = r->next)
-        need += kvs_kv_blocks_needed(e->kv, r->seq, kvs_request_len(r) - r->n_computed + 1);
+        need += kvs_runner_blocks_needed(e->runner, r->seq, kvs_request_len(r) - r->n_computed + 1);
     return need;
 }
 
@@ -122,10 +122,10 @@ static int64_t running_headroom(const kvs_engine *e) {
  * whole prefill reserved. */
 static kvs_status admit(kvs_engine *e, kvs_request *r) {
     int n = prefill_len(r);
-    r->seq = kvs_tp_seq_create(e->tp);
+    r->seq = kvs_runner_seq_create(e->runner);
     if (r->seq < 0) return KVS_ERR_NOMEM;
-    kvs_status st = kvs_tp_set_policy(e->tp, r->seq, &r->policy, r->n_prompt);
-    if (st == KVS_OK) st = kvs_tp_reserve(e->tp, r->seq, n);
+    kvs_status st = kvs_runner_set_policy(e->runner, r->seq, &r->policy, r->n_prompt);
+    if (st == KVS_OK) st = kvs_runner_reserve(e->runner, r->seq, n);
     if (st != KVS_OK) {
         kvs_release_seq(e, r);
         return st;
@@ -146,7 +146,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
     b->n_tokens = b->n_seqs = 0;
     b->query_start[0] = 0;
     int budget = e->cfg.max_num_batched_tokens;
-    const kvs_kv_config *kc = kvs_kv_get_config(e->kv);
+    const kvs_kv_config *kc = kvs_runner_kv_config(e->runner);
     /* 1. decodes (and replayed tokens), oldest first */
     for (kvs_request *r = e->running.head; r; r = r->next) r->n_sched = 0;
     for (kvs_request *r = e->running.head; r && budget > 0;) {
@@ -165,7 +165,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
         if (is_decode(r) || r->n_sched) continue;
         int n = prefill_len(r) - r->n_computed;
         if (n > budget) n = budget;
-        if (kvs_tp_reserve(e->tp, r->seq, n) != KVS_OK) break; /* cannot happen: reserved at admission */
+        if (kvs_runner_reserve(e->runner, r->seq, n) != KVS_OK) break; /* cannot happen: reserved at admission */
         batch_add(e, r, n);
         budget -= n;
     }
@@ -180,7 +180,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
             kvs_request_destroy(r);
             continue;
         }
-        if (!kvs_kv_can_admit(e->kv, n) || kvs_kv_free_blocks(e->kv) - running_headroom(e) < peak) break;
+        if (!kvs_runner_can_admit(e->runner, n) || kvs_runner_free_blocks(e->runner) - running_headroom(e) < peak) break;
         if (admit(e, r) != KVS_OK) break;
         int chunk = n < budget ? n : budget;
         batch_add(e, r, chunk);

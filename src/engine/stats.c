@@ -16,26 +16,21 @@ void kvs_hist_add(kvs_histogram *h, double v) {
 
 void kvs_stats_refresh(kvs_engine *e) {
     kvs_engine_stats *s = &e->stats;
-    const kvs_kv_config *kc = kvs_kv_get_config(e->kv);
+    const kvs_kv_config *kc = kvs_runner_kv_config(e->runner);
     e->n_queued = e->waiting.n;
     e->n_running = e->running.n;
     s->running = e->running.n;
     s->kv_blocks_total = kc->n_blocks;
-    s->kv_blocks_used = kvs_kv_used_blocks(e->kv);
+    s->kv_blocks_used = kc->n_blocks - kvs_runner_free_blocks(e->runner);
     s->kv_tokens_capacity = kc->n_blocks / kc->n_layers * kc->block_size;
     int64_t full_blocks = 0, sparse_blocks = 0, held = 0, full = 0;
     for (kvs_request *r = e->running.head; r; r = r->next) {
         if (r->seq < 0) continue;
-        for (int l = 0; l < kc->n_layers; l++) {
-            int nb;
-            kvs_kv_blocks(e->kv, r->seq, l, &nb);
-            if (kvs_kv_layer_sparse(e->kv, r->seq, l)) sparse_blocks += nb;
-            else full_blocks += nb;
-        }
-        int64_t h, f;
-        kvs_kv_seq_usage(e->kv, r->seq, &h, &f);
-        held += h;
-        full += f;
+        kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);
+        full_blocks += u.blocks_full_layers;
+        sparse_blocks += u.blocks_sparse_layers;
+        held += u.held;
+        full += u.full;
     }
     s->kv_blocks_full_layers = full_blocks;
     s->kv_blocks_sparse_layers = sparse_blocks;

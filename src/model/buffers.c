@@ -92,7 +92,6 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     on_device(w, &s->params, L * sizeof(kvs_sample_row));
     on_device(w, &s->out, 2 * L * sizeof(int32_t));
     on_host(w, &s->h_out, 2 * L * sizeof(int32_t));
-    on_host(w, &s->greedy, L * sizeof(kvs_sample_row));
     if (world == 1) return;
     on_device(w, &b->logits_all, world * L * vp * a); /* the logits gather */
     on_host(w, &b->h_logits, world * L * vp * sizeof(float));
@@ -117,8 +116,6 @@ size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const
 kvs_status kvs_step_buffers_create(kvs_model *m) {
     walk w = {ALLOC, m->be, 0, false};
     walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
-    for (int q = 0; !w.failed && q < m->limits.max_seqs; q++)
-        m->sample.greedy[q] = (kvs_sample_row){.temperature = 0, .top_p = 1};
     if (!w.failed) return KVS_OK;
     return kvs_fail(KVS_ERR_NOMEM, "model: out of memory for the step buffers (%.1f MiB of backend memory for %d "
                     "tokens and %d sequences per step)", w.bytes / 1048576.0, m->limits.max_tokens,

@@ -96,12 +96,9 @@ kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, 
     kvs_step_shape sh;
     KVS_TRY(kvs_step_prepare(m, b, kv, &sh));
     KVS_TRY(kvs_graphs_run(m, kv, &sh));
-    for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
     if (n_logits > 0) logits(m, b, n_logits);
-    /* compaction of what the sequences' policies say is due (after their
-       prompt; decode layers reaching B_l + window); with tensor parallelism
-       each rank scores and compacts its own KV heads: no communication */
-    for (int s = 0; s < b->n_seqs; s++) KVS_TRY(kvs_kv_sparsify(kv, b->seq_ids[s]));
+    /* the new tokens' K and V are written: the runner commits them and applies
+       the KV policy after the step (src/runner/step.c) */
     *n_logits_out = n_logits;
     return KVS_OK;
 }

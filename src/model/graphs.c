@@ -14,10 +14,6 @@ void kvs_model_set_graph_mode(kvs_model *m, kvs_graph_mode mode) {
     m->graphs.mode = mode;
 }
 
-void kvs_model_set_enforce_eager(kvs_model *m, bool eager) {
-    kvs_model_set_graph_mode(m, eager ? KVS_GRAPHS_OFF : KVS_GRAPHS_ON);
-}
-
 kvs_graph_stats kvs_model_graph_stats(const kvs_model *m) { return m->graphs.stats; }
 
 static void invalidate(kvs_model *m) {

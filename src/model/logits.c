@@ -19,7 +19,6 @@ static kvs_status step_status(kvs_model *m, kvs_status st) {
 
 static kvs_status forward_logits(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
     int n_logits;
-    KVS_TRY(kvs_model_check_batch(m, b, kv));
     KVS_TRY(kvs_forward_step(m, b, kv, &n_logits));
     if (n_logits == 0) return KVS_OK;
     kvs_backend *be = m->be;
@@ -45,6 +44,7 @@ static kvs_status forward_logits(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
 }
 
 kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
+    KVS_TRY(kvs_model_check_batch(m, b, kv));
     return step_status(m, forward_logits(m, b, kv, logits));
 }
 
@@ -98,8 +98,6 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
        so that they all run the same collectives: every rank needs them */
     if (!params && (ids || world > 1))
         return kvs_fail(KVS_ERR_INVALID, "forward_sample: rank %d of %d has no sampling parameters", sh->rank, world);
-    KVS_TRY(kvs_model_check_batch(m, b, kv));
-    if (params) KVS_TRY(kvs_model_check_sample(b, params)); /* before the step: a bad row changes nothing */
     int n;
     KVS_TRY(kvs_forward_step(m, b, kv, &n));
     if (n == 0) return KVS_OK;
@@ -129,11 +127,12 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
 
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
                                     int32_t *ids, float *logprobs) {
+    KVS_TRY(kvs_model_check_batch(m, b, kv));
+    if (params) KVS_TRY(kvs_model_check_sample(b, params)); /* before the step: a bad row changes nothing */
     return step_status(m, forward_sample(m, b, kv, params, ids, logprobs));
 }
 
-/* The argmax on the device (ties to the lowest id); with tensor parallelism
- * through the per-rank parts. */
-kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids) {
-    return kvs_model_forward_sample(m, b, kv, m->sample.greedy, ids, NULL);
+kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
+                                       const kvs_sample_row *params, int32_t *ids, float *logprobs, float *logits) {
+    return params ? forward_sample(m, b, kv, params, ids, logprobs) : forward_logits(m, b, kv, logits);
 }

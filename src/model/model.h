@@ -163,20 +163,18 @@ typedef struct {
 } kvs_batch;
 
 /* One forward over the batch. The KV cache must already hold room for the new
- * tokens (kvs_kv_reserve); the forward writes and commits them, then compacts
- * what the sequences' KV policies say is due (kvs_kv_sparsify). logits:
- * [number of seqs that want them][vocab], in order of the sequences. */
+ * tokens (kvs_kv_reserve); the forward writes them, the caller commits them and
+ * applies the KV policy (src/runner/step.c). logits: [number of seqs that want
+ * them][vocab], in order of the sequences. */
 kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits);
 /* With tensor parallelism every rank calls kvs_model_forward for the same batch
  * (collectives inside); each computes the logits of its vocabulary slice and
  * they are all-gathered, so logits is the full [n][vocab] on every rank that
  * passes one (NULL: the rank takes part in the gather, copies nothing out).
- *
  * Greedy without the full logits: kvs_model_forward_sample with temperature 0
  * in every row (the argmax on the device, ties to the lowest token id; with
  * tensor parallelism each rank reduces its slice and the ranks all-gather 28
- * bytes per row). ids: [number of seqs that want logits]; NULL as for logits. */
-kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int32_t *ids);
+ * bytes per row). */
 
 /* The forward, then the backend's sample op on the logits in backend memory
  * (backend/sample.h: greedy, temperature, top-k, top-p, min-p, a counter-based
@@ -198,6 +196,15 @@ kvs_status kvs_model_forward_argmax(kvs_model *m, const kvs_batch *b, kvs_kv_cac
  * step: the KV cache and the model's state are then undefined. */
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
                                     int32_t *ids, float *logprobs);
+/* The checks the forwards above run first (KVS_ERR_INVALID naming what is
+ * wrong): the batch against m and kv; the rows, one per sequence wanting logits. */
+kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
+kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params);
+/* The runner's forward: kvs_model_forward_sample (params) or kvs_model_forward
+ * without the checks (the runner runs them once for every rank) and without the
+ * backend's check for failed ops (the runner's comes after the KV policy). */
+kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
+                                       const kvs_sample_row *params, int32_t *ids, float *logprobs, float *logits);
 /* ---- CUDA graphs for decode steps ---------------------------------------------
  * A pure-decode step (every sequence has one new token) on a backend with graphs
  * runs as a graph captured per bucket: the batch padded with dummy rows (slot -1:
@@ -214,8 +221,6 @@ typedef enum {
     KVS_GRAPHS_PADDED, /* the graphs' padded layout, always run eagerly (any backend): tests, benchmarks */
 } kvs_graph_mode;
 void kvs_model_set_graph_mode(kvs_model *m, kvs_graph_mode mode);
-/* eager: KVS_GRAPHS_OFF, else KVS_GRAPHS_ON. */
-void kvs_model_set_enforce_eager(kvs_model *m, bool eager);
 
 typedef struct {
     int64_t eager_steps;        /* steps run on the batch as given */
@@ -226,73 +231,5 @@ typedef struct {
     int64_t invalidations;      /* graphs destroyed because memory they baked in moved */
 } kvs_graph_stats;
 kvs_graph_stats kvs_model_graph_stats(const kvs_model *m);
-
-/* ---- a tensor-parallel group: one thread per rank ---------------------------
- * world ranks, each a thread that owns one backend, one communicator, one
- * rank model and one KV cache of its local KV heads. The calls below run the
- * same operation on every rank in lockstep and return when all are done; the
- * caller sees one model. Block tables are identical across ranks (same
- * lengths, same policy, same budgets; each rank selects among its own heads),
- * so the scheduler can look at rank 0's cache (kvs_tp_kv(g, 0)) for admission. */
-typedef struct kvs_tp_group kvs_tp_group;
-
-/* Rank models on backends[r] with comms[r] (both stay the caller's), created
- * in the rank threads one after the other (the checkpoint is read once per
- * rank). n_devices as for kvs_tp_validate (-1: no device limit, the CPU
- * simulation); limits as for kvs_model_create. */
-kvs_status kvs_tp_group_create(const kvs_config *cfg, kvs_checkpoint *ck, int world, kvs_backend **backends,
-                               kvs_comm **comms, int n_devices, const kvs_model_limits *limits, kvs_tp_group **out);
-/* The CPU simulation: world CPU backends (threads_per_rank OpenMP threads each,
- * 0: the default) and host communicators, owned by the group. */
-kvs_status kvs_tp_group_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                   const kvs_model_limits *limits, kvs_tp_group **out);
-/* kvs_tp_group_create_cpu, each rank's CPU backend (made in its rank thread)
- * passed through wrap(user, rank, be) before the rank's model is created on
- * what wrap returns (a wrapper that the caller owns and keeps alive while the
- * group lives; the group still owns and destroys be). NULL from wrap fails the
- * creation. bench model times the ranks' matmuls this way. */
-typedef kvs_backend *(*kvs_tp_backend_wrap)(void *user, int rank, kvs_backend *be);
-kvs_status kvs_tp_group_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                           kvs_tp_backend_wrap wrap, void *user, const kvs_model_limits *limits,
-                                           kvs_tp_group **out);
-/* A world-1 group over an existing whole model (it stays the caller's and
- * outlives the group), so single-model callers take the group's code path.
- * World 1 runs every job on the caller's thread (no rank thread). */
-kvs_status kvs_tp_group_wrap(kvs_model *model, kvs_tp_group **out);
-void kvs_tp_group_destroy(kvs_tp_group *g);
-int kvs_tp_world(const kvs_tp_group *g);
-kvs_model *kvs_tp_model(kvs_tp_group *g, int rank);
-kvs_kv_cache *kvs_tp_kv(kvs_tp_group *g, int rank); /* NULL before kvs_tp_kv_create */
-
-/* Each rank's KV cache from a whole-model config (n_kv_heads, n_heads of the
- * full model; each rank gets its slice, the same n_blocks). Replaces old ones. */
-kvs_status kvs_tp_kv_create(kvs_tp_group *g, const kvs_kv_config *global);
-/* Lockstep KV operations (see kv.h); the ranks' results must agree. */
-int kvs_tp_seq_create(kvs_tp_group *g);
-void kvs_tp_seq_free(kvs_tp_group *g, int seq_id);
-kvs_status kvs_tp_set_policy(kvs_tp_group *g, int seq_id, const kvs_kv_policy *p, int prompt_len);
-kvs_status kvs_tp_reserve(kvs_tp_group *g, int seq_id, int n_new);
-/* kvs_kv_commit on every rank (n_new tokens marked written without a forward:
- * benchmarks faking a context). */
-void kvs_tp_commit(kvs_tp_group *g, int seq_id, int n_new);
-/* kvs_kv_fork on every rank (each copies its own heads' blocks); the new
- * sequence id, the same on every rank, in *new_seq (-1 on failure, nothing
- * left behind on any rank). */
-kvs_status kvs_tp_fork(kvs_tp_group *g, int seq_id, int *new_seq);
-/* kvs_kv_sparsify on every rank: each scores and compacts its own KV heads
- * (no communication); fails if the ranks' layer lengths then differ. */
-kvs_status kvs_tp_sparsify(kvs_tp_group *g, int seq_id);
-/* kvs_model_forward on every rank; rank 0's gathered logits in logits (NULL:
- * gathered, copied out nowhere: benchmarks). A rank failing mid-step aborts
- * the communicators: the group is then unusable. */
-kvs_status kvs_tp_forward(kvs_tp_group *g, const kvs_batch *b, float *logits);
-/* Waits for every rank's backend work (each rank's synchronize, on its thread). */
-void kvs_tp_synchronize(kvs_tp_group *g);
-/* kvs_model_forward_argmax on every rank; greedy ids in ids. */
-kvs_status kvs_tp_forward_argmax(kvs_tp_group *g, const kvs_batch *b, int32_t *ids);
-/* kvs_model_forward_sample on every rank (rank 0 samples); ids and logprobs
- * (NULL: none) as there. */
-kvs_status kvs_tp_forward_sample(kvs_tp_group *g, const kvs_batch *b, const kvs_sample_row *params, int32_t *ids,
-                                 float *logprobs);
 
 #endif

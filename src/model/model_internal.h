@@ -47,7 +47,6 @@ typedef struct {
     /* tensor parallelism without the gather (rows kvs_sample_shardable accepts):
        this rank's parts [max_seqs], every rank's [world][max_seqs], host copy */
     struct kvs_sample_part *parts, *parts_all, *h_parts;
-    struct kvs_sample_row *greedy; /* [max_seqs] host: temperature 0 (kvs_model_forward_argmax) */
     int64_t sharded_steps;         /* steps sampled through the parts */
 } kvs_sample_buffers;
 
@@ -104,8 +103,6 @@ typedef struct {
     int stride, bucket, si; /* padded: the table stride, graph slot [bucket][si] */
 } kvs_step_shape;
 int kvs_ceil_log2(int n);
-/* The batch checks of a step (tp.c runs them once before a step). */
-kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
 /* Plans the step's shape and uploads its metadata (one copy). */
 kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_step_shape *sh);
 /* Points the step buffers at layer l's metadata, its attention batch in ab;
@@ -123,8 +120,5 @@ kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, 
 kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh);
 void kvs_graphs_free(kvs_model *m);
 
-/* logits.c: the parameters of kvs_model_forward_sample (one row per sequence
- * that wants logits). */
-kvs_status kvs_model_check_sample(const kvs_batch *b, const struct kvs_sample_row *params);
 
 #endif

@@ -1,5 +1,5 @@
 /* NCCL communicators for tensor parallelism: one process, one thread per GPU
- * (kvs_tp_group), one communicator per rank made with ncclCommInitAll. Each
+ * (kvs_runner), one communicator per rank made with ncclCommInitAll. Each
  * collective is enqueued on the rank's CUDA backend stream, after the ops that
  * produce its input and before those that consume its output, so nothing
  * synchronizes the host and a CUDA graph captured over a forward step

@@ -1,0 +1,88 @@
+/* runner: the model runner (docs/TP.md). It alone owns the rank models and
+ * their KV caches, for every tensor-parallel size: world ranks, each a thread
+ * with one backend, one communicator, one rank model and one KV cache of its
+ * local KV heads (world 1 runs on the caller's thread). Every call runs on
+ * every rank in lockstep and returns when all are done: the caller sees one
+ * model and one cache. The ranks' block tables are identical (same lengths,
+ * policy and budgets; each rank selects among its own heads), so the queries
+ * answer from rank 0's cache. */
+#ifndef KVS_RUNNER_H
+#define KVS_RUNNER_H
+
+#include "kv/kv.h"
+#include "model/model.h"
+
+typedef struct kvs_runner kvs_runner;
+
+/* Rank models on backends[r] with comms[r] (both stay the caller's; comms may
+ * be NULL at world 1), created in the rank threads one after the other.
+ * n_devices as for kvs_tp_validate (-1: no device limit); limits as for
+ * kvs_model_create (NULL: the defaults). */
+kvs_status kvs_runner_create(const kvs_config *cfg, kvs_checkpoint *ck, int world, kvs_backend **backends,
+                             kvs_comm **comms, int n_devices, const kvs_model_limits *limits, kvs_runner **out);
+/* The CPU simulation: world CPU backends (threads_per_rank OpenMP threads each,
+ * 0: the default) and host communicators, owned by the runner. */
+kvs_status kvs_runner_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
+                                 const kvs_model_limits *limits, kvs_runner **out);
+/* The same, each rank's model created on wrap(user, rank, be) instead of its
+ * CPU backend be (made in its rank thread; the runner still owns and destroys
+ * be; the wrapper is the caller's and outlives the runner; NULL fails the
+ * creation). bench model times the ranks' matmuls this way. */
+typedef kvs_backend *(*kvs_runner_backend_wrap)(void *user, int rank, kvs_backend *be);
+kvs_status kvs_runner_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
+                                         kvs_runner_backend_wrap wrap, void *user, const kvs_model_limits *limits,
+                                         kvs_runner **out);
+/* A world-1 runner over an existing whole model (it stays the caller's and
+ * outlives the runner): kvs_engine_create(model) and the tests. */
+kvs_status kvs_runner_wrap(kvs_model *model, kvs_runner **out);
+void kvs_runner_destroy(kvs_runner *r);
+int kvs_runner_world(const kvs_runner *r);
+const kvs_config *kvs_runner_config(const kvs_runner *r);
+kvs_model_limits kvs_runner_limits(const kvs_runner *r); /* every rank model's, defaults filled in */
+void kvs_runner_set_graph_mode(kvs_runner *r, kvs_graph_mode mode); /* every rank's */
+kvs_graph_stats kvs_runner_graph_stats(const kvs_runner *r);        /* rank 0's */
+void kvs_runner_synchronize(kvs_runner *r); /* every rank's backend, on its thread */
+
+/* ---- the KV caches: each rank's from a whole-model config (its slice of the
+ * KV heads and heads, the same n_blocks); replaces old ones ---------------- */
+kvs_status kvs_runner_kv_create(kvs_runner *r, const kvs_kv_config *global);
+/* The blocks of one rank's pool that budget_bytes hold. */
+int64_t kvs_runner_kv_blocks_for_budget(const kvs_runner *r, const kvs_kv_config *global, size_t budget_bytes);
+/* Rank 0's answers (kv.h), the same on every rank; the config's heads are a rank's. */
+const kvs_kv_config *kvs_runner_kv_config(const kvs_runner *r);
+bool kvs_runner_can_admit(const kvs_runner *r, int prompt_len);
+int64_t kvs_runner_free_blocks(const kvs_runner *r);
+int64_t kvs_runner_blocks_needed(const kvs_runner *r, int seq_id, int n_new);
+typedef struct {
+    int64_t held, full; /* kvs_kv_seq_usage */
+    int64_t blocks_full_layers, blocks_sparse_layers;
+} kvs_seq_usage;
+kvs_seq_usage kvs_runner_seq_usage(const kvs_runner *r, int seq_id);
+
+/* Lockstep KV operations (kv.h); the ranks' answers must agree (a fork or a
+ * sparsify also checks the ranks' layer lengths). */
+int kvs_runner_seq_create(kvs_runner *r);
+void kvs_runner_seq_free(kvs_runner *r, int seq_id);
+kvs_status kvs_runner_set_policy(kvs_runner *r, int seq_id, const kvs_kv_policy *p, int prompt_len);
+kvs_status kvs_runner_reserve(kvs_runner *r, int seq_id, int n_new);
+void kvs_runner_commit(kvs_runner *r, int seq_id, int n_new); /* without a step: benchmarks faking a context */
+kvs_status kvs_runner_fork(kvs_runner *r, int seq_id, int *new_seq); /* -1 and nothing left behind on failure */
+kvs_status kvs_runner_sparsify(kvs_runner *r, int seq_id);
+
+/* ---- steps ----------------------------------------------------------------------
+ * The batch (and the sampling rows) checked once, before any rank runs (a bad
+ * one is KVS_ERR_INVALID and changes nothing); then on every rank the model's
+ * forward, the new tokens committed and what the sequences' KV policies say is
+ * due compacted (kvs_kv_sparsify), the backend asked whether an op failed. The
+ * KV must hold room for the new tokens (kvs_runner_reserve). A rank failing
+ * mid-step aborts the communicators: the runner is then unusable.
+ * kvs_runner_step: rank 0's gathered logits [seqs that want them][vocab]
+ * (NULL: gathered, copied out nowhere: benchmarks). */
+kvs_status kvs_runner_step(kvs_runner *r, const kvs_batch *b, float *logits);
+/* Greedy ids: the sample op with temperature 0 in every row. */
+kvs_status kvs_runner_step_argmax(kvs_runner *r, const kvs_batch *b, int32_t *ids);
+/* Sampled ids and logprobs (NULL: none), as kvs_model_forward_sample. */
+kvs_status kvs_runner_step_sample(kvs_runner *r, const kvs_batch *b, const kvs_sample_row *params, int32_t *ids,
+                                  float *logprobs);
+
+#endif
