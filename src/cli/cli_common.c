@@ -200,16 +200,10 @@ kvs_status kvs_cli_group(kvs_loaded *l, kvs_tp_group **out) {
     return KVS_OK;
 }
 
-kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs) {
-    kvs_kv_config kc = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
-                        .n_heads = cfg->n_heads, .block_size = 16, .max_seqs = max_seqs};
-    kc.n_blocks = (int64_t)((max_tokens + 15) / 16) * cfg->n_layers * max_seqs;
-    return kc;
-}
-
-kvs_status kvs_cli_kv_cache(const kvs_loaded *l, int max_tokens, int max_seqs, kvs_kv_cache **out) {
-    kvs_kv_config kc = kvs_cli_kv_config(&l->cfg, max_tokens, max_seqs);
-    return kvs_kv_create(&kc, l->be, out);
+kvs_status kvs_cli_engine(kvs_loaded *l, const kvs_engine_config *c, kvs_engine **out) {
+    kvs_tp_group *g;
+    KVS_TRY(kvs_cli_group(l, &g));
+    return kvs_engine_create_tp(g, l->tok, c, out);
 }
 
 bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n) {

@@ -322,6 +322,11 @@ kvs_status kvs_engine_step(kvs_engine *e) {
     return step(e);
 }
 
+kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e) {
+    return (kvs_engine_limits){.max_model_len = e->cfg.max_model_len, .vocab_size = e->vocab,
+                               .n_layers = e->mcfg.n_layers, .max_window = kvs_kv_get_config(e->kv)->max_window};
+}
+
 bool kvs_engine_idle(kvs_engine *e) {
     pthread_mutex_lock(&e->mu);
     bool idle = !e->incoming.n && !e->n_queued && !e->n_running && !e->n_aborts && !e->abort_all;
