@@ -394,9 +394,7 @@ bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, cons
         ok = kvs_api_fail(err, 400, NULL, "the request body must be a JSON object");
     else
         ok = parse_fields(root, kind, lim, r, err);
-    json_decref(root);
-    if (ok && kvs_sampling_validate(&r->sampling) != KVS_OK)
-        ok = kvs_api_fail(err, 400, NULL, "%s", kvs_last_error());
+    json_decref(root); /* the engine checks the sampling parameters again at submit */
     if (!ok) kvs_api_request_free(r);
     return ok;
 }
