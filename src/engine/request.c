@@ -24,10 +24,10 @@ kvs_sampling_params kvs_sampling_default(void) {
 
 kvs_status kvs_sampling_validate(const kvs_sampling_params *p) {
     if (!(p->temperature >= 0) || !isfinite(p->temperature))
-        return kvs_fail(KVS_ERR_INVALID, "temperature must be a finite number >= 0");
-    if (p->top_k < 0) return kvs_fail(KVS_ERR_INVALID, "top_k must be >= 0 (0 disables it)");
-    if (!(p->top_p > 0 && p->top_p <= 1)) return kvs_fail(KVS_ERR_INVALID, "top_p must be in (0, 1]");
-    if (!(p->min_p >= 0 && p->min_p <= 1)) return kvs_fail(KVS_ERR_INVALID, "min_p must be in [0, 1]");
+        return kvs_fail(KVS_ERR_INVALID, "temperature must be a finite number >= 0 (got %g)", p->temperature);
+    if (p->top_k < 0) return kvs_fail(KVS_ERR_INVALID, "top_k must be >= 0 (0 disables it; got %d)", p->top_k);
+    if (!(p->top_p > 0 && p->top_p <= 1)) return kvs_fail(KVS_ERR_INVALID, "top_p must be in (0, 1] (got %g)", p->top_p);
+    if (!(p->min_p >= 0 && p->min_p <= 1)) return kvs_fail(KVS_ERR_INVALID, "min_p must be in [0, 1] (got %g)", p->min_p);
     return KVS_OK;
 }
 
