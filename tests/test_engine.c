@@ -767,3 +767,24 @@ Test(engine, preempted_pyramidkv_request_gives_the_same_tokens, .timeout = 600) 
 Test(engine, preempted_full_request_gives_the_same_tokens, .timeout = 600) {
     preempted_equals_unpreempted(KVS_POLICY_FULL);
 }
+
+/* The sampling parameters' ranges (the engine refuses a request outside them). */
+Test(engine, sampling_validation_names_the_parameter) {
+    kvs_sampling_params p = kvs_sampling_default();
+    p.temperature = -1;
+    cr_assert_eq(kvs_sampling_validate(&p), KVS_ERR_INVALID);
+    cr_assert(strstr(kvs_last_error(), "temperature"));
+    p = kvs_sampling_default();
+    p.top_p = 0;
+    cr_assert_eq(kvs_sampling_validate(&p), KVS_ERR_INVALID);
+    cr_assert(strstr(kvs_last_error(), "top_p"));
+    p = kvs_sampling_default();
+    p.min_p = 2;
+    cr_assert(strstr((kvs_sampling_validate(&p), kvs_last_error()), "min_p"));
+    p = kvs_sampling_default();
+    p.top_k = -3;
+    cr_assert_eq(kvs_sampling_validate(&p), KVS_ERR_INVALID);
+    p = kvs_sampling_default();
+    p.temperature = NAN;
+    cr_assert_eq(kvs_sampling_validate(&p), KVS_ERR_INVALID);
+}

@@ -106,6 +106,50 @@ Test(server, completions_and_chat) {
     cr_expect_eq(stop_server(&s), 0);
 }
 
+/* `kvsparse generate --seed S --temperature T` prints what /v1/completions
+ * answers for the same prompt, seed, temperature, filters and max tokens: one
+ * sampler (the backend's sample op, through the engine), one seed stream. */
+Test(server, generate_draws_what_the_server_draws) {
+    uint64_t base = kvs_test_seed();
+    server_proc s = start_server(NULL);
+    static const struct {
+        const char *prompt;
+        float temperature;
+        const char *filters_cli, *filters_json;
+        bool ignore_eos;
+    } cases[] = {
+        {"Once upon a time", 0.8f, "", "", true},
+        {PROMPT, 1.0f, "--top-k 40 --top-p 0.9", ", \"top_k\": 40, \"top_p\": 0.9", false},
+        {"The harbour at night", 1.3f, "--min-p 0.05", ", \"min_p\": 0.05", true},
+    };
+    for (int k = 0; k < 3; k++) {
+        uint64_t seed = (base + 7919u * (uint64_t)k) % 2147483647u;
+        fprintf(stderr, "server::generate_draws_what_the_server_draws: case %d seed %llu\n", k,
+                (unsigned long long)seed);
+        char body[1024], cmd[4096], *out = NULL;
+        snprintf(body, sizeof body,
+                 "{\"prompt\": \"%s\", \"max_tokens\": 24, \"temperature\": %.2f, \"seed\": %llu, "
+                 "\"ignore_eos\": %s%s}",
+                 cases[k].prompt, cases[k].temperature, (unsigned long long)seed, cases[k].ignore_eos ? "true" : "false",
+                 cases[k].filters_json);
+        json_t *j = post_json(s.port, "/v1/completions", body, 200);
+        snprintf(cmd, sizeof cmd,
+                 "OMP_WAIT_POLICY=passive '%s' generate -m '%s' --threads 2 -p '%s' -n 24 --temperature %.2f "
+                 "--seed %llu %s %s 2>/dev/null",
+                 kvsparse_binary(), src_path("models/tiny-needle-llama"), cases[k].prompt, cases[k].temperature,
+                 (unsigned long long)seed, cases[k].filters_cli, cases[k].ignore_eos ? "--ignore-eos" : "");
+        cr_assert_eq(run_capture(cmd, &out), 0, "%s\n%s", cmd, out);
+        size_t n = strlen(out);
+        cr_assert(n > 0 && out[n - 1] == '\n', "%s", out);
+        out[n - 1] = 0; /* generate ends its text with a newline */
+        cr_expect_str_eq(out, choice_text(j, false), "case %d, seed %llu: generate and the server differ", k,
+                         (unsigned long long)seed);
+        free(out);
+        json_decref(j);
+    }
+    cr_expect_eq(stop_server(&s), 0);
+}
+
 /* ---- concurrency: 32 greedy streams, each identical to the same request alone */
 typedef struct {
     int port, idx;

@@ -25,7 +25,7 @@
  *   an exact draw from softmax(z) restricted to the kept set (Gumbel-max).
  *   Every filter is a threshold on z, so top-k, min-p and top-p commute.
  * - logprobs (optional): log softmax of the raw logits x (T not applied, no
- *   filters) at the chosen id, as the host sampler (engine.h) reports it.
+ *   filters) at the chosen id.
  * Greedy is shardable (max of (x, id) pairs), and so is pure temperature
  * sampling: the hash takes the global token id, so a vocabulary slice can take
  * its local max of z_i + g_i. */

@@ -195,11 +195,8 @@ void kvs_cli_unload(kvs_loaded *l) {
     memset(l, 0, sizeof *l);
 }
 
-kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs) {
-    kvs_kv_config kc = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
-                        .n_heads = cfg->n_heads, .block_size = 16, .max_seqs = max_seqs};
-    kc.n_blocks = (int64_t)((max_tokens + 15) / 16) * cfg->n_layers * max_seqs;
-    return kc;
+kvs_status kvs_cli_engine(kvs_loaded *l, const kvs_engine_config *c, kvs_engine **out) {
+    return kvs_engine_create_runner(l->runner, l->tok, c, out);
 }
 
 bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n) {

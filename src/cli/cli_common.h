@@ -3,6 +3,7 @@
 #define KVS_CLI_COMMON_H
 
 #include "backend/backend.h"
+#include "engine/engine.h"
 #include "kv/kv.h"
 #include "model/model.h"
 #include "runner/runner.h"
@@ -70,9 +71,12 @@ void kvs_cli_unload(kvs_loaded *l);
  * with), the backend's scratch and the policy's window buffers. */
 kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const kvs_kv_policy *policy, size_t *bytes);
 
-/* A KV cache config holding max_tokens tokens per sequence for max_seqs
- * sequences (the whole model's heads; the runner gives each rank its slice). */
-kvs_kv_config kvs_cli_kv_config(const kvs_config *cfg, int max_tokens, int max_seqs);
+/* The KV pool's bytes per rank that hold max_seqs sequences of max_tokens
+ * tokens in every layer (generate, eval, bench model). */
+size_t kvs_cli_kv_bytes_for(const kvs_loaded *l, int max_tokens, int max_seqs);
+/* An engine over the loaded model's runner (N >= 1 ranks) with the backend's
+ * sampler: the one generation path of the commands and the server. */
+kvs_status kvs_cli_engine(kvs_loaded *l, const kvs_engine_config *c, kvs_engine **out);
 #define KVS_CLI_TP_HELP                                                                     \
     "  -tp, --tensor-parallel-size N  split heads, MLP and vocabulary over N ranks, one thread each:\n" \
     "                         with --device cuda[:K] GPUs K .. K+N-1 over NCCL; on the CPU\n"   \

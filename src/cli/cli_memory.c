@@ -1,4 +1,4 @@
-/* The KV pool's size from --kv-memory or --gpu-memory (bench throughput, serve). */
+/* The KV pool's size: from --kv-memory or --gpu-memory (bench throughput, serve), or for a number of tokens. */
 #include "cli/cli_common.h"
 
 kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const kvs_kv_policy *policy, size_t *bytes) {
@@ -28,4 +28,13 @@ kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const 
                         "activations %.2f GiB", gpu_gib, weights / (1 << 30), act / (1 << 30));
     *bytes = (size_t)left;
     return KVS_OK;
+}
+
+size_t kvs_cli_kv_bytes_for(const kvs_loaded *l, int max_tokens, int max_seqs) {
+    const kvs_config *c = &l->cfg;
+    int w = l->world > 0 ? l->world : 1;
+    kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads / w, .head_dim = c->head_dim,
+                        .block_size = 16};
+    int64_t blocks = (int64_t)((max_tokens + 15) / 16 + 1) * c->n_layers * max_seqs;
+    return (size_t)blocks * kvs_kv_block_bytes(&kc, l->be->kv_dtype);
 }

@@ -75,22 +75,73 @@ static kvs_status timed_group(kvs_loaded *l, const kvs_load_options *lo, timed_b
     return st;
 }
 
-/* Decode-step time at batch sizes `batches` over a context of ctx tokens per
- * sequence (faked: reserved and committed without a prefill; what the KV holds
- * does not change the time), eager vs CUDA graphs. Each mode: 3 warm-up steps
- * (a bucket's first step runs eagerly, the second is captured), then n_steps
- * timed steps, each ending with a synchronize (of every rank) like a step's
- * logits read. Graph counts are rank 0's. */
+/* Counts what the engine delivers: tokens, and the requests that have their first token. */
+typedef struct {
+    int64_t tokens;
+    int started, finished;
+    char error[256];
+} bench_counts;
+
+static void on_output(void *user, const kvs_request_output *out) {
+    bench_counts *c = user;
+    c->started += out->n_tokens && out->completion_tokens == out->n_tokens;
+    c->tokens += out->n_tokens;
+    c->finished += out->finish != KVS_FINISH_NONE;
+    if (out->finish == KVS_FINISH_ERROR) snprintf(c->error, sizeof c->error, "%s", out->error ? out->error : "error");
+}
+
+/* Submits n requests of prompt_len random tokens (seeded) generating max_tokens
+ * each; their ids into req_ids (when not NULL). */
+static kvs_status submit_random(kvs_engine *e, const kvs_config *cfg, int n, int prompt_len, int max_tokens,
+                                uint64_t seed, bench_counts *c, uint64_t *req_ids) {
+    int32_t *ids = malloc(sizeof(int32_t) * prompt_len);
+    if (!ids) return kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
+    kvs_rng rng;
+    kvs_rng_seed(&rng, seed);
+    kvs_request_params p = {.prompt_ids = ids, .n_prompt = prompt_len, .sampling = kvs_sampling_default(),
+                            .max_tokens = max_tokens, .ignore_eos = true};
+    kvs_status st = KVS_OK;
+    for (int r = 0; st == KVS_OK && r < n; r++) {
+        for (int i = 0; i < prompt_len; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % (uint64_t)cfg->vocab_size);
+        st = kvs_engine_submit(e, &p, on_output, c, req_ids ? &req_ids[r] : NULL);
+    }
+    free(ids);
+    return st;
+}
+
+/* Steps e until `started` requests have their first token and `tokens` came
+ * (or it is idle); the step's error, or a request's. */
+static kvs_status step_until(kvs_engine *e, bench_counts *c, int started, int64_t tokens) {
+    kvs_status st = KVS_OK;
+    while (st == KVS_OK && !kvs_engine_idle(e) && (c->started < started || c->tokens < tokens))
+        st = kvs_engine_step(e);
+    if (st == KVS_OK && c->error[0]) st = kvs_fail(KVS_ERR_INTERNAL, "%s", c->error);
+    return st;
+}
+
+/* Decode-step time at batch sizes `batches` over a context of about ctx
+ * tokens per sequence, eager vs CUDA graphs, through the engine: in each mode
+ * B requests of ctx random tokens are prefilled (one a step), then n_steps
+ * steps of the B decodes are timed after 3 warm-up steps (a bucket's first
+ * step runs eagerly, the second is captured), and the requests are aborted.
+ * Every step ends with the sampled ids read back. Graph counts are rank 0's. */
 static kvs_status bench_decode_steps(kvs_loaded *l, kvs_runner *g, const int32_t *batches, int n_batches, int ctx,
                                      int n_steps) {
     int max_b = 0;
     for (int i = 0; i < n_batches; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
-    kvs_kv_config kc = kvs_cli_kv_config(&l->cfg, ctx + n_steps + 8, max_b);
-    KVS_TRY(kvs_runner_kv_create(g, &kc)); /* replaces the prefill's caches */
-    int32_t *ids = malloc(sizeof(int32_t) * max_b), *pos = malloc(sizeof(int32_t) * max_b),
-            *qs = malloc(sizeof(int32_t) * (max_b + 1)), *seqs = malloc(sizeof(int32_t) * max_b);
-    uint8_t *want = malloc((size_t)max_b);
-    kvs_status st = ids && pos && qs && seqs && want ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = max_b;
+    c.max_num_batched_tokens = ctx > max_b ? ctx : max_b;
+    c.max_waiting = max_b;
+    int max_tokens = max_b + 3 + n_steps; /* the first ones decode while the others prefill */
+    c.kv_memory_bytes = kvs_cli_kv_bytes_for(l, ctx + max_tokens, max_b);
+    uint64_t *req_ids = malloc(sizeof(uint64_t) * max_b);
+    kvs_engine *e = NULL;
+    kvs_status st = req_ids ? kvs_engine_create_runner(g, NULL, &c, &e) : kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
+    if (st != KVS_OK) {
+        free(req_ids);
+        return st;
+    }
     printf("decode steps (context %d per sequence, %d timed steps; graphs %s on this backend):\n", ctx, n_steps,
            l->be->graph_begin ? "available" : "not available");
     for (int bi = 0; st == KVS_OK && bi < n_batches; bi++) {
@@ -99,36 +150,21 @@ static kvs_status bench_decode_steps(kvs_loaded *l, kvs_runner *g, const int32_t
         kvs_graph_stats gs = {0};
         for (int mode = 0; st == KVS_OK && mode < 2; mode++) {
             kvs_runner_set_graph_mode(g, mode == 0 ? KVS_GRAPHS_OFF : KVS_GRAPHS_ON);
-            int n_seqs = 0;
-            for (int s = 0; s < B && st == KVS_OK; s++) {
-                seqs[s] = kvs_runner_seq_create(g);
-                if (seqs[s] < 0) st = kvs_fail(KVS_ERR_NOMEM, "bench: no free sequence for batch %d", B);
-                else n_seqs++;
-                if (st == KVS_OK) st = kvs_runner_reserve(g, seqs[s], ctx);
-                if (st == KVS_OK) kvs_runner_commit(g, seqs[s], ctx);
-                qs[s] = s, want[s] = 1;
-            }
-            qs[B] = B;
+            bench_counts n = {0};
+            st = submit_random(e, &l->cfg, B, ctx, max_tokens, (uint64_t)bi, &n, req_ids);
+            if (st == KVS_OK) st = step_until(e, &n, B, 0); /* the prefills */
             kvs_graph_stats g0 = kvs_runner_graph_stats(g);
-            double t0 = 0;
-            for (int step = 0; st == KVS_OK && step < 3 + n_steps; step++) {
-                if (step == 3) t0 = kvs_now();
-                for (int s = 0; s < B && st == KVS_OK; s++) {
-                    st = kvs_runner_reserve(g, seqs[s], 1);
-                    ids[s] = (int32_t)((step * 7919 + s * 104729) % l->cfg.vocab_size);
-                    pos[s] = ctx + step;
-                }
-                kvs_batch b = {B, B, ids, pos, qs, seqs, want};
-                if (st == KVS_OK) st = kvs_runner_step(g, &b, NULL);
-                kvs_runner_synchronize(g);
-            }
+            if (st == KVS_OK) st = step_until(e, &n, B, n.tokens + 3 * B); /* warm-up */
+            double t0 = kvs_now();
+            if (st == KVS_OK) st = step_until(e, &n, B, n.tokens + (int64_t)n_steps * B);
             ms[mode] = (kvs_now() - t0) * 1e3 / n_steps;
             if (mode == 1) {
                 kvs_graph_stats g1 = kvs_runner_graph_stats(g);
                 gs.captures = g1.captures - g0.captures, gs.replays = g1.replays - g0.replays;
                 gs.capture_failures = g1.capture_failures - g0.capture_failures;
             }
-            for (int s = 0; s < n_seqs; s++) kvs_runner_seq_free(g, seqs[s]);
+            for (int r = 0; r < B; r++) kvs_engine_abort(e, req_ids[r]);
+            if (st == KVS_OK) st = step_until(e, &n, B + 1, 0); /* runs the aborts: idle */
         }
         if (st == KVS_OK)
             printf("  batch %3d: eager %.3f ms/step, graphs %.3f ms/step (%.2fx; %lld captures, %lld replays, "
@@ -137,7 +173,8 @@ static kvs_status bench_decode_steps(kvs_loaded *l, kvs_runner *g, const int32_t
                    (long long)gs.capture_failures);
     }
     kvs_runner_set_graph_mode(g, KVS_GRAPHS_ON);
-    free(ids), free(pos), free(qs), free(seqs), free(want);
+    kvs_engine_destroy(e);
+    free(req_ids);
     return st;
 }
 
@@ -186,12 +223,14 @@ static int bench_model(int argc, char **argv) {
         fprintf(stderr, "kvsparse bench model: --prompt-len and --decode-len must be positive\n");
         return 2;
     }
-    /* the prefill in one step; decode steps of up to the largest batch */
+    /* the prefill in one step; decode steps of up to the largest batch (whose
+       requests decode while the later ones prefill: max_b more tokens each) */
     lo.limits = (kvs_model_limits){prompt_len, 1, prompt_len + decode_len + 8, 0};
     for (int i = 0; i < n_batches; i++) {
         if (batches[i] > lo.limits.max_seqs) lo.limits.max_seqs = batches[i];
         if (batches[i] > lo.limits.max_tokens) lo.limits.max_tokens = batches[i];
     }
+    if (n_batches > 0) lo.limits.max_len += lo.limits.max_seqs + 3;
     kvs_loaded l;
     if (kvs_cli_load(&lo, &l) != KVS_OK) return kvs_cli_error();
     int world = l.world;
@@ -200,45 +239,24 @@ static int bench_model(int argc, char **argv) {
     kvs_status st = tb ? timed_group(&l, &lo, tb, &g) : kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
     /* the timed matmul synchronizes, which no graph can capture: this part runs eagerly */
     if (st == KVS_OK) kvs_runner_set_graph_mode(g, KVS_GRAPHS_OFF);
+    /* one request: its prompt in one prefill step, then decode_len decode steps */
     int total = prompt_len + decode_len;
-    if (st == KVS_OK && total > l.cfg.max_position_embeddings)
-        st = kvs_fail(KVS_ERR_INVALID, "--prompt-len + --decode-len exceeds the context length %d",
-                      l.cfg.max_position_embeddings);
-    kvs_kv_config kc = kvs_cli_kv_config(&l.cfg, total, 1);
-    if (st == KVS_OK) st = kvs_runner_kv_create(g, &kc);
-    if (st != KVS_OK) {
-        kvs_cli_error();
-        kvs_runner_destroy(g);
-        free(tb);
-        free(batches);
-        kvs_cli_unload(&l);
-        return 1;
-    }
-    int32_t *ids = malloc(sizeof(int32_t) * total), *pos = malloc(sizeof(int32_t) * total);
-    kvs_rng rng;
-    kvs_rng_seed(&rng, 1);
-    for (int i = 0; i < total; i++) {
-        ids[i] = (int32_t)(kvs_rng_u64(&rng) % (uint64_t)l.cfg.vocab_size);
-        pos[i] = i;
-    }
-    float *logits = malloc(sizeof(float) * l.cfg.vocab_size);
-    int seq = kvs_runner_seq_create(g);
-    uint8_t want = 1;
-    int32_t qs[2] = {0, prompt_len};
-    st = seq >= 0 ? kvs_runner_reserve(g, seq, prompt_len) : KVS_ERR_NOMEM;
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 1;
+    c.max_num_batched_tokens = prompt_len;
+    c.kv_memory_bytes = kvs_cli_kv_bytes_for(&l, total + 1, 1);
+    kvs_engine *e = NULL;
+    bench_counts n = {0};
+    if (st == KVS_OK) st = kvs_engine_create_runner(g, NULL, &c, &e);
+    if (st == KVS_OK) st = submit_random(e, &l.cfg, 1, prompt_len, decode_len + 1, 1, &n, NULL);
     double t0 = kvs_now();
-    kvs_batch b = {prompt_len, 1, ids, pos, qs, &seq, &want};
-    if (st == KVS_OK) st = kvs_runner_step(g, &b, logits);
+    if (st == KVS_OK) st = step_until(e, &n, 1, 0);
     double t_prefill = kvs_now() - t0, mm_prefill = tb[0].seconds, fl_prefill = tb[0].flops;
     for (int r = 0; r < world; r++) tb[r].seconds = tb[r].flops = 0;
     t0 = kvs_now();
-    for (int i = prompt_len; st == KVS_OK && i < total; i++) {
-        int32_t q1[2] = {0, 1};
-        st = kvs_runner_reserve(g, seq, 1);
-        kvs_batch d = {1, 1, ids + i, pos + i, q1, &seq, &want};
-        if (st == KVS_OK) st = kvs_runner_step(g, &d, logits);
-    }
+    if (st == KVS_OK) st = step_until(e, &n, 1, decode_len + 1);
     double t_decode = kvs_now() - t0;
+    kvs_engine_destroy(e);
     if (st != KVS_OK) {
         kvs_cli_error();
     } else {
@@ -267,9 +285,6 @@ static int bench_model(int argc, char **argv) {
         if (st != KVS_OK) kvs_cli_error();
     }
     free(batches);
-    free(ids);
-    free(pos);
-    free(logits);
     kvs_runner_destroy(g); /* the ranks' models and caches */
     free(tb);
     kvs_cli_unload(&l);

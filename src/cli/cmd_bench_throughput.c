@@ -116,7 +116,7 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     c.default_policy = o->policy;
     KVS_TRY(kvs_cli_kv_bytes(l, o->kv_gib, o->gpu_gib, &o->policy, &c.kv_memory_bytes));
     kvs_engine *e;
-    KVS_TRY(kvs_engine_create_runner(l->runner, l->tok, &c, &e));
+    KVS_TRY(kvs_cli_engine(l, &c, &e));
     int32_t *prompt = malloc(sizeof(int32_t) * o->input_len);
     kvs_status st = prompt ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "out of memory");
     kvs_rng rng;
@@ -126,6 +126,11 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     for (int r = 0; st == KVS_OK && r < o->num_prompts; r++) {
         for (int i = 0; i < o->input_len; i++) prompt[i] = (int32_t)(kvs_rng_u64(&rng) % l->cfg.vocab_size);
         st = kvs_engine_submit(e, &p, on_output, counts, NULL);
+    }
+    if (st != KVS_OK) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", kvs_last_error());
+        st = kvs_fail(st, "--input-len %d, --output-len %d: %s", o->input_len, o->output_len, why);
     }
     free(prompt);
     kvs_progress bar;
@@ -194,11 +199,7 @@ int kvs_cmd_bench_throughput(int argc, char **argv) {
     if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
     tp_counts counts = {0};
     tp_result res = {0};
-    kvs_status st = KVS_OK;
-    if ((int64_t)o.input_len + o.output_len > l.cfg.max_position_embeddings)
-        st = kvs_fail(KVS_ERR_INVALID, "--input-len %d + --output-len %d exceeds the model's context %d", o.input_len,
-                      o.output_len, l.cfg.max_position_embeddings);
-    if (st == KVS_OK) st = run(&o, &l, &counts, &res);
+    kvs_status st = run(&o, &l, &counts, &res);
     if (st == KVS_OK) report(&o, &counts, &res);
     kvs_cli_unload(&l);
     return st == KVS_OK ? 0 : kvs_cli_error();

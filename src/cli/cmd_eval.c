@@ -1,5 +1,6 @@
 /* kvsparse eval retrieval: long-context retrieval accuracy of KV policies
- * against the full cache, one shared prefill per prompt. */
+ * against the full cache: each policy's greedy answer to each prompt through
+ * the engine. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,7 +36,7 @@ static void usage(FILE *f) {
                "  --answers FILE         write every sample's answer per policy (JSON lines)\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "In eval, --kv-policy and --kv-budget take comma-separated lists: every combination is\n"
-               "evaluated over one shared prefill per prompt. The table's columns:\n" TABLE_LEGEND);
+               "evaluated (one request per policy and prompt through the engine). The table's columns:\n" TABLE_LEGEND);
 }
 
 static void eval_usage(FILE *f) {
@@ -70,28 +71,34 @@ static char *trimmed(const char *s) {
     return out;
 }
 
-/* Greedy decode of up to MAX_NEW tokens from the prefill's logits; returns the text. */
-static kvs_status answer(kvs_loaded *l, kvs_runner *g, int seq, const float *prefill_logits, int n_prompt,
-                         char **text) {
-    int V = l->cfg.vocab_size;
-    float *logits = malloc(sizeof(float) * V);
-    memcpy(logits, prefill_logits, sizeof(float) * V);
-    int32_t out[MAX_NEW];
-    int n = 0;
+/* One policy's answer to one prompt. */
+typedef struct {
+    int32_t ids[MAX_NEW];
+    int n;
+    double t_first, compression; /* when the prefill's token came; the KV's compression after the prompt */
+    char error[256];
+} eval_answer;
+
+static void on_answer(void *user, const kvs_request_output *out) {
+    eval_answer *a = user;
+    if (out->n_tokens && a->n == 0) a->t_first = kvs_now(), a->compression = out->prompt_compression;
+    for (int i = 0; i < out->n_tokens && a->n < MAX_NEW; i++) a->ids[a->n++] = out->token_ids[i];
+    if (out->finish == KVS_FINISH_ERROR) snprintf(a->error, sizeof a->error, "%s", out->error ? out->error : "error");
+}
+
+/* The greedy answer (up to MAX_NEW tokens, to EOS) under policy p, through the
+ * engine; its text trimmed into *text. */
+static kvs_status answer(kvs_loaded *l, kvs_engine *e, const int32_t *ids, int n, const kvs_kv_policy *p,
+                         eval_answer *a, char **text) {
+    memset(a, 0, sizeof *a);
+    kvs_request_params rp = {.prompt_ids = ids, .n_prompt = n, .sampling = kvs_sampling_default(),
+                             .max_tokens = MAX_NEW, .policy = p};
+    KVS_TRY(kvs_engine_submit(e, &rp, on_answer, a, NULL));
     kvs_status st = KVS_OK;
-    kvs_stop_params stop = {MAX_NEW, l->cfg.eos_token_ids, l->cfg.n_eos};
-    while (n < MAX_NEW) {
-        int32_t id = 0;
-        for (int i = 1; i < V; i++)
-            if (logits[i] > logits[id]) id = i;
-        out[n++] = id;
-        if (kvs_is_stop_token(&stop, id) || n == MAX_NEW) break;
-        st = kvs_eval_step(g, seq, id, n_prompt + n - 1, logits);
-        if (st != KVS_OK) break;
-    }
-    free(logits);
+    while (st == KVS_OK && !kvs_engine_idle(e)) st = kvs_engine_step(e);
+    if (st == KVS_OK && a->error[0]) st = kvs_fail(KVS_ERR_INTERNAL, "%s", a->error);
     char *raw = NULL;
-    if (st == KVS_OK) st = kvs_tokenizer_decode(l->tok, out, n, true, &raw, NULL);
+    if (st == KVS_OK) st = kvs_tokenizer_decode(l->tok, a->ids, a->n, true, &raw, NULL);
     if (st == KVS_OK) {
         *text = trimmed(raw);
         free(raw);
@@ -137,7 +144,7 @@ static int eval_retrieval(int argc, char **argv) {
     kvs_kv_policy base = kvs_kv_policy_default(KVS_POLICY_FULL);
     char kinds[512] = "", budgets[512] = "";
     const char *data = NULL, *answers_path = NULL;
-    int limit = 0, chunk = 2048;
+    int limit = 0;
     bool as_json = false;
     for (int i = 1; i < argc; i++) {
         int r = kvs_cli_load_option(&lo, argc, argv, &i);
@@ -168,10 +175,16 @@ static int eval_retrieval(int argc, char **argv) {
     kvs_eval_policies P;
     kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
     if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
-    kvs_runner *g = NULL; /* N >= 1 ranks */
-    if (st == KVS_OK) st = kvs_eval_group(&l, l.cfg.max_position_embeddings, base.window, &g);
+    /* one request at a time, its prompt prefilled in chunks of 2048 tokens */
+    kvs_engine_config ec = kvs_engine_config_default();
+    ec.max_num_seqs = 1;
+    ec.max_num_batched_tokens = 2048;
+    ec.default_policy = base; /* its window: the largest the policies use */
+    ec.default_policy.kind = KVS_POLICY_FULL;
+    kvs_engine *e = NULL;
+    if (st == KVS_OK) ec.kv_memory_bytes = kvs_cli_kv_bytes_for(&l, l.cfg.max_position_embeddings, 1);
+    if (st == KVS_OK) st = kvs_cli_engine(&l, &ec, &e);
     policy_score *S = calloc((size_t)P.n, sizeof *S);
-    float *logits = malloc(sizeof(float) * l.cfg.vocab_size);
     /* count lines for the progress bar */
     int n_lines = 0, c;
     while ((c = fgetc(f)) != EOF) n_lines += c == '\n';
@@ -197,38 +210,35 @@ static int eval_retrieval(int argc, char **argv) {
             break;
         }
         int32_t *ids = NULL;
-        int n = 0, seq = -1;
+        int n = 0;
         kvs_encode_options eo = {.add_special_tokens = false, .parse_special = true};
         st = kvs_tokenizer_encode(l.tok, prompt, strlen(prompt), eo, &ids, &n);
-        if (st == KVS_OK && n + MAX_NEW > l.cfg.max_position_embeddings)
-            st = kvs_fail(KVS_ERR_INVALID, "%s:%d: prompt of %d tokens exceeds the context", data, line_no, n);
-        double t0 = kvs_now();
-        if (st == KVS_OK) st = kvs_eval_prefill(g, ids, n, base.window, chunk, logits, &seq);
-        prefill_time += kvs_now() - t0;
-        prefill_tokens += n;
         char *want = ans ? trimmed(ans) : NULL, *hf_text = hf ? trimmed(hf) : NULL;
         json_t *row = answers ? json_pack("{s:O?, s:i, s:o}", "id", json_object_get(o, "id"), "n_prompt_tokens", n,
                                           "answers", json_object())
                               : NULL;
         for (int p = 0; st == KVS_OK && p < P.n; p++) {
-            int fork;
-            st = kvs_eval_fork(g, seq, &P.list[p], n, &fork);
-            if (st != KVS_OK) break;
-            kvs_seq_usage u = kvs_runner_seq_usage(g, fork);
             char *text = NULL;
-            st = answer(&l, g, fork, logits, n, &text);
-            kvs_runner_seq_free(g, fork);
-            if (st != KVS_OK) break;
+            eval_answer a;
+            double t0 = kvs_now();
+            st = answer(&l, e, ids, n, &P.list[p], &a, &text);
+            if (st != KVS_OK) {
+                char why[512];
+                snprintf(why, sizeof why, "%s", kvs_last_error());
+                st = kvs_fail(st, "%s:%d: %s", data, line_no, why);
+                break;
+            }
+            prefill_time += a.t_first - t0;
+            prefill_tokens += n;
             policy_score *s = &S[p];
             int b = bucket_index(s, bucket_of(json_string_value(json_object_get(o, "id")), n));
             bool ok = !strcmp(text, want);
             s->count[b]++, s->correct[b] += ok, s->total++, s->n_correct += ok;
             s->n_agree_hf += hf_text && !strcmp(text, hf_text);
-            s->ratio_sum += u.held ? (double)u.full / u.held : 1;
+            s->ratio_sum += a.compression;
             if (row) json_object_set_new(json_object_get(row, "answers"), P.names[p], json_string(text));
             free(text);
         }
-        if (seq >= 0) kvs_runner_seq_free(g, seq);
         if (row && st == KVS_OK) {
             char *js = json_dumps(row, JSON_COMPACT);
             fprintf(answers, "%s\n", js);
@@ -266,8 +276,8 @@ static int eval_retrieval(int argc, char **argv) {
         }
     }
     free(S);
-    free(logits);
-    kvs_cli_unload(&l); /* the runner and its KV caches too */
+    kvs_engine_destroy(e);
+    kvs_cli_unload(&l);
     return st == KVS_OK ? 0 : kvs_cli_error();
 }
 

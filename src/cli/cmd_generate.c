@@ -121,110 +121,67 @@ static kvs_status prompt_to_ids(const gen_options *o, const kvs_loaded *l, int32
     return st;
 }
 
-/* Every step runs through the runner (one path for any N). Greedy decoding
- * takes the argmax on the device; sampling takes the gathered logits to the
- * host sampler. */
-typedef struct {
-    kvs_runner *g;
-    bool greedy;
-} gen_target;
-
-static kvs_status gen_kv_create(gen_target *t, kvs_loaded *l, int max_tokens) {
-    t->g = l->runner;
-    kvs_kv_config kc = kvs_cli_kv_config(&l->cfg, max_tokens, 1);
-    return kvs_runner_kv_create(t->g, &kc); /* the runner owns its ranks' caches */
-}
-
-/* logits, or (greedy) *argmax */
-static kvs_status gen_forward(gen_target *t, const kvs_batch *b, float *logits, int32_t *argmax) {
-    return t->greedy ? kvs_runner_step_argmax(t->g, b, argmax) : kvs_runner_step(t->g, b, logits);
-}
-
 typedef struct {
     int32_t *ids;
-    int n, cap;
+    int n;
     const char *finish;
-    double t_prefill, t_decode;
+    char error[256];
+    double t_start, t_first, t_end;
     double compression; /* KV entries a full cache would hold / entries held, after the prompt */
+    bool stream;        /* print the text (or ids without a tokenizer) as it comes */
 } gen_result;
 
+static void on_output(void *user, const kvs_request_output *out) {
+    gen_result *r = user;
+    if (out->n_tokens && r->n == 0) r->t_first = kvs_now(), r->compression = out->prompt_compression;
+    for (int i = 0; i < out->n_tokens; i++) r->ids[r->n++] = out->token_ids[i];
+    if (r->stream) {
+        if (out->text_len) fwrite(out->text, 1, out->text_len, stdout);
+        fflush(stdout);
+    }
+    if (out->finish == KVS_FINISH_NONE) return;
+    r->t_end = kvs_now();
+    r->finish = kvs_finish_name(out->finish);
+    if (out->finish == KVS_FINISH_ERROR) snprintf(r->error, sizeof r->error, "%s", out->error ? out->error : "error");
+}
+
+/* Without a tokenizer the stream is the ids, comma-separated. */
+static void on_output_ids(void *user, const kvs_request_output *out) {
+    gen_result *r = user;
+    for (int i = 0; i < out->n_tokens; i++) printf("%s%d", r->n + i > 0 ? "," : "", out->token_ids[i]);
+    fflush(stdout);
+    r->stream = false;
+    on_output(user, out);
+    r->stream = true;
+}
+
+/* One request through the engine, the server's path: the same sampler, the
+ * same stop rules. The whole prompt is one prefill step. */
 static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt, int n_prompt, gen_result *r) {
-    const kvs_config *c = &l->cfg;
-    if (n_prompt + o->max_new > c->max_position_embeddings)
-        return kvs_fail(KVS_ERR_INVALID, "prompt (%d tokens) + max tokens (%d) exceeds the context length %d",
-                        n_prompt, o->max_new, c->max_position_embeddings);
-    int32_t stops[KVS_MAX_EOS + 16];
-    int n_stops = 0;
-    for (int i = 0; !o->ignore_eos && i < c->n_eos; i++) stops[n_stops++] = c->eos_token_ids[i];
-    for (int i = 0; i < o->n_stop_ids; i++) stops[n_stops++] = o->stop_ids[i];
-    kvs_stop_params stop = {o->max_new, stops, n_stops};
-    gen_target tgt = {NULL, o->sp.temperature == 0};
-    int32_t next = -1; /* the greedy path's token */
-    kvs_sampler *sampler = NULL;
-    kvs_detokenizer *detok = NULL;
-    float *logits = malloc(sizeof(float) * c->vocab_size);
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 1;
+    /* the whole prompt one prefill step, within the step buffers the model was made for */
+    int step_cap = kvs_runner_limits(l->runner).max_tokens;
+    c.max_num_batched_tokens = n_prompt < step_cap ? n_prompt : step_cap;
+    c.max_waiting = 1;
+    c.default_policy = o->policy;
+    c.kv_memory_bytes = kvs_cli_kv_bytes_for(l, n_prompt + o->max_new, 1);
+    kvs_sampling_params sp = o->sp;
+    sp.has_seed = true; /* --seed S, else 0: generate repeats itself */
+    kvs_request_params p = {.prompt_ids = prompt, .n_prompt = n_prompt, .sampling = sp, .max_tokens = o->max_new,
+                            .stop_ids = o->stop_ids, .n_stop_ids = o->n_stop_ids, .ignore_eos = o->ignore_eos};
     r->ids = malloc(sizeof(int32_t) * o->max_new);
-    kvs_status st = logits && r->ids ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "out of memory");
-    if (st == KVS_OK) st = gen_kv_create(&tgt, l, n_prompt + o->max_new);
-    if (st == KVS_OK) st = kvs_sampler_create(&o->sp, c->vocab_size, &sampler);
-    if (st == KVS_OK && l->tok && !o->json) detok = kvs_detokenizer_create(l->tok, true);
-    int seq = st == KVS_OK ? kvs_runner_seq_create(tgt.g) : -1;
-    if (st == KVS_OK && seq < 0) st = KVS_ERR_NOMEM;
-    int32_t *positions = malloc(sizeof(int32_t) * n_prompt);
-    for (int i = 0; positions && i < n_prompt; i++) positions[i] = i;
-    uint8_t want = 1;
-    int32_t qs[2] = {0, n_prompt};
-    double t0 = kvs_now();
-    if (st == KVS_OK) st = kvs_runner_set_policy(tgt.g, seq, &o->policy, n_prompt);
-    if (st == KVS_OK) st = kvs_runner_reserve(tgt.g, seq, n_prompt);
-    if (st == KVS_OK) {
-        kvs_batch b = {n_prompt, 1, prompt, positions, qs, &seq, &want};
-        st = gen_forward(&tgt, &b, logits, &next);
-    }
-    kvs_seq_usage u = {0};
-    if (st == KVS_OK) u = kvs_runner_seq_usage(tgt.g, seq);
-    r->compression = u.held ? (double)u.full / u.held : 1;
-    r->t_prefill = kvs_now() - t0;
-    r->finish = "length";
-    t0 = kvs_now();
-    while (st == KVS_OK && r->n < o->max_new) {
-        int32_t id = tgt.greedy ? next : kvs_sampler_sample(sampler, logits, NULL);
-        if (id < 0) { /* the sample op's answer to NaN or inf logits */
-            st = kvs_fail(KVS_ERR_INTERNAL, "non-finite logits (NaN or infinity) at generated token %d", r->n + 1);
-            break;
-        }
-        r->ids[r->n++] = id;
-        if (detok) {
-            const char *piece;
-            size_t len;
-            if (kvs_detokenizer_push(detok, id, &piece, &len) == KVS_OK) fwrite(piece, 1, len, stdout);
-            fflush(stdout);
-        } else if (!o->json) {
-            printf("%s%d", r->n > 1 ? "," : "", id);
-            fflush(stdout);
-        }
-        if (kvs_is_stop_token(&stop, id)) {
-            r->finish = "stop";
-            break;
-        }
-        if (r->n == o->max_new) break;
-        int32_t pos = n_prompt + r->n - 1, q1[2] = {0, 1};
-        st = kvs_runner_reserve(tgt.g, seq, 1);
-        if (st != KVS_OK) break;
-        kvs_batch b = {1, 1, &id, &pos, q1, &seq, &want};
-        st = gen_forward(&tgt, &b, logits, &next);
-    }
-    r->t_decode = kvs_now() - t0;
-    if (detok) {
-        const char *piece;
-        size_t len;
-        if (kvs_detokenizer_finish(detok, &piece, &len) == KVS_OK) fwrite(piece, 1, len, stdout);
-        kvs_detokenizer_destroy(detok);
-    }
-    if (!o->json) printf("\n");
-    free(positions);
-    free(logits);
-    kvs_sampler_destroy(sampler);
+    r->stream = !o->json;
+    if (!r->ids) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    kvs_engine *e;
+    KVS_TRY(kvs_cli_engine(l, &c, &e));
+    r->t_start = kvs_now();
+    kvs_status st = kvs_engine_submit(e, &p, l->tok || o->json ? on_output : on_output_ids, r, NULL);
+    bool submitted = st == KVS_OK;
+    while (st == KVS_OK && !kvs_engine_idle(e)) st = kvs_engine_step(e);
+    kvs_engine_destroy(e);
+    if (submitted && !o->json) printf("\n");
+    if (st == KVS_OK && r->error[0]) st = kvs_fail(KVS_ERR_INTERNAL, "%s", r->error);
     return st;
 }
 
@@ -248,10 +205,11 @@ static void print_json(const gen_options *o, const kvs_loaded *l, const int32_t 
     json_object_set_new(root, "kv_policy", json_string(policy));
     json_object_set_new(root, "kv_compression_ratio", json_real(r->compression));
     int n_decoded = r->n > 0 ? r->n - 1 : 0; /* the first token comes from the prefill */
+    double t_prefill = r->t_first - r->t_start, t_decode = r->t_end - r->t_first;
     json_object_set_new(root, "timings",
-                        json_pack("{s:f, s:f, s:f, s:f}", "prefill_s", r->t_prefill, "decode_s", r->t_decode,
-                                  "prefill_tokens_per_s", r->t_prefill > 0 ? n_prompt / r->t_prefill : 0.0,
-                                  "decode_tokens_per_s", r->t_decode > 0 ? n_decoded / r->t_decode : 0.0));
+                        json_pack("{s:f, s:f, s:f, s:f}", "prefill_s", t_prefill, "decode_s", t_decode,
+                                  "prefill_tokens_per_s", t_prefill > 0 ? n_prompt / t_prefill : 0.0,
+                                  "decode_tokens_per_s", t_decode > 0 ? n_decoded / t_decode : 0.0));
     char *s = json_dumps(root, JSON_COMPACT);
     printf("%s\n", s);
     free(s);
@@ -262,7 +220,7 @@ int kvs_cmd_generate(int argc, char **argv) {
     gen_options o;
     int rc = parse_args(argc, argv, &o);
     if (rc >= 0) return rc;
-    if (kvs_sampling_validate(&o.sp) != KVS_OK) {
+    if (kvs_sampling_validate(&o.sp) != KVS_OK) { /* before the model loads: a usage error */
         fprintf(stderr, "kvsparse generate: %s\n", kvs_last_error());
         return 2;
     }
@@ -272,7 +230,6 @@ int kvs_cmd_generate(int argc, char **argv) {
     int n_prompt = 0;
     gen_result r = {0};
     kvs_status st = prompt_to_ids(&o, &l, &prompt, &n_prompt);
-    if (st == KVS_OK && n_prompt == 0) st = kvs_fail(KVS_ERR_INVALID, "the prompt is empty");
     if (st == KVS_OK) st = run(&o, &l, prompt, n_prompt, &r);
     if (st == KVS_OK && o.json) print_json(&o, &l, prompt, n_prompt, &r);
     free(prompt);

@@ -267,14 +267,11 @@ int kvs_cmd_serve(int argc, char **argv) {
         return kvs_cli_error();
     }
     if (!l.tok) kvs_log(KVS_LOG_WARN, "the model has no tokenizer.json: only token-id prompts will work");
-    int max_len = o.ecfg.max_model_len ? o.ecfg.max_model_len : l.cfg.max_position_embeddings;
     char namebuf[512];
     if (!o.scfg.served_model_name) o.scfg.served_model_name = folder_name(o.load.model_dir, namebuf, sizeof namebuf);
-    o.scfg.max_model_len = max_len;
-    o.scfg.n_layers = l.cfg.n_layers;
     kvs_engine *e = NULL;
     kvs_server *srv = NULL;
-    kvs_status st = kvs_engine_create_runner(l.runner, l.tok, &o.ecfg, &e);
+    kvs_status st = kvs_cli_engine(&l, &o.ecfg, &e); /* the server asks it for its limits */
     if (st == KVS_OK) st = kvs_engine_start(e);
     if (st == KVS_OK && (pipe(g_signal_pipe) != 0 || fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK) != 0))
         st = kvs_fail(KVS_ERR_IO, "pipe: %s", strerror(errno));
@@ -294,7 +291,7 @@ int kvs_cmd_serve(int argc, char **argv) {
         free(key);
         return kvs_cli_error();
     }
-    log_capacity(&l, &o.ecfg, max_len);
+    log_capacity(&l, &o.ecfg, kvs_engine_get_limits(e).max_model_len);
     const char *host = o.scfg.host;
     bool v6 = strchr(host, ':') != NULL;
     printf("kvsparse: serving '%s' at http://%s%s%s:%d/v1 (port %d)\n", o.scfg.served_model_name, v6 ? "[" : "", host,

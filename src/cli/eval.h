@@ -1,4 +1,4 @@
-/* Shared by the eval commands: policies under test and the prefill that they share. */
+/* Shared by the eval commands: the policies under test; for eval ppl, one prefill that they share. */
 #ifndef KVS_CLI_EVAL_H
 #define KVS_CLI_EVAL_H
 

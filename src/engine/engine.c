@@ -39,6 +39,13 @@ static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_token
     kvs_engine_config c = cfg ? *cfg : kvs_engine_config_default();
     const kvs_config *mc = kvs_runner_config(g);
     KVS_TRY(resolve_config(mc, &c));
+    kvs_model_limits lim = kvs_runner_limits(g); /* the step buffers the model was made for */
+    if (c.max_num_batched_tokens > lim.max_tokens || c.max_num_seqs > lim.max_seqs || c.max_model_len > lim.max_len)
+        return kvs_fail(KVS_ERR_INVALID,
+                        "engine: max_num_batched_tokens %d, max_num_seqs %d, max_model_len %d exceed the model's "
+                        "limits (%d tokens, %d sequences per step, %d tokens of context)",
+                        c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len, lim.max_tokens, lim.max_seqs,
+                        lim.max_len);
     kvs_engine *e = calloc(1, sizeof *e);
     if (!e) return kvs_fail(KVS_ERR_NOMEM, "engine: out of memory");
     e->runner = g; /* owns_runner is set on success: on failure the caller keeps the runner */
@@ -313,6 +320,11 @@ kvs_status kvs_engine_step(kvs_engine *e) {
     pthread_mutex_unlock(&e->mu);
     if (threaded) return kvs_fail(KVS_ERR_INVALID, "kvs_engine_step: the engine thread is running");
     return step(e);
+}
+
+kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e) {
+    return (kvs_engine_limits){.max_model_len = e->cfg.max_model_len, .vocab_size = e->vocab,
+                               .n_layers = e->mcfg.n_layers, .max_window = kvs_runner_kv_config(e->runner)->max_window};
 }
 
 bool kvs_engine_idle(kvs_engine *e) {

@@ -1,5 +1,5 @@
-/* engine: requests, the scheduler (continuous batching, chunked prefill, admission,
- * preemption), the step loop, sampling parameters and each request's output stream. */
+/* engine: requests, their sampling parameters, the scheduler (continuous batching,
+ * chunked prefill, admission, preemption), the step loop and each request's output stream. */
 #ifndef KVS_ENGINE_H
 #define KVS_ENGINE_H
 
@@ -16,34 +16,14 @@ typedef struct {
     float top_p;       /* 1 = off */
     float min_p;       /* 0 = off */
     uint64_t seed;
-    bool has_seed;     /* false: the engine draws a seed per request (the host sampler uses seed as is) */
+    bool has_seed;     /* false: the engine draws a seed per request */
 } kvs_sampling_params;
 
 kvs_sampling_params kvs_sampling_default(void); /* greedy */
-/* Checks ranges; errors name the parameter (e.g. "temperature must be >= 0"). */
+/* Checks ranges; errors name the parameter (e.g. "temperature must be >= 0").
+ * The engine samples on the backend (kvs_model_forward_sample,
+ * backend/sample.h): a counter-based draw per (seed, generated-token index). */
 kvs_status kvs_sampling_validate(const kvs_sampling_params *p);
-
-/* The host sampler (the CLI's `generate`): its own RNG stream per sampler.
- * The engine samples on the backend instead (kvs_model_forward_sample,
- * backend/sample.h), with the same parameters and filters, a counter-based
- * draw per (seed, generated-token index) and the same greedy and logprobs. */
-typedef struct kvs_sampler kvs_sampler;
-kvs_status kvs_sampler_create(const kvs_sampling_params *p, int vocab_size, kvs_sampler **out);
-void kvs_sampler_destroy(kvs_sampler *s);
-/* Picks a token from logits[vocab] (logits may be modified). Reproducible for a
- * given seed and sequence of calls. If logprob is not NULL it receives the
- * log-probability of the chosen token under the unmodified distribution.
- * -1 (logprob NaN) when a logit is NaN or infinite, as the sample op. */
-int32_t kvs_sampler_sample(kvs_sampler *s, float *logits, float *logprob);
-
-/* Stop conditions for generation. */
-typedef struct {
-    int max_tokens;
-    const int32_t *stop_ids;
-    int n_stop_ids;
-} kvs_stop_params;
-
-bool kvs_is_stop_token(const kvs_stop_params *p, int32_t id);
 
 /* ---- the engine: continuous batching over one model ------------------------
  * Requests are submitted from any thread; one engine thread runs steps:
@@ -94,6 +74,9 @@ typedef struct {
     kvs_finish finish;        /* != NONE on the last delivery */
     const char *error;        /* message when finish == ERROR */
     int prompt_tokens, completion_tokens;
+    /* on the first token's delivery: KV entries a full cache would hold / entries
+       held after the prompt (its KV policy applied; 1: nothing dropped); else 0 */
+    double prompt_compression;
 } kvs_request_output;
 
 /* Called on the thread that runs the step; must not block for long and must
@@ -128,6 +111,15 @@ void kvs_engine_abort(kvs_engine *e, uint64_t request_id);
 /* One iteration (when not started). Returns KVS_OK also when idle. */
 kvs_status kvs_engine_step(kvs_engine *e);
 bool kvs_engine_idle(kvs_engine *e); /* nothing waiting or running */
+/* What a request may ask for: submit refuses beyond these (the server's
+ * defaults and its early refusals of oversized bodies use them). */
+typedef struct {
+    int max_model_len; /* prompt + max_tokens at most */
+    int vocab_size;    /* prompt ids below this */
+    int n_layers;      /* a KV policy's full_layers at most */
+    int max_window;    /* a sparse policy's observation window at most */
+} kvs_engine_limits;
+kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e);
 /* Health. A failed step (a CUDA error or kernel fault, a broken
  * tensor-parallel group, a backend op out of memory: the KV cache and the
  * model's state are then undefined) fails the engine for good: every running

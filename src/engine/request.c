@@ -1,4 +1,5 @@
 /* engine: one request's state, validation, stop conditions and streamed text. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,19 @@ const char *kvs_finish_name(kvs_finish f) {
     case KVS_FINISH_ERROR: return "error";
     }
     return "?";
+}
+
+kvs_sampling_params kvs_sampling_default(void) {
+    return (kvs_sampling_params){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .seed = 0, .has_seed = false};
+}
+
+kvs_status kvs_sampling_validate(const kvs_sampling_params *p) {
+    if (!(p->temperature >= 0) || !isfinite(p->temperature))
+        return kvs_fail(KVS_ERR_INVALID, "temperature must be a finite number >= 0 (got %g)", p->temperature);
+    if (p->top_k < 0) return kvs_fail(KVS_ERR_INVALID, "top_k must be >= 0 (0 disables it; got %d)", p->top_k);
+    if (!(p->top_p > 0 && p->top_p <= 1)) return kvs_fail(KVS_ERR_INVALID, "top_p must be in (0, 1] (got %g)", p->top_p);
+    if (!(p->min_p >= 0 && p->min_p <= 1)) return kvs_fail(KVS_ERR_INVALID, "min_p must be in [0, 1] (got %g)", p->min_p);
+    return KVS_OK;
 }
 
 static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
@@ -139,17 +153,19 @@ static bool is_stop_id(const kvs_engine *e, const kvs_request *r, int32_t id) {
     return false;
 }
 
-static void deliver(kvs_request *r, const int32_t *ids, const float *lp, int n, size_t text_len) {
+static void deliver(kvs_request *r, const int32_t *ids, const float *lp, int n, size_t text_len, double compression) {
     if (!r->fn) return;
     kvs_request_output o = {.request_id = r->id, .token_ids = ids, .logprobs = lp, .n_tokens = n,
                             .text = r->pending ? r->pending : "", .text_len = text_len, .finish = r->finish,
-                            .error = r->finish == KVS_FINISH_ERROR ? r->error : NULL, .prompt_tokens = r->n_prompt, .completion_tokens = r->n_gen};
+                            .error = r->finish == KVS_FINISH_ERROR ? r->error : NULL, .prompt_tokens = r->n_prompt,
+                            .completion_tokens = r->n_gen, .prompt_compression = compression};
     r->fn(r->user, &o);
 }
 
 /* Sends text_len bytes of the pending text and drops them. */
-static void deliver_and_consume(kvs_request *r, const int32_t *ids, const float *lp, int n, size_t text_len) {
-    deliver(r, ids, lp, n, text_len);
+static void deliver_and_consume(kvs_request *r, const int32_t *ids, const float *lp, int n, size_t text_len,
+                                double compression) {
+    deliver(r, ids, lp, n, text_len, compression);
     if (r->pending) {
         memmove(r->pending, r->pending + text_len, r->pending_len - text_len);
         r->pending_len -= text_len;
@@ -180,11 +196,16 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
     size_t send = kvs_stop_sendable((const char *const *)r->stop_strings, r->n_stop_strings, r->pending ? r->pending : "",
                                     r->pending_len, r->finish != KVS_FINISH_NONE, &stopped);
     if (stopped) r->finish = KVS_FINISH_STOP;
-    deliver_and_consume(r, &r->gen[r->n_gen - 1], r->logprobs > 0 ? &logprob : NULL, 1, send);
+    double compression = 0; /* the first token comes with the prompt's KV, as compacted by its policy */
+    if (r->n_gen == 1) {
+        kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);
+        compression = u.held ? (double)u.full / u.held : 1;
+    }
+    deliver_and_consume(r, &r->gen[r->n_gen - 1], r->logprobs > 0 ? &logprob : NULL, 1, send, compression);
 }
 
 void kvs_request_finish(kvs_engine *e, kvs_request *r, kvs_finish f, const char *error) {
     r->finish = f;
     snprintf(r->error, sizeof r->error, "%s", error ? error : "");
-    deliver(r, NULL, NULL, 0, 0);
+    deliver(r, NULL, NULL, 0, 0, 0);
 }

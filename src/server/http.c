@@ -220,6 +220,11 @@ kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, c
     s->tok = tok;
     s->started = (long long)time(NULL);
     s->limits = (kvs_api_limits){tok ? kvs_tokenizer_vocab_size(tok) : 1 << 30, cfg->max_model_len, cfg->n_layers};
+    if (engine) { /* the engine's limits are the authority */
+        kvs_engine_limits el = kvs_engine_get_limits(engine);
+        s->limits.max_model_len = el.max_model_len;
+        s->limits.n_layers = el.n_layers;
+    }
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->slot_mu, NULL);

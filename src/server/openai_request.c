@@ -74,6 +74,16 @@ static bool get_number(json_t *v, const char *name, double lo, double hi, double
     return true;
 }
 
+/* The engine's sampling rules (kvs_sampling_validate); param: the parameter its message names. */
+static bool check_sampling(const kvs_sampling_params *p, kvs_api_error *err) {
+    if (kvs_sampling_validate(p) == KVS_OK) return true;
+    static const char *const names[] = {"temperature", "top_k", "top_p", "min_p"};
+    const char *msg = kvs_last_error(), *param = NULL;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strncmp(msg, names[i], strlen(names[i])) && msg[strlen(names[i])] == ' ') param = names[i];
+    return kvs_api_fail(err, 400, param, "%s", msg);
+}
+
 bool kvs_api_get_int(json_t *v, const char *name, json_int_t lo, json_int_t hi, json_int_t *out, kvs_api_error *err) {
     if (!json_is_integer(v)) return kvs_api_fail(err, 400, name, "'%s' must be an integer", name);
     json_int_t x = json_integer_value(v);
@@ -116,9 +126,6 @@ static bool parse_stop(json_t *v, kvs_api_request *r, kvs_api_error *err) {
 static bool parse_ids(json_t *arr, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
     size_t n = json_array_size(arr), i;
     if (n == 0) return kvs_api_fail(err, 400, "prompt", "'prompt' is empty");
-    if (n > (size_t)lim->max_model_len)
-        return kvs_api_fail(err, 400, "prompt", "the prompt has %zu tokens; this model's maximum context length is %d",
-                            n, lim->max_model_len);
     r->prompt_ids = malloc(sizeof(int32_t) * n);
     if (!r->prompt_ids) return kvs_api_fail(err, 500, NULL, "out of memory");
     json_t *t;
@@ -302,14 +309,14 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
             if (!json_is_object(v) || (u && !json_is_boolean(u)))
                 return kvs_api_fail(err, 400, "stream_options", "'stream_options' must be {\"include_usage\": bool}");
             r->include_usage = json_is_true(u);
-        } else if (!strcmp(key, "temperature")) {
+        } else if (!strcmp(key, "temperature")) { /* its lower bound and the others' ranges: check_sampling */
             if (json_is_null(v)) continue;
-            if (!get_number(v, "temperature", 0, 100, &d, err)) return false;
+            if (!get_number(v, "temperature", -HUGE_VAL, HUGE_VAL, &d, err)) return false;
+            if (d > 100) return kvs_api_fail(err, 400, "temperature", "'temperature' must be at most 100, got %g", d);
             r->sampling.temperature = (float)d;
         } else if (!strcmp(key, "top_p")) {
             if (json_is_null(v)) continue;
-            if (!get_number(v, "top_p", 0, 1, &d, err)) return false;
-            if (d <= 0) return kvs_api_fail(err, 400, "top_p", "'top_p' must be in (0, 1]");
+            if (!get_number(v, "top_p", -HUGE_VAL, HUGE_VAL, &d, err)) return false;
             r->sampling.top_p = (float)d;
         } else if (!strcmp(key, "top_k")) {
             if (json_is_null(v)) continue;
@@ -317,7 +324,7 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
             r->sampling.top_k = x < 0 ? 0 : (int)x;
         } else if (!strcmp(key, "min_p")) {
             if (json_is_null(v)) continue;
-            if (!get_number(v, "min_p", 0, 1, &d, err)) return false;
+            if (!get_number(v, "min_p", -HUGE_VAL, HUGE_VAL, &d, err)) return false;
             r->sampling.min_p = (float)d;
         } else if (!strcmp(key, "seed")) {
             if (json_is_null(v)) continue;
@@ -368,11 +375,7 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
     if (kind == KVS_API_CHAT && !r->messages) return kvs_api_fail(err, 400, "messages", "'messages' is required");
     if (r->include_usage && !r->stream)
         return kvs_api_fail(err, 400, "stream_options", "'stream_options' is only allowed with 'stream': true");
-    if (r->n_prompt_ids && r->max_tokens && r->n_prompt_ids + r->max_tokens > lim->max_model_len)
-        return kvs_api_fail(err, 400, "max_tokens",
-                            "this model's maximum context length is %d tokens; the prompt has %d and max_tokens is %d",
-                            lim->max_model_len, r->n_prompt_ids, r->max_tokens);
-    return true;
+    return check_sampling(&r->sampling, err); /* the prompt's length against the context: route.c */
 }
 
 bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, const kvs_api_limits *lim,
@@ -394,9 +397,7 @@ bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, cons
         ok = kvs_api_fail(err, 400, NULL, "the request body must be a JSON object");
     else
         ok = parse_fields(root, kind, lim, r, err);
-    json_decref(root);
-    if (ok && kvs_sampling_validate(&r->sampling) != KVS_OK)
-        ok = kvs_api_fail(err, 400, NULL, "%s", kvs_last_error());
+    json_decref(root); /* the engine checks the sampling parameters again at submit */
     if (!ok) kvs_api_request_free(r);
     return ok;
 }

@@ -67,8 +67,8 @@ typedef struct {
     const char *api_key;           /* NULL: no auth */
     const char *served_model_name; /* the "model" clients name */
     size_t max_body_bytes;         /* 0: 4 MiB */
-    int max_model_len;
-    int n_layers;
+    int max_model_len;             /* without an engine (the request path's tests): the limits; */
+    int n_layers;                  /* with one, the engine's (kvs_engine_get_limits) */
     unsigned connection_limit;     /* 0: 1024 */
     unsigned max_connections_per_ip; /* 0: 256; one address's connections beyond are refused */
     unsigned http_timeout_s;       /* 0: 60; a connection that makes no progress this long is closed */
