@@ -38,8 +38,9 @@ static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_token
                                 const kvs_engine_config *cfg, kvs_engine **out) {
     kvs_engine_config c = cfg ? *cfg : kvs_engine_config_default();
     const kvs_config *mc = kvs_runner_config(g);
-    KVS_TRY(resolve_config(mc, &c));
     kvs_model_limits lim = kvs_runner_limits(g); /* the step buffers the model was made for */
+    if (!c.max_model_len && lim.max_len < mc->max_position_embeddings) c.max_model_len = lim.max_len;
+    KVS_TRY(resolve_config(mc, &c));
     if (c.max_num_batched_tokens > lim.max_tokens || c.max_num_seqs > lim.max_seqs || c.max_model_len > lim.max_len)
         return kvs_fail(KVS_ERR_INVALID,
                         "engine: max_num_batched_tokens %d, max_num_seqs %d, max_model_len %d exceed the model's "

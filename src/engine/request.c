@@ -197,7 +197,7 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
                                     r->pending_len, r->finish != KVS_FINISH_NONE, &stopped);
     if (stopped) r->finish = KVS_FINISH_STOP;
     double compression = 0; /* the first token comes with the prompt's KV, as compacted by its policy */
-    if (r->n_gen == 1) {
+    if (r->n_gen == 1 && r->seq >= 0) {
         kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);
         compression = u.held ? (double)u.full / u.held : 1;
     }
