@@ -380,7 +380,7 @@ int main(int argc, char **argv) {
         if (!sc.logits || !sc.ids || !sc.lp || !sc.params || !sc.host) return fprintf(stderr, "out of memory\n"), 1;
         fill((bf16 *)sc.logits, (size_t)SR * SV, 99);
         kvs_sample_row *hp = (kvs_sample_row *)malloc(SR * sizeof(kvs_sample_row));
-        const kvs_sample_row kinds[3] = {{0, 0, 1, 0, 1, 0}, {0.8f, 0, 1, 0, 1, 0}, {0.8f, 50, 0.9f, 0.05f, 1, 0}};
+        const kvs_sample_row kinds[3] = {{0, 0, 1, 0, 1, 0, 0, 0}, {0.8f, 0, 1, 0, 1, 0, 0, 0}, {0.8f, 50, 0.9f, 0.05f, 1, 0, 0, 0}};
         for (int k = 0; k < 3; k++) {
             for (int r = 0; r < SR; r++) hp[r] = kinds[k], hp[r].seed = r;
             b->to_device(b, sc.params, hp, SR * sizeof(kvs_sample_row));

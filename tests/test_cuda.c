@@ -1159,11 +1159,14 @@ static void sample_case(duo *d, int n_rows, int V, int ld) {
     kvs_sample_row *p = malloc(sizeof *p * n_rows);
     for (int r = 0; r < n_rows; r++) { /* each filter alone and combined, greedy every 8th row */
         static const kvs_sample_row kinds[8] = {
-            {0, 0, 1, 0, 0, 0},    {1.0f, 0, 1, 0, 0, 0},   {0.7f, 40, 1, 0, 0, 0},     {1.0f, 0, 0.9f, 0, 0, 0},
-            {1.2f, 0, 1, 0.05f, 0, 0}, {0.8f, 50, 0.95f, 0.02f, 0, 0}, {1.5f, 1, 1, 0, 0, 0}, {0.6f, 0, 0.3f, 0, 0, 0}};
+            {.temperature = 0, .top_p = 1},     {.temperature = 1.0f, .top_p = 1},
+            {.temperature = 0.7f, .top_k = 40, .top_p = 1},     {.temperature = 1.0f, .top_p = 0.9f},
+            {.temperature = 1.2f, .top_p = 1, .min_p = 0.05f}, {.temperature = 0.8f, .top_k = 50, .top_p = 0.95f, .min_p = 0.02f},
+            {.temperature = 1.5f, .top_k = 1, .top_p = 1},      {.temperature = 0.6f, .top_p = 0.3f}};
         p[r] = kinds[r % 8];
         p[r].seed = kvs_rng_u64(&d->rng);
         p[r].step = kvs_rng_u64(&d->rng) % 4096;
+        if (r % 7 == 4) p[r].forced = 1, p[r].forced_id = (int32_t)(kvs_rng_u64(&d->rng) % (uint64_t)V); /* teacher forcing */
     }
     void *xc = cpu_put(d, x, (size_t)n_rows * ld), *xg = gpu_put(d, x, (size_t)n_rows * ld);
     int32_t *ids_c = malloc(sizeof(int32_t) * n_rows), *ids_g = malloc(sizeof(int32_t) * n_rows);
@@ -1189,7 +1192,10 @@ static void sample_case(duo *d, int n_rows, int V, int ld) {
                      ids_g2[r]);
         cr_expect(ids_g[r] >= 0 && ids_g[r] < V, "V %d row %d: id %d out of range", V, r, ids_g[r]);
         if (ids_g[r] < 0 || ids_g[r] >= V) continue;
-        if (p[r].temperature == 0) {
+        if (p[r].forced) {
+            cr_expect(ids_g[r] == p[r].forced_id && ids_c[r] == p[r].forced_id, "V %d row %d forced %d: GPU %d, CPU %d", V,
+                      r, p[r].forced_id, ids_g[r], ids_c[r]);
+        } else if (p[r].temperature == 0) {
             cr_expect_eq(ids_g[r], ids_c[r], "V %d row %d greedy: GPU %d, CPU %d", V, r, ids_g[r], ids_c[r]);
         } else {
             sampled++;

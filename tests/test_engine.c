@@ -411,6 +411,14 @@ Test(engine, submit_validation_and_busy) {
     expect_invalid(e, &(kvs_request_params){.prompt_ids = prompt, .n_prompt = 4, .max_tokens = 1, .logprobs = -1,
                                             .sampling = kvs_sampling_default()},
                    KVS_ERR_INVALID, "logprobs");
+    int32_t forced[5] = {7, 8, 9, 10, 11};
+    p.forced_ids = forced;
+    p.n_forced = 5; /* > max_tokens */
+    expect_invalid(e, &p, KVS_ERR_INVALID, "forced");
+    p.n_forced = 4;
+    forced[3] = 8192;
+    expect_invalid(e, &p, KVS_ERR_INVALID, "forced");
+    p.n_forced = 0;
     cr_assert_eq(kvs_engine_submit(e, &p, NULL, NULL, NULL), KVS_OK);
     cr_assert_eq(kvs_engine_submit(e, &p, NULL, NULL, NULL), KVS_OK);
     expect_invalid(e, &p, KVS_ERR_BUSY, "max_waiting");
@@ -431,6 +439,79 @@ Test(engine, submit_validation_and_busy) {
     c.kv_memory_bytes = 1000;
     cr_assert_eq(kvs_engine_create(f.m, NULL, &c, &e), KVS_ERR_INVALID);
     cr_assert(strstr(kvs_last_error(), "kv_memory"));
+    fx_close(&f);
+}
+
+/* Teacher forcing: a request's forced tokens come back as its tokens, each
+ * with the model's logprob (log softmax of the logits after the prompt and the
+ * forced tokens before it, straight through the model: within 1e-4); a
+ * greedy request in the same batches is unchanged; under a sparse policy the
+ * forced tokens come back too. */
+Test(engine, forced_tokens_score_a_continuation) {
+    fixture f;
+    fx_open(&f);
+    uint64_t seed = kvs_test_seed();
+    enum { N = 300, K = 12 };
+    int32_t *prompt = random_prompt(seed, N), *forced = random_prompt(seed + 1, K);
+    /* the reference: the prompt, then the forced tokens one at a time */
+    int V = f.cfg.vocab_size;
+    kvs_kv_config kc = {.n_layers = f.cfg.n_layers, .n_kv_heads = f.cfg.n_kv_heads, .head_dim = f.cfg.head_dim,
+                        .n_heads = f.cfg.n_heads, .block_size = 16, .max_seqs = 1};
+    kc.n_blocks = (int64_t)((N + K + 15) / 16 + 1) * kc.n_layers;
+    kvs_kv_cache *kv;
+    cr_assert_eq(kvs_kv_create(&kc, f.be, &kv), KVS_OK);
+    int seq = kvs_kv_seq_create(kv);
+    float *logits = malloc(sizeof(float) * V);
+    double want_lp[K];
+    for (int i = 0; i < K; i++) {
+        int len = i == 0 ? N : 1;
+        int32_t *pos = malloc(sizeof(int32_t) * len), qs[2] = {0, len};
+        for (int j = 0; j < len; j++) pos[j] = i == 0 ? j : N + i - 1;
+        uint8_t want = 1;
+        cr_assert_eq(kvs_kv_reserve(kv, seq, len), KVS_OK);
+        kvs_batch b = {len, 1, i == 0 ? prompt : &forced[i - 1], pos, qs, &seq, &want};
+        cr_assert_eq(kvs_model_forward(f.m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+        kv_keep(kv, &b);
+        free(pos);
+        double m = logits[0], sum = 0;
+        for (int v = 1; v < V; v++) m = logits[v] > m ? logits[v] : m;
+        for (int v = 0; v < V; v++) sum += exp((double)logits[v] - m);
+        want_lp[i] = (double)logits[forced[i]] - m - log(sum);
+    }
+    kvs_kv_destroy(kv);
+    free(logits);
+    int32_t greedy_ref[K];
+    reference(&f, prompt, N, K, greedy_ref);
+
+    kvs_engine_config c = kvs_engine_config_default();
+    c.kv_memory_bytes = 32 << 20;
+    c.max_num_batched_tokens = 128; /* chunked prefill beside the other requests' decodes */
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_policy snap = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
+    snap.budget_fraction = 0.2f;
+    snap.min_prompt = 0;
+    kvs_request_params full = greedy_params(prompt, N, K), sparse, plain = greedy_params(prompt, N, K);
+    full.forced_ids = forced, full.n_forced = K, full.logprobs = 1;
+    sparse = full;
+    sparse.policy = &snap;
+    sink out[3] = {0};
+    cr_assert_eq(kvs_engine_submit(e, &full, on_output, &out[0], NULL), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_engine_submit(e, &plain, on_output, &out[1], NULL), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_engine_submit(e, &sparse, on_output, &out[2], NULL), KVS_OK, "%s", kvs_last_error());
+    run_until_idle(e, 1000);
+    for (int r = 0; r < 3; r++) cr_assert_eq(out[r].n, K, "request %d: %d tokens (%s)", r, out[r].n, out[r].error);
+    cr_assert_eq(out[0].n_lp, K);
+    for (int i = 0; i < K; i++) {
+        cr_expect_eq(out[0].ids[i], forced[i], "token %d: %d, forced %d", i, out[0].ids[i], forced[i]);
+        cr_expect_eq(out[2].ids[i], forced[i], "sparse token %d: %d, forced %d", i, out[2].ids[i], forced[i]);
+        cr_expect(fabs(out[0].lp[i] - want_lp[i]) <= 1e-4 * fmax(1, fabs(want_lp[i])), "token %d: logprob %g, want %g",
+                  i, out[0].lp[i], want_lp[i]);
+        cr_expect_eq(out[1].ids[i], greedy_ref[i], "greedy token %d: %d, reference %d", i, out[1].ids[i], greedy_ref[i]);
+    }
+    kvs_engine_destroy(e);
+    free(prompt);
+    free(forced);
     fx_close(&f);
 }
 

@@ -114,6 +114,58 @@ Test(sample, nonfinite_rows_sample_nothing) {
     b->destroy(b);
 }
 
+/* Teacher forcing: a forced row returns its forced id whatever its other
+ * parameters, with logprob log softmax(x)[id] (against a plain double
+ * computation, within 1e-5); the same through sample_shard + kvs_sample_pick
+ * over 2 and 3 uneven slices, whichever slice holds the id; a non-finite row
+ * still samples nothing. */
+Test(sample, forced_rows_take_the_given_id_with_its_logprob) {
+    kvs_backend *b = cpu();
+    kvs_rng rng;
+    kvs_rng_seed(&rng, kvs_test_seed());
+    enum { V = 301, ROWS = 24 };
+    const kvs_sample_row kinds[4] = {row_params(0, 0, 1, 0, 5, 0), row_params(1, 0, 1, 0, 5, 1),
+                                     row_params(0.8f, 20, 0.9f, 0, 5, 2), row_params(1.2f, 0, 1, 0.05f, 5, 3)};
+    float *x = random_logits(&rng, ROWS * V, 3.0f);
+    kvs_sample_row p[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        p[r] = kinds[r % 4];
+        p[r].forced = 1;
+        p[r].forced_id = r < 3 ? (int32_t[]){0, V - 1, V / 2}[r] : (int32_t)(kvs_rng_u64(&rng) % V);
+    }
+    x[(ROWS - 1) * V + 7] = NAN; /* the last row: non-finite */
+    int32_t ids[ROWS];
+    float lp[ROWS];
+    b->sample(b, ids, lp, x, ROWS, V, V, p);
+    for (int r = 0; r < ROWS; r++) {
+        const float *row = x + (size_t)r * V;
+        if (r == ROWS - 1) {
+            cr_expect(ids[r] == -1 && isnan(lp[r]), "non-finite forced row: id %d, logprob %g", ids[r], lp[r]);
+            continue;
+        }
+        double m = row[0], sum = 0;
+        for (int i = 1; i < V; i++) m = row[i] > m ? row[i] : m;
+        for (int i = 0; i < V; i++) sum += exp((double)row[i] - m);
+        double want = (double)row[p[r].forced_id] - m - log(sum);
+        cr_expect_eq(ids[r], p[r].forced_id, "row %d (T %g): id %d, forced %d", r, p[r].temperature, ids[r],
+                     p[r].forced_id);
+        cr_expect(fabs(lp[r] - want) <= 1e-5 * fmax(1, fabs(want)), "row %d: logprob %g, want %g", r, lp[r], want);
+        for (int world = 2; world <= 3; world++) {
+            kvs_sample_part parts[3];
+            int begin[4] = {0, world == 2 ? 100 : 37, world == 2 ? V : 200, V};
+            for (int k = 0; k < world; k++)
+                b->sample_shard(b, &parts[k], row + begin[k], 1, V, begin[k + 1] - begin[k], begin[k], &p[r]);
+            float lps = 0;
+            int32_t id = kvs_sample_pick(parts, world, 1, &p[r], &lps);
+            cr_expect_eq(id, p[r].forced_id, "row %d over %d slices: id %d", r, world, id);
+            cr_expect(fabs(lps - want) <= 1e-5 * fmax(1, fabs(want)), "row %d over %d slices: logprob %g, want %g", r,
+                      world, lps, want);
+        }
+    }
+    free(x);
+    b->destroy(b);
+}
+
 Test(sample, temperature_follows_the_softmax) {
     kvs_backend *b = cpu();
     const float x[6] = {1.0f, 0.2f, -0.5f, 1.5f, 0.0f, -3.0f};

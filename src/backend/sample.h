@@ -8,6 +8,8 @@
  * - a row holding a non-finite logit (NaN, +inf or -inf: a numerical failure
  *   upstream, never a distribution) samples nothing: id -1, logprob NaN. The
  *   engine fails that request alone.
+ * - p.forced (teacher forcing: scoring given tokens): the id is p.forced_id
+ *   (in [0, vocab)), whatever the other parameters say.
  * - p.temperature == 0: greedy, the argmax of x, ties to the lowest id; the
  *   filters are ignored.
  * - otherwise z_i = x_i / T (f32) and m = max z; token i is kept when
@@ -28,7 +30,7 @@
  *   filters) at the chosen id.
  * Greedy is shardable (max of (x, id) pairs), and so is pure temperature
  * sampling: the hash takes the global token id, so a vocabulary slice can take
- * its local max of z_i + g_i. */
+ * its local max of z_i + g_i; a forced row needs only the slice that holds its id. */
 #ifndef KVS_BACKEND_SAMPLE_H
 #define KVS_BACKEND_SAMPLE_H
 
@@ -42,7 +44,8 @@
 #define KVS_HD static inline
 #endif
 
-/* One row's parameters (32 bytes; an array of them lives in backend memory). */
+/* One row's parameters (40 bytes; an array of them lives in backend memory).
+ * All zero but top_p 1 is greedy. */
 typedef struct kvs_sample_row {
     float temperature; /* 0: greedy */
     int32_t top_k;     /* 0 (or >= vocab): off */
@@ -50,6 +53,8 @@ typedef struct kvs_sample_row {
     float min_p;       /* in [0, 1]; 0: off */
     uint64_t seed;     /* the request's stream */
     uint64_t step;     /* the draw in that stream (the engine: tokens generated so far) */
+    int32_t forced;    /* 1: teacher forcing: the row's id is forced_id (its logprob the model's); 0: a draw */
+    int32_t forced_id;
 } kvs_sample_row;
 
 /* splitmix64's finalizer. */
@@ -124,7 +129,8 @@ typedef struct kvs_sample_part {
     float x_max;       /* the slice's first maximum of the logits */
     int32_t x_id;      /* its global id; -1: an empty slice (count 0) or a non-finite one */
     float s_max;       /* temperature rows: the slice's best kept z + g */
-    int32_t s_id;      /* its global id; -1: a greedy row or nothing kept */
+    int32_t s_id;      /* its global id (forced rows: the forced id when the slice holds it); -1: a greedy
+                          row or nothing kept */
     float x_at_s;      /* the logit at s_id */
     float sum_exp;     /* sum over the slice of exp(x - x_max) */
     int32_t nonfinite; /* 1: the slice holds a NaN or infinite logit (the row samples nothing) */
@@ -133,7 +139,7 @@ typedef struct kvs_sample_part {
 /* Whether a row can be sampled from parts: greedy, or temperature alone
  * (top_k 0 or >= vocab, top_p 1, min_p 0). */
 KVS_HD bool kvs_sample_shardable(const kvs_sample_row *p, int vocab) {
-    return p->temperature == 0 || ((p->top_k <= 0 || p->top_k >= vocab) && p->top_p >= 1 && p->min_p <= 0);
+    return p->forced || p->temperature == 0 || ((p->top_k <= 0 || p->top_k >= vocab) && p->top_p >= 1 && p->min_p <= 0);
 }
 
 /* The id of a row from world parts (parts[r * stride] is rank r's), and its
@@ -160,7 +166,11 @@ KVS_HD int32_t kvs_sample_pick(const kvs_sample_part *parts, int world, size_t s
         if (q->x_id >= 0 && (id < 0 || q->x_max > m)) m = q->x_max, id = q->x_id;
     }
     x_at = m;
-    if (p->temperature > 0 && m / p->temperature > -INFINITY) {
+    if (p->forced) { /* the slice holding the id reported it as its pick */
+        id = p->forced_id;
+        for (int r = 0; r < world; r++)
+            if (parts[(size_t)r * stride].s_id == id) x_at = parts[(size_t)r * stride].x_at_s;
+    } else if (p->temperature > 0 && m / p->temperature > -INFINITY) {
         float best = -INFINITY;
         int32_t pick = -1;
         for (int r = 0; r < world; r++) {

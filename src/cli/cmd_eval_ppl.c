@@ -1,5 +1,6 @@
 /* kvsparse eval ppl: perplexity of a continuation after a long prefix, for
- * the full cache and each KV policy (the prefix is prefilled once). */
+ * the full cache and each KV policy: one request per policy through the
+ * engine, the prefix its prompt, the continuation its forced tokens. */
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -7,6 +8,7 @@
 #include <string.h>
 
 #include "cli/eval.h"
+#include "engine/engine.h"
 
 int kvs_cmd_eval_ppl(int argc, char **argv);
 
@@ -29,12 +31,18 @@ static kvs_status read_text(const char *path, char **text) {
     return KVS_OK;
 }
 
-static double log_softmax(const float *x, int n, int i) {
-    float m = x[0];
-    for (int j = 1; j < n; j++) m = x[j] > m ? x[j] : m;
-    double s = 0;
-    for (int j = 0; j < n; j++) s += exp((double)x[j] - m);
-    return (double)x[i] - m - log(s);
+/* One policy's continuation: the forced tokens' logprobs summed. */
+typedef struct {
+    double logprob_sum;
+    int n;
+    char error[256];
+} ppl_score;
+
+static void on_tokens(void *user, const kvs_request_output *out) {
+    ppl_score *sc = user;
+    for (int i = 0; i < out->n_tokens; i++) sc->logprob_sum += out->logprobs[i];
+    sc->n += out->n_tokens;
+    if (out->finish == KVS_FINISH_ERROR) snprintf(sc->error, sizeof sc->error, "%s", out->error ? out->error : "error");
 }
 
 static void usage(FILE *f) {
@@ -46,7 +54,7 @@ static void usage(FILE *f) {
                "  --json                 print one JSON array\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "In eval, --kv-policy and --kv-budget take comma-separated lists: every combination is\n"
-               "scored over one shared prefill.\n");
+               "scored (one request per policy through the engine).\n");
 }
 
 int kvs_cmd_eval_ppl(int argc, char **argv) {
@@ -76,9 +84,9 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
     kvs_eval_policies P;
     char *text = NULL;
     int32_t *ids = NULL;
-    int n = 0, seq = -1;
-    kvs_runner *g = NULL; /* N >= 1 ranks */
-    float *logits = malloc(sizeof(float) * l.cfg.vocab_size), *first = malloc(sizeof(float) * l.cfg.vocab_size);
+    int n = 0;
+    kvs_engine *e = NULL;
+    ppl_score *S = NULL;
     kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
     if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
     if (st == KVS_OK) st = read_text(path, &text);
@@ -88,22 +96,31 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
         st = kvs_fail(KVS_ERR_INVALID, "%s has %d tokens; --prefix %d + --continuation %d needs more", path, n, prefix, cont);
     if (st == KVS_OK && prefix + cont > l.cfg.max_position_embeddings)
         st = kvs_fail(KVS_ERR_INVALID, "--prefix + --continuation exceeds the context %d", l.cfg.max_position_embeddings);
-    if (st == KVS_OK) st = kvs_eval_group(&l, prefix + cont, base.window, &g);
-    if (st == KVS_OK) st = kvs_eval_prefill(g, ids, prefix, base.window, 2048, first, &seq);
+    /* every policy a request through the engine, all at once: the prefix its
+       prompt (prefilled in chunks of 2048 tokens, then compressed), the
+       continuation its forced tokens */
+    kvs_engine_config ec = kvs_engine_config_default();
+    ec.max_num_seqs = P.n;
+    ec.max_num_batched_tokens = 2048;
+    ec.default_policy = base; /* its window: the largest the policies use */
+    ec.default_policy.kind = KVS_POLICY_FULL;
+    if (st == KVS_OK) ec.kv_memory_bytes = kvs_cli_kv_bytes_for(&l, prefix + cont, P.n);
+    if (st == KVS_OK) st = kvs_cli_engine(&l, &ec, &e);
+    if (st == KVS_OK && !(S = calloc((size_t)P.n, sizeof *S))) st = kvs_fail(KVS_ERR_NOMEM, "eval ppl: out of memory");
+    for (int p = 0; st == KVS_OK && p < P.n; p++) {
+        kvs_request_params rp = {.prompt_ids = ids, .n_prompt = prefix, .sampling = kvs_sampling_default(),
+                                 .max_tokens = cont, .ignore_eos = true, .logprobs = 1, .policy = &P.list[p],
+                                 .forced_ids = ids + prefix, .n_forced = cont};
+        st = kvs_engine_submit(e, &rp, on_tokens, &S[p], NULL);
+    }
+    while (st == KVS_OK && !kvs_engine_idle(e)) st = kvs_engine_step(e);
     json_t *arr = json_array();
     for (int p = 0; st == KVS_OK && p < P.n; p++) {
-        int fork;
-        st = kvs_eval_fork(g, seq, &P.list[p], prefix, &fork);
-        if (st != KVS_OK) break;
-        double nll = 0;
-        memcpy(logits, first, sizeof(float) * l.cfg.vocab_size);
-        for (int t = 0; st == KVS_OK && t < cont; t++) { /* teacher forcing */
-            nll -= log_softmax(logits, l.cfg.vocab_size, ids[prefix + t]);
-            if (t + 1 < cont) st = kvs_eval_step(g, fork, ids[prefix + t], prefix + t, logits);
+        if (S[p].error[0] || S[p].n != cont) {
+            st = kvs_fail(KVS_ERR_INTERNAL, "%s: %s", P.names[p], S[p].error[0] ? S[p].error : "continuation cut short");
+            break;
         }
-        kvs_runner_seq_free(g, fork);
-        if (st != KVS_OK) break;
-        double ppl = exp(nll / cont);
+        double ppl = exp(-S[p].logprob_sum / cont);
         json_array_append_new(arr, json_pack("{s:s, s:f, s:i, s:i}", "policy", P.names[p], "ppl", ppl, "prefix", prefix,
                                              "continuation", cont));
         if (!as_json) printf("%-52s ppl %.3f (prefix %d, continuation %d)\n", P.names[p], ppl, prefix, cont);
@@ -114,7 +131,8 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
         free(s);
     }
     json_decref(arr);
-    free(text), free(ids), free(logits), free(first);
-    kvs_cli_unload(&l); /* the runner and its KV caches too */
+    free(text), free(ids), free(S);
+    kvs_engine_destroy(e);
+    kvs_cli_unload(&l);
     return st == KVS_OK ? 0 : kvs_cli_error();
 }

@@ -1,4 +1,4 @@
-/* Shared by the eval commands: the policies under test; for eval ppl, one prefill that they share. */
+/* Shared by the eval commands: the policies under test. */
 #ifndef KVS_CLI_EVAL_H
 #define KVS_CLI_EVAL_H
 
@@ -18,19 +18,5 @@ typedef struct {
 int kvs_eval_policy_option(kvs_kv_policy *base, char *kinds, char *budgets, size_t cap, int argc, char **argv, int *i);
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
                                    int n_layers, kvs_eval_policies *out);
-
-/* The loaded runner (N >= 1 ranks) with KV caches (each rank: its KV heads)
- * for two sequences of max_tokens: the shared prefill and one fork. The runner
- * is l's (kvs_cli_unload). */
-kvs_status kvs_eval_group(kvs_loaded *l, int max_tokens, int window, kvs_runner **g);
-/* Prefills ids into a new sequence whose windows are captured for every layer
- * but which is not compressed; logits of the last token into logits. */
-kvs_status kvs_eval_prefill(kvs_runner *g, const int32_t *ids, int n, int window, int chunk, float *logits,
-                            int *seq);
-/* A fork of the prefilled seq under policy p, compacted (each rank its own
- * heads); *fork -1 and nothing left behind on failure. */
-kvs_status kvs_eval_fork(kvs_runner *g, int seq, const kvs_kv_policy *p, int prompt_len, int *fork);
-/* Runs one token of seq at pos; logits into logits. */
-kvs_status kvs_eval_step(kvs_runner *g, int seq, int32_t id, int pos, float *logits);
 
 #endif

@@ -1,4 +1,4 @@
-/* The eval commands' shared parts: policy lists and one prefill shared by all policies. */
+/* The eval commands' shared parts: the lists of policies under test. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,56 +38,4 @@ kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds,
         }
     }
     return KVS_OK;
-}
-
-kvs_status kvs_eval_group(kvs_loaded *l, int max_tokens, int window, kvs_runner **g) {
-    *g = l->runner;
-    kvs_kv_config kc = {.n_layers = l->cfg.n_layers, .n_kv_heads = l->cfg.n_kv_heads, .head_dim = l->cfg.head_dim,
-                        .n_heads = l->cfg.n_heads, .block_size = 16, .max_seqs = 2, .max_window = window};
-    kc.n_blocks = (int64_t)((max_tokens + 15) / 16 + 1) * l->cfg.n_layers * 2;
-    return kvs_runner_kv_create(*g, &kc); /* each rank: its KV heads, the same blocks */
-}
-
-kvs_status kvs_eval_prefill(kvs_runner *g, const int32_t *ids, int n, int window, int chunk, float *logits,
-                            int *seq) {
-    *seq = kvs_runner_seq_create(g);
-    if (*seq < 0) return KVS_ERR_NOMEM;
-    /* capture the window in every layer, compress nothing (a budget of the whole prompt) */
-    kvs_kv_policy capture = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
-    capture.budget_fraction = 1.0f;
-    capture.window = window;
-    capture.min_prompt = 0;
-    kvs_status st = kvs_runner_set_policy(g, *seq, &capture, n);
-    int32_t *pos = malloc(sizeof(int32_t) * (chunk < n ? chunk : n));
-    if (!pos && st == KVS_OK) st = kvs_fail(KVS_ERR_NOMEM, "eval: out of memory");
-    for (int s = 0; st == KVS_OK && s < n; s += chunk) {
-        int len = n - s < chunk ? n - s : chunk;
-        int32_t qs[2] = {0, len};
-        uint8_t want = s + len == n;
-        for (int i = 0; i < len; i++) pos[i] = s + i;
-        st = kvs_runner_reserve(g, *seq, len);
-        kvs_batch b = {len, 1, ids + s, pos, qs, seq, &want};
-        if (st == KVS_OK) st = kvs_runner_step(g, &b, logits);
-    }
-    free(pos);
-    return st;
-}
-
-kvs_status kvs_eval_fork(kvs_runner *g, int seq, const kvs_kv_policy *p, int prompt_len, int *fork) {
-    KVS_TRY(kvs_runner_fork(g, seq, fork));
-    kvs_status st = kvs_runner_set_policy(g, *fork, p, prompt_len);
-    if (st == KVS_OK) st = kvs_runner_sparsify(g, *fork);
-    if (st != KVS_OK) {
-        kvs_runner_seq_free(g, *fork);
-        *fork = -1;
-    }
-    return st;
-}
-
-kvs_status kvs_eval_step(kvs_runner *g, int seq, int32_t id, int pos, float *logits) {
-    KVS_TRY(kvs_runner_reserve(g, seq, 1));
-    int32_t qs[2] = {0, 1};
-    uint8_t want = 1;
-    kvs_batch b = {1, 1, &id, &pos, qs, &seq, &want};
-    return kvs_runner_step(g, &b, logits);
 }

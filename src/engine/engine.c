@@ -270,7 +270,8 @@ static kvs_status run_batch(kvs_engine *e) {
         const kvs_sampling_params *p = &r->sampling;
         e->sample_rows[n_rows++] = (kvs_sample_row){.temperature = p->temperature, .top_k = p->top_k,
                                                     .top_p = p->top_p, .min_p = p->min_p, .seed = p->seed,
-                                                    .step = (uint64_t)r->n_gen};
+                                                    .step = (uint64_t)r->n_gen, .forced = r->n_gen < r->n_forced,
+                                                    .forced_id = r->n_gen < r->n_forced ? r->forced[r->n_gen] : 0};
         want_lp |= r->logprobs > 0;
     }
     kvs_status st = kvs_runner_step_sample(e->runner, &mb, e->sample_rows, e->sample_ids,

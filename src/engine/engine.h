@@ -58,6 +58,11 @@ typedef struct {
     bool ignore_eos;
     int logprobs;              /* 0: none; 1 .. 20: the chosen token's logprob (no top-n alternatives) */
     const kvs_kv_policy *policy; /* NULL: the engine's default */
+    /* Teacher forcing (scoring a continuation: eval ppl): the first n_forced
+     * generated tokens are these ids (copied; n_forced <= max_tokens), taken in
+     * place of a draw, each with the model's logprob; stops apply as to drawn ones. */
+    const int32_t *forced_ids;
+    int n_forced;
 } kvs_request_params;
 
 typedef enum { KVS_FINISH_NONE, KVS_FINISH_STOP, KVS_FINISH_LENGTH, KVS_FINISH_ABORT, KVS_FINISH_ERROR } kvs_finish;

@@ -15,6 +15,8 @@ typedef struct kvs_request {
     int n_prompt;
     int32_t *gen; /* [max_tokens] generated ids */
     int n_gen, max_tokens;
+    int32_t *forced; /* [n_forced]: generated ids n_gen < n_forced are these (teacher forcing) */
+    int n_forced;
     kvs_sampling_params sampling; /* has_seed always true here: the engine drew one when the request had none */
     int32_t *stop_ids;
     int n_stop_ids;

@@ -57,6 +57,12 @@ static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
     if (p->n_stop_strings > 0 && !e->tok)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "stop: stop strings need a tokenizer");
     if (p->logprobs < 0 || p->logprobs > 20) return kvs_fail(KVS_ERR_INVALID, "logprobs must be in [0, 20]");
+    if (p->n_forced < 0 || p->n_forced > p->max_tokens || (p->n_forced > 0 && !p->forced_ids))
+        return kvs_fail(KVS_ERR_INVALID, "forced tokens: %d ids for max_tokens %d", p->n_forced, p->max_tokens);
+    for (int i = 0; i < p->n_forced; i++)
+        if (p->forced_ids[i] < 0 || p->forced_ids[i] >= e->vocab)
+            return kvs_fail(KVS_ERR_INVALID, "forced tokens: id %d at position %d is outside the vocabulary [0, %d)",
+                            p->forced_ids[i], i, e->vocab);
     KVS_TRY(kvs_sampling_validate(&p->sampling));
     if (p->policy) {
         KVS_TRY(kvs_kv_policy_validate(p->policy, e->mcfg.n_layers));
@@ -86,6 +92,11 @@ kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, 
     r->gen = malloc(sizeof(int32_t) * p->max_tokens);
     bool ok = r->prompt && r->gen;
     if (ok) memcpy(r->prompt, p->prompt_ids, sizeof(int32_t) * p->n_prompt);
+    if (ok && p->n_forced > 0) {
+        ok = (r->forced = malloc(sizeof(int32_t) * p->n_forced)) != NULL;
+        if (ok) memcpy(r->forced, p->forced_ids, sizeof(int32_t) * p->n_forced);
+        r->n_forced = p->n_forced;
+    }
     if (ok && p->n_stop_ids > 0) {
         r->stop_ids = malloc(sizeof(int32_t) * p->n_stop_ids);
         ok = r->stop_ids;
@@ -105,10 +116,9 @@ kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, 
                                             kvs_sample_mix64((uint64_t)(uintptr_t)r));
         r->sampling.has_seed = true;
     }
-    kvs_status st = ok ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "request: out of memory");
-    if (st != KVS_OK) {
+    if (!ok) {
         kvs_request_destroy(r);
-        return st;
+        return kvs_fail(KVS_ERR_NOMEM, "request: out of memory");
     }
     *out = r;
     return KVS_OK;
@@ -118,6 +128,7 @@ void kvs_request_destroy(kvs_request *r) {
     if (!r) return;
     free(r->prompt);
     free(r->gen);
+    free(r->forced);
     free(r->stop_ids);
     for (int i = 0; i < r->n_stop_strings; i++) free(r->stop_strings[i]);
     kvs_detokenizer_destroy(r->detok);

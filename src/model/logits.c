@@ -48,7 +48,7 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
     return step_status(m, forward_logits(m, b, kv, logits));
 }
 
-kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params) {
+kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, int vocab) {
     for (int s = 0, q = 0; s < b->n_seqs; s++) {
         const kvs_sample_row *p = &params[q];
         if (!b->wants_logits[s]) continue;
@@ -57,6 +57,9 @@ kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *para
             return kvs_fail(KVS_ERR_INVALID,
                             "forward_sample: row %d: bad sampling parameters (temperature %g, top_k %d, top_p %g, "
                             "min_p %g)", q, p->temperature, p->top_k, p->top_p, p->min_p);
+        if (p->forced && (p->forced_id < 0 || p->forced_id >= vocab))
+            return kvs_fail(KVS_ERR_INVALID, "forward_sample: row %d: forced id %d is outside the vocabulary [0, %d)",
+                            q, p->forced_id, vocab);
         q++;
     }
     return KVS_OK;
@@ -128,7 +131,7 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
                                     int32_t *ids, float *logprobs) {
     KVS_TRY(kvs_model_check_batch(m, b, kv));
-    if (params) KVS_TRY(kvs_model_check_sample(b, params)); /* before the step: a bad row changes nothing */
+    if (params) KVS_TRY(kvs_model_check_sample(b, params, m->cfg.vocab_size)); /* before the step: a bad row changes nothing */
     return step_status(m, forward_sample(m, b, kv, params, ids, logprobs));
 }
 

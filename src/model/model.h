@@ -199,7 +199,7 @@ kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cac
 /* The checks the forwards above run first (KVS_ERR_INVALID naming what is
  * wrong): the batch against m and kv; the rows, one per sequence wanting logits. */
 kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
-kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params);
+kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, int vocab);
 /* The runner's forward: kvs_model_forward_sample (params) or kvs_model_forward
  * without the checks (the runner runs them once for every rank) and without the
  * backend's check for failed ops (the runner's comes after the KV policy). */

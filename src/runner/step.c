@@ -36,7 +36,7 @@ static kvs_status job_step(kvs_runner *g, int rank, void *arg) {
 static kvs_status step(kvs_runner *g, const kvs_batch *b, float *logits, int32_t *ids, const kvs_sample_row *params,
                        float *logprobs) {
     KVS_TRY(kvs_runner_need_kv(g));
-    if (params) KVS_TRY(kvs_model_check_sample(b, params));
+    if (params) KVS_TRY(kvs_model_check_sample(b, params, kvs_runner_config(g)->vocab_size));
     KVS_TRY(kvs_model_check_batch(g->ranks[0].model, b, g->ranks[0].kv));
     step_args a = {b, logits, ids, params, logprobs};
     KVS_TRY(kvs_ranks_run(g, job_step, &a, true));

@@ -53,8 +53,8 @@ static int32_t sample_row(const float *x, int vocab, const kvs_sample_row *p, fl
         if (logprob) *logprob = NAN;
         return -1;
     }
-    int32_t id = best;
-    if (p->temperature > 0) {
+    int32_t id = p->forced ? p->forced_id : best;
+    if (!p->forced && p->temperature > 0) {
         row_view r = {x, vocab, p->temperature, bx / p->temperature, 0,
                       p->min_p > 0 ? log((double)p->min_p) : -INFINITY};
         if (p->top_k > 0 && p->top_k < vocab) r.tau = threshold(&r, false, p->top_k, 0);
@@ -100,7 +100,9 @@ static kvs_sample_part shard_row(const float *x, int count, int id0, const kvs_s
     double sum = 0;
     for (int i = 0; i < count; i++) sum += exp((double)x[i] - bx);
     o.x_max = bx, o.x_id = id0 + best, o.sum_exp = (float)sum;
-    if (p->temperature > 0) {
+    if (p->forced) {
+        if (p->forced_id >= id0 && p->forced_id < id0 + count) o.s_id = p->forced_id, o.x_at_s = x[p->forced_id - id0];
+    } else if (p->temperature > 0) {
         float t = p->temperature, m = bx / t;
         if (m == -INFINITY) { /* z underflowed (a tiny T): the whole row's scan keeps these unless its max is -inf too */
             o.s_id = id0, o.x_at_s = x[0];

@@ -124,9 +124,9 @@ __global__ void __launch_bounds__(KVS_SAMPLE_THREADS)
         return;
     }
     kvs_sample_block_best(bx, best, sv, si);
-    int id = best;
+    int id = p.forced ? p.forced_id : best;
 
-    if (p.temperature > 0) {
+    if (!p.forced && p.temperature > 0) {
         kvs_sample_view r = {x, vocab, p.temperature, bx / p.temperature, 0u,
                              p.min_p > 0 ? log((double)p.min_p) : -INFINITY};
         if (p.top_k > 0 && p.top_k < vocab) r.tau = kvs_sample_threshold(r, false, (double)p.top_k, 0, bins, &s_prefix);
@@ -193,7 +193,10 @@ __global__ void __launch_bounds__(KVS_SAMPLE_THREADS)
     for (int i = threadIdx.x; i < count; i += blockDim.x) sum += expf(__bfloat162float(x[i]) - bx);
     sum = kvs_sample_block_sum(sum, sv);
     o.x_max = bx, o.x_id = id0 + best, o.sum_exp = sum;
-    if (p.temperature > 0) {
+    if (p.forced) { /* block-uniform */
+        if (p.forced_id >= id0 && p.forced_id < id0 + count)
+            o.s_id = p.forced_id, o.x_at_s = __bfloat162float(x[p.forced_id - id0]);
+    } else if (p.temperature > 0) {
         float t = p.temperature, m = bx / t;
         if (m == -INFINITY) { /* block-uniform: see shard_row */
             o.s_id = id0, o.x_at_s = __bfloat162float(x[0]);
