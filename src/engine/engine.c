@@ -11,7 +11,8 @@
 kvs_engine_config kvs_engine_config_default(void) {
     return (kvs_engine_config){.max_num_seqs = 64, .max_num_batched_tokens = 2048, .max_model_len = 0,
                                .kv_memory_bytes = 0, .max_waiting = 1024,
-                               .default_policy = kvs_kv_policy_default(KVS_POLICY_FULL)};
+                               .default_policy = kvs_kv_policy_default(KVS_POLICY_FULL),
+                               .enable_prefix_caching = true};
 }
 
 static kvs_status resolve_config(const kvs_config *mc, kvs_engine_config *c) {

@@ -40,6 +40,11 @@ typedef struct {
     size_t kv_memory_bytes;     /* the KV pool's size (0: 1 GiB) */
     int max_waiting;            /* queued requests at most; more get KVS_ERR_BUSY (default 1024) */
     kvs_kv_policy default_policy;
+    /* Automatic prefix caching (default on; docs/SPARSITY.md): full blocks of
+     * prompt tokens stay cached at full resolution after their request (and
+     * after its compaction), evicted least recently used when the pool needs
+     * them; a request reuses its longest cached prefix and prefills the rest. */
+    bool enable_prefix_caching;
 } kvs_engine_config;
 
 kvs_engine_config kvs_engine_config_default(void);
@@ -58,11 +63,16 @@ typedef struct {
     bool ignore_eos;
     int logprobs;              /* 0: none; 1 .. 20: the chosen token's logprob (no top-n alternatives) */
     const kvs_kv_policy *policy; /* NULL: the engine's default */
-    /* Teacher forcing (scoring a continuation: eval ppl): the first n_forced
+    /* Teacher forcing (scoring a continuation: eval ppl; a conversation's next
+     * turn appended to a compressed cache: eval multiturn): the first n_forced
      * generated tokens are these ids (copied; n_forced <= max_tokens), taken in
-     * place of a draw, each with the model's logprob; stops apply as to drawn ones. */
+     * place of a draw, each with the model's logprob and text; they stop nothing
+     * (EOS, stop ids and stop strings are checked from the first drawn token on). */
     const int32_t *forced_ids;
     int n_forced;
+    /* Prefix caching: requests reuse each other's prompt blocks only when
+     * their salts are equal (NULL: no salt; copied; at most 256 bytes). */
+    const char *cache_salt;
 } kvs_request_params;
 
 typedef enum { KVS_FINISH_NONE, KVS_FINISH_STOP, KVS_FINISH_LENGTH, KVS_FINISH_ABORT, KVS_FINISH_ERROR } kvs_finish;
@@ -155,6 +165,12 @@ typedef struct {
     uint64_t prompt_tokens_total, generation_tokens_total, requests_finished, preemptions;
     kvs_histogram ttft, itl;     /* time to first token, inter-token latency */
     int64_t kv_tokens_capacity;  /* tokens the pool holds (every layer full) */
+    /* prefix caching: prompt tokens looked up and found (vLLM's counts),
+       cached blocks evicted; cached blocks (in use or evictable) in the layers
+       the default policy keeps full / compacts, and those no request holds
+       (evictable: counted in the free blocks) */
+    uint64_t prefix_cache_queries, prefix_cache_hits, prefix_cache_evictions;
+    int64_t kv_blocks_cached_full_layers, kv_blocks_cached_sparse_layers, kv_blocks_evictable;
 } kvs_engine_stats;
 
 void kvs_engine_get_stats(kvs_engine *e, kvs_engine_stats *s); /* thread-safe */

@@ -57,6 +57,7 @@ static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
     if (p->n_stop_strings > 0 && !e->tok)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "stop: stop strings need a tokenizer");
     if (p->logprobs < 0 || p->logprobs > 20) return kvs_fail(KVS_ERR_INVALID, "logprobs must be in [0, 20]");
+    if (p->cache_salt && strlen(p->cache_salt) > 256) return kvs_fail(KVS_ERR_INVALID, "cache_salt: at most 256 bytes");
     if (p->n_forced < 0 || p->n_forced > p->max_tokens || (p->n_forced > 0 && !p->forced_ids))
         return kvs_fail(KVS_ERR_INVALID, "forced tokens: %d ids for max_tokens %d", p->n_forced, p->max_tokens);
     for (int i = 0; i < p->n_forced; i++)
@@ -193,7 +194,8 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
     pthread_mutex_unlock(&e->mu);
     r->t_last_token = now;
     r->gen[r->n_gen++] = id;
-    bool stop_id = is_stop_id(e, r, id);
+    bool forced = r->n_gen <= r->n_forced; /* given tokens stop nothing */
+    bool stop_id = !forced && is_stop_id(e, r, id);
     if (stop_id) r->finish = KVS_FINISH_STOP;
     else if (r->n_gen >= r->max_tokens || kvs_request_len(r) >= e->cfg.max_model_len) r->finish = KVS_FINISH_LENGTH;
     const char *piece;
@@ -203,9 +205,11 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
     if (r->detok && r->finish != KVS_FINISH_NONE && r->finish != KVS_FINISH_ERROR &&
         kvs_detokenizer_finish(r->detok, &piece, &len) == KVS_OK && !pending_add(r, piece, len))
         set_error(r, "out of memory");
-    bool stopped;
-    size_t send = kvs_stop_sendable((const char *const *)r->stop_strings, r->n_stop_strings, r->pending ? r->pending : "",
-                                    r->pending_len, r->finish != KVS_FINISH_NONE, &stopped);
+    bool stopped = false;
+    size_t send = forced ? r->pending_len
+                         : kvs_stop_sendable((const char *const *)r->stop_strings, r->n_stop_strings,
+                                             r->pending ? r->pending : "", r->pending_len, r->finish != KVS_FINISH_NONE,
+                                             &stopped);
     if (stopped) r->finish = KVS_FINISH_STOP;
     double compression = 0; /* the first token comes with the prompt's KV, as compacted by its policy */
     if (r->n_gen == 1 && r->seq >= 0) {
