@@ -344,7 +344,7 @@ int main(int argc, char **argv) {
         b->to_device(b, g_.src, src, sizeof(int32_t) * KV * KEEP);
         t_gather = time_it(b, 50, [](kvs_backend *bb, void *p) {
             gc_ *c = (gc_ *)p;
-            bb->kv_gather(bb, &c->pool, c->blocks, c->n_blocks, c->src, KEEP);
+            bb->kv_gather(bb, &c->pool, c->blocks, c->n_blocks, c->blocks, c->src, KEEP);
         }, &g_);
         /* the three queued back to back, as src/kv/sparsify.c runs them (compacting
            the same blocks again each time: the cost does not depend on the data) */
@@ -354,7 +354,7 @@ int main(int argc, char **argv) {
             bb->sparsity_scores(bb, c->s->scores, c->s->win_q, c->s->win_lse, W, &c->s->pool, c->s->table,
                                 c->s->n_keys, H, 0.08838834764f);
             bb->snapkv_select(bb, c->sel->keep, c->sel->scores, c->sel->n_keys, KV, 7, KEEP - W, W);
-            bb->kv_gather(bb, &c->g->pool, c->g->blocks, c->g->n_blocks, c->sel->keep, KEEP);
+            bb->kv_gather(bb, &c->g->pool, c->g->blocks, c->g->n_blocks, c->g->blocks, c->sel->keep, KEEP);
         }, &all);
         b->free(b, sel.keep);
         free(src);

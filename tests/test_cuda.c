@@ -785,13 +785,15 @@ Test(cuda, window_capture) {
     duo_close(&d);
 }
 
+/* In place, and into another table (a compacted copy of a shared prompt: the
+ * second sequence's blocks), for both piece widths' head_dims. */
 Test(cuda, kv_gather_compaction) {
     duo d;
     OPEN_OR_SKIP(&d);
-    for (int D = 64; D <= 128; D += 64) {
+    for (int D = 64, copy = 0; D <= 128; D += copy ? 64 : 0, copy = !copy) {
         paged p;
-        int len[1] = {203}, n_kv = 4, keep = 77;
-        paged_build(&d, &p, 1, len, n_kv, D);
+        int len[2] = {203, 203}, n_kv = 4, keep = 77;
+        paged_build(&d, &p, copy ? 2 : 1, len, n_kv, D);
         int32_t *src = malloc(sizeof(int32_t) * n_kv * keep);
         for (int h = 0; h < n_kv; h++) { /* a sorted random subset of [0, len) per head */
             int chosen = 0;
@@ -801,14 +803,16 @@ Test(cuda, kv_gather_compaction) {
             cr_assert_eq(chosen, keep);
         }
         void *ct = put_i32(d.cpu, p.tables, p.max_blocks), *gt = put_i32(d.gpu, p.tables, p.max_blocks);
+        const int32_t *other = p.tables + (copy ? p.max_blocks : 0);
+        void *cdst = put_i32(d.cpu, other, p.max_blocks), *gdst = put_i32(d.gpu, other, p.max_blocks);
         void *cs = put_i32(d.cpu, src, (size_t)n_kv * keep), *gs = put_i32(d.gpu, src, (size_t)n_kv * keep);
-        d.cpu->kv_gather(d.cpu, &p.cpu, ct, p.max_blocks, cs, keep);
-        d.gpu->kv_gather(d.gpu, &p.gpu, gt, p.max_blocks, gs, keep);
+        d.cpu->kv_gather(d.cpu, &p.cpu, ct, p.max_blocks, copy ? cdst : ct, cs, keep);
+        d.gpu->kv_gather(d.gpu, &p.gpu, gt, p.max_blocks, copy ? gdst : gt, gs, keep);
         char what[64];
-        snprintf(what, sizeof what, "kv_gather head_dim %d", D);
+        snprintf(what, sizeof what, "kv_gather head_dim %d%s", D, copy ? " into another table" : "");
         check_pools_equal(&d, &p, what);
-        void *pc[] = {ct, cs}, *pg[] = {gt, gs};
-        for (int i = 0; i < 2; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
+        void *pc[] = {ct, cs, cdst}, *pg[] = {gt, gs, gdst};
+        for (int i = 0; i < 3; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
         free(src);
         paged_free(&d, &p);
     }
@@ -835,8 +839,8 @@ Test(cuda, kv_gather_prefix_and_odd_sizes) {
         }
         void *ct = put_i32(d.cpu, p.tables, p.max_blocks), *gt = put_i32(d.gpu, p.tables, p.max_blocks);
         void *cs = put_i32(d.cpu, src, (size_t)n_kv * keep), *gs = put_i32(d.gpu, src, (size_t)n_kv * keep);
-        d.cpu->kv_gather(d.cpu, &p.cpu, ct, p.max_blocks, cs, keep);
-        d.gpu->kv_gather(d.gpu, &p.gpu, gt, p.max_blocks, gs, keep);
+        d.cpu->kv_gather(d.cpu, &p.cpu, ct, p.max_blocks, ct, cs, keep);
+        d.gpu->kv_gather(d.gpu, &p.gpu, gt, p.max_blocks, gt, gs, keep);
         char what[96];
         snprintf(what, sizeof what, "kv_gather head_dim %d, %d of %d kept, kept prefix", D, keep, len[0]);
         check_pools_equal(&d, &p, what);
@@ -873,10 +877,10 @@ static void snapkv_e2e_case(int n_heads, int n_kv, int D, int n, int w, int budg
     float *pooled = malloc(sizeof(float) * (n_keys ? n_keys : 1));
     d.cpu->sparsity_scores(d.cpu, cs, cq, cl, w, &p.cpu, ct, n_keys, n_heads, scale);
     d.cpu->snapkv_select(d.cpu, ck, cs, n_keys, n_kv, pool, k, w);
-    d.cpu->kv_gather(d.cpu, &p.cpu, ct, p.max_blocks, ck, budget);
+    d.cpu->kv_gather(d.cpu, &p.cpu, ct, p.max_blocks, ct, ck, budget);
     d.gpu->sparsity_scores(d.gpu, gs, gq, gl, w, &p.gpu, gt, n_keys, n_heads, scale);
     d.gpu->snapkv_select(d.gpu, gk, gs, n_keys, n_kv, pool, k, w);
-    d.gpu->kv_gather(d.gpu, &p.gpu, gt, p.max_blocks, gk, budget);
+    d.gpu->kv_gather(d.gpu, &p.gpu, gt, p.max_blocks, gt, gk, budget);
     int32_t *got = malloc(sizeof(int32_t) * kn);
     d.gpu->to_host(d.gpu, got, gk, sizeof(int32_t) * kn);
     size_t elems = (size_t)p.n_blocks * 2 * n_kv * 16 * D;

@@ -515,6 +515,83 @@ Test(engine, forced_tokens_score_a_continuation) {
     fx_close(&f);
 }
 
+/* Runs P1 then P2 (one after the other) on e; P2's tokens into out, the
+ * prompt tokens P2 found cached into *hits. */
+static void two_turns(kvs_engine *e, const int32_t *p1, int n1, const int32_t *p2, int n2, const kvs_kv_policy *pol,
+                      sink *out, uint64_t *hits) {
+    sink first = {0};
+    kvs_request_params a = greedy_params(p1, n1, 12), b = greedy_params(p2, n2, 12);
+    a.policy = b.policy = pol;
+    cr_assert_eq(kvs_engine_submit(e, &a, on_output, &first, NULL), KVS_OK, "%s", kvs_last_error());
+    run_until_idle(e, 1000);
+    kvs_engine_stats s0, s1;
+    kvs_engine_get_stats(e, &s0);
+    memset(out, 0, sizeof *out);
+    cr_assert_eq(kvs_engine_submit(e, &b, on_output, out, NULL), KVS_OK, "%s", kvs_last_error());
+    run_until_idle(e, 1000);
+    kvs_engine_get_stats(e, &s1);
+    *hits = s1.prefix_cache_hits - s0.prefix_cache_hits;
+    cr_assert_eq(s1.prefix_cache_queries - s0.prefix_cache_queries, (uint64_t)n2);
+    cr_assert_eq(out->n, 12, "%s", out->error);
+}
+
+/* A follow-up sharing a 600-token document: with the cache it reuses the
+ * document's whole blocks (592 tokens) and answers exactly as without the
+ * cache, for the full cache, snapkv and pyramidkv (compacted for itself), and
+ * over two tensor-parallel ranks (the ranks' caches decide alike). */
+Test(engine, prefix_cache_reuses_a_shared_document_and_answers_alike, .timeout = 600) {
+    fixture f;
+    fx_open(&f);
+    uint64_t seed = kvs_test_seed();
+    enum { DOC = 600, Q = 40 };
+    int32_t *p1 = random_prompt(seed, DOC + Q), *p2 = random_prompt(seed + 1, DOC + Q);
+    memcpy(p2, p1, sizeof(int32_t) * DOC);
+    kvs_kv_policy pols[3] = {kvs_kv_policy_default(KVS_POLICY_FULL), kvs_kv_policy_default(KVS_POLICY_SNAPKV),
+                             kvs_kv_policy_default(KVS_POLICY_PYRAMIDKV)};
+    for (int i = 1; i < 3; i++) kvs_kv_budget_parse("20%", &pols[i]);
+    kvs_engine_config c = kvs_engine_config_default();
+    c.kv_memory_bytes = 32 << 20;
+    c.max_num_batched_tokens = 256;
+    for (int pi = 0; pi < 3; pi++) {
+        sink cached, plain, tp;
+        uint64_t hits, plain_hits, tp_hits;
+        kvs_engine *e;
+        c.enable_prefix_caching = true;
+        cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+        two_turns(e, p1, DOC + Q, p2, DOC + Q, &pols[pi], &cached, &hits);
+        kvs_engine_stats s;
+        kvs_engine_get_stats(e, &s);
+        cr_expect_eq(s.kv_blocks_used, 0, "the finished requests hold nothing");
+        cr_expect(s.kv_blocks_evictable > 0 && s.kv_blocks_cached_full_layers > 0);
+        kvs_engine_destroy(e);
+        c.enable_prefix_caching = false;
+        cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+        two_turns(e, p1, DOC + Q, p2, DOC + Q, &pols[pi], &plain, &plain_hits);
+        kvs_engine_destroy(e);
+        c.enable_prefix_caching = true;
+        kvs_runner *g2;
+        cr_assert_eq(kvs_runner_create_cpu(&f.cfg, f.ck, 2, 1, NULL, &g2), KVS_OK, "%s", kvs_last_error());
+        kvs_engine_config c2 = c;
+        c2.kv_memory_bytes /= 2;
+        cr_assert_eq(kvs_engine_create_runner(g2, f.tok, &c2, &e), KVS_OK, "%s", kvs_last_error());
+        two_turns(e, p1, DOC + Q, p2, DOC + Q, &pols[pi], &tp, &tp_hits);
+        kvs_engine_destroy(e);
+        kvs_runner_destroy(g2);
+        cr_log_info("policy %d: %llu tokens reused (TP=2: %llu)", pi, (unsigned long long)hits,
+                    (unsigned long long)tp_hits);
+        cr_expect_eq(hits, 592, "policy %d: %llu tokens reused", pi, (unsigned long long)hits);
+        cr_expect_eq(tp_hits, 592);
+        cr_expect_eq(plain_hits, 0);
+        for (int k = 0; k < 12; k++) {
+            cr_expect_eq(cached.ids[k], plain.ids[k], "policy %d token %d: %d with the cache, %d without", pi, k,
+                         cached.ids[k], plain.ids[k]);
+            cr_expect_eq(tp.ids[k], plain.ids[k], "policy %d token %d: %d at TP=2, %d", pi, k, tp.ids[k], plain.ids[k]);
+        }
+    }
+    free(p1), free(p2);
+    fx_close(&f);
+}
+
 Test(engine, sparse_policy_compresses) {
     fixture f;
     fx_open(&f);

@@ -84,13 +84,15 @@ struct kvs_backend {
     void (*gather_rows)(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim);
     /* Copies act_dtype x[n] to f32 host memory. */
     void (*to_host_f32)(kvs_backend *b, float *dst, const void *src, size_t n);
-    /* KV copies for compaction, in place in one sequence's layer table: for each
-     * (head h, i < n), entry i of head h gets its entry src_entry[h * n + i]
-     * (ascending per head, src_entry[h * n + i] >= i). Entry e lives in block
-     * blocks[e / block_size] (n_blocks of them) at offset e % block_size.
-     * Arrays in backend memory. */
+    /* KV copies for compaction: for each (head h, i < n), entry i of head h in
+     * the table dst gets entry src_entry[h * n + i] of the table blocks
+     * (ascending per head, src_entry[h * n + i] >= i). Entry e of a table t lives
+     * in block t[e / block_size] at offset e % block_size; blocks has n_blocks.
+     * dst == blocks: in place (one sequence's layer); otherwise dst's blocks
+     * (at least ceil(n / block_size)) are none of blocks' (a compacted copy, the
+     * source kept: a shared or cached prompt). Arrays in backend memory. */
     void (*kv_gather)(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
-                      const int32_t *src_entry, int n);
+                      const int32_t *dst, const int32_t *src_entry, int n);
     /* dst <- src, both backend memory */
     void (*copy)(kvs_backend *b, void *dst, const void *src, size_t bytes);
 

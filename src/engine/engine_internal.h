@@ -17,6 +17,7 @@ typedef struct kvs_request {
     int n_gen, max_tokens;
     int32_t *forced; /* [n_forced]: generated ids n_gen < n_forced are these (teacher forcing) */
     int n_forced;
+    char *cache_salt; /* NULL: none */
     kvs_sampling_params sampling; /* has_seed always true here: the engine drew one when the request had none */
     int32_t *stop_ids;
     int n_stop_ids;

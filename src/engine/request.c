@@ -93,6 +93,7 @@ kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, 
     r->gen = malloc(sizeof(int32_t) * p->max_tokens);
     bool ok = r->prompt && r->gen;
     if (ok) memcpy(r->prompt, p->prompt_ids, sizeof(int32_t) * p->n_prompt);
+    if (ok && p->cache_salt) ok = (r->cache_salt = strdup(p->cache_salt)) != NULL;
     if (ok && p->n_forced > 0) {
         ok = (r->forced = malloc(sizeof(int32_t) * p->n_forced)) != NULL;
         if (ok) memcpy(r->forced, p->forced_ids, sizeof(int32_t) * p->n_forced);
@@ -130,6 +131,7 @@ void kvs_request_destroy(kvs_request *r) {
     free(r->prompt);
     free(r->gen);
     free(r->forced);
+    free(r->cache_salt);
     free(r->stop_ids);
     for (int i = 0; i < r->n_stop_strings; i++) free(r->stop_strings[i]);
     kvs_detokenizer_destroy(r->detok);

@@ -118,26 +118,41 @@ static int64_t running_headroom(const kvs_engine *e) {
     return need;
 }
 
-/* Starts the waiting head r: a KV sequence, its policy (for its prompt), its
- * whole prefill reserved. */
-static kvs_status admit(kvs_engine *e, kvs_request *r) {
-    int n = prefill_len(r);
+/* The tokens of r's prefill that a cached prefix may cover: all but the
+ * last (its logits are wanted); a sparse policy's observation window must be
+ * computed too (its queries score the whole prompt). */
+static int reusable_len(const kvs_request *r) {
+    int n = prefill_len(r) - 1;
+    if (r->policy.kind != KVS_POLICY_FULL && n > r->n_prompt - r->policy.window) n = r->n_prompt - r->policy.window;
+    return n < r->n_prompt ? n : r->n_prompt;
+}
+
+/* Starts the waiting head r when the pool holds what it needs beyond the
+ * running requests' headroom: a KV sequence, its policy (for its prompt), its
+ * longest cached prefix reused, the rest of its prefill reserved (its peak,
+ * before compaction). KVS_ERR_BUSY: not now. */
+static kvs_status admit(kvs_engine *e, kvs_request *r, int64_t headroom) {
+    int n = prefill_len(r), hit = 0;
     r->seq = kvs_runner_seq_create(e->runner);
     if (r->seq < 0) return KVS_ERR_NOMEM;
     kvs_status st = kvs_runner_set_policy(e->runner, r->seq, &r->policy, r->n_prompt);
-    if (st == KVS_OK) st = kvs_runner_reserve(e->runner, r->seq, n);
+    if (st == KVS_OK)
+        st = kvs_runner_prefix_attach(e->runner, r->seq, r->prompt, r->n_prompt, r->cache_salt, reusable_len(r), &hit);
+    if (st == KVS_OK && kvs_runner_free_blocks(e->runner) - headroom < kvs_runner_blocks_needed(e->runner, r->seq, n - hit))
+        st = KVS_ERR_BUSY;
+    if (st == KVS_OK) st = kvs_runner_reserve(e->runner, r->seq, n - hit);
     if (st != KVS_OK) {
         kvs_release_seq(e, r);
         return st;
     }
-    r->n_computed = 0;
+    r->n_computed = hit;
     kvs_list_remove(&e->waiting, r);
     kvs_list_push_back(&e->running, r);
-    if (!r->recompute) {
-        pthread_mutex_lock(&e->mu);
-        e->stats.prompt_tokens_total += r->n_prompt;
-        pthread_mutex_unlock(&e->mu);
-    }
+    pthread_mutex_lock(&e->mu);
+    if (!r->recompute) e->stats.prompt_tokens_total += r->n_prompt;
+    e->stats.prefix_cache_queries += r->n_prompt;
+    e->stats.prefix_cache_hits += hit;
+    pthread_mutex_unlock(&e->mu);
     return KVS_OK;
 }
 
@@ -180,8 +195,8 @@ kvs_status kvs_schedule(kvs_engine *e) {
             kvs_request_destroy(r);
             continue;
         }
-        if (!kvs_runner_can_admit(e->runner, n) || kvs_runner_free_blocks(e->runner) - running_headroom(e) < peak) break;
-        if (admit(e, r) != KVS_OK) break;
+        if (admit(e, r, running_headroom(e)) != KVS_OK) break;
+        n -= r->n_computed; /* a cached prefix's tokens are there already */
         int chunk = n < budget ? n : budget;
         batch_add(e, r, chunk);
         budget -= chunk;

@@ -1,4 +1,5 @@
 /* engine: latency histograms and the stats snapshot. */
+#include <math.h>
 #include <string.h>
 
 #include "engine/engine_internal.h"
@@ -23,7 +24,8 @@ void kvs_stats_refresh(kvs_engine *e) {
     s->kv_blocks_total = kc->n_blocks;
     s->kv_blocks_used = kc->n_blocks - kvs_runner_free_blocks(e->runner);
     s->kv_tokens_capacity = kc->n_blocks / kc->n_layers * kc->block_size;
-    int64_t full_blocks = 0, sparse_blocks = 0, held = 0, full = 0;
+    double full_blocks = 0, sparse_blocks = 0;
+    int64_t held = 0, full = 0;
     for (kvs_request *r = e->running.head; r; r = r->next) {
         if (r->seq < 0) continue;
         kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);
@@ -32,9 +34,17 @@ void kvs_stats_refresh(kvs_engine *e) {
         held += u.held;
         full += u.full;
     }
-    s->kv_blocks_full_layers = full_blocks;
-    s->kv_blocks_sparse_layers = sparse_blocks;
+    s->kv_blocks_full_layers = llround(full_blocks);
+    /* rounded as a running sum: the parts of a block shared by a full and a sparse layer add up to one */
+    s->kv_blocks_sparse_layers = llround(full_blocks + sparse_blocks) - s->kv_blocks_full_layers;
     s->compression_ratio = held > 0 ? (double)full / held : 1.0;
+    const kvs_kv_policy *p = &e->cfg.default_policy;
+    kvs_prefix_cache_stats pc = kvs_runner_prefix_cache_stats(e->runner, p->kind == KVS_POLICY_FULL ? kc->n_layers
+                                                                                                    : p->full_layers);
+    s->kv_blocks_cached_full_layers = pc.cached_full_layers;
+    s->kv_blocks_cached_sparse_layers = pc.cached_sparse_layers;
+    s->kv_blocks_evictable = pc.evictable;
+    s->prefix_cache_evictions = pc.evictions;
 }
 
 void kvs_engine_get_stats(kvs_engine *e, kvs_engine_stats *s) {

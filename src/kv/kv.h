@@ -14,6 +14,7 @@ typedef struct {
     int64_t n_blocks;
     int max_seqs;   /* sequence ids are 0 .. max_seqs - 1 */
     int max_window; /* largest observation window a policy may use (0: 64) */
+    bool prefix_caching; /* keep full prompt blocks cached for later sequences (kvs_kv_prefix_attach) */
 } kvs_kv_config;
 
 typedef struct kvs_kv_cache kvs_kv_cache;
@@ -111,14 +112,42 @@ kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq);
 void kvs_kv_pool_scores(const float *s, int n, int p, float *out);
 void kvs_kv_top_k_sorted(const float *s, int n, int k, int32_t *out);
 
-/* Memory accounting. */
+/* ---- prefix caching (cfg.prefix_caching; docs/SPARSITY.md) ------------------
+ * Every block has a reference count (the tables holding it). A full block of a
+ * sequence's prompt is cached once every layer has committed it: keyed by a
+ * hash of the salt, every prompt token up to the block's end and the layer,
+ * and verified exactly on a hit (its tokens, its parent block, the salt). A
+ * cached block nobody holds is evictable: it counts as free, and is taken
+ * (evicted) least recently used first when no free block is left. Compaction
+ * never writes a cached or shared block: such a layer is compacted into
+ * blocks of its own, reserved with the tokens that complete the prompt
+ * (kvs_kv_blocks_needed counts them), and the prompt's blocks stay cached at
+ * full resolution. A fork shares the cached blocks and copies the rest. */
+/* Gives the fresh sequence seq (after kvs_kv_set_policy, before any token)
+ * the longest cached prefix of prompt[0 .. n_prompt) under salt (NULL: none),
+ * whole blocks, at most max_tokens tokens, in every layer, as committed
+ * tokens; remembers the prompt so that its blocks are cached as they are
+ * committed. Returns the tokens reused (0 without prefix caching). */
+int kvs_kv_prefix_attach(kvs_kv_cache *kv, int seq_id, const int32_t *prompt, int n_prompt, const char *salt,
+                         int max_tokens);
+int64_t kvs_kv_cached_blocks(const kvs_kv_cache *kv, int layer); /* cached blocks of a layer, held or evictable */
+int64_t kvs_kv_evictable_blocks(const kvs_kv_cache *kv);
+uint64_t kvs_kv_evictions(const kvs_kv_cache *kv);                /* cached blocks taken for other use */
+
+/* Memory accounting: free blocks include the evictable ones. */
 int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv);
 int64_t kvs_kv_used_blocks(const kvs_kv_cache *kv);
 /* Entries held by seq summed over layers, and what a full cache would hold. */
 void kvs_kv_seq_usage(const kvs_kv_cache *kv, int seq_id, int64_t *held, int64_t *full);
+/* The pool blocks seq holds in its full and its sparse layers, each block
+ * counted 1 / its holders (a shared prefix's blocks split among the
+ * sequences holding them; blocks reserved for the compaction count as sparse):
+ * over every sequence these add up to the blocks in use. */
+void kvs_kv_seq_blocks(const kvs_kv_cache *kv, int seq_id, double *full_layers, double *sparse_layers);
 /* Whether layer of seq is a sparse layer under its policy (compacted to a budget). */
 bool kvs_kv_layer_sparse(const kvs_kv_cache *kv, int seq_id, int layer);
-/* Checks internal invariants (every block owned once or free); for tests. */
+/* Checks internal invariants (every block free, evictable or held, its
+ * reference count its holders, every cached block under its key); for tests. */
 kvs_status kvs_kv_check(const kvs_kv_cache *kv);
 
 #endif

@@ -34,6 +34,11 @@ kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache
         return kvs_fail(KVS_ERR_NOMEM, "kv cache: cannot allocate %zu bytes for %lld blocks", bytes,
                         (long long)cfg->n_blocks);
     }
+    kvs_status st = kvs_kv_meta_create(kv);
+    if (st != KVS_OK) {
+        kvs_kv_destroy(kv);
+        return st;
+    }
     for (int64_t i = 0; i < cfg->n_blocks; i++) kv->free_blocks[i] = (int32_t)(cfg->n_blocks - 1 - i);
     kv->n_free = cfg->n_blocks;
     *out = kv;
@@ -52,6 +57,7 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
     free(kv->win_lse);
     for (int i = 0; i < KVS_KV_SCRATCH_SLOTS; i++)
         if (kv->scratch[i]) kv->be->free(kv->be, kv->scratch[i]);
+    kvs_kv_meta_destroy(kv);
     free(kv->free_blocks);
     free(kv->seqs);
     free(kv);
@@ -78,7 +84,8 @@ seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id) {
 }
 
 void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks) {
-    while (t->n_blocks > keep_blocks) kv->free_blocks[kv->n_free++] = t->blocks[--t->n_blocks];
+    /* the last block first: a cached prompt's end is evicted before its start */
+    while (t->n_blocks > keep_blocks) kvs_kv_drop_block(kv, t->blocks[--t->n_blocks]);
 }
 
 void kvs_kv_free(kvs_kv_cache *kv, int seq_id) {
@@ -90,6 +97,7 @@ void kvs_kv_free(kvs_kv_cache *kv, int seq_id) {
     }
     free(s->layers);
     kvs_kv_free_sparsity(kv, s);
+    kvs_kv_free_prefix(kv, s);
     memset(s, 0, sizeof *s);
 }
 
@@ -97,10 +105,23 @@ int kvs_kv_blocks_for(const kvs_kv_cache *kv, int entries) {
     return (entries + kv->cfg.block_size - 1) / kv->cfg.block_size;
 }
 
+/* With prefix caching, a sparse sequence compacts its prompt into blocks of
+ * its own (the prompt's blocks stay cached): they are reserved with the
+ * tokens that end the prompt, so that the compaction never runs dry. */
+static int compaction_spare(const kvs_kv_cache *kv, const seq_state *s, int n_new) {
+    if (!kv->cfg.prefix_caching || !s->budgets || s->prefill_done || s->n_spare ||
+        s->n_tokens + n_new < s->prompt_len)
+        return 0;
+    int spare = 0;
+    for (int l = 0; l < kv->cfg.n_layers; l++)
+        if (s->budgets[l] >= 0 && s->budgets[l] < s->prompt_len) spare += kvs_kv_blocks_for(kv, s->budgets[l]);
+    return spare;
+}
+
 int64_t kvs_kv_blocks_needed(const kvs_kv_cache *kv, int seq_id, int n_new) {
     const seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s) return 0;
-    int64_t need = 0;
+    int64_t need = compaction_spare(kv, s, n_new);
     for (int l = 0; l < kv->cfg.n_layers; l++) {
         int want = kvs_kv_blocks_for(kv, s->layers[l].len + n_new);
         if (want > s->layers[l].n_blocks) need += want - s->layers[l].n_blocks;
@@ -109,7 +130,7 @@ int64_t kvs_kv_blocks_needed(const kvs_kv_cache *kv, int seq_id, int n_new) {
 }
 
 bool kvs_kv_can_admit(const kvs_kv_cache *kv, int prompt_len) {
-    return (int64_t)kvs_kv_blocks_for(kv, prompt_len) * kv->cfg.n_layers <= kv->n_free;
+    return (int64_t)kvs_kv_blocks_for(kv, prompt_len) * kv->cfg.n_layers <= kvs_kv_free_blocks(kv);
 }
 
 kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
@@ -117,9 +138,15 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
     if (!s) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
     if (n_new < 0) return kvs_fail(KVS_ERR_INVALID, "kv cache: negative reservation");
     int64_t need = kvs_kv_blocks_needed(kv, seq_id, n_new);
-    if (need > kv->n_free)
+    if (need > kvs_kv_free_blocks(kv))
         return kvs_fail(KVS_ERR_NOMEM, "kv cache: %lld blocks needed, %lld free", (long long)need,
-                        (long long)kv->n_free);
+                        (long long)kvs_kv_free_blocks(kv));
+    int spare = compaction_spare(kv, s, n_new);
+    if (spare) {
+        free(s->spare);
+        if (!(s->spare = malloc(sizeof(int32_t) * spare))) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of host memory");
+        while (s->n_spare < spare) s->spare[s->n_spare++] = kvs_kv_take_block(kv);
+    }
     for (int l = 0; l < kv->cfg.n_layers; l++) {
         layer_table *t = &s->layers[l];
         int want = kvs_kv_blocks_for(kv, t->len + n_new);
@@ -131,7 +158,7 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
             t->blocks = nb;
             t->cap = cap;
         }
-        while (t->n_blocks < want) t->blocks[t->n_blocks++] = kv->free_blocks[--kv->n_free];
+        while (t->n_blocks < want) t->blocks[t->n_blocks++] = kvs_kv_take_block(kv);
     }
     return KVS_OK;
 }
@@ -141,6 +168,7 @@ void kvs_kv_commit(kvs_kv_cache *kv, int seq_id, int n_new) {
     if (!s) return;
     s->n_tokens += n_new;
     for (int l = 0; l < kv->cfg.n_layers; l++) s->layers[l].len += n_new;
+    if (s->prompt_hash) kvs_kv_register_prompt(kv, s);
 }
 
 int kvs_kv_len(const kvs_kv_cache *kv, int seq_id, int layer) {
@@ -188,16 +216,46 @@ kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t
         be->to_device(be, d_keep, keep, keep_bytes);
         be->to_device(be, d_tab, t->blocks, tab_bytes);
     }
-    kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, n_keep);
+    return kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, n_keep);
+}
+
+/* Compaction into blocks of the sequence's own (the spare ones first) when the
+ * layer's blocks are shared or cached: they stay as they are for their other
+ * holders and the cache. */
+static kvs_status compact_into_own_blocks(kvs_kv_cache *kv, seq_state *s, layer_table *t, const int32_t *d_keep,
+                                          const int32_t *d_tab, int n_keep) {
+    int nb = kvs_kv_blocks_for(kv, n_keep);
+    int32_t *own = malloc(sizeof(int32_t) * nb);
+    if (!own) return kvs_fail(KVS_ERR_NOMEM, "kv compact: out of host memory");
+    int got = 0;
+    while (got < nb && s->n_spare > 0) own[got++] = s->spare[--s->n_spare];
+    while (got < nb && (own[got] = kvs_kv_take_block(kv)) >= 0) got++;
+    int32_t *d_own = got == nb ? kvs_kv_scratch(kv, KVS_KV_SCRATCH_DST, sizeof(int32_t) * nb) : NULL;
+    if (!d_own) {
+        while (got > 0) kvs_kv_drop_block(kv, own[--got]);
+        free(own);
+        return kvs_fail(KVS_ERR_NOMEM, "kv compact: no free block for a shared layer's compacted copy");
+    }
+    kvs_backend *be = kv->be;
+    be->to_device(be, d_own, own, sizeof(int32_t) * nb);
+    be->kv_gather(be, &kv->pool, d_tab, t->n_blocks, d_own, d_keep, n_keep);
+    kvs_kv_release_tail(kv, t, 0);
+    memcpy(t->blocks, own, sizeof(int32_t) * nb); /* cap >= the old count >= nb */
+    t->n_blocks = nb;
+    t->len = n_keep;
+    free(own);
     return KVS_OK;
 }
 
-void kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep, const int32_t *d_tab,
-                             int n_keep) {
+kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep,
+                                   const int32_t *d_tab, int n_keep) {
     layer_table *t = &s->layers[layer];
-    if (n_keep > 0) kv->be->kv_gather(kv->be, &kv->pool, d_tab, t->n_blocks, d_keep, n_keep);
+    s->n_prompt_blocks = s->n_registered; /* the rest of the prompt is no longer there in full */
+    if (n_keep > 0 && kvs_kv_table_shared(kv, t)) return compact_into_own_blocks(kv, s, t, d_keep, d_tab, n_keep);
+    if (n_keep > 0) kv->be->kv_gather(kv->be, &kv->pool, d_tab, t->n_blocks, d_tab, d_keep, n_keep);
     t->len = n_keep;
     kvs_kv_release_tail(kv, t, kvs_kv_blocks_for(kv, n_keep));
+    return KVS_OK;
 }
 
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes) {
@@ -210,8 +268,8 @@ void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes) {
     return kv->scratch[slot];
 }
 
-int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv) { return kv->n_free; }
-int64_t kvs_kv_used_blocks(const kvs_kv_cache *kv) { return kv->cfg.n_blocks - kv->n_free; }
+int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv) { return kv->n_free + kv->n_evictable; }
+int64_t kvs_kv_used_blocks(const kvs_kv_cache *kv) { return kv->cfg.n_blocks - kvs_kv_free_blocks(kv); }
 
 void kvs_kv_seq_usage(const kvs_kv_cache *kv, int seq_id, int64_t *held, int64_t *full) {
     const seq_state *s = kvs_kv_get_seq(kv, seq_id);
@@ -226,31 +284,4 @@ bool kvs_kv_layer_sparse(const kvs_kv_cache *kv, int seq_id, int layer) {
     return s && s->budgets && layer >= 0 && layer < kv->cfg.n_layers && s->budgets[layer] >= 0;
 }
 
-kvs_status kvs_kv_check(const kvs_kv_cache *kv) {
-    int64_t n = kv->cfg.n_blocks;
-    uint8_t *seen = calloc((size_t)n, 1);
-    if (!seen) return kvs_fail(KVS_ERR_NOMEM, "kv check: out of memory");
-    kvs_status st = KVS_OK;
-    for (int64_t i = 0; i < kv->n_free && st == KVS_OK; i++) {
-        int32_t b = kv->free_blocks[i];
-        if (b < 0 || b >= n || seen[b]++) st = kvs_fail(KVS_ERR_INTERNAL, "kv check: free block %d twice", b);
-    }
-    for (int s = 0; s < kv->cfg.max_seqs && st == KVS_OK; s++) {
-        if (!kv->seqs[s].used) continue;
-        for (int l = 0; l < kv->cfg.n_layers && st == KVS_OK; l++) {
-            const layer_table *t = &kv->seqs[s].layers[l];
-            if (t->n_blocks < kvs_kv_blocks_for(kv, t->len))
-                st = kvs_fail(KVS_ERR_INTERNAL, "kv check: seq %d layer %d holds %d entries in %d blocks", s, l,
-                              t->len, t->n_blocks);
-            for (int i = 0; i < t->n_blocks && st == KVS_OK; i++) {
-                int32_t b = t->blocks[i];
-                if (b < 0 || b >= n || seen[b]++)
-                    st = kvs_fail(KVS_ERR_INTERNAL, "kv check: block %d owned twice (seq %d layer %d)", b, s, l);
-            }
-        }
-    }
-    for (int64_t i = 0; i < n && st == KVS_OK; i++)
-        if (!seen[i]) st = kvs_fail(KVS_ERR_INTERNAL, "kv check: block %lld leaked", (long long)i);
-    free(seen);
-    return st;
-}
+kvs_status kvs_kv_check(const kvs_kv_cache *kv) { return kvs_kv_check_blocks(kv); }

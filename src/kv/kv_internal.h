@@ -4,7 +4,7 @@
 
 #include "kv/kv.h"
 
-enum { KVS_KV_SCRATCH_TABLE, KVS_KV_SCRATCH_SCORES, KVS_KV_SCRATCH_KEEP, KVS_KV_SCRATCH_SLOTS };
+enum { KVS_KV_SCRATCH_TABLE, KVS_KV_SCRATCH_SCORES, KVS_KV_SCRATCH_KEEP, KVS_KV_SCRATCH_DST, KVS_KV_SCRATCH_SLOTS };
 
 typedef struct {
     int32_t *blocks; /* physical block ids */
@@ -16,6 +16,15 @@ typedef struct {
     bool used;
     int n_tokens;    /* tokens appended so far (what a full cache would hold) */
     layer_table *layers;
+    /* prefix caching (prefix_cache.c): the chain hash of each full prompt
+       block, the prompt's tokens, how many prompt blocks are cached in every
+       layer, and blocks reserved for the compaction at the prompt's end */
+    uint64_t *prompt_hash;
+    int32_t *prompt_tokens;
+    int n_prompt_blocks, n_registered;
+    uint64_t salt_check;
+    int32_t *spare;
+    int n_spare;
     /* sparsity */
     kvs_kv_policy policy;
     int prompt_len;
@@ -24,12 +33,39 @@ typedef struct {
     int *ring_base;  /* [n_layers]: position of the first decode query since the last compaction */
 } seq_state;
 
+/* A physical block: the tables (and spare lists) holding it and, while it is
+ * cached, what it holds: key = hash(salt, every prompt token up to its end,
+ * layer); its tokens (kv->tokens), its layer's block for the previous prompt
+ * block (parent, with that block's generation) and the salt's second hash
+ * verify a hit exactly (a key collision never gives another prompt's KV). */
+typedef struct {
+    int32_t ref;
+    uint64_t key;        /* 0: not cached */
+    uint64_t salt_check;
+    uint32_t gen;        /* bumped whenever the block is cached anew */
+    int32_t parent;      /* -1: the prompt's first block */
+    uint32_t parent_gen;
+    int32_t layer;
+    int32_t hnext;       /* the key's bucket chain */
+    int32_t lru_prev, lru_next; /* the evictable list (ref 0, cached) */
+} block_meta;
+
 struct kvs_kv_cache {
     kvs_kv_config cfg;
     kvs_backend *be;
     kvs_kv_pool pool;
-    int32_t *free_blocks; /* stack */
+    int32_t *free_blocks; /* stack of blocks neither held nor cached */
     int64_t n_free;
+    /* prefix caching: every block's state; the cached blocks by key; the
+       evictable ones, least recently used first */
+    block_meta *meta;
+    int32_t *tokens;      /* [n_blocks * block_size] */
+    int32_t *buckets;     /* [n_buckets], -1: empty */
+    int64_t n_buckets;
+    int32_t lru_head, lru_tail;
+    int64_t n_evictable, *cached_per_layer;
+    uint64_t evictions;
+    uint64_t (*hash_block)(uint64_t parent_hash, const int32_t *tokens, int n); /* tests force collisions */
     seq_state *seqs;
     /* window queries and their LSE, per layer: [max_seqs * window_cap] rows; allocated
        when the first sparse policy is set */
@@ -45,14 +81,33 @@ struct kvs_kv_cache {
 
 
 seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id);
+/* ---- prefix_cache.c: block ownership ------------------------------------------
+ * A block is in exactly one state: free (on the stack), evictable (cached, no
+ * holder, on the LRU list) or held (ref >= 1 tables or spare lists). */
+kvs_status kvs_kv_meta_create(kvs_kv_cache *kv);
+void kvs_kv_meta_destroy(kvs_kv_cache *kv);
+/* A block for a new holder (ref 1): a free one, else the least recently used
+ * evictable one (evicted); -1 when neither exists. */
+int32_t kvs_kv_take_block(kvs_kv_cache *kv);
+/* One holder fewer; at none the block is free, or evictable when cached. */
+void kvs_kv_drop_block(kvs_kv_cache *kv, int32_t b);
+/* After a commit: caches the prompt blocks that every layer now holds in full. */
+void kvs_kv_register_prompt(kvs_kv_cache *kv, seq_state *s);
+/* Whether compacting the layer must write to other blocks (its blocks are
+ * shared or cached), and the prefix state's host memory freed. */
+bool kvs_kv_table_shared(const kvs_kv_cache *kv, const layer_table *t);
+void kvs_kv_free_prefix(kvs_kv_cache *kv, seq_state *s);
+kvs_status kvs_kv_check_blocks(const kvs_kv_cache *kv);
 int kvs_kv_blocks_for(const kvs_kv_cache *kv, int entries);
 void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks);
 void kvs_kv_free_sparsity(kvs_kv_cache *kv, seq_state *s);
 /* kvs_kv_compact from keep lists already in backend memory (d_keep [n_kv_heads *
  * n_keep], each head's list sorted, distinct, < len; not checked) and the layer's
- * block table uploaded to d_tab: kv_gather, then the new length and the freed tail. */
-void kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep, const int32_t *d_tab,
-                             int n_keep);
+ * block table uploaded to d_tab: kv_gather (in place, or into blocks of the
+ * sequence's own when the layer's are shared or cached), then the new length
+ * and the released blocks. */
+kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep,
+                                   const int32_t *d_tab, int n_keep);
 /* Backend scratch buffer `slot` of at least bytes (grown on demand); NULL when out of memory. */
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes);
 

@@ -90,8 +90,7 @@ static kvs_status compact_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int bu
     be->sparsity_scores(be, d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, d_tab, n_keys, nh,
                         1.0f / sqrtf((float)d));
     be->snapkv_select(be, d_keep, d_scores, n_keys, H, s->policy.pool, k, w);
-    kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, budget);
-    return KVS_OK;
+    return kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, budget);
 }
 
 /* StreamingLLM: the first `sinks` entries and the most recent ones. */
@@ -137,16 +136,21 @@ kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id) {
                                         s->n_tokens - s->ring_base[l] >= s->policy.window;
         if (due) KVS_TRY(compress_layer(kv, seq_id, l));
     }
+    while (s->n_spare > 0) kvs_kv_drop_block(kv, s->spare[--s->n_spare]); /* what the compaction left */
     return KVS_OK;
 }
 
+/* A fork shares the cached blocks (the prompt's, which nobody writes again)
+ * and copies the others. */
 kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq) {
     seq_state *src = kvs_kv_get_seq(kv, seq_id);
     if (!src) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
     int64_t need = 0;
-    for (int l = 0; l < kv->cfg.n_layers; l++) need += src->layers[l].n_blocks;
-    if (need > kv->n_free) return kvs_fail(KVS_ERR_NOMEM, "kv fork: %lld blocks needed, %lld free", (long long)need,
-                                          (long long)kv->n_free);
+    for (int l = 0; l < kv->cfg.n_layers; l++)
+        for (int i = 0; i < src->layers[l].n_blocks; i++) need += !kv->meta[src->layers[l].blocks[i]].key;
+    if (need > kvs_kv_free_blocks(kv))
+        return kvs_fail(KVS_ERR_NOMEM, "kv fork: %lld blocks needed, %lld free", (long long)need,
+                        (long long)kvs_kv_free_blocks(kv));
     int id = kvs_kv_seq_create(kv);
     if (id < 0) return KVS_ERR_NOMEM;
     seq_state *dst = &kv->seqs[id];
@@ -160,10 +164,16 @@ kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq) {
         }
         b->cap = a->n_blocks ? a->n_blocks : 1;
         for (int i = 0; i < a->n_blocks; i++) {
-            int32_t blk = kv->free_blocks[--kv->n_free];
+            int32_t from = a->blocks[i];
+            if (kv->meta[from].key) { /* shared */
+                kv->meta[from].ref++;
+                b->blocks[b->n_blocks++] = from;
+                continue;
+            }
+            int32_t blk = kvs_kv_take_block(kv);
             b->blocks[b->n_blocks++] = blk;
             kv->be->copy(kv->be, (char *)kv->pool.data + (size_t)blk * block_bytes,
-                         (char *)kv->pool.data + (size_t)a->blocks[i] * block_bytes, block_bytes);
+                         (char *)kv->pool.data + (size_t)from * block_bytes, block_bytes);
         }
         b->len = a->len;
     }

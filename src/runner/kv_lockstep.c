@@ -37,7 +37,6 @@ kvs_status kvs_runner_need_kv(const kvs_runner *g) {
 
 /* ---- rank 0's answers ------------------------------------------------------- */
 const kvs_kv_config *kvs_runner_kv_config(const kvs_runner *g) { return kvs_kv_get_config(g->ranks[0].kv); }
-bool kvs_runner_can_admit(const kvs_runner *g, int prompt_len) { return kvs_kv_can_admit(g->ranks[0].kv, prompt_len); }
 int64_t kvs_runner_free_blocks(const kvs_runner *g) { return kvs_kv_free_blocks(g->ranks[0].kv); }
 
 int64_t kvs_runner_blocks_needed(const kvs_runner *g, int seq_id, int n_new) {
@@ -47,22 +46,20 @@ int64_t kvs_runner_blocks_needed(const kvs_runner *g, int seq_id, int n_new) {
 kvs_seq_usage kvs_runner_seq_usage(const kvs_runner *g, int seq_id) {
     const kvs_kv_cache *kv = g->ranks[0].kv;
     kvs_seq_usage u = {0};
-    for (int l = 0; l < g->cfg.n_layers; l++) {
-        int nb;
-        kvs_kv_blocks(kv, seq_id, l, &nb);
-        if (kvs_kv_layer_sparse(kv, seq_id, l)) u.blocks_sparse_layers += nb;
-        else u.blocks_full_layers += nb;
-    }
+    kvs_kv_seq_blocks(kv, seq_id, &u.blocks_full_layers, &u.blocks_sparse_layers);
     kvs_kv_seq_usage(kv, seq_id, &u.held, &u.full);
     return u;
 }
 
 /* ---- lockstep operations ------------------------------------------------------ */
-typedef enum { KV_SEQ_CREATE, KV_SEQ_FREE, KV_SET_POLICY, KV_RESERVE, KV_COMMIT, KV_FORK, KV_SPARSIFY } kv_op;
+typedef enum { KV_SEQ_CREATE, KV_SEQ_FREE, KV_SET_POLICY, KV_RESERVE, KV_COMMIT, KV_FORK, KV_SPARSIFY, KV_ATTACH } kv_op;
 typedef struct {
     kv_op op;
     int seq, n;
     const kvs_kv_policy *p;
+    const int32_t *tokens; /* KV_ATTACH: the prompt (n tokens), its salt, at most max tokens */
+    const char *salt;
+    int max;
 } kv_args;
 
 static kvs_status job_kv(kvs_runner *g, int rank, void *arg) {
@@ -76,16 +73,20 @@ static kvs_status job_kv(kvs_runner *g, int rank, void *arg) {
     case KV_COMMIT: kvs_kv_commit(r->kv, a->seq, a->n); return KVS_OK;
     case KV_FORK: return kvs_kv_fork(r->kv, a->seq, &r->result);
     case KV_SPARSIFY: return kvs_kv_sparsify(r->kv, a->seq);
+    case KV_ATTACH: r->result = kvs_kv_prefix_attach(r->kv, a->seq, a->tokens, a->n, a->salt, a->max); return KVS_OK;
     }
     return KVS_OK;
 }
 
 /* op on every rank; result -1 first on every rank (the sequence ids of a creation or fork) */
-static kvs_status run_kv(kvs_runner *g, kv_op op, int seq_id, int n, const kvs_kv_policy *p) {
+static kvs_status run_kv_args(kvs_runner *g, const kv_args *a) {
     for (int r = 0; r < g->world; r++) g->ranks[r].result = -1;
     KVS_TRY(kvs_runner_need_kv(g));
-    kv_args a = {op, seq_id, n, p};
-    return kvs_ranks_run(g, job_kv, &a, false);
+    return kvs_ranks_run(g, job_kv, (void *)a, false);
+}
+
+static kvs_status run_kv(kvs_runner *g, kv_op op, int seq_id, int n, const kvs_kv_policy *p) {
+    return run_kv_args(g, &(kv_args){op, seq_id, n, p, NULL, NULL, 0});
 }
 
 /* The sequence id every rank got (a creation or a fork) in *out, or -1 and an
@@ -121,6 +122,26 @@ kvs_status kvs_runner_set_policy(kvs_runner *g, int seq_id, const kvs_kv_policy 
 }
 
 void kvs_runner_commit(kvs_runner *g, int seq_id, int n_new) { run_kv(g, KV_COMMIT, seq_id, n_new, NULL); }
+
+kvs_status kvs_runner_prefix_attach(kvs_runner *g, int seq_id, const int32_t *prompt, int n_prompt, const char *salt,
+                                    int max_tokens, int *hit) {
+    *hit = 0;
+    KVS_TRY(run_kv_args(g, &(kv_args){KV_ATTACH, seq_id, n_prompt, NULL, prompt, salt, max_tokens}));
+    for (int r = 1; r < g->world; r++) /* the ranks' caches take the same decisions */
+        if (g->ranks[r].result != g->ranks[0].result)
+            return kvs_fail(KVS_ERR_INTERNAL, "tensor parallel: sequence %d reused %d cached tokens on rank %d, %d on rank 0",
+                            seq_id, g->ranks[r].result, r, g->ranks[0].result);
+    *hit = g->ranks[0].result;
+    return kvs_runner_lengths_agree(g, seq_id, "prefix cache");
+}
+
+kvs_prefix_cache_stats kvs_runner_prefix_cache_stats(const kvs_runner *g, int full_layers) {
+    const kvs_kv_cache *kv = g->ranks[0].kv;
+    kvs_prefix_cache_stats s = {.evictable = kvs_kv_evictable_blocks(kv), .evictions = kvs_kv_evictions(kv)};
+    for (int l = 0; l < g->cfg.n_layers; l++)
+        *(l < full_layers ? &s.cached_full_layers : &s.cached_sparse_layers) += kvs_kv_cached_blocks(kv, l);
+    return s;
+}
 
 kvs_status kvs_runner_sparsify(kvs_runner *g, int seq_id) {
     KVS_TRY(run_kv(g, KV_SPARSIFY, seq_id, 0, NULL));

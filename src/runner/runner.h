@@ -50,12 +50,11 @@ kvs_status kvs_runner_kv_create(kvs_runner *r, const kvs_kv_config *global);
 int64_t kvs_runner_kv_blocks_for_budget(const kvs_runner *r, const kvs_kv_config *global, size_t budget_bytes);
 /* Rank 0's answers (kv.h), the same on every rank; the config's heads are a rank's. */
 const kvs_kv_config *kvs_runner_kv_config(const kvs_runner *r);
-bool kvs_runner_can_admit(const kvs_runner *r, int prompt_len);
 int64_t kvs_runner_free_blocks(const kvs_runner *r);
 int64_t kvs_runner_blocks_needed(const kvs_runner *r, int seq_id, int n_new);
 typedef struct {
     int64_t held, full; /* kvs_kv_seq_usage */
-    int64_t blocks_full_layers, blocks_sparse_layers;
+    double blocks_full_layers, blocks_sparse_layers; /* kvs_kv_seq_blocks */
 } kvs_seq_usage;
 kvs_seq_usage kvs_runner_seq_usage(const kvs_runner *r, int seq_id);
 
@@ -68,6 +67,16 @@ kvs_status kvs_runner_reserve(kvs_runner *r, int seq_id, int n_new);
 void kvs_runner_commit(kvs_runner *r, int seq_id, int n_new); /* without a step: benchmarks faking a context */
 kvs_status kvs_runner_fork(kvs_runner *r, int seq_id, int *new_seq); /* -1 and nothing left behind on failure */
 kvs_status kvs_runner_sparsify(kvs_runner *r, int seq_id);
+/* kvs_kv_prefix_attach on every rank (the ranks' caches decide alike: checked);
+ * *hit the tokens reused. */
+kvs_status kvs_runner_prefix_attach(kvs_runner *r, int seq_id, const int32_t *prompt, int n_prompt, const char *salt,
+                                    int max_tokens, int *hit);
+typedef struct {
+    int64_t cached_full_layers, cached_sparse_layers; /* cached blocks in layers < full_layers / the others */
+    int64_t evictable;
+    uint64_t evictions;
+} kvs_prefix_cache_stats;
+kvs_prefix_cache_stats kvs_runner_prefix_cache_stats(const kvs_runner *r, int full_layers); /* rank 0's */
 
 /* ---- steps ----------------------------------------------------------------------
  * The batch (and the sampling rows) checked once, before any rank runs (a bad

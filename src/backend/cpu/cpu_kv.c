@@ -21,16 +21,16 @@ void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, co
     }
 }
 
-void kvs_cpu_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
+void kvs_cpu_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks, const int32_t *dst,
                        const int32_t *src_entry, int n) {
     int bs = pool->block_size;
     size_t bytes = sizeof(float) * pool->head_dim;
     for (int h = 0; h < pool->n_kv_heads; h++) {
         const int32_t *src = src_entry + (size_t)h * n;
         for (int i = 0; i < n; i++) { /* src[i] >= i (sorted, distinct): in-place safe */
-            if (src[i] == i) continue;
+            if (src[i] == i && dst == blocks) continue;
             for (int kind = 0; kind < 2; kind++)
-                memcpy(kv_at(pool, blocks[i / bs], kind, h, i % bs),
+                memcpy(kv_at(pool, dst[i / bs], kind, h, i % bs),
                        kv_at(pool, blocks[src[i] / bs], kind, h, src[i] % bs), bytes);
         }
     }

@@ -107,7 +107,7 @@ void kvs_cuda_f32_to_bf16(kvs_backend *b, void *dst, const float *src, size_t n)
 /* paged KV (cuda_kv.cu) */
 void kvs_cuda_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v, const int32_t *slots,
                        int n);
-void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
+void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks, const int32_t *dst,
                         const int32_t *src_entry, int n);
 
 /* fused ops (cuda_fused.cu) */

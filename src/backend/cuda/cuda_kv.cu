@@ -31,14 +31,15 @@ void kvs_cuda_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, c
 }
 
 /* Compaction through a staging buffer, in pieces of type T (16 bytes when head_dim
- * % 8 == 0): phase 1 (SCATTER false) copies entry src[h * n + i] of head h into
- * staging[h][i][kind], phase 2 copies staging[h][i][kind] into entry i. Reading
- * everything before writing anything keeps it right when sources and
- * destinations overlap (compaction into the layer's leading blocks). Rows whose
- * source is their own entry (src == i: a kept prefix) move in neither phase. */
+ * % 8 == 0): phase 1 (SCATTER false) copies entry src[h * n + i] of head h of the
+ * table blocks into staging[h][i][kind], phase 2 copies staging[h][i][kind] into
+ * entry i of the table dst. Reading everything before writing anything keeps it
+ * right when sources and destinations overlap (in place: dst == blocks, into the
+ * layer's leading blocks). In place, rows whose source is their own entry
+ * (src == i: a kept prefix) move in neither phase. */
 template <typename T, bool SCATTER>
-__global__ void kvs_kv_gather_kernel(T *staging, bf16 *pool, const int32_t *blocks, const int32_t *src_entry, int n,
-                                     int n_kv_heads, int block_size, int head_dim) {
+__global__ void kvs_kv_gather_kernel(T *staging, bf16 *pool, const int32_t *blocks, const int32_t *dst_blocks,
+                                     const int32_t *src_entry, int n, int n_kv_heads, int block_size, int head_dim) {
     constexpr int PER = sizeof(T) / sizeof(bf16);
     const int pieces = head_dim / PER;
     size_t total = (size_t)n_kv_heads * n * 2 * pieces;
@@ -47,9 +48,9 @@ __global__ void kvs_kv_gather_kernel(T *staging, bf16 *pool, const int32_t *bloc
         size_t r = t / pieces;
         int kind = (int)(r & 1), i = (int)((r >> 1) % n), h = (int)((r >> 1) / n);
         int src = src_entry[(size_t)h * n + i];
-        if (src == i) continue;
+        if (src == i && dst_blocks == blocks) continue;
         if (SCATTER) {
-            T *dst = (T *)(pool + kvs_kv_offset(blocks[i / block_size], kind, h, i % block_size, n_kv_heads,
+            T *dst = (T *)(pool + kvs_kv_offset(dst_blocks[i / block_size], kind, h, i % block_size, n_kv_heads,
                                                 block_size, head_dim)) + c;
             *dst = staging[t];
         } else {
@@ -60,7 +61,7 @@ __global__ void kvs_kv_gather_kernel(T *staging, bf16 *pool, const int32_t *bloc
 }
 
 template <typename T>
-static void launch_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks,
+static void launch_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, const int32_t *dst,
                              const int32_t *src_entry, int n) {
     size_t total = (size_t)pool->n_kv_heads * n * 2 * (pool->head_dim / (sizeof(T) / sizeof(bf16)));
     T *staging = (T *)kvs_cuda_scratch(b, total * sizeof(T));
@@ -69,17 +70,17 @@ static void launch_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int3
     if (g > 65535u) g = 65535u;
     cudaStream_t s = kvs_cuda_of(b)->stream;
     bf16 *data = (bf16 *)pool->data;
-    kvs_kv_gather_kernel<T, false><<<g, 256, 0, s>>>(staging, data, blocks, src_entry, n, pool->n_kv_heads,
+    kvs_kv_gather_kernel<T, false><<<g, 256, 0, s>>>(staging, data, blocks, dst, src_entry, n, pool->n_kv_heads,
                                                      pool->block_size, pool->head_dim);
     KVS_CUDA_LAUNCHED(b, "kvs_kv_gather_kernel (stage)");
-    kvs_kv_gather_kernel<T, true><<<g, 256, 0, s>>>(staging, data, blocks, src_entry, n, pool->n_kv_heads,
+    kvs_kv_gather_kernel<T, true><<<g, 256, 0, s>>>(staging, data, blocks, dst, src_entry, n, pool->n_kv_heads,
                                                     pool->block_size, pool->head_dim);
     KVS_CUDA_LAUNCHED(b, "kvs_kv_gather_kernel (scatter)");
 }
 
 void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
-                        const int32_t *src_entry, int n) {
+                        const int32_t *dst, const int32_t *src_entry, int n) {
     if ((size_t)pool->n_kv_heads * n * pool->head_dim == 0) return;
-    if (pool->head_dim % 8 == 0) launch_kv_gather<uint4>(b, pool, blocks, src_entry, n);
-    else launch_kv_gather<bf16>(b, pool, blocks, src_entry, n);
+    if (pool->head_dim % 8 == 0) launch_kv_gather<uint4>(b, pool, blocks, dst, src_entry, n);
+    else launch_kv_gather<bf16>(b, pool, blocks, dst, src_entry, n);
 }
