@@ -189,13 +189,15 @@ kvs_status kvs_schedule(kvs_engine *e) {
         kvs_request *r = e->waiting.head;
         int n = prefill_len(r);
         int64_t peak = (int64_t)((n + kc->block_size - 1) / kc->block_size) * kc->n_layers;
-        if (peak > kc->n_blocks) { /* can never fit */
+        bool never = peak > kc->n_blocks;
+        kvs_status st = never ? KVS_ERR_BUSY : admit(e, r, running_headroom(e));
+        if (st == KVS_ERR_BUSY && (never || e->running.n == 0)) { /* the whole pool would not hold it */
             kvs_list_remove(&e->waiting, r);
             kvs_request_finish(e, r, KVS_FINISH_ERROR, "the prompt does not fit in the KV cache");
             kvs_request_destroy(r);
             continue;
         }
-        if (admit(e, r, running_headroom(e)) != KVS_OK) break;
+        if (st != KVS_OK) break;
         n -= r->n_computed; /* a cached prefix's tokens are there already */
         int chunk = n < budget ? n : budget;
         batch_add(e, r, chunk);
