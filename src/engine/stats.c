@@ -24,19 +24,19 @@ void kvs_stats_refresh(kvs_engine *e) {
     s->kv_blocks_total = kc->n_blocks;
     s->kv_blocks_used = kc->n_blocks - kvs_runner_free_blocks(e->runner);
     s->kv_tokens_capacity = kc->n_blocks / kc->n_layers * kc->block_size;
-    double full_blocks = 0, sparse_blocks = 0;
+    double sparse_blocks = 0;
     int64_t held = 0, full = 0;
     for (kvs_request *r = e->running.head; r; r = r->next) {
         if (r->seq < 0) continue;
         kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);
-        full_blocks += u.blocks_full_layers;
         sparse_blocks += u.blocks_sparse_layers;
         held += u.held;
         full += u.full;
     }
-    s->kv_blocks_full_layers = llround(full_blocks);
-    /* rounded as a running sum: the parts of a block shared by a full and a sparse layer add up to one */
-    s->kv_blocks_sparse_layers = llround(full_blocks + sparse_blocks) - s->kv_blocks_full_layers;
+    /* blocks in use are in full or in sparse layers; a full layer's (never
+       compacted, shared with other requests and the cache) are the rest */
+    s->kv_blocks_sparse_layers = llround(sparse_blocks);
+    s->kv_blocks_full_layers = s->kv_blocks_used - s->kv_blocks_sparse_layers;
     s->compression_ratio = held > 0 ? (double)full / held : 1.0;
     const kvs_kv_policy *p = &e->cfg.default_policy;
     kvs_prefix_cache_stats pc = kvs_runner_prefix_cache_stats(e->runner, p->kind == KVS_POLICY_FULL ? kc->n_layers

@@ -139,11 +139,10 @@ int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv);
 int64_t kvs_kv_used_blocks(const kvs_kv_cache *kv);
 /* Entries held by seq summed over layers, and what a full cache would hold. */
 void kvs_kv_seq_usage(const kvs_kv_cache *kv, int seq_id, int64_t *held, int64_t *full);
-/* The pool blocks seq holds in its full and its sparse layers, each block
- * counted 1 / its holders (a shared prefix's blocks split among the
- * sequences holding them; blocks reserved for the compaction count as sparse):
- * over every sequence these add up to the blocks in use. */
-void kvs_kv_seq_blocks(const kvs_kv_cache *kv, int seq_id, double *full_layers, double *sparse_layers);
+/* The pool blocks seq holds in its sparse layers (and for their compaction),
+ * a block shared with other sequences counted 1 / its holders. Cheap: after
+ * the prompt's compaction a compacted layer's blocks are its own. */
+double kvs_kv_seq_sparse_blocks(const kvs_kv_cache *kv, int seq_id);
 /* Whether layer of seq is a sparse layer under its policy (compacted to a budget). */
 bool kvs_kv_layer_sparse(const kvs_kv_cache *kv, int seq_id, int layer);
 /* Checks internal invariants (every block free, evictable or held, its

@@ -215,16 +215,20 @@ int kvs_kv_prefix_attach(kvs_kv_cache *kv, int seq_id, const int32_t *prompt, in
     return hit * bs;
 }
 
-void kvs_kv_seq_blocks(const kvs_kv_cache *kv, int seq_id, double *full_layers, double *sparse_layers) {
+double kvs_kv_seq_sparse_blocks(const kvs_kv_cache *kv, int seq_id) {
     const seq_state *s = kvs_kv_get_seq(kv, seq_id);
-    *full_layers = *sparse_layers = 0;
-    if (!s) return;
+    if (!s || !s->budgets) return 0;
+    double blocks = s->n_spare;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
-        double share = 0;
-        for (int i = 0; i < s->layers[l].n_blocks; i++) share += 1.0 / kv->meta[s->layers[l].blocks[i]].ref;
-        *(kvs_kv_layer_sparse(kv, seq_id, l) ? sparse_layers : full_layers) += share;
+        const layer_table *t = &s->layers[l];
+        if (s->budgets[l] < 0) continue;
+        if (s->prefill_done && s->budgets[l] < s->prompt_len) { /* compacted: its own blocks */
+            blocks += t->n_blocks;
+            continue;
+        }
+        for (int i = 0; i < t->n_blocks; i++) blocks += 1.0 / kv->meta[t->blocks[i]].ref;
     }
-    for (int i = 0; i < s->n_spare; i++) *sparse_layers += 1.0 / kv->meta[s->spare[i]].ref;
+    return blocks;
 }
 
 int64_t kvs_kv_cached_blocks(const kvs_kv_cache *kv, int layer) {

@@ -46,7 +46,7 @@ int64_t kvs_runner_blocks_needed(const kvs_runner *g, int seq_id, int n_new) {
 kvs_seq_usage kvs_runner_seq_usage(const kvs_runner *g, int seq_id) {
     const kvs_kv_cache *kv = g->ranks[0].kv;
     kvs_seq_usage u = {0};
-    kvs_kv_seq_blocks(kv, seq_id, &u.blocks_full_layers, &u.blocks_sparse_layers);
+    u.blocks_sparse_layers = kvs_kv_seq_sparse_blocks(kv, seq_id);
     kvs_kv_seq_usage(kv, seq_id, &u.held, &u.full);
     return u;
 }

@@ -54,7 +54,7 @@ int64_t kvs_runner_free_blocks(const kvs_runner *r);
 int64_t kvs_runner_blocks_needed(const kvs_runner *r, int seq_id, int n_new);
 typedef struct {
     int64_t held, full; /* kvs_kv_seq_usage */
-    double blocks_full_layers, blocks_sparse_layers; /* kvs_kv_seq_blocks */
+    double blocks_sparse_layers; /* kvs_kv_seq_sparse_blocks */
 } kvs_seq_usage;
 kvs_seq_usage kvs_runner_seq_usage(const kvs_runner *r, int seq_id);
 
