@@ -1,4 +1,5 @@
-/* The eval commands' shared parts: the lists of policies under test. */
+/* The eval commands' shared parts: the lists of policies under test, one
+ * greedy answer through the engine. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,4 +39,46 @@ kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds,
         }
     }
     return KVS_OK;
+}
+
+char *kvs_eval_trimmed(const char *s) {
+    while (*s == ' ' || *s == '\n' || *s == '\t' || *s == '\r') s++;
+    size_t n = strlen(s);
+    while (n && (s[n - 1] == ' ' || s[n - 1] == '\n' || s[n - 1] == '\t' || s[n - 1] == '\r')) n--;
+    char *out = malloc(n + 1);
+    if (!out) return NULL;
+    memcpy(out, s, n);
+    out[n] = 0;
+    return out;
+}
+
+static void on_answer(void *user, const kvs_request_output *out) {
+    kvs_eval_answer *a = user;
+    if (out->n_tokens && a->n_seen == 0) a->t_first = kvs_now(), a->compression = out->prompt_compression;
+    for (int i = 0; i < out->n_tokens; i++, a->n_seen++)
+        if (a->n_seen >= a->n_forced && a->n < KVS_EVAL_MAX_NEW) a->ids[a->n++] = out->token_ids[i];
+    if (out->finish == KVS_FINISH_ERROR) snprintf(a->error, sizeof a->error, "%s", out->error ? out->error : "error");
+}
+
+kvs_status kvs_eval_answer_run(const kvs_tokenizer *tok, kvs_engine *e, const kvs_request_params *rp,
+                               kvs_eval_answer *a, char **text) {
+    memset(a, 0, sizeof *a);
+    a->n_forced = rp->n_forced;
+    *text = NULL;
+    KVS_TRY(kvs_engine_submit(e, rp, on_answer, a, NULL));
+    kvs_status st = KVS_OK;
+    while (st == KVS_OK && !kvs_engine_idle(e)) st = kvs_engine_step(e);
+    if (st == KVS_OK && a->error[0]) st = kvs_fail(KVS_ERR_INTERNAL, "%s", a->error);
+    char *raw = NULL;
+    if (st == KVS_OK) st = kvs_tokenizer_decode(tok, a->ids, a->n, true, &raw, NULL);
+    if (st == KVS_OK && !(*text = kvs_eval_trimmed(raw))) st = kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    free(raw);
+    return st;
+}
+
+int kvs_eval_count_lines(FILE *f, int limit) {
+    int n = 0, c;
+    while ((c = fgetc(f)) != EOF) n += c == '\n';
+    rewind(f);
+    return limit && limit < n ? limit : n;
 }
