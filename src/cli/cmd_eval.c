@@ -104,24 +104,18 @@ static void print_table(const kvs_eval_policies *P, const policy_score *S, doubl
 }
 
 static int eval_retrieval(int argc, char **argv) {
-    kvs_load_options lo = {.allow_tp = true};
-    kvs_kv_policy base = kvs_kv_policy_default(KVS_POLICY_FULL);
-    char kinds[512] = "", budgets[512] = "";
-    const char *data = NULL, *answers_path = NULL;
-    int limit = 0;
-    bool as_json = false;
+    kvs_eval_options o = kvs_eval_options_default();
+    const char *answers_path = NULL;
     for (int i = 1; i < argc; i++) {
-        int r = kvs_cli_load_option(&lo, argc, argv, &i);
-        if (r == 0) r = kvs_eval_policy_option(&base, kinds, budgets, sizeof kinds, argc, argv, &i);
+        int r = kvs_eval_option(&o, argc, argv, &i);
         if (r > 0) continue;
-        if (r == 0 && !strcmp(argv[i], "--data") && i + 1 < argc) data = argv[++i];
-        else if (r == 0 && !strcmp(argv[i], "--limit") && i + 1 < argc) limit = atoi(argv[++i]);
-        else if (r == 0 && !strcmp(argv[i], "--json")) as_json = true;
-        else if (r == 0 && !strcmp(argv[i], "--answers") && i + 1 < argc) answers_path = argv[++i];
+        if (r == 0 && !strcmp(argv[i], "--answers") && i + 1 < argc) answers_path = argv[++i];
         else if (r == 0 && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) { usage(stdout); return 0; }
         else { fprintf(stderr, "kvsparse eval retrieval: bad or incomplete option '%s'\n", argv[i]); usage(stderr); return 2; }
     }
-    if (!data || limit < 0) { fprintf(stderr, "kvsparse eval retrieval: --data FILE.jsonl is required\n"); return 2; }
+    const char *data = o.data;
+    int limit = o.limit;
+    if (!data) { fprintf(stderr, "kvsparse eval retrieval: --data FILE.jsonl is required\n"); return 2; }
     FILE *f = fopen(data, "rb");
     if (!f) { fprintf(stderr, "kvsparse: %s: cannot open\n", data); return 1; }
     FILE *answers = answers_path ? fopen(answers_path, "w") : NULL;
@@ -131,23 +125,15 @@ static int eval_retrieval(int argc, char **argv) {
         return 1;
     }
     kvs_loaded l;
-    if (kvs_cli_load(&lo, &l) != KVS_OK) {
+    if (kvs_cli_load(&o.load, &l) != KVS_OK) {
         fclose(f);
         if (answers) fclose(answers);
         return kvs_cli_error();
     }
+    /* without prefix caching: every policy prefills each prompt itself (the throughput measured) */
     kvs_eval_policies P;
-    kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
-    if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
-    /* one request at a time, its prompt prefilled in chunks of 2048 tokens */
-    kvs_engine_config ec = kvs_engine_config_default();
-    ec.max_num_seqs = 1;
-    ec.max_num_batched_tokens = 2048;
-    ec.default_policy = base; /* its window: the largest the policies use */
-    ec.default_policy.kind = KVS_POLICY_FULL;
-    kvs_engine *e = NULL;
-    if (st == KVS_OK) ec.kv_memory_bytes = kvs_cli_kv_bytes_for(&l, l.cfg.max_position_embeddings, 1);
-    if (st == KVS_OK) st = kvs_cli_engine(&l, &ec, &e);
+    kvs_engine *e;
+    kvs_status st = kvs_eval_engine(&l, &o, 1, false, &P, &e);
     policy_score *S = calloc((size_t)P.n, sizeof *S);
     kvs_progress bar;
     kvs_progress_start(&bar, "eval", kvs_eval_count_lines(f, limit));
@@ -217,7 +203,7 @@ static int eval_retrieval(int argc, char **argv) {
     if (answers) fclose(answers);
     if (st == KVS_OK) {
         double tok_s = prefill_time > 0 ? prefill_tokens / prefill_time : 0;
-        if (as_json) {
+        if (o.json) {
             json_t *arr = json_array();
             for (int p = 0; p < P.n; p++) {
                 json_t *o = score_json(P.names[p], &S[p], n_samples);

@@ -183,51 +183,36 @@ static void report(const kvs_eval_policies *P, const policy_score *S, bool as_js
 }
 
 int kvs_cmd_eval_multiturn(int argc, char **argv) {
-    kvs_load_options lo = {.allow_tp = true};
-    kvs_kv_policy base = kvs_kv_policy_default(KVS_POLICY_FULL);
-    char kinds[512] = "", budgets[512] = "";
-    const char *data = NULL;
-    int limit = 0;
-    bool as_json = false;
+    kvs_eval_options o = kvs_eval_options_default();
     for (int i = 1; i < argc; i++) {
-        int r = kvs_cli_load_option(&lo, argc, argv, &i);
-        if (r == 0) r = kvs_eval_policy_option(&base, kinds, budgets, sizeof kinds, argc, argv, &i);
+        int r = kvs_eval_option(&o, argc, argv, &i);
         if (r > 0) continue;
-        if (r == 0 && !strcmp(argv[i], "--data") && i + 1 < argc) data = argv[++i];
-        else if (r == 0 && !strcmp(argv[i], "--limit") && i + 1 < argc) limit = atoi(argv[++i]);
-        else if (r == 0 && !strcmp(argv[i], "--json")) as_json = true;
-        else if (r == 0 && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) { usage(stdout); return 0; }
-        else { fprintf(stderr, "kvsparse eval multiturn: bad or incomplete option '%s'\n", argv[i]); usage(stderr); return 2; }
+        if (r == 0 && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) { usage(stdout); return 0; }
+        fprintf(stderr, "kvsparse eval multiturn: bad or incomplete option '%s'\n", argv[i]);
+        usage(stderr);
+        return 2;
     }
-    if (!data || limit < 0) { fprintf(stderr, "kvsparse eval multiturn: --data FILE.jsonl is required\n"); return 2; }
+    const char *data = o.data;
+    if (!data) { fprintf(stderr, "kvsparse eval multiturn: --data FILE.jsonl is required\n"); return 2; }
     FILE *f = fopen(data, "rb");
     if (!f) { fprintf(stderr, "kvsparse: %s: cannot open\n", data); return 1; }
     kvs_loaded l;
-    if (kvs_cli_load(&lo, &l) != KVS_OK) {
+    if (kvs_cli_load(&o.load, &l) != KVS_OK) {
         fclose(f);
         return kvs_cli_error();
     }
+    /* prefix caching on; room for a request of the longest context and the cached blocks of another */
     kvs_eval_policies P;
-    kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
-    if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
-    kvs_engine_config ec = kvs_engine_config_default();
-    ec.enable_prefix_caching = true;
-    ec.max_num_seqs = 1;
-    ec.max_num_batched_tokens = 2048;
-    ec.default_policy = base; /* its window: the largest the policies use */
-    ec.default_policy.kind = KVS_POLICY_FULL;
-    kvs_engine *e = NULL;
-    /* room for a request of the longest context and the cached blocks of another */
-    if (st == KVS_OK) ec.kv_memory_bytes = kvs_cli_kv_bytes_for(&l, l.cfg.max_position_embeddings, 2);
-    if (st == KVS_OK) st = kvs_cli_engine(&l, &ec, &e);
+    kvs_engine *e;
+    kvs_status st = kvs_eval_engine(&l, &o, 2, true, &P, &e);
     policy_score *S = calloc((size_t)P.n, sizeof *S);
     if (st == KVS_OK && !S) st = kvs_fail(KVS_ERR_NOMEM, "out of memory");
     kvs_progress bar;
-    kvs_progress_start(&bar, "eval", kvs_eval_count_lines(f, limit));
+    kvs_progress_start(&bar, "eval", kvs_eval_count_lines(f, o.limit));
     char *line = NULL, where[600];
     size_t cap = 0;
     int n_samples = 0, line_no = 0, n_requests = 0;
-    while (st == KVS_OK && (!limit || n_samples < limit) && getline(&line, &cap, f) > 0) {
+    while (st == KVS_OK && (!o.limit || n_samples < o.limit) && getline(&line, &cap, f) > 0) {
         snprintf(where, sizeof where, "%s:%d", data, ++line_no);
         conversation c;
         bool skip;
@@ -247,7 +232,7 @@ int kvs_cmd_eval_multiturn(int argc, char **argv) {
     kvs_progress_finish(&bar);
     free(line);
     fclose(f);
-    if (st == KVS_OK) report(&P, S, as_json);
+    if (st == KVS_OK) report(&P, S, o.json);
     free(S);
     kvs_engine_destroy(e);
     kvs_cli_unload(&l);

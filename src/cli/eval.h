@@ -19,8 +19,27 @@ typedef struct {
  * comma-separated lists (their cross product is evaluated; "full" once);
  * the other --kv-* options apply to all. Returns 1 / 0 / -1 like kvs_cli_load_option. */
 int kvs_eval_policy_option(kvs_kv_policy *base, char *kinds, char *budgets, size_t cap, int argc, char **argv, int *i);
+/* The options of the eval commands over a data set (retrieval, multiturn):
+ * the model's, the policies' and --data FILE, --limit N, --json. */
+typedef struct {
+    kvs_load_options load;
+    kvs_kv_policy base;
+    char kinds[512], budgets[512]; /* --kv-policy, --kv-budget lists */
+    const char *data;
+    int limit;
+    bool json;
+} kvs_eval_options;
+kvs_eval_options kvs_eval_options_default(void);
+/* One of those at argv[*i]: 1 consumed, 0 not one of them, -1 a bad value. */
+int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i);
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
                                    int n_layers, kvs_eval_policies *out);
+
+/* The policies under test (in *P) and the engine that answers them: one
+ * request at a time, prompts prefilled in chunks of 2048 tokens, a pool for
+ * `room` sequences of the model's longest context, prefix caching on or off. */
+kvs_status kvs_eval_engine(kvs_loaded *l, const kvs_eval_options *o, int room, bool prefix_caching,
+                           kvs_eval_policies *P, kvs_engine **e);
 
 /* An answer of at most KVS_EVAL_MAX_NEW drawn tokens (greedy, to EOS). */
 #define KVS_EVAL_MAX_NEW 16

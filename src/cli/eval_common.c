@@ -16,6 +16,24 @@ int kvs_eval_policy_option(kvs_kv_policy *base, char *kinds, char *budgets, size
     return kvs_cli_policy_option(base, argc, argv, i);
 }
 
+kvs_eval_options kvs_eval_options_default(void) {
+    kvs_eval_options o = {.load = {.allow_tp = true}, .base = kvs_kv_policy_default(KVS_POLICY_FULL)};
+    return o;
+}
+
+int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i) {
+    int r = kvs_cli_load_option(&o->load, argc, argv, i);
+    if (r == 0) r = kvs_eval_policy_option(&o->base, o->kinds, o->budgets, sizeof o->kinds, argc, argv, i);
+    if (r != 0) return r;
+    const char *a = argv[*i];
+    bool v = *i + 1 < argc;
+    if (!strcmp(a, "--data") && v) o->data = argv[++*i];
+    else if (!strcmp(a, "--limit") && v) o->limit = atoi(argv[++*i]);
+    else if (!strcmp(a, "--json")) o->json = true;
+    else return 0;
+    return o->limit < 0 ? -1 : 1;
+}
+
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
                                    int n_layers, kvs_eval_policies *out) {
     out->n = 0;
@@ -39,6 +57,21 @@ kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds,
         }
     }
     return KVS_OK;
+}
+
+kvs_status kvs_eval_engine(kvs_loaded *l, const kvs_eval_options *o, int room, bool prefix_caching,
+                           kvs_eval_policies *P, kvs_engine **e) {
+    *e = NULL;
+    KVS_TRY(kvs_eval_policies_build(&o->base, o->kinds, o->budgets, l->cfg.n_layers, P));
+    if (!l->tok) return kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
+    kvs_engine_config ec = kvs_engine_config_default();
+    ec.enable_prefix_caching = prefix_caching;
+    ec.max_num_seqs = 1;
+    ec.max_num_batched_tokens = 2048;
+    ec.default_policy = o->base; /* its window: the largest the policies use */
+    ec.default_policy.kind = KVS_POLICY_FULL;
+    ec.kv_memory_bytes = kvs_cli_kv_bytes_for(l, l->cfg.max_position_embeddings, room);
+    return kvs_cli_engine(l, &ec, e);
 }
 
 char *kvs_eval_trimmed(const char *s) {

@@ -130,7 +130,6 @@ static bool parse_cache_salt(json_t *v, kvs_api_request *r, kvs_api_error *err) 
     if (!json_is_string(v)) return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must be a string");
     size_t n = json_string_length(v);
     if (n == 0 || n > 256) return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must have 1 to 256 bytes");
-    if (memchr(json_string_value(v), 0, n)) return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must not hold NUL");
     if (!(r->cache_salt = strdup(json_string_value(v)))) return kvs_api_fail(err, 500, NULL, "out of memory");
     return true;
 }
