@@ -115,9 +115,10 @@ Test(eval, multiturn_slice_reports_each_strategy, .timeout = 900) {
         cr_expect_eq(json_integer_value(json_object_get(reuse, "turn2_prefill_tokens")), followup,
                      "reuse prefills the follow-up only");
         cr_expect_leq(json_integer_value(json_object_get(prefix, "turn2_prefill_tokens")), turn2);
-        /* LEAD: enable once the prefix cache lands (turn 2 reuses turn 1's cached blocks):
-         * cr_expect_lt(json_integer_value(json_object_get(prefix, "turn2_prefill_tokens")),
-         *              json_integer_value(json_object_get(reprefill, "turn2_prefill_tokens"))); */
+        /* prefix caching: turn 2 reuses turn 1's cached blocks */
+        cr_expect_lt(json_integer_value(json_object_get(prefix, "turn2_prefill_tokens")),
+                     json_integer_value(json_object_get(reprefill, "turn2_prefill_tokens")) / 10,
+                     "prefix-cache prefills at most a tenth of reprefill's tokens");
     }
     /* the full cache: prefix-cache answers as reprefill does */
     cr_expect_float_eq(json_real_value(json_object_get(json_array_get(arr, 2), "turn2_accuracy")),

@@ -621,9 +621,8 @@ Test(server, prefix_cache_salt_and_metrics) {
     cr_expect_str_eq(answers[1], answers[0], "greedy: the same answer from the cache");
     cr_expect_str_eq(answers[2], answers[0], "greedy: the same answer under another salt");
     cr_expect_eq(hits[3], hits[2], "another salt finds nothing cached");
-    /* LEAD: enable once the prefix cache lands (the second request reuses the first's 20 full blocks):
-     * cr_expect_geq(hits[2] - hits[1], 304, "hits %g -> %g", hits[1], hits[2]); */
-    (void)hits;
+    /* the second request reuses the first's full blocks (its last token is recomputed: 19 of 20) */
+    cr_expect_geq(hits[2] - hits[1], 304, "hits %g -> %g", hits[1], hits[2]);
     cr_expect_eq(stop_server(&s), 0);
 }
 
@@ -712,8 +711,8 @@ Test(server, bench_serve_shared_prefix_turns) {
     cr_expect_gt(json_real_value(json_object_get(json_object_get(l0, "ttft_first_turns"), "p50_ms")), 0);
     json_t *rate = json_object_get(l0, "prefix_cache_hit_rate");
     cr_expect(json_is_number(rate), "the hit rate from /metrics");
-    /* LEAD: enable once the prefix cache lands (later turns and the shared 64 ids hit):
-     * cr_expect_gt(json_real_value(rate), 0.3); */
+    /* later turns reuse the last turn's prompt; first turns may reuse the shared 64 ids */
+    cr_expect_gt(json_real_value(rate), 0.3, "hit rate %g", json_real_value(rate));
     json_decref(j);
     /* each turn's prompt is the last one + its 4 answer ids + 16 new ones: 80, 100, 120 tokens */
     double prompt_tokens;
