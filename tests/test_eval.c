@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "testutil.h"
+#include "tokenizer/tokenizer.h"
 
 static json_t *run_json(const char *args) {
     char cmd[4096], *out = NULL;
@@ -58,6 +59,70 @@ Test(eval, ppl_full_and_sparse, .timeout = 900) {
     double full = json_real_value(json_object_get(json_array_get(arr, 0), "ppl"));
     double sparse = json_real_value(json_object_get(json_array_get(arr, 1), "ppl"));
     cr_assert(full > 1 && full < 1000 && sparse > 1 && sparse < 1000, "ppl %g / %g", full, sparse);
+    json_decref(arr);
+}
+
+/* eval multiturn: per policy, the three strategies' accuracies and turn 2's
+ * prefilled tokens: reprefill prefills all of turn 2, reuse the follow-up. */
+Test(eval, multiturn_slice_reports_each_strategy, .timeout = 900) {
+    const char *data = shared_input("eval/retrieval_multiturn_public.jsonl");
+    char args[2048];
+    snprintf(args, sizeof args, "eval multiturn -m %s --data %s --limit 3 --kv-policy full,snapkv --kv-budget 10%% --json",
+             src_path("models/tiny-needle-llama"), data);
+    json_t *arr = run_json(args);
+    cr_assert(json_is_array(arr));
+    cr_assert_eq(json_array_size(arr), 6, "2 policies x 3 strategies");
+    /* the slice's turn-2 and follow-up token counts, from the tokenizer */
+    kvs_tokenizer *tok;
+    cr_assert_eq(kvs_tokenizer_load(src_path("models/tiny-needle-llama"), &tok), KVS_OK);
+    json_t *rows = load_jsonl(data);
+    long turn2 = 0, followup = 0;
+    for (size_t i = 0; i < 3; i++) {
+        json_t *r = json_array_get(rows, i);
+        const char *p = json_string_value(json_object_get(r, "prompt")), *f = json_string_value(json_object_get(r, "followup_text"));
+        char *both = malloc(strlen(p) + strlen(f) + 1);
+        strcat(strcpy(both, p), f);
+        kvs_encode_options eo = {.add_special_tokens = false, .parse_special = true};
+        int32_t *ids;
+        int n1, n2;
+        cr_assert_eq(kvs_tokenizer_encode(tok, p, strlen(p), eo, &ids, &n1), KVS_OK);
+        free(ids);
+        cr_assert_eq(kvs_tokenizer_encode(tok, both, strlen(both), eo, &ids, &n2), KVS_OK);
+        free(ids);
+        free(both);
+        turn2 += n2, followup += n2 - n1;
+    }
+    json_decref(rows);
+    kvs_tokenizer_destroy(tok);
+    static const char *const strategies[3] = {"reprefill", "reuse", "prefix-cache"};
+    for (size_t i = 0; i < 6; i++) {
+        json_t *o = json_array_get(arr, i);
+        if (i < 3) cr_assert_str_eq(json_string_value(json_object_get(o, "policy")), "full");
+        cr_assert_str_eq(json_string_value(json_object_get(o, "strategy")), strategies[i % 3]);
+        cr_expect(json_is_number(json_object_get(o, "turn1_accuracy")) && json_is_number(json_object_get(o, "turn2_accuracy")));
+        cr_expect_eq(json_integer_value(json_object_get(o, "samples")), 3);
+        cr_expect_eq(json_integer_value(json_object_get(o, "turn2_prompt_tokens")), turn2);
+        /* turn 1 is answered once per policy: its accuracy is the same under every strategy */
+        cr_expect_float_eq(json_real_value(json_object_get(o, "turn1_accuracy")),
+                           json_real_value(json_object_get(json_array_get(arr, i / 3 * 3), "turn1_accuracy")), 1e-9);
+    }
+    cr_expect(strncmp(json_string_value(json_object_get(json_array_get(arr, 3), "policy")), "snapkv", 6) == 0);
+    for (size_t p = 0; p < 2; p++) {
+        json_t *reprefill = json_array_get(arr, 3 * p), *reuse = json_array_get(arr, 3 * p + 1),
+               *prefix = json_array_get(arr, 3 * p + 2);
+        cr_expect_eq(json_integer_value(json_object_get(reprefill, "turn2_prefill_tokens")), turn2,
+                     "reprefill prefills all of turn 2 (its salt shares nothing)");
+        cr_expect_eq(json_integer_value(json_object_get(reuse, "turn2_prefill_tokens")), followup,
+                     "reuse prefills the follow-up only");
+        cr_expect_leq(json_integer_value(json_object_get(prefix, "turn2_prefill_tokens")), turn2);
+        /* prefix caching: turn 2 reuses turn 1's cached blocks */
+        cr_expect_lt(json_integer_value(json_object_get(prefix, "turn2_prefill_tokens")),
+                     json_integer_value(json_object_get(reprefill, "turn2_prefill_tokens")) / 10,
+                     "prefix-cache prefills at most a tenth of reprefill's tokens");
+    }
+    /* the full cache: prefix-cache answers as reprefill does */
+    cr_expect_float_eq(json_real_value(json_object_get(json_array_get(arr, 2), "turn2_accuracy")),
+                       json_real_value(json_object_get(json_array_get(arr, 0), "turn2_accuracy")), 1e-9);
     json_decref(arr);
 }
 

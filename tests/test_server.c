@@ -248,6 +248,10 @@ Test(server, bad_input) {
         {"/v1/completions", "{\"prompt\": \"hi\", \"kv_policy\": {\"policy\": \"magic\"}}", 400, "kv_policy.policy"},
         {"/v1/completions", "{\"prompt\": \"hi\", \"kv_policy\": {\"budget\": -3}}", 400, "kv_policy.budget"},
         {"/v1/completions", "{\"prompt\": \"hi\", \"kv_policy\": {\"full_layers\": 99}}", 400, "kv_policy.full_layers"},
+        {"/v1/completions", "{\"prompt\": \"hi\", \"cache_salt\": 7}", 400, "cache_salt"},
+        {"/v1/completions", "{\"prompt\": \"hi\", \"cache_salt\": \"\"}", 400, "cache_salt"},
+        {"/v1/completions", "{\"prompt\": \"hi\", \"return_token_ids\": 1}", 400, "return_token_ids"},
+        {"/v1/chat/completions", "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"cache_salt\": [\"a\"]}", 400, "cache_salt"},
         {"/v1/completions", "{\"prompt\": [1, -2, 3]}", 400, "prompt"},
         {"/v1/completions", "{\"prompt\": [1, 999999]}", 400, "prompt"},
         {"/v1/completions", "{\"prompt\": []}", 400, "prompt"},
@@ -557,6 +561,71 @@ Test(server_parse, fields_and_policy) {
     kvs_api_request_free(&r);
 }
 
+Test(server_parse, cache_salt_and_return_token_ids) {
+    kvs_api_limits lim = {8192, 4096, 8};
+    kvs_api_request r;
+    kvs_api_error e;
+    const char *b = "{\"prompt\": [1, 2], \"cache_salt\": \"tenant-7\", \"return_token_ids\": true}";
+    cr_assert(kvs_api_parse_request(b, strlen(b), KVS_API_COMPLETIONS, &lim, &r, &e), "%s", e.message);
+    cr_expect_str_eq(r.cache_salt, "tenant-7");
+    cr_expect(r.return_token_ids);
+    kvs_api_request_free(&r);
+    b = "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"cache_salt\": null}";
+    cr_assert(kvs_api_parse_request(b, strlen(b), KVS_API_CHAT, &lim, &r, &e), "%s", e.message);
+    cr_expect_null(r.cache_salt);
+    kvs_api_request_free(&r);
+    static const char *const bad[] = {"{\"prompt\": \"hi\", \"cache_salt\": 1}", "{\"prompt\": \"hi\", \"cache_salt\": {}}",
+                                      "{\"prompt\": \"hi\", \"cache_salt\": true}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        cr_expect(!kvs_api_parse_request(bad[i], strlen(bad[i]), KVS_API_COMPLETIONS, &lim, &r, &e), "%s", bad[i]);
+        cr_expect_eq(e.http_status, 400);
+        cr_expect_str_eq(e.param, "cache_salt", "%s", bad[i]);
+    }
+    char big[400];
+    snprintf(big, sizeof big, "{\"prompt\": \"hi\", \"cache_salt\": \"%0257d\"}", 0);
+    cr_expect(!kvs_api_parse_request(big, strlen(big), KVS_API_COMPLETIONS, &lim, &r, &e), "a 257-byte salt");
+    cr_expect_str_eq(e.param, "cache_salt");
+}
+
+/* ---- prefix caching: salts, the ids of the answer, the metrics -------------- */
+Test(server, prefix_cache_salt_and_metrics) {
+    server_proc s = start_server(NULL);
+    static const char *const lines[] = {
+        "kvsparse_prefix_cache_queries_total{", "kvsparse_prefix_cache_hits_total{",
+        "kvsparse_prefix_cache_evictions_total{", "kvsparse_kv_cache_blocks_cached{model_name=\"tiny-needle-llama\",layer_kind=\"full\"}",
+        "kvsparse_kv_cache_blocks_cached{model_name=\"tiny-needle-llama\",layer_kind=\"sparse\"}",
+        "kvsparse_kv_cache_blocks_evictable{"};
+    double v;
+    for (size_t i = 0; i < sizeof lines / sizeof lines[0]; i++) metrics_value(s.port, lines[i], &v);
+    /* one prompt of 320 ids, sent without a salt twice, then with one */
+    char body[8192];
+    int n = snprintf(body, sizeof body, "{\"prompt\": [");
+    for (int i = 0; i < 320; i++) n += snprintf(body + n, sizeof body - n, "%s%d", i ? "," : "", 100 + (i * 37) % 7000);
+    char *tail = body + n;
+    const char *salts[3] = {NULL, NULL, "tenant-b"};
+    char answers[3][512];
+    double hits[4];
+    metrics_value(s.port, "kvsparse_prefix_cache_hits_total{", &hits[0]);
+    for (int k = 0; k < 3; k++) {
+        char salt[64] = "";
+        if (salts[k]) snprintf(salt, sizeof salt, ", \"cache_salt\": \"%s\"", salts[k]);
+        snprintf(tail, sizeof body - (size_t)(tail - body),
+                 "], \"max_tokens\": 6, \"temperature\": 0, \"ignore_eos\": true, \"return_token_ids\": true%s}", salt);
+        json_t *j = post_json(s.port, "/v1/completions", body, 200);
+        snprintf(answers[k], sizeof answers[k], "%s", choice_text(j, false));
+        json_t *ids = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "token_ids");
+        cr_expect_eq((int)json_array_size(ids), 6, "return_token_ids: the 6 generated ids");
+        json_decref(j);
+        metrics_value(s.port, "kvsparse_prefix_cache_hits_total{", &hits[k + 1]);
+    }
+    cr_expect_str_eq(answers[1], answers[0], "greedy: the same answer from the cache");
+    cr_expect_str_eq(answers[2], answers[0], "greedy: the same answer under another salt");
+    cr_expect_eq(hits[3], hits[2], "another salt finds nothing cached");
+    /* the second request reuses the first's full blocks (its last token is recomputed: 19 of 20) */
+    cr_expect_geq(hits[2] - hits[1], 304, "hits %g -> %g", hits[1], hits[2]);
+    cr_expect_eq(stop_server(&s), 0);
+}
+
 /* ---- a full queue answers 429; everything else still completes ------------- */
 static void *queued_request(void *arg) {
     stream_job *job = arg;
@@ -590,21 +659,26 @@ Test(server, queue_full_is_429) {
 }
 
 /* ---- bench serve against the server: a JSON report and a PNG ---------------- */
-Test(server, bench_serve) {
-    server_proc s = start_server(NULL);
-    const char *dir = make_temp_dir();
-    char cmd[2048], *out = NULL;
-    snprintf(cmd, sizeof cmd,
-             "'%s' bench serve --url http://127.0.0.1:%d --input-len 32 --output-len 8 --concurrency 1,4 "
-             "--num-prompts 8 --json-out %s/b.json --plot %s/b.png",
-             kvsparse_binary(), s.port, dir, dir);
-    int rc = run_capture(cmd, &out);
-    cr_expect_eq(rc, 0, "%s", out);
-    free(out);
-    char path[512];
+/* `bench serve ARGS --json-out DIR/b.json` against port: its report (asserted: exit 0); its output in *out. */
+static json_t *bench_serve_report(int port, const char *args, const char *dir, char **out) {
+    char cmd[2048], path[512];
+    snprintf(cmd, sizeof cmd, "'%s' bench serve --url http://127.0.0.1:%d %s --json-out %s/b.json", kvsparse_binary(),
+             port, args, dir);
+    int rc = run_capture(cmd, out);
+    cr_expect_eq(rc, 0, "%s", *out);
     snprintf(path, sizeof path, "%s/b.json", dir);
     json_t *j = load_json(path);
     cr_assert(j);
+    return j;
+}
+
+Test(server, bench_serve) {
+    server_proc s = start_server(NULL);
+    const char *dir = make_temp_dir();
+    char args[1024], *out = NULL, path[512];
+    snprintf(args, sizeof args, "--input-len 32 --output-len 8 --concurrency 1,4 --num-prompts 8 --plot %s/b.png", dir);
+    json_t *j = bench_serve_report(s.port, args, dir, &out);
+    free(out);
     json_t *levels = json_object_get(j, "levels");
     cr_expect_eq(json_array_size(levels), 2u);
     json_t *l0 = json_array_get(levels, 0);
@@ -618,6 +692,32 @@ Test(server, bench_serve) {
     cr_expect_eq(fread(sig, 1, 8, f), 8u);
     fclose(f);
     cr_expect(!memcmp(sig, "\x89PNG\r\n\x1a\n", 8));
+    cr_expect_eq(stop_server(&s), 0);
+}
+
+/* ---- bench serve's conversations: a shared prefix, several turns ------------ */
+Test(server, bench_serve_shared_prefix_turns) {
+    server_proc s = start_server(NULL);
+    char *out = NULL;
+    json_t *j = bench_serve_report(s.port, "--input-len 16 --output-len 4 --shared-prefix-len 64 --turns 3 "
+                                   "--concurrency 2 --num-prompts 3", make_temp_dir(), &out);
+    cr_expect(strstr(out, "later turns TTFT p50"), "%s", out);
+    free(out);
+    cr_expect_eq(json_integer_value(json_object_get(j, "turns")), 3);
+    json_t *l0 = json_array_get(json_object_get(j, "levels"), 0);
+    cr_expect_eq(json_integer_value(json_object_get(l0, "completed")), 9, "3 conversations of 3 turns");
+    cr_expect_eq(json_integer_value(json_object_get(l0, "failed")), 0);
+    cr_expect_gt(json_real_value(json_object_get(json_object_get(l0, "ttft_later_turns"), "p90_ms")), 0);
+    cr_expect_gt(json_real_value(json_object_get(json_object_get(l0, "ttft_first_turns"), "p50_ms")), 0);
+    json_t *rate = json_object_get(l0, "prefix_cache_hit_rate");
+    cr_expect(json_is_number(rate), "the hit rate from /metrics");
+    /* later turns reuse the last turn's prompt; first turns may reuse the shared 64 ids */
+    cr_expect_gt(json_real_value(rate), 0.3, "hit rate %g", json_real_value(rate));
+    json_decref(j);
+    /* each turn's prompt is the last one + its 4 answer ids + 16 new ones: 80, 100, 120 tokens */
+    double prompt_tokens;
+    metrics_value(s.port, "kvsparse_prompt_tokens_total{", &prompt_tokens);
+    cr_expect_eq(prompt_tokens, 3 * (80 + 100 + 120), "%g prompt tokens", prompt_tokens);
     cr_expect_eq(stop_server(&s), 0);
 }
 

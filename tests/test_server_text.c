@@ -52,7 +52,7 @@ Test(server_text, nul_byte_in_whole_responses_and_chunks) {
     for (int chat = 0; chat < 2; chat++) {
         /* top_logprobs 1 for chat; completions' top_logprobs key the NUL token's text,
            which jansson does not parse back: checked as text below */
-        kvs_resp_meta m = {chat ? KVS_API_CHAT : KVS_API_COMPLETIONS, "id-1", "tiny", 0, t, true, chat};
+        kvs_resp_meta m = {chat ? KVS_API_CHAT : KVS_API_COMPLETIONS, "id-1", "tiny", 0, t, true, chat, false};
         char *full = kvs_resp_full(&m, &s, KVS_FINISH_STOP, 4, 3);
         char *chunk = kvs_resp_chunk(&m, &s, false, KVS_FINISH_NONE, true);
         cr_assert(full && chunk);
@@ -108,7 +108,7 @@ static void sse_open(sse_rig *r, kvs_api_kind kind, const kvs_tokenizer *t, bool
     r->st->srv = &r->srv;
     r->st->gen = g;
     r->st->req_id = strdup("cmpl-test");
-    r->st->meta = (kvs_resp_meta){kind, r->st->req_id, "tiny", 0, t, true, 0};
+    r->st->meta = (kvs_resp_meta){kind, r->st->req_id, "tiny", 0, t, true, 0, false};
     r->st->fd = -1;
     r->st->include_usage = include_usage;
     r->st->role_sent = kind != KVS_API_CHAT;

@@ -86,6 +86,12 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i) {
     return ok ? 1 : -1;
 }
 
+int kvs_cli_prefix_caching_option(bool *enable, const char *arg) {
+    if (strcmp(arg, "--enable-prefix-caching") && strcmp(arg, "--no-enable-prefix-caching")) return 0;
+    *enable = !strcmp(arg, "--enable-prefix-caching");
+    return 1;
+}
+
 /* --device cuda[:K] --tensor-parallel-size N: CUDA backends on GPUs K .. K+N-1,
  * their NCCL communicators and the group (one thread per GPU). */
 static kvs_status load_cuda_ranks(const kvs_load_options *o, kvs_loaded *out, int tp, int device0) {

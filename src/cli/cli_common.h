@@ -65,6 +65,13 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i);
     "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 1.5)\n"
 void kvs_cli_unload(kvs_loaded *l);
 
+/* --enable-prefix-caching / --no-enable-prefix-caching (vLLM's names) as arg:
+ * sets *enable, returns 1; 0 when arg is neither. */
+int kvs_cli_prefix_caching_option(bool *enable, const char *arg);
+#define KVS_CLI_PREFIX_CACHING_HELP                                                             \
+    "  --enable-prefix-caching  reuse the cached KV of prompt prefixes across requests (default)\n" \
+    "  --no-enable-prefix-caching  prefill every prompt in full, cache nothing\n"
+
 /* The KV pool's bytes per rank: kv_gib when > 0 (1 GiB when both are 0), else
  * gpu_gib (a cap on each GPU's memory, emulating a smaller card) minus this
  * rank's weights, the model's step buffers (for the limits it was loaded

@@ -2,7 +2,14 @@
  * Each request is a streaming completion whose prompt is input-len random
  * token ids, with ignore_eos so exactly output-len tokens come back. For each
  * concurrency level, num-prompts requests run with that many in flight;
- * reported: requests/s, output tokens/s, TTFT, TPOT and ITL (mean, P50, P99). */
+ * reported: requests/s, output tokens/s, TTFT, TPOT and ITL (mean, P50, P99).
+ * Shared prefixes and conversations (prefix caching): --shared-prefix-len N
+ * puts the same N random ids before every prompt; --turns K makes each of the
+ * num-prompts a conversation of K requests, one after the other, turn k+1's
+ * prompt = turn k's prompt + its answer (the ids the server returns with
+ * vLLM's return_token_ids) + a new input-len question. Then also reported:
+ * the TTFT of first and of later turns, and the server's prefix-cache hit
+ * rate (its /metrics hits / queries over the level). */
 #include <arpa/inet.h>
 #include <jansson.h>
 #include <math.h>
@@ -23,17 +30,25 @@ typedef struct {
     char host[300], port[16], base[256]; /* base: path prefix, e.g. "/v1" */
     const char *model, *api_key, *json_out, *plot;
     int input_len, output_len, num_prompts, id_lo, id_hi;
+    int shared_prefix_len, turns; /* 0, 1: neither */
     int conc[32], n_conc;
     uint64_t seed;
 } bench_opts;
 
 typedef struct {
     bool ok;
+    int turn;                /* 0: a conversation's first request */
     double ttft, latency;
     int out_tokens;
     double *itl; /* gaps between content chunks */
     int n_itl;
 } req_result;
+
+/* A growing list of token ids: a conversation's prompt. */
+typedef struct {
+    int32_t *ids;
+    int n, cap;
+} id_list;
 
 typedef struct {
     const bench_opts *o;
@@ -48,10 +63,15 @@ static void usage(FILE *f) {
                "  --input-len N        prompt tokens (random ids; default 4000)\n"
                "  --output-len N       generated tokens per request (ignore_eos; default 500)\n"
                "  --concurrency LIST   requests in flight, e.g. 1,10,20 (default 1)\n"
-               "  --num-prompts N      requests per concurrency level (default: 4 x concurrency, at least 8)\n"
+               "  --num-prompts N      requests (conversations with --turns) per concurrency level (default:\n"
+               "                       4 x concurrency, at least 8)\n"
                "  --model NAME         the model to request (default: the first of GET /v1/models)\n"
                "  --api-key KEY        sent as 'Authorization: Bearer KEY'\n"
                "  --id-range LO,HI     random prompt ids in [LO, HI) (default 10,8000)\n"
+               "  --shared-prefix-len N  every prompt starts with the same N random ids, then its own\n"
+               "                       --input-len ones (default 0)\n"
+               "  --turns K            each of --num-prompts is a conversation of K requests in turn: the next\n"
+               "                       prompt is the last one + its answer + --input-len new ids (default 1)\n"
                "  --seed S             random prompt ids seed (default 0)\n"
                "  --json-out FILE      write the results as JSON to FILE\n"
                "  --plot FILE.png      plot output tokens/s and median TTFT against concurrency\n");
@@ -89,6 +109,7 @@ static int dial(const bench_opts *o) {
     return fd;
 }
 
+/* path: under base (/v1), or from the root when it is "/metrics" */
 static bool send_req(int fd, const bench_opts *o, const char *method, const char *path, const char *body) {
     char head[1024];
     char auth[300] = "";
@@ -96,7 +117,7 @@ static bool send_req(int fd, const bench_opts *o, const char *method, const char
     size_t bl = body ? strlen(body) : 0;
     int n = snprintf(head, sizeof head,
                      "%s %s%s HTTP/1.0\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: %zu\r\n\r\n",
-                     method, o->base, path, o->host, auth, bl);
+                     method, strcmp(path, "/metrics") ? o->base : "", path, o->host, auth, bl);
     const char *parts[2] = {head, body};
     size_t lens[2] = {(size_t)n, bl};
     for (int k = 0; k < 2; k++)
@@ -108,29 +129,52 @@ static bool send_req(int fd, const bench_opts *o, const char *method, const char
     return true;
 }
 
-/* GET /v1/models -> the first model's id (malloc'ed) or NULL. */
-static char *first_model(const bench_opts *o) {
+/* GET path -> the response (head and body, malloc'ed, 64 KiB at most) or NULL. */
+static char *http_get(const bench_opts *o, const char *path) {
     int fd = dial(o);
-    if (fd < 0 || !send_req(fd, o, "GET", "/models", NULL)) {
+    if (fd < 0 || !send_req(fd, o, "GET", path, NULL)) {
         if (fd >= 0) close(fd);
         return NULL;
     }
-    char buf[65536];
-    size_t n = 0;
+    size_t cap = 65536, n = 0;
+    char *buf = malloc(cap);
     ssize_t got;
-    while (n < sizeof buf - 1 && (got = recv(fd, buf + n, sizeof buf - 1 - n, 0)) > 0) n += (size_t)got;
+    while (buf && n < cap - 1 && (got = recv(fd, buf + n, cap - 1 - n, 0)) > 0) n += (size_t)got;
     close(fd);
-    buf[n] = 0;
-    char *b = strstr(buf, "\r\n\r\n");
+    if (buf) buf[n] = 0;
+    return buf;
+}
+
+/* GET /v1/models -> the first model's id (malloc'ed) or NULL. */
+static char *first_model(const bench_opts *o) {
+    char *buf = http_get(o, "/models");
+    char *b = buf ? strstr(buf, "\r\n\r\n") : NULL;
     json_t *j = b ? json_loads(b + 4, 0, NULL) : NULL;
     const char *id = json_string_value(json_object_get(json_array_get(json_object_get(j, "data"), 0), "id"));
     char *r = id ? strdup(id) : NULL;
     json_decref(j);
+    free(buf);
     return r;
 }
 
-/* One streaming request; fills r. */
-static void run_one(const bench_opts *o, const char *body, req_result *r) {
+/* kvsparse_prefix_cache_{queries,hits}_total from GET /metrics; false when
+ * the server has none (it is not kvsparse, or /metrics is not there). */
+static bool prefix_cache_counts(const bench_opts *o, double *queries, double *hits) {
+    char *buf = http_get(o, "/metrics");
+    const char *names[2] = {"\nkvsparse_prefix_cache_queries_total{", "\nkvsparse_prefix_cache_hits_total{"};
+    double *out[2] = {queries, hits};
+    bool ok = buf && strstr(buf, " 200 ");
+    for (int k = 0; ok && k < 2; k++) {
+        const char *at = strstr(buf, names[k]), *end = at ? strchr(at + 1, '}') : NULL;
+        ok = end && sscanf(end + 1, "%lf", out[k]) == 1;
+    }
+    free(buf);
+    return ok;
+}
+
+/* One streaming request; fills r, and answer with the generated ids when the
+ * server sends them (return_token_ids). */
+static void run_one(const bench_opts *o, const char *body, req_result *r, id_list *answer) {
     memset(r, 0, sizeof *r);
     r->itl = malloc(sizeof(double) * (o->output_len + 8));
     int fd = dial(o);
@@ -169,6 +213,11 @@ static void run_one(const bench_opts *o, const char *body, req_result *r) {
                 else if (r->n_itl < o->output_len + 8) r->itl[r->n_itl++] = now - last;
                 last = now;
             }
+            size_t k;
+            json_t *id;
+            json_array_foreach(json_object_get(ch, "token_ids"), k, id) {
+                if (answer->n < answer->cap) answer->ids[answer->n++] = (int32_t)json_integer_value(id);
+            }
             json_t *u = json_object_get(j, "usage");
             if (json_is_object(u)) r->out_tokens = (int)json_integer_value(json_object_get(u, "completion_tokens"));
             json_decref(j);
@@ -187,20 +236,65 @@ static void run_one(const bench_opts *o, const char *body, req_result *r) {
     r->ok = header_ok && done && r->out_tokens > 0;
 }
 
-static char *make_body(const bench_opts *o, uint64_t seed) {
-    kvs_rng rng;
-    kvs_rng_seed(&rng, seed);
-    size_t cap = (size_t)o->input_len * 8 + 512, n = 0;
+/* Room for n more ids; false when out of memory. */
+static bool reserve(id_list *l, int n) {
+    if (l->n + n <= l->cap) return true;
+    int cap = (l->n + n) * 2;
+    int32_t *p = realloc(l->ids, sizeof(int32_t) * (size_t)cap);
+    if (!p) return false;
+    l->ids = p;
+    l->cap = cap;
+    return true;
+}
+
+/* Appends n random ids in [id_lo, id_hi). */
+static bool add_random(const bench_opts *o, id_list *l, int n, kvs_rng *rng) {
+    if (!reserve(l, n)) return false;
+    for (int i = 0; i < n; i++) l->ids[l->n++] = o->id_lo + (int)(kvs_rng_u64(rng) % (uint64_t)(o->id_hi - o->id_lo));
+    return true;
+}
+
+static char *make_body(const bench_opts *o, const id_list *prompt) {
+    size_t cap = (size_t)prompt->n * 12 + 512, n = 0;
     char *b = malloc(cap);
+    if (!b) return NULL;
     n += (size_t)snprintf(b, cap, "{\"model\":\"%s\",\"prompt\":[", o->model);
-    for (int i = 0; i < o->input_len; i++)
-        n += (size_t)snprintf(b + n, cap - n, "%s%d", i ? "," : "",
-                              o->id_lo + (int)(kvs_rng_u64(&rng) % (uint64_t)(o->id_hi - o->id_lo)));
+    for (int i = 0; i < prompt->n; i++) n += (size_t)snprintf(b + n, cap - n, "%s%d", i ? "," : "", prompt->ids[i]);
     snprintf(b + n, cap - n,
              "],\"max_tokens\":%d,\"ignore_eos\":true,\"temperature\":0,\"stream\":true,"
-             "\"stream_options\":{\"include_usage\":true}}",
-             o->output_len);
+             "\"stream_options\":{\"include_usage\":true}%s}",
+             o->output_len, o->turns > 1 ? ",\"return_token_ids\":true" : "");
     return b;
+}
+
+/* Conversation i: --shared-prefix-len shared ids, then per turn input-len ids
+ * of its own (seeded by i), the answer appended before the next turn's. */
+static void run_conversation(const bench_opts *o, int i, req_result *res) {
+    id_list prompt = {0}, answer = {malloc(sizeof(int32_t) * (size_t)(o->output_len + 8)), 0, o->output_len + 8};
+    kvs_rng rng;
+    kvs_rng_seed(&rng, o->seed ^ 0x5a17ed9f1e11ull); /* the shared prefix: one seed for all */
+    bool ok = answer.ids && add_random(o, &prompt, o->shared_prefix_len, &rng);
+    kvs_rng_seed(&rng, o->seed * 1000003u + (uint64_t)i);
+    for (int t = 0; t < o->turns; t++) { /* after a failed turn, the rest fail too */
+        char *body = ok && add_random(o, &prompt, o->input_len, &rng) ? make_body(o, &prompt) : NULL;
+        answer.n = 0;
+        if (body) run_one(o, body, &res[t], &answer);
+        else memset(&res[t], 0, sizeof res[t]);
+        free(body);
+        res[t].turn = t;
+        ok = res[t].ok;
+        if (!ok || t + 1 == o->turns) continue;
+        if (answer.n != res[t].out_tokens) {
+            kvs_log(KVS_LOG_WARN, "bench serve: %d of %d answer ids came back (return_token_ids): the conversation "
+                    "cannot go on", answer.n, res[t].out_tokens);
+            ok = false;
+        } else if ((ok = reserve(&prompt, answer.n))) { /* the answer, before the next question */
+            memcpy(prompt.ids + prompt.n, answer.ids, sizeof(int32_t) * (size_t)answer.n);
+            prompt.n += answer.n;
+        }
+    }
+    free(prompt.ids);
+    free(answer.ids);
 }
 
 static void *worker(void *arg) {
@@ -208,9 +302,7 @@ static void *worker(void *arg) {
     for (;;) {
         int i = atomic_fetch_add(&L->next, 1);
         if (i >= L->o->num_prompts) break;
-        char *body = make_body(L->o, L->o->seed * 1000003u + (uint64_t)i);
-        run_one(L->o, body, &L->res[i]);
-        free(body);
+        run_conversation(L->o, i, &L->res[(size_t)i * L->o->turns]);
         atomic_fetch_add(&L->done, 1);
     }
     return NULL;
@@ -218,7 +310,7 @@ static void *worker(void *arg) {
 
 /* ---- statistics and reporting ----------------------------------------------- */
 typedef struct {
-    double mean, p50, p99;
+    double mean, p50, p90, p99;
 } dist;
 
 static int cmp_double(const void *a, const void *b) {
@@ -227,31 +319,39 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 static dist summarize(double *v, int n) {
-    dist d = {0, 0, 0};
+    dist d = {0, 0, 0, 0};
     if (n == 0) return d;
     qsort(v, (size_t)n, sizeof *v, cmp_double);
     for (int i = 0; i < n; i++) d.mean += v[i];
     d.mean /= n;
     d.p50 = v[(int)floor(0.50 * (n - 1) + 0.5)];
+    d.p90 = v[(int)floor(0.90 * (n - 1) + 0.5)];
     d.p99 = v[(int)floor(0.99 * (n - 1) + 0.5)];
     return d;
 }
 
 static json_t *dist_json(dist d) {
-    return json_pack("{s:f, s:f, s:f}", "mean_ms", d.mean * 1e3, "p50_ms", d.p50 * 1e3, "p99_ms", d.p99 * 1e3);
+    return json_pack("{s:f, s:f, s:f, s:f}", "mean_ms", d.mean * 1e3, "p50_ms", d.p50 * 1e3, "p90_ms", d.p90 * 1e3,
+                     "p99_ms", d.p99 * 1e3);
 }
 
 typedef struct {
-    int conc, ok, failed;
+    int conc, ok, failed, n_first, n_later;
     double duration, req_s, tok_s;
     dist ttft, tpot, itl;
+    dist ttft_first, ttft_later; /* of conversations' first turns, of the others */
+    bool have_cache;             /* the server's prefix-cache counters were read */
+    double cache_queries, cache_hits; /* over the level */
 } level_result;
 
 static level_result run_level(const bench_opts *o, int conc) {
     level_state L = {.o = o, .conc = conc};
     atomic_init(&L.next, 0);
     atomic_init(&L.done, 0);
-    L.res = calloc((size_t)o->num_prompts, sizeof *L.res);
+    int n_req = o->num_prompts * o->turns;
+    L.res = calloc((size_t)n_req, sizeof *L.res);
+    double q0 = 0, h0 = 0, q1 = 0, h1 = 0;
+    bool have_cache = prefix_cache_counts(o, &q0, &h0);
     pthread_t *th = calloc((size_t)conc, sizeof *th);
     char label[64];
     snprintf(label, sizeof label, "concurrency %d", conc);
@@ -268,17 +368,22 @@ static level_result run_level(const bench_opts *o, int conc) {
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
     kvs_progress_finish(&pr);
     level_result R = {.conc = conc, .duration = kvs_now() - t0};
-    double *ttft = malloc(sizeof(double) * (o->num_prompts + 1)), *tpot = malloc(sizeof(double) * (o->num_prompts + 1));
+    R.have_cache = have_cache && prefix_cache_counts(o, &q1, &h1);
+    R.cache_queries = q1 - q0, R.cache_hits = h1 - h0;
+    double *ttft = malloc(sizeof(double) * (n_req + 1)), *tpot = malloc(sizeof(double) * (n_req + 1));
+    double *first = malloc(sizeof(double) * (n_req + 1)), *later = malloc(sizeof(double) * (n_req + 1));
     size_t n_itl = 0;
-    for (int i = 0; i < o->num_prompts; i++) n_itl += (size_t)L.res[i].n_itl;
+    for (int i = 0; i < n_req; i++) n_itl += (size_t)L.res[i].n_itl;
     double *itl = malloc(sizeof(double) * (n_itl + 1));
     int n_tpot = 0;
     long long tokens = 0;
     n_itl = 0;
-    for (int i = 0; i < o->num_prompts; i++) {
+    for (int i = 0; i < n_req; i++) {
         req_result *r = &L.res[i];
         if (!r->ok) { R.failed++; free(r->itl); continue; }
         ttft[R.ok++] = r->ttft;
+        if (r->turn == 0) first[R.n_first++] = r->ttft;
+        else later[R.n_later++] = r->ttft;
         tokens += r->out_tokens;
         if (r->out_tokens > 1) tpot[n_tpot++] = (r->latency - r->ttft) / (r->out_tokens - 1);
         memcpy(itl + n_itl, r->itl, sizeof(double) * r->n_itl);
@@ -290,6 +395,10 @@ static level_result run_level(const bench_opts *o, int conc) {
     R.ttft = summarize(ttft, R.ok);
     R.tpot = summarize(tpot, n_tpot);
     R.itl = summarize(itl, (int)n_itl);
+    R.ttft_first = summarize(first, R.n_first);
+    R.ttft_later = summarize(later, R.n_later);
+    free(first);
+    free(later);
     free(ttft);
     free(tpot);
     free(itl);
@@ -300,8 +409,13 @@ static level_result run_level(const bench_opts *o, int conc) {
 
 static int bench_run_levels(bench_opts *o, char *found_model) {
     level_result R[32];
-    printf("bench serve: %s:%s%s model %s, input %d tokens, output %d tokens\n", o->host, o->port, o->base, o->model,
+    printf("bench serve: %s:%s%s model %s, input %d tokens, output %d tokens", o->host, o->port, o->base, o->model,
            o->input_len, o->output_len);
+    bool conversations = o->shared_prefix_len > 0 || o->turns > 1;
+    if (conversations)
+        printf(", a shared prefix of %d tokens, %d turn%s per conversation", o->shared_prefix_len, o->turns,
+               o->turns == 1 ? "" : "s");
+    printf("\n");
     printf("%6s %7s %9s %10s %10s %10s %9s %9s %9s %9s %9s %9s %6s\n", "conc", "req/s", "out tok/s", "TTFT mean",
            "TTFT p50", "TTFT p99", "TPOT mean", "TPOT p50", "TPOT p99", "ITL mean", "ITL p50", "ITL p99", "failed");
     json_t *levels = json_array();
@@ -316,17 +430,32 @@ static int bench_run_levels(bench_opts *o, char *found_model) {
                r->conc, r->req_s, r->tok_s, r->ttft.mean * 1e3, r->ttft.p50 * 1e3, r->ttft.p99 * 1e3,
                r->tpot.mean * 1e3, r->tpot.p50 * 1e3, r->tpot.p99 * 1e3, r->itl.mean * 1e3, r->itl.p50 * 1e3,
                r->itl.p99 * 1e3, r->failed);
+        if (conversations) {
+            printf("%6s first turns TTFT p50 %.1fms p90 %.1fms (%d), later turns TTFT p50 %.1fms p90 %.1fms (%d); "
+                   "prefix cache hit rate ", "", r->ttft_first.p50 * 1e3, r->ttft_first.p90 * 1e3, r->n_first,
+                   r->ttft_later.p50 * 1e3, r->ttft_later.p90 * 1e3, r->n_later);
+            if (r->have_cache) printf("%.1f%% (%.0f of %.0f prompt tokens)\n", r->cache_queries > 0 ? 100 * r->cache_hits / r->cache_queries : 0.0, r->cache_hits, r->cache_queries);
+            else printf("unknown (no kvsparse_prefix_cache_* in /metrics)\n");
+        }
         fflush(stdout);
-        json_array_append_new(levels, json_pack("{s:i, s:i, s:i, s:i, s:f, s:f, s:f, s:o, s:o, s:o}", "concurrency",
+        json_t *lj = json_pack("{s:i, s:i, s:i, s:i, s:f, s:f, s:f, s:o, s:o, s:o}", "concurrency",
                                                 r->conc, "num_prompts", lo.num_prompts, "completed", r->ok, "failed",
                                                 r->failed, "duration_s", r->duration, "requests_per_s", r->req_s,
                                                 "output_tokens_per_s", r->tok_s, "ttft", dist_json(r->ttft), "tpot",
-                                                dist_json(r->tpot), "itl", dist_json(r->itl)));
+                                                dist_json(r->tpot), "itl", dist_json(r->itl));
+        json_object_set_new(lj, "ttft_first_turns", dist_json(r->ttft_first));
+        json_object_set_new(lj, "ttft_later_turns", dist_json(r->ttft_later));
+        json_object_set_new(lj, "prefix_cache_queries", r->have_cache ? json_real(r->cache_queries) : json_null());
+        json_object_set_new(lj, "prefix_cache_hits", r->have_cache ? json_real(r->cache_hits) : json_null());
+        json_object_set_new(lj, "prefix_cache_hit_rate",
+                            r->have_cache ? json_real(r->cache_queries > 0 ? r->cache_hits / r->cache_queries : 0) : json_null());
+        json_array_append_new(levels, lj);
     }
     int rc = 0;
     if (o->json_out) {
-        json_t *root = json_pack("{s:s, s:s, s:i, s:i, s:I, s:o}", "url", o->host, "model", o->model, "input_len",
-                                 o->input_len, "output_len", o->output_len, "seed", (json_int_t)o->seed, "levels",
+        json_t *root = json_pack("{s:s, s:s, s:i, s:i, s:i, s:i, s:I, s:o}", "url", o->host, "model", o->model,
+                                 "input_len", o->input_len, "output_len", o->output_len, "shared_prefix_len",
+                                 o->shared_prefix_len, "turns", o->turns, "seed", (json_int_t)o->seed, "levels",
                                  json_incref(levels));
         if (json_dump_file(root, o->json_out, JSON_INDENT(2)) != 0) {
             fprintf(stderr, "kvsparse bench serve: could not write %s\n", o->json_out);
@@ -350,7 +479,8 @@ static int bench_run_levels(bench_opts *o, char *found_model) {
 }
 
 int kvs_cmd_bench_serve(int argc, char **argv) {
-    bench_opts o = {.input_len = 4000, .output_len = 500, .num_prompts = 0, .id_lo = 10, .id_hi = 8000, .seed = 0};
+    bench_opts o = {.input_len = 4000, .output_len = 500, .num_prompts = 0, .id_lo = 10, .id_hi = 8000, .seed = 0,
+                    .turns = 1};
     const char *url = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -360,6 +490,8 @@ int kvs_cmd_bench_serve(int argc, char **argv) {
         else if (!strcmp(a, "--input-len") && v) o.input_len = atoi(argv[++i]);
         else if (!strcmp(a, "--output-len") && v) o.output_len = atoi(argv[++i]);
         else if (!strcmp(a, "--num-prompts") && v) o.num_prompts = atoi(argv[++i]);
+        else if (!strcmp(a, "--shared-prefix-len") && v) o.shared_prefix_len = atoi(argv[++i]);
+        else if (!strcmp(a, "--turns") && v) o.turns = atoi(argv[++i]);
         else if (!strcmp(a, "--model") && v) o.model = argv[++i];
         else if (!strcmp(a, "--api-key") && v) o.api_key = argv[++i];
         else if (!strcmp(a, "--json-out") && v) o.json_out = argv[++i];
@@ -384,8 +516,10 @@ int kvs_cmd_bench_serve(int argc, char **argv) {
         usage(stderr);
         return 2;
     }
-    if (!url || !parse_url(url, &o) || o.input_len < 1 || o.output_len < 1 || o.num_prompts < 0) {
-        fprintf(stderr, "kvsparse bench serve: --url http://HOST:PORT is required; lengths must be >= 1\n");
+    if (!url || !parse_url(url, &o) || o.input_len < 1 || o.output_len < 1 || o.num_prompts < 0 ||
+        o.shared_prefix_len < 0 || o.turns < 1 || o.turns > 1000) {
+        fprintf(stderr, "kvsparse bench serve: --url http://HOST:PORT is required; lengths must be >= 1 (a shared "
+                "prefix >= 0), --turns 1 to 1000\n");
         return 2;
     }
     if (!o.n_conc) o.conc[o.n_conc++] = 1;

@@ -16,7 +16,7 @@ typedef struct {
     int input_len, output_len, num_prompts, max_num_seqs, max_num_batched_tokens;
     double kv_gib, gpu_gib;
     uint64_t seed;
-    bool ignore_eos, json;
+    bool ignore_eos, json, prefix_caching;
 } tp_options;
 
 typedef struct {
@@ -34,6 +34,7 @@ static void usage(FILE *f) {
                "  --kv-memory GiB        the KV pool's size (default 1; per rank)\n"
                "  --gpu-memory GiB       cap on the memory taken (per GPU): KV = cap - weights - activations\n"
                "  --seed S               prompt ids seed (default 0)\n"
+               KVS_CLI_PREFIX_CACHING_HELP
                "  --json                 print one JSON object\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP);
 }
@@ -61,10 +62,12 @@ static int parse_args(int argc, char **argv, tp_options *o) {
     o->num_prompts = 100;
     o->max_num_seqs = 64;
     o->max_num_batched_tokens = 2048;
+    o->prefix_caching = kvs_engine_config_default().enable_prefix_caching;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
         if (r == 0) r = kvs_cli_policy_option(&o->policy, argc, argv, &i);
+        if (r == 0) r = kvs_cli_prefix_caching_option(&o->prefix_caching, a);
         if (r < 0) goto bad;
         if (r > 0) continue;
         bool v = i + 1 < argc;
@@ -114,6 +117,7 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     c.max_num_batched_tokens = o->max_num_batched_tokens;
     c.max_waiting = o->num_prompts + 1;
     c.default_policy = o->policy;
+    c.enable_prefix_caching = o->prefix_caching;
     KVS_TRY(kvs_cli_kv_bytes(l, o->kv_gib, o->gpu_gib, &o->policy, &c.kv_memory_bytes));
     kvs_engine *e;
     KVS_TRY(kvs_cli_engine(l, &c, &e));
@@ -172,6 +176,9 @@ static void report(const tp_options *o, const tp_counts *c, const tp_result *r) 
                               (json_int_t)r->peak_blocks, "kv_blocks_total", (json_int_t)s->kv_blocks_total,
                               "kv_tokens_capacity", (json_int_t)s->kv_tokens_capacity, "preemptions",
                               (json_int_t)s->preemptions, "steps", (json_int_t)r->steps);
+        json_object_set_new(j, "prefix_caching", json_boolean(o->prefix_caching));
+        json_object_set_new(j, "prefix_cache_queries", json_integer((json_int_t)s->prefix_cache_queries));
+        json_object_set_new(j, "prefix_cache_hits", json_integer((json_int_t)s->prefix_cache_hits));
         char *text = json_dumps(j, JSON_COMPACT);
         printf("%s\n", text);
         free(text);
@@ -188,6 +195,8 @@ static void report(const tp_options *o, const tp_counts *c, const tp_result *r) 
            (long long)r->peak_blocks, (long long)s->kv_blocks_total, total > 0 ? 100.0 * r->peak_blocks / total : 0,
            (long long)s->kv_tokens_capacity);
     printf("preemptions:         %llu\n", (unsigned long long)s->preemptions);
+    printf("prefix cache:        %s, %llu of %llu prompt tokens found\n", o->prefix_caching ? "on" : "off",
+           (unsigned long long)s->prefix_cache_hits, (unsigned long long)s->prefix_cache_queries);
 }
 
 int kvs_cmd_bench_throughput(int argc, char **argv) {

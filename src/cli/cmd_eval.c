@@ -10,10 +10,10 @@
 #include "cli/eval.h"
 #include "engine/engine.h"
 
-int kvs_cmd_eval_ppl(int argc, char **argv); /* cmd_eval_ppl.c */
+int kvs_cmd_eval_ppl(int argc, char **argv);       /* cmd_eval_ppl.c */
+int kvs_cmd_eval_multiturn(int argc, char **argv); /* cmd_eval_multiturn.c */
 
 #define MAX_BUCKETS 16
-#define MAX_NEW 16
 
 typedef struct {
     int bucket[MAX_BUCKETS], correct[MAX_BUCKETS], count[MAX_BUCKETS];
@@ -40,8 +40,9 @@ static void usage(FILE *f) {
 }
 
 static void eval_usage(FILE *f) {
-    fprintf(f, "usage: kvsparse eval (retrieval | ppl) [options]\n"
+    fprintf(f, "usage: kvsparse eval (retrieval | multiturn | ppl) [options]\n"
                "  retrieval  long-context retrieval accuracy of KV policies (--data FILE.jsonl)\n"
+               "  multiturn  follow-up accuracy after a compressed first turn: reprefill, reuse, prefix-cache\n"
                "  ppl        perplexity of a text's continuation after a long prefix (--text FILE)\n"
                "Run 'kvsparse eval COMMAND --help' for a command's options.\n");
 }
@@ -61,49 +62,12 @@ static int bucket_of(const char *id, int n_prompt) {
     return b > 0 ? b : (n_prompt + 500) / 1000 * 1000;
 }
 
-static char *trimmed(const char *s) {
-    while (*s == ' ' || *s == '\n' || *s == '\t' || *s == '\r') s++;
-    size_t n = strlen(s);
-    while (n && (s[n - 1] == ' ' || s[n - 1] == '\n' || s[n - 1] == '\t' || s[n - 1] == '\r')) n--;
-    char *out = malloc(n + 1);
-    memcpy(out, s, n);
-    out[n] = 0;
-    return out;
-}
-
-/* One policy's answer to one prompt. */
-typedef struct {
-    int32_t ids[MAX_NEW];
-    int n;
-    double t_first, compression; /* when the prefill's token came; the KV's compression after the prompt */
-    char error[256];
-} eval_answer;
-
-static void on_answer(void *user, const kvs_request_output *out) {
-    eval_answer *a = user;
-    if (out->n_tokens && a->n == 0) a->t_first = kvs_now(), a->compression = out->prompt_compression;
-    for (int i = 0; i < out->n_tokens && a->n < MAX_NEW; i++) a->ids[a->n++] = out->token_ids[i];
-    if (out->finish == KVS_FINISH_ERROR) snprintf(a->error, sizeof a->error, "%s", out->error ? out->error : "error");
-}
-
-/* The greedy answer (up to MAX_NEW tokens, to EOS) under policy p, through the
- * engine; its text trimmed into *text. */
+/* The greedy answer (up to KVS_EVAL_MAX_NEW tokens, to EOS) under policy p, through the engine. */
 static kvs_status answer(kvs_loaded *l, kvs_engine *e, const int32_t *ids, int n, const kvs_kv_policy *p,
-                         eval_answer *a, char **text) {
-    memset(a, 0, sizeof *a);
+                         kvs_eval_answer *a, char **text) {
     kvs_request_params rp = {.prompt_ids = ids, .n_prompt = n, .sampling = kvs_sampling_default(),
-                             .max_tokens = MAX_NEW, .policy = p};
-    KVS_TRY(kvs_engine_submit(e, &rp, on_answer, a, NULL));
-    kvs_status st = KVS_OK;
-    while (st == KVS_OK && !kvs_engine_idle(e)) st = kvs_engine_step(e);
-    if (st == KVS_OK && a->error[0]) st = kvs_fail(KVS_ERR_INTERNAL, "%s", a->error);
-    char *raw = NULL;
-    if (st == KVS_OK) st = kvs_tokenizer_decode(l->tok, a->ids, a->n, true, &raw, NULL);
-    if (st == KVS_OK) {
-        *text = trimmed(raw);
-        free(raw);
-    }
-    return st;
+                             .max_tokens = KVS_EVAL_MAX_NEW, .policy = p};
+    return kvs_eval_answer_run(l->tok, e, &rp, a, text);
 }
 
 static json_t *score_json(const char *name, const policy_score *s, int n_samples) {
@@ -140,24 +104,18 @@ static void print_table(const kvs_eval_policies *P, const policy_score *S, doubl
 }
 
 static int eval_retrieval(int argc, char **argv) {
-    kvs_load_options lo = {.allow_tp = true};
-    kvs_kv_policy base = kvs_kv_policy_default(KVS_POLICY_FULL);
-    char kinds[512] = "", budgets[512] = "";
-    const char *data = NULL, *answers_path = NULL;
-    int limit = 0;
-    bool as_json = false;
+    kvs_eval_options o = kvs_eval_options_default();
+    const char *answers_path = NULL;
     for (int i = 1; i < argc; i++) {
-        int r = kvs_cli_load_option(&lo, argc, argv, &i);
-        if (r == 0) r = kvs_eval_policy_option(&base, kinds, budgets, sizeof kinds, argc, argv, &i);
+        int r = kvs_eval_option(&o, argc, argv, &i);
         if (r > 0) continue;
-        if (r == 0 && !strcmp(argv[i], "--data") && i + 1 < argc) data = argv[++i];
-        else if (r == 0 && !strcmp(argv[i], "--limit") && i + 1 < argc) limit = atoi(argv[++i]);
-        else if (r == 0 && !strcmp(argv[i], "--json")) as_json = true;
-        else if (r == 0 && !strcmp(argv[i], "--answers") && i + 1 < argc) answers_path = argv[++i];
+        if (r == 0 && !strcmp(argv[i], "--answers") && i + 1 < argc) answers_path = argv[++i];
         else if (r == 0 && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) { usage(stdout); return 0; }
         else { fprintf(stderr, "kvsparse eval retrieval: bad or incomplete option '%s'\n", argv[i]); usage(stderr); return 2; }
     }
-    if (!data || limit < 0) { fprintf(stderr, "kvsparse eval retrieval: --data FILE.jsonl is required\n"); return 2; }
+    const char *data = o.data;
+    int limit = o.limit;
+    if (!data) { fprintf(stderr, "kvsparse eval retrieval: --data FILE.jsonl is required\n"); return 2; }
     FILE *f = fopen(data, "rb");
     if (!f) { fprintf(stderr, "kvsparse: %s: cannot open\n", data); return 1; }
     FILE *answers = answers_path ? fopen(answers_path, "w") : NULL;
@@ -167,31 +125,18 @@ static int eval_retrieval(int argc, char **argv) {
         return 1;
     }
     kvs_loaded l;
-    if (kvs_cli_load(&lo, &l) != KVS_OK) {
+    if (kvs_cli_load(&o.load, &l) != KVS_OK) {
         fclose(f);
         if (answers) fclose(answers);
         return kvs_cli_error();
     }
+    /* without prefix caching: every policy prefills each prompt itself (the throughput measured) */
     kvs_eval_policies P;
-    kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
-    if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
-    /* one request at a time, its prompt prefilled in chunks of 2048 tokens */
-    kvs_engine_config ec = kvs_engine_config_default();
-    ec.max_num_seqs = 1;
-    ec.max_num_batched_tokens = 2048;
-    ec.default_policy = base; /* its window: the largest the policies use */
-    ec.default_policy.kind = KVS_POLICY_FULL;
-    kvs_engine *e = NULL;
-    if (st == KVS_OK) ec.kv_memory_bytes = kvs_cli_kv_bytes_for(&l, l.cfg.max_position_embeddings, 1);
-    if (st == KVS_OK) st = kvs_cli_engine(&l, &ec, &e);
+    kvs_engine *e;
+    kvs_status st = kvs_eval_engine(&l, &o, 1, false, &P, &e);
     policy_score *S = calloc((size_t)P.n, sizeof *S);
-    /* count lines for the progress bar */
-    int n_lines = 0, c;
-    while ((c = fgetc(f)) != EOF) n_lines += c == '\n';
-    rewind(f);
-    if (limit && limit < n_lines) n_lines = limit;
     kvs_progress bar;
-    kvs_progress_start(&bar, "eval", n_lines);
+    kvs_progress_start(&bar, "eval", kvs_eval_count_lines(f, limit));
     char *line = NULL;
     size_t cap = 0;
     int n_samples = 0, line_no = 0;
@@ -213,13 +158,13 @@ static int eval_retrieval(int argc, char **argv) {
         int n = 0;
         kvs_encode_options eo = {.add_special_tokens = false, .parse_special = true};
         st = kvs_tokenizer_encode(l.tok, prompt, strlen(prompt), eo, &ids, &n);
-        char *want = ans ? trimmed(ans) : NULL, *hf_text = hf ? trimmed(hf) : NULL;
+        char *want = ans ? kvs_eval_trimmed(ans) : NULL, *hf_text = hf ? kvs_eval_trimmed(hf) : NULL;
         json_t *row = answers ? json_pack("{s:O?, s:i, s:o}", "id", json_object_get(o, "id"), "n_prompt_tokens", n,
                                           "answers", json_object())
                               : NULL;
         for (int p = 0; st == KVS_OK && p < P.n; p++) {
             char *text = NULL;
-            eval_answer a;
+            kvs_eval_answer a;
             double t0 = kvs_now();
             st = answer(&l, e, ids, n, &P.list[p], &a, &text);
             if (st != KVS_OK) {
@@ -258,7 +203,7 @@ static int eval_retrieval(int argc, char **argv) {
     if (answers) fclose(answers);
     if (st == KVS_OK) {
         double tok_s = prefill_time > 0 ? prefill_tokens / prefill_time : 0;
-        if (as_json) {
+        if (o.json) {
             json_t *arr = json_array();
             for (int p = 0; p < P.n; p++) {
                 json_t *o = score_json(P.names[p], &S[p], n_samples);
@@ -284,6 +229,7 @@ static int eval_retrieval(int argc, char **argv) {
 int kvs_cmd_eval(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "retrieval")) return eval_retrieval(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "ppl")) return kvs_cmd_eval_ppl(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "multiturn")) return kvs_cmd_eval_multiturn(argc - 1, argv + 1);
     bool help = argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
     eval_usage(help ? stdout : stderr);
     return help ? 0 : 2;

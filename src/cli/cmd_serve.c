@@ -55,6 +55,9 @@ static void usage(FILE *f) {
                "  --kv-memory GiB           KV pool size (default 1; per rank with --tensor-parallel-size)\n"
                "  --gpu-memory GiB          cap on each GPU's memory: KV = cap - weights - activations\n"
                "  --max-waiting N           queued requests at most; more get 429 (default 1024)\n"
+               "  --enable-prefix-caching   reuse the cached KV of prompt prefixes across requests (default;\n"
+               "                            requests share them only with an equal cache_salt)\n"
+               "  --no-enable-prefix-caching  prefill every prompt in full, cache nothing\n"
                "  --max-body-bytes N        request body limit (default 4 MiB; more gets 413)\n"
                "  --http-timeout S          close a connection that makes no progress for S seconds: an idle or\n"
                "                            slow client, or one that stops reading its response (default 60)\n"
@@ -86,6 +89,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
         if (r == 0) r = kvs_cli_policy_option(&o->ecfg.default_policy, argc, argv, &i);
+        if (r == 0) r = kvs_cli_prefix_caching_option(&o->ecfg.enable_prefix_caching, a);
         if (r < 0) goto bad;
         if (r > 0) continue;
         bool v = i + 1 < argc;

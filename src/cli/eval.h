@@ -1,6 +1,9 @@
-/* Shared by the eval commands: the policies under test. */
+/* Shared by the eval commands: the policies under test, and one greedy answer
+ * through the engine. */
 #ifndef KVS_CLI_EVAL_H
 #define KVS_CLI_EVAL_H
+
+#include <stdio.h>
 
 #include "cli/cli_common.h"
 
@@ -16,7 +19,48 @@ typedef struct {
  * comma-separated lists (their cross product is evaluated; "full" once);
  * the other --kv-* options apply to all. Returns 1 / 0 / -1 like kvs_cli_load_option. */
 int kvs_eval_policy_option(kvs_kv_policy *base, char *kinds, char *budgets, size_t cap, int argc, char **argv, int *i);
+/* The options of the eval commands over a data set (retrieval, multiturn):
+ * the model's, the policies' and --data FILE, --limit N, --json. */
+typedef struct {
+    kvs_load_options load;
+    kvs_kv_policy base;
+    char kinds[512], budgets[512]; /* --kv-policy, --kv-budget lists */
+    const char *data;
+    int limit;
+    bool json;
+} kvs_eval_options;
+kvs_eval_options kvs_eval_options_default(void);
+/* One of those at argv[*i]: 1 consumed, 0 not one of them, -1 a bad value. */
+int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i);
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
                                    int n_layers, kvs_eval_policies *out);
+
+/* The policies under test (in *P) and the engine that answers them: one
+ * request at a time, prompts prefilled in chunks of 2048 tokens, a pool for
+ * `room` sequences of the model's longest context, prefix caching on or off. */
+kvs_status kvs_eval_engine(kvs_loaded *l, const kvs_eval_options *o, int room, bool prefix_caching,
+                           kvs_eval_policies *P, kvs_engine **e);
+
+/* An answer of at most KVS_EVAL_MAX_NEW drawn tokens (greedy, to EOS). */
+#define KVS_EVAL_MAX_NEW 16
+
+typedef struct {
+    int32_t ids[KVS_EVAL_MAX_NEW]; /* the drawn tokens, after the forced ones */
+    int n, n_seen;                 /* drawn tokens kept; tokens delivered (forced ones too) */
+    int n_forced;                  /* the request's forced tokens, not kept */
+    double t_first, compression;   /* when the prefill's token came; the KV's compression after the prompt */
+    char error[256];
+} kvs_eval_answer;
+
+/* Runs one request through the engine to its end (the only one: the engine is
+ * stepped here) and keeps what it drew after its forced tokens in *a; their
+ * text (special tokens skipped, surrounding whitespace trimmed) into *text
+ * (malloc'ed). rp's max_tokens: its n_forced + KVS_EVAL_MAX_NEW at most. */
+kvs_status kvs_eval_answer_run(const kvs_tokenizer *tok, kvs_engine *e, const kvs_request_params *rp,
+                               kvs_eval_answer *a, char **text);
+/* s without surrounding whitespace (malloc'ed). */
+char *kvs_eval_trimmed(const char *s);
+/* The lines of f, limit at most (0: all), for a progress bar; f rewound. */
+int kvs_eval_count_lines(FILE *f, int limit);
 
 #endif

@@ -1,4 +1,5 @@
-/* The eval commands' shared parts: the lists of policies under test. */
+/* The eval commands' shared parts: the lists of policies under test, one
+ * greedy answer through the engine. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,24 @@ int kvs_eval_policy_option(kvs_kv_policy *base, char *kinds, char *budgets, size
         return 1;
     }
     return kvs_cli_policy_option(base, argc, argv, i);
+}
+
+kvs_eval_options kvs_eval_options_default(void) {
+    kvs_eval_options o = {.load = {.allow_tp = true}, .base = kvs_kv_policy_default(KVS_POLICY_FULL)};
+    return o;
+}
+
+int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i) {
+    int r = kvs_cli_load_option(&o->load, argc, argv, i);
+    if (r == 0) r = kvs_eval_policy_option(&o->base, o->kinds, o->budgets, sizeof o->kinds, argc, argv, i);
+    if (r != 0) return r;
+    const char *a = argv[*i];
+    bool v = *i + 1 < argc;
+    if (!strcmp(a, "--data") && v) o->data = argv[++*i];
+    else if (!strcmp(a, "--limit") && v) o->limit = atoi(argv[++*i]);
+    else if (!strcmp(a, "--json")) o->json = true;
+    else return 0;
+    return o->limit < 0 ? -1 : 1;
 }
 
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
@@ -38,4 +57,61 @@ kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds,
         }
     }
     return KVS_OK;
+}
+
+kvs_status kvs_eval_engine(kvs_loaded *l, const kvs_eval_options *o, int room, bool prefix_caching,
+                           kvs_eval_policies *P, kvs_engine **e) {
+    *e = NULL;
+    KVS_TRY(kvs_eval_policies_build(&o->base, o->kinds, o->budgets, l->cfg.n_layers, P));
+    if (!l->tok) return kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
+    kvs_engine_config ec = kvs_engine_config_default();
+    ec.enable_prefix_caching = prefix_caching;
+    ec.max_num_seqs = 1;
+    ec.max_num_batched_tokens = 2048;
+    ec.default_policy = o->base; /* its window: the largest the policies use */
+    ec.default_policy.kind = KVS_POLICY_FULL;
+    ec.kv_memory_bytes = kvs_cli_kv_bytes_for(l, l->cfg.max_position_embeddings, room);
+    return kvs_cli_engine(l, &ec, e);
+}
+
+char *kvs_eval_trimmed(const char *s) {
+    while (*s == ' ' || *s == '\n' || *s == '\t' || *s == '\r') s++;
+    size_t n = strlen(s);
+    while (n && (s[n - 1] == ' ' || s[n - 1] == '\n' || s[n - 1] == '\t' || s[n - 1] == '\r')) n--;
+    char *out = malloc(n + 1);
+    if (!out) return NULL;
+    memcpy(out, s, n);
+    out[n] = 0;
+    return out;
+}
+
+static void on_answer(void *user, const kvs_request_output *out) {
+    kvs_eval_answer *a = user;
+    if (out->n_tokens && a->n_seen == 0) a->t_first = kvs_now(), a->compression = out->prompt_compression;
+    for (int i = 0; i < out->n_tokens; i++, a->n_seen++)
+        if (a->n_seen >= a->n_forced && a->n < KVS_EVAL_MAX_NEW) a->ids[a->n++] = out->token_ids[i];
+    if (out->finish == KVS_FINISH_ERROR) snprintf(a->error, sizeof a->error, "%s", out->error ? out->error : "error");
+}
+
+kvs_status kvs_eval_answer_run(const kvs_tokenizer *tok, kvs_engine *e, const kvs_request_params *rp,
+                               kvs_eval_answer *a, char **text) {
+    memset(a, 0, sizeof *a);
+    a->n_forced = rp->n_forced;
+    *text = NULL;
+    KVS_TRY(kvs_engine_submit(e, rp, on_answer, a, NULL));
+    kvs_status st = KVS_OK;
+    while (st == KVS_OK && !kvs_engine_idle(e)) st = kvs_engine_step(e);
+    if (st == KVS_OK && a->error[0]) st = kvs_fail(KVS_ERR_INTERNAL, "%s", a->error);
+    char *raw = NULL;
+    if (st == KVS_OK) st = kvs_tokenizer_decode(tok, a->ids, a->n, true, &raw, NULL);
+    if (st == KVS_OK && !(*text = kvs_eval_trimmed(raw))) st = kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    free(raw);
+    return st;
+}
+
+int kvs_eval_count_lines(FILE *f, int limit) {
+    int n = 0, c;
+    while ((c = fgetc(f)) != EOF) n += c == '\n';
+    rewind(f);
+    return limit && limit < n ? limit : n;
 }

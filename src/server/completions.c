@@ -24,6 +24,7 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
         .ignore_eos = r->ignore_eos,
         .logprobs = r->logprobs ? (r->top_logprobs > 0 ? r->top_logprobs : 1) : 0,
         .policy = r->has_policy ? &r->policy : NULL,
+        .cache_salt = r->cache_salt,
     };
     kvs_gen *g = kvs_gen_create();
     if (!g) return kvs_api_fail(err, 500, NULL, "out of memory");
@@ -60,7 +61,8 @@ static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t 
     uint64_t n = atomic_fetch_add(&s->next_id, 1);
     snprintf(id, cap, "%s-%llx%06llx", r->kind == KVS_API_CHAT ? "chatcmpl" : "cmpl", (unsigned long long)s->started,
              (unsigned long long)n);
-    *m = (kvs_resp_meta){r->kind, id, s->model_name, (long long)time(NULL), s->tok, r->logprobs, r->top_logprobs};
+    *m = (kvs_resp_meta){r->kind, id, s->model_name, (long long)time(NULL), s->tok, r->logprobs, r->top_logprobs,
+                         r->return_token_ids};
 }
 
 static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, const kvs_api_request *r, kvs_gen *g,

@@ -86,6 +86,20 @@ char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, uint64
     metric(&b, "kvsparse_requests_finished_total", "counter", "Requests finished.", (double)st.requests_finished);
     metric(&b, "kvsparse_preemptions_total", "counter", "Requests preempted (KV blocks freed, recomputed later).",
            (double)st.preemptions);
+    metric(&b, "kvsparse_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           (double)st.prefix_cache_queries);
+    metric(&b, "kvsparse_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+           (double)st.prefix_cache_hits);
+    metric(&b, "kvsparse_prefix_cache_evictions_total", "counter", "Cached KV blocks evicted to make room.",
+           (double)st.prefix_cache_evictions);
+    put(&b, "# HELP kvsparse_kv_cache_blocks_cached KV blocks in the prefix cache (in use or evictable), per layer kind.\n"
+            "# TYPE kvsparse_kv_cache_blocks_cached gauge\n"
+            "kvsparse_kv_cache_blocks_cached{%s,layer_kind=\"full\"} %lld\n"
+            "kvsparse_kv_cache_blocks_cached{%s,layer_kind=\"sparse\"} %lld\n",
+        labels, (long long)st.kv_blocks_cached_full_layers, labels, (long long)st.kv_blocks_cached_sparse_layers);
+    metric(&b, "kvsparse_kv_cache_blocks_evictable", "gauge",
+           "Cached KV blocks no request holds (counted as free; evicted least recently used).",
+           (double)st.kv_blocks_evictable);
     metric(&b, "kvsparse_http_requests_total", "counter", "HTTP requests answered.", (double)http_requests);
     metric(&b, "kvsparse_http_errors_total", "counter", "HTTP requests answered with a 4xx or 5xx status.",
            (double)http_errors);

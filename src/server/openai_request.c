@@ -62,6 +62,7 @@ void kvs_api_request_free(kvs_api_request *r) {
     }
     free(r->messages);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->cache_salt);
     memset(r, 0, sizeof *r);
 }
 
@@ -120,6 +121,16 @@ static bool parse_stop(json_t *v, kvs_api_request *r, kvs_api_error *err) {
         if (memchr(json_string_value(s), 0, n)) return kvs_api_fail(err, 400, "stop", "stop strings must not hold NUL");
         r->stop[r->n_stop++] = strdup(json_string_value(s));
     }
+    return true;
+}
+
+/* vLLM's "cache_salt": a non-empty string (at most 256 bytes here, the engine's limit); null: none. */
+static bool parse_cache_salt(json_t *v, kvs_api_request *r, kvs_api_error *err) {
+    if (json_is_null(v)) return true;
+    if (!json_is_string(v)) return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must be a string");
+    size_t n = json_string_length(v);
+    if (n == 0 || n > 256) return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must have 1 to 256 bytes");
+    if (!(r->cache_salt = strdup(json_string_value(v)))) return kvs_api_fail(err, 500, NULL, "out of memory");
     return true;
 }
 
@@ -359,6 +370,10 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
         } else if (!strcmp(key, "kv_policy")) {
             if (!kvs_api_parse_policy(v, lim, &r->policy, err)) return false;
             r->has_policy = !json_is_null(v);
+        } else if (!strcmp(key, "return_token_ids")) {
+            if (!json_is_null(v) && !get_bool(v, "return_token_ids", &r->return_token_ids, err)) return false;
+        } else if (!strcmp(key, "cache_salt")) {
+            if (!parse_cache_salt(v, r, err)) return false;
         } else if (!strcmp(key, "suffix") && kind == KVS_API_COMPLETIONS) {
             if (!json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
                 return kvs_api_fail(err, 400, "suffix", "'suffix' is not supported");

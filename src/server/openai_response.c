@@ -105,6 +105,14 @@ static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
                      "text_offset", offs);
 }
 
+/* The choice's "token_ids" when asked (vLLM's return_token_ids). */
+static void put_token_ids(json_t *choice, const kvs_resp_meta *m, const kvs_resp_slice *s) {
+    if (!m->token_ids) return;
+    json_t *ids = json_array();
+    for (int i = 0; i < s->n; i++) json_array_append_new(ids, json_integer(s->ids[i]));
+    json_object_set_new(choice, "token_ids", ids);
+}
+
 static json_t *finish_json(kvs_finish f) {
     const char *r = kvs_resp_finish_reason(f);
     return r ? json_string(r) : json_null();
@@ -132,6 +140,7 @@ char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, kvs_finish 
     else
         json_object_set_new(choice, "text", text_json(s->text, s->text_len));
     json_object_set_new(choice, "logprobs", logprobs_json(m, s));
+    put_token_ids(choice, m, s);
     json_object_set_new(choice, "finish_reason", finish_json(finish));
     json_object_set_new(root, "choices", json_pack("[o]", choice));
     json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens));
@@ -151,6 +160,7 @@ char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first
         json_object_set_new(choice, "text", text_json(s->text, s->text_len));
     }
     json_object_set_new(choice, "logprobs", s->n ? logprobs_json(m, s) : json_null());
+    put_token_ids(choice, m, s);
     json_object_set_new(choice, "finish_reason", finish_json(finish));
     json_object_set_new(root, "choices", json_pack("[o]", choice));
     if (usage_field) json_object_set_new(root, "usage", json_null());

@@ -47,6 +47,8 @@ typedef struct {
     int top_logprobs;                   /* completions' integer logprobs / chat's top_logprobs */
     bool has_policy;
     kvs_kv_policy policy;
+    char *cache_salt;                   /* NULL: none; requests share cached prefixes only with equal salts */
+    bool return_token_ids;              /* vLLM's: the choices carry the generated "token_ids" */
 } kvs_api_request;
 
 /* Parses and validates a request body. On failure fills err (HTTP status,

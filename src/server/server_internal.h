@@ -24,6 +24,7 @@ typedef struct {
     const kvs_tokenizer *tok;
     bool logprobs;
     int top_logprobs;
+    bool token_ids; /* the choice's "token_ids": the slice's ids */
 } kvs_resp_meta;
 
 /* A slice of generated tokens and their text. */
