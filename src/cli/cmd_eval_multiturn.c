@@ -114,10 +114,12 @@ static kvs_status ask(kvs_loaded *l, kvs_engine *e, const kvs_request_params *rp
     return KVS_OK;
 }
 
-/* Turn 1 and the three turn 2s of one conversation under policy p. Turn 1
- * and prefix-cache's turn 2 share a salt of the policy's (policies never
- * share blocks: each one's figures stand alone); the other two have a salt
- * of their own, so that nothing is reused. */
+/* Turn 1 and the three turn 2s of one conversation under policy p. Turn 1,
+ * prefix-cache's turn 2 and reuse share a salt of the policy's (policies
+ * never share blocks: each one's figures stand alone); reprefill has a salt
+ * of its own, so that nothing is reused. reuse is turn 1 again (its cached
+ * blocks reused, its last tokens and window recomputed and compacted as the
+ * first time: turn 1's compressed cache), the follow-up forced after it. */
 static kvs_status run_conversation(kvs_loaded *l, kvs_engine *e, const conversation *c, int p,
                                    const kvs_kv_policy *policy, int *n_requests, policy_score *s) {
     char shared[32], own[48];
@@ -137,7 +139,7 @@ static kvs_status run_conversation(kvs_loaded *l, kvs_engine *e, const conversat
     KVS_TRY(ask(l, e, &rp, c->followup_answer, &ok, &hits));
     s->turn2_correct[REPREFILL] += ok;
     s->turn2_prefill[REPREFILL] += c->n2 - hits;
-    snprintf(own, sizeof own, "reuse-%d", (*n_requests)++); /* turn 1 again, the follow-up forced */
+    rp.cache_salt = shared; /* turn 1 again, the follow-up forced */
     rp.n_prompt = c->n1;
     rp.forced_ids = c->ids + c->n1;
     rp.n_forced = c->n2 - c->n1;
