@@ -626,6 +626,47 @@ Test(server, prefix_cache_salt_and_metrics) {
     cr_expect_eq(stop_server(&s), 0);
 }
 
+/* Two requests sharing a 1,000-token prefix (then 24 ids of their own): the
+ * second's kvsparse_prefix_cache_hits_total rises by at least 960 tokens (62
+ * whole blocks: 992) and its greedy answer equals the one from a server
+ * without the cache; the same under a per-request pyramidkv policy (the second
+ * scored with its own window and compacted for itself). */
+static void shared_prefix_body(char *body, size_t cap, int which, const char *policy) {
+    int n = snprintf(body, cap, "{\"prompt\": [");
+    for (int i = 0; i < 1024; i++)
+        n += snprintf(body + n, cap - n, "%s%d", i ? "," : "", i < 1000 ? 100 + (i * 37) % 7000 : 200 + which * 50 + i % 40);
+    snprintf(body + n, cap - n, "], \"max_tokens\": 8, \"temperature\": 0, \"ignore_eos\": true%s}", policy);
+}
+
+Test(server, a_shared_1000_token_prefix_is_reused_with_the_same_answer, .timeout = 300) {
+    static const char *const policies[2] = {"", ", \"kv_policy\": {\"policy\": \"pyramidkv\", \"budget\": \"20%\"}"};
+    char answers[2][2][512], body[16384];
+    double gained[2];
+    for (int cache = 1; cache >= 0; cache--) {
+        server_proc s = start_server(cache ? NULL : "--no-enable-prefix-caching");
+        for (int p = 0; p < 2; p++) {
+            double h0, h1;
+            shared_prefix_body(body, sizeof body, 2 * p, policies[p]);
+            json_decref(post_json(s.port, "/v1/completions", body, 200));
+            metrics_value(s.port, "kvsparse_prefix_cache_hits_total{", &h0);
+            shared_prefix_body(body, sizeof body, 2 * p + 1, policies[p]);
+            json_t *j = post_json(s.port, "/v1/completions", body, 200);
+            snprintf(answers[cache][p], sizeof answers[cache][p], "%s", choice_text(j, false));
+            json_decref(j);
+            metrics_value(s.port, "kvsparse_prefix_cache_hits_total{", &h1);
+            if (cache) gained[p] = h1 - h0;
+            else cr_expect_eq(h1, h0, "no hits without the cache");
+        }
+        expect_no_blocks(s.port);
+        cr_expect_eq(stop_server(&s), 0);
+    }
+    for (int p = 0; p < 2; p++) {
+        cr_log_info("policy %d: the second request found %g prompt tokens cached", p, gained[p]);
+        cr_expect_geq(gained[p], 960, "policy %d: hits rose by %g", p, gained[p]);
+        cr_expect_str_eq(answers[1][p], answers[0][p], "policy %d: the same greedy answer with and without the cache", p);
+    }
+}
+
 /* ---- a full queue answers 429; everything else still completes ------------- */
 static void *queued_request(void *arg) {
     stream_job *job = arg;
