@@ -48,6 +48,7 @@ static void usage(FILE *f) {
                "  --data FILE.jsonl      the conversations: prompt, answer, followup_text, followup_answer\n"
                "  --limit N              the first N conversations\n"
                "  --json                 one JSON array: an object per policy and strategy\n"
+               "  --answers FILE         write every conversation's answers per policy (JSON lines)\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "In eval, --kv-policy and --kv-budget take comma-separated lists: every combination is\n"
                "evaluated. The table's columns:\n" TABLE_LEGEND);
@@ -99,9 +100,10 @@ static kvs_status read_conversation(const kvs_tokenizer *tok, const char *line, 
     return st;
 }
 
-/* One request's answer; whether it is `want`; *hits: the prompt tokens it took from the prefix cache. */
-static kvs_status ask(kvs_loaded *l, kvs_engine *e, const kvs_request_params *rp, const char *want, bool *correct,
-                      int64_t *hits) {
+/* One request's answer (into answers[key] when answers is not NULL); whether
+ * it is `want`; *hits: the prompt tokens it took from the prefix cache. */
+static kvs_status ask(kvs_loaded *l, kvs_engine *e, const kvs_request_params *rp, const char *want, json_t *answers,
+                      const char *key, bool *correct, int64_t *hits) {
     kvs_engine_stats before, after;
     kvs_engine_get_stats(e, &before);
     kvs_eval_answer a;
@@ -110,6 +112,7 @@ static kvs_status ask(kvs_loaded *l, kvs_engine *e, const kvs_request_params *rp
     kvs_engine_get_stats(e, &after);
     *correct = !strcmp(text, want);
     *hits = (int64_t)(after.prefix_cache_hits - before.prefix_cache_hits);
+    if (answers) json_object_set_new(answers, key, json_string(text));
     free(text);
     return KVS_OK;
 }
@@ -121,22 +124,22 @@ static kvs_status ask(kvs_loaded *l, kvs_engine *e, const kvs_request_params *rp
  * blocks reused, its last tokens and window recomputed and compacted as the
  * first time: turn 1's compressed cache), the follow-up forced after it. */
 static kvs_status run_conversation(kvs_loaded *l, kvs_engine *e, const conversation *c, int p,
-                                   const kvs_kv_policy *policy, int *n_requests, policy_score *s) {
+                                   const kvs_kv_policy *policy, int *n_requests, policy_score *s, json_t *answers) {
     char shared[32], own[48];
     snprintf(shared, sizeof shared, "policy-%d", p);
     kvs_request_params rp = {.prompt_ids = c->ids, .n_prompt = c->n1, .sampling = kvs_sampling_default(),
                              .max_tokens = KVS_EVAL_MAX_NEW, .policy = policy, .cache_salt = shared};
     bool ok;
     int64_t hits;
-    KVS_TRY(ask(l, e, &rp, c->answer, &ok, &hits));
+    KVS_TRY(ask(l, e, &rp, c->answer, answers, "turn1", &ok, &hits));
     s->turn1_correct += ok;
     rp.n_prompt = c->n2; /* prefix-cache: turn 1's salt */
-    KVS_TRY(ask(l, e, &rp, c->followup_answer, &ok, &hits));
+    KVS_TRY(ask(l, e, &rp, c->followup_answer, answers, strategy_names[PREFIX_CACHE], &ok, &hits));
     s->turn2_correct[PREFIX_CACHE] += ok;
     s->turn2_prefill[PREFIX_CACHE] += c->n2 - hits;
     snprintf(own, sizeof own, "reprefill-%d", (*n_requests)++);
     rp.cache_salt = own;
-    KVS_TRY(ask(l, e, &rp, c->followup_answer, &ok, &hits));
+    KVS_TRY(ask(l, e, &rp, c->followup_answer, answers, strategy_names[REPREFILL], &ok, &hits));
     s->turn2_correct[REPREFILL] += ok;
     s->turn2_prefill[REPREFILL] += c->n2 - hits;
     rp.cache_salt = shared; /* turn 1 again, the follow-up forced */
@@ -144,7 +147,7 @@ static kvs_status run_conversation(kvs_loaded *l, kvs_engine *e, const conversat
     rp.forced_ids = c->ids + c->n1;
     rp.n_forced = c->n2 - c->n1;
     rp.max_tokens = rp.n_forced + KVS_EVAL_MAX_NEW;
-    KVS_TRY(ask(l, e, &rp, c->followup_answer, &ok, &hits));
+    KVS_TRY(ask(l, e, &rp, c->followup_answer, answers, strategy_names[REUSE], &ok, &hits));
     s->turn2_correct[REUSE] += ok;
     s->turn2_prefill[REUSE] += rp.n_forced; /* turn 1's cache kept: only the follow-up is new */
     s->turn2_prompt_tokens += c->n2;
@@ -186,9 +189,14 @@ static void report(const kvs_eval_policies *P, const policy_score *S, bool as_js
 
 int kvs_cmd_eval_multiturn(int argc, char **argv) {
     kvs_eval_options o = kvs_eval_options_default();
+    const char *answers_path = NULL;
     for (int i = 1; i < argc; i++) {
         int r = kvs_eval_option(&o, argc, argv, &i);
         if (r > 0) continue;
+        if (r == 0 && !strcmp(argv[i], "--answers") && i + 1 < argc) {
+            answers_path = argv[++i];
+            continue;
+        }
         if (r == 0 && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) { usage(stdout); return 0; }
         fprintf(stderr, "kvsparse eval multiturn: bad or incomplete option '%s'\n", argv[i]);
         usage(stderr);
@@ -198,10 +206,13 @@ int kvs_cmd_eval_multiturn(int argc, char **argv) {
     if (!data) { fprintf(stderr, "kvsparse eval multiturn: --data FILE.jsonl is required\n"); return 2; }
     FILE *f = fopen(data, "rb");
     if (!f) { fprintf(stderr, "kvsparse: %s: cannot open\n", data); return 1; }
+    FILE *answers = answers_path ? fopen(answers_path, "w") : NULL;
     kvs_loaded l;
-    if (kvs_cli_load(&o.load, &l) != KVS_OK) {
+    if ((answers_path && !answers) || kvs_cli_load(&o.load, &l) != KVS_OK) {
+        if (answers_path && !answers) fprintf(stderr, "kvsparse: %s: cannot write\n", answers_path);
         fclose(f);
-        return kvs_cli_error();
+        if (answers) fclose(answers);
+        return answers_path && !answers ? 1 : kvs_cli_error();
     }
     /* prefix caching on; room for a request of the longest context and the cached blocks of another */
     kvs_eval_policies P;
@@ -220,20 +231,32 @@ int kvs_cmd_eval_multiturn(int argc, char **argv) {
         bool skip;
         st = read_conversation(l.tok, line, where, &c, &skip);
         if (st != KVS_OK || skip) continue;
+        json_t *row = answers ? json_object() : NULL;
         for (int p = 0; st == KVS_OK && p < P.n; p++) {
-            st = run_conversation(&l, e, &c, p, &P.list[p], &n_requests, &S[p]);
+            json_t *mine = row ? json_object() : NULL;
+            if (row) json_object_set_new(row, P.names[p], mine);
+            st = run_conversation(&l, e, &c, p, &P.list[p], &n_requests, &S[p], mine);
             if (st != KVS_OK) {
                 char why[512];
                 snprintf(why, sizeof why, "%s", kvs_last_error());
                 st = kvs_fail(st, "%s: %s", where, why);
             }
         }
+        if (row && st == KVS_OK) {
+            json_t *line_out = json_pack("{s:s, s:O}", "line", where, "answers", row);
+            char *js = json_dumps(line_out, JSON_COMPACT);
+            fprintf(answers, "%s\n", js);
+            free(js);
+            json_decref(line_out);
+        }
+        json_decref(row);
         conversation_free(&c);
         kvs_progress_update(&bar, ++n_samples);
     }
     kvs_progress_finish(&bar);
     free(line);
     fclose(f);
+    if (answers) fclose(answers);
     if (st == KVS_OK) report(&P, S, o.json);
     free(S);
     kvs_engine_destroy(e);
