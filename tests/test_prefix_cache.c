@@ -67,8 +67,13 @@ Test(prefix_cache, a_shared_prefix_reuses_whole_blocks_in_every_layer) {
     int sc = kvs_kv_seq_create(kv);
     cr_expect_eq(kvs_kv_prefix_attach(kv, sc, a, 100, NULL, 40), 32);
     kvs_kv_free(kv, sc);
+    kvs_kv_free(kv, sb); /* finished, aborted or preempted alike: its references go */
+    for (int l = 0; l < L; l++) {
+        int na;
+        const int32_t *ta = kvs_kv_blocks(kv, sa, l, &na);
+        for (int i = 0; i < 5; i++) cr_expect_eq(kv->meta[ta[i]].ref, 1, "layer %d block %d: a's alone again", l, i);
+    }
     kvs_kv_free(kv, sa);
-    kvs_kv_free(kv, sb);
     check(kv);
     cr_expect_eq(kvs_kv_free_blocks(kv), 200, "cached blocks count as free");
     cr_expect(kvs_kv_evictable_blocks(kv) > 0);
