@@ -283,5 +283,3 @@ bool kvs_kv_layer_sparse(const kvs_kv_cache *kv, int seq_id, int layer) {
     const seq_state *s = kvs_kv_get_seq(kv, seq_id);
     return s && s->budgets && layer >= 0 && layer < kv->cfg.n_layers && s->budgets[layer] >= 0;
 }
-
-kvs_status kvs_kv_check(const kvs_kv_cache *kv) { return kvs_kv_check_blocks(kv); }

@@ -97,7 +97,6 @@ void kvs_kv_register_prompt(kvs_kv_cache *kv, seq_state *s);
  * shared or cached), and the prefix state's host memory freed. */
 bool kvs_kv_table_shared(const kvs_kv_cache *kv, const layer_table *t);
 void kvs_kv_free_prefix(kvs_kv_cache *kv, seq_state *s);
-kvs_status kvs_kv_check_blocks(const kvs_kv_cache *kv);
 int kvs_kv_blocks_for(const kvs_kv_cache *kv, int entries);
 void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks);
 void kvs_kv_free_sparsity(kvs_kv_cache *kv, seq_state *s);

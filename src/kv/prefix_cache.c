@@ -4,30 +4,25 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/sample.h" /* kvs_sample_mix64 */
 #include "kv/kv_internal.h"
 
-static uint64_t mix64(uint64_t x) { /* splitmix64's finalizer */
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 static uint64_t hash_block(uint64_t parent_hash, const int32_t *tokens, int n) {
-    uint64_t h = mix64(parent_hash ^ 0x243f6a8885a308d3ull);
-    for (int i = 0; i < n; i++) h = mix64(h ^ ((uint64_t)(uint32_t)tokens[i] + 0x9e3779b97f4a7c15ull));
+    uint64_t h = kvs_sample_mix64(parent_hash ^ 0x243f6a8885a308d3ull);
+    for (int i = 0; i < n; i++) h = kvs_sample_mix64(h ^ ((uint64_t)(uint32_t)tokens[i] + 0x9e3779b97f4a7c15ull));
     return h;
 }
 
 static uint64_t hash_salt(const char *salt, uint64_t basis) { /* FNV-1a, then mixed */
     uint64_t h = basis;
     for (const unsigned char *c = (const unsigned char *)(salt ? salt : ""); *c; c++) h = (h ^ *c) * 0x100000001b3ull;
-    return mix64(h ^ (salt ? 1 : 0));
+    return kvs_sample_mix64(h ^ (salt ? 1 : 0));
 }
 
 /* The key of prompt block hash h in a layer: never 0 (0 is "not cached"). */
-static uint64_t layer_key(uint64_t h, int layer) { return mix64(h ^ ((uint64_t)(layer + 1) * 0x9e3779b97f4a7c15ull)) | 1; }
+static uint64_t layer_key(uint64_t h, int layer) {
+    return kvs_sample_mix64(h ^ ((uint64_t)(layer + 1) * 0x9e3779b97f4a7c15ull)) | 1;
+}
 
 kvs_status kvs_kv_meta_create(kvs_kv_cache *kv) {
     int64_t n = kv->cfg.n_blocks;
@@ -122,8 +117,21 @@ void kvs_kv_free_prefix(kvs_kv_cache *kv, seq_state *s) {
 }
 
 /* ---- caching a sequence's prompt, finding a cached prefix ------------------------- */
+/* The cached block of prompt block i (tokens, hash h) in layer l whose parent
+ * is the given block: -1 when none verifies. */
 static int32_t lookup(const kvs_kv_cache *kv, uint64_t h, int l, const int32_t *tokens, uint64_t salt_check,
-                      int32_t parent);
+                      int32_t parent) {
+    uint64_t key = layer_key(h, l);
+    size_t bytes = sizeof(int32_t) * kv->cfg.block_size;
+    for (int32_t b = kv->buckets[key & (uint64_t)(kv->n_buckets - 1)]; b >= 0; b = kv->meta[b].hnext) {
+        const block_meta *m = &kv->meta[b];
+        if (m->key == key && m->salt_check == salt_check && m->parent == parent &&
+            (parent < 0 || m->parent_gen == kv->meta[parent].gen) &&
+            !memcmp(kv->tokens + (size_t)b * kv->cfg.block_size, tokens, bytes))
+            return b;
+    }
+    return -1;
+}
 
 void kvs_kv_register_prompt(kvs_kv_cache *kv, seq_state *s) {
     int bs = kv->cfg.block_size, full = s->n_tokens / bs;
@@ -147,22 +155,6 @@ void kvs_kv_register_prompt(kvs_kv_cache *kv, seq_state *s) {
             kv->cached_per_layer[l]++;
         }
     }
-}
-
-/* The cached block of prompt block i (tokens, hash h) in layer l whose parent
- * is the given block: -1 when none verifies. */
-static int32_t lookup(const kvs_kv_cache *kv, uint64_t h, int l, const int32_t *tokens, uint64_t salt_check,
-                      int32_t parent) {
-    uint64_t key = layer_key(h, l);
-    size_t bytes = sizeof(int32_t) * kv->cfg.block_size;
-    for (int32_t b = kv->buckets[key & (uint64_t)(kv->n_buckets - 1)]; b >= 0; b = kv->meta[b].hnext) {
-        const block_meta *m = &kv->meta[b];
-        if (m->key == key && m->salt_check == salt_check && m->parent == parent &&
-            (parent < 0 || m->parent_gen == kv->meta[parent].gen) &&
-            !memcmp(kv->tokens + (size_t)b * kv->cfg.block_size, tokens, bytes))
-            return b;
-    }
-    return -1;
 }
 
 int kvs_kv_prefix_attach(kvs_kv_cache *kv, int seq_id, const int32_t *prompt, int n_prompt, const char *salt,
@@ -239,7 +231,7 @@ uint64_t kvs_kv_evictions(const kvs_kv_cache *kv) { return kv->evictions; }
 
 /* Every block in one state; a held block's ref counts its holders; every
  * cached block is found under its key, and only there. */
-kvs_status kvs_kv_check_blocks(const kvs_kv_cache *kv) {
+kvs_status kvs_kv_check(const kvs_kv_cache *kv) {
     int64_t n = kv->cfg.n_blocks;
     int32_t *holders = calloc((size_t)n, sizeof(int32_t));
     uint8_t *state = calloc((size_t)n, 1); /* 1 free, 2 evictable, 3 found under its key */
