@@ -35,16 +35,7 @@ Test(kv, random_operations_keep_blocks_consistent) {
         } else {
             int pick = (int)(kvs_rng_u64(&rng) % n_live), s = live[pick];
             if (what == 1) { /* append */
-                int n = 1 + (int)(kvs_rng_u64(&rng) % 40);
-                int64_t need = kvs_kv_blocks_needed(kv, s, n), free_before = kvs_kv_free_blocks(kv);
-                kvs_status st = kvs_kv_reserve(kv, s, n);
-                if (need > free_before) {
-                    cr_assert_eq(st, KVS_ERR_NOMEM);
-                    cr_assert_eq(kvs_kv_free_blocks(kv), free_before, "failed reserve must not allocate");
-                } else {
-                    cr_assert_eq(st, KVS_OK);
-                    kvs_kv_commit(kv, s, n);
-                }
+                kv_try_append(kv, s, 1 + (int)(kvs_rng_u64(&rng) % 40));
             } else if (what == 2) { /* compact a random layer to a random subset */
                 int layer = (int)(kvs_rng_u64(&rng) % kc.n_layers), len = kvs_kv_len(kv, s, layer);
                 if (len > 0) {

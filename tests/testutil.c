@@ -238,6 +238,19 @@ void kv_keep(kvs_kv_cache *kv, const kvs_batch *b) {
         cr_assert_eq(kvs_kv_sparsify(kv, b->seq_ids[s]), KVS_OK, "%s", kvs_last_error());
 }
 
+bool kv_try_append(kvs_kv_cache *kv, int seq, int n) {
+    int64_t need = kvs_kv_blocks_needed(kv, seq, n), free_before = kvs_kv_free_blocks(kv);
+    kvs_status st = kvs_kv_reserve(kv, seq, n);
+    if (need > free_before) {
+        cr_assert_eq(st, KVS_ERR_NOMEM);
+        cr_assert_eq(kvs_kv_free_blocks(kv), free_before, "a failed reserve must take nothing");
+        return false;
+    }
+    cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
+    kvs_kv_commit(kv, seq, n);
+    return true;
+}
+
 void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits) {
     int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
     for (int i = 0; i < n; i++) pos[i] = pos0 + i;

@@ -70,6 +70,10 @@ typedef struct {
  * batch's new tokens, then compacts what the sequences' KV policies say is due
  * (asserted). */
 void kv_keep(kvs_kv_cache *kv, const kvs_batch *b);
+/* Reserves and commits n tokens of seq when the pool has the blocks it needs
+ * (true); otherwise checks that the reservation fails with KVS_ERR_NOMEM and
+ * takes nothing (false). The random-operation tests' append. */
+bool kv_try_append(kvs_kv_cache *kv, int seq, int n);
 
 /* Loads dir on be (NULL: a new CPU backend) with a cache of n_blocks blocks and max_seqs sequences. */
 void rig_open(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs);
