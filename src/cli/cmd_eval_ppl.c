@@ -99,13 +99,7 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
     /* every policy a request through the engine, all at once: the prefix its
        prompt (prefilled in chunks of 2048 tokens, then compressed), the
        continuation its forced tokens */
-    kvs_engine_config ec = kvs_engine_config_default();
-    ec.max_num_seqs = P.n;
-    ec.max_num_batched_tokens = 2048;
-    ec.default_policy = base; /* its window: the largest the policies use */
-    ec.default_policy.kind = KVS_POLICY_FULL;
-    if (st == KVS_OK) ec.kv_memory_bytes = kvs_cli_kv_bytes_for(&l, prefix + cont, P.n);
-    if (st == KVS_OK) st = kvs_cli_engine(&l, &ec, &e);
+    if (st == KVS_OK) st = kvs_eval_engine_create(&l, &base, P.n, P.n, prefix + cont, true, &e);
     if (st == KVS_OK && !(S = calloc((size_t)P.n, sizeof *S))) st = kvs_fail(KVS_ERR_NOMEM, "eval ppl: out of memory");
     for (int p = 0; st == KVS_OK && p < P.n; p++) {
         kvs_request_params rp = {.prompt_ids = ids, .n_prompt = prefix, .sampling = kvs_sampling_default(),

@@ -35,9 +35,14 @@ int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i);
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
                                    int n_layers, kvs_eval_policies *out);
 
+/* An engine for the policies under test (base: their largest window): at most
+ * max_seqs requests at a time, prompts prefilled in chunks of 2048 tokens, a
+ * pool for `room` sequences of `context` tokens, prefix caching on or off. */
+kvs_status kvs_eval_engine_create(kvs_loaded *l, const kvs_kv_policy *base, int max_seqs, int room, int context,
+                                  bool prefix_caching, kvs_engine **e);
 /* The policies under test (in *P) and the engine that answers them: one
- * request at a time, prompts prefilled in chunks of 2048 tokens, a pool for
- * `room` sequences of the model's longest context, prefix caching on or off. */
+ * request at a time, a pool for `room` sequences of the model's longest
+ * context (kvs_eval_engine_create). */
 kvs_status kvs_eval_engine(kvs_loaded *l, const kvs_eval_options *o, int room, bool prefix_caching,
                            kvs_eval_policies *P, kvs_engine **e);
 

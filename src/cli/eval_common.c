@@ -59,19 +59,24 @@ kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds,
     return KVS_OK;
 }
 
+kvs_status kvs_eval_engine_create(kvs_loaded *l, const kvs_kv_policy *base, int max_seqs, int room, int context,
+                                  bool prefix_caching, kvs_engine **e) {
+    kvs_engine_config ec = kvs_engine_config_default();
+    ec.enable_prefix_caching = prefix_caching;
+    ec.max_num_seqs = max_seqs;
+    ec.max_num_batched_tokens = 2048;
+    ec.default_policy = *base; /* its window: the largest the policies use */
+    ec.default_policy.kind = KVS_POLICY_FULL;
+    ec.kv_memory_bytes = kvs_cli_kv_bytes_for(l, context, room);
+    return kvs_cli_engine(l, &ec, e);
+}
+
 kvs_status kvs_eval_engine(kvs_loaded *l, const kvs_eval_options *o, int room, bool prefix_caching,
                            kvs_eval_policies *P, kvs_engine **e) {
     *e = NULL;
     KVS_TRY(kvs_eval_policies_build(&o->base, o->kinds, o->budgets, l->cfg.n_layers, P));
     if (!l->tok) return kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
-    kvs_engine_config ec = kvs_engine_config_default();
-    ec.enable_prefix_caching = prefix_caching;
-    ec.max_num_seqs = 1;
-    ec.max_num_batched_tokens = 2048;
-    ec.default_policy = o->base; /* its window: the largest the policies use */
-    ec.default_policy.kind = KVS_POLICY_FULL;
-    ec.kv_memory_bytes = kvs_cli_kv_bytes_for(l, l->cfg.max_position_embeddings, room);
-    return kvs_cli_engine(l, &ec, e);
+    return kvs_eval_engine_create(l, &o->base, 1, room, l->cfg.max_position_embeddings, prefix_caching, e);
 }
 
 char *kvs_eval_trimmed(const char *s) {
