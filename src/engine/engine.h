@@ -50,6 +50,7 @@ typedef struct {
 kvs_engine_config kvs_engine_config_default(void);
 
 #define KVS_MAX_STOP_STRINGS 8
+#define KVS_MAX_CACHE_SALT 256 /* bytes */
 
 typedef struct {
     const int32_t *prompt_ids; /* copied */
@@ -71,7 +72,7 @@ typedef struct {
     const int32_t *forced_ids;
     int n_forced;
     /* Prefix caching: requests reuse each other's prompt blocks only when
-     * their salts are equal (NULL: no salt; copied; at most 256 bytes). */
+     * their salts are equal (NULL: no salt; copied; at most KVS_MAX_CACHE_SALT bytes). */
     const char *cache_salt;
 } kvs_request_params;
 

@@ -57,7 +57,8 @@ static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
     if (p->n_stop_strings > 0 && !e->tok)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "stop: stop strings need a tokenizer");
     if (p->logprobs < 0 || p->logprobs > 20) return kvs_fail(KVS_ERR_INVALID, "logprobs must be in [0, 20]");
-    if (p->cache_salt && strlen(p->cache_salt) > 256) return kvs_fail(KVS_ERR_INVALID, "cache_salt: at most 256 bytes");
+    if (p->cache_salt && strlen(p->cache_salt) > KVS_MAX_CACHE_SALT)
+        return kvs_fail(KVS_ERR_INVALID, "cache_salt: at most %d bytes", KVS_MAX_CACHE_SALT);
     if (p->n_forced < 0 || p->n_forced > p->max_tokens || (p->n_forced > 0 && !p->forced_ids))
         return kvs_fail(KVS_ERR_INVALID, "forced tokens: %d ids for max_tokens %d", p->n_forced, p->max_tokens);
     for (int i = 0; i < p->n_forced; i++)

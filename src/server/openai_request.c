@@ -124,12 +124,13 @@ static bool parse_stop(json_t *v, kvs_api_request *r, kvs_api_error *err) {
     return true;
 }
 
-/* vLLM's "cache_salt": a non-empty string (at most 256 bytes here, the engine's limit); null: none. */
+/* vLLM's "cache_salt": a non-empty string (at most the engine's KVS_MAX_CACHE_SALT bytes); null: none. */
 static bool parse_cache_salt(json_t *v, kvs_api_request *r, kvs_api_error *err) {
     if (json_is_null(v)) return true;
     if (!json_is_string(v)) return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must be a string");
     size_t n = json_string_length(v);
-    if (n == 0 || n > 256) return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must have 1 to 256 bytes");
+    if (n == 0 || n > KVS_MAX_CACHE_SALT)
+        return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must have 1 to %d bytes", KVS_MAX_CACHE_SALT);
     if (!(r->cache_salt = strdup(json_string_value(v)))) return kvs_api_fail(err, 500, NULL, "out of memory");
     return true;
 }
