@@ -1504,7 +1504,7 @@ static void tp2_step(tp_pair *t, int seq, const int32_t *ids, int n, int pos0, f
     uint8_t want = 1;
     cr_assert_eq(kvs_runner_reserve(t->g, seq, n), KVS_OK, "%s", kvs_last_error());
     kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
-    kvs_status st = params ? kvs_runner_step_sample(t->g, &b, params, id, NULL) : kvs_runner_step(t->g, &b, logits);
+    kvs_status st = params ? kvs_runner_step_sample(t->g, &b, params, NULL, id, NULL) : kvs_runner_step(t->g, &b, logits);
     cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
     free(pos);
 }
@@ -2055,7 +2055,7 @@ static kvs_status greedy_step(rig *r, int seq, int32_t tok, int32_t pos, uint64_
     kvs_sample_row p = {.temperature = 0, .top_p = 1, .seed = seed};
     cr_assert_eq(kvs_kv_reserve(r->kv, seq, 1), KVS_OK);
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-    kvs_status st = kvs_model_forward_sample(r->m, &b, r->kv, &p, id, NULL);
+    kvs_status st = kvs_model_forward_sample(r->m, &b, r->kv, &p, NULL, id, NULL);
     if (st == KVS_OK) kv_keep(r->kv, &b);
     return st;
 }
@@ -2138,7 +2138,7 @@ Test(cuda, tp2_a_failed_rank_fails_the_step, .timeout = 300) {
         uint8_t want = 1;
         kvs_status st = kvs_runner_reserve(g, seq, 1);
         kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-        if (st == KVS_OK) st = kvs_runner_step_sample(g, &b, &p, &id, NULL);
+        if (st == KVS_OK) st = kvs_runner_step_sample(g, &b, &p, NULL, &id, NULL);
         cr_log_info("TP step %d: %s", step + 1, st == KVS_OK ? "ok" : kvs_last_error());
         if (step == 0) cr_expect_eq(st, KVS_OK);
         else cr_expect_neq(st, KVS_OK, "step %d", step + 1);

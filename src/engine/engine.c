@@ -276,7 +276,7 @@ static kvs_status run_batch(kvs_engine *e) {
                                                     .forced_id = r->n_gen < r->n_forced ? r->forced[r->n_gen] : 0};
         want_lp |= r->logprobs > 0;
     }
-    kvs_status st = kvs_runner_step_sample(e->runner, &mb, e->sample_rows, e->sample_ids,
+    kvs_status st = kvs_runner_step_sample(e->runner, &mb, e->sample_rows, NULL, e->sample_ids,
                                            want_lp ? e->sample_lp : NULL);
     if (st != KVS_OK) {
         char msg[sizeof e->failure];
