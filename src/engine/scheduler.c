@@ -187,6 +187,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
     /* 3. admit waiting requests, FCFS */
     while (e->waiting.head && budget > 0 && e->running.n < e->cfg.max_num_seqs) {
         kvs_request *r = e->waiting.head;
+        if (r->group && r->index > 0 && !r->group->prompt_ready) break; /* n > 1: after the first choice's prefill */
         int n = prefill_len(r);
         int64_t peak = (int64_t)((n + kc->block_size - 1) / kc->block_size) * kc->n_layers;
         bool never = peak > kc->n_blocks;
