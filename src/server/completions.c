@@ -22,11 +22,18 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
         .stop_strings = (const char *const *)r->stop,
         .n_stop_strings = r->n_stop,
         .ignore_eos = r->ignore_eos,
-        .logprobs = r->logprobs ? (r->top_logprobs > 0 ? r->top_logprobs : 1) : 0,
+        .logprobs = r->logprobs,
+        .top_logprobs = r->logprobs ? r->top_logprobs : 0,
+        .n = r->n,
+        .logit_bias = r->logit_bias,
+        .n_logit_bias = r->n_logit_bias,
+        .min_tokens = r->min_tokens,
+        .stop_ids = r->stop_token_ids,
+        .n_stop_ids = r->n_stop_token_ids,
         .policy = r->has_policy ? &r->policy : NULL,
         .cache_salt = r->cache_salt,
     };
-    kvs_gen *g = kvs_gen_create();
+    kvs_gen *g = kvs_gen_create(r->n > 1 ? r->n : 1, r->logprobs ? r->top_logprobs : 0);
     if (!g) return kvs_api_fail(err, 500, NULL, "out of memory");
     if (!kvs_server_request_link(s, g)) {
         kvs_gen_release(g);
@@ -98,8 +105,13 @@ static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, con
         char id[64];
         kvs_resp_meta m;
         make_meta(s, r, id, sizeof id, &m);
-        kvs_resp_slice sl = {g->text, g->text_len, g->ids, r->logprobs ? g->lps : NULL, g->n_ids, 0};
-        char *body = kvs_resp_full(&m, &sl, g->finish, g->prompt_tokens, g->completion_tokens);
+        kvs_resp_slice sl[KVS_MAX_N];
+        for (int i = 0; i < g->n_choices; i++) {
+            const kvs_gen_choice *ch = &g->choices[i];
+            sl[i] = (kvs_resp_slice){ch->text, ch->text_len, ch->ids, r->logprobs ? ch->lps : NULL, ch->n_ids, 0, i,
+                                     ch->top_ids, ch->top_lps, g->n_top, ch->finish};
+        }
+        char *body = kvs_resp_full(&m, sl, g->n_choices, g->prompt_tokens, kvs_gen_completion_tokens(g));
         ret = kvs_http_respond(s, c, 200, "application/json", body);
     }
     kvs_server_request_done(s, g);
@@ -126,7 +138,6 @@ static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, co
     st->fd = kvs_http_conn_fd(c);
     kvs_peer_progress_init(&st->progress);
     st->include_usage = r->include_usage;
-    st->role_sent = r->kind != KVS_API_CHAT;
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, kvs_stream_read, st,
                                                                   kvs_stream_free);
     if (!resp) {

@@ -44,7 +44,7 @@ typedef struct {
     kvs_resp_meta meta;
     char *req_id;        /* meta.id's storage */
     int fd;              /* the client's socket, to notice a disconnect while waiting */
-    bool include_usage, role_sent, ended;
+    bool include_usage, ended;
     bool probed;         /* sent an SSE comment to tell a closed client from a half-closed one */
     kvs_peer_progress progress;
     size_t text_offset;

@@ -49,6 +49,12 @@ typedef struct {
     kvs_kv_policy policy;
     char *cache_salt;                   /* NULL: none; requests share cached prefixes only with equal salts */
     bool return_token_ids;              /* vLLM's: the choices carry the generated "token_ids" */
+    int n;                              /* choices (1 .. KVS_MAX_N) */
+    kvs_logit_bias *logit_bias;         /* "logit_bias": {"id": bias, ...} */
+    int n_logit_bias;
+    int min_tokens;
+    int32_t *stop_token_ids;            /* vLLM's "stop_token_ids" */
+    int n_stop_token_ids;
 } kvs_api_request;
 
 /* Parses and validates a request body. On failure fills err (HTTP status,
