@@ -54,7 +54,7 @@ Test(server_text, nul_byte_in_whole_responses_and_chunks) {
         /* top_logprobs 1 for chat; completions' top_logprobs key the NUL token's text,
            which jansson does not parse back: checked as text below */
         kvs_resp_meta m = {chat ? KVS_API_CHAT : KVS_API_COMPLETIONS, "id-1", "tiny", 0, t, true, chat, false};
-        char *full = kvs_resp_full(&m, &s, 1, 4, 3);
+        char *full = kvs_resp_full(&m, &s, 1, 4, 3, NULL);
         char *chunk = kvs_resp_chunk(&m, &part, false, true);
         cr_assert(full && chunk);
         cr_expect(strstr(full, "a\\u0000b"), "whole (%s): %s", chat ? "chat" : "completions", full);
@@ -75,7 +75,7 @@ Test(server_text, nul_byte_in_whole_responses_and_chunks) {
             expect_string(json_array_get(json_object_get(lp, "tokens"), 1), "\0", 1, "logprobs.tokens[1]");
             cr_expect_eq(json_integer_value(json_array_get(json_object_get(lp, "text_offset"), 2)), 2);
             m.top_logprobs = 1;
-            char *with_top = kvs_resp_full(&m, &s, 1, 4, 3);
+            char *with_top = kvs_resp_full(&m, &s, 1, 4, 3, NULL);
             cr_expect(strstr(with_top, "\"top_logprobs\":[{\"a\":-0.5},{\"\\u0000\":-1.5},{\"b\":-2.5}]"), "%s",
                       with_top);
             free(with_top);

@@ -466,3 +466,5 @@ void kvs_engine_stop(kvs_engine *e, bool drain) {
             if (step(e) != KVS_OK && !e->failed) kvs_log(KVS_LOG_WARN, "engine: step failed: %s", kvs_last_error());
     }
 }
+
+kvs_kv_policy kvs_engine_default_policy(const kvs_engine *e) { return e->cfg.default_policy; }

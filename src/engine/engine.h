@@ -119,6 +119,7 @@ typedef struct {
     /* on the first token's delivery: KV entries a full cache would hold / entries
        held after the prompt (its KV policy applied; 1: nothing dropped); else 0 */
     double prompt_compression;
+    int cached_tokens;        /* prompt tokens found in the prefix cache (the latest admission) */
 } kvs_request_output;
 
 /* Called on the thread that runs the step; must not block for long and must
@@ -162,6 +163,8 @@ typedef struct {
     int max_window;    /* a sparse policy's observation window at most */
 } kvs_engine_limits;
 kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e);
+/* The KV policy of requests that name none. */
+kvs_kv_policy kvs_engine_default_policy(const kvs_engine *e);
 /* Health. A failed step (a CUDA error or kernel fault, a broken
  * tensor-parallel group, a backend op out of memory: the KV cache and the
  * model's state are then undefined) fails the engine for good: every running

@@ -54,6 +54,7 @@ typedef struct kvs_request {
     /* scheduling: the KV holds tokens [0, n_computed) of prompt ++ gen */
     int seq;          /* kv sequence id, -1 when not running */
     int n_computed;
+    int n_cached;     /* prompt tokens the prefix cache gave at admission */
     int n_sched;      /* tokens scheduled in the current step */
     bool recompute;   /* was preempted after generating: it recomputes its KV (scheduler.c) */
     double t_arrival, t_last_token;

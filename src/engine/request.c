@@ -289,7 +289,8 @@ static void deliver(kvs_request *r, const int32_t *ids, const float *lp, const i
                             .top_ids = top_ids, .top_logprobs = top_lp, .n_top = top_ids ? r->top_logprobs : 0,
                             .text = r->pending ? r->pending : "", .text_len = text_len, .finish = r->finish,
                             .error = r->finish == KVS_FINISH_ERROR ? r->error : NULL, .prompt_tokens = r->n_prompt,
-                            .completion_tokens = r->n_gen, .prompt_compression = compression};
+                            .completion_tokens = r->n_gen, .prompt_compression = compression,
+                            .cached_tokens = r->n_cached};
     r->fn(r->user, &o);
 }
 

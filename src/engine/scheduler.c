@@ -146,6 +146,7 @@ static kvs_status admit(kvs_engine *e, kvs_request *r, int64_t headroom) {
         return st;
     }
     r->n_computed = hit;
+    r->n_cached = hit;
     kvs_list_remove(&e->waiting, r);
     kvs_list_push_back(&e->running, r);
     pthread_mutex_lock(&e->mu);

@@ -59,6 +59,7 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
         }
         return false;
     }
+    g->t_submit = kvs_now();
     kvs_server_request_submitted(s, g, id); /* aborted at once when the drain timed out meanwhile */
     *gen = g;
     return true;
@@ -70,6 +71,12 @@ static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t 
              (unsigned long long)n);
     *m = (kvs_resp_meta){r->kind, id, s->model_name, (long long)time(NULL), s->tok, r->logprobs, r->top_logprobs,
                          r->return_token_ids};
+}
+
+/* The request's KV policy: its own or the engine's default. */
+static kvs_kv_policy request_policy(const kvs_server *s, const kvs_api_request *r) {
+    if (r->has_policy) return r->policy;
+    return s->engine ? kvs_engine_default_policy(s->engine) : kvs_kv_policy_default(KVS_POLICY_FULL);
 }
 
 static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, const kvs_api_request *r, kvs_gen *g,
@@ -111,7 +118,10 @@ static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, con
             sl[i] = (kvs_resp_slice){ch->text, ch->text_len, ch->ids, r->logprobs ? ch->lps : NULL, ch->n_ids, 0, i,
                                      ch->top_ids, ch->top_lps, g->n_top, ch->finish};
         }
-        char *body = kvs_resp_full(&m, sl, g->n_choices, g->prompt_tokens, kvs_gen_completion_tokens(g));
+        kvs_kv_policy pol = request_policy(s, r);
+        kvs_resp_kv kv = kvs_gen_kv(g, &pol);
+        char *body = kvs_resp_full(&m, sl, g->n_choices, g->prompt_tokens, kvs_gen_completion_tokens(g), &kv);
+        kvs_gen_log(g, m.id, &pol);
         ret = kvs_http_respond(s, c, 200, "application/json", body);
     }
     kvs_server_request_done(s, g);
@@ -138,6 +148,7 @@ static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, co
     st->fd = kvs_http_conn_fd(c);
     kvs_peer_progress_init(&st->progress);
     st->include_usage = r->include_usage;
+    st->policy = request_policy(s, r);
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, kvs_stream_read, st,
                                                                   kvs_stream_free);
     if (!resp) {

@@ -44,6 +44,22 @@ void kvs_gen_release(kvs_gen *g) {
     free(g);
 }
 
+kvs_resp_kv kvs_gen_kv(const kvs_gen *g, const kvs_kv_policy *policy) {
+    return (kvs_resp_kv){kvs_kv_policy_name(policy->kind), g->compression > 0 ? g->compression : 1, g->cached_tokens,
+                         policy->kind == KVS_POLICY_FULL ? 0 : policy->min_prompt};
+}
+
+void kvs_gen_log(const kvs_gen *g, const char *id, const kvs_kv_policy *policy) {
+    double now = kvs_now(), ttft = g->t_first ? g->t_first - g->t_submit : 0;
+    int gen = kvs_gen_completion_tokens(g);
+    double rate = g->t_first && now > g->t_first && gen > g->n_choices ? (gen - g->n_choices) / (now - g->t_first) : 0;
+    const char *finish = kvs_resp_finish_reason(g->finish);
+    kvs_log(KVS_LOG_INFO, "request %s: prompt %d tokens (%d cached), generated %d%s, TTFT %.0f ms, %.1f tokens/s, "
+            "kv %s x%.2f, finish %s", id, g->prompt_tokens, g->cached_tokens, gen, g->n_choices > 1 ? " (all choices)" : "",
+            ttft * 1e3, rate, kvs_kv_policy_name(policy->kind), g->compression > 0 ? g->compression : 1,
+            finish ? finish : (g->done ? "?" : "client gone"));
+}
+
 int kvs_gen_completion_tokens(const kvs_gen *g) {
     int n = 0;
     for (int i = 0; i < g->n_choices; i++) n += g->choices[i].completion_tokens;
@@ -99,6 +115,8 @@ void kvs_gen_on_output(void *user, const kvs_request_output *o) {
     }
     g->prompt_tokens = o->prompt_tokens;
     c->completion_tokens = o->completion_tokens;
+    if (o->n_tokens && !g->t_first) g->t_first = kvs_now();
+    if (o->index == 0 && o->prompt_compression > 0) g->compression = o->prompt_compression, g->cached_tokens = o->cached_tokens;
     bool last = o->finish != KVS_FINISH_NONE && c->finish == KVS_FINISH_NONE;
     if (last) {
         c->finish = o->finish;
@@ -154,6 +172,9 @@ void kvs_stream_free(void *cls) {
     bool done = g->done;
     pthread_mutex_unlock(&g->mu);
     if (!done) kvs_engine_abort(st->srv->engine, g->engine_id); /* the client went away */
+    pthread_mutex_lock(&g->mu);
+    kvs_gen_log(g, st->meta.id, &st->policy);
+    pthread_mutex_unlock(&g->mu);
     kvs_server_request_done(st->srv, g);
     kvs_gen_release(g);
     free(st->out);
@@ -200,8 +221,10 @@ static void take_pending(kvs_stream *st) {
         kvs_api_fail(&err, 500, NULL, "generation failed: %s", g->error ? g->error : "unknown error");
         out_event(st, kvs_api_error_json(&err));
     }
-    if (st->include_usage)
-        out_event(st, kvs_resp_usage_chunk(&st->meta, g->prompt_tokens, kvs_gen_completion_tokens(g)));
+    if (st->include_usage) {
+        kvs_resp_kv kv = kvs_gen_kv(g, &st->policy);
+        out_event(st, kvs_resp_usage_chunk(&st->meta, g->prompt_tokens, kvs_gen_completion_tokens(g), &kv));
+    }
     out_append(st, "data: [DONE]\n\n", 14);
     st->ended = true;
 }

@@ -42,6 +42,7 @@ typedef struct {
     kvs_gen *gen;        /* holds one reference */
     struct MHD_Connection *conn; /* to restart its --http-timeout clock after a wait */
     kvs_resp_meta meta;
+    kvs_kv_policy policy; /* the request's KV policy (the "kv" extension, the log line) */
     char *req_id;        /* meta.id's storage */
     int fd;              /* the client's socket, to notice a disconnect while waiting */
     bool include_usage, ended;

@@ -59,9 +59,23 @@ static char *token_text(const kvs_tokenizer *tok, int32_t id, size_t *len) {
  * JSON has no infinities (jansson refuses them: the entry would go missing). */
 static json_t *lp_json(float v) { return json_real(isfinite(v) ? (double)v : -9999.0); }
 
-static json_t *usage_json(int prompt_tokens, int completion_tokens) {
-    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt_tokens, "completion_tokens", completion_tokens,
-                     "total_tokens", prompt_tokens + completion_tokens);
+static json_t *usage_json(int prompt_tokens, int completion_tokens, const kvs_resp_kv *kv) {
+    json_t *u = json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt_tokens, "completion_tokens", completion_tokens,
+                          "total_tokens", prompt_tokens + completion_tokens);
+    if (kv) json_object_set_new(u, "prompt_tokens_details", json_pack("{s:i}", "cached_tokens", kv->cached_tokens));
+    return u;
+}
+
+/* The "kv" extension beside usage: the policy, the prompt's compression and
+ * whether sparsity applied (a prompt below min_prompt keeps its cache full). */
+static void put_kv(json_t *root, const kvs_resp_kv *kv, int prompt_tokens) {
+    if (!kv || !kv->policy) return;
+    json_t *j = json_pack("{s:s, s:f, s:b}", "policy", kv->policy, "compression_ratio", kv->compression_ratio,
+                          "sparsity_applied", kv->compression_ratio > 1.0);
+    if (kv->min_prompt > 0 && prompt_tokens < kv->min_prompt)
+        json_object_set_new(j, "note", json_sprintf("the prompt (%d tokens) is below min_prompt %d: the cache stays full",
+                                                    prompt_tokens, kv->min_prompt));
+    json_object_set_new(root, "kv", j);
 }
 
 /* Chat's entry for one token: its text, logprob and UTF-8 bytes. */
@@ -171,12 +185,13 @@ static json_t *full_choice(const kvs_resp_meta *m, const kvs_resp_slice *s) {
 }
 
 char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, int n_choices, int prompt_tokens,
-                    int completion_tokens) {
+                    int completion_tokens, const kvs_resp_kv *kv) {
     json_t *root = envelope(m, m->kind == KVS_API_CHAT ? "chat.completion" : "text_completion");
     json_t *choices = json_array();
     for (int i = 0; i < n_choices; i++) json_array_append_new(choices, full_choice(m, &s[i]));
     json_object_set_new(root, "choices", choices);
-    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens));
+    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens, kv));
+    put_kv(root, kv, prompt_tokens);
     return dump(root);
 }
 
@@ -200,9 +215,10 @@ char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first
     return dump(root);
 }
 
-char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens) {
+char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens, const kvs_resp_kv *kv) {
     json_t *root = envelope(m, m->kind == KVS_API_CHAT ? "chat.completion.chunk" : "text_completion");
     json_object_set_new(root, "choices", json_array());
-    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens));
+    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens, kv));
+    put_kv(root, kv, prompt_tokens);
     return dump(root);
 }

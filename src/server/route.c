@@ -231,7 +231,8 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
     if (n >= max_len)
         return kvs_api_fail(err, 400, prompt_param, "this model's maximum context length is %d tokens; the prompt has %d",
                             max_len, n);
-    int max_tokens = r->max_tokens ? r->max_tokens : r->kind == KVS_API_CHAT ? max_len - n : 16;
+    int fallback = s->cfg.max_tokens_default > 0 ? s->cfg.max_tokens_default : r->kind == KVS_API_CHAT ? max_len - n : 16;
+    int max_tokens = r->max_tokens ? r->max_tokens : fallback;
     if (max_tokens > max_len - n) {
         if (r->max_tokens)
             return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? "max_completion_tokens" : "max_tokens",

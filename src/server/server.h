@@ -81,6 +81,8 @@ typedef struct {
     unsigned max_connections_per_ip; /* 0: 256; one address's connections beyond are refused */
     unsigned http_timeout_s;       /* 0: 60; a connection that makes no progress this long is closed */
     int max_preparing;             /* requests parsed and tokenized at once (0: 8); more wait, then 429 */
+    int max_tokens_default;        /* a request without max_tokens: at most this many (0: completions 16,
+                                      chat the rest of the context) */
 } kvs_server_config;
 
 typedef struct kvs_server kvs_server;

@@ -43,11 +43,20 @@ typedef struct {
 } kvs_resp_slice;
 
 /* The whole response: one slice per choice, in index order. */
+/* What the KV cache did with the prompt (an extension beside usage: "kv", and
+ * usage.prompt_tokens_details.cached_tokens). */
+typedef struct {
+    const char *policy;       /* NULL: not known (no "kv" object) */
+    double compression_ratio; /* entries a full cache would hold / entries held (1: nothing dropped) */
+    int cached_tokens;        /* prompt tokens found in the prefix cache */
+    int min_prompt;           /* the policy's min_prompt: a shorter prompt keeps its cache full */
+} kvs_resp_kv;
+
 char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, int n_choices, int prompt_tokens,
-                    int completion_tokens);
+                    int completion_tokens, const kvs_resp_kv *kv);
 /* One SSE chunk's JSON for one choice: chat's first chunk carries role; its finish NONE gives null. */
 char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, bool usage_field);
-char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens);
+char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens, const kvs_resp_kv *kv);
 const char *kvs_resp_finish_reason(kvs_finish f);
 
 /* ---- one generation request, shared by the HTTP thread and the engine ------ */
@@ -78,6 +87,9 @@ typedef struct kvs_gen {
     kvs_finish finish;  /* ERROR when any choice failed, else the first choice's */
     char *error;
     int prompt_tokens;
+    double compression; /* choice 0's prompt compression (its first output) */
+    int cached_tokens;  /* choice 0's prefix-cache hit */
+    double t_submit;    /* when it went to the engine */
     bool done;          /* every choice finished */
     double t_first;     /* when the first token arrived (0: not yet) */
     /* the server's list of submitted requests (under the server's mu) */
@@ -88,6 +100,9 @@ typedef struct kvs_gen {
 /* n_choices choices, n_top alternatives per token (0: none). */
 kvs_gen *kvs_gen_create(int n_choices, int n_top);
 int kvs_gen_completion_tokens(const kvs_gen *g); /* over the choices */
+/* The "kv" extension of its response; one log line when it ends (id, tokens, TTFT, rate, policy, ratio, finish). */
+kvs_resp_kv kvs_gen_kv(const kvs_gen *g, const kvs_kv_policy *policy);
+void kvs_gen_log(const kvs_gen *g, const char *id, const kvs_kv_policy *policy);
 void kvs_gen_release(kvs_gen *g);
 /* The engine's output callback (user = the kvs_gen). */
 void kvs_gen_on_output(void *user, const kvs_request_output *out);
