@@ -1,0 +1,247 @@
+/* grammar vocabulary: the tokens' bytes as a trie in preorder (a node's
+ * subtree is the nodes up to skip[i]), the mask walk over it from a state, and
+ * the grammar's cache of masks by state. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "grammar/grammar_internal.h"
+
+#define CACHE_BYTES ((size_t)64 << 20) /* masks kept per grammar; the cache starts again past this */
+
+void kvs_grammar_vocab_destroy(kvs_grammar_vocab *v) {
+    if (!v) return;
+    for (int i = 0; i < v->n_tokens; i++) free(v->bytes[i]);
+    free(v->bytes), free(v->lens), free(v->is_end), free(v->end_ids);
+    free(v->byte), free(v->depth), free(v->skip), free(v->tok_first), free(v->tok_ids);
+    free(v);
+}
+
+int kvs_grammar_vocab_size(const kvs_grammar_vocab *v) { return v->n_tokens; }
+
+static const kvs_grammar_vocab *sort_vocab; /* qsort has no context argument; set under build_lock */
+static pthread_mutex_t build_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int cmp_token(const void *x, const void *y) {
+    int a = *(const int32_t *)x, b = *(const int32_t *)y;
+    size_t la = sort_vocab->lens[a], lb = sort_vocab->lens[b];
+    int c = memcmp(sort_vocab->bytes[a], sort_vocab->bytes[b], la < lb ? la : lb);
+    return c ? c : (la > lb) - (la < lb);
+}
+
+/* the preorder trie of the tokens sorted by their bytes */
+static bool build_trie(kvs_grammar_vocab *v, int32_t *sorted, int n_sorted, size_t total) {
+    v->byte = malloc(total + 1);
+    v->depth = malloc((total + 1) * sizeof *v->depth);
+    v->skip = malloc((total + 1) * sizeof *v->skip);
+    v->tok_first = calloc(total + 2, sizeof *v->tok_first);
+    int32_t *path = malloc(((size_t)v->max_depth + 1) * sizeof *path);
+    if (!v->byte || !v->depth || !v->skip || !v->tok_first || !path) {
+        free(path);
+        return false;
+    }
+    int depth = 0, n = 0;
+    const char *prev = NULL;
+    size_t prev_len = 0;
+    for (int t = 0; t < n_sorted; t++) {
+        int id = sorted[t];
+        const char *s = v->bytes[id];
+        size_t len = v->lens[id], lcp = 0;
+        while (prev && lcp < len && lcp < prev_len && s[lcp] == prev[lcp]) lcp++;
+        while (depth > (int)lcp) v->skip[path[--depth]] = n; /* leaving a subtree */
+        for (; depth < (int)len; depth++) {
+            v->byte[n] = (uint8_t)s[depth];
+            v->depth[n] = depth + 1;
+            path[depth] = n++;
+        }
+        v->tok_first[path[len - 1] + 1]++;
+        prev = s, prev_len = len;
+    }
+    while (depth > 0) v->skip[path[--depth]] = n;
+    free(path);
+    v->n_nodes = n;
+    for (int i = 0; i < n; i++) v->tok_first[i + 1] += v->tok_first[i];
+    v->tok_ids = sorted; /* sorted by bytes = grouped by end node in preorder */
+    return true;
+}
+
+kvs_status kvs_grammar_vocab_create(const char *const *tokens, const size_t *lens, int n_tokens,
+                                    const int32_t *end_ids, int n_end, kvs_grammar_vocab **out) {
+    *out = NULL;
+    if (n_tokens <= 0 || (!tokens && n_tokens) || !lens || (n_end > 0 && !end_ids) || n_end < 0)
+        return kvs_fail(KVS_ERR_INVALID, "grammar vocabulary: no tokens, or NULL arrays");
+    for (int i = 0; i < n_end; i++)
+        if (end_ids[i] < 0 || end_ids[i] >= n_tokens)
+            return kvs_fail(KVS_ERR_INVALID, "grammar vocabulary: end id %d is not below the vocabulary size %d", end_ids[i], n_tokens);
+    kvs_grammar_vocab *v = calloc(1, sizeof *v);
+    int32_t *sorted = NULL;
+    if (!v) return kvs_fail(KVS_ERR_NOMEM, "grammar vocabulary: out of memory");
+    v->n_tokens = n_tokens;
+    v->bytes = calloc((size_t)n_tokens, sizeof *v->bytes);
+    v->lens = calloc((size_t)n_tokens, sizeof *v->lens);
+    v->is_end = calloc((size_t)n_tokens, 1);
+    v->end_ids = malloc(((size_t)n_end + 1) * sizeof *v->end_ids);
+    sorted = malloc((size_t)n_tokens * sizeof *sorted);
+    bool ok = v->bytes && v->lens && v->is_end && v->end_ids && sorted;
+    int n_sorted = 0;
+    size_t total = 0;
+    for (int i = 0; ok && i < n_end; i++) v->is_end[v->end_ids[v->n_end++] = end_ids[i]] = 1;
+    for (int i = 0; ok && i < n_tokens; i++) {
+        if (!lens[i] || v->is_end[i]) continue;
+        ok = (v->bytes[i] = malloc(lens[i])) != NULL;
+        if (!ok) break;
+        memcpy(v->bytes[i], tokens[i], lens[i]);
+        v->lens[i] = lens[i];
+        if ((int)lens[i] > v->max_depth) v->max_depth = (int)lens[i];
+        total += lens[i];
+        sorted[n_sorted++] = i;
+    }
+    if (ok) {
+        pthread_mutex_lock(&build_lock);
+        sort_vocab = v;
+        qsort(sorted, (size_t)n_sorted, sizeof *sorted, cmp_token);
+        pthread_mutex_unlock(&build_lock);
+        ok = build_trie(v, sorted, n_sorted, total);
+        if (ok) sorted = NULL; /* kept as v->tok_ids */
+    }
+    free(sorted);
+    if (!ok) {
+        kvs_grammar_vocab_destroy(v);
+        return kvs_fail(KVS_ERR_NOMEM, "grammar vocabulary: out of memory for %d tokens", n_tokens);
+    }
+    *out = v;
+    return KVS_OK;
+}
+
+kvs_status kvs_grammar_vocab_from_tokenizer(const kvs_tokenizer *t, const int32_t *end_ids, int n_end,
+                                            kvs_grammar_vocab **out) {
+    *out = NULL;
+    int n = kvs_tokenizer_vocab_size(t);
+    char **bytes = calloc((size_t)n + 1, sizeof *bytes);
+    size_t *lens = calloc((size_t)n + 1, sizeof *lens);
+    kvs_status st = bytes && lens ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "grammar vocabulary: out of memory");
+    for (int id = 0; id < n && st == KVS_OK; id++) {
+        const char *text = kvs_tokenizer_token_text(t, id);
+        size_t cap = text ? strlen(text) : 0;
+        if (!cap || !(bytes[id] = malloc(cap))) continue;
+        st = kvs_tokenizer_token_bytes(t, id, bytes[id], cap, &lens[id]);
+    }
+    if (st == KVS_OK) st = kvs_grammar_vocab_create((const char *const *)bytes, lens, n, end_ids, n_end, out);
+    for (int id = 0; bytes && id < n; id++) free(bytes[id]);
+    free(bytes);
+    free(lens);
+    return st;
+}
+
+/* ---- the mask walk -------------------------------------------------------------------------- */
+bool gr_mask_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, gr_state *levels,
+                  gr_state *seen, uint32_t *bits) {
+    memset(bits, 0, (size_t)(v->n_tokens + 31) / 32 * sizeof *bits);
+    for (int i = 0; i < v->n_nodes;) {
+        int d = v->depth[i];
+        if (!gr_advance(g, d == 1 ? s : &levels[d - 1], v->byte[i], &levels[d], seen)) return false;
+        if (!levels[d].n_stacks) {
+            i = v->skip[i];
+            continue;
+        }
+        for (int k = v->tok_first[i]; k < v->tok_first[i + 1]; k++) bits[v->tok_ids[k] / 32] |= 1u << (v->tok_ids[k] % 32);
+        i++;
+    }
+    if (gr_state_accepted(s))
+        for (int i = 0; i < v->n_end; i++) bits[v->end_ids[i] / 32] |= 1u << (v->end_ids[i] % 32);
+    return true;
+}
+
+/* ---- the mask cache: open addressing by the state's hash ------------------------------------ */
+typedef struct {
+    uint64_t hash;
+    int32_t *key; /* the state's stacks (NULL: empty slot) */
+    int key_len;
+    uint32_t *bits;
+} cache_slot;
+
+struct gr_mask_cache {
+    const kvs_grammar_vocab *v; /* the vocabulary the masks are for */
+    cache_slot *slots;
+    size_t cap, n, bytes, n_words;
+};
+
+static void cache_clear(gr_mask_cache *c) {
+    for (size_t i = 0; i < c->cap; i++) free(c->slots[i].key), free(c->slots[i].bits);
+    memset(c->slots, 0, c->cap * sizeof *c->slots);
+    c->n = c->bytes = 0;
+}
+
+void gr_mask_cache_free(gr_mask_cache *c) {
+    if (!c) return;
+    cache_clear(c);
+    free(c->slots);
+    free(c);
+}
+
+static cache_slot *cache_find(const gr_mask_cache *c, const gr_state *s, uint64_t h) {
+    for (size_t i = h & (c->cap - 1);; i = (i + 1) & (c->cap - 1)) {
+        cache_slot *e = &c->slots[i];
+        if (!e->key || (e->hash == h && e->key_len == s->len && !memcmp(e->key, s->v, (size_t)s->len * sizeof *s->v)))
+            return e;
+    }
+}
+
+bool gr_cache_get(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, uint32_t *bits) {
+    bool hit = false;
+    uint64_t h = gr_state_hash(s);
+    pthread_mutex_lock(&g->cache_lock);
+    gr_mask_cache *c = g->cache;
+    if (c && c->v == v) {
+        cache_slot *e = cache_find(c, s, h);
+        if ((hit = e->key != NULL)) memcpy(bits, e->bits, c->n_words * sizeof *bits);
+    }
+    pthread_mutex_unlock(&g->cache_lock);
+    return hit;
+}
+
+static bool cache_grow(gr_mask_cache *c) {
+    size_t cap = c->cap ? c->cap * 2 : 256;
+    cache_slot *ns = calloc(cap, sizeof *ns);
+    if (!ns) return false;
+    cache_slot *old = c->slots;
+    size_t old_cap = c->cap;
+    c->slots = ns;
+    c->cap = cap;
+    for (size_t i = 0; i < old_cap; i++) {
+        if (!old[i].key) continue;
+        size_t k = old[i].hash & (cap - 1);
+        while (ns[k].key) k = (k + 1) & (cap - 1);
+        ns[k] = old[i];
+    }
+    free(old);
+    return true;
+}
+
+void gr_cache_put(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, const uint32_t *bits) {
+    uint64_t h = gr_state_hash(s);
+    pthread_mutex_lock(&g->cache_lock);
+    if (!g->cache && (g->cache = calloc(1, sizeof *g->cache))) {
+        g->cache->v = v;
+        g->cache->n_words = (size_t)(v->n_tokens + 31) / 32;
+    }
+    gr_mask_cache *c = g->cache;
+    if (!c || c->v != v) goto done; /* the cache serves the first vocabulary only */
+    size_t entry = c->n_words * sizeof *bits + (size_t)s->len * sizeof *s->v;
+    if (c->bytes + entry > CACHE_BYTES) cache_clear(c);
+    if (2 * (c->n + 1) > c->cap && !cache_grow(c)) goto done;
+    cache_slot *e = cache_find(c, s, h);
+    if (e->key) goto done;
+    int32_t *key = malloc((size_t)s->len * sizeof *key + 1);
+    uint32_t *copy = malloc(c->n_words * sizeof *copy);
+    if (!key || !copy) {
+        free(key), free(copy);
+        goto done;
+    }
+    memcpy(key, s->v, (size_t)s->len * sizeof *key);
+    memcpy(copy, bits, c->n_words * sizeof *copy);
+    *e = (cache_slot){h, key, s->len, copy};
+    c->n++;
+    c->bytes += entry;
+done:
+    pthread_mutex_unlock(&g->cache_lock);
+}
