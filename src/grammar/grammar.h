@@ -4,8 +4,15 @@
  * recursion go through the stack). A matcher is one sequence's position: a set
  * of stacks. Its mask (the tokens that keep the output a valid prefix) is
  * computed by walking the vocabulary's byte trie from that state, pruning a
- * subtree as soon as its prefix is rejected; masks are cached per state (the
- * whole stack set, hashed), shared by every matcher of a grammar.
+ * subtree as soon as its prefix is rejected. Two caches, shared by every
+ * matcher of a grammar (and its first vocabulary): masks by state (the whole
+ * stack set, hashed), and per node what it decides alone (xgrammar's
+ * context-independent tokens: a full trie walk once per node, then a state's
+ * mask is those tables OR'ed plus a walk of the few tokens that leave the
+ * node's rule). So a grammar's first masks cost milliseconds and later ones
+ * tens of microseconds (llama3's 128k vocabulary: tests/test_grammar.c's
+ * mask_cost prints them): keep compiled grammars (by schema text) and reuse
+ * them across requests.
  *
  * The output is JSON written one way:
  *  - whitespace: none, except at most one space after ':' and after ',';
@@ -52,6 +59,9 @@ kvs_status kvs_grammar_from_json_schema(const char *schema, size_t len, const ch
 /* response_format json_object: any JSON object. */
 kvs_status kvs_grammar_json_object(kvs_grammar **out);
 kvs_grammar *kvs_grammar_ref(kvs_grammar *g);
+/* Drops the masks cached by state (keeping what each node decides alone): for
+ * benchmarks, or to give memory back. */
+void kvs_grammar_forget_masks(kvs_grammar *g);
 void kvs_grammar_unref(kvs_grammar *g);
 
 /* tokens[i] / lens[i]: the bytes token i decodes to (lens 0: a token that can

@@ -58,10 +58,14 @@ void gr_mask_cache_free(gr_mask_cache *c);
 typedef struct {
     int32_t *v;
     int len, cap, n_stacks;
+    bool cut; /* stacks were dropped making it (depth limit, closure budget, too many stacks) */
 } gr_state;
 bool gr_state_accepted(const gr_state *s);
 /* out = the state after byte b; false when out of memory */
 bool gr_advance(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen);
+/* the same, keeping stacks up to limit deep */
+bool gr_advance_limited(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen, int limit);
+bool gr_state_single(gr_state *out, int32_t node); /* out = the one stack [node] */
 bool gr_initial(const kvs_grammar *g, gr_state *out, gr_state *seen);
 void gr_state_free(gr_state *s);
 uint64_t gr_state_hash(const gr_state *s);
@@ -80,9 +84,10 @@ struct kvs_grammar_vocab {
     int32_t *end_ids;
     int n_end;
 };
-/* bits[] for state s: every token whose bytes keep s alive, the end ids when s is accepted. */
-bool gr_mask_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, gr_state *levels,
-                  gr_state *seen, uint32_t *bits);
+/* bits[] for state s: every token whose bytes keep s alive, the end ids when s is accepted.
+ * levels: [v->max_depth + 1] scratch states. */
+bool gr_mask_compute(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, gr_state *levels,
+                     gr_state *seen, uint32_t *bits);
 /* The cached mask of s for v into bits (true), or false if none. */
 bool gr_cache_get(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, uint32_t *bits);
 void gr_cache_put(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, const uint32_t *bits);

@@ -21,7 +21,10 @@ static bool reserve(gr_state *s, int n) {
     return true;
 }
 
-static void clear(gr_state *s) { s->len = s->n_stacks = 0; }
+static void clear(gr_state *s) {
+    s->len = s->n_stacks = 0;
+    s->cut = false;
+}
 void gr_state_free(gr_state *s) {
     free(s->v);
     memset(s, 0, sizeof *s);
@@ -35,7 +38,11 @@ static bool contains(const gr_state *s, const int32_t *stack, int depth) {
 
 /* adds the stack unless present; false when out of memory */
 static bool add(gr_state *s, const int32_t *stack, int depth) {
-    if (contains(s, stack, depth) || s->n_stacks >= MAX_STACKS) return true;
+    if (contains(s, stack, depth)) return true;
+    if (s->n_stacks >= MAX_STACKS) {
+        s->cut = true;
+        return true;
+    }
     if (!reserve(s, depth + 1)) return false;
     s->v[s->len] = depth;
     memcpy(s->v + s->len + 1, stack, (size_t)depth * sizeof *stack);
@@ -59,13 +66,17 @@ uint64_t gr_state_hash(const gr_state *s) {
 typedef struct {
     const kvs_grammar *g;
     gr_state *out, *seen;
-    int budget;
+    int budget, limit; /* expansions left for this input stack; the deepest stack kept */
     bool ok;
 } closure_run;
 
 /* stack[0..depth) with stack[depth - 1] just reached; stack has room for MAX_DEPTH + 1 */
 static void closure(closure_run *c, int32_t *stack, int depth) {
-    if (!c->ok || --c->budget < 0) return;
+    if (!c->ok) return;
+    if (--c->budget < 0) {
+        c->out->cut = true;
+        return;
+    }
     if (depth == 0) {
         c->ok = add(c->out, stack, 0);
         return;
@@ -77,7 +88,8 @@ static void closure(closure_run *c, int32_t *stack, int depth) {
     }
     if (n->has_bytes && !(c->ok = add(c->out, stack, depth))) return;
     int32_t top = stack[depth - 1];
-    for (int k = 0; k < n->n_calls && depth < KVS_GRAMMAR_MAX_DEPTH; k++) {
+    if (n->n_calls && depth >= c->limit) c->out->cut = true;
+    for (int k = 0; k < n->n_calls && depth < c->limit; k++) {
         const gr_call *call = &c->g->calls[n->first_call + k];
         stack[depth - 1] = call->ret;
         stack[depth] = call->callee;
@@ -87,9 +99,9 @@ static void closure(closure_run *c, int32_t *stack, int depth) {
     if (n->final) closure(c, stack, depth - 1);
 }
 
-bool gr_advance(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen) {
+bool gr_advance_limited(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen, int limit) {
     int32_t stack[KVS_GRAMMAR_MAX_DEPTH + 1];
-    closure_run c = {g, out, seen, CLOSURE_BUDGET, true};
+    closure_run c = {g, out, seen, CLOSURE_BUDGET, limit, true};
     clear(out);
     clear(seen);
     for (int i = 0; i < in->len && c.ok; i += 1 + in->v[i]) {
@@ -99,14 +111,24 @@ bool gr_advance(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *o
         if (next < 0) continue;
         memcpy(stack, in->v + i + 1, (size_t)(depth - 1) * sizeof *stack);
         stack[depth - 1] = next;
+        c.budget = CLOSURE_BUDGET; /* per input stack: its closure is the same whatever lies below it */
         closure(&c, stack, depth);
     }
     return c.ok;
 }
 
+bool gr_advance(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen) {
+    return gr_advance_limited(g, in, b, out, seen, KVS_GRAMMAR_MAX_DEPTH);
+}
+
+bool gr_state_single(gr_state *out, int32_t node) {
+    clear(out);
+    return add(out, &node, 1);
+}
+
 bool gr_initial(const kvs_grammar *g, gr_state *out, gr_state *seen) {
     int32_t stack[KVS_GRAMMAR_MAX_DEPTH + 1] = {g->root};
-    closure_run c = {g, out, seen, CLOSURE_BUDGET, true};
+    closure_run c = {g, out, seen, CLOSURE_BUDGET, KVS_GRAMMAR_MAX_DEPTH, true};
     clear(out);
     clear(seen);
     closure(&c, stack, 1);
@@ -209,7 +231,7 @@ void kvs_grammar_matcher_mask(kvs_grammar_matcher *m, uint32_t *bits) {
         return;
     }
     if (gr_cache_get(m->g, m->v, &m->state, bits)) return;
-    if (gr_mask_walk(m->g, m->v, &m->state, m->levels, &m->seen, bits)) gr_cache_put(m->g, m->v, &m->state, bits);
+    if (gr_mask_compute(m->g, m->v, &m->state, m->levels, &m->seen, bits)) gr_cache_put(m->g, m->v, &m->state, bits);
 }
 
 kvs_status kvs_grammar_matcher_accept(kvs_grammar_matcher *m, int32_t id) {

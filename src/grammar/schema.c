@@ -17,7 +17,7 @@ typedef struct {
     int n_rules, cap_rules;
     json_t *root;
     json_t *refs; /* "$ref" text -> rule id */
-    int r_string, r_char, r_integer, r_number, r_any;
+    int r_string, r_integer, r_number, r_any;
     int nesting;
     bool oom;
 } builder;
@@ -155,15 +155,10 @@ static kvs_status string_rule(builder *b, int *out) {
     return KVS_OK;
 }
 
-static kvs_status char_rule(builder *b, int *out) {
-    if (b->r_char < 0) {
-        int r;
-        KVS_TRY(new_rule(b, &r));
-        one_char(b, r, nfa(b, r)->start, nfa(b, r)->final);
-        b->r_char = r;
-    }
-    *out = b->r_char;
-    return KVS_OK;
+static int char_new(builder *b, int r, int x) {
+    int y = state(b, r);
+    one_char(b, r, x, y);
+    return y;
 }
 
 /* up to n digits after x (at least one); returns the state after them */
@@ -323,14 +318,15 @@ static kvs_status string_value(builder *b, int r, int x, json_t *s, const char *
         *to = call_new(b, r, x, c);
         return KVS_OK;
     }
-    KVS_TRY(char_rule(b, &c));
+    /* the characters inline (not calls of a rule of one character), so that each
+       position's node decides most tokens without the stack (vocab.c's tables) */
     x = lit_str(b, r, x, "\"");
-    for (int i = 0; i < lo; i++) x = call_new(b, r, x, c);
+    for (int i = 0; i < lo; i++) x = char_new(b, r, x);
     int end = state(b, r);
     eps(b, r, x, end);
-    if (hi < 0) call(b, r, x, c, x);
+    if (hi < 0) one_char(b, r, x, x);
     for (int i = lo; i < hi; i++) {
-        x = call_new(b, r, x, c);
+        x = char_new(b, r, x);
         eps(b, r, x, end);
     }
     *to = lit_str(b, r, end, "\"");
@@ -572,7 +568,7 @@ static void builder_free(builder *b) {
 
 /* the root rule: prefix, the value, suffix */
 static kvs_status build(json_t *schema, bool object_only, const char *prefix, const char *suffix, kvs_grammar **out) {
-    builder b = {.root = schema, .refs = json_object(), .r_string = -1, .r_char = -1, .r_integer = -1,
+    builder b = {.root = schema, .refs = json_object(), .r_string = -1, .r_integer = -1,
                  .r_number = -1, .r_any = -1};
     int root, to, key, any;
     kvs_status st = b.refs ? new_rule(&b, &root) : kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");

@@ -133,9 +133,16 @@ kvs_status kvs_grammar_vocab_from_tokenizer(const kvs_tokenizer *t, const int32_
 }
 
 /* ---- the mask walk -------------------------------------------------------------------------- */
-bool gr_mask_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, gr_state *levels,
-                  gr_state *seen, uint32_t *bits) {
-    memset(bits, 0, (size_t)(v->n_tokens + 31) / 32 * sizeof *bits);
+static void set_bit(uint32_t *bits, int id) { bits[id / 32] |= 1u << (id % 32); }
+
+static void end_bits(const kvs_grammar_vocab *v, const gr_state *s, uint32_t *bits) {
+    if (gr_state_accepted(s))
+        for (int i = 0; i < v->n_end; i++) set_bit(bits, v->end_ids[i]);
+}
+
+/* the whole trie from s */
+static bool full_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, gr_state *levels,
+                      gr_state *seen, uint32_t *bits) {
     for (int i = 0; i < v->n_nodes;) {
         int d = v->depth[i];
         if (!gr_advance(g, d == 1 ? s : &levels[d - 1], v->byte[i], &levels[d], seen)) return false;
@@ -143,12 +150,144 @@ bool gr_mask_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr_sta
             i = v->skip[i];
             continue;
         }
-        for (int k = v->tok_first[i]; k < v->tok_first[i + 1]; k++) bits[v->tok_ids[k] / 32] |= 1u << (v->tok_ids[k] % 32);
+        for (int k = v->tok_first[i]; k < v->tok_first[i + 1]; k++) set_bit(bits, v->tok_ids[k]);
         i++;
     }
-    if (gr_state_accepted(s))
-        for (int i = 0; i < v->n_end; i++) bits[v->end_ids[i] / 32] |= 1u << (v->end_ids[i] % 32);
     return true;
+}
+
+/* What a node decides on its own, for states whose stacks have it on top (xgrammar's
+ * context-independent tokens): walked from the stack [node] alone, a token is
+ * accepted when a stack of its rule (or deeper) is left after it, uncertain when
+ * the rule returns inside it (what follows depends on the stacks below), else
+ * rejected. Uncertain tokens are kept as positions in tok_ids (trie order). */
+typedef struct {
+    bool usable; /* false: the walk dropped stacks (too deep, too many): no table for this node */
+    uint32_t *accepted;
+    int32_t *uncertain;
+    int n_uncertain;
+} node_table;
+
+#define LOCAL_DEPTH (KVS_GRAMMAR_MAX_DEPTH / 2) /* states deeper than this take the full walk */
+#define LOCAL_STACKS 64                          /* a table's walk that needs more stacks is not kept */
+#define TABLE_STACKS 8                           /* states of more stacks take the full walk */
+
+static void node_table_free(node_table *t) {
+    if (!t) return;
+    free(t->accepted);
+    free(t->uncertain);
+    free(t);
+}
+
+static bool push_pos(node_table *t, int *cap, int32_t pos) {
+    if (t->n_uncertain == *cap) {
+        *cap = *cap ? *cap * 2 : 256;
+        int32_t *nu = realloc(t->uncertain, (size_t)*cap * sizeof *nu);
+        if (!nu) return false;
+        t->uncertain = nu;
+    }
+    t->uncertain[t->n_uncertain++] = pos;
+    return true;
+}
+
+static node_table *node_table_build(const kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels,
+                                    gr_state *seen) {
+    node_table *t = calloc(1, sizeof *t);
+    uint8_t *popped = malloc((size_t)v->max_depth + 2);
+    gr_state start = {0};
+    int cap = 0;
+    bool ok = t && popped && (t->accepted = calloc((size_t)(v->n_tokens + 31) / 32, sizeof *t->accepted)) &&
+              gr_state_single(&start, node);
+    if (ok) t->usable = true, popped[0] = 0;
+    for (int i = 0; ok && t->usable && i < v->n_nodes;) {
+        int d = v->depth[i];
+        gr_state *l = &levels[d];
+        ok = gr_advance_limited(g, d == 1 ? &start : &levels[d - 1], v->byte[i], l, seen, LOCAL_DEPTH + 1);
+        if (l->cut || l->n_stacks > LOCAL_STACKS) t->usable = false;
+        bool returned = gr_state_accepted(l); /* the empty stack: node's rule returned */
+        popped[d] = popped[d - 1] | returned;
+        if (l->n_stacks > (int)returned) {
+            for (int k = v->tok_first[i]; k < v->tok_first[i + 1]; k++) set_bit(t->accepted, v->tok_ids[k]);
+            i++;
+            continue;
+        }
+        if (popped[d])
+            for (int k = v->tok_first[i]; ok && k < v->tok_first[v->skip[i]]; k++) ok = push_pos(t, &cap, k);
+        i = v->skip[i];
+    }
+    free(popped);
+    gr_state_free(&start);
+    if (!ok) {
+        node_table_free(t);
+        return NULL;
+    }
+    return t;
+}
+
+static int cmp_pos(const void *x, const void *y) {
+    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
+    return (a > b) - (a < b);
+}
+
+/* the tokens at positions pos[0..n) (trie order) from s, sharing the states of common prefixes */
+static bool list_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, const int32_t *pos, int n,
+                      gr_state *levels, gr_state *seen, uint32_t *bits) {
+    const char *prev = NULL;
+    size_t prev_len = 0, have = 0, dead = SIZE_MAX; /* levels[1..have] hold prev's prefixes; prefix of length dead is rejected */
+    for (int k = 0; k < n; k++) {
+        int id = v->tok_ids[pos[k]];
+        if (bits[id / 32] >> (id % 32) & 1) continue;
+        const char *b = v->bytes[id];
+        size_t len = v->lens[id], lcp = 0;
+        while (prev && lcp < len && lcp < prev_len && b[lcp] == prev[lcp]) lcp++;
+        if (prev && lcp >= dead) continue;
+        if (have > lcp) have = lcp;
+        dead = SIZE_MAX;
+        for (size_t d = have + 1; d <= len; d++) {
+            if (!gr_advance(g, d == 1 ? s : &levels[d - 1], (uint8_t)b[d - 1], &levels[d], seen)) return false;
+            have = d;
+            if (!levels[d].n_stacks) {
+                dead = d;
+                have = d - 1;
+                break;
+            }
+        }
+        if (dead == SIZE_MAX) set_bit(bits, id);
+        prev = b, prev_len = len;
+    }
+    return true;
+}
+
+static node_table *table_for(kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_state *seen);
+
+bool gr_mask_compute(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, gr_state *levels,
+                     gr_state *seen, uint32_t *bits) {
+    size_t n_words = (size_t)(v->n_tokens + 31) / 32;
+    memset(bits, 0, n_words * sizeof *bits);
+    end_bits(v, s, bits);
+    bool tables = s->n_stacks <= TABLE_STACKS;
+    for (int i = 0; tables && i < s->len; i += 1 + s->v[i]) tables = s->v[i] <= LOCAL_DEPTH;
+    node_table *t[TABLE_STACKS];
+    int n_t = 0, n_pos = 0;
+    for (int i = 0; tables && i < s->len; i += 1 + s->v[i]) {
+        if (s->v[i] == 0) continue;
+        t[n_t] = table_for(g, v, s->v[i + s->v[i]], levels, seen);
+        tables = t[n_t] && t[n_t]->usable;
+        if (tables) n_pos += t[n_t++]->n_uncertain;
+    }
+    if (!tables) return full_walk(g, v, s, levels, seen, bits);
+    int32_t *pos = malloc(((size_t)n_pos + 1) * sizeof *pos);
+    if (!pos) return false;
+    n_pos = 0;
+    for (int k = 0; k < n_t; k++) {
+        for (size_t w = 0; w < n_words; w++) bits[w] |= t[k]->accepted[w];
+        memcpy(pos + n_pos, t[k]->uncertain, (size_t)t[k]->n_uncertain * sizeof *pos);
+        n_pos += t[k]->n_uncertain;
+    }
+    if (n_t > 1) qsort(pos, (size_t)n_pos, sizeof *pos, cmp_pos);
+    bool ok = list_walk(g, v, s, pos, n_pos, levels, seen, bits);
+    free(pos);
+    return ok;
 }
 
 /* ---- the mask cache: open addressing by the state's hash ------------------------------------ */
@@ -163,6 +302,8 @@ struct gr_mask_cache {
     const kvs_grammar_vocab *v; /* the vocabulary the masks are for */
     cache_slot *slots;
     size_t cap, n, bytes, n_words;
+    node_table **tables; /* [n_tables = grammar nodes], built on first use */
+    int n_tables;
 };
 
 static void cache_clear(gr_mask_cache *c) {
@@ -174,6 +315,8 @@ static void cache_clear(gr_mask_cache *c) {
 void gr_mask_cache_free(gr_mask_cache *c) {
     if (!c) return;
     cache_clear(c);
+    for (int i = 0; c->tables && i < c->n_tables; i++) node_table_free(c->tables[i]);
+    free(c->tables);
     free(c->slots);
     free(c);
 }
@@ -184,6 +327,12 @@ static cache_slot *cache_find(const gr_mask_cache *c, const gr_state *s, uint64_
         if (!e->key || (e->hash == h && e->key_len == s->len && !memcmp(e->key, s->v, (size_t)s->len * sizeof *s->v)))
             return e;
     }
+}
+
+void kvs_grammar_forget_masks(kvs_grammar *g) {
+    pthread_mutex_lock(&g->cache_lock);
+    if (g->cache) cache_clear(g->cache);
+    pthread_mutex_unlock(&g->cache_lock);
 }
 
 bool gr_cache_get(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, uint32_t *bits) {
@@ -217,15 +366,42 @@ static bool cache_grow(gr_mask_cache *c) {
     return true;
 }
 
-void gr_cache_put(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, const uint32_t *bits) {
-    uint64_t h = gr_state_hash(s);
-    pthread_mutex_lock(&g->cache_lock);
+/* g's cache when it is for v (made for the first vocabulary asked); call under the lock */
+static gr_mask_cache *cache_for(kvs_grammar *g, const kvs_grammar_vocab *v) {
     if (!g->cache && (g->cache = calloc(1, sizeof *g->cache))) {
         g->cache->v = v;
         g->cache->n_words = (size_t)(v->n_tokens + 31) / 32;
+        if (!(g->cache->tables = calloc((size_t)g->n_nodes, sizeof *g->cache->tables))) {
+            free(g->cache);
+            g->cache = NULL;
+        } else {
+            g->cache->n_tables = g->n_nodes;
+        }
     }
-    gr_mask_cache *c = g->cache;
-    if (!c || c->v != v) goto done; /* the cache serves the first vocabulary only */
+    return g->cache && g->cache->v == v ? g->cache : NULL;
+}
+
+/* node's table: kept in the cache, built (outside the lock) on first use; NULL when out of memory */
+static node_table *table_for(kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_state *seen) {
+    pthread_mutex_lock(&g->cache_lock);
+    gr_mask_cache *c = cache_for(g, v);
+    node_table *t = c ? c->tables[node] : NULL;
+    pthread_mutex_unlock(&g->cache_lock);
+    if (t || !c) return t;
+    if (!(t = node_table_build(g, v, node, levels, seen))) return NULL;
+    pthread_mutex_lock(&g->cache_lock);
+    c = cache_for(g, v);
+    node_table *keep = !c ? NULL : c->tables[node] ? c->tables[node] : (c->tables[node] = t);
+    pthread_mutex_unlock(&g->cache_lock);
+    if (keep != t) node_table_free(t);
+    return keep;
+}
+
+void gr_cache_put(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, const uint32_t *bits) {
+    uint64_t h = gr_state_hash(s);
+    pthread_mutex_lock(&g->cache_lock);
+    gr_mask_cache *c = cache_for(g, v);
+    if (!c) goto done; /* the cache serves the first vocabulary only */
     size_t entry = c->n_words * sizeof *bits + (size_t)s->len * sizeof *s->v;
     if (c->bytes + entry > CACHE_BYTES) cache_clear(c);
     if (2 * (c->n + 1) > c->cap && !cache_grow(c)) goto done;
