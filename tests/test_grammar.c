@@ -188,22 +188,20 @@ Test(grammar, bad_schemas_name_the_field) {
     }
 }
 
-/* ---- a text buffer ------------------------------------------------------------------------ */
+/* ---- text written through a memory stream -------------------------------------------------- */
 typedef struct {
-    char *s;
-    size_t n, cap;
+    FILE *f;
+    char *s; /* after text_end (or fflush) */
+    size_t n;
 } text;
-static void put(text *t, const char *s, size_t n) {
-    if (t->n + n + 1 > t->cap) {
-        t->cap = (t->n + n + 1) * 2;
-        t->s = realloc(t->s, t->cap);
-        cr_assert(t->s);
-    }
-    memcpy(t->s + t->n, s, n);
-    t->n += n;
-    t->s[t->n] = 0;
+static void text_begin(text *t) {
+    t->s = NULL;
+    t->n = 0;
+    cr_assert(t->f = open_memstream(&t->s, &t->n));
 }
-static void puts_(text *t, const char *s) { put(t, s, strlen(s)); }
+static void text_end(text *t) { fclose(t->f); }
+static void put(text *t, const char *s, size_t n) { fwrite(s, 1, n, t->f); }
+static void puts_(text *t, const char *s) { fputs(s, t->f); }
 
 static json_t *parse_schema(const schema_case *c) {
     json_t *s = c->schema ? json_loads(c->schema, 0, NULL) : json_pack("{s:s}", "type", "object");
@@ -493,11 +491,13 @@ static void check_documents(vocab_rig *vr, int per_schema) {
         kvs_grammar *g = compile(&CASES[c]);
         json_t *root = parse_schema(&CASES[c]);
         for (int d = 0; d < per_schema; d++) {
-            text t = {0};
+            text t;
+            text_begin(&t);
             puts_(&t, CASES[c].prefix ? CASES[c].prefix : "");
             if (CASES[c].schema) gen(&t, root, root, &rng, 0);
             else gen_any(&t, root, &rng, 0, true);
             puts_(&t, CASES[c].suffix ? CASES[c].suffix : "");
+            text_end(&t);
             json_t *value = output_value(&CASES[c], t.s, t.n);
             cr_assert(value && valid(root, root, value), "%s: the generator wrote an invalid document: %s", CASES[c].name, t.s);
             json_decref(value);
@@ -544,8 +544,8 @@ static void random_walks(vocab_rig *vr, const char *const *bytes, const size_t *
         for (int w = 0; w < per_schema; w++) {
             kvs_grammar_matcher *m;
             cr_assert_eq(kvs_grammar_matcher_create(g, vr->v, &m), KVS_OK);
-            text out = {0};
-            puts_(&out, "");
+            text out;
+            text_begin(&out);
             for (int step = 0; step < 4000 && !kvs_grammar_matcher_ended(m); step++) {
                 kvs_grammar_matcher_mask(m, bits);
                 int n = 0, n_closing = 0, end = -1;
@@ -557,6 +557,7 @@ static void random_walks(vocab_rig *vr, const char *const *bytes, const size_t *
                     else allowed[n++] = id;
                     if (!is_end && closes(vr->v, bytes, lens, id)) closing[n_closing++] = id;
                 }
+                fflush(out.f);
                 cr_assert(n > 0 || end >= 0, "%s: nothing allowed after '%s'", CASES[c].name, out.s);
                 int id = end >= 0 && (n == 0 || below(&rng, 3) == 0) ? end
                          : step > 30 && n_closing && below(&rng, 4) ? closing[below(&rng, n_closing)]
@@ -564,6 +565,7 @@ static void random_walks(vocab_rig *vr, const char *const *bytes, const size_t *
                 cr_assert_eq(kvs_grammar_matcher_accept(m, id), KVS_OK, "%s: %s", CASES[c].name, kvs_last_error());
                 if (id != end) put(&out, bytes[id], lens[id]);
             }
+            text_end(&out);
             cr_assert(kvs_grammar_matcher_ended(m), "%s: no end after 4000 tokens: %.200s", CASES[c].name, out.s);
             json_t *value = output_value(&CASES[c], out.s, out.n);
             cr_assert(value, "%s: the output does not parse: %s", CASES[c].name, out.s);
@@ -684,9 +686,11 @@ static void bench_case(vocab_rig *vr, const schema_case *c, kvs_rng *rng) {
     int n = 0;
     for (int tries = 0; n < 30 && tries < 50; tries++) { /* a document of 30 tokens or more */
         free(ids);
-        t.n = 0;
+        free(t.s);
+        text_begin(&t);
         if (c->schema) gen(&t, root, root, rng, 0);
         else gen_any(&t, root, rng, 0, true);
+        text_end(&t);
         cr_assert_eq(kvs_tokenizer_encode(vr->tok, t.s, t.n, (kvs_encode_options){0}, &ids, &n), KVS_OK);
     }
     uint32_t *bits = malloc((size_t)(kvs_grammar_vocab_size(vr->v) + 31) / 32 * 4);

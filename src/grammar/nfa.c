@@ -8,14 +8,19 @@
 
 #include "grammar/grammar_internal.h"
 
+/* room for need items of size bytes in *(void **)items, whose capacity is *cap */
+static bool reserve(void *items, int *cap, int need, size_t size) {
+    if (need <= *cap) return true;
+    int c = need * 2 + 32;
+    void *p = realloc(*(void **)items, (size_t)c * size);
+    if (!p) return false;
+    *(void **)items = p;
+    *cap = c;
+    return true;
+}
+
 static bool add_edge(gr_nfa *a, gr_edge e) {
-    if (a->n_edges == a->cap_edges) {
-        int cap = a->cap_edges ? a->cap_edges * 2 : 32;
-        gr_edge *ne = realloc(a->edges, (size_t)cap * sizeof *ne);
-        if (!ne) return false;
-        a->edges = ne;
-        a->cap_edges = cap;
-    }
+    if (!reserve(&a->edges, &a->cap_edges, a->n_edges + 1, sizeof e)) return false;
     a->edges[a->n_edges++] = e;
     return true;
 }
@@ -34,7 +39,7 @@ void gr_nfa_free(gr_nfa *a) {
 /* ---- subset construction ------------------------------------------------------------ */
 typedef struct {
     int32_t *v; /* the sets, flat: each sorted, unique */
-    int *off, *len;
+    struct set_at { int off, len; } *at;
     int n, cap, vlen, vcap;
     int *table; /* hash -> set index + 1 */
     int table_cap;
@@ -85,7 +90,7 @@ static bool table_grow(set_list *l) {
     int *t = calloc((size_t)cap, sizeof *t);
     if (!t) return false;
     for (int i = 0; i < l->n; i++) {
-        size_t h = hash_ints(l->v + l->off[i], l->len[i]) & (size_t)(cap - 1);
+        size_t h = hash_ints(l->v + l->at[i].off, l->at[i].len) & (size_t)(cap - 1);
         while (t[h]) h = (h + 1) & (size_t)(cap - 1);
         t[h] = i + 1;
     }
@@ -101,26 +106,12 @@ static int intern(set_list *l, const int32_t *set, int n) {
     size_t mask = (size_t)l->table_cap - 1, h = hash_ints(set, n) & mask;
     for (; l->table[h]; h = (h + 1) & mask) {
         int i = l->table[h] - 1;
-        if (l->len[i] == n && !memcmp(l->v + l->off[i], set, (size_t)n * sizeof *set)) return i;
+        if (l->at[i].len == n && !memcmp(l->v + l->at[i].off, set, (size_t)n * sizeof *set)) return i;
     }
-    if (l->n == l->cap) {
-        int cap = l->cap ? l->cap * 2 : 64;
-        int *no = realloc(l->off, (size_t)cap * sizeof *no), *nl = no ? realloc(l->len, (size_t)cap * sizeof *nl) : NULL;
-        if (no) l->off = no;
-        if (!nl) return -1;
-        l->len = nl;
-        l->cap = cap;
-    }
-    if (l->vlen + n > l->vcap) {
-        int cap = (l->vlen + n) * 2 + 64;
-        int32_t *nv = realloc(l->v, (size_t)cap * sizeof *nv);
-        if (!nv) return -1;
-        l->v = nv;
-        l->vcap = cap;
-    }
+    if (!reserve(&l->at, &l->cap, l->n + 1, sizeof *l->at) || !reserve(&l->v, &l->vcap, l->vlen + n, sizeof *l->v))
+        return -1;
     memcpy(l->v + l->vlen, set, (size_t)n * sizeof *set);
-    l->off[l->n] = l->vlen;
-    l->len[l->n] = n;
+    l->at[l->n] = (struct set_at){l->vlen, n};
     l->vlen += n;
     l->table[h] = l->n + 1;
     return l->n++;
@@ -128,8 +119,7 @@ static int intern(set_list *l, const int32_t *set, int n) {
 
 static void set_list_free(set_list *l) {
     free(l->v);
-    free(l->off);
-    free(l->len);
+    free(l->at);
     free(l->table);
 }
 
@@ -140,13 +130,7 @@ typedef struct {
 } node_list;
 
 static gr_node *new_node(node_list *o) {
-    if (o->n_nodes == o->cap_nodes) {
-        int cap = o->cap_nodes ? o->cap_nodes * 2 : 64;
-        gr_node *nn = realloc(o->nodes, (size_t)cap * sizeof *nn);
-        if (!nn) return NULL;
-        o->nodes = nn;
-        o->cap_nodes = cap;
-    }
+    if (!reserve(&o->nodes, &o->cap_nodes, o->n_nodes + 1, sizeof *o->nodes)) return NULL;
     gr_node *n = &o->nodes[o->n_nodes++];
     memset(n->next, 0xff, sizeof n->next);
     n->first_call = o->n_calls;
@@ -156,13 +140,7 @@ static gr_node *new_node(node_list *o) {
 }
 
 static bool new_call(node_list *o, int32_t rule, int32_t ret) {
-    if (o->n_calls == o->cap_calls) {
-        int cap = o->cap_calls ? o->cap_calls * 2 : 64;
-        gr_call *nc = realloc(o->calls, (size_t)cap * sizeof *nc);
-        if (!nc) return false;
-        o->calls = nc;
-        o->cap_calls = cap;
-    }
+    if (!reserve(&o->calls, &o->cap_calls, o->n_calls + 1, sizeof *o->calls)) return false;
     o->calls[o->n_calls++] = (gr_call){rule, ret};
     return true;
 }
@@ -192,10 +170,10 @@ static kvs_status determinize(const gr_nfa *a, node_list *o, int32_t *start) {
     for (int di = 0; di < sets.n; di++) {
         gr_node *node = new_node(o);
         if (!node) goto done;
-        int32_t *members = malloc((size_t)sets.len[di] * sizeof *members);
-        int n_members = sets.len[di];
+        int n_members = sets.at[di].len;
+        int32_t *members = malloc((size_t)n_members * sizeof *members);
         if (!members) goto done;
-        memcpy(members, sets.v + sets.off[di], (size_t)n_members * sizeof *members);
+        memcpy(members, sets.v + sets.at[di].off, (size_t)n_members * sizeof *members);
         memset(n_by_byte, 0, 256 * sizeof *n_by_byte);
         bool ok = true;
         for (int m = 0; m < n_members; m++) {

@@ -53,10 +53,8 @@ static int ws(builder *b, int r, int x) {
     range(b, r, x, ' ', ' ', y);
     return y;
 }
-static void hex(builder *b, int r, int x, bool zero, int y) {
-    range(b, r, x, zero ? '0' : '1', '9', y);
-    range(b, r, x, 'A', 'F', y);
-    range(b, r, x, 'a', 'f', y);
+static void chars(builder *b, int r, int x, const char *set, int y) {
+    for (; *set; set++) range(b, r, x, (uint8_t)*set, (uint8_t)*set, y);
 }
 
 static kvs_status new_rule(builder *b, int *r) {
@@ -100,40 +98,34 @@ static void utf8_char(builder *b, int r, int x, int y) {
 }
 
 /* \X or \uXXXX: not \u0000, a high surrogate only with its low one */
+#define HEX "0123456789ABCDEFabcdef"
+#define HEX_NONZERO "123456789ABCDEFabcdef"
 static void escape_char(builder *b, int r, int x, int y) {
     int e = state(b, r), u = state(b, r), h1 = state(b, r), h2 = state(b, r), h3 = state(b, r), z1 = state(b, r),
-        z2 = state(b, r), z3 = state(b, r), d1 = state(b, r), p2 = state(b, r), p3 = state(b, r);
-    range(b, r, x, '\\', '\\', e);
-    for (const char *c = "\"\\/bfnrt"; *c; c++) range(b, r, e, *c, *c, y);
-    range(b, r, e, 'u', 'u', u);
-    hex(b, r, h1, true, y);
-    hex(b, r, h2, true, h1);
-    hex(b, r, h3, true, h2);
-    range(b, r, u, '0', '0', z1);
-    range(b, r, u, '1', '9', h3);
-    range(b, r, u, 'A', 'C', h3);
-    range(b, r, u, 'a', 'c', h3);
-    range(b, r, u, 'E', 'F', h3);
-    range(b, r, u, 'e', 'f', h3);
-    range(b, r, u, 'D', 'D', d1);
-    range(b, r, u, 'd', 'd', d1);
-    range(b, r, z1, '0', '0', z2);
-    hex(b, r, z1, false, h2);
-    range(b, r, z2, '0', '0', z3);
-    hex(b, r, z2, false, h1);
-    hex(b, r, z3, false, y);
-    range(b, r, d1, '0', '7', h2);
-    range(b, r, d1, '8', '9', p2);
-    range(b, r, d1, 'A', 'B', p2);
-    range(b, r, d1, 'a', 'b', p2);
-    int p4 = state(b, r);
-    hex(b, r, p2, true, p3);
-    hex(b, r, p3, true, p4);
-    int low = lit_str(b, r, p4, "\\u"), l1 = state(b, r);
-    range(b, r, low, 'D', 'D', l1);
-    range(b, r, low, 'd', 'd', l1);
-    range(b, r, l1, 'C', 'F', h2);
-    range(b, r, l1, 'c', 'f', h2);
+        z2 = state(b, r), z3 = state(b, r), d1 = state(b, r), p2 = state(b, r), p3 = state(b, r), p4 = state(b, r),
+        p5 = state(b, r), p6 = state(b, r), l1 = state(b, r);
+    chars(b, r, x, "\\", e);
+    chars(b, r, e, "\"\\/bfnrt", y);
+    chars(b, r, e, "u", u);
+    chars(b, r, h1, HEX, y); /* h1..h3: that many hex digits left */
+    chars(b, r, h2, HEX, h1);
+    chars(b, r, h3, HEX, h2);
+    chars(b, r, u, "0", z1); /* z1..z3: zeros so far, a non-zero digit still due */
+    chars(b, r, u, "123456789ABCEFabcef", h3);
+    chars(b, r, u, "Dd", d1);
+    chars(b, r, z1, "0", z2);
+    chars(b, r, z1, HEX_NONZERO, h2);
+    chars(b, r, z2, "0", z3);
+    chars(b, r, z2, HEX_NONZERO, h1);
+    chars(b, r, z3, HEX_NONZERO, y);
+    chars(b, r, d1, "01234567", h2); /* D800..DBFF: a high surrogate, then \uDC00..\uDFFF */
+    chars(b, r, d1, "89ABab", p2);
+    chars(b, r, p2, HEX, p3);
+    chars(b, r, p3, HEX, p4);
+    chars(b, r, p4, "\\", p5);
+    chars(b, r, p5, "u", p6);
+    chars(b, r, p6, "Dd", l1);
+    chars(b, r, l1, "CDEFcdef", h2);
 }
 
 static void one_char(builder *b, int r, int x, int y) {
