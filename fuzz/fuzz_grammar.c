@@ -2,7 +2,7 @@
  * vocabulary (models/tiny-needle-llama).
  *
  * Input: a JSON schema text up to the first NUL byte (empty: json_object), then
- * a flags byte (bit 0: the tool-call prefix and suffix), then bytes that drive
+ * a flags byte (bit 0: the tool-call prefix and suffix, for a schema), then bytes that drive
  * a walk: each pair picks a token, the low 15 bits its place among the tokens
  * the mask allows, the high bit a token the mask forbids instead.
  *
@@ -73,7 +73,7 @@ static void check_parses(const char *out, size_t n, bool tool) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t *nul = memchr(data, 0, size);
     size_t schema_len = nul ? (size_t)(nul - data) : size, at = nul ? schema_len + 1 : size;
-    bool tool = at < size && (data[at++] & 1);
+    bool tool = at < size && (data[at++] & 1) && schema_len; /* json_object has no prefix or suffix */
     kvs_grammar *g = NULL;
     kvs_status st = schema_len ? kvs_grammar_from_json_schema((const char *)data, schema_len, tool ? PREFIX : NULL,
                                                               tool ? SUFFIX : NULL, &g)

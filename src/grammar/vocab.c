@@ -281,7 +281,7 @@ bool gr_mask_compute(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state 
     n_pos = 0;
     for (int k = 0; k < n_t; k++) {
         for (size_t w = 0; w < n_words; w++) bits[w] |= t[k]->accepted[w];
-        memcpy(pos + n_pos, t[k]->uncertain, (size_t)t[k]->n_uncertain * sizeof *pos);
+        if (t[k]->n_uncertain) memcpy(pos + n_pos, t[k]->uncertain, (size_t)t[k]->n_uncertain * sizeof *pos);
         n_pos += t[k]->n_uncertain;
     }
     if (n_t > 1) qsort(pos, (size_t)n_pos, sizeof *pos, cmp_pos);
