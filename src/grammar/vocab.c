@@ -1,6 +1,7 @@
 /* grammar vocabulary: the tokens' bytes as a trie in preorder (a node's
  * subtree is the nodes up to skip[i]), the mask walk over it from a state, and
  * the grammar's cache of masks by state. */
+#define _GNU_SOURCE /* qsort_r */
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,13 +19,11 @@ void kvs_grammar_vocab_destroy(kvs_grammar_vocab *v) {
 
 int kvs_grammar_vocab_size(const kvs_grammar_vocab *v) { return v->n_tokens; }
 
-static const kvs_grammar_vocab *sort_vocab; /* qsort has no context argument; set under build_lock */
-static pthread_mutex_t build_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static int cmp_token(const void *x, const void *y) {
+static int cmp_token(const void *x, const void *y, void *vocab) {
+    const kvs_grammar_vocab *v = vocab;
     int a = *(const int32_t *)x, b = *(const int32_t *)y;
-    size_t la = sort_vocab->lens[a], lb = sort_vocab->lens[b];
-    int c = memcmp(sort_vocab->bytes[a], sort_vocab->bytes[b], la < lb ? la : lb);
+    size_t la = v->lens[a], lb = v->lens[b];
+    int c = memcmp(v->bytes[a], v->bytes[b], la < lb ? la : lb);
     return c ? c : (la > lb) - (la < lb);
 }
 
@@ -96,10 +95,7 @@ kvs_status kvs_grammar_vocab_create(const char *const *tokens, const size_t *len
         sorted[n_sorted++] = i;
     }
     if (ok) {
-        pthread_mutex_lock(&build_lock);
-        sort_vocab = v;
-        qsort(sorted, (size_t)n_sorted, sizeof *sorted, cmp_token);
-        pthread_mutex_unlock(&build_lock);
+        qsort_r(sorted, (size_t)n_sorted, sizeof *sorted, cmp_token, v);
         ok = build_trie(v, sorted, n_sorted, total);
         if (ok) sorted = NULL; /* kept as v->tok_ids */
     }
