@@ -617,10 +617,10 @@ static void documents(const char *dir, int per_schema) {
     vocab_close(&vr);
 }
 
-Test(grammar, no_valid_prefix_masked_out_bundled, .timeout = 600) { documents(bundled(), 25); }
-Test(grammar, no_invalid_output_reachable_bundled, .timeout = 600) { walks(bundled(), 12); }
-Test(grammar_fetched, no_valid_prefix_masked_out_llama3, .timeout = 900) { documents(llama3(), 6); }
-Test(grammar_fetched, no_invalid_output_reachable_llama3, .timeout = 900) { walks(llama3(), 3); }
+Test(grammar, no_valid_prefix_masked_out_bundled, .timeout = 600) { documents(bundled(), 60); }
+Test(grammar, no_invalid_output_reachable_bundled, .timeout = 600) { walks(bundled(), 40); }
+Test(grammar_fetched, no_valid_prefix_masked_out_llama3, .timeout = 900) { documents(llama3(), 20); }
+Test(grammar_fetched, no_invalid_output_reachable_llama3, .timeout = 900) { walks(llama3(), 8); }
 
 Test(grammar, matcher_refuses_masked_tokens_and_stays) {
     vocab_rig vr;
