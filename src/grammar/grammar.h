@@ -78,7 +78,10 @@ void kvs_grammar_vocab_destroy(kvs_grammar_vocab *v);
 /* The matcher holds a reference to g; v must outlive it. */
 kvs_status kvs_grammar_matcher_create(kvs_grammar *g, const kvs_grammar_vocab *v, kvs_grammar_matcher **out);
 /* bits[(n_tokens + 31) / 32]: bit i set = token i keeps the output a valid
- * prefix (or, an end id, ends a complete one). After an end id: only end ids. */
+ * prefix (or, an end id, ends a complete one). After an end id: only end ids.
+ * All zero only where nesting went past KVS_GRAMMAR_MAX_DEPTH (nothing can
+ * follow): the caller ends the request. A grammar may serve matchers on
+ * several threads (its caches take a lock); a matcher is one thread's. */
 void kvs_grammar_matcher_mask(kvs_grammar_matcher *m, uint32_t *bits);
 /* Advances by one token; KVS_ERR_INVALID (naming the token) when the mask
  * forbids it, the matcher unchanged. */
