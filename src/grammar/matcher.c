@@ -99,7 +99,25 @@ static void closure(closure_run *c, int32_t *stack, int depth) {
     if (n->final) closure(c, stack, depth - 1);
 }
 
+/* one stack whose top moves to a node that neither calls nor returns (inside a
+   string, a number, a literal): what the closure would give, without it */
+static bool advance_plain(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out) {
+    int depth = in->v[0];
+    int32_t next = g->nodes[in->v[depth]].next[b];
+    const gr_node *n = next >= 0 ? &g->nodes[next] : NULL;
+    if (n && (n->n_calls || n->final)) return false;
+    clear(out);
+    if (!n || !n->has_bytes) return true;
+    if (!reserve(out, depth + 1)) return false;
+    memcpy(out->v, in->v, (size_t)depth * sizeof *out->v);
+    out->v[depth] = next;
+    out->len = depth + 1;
+    out->n_stacks = 1;
+    return true;
+}
+
 bool gr_advance_limited(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen, int limit) {
+    if (in->n_stacks == 1 && in->v[0] > 0 && advance_plain(g, in, b, out)) return true;
     int32_t stack[KVS_GRAMMAR_MAX_DEPTH + 1];
     closure_run c = {g, out, seen, CLOSURE_BUDGET, limit, true};
     clear(out);
