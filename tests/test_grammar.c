@@ -710,8 +710,12 @@ static void bench_case(vocab_rig *vr, const schema_case *c, kvs_rng *rng) {
         kvs_grammar_matcher *m;
         cr_assert_eq(kvs_grammar_matcher_create(g, vr->v, &m), KVS_OK);
         for (int i = 0; i < n; i++) {
-            if (pass == 2) kvs_grammar_forget_masks(g);
-            double us = mask_us(m, bits);
+            double us = 1e30; /* the best of 3: this machine is shared, a time slice lost is not the mask's */
+            for (int rep = 0; rep < 3; rep++) {
+                if (pass == 2) kvs_grammar_forget_masks(g);
+                double one = mask_us(m, bits);
+                us = one < us ? one : us;
+            }
             if (pass) sum[pass] += us, max[pass] = us > max[pass] ? us : max[pass];
             cr_assert_eq(kvs_grammar_matcher_accept(m, ids[i]), KVS_OK);
         }
