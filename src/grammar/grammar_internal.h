@@ -35,6 +35,8 @@ typedef struct {
     int32_t first_call, n_calls;
     bool final;     /* the rule may return here */
     bool has_bytes; /* some next[] >= 0 */
+    bool plain;     /* its rule calls no rule */
+    int32_t rule_base, rule_size; /* its rule's nodes */
 } gr_node;
 
 typedef struct gr_mask_cache gr_mask_cache;
@@ -83,6 +85,7 @@ struct kvs_grammar_vocab {
     uint8_t *is_end;     /* [n_tokens] */
     int32_t *end_ids;
     int n_end;
+    struct gr_shared_tables *shared; /* node tables of rules that call nothing, for every grammar (vocab.c) */
 };
 /* bits[] for state s: every token whose bytes keep s alive, the end ids when s is accepted.
  * levels: [v->max_depth + 1] scratch states. */

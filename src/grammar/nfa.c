@@ -242,6 +242,13 @@ kvs_status gr_compile(gr_nfa *const *rules, int n_rules, int root, kvs_grammar *
         return st;
     }
     for (int c = 0; c < o.n_calls; c++) o.calls[c].callee = starts[o.calls[c].callee];
+    for (int r = 0; r < n_rules; r++) { /* each rule's nodes: from its start to the next rule's */
+        int end = r + 1 < n_rules ? starts[r + 1] : o.n_nodes;
+        bool plain = true;
+        for (int i = starts[r]; i < end; i++) plain &= o.nodes[i].n_calls == 0;
+        for (int i = starts[r]; i < end; i++)
+            o.nodes[i].plain = plain, o.nodes[i].rule_base = starts[r], o.nodes[i].rule_size = end - starts[r];
+    }
     for (int i = 0; i < o.n_nodes; i++)
         for (int b = 0; b < 256 && !o.nodes[i].has_bytes; b++) o.nodes[i].has_bytes = o.nodes[i].next[b] >= 0;
     atomic_init(&g->refs, 1);

@@ -9,8 +9,38 @@
 
 #define CACHE_BYTES ((size_t)64 << 20) /* masks kept per grammar; the cache starts again past this */
 
+/* What a node decides on its own, for states whose stacks have it on top (xgrammar's
+ * context-independent tokens): walked from the stack [node] alone, a token is
+ * accepted when a stack of its rule (or deeper) is left after it, uncertain when
+ * the rule returns inside it (what follows depends on the stacks below), else
+ * rejected. Uncertain tokens are kept as positions in tok_ids (trie order). */
+typedef struct {
+    bool usable; /* false: the walk dropped stacks (too deep, too many): no table for this node */
+    uint32_t *accepted;
+    int32_t *uncertain;
+    int n_uncertain;
+} node_table;
+
+/* node tables shared by every grammar of a vocabulary (below) */
+typedef struct {
+    uint64_t hash;
+    int32_t offset, size; /* the node within its rule, the rule's nodes */
+    int32_t *shape;       /* per node of the rule: next[256] relative to the rule, then final */
+    node_table *t;
+} shared_table;
+
+struct gr_shared_tables {
+    pthread_mutex_t lock;
+    shared_table *e;
+    int n, cap;
+    size_t bytes;
+};
+
+static void shared_tables_free(struct gr_shared_tables *s);
+
 void kvs_grammar_vocab_destroy(kvs_grammar_vocab *v) {
     if (!v) return;
+    shared_tables_free(v->shared);
     for (int i = 0; i < v->n_tokens; i++) free(v->bytes[i]);
     free(v->bytes), free(v->lens), free(v->is_end), free(v->end_ids);
     free(v->byte), free(v->depth), free(v->skip), free(v->tok_first), free(v->tok_ids);
@@ -80,7 +110,8 @@ kvs_status kvs_grammar_vocab_create(const char *const *tokens, const size_t *len
     v->is_end = calloc((size_t)n_tokens, 1);
     v->end_ids = malloc(((size_t)n_end + 1) * sizeof *v->end_ids);
     sorted = malloc((size_t)n_tokens * sizeof *sorted);
-    bool ok = v->bytes && v->lens && v->is_end && v->end_ids && sorted;
+    if ((v->shared = calloc(1, sizeof *v->shared))) pthread_mutex_init(&v->shared->lock, NULL);
+    bool ok = v->bytes && v->lens && v->is_end && v->end_ids && sorted && v->shared;
     int n_sorted = 0;
     size_t total = 0;
     for (int i = 0; ok && i < n_end; i++) v->is_end[v->end_ids[v->n_end++] = end_ids[i]] = 1;
@@ -152,17 +183,6 @@ static bool full_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr
     return true;
 }
 
-/* What a node decides on its own, for states whose stacks have it on top (xgrammar's
- * context-independent tokens): walked from the stack [node] alone, a token is
- * accepted when a stack of its rule (or deeper) is left after it, uncertain when
- * the rule returns inside it (what follows depends on the stacks below), else
- * rejected. Uncertain tokens are kept as positions in tok_ids (trie order). */
-typedef struct {
-    bool usable; /* false: the walk dropped stacks (too deep, too many): no table for this node */
-    uint32_t *accepted;
-    int32_t *uncertain;
-    int n_uncertain;
-} node_table;
 
 #define LOCAL_DEPTH (KVS_GRAMMAR_MAX_DEPTH / 2) /* states deeper than this take the full walk */
 #define LOCAL_STACKS 64                          /* a table's walk that needs more stacks is not kept */
@@ -377,6 +397,109 @@ static gr_mask_cache *cache_for(kvs_grammar *g, const kvs_grammar_vocab *v) {
     return g->cache && g->cache->v == v ? g->cache : NULL;
 }
 
+/* ---- node tables shared by every grammar of a vocabulary ------------------------------------
+ * A node of a rule that calls nothing decides its tokens from that rule alone, so
+ * the same rule (a string, a number, a bounded string, an enum) compiled in
+ * another grammar gets the same table: kept by the rule's shape. */
+#define SHARED_RULE_NODES 256
+#define SHARED_BYTES ((size_t)64 << 20)
+
+
+static bool reserve_entries(struct gr_shared_tables *s) {
+    int cap = s->cap ? s->cap * 2 : 64;
+    shared_table *ne = realloc(s->e, (size_t)cap * sizeof *ne);
+    if (!ne) return false;
+    s->e = ne;
+    s->cap = cap;
+    return true;
+}
+
+static void shared_tables_free(struct gr_shared_tables *s) {
+    if (!s) return;
+    for (int i = 0; i < s->n; i++) free(s->e[i].shape), node_table_free(s->e[i].t);
+    free(s->e);
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+}
+
+static int32_t *rule_shape(const kvs_grammar *g, int32_t node, uint64_t *hash) {
+    const gr_node *n = &g->nodes[node];
+    int32_t *shape = malloc((size_t)n->rule_size * 257 * sizeof *shape);
+    if (!shape) return NULL;
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < n->rule_size; i++) {
+        const gr_node *r = &g->nodes[n->rule_base + i];
+        int32_t *out = shape + (size_t)i * 257;
+        for (int b = 0; b < 256; b++) out[b] = r->next[b] < 0 ? -1 : r->next[b] - n->rule_base;
+        out[256] = r->final;
+        for (int k = 0; k < 257; k++) h = (h ^ (uint32_t)out[k]) * 1099511628211ull;
+    }
+    *hash = h;
+    return shape;
+}
+
+static node_table *table_copy(const node_table *t, size_t n_words) {
+    node_table *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    *c = *t;
+    c->accepted = malloc(n_words * sizeof *c->accepted);
+    c->uncertain = malloc(((size_t)t->n_uncertain + 1) * sizeof *c->uncertain);
+    if (!c->accepted || !c->uncertain) {
+        node_table_free(c);
+        return NULL;
+    }
+    memcpy(c->accepted, t->accepted, n_words * sizeof *c->accepted);
+    if (t->n_uncertain) memcpy(c->uncertain, t->uncertain, (size_t)t->n_uncertain * sizeof *c->uncertain);
+    return c;
+}
+
+/* a copy of the shared table of node's rule shape, or NULL */
+static node_table *shared_get(const kvs_grammar_vocab *v, int32_t offset, const int32_t *shape, int32_t size, uint64_t h) {
+    struct gr_shared_tables *s = v->shared;
+    node_table *t = NULL;
+    pthread_mutex_lock(&s->lock);
+    for (int i = 0; i < s->n && !t; i++) {
+        shared_table *e = &s->e[i];
+        if (e->hash == h && e->offset == offset && e->size == size && !memcmp(e->shape, shape, (size_t)size * 257 * sizeof *shape))
+            t = table_copy(e->t, (size_t)(v->n_tokens + 31) / 32);
+    }
+    pthread_mutex_unlock(&s->lock);
+    return t;
+}
+
+/* keeps a copy of t for the rule shape (which it then owns); frees shape otherwise */
+static void shared_put(const kvs_grammar_vocab *v, int32_t offset, int32_t *shape, int32_t size, uint64_t h, const node_table *t) {
+    struct gr_shared_tables *s = v->shared;
+    size_t n_words = (size_t)(v->n_tokens + 31) / 32;
+    size_t bytes = n_words * 4 + (size_t)t->n_uncertain * 4 + (size_t)size * 257 * 4;
+    node_table *c = NULL;
+    pthread_mutex_lock(&s->lock);
+    if (s->bytes + bytes <= SHARED_BYTES && (s->n < s->cap || reserve_entries(s)) && (c = table_copy(t, n_words))) {
+        s->e[s->n++] = (shared_table){h, offset, size, shape, c};
+        s->bytes += bytes;
+        shape = NULL;
+    }
+    pthread_mutex_unlock(&s->lock);
+    free(shape);
+}
+
+/* a node's table: a copy of the shared one when its rule calls nothing, else built */
+static node_table *table_make(const kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_state *seen) {
+    const gr_node *n = &g->nodes[node];
+    if (!n->plain || n->rule_size > SHARED_RULE_NODES) return node_table_build(g, v, node, levels, seen);
+    uint64_t h;
+    int32_t *shape = rule_shape(g, node, &h), offset = node - n->rule_base;
+    node_table *t = shape ? shared_get(v, offset, shape, n->rule_size, h) : NULL;
+    if (t || !shape) {
+        free(shape);
+        return t ? t : node_table_build(g, v, node, levels, seen);
+    }
+    t = node_table_build(g, v, node, levels, seen);
+    if (t) shared_put(v, offset, shape, n->rule_size, h, t);
+    else free(shape);
+    return t;
+}
+
 /* node's table: kept in the cache, built (outside the lock) on first use; NULL when out of memory */
 static node_table *table_for(kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_state *seen) {
     pthread_mutex_lock(&g->cache_lock);
@@ -384,7 +507,7 @@ static node_table *table_for(kvs_grammar *g, const kvs_grammar_vocab *v, int32_t
     node_table *t = c ? c->tables[node] : NULL;
     pthread_mutex_unlock(&g->cache_lock);
     if (t || !c) return t;
-    if (!(t = node_table_build(g, v, node, levels, seen))) return NULL;
+    if (!(t = table_make(g, v, node, levels, seen))) return NULL;
     pthread_mutex_lock(&g->cache_lock);
     c = cache_for(g, v);
     node_table *keep = !c ? NULL : c->tables[node] ? c->tables[node] : (c->tables[node] = t);
