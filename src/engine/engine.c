@@ -145,6 +145,8 @@ void kvs_engine_destroy(kvs_engine *e) {
     free(e->adjust);
     free(e->top_ids);
     free(e->top_lp);
+    free(e->masks);
+    kvs_grammar_vocab_destroy(e->gvocab);
     free(e->aborts);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
@@ -304,8 +306,30 @@ static bool reserve_adjust(kvs_engine *e, int n) {
     return true;
 }
 
+/* r's matcher, made at its first draw (the vocabulary too, at the first
+ * grammar request); false, with *why, when that fails. */
+static bool need_matcher(kvs_engine *e, kvs_request *r, const char **why) {
+    if (r->matcher) return true;
+    int32_t ends[KVS_MAX_EOS];
+    int n = 0;
+    for (int i = 0; i < e->mcfg.n_eos && n < KVS_MAX_EOS; i++) ends[n++] = e->mcfg.eos_token_ids[i];
+    if (!e->masks && !(e->masks = malloc(sizeof(uint32_t) * kvs_sample_mask_words(e->vocab) * e->batch.cap_seqs))) {
+        *why = "out of memory for the grammar masks";
+        return false;
+    }
+    if (!e->gvocab && kvs_grammar_vocab_from_tokenizer(e->tok, ends, n, &e->gvocab) != KVS_OK) {
+        *why = kvs_last_error();
+        return false;
+    }
+    if (kvs_grammar_matcher_create(r->grammar, e->gvocab, &r->matcher) != KVS_OK) {
+        *why = kvs_last_error();
+        return false;
+    }
+    return true;
+}
+
 /* The step's extras (kvs_sample_extras) from the rows' requests: NULL when no
- * row needs processing or alternatives. */
+ * row needs processing or alternatives. Grammar rows get their masks. */
 static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x) {
     kvs_step_batch *b = &e->batch;
     *x = (kvs_sample_extras){0};
@@ -319,10 +343,25 @@ static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x)
         if (r->top_logprobs > x->top_k) x->top_k = r->top_logprobs;
     }
     if (any && reserve_adjust(e, need)) {
-        for (int s = 0, q = 0; s < b->n_seqs; s++)
-            if (b->wants_logits[s]) kvs_request_process_row(b->reqs[s], &e->process_rows[q++], e->adjust, &x->n_adjust);
+        int words = kvs_sample_mask_words(e->vocab);
+        for (int s = 0, q = 0; s < b->n_seqs; s++) {
+            if (!b->wants_logits[s]) continue;
+            kvs_request *r = b->reqs[s];
+            kvs_process_row *row = &e->process_rows[q++];
+            kvs_request_process_row(r, row, e->adjust, &x->n_adjust);
+            const char *why;
+            if (r->grammar && !need_matcher(e, r, &why)) { /* fails alone after the step */
+                snprintf(r->error, sizeof r->error, "structured output: %s", why);
+                r->grammar_failed = true;
+            } else if (r->matcher) { /* ids past the tokenizer's vocabulary (padded logits) stay masked */
+                memset(e->masks + (size_t)x->n_masks * words, 0, sizeof(uint32_t) * words);
+                kvs_grammar_matcher_mask(r->matcher, e->masks + (size_t)x->n_masks * words);
+                row->mask_row = x->n_masks++;
+            }
+        }
         x->process = e->process_rows;
         x->adjust = e->adjust;
+        x->masks = e->masks;
     } else if (any) {
         kvs_log(KVS_LOG_WARN, "engine: out of memory for the logit adjustments: this step samples without them");
     }
@@ -370,6 +409,13 @@ static kvs_status run_batch(kvs_engine *e) {
         const int32_t *top_ids = x ? e->top_ids + (size_t)k * x->top_k : NULL;
         const float *top_lp = x ? e->top_lp + (size_t)k * x->top_k : NULL;
         int32_t id = e->sample_ids[k++];
+        if (r->grammar_failed || (id >= 0 && r->matcher && kvs_grammar_matcher_accept(r->matcher, id) != KVS_OK)) {
+            char msg[sizeof r->error + 32];
+            snprintf(msg, sizeof msg, "%s", r->grammar_failed ? r->error : "structured output: no token keeps the output valid");
+            kvs_log(KVS_LOG_WARN, "engine: request %llu: %s", (unsigned long long)r->id, msg);
+            retire(e, &e->running, r, KVS_FINISH_ERROR, msg);
+            continue;
+        }
         if (id < 0) { /* NaN or inf in its logits: this request alone fails */
             char msg[128];
             snprintf(msg, sizeof msg, "non-finite logits (NaN or infinity) at generated token %d", r->n_gen + 1);
@@ -378,7 +424,10 @@ static kvs_status run_batch(kvs_engine *e) {
             continue;
         }
         kvs_request_append(e, r, id, lp, top_ids, top_lp);
-        if (r->finish != KVS_FINISH_NONE) retire(e, &e->running, r, KVS_FINISH_NONE, NULL);
+        /* a grammar's end (its EOS) ends the request, ignore_eos or not */
+        if (r->finish == KVS_FINISH_NONE && r->matcher && kvs_grammar_matcher_ended(r->matcher))
+            retire(e, &e->running, r, KVS_FINISH_STOP, NULL);
+        else if (r->finish != KVS_FINISH_NONE) retire(e, &e->running, r, KVS_FINISH_NONE, NULL);
     }
     return KVS_OK;
 }

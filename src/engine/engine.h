@@ -4,6 +4,7 @@
 #define KVS_ENGINE_H
 
 #include "core/core.h"
+#include "grammar/grammar.h"
 #include "kv/kv.h"
 #include "model/model.h"
 #include "runner/runner.h"
@@ -85,6 +86,12 @@ typedef struct {
     const kvs_logit_bias *logit_bias; /* copied; at most KVS_MAX_LOGIT_BIAS distinct ids */
     int n_logit_bias;
     int min_tokens;            /* EOS and stop ids banned, stop strings not matched, before this many tokens */
+    /* Structured output: the output must follow this grammar (NULL: none; the
+     * engine takes a reference). Every draw is masked to the tokens that keep
+     * the output a valid prefix (grammar/grammar.h, the masks applied on the
+     * device before the draw); EOS only once it is complete, and then the
+     * request ends (also with ignore_eos). Needs a tokenizer. */
+    kvs_grammar *grammar;
     const kvs_kv_policy *policy; /* NULL: the engine's default */
     /* Teacher forcing (scoring a continuation: eval ppl; a conversation's next
      * turn appended to a compressed cache: eval multiturn): the first n_forced

@@ -46,6 +46,9 @@ typedef struct kvs_request {
     kvs_req_adjust *adj;
     int n_adj, cap_adj;
     bool process, counts;
+    kvs_grammar *grammar;         /* structured output (a reference), NULL: none */
+    kvs_grammar_matcher *matcher; /* made on the engine thread at its first draw */
+    bool grammar_failed;          /* its matcher could not be made (error holds why): fails after the step */
     kvs_kv_policy policy;
     /* text */
     kvs_detokenizer *detok;
@@ -101,6 +104,10 @@ struct kvs_engine {
     int cap_adjust;
     int32_t *top_ids;
     float *top_lp;
+    /* structured output: the model's vocabulary as bytes (made at the first
+       grammar request) and the step's mask rows [max_num_seqs][mask words] */
+    kvs_grammar_vocab *gvocab;
+    uint32_t *masks;
     kvs_step_batch batch;
     /* owned by the stepping thread */
     kvs_req_list waiting, running;

@@ -64,6 +64,7 @@ static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
     }
     if (p->n_stop_strings > 0 && !e->tok)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "stop: stop strings need a tokenizer");
+    if (p->grammar && !e->tok) return kvs_fail(KVS_ERR_UNSUPPORTED, "response_format: structured output needs a tokenizer");
     if (p->logprobs < 0) return kvs_fail(KVS_ERR_INVALID, "logprobs must be >= 0");
     if (p->top_logprobs < 0 || p->top_logprobs > KVS_MAX_TOP_LOGPROBS)
         return kvs_fail(KVS_ERR_INVALID, "top_logprobs must be in [0, %d] (got %d)", KVS_MAX_TOP_LOGPROBS,
@@ -220,6 +221,7 @@ kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, 
     }
     if (ok && e->tok) ok = (r->detok = kvs_detokenizer_create(e->tok, true)) != NULL;
     if (ok) ok = build_adjust(e, r, p);
+    if (p->grammar) r->grammar = kvs_grammar_ref(p->grammar), r->process = true;
     r->sampling = p->sampling;
     if (!r->sampling.has_seed) { /* a fresh stream per request: the clock and the request's address */
         struct timespec ts;
@@ -248,6 +250,8 @@ void kvs_request_destroy(kvs_request *r) {
     free(r->cache_salt);
     free(r->stop_ids);
     free(r->adj);
+    kvs_grammar_matcher_destroy(r->matcher);
+    kvs_grammar_unref(r->grammar);
     for (int i = 0; i < r->n_stop_strings; i++) free(r->stop_strings[i]);
     kvs_detokenizer_destroy(r->detok);
     free(r->pending);

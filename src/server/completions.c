@@ -11,6 +11,8 @@
 #include "server/http.h"
 #include "server/route.h"
 
+static bool submit_params(kvs_server *s, const kvs_request_params *pp, kvs_gen **gen, kvs_api_error *err);
+
 /* Submits a prepared request; on success *gen holds two references (ours and the engine's). */
 static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_error *err) {
     kvs_api_request *r = &pr->req;
@@ -33,7 +35,20 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
         .policy = r->has_policy ? &r->policy : NULL,
         .cache_salt = r->cache_salt,
     };
-    kvs_gen *g = kvs_gen_create(r->n > 1 ? r->n : 1, r->logprobs ? r->top_logprobs : 0);
+    if (r->format != KVS_FORMAT_TEXT) { /* structured output: the compiled grammar, shared by its schema */
+        p.grammar = kvs_server_grammar(s, r->format == KVS_FORMAT_JSON_SCHEMA ? r->format_schema : NULL, NULL, NULL,
+                                       "response_format.json_schema", err);
+        if (!p.grammar) return false;
+    }
+    bool ok = submit_params(s, &p, gen, err);
+    kvs_grammar_unref(p.grammar); /* the engine holds its own */
+    return ok;
+}
+
+/* Submits p; on success *gen holds two references (ours and the engine's). */
+static bool submit_params(kvs_server *s, const kvs_request_params *pp, kvs_gen **gen, kvs_api_error *err) {
+    const kvs_request_params p = *pp;
+    kvs_gen *g = kvs_gen_create(p.n > 1 ? p.n : 1, p.top_logprobs);
     if (!g) return kvs_api_fail(err, 500, NULL, "out of memory");
     if (!kvs_server_request_link(s, g)) {
         kvs_gen_release(g);

@@ -197,6 +197,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
 void kvs_server_free(kvs_server *s) {
     if (!s) return;
     kvs_chat_template_destroy(s->tpl);
+    kvs_server_grammars_free(s);
+    pthread_mutex_destroy(&s->grammar_mu);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->slot_mu);
@@ -234,6 +236,7 @@ kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, c
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->slot_mu, NULL);
     pthread_cond_init(&s->slot_cv, NULL);
+    pthread_mutex_init(&s->grammar_mu, NULL);
     atomic_init(&s->draining, false);
     atomic_init(&s->next_id, 1);
     atomic_init(&s->http_requests, 0);

@@ -65,6 +65,7 @@ void kvs_api_request_free(kvs_api_request *r) {
     free(r->cache_salt);
     free(r->logit_bias);
     free(r->stop_token_ids);
+    free(r->format_schema);
     memset(r, 0, sizeof *r);
 }
 
@@ -304,6 +305,33 @@ static bool parse_stop_token_ids(json_t *v, const kvs_api_limits *lim, kvs_api_r
     return true;
 }
 
+/* "response_format": {"type": "text" | "json_object"} or {"type": "json_schema",
+ * "json_schema": {"name", "schema", "strict", "description"}}; the schema is
+ * compiled at submit (route.c), refused there naming what it does not support. */
+static bool parse_response_format(json_t *v, kvs_api_request *r, kvs_api_error *err) {
+    if (json_is_null(v)) return true;
+    json_t *t = json_object_get(v, "type");
+    if (!json_is_object(v) || !json_is_string(t))
+        return kvs_api_fail(err, 400, "response_format", "'response_format' must be an object with a string 'type'");
+    const char *type = json_string_value(t);
+    if (!strcmp(type, "text")) return true;
+    if (!strcmp(type, "json_object")) {
+        r->format = KVS_FORMAT_JSON_OBJECT;
+        return true;
+    }
+    if (strcmp(type, "json_schema"))
+        return kvs_api_fail(err, 400, "response_format", "'response_format.type' must be text, json_object or json_schema");
+    json_t *js = json_object_get(v, "json_schema"), *schema = json_object_get(js, "schema");
+    if (!json_is_object(js) || !json_is_object(schema))
+        return kvs_api_fail(err, 400, "response_format", "'response_format.json_schema.schema' must be an object");
+    json_t *strict = json_object_get(js, "strict");
+    if (strict && !json_is_boolean(strict) && !json_is_null(strict))
+        return kvs_api_fail(err, 400, "response_format", "'response_format.json_schema.strict' must be a boolean");
+    r->format = KVS_FORMAT_JSON_SCHEMA;
+    if (!(r->format_schema = json_dumps(schema, JSON_COMPACT))) return kvs_api_fail(err, 500, NULL, "out of memory");
+    return true;
+}
+
 /* Fields accepted with their neutral value only (so clients that send the defaults work). */
 static bool check_neutral(const char *key, json_t *v, kvs_api_error *err) {
     if (json_is_null(v)) return true;
@@ -322,11 +350,6 @@ static bool check_neutral(const char *key, json_t *v, kvs_api_error *err) {
     if (!strcmp(key, "tools") || !strcmp(key, "functions")) {
         if (json_is_array(v) && json_array_size(v) == 0) return true;
         return kvs_api_fail(err, 400, key, "'%s' (tool calling) is not supported", key);
-    }
-    if (!strcmp(key, "response_format")) {
-        json_t *t = json_object_get(v, "type");
-        if (json_is_string(t) && !strcmp(json_string_value(t), "text")) return true;
-        return kvs_api_fail(err, 400, key, "only 'response_format' {\"type\": \"text\"} is supported");
     }
     return kvs_api_fail(err, 400, key, "unrecognized request argument supplied: %.40s", key);
 }
@@ -400,6 +423,8 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
             if (!parse_logit_bias(v, lim, r, err)) return false;
         } else if (!strcmp(key, "stop_token_ids")) {
             if (!parse_stop_token_ids(v, lim, r, err)) return false;
+        } else if (!strcmp(key, "response_format")) {
+            if (!parse_response_format(v, r, err)) return false;
         } else if (!strcmp(key, "min_tokens")) {
             if (json_is_null(v)) continue;
             if (!kvs_api_get_int(v, "min_tokens", 0, lim->max_model_len, &x, err)) return false;

@@ -55,6 +55,9 @@ typedef struct {
     int min_tokens;
     int32_t *stop_token_ids;            /* vLLM's "stop_token_ids" */
     int n_stop_token_ids;
+    /* response_format: text (none), json_object (any JSON object), json_schema (schema: its JSON text) */
+    enum { KVS_FORMAT_TEXT, KVS_FORMAT_JSON_OBJECT, KVS_FORMAT_JSON_SCHEMA } format;
+    char *format_schema;
 } kvs_api_request;
 
 /* Parses and validates a request body. On failure fills err (HTTP status,

@@ -108,6 +108,15 @@ void kvs_gen_release(kvs_gen *g);
 void kvs_gen_on_output(void *user, const kvs_request_output *out);
 
 /* ---- the server ------------------------------------------------------------ */
+/* The compiled grammars (grammars.c). */
+#define KVS_SERVER_GRAMMARS 16
+typedef struct {
+    char *key;
+    size_t len;
+    kvs_grammar *g;
+    uint64_t used;
+} kvs_server_grammar_entry;
+
 struct kvs_server {
     kvs_server_config cfg;     /* strings below are copies */
     char *host, *api_key, *model_name;
@@ -130,7 +139,18 @@ struct kvs_server {
     pthread_cond_t slot_cv;
     int slots_used;
     int slot_wait_ms;          /* how long a request waits for a slot before 429 */
+    pthread_mutex_t grammar_mu;
+    kvs_server_grammar_entry grammars[KVS_SERVER_GRAMMARS];
+    int n_grammars;
+    uint64_t grammar_clock;
 };
+
+/* The grammar of a JSON schema's text (NULL: any JSON object) with a literal
+ * prefix / suffix (NULL: none), compiled once and shared (a reference for the
+ * caller); NULL with a 400 naming param when the schema is refused. */
+kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, const char *prefix, const char *suffix,
+                                const char *param, kvs_api_error *err);
+void kvs_server_grammars_free(kvs_server *s);
 
 /* The server's state without a listening socket (kvs_server_start listens). */
 kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, const kvs_tokenizer *tok,
