@@ -155,7 +155,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         kvs_request_output o = {.request_id = 1, .token_ids = ids, .logprobs = logprobs ? lps : NULL, .n_tokens = k,
                                 .text = text, .text_len = tl, .finish = fin, .error = fin == KVS_FINISH_ERROR ? err : NULL,
                                 .prompt_tokens = 3, .completion_tokens = k};
-        bool pending = tl || k || fin != KVS_FINISH_NONE || !g->choices[0].role_sent;
+        bool pending = tl || k || fin != KVS_FINISH_NONE || (chat && !g->choices[0].role_sent);
         kvs_gen_on_output(g, &o);
         final = fin != KVS_FINISH_NONE;
         want_exact = want_exact && fuzz_valid_utf8((const uint8_t *)text, tl);

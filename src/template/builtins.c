@@ -218,7 +218,10 @@ static ct_value format(ct_ctx *c, ct_str f, ct_args *a) {
             v = a->v[auto_idx++];
         } else if (field.p[0] >= '0' && field.p[0] <= '9') {
             int k = 0;
-            for (size_t q = 0; q < field.n && k < 1000000; q++) k = k * 10 + (field.p[q] - '0');
+            for (size_t q = 0; q < field.n && k < 1000000; q++) {
+                if (field.p[q] < '0' || field.p[q] > '9') ct_fail(c->e, a->pos, "format: bad argument index");
+                k = k * 10 + (field.p[q] - '0');
+            }
             if (k >= a->n) ct_fail(c->e, a->pos, "format: argument index out of range");
             v = a->v[k];
         } else {
