@@ -63,6 +63,10 @@ static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t 
              (unsigned long long)n);
     *m = (kvs_resp_meta){r->kind, id, s->model_name, (long long)time(NULL), s->tok, r->logprobs, r->top_logprobs,
                          r->return_token_ids};
+    if (r->tools && r->tool_choice != KVS_TOOL_CHOICE_NONE) { /* tools: the output is parsed for calls */
+        m->tools = s->tool_format;
+        m->one_call = !r->parallel_tool_calls;
+    }
 }
 
 static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, const kvs_api_request *r, kvs_gen *g,
@@ -127,6 +131,10 @@ static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, co
     kvs_peer_progress_init(&st->progress);
     st->include_usage = r->include_usage;
     st->role_sent = r->kind != KVS_API_CHAT;
+    if (st->meta.tools != KVS_TOOL_FORMAT_NONE && !(st->tools = kvs_tool_parser_create(st->meta.tools, kvs_resp_tool_seed(&st->meta)))) {
+        kvs_stream_free(st);
+        return MHD_NO;
+    }
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, kvs_stream_read, st,
                                                                   kvs_stream_free);
     if (!resp) {

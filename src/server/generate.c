@@ -127,6 +127,7 @@ void kvs_stream_free(void *cls) {
     if (!done) kvs_engine_abort(st->srv->engine, g->engine_id); /* the client went away */
     kvs_server_request_done(st->srv, g);
     kvs_gen_release(g);
+    kvs_tool_parser_destroy(st->tools);
     free(st->out);
     free(st->req_id);
     free(st);
@@ -144,8 +145,11 @@ static void take_pending(kvs_stream *st) {
         out_event(st, kvs_resp_chunk(&st->meta, &empty, true, KVS_FINISH_NONE, st->include_usage));
         st->role_sent = true;
     }
-    if (s.text_len || s.n || (fin != KVS_FINISH_NONE && !failed))
+    kvs_tool_events ev = {0};
+    if (st->tools) kvs_resp_tool_stream(st->tools, &s, &ev, fin != KVS_FINISH_NONE);
+    if ((st->tools ? ev.n > 0 : s.text_len > 0) || s.n || (fin != KVS_FINISH_NONE && !failed))
         out_event(st, kvs_resp_chunk(&st->meta, &s, false, failed ? KVS_FINISH_NONE : fin, st->include_usage));
+    kvs_tool_events_free(&ev);
     st->text_offset += g->text_len;
     g->text_len = 0;
     g->n_ids = 0;

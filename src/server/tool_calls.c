@@ -1,7 +1,7 @@
 /* server: the streaming tool-call parser (tool_calls.h), a state machine fed
  * one byte at a time, so that where the text is split never matters:
- *   LEAD   white space at the start or after a call, held: dropped before a
- *          call, content before text
+ *   LEAD   white space at the start or after a call, held (through TAG, OPEN
+ *          and CALL): dropped before a call, content before anything else
  *   TEXT   content, where the opening tag (or llama3_json's '{') may begin a call
  *   PLAIN  content to the end (format none)
  *   TAG    a partial opening tag, held
@@ -279,6 +279,7 @@ static void call_begins(kvs_tool_parser *p, const char *name, const char *args, 
     call_id(p, p->n_calls, id);
     if (!emit(p->out, p->n_calls, id, name, args, n)) p->nomem = true;
     p->emitted = true;
+    p->ws.n = 0; /* white space before a call is dropped */
 }
 
 static void step(kvs_tool_parser *p, char ch);
@@ -346,6 +347,8 @@ static void reset_call(kvs_tool_parser *p) {
 
 /* Not a call after all: its text is content, and so is what follows (llama3_json). */
 static void not_a_call(kvs_tool_parser *p) {
+    content(p, p->ws.p, p->ws.n);
+    p->ws.n = 0;
     content(p, p->raw.p, p->raw.n);
     content(p, p->call.p, p->call.n);
     reset_call(p);
@@ -414,7 +417,6 @@ static void step(kvs_tool_parser *p, char ch) {
             return;
         }
         if (llama(p) && ch == '{') {
-            p->ws.n = 0;
             p->state = S_CALL;
             call_byte(p, ch);
             return;
@@ -443,7 +445,6 @@ static void step(kvs_tool_parser *p, char ch) {
     case S_TAG:
         if (ch != p->open_tag[p->tag_n]) { tag_mismatch(p, ch); return; }
         if (p->open_tag[++p->tag_n]) return;
-        p->ws.n = 0; /* white space before a call is dropped */
         put(p, &p->raw, p->open_tag, p->tag_n);
         p->tag_n = 0;
         p->state = S_OPEN;
@@ -460,8 +461,9 @@ static void step(kvs_tool_parser *p, char ch) {
             put(p, &p->call, &ch, 1);
             return;
         }
+        content(p, p->ws.p, p->ws.n);
         content(p, p->raw.p, p->raw.n);
-        p->raw.n = 0;
+        p->ws.n = p->raw.n = 0;
         p->state = S_TEXT;
         step(p, ch);
         return;
@@ -591,7 +593,10 @@ kvs_status kvs_tool_parser_finish(kvs_tool_parser *p, kvs_tool_events *out) {
         content(p, p->ws.p, p->ws.n);
         content(p, p->open_tag, p->tag_n);
         break;
-    case S_OPEN: content(p, p->raw.p, p->raw.n); break;
+    case S_OPEN:
+        content(p, p->ws.p, p->ws.n);
+        content(p, p->raw.p, p->raw.n);
+        break;
     case S_CALL: /* cut short (max_tokens): a call begun stays; else its text is content */
         if (p->emitted) call_ends(p);
         else not_a_call(p);
@@ -637,13 +642,12 @@ kvs_status kvs_tool_result_add(kvs_tool_result *r, const kvs_tool_events *e) {
             ok = c != NULL;
             if (ok) {
                 r->calls = c;
-                c[r->n_calls++] = (kvs_tool_call){strdup(ev->id), strdup(ev->name), dup_n(ev->text, ev->len)};
+                c[r->n_calls++] = (kvs_tool_call){strdup(ev->id), strdup(ev->name), dup_n(ev->text, ev->len), ev->len};
                 ok = c[r->n_calls - 1].id && c[r->n_calls - 1].name && c[r->n_calls - 1].arguments;
             }
         } else {
-            ok = r->n_calls > 0;
-            size_t n = ok ? strlen(r->calls[r->n_calls - 1].arguments) : 0;
-            ok = ok && append(&r->calls[r->n_calls - 1].arguments, &n, ev->text, ev->len);
+            kvs_tool_call *c = r->n_calls > 0 ? &r->calls[r->n_calls - 1] : NULL;
+            ok = c && append(&c->arguments, &c->arguments_len, ev->text, ev->len);
         }
         if (!ok) return kvs_fail(KVS_ERR_NOMEM, "tool calls: out of memory");
     }

@@ -64,7 +64,8 @@ void kvs_tool_parser_destroy(kvs_tool_parser *p);
 
 /* A whole output: content and complete calls. */
 typedef struct {
-    char *id, *name, *arguments;
+    char *id, *name, *arguments; /* arguments: arguments_len bytes (the model's, NUL bytes included) */
+    size_t arguments_len;
 } kvs_tool_call;
 
 typedef struct {
