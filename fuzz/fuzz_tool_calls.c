@@ -52,11 +52,11 @@ static void stream(kvs_tool_format f, const char *text, size_t n, size_t piece, 
 
 static void same(const kvs_tool_result *a, const kvs_tool_result *b) {
     check(a->content_len == b->content_len && !memcmp(a->content, b->content, a->content_len), "content differs by pieces");
-    check(a->n_calls == b->n_calls, "calls differ by pieces");
-    for (int i = 0; i < a->n_calls; i++) {
-        const kvs_tool_call *x = &a->calls[i], *y = &b->calls[i];
-        check(!strcmp(x->id, y->id) && !strcmp(x->name, y->name) && x->arguments_len == y->arguments_len &&
-                  !memcmp(x->arguments, y->arguments, x->arguments_len),
+    check(a->calls.n == b->calls.n, "calls differ by pieces");
+    for (int i = 0; i < a->calls.n; i++) {
+        const kvs_tool_event *x = &a->calls.v[i], *y = &b->calls.v[i];
+        check(!strcmp(x->id, y->id) && !strcmp(x->name, y->name) && x->len == y->len &&
+                  !memcmp(x->text, y->text, x->len),
               "a call differs by pieces");
     }
 }
@@ -74,9 +74,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     stream(f, text, n, piece, &pieces);
     same(&one, &pieces);
     check(kvs_tool_parse_text(f, 99, text, n, &whole) == KVS_OK, "parse_text");
-    if (one.n_calls == 0) check(one.content_len == n && !memcmp(one.content, text, n), "streamed text lost");
-    if (whole.n_calls == 0) check(whole.content_len == n && !memcmp(whole.content, text, n), "text lost");
-    for (int i = 0; i < whole.n_calls; i++) check(whole.calls[i].name[0] && !strncmp(whole.calls[i].id, "call_", 5), "a call without a name");
+    if (one.calls.n == 0) check(one.content_len == n && !memcmp(one.content, text, n), "streamed text lost");
+    if (whole.calls.n == 0) check(whole.content_len == n && !memcmp(whole.content, text, n), "text lost");
+    for (int i = 0; i < whole.calls.n; i++) check(whole.calls.v[i].name[0] && !strncmp(whole.calls.v[i].id, "call_", 5), "a call without a name");
     kvs_tool_result_free(&one);
     kvs_tool_result_free(&pieces);
     kvs_tool_result_free(&whole);

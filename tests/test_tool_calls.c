@@ -69,11 +69,11 @@ static const tool_case CASES[] = {
 
 static void expect_result(const tool_case *c, const kvs_tool_result *r, const char *how) {
     cr_expect_str_eq(r->content, c->content, "%s content of %s", how, c->output);
-    cr_expect_eq(r->n_calls, c->n_calls, "%s: %d calls in %s", how, r->n_calls, c->output);
-    for (int i = 0; i < r->n_calls && i < c->n_calls; i++) {
-        cr_expect_str_eq(r->calls[i].name, c->calls[i].name, "%s: call %d of %s", how, i, c->output);
-        cr_expect_str_eq(r->calls[i].arguments, c->calls[i].args, "%s: call %d of %s", how, i, c->output);
-        cr_expect(!strncmp(r->calls[i].id, "call_", 5) && strlen(r->calls[i].id) == 29, "id %s", r->calls[i].id);
+    cr_expect_eq(r->calls.n, c->n_calls, "%s: %d calls in %s", how, r->calls.n, c->output);
+    for (int i = 0; i < r->calls.n && i < c->n_calls; i++) {
+        cr_expect_str_eq(r->calls.v[i].name, c->calls[i].name, "%s: call %d of %s", how, i, c->output);
+        cr_expect_str_eq(r->calls.v[i].text, c->calls[i].args, "%s: call %d of %s", how, i, c->output);
+        cr_expect(!strncmp(r->calls.v[i].id, "call_", 5) && strlen(r->calls.v[i].id) == 29, "id %s", r->calls.v[i].id);
     }
 }
 
@@ -110,11 +110,11 @@ static void parse_stream(const tool_case *c, const size_t *cuts, int n_cuts, kvs
 
 static void expect_same(const kvs_tool_result *a, const kvs_tool_result *b, const char *how) {
     cr_expect_str_eq(a->content, b->content, "%s", how);
-    cr_assert_eq(a->n_calls, b->n_calls, "%s", how);
-    for (int i = 0; i < a->n_calls; i++) {
-        cr_expect_str_eq(a->calls[i].id, b->calls[i].id, "%s", how);
-        cr_expect_str_eq(a->calls[i].name, b->calls[i].name, "%s", how);
-        cr_expect_str_eq(a->calls[i].arguments, b->calls[i].arguments, "%s", how);
+    cr_assert_eq(a->calls.n, b->calls.n, "%s", how);
+    for (int i = 0; i < a->calls.n; i++) {
+        cr_expect_str_eq(a->calls.v[i].id, b->calls.v[i].id, "%s", how);
+        cr_expect_str_eq(a->calls.v[i].name, b->calls.v[i].name, "%s", how);
+        cr_expect_str_eq(a->calls.v[i].text, b->calls.v[i].text, "%s", how);
     }
 }
 
@@ -176,7 +176,7 @@ Test(tool_calls, invalid_json_whole_is_content) {
     kvs_tool_result r;
     cr_assert_eq(kvs_tool_parse_text(L, 1, out, strlen(out), &r), KVS_OK);
     cr_expect_str_eq(r.content, out);
-    cr_expect_eq(r.n_calls, 0);
+    cr_expect_eq(r.calls.n, 0);
     kvs_tool_result_free(&r);
     tool_case c = {L, out, "", 1, {{"invalidTool", "{invalid json}"}}};
     parse_stream(&c, NULL, 0, &r);
@@ -226,16 +226,16 @@ Test(tool_calls, formats_and_names) {
     const char *out = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>";
     cr_assert_eq(kvs_tool_parse_text(KVS_TOOL_FORMAT_NONE, 1, out, strlen(out), &r), KVS_OK);
     cr_expect_str_eq(r.content, out);
-    cr_expect_eq(r.n_calls, 0);
+    cr_expect_eq(r.calls.n, 0);
     kvs_tool_result_free(&r);
     /* ids differ per call and per seed */
     const char *two = "<tool_call>{\"name\": \"f\"}</tool_call><tool_call>{\"name\": \"f\"}</tool_call>";
     kvs_tool_result x, y;
     cr_assert_eq(kvs_tool_parse_text(H, 1, two, strlen(two), &x), KVS_OK);
     cr_assert_eq(kvs_tool_parse_text(H, 2, two, strlen(two), &y), KVS_OK);
-    cr_assert(x.n_calls == 2 && y.n_calls == 2);
-    cr_expect_str_neq(x.calls[0].id, x.calls[1].id);
-    cr_expect_str_neq(x.calls[0].id, y.calls[0].id);
+    cr_assert(x.calls.n == 2 && y.calls.n == 2);
+    cr_expect_str_neq(x.calls.v[0].id, x.calls.v[1].id);
+    cr_expect_str_neq(x.calls.v[0].id, y.calls.v[0].id);
     kvs_tool_result_free(&x);
     kvs_tool_result_free(&y);
 }

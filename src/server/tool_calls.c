@@ -43,25 +43,30 @@ kvs_tool_format kvs_tool_format_for_template(const char *src) {
     return KVS_TOOL_FORMAT_HERMES; /* ChatML (<|im_start|>) and the default template */
 }
 
-/* ---- growing byte buffers -------------------------------------------------- */
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
+/* ---- growing byte strings: s holds *len bytes and a NUL in a block of the
+ * power of two above (so appends a byte at a time stay amortized O(1)) ---- */
+static size_t block_for(size_t n) {
+    size_t b = 32;
+    while (b < n) b *= 2;
+    return b;
+}
 
-static bool sbuf_put(sbuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = (b->n + n + 1) * 2 + 32;
-        char *p = realloc(b->p, cap);
+static bool append(char **s, size_t *len, const char *t, size_t n) {
+    if (!*s || block_for(*len + n + 1) > block_for(*len + 1)) {
+        char *p = realloc(*s, block_for(*len + n + 1));
         if (!p) return false;
-        b->p = p;
-        b->cap = cap;
+        *s = p;
     }
-    if (n) memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
+    if (n) memcpy(*s + *len, t, n);
+    *len += n;
+    (*s)[*len] = 0;
     return true;
 }
+
+typedef struct {
+    char *p;
+    size_t n;
+} sbuf;
 
 /* ---- events ------------------------------------------------------------------ */
 void kvs_tool_events_clear(kvs_tool_events *e) {
@@ -79,27 +84,18 @@ void kvs_tool_events_free(kvs_tool_events *e) {
     memset(e, 0, sizeof *e);
 }
 
+/* A copy that append may grow. */
 static char *dup_n(const char *s, size_t n) {
-    char *d = malloc(n + 1);
-    if (!d) return NULL;
-    if (n) memcpy(d, s, n);
-    d[n] = 0;
-    return d;
+    char *d = NULL;
+    size_t len = 0;
+    return append(&d, &len, s, n) ? d : NULL;
 }
 
 /* Appends text to the last event when it continues it (same call, no new id). */
 static bool emit(kvs_tool_events *out, int call, const char *id, const char *name, const char *text, size_t n) {
     if (!id && n == 0) return true;
     kvs_tool_event *last = out->n ? &out->v[out->n - 1] : NULL;
-    if (!id && last && last->call == call) {
-        char *t = realloc(last->text, last->len + n + 1);
-        if (!t) return false;
-        memcpy(t + last->len, text, n);
-        last->len += n;
-        t[last->len] = 0;
-        last->text = t;
-        return true;
-    }
+    if (!id && last && last->call == call) return append(&last->text, &last->len, text, n);
     if (out->n == out->cap) {
         int cap = out->cap * 2 + 8;
         kvs_tool_event *v = realloc(out->v, sizeof *v * cap);
@@ -259,7 +255,7 @@ static void content(kvs_tool_parser *p, const char *s, size_t n) {
 }
 
 static void put(kvs_tool_parser *p, sbuf *b, const char *s, size_t n) {
-    if (!sbuf_put(b, s, n)) p->nomem = true;
+    if (!append(&b->p, &b->n, s, n)) p->nomem = true;
 }
 
 static void call_id(const kvs_tool_parser *p, int index, char id[32]) {
@@ -407,37 +403,30 @@ static void tag_mismatch(kvs_tool_parser *p, char ch) {
     step(p, ch);
 }
 
-static void step(kvs_tool_parser *p, char ch) {
-    switch (p->state) {
-    case S_LEAD:
-        if (is_ws(ch) || (ch == ';' && llama(p) && p->n_calls > 0)) { put(p, &p->ws, &ch, 1); return; }
-        if (ch == p->open_tag[0]) {
-            p->state = S_TAG;
-            p->tag_n = 1;
-            return;
-        }
-        if (llama(p) && ch == '{') {
-            p->state = S_CALL;
-            call_byte(p, ch);
-            return;
-        }
+/* A byte of text (LEAD's white space held before it): a tag or a call may begin, else content. */
+static void text_byte(kvs_tool_parser *p, char ch) {
+    if (ch == p->open_tag[0]) {
+        p->state = S_TAG;
+        p->tag_n = 1;
+    } else if (llama(p) && ch == '{') {
+        p->state = S_CALL;
+        call_byte(p, ch);
+    } else {
         content(p, p->ws.p, p->ws.n);
         p->ws.n = 0;
         p->state = S_TEXT;
         content(p, &ch, 1);
+    }
+}
+
+static void step(kvs_tool_parser *p, char ch) {
+    switch (p->state) {
+    case S_LEAD:
+        if (is_ws(ch) || (ch == ';' && llama(p) && p->n_calls > 0)) put(p, &p->ws, &ch, 1);
+        else text_byte(p, ch);
         return;
     case S_TEXT:
-        if (ch == p->open_tag[0]) {
-            p->state = S_TAG;
-            p->tag_n = 1;
-            return;
-        }
-        if (llama(p) && ch == '{') {
-            p->state = S_CALL;
-            call_byte(p, ch);
-            return;
-        }
-        content(p, &ch, 1);
+        text_byte(p, ch);
         return;
     case S_PLAIN:
         content(p, &ch, 1);
@@ -517,7 +506,7 @@ static json_t *py_literal(const char **sp, const char *e) {
                 c = *++s;
                 c = c == 'n' ? '\n' : c == 't' ? '\t' : c;
             }
-            if (!sbuf_put(&b, &c, 1)) break;
+            if (!append(&b.p, &b.n, &c, 1)) break;
         }
         json_t *j = s < e ? json_stringn(b.p ? b.p : "", b.n) : NULL;
         free(b.p);
@@ -621,34 +610,14 @@ kvs_status kvs_tool_parser_finish(kvs_tool_parser *p, kvs_tool_events *out) {
 }
 
 /* ---- whole outputs ----------------------------------------------------------------- */
-static bool append(char **s, size_t *len, const char *t, size_t n) {
-    char *p = realloc(*s, *len + n + 1);
-    if (!p) return false;
-    if (n) memcpy(p + *len, t, n);
-    *len += n;
-    p[*len] = 0;
-    *s = p;
-    return true;
-}
 
 kvs_status kvs_tool_result_add(kvs_tool_result *r, const kvs_tool_events *e) {
     for (int i = 0; i < e->n; i++) {
         const kvs_tool_event *ev = &e->v[i];
-        bool ok;
-        if (ev->call < 0) {
-            ok = append(&r->content, &r->content_len, ev->text, ev->len);
-        } else if (ev->id) {
-            kvs_tool_call *c = realloc(r->calls, sizeof *c * (r->n_calls + 1));
-            ok = c != NULL;
-            if (ok) {
-                r->calls = c;
-                c[r->n_calls++] = (kvs_tool_call){strdup(ev->id), strdup(ev->name), dup_n(ev->text, ev->len), ev->len};
-                ok = c[r->n_calls - 1].id && c[r->n_calls - 1].name && c[r->n_calls - 1].arguments;
-            }
-        } else {
-            kvs_tool_call *c = r->n_calls > 0 ? &r->calls[r->n_calls - 1] : NULL;
-            ok = c && append(&c->arguments, &c->arguments_len, ev->text, ev->len);
-        }
+        kvs_tool_events *calls = &r->calls;
+        bool ok = ev->call < 0 ? append(&r->content, &r->content_len, ev->text, ev->len)
+                  : ev->id || calls->n ? emit(calls, ev->call, ev->id, ev->name, ev->text, ev->len)
+                                       : true; /* a fragment of no call: never given */
         if (!ok) return kvs_fail(KVS_ERR_NOMEM, "tool calls: out of memory");
     }
     return KVS_OK;
@@ -671,12 +640,7 @@ kvs_status kvs_tool_parse_text(kvs_tool_format f, uint64_t id_seed, const char *
 }
 
 void kvs_tool_result_free(kvs_tool_result *r) {
-    for (int i = 0; i < r->n_calls; i++) {
-        free(r->calls[i].id);
-        free(r->calls[i].name);
-        free(r->calls[i].arguments);
-    }
-    free(r->calls);
+    kvs_tool_events_free(&r->calls);
     free(r->content);
     memset(r, 0, sizeof *r);
 }

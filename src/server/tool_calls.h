@@ -62,17 +62,12 @@ kvs_status kvs_tool_parser_finish(kvs_tool_parser *p, kvs_tool_events *out);
 int kvs_tool_parser_n_calls(const kvs_tool_parser *p);
 void kvs_tool_parser_destroy(kvs_tool_parser *p);
 
-/* A whole output: content and complete calls. */
-typedef struct {
-    char *id, *name, *arguments; /* arguments: arguments_len bytes (the model's, NUL bytes included) */
-    size_t arguments_len;
-} kvs_tool_call;
-
+/* A whole output: content and complete calls (calls.v[i]: call i, its id, name
+ * and all of its arguments as text, len bytes, NUL bytes included). */
 typedef struct {
     char *content; /* NUL-terminated, content_len bytes */
     size_t content_len;
-    kvs_tool_call *calls;
-    int n_calls;
+    kvs_tool_events calls;
 } kvs_tool_result;
 
 /* Adds events to r (content appended, fragments to their calls). */

@@ -29,15 +29,16 @@ json_t *kvs_resp_tool_message(const kvs_resp_meta *m, const char *text, size_t n
     if (kvs_tool_parse_text(m->tools, kvs_resp_tool_seed(m), text ? text : "", text ? n : 0, &r) != KVS_OK)
         return json_pack("{s:s, s:o}", "role", "assistant", "content", text_or_null(text ? text : "", text ? n : 0));
     json_t *msg = json_pack("{s:s}", "role", "assistant");
-    int n_calls = m->one_call && r.n_calls > 1 ? 1 : r.n_calls;
+    int n_calls = m->one_call && r.calls.n > 1 ? 1 : r.calls.n;
     bool no_content = n_calls > 0 && only_space(r.content, r.content_len);
     json_object_set_new(msg, "content", no_content ? json_null() : text_or_null(r.content, r.content_len));
     if (n_calls > 0) {
         json_t *calls = json_array();
-        for (int i = 0; i < n_calls; i++)
-            json_array_append_new(calls, json_pack("{s:s, s:s, s:{s:s, s:o}}", "id", r.calls[i].id, "type", "function",
-                                                   "function", "name", r.calls[i].name, "arguments",
-                                                   text_or_null(r.calls[i].arguments, r.calls[i].arguments_len)));
+        for (int i = 0; i < n_calls; i++) {
+            const kvs_tool_event *c = &r.calls.v[i];
+            json_array_append_new(calls, json_pack("{s:s, s:s, s:{s:s, s:o}}", "id", c->id, "type", "function", "function",
+                                                   "name", c->name, "arguments", text_or_null(c->text, c->len)));
+        }
         json_object_set_new(msg, "tool_calls", calls);
         *called = true;
     }
