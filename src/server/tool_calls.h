@@ -78,4 +78,9 @@ kvs_status kvs_tool_result_add(kvs_tool_result *r, const kvs_tool_events *e);
 kvs_status kvs_tool_parse_text(kvs_tool_format f, uint64_t id_seed, const char *text, size_t n, kvs_tool_result *r);
 void kvs_tool_result_free(kvs_tool_result *r);
 
+/* The parser's part for <|python_tag|> text (tool_call_python.c): name.call(k=v, ...)
+ * or name(k=v, ...) as the name and the arguments as compact JSON (malloc'ed);
+ * false when the text is not such a call. */
+bool kvs_tool_python_call(const char *text, size_t len, char **name, char **args);
+
 #endif
