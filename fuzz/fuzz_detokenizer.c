@@ -179,7 +179,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     kvs_request *r;
     check(kvs_request_create(&e, &p, on_output, &out, &r) == KVS_OK, "request rejected");
     int consumed = 0;
-    while (r->finish == KVS_FINISH_NONE && consumed < n) kvs_request_append(&e, r, ids[consumed++], -1.0f);
+    while (r->finish == KVS_FINISH_NONE && consumed < n) kvs_request_append(&e, r, ids[consumed++], -1.0f, NULL, NULL);
     kvs_finish engine_finish = r->finish;
     kvs_request_destroy(r);
 

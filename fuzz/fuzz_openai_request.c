@@ -35,8 +35,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int32_t ids[4] = {1, 2, 3, 4};
     float lps[4] = {-0.1f, -1.0f, -2.0f, -3.0f};
     kvs_resp_meta m = {len % 2 ? KVS_API_CHAT : KVS_API_COMPLETIONS, "cmpl-x", "m", 0, NULL, true, 2, len % 4 < 2};
-    kvs_resp_slice s = {body, len, ids, lps, 4, 0};
-    free(kvs_resp_full(&m, &s, KVS_FINISH_STOP, 3, 4));
-    free(kvs_resp_chunk(&m, &s, true, KVS_FINISH_NONE, true));
+    kvs_resp_slice s = {body, len, ids, lps, 4, 0, .finish = KVS_FINISH_STOP};
+    kvs_resp_kv kv = {"snapkv", 2.5, 3, 100};
+    free(kvs_resp_full(&m, &s, 1, 3, 4, len % 3 ? &kv : NULL));
+    s.finish = KVS_FINISH_NONE;
+    free(kvs_resp_chunk(&m, &s, true, true));
     return 0;
 }

@@ -104,7 +104,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     pthread_mutex_init(&srv.mu, NULL);
     pthread_cond_init(&srv.cv, NULL);
     srv.in_flight = 1;
-    kvs_gen *g = kvs_gen_create();
+    kvs_gen *g = kvs_gen_create(1, 0);
     check(g != NULL, "out of memory", NULL, 0);
     g->refs = 2; /* the stream's and the engine's */
     kvs_stream *st = calloc(1, sizeof *st);
@@ -116,7 +116,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                                logprobs, top, false};
     st->fd = -1;
     st->include_usage = usage;
-    st->role_sent = !chat;
 
     buf out = {0}, want = {0};
     add(&out, "", 0);
@@ -156,18 +155,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         kvs_request_output o = {.request_id = 1, .token_ids = ids, .logprobs = logprobs ? lps : NULL, .n_tokens = k,
                                 .text = text, .text_len = tl, .finish = fin, .error = fin == KVS_FINISH_ERROR ? err : NULL,
                                 .prompt_tokens = 3, .completion_tokens = k};
-        bool pending = tl || k || fin != KVS_FINISH_NONE || !st->role_sent;
+        bool pending = tl || k || fin != KVS_FINISH_NONE || !g->choices[0].role_sent;
         kvs_gen_on_output(g, &o);
         final = fin != KVS_FINISH_NONE;
         want_exact = want_exact && fuzz_valid_utf8((const uint8_t *)text, tl);
         add(&want, text, tl);
-        if ((tl || k || (final && fin != KVS_FINISH_ERROR)) && chunks_wanted < 256) chunk_tokens[chunks_wanted++] = k;
+        if (tl || k || (final && fin != KVS_FINISH_ERROR)) { /* the tokens of the first 256 chunks */
+            if (chunks_wanted < 256) chunk_tokens[chunks_wanted] = k;
+            chunks_wanted++;
+        }
         if (pending) read_ready(st, &out);
     }
     if (!final) { /* end the stream so it can be freed */
         kvs_request_output o = {.request_id = 1, .finish = KVS_FINISH_ABORT};
         kvs_gen_on_output(g, &o);
-        if (chunks_wanted < 256) chunk_tokens[chunks_wanted++] = 0;
+        if (chunks_wanted < 256) chunk_tokens[chunks_wanted] = 0;
+        chunks_wanted++;
         read_ready(st, &out);
     }
     check(st->ended, "no end of stream after a final output", out.s, out.len);
@@ -197,8 +200,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             if (c && !role_only) {
                 /* logprobs: one entry per token of the chunk, in every array */
                 json_t *lp = json_object_get(c, "logprobs");
-                int k = chunks < chunks_wanted ? chunk_tokens[chunks] : -1;
-                if (logprobs && k > 0) {
+                int k = chunks < chunks_wanted && chunks < 256 ? chunk_tokens[chunks] : -1;
+                if (k < 0) {
+                    /* past the chunks whose tokens were recorded */
+                } else if (logprobs && k > 0) {
                     check(json_is_object(lp), "no logprobs", line, len);
                     if (chat) {
                         check((int)json_array_size(json_object_get(lp, "content")) == k, "logprobs.content entries", line, len);

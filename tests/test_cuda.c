@@ -1257,6 +1257,108 @@ Test(cuda, sample_odd_sizes_and_padding) {
     duo_close(&d);
 }
 
+/* ---- the logits ops around the draw: process_logits and top_logprobs ---------
+ * Fresh random rows (bf16 values, so both backends read the same logits),
+ * random penalties, adjust lists (bans included) and grammar masks; the GPU's
+ * processed rows equal the CPU's rounded to bf16 within one bf16 step
+ * (relative 2^-7: the GPU may fuse a multiply-add); the GPU's draw over them
+ * never picks a masked or banned token; top logprobs: the same ids (ties to
+ * the lower id on both), logprobs within 2e-3 (the sample op's bound). */
+static void logits_case(duo *d, int n_rows, int V, int ld, int k) {
+    int words = kvs_sample_mask_words(V);
+    float *x = rnd(d, (size_t)n_rows * ld, 3.0f);
+    kvs_process_row *rows = malloc(sizeof *rows * n_rows);
+    uint32_t *masks = malloc(sizeof(uint32_t) * words * n_rows);
+    int cap = n_rows * 400, n_adj = 0, n_masks = 0;
+    kvs_logit_adjust *adj = malloc(sizeof *adj * cap);
+    for (int r = 0; r < n_rows; r++) {
+        rows[r] = (kvs_process_row){.presence = (float)kvs_rng_uniform(&d->rng) * 2 - 1,
+                                    .frequency = (float)kvs_rng_uniform(&d->rng) * 2 - 1,
+                                    .repetition = r % 3 ? 1.0f : 0.5f + (float)kvs_rng_uniform(&d->rng) * 1.5f,
+                                    .adjust_begin = n_adj, .mask_row = -1};
+        int count = 0;
+        for (int i = (int)(kvs_rng_u64(&d->rng) % 5); i < V && count < 400; i += 1 + (int)(kvs_rng_u64(&d->rng) % (V / 50 + 1))) {
+            double u = kvs_rng_uniform(&d->rng);
+            adj[n_adj + count++] = (kvs_logit_adjust){.id = i, .count = (int)(u * 4), .in_prompt = u > 0.5,
+                                                      .bias = u < 0.05 && i > 0 ? -INFINITY : (float)(kvs_rng_uniform(&d->rng) - 0.5) * 20};
+        }
+        rows[r].adjust_count = count;
+        n_adj += count;
+        if (r % 2) {
+            rows[r].mask_row = n_masks;
+            for (int w = 0; w < words; w++) masks[(size_t)n_masks * words + w] = (uint32_t)kvs_rng_u64(&d->rng) | 1u;
+            n_masks++;
+        }
+    }
+    void *xc = cpu_put(d, x, (size_t)n_rows * ld), *xg = gpu_put(d, x, (size_t)n_rows * ld);
+    float *yc = malloc(sizeof(float) * n_rows * V);
+    d->cpu->process_logits(d->cpu, yc, V, xc, ld, n_rows, V, rows, adj, masks);
+    void *rg = d->gpu->alloc(d->gpu, sizeof *rows * n_rows), *ag = d->gpu->alloc(d->gpu, sizeof *adj * (n_adj + 1));
+    void *mg = d->gpu->alloc(d->gpu, sizeof(uint32_t) * words * n_rows), *yg = d->gpu->alloc(d->gpu, 2 * (size_t)n_rows * V);
+    d->gpu->to_device(d->gpu, rg, rows, sizeof *rows * n_rows);
+    d->gpu->to_device(d->gpu, ag, adj, sizeof *adj * n_adj);
+    d->gpu->to_device(d->gpu, mg, masks, sizeof(uint32_t) * words * n_rows);
+    d->gpu->process_logits(d->gpu, yg, V, xg, ld, n_rows, V, rg, ag, mg);
+    float *y = gpu_get(d, yg, (size_t)n_rows * V);
+    int bad = 0;
+    for (size_t i = 0; i < (size_t)n_rows * V; i++) {
+        float want = kvs_bf16_to_f32(kvs_f32_to_bf16(yc[i]));
+        if (!(y[i] == want || fabsf(y[i] - want) <= 0.0079f * fabsf(want))) {
+            if (bad++ < 5) cr_log_error("V %d row %zu token %zu: GPU %.7g, CPU %.7g", V, i / V, i % V, y[i], yc[i]);
+        }
+    }
+    cr_expect_eq(bad, 0, "V %d: %d processed logits differ", V, bad);
+    /* the draw over the processed rows (temperature 1) takes no masked or banned token */
+    kvs_sample_row *p = malloc(sizeof *p * n_rows);
+    for (int r = 0; r < n_rows; r++) p[r] = (kvs_sample_row){.temperature = r % 4 ? 1.0f : 0, .top_p = 1, .seed = (uint64_t)r};
+    void *pg = d->gpu->alloc(d->gpu, sizeof *p * n_rows);
+    int32_t *idg = d->gpu->alloc(d->gpu, sizeof(int32_t) * n_rows), *ids = malloc(sizeof(int32_t) * n_rows);
+    d->gpu->to_device(d->gpu, pg, p, sizeof *p * n_rows);
+    d->gpu->sample(d->gpu, idg, NULL, yg, n_rows, V, V, pg);
+    d->gpu->to_host(d->gpu, ids, idg, sizeof(int32_t) * n_rows);
+    for (int r = 0; r < n_rows; r++)
+        cr_expect(ids[r] >= 0 && y[(size_t)r * V + ids[r]] != KVS_SAMPLE_MASKED, "V %d row %d: drew masked token %d", V,
+                  r, ids[r]);
+    /* top logprobs of the raw rows at the drawn ids */
+    int32_t *ti_c = malloc(sizeof(int32_t) * n_rows * (k + 1)), *ti_g = malloc(sizeof(int32_t) * n_rows * (k + 1));
+    float *tl_c = malloc(sizeof(float) * n_rows * (k + 1)), *tl_g = malloc(sizeof(float) * n_rows * (k + 1));
+    float *cl_c = malloc(sizeof(float) * n_rows), *cl_g = malloc(sizeof(float) * n_rows);
+    d->cpu->top_logprobs(d->cpu, cl_c, ti_c, tl_c, xc, n_rows, ld, V, ids, k);
+    int32_t *tig = d->gpu->alloc(d->gpu, sizeof(int32_t) * n_rows * (k + 1));
+    float *tlg = d->gpu->alloc(d->gpu, sizeof(float) * n_rows * (k + 1)), *clg = d->gpu->alloc(d->gpu, sizeof(float) * n_rows);
+    d->gpu->top_logprobs(d->gpu, clg, tig, tlg, xg, n_rows, ld, V, idg, k);
+    d->gpu->to_host(d->gpu, ti_g, tig, sizeof(int32_t) * n_rows * k);
+    d->gpu->to_host(d->gpu, tl_g, tlg, sizeof(float) * n_rows * k);
+    d->gpu->to_host(d->gpu, cl_g, clg, sizeof(float) * n_rows);
+    for (int r = 0; r < n_rows; r++) {
+        cr_expect(fabsf(cl_g[r] - cl_c[r]) <= 2e-3f * fmaxf(1.0f, fabsf(cl_c[r])), "V %d row %d: chosen lp GPU %g CPU %g",
+                  V, r, cl_g[r], cl_c[r]);
+        for (int j = 0; j < k; j++) {
+            cr_expect_eq(ti_g[r * k + j], ti_c[r * k + j], "V %d row %d rank %d: GPU id %d, CPU %d", V, r, j,
+                         ti_g[r * k + j], ti_c[r * k + j]);
+            cr_expect(ti_c[r * k + j] < 0 || fabsf(tl_g[r * k + j] - tl_c[r * k + j]) <= 2e-3f * fmaxf(1.0f, fabsf(tl_c[r * k + j])),
+                      "V %d row %d rank %d: lp GPU %g CPU %g", V, r, j, tl_g[r * k + j], tl_c[r * k + j]);
+        }
+    }
+    cr_log_info("logits ops V %d: %d rows, %d adjust entries, %d masks, top %d", V, n_rows, n_adj, n_masks, k);
+    void *dev[] = {rg, ag, mg, yg, pg, idg, tig, tlg, clg};
+    for (size_t i = 0; i < sizeof dev / sizeof *dev; i++) d->gpu->free(d->gpu, dev[i]);
+    d->cpu->free(d->cpu, xc);
+    d->gpu->free(d->gpu, xg);
+    free(x), free(rows), free(masks), free(adj), free(yc), free(y), free(p), free(ids);
+    free(ti_c), free(ti_g), free(tl_c), free(tl_g), free(cl_c), free(cl_g);
+}
+
+Test(cuda, logits_ops_match_cpu, .timeout = 600) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    logits_case(&d, 64, 128256, 128256, 20);
+    logits_case(&d, 13, 1001, 1008, 5);
+    logits_case(&d, 5, 3, 8, 5); /* k beyond the vocabulary */
+    logits_case(&d, 7, 515, 515, 0);
+    duo_close(&d);
+}
+
 /* ---- dummy weights made on the GPU (dummy_fill) ------------------------------
  * The GPU op gives bit for bit the CPU op's values (the host generator's, see
  * test_model_load dummy/backend_fill_equals_host_slices) in bf16: random seeds,
@@ -1504,7 +1606,7 @@ static void tp2_step(tp_pair *t, int seq, const int32_t *ids, int n, int pos0, f
     uint8_t want = 1;
     cr_assert_eq(kvs_runner_reserve(t->g, seq, n), KVS_OK, "%s", kvs_last_error());
     kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
-    kvs_status st = params ? kvs_runner_step_sample(t->g, &b, params, id, NULL) : kvs_runner_step(t->g, &b, logits);
+    kvs_status st = params ? kvs_runner_step_sample(t->g, &b, params, NULL, id, NULL) : kvs_runner_step(t->g, &b, logits);
     cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
     free(pos);
 }
@@ -2055,7 +2157,7 @@ static kvs_status greedy_step(rig *r, int seq, int32_t tok, int32_t pos, uint64_
     kvs_sample_row p = {.temperature = 0, .top_p = 1, .seed = seed};
     cr_assert_eq(kvs_kv_reserve(r->kv, seq, 1), KVS_OK);
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-    kvs_status st = kvs_model_forward_sample(r->m, &b, r->kv, &p, id, NULL);
+    kvs_status st = kvs_model_forward_sample(r->m, &b, r->kv, &p, NULL, id, NULL);
     if (st == KVS_OK) kv_keep(r->kv, &b);
     return st;
 }
@@ -2138,7 +2240,7 @@ Test(cuda, tp2_a_failed_rank_fails_the_step, .timeout = 300) {
         uint8_t want = 1;
         kvs_status st = kvs_runner_reserve(g, seq, 1);
         kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-        if (st == KVS_OK) st = kvs_runner_step_sample(g, &b, &p, &id, NULL);
+        if (st == KVS_OK) st = kvs_runner_step_sample(g, &b, &p, NULL, &id, NULL);
         cr_log_info("TP step %d: %s", step + 1, st == KVS_OK ? "ok" : kvs_last_error());
         if (step == 0) cr_expect_eq(st, KVS_OK);
         else cr_expect_neq(st, KVS_OK, "step %d", step + 1);

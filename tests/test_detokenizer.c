@@ -291,7 +291,7 @@ static double engine_run(const kvs_tokenizer *t, const idvec *ids, const char *s
     memset(out, 0, sizeof *out);
     double t0 = kvs_now();
     int i = 0;
-    while (r->finish == KVS_FINISH_NONE && i < ids->n) kvs_request_append(e, r, ids->v[i++], 0.0f);
+    while (r->finish == KVS_FINISH_NONE && i < ids->n) kvs_request_append(e, r, ids->v[i++], 0.0f, NULL, NULL);
     double dt = kvs_now() - t0;
     cr_assert_neq(r->finish, KVS_FINISH_NONE);
     kvs_request_destroy(r);

@@ -48,14 +48,24 @@ typedef struct {
     char error[256];
     int finals;
     pthread_mutex_t *mu; /* thread mode */
+    int32_t top_ids[64 * KVS_MAX_TOP_LOGPROBS]; /* the first 64 tokens' alternatives */
+    float top_lp[64 * KVS_MAX_TOP_LOGPROBS];
+    int n_top, index, prompt_tokens;
 } sink;
 
 static void on_output(void *user, const kvs_request_output *o) {
     sink *s = user;
     if (s->mu) pthread_mutex_lock(s->mu);
     cr_assert_eq(s->finish, KVS_FINISH_NONE, "delivery after the final one");
+    s->index = o->index;
+    s->prompt_tokens = o->prompt_tokens;
     for (int i = 0; i < o->n_tokens && s->n < 512; i++) {
         if (o->logprobs) s->lp[s->n_lp++] = o->logprobs[i];
+        s->n_top = o->n_top;
+        for (int j = 0; j < o->n_top && s->n < 64; j++) {
+            s->top_ids[s->n * KVS_MAX_TOP_LOGPROBS + j] = o->top_ids[i * o->n_top + j];
+            s->top_lp[s->n * KVS_MAX_TOP_LOGPROBS + j] = o->top_logprobs[i * o->n_top + j];
+        }
         s->ids[s->n++] = o->token_ids[i];
     }
     if (o->text_len && s->text_len + o->text_len < sizeof s->text) {
@@ -945,4 +955,182 @@ Test(engine, sampling_validation_names_the_parameter) {
     p = kvs_sampling_default();
     p.temperature = NAN;
     cr_assert_eq(kvs_sampling_validate(&p), KVS_ERR_INVALID);
+}
+
+/* ---- sampling controls and n > 1 -------------------------------------------- */
+/* The logits after the prompt and tokens (a fresh forward over them all). */
+static void logits_after(fixture *f, const int32_t *toks, int n, float *logits) {
+    kvs_kv_config kc = {.n_layers = f->cfg.n_layers, .n_kv_heads = f->cfg.n_kv_heads, .head_dim = f->cfg.head_dim,
+                        .n_heads = f->cfg.n_heads, .block_size = 16, .max_seqs = 1};
+    kc.n_blocks = (int64_t)((n + 15) / 16 + 1) * kc.n_layers;
+    kvs_kv_cache *kv;
+    cr_assert_eq(kvs_kv_create(&kc, f->be, &kv), KVS_OK);
+    int seq = kvs_kv_seq_create(kv);
+    int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
+    for (int i = 0; i < n; i++) pos[i] = i;
+    uint8_t want = 1;
+    cr_assert_eq(kvs_kv_reserve(kv, seq, n), KVS_OK);
+    kvs_batch b = {n, 1, toks, pos, qs, &seq, &want};
+    cr_assert_eq(kvs_model_forward(f->m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+    free(pos);
+    kvs_kv_destroy(kv);
+}
+
+/* Greedy with presence, frequency and repetition penalties and logit_bias,
+ * each step against the penalties applied by hand (double) to the logits of
+ * a fresh forward over prompt + the tokens so far; the top logprobs against
+ * the full log softmax of those raw logits. */
+Test(engine, penalties_and_logit_bias_follow_the_reference, .timeout = 600) {
+    fixture f;
+    fx_open(&f);
+    uint64_t seed = kvs_test_seed();
+    enum { N = 40, K = 12, TOP = 5 };
+    int V = f.cfg.vocab_size;
+    int32_t *prompt = random_prompt(seed, N), plain[K];
+    reference(&f, prompt, N, K, plain);
+    kvs_engine *e = small_engine(&f, 256);
+    kvs_logit_bias bias[2] = {{.id = plain[0], .bias = -100}, {.id = prompt[3], .bias = 2.5f}};
+    kvs_request_params p = greedy_params(prompt, N, K);
+    p.sampling.presence_penalty = 0.8f, p.sampling.frequency_penalty = 0.6f, p.sampling.repetition_penalty = 1.4f;
+    p.logit_bias = bias, p.n_logit_bias = 2, p.logprobs = 1, p.top_logprobs = TOP;
+    sink out = {0};
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &out, NULL), KVS_OK, "%s", kvs_last_error());
+    run_until_idle(e, 1000);
+    cr_assert_eq(out.n, K, "%d tokens (%s)", out.n, out.error);
+    cr_assert_eq(out.n_top, TOP);
+    cr_expect_neq(out.ids[0], plain[0], "a bias of -100 bans the unbiased first token");
+    int32_t *toks = malloc(sizeof(int32_t) * (N + K));
+    memcpy(toks, prompt, sizeof(int32_t) * N);
+    float *x = malloc(sizeof(float) * V);
+    double *v = malloc(sizeof(double) * V);
+    int compared = 0;
+    for (int k = 0; k < K; k++) {
+        logits_after(&f, toks, N + k, x);
+        double m = -INFINITY, sum = 0;
+        for (int i = 0; i < V; i++) m = fmax(m, x[i]);
+        for (int i = 0; i < V; i++) sum += exp((double)x[i] - m);
+        double lse = m + log(sum);
+        int best = 0, second = -1;
+        for (int i = 0; i < V; i++) {
+            int count = 0;
+            bool in_prompt = false;
+            for (int j = 0; j < N; j++) in_prompt |= prompt[j] == i;
+            for (int j = 0; j < k; j++) count += out.ids[j] == i;
+            double y = x[i];
+            for (int j = 0; j < 2; j++) y += bias[j].id == i ? bias[j].bias : 0;
+            if (count > 0 || in_prompt) y = y > 0 ? y / 1.4 : y * 1.4;
+            y -= 0.6 * count + (count > 0 ? 0.8 : 0);
+            v[i] = y;
+            if (y > v[best]) second = best, best = i;
+            else if (i != best && (second < 0 || y > v[second])) second = i;
+        }
+        if (v[best] - v[second] > 1e-4) { /* no near-tie: the engine draws exactly this one */
+            cr_expect_eq(out.ids[k], best, "token %d: %d, the reference %d", k, out.ids[k], best);
+            compared++;
+        }
+        cr_expect(fabs(out.lp[k] - (x[out.ids[k]] - lse)) <= 1e-4, "token %d: logprob %g, want %g (raw logits)", k,
+                  out.lp[k], x[out.ids[k]] - lse);
+        for (int j = 0; j < TOP; j++) { /* the raw logits' best, in order */
+            int id = out.top_ids[k * KVS_MAX_TOP_LOGPROBS + j];
+            cr_assert(id >= 0 && id < V);
+            cr_expect(fabs(out.top_lp[k * KVS_MAX_TOP_LOGPROBS + j] - (x[id] - lse)) <= 1e-4, "token %d alt %d", k, j);
+            int above = 0;
+            for (int i = 0; i < V; i++) above += x[i] > x[id];
+            cr_expect(above <= j, "token %d alternative %d (id %d) has %d better tokens", k, j, id, above);
+        }
+        toks[N + k] = out.ids[k];
+    }
+    cr_expect_geq(compared, K - 2, "only %d of %d steps without a near-tie", compared, K);
+    free(v), free(x), free(toks), free(prompt);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}
+
+/* min_tokens bans the stop ids (and keeps stop strings quiet) before it:
+ * a stop id that would end the request at once is never drawn first. */
+Test(engine, min_tokens_bans_the_stop_ids_before_it) {
+    fixture f;
+    fx_open(&f);
+    uint64_t seed = kvs_test_seed();
+    enum { N = 30, K = 8 };
+    int32_t *prompt = random_prompt(seed, N), plain[K];
+    reference(&f, prompt, N, K, plain);
+    kvs_engine *e = small_engine(&f, 256);
+    kvs_request_params p = greedy_params(prompt, N, K);
+    p.stop_ids = &plain[0], p.n_stop_ids = 1;
+    sink now = {0}, later = {0};
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &now, NULL), KVS_OK, "%s", kvs_last_error());
+    p.min_tokens = 3;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &later, NULL), KVS_OK, "%s", kvs_last_error());
+    run_until_idle(e, 1000);
+    cr_expect(now.n == 1 && now.finish == KVS_FINISH_STOP, "without min_tokens the stop id ends it at once");
+    cr_assert_geq(later.n, 3, "min_tokens 3: %d tokens", later.n);
+    for (int i = 0; i < 3; i++) cr_expect_neq(later.ids[i], plain[0], "token %d is the banned stop id", i);
+    p.min_tokens = K + 1;
+    cr_expect_eq(kvs_engine_submit(e, &p, on_output, &later, NULL), KVS_ERR_INVALID);
+    cr_expect(strstr(kvs_last_error(), "min_tokens"), "%s", kvs_last_error());
+    free(prompt);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}
+
+typedef struct {
+    sink s[KVS_MAX_N];
+} choices;
+
+static void on_choice(void *user, const kvs_request_output *o) {
+    choices *c = user;
+    cr_assert(o->index >= 0 && o->index < KVS_MAX_N);
+    on_output(&c->s[o->index], o);
+}
+
+/* n = 3: greedy choices equal the reference and the prompt is prefilled once
+ * (the other two start from its cached blocks); seeded draws repeat, choice 0
+ * is the n = 1 request with the same seed; an abort ends every choice. */
+Test(engine, n_choices_share_one_prefill, .timeout = 600) {
+    fixture f;
+    fx_open(&f);
+    uint64_t seed = kvs_test_seed();
+    enum { N = 100, K = 8 };
+    int32_t *prompt = random_prompt(seed, N), want[K];
+    reference(&f, prompt, N, K, want);
+    kvs_engine *e = small_engine(&f, 512);
+    kvs_request_params p = greedy_params(prompt, N, K);
+    p.n = 3;
+    choices g = {0};
+    cr_assert_eq(kvs_engine_submit(e, &p, on_choice, &g, NULL), KVS_OK, "%s", kvs_last_error());
+    run_until_idle(e, 1000);
+    for (int c = 0; c < 3; c++) {
+        cr_assert_eq(g.s[c].n, K, "choice %d: %d tokens (%s)", c, g.s[c].n, g.s[c].error);
+        cr_expect_eq(g.s[c].finals, 1);
+        for (int i = 0; i < K; i++) cr_expect_eq(g.s[c].ids[i], want[i], "choice %d token %d", c, i);
+    }
+    kvs_engine_stats st;
+    kvs_engine_get_stats(e, &st);
+    cr_expect_geq(st.prefix_cache_hits, 2 * 96, "the other choices reuse the prompt: %llu tokens found",
+                  (unsigned long long)st.prefix_cache_hits);
+    /* seeded temperature: the same choices twice; choice 0 is the n = 1 draw */
+    kvs_request_params t = p;
+    t.sampling.temperature = 1, t.sampling.seed = seed, t.sampling.has_seed = true;
+    choices a = {0}, b = {0}, one = {0};
+    cr_assert_eq(kvs_engine_submit(e, &t, on_choice, &a, NULL), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_engine_submit(e, &t, on_choice, &b, NULL), KVS_OK, "%s", kvs_last_error());
+    t.n = 1;
+    cr_assert_eq(kvs_engine_submit(e, &t, on_choice, &one, NULL), KVS_OK, "%s", kvs_last_error());
+    run_until_idle(e, 1000);
+    for (int c = 0; c < 3; c++)
+        for (int i = 0; i < K; i++) cr_expect_eq(a.s[c].ids[i], b.s[c].ids[i], "choice %d token %d repeats", c, i);
+    for (int i = 0; i < K; i++) cr_expect_eq(a.s[0].ids[i], one.s[0].ids[i], "choice 0 token %d", i);
+    /* an abort ends all of them */
+    choices ab = {0};
+    uint64_t id;
+    p.max_tokens = 50;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_choice, &ab, &id), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_engine_step(e), KVS_OK);
+    kvs_engine_abort(e, id);
+    run_until_idle(e, 1000);
+    for (int c = 0; c < 3; c++) cr_expect(ab.s[c].finish == KVS_FINISH_ABORT && ab.s[c].finals == 1, "choice %d", c);
+    free(prompt);
+    kvs_engine_destroy(e);
+    fx_close(&f);
 }

@@ -225,7 +225,7 @@ Test(forward, rejects_batches_beyond_the_limits) {
               kvs_last_error());
     int32_t qs9[2] = {0, 9};
     kvs_batch nine = {9, 1, ids, pos, qs9, seqs, want}; /* one token too many */
-    cr_expect_eq(kvs_model_forward_sample(m, &nine, kv, greedy, out, NULL), KVS_ERR_INVALID);
+    cr_expect_eq(kvs_model_forward_sample(m, &nine, kv, greedy, NULL, out, NULL), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "9 tokens") && strstr(kvs_last_error(), "8 tokens"), "%s", kvs_last_error());
     int32_t qs1[2] = {0, 1};
     kvs_batch long_seq = {1, 1, ids, pos, qs1, seqs, want}; /* 40 entries reserved: 3 blocks, max_len 32 holds 2 */
@@ -233,7 +233,7 @@ Test(forward, rejects_batches_beyond_the_limits) {
     cr_expect(strstr(kvs_last_error(), "3 KV blocks") && strstr(kvs_last_error(), "max_model_len 32"), "%s",
               kvs_last_error());
     kvs_batch two = {2, 2, ids, pos, qs, seqs + 1, want}; /* within the limits */
-    cr_expect_eq(kvs_model_forward_sample(m, &two, kv, greedy, out, NULL), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(kvs_model_forward_sample(m, &two, kv, greedy, NULL, out, NULL), KVS_OK, "%s", kvs_last_error());
     free(logits);
     kvs_kv_destroy(kv);
     kvs_model_destroy(m);

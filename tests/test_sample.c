@@ -485,8 +485,8 @@ static void srig_generate(sample_rig *r, int n_seqs, const kvs_sample_row *param
         kvs_batch b = {nt, n_seqs, toks, pos, qs, seqs, want};
         kvs_sample_row p[4];
         for (int s = 0; s < n_seqs; s++) p[s] = params[s], p[s].step = (uint64_t)step;
-        kvs_status st = r->g ? kvs_runner_step_sample(r->g, &b, p, ids + step * n_seqs, lps + step * n_seqs)
-                             : kvs_model_forward_sample(r->m, &b, r->kv, p, ids + step * n_seqs, lps + step * n_seqs);
+        kvs_status st = r->g ? kvs_runner_step_sample(r->g, &b, p, NULL, ids + step * n_seqs, lps + step * n_seqs)
+                             : kvs_model_forward_sample(r->m, &b, r->kv, p, NULL, ids + step * n_seqs, lps + step * n_seqs);
         cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
         if (!r->g) kv_keep(r->kv, &b);
     }
@@ -536,9 +536,9 @@ Test(sample, tp_forward_sample_matches_the_single_rank_model, .timeout = 600) {
     uint8_t want = 1;
     kvs_batch b = {1, 1, t, pos, qs, &seq, &want};
     cr_assert_eq(kvs_runner_reserve(g.g, seq, 1), KVS_OK);
-    cr_expect_eq(kvs_runner_step_sample(g.g, &b, &bad[2], out, NULL), KVS_ERR_INVALID);
+    cr_expect_eq(kvs_runner_step_sample(g.g, &b, &bad[2], NULL, out, NULL), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "row 0"), "%s", kvs_last_error());
-    cr_expect_eq(kvs_runner_step_sample(g.g, &b, &params[1], out, NULL), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(kvs_runner_step_sample(g.g, &b, &params[1], NULL, out, NULL), KVS_OK, "%s", kvs_last_error());
     cr_expect(out[0] >= 0 && out[0] < 515);
     srig_close(&g);
     kvs_checkpoint_destroy(ck);

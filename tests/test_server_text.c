@@ -48,13 +48,14 @@ static nul_tokens nul_ids(const kvs_tokenizer *t) {
 Test(server_text, nul_byte_in_whole_responses_and_chunks) {
     kvs_tokenizer *t = tiny();
     nul_tokens nt = nul_ids(t);
-    kvs_resp_slice s = {"a\0b", 3, nt.ids, nt.lps, 3, 0};
+    kvs_resp_slice s = {"a\0b", 3, nt.ids, nt.lps, 3, 0, .finish = KVS_FINISH_STOP}, part = s;
+    part.finish = KVS_FINISH_NONE;
     for (int chat = 0; chat < 2; chat++) {
         /* top_logprobs 1 for chat; completions' top_logprobs key the NUL token's text,
            which jansson does not parse back: checked as text below */
         kvs_resp_meta m = {chat ? KVS_API_CHAT : KVS_API_COMPLETIONS, "id-1", "tiny", 0, t, true, chat, false};
-        char *full = kvs_resp_full(&m, &s, KVS_FINISH_STOP, 4, 3);
-        char *chunk = kvs_resp_chunk(&m, &s, false, KVS_FINISH_NONE, true);
+        char *full = kvs_resp_full(&m, &s, 1, 4, 3, NULL);
+        char *chunk = kvs_resp_chunk(&m, &part, false, true);
         cr_assert(full && chunk);
         cr_expect(strstr(full, "a\\u0000b"), "whole (%s): %s", chat ? "chat" : "completions", full);
         cr_expect(strstr(chunk, "a\\u0000b"), "chunk (%s): %s", chat ? "chat" : "completions", chunk);
@@ -74,7 +75,7 @@ Test(server_text, nul_byte_in_whole_responses_and_chunks) {
             expect_string(json_array_get(json_object_get(lp, "tokens"), 1), "\0", 1, "logprobs.tokens[1]");
             cr_expect_eq(json_integer_value(json_array_get(json_object_get(lp, "text_offset"), 2)), 2);
             m.top_logprobs = 1;
-            char *with_top = kvs_resp_full(&m, &s, KVS_FINISH_STOP, 4, 3);
+            char *with_top = kvs_resp_full(&m, &s, 1, 4, 3, NULL);
             cr_expect(strstr(with_top, "\"top_logprobs\":[{\"a\":-0.5},{\"\\u0000\":-1.5},{\"b\":-2.5}]"), "%s",
                       with_top);
             free(with_top);
@@ -100,7 +101,7 @@ static void sse_open(sse_rig *r, kvs_api_kind kind, const kvs_tokenizer *t, bool
     pthread_mutex_init(&r->srv.mu, NULL);
     pthread_cond_init(&r->srv.cv, NULL);
     r->srv.in_flight = 1;
-    kvs_gen *g = kvs_gen_create();
+    kvs_gen *g = kvs_gen_create(1, 0);
     cr_assert(g);
     g->refs = 2; /* the stream's and the engine's */
     r->st = calloc(1, sizeof *r->st);
@@ -111,7 +112,6 @@ static void sse_open(sse_rig *r, kvs_api_kind kind, const kvs_tokenizer *t, bool
     r->st->meta = (kvs_resp_meta){kind, r->st->req_id, "tiny", 0, t, true, 0, false};
     r->st->fd = -1;
     r->st->include_usage = include_usage;
-    r->st->role_sent = kind != KVS_API_CHAT;
 }
 
 /* What the stream has ready (never blocks: call only when an output is pending). */
@@ -227,7 +227,7 @@ Test(server_text, sse_stream_tool_calls) {
     sse_open(&r, KVS_API_CHAT, NULL, false);
     r.st->meta.logprobs = false;
     r.st->meta.tools = KVS_TOOL_FORMAT_HERMES;
-    r.st->tools = kvs_tool_parser_create(KVS_TOOL_FORMAT_HERMES, 5);
+    r.st->tools = kvs_resp_tool_parsers(&r.st->meta, 1);
     /* each piece gives an event (a piece held back whole would leave the read waiting) */
     static const char *const pieces[] = {"Sure.\n<tool", "_call>\n{\"name\": \"get_weather\", \"arguments\": {\"ci",
                                          "ty\": \"Par", "is\"}}\n</tool_call>"};

@@ -128,8 +128,8 @@ Test(server_tools, messages_with_calls_and_results) {
 /* ---- responses from forced outputs ------------------------------------------------ */
 static json_t *full_response(kvs_tool_format f, bool one_call, const char *text, kvs_finish fin) {
     kvs_resp_meta m = {KVS_API_CHAT, "chatcmpl-t", "tiny", 0, NULL, false, 0, false, f, one_call};
-    kvs_resp_slice s = {text, strlen(text), NULL, NULL, 0, 0};
-    char *body = kvs_resp_full(&m, &s, fin, 5, 7);
+    kvs_resp_slice s = {text, strlen(text), NULL, NULL, 0, 0, .finish = fin};
+    char *body = kvs_resp_full(&m, &s, 1, 5, 7, NULL);
     json_t *j = json_loads(body, 0, NULL);
     cr_assert(j, "%s", body);
     free(body);
@@ -175,12 +175,12 @@ Test(server_tools, whole_response_has_tool_calls) {
 
 Test(server_tools, stream_chunk_delta) {
     kvs_resp_meta m = {KVS_API_CHAT, "chatcmpl-t", "tiny", 0, NULL, false, 0, false, KVS_TOOL_FORMAT_LLAMA3_JSON, false};
-    kvs_tool_parser *p = kvs_tool_parser_create(m.tools, kvs_resp_tool_seed(&m));
+    kvs_tool_parser *p = kvs_tool_parser_create(m.tools, kvs_resp_tool_seed(&m, 0));
     kvs_tool_events ev = {0};
     const char *text = "{\"name\": \"now\", \"parameters\": {\"tz\": \"UTC\"}}";
-    kvs_resp_slice s = {text, strlen(text), NULL, NULL, 0, 0};
+    kvs_resp_slice s = {text, strlen(text), NULL, NULL, 0, 0, .finish = KVS_FINISH_STOP};
     kvs_resp_tool_stream(p, &s, &ev, true);
-    char *chunk = kvs_resp_chunk(&m, &s, false, KVS_FINISH_STOP, false);
+    char *chunk = kvs_resp_chunk(&m, &s, false, false);
     json_t *j = json_loads(chunk, 0, NULL);
     cr_assert(j, "%s", chunk);
     json_t *delta = json_object_get(choice(j), "delta");
@@ -247,6 +247,14 @@ Test(server_tools, serve_accepts_tools_requests, .timeout = 300) {
         cr_expect(json_is_string(json_object_get(msg, "content")) || json_is_array(json_object_get(msg, "tool_calls")));
         json_decref(j);
     }
+    /* n choices, each parsed on its own */
+    json_t *nj = post_json(s.port, "/v1/chat/completions", CHAT_TOOLS(", \"n\": 2"), 200);
+    cr_expect_eq(json_array_size(json_object_get(nj, "choices")), 2);
+    json_decref(nj);
+    http_resp rn = http(s.port, "POST", "/v1/chat/completions", NULL, CHAT_TOOLS(", \"n\": 2, \"stream\": true"));
+    cr_expect_eq(rn.status, 200);
+    cr_expect(strstr(rn.body, "\"index\":1") && strstr(rn.body, "[DONE]"), "%s", rn.body);
+    free(rn.body);
     /* streaming with tools: chunks, then [DONE] */
     http_resp r = http(s.port, "POST", "/v1/chat/completions", NULL, CHAT_TOOLS(", \"stream\": true"));
     cr_expect_eq(r.status, 200);

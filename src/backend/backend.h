@@ -37,6 +37,8 @@ typedef struct {
 typedef struct kvs_backend kvs_backend;
 struct kvs_sample_row; /* backend/sample.h */
 struct kvs_sample_part; /* backend/sample.h */
+struct kvs_process_row;  /* backend/sample.h */
+struct kvs_logit_adjust; /* backend/sample.h */
 struct kvs_backend {
     const char *name;
     kvs_dtype weight_dtype, act_dtype, kv_dtype;
@@ -113,6 +115,18 @@ struct kvs_backend {
      * not NULL. All arrays in backend memory; no host round trip. */
     void (*sample)(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
                    const struct kvs_sample_row *params);
+    /* Logits processing before the draw (backend/sample.h): out [n_rows][ld_out]
+     * (act_dtype) from logits [n_rows][ld] with rows[r], the step's adjust list
+     * and mask rows [*][kvs_sample_mask_words(vocab)] (NULL when no row has one).
+     * All arrays in backend memory. */
+    void (*process_logits)(kvs_backend *b, void *out, int ld_out, const void *logits, int ld, int n_rows, int vocab,
+                           const struct kvs_process_row *rows, const struct kvs_logit_adjust *adjust,
+                           const uint32_t *masks);
+    /* Top logprobs of the raw logits (backend/sample.h): chosen_lp [n_rows],
+     * top_ids / top_lp [n_rows][k] (k in [0, 20]; NULL when k is 0). All arrays
+     * in backend memory. */
+    void (*top_logprobs)(kvs_backend *b, float *chosen_lp, int32_t *top_ids, float *top_lp, const void *logits,
+                         int n_rows, int ld, int vocab, const int32_t *chosen, int k);
     /* Dummy weights (--load-format dummy) made in place, without the host:
      * dst (weight_dtype, nr x nc, row-major) gets the zero-mean dummy elements
      * (r0 + r) * full_cols + c0 + c of the weight with per-weight seed `seed`

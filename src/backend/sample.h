@@ -117,6 +117,62 @@ KVS_HD uint32_t kvs_sample_radix_digit(const unsigned long long *bins, bool firs
     return (uint32_t)d;
 }
 
+/* ---- logits processing before the draw (the process_logits op) ----------
+ * Penalties, logit_bias, banned tokens and grammar masks, on the device. For
+ * row r with q = rows[r] and its raw logits x (act_dtype), out[r][i] is
+ *  - x_i when x_i is not finite (the sample op then fails the row, as before);
+ *  - KVS_SAMPLE_MASKED when q.mask_row >= 0 and bit i % 32 of word i / 32 of
+ *    mask row q.mask_row is clear (a grammar forbids token i);
+ *  - kvs_sample_adjusted(x_i, adjust[e], &q) when token i is adjust[e].id for
+ *    an e in [q.adjust_begin, q.adjust_begin + q.adjust_count) (ids distinct
+ *    within a row);
+ *  - x_i otherwise;
+ * rounded to act_dtype. KVS_SAMPLE_MASKED is the lowest finite bf16 (and a
+ * float): the sample op never picks a masked token while the row keeps one
+ * finite, unmasked logit (greedy, every filter and the Gumbel draw order it
+ * last; its weight is 0), and the row does not count as non-finite. */
+#define KVS_SAMPLE_MASKED (-3.38953139e38f)
+#define KVS_MAX_TOP_LOGPROBS 20
+
+typedef struct kvs_logit_adjust {
+    int32_t id;
+    int32_t count;     /* times the request generated it (frequency and presence penalties) */
+    float bias;        /* added first (logit_bias); -INFINITY: banned (min_tokens' stop ids) */
+    int32_t in_prompt; /* 1: the prompt holds it (the repetition penalty applies to prompt and output) */
+} kvs_logit_adjust;
+
+typedef struct kvs_process_row {
+    float presence, frequency, repetition; /* off: 0, 0, 1 */
+    int32_t adjust_begin, adjust_count;    /* the row's entries in the step's adjust list */
+    int32_t mask_row;                      /* -1: no grammar mask */
+} kvs_process_row;
+
+/* 32-bit words of one mask row. */
+KVS_HD int kvs_sample_mask_words(int vocab) { return (vocab + 31) / 32; }
+
+/* One adjusted logit, vLLM's order: logit_bias, then the repetition penalty
+ * (divides a positive logit, multiplies a negative one), then frequency and
+ * presence (subtracted). Kept within +-1e38 so that it never reaches the mask. */
+KVS_HD float kvs_sample_adjusted(float x, const kvs_logit_adjust *a, const kvs_process_row *q) {
+    if (a->bias == -INFINITY) return KVS_SAMPLE_MASKED;
+    float v = x + a->bias;
+    if (q->repetition != 1.0f && (a->count > 0 || a->in_prompt)) v = v > 0 ? v / q->repetition : v * q->repetition;
+    float pen = q->frequency * (float)a->count;
+    if (a->count > 0) pen += q->presence;
+    v -= pen;
+    return v > 1e38f ? 1e38f : v < -1e38f ? -1e38f : v;
+}
+
+/* ---- top logprobs (the top_logprobs op, on the raw logits after the draw) --
+ * For row r: lp = the log softmax of its raw logits x; chosen_lp[r] =
+ * lp[chosen[r]] (NaN when chosen[r] < 0: a failed row); for j < k (k in
+ * [0, KVS_MAX_TOP_LOGPROBS]) top_ids[r * k + j] / top_lp[r * k + j]: the
+ * j-th largest x (ties to the lower id) and its lp; id -1 and lp -inf past
+ * the vocabulary, -1 and NaN in a failed row. */
+KVS_HD bool kvs_sample_ranks_before(float v, int i, float bv, int bi) { /* (v, i) before (bv, bi) */
+    return bi < 0 || v > bv || (v == bv && i < bi);
+}
+
 /* ---- tensor parallelism: sampling a row whose logits are split by vocabulary
  * A rank holding the slice of global ids id0 .. id0 + count - 1 reduces it to
  * one kvs_sample_part (the sample_shard op); the ranks all-gather the parts

@@ -59,6 +59,8 @@ static void usage(FILE *f) {
                "                            requests share them only with an equal cache_salt)\n"
                "  --no-enable-prefix-caching  prefill every prompt in full, cache nothing\n"
                "  --max-body-bytes N        request body limit (default 4 MiB; more gets 413)\n"
+               "  --max-tokens-default N    a request without max_tokens generates at most N tokens (default:\n"
+               "                            completions 16, chat the rest of the context, as OpenAI)\n"
                "  --http-timeout S          close a connection that makes no progress for S seconds: an idle or\n"
                "                            slow client, or one that stops reading its response (default 60)\n"
                "  --max-connections-per-ip N  open connections one client address may hold; more are refused\n"
@@ -101,6 +103,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         else if (!strcmp(a, "--port") && v) { if (!parse_int(argv[++i], 0, &n) || n > 65535) goto bad; o->scfg.port = n; }
         else if (!strcmp(a, "--api-key") && v) o->scfg.api_key = argv[++i];
         else if (!strcmp(a, "--api-key-file") && v) o->api_key_file = argv[++i];
+        else if (!strcmp(a, "--max-tokens-default") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.max_tokens_default = n; }
         else if (!strcmp(a, "--http-timeout") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.http_timeout_s = (unsigned)n; }
         else if (!strcmp(a, "--max-connections-per-ip") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.max_connections_per_ip = (unsigned)n; }
         else if (!strcmp(a, "--drain-timeout") && v) { if (!parse_int(argv[++i], 0, &o->drain_timeout_s)) goto bad; }

@@ -80,8 +80,12 @@ static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_token
     e->sample_rows = malloc(sizeof(kvs_sample_row) * b->cap_seqs);
     e->sample_ids = malloc(sizeof(int32_t) * b->cap_seqs);
     e->sample_lp = malloc(sizeof(float) * b->cap_seqs);
+    e->process_rows = malloc(sizeof(kvs_process_row) * b->cap_seqs);
+    e->top_ids = malloc(sizeof(int32_t) * KVS_MAX_TOP_LOGPROBS * b->cap_seqs);
+    e->top_lp = malloc(sizeof(float) * KVS_MAX_TOP_LOGPROBS * b->cap_seqs);
     if (st == KVS_OK && (!b->token_ids || !b->positions || !b->query_start || !b->seq_ids || !b->wants_logits ||
-                         !b->reqs || !e->sample_rows || !e->sample_ids || !e->sample_lp))
+                         !b->reqs || !e->sample_rows || !e->sample_ids || !e->sample_lp || !e->process_rows ||
+                         !e->top_ids || !e->top_lp))
         st = kvs_fail(KVS_ERR_NOMEM, "engine: out of memory");
     if (st != KVS_OK) {
         kvs_engine_destroy(e);
@@ -137,31 +141,60 @@ void kvs_engine_destroy(kvs_engine *e) {
     free(e->sample_rows);
     free(e->sample_ids);
     free(e->sample_lp);
+    free(e->process_rows);
+    free(e->adjust);
+    free(e->top_ids);
+    free(e->top_lp);
     free(e->aborts);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);
 }
 
+static void destroy_all(kvs_request **rs, int n) {
+    for (int i = 0; i < n; i++) kvs_request_destroy(rs[i]);
+}
+
 kvs_status kvs_engine_submit(kvs_engine *e, const kvs_request_params *p, kvs_output_fn fn, void *user,
                              uint64_t *request_id) {
-    kvs_request *r;
-    KVS_TRY(kvs_request_create(e, p, fn, user, &r));
+    int n = p && p->n > 1 ? p->n : 1;
+    kvs_request *rs[KVS_MAX_N];
+    KVS_TRY(kvs_request_create(e, p, fn, user, &rs[0]));
+    kvs_req_group *group = NULL;
+    if (n > 1 && e->cfg.enable_prefix_caching && !(group = calloc(1, sizeof *group))) {
+        destroy_all(rs, 1);
+        return kvs_fail(KVS_ERR_NOMEM, "request: out of memory");
+    }
+    for (int i = 1; i < n; i++) {
+        kvs_status st = kvs_request_create(e, p, fn, user, &rs[i]);
+        if (st != KVS_OK) {
+            destroy_all(rs, i);
+            free(group);
+            return st;
+        }
+        rs[i]->index = i;
+        if (p->sampling.has_seed) rs[i]->sampling.seed = kvs_sample_mix64(p->sampling.seed + (uint64_t)i);
+    }
+    for (int i = 0; group && i < n; i++) rs[i]->group = group, group->refs++;
     pthread_mutex_lock(&e->mu);
     kvs_status st = KVS_OK;
     if (e->failed) st = kvs_fail(KVS_ERR_INTERNAL, "the engine failed: %s", e->failure);
     else if (e->stop_requested) st = kvs_fail(KVS_ERR_BUSY, "the engine is shutting down");
-    else if (e->n_queued + e->incoming.n >= e->cfg.max_waiting)
+    else if (e->n_queued + e->incoming.n + n > e->cfg.max_waiting)
         st = kvs_fail(KVS_ERR_BUSY, "the engine's queue is full (max_waiting %d requests)", e->cfg.max_waiting);
     if (st == KVS_OK) {
-        r->id = e->next_id++;
-        r->t_arrival = kvs_now();
-        kvs_list_push_back(&e->incoming, r);
-        if (request_id) *request_id = r->id;
+        uint64_t id = e->next_id++;
+        double now = kvs_now();
+        for (int i = 0; i < n; i++) {
+            rs[i]->id = id;
+            rs[i]->t_arrival = now;
+            kvs_list_push_back(&e->incoming, rs[i]);
+        }
+        if (request_id) *request_id = id;
         pthread_cond_signal(&e->cv);
     }
     pthread_mutex_unlock(&e->mu);
-    if (st != KVS_OK) kvs_request_destroy(r);
+    if (st != KVS_OK) destroy_all(rs, n);
     return st;
 }
 
@@ -190,13 +223,12 @@ static void retire(kvs_engine *e, kvs_req_list *l, kvs_request *r, kvs_finish f,
     pthread_mutex_unlock(&e->mu);
 }
 
-static bool abort_in(kvs_engine *e, kvs_req_list *l, uint64_t id) {
-    for (kvs_request *r = l->head; r; r = r->next)
-        if (r->id == id) {
-            retire(e, l, r, KVS_FINISH_ABORT, NULL);
-            return true;
-        }
-    return false;
+/* Ends every choice of request id in l. */
+static void abort_in(kvs_engine *e, kvs_req_list *l, uint64_t id) {
+    for (kvs_request *r = l->head, *next; r; r = next) {
+        next = r->next;
+        if (r->id == id) retire(e, l, r, KVS_FINISH_ABORT, NULL);
+    }
 }
 
 /* Takes new requests and aborts from the other threads. */
@@ -216,7 +248,7 @@ static void take_inputs(kvs_engine *e) {
     kvs_stats_refresh(e);
     pthread_mutex_unlock(&e->mu);
     for (int i = 0; ids && i < n; i++)
-        if (!abort_in(e, &e->running, ids[i])) abort_in(e, &e->waiting, ids[i]);
+        abort_in(e, &e->running, ids[i]), abort_in(e, &e->waiting, ids[i]);
     free(ids);
     while (all && e->running.head) retire(e, &e->running, e->running.head, KVS_FINISH_ABORT, NULL);
     while (all && e->waiting.head) retire(e, &e->waiting, e->waiting.head, KVS_FINISH_ABORT, NULL);
@@ -261,6 +293,48 @@ static void engine_fail(kvs_engine *e, const char *reason) {
  * a token, on the backend: only their ids (and logprobs) come back. Draw
  * number n_gen of the request's seed: a preempted request recomputes the same
  * tokens. */
+/* Room for n adjust entries in the step's list. */
+static bool reserve_adjust(kvs_engine *e, int n) {
+    if (n <= e->cap_adjust) return true;
+    int cap = e->cap_adjust ? e->cap_adjust : 256;
+    while (cap < n) cap *= 2;
+    kvs_logit_adjust *a = realloc(e->adjust, sizeof *a * cap);
+    if (!a) return false;
+    e->adjust = a, e->cap_adjust = cap;
+    return true;
+}
+
+/* The step's extras (kvs_sample_extras) from the rows' requests: NULL when no
+ * row needs processing or alternatives. */
+static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x) {
+    kvs_step_batch *b = &e->batch;
+    *x = (kvs_sample_extras){0};
+    int need = 0;
+    bool any = false;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const kvs_request *r = b->reqs[s];
+        if (!b->wants_logits[s]) continue;
+        need += r->process ? r->n_adj : 0;
+        any |= r->process;
+        if (r->top_logprobs > x->top_k) x->top_k = r->top_logprobs;
+    }
+    if (any && reserve_adjust(e, need)) {
+        for (int s = 0, q = 0; s < b->n_seqs; s++)
+            if (b->wants_logits[s]) kvs_request_process_row(b->reqs[s], &e->process_rows[q++], e->adjust, &x->n_adjust);
+        x->process = e->process_rows;
+        x->adjust = e->adjust;
+    } else if (any) {
+        kvs_log(KVS_LOG_WARN, "engine: out of memory for the logit adjustments: this step samples without them");
+    }
+    x->top_ids = e->top_ids;
+    x->top_logprobs = e->top_lp;
+    return x->process || x->top_k > 0 ? x : NULL;
+}
+
+/* Runs the step's batch through the model and samples the requests that want
+ * a token, on the backend: only their ids (and logprobs) come back. Draw
+ * number n_gen of the request's seed: a preempted request recomputes the same
+ * tokens. */
 static kvs_status run_batch(kvs_engine *e) {
     kvs_step_batch *b = &e->batch;
     kvs_batch mb = {b->n_tokens, b->n_seqs, b->token_ids, b->positions, b->query_start, b->seq_ids, b->wants_logits};
@@ -276,7 +350,9 @@ static kvs_status run_batch(kvs_engine *e) {
                                                     .forced_id = r->n_gen < r->n_forced ? r->forced[r->n_gen] : 0};
         want_lp |= r->logprobs > 0;
     }
-    kvs_status st = kvs_runner_step_sample(e->runner, &mb, e->sample_rows, e->sample_ids,
+    kvs_sample_extras extras;
+    const kvs_sample_extras *x = step_extras(e, &extras);
+    kvs_status st = kvs_runner_step_sample(e->runner, &mb, e->sample_rows, x, e->sample_ids,
                                            want_lp ? e->sample_lp : NULL);
     if (st != KVS_OK) {
         char msg[sizeof e->failure];
@@ -288,8 +364,11 @@ static kvs_status run_batch(kvs_engine *e) {
         kvs_request *r = b->reqs[s];
         r->n_computed += r->n_sched;
         r->n_sched = 0;
+        if (r->group && r->index == 0 && r->n_computed >= r->n_prompt) r->group->prompt_ready = true;
         if (!b->wants_logits[s]) continue;
         float lp = r->logprobs > 0 ? e->sample_lp[k] : 0;
+        const int32_t *top_ids = x ? e->top_ids + (size_t)k * x->top_k : NULL;
+        const float *top_lp = x ? e->top_lp + (size_t)k * x->top_k : NULL;
         int32_t id = e->sample_ids[k++];
         if (id < 0) { /* NaN or inf in its logits: this request alone fails */
             char msg[128];
@@ -298,7 +377,7 @@ static kvs_status run_batch(kvs_engine *e) {
             retire(e, &e->running, r, KVS_FINISH_ERROR, msg);
             continue;
         }
-        kvs_request_append(e, r, id, lp);
+        kvs_request_append(e, r, id, lp, top_ids, top_lp);
         if (r->finish != KVS_FINISH_NONE) retire(e, &e->running, r, KVS_FINISH_NONE, NULL);
     }
     return KVS_OK;
@@ -387,3 +466,5 @@ void kvs_engine_stop(kvs_engine *e, bool drain) {
             if (step(e) != KVS_OK && !e->failed) kvs_log(KVS_LOG_WARN, "engine: step failed: %s", kvs_last_error());
     }
 }
+
+kvs_kv_policy kvs_engine_default_policy(const kvs_engine *e) { return e->cfg.default_policy; }

@@ -17,6 +17,11 @@ typedef struct {
     float min_p;       /* 0 = off */
     uint64_t seed;
     bool has_seed;     /* false: the engine draws a seed per request */
+    /* penalties on the logits before the draw (backend/sample.h, vLLM's
+       semantics): presence and frequency (OpenAI's, in [-2, 2], on the
+       generated tokens), repetition (vLLM's, > 0, on prompt and generated
+       tokens; 1 = off) */
+    float presence_penalty, frequency_penalty, repetition_penalty;
 } kvs_sampling_params;
 
 kvs_sampling_params kvs_sampling_default(void); /* greedy */
@@ -50,6 +55,13 @@ typedef struct {
 kvs_engine_config kvs_engine_config_default(void);
 
 #define KVS_MAX_STOP_STRINGS 8
+#define KVS_MAX_N 16          /* choices per request */
+#define KVS_MAX_LOGIT_BIAS 300 /* entries */
+
+typedef struct {
+    int32_t id;
+    float bias; /* added to the logit, in [-100, 100] */
+} kvs_logit_bias;
 #define KVS_MAX_CACHE_SALT 256 /* bytes */
 
 typedef struct {
@@ -62,7 +74,17 @@ typedef struct {
     const char *const *stop_strings; /* copied; matched across token boundaries, not emitted */
     int n_stop_strings;
     bool ignore_eos;
-    int logprobs;              /* 0: none; 1 .. 20: the chosen token's logprob (no top-n alternatives) */
+    int logprobs;              /* 0: none; > 0: each token's logprob (of the raw logits) */
+    int top_logprobs;          /* 0 .. 20: that many most likely alternatives per token (needs logprobs) */
+    /* n > 1 (at most KVS_MAX_N; 0 = 1): n sequences from one prompt, each its own
+     * draw (choice i > 0 seeds its stream from the seed and i), outputs marked
+     * with their index; with prefix caching the prompt is prefilled once and
+     * the other choices start from its cached blocks. One request id for all:
+     * an abort ends every choice. */
+    int n;
+    const kvs_logit_bias *logit_bias; /* copied; at most KVS_MAX_LOGIT_BIAS distinct ids */
+    int n_logit_bias;
+    int min_tokens;            /* EOS and stop ids banned, stop strings not matched, before this many tokens */
     const kvs_kv_policy *policy; /* NULL: the engine's default */
     /* Teacher forcing (scoring a continuation: eval ppl; a conversation's next
      * turn appended to a compressed cache: eval multiturn): the first n_forced
@@ -82,9 +104,13 @@ const char *kvs_finish_name(kvs_finish f); /* "stop", "length", "abort", "error"
 /* One delivery for one request: the new tokens of a step and their text. */
 typedef struct {
     uint64_t request_id;
+    int index;                /* the choice (0 .. n - 1) */
     const int32_t *token_ids; /* new tokens (usually 1) */
     const float *logprobs;    /* [n_tokens] when asked, else NULL */
     int n_tokens;
+    const int32_t *top_ids;   /* [n_tokens][n_top]: the most likely tokens, best first (top_logprobs) */
+    const float *top_logprobs;
+    int n_top;
     const char *text;         /* new UTF-8 text (complete characters; stop strings cut) */
     size_t text_len;
     kvs_finish finish;        /* != NONE on the last delivery */
@@ -93,6 +119,7 @@ typedef struct {
     /* on the first token's delivery: KV entries a full cache would hold / entries
        held after the prompt (its KV policy applied; 1: nothing dropped); else 0 */
     double prompt_compression;
+    int cached_tokens;        /* prompt tokens found in the prefix cache (the latest admission) */
 } kvs_request_output;
 
 /* Called on the thread that runs the step; must not block for long and must
@@ -136,6 +163,8 @@ typedef struct {
     int max_window;    /* a sparse policy's observation window at most */
 } kvs_engine_limits;
 kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e);
+/* The KV policy of requests that name none. */
+kvs_kv_policy kvs_engine_default_policy(const kvs_engine *e);
 /* Health. A failed step (a CUDA error or kernel fault, a broken
  * tensor-parallel group, a backend op out of memory: the KV cache and the
  * model's state are then undefined) fails the engine for good: every running

@@ -6,9 +6,25 @@
 
 #include "engine/engine.h"
 
+/* The choices of one request with n > 1: the first prefills the prompt, the
+ * others wait until it is cached (prompt_ready). */
+typedef struct {
+    int refs;
+    bool prompt_ready;
+} kvs_req_group;
+
+/* A token whose logit the request adjusts (backend/sample.h), sorted by id;
+ * stop: an EOS or stop id, banned before min_tokens. */
+typedef struct {
+    kvs_logit_adjust a;
+    bool stop;
+} kvs_req_adjust;
+
 /* One request: its parameters, its tokens, its place in the scheduler. */
 typedef struct kvs_request {
     uint64_t id;
+    int index;            /* the choice */
+    kvs_req_group *group; /* n > 1 with prefix caching: NULL otherwise */
     kvs_output_fn fn;
     void *user;
     int32_t *prompt;
@@ -24,7 +40,12 @@ typedef struct kvs_request {
     char *stop_strings[KVS_MAX_STOP_STRINGS];
     int n_stop_strings;
     bool ignore_eos;
-    int logprobs;
+    int logprobs, top_logprobs, min_tokens;
+    /* logits processing: penalties, logit_bias, bans (process), generated
+       tokens counted into adj (counts) */
+    kvs_req_adjust *adj;
+    int n_adj, cap_adj;
+    bool process, counts;
     kvs_kv_policy policy;
     /* text */
     kvs_detokenizer *detok;
@@ -33,6 +54,7 @@ typedef struct kvs_request {
     /* scheduling: the KV holds tokens [0, n_computed) of prompt ++ gen */
     int seq;          /* kv sequence id, -1 when not running */
     int n_computed;
+    int n_cached;     /* prompt tokens the prefix cache gave at admission */
     int n_sched;      /* tokens scheduled in the current step */
     bool recompute;   /* was preempted after generating: it recomputes its KV (scheduler.c) */
     double t_arrival, t_last_token;
@@ -72,6 +94,13 @@ struct kvs_engine {
     kvs_sample_row *sample_rows;
     int32_t *sample_ids;
     float *sample_lp;
+    /* the extras (kvs_sample_extras): process rows, adjust entries (grown),
+       top logprobs [max_num_seqs][KVS_MAX_TOP_LOGPROBS] */
+    kvs_process_row *process_rows;
+    kvs_logit_adjust *adjust;
+    int cap_adjust;
+    int32_t *top_ids;
+    float *top_lp;
     kvs_step_batch batch;
     /* owned by the stepping thread */
     kvs_req_list waiting, running;
@@ -101,7 +130,11 @@ static inline int32_t kvs_request_token(const kvs_request *r, int i) {
 static inline int kvs_request_len(const kvs_request *r) { return r->n_prompt + r->n_gen; }
 /* Appends a sampled token, applies the stop conditions and delivers the output
  * (finish set when the request ends). */
-void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob);
+void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob, const int32_t *top_ids,
+                        const float *top_logprobs);
+/* Its process row and adjust entries (at adjust[*n_adjust ..], *n_adjust
+ * advanced) for the next draw; false when it needs no processing. */
+bool kvs_request_process_row(const kvs_request *r, kvs_process_row *row, kvs_logit_adjust *adjust, int *n_adjust);
 /* Delivers a final output with no new tokens (abort, error). */
 void kvs_request_finish(kvs_engine *e, kvs_request *r, kvs_finish f, const char *error);
 

@@ -19,7 +19,8 @@ const char *kvs_finish_name(kvs_finish f) {
 }
 
 kvs_sampling_params kvs_sampling_default(void) {
-    return (kvs_sampling_params){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .seed = 0, .has_seed = false};
+    return (kvs_sampling_params){.temperature = 0, .top_k = 0, .top_p = 1, .min_p = 0, .seed = 0, .has_seed = false,
+                                 .repetition_penalty = 1};
 }
 
 kvs_status kvs_sampling_validate(const kvs_sampling_params *p) {
@@ -28,6 +29,13 @@ kvs_status kvs_sampling_validate(const kvs_sampling_params *p) {
     if (p->top_k < 0) return kvs_fail(KVS_ERR_INVALID, "top_k must be >= 0 (0 disables it; got %d)", p->top_k);
     if (!(p->top_p > 0 && p->top_p <= 1)) return kvs_fail(KVS_ERR_INVALID, "top_p must be in (0, 1] (got %g)", p->top_p);
     if (!(p->min_p >= 0 && p->min_p <= 1)) return kvs_fail(KVS_ERR_INVALID, "min_p must be in [0, 1] (got %g)", p->min_p);
+    if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
+        return kvs_fail(KVS_ERR_INVALID, "presence_penalty must be in [-2, 2] (got %g)", p->presence_penalty);
+    if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
+        return kvs_fail(KVS_ERR_INVALID, "frequency_penalty must be in [-2, 2] (got %g)", p->frequency_penalty);
+    if (!(p->repetition_penalty > 0 && p->repetition_penalty <= 100))
+        return kvs_fail(KVS_ERR_INVALID, "repetition_penalty must be in (0, 100] (1 disables it; got %g)",
+                        p->repetition_penalty);
     return KVS_OK;
 }
 
@@ -56,7 +64,25 @@ static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
     }
     if (p->n_stop_strings > 0 && !e->tok)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "stop: stop strings need a tokenizer");
-    if (p->logprobs < 0 || p->logprobs > 20) return kvs_fail(KVS_ERR_INVALID, "logprobs must be in [0, 20]");
+    if (p->logprobs < 0) return kvs_fail(KVS_ERR_INVALID, "logprobs must be >= 0");
+    if (p->top_logprobs < 0 || p->top_logprobs > KVS_MAX_TOP_LOGPROBS)
+        return kvs_fail(KVS_ERR_INVALID, "top_logprobs must be in [0, %d] (got %d)", KVS_MAX_TOP_LOGPROBS,
+                        p->top_logprobs);
+    if (p->n < 0 || p->n > KVS_MAX_N) return kvs_fail(KVS_ERR_INVALID, "n must be in [1, %d] (got %d)", KVS_MAX_N, p->n);
+    if (p->min_tokens < 0 || p->min_tokens > p->max_tokens)
+        return kvs_fail(KVS_ERR_INVALID, "min_tokens must be in [0, max_tokens %d] (got %d)", p->max_tokens,
+                        p->min_tokens);
+    if (p->n_logit_bias < 0 || p->n_logit_bias > KVS_MAX_LOGIT_BIAS || (p->n_logit_bias > 0 && !p->logit_bias))
+        return kvs_fail(KVS_ERR_INVALID, "logit_bias: at most %d entries (got %d)", KVS_MAX_LOGIT_BIAS,
+                        p->n_logit_bias);
+    for (int i = 0; i < p->n_logit_bias; i++) {
+        if (p->logit_bias[i].id < 0 || p->logit_bias[i].id >= e->vocab)
+            return kvs_fail(KVS_ERR_INVALID, "logit_bias: token id %d is outside the vocabulary [0, %d)",
+                            p->logit_bias[i].id, e->vocab);
+        if (!(p->logit_bias[i].bias >= -100 && p->logit_bias[i].bias <= 100))
+            return kvs_fail(KVS_ERR_INVALID, "logit_bias: the bias of token %d must be in [-100, 100] (got %g)",
+                            p->logit_bias[i].id, p->logit_bias[i].bias);
+    }
     if (p->cache_salt && strlen(p->cache_salt) > KVS_MAX_CACHE_SALT)
         return kvs_fail(KVS_ERR_INVALID, "cache_salt: at most %d bytes", KVS_MAX_CACHE_SALT);
     if (p->n_forced < 0 || p->n_forced > p->max_tokens || (p->n_forced > 0 && !p->forced_ids))
@@ -75,6 +101,86 @@ static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
     return KVS_OK;
 }
 
+static int by_id(const void *a, const void *b) {
+    int32_t x = ((const kvs_req_adjust *)a)->a.id, y = ((const kvs_req_adjust *)b)->a.id;
+    return (x > y) - (x < y);
+}
+
+/* The tokens r adjusts before any is generated: the prompt's (repetition
+ * penalty), logit_bias's, the stop ids (min_tokens); sorted, merged by id. */
+static bool build_adjust(const kvs_engine *e, kvs_request *r, const kvs_request_params *p) {
+    const kvs_sampling_params *sp = &p->sampling;
+    bool rep = sp->repetition_penalty != 1;
+    int n_stop = r->min_tokens > 0 ? r->n_stop_ids + (r->ignore_eos ? 0 : e->mcfg.n_eos) : 0;
+    int n = (rep ? r->n_prompt : 0) + p->n_logit_bias + n_stop;
+    r->counts = rep || sp->presence_penalty != 0 || sp->frequency_penalty != 0;
+    r->process = r->counts || n > 0;
+    if (n == 0) return true;
+    if (!(r->adj = malloc(sizeof *r->adj * n))) return false;
+    r->cap_adj = n;
+    int k = 0;
+    for (int i = 0; rep && i < r->n_prompt; i++) r->adj[k++] = (kvs_req_adjust){.a = {.id = r->prompt[i], .in_prompt = 1}};
+    for (int i = 0; i < p->n_logit_bias; i++)
+        r->adj[k++] = (kvs_req_adjust){.a = {.id = p->logit_bias[i].id, .bias = p->logit_bias[i].bias}};
+    for (int i = 0; n_stop && i < r->n_stop_ids; i++) r->adj[k++] = (kvs_req_adjust){.a = {.id = r->stop_ids[i]}, .stop = true};
+    for (int i = 0; n_stop && !r->ignore_eos && i < e->mcfg.n_eos; i++)
+        r->adj[k++] = (kvs_req_adjust){.a = {.id = e->mcfg.eos_token_ids[i]}, .stop = true};
+    qsort(r->adj, k, sizeof *r->adj, by_id);
+    int m = 0;
+    for (int i = 0; i < k; i++) {
+        if (m > 0 && r->adj[m - 1].a.id == r->adj[i].a.id) {
+            kvs_req_adjust *d = &r->adj[m - 1], *x = &r->adj[i];
+            d->a.in_prompt |= x->a.in_prompt;
+            d->a.bias += x->a.bias; /* one of them holds it */
+            d->stop |= x->stop;
+        } else {
+            r->adj[m++] = r->adj[i];
+        }
+    }
+    r->n_adj = m;
+    return true;
+}
+
+/* Counts a generated token (presence, frequency, repetition penalties). */
+static bool count_token(kvs_request *r, int32_t id) {
+    int lo = 0, hi = r->n_adj;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (r->adj[mid].a.id < id) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo < r->n_adj && r->adj[lo].a.id == id) {
+        r->adj[lo].a.count++;
+        return true;
+    }
+    if (r->n_adj == r->cap_adj) {
+        int cap = r->cap_adj ? 2 * r->cap_adj : 16;
+        kvs_req_adjust *a = realloc(r->adj, sizeof *a * cap);
+        if (!a) return false;
+        r->adj = a, r->cap_adj = cap;
+    }
+    memmove(r->adj + lo + 1, r->adj + lo, sizeof *r->adj * (r->n_adj - lo));
+    r->adj[lo] = (kvs_req_adjust){.a = {.id = id, .count = 1}};
+    r->n_adj++;
+    return true;
+}
+
+bool kvs_request_process_row(const kvs_request *r, kvs_process_row *row, kvs_logit_adjust *adjust, int *n_adjust) {
+    *row = (kvs_process_row){.repetition = 1, .adjust_begin = *n_adjust, .mask_row = -1};
+    if (!r->process) return false;
+    row->presence = r->sampling.presence_penalty;
+    row->frequency = r->sampling.frequency_penalty;
+    row->repetition = r->sampling.repetition_penalty;
+    bool ban = r->n_gen < r->min_tokens;
+    for (int i = 0; i < r->n_adj; i++) {
+        adjust[*n_adjust + i] = r->adj[i].a;
+        if (ban && r->adj[i].stop) adjust[*n_adjust + i].bias = -INFINITY;
+    }
+    row->adjust_count = r->n_adj;
+    *n_adjust += r->n_adj;
+    return true;
+}
+
 kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, kvs_output_fn fn, void *user,
                               kvs_request **out) {
     *out = NULL;
@@ -89,6 +195,8 @@ kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, 
     r->max_tokens = p->max_tokens;
     r->ignore_eos = p->ignore_eos;
     r->logprobs = p->logprobs;
+    r->top_logprobs = p->logprobs > 0 ? p->top_logprobs : 0;
+    r->min_tokens = p->min_tokens;
     r->policy = p->policy ? *p->policy : e->cfg.default_policy;
     r->prompt = malloc(sizeof(int32_t) * p->n_prompt);
     r->gen = malloc(sizeof(int32_t) * p->max_tokens);
@@ -111,6 +219,7 @@ kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, 
         r->n_stop_strings = i + 1;
     }
     if (ok && e->tok) ok = (r->detok = kvs_detokenizer_create(e->tok, true)) != NULL;
+    if (ok) ok = build_adjust(e, r, p);
     r->sampling = p->sampling;
     if (!r->sampling.has_seed) { /* a fresh stream per request: the clock and the request's address */
         struct timespec ts;
@@ -129,11 +238,16 @@ kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, 
 
 void kvs_request_destroy(kvs_request *r) {
     if (!r) return;
+    if (r->group) { /* the first choice gone (finished, aborted): the others go on without waiting */
+        if (r->index == 0) r->group->prompt_ready = true;
+        if (--r->group->refs == 0) free(r->group);
+    }
     free(r->prompt);
     free(r->gen);
     free(r->forced);
     free(r->cache_salt);
     free(r->stop_ids);
+    free(r->adj);
     for (int i = 0; i < r->n_stop_strings; i++) free(r->stop_strings[i]);
     kvs_detokenizer_destroy(r->detok);
     free(r->pending);
@@ -168,19 +282,22 @@ static bool is_stop_id(const kvs_engine *e, const kvs_request *r, int32_t id) {
     return false;
 }
 
-static void deliver(kvs_request *r, const int32_t *ids, const float *lp, int n, size_t text_len, double compression) {
+static void deliver(kvs_request *r, const int32_t *ids, const float *lp, const int32_t *top_ids, const float *top_lp,
+                    int n, size_t text_len, double compression) {
     if (!r->fn) return;
-    kvs_request_output o = {.request_id = r->id, .token_ids = ids, .logprobs = lp, .n_tokens = n,
+    kvs_request_output o = {.request_id = r->id, .index = r->index, .token_ids = ids, .logprobs = lp, .n_tokens = n,
+                            .top_ids = top_ids, .top_logprobs = top_lp, .n_top = top_ids ? r->top_logprobs : 0,
                             .text = r->pending ? r->pending : "", .text_len = text_len, .finish = r->finish,
                             .error = r->finish == KVS_FINISH_ERROR ? r->error : NULL, .prompt_tokens = r->n_prompt,
-                            .completion_tokens = r->n_gen, .prompt_compression = compression};
+                            .completion_tokens = r->n_gen, .prompt_compression = compression,
+                            .cached_tokens = r->n_cached};
     r->fn(r->user, &o);
 }
 
 /* Sends text_len bytes of the pending text and drops them. */
-static void deliver_and_consume(kvs_request *r, const int32_t *ids, const float *lp, int n, size_t text_len,
-                                double compression) {
-    deliver(r, ids, lp, n, text_len, compression);
+static void deliver_and_consume(kvs_request *r, const int32_t *ids, const float *lp, const int32_t *top_ids,
+                                const float *top_lp, int n, size_t text_len, double compression) {
+    deliver(r, ids, lp, top_ids, top_lp, n, text_len, compression);
     if (r->pending) {
         memmove(r->pending, r->pending + text_len, r->pending_len - text_len);
         r->pending_len -= text_len;
@@ -188,7 +305,8 @@ static void deliver_and_consume(kvs_request *r, const int32_t *ids, const float 
     }
 }
 
-void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob) {
+void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob, const int32_t *top_ids,
+                        const float *top_logprobs) {
     double now = kvs_now();
     pthread_mutex_lock(&e->mu);
     if (r->n_gen == 0) kvs_hist_add(&e->stats.ttft, now - r->t_arrival);
@@ -197,8 +315,10 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
     pthread_mutex_unlock(&e->mu);
     r->t_last_token = now;
     r->gen[r->n_gen++] = id;
-    bool forced = r->n_gen <= r->n_forced; /* given tokens stop nothing */
-    bool stop_id = !forced && is_stop_id(e, r, id);
+    if (r->counts && !count_token(r, id)) set_error(r, "out of memory");
+    /* given tokens stop nothing, nor do tokens before min_tokens */
+    bool quiet = r->n_gen <= r->n_forced || r->n_gen < r->min_tokens;
+    bool stop_id = !quiet && is_stop_id(e, r, id);
     if (stop_id) r->finish = KVS_FINISH_STOP;
     else if (r->n_gen >= r->max_tokens || kvs_request_len(r) >= e->cfg.max_model_len) r->finish = KVS_FINISH_LENGTH;
     const char *piece;
@@ -209,7 +329,7 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
         kvs_detokenizer_finish(r->detok, &piece, &len) == KVS_OK && !pending_add(r, piece, len))
         set_error(r, "out of memory");
     bool stopped = false;
-    size_t send = forced ? r->pending_len
+    size_t send = quiet ? r->pending_len
                          : kvs_stop_sendable((const char *const *)r->stop_strings, r->n_stop_strings,
                                              r->pending ? r->pending : "", r->pending_len, r->finish != KVS_FINISH_NONE,
                                              &stopped);
@@ -219,11 +339,12 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
         kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);
         compression = u.held ? (double)u.full / u.held : 1;
     }
-    deliver_and_consume(r, &r->gen[r->n_gen - 1], r->logprobs > 0 ? &logprob : NULL, 1, send, compression);
+    deliver_and_consume(r, &r->gen[r->n_gen - 1], r->logprobs > 0 ? &logprob : NULL,
+                        r->top_logprobs > 0 ? top_ids : NULL, top_logprobs, 1, send, compression);
 }
 
 void kvs_request_finish(kvs_engine *e, kvs_request *r, kvs_finish f, const char *error) {
     r->finish = f;
     snprintf(r->error, sizeof r->error, "%s", error ? error : "");
-    deliver(r, NULL, NULL, 0, 0, 0);
+    deliver(r, NULL, NULL, NULL, NULL, 0, 0, 0);
 }

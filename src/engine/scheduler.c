@@ -146,6 +146,7 @@ static kvs_status admit(kvs_engine *e, kvs_request *r, int64_t headroom) {
         return st;
     }
     r->n_computed = hit;
+    r->n_cached = hit;
     kvs_list_remove(&e->waiting, r);
     kvs_list_push_back(&e->running, r);
     pthread_mutex_lock(&e->mu);
@@ -187,6 +188,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
     /* 3. admit waiting requests, FCFS */
     while (e->waiting.head && budget > 0 && e->running.n < e->cfg.max_num_seqs) {
         kvs_request *r = e->waiting.head;
+        if (r->group && r->index > 0 && !r->group->prompt_ready) break; /* n > 1: after the first choice's prefill */
         int n = prefill_len(r);
         int64_t peak = (int64_t)((n + kc->block_size - 1) / kc->block_size) * kc->n_layers;
         bool never = peak > kc->n_blocks;

@@ -92,6 +92,11 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     on_device(w, &s->params, L * sizeof(kvs_sample_row));
     on_device(w, &s->out, 2 * L * sizeof(int32_t));
     on_host(w, &s->h_out, 2 * L * sizeof(int32_t));
+    on_device(w, (void **)&s->processed, L * c->vocab_size * a); /* logits processing, top logprobs */
+    on_device(w, (void **)&s->process, L * sizeof(kvs_process_row));
+    on_device(w, (void **)&s->masks, L * kvs_sample_mask_words(c->vocab_size) * sizeof(uint32_t));
+    on_device(w, (void **)&s->top, 2 * L * KVS_MAX_TOP_LOGPROBS * sizeof(int32_t));
+    on_host(w, (void **)&s->h_top, 2 * L * KVS_MAX_TOP_LOGPROBS * sizeof(int32_t));
     if (world == 1) return;
     on_device(w, &b->logits_all, world * L * vp * a); /* the logits gather */
     on_host(w, &b->h_logits, world * L * vp * sizeof(float));
@@ -125,4 +130,7 @@ kvs_status kvs_step_buffers_create(kvs_model *m) {
 void kvs_step_buffers_free(kvs_model *m) {
     walk w = {FREE, m->be, 0, false};
     walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
+    if (m->sample.adjust) m->be->free(m->be, m->sample.adjust);
+    m->sample.adjust = NULL;
+    m->sample.cap_adjust = 0;
 }

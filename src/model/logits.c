@@ -48,7 +48,35 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
     return step_status(m, forward_logits(m, b, kv, logits));
 }
 
-kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, int vocab) {
+/* The extras against the n rows: adjust ranges and ids, mask rows, top_k. */
+static kvs_status check_extras(const kvs_sample_extras *x, int n, int vocab) {
+    if (x->top_k < 0 || x->top_k > KVS_MAX_TOP_LOGPROBS || (x->top_k > 0 && (!x->top_ids || !x->top_logprobs)))
+        return kvs_fail(KVS_ERR_INVALID, "forward_sample: top_k %d (0 .. %d, with outputs)", x->top_k,
+                        KVS_MAX_TOP_LOGPROBS);
+    if (!x->process) return KVS_OK;
+    if (x->n_adjust < 0 || (x->n_adjust > 0 && !x->adjust) || x->n_masks < 0 || x->n_masks > n ||
+        (x->n_masks > 0 && !x->masks))
+        return kvs_fail(KVS_ERR_INVALID, "forward_sample: bad adjust list or masks");
+    for (int q = 0; q < n; q++) {
+        const kvs_process_row *p = &x->process[q];
+        if (p->adjust_begin < 0 || p->adjust_count < 0 || p->adjust_count > x->n_adjust - p->adjust_begin ||
+            p->mask_row < -1 || p->mask_row >= x->n_masks || !(p->repetition > 0) || !isfinite(p->repetition) ||
+            !isfinite(p->presence) || !isfinite(p->frequency))
+            return kvs_fail(KVS_ERR_INVALID, "forward_sample: row %d: bad processing parameters", q);
+        for (int e = p->adjust_begin; e < p->adjust_begin + p->adjust_count; e++)
+            if (x->adjust[e].id < 0 || x->adjust[e].id >= vocab || isnan(x->adjust[e].bias) ||
+                x->adjust[e].bias == INFINITY)
+                return kvs_fail(KVS_ERR_INVALID, "forward_sample: row %d: bad adjust entry (token %d)", q,
+                                x->adjust[e].id);
+    }
+    return KVS_OK;
+}
+
+kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, const kvs_sample_extras *x,
+                                  int vocab) {
+    int n = 0;
+    for (int s = 0; s < b->n_seqs; s++) n += b->wants_logits[s] ? 1 : 0;
+    if (x) KVS_TRY(check_extras(x, n, vocab));
     for (int s = 0, q = 0; s < b->n_seqs; s++) {
         const kvs_sample_row *p = &params[q];
         if (!b->wants_logits[s]) continue;
@@ -87,24 +115,79 @@ static kvs_status sample_sharded(kvs_model *m, int n, const kvs_sample_row *para
 }
 
 /* Whether every row can take sample_sharded: greedy or temperature alone. */
-static bool all_shardable(const kvs_sample_row *params, int n, int vocab) {
+static bool all_shardable(const kvs_sample_row *params, const kvs_sample_extras *x, int n, int vocab) {
+    if (x && (x->process || x->top_k > 0)) return false;
     for (int q = 0; q < n; q++)
         if (!kvs_sample_shardable(&params[q], vocab)) return false;
     return true;
 }
 
+/* Room for n adjust entries (grown on demand, before the step changes anything). */
+static kvs_status reserve_adjust(kvs_model *m, int n) {
+    kvs_sample_buffers *s = &m->sample;
+    if (n <= s->cap_adjust) return KVS_OK;
+    int cap = s->cap_adjust ? s->cap_adjust : 1024;
+    while (cap < n) cap *= 2;
+    void *p = m->be->alloc(m->be, sizeof(kvs_logit_adjust) * (size_t)cap);
+    if (!p) return kvs_fail(KVS_ERR_NOMEM, "forward_sample: out of memory for %d logit adjustments", n);
+    if (s->adjust) m->be->free(m->be, s->adjust);
+    s->adjust = p;
+    s->cap_adjust = cap;
+    return KVS_OK;
+}
+
+/* The extras around the draw on rows [n][ld] (backend memory): processing into
+ * the processed rows, the draw, then the raw logits' top logprobs and the
+ * chosen ids' logprobs; one copy back. */
+static kvs_status sample_rows(kvs_model *m, const void *rows, int ld, int n, const kvs_sample_row *params,
+                              const kvs_sample_extras *x, int32_t *ids, float *logprobs) {
+    kvs_backend *be = m->be;
+    kvs_sample_buffers *s = &m->sample;
+    int V = m->cfg.vocab_size;
+    be->to_device(be, s->params, params, sizeof(kvs_sample_row) * n);
+    const void *draw_from = rows;
+    int draw_ld = ld;
+    if (x && x->process) {
+        be->to_device(be, s->process, x->process, sizeof(kvs_process_row) * n);
+        if (x->n_adjust > 0) be->to_device(be, s->adjust, x->adjust, sizeof(kvs_logit_adjust) * x->n_adjust);
+        if (x->n_masks > 0)
+            be->to_device(be, s->masks, x->masks, sizeof(uint32_t) * kvs_sample_mask_words(V) * x->n_masks);
+        be->process_logits(be, s->processed, V, rows, ld, n, V, s->process, s->adjust, x->n_masks ? s->masks : NULL);
+        draw_from = s->processed, draw_ld = V;
+    }
+    bool extras_lp = x && (x->process || x->top_k > 0);
+    float *lp_dev = (float *)(s->out + n);
+    be->sample(be, s->out, logprobs && !extras_lp ? lp_dev : NULL, draw_from, n, draw_ld, V, s->params);
+    int k = x ? x->top_k : 0;
+    if (extras_lp && (logprobs || k > 0)) {
+        int32_t *top_ids = s->top, *top_lp = s->top + (size_t)n * k;
+        be->top_logprobs(be, lp_dev, k ? top_ids : NULL, k ? (float *)top_lp : NULL, rows, n, ld, V, s->out, k);
+    }
+    if (!ids) return KVS_OK;
+    be->to_host(be, s->h_out, s->out, sizeof(int32_t) * (logprobs ? 2 : 1) * n); /* the copy back */
+    memcpy(ids, s->h_out, sizeof(int32_t) * n);
+    if (logprobs) memcpy(logprobs, s->h_out + n, sizeof(float) * n);
+    if (k > 0) {
+        be->to_host(be, s->h_top, s->top, sizeof(int32_t) * 2 * (size_t)n * k);
+        memcpy(x->top_ids, s->h_top, sizeof(int32_t) * (size_t)n * k);
+        memcpy(x->top_logprobs, s->h_top + (size_t)n * k, sizeof(float) * (size_t)n * k);
+    }
+    return KVS_OK;
+}
+
 static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
-                                 int32_t *ids, float *logprobs) {
+                                 const kvs_sample_extras *x, int32_t *ids, float *logprobs) {
     const kvs_shard *sh = &m->shard;
     int world = sh->world;
     /* the ranks choose between the parts and the gather from params alone,
        so that they all run the same collectives: every rank needs them */
     if (!params && (ids || world > 1))
         return kvs_fail(KVS_ERR_INVALID, "forward_sample: rank %d of %d has no sampling parameters", sh->rank, world);
+    if (x && x->process) KVS_TRY(reserve_adjust(m, x->n_adjust));
     int n;
     KVS_TRY(kvs_forward_step(m, b, kv, &n));
     if (n == 0) return KVS_OK;
-    if (world > 1 && all_shardable(params, n, m->cfg.vocab_size)) return sample_sharded(m, n, params, ids, logprobs);
+    if (world > 1 && all_shardable(params, x, n, m->cfg.vocab_size)) return sample_sharded(m, n, params, ids, logprobs);
     kvs_backend *be = m->be;
     kvs_sample_buffers *s = &m->sample;
     const void *rows = m->buf.logits;
@@ -120,22 +203,18 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
         ld *= world; /* column c is token c: rank r's slice starts at r * vocab_pad */
     }
     if (!ids) return KVS_OK;
-    be->to_device(be, s->params, params, sizeof(kvs_sample_row) * n);
-    be->sample(be, s->out, logprobs ? (float *)(s->out + n) : NULL, rows, n, ld, m->cfg.vocab_size, s->params);
-    be->to_host(be, s->h_out, s->out, sizeof(int32_t) * (logprobs ? 2 : 1) * n); /* the one copy back */
-    memcpy(ids, s->h_out, sizeof(int32_t) * n);
-    if (logprobs) memcpy(logprobs, s->h_out + n, sizeof(float) * n);
-    return KVS_OK;
+    return sample_rows(m, rows, ld, n, params, x, ids, logprobs);
 }
 
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
-                                    int32_t *ids, float *logprobs) {
+                                    const kvs_sample_extras *x, int32_t *ids, float *logprobs) {
     KVS_TRY(kvs_model_check_batch(m, b, kv));
-    if (params) KVS_TRY(kvs_model_check_sample(b, params, m->cfg.vocab_size)); /* before the step: a bad row changes nothing */
-    return step_status(m, forward_sample(m, b, kv, params, ids, logprobs));
+    if (params) KVS_TRY(kvs_model_check_sample(b, params, x, m->cfg.vocab_size)); /* before the step: a bad row changes nothing */
+    return step_status(m, forward_sample(m, b, kv, params, x, ids, logprobs));
 }
 
 kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
-                                       const kvs_sample_row *params, int32_t *ids, float *logprobs, float *logits) {
-    return params ? forward_sample(m, b, kv, params, ids, logprobs) : forward_logits(m, b, kv, logits);
+                                       const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
+                                       float *logprobs, float *logits) {
+    return params ? forward_sample(m, b, kv, params, x, ids, logprobs) : forward_logits(m, b, kv, logits);
 }

@@ -194,17 +194,40 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
  * nothing changed); a failed backend op during the step (backend check: a CUDA
  * error, an op out of memory; with tensor parallelism on any rank) fails the
  * step: the KV cache and the model's state are then undefined. */
+typedef struct kvs_sample_extras kvs_sample_extras;
 kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
-                                    int32_t *ids, float *logprobs);
+                                    const kvs_sample_extras *x, int32_t *ids, float *logprobs);
+/* What a step may add to plain sampling (x NULL: nothing):
+ * - logits processing before the draw (backend/sample.h, the process_logits
+ *   op): process [n] (host) per row, their adjust entries and grammar mask
+ *   rows (host; [n_masks][kvs_sample_mask_words(vocab)]);
+ * - top logprobs of the raw logits (the top_logprobs op): top_k per row (the
+ *   step's largest ask, at most KVS_MAX_TOP_LOGPROBS), written to top_ids /
+ *   top_logprobs [n][top_k] by the ranks that pass ids.
+ * With either, logprobs are still those of the raw logits (the model's
+ * distribution, vLLM's default), and the rows are sampled whole (with tensor
+ * parallelism: the logits gathered). */
+struct kvs_sample_extras {
+    const kvs_process_row *process; /* NULL: no processing */
+    const kvs_logit_adjust *adjust;
+    int n_adjust;
+    const uint32_t *masks;
+    int n_masks;
+    int top_k;
+    int32_t *top_ids;
+    float *top_logprobs;
+};
 /* The checks the forwards above run first (KVS_ERR_INVALID naming what is
  * wrong): the batch against m and kv; the rows, one per sequence wanting logits. */
 kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
-kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, int vocab);
+kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, const kvs_sample_extras *x,
+                                  int vocab);
 /* The runner's forward: kvs_model_forward_sample (params) or kvs_model_forward
  * without the checks (the runner runs them once for every rank) and without the
  * backend's check for failed ops (the runner's comes after the KV policy). */
 kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
-                                       const kvs_sample_row *params, int32_t *ids, float *logprobs, float *logits);
+                                       const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
+                                       float *logprobs, float *logits);
 /* ---- CUDA graphs for decode steps ---------------------------------------------
  * A pure-decode step (every sequence has one new token) on a backend with graphs
  * runs as a graph captured per bucket: the batch padded with dummy rows (slot -1:

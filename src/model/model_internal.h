@@ -48,6 +48,14 @@ typedef struct {
        this rank's parts [max_seqs], every rank's [world][max_seqs], host copy */
     struct kvs_sample_part *parts, *parts_all, *h_parts;
     int64_t sharded_steps;         /* steps sampled through the parts */
+    /* logits processing and top logprobs (kvs_sample_extras) */
+    void *processed;                  /* [max_seqs][vocab] act_dtype */
+    struct kvs_process_row *process;  /* [max_seqs] */
+    uint32_t *masks;                  /* [max_seqs][mask words] */
+    int32_t *top;                     /* [2][max_seqs][KVS_MAX_TOP_LOGPROBS]: ids, then logprobs' f32 bits */
+    int32_t *h_top;
+    struct kvs_logit_adjust *adjust;  /* grown on demand (cap_adjust entries) */
+    int cap_adjust;
 } kvs_sample_buffers;
 
 /* CUDA graphs of pure-decode steps (graphs.c), one per bucket:

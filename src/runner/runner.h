@@ -90,8 +90,9 @@ kvs_prefix_cache_stats kvs_runner_prefix_cache_stats(const kvs_runner *r, int fu
 kvs_status kvs_runner_step(kvs_runner *r, const kvs_batch *b, float *logits);
 /* Greedy ids: the sample op with temperature 0 in every row. */
 kvs_status kvs_runner_step_argmax(kvs_runner *r, const kvs_batch *b, int32_t *ids);
-/* Sampled ids and logprobs (NULL: none), as kvs_model_forward_sample. */
-kvs_status kvs_runner_step_sample(kvs_runner *r, const kvs_batch *b, const kvs_sample_row *params, int32_t *ids,
-                                  float *logprobs);
+/* Sampled ids and logprobs (NULL: none), with the extras (NULL: none), as
+ * kvs_model_forward_sample. */
+kvs_status kvs_runner_step_sample(kvs_runner *r, const kvs_batch *b, const kvs_sample_row *params,
+                                  const kvs_sample_extras *x, int32_t *ids, float *logprobs);
 
 #endif

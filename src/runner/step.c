@@ -11,6 +11,7 @@ typedef struct {
     float *logits;
     int32_t *ids;
     const kvs_sample_row *params; /* NULL: the logits path */
+    const kvs_sample_extras *extras;
     float *logprobs;
 } step_args;
 
@@ -24,7 +25,7 @@ static kvs_status job_step(kvs_runner *g, int rank, void *arg) {
     const step_args *a = arg;
     kvs_rank *r = &g->ranks[rank];
     bool out = rank == 0; /* rank 0 copies the results out */
-    kvs_status st = kvs_model_forward_unchecked(r->model, a->b, r->kv, a->params, out ? a->ids : NULL,
+    kvs_status st = kvs_model_forward_unchecked(r->model, a->b, r->kv, a->params, a->extras, out ? a->ids : NULL,
                                                 out ? a->logprobs : NULL, out ? a->logits : NULL);
     if (st == KVS_OK) st = keep_step_kv(r->kv, a->b);
     /* a failed op (ops return nothing, the backend records it) fails the step that ran it */
@@ -34,24 +35,24 @@ static kvs_status job_step(kvs_runner *g, int rank, void *arg) {
 }
 
 static kvs_status step(kvs_runner *g, const kvs_batch *b, float *logits, int32_t *ids, const kvs_sample_row *params,
-                       float *logprobs) {
+                       const kvs_sample_extras *x, float *logprobs) {
     KVS_TRY(kvs_runner_need_kv(g));
-    if (params) KVS_TRY(kvs_model_check_sample(b, params, kvs_runner_config(g)->vocab_size));
+    if (params) KVS_TRY(kvs_model_check_sample(b, params, x, kvs_runner_config(g)->vocab_size));
     KVS_TRY(kvs_model_check_batch(g->ranks[0].model, b, g->ranks[0].kv));
-    step_args a = {b, logits, ids, params, logprobs};
+    step_args a = {b, logits, ids, params, x, logprobs};
     KVS_TRY(kvs_ranks_run(g, job_step, &a, true));
     for (int s = 0; s < b->n_seqs; s++) KVS_TRY(kvs_runner_lengths_agree(g, b->seq_ids[s], "step"));
     return KVS_OK;
 }
 
 kvs_status kvs_runner_step(kvs_runner *g, const kvs_batch *b, float *logits) {
-    return step(g, b, logits, NULL, NULL, NULL);
+    return step(g, b, logits, NULL, NULL, NULL, NULL);
 }
 
-kvs_status kvs_runner_step_sample(kvs_runner *g, const kvs_batch *b, const kvs_sample_row *params, int32_t *ids,
-                                  float *logprobs) {
+kvs_status kvs_runner_step_sample(kvs_runner *g, const kvs_batch *b, const kvs_sample_row *params,
+                                  const kvs_sample_extras *x, int32_t *ids, float *logprobs) {
     if (!ids || !params) return kvs_fail(KVS_ERR_INVALID, "kvs_runner_step_sample: ids or params is NULL");
-    return step(g, b, NULL, ids, params, logprobs);
+    return step(g, b, NULL, ids, params, x, logprobs);
 }
 
 /* Greedy is the sample op with temperature 0 in every row (the argmax, ties to
@@ -63,7 +64,7 @@ kvs_status kvs_runner_step_argmax(kvs_runner *g, const kvs_batch *b, int32_t *id
     kvs_sample_row *greedy = malloc(sizeof *greedy * (n ? n : 1));
     if (!greedy) return kvs_fail(KVS_ERR_NOMEM, "runner: out of host memory");
     for (int q = 0; q < n; q++) greedy[q] = (kvs_sample_row){.temperature = 0, .top_p = 1};
-    kvs_status st = step(g, b, NULL, ids, greedy, NULL);
+    kvs_status st = step(g, b, NULL, ids, greedy, NULL, NULL);
     free(greedy);
     return st;
 }

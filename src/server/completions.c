@@ -22,11 +22,18 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
         .stop_strings = (const char *const *)r->stop,
         .n_stop_strings = r->n_stop,
         .ignore_eos = r->ignore_eos,
-        .logprobs = r->logprobs ? (r->top_logprobs > 0 ? r->top_logprobs : 1) : 0,
+        .logprobs = r->logprobs,
+        .top_logprobs = r->logprobs ? r->top_logprobs : 0,
+        .n = r->n,
+        .logit_bias = r->logit_bias,
+        .n_logit_bias = r->n_logit_bias,
+        .min_tokens = r->min_tokens,
+        .stop_ids = r->stop_token_ids,
+        .n_stop_ids = r->n_stop_token_ids,
         .policy = r->has_policy ? &r->policy : NULL,
         .cache_salt = r->cache_salt,
     };
-    kvs_gen *g = kvs_gen_create();
+    kvs_gen *g = kvs_gen_create(r->n > 1 ? r->n : 1, r->logprobs ? r->top_logprobs : 0);
     if (!g) return kvs_api_fail(err, 500, NULL, "out of memory");
     if (!kvs_server_request_link(s, g)) {
         kvs_gen_release(g);
@@ -52,6 +59,7 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
         }
         return false;
     }
+    g->t_submit = kvs_now();
     kvs_server_request_submitted(s, g, id); /* aborted at once when the drain timed out meanwhile */
     *gen = g;
     return true;
@@ -67,6 +75,12 @@ static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t 
         m->tools = s->tool_format;
         m->one_call = !r->parallel_tool_calls;
     }
+}
+
+/* The request's KV policy: its own or the engine's default. */
+static kvs_kv_policy request_policy(const kvs_server *s, const kvs_api_request *r) {
+    if (r->has_policy) return r->policy;
+    return s->engine ? kvs_engine_default_policy(s->engine) : kvs_kv_policy_default(KVS_POLICY_FULL);
 }
 
 static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, const kvs_api_request *r, kvs_gen *g,
@@ -102,8 +116,16 @@ static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, con
         char id[64];
         kvs_resp_meta m;
         make_meta(s, r, id, sizeof id, &m);
-        kvs_resp_slice sl = {g->text, g->text_len, g->ids, r->logprobs ? g->lps : NULL, g->n_ids, 0};
-        char *body = kvs_resp_full(&m, &sl, g->finish, g->prompt_tokens, g->completion_tokens);
+        kvs_resp_slice sl[KVS_MAX_N];
+        for (int i = 0; i < g->n_choices; i++) {
+            const kvs_gen_choice *ch = &g->choices[i];
+            sl[i] = (kvs_resp_slice){ch->text, ch->text_len, ch->ids, r->logprobs ? ch->lps : NULL, ch->n_ids, 0, i,
+                                     ch->top_ids, ch->top_lps, g->n_top, ch->finish};
+        }
+        kvs_kv_policy pol = request_policy(s, r);
+        kvs_resp_kv kv = kvs_gen_kv(g, &pol);
+        char *body = kvs_resp_full(&m, sl, g->n_choices, g->prompt_tokens, kvs_gen_completion_tokens(g), &kv);
+        kvs_gen_log(g, m.id, &pol);
         ret = kvs_http_respond(s, c, 200, "application/json", body);
     }
     kvs_server_request_done(s, g);
@@ -130,8 +152,8 @@ static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, co
     st->fd = kvs_http_conn_fd(c);
     kvs_peer_progress_init(&st->progress);
     st->include_usage = r->include_usage;
-    st->role_sent = r->kind != KVS_API_CHAT;
-    if (st->meta.tools != KVS_TOOL_FORMAT_NONE && !(st->tools = kvs_tool_parser_create(st->meta.tools, kvs_resp_tool_seed(&st->meta)))) {
+    st->policy = request_policy(s, r);
+    if (st->meta.tools != KVS_TOOL_FORMAT_NONE && !(st->tools = kvs_resp_tool_parsers(&st->meta, g->n_choices))) {
         kvs_stream_free(st);
         return MHD_NO;
     }

@@ -11,12 +11,19 @@
 #include "server/generate.h"
 #include "server/http.h"
 
-kvs_gen *kvs_gen_create(void) {
+kvs_gen *kvs_gen_create(int n_choices, int n_top) {
     kvs_gen *g = calloc(1, sizeof *g);
     if (!g) return NULL;
+    g->choices = calloc(n_choices > 0 ? n_choices : 1, sizeof *g->choices);
+    if (!g->choices) {
+        free(g);
+        return NULL;
+    }
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
     g->refs = 1;
+    g->n_choices = n_choices > 0 ? n_choices : 1;
+    g->n_top = n_top;
     return g;
 }
 
@@ -28,59 +35,99 @@ void kvs_gen_release(kvs_gen *g) {
     if (left > 0) return;
     pthread_mutex_destroy(&g->mu);
     pthread_cond_destroy(&g->cv);
-    free(g->text);
-    free(g->ids);
-    free(g->lps);
+    for (int i = 0; i < g->n_choices; i++) {
+        kvs_gen_choice *c = &g->choices[i];
+        free(c->text), free(c->ids), free(c->lps), free(c->top_ids), free(c->top_lps);
+    }
+    free(g->choices);
     free(g->error);
     free(g);
 }
 
-static bool reserve_text(kvs_gen *g, size_t more) {
-    if (g->text_len + more + 1 <= g->text_cap) return true;
-    size_t cap = (g->text_len + more + 1) * 2;
-    char *p = realloc(g->text, cap);
+kvs_resp_kv kvs_gen_kv(const kvs_gen *g, const kvs_kv_policy *policy) {
+    return (kvs_resp_kv){kvs_kv_policy_name(policy->kind), g->compression > 0 ? g->compression : 1, g->cached_tokens,
+                         policy->kind == KVS_POLICY_FULL ? 0 : policy->min_prompt};
+}
+
+void kvs_gen_log(const kvs_gen *g, const char *id, const kvs_kv_policy *policy) {
+    double now = kvs_now(), ttft = g->t_first ? g->t_first - g->t_submit : 0;
+    int gen = kvs_gen_completion_tokens(g);
+    double rate = g->t_first && now > g->t_first && gen > g->n_choices ? (gen - g->n_choices) / (now - g->t_first) : 0;
+    const char *finish = kvs_resp_finish_reason(g->finish);
+    kvs_log(KVS_LOG_INFO, "request %s: prompt %d tokens (%d cached), generated %d%s, TTFT %.0f ms, %.1f tokens/s, "
+            "kv %s x%.2f, finish %s", id, g->prompt_tokens, g->cached_tokens, gen, g->n_choices > 1 ? " (all choices)" : "",
+            ttft * 1e3, rate, kvs_kv_policy_name(policy->kind), g->compression > 0 ? g->compression : 1,
+            finish ? finish : (g->done ? "?" : "client gone"));
+}
+
+int kvs_gen_completion_tokens(const kvs_gen *g) {
+    int n = 0;
+    for (int i = 0; i < g->n_choices; i++) n += g->choices[i].completion_tokens;
+    return n;
+}
+
+static bool reserve_text(kvs_gen_choice *c, size_t more) {
+    if (c->text_len + more + 1 <= c->text_cap) return true;
+    size_t cap = (c->text_len + more + 1) * 2;
+    char *p = realloc(c->text, cap);
     if (!p) return false;
-    g->text = p;
-    g->text_cap = cap;
+    c->text = p;
+    c->text_cap = cap;
     return true;
 }
 
-static bool reserve_ids(kvs_gen *g, int more) {
-    if (g->n_ids + more <= g->cap_ids) return true;
-    int cap = (g->n_ids + more) * 2 + 16;
-    int32_t *ids = realloc(g->ids, sizeof(int32_t) * cap);
-    if (ids) g->ids = ids;
-    float *lps = realloc(g->lps, sizeof(float) * cap);
-    if (lps) g->lps = lps;
-    if (!ids || !lps) return false;
-    g->cap_ids = cap;
-    return true;
+static bool grow(void **p, size_t bytes) {
+    void *q = realloc(*p, bytes ? bytes : 1);
+    if (q) *p = q;
+    return q != NULL;
+}
+
+static bool reserve_ids(kvs_gen_choice *c, int more, int n_top) {
+    if (c->n_ids + more <= c->cap_ids) return true;
+    int cap = (c->n_ids + more) * 2 + 16;
+    bool ok = grow((void **)&c->ids, sizeof(int32_t) * cap) && grow((void **)&c->lps, sizeof(float) * cap) &&
+              grow((void **)&c->top_ids, sizeof(int32_t) * cap * n_top) &&
+              grow((void **)&c->top_lps, sizeof(float) * cap * n_top);
+    if (ok) c->cap_ids = cap;
+    return ok;
 }
 
 void kvs_gen_on_output(void *user, const kvs_request_output *o) {
     kvs_gen *g = user;
     pthread_mutex_lock(&g->mu);
-    if (o->text_len && reserve_text(g, o->text_len)) {
-        memcpy(g->text + g->text_len, o->text, o->text_len);
-        g->text_len += o->text_len;
-        g->text[g->text_len] = 0;
+    kvs_gen_choice *c = &g->choices[o->index >= 0 && o->index < g->n_choices ? o->index : 0];
+    if (o->text_len && reserve_text(c, o->text_len)) {
+        memcpy(c->text + c->text_len, o->text, o->text_len);
+        c->text_len += o->text_len;
+        c->text[c->text_len] = 0;
     }
-    if (o->n_tokens > 0 && reserve_ids(g, o->n_tokens)) {
-        memcpy(g->ids + g->n_ids, o->token_ids, sizeof(int32_t) * o->n_tokens);
-        for (int i = 0; i < o->n_tokens; i++) g->lps[g->n_ids + i] = o->logprobs ? o->logprobs[i] : 0.0f;
-        g->n_ids += o->n_tokens;
+    if (o->n_tokens > 0 && reserve_ids(c, o->n_tokens, g->n_top)) {
+        memcpy(c->ids + c->n_ids, o->token_ids, sizeof(int32_t) * o->n_tokens);
+        for (int i = 0; i < o->n_tokens; i++) {
+            c->lps[c->n_ids + i] = o->logprobs ? o->logprobs[i] : 0.0f;
+            for (int j = 0; j < g->n_top; j++) { /* -1: not computed (never expected) */
+                bool have = o->top_ids && j < o->n_top;
+                c->top_ids[(c->n_ids + i) * g->n_top + j] = have ? o->top_ids[i * o->n_top + j] : -1;
+                c->top_lps[(c->n_ids + i) * g->n_top + j] = have ? o->top_logprobs[i * o->n_top + j] : 0.0f;
+            }
+        }
+        c->n_ids += o->n_tokens;
     }
     g->prompt_tokens = o->prompt_tokens;
-    g->completion_tokens = o->completion_tokens;
-    bool last = o->finish != KVS_FINISH_NONE;
+    c->completion_tokens = o->completion_tokens;
+    if (o->n_tokens && !g->t_first) g->t_first = kvs_now();
+    if (o->index == 0 && o->prompt_compression > 0) g->compression = o->prompt_compression, g->cached_tokens = o->cached_tokens;
+    bool last = o->finish != KVS_FINISH_NONE && c->finish == KVS_FINISH_NONE;
     if (last) {
-        g->finish = o->finish;
+        c->finish = o->finish;
+        if (o->finish == KVS_FINISH_ERROR || g->n_done == 0) g->finish = o->finish;
         if (o->error && !g->error) g->error = strdup(o->error);
-        g->done = true;
+        g->done = ++g->n_done == g->n_choices;
     }
+    bool released = last && g->done;
     pthread_cond_broadcast(&g->cv);
     pthread_mutex_unlock(&g->mu);
-    if (last) kvs_gen_release(g); /* the engine's reference */
+    if (released) kvs_gen_release(g); /* the engine's reference */
 }
 
 /* Waits up to ms for news; false on timeout. Called with g->mu held. */
@@ -125,41 +172,64 @@ void kvs_stream_free(void *cls) {
     bool done = g->done;
     pthread_mutex_unlock(&g->mu);
     if (!done) kvs_engine_abort(st->srv->engine, g->engine_id); /* the client went away */
+    pthread_mutex_lock(&g->mu);
+    kvs_gen_log(g, st->meta.id, &st->policy);
+    pthread_mutex_unlock(&g->mu);
+    kvs_resp_tool_parsers_free(st->tools, g->n_choices);
     kvs_server_request_done(st->srv, g);
     kvs_gen_release(g);
-    kvs_tool_parser_destroy(st->tools);
     free(st->out);
     free(st->req_id);
     free(st);
 }
 
-/* Turns what the engine delivered since the last call into SSE events. */
+/* Whether any choice has something the reader has not sent. */
+static bool pending(const kvs_gen *g) {
+    for (int i = 0; i < g->n_choices; i++) {
+        const kvs_gen_choice *c = &g->choices[i];
+        if (c->text_len || c->n_ids || !c->role_sent || (c->finish != KVS_FINISH_NONE && !c->end_sent)) return true;
+    }
+    return false;
+}
+
+/* Turns what the engine delivered since the last call into SSE events: per
+ * choice, in index order. */
 static void take_pending(kvs_stream *st) {
     kvs_gen *g = st->gen;
     /* g->mu is held */
-    kvs_resp_slice s = {g->text, g->text_len, g->ids, st->meta.logprobs ? g->lps : NULL, g->n_ids, st->text_offset};
-    kvs_finish fin = g->done ? g->finish : KVS_FINISH_NONE;
-    bool failed = fin == KVS_FINISH_ERROR;
-    if (!st->role_sent && st->meta.kind == KVS_API_CHAT) {
-        kvs_resp_slice empty = {0};
-        out_event(st, kvs_resp_chunk(&st->meta, &empty, true, KVS_FINISH_NONE, st->include_usage));
-        st->role_sent = true;
+    bool chat = st->meta.kind == KVS_API_CHAT;
+    for (int i = 0; i < g->n_choices; i++) {
+        kvs_gen_choice *c = &g->choices[i];
+        if (!c->role_sent) {
+            if (chat) {
+                kvs_resp_slice empty = {.index = i};
+                out_event(st, kvs_resp_chunk(&st->meta, &empty, true, st->include_usage));
+            }
+            c->role_sent = true;
+        }
+        bool failed = c->finish == KVS_FINISH_ERROR, end = c->finish != KVS_FINISH_NONE && !c->end_sent;
+        kvs_resp_slice s = {c->text, c->text_len, c->ids, st->meta.logprobs ? c->lps : NULL, c->n_ids, c->text_offset,
+                            i, c->top_ids, c->top_lps, g->n_top, failed || !end ? KVS_FINISH_NONE : c->finish};
+        kvs_tool_events ev = {0};
+        if (st->tools) kvs_resp_tool_stream(st->tools[i], &s, &ev, end);
+        if ((st->tools ? ev.n > 0 : s.text_len > 0) || s.n || (end && !failed))
+            out_event(st, kvs_resp_chunk(&st->meta, &s, false, st->include_usage));
+        kvs_tool_events_free(&ev);
+        c->text_offset += c->text_len;
+        c->text_len = 0;
+        c->n_ids = 0;
+        c->end_sent |= end;
     }
-    kvs_tool_events ev = {0};
-    if (st->tools) kvs_resp_tool_stream(st->tools, &s, &ev, fin != KVS_FINISH_NONE);
-    if ((st->tools ? ev.n > 0 : s.text_len > 0) || s.n || (fin != KVS_FINISH_NONE && !failed))
-        out_event(st, kvs_resp_chunk(&st->meta, &s, false, failed ? KVS_FINISH_NONE : fin, st->include_usage));
-    kvs_tool_events_free(&ev);
-    st->text_offset += g->text_len;
-    g->text_len = 0;
-    g->n_ids = 0;
-    if (fin == KVS_FINISH_NONE) return;
-    if (failed) {
+    if (!g->done) return;
+    if (g->finish == KVS_FINISH_ERROR) {
         kvs_api_error err;
         kvs_api_fail(&err, 500, NULL, "generation failed: %s", g->error ? g->error : "unknown error");
         out_event(st, kvs_api_error_json(&err));
     }
-    if (st->include_usage) out_event(st, kvs_resp_usage_chunk(&st->meta, g->prompt_tokens, g->completion_tokens));
+    if (st->include_usage) {
+        kvs_resp_kv kv = kvs_gen_kv(g, &st->policy);
+        out_event(st, kvs_resp_usage_chunk(&st->meta, g->prompt_tokens, kvs_gen_completion_tokens(g), &kv));
+    }
     out_append(st, "data: [DONE]\n\n", 14);
     st->ended = true;
 }
@@ -188,7 +258,7 @@ ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
         kvs_gen *g = st->gen;
         bool waited = false, probe = false;
         pthread_mutex_lock(&g->mu);
-        while (!g->done && g->text_len == 0 && g->n_ids == 0 && st->role_sent && !probe) {
+        while (!g->done && !pending(g) && !probe) {
             waited = true;
             if (kvs_gen_wait(g, 500)) continue;
             kvs_peer ps = kvs_peer_state(st->fd);

@@ -42,10 +42,11 @@ typedef struct {
     kvs_gen *gen;        /* holds one reference */
     struct MHD_Connection *conn; /* to restart its --http-timeout clock after a wait */
     kvs_resp_meta meta;
+    kvs_kv_policy policy; /* the request's KV policy (the "kv" extension, the log line) */
     char *req_id;        /* meta.id's storage */
     int fd;              /* the client's socket, to notice a disconnect while waiting */
-    bool include_usage, role_sent, ended;
-    kvs_tool_parser *tools; /* chat with tools: the output's calls become delta.tool_calls */
+    bool include_usage, ended;
+    kvs_tool_parser **tools; /* chat with tools: a parser a choice (its calls become delta.tool_calls) */
     bool probed;         /* sent an SSE comment to tell a closed client from a half-closed one */
     kvs_peer_progress progress;
     size_t text_offset;

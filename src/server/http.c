@@ -176,6 +176,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return MHD_NO;
     }
     cs->answered = true;
+    if (cs->r == KVS_ROUTE_TOKENIZE || cs->r == KVS_ROUTE_DETOKENIZE) {
+        kvs_http_answer a;
+        kvs_http_tokenize(s, cs->r == KVS_ROUTE_DETOKENIZE, cs->body.data, cs->body.len, &a);
+        return respond_answer(s, c, &a);
+    }
     return kvs_http_generate(s, c, cs->r == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS, cs->body.data,
                              cs->body.len, !strcmp(version, MHD_HTTP_VERSION_1_1));
 }

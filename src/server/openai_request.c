@@ -64,6 +64,8 @@ void kvs_api_request_free(kvs_api_request *r) {
     free(r->messages);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->cache_salt);
+    free(r->logit_bias);
+    free(r->stop_token_ids);
     memset(r, 0, sizeof *r);
 }
 
@@ -263,14 +265,50 @@ static bool parse_messages(json_t *v, const kvs_api_limits *lim, kvs_api_request
     return true;
 }
 
+/* "logit_bias": {"token id": bias in [-100, 100], ...}, at most KVS_MAX_LOGIT_BIAS. */
+static bool parse_logit_bias(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
+    if (json_is_null(v)) return true;
+    if (!json_is_object(v))
+        return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' must be an object of token ids to biases");
+    size_t n = json_object_size(v);
+    if (n > KVS_MAX_LOGIT_BIAS)
+        return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' holds %zu entries (at most %d)", n,
+                            KVS_MAX_LOGIT_BIAS);
+    if (n && !(r->logit_bias = malloc(sizeof *r->logit_bias * n))) return kvs_api_fail(err, 500, NULL, "out of memory");
+    const char *key;
+    json_t *b;
+    json_object_foreach(v, key, b) {
+        char *end;
+        long id = strtol(key, &end, 10);
+        if (!*key || *end || id < 0 || id >= lim->vocab_size)
+            return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' key '%.40s' is not a token id in [0, %d)", key,
+                                lim->vocab_size);
+        if (!json_is_number(b) || !(json_number_value(b) >= -100 && json_number_value(b) <= 100))
+            return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' of token %ld must be a number in [-100, 100]",
+                                id);
+        r->logit_bias[r->n_logit_bias++] = (kvs_logit_bias){(int32_t)id, (float)json_number_value(b)};
+    }
+    return true;
+}
+
+/* vLLM's "stop_token_ids": [id, ...]. */
+static bool parse_stop_token_ids(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
+    if (json_is_null(v)) return true;
+    if (!json_is_array(v) || json_array_size(v) > 1024)
+        return kvs_api_fail(err, 400, "stop_token_ids", "'stop_token_ids' must be an array of at most 1024 token ids");
+    size_t n = json_array_size(v);
+    if (n && !(r->stop_token_ids = malloc(sizeof(int32_t) * n))) return kvs_api_fail(err, 500, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_int_t x;
+        if (!kvs_api_get_int(json_array_get(v, i), "stop_token_ids", 0, lim->vocab_size - 1, &x, err)) return false;
+        r->stop_token_ids[r->n_stop_token_ids++] = (int32_t)x;
+    }
+    return true;
+}
+
 /* Fields accepted with their neutral value only (so clients that send the defaults work). */
 static bool check_neutral(const char *key, json_t *v, kvs_api_error *err) {
     if (json_is_null(v)) return true;
-    if (!strcmp(key, "presence_penalty") || !strcmp(key, "frequency_penalty") || !strcmp(key, "repetition_penalty")) {
-        double want = strcmp(key, "repetition_penalty") ? 0.0 : 1.0;
-        if (json_is_number(v) && json_number_value(v) == want) return true;
-        return kvs_api_fail(err, 400, key, "'%s' is not supported (only %g)", key, want);
-    }
     if (!strcmp(key, "best_of")) {
         if (json_is_integer(v) && json_integer_value(v) == 1) return true;
         return kvs_api_fail(err, 400, key, "'best_of' must be 1");
@@ -278,10 +316,6 @@ static bool check_neutral(const char *key, json_t *v, kvs_api_error *err) {
     if (!strcmp(key, "echo")) {
         if (json_is_false(v)) return true;
         return kvs_api_fail(err, 400, key, "'echo' is not supported");
-    }
-    if (!strcmp(key, "logit_bias")) {
-        if (json_is_object(v) && json_object_size(v) == 0) return true;
-        return kvs_api_fail(err, 400, key, "'logit_bias' is not supported");
     }
     if (!strcmp(key, "user")) {
         if (json_is_string(v)) return true;
@@ -353,8 +387,25 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
             if (!parse_stop(v, r, err)) return false;
         } else if (!strcmp(key, "n")) {
             if (json_is_null(v)) continue;
-            if (!json_is_integer(v) || json_integer_value(v) != 1)
-                return kvs_api_fail(err, 400, "n", "only 'n' = 1 is supported");
+            if (!kvs_api_get_int(v, "n", 1, KVS_MAX_N, &x, err)) return false;
+            r->n = (int)x;
+        } else if (!strcmp(key, "presence_penalty") || !strcmp(key, "frequency_penalty")) {
+            if (json_is_null(v)) continue;
+            if (!get_number(v, key, -2, 2, &d, err)) return false;
+            *(key[0] == 'p' ? &r->sampling.presence_penalty : &r->sampling.frequency_penalty) = (float)d;
+        } else if (!strcmp(key, "repetition_penalty")) {
+            if (json_is_null(v)) continue;
+            if (!get_number(v, key, 0, 100, &d, err)) return false;
+            if (d == 0) return kvs_api_fail(err, 400, key, "'repetition_penalty' must be > 0 (1 disables it)");
+            r->sampling.repetition_penalty = (float)d;
+        } else if (!strcmp(key, "logit_bias")) {
+            if (!parse_logit_bias(v, lim, r, err)) return false;
+        } else if (!strcmp(key, "stop_token_ids")) {
+            if (!parse_stop_token_ids(v, lim, r, err)) return false;
+        } else if (!strcmp(key, "min_tokens")) {
+            if (json_is_null(v)) continue;
+            if (!kvs_api_get_int(v, "min_tokens", 0, lim->max_model_len, &x, err)) return false;
+            r->min_tokens = (int)x;
         } else if (!strcmp(key, "ignore_eos")) {
             if (!json_is_null(v) && !get_bool(v, "ignore_eos", &r->ignore_eos, err)) return false;
         } else if (!strcmp(key, "logprobs")) {

@@ -59,27 +59,55 @@ static char *token_text(const kvs_tokenizer *tok, int32_t id, size_t *len) {
  * JSON has no infinities (jansson refuses them: the entry would go missing). */
 static json_t *lp_json(float v) { return json_real(isfinite(v) ? (double)v : -9999.0); }
 
-static json_t *usage_json(int prompt_tokens, int completion_tokens) {
-    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt_tokens, "completion_tokens", completion_tokens,
-                     "total_tokens", prompt_tokens + completion_tokens);
+static json_t *usage_json(int prompt_tokens, int completion_tokens, const kvs_resp_kv *kv) {
+    json_t *u = json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt_tokens, "completion_tokens", completion_tokens,
+                          "total_tokens", prompt_tokens + completion_tokens);
+    if (kv) json_object_set_new(u, "prompt_tokens_details", json_pack("{s:i}", "cached_tokens", kv->cached_tokens));
+    return u;
+}
+
+/* The "kv" extension beside usage: the policy, the prompt's compression and
+ * whether sparsity applied (a prompt below min_prompt keeps its cache full). */
+static void put_kv(json_t *root, const kvs_resp_kv *kv, int prompt_tokens) {
+    if (!kv || !kv->policy) return;
+    json_t *j = json_pack("{s:s, s:f, s:b}", "policy", kv->policy, "compression_ratio", kv->compression_ratio,
+                          "sparsity_applied", kv->compression_ratio > 1.0);
+    if (kv->min_prompt > 0 && prompt_tokens < kv->min_prompt)
+        json_object_set_new(j, "note", json_sprintf("the prompt (%d tokens) is below min_prompt %d: the cache stays full",
+                                                    prompt_tokens, kv->min_prompt));
+    json_object_set_new(root, "kv", j);
+}
+
+/* Chat's entry for one token: its text, logprob and UTF-8 bytes. */
+static json_t *chat_token_json(const kvs_tokenizer *tok, int32_t id, float lp) {
+    size_t tl;
+    char *t = token_text(tok, id, &tl);
+    json_t *bytes = json_array();
+    for (size_t b = 0; b < tl; b++) json_array_append_new(bytes, json_integer((unsigned char)t[b]));
+    json_t *j = json_pack("{s:o, s:o, s:o}", "token", text_json(t, tl), "logprob", lp_json(lp), "bytes", bytes);
+    free(t);
+    return j;
+}
+
+/* Token i's alternatives, best first: m->top_logprobs of the n_top computed. */
+static int alternatives(const kvs_resp_meta *m, const kvs_resp_slice *s) {
+    return s->top_ids ? (m->top_logprobs < s->n_top ? m->top_logprobs : s->n_top) : 0;
 }
 
 static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
     if (!m->logprobs || !s->lps) return json_null();
+    int k = alternatives(m, s);
     if (m->kind == KVS_API_CHAT) {
         json_t *content = json_array();
         for (int i = 0; i < s->n; i++) {
-            size_t tl;
-            char *t = token_text(m->tok, s->ids[i], &tl);
-            json_t *bytes = json_array();
-            for (size_t b = 0; b < tl; b++) json_array_append_new(bytes, json_integer((unsigned char)t[b]));
+            json_t *entry = chat_token_json(m->tok, s->ids[i], s->lps[i]);
             json_t *top = json_array();
-            if (m->top_logprobs > 0)
-                json_array_append_new(top, json_pack("{s:o, s:o, s:O}", "token", text_json(t, tl), "logprob",
-                                                     lp_json(s->lps[i]), "bytes", bytes));
-            json_array_append_new(content, json_pack("{s:o, s:o, s:o, s:o}", "token", text_json(t, tl), "logprob",
-                                                     lp_json(s->lps[i]), "bytes", bytes, "top_logprobs", top));
-            free(t);
+            for (int j = 0; j < k; j++) {
+                int32_t id = s->top_ids[(size_t)i * s->n_top + j];
+                if (id >= 0) json_array_append_new(top, chat_token_json(m->tok, id, s->top_lps[(size_t)i * s->n_top + j]));
+            }
+            json_object_set_new(entry, "top_logprobs", top);
+            json_array_append_new(content, entry);
         }
         return json_pack("{s:o, s:n}", "content", content, "refusal");
     }
@@ -93,9 +121,23 @@ static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
         json_array_append_new(tokens, tj);
         json_array_append_new(lps, lp_json(s->lps[i]));
         json_array_append_new(offs, json_integer((json_int_t)off));
-        if (json_is_array(tops)) {
-            json_t *one = json_object(); /* keyed by the token's text as sent (valid UTF-8) */
-            json_object_setn_new(one, json_string_value(tj), json_string_length(tj), lp_json(s->lps[i]));
+        if (json_is_array(tops)) { /* keyed by each token's text as sent (valid UTF-8); tokens of one text share a key */
+            json_t *one = json_object();
+            for (int j = 0; j < k; j++) {
+                int32_t id = s->top_ids[(size_t)i * s->n_top + j];
+                if (id < 0) continue;
+                size_t al;
+                char *a = token_text(m->tok, id, &al);
+                json_t *aj = text_json(a, al);
+                if (!json_object_getn(one, json_string_value(aj), json_string_length(aj)))
+                    json_object_setn_new(one, json_string_value(aj), json_string_length(aj),
+                                         lp_json(s->top_lps[(size_t)i * s->n_top + j]));
+                json_decref(aj);
+                free(a);
+            }
+            /* the chosen token is listed too (OpenAI's legacy completions) */
+            if (!json_object_getn(one, json_string_value(tj), json_string_length(tj)))
+                json_object_setn_new(one, json_string_value(tj), json_string_length(tj), lp_json(s->lps[i]));
             json_array_append_new(tops, one);
         }
         off += tl;
@@ -130,31 +172,37 @@ static char *dump(json_t *root) {
     return s;
 }
 
-char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, kvs_finish finish, int prompt_tokens,
-                    int completion_tokens) {
-    bool chat = m->kind == KVS_API_CHAT;
-    json_t *root = envelope(m, chat ? "chat.completion" : "text_completion");
-    json_t *choice = json_pack("{s:i}", "index", 0);
+static json_t *full_choice(const kvs_resp_meta *m, const kvs_resp_slice *s) {
+    json_t *choice = json_pack("{s:i}", "index", s->index);
     bool called = false;
-    if (chat && m->tools != KVS_TOOL_FORMAT_NONE)
-        json_object_set_new(choice, "message", kvs_resp_tool_message(m, s->text, s->text_len, &called));
-    else if (chat)
+    if (m->kind == KVS_API_CHAT && m->tools != KVS_TOOL_FORMAT_NONE)
+        json_object_set_new(choice, "message", kvs_resp_tool_message(m, s->index, s->text, s->text_len, &called));
+    else if (m->kind == KVS_API_CHAT)
         json_object_set_new(choice, "message",
                             json_pack("{s:s, s:o}", "role", "assistant", "content", text_json(s->text, s->text_len)));
     else
         json_object_set_new(choice, "text", text_json(s->text, s->text_len));
     json_object_set_new(choice, "logprobs", logprobs_json(m, s));
     put_token_ids(choice, m, s);
-    json_object_set_new(choice, "finish_reason", finish_json(finish, called));
-    json_object_set_new(root, "choices", json_pack("[o]", choice));
-    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens));
+    json_object_set_new(choice, "finish_reason", finish_json(s->finish, called));
+    return choice;
+}
+
+char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, int n_choices, int prompt_tokens,
+                    int completion_tokens, const kvs_resp_kv *kv) {
+    json_t *root = envelope(m, m->kind == KVS_API_CHAT ? "chat.completion" : "text_completion");
+    json_t *choices = json_array();
+    for (int i = 0; i < n_choices; i++) json_array_append_new(choices, full_choice(m, &s[i]));
+    json_object_set_new(root, "choices", choices);
+    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens, kv));
+    put_kv(root, kv, prompt_tokens);
     return dump(root);
 }
 
-char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, kvs_finish finish, bool usage_field) {
+char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, bool usage_field) {
     bool chat = m->kind == KVS_API_CHAT;
     json_t *root = envelope(m, chat ? "chat.completion.chunk" : "text_completion");
-    json_t *choice = json_pack("{s:i}", "index", 0);
+    json_t *choice = json_pack("{s:i}", "index", s->index);
     if (chat) {
         json_t *delta = json_object();
         if (first) json_object_set_new(delta, "role", json_string("assistant"));
@@ -166,15 +214,16 @@ char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first
     }
     json_object_set_new(choice, "logprobs", s->n ? logprobs_json(m, s) : json_null());
     put_token_ids(choice, m, s);
-    json_object_set_new(choice, "finish_reason", finish_json(finish, s->tools_called));
+    json_object_set_new(choice, "finish_reason", finish_json(s->finish, s->tools_called));
     json_object_set_new(root, "choices", json_pack("[o]", choice));
     if (usage_field) json_object_set_new(root, "usage", json_null());
     return dump(root);
 }
 
-char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens) {
+char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens, const kvs_resp_kv *kv) {
     json_t *root = envelope(m, m->kind == KVS_API_CHAT ? "chat.completion.chunk" : "text_completion");
     json_object_set_new(root, "choices", json_array());
-    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens));
+    json_object_set_new(root, "usage", usage_json(prompt_tokens, completion_tokens, kv));
+    put_kv(root, kv, prompt_tokens);
     return dump(root);
 }

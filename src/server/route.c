@@ -39,6 +39,8 @@ static kvs_route find_route(const char *url) {
     if (!strncmp(url, "/v1/models/", 11)) return KVS_ROUTE_MODEL;
     if (!strcmp(url, "/health")) return KVS_ROUTE_HEALTH;
     if (!strcmp(url, "/metrics")) return KVS_ROUTE_METRICS;
+    if (!strcmp(url, "/tokenize")) return KVS_ROUTE_TOKENIZE;
+    if (!strcmp(url, "/detokenize")) return KVS_ROUTE_DETOKENIZE;
     return KVS_ROUTE_NONE;
 }
 
@@ -103,9 +105,10 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const cha
     memset(a, 0, sizeof *a);
     kvs_route r = *route = find_route(url);
     if (r == KVS_ROUTE_NONE) return fail(a, 404, "Not found: %.200s", url);
-    bool post = r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT;
+    bool post = r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE;
     if (strcmp(method, post ? "POST" : "GET")) return fail(a, 405, "Method not allowed: use %s", post ? "POST" : "GET");
-    if (!strncmp(url, "/v1/", 4) && !authorized(s, authorization)) {
+    if ((!strncmp(url, "/v1/", 4) || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) &&
+        !authorized(s, authorization)) {
         kvs_api_error err;
         kvs_api_fail(&err, 401, NULL, "Incorrect or missing API key: send 'Authorization: Bearer KEY'");
         err.code = "invalid_api_key";
@@ -113,7 +116,8 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const cha
         return true;
     }
     const char *why;
-    if (post && engine_failed(s, &why)) return fail(a, 503, "the engine failed: %.400s", why);
+    bool generates = r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT;
+    if (generates && engine_failed(s, &why)) return fail(a, 503, "the engine failed: %.400s", why);
     if (post && atomic_load(&s->draining)) return fail(a, 503, "%s", "the server is shutting down");
     if (!post) {
         answer_get(s, r, url, a);
@@ -232,7 +236,8 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
     if (n >= max_len)
         return kvs_api_fail(err, 400, prompt_param, "this model's maximum context length is %d tokens; the prompt has %d",
                             max_len, n);
-    int max_tokens = r->max_tokens ? r->max_tokens : r->kind == KVS_API_CHAT ? max_len - n : 16;
+    int fallback = s->cfg.max_tokens_default > 0 ? s->cfg.max_tokens_default : r->kind == KVS_API_CHAT ? max_len - n : 16;
+    int max_tokens = r->max_tokens ? r->max_tokens : fallback;
     if (max_tokens > max_len - n) {
         if (r->max_tokens)
             return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? "max_completion_tokens" : "max_tokens",
@@ -275,6 +280,11 @@ bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const c
             kvs_http_body_free(&b);
             return false;
         }
+    }
+    if (r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) {
+        kvs_http_tokenize(s, r == KVS_ROUTE_DETOKENIZE, b.data, b.len, a);
+        kvs_http_body_free(&b);
+        return false;
     }
     kvs_api_error err;
     bool ok = kvs_http_prepare(s, r == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS, b.data, b.len, p, &err);

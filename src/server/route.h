@@ -15,7 +15,9 @@ typedef enum {
     KVS_ROUTE_MODELS,
     KVS_ROUTE_MODEL,
     KVS_ROUTE_HEALTH,
-    KVS_ROUTE_METRICS
+    KVS_ROUTE_METRICS,
+    KVS_ROUTE_TOKENIZE,
+    KVS_ROUTE_DETOKENIZE
 } kvs_route;
 
 /* A response decided without the engine. */
@@ -56,6 +58,8 @@ typedef struct {
 bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, kvs_http_prepared *p,
                       kvs_api_error *err);
 void kvs_http_prepared_free(kvs_http_prepared *p);
+/* POST /tokenize (detokenize false) and /detokenize, answered whole (tokenize.c). */
+void kvs_http_tokenize(kvs_server *s, bool detokenize, const char *body, size_t len, kvs_http_answer *a);
 
 /* The prepare slots (a counting semaphore): take fills err (429) on timeout. */
 bool kvs_http_slot_take(kvs_server *s, kvs_api_error *err);

@@ -61,6 +61,12 @@ typedef struct {
      * them with kvs_api_tool_constraint): the prefix, then JSON text valid for the
      * schema, then the suffix; NULL: no constraint. >>> the grammar engine's input */
     char *constraint_schema, *constraint_prefix, *constraint_suffix;
+    int n;                              /* choices (1 .. KVS_MAX_N) */
+    kvs_logit_bias *logit_bias;         /* "logit_bias": {"id": bias, ...} */
+    int n_logit_bias;
+    int min_tokens;
+    int32_t *stop_token_ids;            /* vLLM's "stop_token_ids" */
+    int n_stop_token_ids;
 } kvs_api_request;
 
 /* Parses and validates a request body. On failure fills err (HTTP status,
@@ -88,6 +94,8 @@ typedef struct {
     unsigned http_timeout_s;       /* 0: 60; a connection that makes no progress this long is closed */
     int max_preparing;             /* requests parsed and tokenized at once (0: 8); more wait, then 429 */
     const char *tool_call_parser;  /* "llama3_json", "hermes", "none"; NULL or "auto": from the chat template */
+    int max_tokens_default;        /* a request without max_tokens: at most this many (0: completions 16,
+                                      chat the rest of the context) */
 } kvs_server_config;
 
 typedef struct kvs_server kvs_server;

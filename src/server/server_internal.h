@@ -49,7 +49,7 @@ typedef struct {
     bool one_call;         /* parallel_tool_calls false: the first call only */
 } kvs_resp_meta;
 
-/* A slice of generated tokens and their text. */
+/* A slice of one choice's generated tokens and their text. */
 typedef struct {
     const char *text;
     size_t text_len;
@@ -57,48 +57,87 @@ typedef struct {
     const float *lps; /* NULL when not asked */
     int n;
     size_t text_offset; /* completions' logprobs.text_offset of the first token */
+    int index;          /* the choice */
+    const int32_t *top_ids; /* [n][n_top]: the alternatives (top_logprobs) */
+    const float *top_lps;
+    int n_top;
+    kvs_finish finish;  /* NONE: not the choice's last slice */
     const kvs_tool_events *tool_events; /* a stream with tools: the delta is these, not text */
     bool tools_called;  /* a stream with tools: calls were sent (finish "tool_calls") */
 } kvs_resp_slice;
 
-char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, kvs_finish finish, int prompt_tokens,
-                    int completion_tokens);
-/* One SSE chunk's JSON: chat's first chunk carries role; finish NONE gives null. */
-char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, kvs_finish finish,
-                     bool usage_field);
-char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens);
+/* The whole response: one slice per choice, in index order. */
+/* What the KV cache did with the prompt (an extension beside usage: "kv", and
+ * usage.prompt_tokens_details.cached_tokens). */
+typedef struct {
+    const char *policy;       /* NULL: not known (no "kv" object) */
+    double compression_ratio; /* entries a full cache would hold / entries held (1: nothing dropped) */
+    int cached_tokens;        /* prompt tokens found in the prefix cache */
+    int min_prompt;           /* the policy's min_prompt: a shorter prompt keeps its cache full */
+} kvs_resp_kv;
+
+char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, int n_choices, int prompt_tokens,
+                    int completion_tokens, const kvs_resp_kv *kv);
+/* One SSE chunk's JSON for one choice: chat's first chunk carries role; its finish NONE gives null. */
+char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, bool usage_field);
+char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens, const kvs_resp_kv *kv);
 const char *kvs_resp_finish_reason(kvs_finish f);
 /* With tools (tool_response.c): the chat message of a whole output (content,
  * tool_calls; *called: calls were made), and a stream chunk's delta. */
-json_t *kvs_resp_tool_message(const kvs_resp_meta *m, const char *text, size_t n, bool *called);
+json_t *kvs_resp_tool_message(const kvs_resp_meta *m, int index, const char *text, size_t n, bool *called);
 void kvs_resp_tool_delta(const kvs_resp_meta *m, json_t *delta, const kvs_tool_events *ev);
-uint64_t kvs_resp_tool_seed(const kvs_resp_meta *m); /* the calls' ids: from the response's id */
-/* A stream's slice through its parser p (last: the output ended): s's tool_events become ev. */
+/* The calls' ids: from the response's id and the choice. */
+uint64_t kvs_resp_tool_seed(const kvs_resp_meta *m, int index);
+/* A stream's parsers, one a choice (NULL when out of memory), and their end. */
+kvs_tool_parser **kvs_resp_tool_parsers(const kvs_resp_meta *m, int n_choices);
+void kvs_resp_tool_parsers_free(kvs_tool_parser **p, int n_choices);
+/* A stream's slice through its choice's parser p (last: the choice ended): s's tool_events become ev. */
 void kvs_resp_tool_stream(kvs_tool_parser *p, kvs_resp_slice *s, kvs_tool_events *ev, bool last);
 
 /* ---- one generation request, shared by the HTTP thread and the engine ------ */
+/* One choice's outputs (filled by the engine callback, under the gen's mu). */
+typedef struct {
+    char *text;         /* pending text (streaming) or all of it */
+    size_t text_len, text_cap;
+    int32_t *ids;
+    float *lps;
+    int32_t *top_ids;   /* [cap_ids][n_top] */
+    float *top_lps;
+    int n_ids, cap_ids;
+    kvs_finish finish;  /* NONE until its last output */
+    int completion_tokens;
+    /* streaming: what the reader sent of it */
+    size_t text_offset;
+    bool role_sent, end_sent;
+} kvs_gen_choice;
+
 typedef struct kvs_gen {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int refs;           /* the connection's and, until its last output, the engine's */
     uint64_t engine_id;
-    /* filled by the engine callback (under mu) */
-    char *text;         /* pending text (streaming) or all of it */
-    size_t text_len, text_cap;
-    int32_t *ids;
-    float *lps;
-    int n_ids, cap_ids;
-    kvs_finish finish;
+    kvs_gen_choice *choices;
+    int n_choices, n_top;
+    int n_done;         /* choices finished */
+    kvs_finish finish;  /* ERROR when any choice failed, else the first choice's */
     char *error;
-    int prompt_tokens, completion_tokens;
-    bool done;
+    int prompt_tokens;
+    double compression; /* choice 0's prompt compression (its first output) */
+    int cached_tokens;  /* choice 0's prefix-cache hit */
+    double t_submit;    /* when it went to the engine */
+    bool done;          /* every choice finished */
     double t_first;     /* when the first token arrived (0: not yet) */
     /* the server's list of submitted requests (under the server's mu) */
     struct kvs_gen *live_prev, *live_next;
     bool live, submitted; /* linked; engine_id is set */
 } kvs_gen;
 
-kvs_gen *kvs_gen_create(void);
+/* n_choices choices, n_top alternatives per token (0: none). */
+kvs_gen *kvs_gen_create(int n_choices, int n_top);
+int kvs_gen_completion_tokens(const kvs_gen *g); /* over the choices */
+/* The "kv" extension of its response; one log line when it ends (id, tokens, TTFT, rate, policy, ratio, finish). */
+kvs_resp_kv kvs_gen_kv(const kvs_gen *g, const kvs_kv_policy *policy);
+void kvs_gen_log(const kvs_gen *g, const char *id, const kvs_kv_policy *policy);
 void kvs_gen_release(kvs_gen *g);
 /* The engine's output callback (user = the kvs_gen). */
 void kvs_gen_on_output(void *user, const kvs_request_output *out);

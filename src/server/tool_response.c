@@ -6,10 +6,26 @@
 
 #include "server/server_internal.h"
 
-uint64_t kvs_resp_tool_seed(const kvs_resp_meta *m) {
-    uint64_t h = 1469598103934665603ull; /* FNV-1a of the response id */
+uint64_t kvs_resp_tool_seed(const kvs_resp_meta *m, int index) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a of the response id, then the choice */
     for (const char *p = m->id ? m->id : ""; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
-    return h;
+    return (h ^ (uint64_t)index) * 1099511628211ull;
+}
+
+kvs_tool_parser **kvs_resp_tool_parsers(const kvs_resp_meta *m, int n_choices) {
+    kvs_tool_parser **p = calloc(n_choices > 0 ? n_choices : 1, sizeof *p);
+    for (int i = 0; p && i < n_choices; i++)
+        if (!(p[i] = kvs_tool_parser_create(m->tools, kvs_resp_tool_seed(m, i)))) {
+            kvs_resp_tool_parsers_free(p, i);
+            return NULL;
+        }
+    return p;
+}
+
+void kvs_resp_tool_parsers_free(kvs_tool_parser **p, int n_choices) {
+    if (!p) return;
+    for (int i = 0; i < n_choices; i++) kvs_tool_parser_destroy(p[i]);
+    free(p);
 }
 
 static bool only_space(const char *s, size_t n) {
@@ -23,10 +39,10 @@ static json_t *text_or_null(const char *s, size_t n) {
     return j ? j : json_string("\xEF\xBF\xBD"); /* never expected: the text is valid UTF-8 */
 }
 
-json_t *kvs_resp_tool_message(const kvs_resp_meta *m, const char *text, size_t n, bool *called) {
+json_t *kvs_resp_tool_message(const kvs_resp_meta *m, int index, const char *text, size_t n, bool *called) {
     kvs_tool_result r;
     *called = false;
-    if (kvs_tool_parse_text(m->tools, kvs_resp_tool_seed(m), text ? text : "", text ? n : 0, &r) != KVS_OK)
+    if (kvs_tool_parse_text(m->tools, kvs_resp_tool_seed(m, index), text ? text : "", text ? n : 0, &r) != KVS_OK)
         return json_pack("{s:s, s:o}", "role", "assistant", "content", text_or_null(text ? text : "", text ? n : 0));
     json_t *msg = json_pack("{s:s}", "role", "assistant");
     int n_calls = m->one_call && r.calls.n > 1 ? 1 : r.calls.n;

@@ -315,9 +315,12 @@ static void json_str(ct_ctx *c, ct_buf *b, ct_str s, bool ascii) {
         else if (ch == '\f') ct_buf_puts(c, b, "\\f");
         else if (ch < 0x20) { snprintf(esc, sizeof esc, "\\u%04x", ch); ct_buf_puts(c, b, esc); }
         else if (ch >= 0x80 && ascii) {
-            size_t start = i, len = ct_utf8_offset(s.p + i, s.n - i, 1);
-            uint32_t cp = len == 1 ? ch : ch & (0xFF >> (len + 1));
-            for (size_t k = 1; k < len; k++) cp = (cp << 6) | ((unsigned char)s.p[start + k] & 0x3F);
+            /* one character from its lead byte; a byte that starts none (invalid UTF-8) is U+FFFD */
+            size_t len = (ch & 0xE0) == 0xC0 ? 2 : (ch & 0xF0) == 0xE0 ? 3 : (ch & 0xF8) == 0xF0 ? 4 : 1;
+            for (size_t k = 1; k < len; k++)
+                if (i + k >= s.n || ((unsigned char)s.p[i + k] & 0xC0) != 0x80) len = 1;
+            uint32_t cp = len == 1 ? 0xFFFD : ch & (0xFF >> (len + 1));
+            for (size_t k = 1; k < len; k++) cp = (cp << 6) | ((unsigned char)s.p[i + k] & 0x3F);
             if (cp >= 0x10000) {
                 cp -= 0x10000;
                 snprintf(esc, sizeof esc, "\\u%04x\\u%04x", 0xD800 + (cp >> 10), 0xDC00 + (cp & 0x3FF));

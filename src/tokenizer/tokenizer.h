@@ -38,6 +38,12 @@ int kvs_tokenizer_vocab_size(const kvs_tokenizer *t);
 int kvs_tokenizer_token_id(const kvs_tokenizer *t, const char *token); /* -1 if none */
 const char *kvs_tokenizer_token_text(const kvs_tokenizer *t, int id);  /* NULL if none */
 bool kvs_tokenizer_is_special(const kvs_tokenizer *t, int id);
+/* The raw bytes id decodes to on its own (for constrained decoding): byte-level
+ * BPE with the byte-to-unicode map undone, SentencePiece with U+2581 as a space
+ * and <0xNN> as its byte; special tokens and unknown ids: none (*len 0). Never
+ * longer than kvs_tokenizer_token_text(t, id); a smaller cap fails, with the
+ * length needed in *len. */
+kvs_status kvs_tokenizer_token_bytes(const kvs_tokenizer *t, int id, char *buf, size_t cap, size_t *len);
 int kvs_tokenizer_bos_id(const kvs_tokenizer *t); /* -1 if none */
 int kvs_tokenizer_eos_id(const kvs_tokenizer *t); /* -1 if none */
 /* tokenizer_config.json's chat_template, bos_token and eos_token strings (NULL if absent). */

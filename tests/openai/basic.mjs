@@ -105,5 +105,72 @@ await test('kv_policy extension is accepted', async () => {
   assert.equal(r.usage.completion_tokens <= 4, true);
 });
 
+
+// ---- the agents' API: n, top logprobs, penalties and logit_bias ----------------
+const chatMsgs = [{ role: 'user', content: prompt }];
+
+await test('n: 3 greedy choices are identical; seeded temperature 1 repeats', async () => {
+  const r = await client.chat.completions.create({ model, messages: chatMsgs, max_tokens: 6, temperature: 0, n: 3 });
+  assert.deepEqual(r.choices.map((c) => c.index), [0, 1, 2]);
+  assert.ok(r.choices.every((c) => c.message.content === r.choices[0].message.content));
+  const args = { model, messages: chatMsgs, max_tokens: 6, temperature: 1, seed: 7, n: 3 };
+  const a = await client.chat.completions.create(args), b = await client.chat.completions.create(args);
+  assert.deepEqual(a.choices.map((c) => c.message.content), b.choices.map((c) => c.message.content));
+  // streamed: every index gets its own deltas, the same texts
+  const stream = await client.chat.completions.create({ ...args, stream: true });
+  const texts = ['', '', ''];
+  for await (const chunk of stream) for (const c of chunk.choices) texts[c.index] += c.delta.content ?? '';
+  assert.deepEqual(texts, a.choices.map((c) => c.message.content));
+});
+
+await test('top_logprobs: 5 real alternatives, best first, a distribution', async () => {
+  const r = await client.chat.completions.create({ model, messages: chatMsgs, max_tokens: 4, temperature: 0,
+    logprobs: true, top_logprobs: 5 });
+  const wide = await client.chat.completions.create({ model, messages: chatMsgs, max_tokens: 4, temperature: 0,
+    logprobs: true, top_logprobs: 20 });
+  const content = r.choices[0].logprobs.content;
+  assert.equal(content.length, r.usage.completion_tokens);
+  content.forEach((t, i) => {
+    assert.equal(t.top_logprobs.length, 5);
+    for (let j = 1; j < 5; j++) assert.ok(t.top_logprobs[j - 1].logprob >= t.top_logprobs[j].logprob);
+    assert.equal(t.top_logprobs[0].token, t.token, 'greedy: the chosen token is the most likely');
+    assert.ok(Math.abs(t.top_logprobs[0].logprob - t.logprob) < 1e-6);
+    const mass = t.top_logprobs.reduce((a, x) => a + Math.exp(x.logprob), 0);
+    const all20 = wide.choices[0].logprobs.content[i].top_logprobs;
+    assert.equal(all20.length, 20);
+    const mass20 = all20.reduce((a, x) => a + Math.exp(x.logprob), 0);
+    assert.ok(mass <= mass20 + 1e-6 && mass20 <= 1 + 1e-3, `probabilities ${mass} <= ${mass20} <= 1`);
+    for (let j = 0; j < 5; j++) assert.ok(Math.abs(all20[j].logprob - t.top_logprobs[j].logprob) < 1e-3);
+  });
+});
+
+await test('logit_bias and presence_penalty change the output as predicted', async () => {
+  const base = await client.completions.create({ model, prompt, max_tokens: 3, temperature: 0, logprobs: 5 });
+  const lp = base.choices[0].logprobs;
+  const second = Object.entries(lp.top_logprobs[0]).sort((a, b) => b[1] - a[1])[1][0];
+  const tok = await (await fetch(process.env.KVS_URL.replace(/\/v1$/, '') + '/tokenize', { method: 'POST',
+    headers: { Authorization: `Bearer ${process.env.KVS_API_KEY}` },
+    body: JSON.stringify({ prompt: second, add_special_tokens: false }) })).json();
+  assert.equal(tok.count, 1, `the runner-up "${second}" is one token`);
+  // +100 on the runner-up makes it the first token; -100 on the winner bans it
+  const up = await client.completions.create({ model, prompt, max_tokens: 1, temperature: 0,
+    logit_bias: { [tok.tokens[0]]: 100 } });
+  assert.equal(up.choices[0].text, second);
+  // a strong presence penalty: no token twice in a row of 12 greedy tokens that repeat without it
+  const plain = await client.completions.create({ model, prompt: 'a a a a a a a a', max_tokens: 12, temperature: 0,
+    ignore_eos: true, return_token_ids: true });
+  const pen = await client.completions.create({ model, prompt: 'a a a a a a a a', max_tokens: 12, temperature: 0,
+    ignore_eos: true, return_token_ids: true, presence_penalty: 2, frequency_penalty: 2 });
+  const distinct = (ids) => new Set(ids).size;
+  assert.ok(distinct(pen.choices[0].token_ids) > distinct(plain.choices[0].token_ids),
+    `penalised ${distinct(pen.choices[0].token_ids)} distinct tokens vs ${distinct(plain.choices[0].token_ids)}`);
+});
+
+await test('usage and the kv extension: cached tokens, compression', async () => {
+  const r = await client.completions.create({ model, prompt, max_tokens: 2, temperature: 0 });
+  assert.ok(r.usage.prompt_tokens_details && Number.isInteger(r.usage.prompt_tokens_details.cached_tokens));
+  assert.ok(r.kv && typeof r.kv.policy === 'string' && r.kv.compression_ratio >= 1);
+});
+
 console.log(`${passed} passed, ${failed} failed`);
 process.exit(failed ? 1 : 0);

@@ -101,6 +101,8 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out) {
     b->sparsity_scores = kvs_cpu_sparsity_scores;
     b->sample = kvs_cpu_sample;
     b->sample_shard = kvs_cpu_sample_shard;
+    b->process_logits = kvs_cpu_process_logits;
+    b->top_logprobs = kvs_cpu_top_logprobs;
     b->dummy_fill = kvs_cpu_dummy_fill;
     b->snapkv_select = kvs_cpu_snapkv_select;
     b->host_alloc = cpu_host_alloc;

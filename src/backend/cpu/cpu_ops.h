@@ -37,6 +37,11 @@ void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, c
                              const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
 void kvs_cpu_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
                     const struct kvs_sample_row *params);
+void kvs_cpu_process_logits(kvs_backend *b, void *out, int ld_out, const void *logits, int ld, int n_rows, int vocab,
+                            const struct kvs_process_row *rows, const struct kvs_logit_adjust *adjust,
+                            const uint32_t *masks);
+void kvs_cpu_top_logprobs(kvs_backend *b, float *chosen_lp, int32_t *top_ids, float *top_lp, const void *logits,
+                          int n_rows, int ld, int vocab, const int32_t *chosen, int k);
 void kvs_cpu_sample_shard(kvs_backend *b, struct kvs_sample_part *parts, const void *logits, int n_rows, int ld,
                           int count, int id0, const struct kvs_sample_row *params);
 void kvs_cpu_dummy_fill(kvs_backend *b, void *dst, uint64_t seed, float scale, kvs_dtype src_dtype, int64_t full_cols,

@@ -304,6 +304,8 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->sparsity_scores = kvs_cuda_sparsity_scores;
     b->sample = kvs_cuda_sample;
     b->sample_shard = kvs_cuda_sample_shard;
+    b->process_logits = kvs_cuda_process_logits;
+    b->top_logprobs = kvs_cuda_top_logprobs;
     b->dummy_fill = kvs_cuda_dummy_fill;
     b->snapkv_select = kvs_cuda_snapkv_select;
     b->host_alloc = cuda_host_alloc;

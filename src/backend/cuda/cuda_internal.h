@@ -135,6 +135,11 @@ void kvs_cuda_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, 
                             int k, int n_win);
 
 /* sampling (cuda_sample.cu) */
+void kvs_cuda_process_logits(kvs_backend *b, void *out, int ld_out, const void *logits, int ld, int n_rows, int vocab,
+                             const struct kvs_process_row *rows, const struct kvs_logit_adjust *adjust,
+                             const uint32_t *masks);
+void kvs_cuda_top_logprobs(kvs_backend *b, float *chosen_lp, int32_t *top_ids, float *top_lp, const void *logits,
+                           int n_rows, int ld, int vocab, const int32_t *chosen, int k);
 void kvs_cuda_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
                      const struct kvs_sample_row *params);
 void kvs_cuda_sample_shard(kvs_backend *b, struct kvs_sample_part *parts, const void *logits, int n_rows, int ld,

@@ -224,3 +224,110 @@ void kvs_cuda_sample_shard(kvs_backend *b, kvs_sample_part *parts, const void *l
         parts, (const bf16 *)logits, ld, count, id0, params);
     KVS_CUDA_LAUNCHED(b, "kvs_sample_shard_kernel");
 }
+
+/* process_logits (cpu_logits.c's kvs_cpu_process_logits): the copy with the
+ * grammar masks over a grid of (vocabulary chunk, row), then the rows' adjust
+ * lists, one block per row (each entry's token read from the raw logits). */
+#define KVS_PROCESS_CHUNK 4096
+
+__global__ void kvs_process_copy_kernel(bf16 *out, int ld_out, const bf16 *logits, int ld, int vocab,
+                                        const kvs_process_row *rows, const uint32_t *masks, int words) {
+    const int row = blockIdx.y;
+    const int mask_row = rows[row].mask_row;
+    const uint32_t *mask = mask_row >= 0 ? masks + (size_t)mask_row * words : NULL;
+    const bf16 *x = logits + (size_t)row * ld;
+    bf16 *y = out + (size_t)row * ld_out;
+    int end = min(vocab, (int)(blockIdx.x + 1) * KVS_PROCESS_CHUNK);
+    for (int i = blockIdx.x * KVS_PROCESS_CHUNK + threadIdx.x; i < end; i += blockDim.x) {
+        bf16 v = x[i];
+        bool masked = mask && isfinite(__bfloat162float(v)) && !(mask[i >> 5] >> (i & 31) & 1);
+        y[i] = masked ? __float2bfloat16(KVS_SAMPLE_MASKED) : v;
+    }
+}
+
+__global__ void kvs_process_adjust_kernel(bf16 *out, int ld_out, const bf16 *logits, int ld, int vocab,
+                                          const kvs_process_row *rows, const kvs_logit_adjust *adjust) {
+    const int row = blockIdx.x;
+    const kvs_process_row q = rows[row];
+    const bf16 *x = logits + (size_t)row * ld;
+    bf16 *y = out + (size_t)row * ld_out;
+    for (int e = q.adjust_begin + threadIdx.x; e < q.adjust_begin + q.adjust_count; e += blockDim.x) {
+        kvs_logit_adjust a = adjust[e];
+        if (a.id < 0 || a.id >= vocab) continue;
+        float v = __bfloat162float(x[a.id]);
+        if (isfinite(v) && __bfloat162float(y[a.id]) != KVS_SAMPLE_MASKED)
+            y[a.id] = __float2bfloat16(kvs_sample_adjusted(v, &a, &q));
+    }
+}
+
+void kvs_cuda_process_logits(kvs_backend *b, void *out, int ld_out, const void *logits, int ld, int n_rows, int vocab,
+                             const struct kvs_process_row *rows, const struct kvs_logit_adjust *adjust,
+                             const uint32_t *masks) {
+    if (n_rows <= 0 || vocab <= 0) return;
+    cudaStream_t st = kvs_cuda_of(b)->stream;
+    dim3 grid((vocab + KVS_PROCESS_CHUNK - 1) / KVS_PROCESS_CHUNK, n_rows);
+    kvs_process_copy_kernel<<<grid, 256, 0, st>>>((bf16 *)out, ld_out, (const bf16 *)logits, ld, vocab, rows, masks,
+                                                  kvs_sample_mask_words(vocab));
+    KVS_CUDA_LAUNCHED(b, "kvs_process_copy_kernel");
+    kvs_process_adjust_kernel<<<n_rows, 256, 0, st>>>((bf16 *)out, ld_out, (const bf16 *)logits, ld, vocab, rows,
+                                                      adjust);
+    KVS_CUDA_LAUNCHED(b, "kvs_process_adjust_kernel");
+}
+
+/* top_logprobs (cpu_logits.c's kvs_cpu_top_logprobs), one block per row: each
+ * thread keeps its k best (sorted) over its strided share, then k rounds of a
+ * block argmax over the threads' heads (the winner advances its head). */
+#define KVS_TOPLP_THREADS 256
+
+__global__ void __launch_bounds__(KVS_TOPLP_THREADS)
+    kvs_top_logprobs_kernel(float *chosen_lp, int32_t *top_ids, float *top_lp, const bf16 *logits, int ld, int vocab,
+                            const int32_t *chosen, int k) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int row = blockIdx.x;
+    const bf16 *x = logits + (size_t)row * ld;
+    float bx = -INFINITY;
+    int best = -1, nonfinite = 0;
+    float lv[KVS_MAX_TOP_LOGPROBS];
+    int li[KVS_MAX_TOP_LOGPROBS], n = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float v = __bfloat162float(x[i]);
+        nonfinite |= !isfinite(v);
+        if (best < 0 || v > bx) bx = v, best = i;
+        if (k == 0 || (n == k && !kvs_sample_ranks_before(v, i, lv[k - 1], li[k - 1]))) continue;
+        int j = n < k ? n++ : k - 1;
+        while (j > 0 && kvs_sample_ranks_before(v, i, lv[j - 1], li[j - 1])) lv[j] = lv[j - 1], li[j] = li[j - 1], j--;
+        lv[j] = v, li[j] = i;
+    }
+    int c = chosen[row];
+    if (__syncthreads_or(nonfinite) || c < 0) { /* block-uniform */
+        if (threadIdx.x == 0) chosen_lp[row] = NAN;
+        for (int j = threadIdx.x; j < k; j += blockDim.x) top_ids[(size_t)row * k + j] = -1, top_lp[(size_t)row * k + j] = NAN;
+        return;
+    }
+    kvs_sample_block_best(bx, best, sv, si);
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(__bfloat162float(x[i]) - bx);
+    sum = kvs_sample_block_sum(sum, sv);
+    float lse = bx + logf(sum);
+    if (threadIdx.x == 0) chosen_lp[row] = __bfloat162float(x[c]) - lse;
+    int head = 0;
+    for (int j = 0; j < k; j++) {
+        float v = head < n ? lv[head] : -INFINITY;
+        int i = head < n ? li[head] : -1;
+        kvs_sample_block_best(v, i, sv, si);
+        if (i >= 0 && head < n && li[head] == i) head++;
+        if (threadIdx.x == 0) {
+            top_ids[(size_t)row * k + j] = i;
+            top_lp[(size_t)row * k + j] = i >= 0 ? v - lse : -INFINITY;
+        }
+    }
+}
+
+void kvs_cuda_top_logprobs(kvs_backend *b, float *chosen_lp, int32_t *top_ids, float *top_lp, const void *logits,
+                           int n_rows, int ld, int vocab, const int32_t *chosen, int k) {
+    if (n_rows <= 0 || vocab <= 0) return;
+    kvs_top_logprobs_kernel<<<n_rows, KVS_TOPLP_THREADS, 0, kvs_cuda_of(b)->stream>>>(
+        chosen_lp, top_ids, top_lp, (const bf16 *)logits, ld, vocab, chosen, k);
+    KVS_CUDA_LAUNCHED(b, "kvs_top_logprobs_kernel");
+}

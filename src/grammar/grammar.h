@@ -1,0 +1,97 @@
+/* grammar: constrained decoding for structured output. A JSON schema (or "any
+ * JSON object") is compiled to a pushdown automaton over bytes: rules, each a
+ * small DFA whose edges are bytes or calls of other rules (nesting, $ref and
+ * recursion go through the stack). A matcher is one sequence's position: a set
+ * of stacks. Its mask (the tokens that keep the output a valid prefix) is
+ * computed by walking the vocabulary's byte trie from that state, pruning a
+ * subtree as soon as its prefix is rejected. Two caches, shared by every
+ * matcher of a grammar (and its first vocabulary): masks by state (the whole
+ * stack set, hashed), and per node what it decides alone (xgrammar's
+ * context-independent tokens: a full trie walk once per node, then a state's
+ * mask is those tables OR'ed plus a walk of the few tokens that leave the
+ * node's rule). So a grammar's first masks cost milliseconds and later ones
+ * tens of microseconds (llama3's 128k vocabulary: tests/test_grammar.c's
+ * mask_cost prints them): keep compiled grammars (by schema text) and reuse
+ * them across requests.
+ *
+ * The output is JSON written one way:
+ *  - whitespace: none, except at most one space after ':' and after ',';
+ *  - objects of a schema: exactly the listed properties in the listed order,
+ *    the required ones always, optional ones may be left out (strict mode;
+ *    additionalProperties is not needed and never adds properties); an object
+ *    schema without properties (and without additionalProperties: false) and
+ *    json_object take any JSON object;
+ *  - strings: any valid UTF-8, escapes included (\uXXXX: no \u0000, surrogates
+ *    only as a pair, as jansson accepts them); minLength/maxLength count code
+ *    points;
+ *  - numbers: at most 18 digits before the point (integers fit an int64), 15
+ *    after it and an exponent of 2 digits, so that they parse as JSON numbers
+ *    everywhere; minimum, maximum, exclusiveMinimum and exclusiveMaximum are
+ *    accepted and NOT enforced;
+ *  - oneOf is taken as anyOf.
+ * Supported keywords: type (a name or an array of names), properties, required,
+ * additionalProperties, items, minItems, maxItems (up to 256), enum, const,
+ * minLength, maxLength (up to 256), anyOf, oneOf, $ref ("#/$defs/NAME" or
+ * "#/definitions/NAME"), $defs, definitions; description, title, default,
+ * examples, $schema, $id, $comment, deprecated, readOnly, writeOnly, strict
+ * are ignored. Any other keyword is refused, naming it. Nesting deeper than
+ * KVS_GRAMMAR_MAX_DEPTH rule calls is cut off (its continuations masked out). */
+#ifndef KVS_GRAMMAR_H
+#define KVS_GRAMMAR_H
+
+#include "core/core.h"
+#include "tokenizer/tokenizer.h"
+
+#define KVS_GRAMMAR_MAX_DEPTH 128
+
+typedef struct kvs_grammar kvs_grammar;             /* compiled, immutable (but its mask cache), refcounted */
+typedef struct kvs_grammar_vocab kvs_grammar_vocab; /* the model's tokens as bytes, a trie; built once per model */
+typedef struct kvs_grammar_matcher kvs_grammar_matcher; /* one sequence's position in a grammar */
+
+/* JSON schema text -> grammar (refcount 1). Errors name the unsupported keyword
+ * or bad field by its path from the schema's root, written "schema", e.g.
+ * "schema.properties.age: 'format' is not supported" (a server prefixes its own
+ * field: "response_format.json_schema."). prefix / suffix (may be NULL): literal
+ * text the output must start / end with around the JSON value (tool calls:
+ * "<tool_call>\n" ... "\n</tool_call>"). */
+kvs_status kvs_grammar_from_json_schema(const char *schema, size_t len, const char *prefix, const char *suffix,
+                                        kvs_grammar **out);
+/* response_format json_object: any JSON object. */
+kvs_status kvs_grammar_json_object(kvs_grammar **out);
+kvs_grammar *kvs_grammar_ref(kvs_grammar *g);
+/* Drops the masks cached by state (keeping what each node decides alone): for
+ * benchmarks, or to give memory back. */
+void kvs_grammar_forget_masks(kvs_grammar *g);
+void kvs_grammar_unref(kvs_grammar *g);
+
+/* tokens[i] / lens[i]: the bytes token i decodes to (lens 0: a token that can
+ * never be produced, e.g. special tokens); end_ids: the ids that end the output
+ * (EOS / eot), allowed only once the output is complete. The arrays are copied. */
+kvs_status kvs_grammar_vocab_create(const char *const *tokens, const size_t *lens, int n_tokens,
+                                    const int32_t *end_ids, int n_end, kvs_grammar_vocab **out);
+/* The vocabulary of a tokenizer (kvs_tokenizer_token_bytes of every id); end ids as above. */
+kvs_status kvs_grammar_vocab_from_tokenizer(const kvs_tokenizer *t, const int32_t *end_ids, int n_end,
+                                            kvs_grammar_vocab **out);
+int kvs_grammar_vocab_size(const kvs_grammar_vocab *v);
+void kvs_grammar_vocab_destroy(kvs_grammar_vocab *v);
+
+/* The matcher holds a reference to g; v must outlive it. */
+kvs_status kvs_grammar_matcher_create(kvs_grammar *g, const kvs_grammar_vocab *v, kvs_grammar_matcher **out);
+/* bits[(n_tokens + 31) / 32]: bit i set = token i keeps the output a valid
+ * prefix (or, an end id, ends a complete one). After an end id: only end ids.
+ * All zero only where nesting went past KVS_GRAMMAR_MAX_DEPTH (nothing can
+ * follow): the caller ends the request. A grammar may serve matchers on
+ * several threads (its caches take a lock); a matcher is one thread's. */
+void kvs_grammar_matcher_mask(kvs_grammar_matcher *m, uint32_t *bits);
+/* Advances by one token; KVS_ERR_INVALID (naming the token) when the mask
+ * forbids it, the matcher unchanged. */
+kvs_status kvs_grammar_matcher_accept(kvs_grammar_matcher *m, int32_t id);
+bool kvs_grammar_matcher_complete(const kvs_grammar_matcher *m); /* the output so far is a whole value (+ suffix) */
+bool kvs_grammar_matcher_ended(const kvs_grammar_matcher *m);    /* an end id was accepted */
+void kvs_grammar_matcher_destroy(kvs_grammar_matcher *m);
+
+/* The bytes accepted so far, without the matcher's tokens: true when bytes[0..n)
+ * keeps the output a valid prefix (for tests and tool-call parsing). */
+bool kvs_grammar_accepts_prefix(const kvs_grammar *g, const char *bytes, size_t n, bool *complete);
+
+#endif
