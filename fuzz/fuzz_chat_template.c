@@ -1,5 +1,6 @@
 /* libFuzzer target: compiles the input as a chat template and, when it
- * compiles, renders it with a few messages (both add_generation_prompt values).
+ * compiles, renders it with a few messages (both add_generation_prompt values),
+ * and once more with tools, an assistant's tool_calls and a tool message.
  * Seed corpus: fuzz/corpus/chat_template/. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,6 +20,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         char *text = NULL;
         if (kvs_chat_template_render(tpl, msgs, 4, agp, "<s>", "</s>", &text) == KVS_OK) free(text);
     }
+    static const kvs_chat_message with_tools[] = {
+        { "user", "Weather?" },
+        { "assistant", "", "[{\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\","
+                           "\"arguments\":{\"city\":\"Paris\",\"days\":[1,2.5],\"ok\":true,\"x\":null}}}]" },
+        { "tool", "21 C", NULL, "c1", "get_weather" },
+    };
+    static const char tools[] = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":"
+                                "\"The weather\",\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":"
+                                "{\"type\":\"string\"}},\"required\":[\"city\"]}}}]";
+    char *text = NULL;
+    if (kvs_chat_template_render_tools(tpl, with_tools, 3, tools, true, "<s>", "</s>", &text) == KVS_OK) free(text);
     kvs_chat_template_destroy(tpl);
     return 0;
 }

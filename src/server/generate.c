@@ -175,6 +175,7 @@ void kvs_stream_free(void *cls) {
     pthread_mutex_lock(&g->mu);
     kvs_gen_log(g, st->meta.id, &st->policy);
     pthread_mutex_unlock(&g->mu);
+    kvs_resp_tool_parsers_free(st->tools, g->n_choices);
     kvs_server_request_done(st->srv, g);
     kvs_gen_release(g);
     free(st->out);
@@ -209,7 +210,11 @@ static void take_pending(kvs_stream *st) {
         bool failed = c->finish == KVS_FINISH_ERROR, end = c->finish != KVS_FINISH_NONE && !c->end_sent;
         kvs_resp_slice s = {c->text, c->text_len, c->ids, st->meta.logprobs ? c->lps : NULL, c->n_ids, c->text_offset,
                             i, c->top_ids, c->top_lps, g->n_top, failed || !end ? KVS_FINISH_NONE : c->finish};
-        if (s.text_len || s.n || (end && !failed)) out_event(st, kvs_resp_chunk(&st->meta, &s, false, st->include_usage));
+        kvs_tool_events ev = {0};
+        if (st->tools) kvs_resp_tool_stream(st->tools[i], &s, &ev, end);
+        if ((st->tools ? ev.n > 0 : s.text_len > 0) || s.n || (end && !failed))
+            out_event(st, kvs_resp_chunk(&st->meta, &s, false, st->include_usage));
+        kvs_tool_events_free(&ev);
         c->text_offset += c->text_len;
         c->text_len = 0;
         c->n_ids = 0;

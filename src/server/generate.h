@@ -46,6 +46,7 @@ typedef struct {
     char *req_id;        /* meta.id's storage */
     int fd;              /* the client's socket, to notice a disconnect while waiting */
     bool include_usage, ended;
+    kvs_tool_parser **tools; /* chat with tools: a parser a choice (its calls become delta.tool_calls) */
     bool probed;         /* sent an SSE comment to tell a closed client from a half-closed one */
     kvs_peer_progress progress;
     size_t text_offset;

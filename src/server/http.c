@@ -250,6 +250,16 @@ kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, c
             return st;
         }
     }
+    /* how outputs with tools are parsed: --tool-call-parser, or what the template's model writes */
+    const char *parser = cfg->tool_call_parser ? cfg->tool_call_parser : "auto";
+    if (!kvs_tool_format_parse(parser, &s->tool_format)) {
+        kvs_server_free(s);
+        return kvs_fail(KVS_ERR_INVALID, "--tool-call-parser: '%s' is not llama3_json, hermes, none or auto", parser);
+    }
+    if (!strcmp(parser, "auto")) {
+        const char *src = tok ? kvs_tokenizer_chat_template(tok) : NULL;
+        s->tool_format = kvs_tool_format_for_template(src ? src : kvs_chat_template_default());
+    }
     *out = s;
     return KVS_OK;
 }

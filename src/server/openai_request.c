@@ -56,6 +56,7 @@ void kvs_api_request_free(kvs_api_request *r) {
     free(r->model);
     free(r->prompt);
     free(r->prompt_ids);
+    kvs_api_tools_free(r);
     for (int i = 0; i < r->n_messages; i++) {
         free((char *)r->messages[i].role);
         free((char *)r->messages[i].content);
@@ -260,6 +261,7 @@ static bool parse_messages(json_t *v, const kvs_api_limits *lim, kvs_api_request
         r->messages[i].role = strdup(!strcmp(rs, "developer") ? "system" : rs);
         r->messages[i].content = content;
         r->n_messages = (int)i + 1;
+        if (!kvs_api_parse_message_tools(m, (int)i, &r->messages[i], err)) return false;
     }
     return true;
 }
@@ -454,6 +456,8 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
         } else if (!strcmp(key, "suffix") && kind == KVS_API_COMPLETIONS) {
             if (!json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
                 return kvs_api_fail(err, 400, "suffix", "'suffix' is not supported");
+        } else if (kind == KVS_API_CHAT && kvs_api_is_tools_field(key)) {
+            if (!kvs_api_parse_tools_field(key, v, r, err)) return false;
         } else if (!check_neutral(key, v, err)) {
             return false;
         }
@@ -465,6 +469,7 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
     if (kind == KVS_API_COMPLETIONS && !r->prompt && !r->prompt_ids)
         return kvs_api_fail(err, 400, "prompt", "'prompt' is required");
     if (kind == KVS_API_CHAT && !r->messages) return kvs_api_fail(err, 400, "messages", "'messages' is required");
+    if (kind == KVS_API_CHAT && !kvs_api_tools_check(r, err)) return false;
     if (r->include_usage && !r->stream)
         return kvs_api_fail(err, 400, "stream_options", "'stream_options' is only allowed with 'stream': true");
     return check_sampling(&r->sampling, err); /* the prompt's length against the context: route.c */
@@ -477,6 +482,7 @@ bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, cons
     r->kind = kind;
     r->sampling = kvs_sampling_default();
     r->sampling.temperature = 1.0f; /* OpenAI's default */
+    kvs_api_tools_defaults(r);
     json_error_t jerr;
     json_t *root = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &jerr);
     if (!root) {

@@ -155,8 +155,9 @@ static void put_token_ids(json_t *choice, const kvs_resp_meta *m, const kvs_resp
     json_object_set_new(choice, "token_ids", ids);
 }
 
-static json_t *finish_json(kvs_finish f) {
-    const char *r = kvs_resp_finish_reason(f);
+/* tools_called: calls were parsed from an output that stopped by itself */
+static json_t *finish_json(kvs_finish f, bool tools_called) {
+    const char *r = tools_called && f == KVS_FINISH_STOP ? "tool_calls" : kvs_resp_finish_reason(f);
     return r ? json_string(r) : json_null();
 }
 
@@ -173,14 +174,17 @@ static char *dump(json_t *root) {
 
 static json_t *full_choice(const kvs_resp_meta *m, const kvs_resp_slice *s) {
     json_t *choice = json_pack("{s:i}", "index", s->index);
-    if (m->kind == KVS_API_CHAT)
+    bool called = false;
+    if (m->kind == KVS_API_CHAT && m->tools != KVS_TOOL_FORMAT_NONE)
+        json_object_set_new(choice, "message", kvs_resp_tool_message(m, s->index, s->text, s->text_len, &called));
+    else if (m->kind == KVS_API_CHAT)
         json_object_set_new(choice, "message",
                             json_pack("{s:s, s:o}", "role", "assistant", "content", text_json(s->text, s->text_len)));
     else
         json_object_set_new(choice, "text", text_json(s->text, s->text_len));
     json_object_set_new(choice, "logprobs", logprobs_json(m, s));
     put_token_ids(choice, m, s);
-    json_object_set_new(choice, "finish_reason", finish_json(s->finish));
+    json_object_set_new(choice, "finish_reason", finish_json(s->finish, called));
     return choice;
 }
 
@@ -202,14 +206,15 @@ char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first
     if (chat) {
         json_t *delta = json_object();
         if (first) json_object_set_new(delta, "role", json_string("assistant"));
-        if (s->text_len || first) json_object_set_new(delta, "content", text_json(s->text, s->text_len));
+        if (s->tool_events) kvs_resp_tool_delta(m, delta, s->tool_events);
+        else if (s->text_len || first) json_object_set_new(delta, "content", text_json(s->text, s->text_len));
         json_object_set_new(choice, "delta", delta);
     } else {
         json_object_set_new(choice, "text", text_json(s->text, s->text_len));
     }
     json_object_set_new(choice, "logprobs", s->n ? logprobs_json(m, s) : json_null());
     put_token_ids(choice, m, s);
-    json_object_set_new(choice, "finish_reason", finish_json(s->finish));
+    json_object_set_new(choice, "finish_reason", finish_json(s->finish, s->tools_called));
     json_object_set_new(root, "choices", json_pack("[o]", choice));
     if (usage_field) json_object_set_new(root, "usage", json_null());
     return dump(root);

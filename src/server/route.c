@@ -205,8 +205,11 @@ static bool encode_prompt(kvs_server *s, kvs_http_prepared *p, kvs_api_error *er
     if (!s->tok) return kvs_api_fail(err, 400, "prompt", "this model has no tokenizer: send token ids");
     kvs_status st;
     if (r->kind == KVS_API_CHAT) {
-        st = kvs_tokenizer_encode_chat(s->tok, s->tpl, r->messages, r->n_messages, &p->ids, &p->n_ids);
-        if (st != KVS_OK) return kvs_api_fail(err, 400, "messages", "%s", kvs_last_error());
+        st = kvs_tokenizer_encode_chat_tools(s->tok, s->tpl, r->messages, r->n_messages, r->tools, &p->ids, &p->n_ids);
+        if (st != KVS_OK) {
+            const char *msg = kvs_last_error();
+            return kvs_api_fail(err, 400, strncmp(msg, "tools ", 6) ? "messages" : "tools", "%s", msg);
+        }
     } else {
         kvs_encode_options eo = {.add_special_tokens = true, .parse_special = false};
         st = kvs_tokenizer_encode(s->tok, r->prompt, strlen(r->prompt), eo, &p->ids, &p->n_ids);
@@ -226,6 +229,8 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
         return false;
     }
     if (!encode_prompt(s, p, err)) return false;
+    /* >>> tool_choice required / a named function: r->constraint_* for the grammar engine */
+    if (!kvs_api_tool_constrain(r, s->tool_format, err)) return false;
     int max_len = s->limits.max_model_len, n = p->n_ids;
     const char *prompt_param = r->kind == KVS_API_CHAT ? "messages" : "prompt";
     if (n >= max_len)

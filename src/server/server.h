@@ -29,6 +29,9 @@ typedef struct {
     int n_layers;      /* for kv_policy validation */
 } kvs_api_limits;
 
+/* tool_choice (tools_json.c) */
+typedef enum { KVS_TOOL_CHOICE_AUTO, KVS_TOOL_CHOICE_NONE, KVS_TOOL_CHOICE_REQUIRED, KVS_TOOL_CHOICE_FUNCTION } kvs_tool_choice;
+
 typedef struct {
     kvs_api_kind kind;
     char *model;                        /* NULL when absent */
@@ -49,6 +52,15 @@ typedef struct {
     kvs_kv_policy policy;
     char *cache_salt;                   /* NULL: none; requests share cached prefixes only with equal salts */
     bool return_token_ids;              /* vLLM's: the choices carry the generated "token_ids" */
+    /* tools (tools_json.c) */
+    char *tools;                        /* chat: the tools, JSON text of the array (NULL: none) */
+    kvs_tool_choice tool_choice;
+    char *tool_choice_name;             /* KVS_TOOL_CHOICE_FUNCTION: the function */
+    bool parallel_tool_calls;           /* false: one call at most */
+    /* tool_choice required or a function: what the output must be (route.c fills
+     * them with kvs_api_tool_constraint): the prefix, then JSON text valid for the
+     * schema, then the suffix; NULL: no constraint. >>> the grammar engine's input */
+    char *constraint_schema, *constraint_prefix, *constraint_suffix;
     int n;                              /* choices (1 .. KVS_MAX_N) */
     kvs_logit_bias *logit_bias;         /* "logit_bias": {"id": bias, ...} */
     int n_logit_bias;
@@ -84,6 +96,7 @@ typedef struct {
     unsigned max_connections_per_ip; /* 0: 256; one address's connections beyond are refused */
     unsigned http_timeout_s;       /* 0: 60; a connection that makes no progress this long is closed */
     int max_preparing;             /* requests parsed and tokenized at once (0: 8); more wait, then 429 */
+    const char *tool_call_parser;  /* "llama3_json", "hermes", "none"; NULL or "auto": from the chat template */
     int max_tokens_default;        /* a request without max_tokens: at most this many (0: completions 16,
                                       chat the rest of the context) */
 } kvs_server_config;

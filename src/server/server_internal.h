@@ -8,12 +8,32 @@
 #include <sys/socket.h>
 
 #include "server/server.h"
+#include "server/tool_calls.h"
 
 /* ---- request fields (openai_request.c, kv_policy_json.c) ------------------- */
 /* An integer field in [lo, hi]; false after filling err. */
 bool kvs_api_get_int(json_t *v, const char *name, json_int_t lo, json_int_t hi, json_int_t *out, kvs_api_error *err);
 /* "kv_policy": {...} (null leaves *out alone); false after filling err. */
 bool kvs_api_parse_policy(json_t *v, const kvs_api_limits *lim, kvs_kv_policy *out, kvs_api_error *err);
+
+/* ---- tools (tools_json.c) ------------------------------------------------------ */
+bool kvs_api_is_tools_field(const char *key);  /* tools, tool_choice, parallel_tool_calls */
+bool kvs_api_parse_tools_field(const char *key, json_t *v, kvs_api_request *r, kvs_api_error *err);
+void kvs_api_tools_defaults(kvs_api_request *r);
+/* After every field: tool_choice against tools. */
+bool kvs_api_tools_check(kvs_api_request *r, kvs_api_error *err);
+/* A message's name, tool_call_id and (assistant) tool_calls into out (role set). */
+bool kvs_api_parse_message_tools(json_t *m, int i, kvs_chat_message *out, kvs_api_error *err);
+void kvs_api_tools_free(kvs_api_request *r); /* the fields above, the messages' included */
+/* For tool_choice required or a named function: the output must be prefix, then
+ * JSON text valid for schema, then suffix (malloc'ed; all NULL for other choices).
+ * The schema is one call's object: {"name": {"const": ...}, "arguments" (hermes)
+ * or "parameters" (llama3_json): the function's parameters}; anyOf over the tools
+ * for required. One call: parallel calls are not forced. */
+kvs_status kvs_tool_constraint(const char *tools, kvs_tool_choice choice, const char *function, kvs_tool_format f,
+                               char **schema, char **prefix, char **suffix);
+/* r's constraint_* from kvs_tool_constraint; false (400 naming tool_choice) when it cannot be. */
+bool kvs_api_tool_constrain(kvs_api_request *r, kvs_tool_format f, kvs_api_error *err);
 
 /* ---- response shapes (openai_response.c); every string is malloc'ed ------- */
 typedef struct {
@@ -25,6 +45,8 @@ typedef struct {
     bool logprobs;
     int top_logprobs;
     bool token_ids; /* the choice's "token_ids": the slice's ids */
+    kvs_tool_format tools; /* chat with tools: the output is parsed for calls (NONE: not) */
+    bool one_call;         /* parallel_tool_calls false: the first call only */
 } kvs_resp_meta;
 
 /* A slice of one choice's generated tokens and their text. */
@@ -40,6 +62,8 @@ typedef struct {
     const float *top_lps;
     int n_top;
     kvs_finish finish;  /* NONE: not the choice's last slice */
+    const kvs_tool_events *tool_events; /* a stream with tools: the delta is these, not text */
+    bool tools_called;  /* a stream with tools: calls were sent (finish "tool_calls") */
 } kvs_resp_slice;
 
 /* The whole response: one slice per choice, in index order. */
@@ -58,6 +82,17 @@ char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, int n_choic
 char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, bool usage_field);
 char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens, const kvs_resp_kv *kv);
 const char *kvs_resp_finish_reason(kvs_finish f);
+/* With tools (tool_response.c): the chat message of a whole output (content,
+ * tool_calls; *called: calls were made), and a stream chunk's delta. */
+json_t *kvs_resp_tool_message(const kvs_resp_meta *m, int index, const char *text, size_t n, bool *called);
+void kvs_resp_tool_delta(const kvs_resp_meta *m, json_t *delta, const kvs_tool_events *ev);
+/* The calls' ids: from the response's id and the choice. */
+uint64_t kvs_resp_tool_seed(const kvs_resp_meta *m, int index);
+/* A stream's parsers, one a choice (NULL when out of memory), and their end. */
+kvs_tool_parser **kvs_resp_tool_parsers(const kvs_resp_meta *m, int n_choices);
+void kvs_resp_tool_parsers_free(kvs_tool_parser **p, int n_choices);
+/* A stream's slice through its choice's parser p (last: the choice ended): s's tool_events become ev. */
+void kvs_resp_tool_stream(kvs_tool_parser *p, kvs_resp_slice *s, kvs_tool_events *ev, bool last);
 
 /* ---- one generation request, shared by the HTTP thread and the engine ------ */
 /* One choice's outputs (filled by the engine callback, under the gen's mu). */
@@ -123,6 +158,7 @@ struct kvs_server {
     kvs_engine *engine;
     const kvs_tokenizer *tok;
     kvs_chat_template *tpl;
+    kvs_tool_format tool_format; /* how outputs with tools are parsed (--tool-call-parser or the template) */
     kvs_api_limits limits;
     struct MHD_Daemon *daemon;
     int port;

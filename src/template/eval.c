@@ -490,24 +490,36 @@ static int exec_body(ct_ctx *c, ct_frame *f, const ct_nodes *body) {
     return R_OK;
 }
 
-char *ct_render(ct_err *e, const ct_node *root, const ct_message *msgs, int n_msgs,
+static void set_key(ct_ctx *c, ct_dict *d, const char *key, ct_value v) {
+    ct_dict_set(c, d, ct_strv(c, key, strlen(key)), v);
+}
+
+static ct_value str_or_none(ct_ctx *c, const char *s) { return s ? ct_strv(c, s, strlen(s)) : ct_none(); }
+
+/* A message as the dict transformers is given: role and content, then the
+ * keys the message has (name, tool_calls, tool_call_id) and no others, since
+ * templates test `'tool_calls' in message`. */
+static ct_value message_value(ct_ctx *c, const ct_message *m) {
+    ct_dict *d = ct_dict_new(c);
+    set_key(c, d, "role", str_or_none(c, m->role));
+    set_key(c, d, "content", str_or_none(c, m->content));
+    if (m->name) set_key(c, d, "name", str_or_none(c, m->name));
+    if (m->tool_calls) set_key(c, d, "tool_calls", ct_json_value(c, m->tool_calls, "a message's tool_calls"));
+    if (m->tool_call_id) set_key(c, d, "tool_call_id", str_or_none(c, m->tool_call_id));
+    return (ct_value){ .t = V_DICT, .d = d };
+}
+
+char *ct_render(ct_err *e, const ct_node *root, const ct_message *msgs, int n_msgs, const char *tools,
                 bool add_generation_prompt, const char *bos, const char *eos, size_t *out_len) {
     ct_ctx c = { .e = e };
     ct_frame *g = frame_new(&c, NULL);
     c.globals = g;
     ct_list *ml = ct_list_new(&c, n_msgs > 0 ? (size_t)n_msgs : 0);
-    for (int i = 0; i < n_msgs; i++) {
-        ct_dict *d = ct_dict_new(&c);
-        ct_value role = msgs[i].role ? ct_strv(&c, msgs[i].role, strlen(msgs[i].role)) : ct_none();
-        ct_value content = msgs[i].content ? ct_strv(&c, msgs[i].content, strlen(msgs[i].content)) : ct_none();
-        ct_dict_set(&c, d, ct_strref((ct_str){ "role", 4 }), role);
-        ct_dict_set(&c, d, ct_strref((ct_str){ "content", 7 }), content);
-        ml->v[i] = (ct_value){ .t = V_DICT, .d = d };
-    }
+    for (int i = 0; i < n_msgs; i++) ml->v[i] = message_value(&c, &msgs[i]);
     frame_set(&c, g, (ct_str){ "messages", 8 }, ct_listv(ml));
     frame_set(&c, g, (ct_str){ "add_generation_prompt", 21 }, ct_bool(add_generation_prompt));
     /* transformers passes tools=None and documents=None when none are given */
-    frame_set(&c, g, (ct_str){ "tools", 5 }, ct_none());
+    frame_set(&c, g, (ct_str){ "tools", 5 }, tools ? ct_json_value(&c, tools, "tools") : ct_none());
     frame_set(&c, g, (ct_str){ "documents", 9 }, ct_none());
     if (bos) frame_set(&c, g, (ct_str){ "bos_token", 9 }, ct_strv(&c, bos, strlen(bos)));
     if (eos) frame_set(&c, g, (ct_str){ "eos_token", 9 }, ct_strv(&c, eos, strlen(eos)));

@@ -4,9 +4,10 @@
  * Rendering follows transformers' apply_chat_template: jinja2 with
  * trim_blocks=True and lstrip_blocks=True, loop controls, transformers' tojson
  * (json.dumps, ensure_ascii=False), raise_exception() and strftime_now(). The
- * context holds messages (a list of {role, content} dicts), add_generation_prompt,
- * bos_token / eos_token (undefined when NULL), and tools = documents = None as
- * transformers passes them; any other name is jinja2's default Undefined.
+ * context holds messages (a list of {role, content} dicts, with name,
+ * tool_calls and tool_call_id where a message has them), add_generation_prompt,
+ * bos_token / eos_token (undefined when NULL), tools (the request's, as
+ * values, or None) and documents = None as transformers passes them; any other name is jinja2's default Undefined.
  * strftime_now() renders a fixed date (26 July 2024) so output is reproducible.
  *
  * Limits against hostile templates: source size, arena memory, output size
@@ -140,6 +141,7 @@ kvs_status kvs_chat_template_compile(const char *source, size_t len, kvs_chat_te
 typedef struct {
     const kvs_chat_message *msgs;
     int n_msgs;
+    const char *tools;
     bool add_generation_prompt;
     const char *bos, *eos;
     char *text;
@@ -152,14 +154,23 @@ static bool guarded_render(ct_err *e, const kvs_chat_template *tpl, render_job *
     for (int i = 0; i < job->n_msgs; i++) {
         m[i].role = job->msgs[i].role;
         m[i].content = job->msgs[i].content;
+        m[i].tool_calls = job->msgs[i].tool_calls;
+        m[i].tool_call_id = job->msgs[i].tool_call_id;
+        m[i].name = job->msgs[i].name;
     }
-    job->text = ct_render(e, tpl->root, m, job->n_msgs, job->add_generation_prompt, job->bos, job->eos, &job->len);
+    job->text = ct_render(e, tpl->root, m, job->n_msgs, job->tools, job->add_generation_prompt, job->bos, job->eos, &job->len);
     return true;
 }
 
 kvs_status kvs_chat_template_render(const kvs_chat_template *tpl, const kvs_chat_message *msgs, int n_msgs,
                                     bool add_generation_prompt, const char *bos_token, const char *eos_token,
                                     char **text) {
+    return kvs_chat_template_render_tools(tpl, msgs, n_msgs, NULL, add_generation_prompt, bos_token, eos_token, text);
+}
+
+kvs_status kvs_chat_template_render_tools(const kvs_chat_template *tpl, const kvs_chat_message *msgs, int n_msgs,
+                                          const char *tools, bool add_generation_prompt, const char *bos_token,
+                                          const char *eos_token, char **text) {
     if (!text) return kvs_fail(KVS_ERR_INVALID, "chat template: text is NULL");
     *text = NULL;
     if (!tpl) return kvs_fail(KVS_ERR_INVALID, "chat template: template is NULL");
@@ -170,7 +181,7 @@ kvs_status kvs_chat_template_render(const kvs_chat_template *tpl, const kvs_chat
     e.arena = &arena;
     e.src = tpl->src;
     e.src_len = tpl->src_len;
-    render_job job = { msgs, n_msgs, add_generation_prompt, bos_token, eos_token, NULL, 0 };
+    render_job job = { msgs, n_msgs, tools, add_generation_prompt, bos_token, eos_token, NULL, 0 };
     if (!guarded_render(&e, tpl, &job)) {
         ct_arena_free(&arena);
         return kvs_fail(e.nomem ? KVS_ERR_NOMEM : KVS_ERR_INVALID, "%s", e.msg);

@@ -237,10 +237,16 @@ ct_value ct_arg(ct_args *a, int i, const char *name, ct_value dflt);
 /* ---- evaluation (eval.c) ---------------------------------------- */
 typedef struct {
     const char *role, *content;
+    const char *tool_calls;              /* JSON text, or NULL */
+    const char *tool_call_id, *name;     /* NULL: no such key */
 } ct_message;
 
-/* Renders root into a NUL-terminated string allocated in e->arena. */
-char *ct_render(ct_err *e, const ct_node *root, const ct_message *msgs, int n_msgs,
+/* Renders root into a NUL-terminated string allocated in e->arena; tools:
+ * JSON text (NULL: tools = None). */
+char *ct_render(ct_err *e, const ct_node *root, const ct_message *msgs, int n_msgs, const char *tools,
                 bool add_generation_prompt, const char *bos, const char *eos, size_t *out_len);
+
+/* ---- JSON text -> values (json_value.c); what: the name its error gives --- */
+ct_value ct_json_value(ct_ctx *c, const char *text, const char *what);
 
 #endif

@@ -9,7 +9,11 @@
  * is stripped the same way. A template that writes a content with tojson
  * (Llama 3.1's tool results) writes the marker JSON-escaped: the content is
  * then escaped the same way. A content that is only whitespace holds no
- * control token text and is passed to the template as it is. */
+ * control token text and is passed to the template as it is. The tools and
+ * a message's tool_calls, tool_call_id and name are structured text the
+ * template takes apart: they are refused when a string in them holds the
+ * text of a special token (it would become that control token). */
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -123,8 +127,63 @@ static kvs_status append_content(id_buf *b, const kvs_tokenizer *tok, const char
     return st;
 }
 
+/* Fails when text would encode to a special token. */
+static kvs_status check_plain(const kvs_tokenizer *tok, const char *text, size_t len, const char *what) {
+    int32_t *ids = NULL;
+    int n = 0;
+    kvs_encode_options eo = {.add_special_tokens = false, .parse_special = true};
+    KVS_TRY(kvs_tokenizer_encode(tok, text, len, eo, &ids, &n));
+    int bad = -1;
+    for (int i = 0; i < n && bad < 0; i++)
+        if (kvs_tokenizer_is_special(tok, ids[i])) bad = ids[i];
+    free(ids);
+    if (bad < 0) return KVS_OK;
+    return kvs_fail(KVS_ERR_INVALID, "%s holds the text of the control token %s", what, kvs_tokenizer_token_text(tok, bad));
+}
+
+static kvs_status check_json_plain(const kvs_tokenizer *tok, json_t *j, const char *what) {
+    if (json_is_string(j)) return check_plain(tok, json_string_value(j), json_string_length(j), what);
+    const char *k;
+    json_t *v;
+    size_t i;
+    if (json_is_object(j)) json_object_foreach(j, k, v) {
+        KVS_TRY(check_plain(tok, k, strlen(k), what));
+        KVS_TRY(check_json_plain(tok, v, what));
+    }
+    if (json_is_array(j)) json_array_foreach(j, i, v) KVS_TRY(check_json_plain(tok, v, what));
+    return KVS_OK;
+}
+
+static kvs_status check_structured(const kvs_tokenizer *tok, const char *json, const char *what) {
+    if (!json) return KVS_OK;
+    json_t *j = json_loads(json, JSON_DECODE_ANY, NULL);
+    if (!j) return kvs_fail(KVS_ERR_INVALID, "%s is not valid JSON", what);
+    kvs_status st = check_json_plain(tok, j, what);
+    json_decref(j);
+    return st;
+}
+
+static kvs_status check_tool_fields(const kvs_tokenizer *tok, const kvs_chat_message *msgs, int n_msgs,
+                                    const char *tools) {
+    KVS_TRY(check_structured(tok, tools, "tools"));
+    for (int i = 0; i < n_msgs; i++) {
+        const kvs_chat_message *m = &msgs[i];
+        KVS_TRY(check_structured(tok, m->tool_calls, "a message's tool_calls"));
+        if (m->tool_call_id) KVS_TRY(check_plain(tok, m->tool_call_id, strlen(m->tool_call_id), "a message's tool_call_id"));
+        if (m->name) KVS_TRY(check_plain(tok, m->name, strlen(m->name), "a message's name"));
+    }
+    return KVS_OK;
+}
+
 kvs_status kvs_tokenizer_encode_chat(const kvs_tokenizer *tok, const kvs_chat_template *tpl,
                                      const kvs_chat_message *msgs, int n_msgs, int32_t **ids_out, int *n_out) {
+    return kvs_tokenizer_encode_chat_tools(tok, tpl, msgs, n_msgs, NULL, ids_out, n_out);
+}
+
+kvs_status kvs_tokenizer_encode_chat_tools(const kvs_tokenizer *tok, const kvs_chat_template *tpl,
+                                           const kvs_chat_message *msgs, int n_msgs, const char *tools,
+                                           int32_t **ids_out, int *n_out) {
+    KVS_TRY(check_tool_fields(tok, msgs, n_msgs, tools));
     kvs_chat_message *marked = calloc(n_msgs > 0 ? n_msgs : 1, sizeof *marked);
     char (*marks)[32] = calloc(n_msgs > 0 ? n_msgs : 1, 32);
     if (!marked || !marks) {
@@ -133,17 +192,18 @@ kvs_status kvs_tokenizer_encode_chat(const kvs_tokenizer *tok, const kvs_chat_te
         return kvs_fail(KVS_ERR_NOMEM, "out of memory");
     }
     for (int i = 0; i < n_msgs; i++) {
-        size_t start, len;
-        kvs_chat_template_strip(msgs[i].content, strlen(msgs[i].content), true, true, &start, &len);
+        size_t start = 0, len = 0;
+        if (msgs[i].content)
+            kvs_chat_template_strip(msgs[i].content, strlen(msgs[i].content), true, true, &start, &len);
         snprintf(marks[i], 32, "%c%cM%d%c%c", MARK_PAD, MARK_OPEN, i, MARK_CLOSE, MARK_PAD);
-        marked[i].role = msgs[i].role;
+        marked[i] = msgs[i];
         /* whitespace (or nothing) is given as it is: a template may test it for
            emptiness, and a strip of a joined string strips through it */
         marked[i].content = len ? marks[i] : msgs[i].content;
     }
     char *text = NULL;
-    kvs_status st = kvs_chat_template_render(tpl, marked, n_msgs, true, kvs_tokenizer_bos_token(tok),
-                                             kvs_tokenizer_eos_token(tok), &text);
+    kvs_status st = kvs_chat_template_render_tools(tpl, marked, n_msgs, tools, true, kvs_tokenizer_bos_token(tok),
+                                                   kvs_tokenizer_eos_token(tok), &text);
     free(marked);
     free(marks);
     if (st != KVS_OK) return st;
@@ -151,7 +211,7 @@ kvs_status kvs_tokenizer_encode_chat(const kvs_tokenizer *tok, const kvs_chat_te
     const char *p = text, *seg = text;
     while (st == KVS_OK && *p) {
         marker m;
-        if ((*p == MARK_OPEN || *p == '\\') && match_marker(p, seg, n_msgs, &m)) {
+        if ((*p == MARK_OPEN || *p == '\\') && match_marker(p, seg, n_msgs, &m) && msgs[m.idx].content) {
             st = append(&b, tok, seg, (size_t)(m.begin - seg), true);
             if (st == KVS_OK) st = append_content(&b, tok, msgs[m.idx].content, &m);
             p = seg = m.end;

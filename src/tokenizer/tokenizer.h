@@ -71,5 +71,11 @@ void kvs_detokenizer_destroy(kvs_detokenizer *d);
  * false for them). *ids is malloc'ed. */
 kvs_status kvs_tokenizer_encode_chat(const kvs_tokenizer *t, const kvs_chat_template *tpl,
                                      const kvs_chat_message *msgs, int n_msgs, int32_t **ids, int *n_ids);
+/* The same with the request's tools (JSON text, template.h; NULL: none). The
+ * tools and the messages' tool_calls, tool_call_id and name are refused
+ * (KVS_ERR_INVALID) when a string in them holds a special token's text. */
+kvs_status kvs_tokenizer_encode_chat_tools(const kvs_tokenizer *t, const kvs_chat_template *tpl,
+                                           const kvs_chat_message *msgs, int n_msgs, const char *tools,
+                                           int32_t **ids, int *n_ids);
 
 #endif
