@@ -35,7 +35,10 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
         .policy = r->has_policy ? &r->policy : NULL,
         .cache_salt = r->cache_salt,
     };
-    if (r->format != KVS_FORMAT_TEXT) { /* structured output: the compiled grammar, shared by its schema */
+    if (r->constraint_schema) { /* tool_choice required or a function: a call that fits its schema */
+        p.grammar = kvs_server_grammar(s, r->constraint_schema, r->constraint_prefix, r->constraint_suffix, "tools", err);
+        if (!p.grammar) return false;
+    } else if (r->format != KVS_FORMAT_TEXT) { /* structured output: the compiled grammar, shared by its schema */
         p.grammar = kvs_server_grammar(s, r->format == KVS_FORMAT_JSON_SCHEMA ? r->format_schema : NULL, NULL, NULL,
                                        "response_format.json_schema", err);
         if (!p.grammar) return false;

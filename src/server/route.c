@@ -229,7 +229,7 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
         return false;
     }
     if (!encode_prompt(s, p, err)) return false;
-    /* >>> tool_choice required / a named function: r->constraint_* for the grammar engine */
+    /* tool_choice required / a named function: r->constraint_*, compiled to a grammar at submit (completions.c) */
     if (!kvs_api_tool_constrain(r, s->tool_format, err)) return false;
     int max_len = s->limits.max_model_len, n = p->n_ids;
     const char *prompt_param = r->kind == KVS_API_CHAT ? "messages" : "prompt";
