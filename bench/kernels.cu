@@ -64,6 +64,27 @@ static void run_sample(kvs_backend *b, void *p) {
     sample_ctx *c = (sample_ctx *)p;
     b->sample(b, c->ids, c->lp, c->logits, c->n, c->vocab, c->vocab, c->params);
 }
+struct logits_ctx {
+    void *logits, *out;
+    kvs_process_row *rows;
+    kvs_logit_adjust *adjust;
+    uint32_t *masks, *h_masks;
+    int32_t *ids, *top_ids;
+    float *lp, *top_lp;
+    int n, vocab, k;
+};
+static void run_masks_h2d(kvs_backend *b, void *p) {
+    logits_ctx *c = (logits_ctx *)p;
+    b->to_device(b, c->masks, c->h_masks, (size_t)c->n * ((c->vocab + 31) / 32) * 4);
+}
+static void run_process(kvs_backend *b, void *p) {
+    logits_ctx *c = (logits_ctx *)p;
+    b->process_logits(b, c->out, c->vocab, c->logits, c->vocab, c->n, c->vocab, c->rows, c->adjust, c->masks);
+}
+static void run_top(kvs_backend *b, void *p) {
+    logits_ctx *c = (logits_ctx *)p;
+    b->top_logprobs(b, c->lp, c->top_ids, c->top_lp, c->logits, c->n, c->vocab, c->vocab, c->ids, c->k);
+}
 static void run_logits_d2h(kvs_backend *b, void *p) {
     sample_ctx *c = (sample_ctx *)p;
     b->to_host_f32(b, c->host, c->logits, (size_t)c->n * c->vocab);
@@ -394,6 +415,46 @@ int main(int argc, char **argv) {
         b->free(b, sc.logits), b->free(b, sc.ids), b->free(b, sc.lp), b->free(b, sc.params);
     }
 
+    /* structured output and sampling controls at decode batch 64, 128k vocabulary: the
+       masks' upload, process_logits (every row masked, 300 adjust entries a row) and
+       top_logprobs (k 20), against a Llama-3-8B decode step's floor (16 GB of weights
+       at the copy bandwidth + the decode attention above) */
+    double t_masks_h2d, t_process, t_top;
+    {
+        const int MR = 64, MV = 128256, MW = (MV + 31) / 32, MA = 300;
+        logits_ctx lc = {};
+        lc.n = MR, lc.vocab = MV, lc.k = 20;
+        lc.logits = b->alloc(b, (size_t)MR * MV * 2), lc.out = b->alloc(b, (size_t)MR * MV * 2);
+        lc.rows = (kvs_process_row *)b->alloc(b, MR * sizeof(kvs_process_row));
+        lc.adjust = (kvs_logit_adjust *)b->alloc(b, (size_t)MR * MA * sizeof(kvs_logit_adjust));
+        lc.masks = (uint32_t *)b->alloc(b, (size_t)MR * MW * 4);
+        lc.ids = (int32_t *)b->alloc(b, MR * 4), lc.lp = (float *)b->alloc(b, MR * 4);
+        lc.top_ids = (int32_t *)b->alloc(b, MR * 20 * 4), lc.top_lp = (float *)b->alloc(b, MR * 20 * 4);
+        lc.h_masks = (uint32_t *)b->host_alloc(b, (size_t)MR * MW * 4);
+        if (!lc.logits || !lc.out || !lc.rows || !lc.adjust || !lc.masks || !lc.h_masks) return fprintf(stderr, "out of memory\n"), 1;
+        fill((bf16 *)lc.logits, (size_t)MR * MV, 77);
+        kvs_process_row *hr = (kvs_process_row *)malloc(MR * sizeof(kvs_process_row));
+        kvs_logit_adjust *ha = (kvs_logit_adjust *)malloc((size_t)MR * MA * sizeof(kvs_logit_adjust));
+        for (int r = 0; r < MR; r++) {
+            hr[r] = kvs_process_row{0.5f, 0.5f, 1.1f, r * MA, MA, r};
+            for (int e = 0; e < MA; e++) ha[r * MA + e] = kvs_logit_adjust{e * 401 % MV, e % 3, 0.5f, e % 2};
+        }
+        for (size_t i = 0; i < (size_t)MR * MW; i++) lc.h_masks[i] = (uint32_t)(i * 2654435761u);
+        b->to_device(b, lc.rows, hr, MR * sizeof(kvs_process_row));
+        b->to_device(b, lc.adjust, ha, (size_t)MR * MA * sizeof(kvs_logit_adjust));
+        cudaMemset(lc.ids, 0, MR * 4); /* the drawn ids: any in range */
+        t_masks_h2d = time_it(b, 20, run_masks_h2d, &lc);
+        t_process = time_it(b, 20, run_process, &lc);
+        t_top = time_it(b, 20, run_top, &lc);
+        printf("batch 64 x 128256: masks upload %.1f us, process_logits %.1f us, top_logprobs (k 20) %.1f us\n",
+               t_masks_h2d * 1e6, t_process * 1e6, t_top * 1e6);
+        free(hr), free(ha);
+        b->host_free(b, lc.h_masks);
+        void *dev[] = {lc.logits, lc.out, lc.rows, lc.adjust, lc.masks, lc.ids, lc.lp, lc.top_ids, lc.top_lp};
+        for (void *d : dev) b->free(b, d);
+    }
+    double t_step_floor = 16.06e9 / (copy_bw * 1e9) + t_dec_v[0]; /* copy_bw counts read + write: the DRAM rate */
+
     /* fused ops vs the unfused pairs (Llama-3-8B shapes; decode batch 64 and a 4096-token prefill) */
     fused_result fr[4] = {bench_add_rmsnorm(b, 64, 4096), bench_add_rmsnorm(b, 4096, 4096),
                           bench_rope_kv_write(b, 64), bench_rope_kv_write(b, 4096)};
@@ -428,6 +489,10 @@ int main(int argc, char **argv) {
            "%.2f%% (target <= 3%%) |\n", t_all * 1e6, t_layer_us, 100 * t_all / t_layer);
     printf("| sample 256 x 128256: greedy / temperature / top-k+top-p+min-p | %.1f / %.1f / %.1f us | logits to host (f32) %.1f us | %.0f%% |\n",
            t_sample[0] * 1e6, t_sample[1] * 1e6, t_sample[2] * 1e6, t_logits_d2h * 1e6, 100 * t_sample[2] / t_logits_d2h);
+    printf("| masks upload + process_logits + top_logprobs k 20, 64 x 128256 | %.1f + %.1f + %.1f us | 8B decode step floor "
+           "(weights at copy rate + attention 64 x 4096) %.0f us | %.1f%% (mask target <= 10%%) |\n",
+           t_masks_h2d * 1e6, t_process * 1e6, t_top * 1e6, t_step_floor * 1e6,
+           100 * (t_masks_h2d + t_process) / t_step_floor);
     const char *fused_pair[4] = {"add + rmsnorm", "add + rmsnorm", "rope q + rope k + kv_write",
                                  "rope q + rope k + kv_write"};
     const char *fused_shape[4] = {"64 x 4096", "4096 x 4096", "64 tokens, 32/8 x 128", "4096 tokens, 32/8 x 128"};
