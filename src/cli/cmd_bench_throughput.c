@@ -14,6 +14,8 @@ typedef struct {
     kvs_load_options load;
     kvs_kv_policy policy;
     int input_len, output_len, num_prompts, max_num_seqs, max_num_batched_tokens;
+    int n;           /* --n: choices per prompt (num_prompts sequences in all) */
+    bool n_separate; /* --n-separate: the same prompt n times as separate requests (the baseline of --n) */
     double kv_gib, gpu_gib;
     uint64_t seed;
     bool ignore_eos, json, prefix_caching;
@@ -29,6 +31,9 @@ static void usage(FILE *f) {
                "  --output-len N         tokens generated per request (default 500)\n"
                "  --num-prompts N        requests, all queued at once (default 100)\n"
                "  --ignore-eos           always generate --output-len tokens\n"
+               "  --n N                  N choices per prompt (temperature 1; --num-prompts sequences in all):\n"
+               "                         one request with n = N each (the prompt prefilled once)\n"
+               "  --n-separate           with --n: the same prompt in N separate requests instead\n"
                "  --max-num-seqs N       running sequences at most (default 64)\n"
                "  --max-num-batched-tokens N  tokens per step (default 2048)\n"
                "  --kv-memory GiB        the KV pool's size (default 1; per rank)\n"
@@ -74,6 +79,8 @@ static int parse_args(int argc, char **argv, tp_options *o) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
         else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = true;
         else if (!strcmp(a, "--json")) o->json = true;
+        else if (!strcmp(a, "--n-separate")) o->n_separate = true;
+        else if (!strcmp(a, "--n") && v) { if (!parse_pos_int(argv[++i], &o->n) || o->n > KVS_MAX_N) goto bad; }
         else if (!strcmp(a, "--input-len") && v) { if (!parse_pos_int(argv[++i], &o->input_len)) goto bad; }
         else if (!strcmp(a, "--output-len") && v) { if (!parse_pos_int(argv[++i], &o->output_len)) goto bad; }
         else if (!strcmp(a, "--num-prompts") && v) { if (!parse_pos_int(argv[++i], &o->num_prompts)) goto bad; }
@@ -127,9 +134,11 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     kvs_rng_seed(&rng, o->seed);
     kvs_request_params p = {.prompt_ids = prompt, .n_prompt = o->input_len, .sampling = kvs_sampling_default(),
                             .max_tokens = o->output_len, .ignore_eos = o->ignore_eos};
-    for (int r = 0; st == KVS_OK && r < o->num_prompts; r++) {
+    int n = o->n > 1 ? o->n : 1, copies = o->n_separate ? n : 1;
+    if (n > 1) p.sampling.temperature = 1, p.n = o->n_separate ? 1 : n;
+    for (int r = 0; st == KVS_OK && r < o->num_prompts; r += n) {
         for (int i = 0; i < o->input_len; i++) prompt[i] = (int32_t)(kvs_rng_u64(&rng) % l->cfg.vocab_size);
-        st = kvs_engine_submit(e, &p, on_output, counts, NULL);
+        for (int c = 0; st == KVS_OK && c < copies; c++) st = kvs_engine_submit(e, &p, on_output, counts, NULL);
     }
     if (st != KVS_OK) {
         char why[512];
