@@ -1140,12 +1140,7 @@ Test(engine, n_choices_share_one_prefill, .timeout = 600) {
 Test(engine, grammar_output_closes_before_max_tokens, .timeout = 600) {
     fixture f;
     fx_open(&f);
-    kvs_engine_config c = kvs_engine_config_default();
-    c.max_num_seqs = 8;
-    c.max_model_len = 256;
-    c.kv_memory_bytes = 16 << 20;
-    kvs_engine *e;
-    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    kvs_engine *e = small_engine(&f, 256);
     static const char *const schemas[] = {
         "{\"type\":\"object\",\"properties\":{\"text\":{\"type\":\"string\"}},\"required\":[\"text\"]}",
         "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},\"tags\":{\"type\":\"array\","
