@@ -1134,3 +1134,43 @@ Test(engine, n_choices_share_one_prefill, .timeout = 600) {
     kvs_engine_destroy(e);
     fx_close(&f);
 }
+
+/* a grammar request whose max_tokens runs out closes its JSON in time: the last tokens take the shortest
+   way to a complete value, so the output parses whatever the budget (from the shortest output's length on) */
+Test(engine, grammar_output_closes_before_max_tokens, .timeout = 600) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine *e = small_engine(&f, 256);
+    static const char *const schemas[] = {
+        "{\"type\":\"object\",\"properties\":{\"text\":{\"type\":\"string\"}},\"required\":[\"text\"]}",
+        "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},\"tags\":{\"type\":\"array\","
+        "\"items\":{\"type\":\"string\"},\"minItems\":2},\"code\":{\"type\":\"integer\"}},\"required\":[\"name\",\"tags\",\"code\"]}",
+    };
+    uint64_t seed = kvs_test_seed();
+    for (int k = 0; k < 2; k++) {
+        kvs_grammar *g;
+        cr_assert_eq(kvs_grammar_from_json_schema(schemas[k], strlen(schemas[k]), NULL, NULL, &g), KVS_OK, "%s", kvs_last_error());
+        sink out[8] = {0};
+        int32_t *prompts[8];
+        for (int i = 0; i < 8; i++) {
+            prompts[i] = random_prompt(seed + (uint64_t)(k * 8 + i), 12);
+            kvs_request_params p = greedy_params(prompts[i], 12, 36 + 4 * i); /* the shortest: 11 and 33 bytes */
+            p.sampling.temperature = 1.0f;
+            p.sampling.seed = seed + (uint64_t)i;
+            p.grammar = g;
+            cr_assert_eq(kvs_engine_submit(e, &p, on_output, &out[i], NULL), KVS_OK, "%s", kvs_last_error());
+        }
+        kvs_grammar_unref(g); /* the requests hold theirs */
+        run_until_idle(e, 2000);
+        for (int i = 0; i < 8; i++) {
+            cr_assert(out[i].finish == KVS_FINISH_STOP || out[i].finish == KVS_FINISH_LENGTH, "%s", out[i].error);
+            json_t *v = json_loadb(out[i].text, out[i].text_len, 0, NULL);
+            cr_expect(v && json_is_object(v), "schema %d, max_tokens %d: not complete JSON after %d tokens: %.*s", k, 36 + 4 * i,
+                      out[i].n, (int)out[i].text_len, out[i].text);
+            json_decref(v);
+            free(prompts[i]);
+        }
+    }
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}

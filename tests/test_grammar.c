@@ -622,6 +622,224 @@ Test(grammar, no_invalid_output_reachable_bundled, .timeout = 600) { walks(bundl
 Test(grammar_fetched, no_valid_prefix_masked_out_llama3, .timeout = 900) { documents(llama3(), 20); }
 Test(grammar_fetched, no_invalid_output_reachable_llama3, .timeout = 900) { walks(llama3(), 8); }
 
+/* ---- closing the output in time ----------------------------------------------------------- */
+typedef struct {
+    schema_case c;
+    const char *shortest; /* a shortest valid output, written by hand */
+} closing_case;
+static const closing_case CLOSING[] = {
+    {{"person", PERSON, NULL, NULL}, "{\"name\":\"\",\"age\":0}"},
+    {{"name_code", "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},\"code\":{\"type\":\"integer\"}},"
+                   "\"required\":[\"name\",\"code\"]}", NULL, NULL},
+     "{\"name\":\"\",\"code\":0}"},
+    {{"nested", NESTED, NULL, NULL}, "{\"id\":0,\"tags\":[\"\"],\"status\":3}"},
+    {{"tree", TREE, NULL, NULL}, "{\"value\":0}"},
+    {{"alts", ALTS, NULL, NULL}, "{\"x\":0}"},
+    {{"optional", OPTIONAL, NULL, NULL}, "{\"c\":null}"},
+    {{"tool_call", PERSON, "<tool_call>\n", "\n</tool_call>"}, "<tool_call>\n{\"name\":\"\",\"age\":0}\n</tool_call>"},
+    {{"min_items", "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":3},"
+                   "\"s\":{\"type\":\"string\",\"minLength\":3}},\"required\":[\"a\",\"s\"]}", NULL, NULL},
+     "{\"a\":[0,0,0],\"s\":\"aaa\"}"},
+    {{"enum", "{\"type\":\"object\",\"properties\":{\"e\":{\"enum\":[\"long\",\"xy\",12,false]},"
+              "\"o\":{\"type\":\"object\",\"properties\":{\"b\":{\"type\":\"boolean\"}},\"required\":[\"b\"]}},"
+              "\"required\":[\"e\",\"o\"]}", NULL, NULL},
+     "{\"e\":12,\"o\":{\"b\":true}}"},
+    {{"json_object", NULL, NULL, NULL}, "{}"},
+};
+enum { N_CLOSING = sizeof CLOSING / sizeof CLOSING[0] };
+
+Test(grammar, bytes_to_complete_is_the_shortest_output) {
+    vocab_rig vr;
+    vocab_open(&vr, bundled());
+    for (int c = 0; c < N_CLOSING; c++) {
+        const closing_case *k = &CLOSING[c];
+        kvs_grammar *g = compile(&k->c);
+        bool complete = false;
+        int n_bytes = (int)strlen(k->shortest);
+        cr_assert(kvs_grammar_accepts_prefix(g, k->shortest, strlen(k->shortest), &complete) && complete, "%s", k->c.name);
+        kvs_grammar_matcher *m;
+        cr_assert_eq(kvs_grammar_matcher_create(g, vr.v, &m), KVS_OK);
+        cr_expect_eq(kvs_grammar_matcher_bytes_to_complete(m), n_bytes, "%s: %d bytes to complete, %s is %d",
+                     k->c.name, kvs_grammar_matcher_bytes_to_complete(m), k->shortest, n_bytes);
+        /* along the shortest output, every token takes its length off */
+        int32_t *ids;
+        int n;
+        cr_assert_eq(kvs_tokenizer_encode(vr.tok, k->shortest, strlen(k->shortest), (kvs_encode_options){0}, &ids, &n), KVS_OK);
+        for (int i = 0; i < n; i++) {
+            char buf[256];
+            size_t len;
+            cr_assert_eq(kvs_tokenizer_token_bytes(vr.tok, ids[i], buf, sizeof buf, &len), KVS_OK);
+            cr_assert_eq(kvs_grammar_matcher_accept(m, ids[i]), KVS_OK, "%s", kvs_last_error());
+            n_bytes -= (int)len;
+            cr_expect_eq(kvs_grammar_matcher_bytes_to_complete(m), n_bytes, "%s: after token %d", k->c.name, i);
+        }
+        cr_assert(kvs_grammar_matcher_complete(m));
+        cr_assert_eq(kvs_grammar_matcher_accept(m, vr.end[0]), KVS_OK);
+        cr_expect_eq(kvs_grammar_matcher_bytes_to_complete(m), 0);
+        free(ids);
+        kvs_grammar_matcher_destroy(m);
+        kvs_grammar_unref(g);
+    }
+    vocab_close(&vr);
+}
+
+typedef struct {
+    vocab_rig vr;
+    char **bytes;
+    size_t *lens;
+    int V;
+    uint32_t *mask, *closing;
+    int32_t *pick;
+} closing_rig;
+
+static void closing_open(closing_rig *r) {
+    vocab_open(&r->vr, bundled());
+    token_bytes(&r->vr, &r->bytes, &r->lens);
+    r->V = kvs_grammar_vocab_size(r->vr.v);
+    r->mask = malloc((size_t)(r->V + 31) / 32 * 4);
+    r->closing = malloc((size_t)(r->V + 31) / 32 * 4);
+    r->pick = malloc((size_t)r->V * sizeof *r->pick);
+}
+
+static void closing_close(closing_rig *r) {
+    free(r->mask), free(r->closing), free(r->pick);
+    free_bytes(&r->vr, r->bytes, r->lens);
+    vocab_close(&r->vr);
+}
+
+/* any token of the closing mask each step until the end: every one is in the mask and takes its length
+   off bytes_to_complete, so the output ends within that many tokens (asserted) */
+static void close_out(closing_rig *r, kvs_grammar_matcher *m, text *out, kvs_rng *rng, const char *name) {
+    int budget = kvs_grammar_matcher_bytes_to_complete(m), left = budget, used = 0;
+    cr_assert_geq(budget, 0, "%s: cannot complete", name);
+    while (!kvs_grammar_matcher_ended(m)) {
+        kvs_grammar_matcher_mask(m, r->mask);
+        kvs_grammar_matcher_closing_mask(m, r->closing);
+        int n = 0;
+        for (int id = 0; id < r->V; id++) {
+            if (!bit(r->closing, id)) continue;
+            cr_assert(bit(r->mask, id), "%s: token %d in the closing mask, not in the mask", name, id);
+            r->pick[n++] = id;
+        }
+        fflush(out->f);
+        cr_assert(n > 0, "%s: empty closing mask after '%s'", name, out->s);
+        int id = r->pick[below(rng, n)];
+        cr_assert_eq(kvs_grammar_matcher_accept(m, id), KVS_OK, "%s: %s", name, kvs_last_error());
+        if (kvs_grammar_matcher_ended(m)) {
+            cr_assert_eq(left, 0, "%s: ended with %d bytes left", name, left);
+            break;
+        }
+        cr_assert(r->lens[id] > 0);
+        put(out, r->bytes[id], r->lens[id]);
+        left -= (int)r->lens[id];
+        used++;
+        fflush(out->f);
+        cr_assert_eq(kvs_grammar_matcher_bytes_to_complete(m), left, "%s: token %d off the shortest completion after '%s'",
+                     name, id, out->s);
+        cr_assert_leq(used, budget, "%s: more tokens than bytes to complete", name);
+    }
+}
+
+/* accepts text byte by byte (one-byte tokens; a space is "Ġ"), skipping the bytes refused; the count taken */
+static int accept_bytes(closing_rig *r, kvs_grammar_matcher *m, text *out, const char *s) {
+    int taken = 0;
+    for (; *s; s++) {
+        char one[2] = {*s, 0};
+        int id = kvs_tokenizer_token_id(r->vr.tok, *s == ' ' ? "\xc4\xa0" : one);
+        cr_assert(id >= 0, "no token for '%c'", *s);
+        if (kvs_grammar_matcher_accept(m, id) != KVS_OK) continue;
+        put(out, s, 1);
+        taken++;
+    }
+    return taken;
+}
+
+/* nesting up to the depth limit: bytes_to_complete is -1 where the mask is empty (and where what may
+   follow cannot be completed within the limit, e.g. a key whose value would be too deep), else the
+   closing mask still completes within it */
+Test(grammar, bytes_to_complete_counts_the_depth_limit) {
+    closing_rig r;
+    closing_open(&r);
+    kvs_rng rng;
+    kvs_rng_seed(&rng, kvs_test_seed() + 3);
+    kvs_grammar *g = compile_text(TREE);
+    static const char level[] = "{\"value\": 1,\"children\": [";
+    int n_none = 0, n_left = 0;
+    for (int i = 0; i < 64; i++) { /* levels of nesting (the limit cuts near 40), then level[0..stop) */
+        int levels = 38 + i / 13, stop = i % 13 * 2;
+        kvs_grammar_matcher *m;
+        cr_assert_eq(kvs_grammar_matcher_create(g, r.vr.v, &m), KVS_OK);
+        text out;
+        text_begin(&out);
+        for (int l = 0; l < levels; l++) accept_bytes(&r, m, &out, level);
+        char part[sizeof level];
+        memcpy(part, level, (size_t)stop);
+        part[stop] = 0;
+        accept_bytes(&r, m, &out, part);
+        fflush(out.f);
+        kvs_grammar_matcher_mask(m, r.mask);
+        bool none = true;
+        for (int w = 0; w < (r.V + 31) / 32; w++) none &= r.mask[w] == 0;
+        int left = kvs_grammar_matcher_bytes_to_complete(m);
+        if (none) cr_expect_eq(left, -1, "after %zu bytes: %d bytes to complete, nothing can follow", out.n, left);
+        n_none += left == -1, n_left += left >= 0;
+        if (left >= 0) {
+            close_out(&r, m, &out, &rng, "depth");
+            fflush(out.f);
+            json_t *v = json_loadb(out.s, out.n, 0, NULL);
+            cr_expect(v, "the output does not parse: %.300s", out.s);
+            json_decref(v);
+        }
+        text_end(&out);
+        free(out.s);
+        kvs_grammar_matcher_destroy(m);
+    }
+    cr_expect(n_none && n_left, "both cases seen: %d cut off, %d not", n_none, n_left);
+    kvs_grammar_unref(g);
+    closing_close(&r);
+}
+
+/* from random prefixes of each schema, closing completes, parses and fits the schema */
+Test(grammar, closing_mask_completes_within_bytes_to_complete, .timeout = 600) {
+    closing_rig r;
+    closing_open(&r);
+    kvs_rng rng;
+    kvs_rng_seed(&rng, kvs_test_seed() + 2);
+    for (int c = 0; c < N_CLOSING; c++) {
+        const schema_case *sc = &CLOSING[c].c;
+        kvs_grammar *g = compile(sc);
+        json_t *root = parse_schema(sc);
+        for (int w = 0; w < 12; w++) {
+            kvs_grammar_matcher *m;
+            cr_assert_eq(kvs_grammar_matcher_create(g, r.vr.v, &m), KVS_OK);
+            text out;
+            text_begin(&out);
+            int prefix = below(&rng, 40);
+            for (int step = 0; step < prefix; step++) { /* a random valid prefix, not ended */
+                kvs_grammar_matcher_mask(m, r.mask);
+                int n = 0;
+                for (int id = 0; id < r.V; id++)
+                    if (bit(r.mask, id) && r.lens[id]) r.pick[n++] = id;
+                if (!n) break;
+                int id = r.pick[below(&rng, n)];
+                cr_assert_eq(kvs_grammar_matcher_accept(m, id), KVS_OK, "%s", kvs_last_error());
+                put(&out, r.bytes[id], r.lens[id]);
+            }
+            close_out(&r, m, &out, &rng, sc->name);
+            text_end(&out);
+            json_t *value = output_value(sc, out.s, out.n);
+            cr_assert(value, "%s: the output does not parse: %s", sc->name, out.s);
+            cr_assert(valid(root, root, value), "%s: the output does not fit the schema: %s", sc->name, out.s);
+            json_decref(value);
+            free(out.s);
+            kvs_grammar_matcher_destroy(m);
+        }
+        json_decref(root);
+        kvs_grammar_unref(g);
+    }
+    closing_close(&r);
+}
+
 Test(grammar, matcher_refuses_masked_tokens_and_stays) {
     vocab_rig vr;
     vocab_open(&vr, bundled());

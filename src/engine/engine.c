@@ -328,6 +328,11 @@ static bool need_matcher(kvs_engine *e, kvs_request *r, const char **why) {
     return true;
 }
 
+/* Tokens of margin before a grammar request must close its output: a closing
+ * token takes at least one byte off what is left to complete, but the token
+ * before the switch may add some (an escape, a new key or element). */
+#define CLOSING_SLACK 8
+
 /* The step's extras (kvs_sample_extras) from the rows' requests: NULL when no
  * row needs processing or alternatives. Grammar rows get their masks. */
 static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x) {
@@ -354,8 +359,14 @@ static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x)
                 snprintf(r->error, sizeof r->error, "structured output: %s", why);
                 r->grammar_failed = true;
             } else if (r->matcher) { /* ids past the tokenizer's vocabulary (padded logits) stay masked */
-                memset(e->masks + (size_t)x->n_masks * words, 0, sizeof(uint32_t) * words);
-                kvs_grammar_matcher_mask(r->matcher, e->masks + (size_t)x->n_masks * words);
+                uint32_t *mask = e->masks + (size_t)x->n_masks * words;
+                memset(mask, 0, sizeof(uint32_t) * words);
+                /* near the end of its budget, only tokens that finish the output fastest */
+                int to_close = kvs_grammar_matcher_bytes_to_complete(r->matcher);
+                if (to_close >= 0 && r->max_tokens - r->n_gen <= to_close + CLOSING_SLACK)
+                    kvs_grammar_matcher_closing_mask(r->matcher, mask);
+                else
+                    kvs_grammar_matcher_mask(r->matcher, mask);
                 row->mask_row = x->n_masks++;
             }
         }

@@ -90,6 +90,20 @@ bool kvs_grammar_matcher_complete(const kvs_grammar_matcher *m); /* the output s
 bool kvs_grammar_matcher_ended(const kvs_grammar_matcher *m);    /* an end id was accepted */
 void kvs_grammar_matcher_destroy(kvs_grammar_matcher *m);
 
+/* Closing the output in time (near the end of a token budget): the fewest bytes
+ * that complete the output from here, suffix included (0 when complete, -1 when
+ * it cannot complete: nothing can follow, e.g. nesting cut off). Memoised per
+ * grammar (the fewest bytes from each node to its rule's return, by the depth
+ * of calls left below it). */
+int kvs_grammar_matcher_bytes_to_complete(const kvs_grammar_matcher *m);
+/* bits as kvs_grammar_matcher_mask's: the tokens of the mask that lie on a
+ * shortest completion (bytes_to_complete after the token + its length <=
+ * bytes_to_complete now), only the end ids once complete; where no token does
+ * (the vocabulary cannot spell a shortest completion), the tokens of the mask
+ * that leave the fewest bytes to complete. The matcher is unchanged. Slower
+ * than the mask, not cached: for the last tokens of a budget. */
+void kvs_grammar_matcher_closing_mask(kvs_grammar_matcher *m, uint32_t *bits);
+
 /* The bytes accepted so far, without the matcher's tokens: true when bytes[0..n)
  * keeps the output a valid prefix (for tests and tool-call parsing). */
 bool kvs_grammar_accepts_prefix(const kvs_grammar *g, const char *bytes, size_t n, bool *complete);

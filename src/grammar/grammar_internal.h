@@ -48,6 +48,8 @@ struct kvs_grammar {
     int32_t root; /* the start node of the root rule */
     pthread_mutex_t cache_lock;
     gr_mask_cache *cache; /* masks by state, for one vocabulary (vocab.c) */
+    int32_t *min_bytes;   /* [min_bytes_levels][n_nodes + 1] the fewest bytes from each node to its rule's */
+    int min_bytes_levels; /* return, calls nested at most k deep (close.c), built on first use */
 };
 
 /* Determinizes rules[0..n_rules) into a grammar whose root is rules[root]. */
@@ -71,6 +73,15 @@ bool gr_state_single(gr_state *out, int32_t node); /* out = the one stack [node]
 bool gr_initial(const kvs_grammar *g, gr_state *out, gr_state *seen);
 void gr_state_free(gr_state *s);
 uint64_t gr_state_hash(const gr_state *s);
+
+/* ---- the matcher (matcher.c; close.c reads it) ------------------------------------------- */
+struct kvs_grammar_matcher {
+    kvs_grammar *g;
+    const kvs_grammar_vocab *v;
+    gr_state state, next, tmp, seen;
+    gr_state *levels; /* [v->max_depth + 1]: the mask walk's state at each trie depth */
+    bool ended;
+};
 
 /* ---- the vocabulary trie (vocab.c) ------------------------------------------------------- */
 struct kvs_grammar_vocab {

@@ -202,14 +202,6 @@ bool kvs_grammar_accepts_prefix(const kvs_grammar *g, const char *bytes, size_t 
 }
 
 /* ---- the matcher -------------------------------------------------------------------------- */
-struct kvs_grammar_matcher {
-    kvs_grammar *g;
-    const kvs_grammar_vocab *v;
-    gr_state state, next, tmp, seen;
-    gr_state *levels; /* [v->max_depth + 1]: the mask walk's state at each trie depth */
-    bool ended;
-};
-
 kvs_status kvs_grammar_matcher_create(kvs_grammar *g, const kvs_grammar_vocab *v, kvs_grammar_matcher **out) {
     *out = NULL;
     if (!g || !v) return kvs_fail(KVS_ERR_INVALID, "grammar matcher: NULL grammar or vocabulary");

@@ -271,6 +271,7 @@ kvs_grammar *kvs_grammar_ref(kvs_grammar *g) {
 void kvs_grammar_unref(kvs_grammar *g) {
     if (!g || atomic_fetch_sub(&g->refs, 1) != 1) return;
     gr_mask_cache_free(g->cache);
+    free(g->min_bytes);
     pthread_mutex_destroy(&g->cache_lock);
     free(g->nodes);
     free(g->calls);
