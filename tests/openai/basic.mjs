@@ -172,5 +172,72 @@ await test('usage and the kv extension: cached tokens, compression', async () =>
   assert.ok(r.kv && typeof r.kv.policy === 'string' && r.kv.compression_ratio >= 1);
 });
 
+
+// ---- structured output -----------------------------------------------------------
+const recordSchema = { type: 'object', properties: { name: { type: 'string' }, code: { type: 'integer' } },
+  required: ['name', 'code'], additionalProperties: false };
+const fitsRecord = (d) => d && typeof d === 'object' && !Array.isArray(d) &&
+  Object.keys(d).sort().join() === 'code,name' && typeof d.name === 'string' && Number.isInteger(d.code);
+
+await test('response_format json_schema: 20 prompts, every output parses and fits the schema', async () => {
+  const names = ['Marigold', 'Juniper', 'Cobalt', 'Harbour', 'Saffron', 'Willow', 'Granite', 'Lantern', 'Meadow', 'Falcon',
+    'Orchid', 'Pebble', 'Quartz', 'Raven', 'Summit', 'Thistle', 'Umber', 'Violet', 'Walnut', 'Zephyr'];
+  let bad = [];
+  for (const [i, n] of names.entries()) {
+    const code = 10000 + (i * 7919) % 90000;
+    const r = await client.chat.completions.create({ model, max_tokens: 120, temperature: 0,
+      messages: [{ role: 'user', content: `The access code for ${n} is ${code}. What is the access code for ${n}?` }],
+      response_format: { type: 'json_schema', json_schema: { name: 'record', strict: true, schema: recordSchema } } });
+    const text = r.choices[0].message.content;
+    let d = null;
+    try { d = JSON.parse(text); } catch { /* counted below */ }
+    if (!fitsRecord(d)) bad.push(`${n}: ${r.choices[0].finish_reason} ${JSON.stringify(text.slice(0, 80))}`);
+  }
+  assert.deepEqual(bad, []);
+});
+
+await test('response_format json_object, and a schema keyword it cannot enforce is a 400 naming it', async () => {
+  const r = await client.completions.create({ model, prompt, max_tokens: 60, temperature: 0,
+    response_format: { type: 'json_object' } });
+  const d = JSON.parse(r.choices[0].text);
+  assert.ok(d && typeof d === 'object' && !Array.isArray(d));
+  await assert.rejects(client.completions.create({ model, prompt, max_tokens: 4,
+    response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', format: 'email' } } } }),
+  (e) => e.status === 400 && /format/.test(e.message));
+});
+
+
+await test('tools with tool_choice required: a tool_calls entry whose arguments parse and fit the schema', async () => {
+  const tools = [{ type: 'function', function: { name: 'get_access_code', description: 'Looks up an access code',
+    parameters: { type: 'object', properties: { item: { type: 'string' }, digits: { type: 'integer' } },
+      required: ['item', 'digits'] } } }];
+  for (const stream of [false, true]) {
+    const args = { model, max_tokens: 80, temperature: 0, tools, tool_choice: 'required',
+      messages: [{ role: 'user', content: 'What is the access code for Marigold?' }] };
+    let call, finish;
+    if (!stream) {
+      const r = await client.chat.completions.create(args);
+      finish = r.choices[0].finish_reason;
+      call = r.choices[0].message.tool_calls?.[0];
+    } else {
+      const s = await client.chat.completions.create({ ...args, stream: true });
+      const parts = {};
+      for await (const chunk of s) for (const c of chunk.choices) {
+        for (const tc of c.delta.tool_calls ?? []) {
+          parts[tc.index] ??= { id: tc.id, type: 'function', function: { name: '', arguments: '' } };
+          if (tc.function?.name) parts[tc.index].function.name += tc.function.name;
+          if (tc.function?.arguments) parts[tc.index].function.arguments += tc.function.arguments;
+        }
+        finish = c.finish_reason ?? finish;
+      }
+      call = parts[0];
+    }
+    assert.equal(finish, 'tool_calls', `stream ${stream}`);
+    assert.equal(call.function.name, 'get_access_code');
+    const a = JSON.parse(call.function.arguments);
+    assert.ok(typeof a.item === 'string' && Number.isInteger(a.digits), call.function.arguments);
+  }
+});
+
 console.log(`${passed} passed, ${failed} failed`);
 process.exit(failed ? 1 : 0);
