@@ -146,6 +146,7 @@ void kvs_engine_destroy(kvs_engine *e) {
     free(e->top_ids);
     free(e->top_lp);
     free(e->masks);
+    free(e->mask_reqs);
     kvs_grammar_vocab_destroy(e->gvocab);
     free(e->aborts);
     pthread_mutex_destroy(&e->mu);
@@ -313,7 +314,8 @@ static bool need_matcher(kvs_engine *e, kvs_request *r, const char **why) {
     int32_t ends[KVS_MAX_EOS];
     int n = 0;
     for (int i = 0; i < e->mcfg.n_eos && n < KVS_MAX_EOS; i++) ends[n++] = e->mcfg.eos_token_ids[i];
-    if (!e->masks && !(e->masks = malloc(sizeof(uint32_t) * kvs_sample_mask_words(e->vocab) * e->batch.cap_seqs))) {
+    if (!e->masks && (!(e->masks = malloc(sizeof(uint32_t) * kvs_sample_mask_words(e->vocab) * e->batch.cap_seqs)) ||
+                      !(e->mask_reqs = malloc(sizeof(kvs_request *) * e->batch.cap_seqs)))) {
         *why = "out of memory for the grammar masks";
         return false;
     }
@@ -332,6 +334,18 @@ static bool need_matcher(kvs_engine *e, kvs_request *r, const char **why) {
  * token takes at least one byte off what is left to complete, but the token
  * before the switch may add some (an escape, a new key or element). */
 #define CLOSING_SLACK 8
+
+/* r's mask for its next draw: ids past the tokenizer's vocabulary (padded
+ * logits) stay masked; near the end of its budget, only the tokens that finish
+ * the output fastest. */
+static void grammar_mask(kvs_request *r, uint32_t *mask, int words) {
+    memset(mask, 0, sizeof(uint32_t) * words);
+    int to_close = kvs_grammar_matcher_bytes_to_complete(r->matcher);
+    if (to_close >= 0 && r->max_tokens - r->n_gen <= to_close + CLOSING_SLACK)
+        kvs_grammar_matcher_closing_mask(r->matcher, mask);
+    else
+        kvs_grammar_matcher_mask(r->matcher, mask);
+}
 
 /* The step's extras (kvs_sample_extras) from the rows' requests: NULL when no
  * row needs processing or alternatives. Grammar rows get their masks. */
@@ -358,18 +372,14 @@ static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x)
             if (r->grammar && !need_matcher(e, r, &why)) { /* fails alone after the step */
                 snprintf(r->error, sizeof r->error, "structured output: %s", why);
                 r->grammar_failed = true;
-            } else if (r->matcher) { /* ids past the tokenizer's vocabulary (padded logits) stay masked */
-                uint32_t *mask = e->masks + (size_t)x->n_masks * words;
-                memset(mask, 0, sizeof(uint32_t) * words);
-                /* near the end of its budget, only tokens that finish the output fastest */
-                int to_close = kvs_grammar_matcher_bytes_to_complete(r->matcher);
-                if (to_close >= 0 && r->max_tokens - r->n_gen <= to_close + CLOSING_SLACK)
-                    kvs_grammar_matcher_closing_mask(r->matcher, mask);
-                else
-                    kvs_grammar_matcher_mask(r->matcher, mask);
+            } else if (r->matcher) { /* its mask below, with the others' */
+                e->mask_reqs[x->n_masks] = r;
                 row->mask_row = x->n_masks++;
             }
         }
+        /* the masks, a row per thread (a grammar's caches take a lock; a matcher is its row's) */
+#pragma omp parallel for schedule(dynamic, 1) if (x->n_masks > 1)
+        for (int m = 0; m < x->n_masks; m++) grammar_mask(e->mask_reqs[m], e->masks + (size_t)m * words, words);
         x->process = e->process_rows;
         x->adjust = e->adjust;
         x->masks = e->masks;

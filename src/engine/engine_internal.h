@@ -108,6 +108,7 @@ struct kvs_engine {
        grammar request) and the step's mask rows [max_num_seqs][mask words] */
     kvs_grammar_vocab *gvocab;
     uint32_t *masks;
+    struct kvs_request **mask_reqs; /* the requests of those rows */
     kvs_step_batch batch;
     /* owned by the stepping thread */
     kvs_req_list waiting, running;
