@@ -632,6 +632,48 @@ Test(server, prefix_cache_salt_and_metrics) {
     cr_expect_eq(stop_server(&s), 0);
 }
 
+/* POST /tokenize and /detokenize (vLLM's shapes), --max-tokens-default, and
+ * the kv extension with usage.prompt_tokens_details; stream_options variants
+ * are accepted. */
+Test(server, tokenize_detokenize_max_tokens_default_and_kv) {
+    server_proc s = start_server("--max-tokens-default 5 --kv-policy snapkv --kv-budget 50% --kv-min-prompt 1000");
+    json_t *t = post_json(s.port, "/tokenize", "{\"prompt\": \"" PROMPT "\", \"return_token_strs\": true}", 200);
+    json_t *toks = json_object_get(t, "tokens");
+    int n = (int)json_integer_value(json_object_get(t, "count"));
+    cr_assert(n > 10 && (int)json_array_size(toks) == n && json_array_size(json_object_get(t, "token_strs")) == (size_t)n);
+    cr_expect_gt(json_integer_value(json_object_get(t, "max_model_len")), 0);
+    /* the ids back to text (the BOS decodes to its own text: skip it) */
+    char *ids = json_dumps(toks, JSON_COMPACT), body[8192];
+    snprintf(body, sizeof body, "{\"tokens\": %s}", ids);
+    json_t *d = post_json(s.port, "/detokenize", body, 200);
+    cr_expect(strstr(json_string_value(json_object_get(d, "prompt")), "access code for Marigold"), "%s",
+              json_string_value(json_object_get(d, "prompt")));
+    json_decref(d);
+    free(ids);
+    json_t *m = post_json(s.port, "/tokenize", "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", 200);
+    cr_expect_gt(json_integer_value(json_object_get(m, "count")), 1);
+    json_decref(m);
+    json_decref(post_json(s.port, "/detokenize", "{\"tokens\": [-1]}", 400));
+    json_decref(post_json(s.port, "/tokenize", "{\"prompt\": 3}", 400));
+    /* no max_tokens: --max-tokens-default; the kv extension names the policy and the min_prompt note */
+    json_t *c = post_json(s.port, "/v1/completions", "{\"prompt\": \"" PROMPT "\", \"temperature\": 0, \"ignore_eos\": true}", 200);
+    cr_expect_eq(usage_of(c, "completion_tokens"), 5);
+    json_t *kv = json_object_get(c, "kv");
+    cr_expect_str_eq(json_string_value(json_object_get(kv, "policy")), "snapkv");
+    cr_expect(json_is_false(json_object_get(kv, "sparsity_applied")) && json_object_get(kv, "note"),
+              "a prompt below min_prompt says so");
+    cr_expect(json_is_integer(json_object_get(json_object_get(json_object_get(c, "usage"), "prompt_tokens_details"),
+                                              "cached_tokens")));
+    json_decref(c);
+    http_resp r = http(s.port, "POST", "/v1/completions", NULL,
+                       "{\"prompt\": \"hi\", \"stream\": true, \"stream_options\": {\"include_usage\": true, "
+                       "\"continuous_usage_stats\": true}}");
+    cr_expect_eq(r.status, 200, "%s", r.body);
+    free(r.body);
+    json_decref(t);
+    cr_expect_eq(stop_server(&s), 0);
+}
+
 /* Two requests sharing a 1,000-token prefix (then 24 ids of their own): the
  * second's kvsparse_prefix_cache_hits_total rises by at least 960 tokens (62
  * whole blocks: 992) and its greedy answer equals the one from a server

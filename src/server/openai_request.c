@@ -376,9 +376,12 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
             if (!json_is_null(v) && !get_bool(v, "stream", &r->stream, err)) return false;
         } else if (!strcmp(key, "stream_options")) {
             if (json_is_null(v)) continue;
-            json_t *u = json_object_get(v, "include_usage");
-            if (!json_is_object(v) || (u && !json_is_boolean(u)))
-                return kvs_api_fail(err, 400, "stream_options", "'stream_options' must be {\"include_usage\": bool}");
+            /* include_usage; vLLM's continuous_usage_stats is accepted (usage still comes in the last chunk) */
+            json_t *u = json_object_get(v, "include_usage"), *cu = json_object_get(v, "continuous_usage_stats");
+            bool shape = json_is_object(v) && json_object_size(v) == (size_t)(u != NULL) + (cu != NULL);
+            if (!shape || (u && !json_is_boolean(u) && !json_is_null(u)) || (cu && !json_is_boolean(cu) && !json_is_null(cu)))
+                return kvs_api_fail(err, 400, "stream_options",
+                                    "'stream_options' must be {\"include_usage\": bool, \"continuous_usage_stats\": bool}");
             r->include_usage = json_is_true(u);
         } else if (!strcmp(key, "temperature")) { /* its lower bound and the others' ranges: check_sampling */
             if (json_is_null(v)) continue;
