@@ -142,6 +142,24 @@ await test('top_logprobs: 5 real alternatives, best first, a distribution', asyn
     assert.ok(mass <= mass20 + 1e-6 && mass20 <= 1 + 1e-3, `probabilities ${mass} <= ${mass20} <= 1`);
     for (let j = 0; j < 5; j++) assert.ok(Math.abs(all20[j].logprob - t.top_logprobs[j].logprob) < 1e-3);
   });
+  // full-softmax references by other paths: the sample op's own log softmax (a request without
+  // alternatives) for the chosen tokens, and each alternative of the first token drawn by
+  // logit_bias +100 (its reported logprob is that of the raw logits over the whole vocabulary)
+  const plain = await client.chat.completions.create({ model, messages: chatMsgs, max_tokens: 4, temperature: 0,
+    logprobs: true });
+  plain.choices[0].logprobs.content.forEach((t, i) => assert.ok(Math.abs(t.logprob - content[i].logprob) < 1e-3,
+    `token ${i}: ${t.logprob} vs ${content[i].logprob}`));
+  for (const alt of content[0].top_logprobs.slice(1)) {
+    const tok = await (await fetch(process.env.KVS_URL.replace(/\/v1$/, '') + '/tokenize', { method: 'POST',
+      headers: { Authorization: `Bearer ${process.env.KVS_API_KEY}` },
+      body: JSON.stringify({ prompt: alt.token, add_special_tokens: false }) })).json();
+    if (tok.count !== 1) continue; // a text that re-encodes to other tokens
+    const forced = await client.chat.completions.create({ model, messages: chatMsgs, max_tokens: 1, temperature: 0,
+      logprobs: true, logit_bias: { [tok.tokens[0]]: 100 } });
+    const f = forced.choices[0].logprobs.content[0];
+    assert.equal(f.token, alt.token);
+    assert.ok(Math.abs(f.logprob - alt.logprob) < 1e-3, `${alt.token}: ${f.logprob} vs ${alt.logprob}`);
+  }
 });
 
 await test('logit_bias and presence_penalty change the output as predicted', async () => {
