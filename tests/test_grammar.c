@@ -949,6 +949,50 @@ static void bench_case(vocab_rig *vr, const schema_case *c, kvs_rng *rng) {
     json_decref(root);
 }
 
+/* What a decode step of 64 structured-output requests costs on the host: one
+ * grammar (the server keeps one per schema), 64 different documents walked
+ * token by token in lockstep, every step's 64 masks timed (one thread), for the
+ * first 64 requests (the grammar fresh) and the next 64 (its caches warm). */
+static void bench_batch64(vocab_rig *vr, const schema_case *c, kvs_rng *rng) {
+    enum { B = 64 };
+    json_t *root = parse_schema(c);
+    kvs_grammar *g = compile(c);
+    uint32_t *bits = malloc((size_t)(kvs_grammar_vocab_size(vr->v) + 31) / 32 * 4);
+    for (int wave = 0; wave < 2; wave++) {
+        int32_t *ids[B];
+        int n[B], longest = 0;
+        kvs_grammar_matcher *m[B];
+        for (int b = 0; b < B; b++) {
+            text t = {0};
+            text_begin(&t);
+            if (c->schema) gen(&t, root, root, rng, 0);
+            else gen_any(&t, root, rng, 0, true);
+            text_end(&t);
+            cr_assert_eq(kvs_tokenizer_encode(vr->tok, t.s, t.n, (kvs_encode_options){0}, &ids[b], &n[b]), KVS_OK);
+            free(t.s);
+            longest = n[b] > longest ? n[b] : longest;
+            cr_assert_eq(kvs_grammar_matcher_create(g, vr->v, &m[b]), KVS_OK);
+        }
+        double total = 0, worst = 0;
+        for (int step = 0; step < longest; step++) {
+            double t0 = kvs_now();
+            for (int b = 0; b < B; b++)
+                if (step < n[b]) kvs_grammar_matcher_mask(m[b], bits);
+            double dt = kvs_now() - t0;
+            total += dt, worst = dt > worst ? dt : worst;
+            for (int b = 0; b < B; b++)
+                if (step < n[b]) cr_assert_eq(kvs_grammar_matcher_accept(m[b], ids[b][step]), KVS_OK);
+        }
+        printf("grammar masks, %-11s batch of %d documents (up to %d tokens), %s: %.0f us per step of %d masks on one "
+               "thread (worst step %.0f us)\n", c->name, B, longest, wave ? "warm grammar" : "fresh grammar",
+               total / longest * 1e6, B, worst * 1e6);
+        for (int b = 0; b < B; b++) kvs_grammar_matcher_destroy(m[b]), free(ids[b]);
+    }
+    free(bits);
+    kvs_grammar_unref(g);
+    json_decref(root);
+}
+
 Test(grammar_fetched, mask_cost_llama3, .timeout = 900) {
     vocab_rig vr;
     vocab_open(&vr, llama3());
@@ -956,5 +1000,7 @@ Test(grammar_fetched, mask_cost_llama3, .timeout = 900) {
     kvs_rng_seed(&rng, kvs_test_seed());
     bench_case(&vr, &CASES[N_CASES - 1], &rng); /* json_object */
     bench_case(&vr, &CASES[1], &rng);           /* nested */
+    bench_batch64(&vr, &CASES[N_CASES - 1], &rng);
+    bench_batch64(&vr, &CASES[1], &rng);
     vocab_close(&vr);
 }
