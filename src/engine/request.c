@@ -172,7 +172,8 @@ bool kvs_request_process_row(const kvs_request *r, kvs_process_row *row, kvs_log
     row->presence = r->sampling.presence_penalty;
     row->frequency = r->sampling.frequency_penalty;
     row->repetition = r->sampling.repetition_penalty;
-    bool ban = r->n_gen < r->min_tokens;
+    /* min_tokens bans the stop ids, except where a grammar is complete: then its end is all that may follow */
+    bool ban = r->n_gen < r->min_tokens && !(r->matcher && kvs_grammar_matcher_complete(r->matcher));
     for (int i = 0; i < r->n_adj; i++) {
         adjust[*n_adjust + i] = r->adj[i].a;
         if (ban && r->adj[i].stop) adjust[*n_adjust + i].bias = -INFINITY;
