@@ -139,7 +139,7 @@ static void fuzz_json(const fuzz_template *ft, const char *body, size_t len) {
 #define MAX_CONTENT (64 * 1024)
 
 static void fuzz_raw(const fuzz_template *ft, const uint8_t *p, size_t len) {
-    kvs_chat_message msgs[MAX_RAW_MESSAGES];
+    kvs_chat_message msgs[MAX_RAW_MESSAGES] = {0}; /* the tool fields stay NULL */
     char *owned[MAX_RAW_MESSAGES];
     int n = 0;
     size_t at = 0;

@@ -356,7 +356,7 @@ bool gr_cache_get(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s,
     uint64_t h = gr_state_hash(s);
     pthread_mutex_lock(&g->cache_lock);
     gr_mask_cache *c = g->cache;
-    if (c && c->v == v) {
+    if (c && c->v == v && c->cap) { /* made (for its node tables) by another thread, no mask put yet: cap 0 */
         cache_slot *e = cache_find(c, s, h);
         if ((hit = e->key != NULL)) memcpy(bits, e->bits, c->n_words * sizeof *bits);
     }
