@@ -5,6 +5,7 @@
  * schemas are refused naming the field; a mask-cost benchmark prints timings. */
 #include <criterion/criterion.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -947,6 +948,74 @@ static void bench_case(vocab_rig *vr, const schema_case *c, kvs_rng *rng) {
     kvs_grammar_unref(g);
     free(bits), free(ids), free(t.s);
     json_decref(root);
+}
+
+/* ---- one grammar, matchers on several threads (the engine's row-parallel masks) ------------ */
+enum { THREADS = 8 };
+typedef struct {
+    vocab_rig *vr;
+    kvs_grammar *g;
+    const int32_t *ids;
+    int n;
+    uint32_t *masks; /* [n][words]: the mask before each token */
+    bool ok;
+} walker;
+
+static void *walk_masks(void *arg) {
+    walker *w = arg;
+    int words = (kvs_grammar_vocab_size(w->vr->v) + 31) / 32;
+    kvs_grammar_matcher *m = NULL;
+    w->ok = kvs_grammar_matcher_create(w->g, w->vr->v, &m) == KVS_OK;
+    for (int i = 0; w->ok && i < w->n; i++) {
+        kvs_grammar_matcher_mask(m, w->masks + (size_t)i * words);
+        (void)kvs_grammar_matcher_bytes_to_complete(m);
+        w->ok = kvs_grammar_matcher_accept(m, w->ids[i]) == KVS_OK;
+    }
+    kvs_grammar_matcher_destroy(m);
+    return NULL;
+}
+
+/* THREADS documents walked at once on one fresh grammar give the masks one thread gives alone */
+Test(grammar, matchers_on_threads_share_a_grammar) {
+    vocab_rig vr;
+    vocab_open(&vr, bundled());
+    kvs_rng rng;
+    kvs_rng_seed(&rng, kvs_test_seed());
+    int words = (kvs_grammar_vocab_size(vr.v) + 31) / 32;
+    for (int c = 0; c < 2; c++) {
+        const schema_case *sc = c ? &CASES[1] : &CASES[N_CASES - 1]; /* nested, json_object */
+        json_t *root = parse_schema(sc);
+        int32_t *ids[THREADS];
+        int n[THREADS];
+        for (int t = 0; t < THREADS; t++) {
+            text tx = {0};
+            text_begin(&tx);
+            if (sc->schema) gen(&tx, root, root, &rng, 0);
+            else gen_any(&tx, root, &rng, 0, true);
+            text_end(&tx);
+            cr_assert_eq(kvs_tokenizer_encode(vr.tok, tx.s, tx.n, (kvs_encode_options){0}, &ids[t], &n[t]), KVS_OK);
+            free(tx.s);
+        }
+        walker alone[THREADS], together[THREADS];
+        kvs_grammar *g1 = compile(sc), *g2 = compile(sc);
+        pthread_t th[THREADS];
+        for (int t = 0; t < THREADS; t++) {
+            alone[t] = (walker){&vr, g1, ids[t], n[t], malloc(sizeof(uint32_t) * words * (n[t] + 1)), false};
+            together[t] = (walker){&vr, g2, ids[t], n[t], malloc(sizeof(uint32_t) * words * (n[t] + 1)), false};
+            walk_masks(&alone[t]);
+        }
+        for (int t = 0; t < THREADS; t++) pthread_create(&th[t], NULL, walk_masks, &together[t]);
+        for (int t = 0; t < THREADS; t++) pthread_join(th[t], NULL);
+        for (int t = 0; t < THREADS; t++) {
+            cr_expect(alone[t].ok && together[t].ok, "%s document %d: a token refused", sc->name, t);
+            cr_expect(!memcmp(alone[t].masks, together[t].masks, sizeof(uint32_t) * words * n[t]),
+                      "%s document %d: the masks differ when walked beside others", sc->name, t);
+            free(alone[t].masks), free(together[t].masks), free(ids[t]);
+        }
+        kvs_grammar_unref(g1), kvs_grammar_unref(g2);
+        json_decref(root);
+    }
+    vocab_close(&vr);
 }
 
 /* What a decode step of 64 structured-output requests costs on the host: one
