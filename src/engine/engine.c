@@ -292,10 +292,6 @@ static void engine_fail(kvs_engine *e, const char *reason) {
     fail_all(e, msg);
 }
 
-/* Runs the step's batch through the model and samples the requests that want
- * a token, on the backend: only their ids (and logprobs) come back. Draw
- * number n_gen of the request's seed: a preempted request recomputes the same
- * tokens. */
 /* Room for n adjust entries in the step's list. */
 static bool reserve_adjust(kvs_engine *e, int n) {
     if (n <= e->cap_adjust) return true;
@@ -314,8 +310,9 @@ static bool need_matcher(kvs_engine *e, kvs_request *r, const char **why) {
     int32_t ends[KVS_MAX_EOS];
     int n = 0;
     for (int i = 0; i < e->mcfg.n_eos && n < KVS_MAX_EOS; i++) ends[n++] = e->mcfg.eos_token_ids[i];
-    if (!e->masks && (!(e->masks = malloc(sizeof(uint32_t) * kvs_sample_mask_words(e->vocab) * e->batch.cap_seqs)) ||
-                      !(e->mask_reqs = malloc(sizeof(kvs_request *) * e->batch.cap_seqs)))) {
+    if (!e->masks) e->masks = malloc(sizeof(uint32_t) * kvs_sample_mask_words(e->vocab) * e->batch.cap_seqs);
+    if (!e->mask_reqs) e->mask_reqs = malloc(sizeof(kvs_request *) * e->batch.cap_seqs);
+    if (!e->masks || !e->mask_reqs) { /* either may have failed: the next grammar request tries again */
         *why = "out of memory for the grammar masks";
         return false;
     }

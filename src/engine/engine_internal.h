@@ -141,8 +141,8 @@ static inline int kvs_request_len(const kvs_request *r) { return r->n_prompt + r
 void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob, const int32_t *top_ids,
                         const float *top_logprobs);
 /* Its process row and adjust entries (at adjust[*n_adjust ..], *n_adjust
- * advanced) for the next draw; false when it needs no processing. */
-bool kvs_request_process_row(const kvs_request *r, kvs_process_row *row, kvs_logit_adjust *adjust, int *n_adjust);
+ * advanced) for the next draw; a neutral row when it needs no processing. */
+void kvs_request_process_row(const kvs_request *r, kvs_process_row *row, kvs_logit_adjust *adjust, int *n_adjust);
 /* Delivers a final output with no new tokens (abort, error). */
 void kvs_request_finish(kvs_engine *e, kvs_request *r, kvs_finish f, const char *error);
 

@@ -166,9 +166,9 @@ static bool count_token(kvs_request *r, int32_t id) {
     return true;
 }
 
-bool kvs_request_process_row(const kvs_request *r, kvs_process_row *row, kvs_logit_adjust *adjust, int *n_adjust) {
+void kvs_request_process_row(const kvs_request *r, kvs_process_row *row, kvs_logit_adjust *adjust, int *n_adjust) {
     *row = (kvs_process_row){.repetition = 1, .adjust_begin = *n_adjust, .mask_row = -1};
-    if (!r->process) return false;
+    if (!r->process) return;
     row->presence = r->sampling.presence_penalty;
     row->frequency = r->sampling.frequency_penalty;
     row->repetition = r->sampling.repetition_penalty;
@@ -180,7 +180,6 @@ bool kvs_request_process_row(const kvs_request *r, kvs_process_row *row, kvs_log
     }
     row->adjust_count = r->n_adj;
     *n_adjust += r->n_adj;
-    return true;
 }
 
 kvs_status kvs_request_create(const kvs_engine *e, const kvs_request_params *p, kvs_output_fn fn, void *user,

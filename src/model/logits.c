@@ -160,8 +160,9 @@ static kvs_status sample_rows(kvs_model *m, const void *rows, int ld, int n, con
     be->sample(be, s->out, logprobs && !extras_lp ? lp_dev : NULL, draw_from, n, draw_ld, V, s->params);
     int k = x ? x->top_k : 0;
     if (extras_lp && (logprobs || k > 0)) {
-        int32_t *top_ids = s->top, *top_lp = s->top + (size_t)n * k;
-        be->top_logprobs(be, lp_dev, k ? top_ids : NULL, k ? (float *)top_lp : NULL, rows, n, ld, V, s->out, k);
+        int32_t *top_ids = s->top;
+        float *top_lp = (float *)(s->top + (size_t)n * k);
+        be->top_logprobs(be, lp_dev, k ? top_ids : NULL, k ? top_lp : NULL, rows, n, ld, V, s->out, k);
     }
     if (!ids) return KVS_OK;
     be->to_host(be, s->h_out, s->out, sizeof(int32_t) * (logprobs ? 2 : 1) * n); /* the copy back */
@@ -183,7 +184,7 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache 
        so that they all run the same collectives: every rank needs them */
     if (!params && (ids || world > 1))
         return kvs_fail(KVS_ERR_INVALID, "forward_sample: rank %d of %d has no sampling parameters", sh->rank, world);
-    if (x && x->process) KVS_TRY(reserve_adjust(m, x->n_adjust));
+    if (x && x->process && ids) KVS_TRY(reserve_adjust(m, x->n_adjust)); /* only the rank that samples uploads them */
     int n;
     KVS_TRY(kvs_forward_step(m, b, kv, &n));
     if (n == 0) return KVS_OK;

@@ -11,7 +11,40 @@
 #include "server/http.h"
 #include "server/route.h"
 
-static bool submit_params(kvs_server *s, const kvs_request_params *pp, kvs_gen **gen, kvs_api_error *err);
+/* Submits p; on success *gen holds two references (ours and the engine's). */
+static bool submit_params(kvs_server *s, const kvs_request_params *pp, kvs_gen **gen, kvs_api_error *err) {
+    const kvs_request_params p = *pp;
+    kvs_gen *g = kvs_gen_create(p.n > 1 ? p.n : 1, p.top_logprobs);
+    if (!g) return kvs_api_fail(err, 500, NULL, "out of memory");
+    if (!kvs_server_request_link(s, g)) {
+        kvs_gen_release(g);
+        return kvs_api_fail(err, 503, NULL, "the server is shutting down");
+    }
+    g->refs = 2; /* ours and the engine's */
+    /* the callback may run before submit returns; it never reads engine_id */
+    uint64_t id = 0;
+    kvs_status st = kvs_engine_submit(s->engine, &p, kvs_gen_on_output, g, &id);
+    if (st != KVS_OK) {
+        g->refs = 1;
+        kvs_server_request_unlink(s, g);
+        kvs_gen_release(g);
+        if (kvs_engine_failed(s->engine, NULL)) { /* "the engine failed: ..." */
+            kvs_api_fail(err, 503, NULL, "%s", kvs_last_error());
+        } else if (st == KVS_ERR_BUSY) {
+            kvs_api_fail(err, 429, NULL, "the server is busy (request queue full): retry later");
+            err->type = "rate_limit_error";
+        } else if (st == KVS_ERR_INVALID || st == KVS_ERR_UNSUPPORTED) {
+            kvs_api_fail(err, 400, NULL, "%s", kvs_last_error());
+        } else {
+            kvs_api_fail(err, 500, NULL, "%s", kvs_last_error());
+        }
+        return false;
+    }
+    g->t_submit = kvs_now();
+    kvs_server_request_submitted(s, g, id); /* aborted at once when the drain timed out meanwhile */
+    *gen = g;
+    return true;
+}
 
 /* Submits a prepared request; on success *gen holds two references (ours and the engine's). */
 static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_error *err) {
@@ -46,41 +79,6 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
     bool ok = submit_params(s, &p, gen, err);
     kvs_grammar_unref(p.grammar); /* the engine holds its own */
     return ok;
-}
-
-/* Submits p; on success *gen holds two references (ours and the engine's). */
-static bool submit_params(kvs_server *s, const kvs_request_params *pp, kvs_gen **gen, kvs_api_error *err) {
-    const kvs_request_params p = *pp;
-    kvs_gen *g = kvs_gen_create(p.n > 1 ? p.n : 1, p.top_logprobs);
-    if (!g) return kvs_api_fail(err, 500, NULL, "out of memory");
-    if (!kvs_server_request_link(s, g)) {
-        kvs_gen_release(g);
-        return kvs_api_fail(err, 503, NULL, "the server is shutting down");
-    }
-    g->refs = 2; /* ours and the engine's */
-    /* the callback may run before submit returns; it never reads engine_id */
-    uint64_t id = 0;
-    kvs_status st = kvs_engine_submit(s->engine, &p, kvs_gen_on_output, g, &id);
-    if (st != KVS_OK) {
-        g->refs = 1;
-        kvs_server_request_unlink(s, g);
-        kvs_gen_release(g);
-        if (kvs_engine_failed(s->engine, NULL)) { /* "the engine failed: ..." */
-            kvs_api_fail(err, 503, NULL, "%s", kvs_last_error());
-        } else if (st == KVS_ERR_BUSY) {
-            kvs_api_fail(err, 429, NULL, "the server is busy (request queue full): retry later");
-            err->type = "rate_limit_error";
-        } else if (st == KVS_ERR_INVALID || st == KVS_ERR_UNSUPPORTED) {
-            kvs_api_fail(err, 400, NULL, "%s", kvs_last_error());
-        } else {
-            kvs_api_fail(err, 500, NULL, "%s", kvs_last_error());
-        }
-        return false;
-    }
-    g->t_submit = kvs_now();
-    kvs_server_request_submitted(s, g, id); /* aborted at once when the drain timed out meanwhile */
-    *gen = g;
-    return true;
 }
 
 static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t cap, kvs_resp_meta *m) {
