@@ -127,6 +127,27 @@ static kvs_status upload_rows(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind 
     return upload_slice(m, ck, kind, layer, r0, nr, 0, -1, dst, offset_elems, alloc_elems);
 }
 
+/* One backend allocation for all of a layer's weights, each part 64-element
+ * aligned: a few large allocations instead of many (the CPU backend backs
+ * large ones with huge pages, which stream faster). */
+static kvs_status alloc_layer(kvs_model *m, kvs_layer_weights *w, int64_t qn, int64_t kn, int64_t in) {
+    const kvs_config *c = &m->cfg;
+    int64_t h = c->hidden_size, bias = c->attention_bias ? 1 : 0;
+    void **part[] = {&w->attn_norm, &w->wq, &w->wk, &w->wv, &w->bq, &w->bk, &w->bv, &w->wo, &w->mlp_norm,
+                     &w->w_gate_up, &w->w_down};
+    int64_t elems[] = {h, qn * h, kn * h, kn * h, bias * qn, bias * kn, bias * kn, h * qn, h, 2 * in * h, h * in};
+    size_t total = 0, ws = kvs_dtype_size(m->be->weight_dtype);
+    for (size_t i = 0; i < sizeof elems / sizeof elems[0]; i++) total += ((size_t)elems[i] + 63) / 64 * 64;
+    w->arena = m->be->alloc(m->be, total * ws);
+    if (!w->arena) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
+    size_t at = 0;
+    for (size_t i = 0; i < sizeof elems / sizeof elems[0]; i++) {
+        *part[i] = elems[i] ? (char *)w->arena + at * ws : NULL;
+        at += ((size_t)elems[i] + 63) / 64 * 64;
+    }
+    return KVS_OK;
+}
+
 static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
     const kvs_config *c = &m->cfg;
     const kvs_shard *sh = &m->shard;
@@ -134,6 +155,7 @@ static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
     int64_t hd = c->head_dim, q0 = (int64_t)sh->rank * sh->n_heads * hd, qn = (int64_t)sh->n_heads * hd;
     int64_t k0 = (int64_t)sh->rank * sh->n_kv_heads * hd, kn = (int64_t)sh->n_kv_heads * hd;
     int64_t i0 = (int64_t)sh->rank * sh->intermediate, in = sh->intermediate;
+    KVS_TRY(alloc_layer(m, w, qn, kn, in));
     KVS_TRY(upload(m, ck, KVS_W_ATTN_NORM, l, &w->attn_norm));
     /* column-parallel: this rank's heads are rows of Q, K, V */
     KVS_TRY(upload_rows(m, ck, KVS_W_Q, l, q0, qn, &w->wq, 0, 0));
@@ -247,11 +269,7 @@ void kvs_model_destroy(kvs_model *m) {
     kvs_step_buffers_free(m);
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
-            kvs_layer_weights *w = &m->layers[l];
-            void *p[] = {w->attn_norm, w->wq, w->wk, w->wv, w->bq, w->bk, w->bv, w->wo, w->mlp_norm,
-                         w->w_gate_up, w->w_down};
-            for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
-                if (p[i]) be->free(be, p[i]);
+            if (m->layers[l].arena) be->free(be, m->layers[l].arena);
         }
         free(m->layers);
     }

@@ -8,6 +8,7 @@
 typedef struct {
     void *attn_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo; /* biases NULL when absent */
     void *mlp_norm, *w_gate_up /* [2 * intermediate, hidden]: gate rows, then up rows */, *w_down;
+    void *arena; /* the one backend allocation the weights above are parts of */
 } kvs_layer_weights;
 
 /* Where one layer's metadata sits in the step's metadata buffer (int32

@@ -1,6 +1,7 @@
 /* Causal GQA attention over the paged KV cache (with LSE). */
 #include <cblas.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -8,48 +9,40 @@
 
 #define kv_at kvs_cpu_kv_at
 
-/* A dot product the compiler can vectorise (independent partial sums). */
-static inline float dot(const float *a, const float *b, int n) {
-    float acc[16] = {0};
-    int i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
-    float s = 0;
-    for (; i < n; i++) s += a[i] * b[i];
-    for (int j = 0; j < 16; j++) s += acc[j];
-    return s;
-}
-
-/* One (query token, head): scores over entries 0..n_keys-1 of the sequence's table. */
-static void attend_one(const kvs_kv_pool *pool, const int32_t *table, int n_keys, int kv_head,
-                       const float *q, float scale, float *scores, float *out, float *lse) {
+/* Decode: one query row i of sequence s against its paged keys, for all the
+ * query heads of KV head g at once (each key and value row read once), the
+ * scores in S [group][n_keys]. */
+static void attend_group(const kvs_cpu_kernels *k, const kvs_kv_pool *pool, const int32_t *table, int n_keys, int g,
+                         int group, const float *q, float scale, float *S, float *out, float *lse) {
     int d = pool->head_dim, bs = pool->block_size;
     if (n_keys <= 0) { /* a padding row (kv_len 0): no keys, output 0 */
-        memset(out, 0, sizeof(float) * d);
-        if (lse) *lse = -INFINITY;
+        memset(out, 0, sizeof(float) * d * group);
+        for (int h = 0; lse && h < group; h++) lse[h] = -INFINITY;
         return;
     }
-    float mx = -INFINITY;
-    for (int e = 0; e < n_keys; e++) {
-        const float *kv = kv_at(pool, table[e / bs], 0, kv_head, e % bs);
-        float s = dot(q, kv, d) * scale;
-        scores[e] = s;
-        if (s > mx) mx = s;
+    for (int e0 = 0; e0 < n_keys; e0 += bs)
+        k->qk(S + e0, n_keys, q, d, group, kv_at(pool, table[e0 / bs], 0, g, 0), n_keys - e0 < bs ? n_keys - e0 : bs, d,
+              scale);
+    double sum[group];
+    float mx[group];
+    for (int h = 0; h < group; h++) {
+        float *sh = S + (size_t)h * n_keys, m = -INFINITY;
+        for (int e = 0; e < n_keys; e++) m = sh[e] > m ? sh[e] : m;
+        double t = 0;
+        /* below -87 expf underflows (to a denormal, or 0, and glibc's slow errno path):
+           0 there leaves the double sum and the output as they are */
+        for (int e = 0; e < n_keys; e++) t += sh[e] = sh[e] - m < -87.0f ? 0.0f : expf(sh[e] - m);
+        sum[h] = t, mx[h] = m;
     }
-    double sum = 0;
-    for (int e = 0; e < n_keys; e++) {
-        scores[e] = expf(scores[e] - mx);
-        sum += scores[e];
+    memset(out, 0, sizeof(float) * d * group);
+    for (int e0 = 0; e0 < n_keys; e0 += bs)
+        k->pv(out, d, S + e0, n_keys, group, kv_at(pool, table[e0 / bs], 1, g, 0), n_keys - e0 < bs ? n_keys - e0 : bs,
+              d);
+    for (int h = 0; h < group; h++) {
+        float inv = (float)(1.0 / sum[h]);
+        for (int j = 0; j < d; j++) out[(size_t)h * d + j] *= inv;
+        if (lse) lse[h] = mx[h] + (float)log(sum[h]);
     }
-    memset(out, 0, sizeof(float) * d);
-    for (int e = 0; e < n_keys; e++) {
-        const float *vv = kv_at(pool, table[e / bs], 1, kv_head, e % bs);
-        float p = scores[e];
-        for (int j = 0; j < d; j++) out[j] += p * vv[j];
-    }
-    float inv = (float)(1.0 / sum);
-    for (int j = 0; j < d; j++) out[j] *= inv;
-    if (lse) *lse = mx + (float)log(sum);
 }
 
 /* Prefill chunks of at least this many queries go through sgemm on the
@@ -58,7 +51,7 @@ static void attend_one(const kvs_kv_pool *pool, const int32_t *table, int n_keys
 enum { BLOCKED_MIN_Q = 16, Q_BLOCK = 64 };
 
 typedef struct {
-    int s, h, i0, i1; /* sequence, query head, query rows [i0, i1) of the sequence's chunk */
+    int s, h, i0, i1; /* sequence, query head (decode: KV head), query rows [i0, i1) of the sequence's chunk */
     bool blocked;
 } work_item;
 
@@ -97,65 +90,95 @@ static void gather_head(const kvs_kv_pool *pool, const kvs_attn_batch *ab, int s
     }
 }
 
+/* One attention call's work, shared by the pool's threads: items taken in
+ * order from next (dynamic scheduling). */
+typedef struct {
+    const kvs_cpu_kernels *k;
+    const kvs_kv_pool *pool;
+    const kvs_attn_batch *ab;
+    const work_item *items;
+    size_t n_items;
+    float **kbuf, **vbuf;
+    const float *q;
+    float *out, *lse;
+    int n_heads, KVH, group, d;
+    float scale;
+    float *S0;
+    size_t s_stride; /* floats of scores per thread */
+    atomic_size_t next;
+} attn_job;
+
+static void run_gathers(void *arg, int t, int nt) {
+    attn_job *j = arg;
+    for (size_t sg; (sg = atomic_fetch_add(&j->next, 1)) < (size_t)j->ab->n_seqs * j->KVH;)
+        if (j->kbuf[sg]) gather_head(j->pool, j->ab, (int)sg / j->KVH, (int)sg % j->KVH, j->kbuf[sg], j->vbuf[sg]);
+}
+
+static void run_items(void *arg, int t, int nt) {
+    attn_job *j = arg;
+    const kvs_attn_batch *ab = j->ab;
+    float *S = j->S0 + j->s_stride * t;
+    for (size_t it; (it = atomic_fetch_add(&j->next, 1)) < j->n_items;) {
+        work_item w = j->items[it];
+        if (w.blocked) {
+            int g = w.h / j->group;
+            attend_rows(ab, w.s, w.h, w.i0, w.i1, j->kbuf[w.s * j->KVH + g], j->vbuf[w.s * j->KVH + g], j->q, j->out,
+                        j->lse, j->n_heads, j->d, j->scale, S);
+        } else {
+            int tok = ab->q_start[w.s] + w.i0, q_len = ab->q_start[w.s + 1] - ab->q_start[w.s];
+            int n_keys = ab->kv_len[w.s] - q_len + w.i0 + 1;
+            size_t row = (size_t)tok * j->n_heads + (size_t)w.h * j->group;
+            attend_group(j->k, j->pool, ab->block_tables + (size_t)w.s * ab->max_blocks, n_keys, w.h, j->group,
+                         j->q + row * j->d, j->scale, S, j->out + row * j->d, j->lse ? j->lse + row : NULL);
+        }
+    }
+}
+
+/* Carves n bytes (64-byte aligned) off *at. */
+static void *carve(char **at, size_t n) {
+    void *p = *at;
+    *at += (n + 63) / 64 * 64;
+    return p;
+}
+
 void kvs_cpu_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
                        const kvs_attn_batch *ab, int n_heads, float scale) {
-    int d = pool->head_dim, KVH = pool->n_kv_heads, group = n_heads / KVH;
+    int d = pool->head_dim, KVH = pool->n_kv_heads, group = n_heads / KVH, nt = kvs_cpu_pool_size(kvs_cpu_pool_of(b));
     const float *qq = q;
     float *o = out;
-    /* the work list and, for blocked sequences, their gathered keys */
-    size_t n_items = 0, cap = (size_t)ab->n_tokens * n_heads + 1;
-    work_item *items = malloc(sizeof(work_item) * cap);
-    size_t n_bufs = (size_t)ab->n_seqs * KVH;
-    float **kbuf = calloc(n_bufs ? n_bufs : 1, sizeof(float *)), **vbuf = calloc(n_bufs ? n_bufs : 1, sizeof(float *));
-    bool ok = items && kbuf && vbuf;
-    for (int s = 0; ok && s < ab->n_seqs; s++) {
+    /* scratch: the work list, the gathered keys of blocked (prefill) sequences, each thread's scores */
+    size_t n_items = 0, cap = (size_t)ab->n_tokens * n_heads + 1, n_bufs = (size_t)ab->n_seqs * KVH, kv_floats = 0;
+    for (int s = 0; s < ab->n_seqs; s++)
+        if (ab->q_start[s + 1] - ab->q_start[s] >= BLOCKED_MIN_Q) kv_floats += 2 * (size_t)ab->kv_len[s] * d * KVH;
+    size_t max_kv = ab->max_kv_len > 0 ? ab->max_kv_len : 1;
+    size_t blocked_s = (size_t)(Q_BLOCK + 1) * max_kv + Q_BLOCK, group_s = (size_t)group * max_kv;
+    size_t s_cap = blocked_s > group_s ? blocked_s : group_s;
+    size_t bytes = (sizeof(work_item) * cap + 64) + 2 * (sizeof(float *) * n_bufs + 64) + sizeof(float) * kv_floats +
+                   64 * KVH * ab->n_seqs * 2 + nt * (sizeof(float) * s_cap + 64);
+    char *at = kvs_cpu_scratch(b, bytes);
+    if (!at) return;
+    work_item *items = carve(&at, sizeof(work_item) * cap);
+    float **kbuf = carve(&at, sizeof(float *) * n_bufs), **vbuf = carve(&at, sizeof(float *) * n_bufs);
+    for (int s = 0; s < ab->n_seqs; s++) {
         int q_len = ab->q_start[s + 1] - ab->q_start[s];
         bool blocked = q_len >= BLOCKED_MIN_Q;
-        for (int h = 0; h < n_heads; h++)
-            for (int i0 = 0; i0 < q_len; i0 += blocked ? Q_BLOCK : 1)
-                items[n_items++] = (work_item){s, h, i0, blocked ? (i0 + Q_BLOCK < q_len ? i0 + Q_BLOCK : q_len) : i0 + 1,
-                                               blocked};
-        for (int g = 0; blocked && g < KVH; g++) {
-            kbuf[s * KVH + g] = malloc(sizeof(float) * (size_t)ab->kv_len[s] * d);
-            vbuf[s * KVH + g] = malloc(sizeof(float) * (size_t)ab->kv_len[s] * d);
-            ok = ok && kbuf[s * KVH + g] && vbuf[s * KVH + g];
+        if (blocked)
+            for (int h = 0; h < n_heads; h++)
+                for (int i0 = 0; i0 < q_len; i0 += Q_BLOCK)
+                    items[n_items++] = (work_item){s, h, i0, i0 + Q_BLOCK < q_len ? i0 + Q_BLOCK : q_len, true};
+        else
+            for (int g = 0; g < KVH; g++)
+                for (int i = 0; i < q_len; i++) items[n_items++] = (work_item){s, g, i, i + 1, false};
+        for (int g = 0; g < KVH; g++) {
+            kbuf[s * KVH + g] = blocked ? carve(&at, sizeof(float) * ab->kv_len[s] * d) : NULL;
+            vbuf[s * KVH + g] = blocked ? carve(&at, sizeof(float) * ab->kv_len[s] * d) : NULL;
         }
     }
-    if (!ok) {
-        kvs_cpu_fail(b, KVS_ERR_NOMEM, "attention: out of memory (%d sequences, %d tokens)", ab->n_seqs, ab->n_tokens);
-        n_items = 0;
-    }
-#pragma omp parallel if (ok)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int sg = 0; sg < (ok ? ab->n_seqs * KVH : 0); sg++)
-            if (kbuf[sg]) gather_head(pool, ab, sg / KVH, sg % KVH, kbuf[sg], vbuf[sg]);
-        size_t s_cap = (size_t)(Q_BLOCK + 1) * (ab->max_kv_len > 0 ? ab->max_kv_len : 1) + Q_BLOCK;
-        float *S = malloc(sizeof(float) * s_cap);
-        if (!S) kvs_cpu_fail(b, KVS_ERR_NOMEM, "attention: out of memory (%zu scores)", s_cap);
-#pragma omp for schedule(dynamic, 2)
-        for (size_t it = 0; it < n_items; it++) {
-            if (!S) continue;
-            work_item w = items[it];
-            if (w.blocked) {
-                int g = w.h / group;
-                attend_rows(ab, w.s, w.h, w.i0, w.i1, kbuf[w.s * KVH + g], vbuf[w.s * KVH + g], qq, o, lse, n_heads,
-                            d, scale, S);
-            } else {
-                int t = ab->q_start[w.s] + w.i0, q_len = ab->q_start[w.s + 1] - ab->q_start[w.s];
-                int n_keys = ab->kv_len[w.s] - q_len + w.i0 + 1;
-                attend_one(pool, ab->block_tables + (size_t)w.s * ab->max_blocks, n_keys, w.h / group,
-                           qq + ((size_t)t * n_heads + w.h) * d, scale, S, o + ((size_t)t * n_heads + w.h) * d,
-                           lse ? lse + (size_t)t * n_heads + w.h : NULL);
-            }
-        }
-        free(S);
-    }
-    for (size_t i = 0; kbuf && vbuf && i < n_bufs; i++) {
-        free(kbuf[i]);
-        free(vbuf[i]);
-    }
-    free(kbuf);
-    free(vbuf);
-    free(items);
+    float *S0 = carve(&at, 0);
+    attn_job job = {kvs_cpu_kernels_of(b), pool, ab, items, n_items, kbuf, vbuf, qq, o, lse, n_heads, KVH, group, d, scale, S0,
+                    (sizeof(float) * s_cap + 64) / 64 * 64 / sizeof(float)};
+    atomic_init(&job.next, 0);
+    if (kv_floats) kvs_cpu_pool_run(kvs_cpu_pool_of(b), run_gathers, &job); /* prefill: keys gathered first */
+    atomic_store(&job.next, 0);
+    kvs_cpu_pool_run(kvs_cpu_pool_of(b), run_items, &job);
 }

@@ -10,8 +10,9 @@
  * kvs_cpu_add + kvs_cpu_rmsnorm, so the results are bitwise equal. */
 void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
                          float eps) {
-    float *a = x, *o = xn;
-    const float *c = y, *g = w;
+    float *a = x, *o = xn, *buf = b->weight_dtype == KVS_F32 ? NULL : kvs_cpu_scratch(b, sizeof(float) * dim);
+    if (b->weight_dtype != KVS_F32 && !buf) return;
+    const float *c = y, *g = kvs_cpu_weights_f32(b, w, dim, buf);
 #pragma omp parallel for if (n > 4)
     for (int i = 0; i < n; i++) {
         float *xi = a + (size_t)i * dim;
@@ -32,14 +33,10 @@ void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, con
                            const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                            int n_heads) {
     size_t kn = (size_t)n * pool->n_kv_heads * pool->head_dim;
-    float *kr = malloc(sizeof(float) * (kn ? kn : 1));
-    if (!kr) {
-        kvs_cpu_fail(b, KVS_ERR_NOMEM, "rope_kv_write: out of memory");
-        return;
-    }
+    float *kr = kvs_cpu_scratch(b, sizeof(float) * (kn ? kn : 1));
+    if (!kr) return;
     memcpy(kr, k, sizeof(float) * kn);
     kvs_cpu_rope(b, q, positions, inv_freq, n, n_heads, pool->head_dim);
     kvs_cpu_rope(b, kr, positions, inv_freq, n, pool->n_kv_heads, pool->head_dim);
     kvs_cpu_kv_write(b, pool, kr, v, slots, n);
-    free(kr);
 }

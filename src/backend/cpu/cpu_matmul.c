@@ -1,26 +1,82 @@
-/* matmul on the CPU: OpenBLAS sgemm, fp32. */
+/* matmul on the CPU: the gemv kernels (cpu_simd.h) for decode's few rows,
+ * which read each weight once at the memory's pace; OpenBLAS sgemm for
+ * prefill (bf16 / f16 weights widened a panel at a time). */
 #include <cblas.h>
 #include <string.h>
 
 #include "backend/cpu/cpu_ops.h"
+
+/* Rows of w a panel when bf16 / f16 weights are widened for sgemm. */
+enum { PANEL_ROWS = 64 };
+
+/* Output columns [c0, c1) of thread t of nt: multiples of 16 (whole cache lines). */
+static void thread_cols(int out_dim, int nt, int t, int *c0, int *c1) {
+    int per = (out_dim + nt - 1) / nt;
+    per = (per + 15) / 16 * 16;
+    *c0 = t * per < out_dim ? t * per : out_dim;
+    *c1 = *c0 + per > out_dim ? out_dim : *c0 + per;
+}
+
+typedef struct {
+    const kvs_cpu_kernels *k;
+    float *out;
+    const float *x, *bias;
+    const void *w;
+    kvs_dtype wt;
+    int n, in_dim, out_dim;
+} gemv_job;
+
+static void run_gemv(void *arg, int t, int nt) {
+    const gemv_job *g = arg;
+    int c0, c1;
+    thread_cols(g->out_dim, nt, t, &c0, &c1);
+    if (c0 < c1) g->k->gemv(g->out, g->out_dim, g->x, g->w, g->wt, g->bias, g->n, g->in_dim, c0, c1);
+}
 
 /* OpenBLAS runs single-threaded (set at backend creation); the OpenMP threads
  * split the output columns, so one thread pool serves every op. */
 void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
                     int in_dim, int out_dim) {
     float *o = out;
-    const float *x = in, *wt = w;
-    if (bias) {
-        for (int i = 0; i < n; i++) memcpy(o + (size_t)i * out_dim, bias, sizeof(float) * out_dim);
+    const float *x = in;
+    kvs_dtype wt = b->weight_dtype;
+    int nt = omp_get_max_threads();
+    bool gemv = n <= KVS_CPU_GEMV_MAX_N, widen = !gemv && wt != KVS_F32;
+    /* scratch: the bias as f32, then each thread's widened panel */
+    size_t bias_floats = bias && wt != KVS_F32 ? (size_t)(out_dim + 15) / 16 * 16 : 0;
+    size_t panel = (size_t)PANEL_ROWS * in_dim;
+    float *scratch = NULL;
+    if (bias_floats || widen) {
+        scratch = kvs_cpu_scratch(b, sizeof(float) * (bias_floats + (widen ? panel * nt : 0)));
+        if (!scratch) return;
     }
-#pragma omp parallel
+    const float *bias32 = bias ? kvs_cpu_weights_f32(b, bias, out_dim, scratch) : NULL;
+    const kvs_cpu_kernels *k = kvs_cpu_kernels_of(b);
+    if (gemv) { /* decode: the pool's threads split the rows of w */
+        gemv_job job = {k, o, x, bias32, w, wt, n, in_dim, out_dim};
+        kvs_cpu_pool_run(kvs_cpu_pool_of(b), run_gemv, &job);
+        return;
+    }
+    if (bias32)
+        for (int i = 0; i < n; i++) memcpy(o + (size_t)i * out_dim, bias32, sizeof(float) * out_dim);
+#pragma omp parallel num_threads(nt)
     {
-        int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        int per = (out_dim + nt - 1) / nt;
-        per = (per + 15) / 16 * 16;
-        int c0 = t * per, c1 = c0 + per > out_dim ? out_dim : c0 + per;
-        if (c0 < c1)
+        int c0, c1, t = omp_get_thread_num();
+        thread_cols(out_dim, omp_get_num_threads(), t, &c0, &c1);
+        float beta = bias32 ? 1.0f : 0.0f;
+        if (c0 >= c1) {
+        } else if (!widen) {
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, c1 - c0, in_dim, 1.0f, x, in_dim,
-                        wt + (size_t)c0 * in_dim, in_dim, bias ? 1.0f : 0.0f, o + c0, out_dim);
+                        (const float *)w + (size_t)c0 * in_dim, in_dim, beta, o + c0, out_dim);
+        } else {
+            float *p = scratch + bias_floats + panel * t;
+            size_t es = kvs_dtype_size(wt);
+            for (int r0 = c0; r0 < c1; r0 += PANEL_ROWS) {
+                int nr = c1 - r0 < PANEL_ROWS ? c1 - r0 : PANEL_ROWS;
+                kvs_to_f32(p, (const char *)w + (size_t)r0 * in_dim * es, wt, (size_t)nr * in_dim);
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, nr, in_dim, 1.0f, x, in_dim, p, in_dim, beta,
+                            o + r0, out_dim);
+            }
+        }
     }
 }

@@ -6,13 +6,14 @@
 
 void kvs_cpu_embedding(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim) {
     float *o = out;
-    const float *t = table;
-    for (int i = 0; i < n; i++) memcpy(o + (size_t)i * dim, t + (size_t)ids[i] * dim, sizeof(float) * dim);
+    size_t row = (size_t)dim * kvs_dtype_size(b->weight_dtype);
+    for (int i = 0; i < n; i++) kvs_to_f32(o + (size_t)i * dim, (const char *)table + ids[i] * row, b->weight_dtype, dim);
 }
 
 void kvs_cpu_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps) {
-    float *o = out;
-    const float *x = in, *g = w;
+    float *o = out, *buf = b->weight_dtype == KVS_F32 ? NULL : kvs_cpu_scratch(b, sizeof(float) * dim);
+    if (b->weight_dtype != KVS_F32 && !buf) return;
+    const float *x = in, *g = kvs_cpu_weights_f32(b, w, dim, buf);
 #pragma omp parallel for if (n > 4)
     for (int i = 0; i < n; i++) {
         const float *xi = x + (size_t)i * dim;

@@ -5,10 +5,24 @@
 #include <omp.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_pool.h"
+#include "backend/cpu/cpu_simd.h"
 
 /* Records the first failure of an op on b (its check reports it from then on)
  * and sets it as the calling thread's error too. Safe from OpenMP threads. */
 void kvs_cpu_fail(kvs_backend *b, kvs_status code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* The backend's kernel set (cpu_simd.h). */
+const kvs_cpu_kernels *kvs_cpu_kernels_of(kvs_backend *b);
+/* The backend's thread pool (cpu_pool.h), as many threads as its OpenMP teams. */
+kvs_cpu_pool *kvs_cpu_pool_of(kvs_backend *b);
+/* The ops' grow-only scratch, at least bytes long (64-byte aligned), valid
+ * until the next call; NULL (failure recorded) when out of memory. For one op
+ * at a time, called outside parallel regions. */
+void *kvs_cpu_scratch(kvs_backend *b, size_t bytes);
+/* n weights of the backend's weight dtype as f32: w itself when weights are
+ * f32, else converted into buf (n floats). */
+const float *kvs_cpu_weights_f32(kvs_backend *b, const void *w, size_t n, float *buf);
 
 void kvs_cpu_embedding(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
 void kvs_cpu_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps);

@@ -1,0 +1,43 @@
+/* The generic kernel set (plain C, any CPU) and the pick of the best set. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_simd.h"
+
+#define V float
+#define VL 1
+#define v_zero() 0.0f
+#define v_set1(f) (f)
+#define v_load(p) (*(p))
+#define v_store(p, v) (*(p) = (v))
+#define v_fma(a, b, c) ((a) * (b) + (c))
+#define v_hsum(v) (v)
+#define v_load_bf16(p) kvs_bf16_to_f32(*(p))
+#define v_load_f16(p) kvs_f16_to_f32(*(p))
+#define KERNELS_NAME "generic"
+#define KERNELS_VAR kvs_cpu_kernels_generic
+#include "backend/cpu/cpu_simd_impl.h"
+
+static bool has_avx512(void) {
+#if defined(__x86_64__)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#else
+    return false;
+#endif
+}
+
+static bool has_avx2(void) {
+#if defined(__x86_64__)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+const kvs_cpu_kernels *kvs_cpu_kernels_pick(void) {
+    const char *want = getenv("KVS_CPU_KERNELS");
+    bool no512 = want && (!strcmp(want, "avx2") || !strcmp(want, "generic")), no2 = want && !strcmp(want, "generic");
+    if (kvs_cpu_kernels_avx512 && has_avx512() && !no512) return kvs_cpu_kernels_avx512;
+    if (kvs_cpu_kernels_avx2 && has_avx2() && !no2) return kvs_cpu_kernels_avx2;
+    return &kvs_cpu_kernels_generic;
+}

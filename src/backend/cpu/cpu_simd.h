@@ -1,0 +1,38 @@
+/* The CPU backend's vector kernels: one set per instruction set (generic C,
+ * AVX2 + FMA + F16C, AVX-512), all from one source (cpu_simd_impl.h) compiled
+ * once per set; the best set the CPU runs is picked at backend creation.
+ * Internal to backend/cpu/. */
+#ifndef KVS_CPU_SIMD_H
+#define KVS_CPU_SIMD_H
+
+#include "core/core.h"
+
+/* The most input rows the gemv kernel takes: above it the matmul goes to sgemm. */
+enum { KVS_CPU_GEMV_MAX_N = 8 };
+
+typedef struct {
+    const char *name; /* "avx512", "avx2", "generic" */
+    /* Weights read once, for decode: out[i * ld_out + j] = sum_k x[i * in_dim + k] *
+     * w[j * in_dim + k] (+ bias[j]) for i < n (at most KVS_CPU_GEMV_MAX_N) and rows
+     * j in [j0, j1) of w, whose dtype is wt (F32, BF16 or F16). A row's result
+     * does not depend on n, j0 or j1. */
+    void (*gemv)(float *out, int ld_out, const float *x, const void *w, kvs_dtype wt, const float *bias, int n,
+                 int in_dim, int j0, int j1);
+    /* Attention scores of g query vectors (q + h * ld_q, h < g) against cnt
+     * contiguous key rows k [cnt][d]: s[h * ld_s + e] = scale * q_h . k_e. */
+    void (*qk)(float *s, int ld_s, const float *q, int ld_q, int g, const float *k, int cnt, int d, float scale);
+    /* out[h * ld_out + :d] += sum_e p[h * ld_p + e] * v[e][:d] for h < g, e < cnt. */
+    void (*pv)(float *out, int ld_out, const float *p, int ld_p, int g, const float *v, int cnt, int d);
+    /* The sum of x[0 .. n) (n a multiple of 64): the memory read benchmark's loop. */
+    float (*sum)(const float *x, size_t n);
+} kvs_cpu_kernels;
+
+extern const kvs_cpu_kernels kvs_cpu_kernels_generic;
+/* NULL where the build has no such set (not x86-64). */
+extern const kvs_cpu_kernels *const kvs_cpu_kernels_avx2, *const kvs_cpu_kernels_avx512;
+
+/* The best set this CPU runs; $KVS_CPU_KERNELS (generic, avx2, avx512) picks a
+ * lesser one (a set the CPU lacks falls back to the best it has). */
+const kvs_cpu_kernels *kvs_cpu_kernels_pick(void);
+
+#endif
