@@ -25,11 +25,20 @@ static void greedy(rig *r, int seq, int pos, float *logits, int n_new, int32_t *
     }
 }
 
-Test(forward, tiny_needle_llama_matches_hf) {
+/* A CPU backend keeping weights in wt (NULL for f32: rig_open makes the oracle). */
+static kvs_backend *cpu_weights(kvs_dtype wt) {
+    if (wt == KVS_F32) return NULL;
+    kvs_backend *be;
+    cr_assert_eq(kvs_backend_cpu_create_typed(0, wt, &be), KVS_OK, "%s", kvs_last_error());
+    return be;
+}
+
+static void check_tiny_needle(kvs_dtype wt) {
     json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases && json_array_size(cases) == 4);
     rig r;
-    rig_open(&r, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(700, 1), 1);
+    kvs_backend *be = cpu_weights(wt);
+    rig_open(&r, src_path("models/tiny-needle-llama"), be, RIG_BLOCKS(700, 1), 1);
     size_t i;
     json_t *c;
     json_array_foreach(cases, i, c) {
@@ -58,14 +67,23 @@ Test(forward, tiny_needle_llama_matches_hf) {
     }
     cr_assert_eq(kvs_kv_used_blocks(r.kv), 0);
     rig_close(&r);
+    if (be) be->destroy(be);
     json_decref(cases);
 }
 
-static void check_arch(const char *name) {
+Test(forward, tiny_needle_llama_matches_hf) { check_tiny_needle(KVS_F32); }
+/* The checkpoint is bf16: kept as it is, widened in registers (the same bounds) */
+Test(forward, tiny_needle_llama_bf16_weights_match_hf) { check_tiny_needle(KVS_BF16); }
+
+/* wt: the CPU weights' dtype (KVS_DTYPE_COUNT: the checkpoint's, as --dtype auto keeps it) */
+static void check_arch_weights(const char *name, kvs_dtype wt) {
     char dir[1024];
     json_t *ref = arch_reference(name, dir, sizeof dir);
     rig r;
-    rig_open(&r, dir, NULL, RIG_BLOCKS(2048 + 16, 1), 1);
+    kvs_config cfg;
+    cr_assert_eq(kvs_config_load(dir, &cfg), KVS_OK, "%s", kvs_last_error());
+    kvs_backend *be = cpu_weights(wt == KVS_DTYPE_COUNT ? cfg.dtype : wt);
+    rig_open(&r, dir, be, RIG_BLOCKS(2048 + 16, 1), 1);
     int V = r.cfg.vocab_size;
     float *logits = malloc(sizeof(float) * V);
     size_t i;
@@ -107,12 +125,21 @@ static void check_arch(const char *name) {
     }
     free(logits);
     rig_close(&r);
+    if (be) be->destroy(be);
     json_decref(ref);
 }
+
+static void check_arch(const char *name) { check_arch_weights(name, KVS_F32); }
 
 Test(forward, llama3_rope_scaling_bf16) { check_arch("llama3-rope-scaling"); }
 Test(forward, qwen2_bias_tied_fp16) { check_arch("qwen2-bias-tied"); }
 Test(forward, mistral_fp32) { check_arch("mistral"); }
+/* the checkpoints' own dtypes (bf16, f16, f32) kept on the CPU: the same bounds */
+Test(forward, arch_fixtures_with_checkpoint_dtype_weights) {
+    check_arch_weights("llama3-rope-scaling", KVS_DTYPE_COUNT);
+    check_arch_weights("qwen2-bias-tied", KVS_DTYPE_COUNT);
+    check_arch_weights("mistral", KVS_DTYPE_COUNT);
+}
 
 /* 8 sequences of different lengths in one varlen batch (prefill chunks mixed
  * with single decode tokens) give the logits each gives alone. */
