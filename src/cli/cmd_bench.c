@@ -48,6 +48,23 @@ static double sgemm_rate(kvs_backend *be, int n, int reps) {
     return 2.0 * n * n * n / best / 1e9;
 }
 
+/* Decode against the memory (the CPU backend, one rank): the bytes a decode
+ * step reads (every weight but the untied embedding table, once, and the KV of
+ * the mean context) times the tokens/s, beside a read benchmark's rate. */
+static void print_decode_bandwidth(const kvs_loaded *l, int ctx0, int ctx1, double tokens_per_s) {
+    if (l->world != 1) return;
+    double bw = kvs_cpu_read_bandwidth(l->be, (size_t)512 << 20, 5);
+    if (bw <= 0) return;
+    const kvs_config *c = &l->cfg;
+    int64_t params = kvs_config_param_count(c) - (c->tie_word_embeddings ? 0 : (int64_t)c->vocab_size * c->hidden_size);
+    double weights = (double)params * kvs_dtype_size(l->be->weight_dtype);
+    double kv = (double)kvs_config_kv_bytes_per_token(c, l->be->kv_dtype) * (ctx0 + ctx1) / 2;
+    double rate = (weights + kv) * tokens_per_s / 1e9;
+    printf("memory read rate (this run, same threads, 512 MiB): %.1f GB/s\n", bw);
+    printf("decode reads %.1f MB a token (%s weights %.1f MB + f32 KV %.1f MB): %.1f GB/s = %.0f%% of the read rate\n",
+           (weights + kv) / 1e6, kvs_dtype_name(l->be->weight_dtype), weights / 1e6, kv / 1e6, rate, 100 * rate / bw);
+}
+
 /* The rank's backend with its matmul timed (kvs_runner_backend_wrap): tb[rank]. */
 static kvs_backend *wrap_timed(void *user, int rank, kvs_backend *be) {
     timed_backend *t = &((timed_backend *)user)[rank];
@@ -65,7 +82,8 @@ static kvs_status timed_group(kvs_loaded *l, const kvs_load_options *lo, timed_b
     }
     if (!l->rank_be) { /* the CPU simulation: backends made in the rank threads, wrapped there */
         int per_rank = lo->threads > 0 ? (lo->threads + l->world - 1) / l->world : 0;
-        return kvs_runner_create_cpu_wrapped(&l->cfg, l->ck, l->world, per_rank, wrap_timed, tb, &lo->limits, g);
+        return kvs_runner_create_cpu_wrapped(&l->cfg, l->ck, l->world, per_rank, l->weight_dtype, wrap_timed, tb,
+                                             &lo->limits, g);
     }
     kvs_backend **be = calloc((size_t)l->world, sizeof *be); /* GPUs: kvs_cli_load made backends and NCCL comms */
     if (!be) return kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
@@ -277,6 +295,7 @@ static int bench_model(int argc, char **argv) {
         printf("decode matmuls%s:  %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of decode time\n", ranks,
                tb[0].flops / tb[0].seconds / 1e9, 100 * tb[0].flops / tb[0].seconds / 1e9 / peak,
                100 * tb[0].seconds / t_decode);
+        print_decode_bandwidth(&l, prompt_len, total, decode_len / t_decode);
     }
     if (st == KVS_OK && n_batches > 0) {
         /* untimed: the timing synchronizes, which no graph can capture */
