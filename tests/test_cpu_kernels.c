@@ -1,6 +1,7 @@
 /* The CPU backend's kernel sets (backend/cpu/cpu_simd.h), each one this CPU
  * runs, against double-precision references on fresh random inputs: gemv with
- * f32, bf16 and f16 weights, attention's qk and pv; a row's gemv result the
+ * f32, bf16 and f16 weights, attention's qk and pv on f32, bf16 and f16
+ * keys and values; a row's gemv result the
  * same bits whatever the batch size and the row split; the matmul op on bf16
  * weights equal to the f32 oracle on the same values; the thread pool.
  *
@@ -131,39 +132,44 @@ Test(cpu_kernels, qk_and_pv_match_reference) {
     const kvs_cpu_kernels *sets[3];
     int n_sets = runnable_sets(sets);
     const int dims[] = {64, 100, 128};
+    const kvs_dtype types[] = {KVS_F32, KVS_BF16, KVS_F16};
     for (int s = 0; s < n_sets; s++)
-        for (int di = 0; di < 3; di++)
-            for (int g = 1; g <= 10; g++) {
-                int d = dims[di], cnt = 1 + (int)(kvs_rng_u64(&rng) % 16), ld_q = d + 3, ld_s = cnt + 5;
-                float *q = normal(&rng, (size_t)g * ld_q), *k = normal(&rng, (size_t)cnt * d);
-                float *v = normal(&rng, (size_t)cnt * d), *p = normal(&rng, (size_t)g * ld_s);
-                float *sc = calloc((size_t)g * ld_s, sizeof(float)), *out = normal(&rng, (size_t)g * d);
-                float *out0 = malloc(sizeof(float) * g * d);
-                memcpy(out0, out, sizeof(float) * g * d);
-                sets[s]->qk(sc, ld_s, q, ld_q, g, k, cnt, d, 0.125f);
-                sets[s]->pv(out, d, p, ld_s, g, v, cnt, d);
-                for (int h = 0; h < g; h++) {
-                    for (int e = 0; e < cnt; e++) {
-                        double ref = 0, mag = 0;
-                        for (int c = 0; c < d; c++) {
-                            double t = (double)q[(size_t)h * ld_q + c] * k[(size_t)e * d + c];
-                            ref += t, mag += fabs(t);
-                        }
-                        cr_expect(fabs(sc[(size_t)h * ld_s + e] - 0.125 * ref) <= 1e-5 * 0.125 * mag + 1e-30,
-                                  "%s qk d %d g %d head %d key %d", sets[s]->name, d, g, h, e);
-                    }
-                    for (int c = 0; c < d; c++) {
-                        double ref = out0[(size_t)h * d + c], mag = fabs(ref);
+        for (int ti = 0; ti < 3; ti++)
+            for (int di = 0; di < 3; di++)
+                for (int g = 1; g <= 10; g++) {
+                    int d = dims[di], cnt = 1 + (int)(kvs_rng_u64(&rng) % 16), ld_q = d + 3, ld_s = cnt + 5;
+                    kvs_dtype t = types[ti];
+                    float *kf, *vf, *q = normal(&rng, (size_t)g * ld_q), *p = normal(&rng, (size_t)g * ld_s);
+                    void *k = weights(&rng, t, (size_t)cnt * d, &kf), *v = weights(&rng, t, (size_t)cnt * d, &vf);
+                    float *sc = calloc((size_t)g * ld_s, sizeof(float)), *out = normal(&rng, (size_t)g * d);
+                    float *out0 = malloc(sizeof(float) * g * d);
+                    memcpy(out0, out, sizeof(float) * g * d);
+                    sets[s]->qk(sc, ld_s, q, ld_q, g, k, t, cnt, d, 0.125f);
+                    sets[s]->pv(out, d, p, ld_s, g, v, t, cnt, d);
+                    for (int h = 0; h < g; h++) {
                         for (int e = 0; e < cnt; e++) {
-                            double t = (double)p[(size_t)h * ld_s + e] * v[(size_t)e * d + c];
-                            ref += t, mag += fabs(t);
+                            double ref = 0, mag = 0;
+                            for (int c = 0; c < d; c++) {
+                                double x = (double)q[(size_t)h * ld_q + c] * kf[(size_t)e * d + c];
+                                ref += x, mag += fabs(x);
+                            }
+                            cr_expect(fabs(sc[(size_t)h * ld_s + e] - 0.125 * ref) <= 1e-5 * 0.125 * mag + 1e-30,
+                                      "%s %s qk d %d g %d head %d key %d", sets[s]->name, kvs_dtype_name(t), d, g, h,
+                                      e);
                         }
-                        cr_expect(fabs(out[(size_t)h * d + c] - ref) <= 1e-5 * mag + 1e-30,
-                                  "%s pv d %d g %d head %d column %d", sets[s]->name, d, g, h, c);
+                        for (int c = 0; c < d; c++) {
+                            double ref = out0[(size_t)h * d + c], mag = fabs(ref);
+                            for (int e = 0; e < cnt; e++) {
+                                double x = (double)p[(size_t)h * ld_s + e] * vf[(size_t)e * d + c];
+                                ref += x, mag += fabs(x);
+                            }
+                            cr_expect(fabs(out[(size_t)h * d + c] - ref) <= 1e-5 * mag + 1e-30,
+                                      "%s %s pv d %d g %d head %d column %d", sets[s]->name, kvs_dtype_name(t), d, g,
+                                      h, c);
+                        }
                     }
+                    free(q), free(k), free(v), free(kf), free(vf), free(p), free(sc), free(out), free(out0);
                 }
-                free(q), free(k), free(v), free(p), free(sc), free(out), free(out0);
-            }
 }
 
 /* The matmul op with bf16 weights against the f32 oracle holding the same
@@ -173,7 +179,7 @@ Test(cpu_kernels, matmul_bf16_weights_equal_f32_oracle) {
     kvs_rng rng = seeded();
     kvs_backend *f32, *b16;
     cr_assert_eq(kvs_backend_cpu_create(2, &f32), KVS_OK);
-    cr_assert_eq(kvs_backend_cpu_create_typed(2, KVS_BF16, &b16), KVS_OK);
+    cr_assert_eq(kvs_backend_cpu_create_typed(2, KVS_BF16, KVS_F32, &b16), KVS_OK);
     int in = 300, out_dim = 517;
     float *wv;
     uint16_t *w = weights(&rng, KVS_BF16, (size_t)out_dim * in, &wv);

@@ -580,7 +580,7 @@ Test(engine, prefix_cache_reuses_a_shared_document_and_answers_alike, .timeout =
         kvs_engine_destroy(e);
         c.enable_prefix_caching = true;
         kvs_runner *g2;
-        cr_assert_eq(kvs_runner_create_cpu(&f.cfg, f.ck, 2, 1, KVS_F32, NULL, &g2), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_create_cpu(&f.cfg, f.ck, 2, 1, KVS_F32, KVS_F32, NULL, &g2), KVS_OK, "%s", kvs_last_error());
         kvs_engine_config c2 = c;
         c2.kv_memory_bytes /= 2;
         cr_assert_eq(kvs_engine_create_runner(g2, f.tok, &c2, &e), KVS_OK, "%s", kvs_last_error());
@@ -785,13 +785,13 @@ Test(engine, tensor_parallel_group_matches_one_rank) {
         kvs_engine_destroy(e);
 
         kvs_runner *g1, *g2;
-        cr_assert_eq(kvs_runner_create_cpu(&f.cfg, f.ck, 1, 0, KVS_F32, NULL, &g1), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_create_cpu(&f.cfg, f.ck, 1, 0, KVS_F32, KVS_F32, NULL, &g1), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_engine_create_runner(g1, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
         engine_run_all(e, N, prompts, lens, MAX_TOKENS, got1, &policies[pi]);
         kvs_engine_destroy(e);
         kvs_runner_destroy(g1);
 
-        cr_assert_eq(kvs_runner_create_cpu(&f.cfg, f.ck, 2, 1, KVS_F32, NULL, &g2), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_create_cpu(&f.cfg, f.ck, 2, 1, KVS_F32, KVS_F32, NULL, &g2), KVS_OK, "%s", kvs_last_error());
         /* per-rank budget: each rank holds half the heads, so half the bytes give the same blocks */
         c.kv_memory_bytes /= 2;
         cr_assert_eq(kvs_engine_create_runner(g2, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());

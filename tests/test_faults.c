@@ -220,7 +220,7 @@ Test(faults, a_failed_rank_fails_the_engine) {
     cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK);
     kvs_backend *wrapper = NULL;
     kvs_runner *g;
-    cr_assert_eq(kvs_runner_create_cpu_wrapped(&cfg, ck, 2, 1, KVS_F32, wrap_rank1, &wrapper, NULL, &g), KVS_OK, "%s",
+    cr_assert_eq(kvs_runner_create_cpu_wrapped(&cfg, ck, 2, 1, KVS_F32, KVS_F32, wrap_rank1, &wrapper, NULL, &g), KVS_OK, "%s",
                  kvs_last_error());
     kvs_engine_config ec = kvs_engine_config_default();
     ec.kv_memory_bytes = 32u << 20;

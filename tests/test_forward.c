@@ -29,7 +29,7 @@ static void greedy(rig *r, int seq, int pos, float *logits, int n_new, int32_t *
 static kvs_backend *cpu_weights(kvs_dtype wt) {
     if (wt == KVS_F32) return NULL;
     kvs_backend *be;
-    cr_assert_eq(kvs_backend_cpu_create_typed(0, wt, &be), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_backend_cpu_create_typed(0, wt, KVS_F32, &be), KVS_OK, "%s", kvs_last_error());
     return be;
 }
 

@@ -442,7 +442,7 @@ static void srig_open(sample_rig *r, const kvs_config *c, kvs_checkpoint *ck, in
         cr_assert_eq(kvs_model_create(c, ck, r->be, NULL, &r->m), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
     } else {
-        cr_assert_eq(kvs_runner_create_cpu(c, ck, world, 1, KVS_F32, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_create_cpu(c, ck, world, 1, KVS_F32, KVS_F32, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_runner_kv_create(r->g, &kc), KVS_OK, "%s", kvs_last_error());
     }
 }

@@ -42,7 +42,7 @@ static void tp_rig_start(tp_rig *r, int world, int max_tokens, int max_seqs) {
         cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, NULL, &r->m), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
     } else {
-        cr_assert_eq(kvs_runner_create_cpu(&r->cfg, r->ck, world, 0, KVS_F32, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_runner_create_cpu(&r->cfg, r->ck, world, 0, KVS_F32, KVS_F32, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_runner_kv_create(r->g, &kc), KVS_OK, "%s", kvs_last_error());
     }
 }
@@ -436,7 +436,7 @@ Test(tp, sizes_that_do_not_divide_fail_naming_the_numbers) {
     kvs_checkpoint *ck;
     cr_assert_eq(kvs_checkpoint_open(src_path("models/tiny-needle-llama"), &cfg, &ck), KVS_OK);
     kvs_runner *g = (kvs_runner *)1;
-    cr_assert_eq(kvs_runner_create_cpu(&cfg, ck, 3, 1, KVS_F32, NULL, &g), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_runner_create_cpu(&cfg, ck, 3, 1, KVS_F32, KVS_F32, NULL, &g), KVS_ERR_INVALID);
     cr_assert_null(g);
     const char *msg = kvs_last_error();
     cr_expect(strstr(msg, "3") && strstr(msg, "2 KV heads"), "message: %s", msg);
@@ -476,7 +476,7 @@ Test(tp, shard_with_a_full_kv_cache_is_refused) {
     kvs_checkpoint *ck;
     cr_assert_eq(kvs_checkpoint_open(src_path("models/tiny-needle-llama"), &cfg, &ck), KVS_OK);
     kvs_runner *g;
-    cr_assert_eq(kvs_runner_create_cpu(&cfg, ck, 2, 1, KVS_F32, NULL, &g), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_runner_create_cpu(&cfg, ck, 2, 1, KVS_F32, KVS_F32, NULL, &g), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = kv_config(&cfg, 32, 1);
     kvs_kv_cache *kv;
     kvs_backend *be;
@@ -644,9 +644,11 @@ Test(tp_cli, generate_and_bench_throughput_match_one_rank, .timeout = 600) {
         j[k] = last_json_line(out[k]);
         cr_assert_eq(json_integer_value(json_object_get(j[k], "output_tokens")), 5 * 16, "%s", out[k]);
     }
-    /* --kv-memory is per rank: each rank holds half the heads, so twice the blocks */
-    cr_assert_eq(json_integer_value(json_object_get(j[1], "kv_blocks_total")),
-                 2 * json_integer_value(json_object_get(j[0], "kv_blocks_total")));
+    /* --kv-memory is per rank: each rank holds half the heads, so twice the blocks:
+       floor(2 * budget / block) is 2 * floor(budget / block) or one more */
+    json_int_t b1 = json_integer_value(json_object_get(j[0], "kv_blocks_total"));
+    json_int_t b2 = json_integer_value(json_object_get(j[1], "kv_blocks_total"));
+    cr_assert(b2 == 2 * b1 || b2 == 2 * b1 + 1, "TP=2 has %lld blocks, TP=1 %lld", (long long)b2, (long long)b1);
     for (int k = 0; k < 2; k++) json_decref(j[k]), free(out[k]);
 }
 

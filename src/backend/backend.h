@@ -193,10 +193,11 @@ struct kvs_backend {
 
 /* The CPU backend with f32 weights (the oracle); n_threads 0: OpenMP's default. */
 kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out);
-/* ... with weights kept in weight_dtype (F32, BF16 or F16): a bf16 or f16
- * checkpoint's bytes as they are, widened in registers; activations and KV
- * stay f32. */
-kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, kvs_backend **out);
+/* ... with weights kept in weight_dtype (F32, BF16 or F16: a bf16 or f16
+ * checkpoint's bytes as they are) and a KV cache of kv_dtype (F32, BF16 or
+ * F16: rounded to nearest even when written), both widened in registers;
+ * activations stay f32. */
+kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, kvs_dtype kv_dtype, kvs_backend **out);
 /* The memory's read rate in GB/s as the CPU backend b reads (its threads and
  * kernels, each thread one contiguous part): the best of reps passes over
  * `bytes` (make it well above the last-level cache). 0 when b is no CPU backend. */

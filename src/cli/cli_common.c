@@ -17,14 +17,13 @@ static bool parse_dtype(const char *v, kvs_dtype *t) {
     return true;
 }
 
-/* The weights' dtype --dtype asks for: auto is the checkpoint's (config.json's
- * torch_dtype); the CUDA backend keeps bf16 weights only. */
-static kvs_status weight_dtype(const kvs_load_options *o, const kvs_config *cfg, bool cuda, kvs_dtype *t) {
-    *t = cfg->dtype;
-    if (o->dtype && strcmp(o->dtype, "auto") && !parse_dtype(o->dtype, t))
-        return kvs_fail(KVS_ERR_INVALID, "--dtype %s: not auto, float32, bfloat16 or float16", o->dtype);
-    if (cuda && o->dtype && strcmp(o->dtype, "auto") && *t != KVS_BF16)
-        return kvs_fail(KVS_ERR_UNSUPPORTED, "--dtype %s: the CUDA backend keeps weights in bfloat16", o->dtype);
+/* The dtype an option asks for (auto: fallback); the CUDA backend keeps bf16 only. */
+static kvs_status option_dtype(const char *option, const char *v, kvs_dtype fallback, bool cuda, kvs_dtype *t) {
+    *t = fallback;
+    if (v && strcmp(v, "auto") && !parse_dtype(v, t))
+        return kvs_fail(KVS_ERR_INVALID, "%s %s: not auto, float32, bfloat16 or float16", option, v);
+    if (cuda && v && strcmp(v, "auto") && *t != KVS_BF16)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s %s: the CUDA backend keeps bfloat16 only", option, v);
     return KVS_OK;
 }
 
@@ -52,6 +51,11 @@ int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i) {
         o->dtype = argv[++*i];
         kvs_dtype t;
         if (!parse_dtype(o->dtype, &t) && strcmp(o->dtype, "auto")) return -1;
+    } else if (!strcmp(a, "--kv-cache-dtype")) {
+        if (!has_value) return -1;
+        o->kv_dtype = argv[++*i];
+        kvs_dtype t;
+        if (!parse_dtype(o->kv_dtype, &t) && strcmp(o->kv_dtype, "auto")) return -1;
     } else if (!strcmp(a, "--device")) {
         if (!has_value) return -1;
         o->device = argv[++*i];
@@ -183,17 +187,19 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     if (st == KVS_OK && tp > 1) st = kvs_tp_validate(&out->cfg, tp, -1);
     bool cuda = o->device && !strncmp(o->device, "cuda", 4);
     int device0 = cuda && o->device[4] == ':' ? atoi(o->device + 5) : 0;
-    if (st == KVS_OK) st = weight_dtype(o, &out->cfg, cuda, &out->weight_dtype);
+    /* auto: weights as the checkpoint (config.json's torch_dtype) stores them, the KV cache as the weights */
+    if (st == KVS_OK) st = option_dtype("--dtype", o->dtype, out->cfg.dtype, cuda, &out->weight_dtype);
+    if (st == KVS_OK) st = option_dtype("--kv-cache-dtype", o->kv_dtype, out->weight_dtype, cuda, &out->kv_dtype);
     if (st == KVS_OK && cuda && tp > 1) {
         st = load_cuda_ranks(o, out, tp, device0);
     } else if (st == KVS_OK) {
         st = cuda ? kvs_backend_cuda_create(&(kvs_cuda_options){.device = device0}, &out->be)
-                  : kvs_backend_cpu_create_typed(o->threads, out->weight_dtype, &out->be);
+                  : kvs_backend_cpu_create_typed(o->threads, out->weight_dtype, out->kv_dtype, &out->be);
         if (st == KVS_OK) st = inject_faults(out, tp);
         if (st == KVS_OK && !o->skip_model) {
             if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
                 int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;
-                st = kvs_runner_create_cpu(&out->cfg, out->ck, tp, per_rank, out->weight_dtype, &o->limits,
+                st = kvs_runner_create_cpu(&out->cfg, out->ck, tp, per_rank, out->weight_dtype, out->kv_dtype, &o->limits,
                                            &out->runner);
             } else {
                 st = kvs_runner_create(&out->cfg, out->ck, 1, &out->be, NULL, -1, &o->limits, &out->runner);

@@ -16,6 +16,7 @@ typedef struct {
     uint64_t dummy_seed;
     int threads;             /* --threads */
     const char *dtype;       /* --dtype: NULL or "auto" (the checkpoint's), float32, bfloat16, float16 */
+    const char *kv_dtype;    /* --kv-cache-dtype: NULL or "auto" (the weights'), float32, bfloat16, float16 */
     bool skip_model;         /* load config, checkpoint and backend only */
     int tensor_parallel;     /* --tensor-parallel-size (0 or 1: none) */
     bool allow_tp;           /* set by the commands wired for tensor parallelism */
@@ -30,7 +31,7 @@ typedef struct {
     kvs_backend *be;
     kvs_tokenizer *tok; /* NULL when the folder has no tokenizer.json */
     kvs_runner *runner; /* the model over N >= 1 ranks (--tensor-parallel-size); NULL with skip_model */
-    kvs_dtype weight_dtype; /* --dtype resolved: the CPU backends' weights */
+    kvs_dtype weight_dtype, kv_dtype; /* --dtype, --kv-cache-dtype resolved: the CPU backends' */
     int world;          /* ranks (1 without tensor parallelism) */
     /* --device cuda with N > 1: one CUDA backend and one NCCL communicator per
        rank (be is rank_be[0]); the runner uses them, the CLI owns them */
@@ -44,12 +45,14 @@ typedef struct {
     "  --load-format F        auto (default): the safetensors; dummy: seeded random weights\n"   \
     "  --threads N            CPU threads (default: one per core, or $OMP_NUM_THREADS)\n"      \
     "  --dtype D              CPU weights: auto (default: as the checkpoint stores them; bf16 and\n" \
-    "                         f16 are widened in registers), float32, bfloat16 or float16\n"
+    "                         f16 are widened in registers), float32, bfloat16 or float16\n"   \
+    "  --kv-cache-dtype D     CPU KV cache: auto (default: the weights' dtype), float32, bfloat16\n" \
+    "                         or float16\n"
 #define KVS_CLI_DEVICE_HELP                                                                  \
     "  --device D             cpu (default), cuda or cuda:N\n"                                 \
     "  --enforce-eager        no CUDA graphs for decode steps (default: graphs on cuda)\n"
 
-/* Handles -m, --config, --load-format, --threads, --dtype, --device, --enforce-eager, --tensor-parallel-size at argv[*i];
+/* Handles -m, --config, --load-format, --threads, --dtype, --kv-cache-dtype, --device, --enforce-eager, --tensor-parallel-size at argv[*i];
  * advances *i.
  * Returns 1 if consumed, 0 if not one of these, -1 on a bad value. */
 int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i);

@@ -61,8 +61,9 @@ static void print_decode_bandwidth(const kvs_loaded *l, int ctx0, int ctx1, doub
     double kv = (double)kvs_config_kv_bytes_per_token(c, l->be->kv_dtype) * (ctx0 + ctx1) / 2;
     double rate = (weights + kv) * tokens_per_s / 1e9;
     printf("memory read rate (this run, same threads, 512 MiB): %.1f GB/s\n", bw);
-    printf("decode reads %.1f MB a token (%s weights %.1f MB + f32 KV %.1f MB): %.1f GB/s = %.0f%% of the read rate\n",
-           (weights + kv) / 1e6, kvs_dtype_name(l->be->weight_dtype), weights / 1e6, kv / 1e6, rate, 100 * rate / bw);
+    printf("decode reads %.1f MB a token (%s weights %.1f MB + %s KV %.1f MB): %.1f GB/s = %.0f%% of the read rate\n",
+           (weights + kv) / 1e6, kvs_dtype_name(l->be->weight_dtype), weights / 1e6, kvs_dtype_name(l->be->kv_dtype),
+           kv / 1e6, rate, 100 * rate / bw);
 }
 
 /* The rank's backend with its matmul timed (kvs_runner_backend_wrap): tb[rank]. */
@@ -82,7 +83,7 @@ static kvs_status timed_group(kvs_loaded *l, const kvs_load_options *lo, timed_b
     }
     if (!l->rank_be) { /* the CPU simulation: backends made in the rank threads, wrapped there */
         int per_rank = lo->threads > 0 ? (lo->threads + l->world - 1) / l->world : 0;
-        return kvs_runner_create_cpu_wrapped(&l->cfg, l->ck, l->world, per_rank, l->weight_dtype, wrap_timed, tb,
+        return kvs_runner_create_cpu_wrapped(&l->cfg, l->ck, l->world, per_rank, l->weight_dtype, l->kv_dtype, wrap_timed, tb,
                                              &lo->limits, g);
     }
     kvs_backend **be = calloc((size_t)l->world, sizeof *be); /* GPUs: kvs_cli_load made backends and NCCL comms */

@@ -45,13 +45,13 @@ static kvs_status runner_alloc(const kvs_config *cfg, int world, const kvs_model
  * backend's OpenMP thread count (omp_set_num_threads) is its rank thread's. */
 typedef struct {
     int threads;
-    kvs_dtype weight_dtype;
+    kvs_dtype weight_dtype, kv_dtype;
 } cpu_rank_options;
 
 static kvs_status job_create_cpu_backend(kvs_runner *g, int rank, void *arg) {
     kvs_rank *r = &g->ranks[rank];
     const cpu_rank_options *o = arg;
-    KVS_TRY(kvs_backend_cpu_create_typed(o->threads, o->weight_dtype, &r->be));
+    KVS_TRY(kvs_backend_cpu_create_typed(o->threads, o->weight_dtype, o->kv_dtype, &r->be));
     if (g->wrap && !(r->model_be = g->wrap(g->wrap_user, rank, r->be)))
         return kvs_fail(KVS_ERR_INTERNAL, "tensor parallel: the backend wrapper of rank %d failed", rank);
     return KVS_OK;
@@ -88,16 +88,18 @@ kvs_status kvs_runner_create(const kvs_config *cfg, kvs_checkpoint *ck, int worl
         g->ranks[r].be = backends[r];
         g->ranks[r].comm = comms ? comms[r] : NULL;
     }
-    return runner_start(g, KVS_OK, ck, (cpu_rank_options){0, KVS_F32}, out);
+    return runner_start(g, KVS_OK, ck, (cpu_rank_options){0, KVS_F32, KVS_F32}, out);
 }
 
 kvs_status kvs_runner_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                 kvs_dtype weight_dtype, const kvs_model_limits *limits, kvs_runner **out) {
-    return kvs_runner_create_cpu_wrapped(cfg, ck, world, threads_per_rank, weight_dtype, NULL, NULL, limits, out);
+                                 kvs_dtype weight_dtype, kvs_dtype kv_dtype, const kvs_model_limits *limits,
+                                 kvs_runner **out) {
+    return kvs_runner_create_cpu_wrapped(cfg, ck, world, threads_per_rank, weight_dtype, kv_dtype, NULL, NULL, limits,
+                                         out);
 }
 
 kvs_status kvs_runner_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                         kvs_dtype weight_dtype, kvs_runner_backend_wrap wrap, void *user, const kvs_model_limits *limits,
+                                         kvs_dtype weight_dtype, kvs_dtype kv_dtype, kvs_runner_backend_wrap wrap, void *user, const kvs_model_limits *limits,
                                          kvs_runner **out) {
     *out = NULL;
     KVS_TRY(kvs_tp_validate(cfg, world, -1));
@@ -110,7 +112,7 @@ kvs_status kvs_runner_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *
     kvs_status st = comms ? kvs_comm_host_create(world, comms) : kvs_fail(KVS_ERR_NOMEM, "runner: out of memory");
     for (int r = 0; r < world; r++) g->ranks[r].comm = st == KVS_OK ? comms[r] : NULL;
     free(comms);
-    return runner_start(g, st, ck, (cpu_rank_options){threads_per_rank, weight_dtype}, out);
+    return runner_start(g, st, ck, (cpu_rank_options){threads_per_rank, weight_dtype, kv_dtype}, out);
 }
 
 kvs_status kvs_runner_wrap(kvs_model *model, kvs_runner **out) {

@@ -21,17 +21,18 @@ typedef struct kvs_runner kvs_runner;
 kvs_status kvs_runner_create(const kvs_config *cfg, kvs_checkpoint *ck, int world, kvs_backend **backends,
                              kvs_comm **comms, int n_devices, const kvs_model_limits *limits, kvs_runner **out);
 /* The CPU simulation: world CPU backends (threads_per_rank OpenMP threads each,
- * 0: the default; weights in weight_dtype, kvs_backend_cpu_create_typed) and
- * host communicators, owned by the runner. */
+ * 0: the default; weights and KV in weight_dtype and kv_dtype,
+ * kvs_backend_cpu_create_typed) and host communicators, owned by the runner. */
 kvs_status kvs_runner_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                 kvs_dtype weight_dtype, const kvs_model_limits *limits, kvs_runner **out);
+                                 kvs_dtype weight_dtype, kvs_dtype kv_dtype, const kvs_model_limits *limits,
+                                 kvs_runner **out);
 /* The same, each rank's model created on wrap(user, rank, be) instead of its
  * CPU backend be (made in its rank thread; the runner still owns and destroys
  * be; the wrapper is the caller's and outlives the runner; NULL fails the
  * creation). bench model times the ranks' matmuls this way. */
 typedef kvs_backend *(*kvs_runner_backend_wrap)(void *user, int rank, kvs_backend *be);
 kvs_status kvs_runner_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                         kvs_dtype weight_dtype, kvs_runner_backend_wrap wrap, void *user, const kvs_model_limits *limits,
+                                         kvs_dtype weight_dtype, kvs_dtype kv_dtype, kvs_runner_backend_wrap wrap, void *user, const kvs_model_limits *limits,
                                          kvs_runner **out);
 /* A world-1 runner over an existing whole model (it stays the caller's and
  * outlives the runner): kvs_engine_create(model) and the tests. */

@@ -7,12 +7,12 @@
 
 #include "backend/cpu/cpu_ops.h"
 
-#define kv_at kvs_cpu_kv_at
+#define kv_at(...) kvs_cpu_kv_at(b, __VA_ARGS__)
 
 /* Decode: one query row i of sequence s against its paged keys, for all the
  * query heads of KV head g at once (each key and value row read once), the
  * scores in S [group][n_keys]. */
-static void attend_group(const kvs_cpu_kernels *k, const kvs_kv_pool *pool, const int32_t *table, int n_keys, int g,
+static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const kvs_kv_pool *pool, const int32_t *table, int n_keys, int g,
                          int group, const float *q, float scale, float *S, float *out, float *lse) {
     int d = pool->head_dim, bs = pool->block_size;
     if (n_keys <= 0) { /* a padding row (kv_len 0): no keys, output 0 */
@@ -21,23 +21,22 @@ static void attend_group(const kvs_cpu_kernels *k, const kvs_kv_pool *pool, cons
         return;
     }
     for (int e0 = 0; e0 < n_keys; e0 += bs)
-        k->qk(S + e0, n_keys, q, d, group, kv_at(pool, table[e0 / bs], 0, g, 0), n_keys - e0 < bs ? n_keys - e0 : bs, d,
-              scale);
+        k->qk(S + e0, n_keys, q, d, group, kv_at(pool, table[e0 / bs], 0, g, 0), b->kv_dtype,
+              n_keys - e0 < bs ? n_keys - e0 : bs, d, scale);
     double sum[group];
     float mx[group];
     for (int h = 0; h < group; h++) {
         float *sh = S + (size_t)h * n_keys, m = -INFINITY;
         for (int e = 0; e < n_keys; e++) m = sh[e] > m ? sh[e] : m;
         double t = 0;
-        /* below -87 expf underflows (to a denormal, or 0, and glibc's slow errno path):
-           0 there leaves the double sum and the output as they are */
-        for (int e = 0; e < n_keys; e++) t += sh[e] = sh[e] - m < -87.0f ? 0.0f : expf(sh[e] - m);
+        /* below -104 expf underflows to 0 through glibc's slow errno path: 0 directly */
+        for (int e = 0; e < n_keys; e++) t += sh[e] = sh[e] - m < -104.0f ? 0.0f : expf(sh[e] - m);
         sum[h] = t, mx[h] = m;
     }
     memset(out, 0, sizeof(float) * d * group);
     for (int e0 = 0; e0 < n_keys; e0 += bs)
-        k->pv(out, d, S + e0, n_keys, group, kv_at(pool, table[e0 / bs], 1, g, 0), n_keys - e0 < bs ? n_keys - e0 : bs,
-              d);
+        k->pv(out, d, S + e0, n_keys, group, kv_at(pool, table[e0 / bs], 1, g, 0), b->kv_dtype,
+              n_keys - e0 < bs ? n_keys - e0 : bs, d);
     for (int h = 0; h < group; h++) {
         float inv = (float)(1.0 / sum[h]);
         for (int j = 0; j < d; j++) out[(size_t)h * d + j] *= inv;
@@ -68,7 +67,7 @@ static void attend_rows(const kvs_attn_batch *ab, int s, int h, int i0, int i1, 
         int limit = past + i0 + r + 1; /* causal */
         for (int e = 0; e < limit; e++) mx = sr[e] > mx ? sr[e] : mx;
         double sum = 0;
-        for (int e = 0; e < limit; e++) sum += sr[e] = expf(sr[e] - mx);
+        for (int e = 0; e < limit; e++) sum += sr[e] = sr[e] - mx < -104.0f ? 0.0f : expf(sr[e] - mx);
         for (int e = limit; e < nk; e++) sr[e] = 0;
         inv[r] = (float)(1.0 / sum);
         if (lse) lse[(row0 + (size_t)r * n_heads)] = mx + (float)log(sum);
@@ -80,19 +79,20 @@ static void attend_rows(const kvs_attn_batch *ab, int s, int h, int i0, int i1, 
 }
 
 /* Copies the K and V of (sequence s, KV head g) into contiguous [kv_len][d] buffers. */
-static void gather_head(const kvs_kv_pool *pool, const kvs_attn_batch *ab, int s, int g, float *k, float *v) {
+static void gather_head(const kvs_backend *b, const kvs_kv_pool *pool, const kvs_attn_batch *ab, int s, int g, float *k, float *v) {
     int d = pool->head_dim, bs = pool->block_size, n = ab->kv_len[s];
     const int32_t *table = ab->block_tables + (size_t)s * ab->max_blocks;
     for (int e0 = 0; e0 < n; e0 += bs) {
         int cnt = n - e0 < bs ? n - e0 : bs;
-        memcpy(k + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 0, g, 0), sizeof(float) * d * cnt);
-        memcpy(v + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 1, g, 0), sizeof(float) * d * cnt);
+        kvs_to_f32(k + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 0, g, 0), b->kv_dtype, (size_t)d * cnt);
+        kvs_to_f32(v + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 1, g, 0), b->kv_dtype, (size_t)d * cnt);
     }
 }
 
 /* One attention call's work, shared by the pool's threads: items taken in
  * order from next (dynamic scheduling). */
 typedef struct {
+    const kvs_backend *b;
     const kvs_cpu_kernels *k;
     const kvs_kv_pool *pool;
     const kvs_attn_batch *ab;
@@ -111,7 +111,7 @@ typedef struct {
 static void run_gathers(void *arg, int t, int nt) {
     attn_job *j = arg;
     for (size_t sg; (sg = atomic_fetch_add(&j->next, 1)) < (size_t)j->ab->n_seqs * j->KVH;)
-        if (j->kbuf[sg]) gather_head(j->pool, j->ab, (int)sg / j->KVH, (int)sg % j->KVH, j->kbuf[sg], j->vbuf[sg]);
+        if (j->kbuf[sg]) gather_head(j->b, j->pool, j->ab, (int)sg / j->KVH, (int)sg % j->KVH, j->kbuf[sg], j->vbuf[sg]);
 }
 
 static void run_items(void *arg, int t, int nt) {
@@ -128,7 +128,7 @@ static void run_items(void *arg, int t, int nt) {
             int tok = ab->q_start[w.s] + w.i0, q_len = ab->q_start[w.s + 1] - ab->q_start[w.s];
             int n_keys = ab->kv_len[w.s] - q_len + w.i0 + 1;
             size_t row = (size_t)tok * j->n_heads + (size_t)w.h * j->group;
-            attend_group(j->k, j->pool, ab->block_tables + (size_t)w.s * ab->max_blocks, n_keys, w.h, j->group,
+            attend_group(j->b, j->k, j->pool, ab->block_tables + (size_t)w.s * ab->max_blocks, n_keys, w.h, j->group,
                          j->q + row * j->d, j->scale, S, j->out + row * j->d, j->lse ? j->lse + row : NULL);
         }
     }
@@ -175,7 +175,7 @@ void kvs_cpu_attention(kvs_backend *b, void *out, float *lse, const void *q, con
         }
     }
     float *S0 = carve(&at, 0);
-    attn_job job = {kvs_cpu_kernels_of(b), pool, ab, items, n_items, kbuf, vbuf, qq, o, lse, n_heads, KVH, group, d, scale, S0,
+    attn_job job = {b, kvs_cpu_kernels_of(b), pool, ab, items, n_items, kbuf, vbuf, qq, o, lse, n_heads, KVH, group, d, scale, S0,
                     (sizeof(float) * s_cap + 64) / 64 * 64 / sizeof(float)};
     atomic_init(&job.next, 0);
     if (kv_floats) kvs_cpu_pool_run(kvs_cpu_pool_of(b), run_gathers, &job); /* prefill: keys gathered first */

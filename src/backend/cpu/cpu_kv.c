@@ -3,7 +3,17 @@
 
 #include "backend/cpu/cpu_ops.h"
 
-#define kv_at kvs_cpu_kv_at
+#define kv_at(...) kvs_cpu_kv_at(b, __VA_ARGS__)
+
+/* d f32 values into an entry of the pool's dtype (bf16 / f16: round to nearest even) */
+static void store_entry(kvs_dtype t, void *dst, const float *src, int d) {
+    if (t == KVS_F32) {
+        memcpy(dst, src, sizeof(float) * d);
+        return;
+    }
+    uint16_t *o = dst;
+    for (int j = 0; j < d; j++) o[j] = t == KVS_BF16 ? kvs_f32_to_bf16(src[j]) : kvs_f32_to_f16(src[j]);
+}
 
 void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v,
                       const int32_t *slots, int n) {
@@ -13,10 +23,10 @@ void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, co
         if (slots[i] < 0) continue; /* a padding row: no KV */
         int32_t block = slots[i] / pool->block_size, off = slots[i] % pool->block_size;
         for (int h = 0; h < pool->n_kv_heads; h++) {
-            memcpy(kv_at(pool, block, 0, h, off), kk + i * row + (size_t)h * pool->head_dim,
-                   sizeof(float) * pool->head_dim);
-            memcpy(kv_at(pool, block, 1, h, off), vv + i * row + (size_t)h * pool->head_dim,
-                   sizeof(float) * pool->head_dim);
+            store_entry(b->kv_dtype, kv_at(pool, block, 0, h, off), kk + i * row + (size_t)h * pool->head_dim,
+                        pool->head_dim);
+            store_entry(b->kv_dtype, kv_at(pool, block, 1, h, off), vv + i * row + (size_t)h * pool->head_dim,
+                        pool->head_dim);
         }
     }
 }
@@ -24,7 +34,7 @@ void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, co
 void kvs_cpu_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks, const int32_t *dst,
                        const int32_t *src_entry, int n) {
     int bs = pool->block_size;
-    size_t bytes = sizeof(float) * pool->head_dim;
+    size_t bytes = kvs_dtype_size(b->kv_dtype) * pool->head_dim;
     for (int h = 0; h < pool->n_kv_heads; h++) {
         const int32_t *src = src_entry + (size_t)h * n;
         for (int i = 0; i < n; i++) { /* src[i] >= i (sorted, distinct): in-place safe */

@@ -6,8 +6,9 @@
 
 #include "backend/cpu/cpu_ops.h"
 
-/* Rows of w a panel when bf16 / f16 weights are widened for sgemm. */
-enum { PANEL_ROWS = 64 };
+/* Floats of w a thread widens at a time when bf16 / f16 weights go to sgemm:
+ * large panels, since each sgemm call packs the whole input again. */
+enum { PANEL_FLOATS = 2 << 20 };
 
 /* Output columns [c0, c1) of thread t of nt: multiples of 16 (whole cache lines). */
 static void thread_cols(int out_dim, int nt, int t, int *c0, int *c1) {
@@ -44,7 +45,8 @@ void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, co
     bool gemv = n <= KVS_CPU_GEMV_MAX_N, widen = !gemv && wt != KVS_F32;
     /* scratch: the bias as f32, then each thread's widened panel */
     size_t bias_floats = bias && wt != KVS_F32 ? (size_t)(out_dim + 15) / 16 * 16 : 0;
-    size_t panel = (size_t)PANEL_ROWS * in_dim;
+    int panel_rows = PANEL_FLOATS / in_dim > 16 ? PANEL_FLOATS / in_dim : 16;
+    size_t panel = (size_t)panel_rows * in_dim;
     float *scratch = NULL;
     if (bias_floats || widen) {
         scratch = kvs_cpu_scratch(b, sizeof(float) * (bias_floats + (widen ? panel * nt : 0)));
@@ -71,8 +73,8 @@ void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, co
         } else {
             float *p = scratch + bias_floats + panel * t;
             size_t es = kvs_dtype_size(wt);
-            for (int r0 = c0; r0 < c1; r0 += PANEL_ROWS) {
-                int nr = c1 - r0 < PANEL_ROWS ? c1 - r0 : PANEL_ROWS;
+            for (int r0 = c0; r0 < c1; r0 += panel_rows) {
+                int nr = c1 - r0 < panel_rows ? c1 - r0 : panel_rows;
                 kvs_to_f32(p, (const char *)w + (size_t)r0 * in_dim * es, wt, (size_t)nr * in_dim);
                 cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, nr, in_dim, 1.0f, x, in_dim, p, in_dim, beta,
                             o + r0, out_dim);

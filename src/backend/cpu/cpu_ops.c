@@ -55,7 +55,9 @@ void kvs_cpu_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int d
 #pragma omp parallel for if (n > 4)
     for (int i = 0; i < n; i++) {
         const float *g = gu + (size_t)i * 2 * dim, *u = g + dim;
-        for (int j = 0; j < dim; j++) o[(size_t)i * dim + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        /* expf overflows to inf past 88.7 (through glibc's slow errno path): inf directly, the same result */
+        for (int j = 0; j < dim; j++)
+            o[(size_t)i * dim + j] = g[j] / (1.0f + (-g[j] > 88.8f ? INFINITY : expf(-g[j]))) * u[j];
     }
 }
 

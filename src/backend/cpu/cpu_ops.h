@@ -62,12 +62,17 @@ void kvs_cpu_dummy_fill(kvs_backend *b, void *dst, uint64_t seed, float scale, k
                         int64_t r0, int64_t nr, int64_t c0, int64_t nc);
 void kvs_cpu_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
                            int k, int n_win);
-/* K (kind 0) or V (kind 1) vector of (block, head, offset) in an f32 pool. */
-static inline float *kvs_cpu_kv_at(const kvs_kv_pool *p, int32_t block, int kind, int head, int offset) {
+enum { KVS_CPU_MAX_HEAD_DIM = 1024 };
+
+/* K (kind 0) or V (kind 1) vector of (block, head, offset) in a pool of
+ * b->kv_dtype entries (F32, BF16 or F16). */
+static inline void *kvs_cpu_kv_at(const kvs_backend *b, const kvs_kv_pool *p, int32_t block, int kind, int head,
+                                  int offset) {
     size_t per_head = (size_t)p->block_size * p->head_dim;
     size_t per_block = 2 * (size_t)p->n_kv_heads * per_head;
-    return (float *)p->data + (size_t)block * per_block + ((size_t)kind * p->n_kv_heads + head) * per_head +
-           (size_t)offset * p->head_dim;
+    return (char *)p->data + ((size_t)block * per_block + ((size_t)kind * p->n_kv_heads + head) * per_head +
+                              (size_t)offset * p->head_dim) *
+                                 kvs_dtype_size(b->kv_dtype);
 }
 
 #endif

@@ -19,10 +19,12 @@ typedef struct {
     void (*gemv)(float *out, int ld_out, const float *x, const void *w, kvs_dtype wt, const float *bias, int n,
                  int in_dim, int j0, int j1);
     /* Attention scores of g query vectors (q + h * ld_q, h < g) against cnt
-     * contiguous key rows k [cnt][d]: s[h * ld_s + e] = scale * q_h . k_e. */
-    void (*qk)(float *s, int ld_s, const float *q, int ld_q, int g, const float *k, int cnt, int d, float scale);
-    /* out[h * ld_out + :d] += sum_e p[h * ld_p + e] * v[e][:d] for h < g, e < cnt. */
-    void (*pv)(float *out, int ld_out, const float *p, int ld_p, int g, const float *v, int cnt, int d);
+     * contiguous key rows k [cnt][d] of dtype kt (F32, BF16, F16):
+     * s[h * ld_s + e] = scale * q_h . k_e. */
+    void (*qk)(float *s, int ld_s, const float *q, int ld_q, int g, const void *k, kvs_dtype kt, int cnt, int d,
+               float scale);
+    /* out[h * ld_out + :d] += sum_e p[h * ld_p + e] * v[e][:d] for h < g, e < cnt (v of dtype vt). */
+    void (*pv)(float *out, int ld_out, const float *p, int ld_p, int g, const void *v, kvs_dtype vt, int cnt, int d);
     /* The sum of x[0 .. n) (n a multiple of 64): the memory read benchmark's loop. */
     float (*sum)(const float *x, size_t n);
 } kvs_cpu_kernels;

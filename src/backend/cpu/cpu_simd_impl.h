@@ -69,20 +69,20 @@ static void gemv(float *out, int ld_out, const float *x, const void *w, kvs_dtyp
 /* Up to QK_HEADS query heads a pass: one read of each key row serves them all. */
 enum { QK_HEADS = 8 };
 
-ALWAYS_INLINE void qk_t(float *s, int ld_s, const float *q, int ld_q, const float *k, int cnt, int d, float scale,
-                        const int nh) {
+ALWAYS_INLINE void qk_t(float *s, int ld_s, const float *q, int ld_q, const void *k, int cnt, int d, float scale,
+                        const int nh, const kvs_dtype kt) {
     int dv = d / VL * VL;
     for (int e = 0; e < cnt; e++) {
-        const float *ke = k + (size_t)e * d;
+        size_t ke = (size_t)e * d;
         V acc[QK_HEADS];
         for (int h = 0; h < nh; h++) acc[h] = v_zero();
         for (int c = 0; c < dv; c += VL) {
-            V kv = v_load(ke + c);
+            V kv = load_w(k, ke + c, kt);
             for (int h = 0; h < nh; h++) acc[h] = v_fma(v_load(q + (size_t)h * ld_q + c), kv, acc[h]);
         }
         for (int h = 0; h < nh; h++) {
             float t = v_hsum(acc[h]);
-            for (int c = dv; c < d; c++) t += q[(size_t)h * ld_q + c] * ke[c];
+            for (int c = dv; c < d; c++) t += q[(size_t)h * ld_q + c] * w_at(k, ke + c, kt);
             s[(size_t)h * ld_s + e] = scale * t;
         }
     }
@@ -90,22 +90,22 @@ ALWAYS_INLINE void qk_t(float *s, int ld_s, const float *q, int ld_q, const floa
 
 /* Key by key in address order (the block's values are one contiguous run the
  * prefetcher follows), the output rows accumulated in place (L1). */
-ALWAYS_INLINE void pv_t(float *out, int ld_out, const float *p, int ld_p, const float *v, int cnt, int d,
-                        const int nh) {
+ALWAYS_INLINE void pv_t(float *out, int ld_out, const float *p, int ld_p, const void *v, int cnt, int d,
+                        const int nh, const kvs_dtype vt) {
     int dv = d / VL * VL;
     for (int e = 0; e < cnt; e++) {
-        const float *ve = v + (size_t)e * d;
+        size_t ve = (size_t)e * d;
         V pe[QK_HEADS];
         for (int h = 0; h < nh; h++) pe[h] = v_set1(p[(size_t)h * ld_p + e]);
         for (int c = 0; c < dv; c += VL) {
-            V vv = v_load(ve + c);
+            V vv = load_w(v, ve + c, vt);
             for (int h = 0; h < nh; h++) {
                 float *o = out + (size_t)h * ld_out + c;
                 v_store(o, v_fma(pe[h], vv, v_load(o)));
             }
         }
         for (int c = dv; c < d; c++)
-            for (int h = 0; h < nh; h++) out[(size_t)h * ld_out + c] += p[(size_t)h * ld_p + e] * ve[c];
+            for (int h = 0; h < nh; h++) out[(size_t)h * ld_out + c] += p[(size_t)h * ld_p + e] * w_at(v, ve + c, vt);
     }
 }
 
@@ -122,21 +122,34 @@ ALWAYS_INLINE void pv_t(float *out, int ld_out, const float *p, int ld_p, const 
     default: call(8); break;                                                                                       \
     }
 
-static void qk(float *s, int ld_s, const float *q, int ld_q, int g, const float *k, int cnt, int d, float scale) {
+/* the heads as a constant, then the K/V dtype as one */
+#define BY_DTYPE(call, N, t)                                                                                     \
+    do {                                                                                                         \
+        if (t == KVS_BF16) call(N, KVS_BF16);                                                                    \
+        else if (t == KVS_F16) call(N, KVS_F16);                                                                 \
+        else call(N, KVS_F32);                                                                                   \
+    } while (0)
+
+static void qk(float *s, int ld_s, const float *q, int ld_q, int g, const void *k, kvs_dtype kt, int cnt, int d,
+               float scale) {
     for (int h0 = 0; h0 < g; h0 += QK_HEADS) {
         int nh = g - h0 < QK_HEADS ? g - h0 : QK_HEADS;
-#define QK(N) qk_t(s + (size_t)h0 * ld_s, ld_s, q + (size_t)h0 * ld_q, ld_q, k, cnt, d, scale, N)
+#define QK_T(N, T) qk_t(s + (size_t)h0 * ld_s, ld_s, q + (size_t)h0 * ld_q, ld_q, k, cnt, d, scale, N, T)
+#define QK(N) BY_DTYPE(QK_T, N, kt)
         BY_HEADS(QK)
 #undef QK
+#undef QK_T
     }
 }
 
-static void pv(float *out, int ld_out, const float *p, int ld_p, int g, const float *v, int cnt, int d) {
+static void pv(float *out, int ld_out, const float *p, int ld_p, int g, const void *v, kvs_dtype vt, int cnt, int d) {
     for (int h0 = 0; h0 < g; h0 += QK_HEADS) {
         int nh = g - h0 < QK_HEADS ? g - h0 : QK_HEADS;
-#define PV(N) pv_t(out + (size_t)h0 * ld_out, ld_out, p + (size_t)h0 * ld_p, ld_p, v, cnt, d, N)
+#define PV_T(N, T) pv_t(out + (size_t)h0 * ld_out, ld_out, p + (size_t)h0 * ld_p, ld_p, v, cnt, d, N, T)
+#define PV(N) BY_DTYPE(PV_T, N, vt)
         BY_HEADS(PV)
 #undef PV
+#undef PV_T
     }
 }
 

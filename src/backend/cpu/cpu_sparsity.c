@@ -28,10 +28,17 @@ void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, c
                              const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale) {
     int d = pool->head_dim, bs = pool->block_size, group = n_heads / pool->n_kv_heads;
     const float *q = win_q;
+    if (d > KVS_CPU_MAX_HEAD_DIM) {
+        kvs_cpu_fail(b, KVS_ERR_UNSUPPORTED, "sparsity_scores: head_dim %d above %d", d, KVS_CPU_MAX_HEAD_DIM);
+        return;
+    }
 #pragma omp parallel for collapse(2) schedule(static)
     for (int g = 0; g < pool->n_kv_heads; g++) {
         for (int j = 0; j < n_keys; j++) {
-            const float *k = kvs_cpu_kv_at(pool, table[j / bs], 0, g, j % bs);
+            const void *entry = kvs_cpu_kv_at(b, pool, table[j / bs], 0, g, j % bs);
+            float kbuf[KVS_CPU_MAX_HEAD_DIM];
+            const float *k = entry;
+            if (b->kv_dtype != KVS_F32) kvs_to_f32(kbuf, entry, b->kv_dtype, d), k = kbuf;
             double sum = 0;
             for (int i = 0; i < n_win; i++) {
                 for (int h = g * group; h < (g + 1) * group; h++) {
