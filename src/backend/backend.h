@@ -46,6 +46,9 @@ struct kvs_backend {
 
     /* memory */
     void *(*alloc)(kvs_backend *b, size_t bytes); /* NULL when out of memory */
+    /* Memory for weights, written once and then read whole every step (NULL:
+     * alloc). The CPU backend puts it on huge pages. */
+    void *(*alloc_weights)(kvs_backend *b, size_t bytes);
     void (*free)(kvs_backend *b, void *p);
     void (*to_device)(kvs_backend *b, void *dst, const void *src, size_t bytes);
     void (*to_host)(kvs_backend *b, void *dst, const void *src, size_t bytes);

@@ -64,6 +64,10 @@ kvs_status kvs_shard_dims(const kvs_config *cfg, int rank, int world, kvs_shard 
     return KVS_OK;
 }
 
+static void *weights_alloc(kvs_model *m, size_t bytes) {
+    return m->be->alloc_weights ? m->be->alloc_weights(m->be, bytes) : m->be->alloc(m->be, bytes);
+}
+
 /* Uploads rows [r0, r0 + nr) x columns [c0, c0 + nc) of a weight (nr or nc < 0:
  * all of them; 1-D tensors are one column) to *dst + offset_elems, allocating
  * *dst with alloc_elems elements (0: the slice's) when it is NULL. A column
@@ -81,7 +85,7 @@ static kvs_status upload_slice(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind
             return kvs_fail(KVS_ERR_INVALID, "model: dummy weight %d of layer %d has no slice rows %lld+%lld", (int)kind,
                             layer, (long long)r0, (long long)nr);
         size_t n = (size_t)nr * (size_t)nc, ws = kvs_dtype_size(m->be->weight_dtype);
-        if (!*dst) *dst = m->be->alloc(m->be, (alloc_elems ? alloc_elems : n) * ws);
+        if (!*dst) *dst = weights_alloc(m, (alloc_elems ? alloc_elems : n) * ws);
         if (!*dst) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
         m->be->dummy_fill(m->be, (char *)*dst + offset_elems * ws, dw.seed, dw.scale, dw.dtype, dw.cols, r0, nr, c0,
                           nc);
@@ -101,7 +105,7 @@ static kvs_status upload_slice(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind
     }
     size_t n = (size_t)nr * (size_t)nc, es = kvs_dtype_size(t.dtype);
     if (!*dst) {
-        *dst = m->be->alloc(m->be, (alloc_elems ? alloc_elems : n) * kvs_dtype_size(m->be->weight_dtype));
+        *dst = weights_alloc(m, (alloc_elems ? alloc_elems : n) * kvs_dtype_size(m->be->weight_dtype));
         if (!*dst) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
     }
     void *to = (char *)*dst + offset_elems * kvs_dtype_size(m->be->weight_dtype);
@@ -138,7 +142,7 @@ static kvs_status alloc_layer(kvs_model *m, kvs_layer_weights *w, int64_t qn, in
     int64_t elems[] = {h, qn * h, kn * h, kn * h, bias * qn, bias * kn, bias * kn, h * qn, h, 2 * in * h, h * in};
     size_t total = 0, ws = kvs_dtype_size(m->be->weight_dtype);
     for (size_t i = 0; i < sizeof elems / sizeof elems[0]; i++) total += ((size_t)elems[i] + 63) / 64 * 64;
-    w->arena = m->be->alloc(m->be, total * ws);
+    w->arena = weights_alloc(m, total * ws);
     if (!w->arena) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
     size_t at = 0;
     for (size_t i = 0; i < sizeof elems / sizeof elems[0]; i++) {
@@ -195,7 +199,7 @@ static kvs_status upload_lm_head(kvs_model *m, kvs_checkpoint *ck) {
         KVS_TRY(upload_rows(m, ck, kind, -1, sh->vocab_begin, sh->vocab_count, &m->lm_head, 0,
                             (size_t)sh->vocab_pad * row));
     } else {
-        m->lm_head = m->be->alloc(m->be, (size_t)sh->vocab_pad * row * ws);
+        m->lm_head = weights_alloc(m, (size_t)sh->vocab_pad * row * ws);
         if (!m->lm_head) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
     }
     if (pad_rows) { /* padding rows give logits the gather and the argmax skip */

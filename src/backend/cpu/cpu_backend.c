@@ -18,15 +18,29 @@ typedef struct {
     char message[512];
     const kvs_cpu_kernels *kernels;
     kvs_cpu_pool *pool; /* decode's parallel ops */
-    void *scratch; /* grow-only: no allocation per step once warm */
+    void *scratch; /* grow-only up to SCRATCH_KEEP: no allocation per decode step once warm */
     size_t scratch_cap;
+    void *scratch_big; /* a larger need's buffer, freed at the next call */
 } cpu_state;
+
+/* Scratch kept between calls: decode's needs (attention over a batch of long
+ * contexts stays far below); a larger need (a prefill chunk's gathered keys)
+ * is allocated for the call, so the resident size falls back after it. */
+enum { SCRATCH_KEEP = 8 << 20 };
 
 const kvs_cpu_kernels *kvs_cpu_kernels_of(kvs_backend *b) { return ((cpu_state *)b->impl)->kernels; }
 kvs_cpu_pool *kvs_cpu_pool_of(kvs_backend *b) { return ((cpu_state *)b->impl)->pool; }
 
 void *kvs_cpu_scratch(kvs_backend *b, size_t bytes) {
     cpu_state *c = b->impl;
+    free(c->scratch_big); /* the previous call's, if it was a large one */
+    c->scratch_big = NULL;
+    if (bytes > SCRATCH_KEEP) { /* prefill-sized: returned to the system at the next call */
+        c->scratch_big = kvs_aligned_alloc(bytes);
+        if (!c->scratch_big)
+            kvs_cpu_fail(b, KVS_ERR_NOMEM, "cpu backend: out of memory (%zu bytes of scratch)", bytes);
+        return c->scratch_big;
+    }
     if (bytes > c->scratch_cap) {
         free(c->scratch);
         c->scratch_cap = 0;
@@ -63,12 +77,12 @@ void kvs_cpu_fail(kvs_backend *b, kvs_status code, const char *fmt, ...) {
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Large buffers (a layer's weights, the KV pool) are 2 MiB aligned, asked for
- * transparent huge pages (streamed, they read 10-20% faster here than on 4 KiB
- * pages: fewer TLB misses; docs/CPU.md) and faulted in at once: no page faults
- * while serving, and the resident size does not creep up in 2 MiB steps as the
- * pool's blocks are first used. */
-static void *cpu_alloc(kvs_backend *b, size_t bytes) {
+/* Weights (the model allocates a layer's as one buffer) are 2 MiB aligned and
+ * asked for transparent huge pages: streamed, they read 10-20% faster here
+ * than on 4 KiB pages (fewer TLB misses; docs/CPU.md). Only they: faulting
+ * in huge pages costs more than the pages a buffer touches (the KV pool fills
+ * block by block, and its resident size would creep up 2 MiB at a time). */
+static void *cpu_alloc_weights(kvs_backend *b, size_t bytes) {
     enum { HUGE = 2 << 20 };
     if (bytes < HUGE) return kvs_aligned_alloc(bytes);
     void *p = NULL;
@@ -77,14 +91,15 @@ static void *cpu_alloc(kvs_backend *b, size_t bytes) {
 #ifdef MADV_HUGEPAGE
     madvise(p, rounded, MADV_HUGEPAGE); /* advice: ignored where THP is off */
 #endif
-    memset(p, 0, rounded);
     return p;
 }
+
+static void *cpu_alloc(kvs_backend *b, size_t bytes) { return kvs_aligned_alloc(bytes); }
 double kvs_cpu_read_bandwidth(kvs_backend *b, size_t bytes, int reps) {
     if (!b || strcmp(b->name, "cpu") != 0) return 0;
     const kvs_cpu_kernels *k = ((cpu_state *)b->impl)->kernels;
     size_t n = bytes / sizeof(float) / 1024 * 1024;
-    float *x = cpu_alloc(b, n * sizeof(float)); /* as the weights are allocated */
+    float *x = cpu_alloc_weights(b, n * sizeof(float)); /* as the weights are */
     if (!x || n == 0) {
         free(x);
         return 0;
@@ -155,6 +170,7 @@ static void cpu_destroy(kvs_backend *b) {
     pthread_mutex_destroy(&c->mu);
     kvs_cpu_pool_destroy(c->pool);
     free(c->scratch);
+    free(c->scratch_big);
     free(c);
     free(b);
 }
@@ -195,6 +211,7 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->weight_dtype = weight_dtype;
     b->kv_dtype = kv_dtype;
     b->alloc = cpu_alloc;
+    b->alloc_weights = cpu_alloc_weights;
     b->free = cpu_free;
     b->to_device = cpu_copy;
     b->to_host = cpu_copy;
