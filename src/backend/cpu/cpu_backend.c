@@ -18,29 +18,15 @@ typedef struct {
     char message[512];
     const kvs_cpu_kernels *kernels;
     kvs_cpu_pool *pool; /* decode's parallel ops */
-    void *scratch; /* grow-only up to SCRATCH_KEEP: no allocation per decode step once warm */
+    void *scratch; /* grow-only: no allocation per step once warm (a fresh buffer's pages fault in) */
     size_t scratch_cap;
-    void *scratch_big; /* a larger need's buffer, freed at the next call */
 } cpu_state;
-
-/* Scratch kept between calls: decode's needs (attention over a batch of long
- * contexts stays far below); a larger need (a prefill chunk's gathered keys)
- * is allocated for the call, so the resident size falls back after it. */
-enum { SCRATCH_KEEP = 8 << 20 };
 
 const kvs_cpu_kernels *kvs_cpu_kernels_of(kvs_backend *b) { return ((cpu_state *)b->impl)->kernels; }
 kvs_cpu_pool *kvs_cpu_pool_of(kvs_backend *b) { return ((cpu_state *)b->impl)->pool; }
 
 void *kvs_cpu_scratch(kvs_backend *b, size_t bytes) {
     cpu_state *c = b->impl;
-    free(c->scratch_big); /* the previous call's, if it was a large one */
-    c->scratch_big = NULL;
-    if (bytes > SCRATCH_KEEP) { /* prefill-sized: returned to the system at the next call */
-        c->scratch_big = kvs_aligned_alloc(bytes);
-        if (!c->scratch_big)
-            kvs_cpu_fail(b, KVS_ERR_NOMEM, "cpu backend: out of memory (%zu bytes of scratch)", bytes);
-        return c->scratch_big;
-    }
     if (bytes > c->scratch_cap) {
         free(c->scratch);
         c->scratch_cap = 0;
@@ -170,7 +156,6 @@ static void cpu_destroy(kvs_backend *b) {
     pthread_mutex_destroy(&c->mu);
     kvs_cpu_pool_destroy(c->pool);
     free(c->scratch);
-    free(c->scratch_big);
     free(c);
     free(b);
 }

@@ -16,10 +16,9 @@ void kvs_cpu_fail(kvs_backend *b, kvs_status code, const char *fmt, ...) __attri
 const kvs_cpu_kernels *kvs_cpu_kernels_of(kvs_backend *b);
 /* The backend's thread pool (cpu_pool.h), as many threads as its OpenMP teams. */
 kvs_cpu_pool *kvs_cpu_pool_of(kvs_backend *b);
-/* The ops' scratch, at least bytes long (64-byte aligned), valid until the
- * next call; NULL (failure recorded) when out of memory. Grow-only up to 8 MiB
- * (no allocation per decode step), larger needs allocated for the call. For
- * one op at a time, called outside parallel regions. */
+/* The ops' grow-only scratch, at least bytes long (64-byte aligned), valid
+ * until the next call; NULL (failure recorded) when out of memory. For one op
+ * at a time, called outside parallel regions. */
 void *kvs_cpu_scratch(kvs_backend *b, size_t bytes);
 /* n weights of the backend's weight dtype as f32: w itself when weights are
  * f32, else converted into buf (n floats). */
