@@ -201,6 +201,8 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out);
  * F16: rounded to nearest even when written), both widened in registers;
  * activations stay f32. */
 kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, kvs_dtype kv_dtype, kvs_backend **out);
+/* The CPU kernel set this machine runs ("avx512", "avx2" or "generic"). */
+const char *kvs_cpu_kernels_name(void);
 /* The memory's read rate in GB/s as the CPU backend b reads (its threads and
  * kernels, each thread one contiguous part): the best of reps passes over
  * `bytes` (make it well above the last-level cache). 0 when b is no CPU backend. */

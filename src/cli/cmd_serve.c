@@ -238,6 +238,9 @@ static void log_capacity(const kvs_loaded *l, const kvs_engine_config *ec, int m
     int64_t sparse = seq_blocks(&ec->default_policy, c->n_layers, max_len, true);
     char desc[160];
     kvs_kv_policy_describe(&ec->default_policy, desc, sizeof desc);
+    if (!strcmp(l->be->name, "cpu"))
+        kvs_log(KVS_LOG_INFO, "cpu backend: %s weights, %s KV cache, %s kernels", kvs_dtype_name(l->be->weight_dtype),
+                kvs_dtype_name(l->be->kv_dtype), kvs_cpu_kernels_name());
     kvs_log(KVS_LOG_INFO, "KV pool%s: %.2f GiB, %lld blocks = %lld tokens in every layer", l->world > 1 ? " (per rank)" : "", (double)bytes / (1 << 30),
             (long long)blocks, (long long)(blocks / c->n_layers * 16));
     kvs_log(KVS_LOG_INFO, "requests of the maximum length (%d tokens) that fit at once: %lld with a full cache, "

@@ -2,6 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend.h"
 #include "backend/cpu/cpu_simd.h"
 
 #define V float
@@ -41,3 +42,5 @@ const kvs_cpu_kernels *kvs_cpu_kernels_pick(void) {
     if (kvs_cpu_kernels_avx2 && has_avx2() && !no2) return kvs_cpu_kernels_avx2;
     return &kvs_cpu_kernels_generic;
 }
+
+const char *kvs_cpu_kernels_name(void) { return kvs_cpu_kernels_pick()->name; }
