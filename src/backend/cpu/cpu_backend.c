@@ -81,6 +81,7 @@ static void *cpu_alloc_weights(kvs_backend *b, size_t bytes) {
 }
 
 static void *cpu_alloc(kvs_backend *b, size_t bytes) { return kvs_aligned_alloc(bytes); }
+
 double kvs_cpu_read_bandwidth(kvs_backend *b, size_t bytes, int reps) {
     if (!b || strcmp(b->name, "cpu") != 0) return 0;
     const kvs_cpu_kernels *k = ((cpu_state *)b->impl)->kernels;
