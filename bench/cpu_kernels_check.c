@@ -67,8 +67,7 @@ static double check_set(const kvs_cpu_kernels *k) {
 
 int main(void) {
     const kvs_cpu_kernels *sets[] = {&kvs_cpu_kernels_generic, kvs_cpu_kernels_avx2, kvs_cpu_kernels_avx512};
-    bool runs[] = {true, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
-                   __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")};
+    bool runs[] = {true, kvs_cpu_runs_avx2(), kvs_cpu_runs_avx512()};
     int bad = 0;
     for (int i = 0; i < 3; i++) {
         if (!sets[i] || !runs[i]) {

@@ -31,13 +31,8 @@ static kvs_rng seeded(void) {
 static int runnable_sets(const kvs_cpu_kernels **sets) {
     int n = 0;
     sets[n++] = &kvs_cpu_kernels_generic;
-#if defined(__x86_64__)
-    if (kvs_cpu_kernels_avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        sets[n++] = kvs_cpu_kernels_avx2;
-    if (kvs_cpu_kernels_avx512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
-        sets[n++] = kvs_cpu_kernels_avx512;
-#endif
+    if (kvs_cpu_kernels_avx2 && kvs_cpu_runs_avx2()) sets[n++] = kvs_cpu_kernels_avx2;
+    if (kvs_cpu_kernels_avx512 && kvs_cpu_runs_avx512()) sets[n++] = kvs_cpu_kernels_avx512;
     return n;
 }
 

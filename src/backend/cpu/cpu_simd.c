@@ -2,6 +2,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include "backend/backend.h"
 #include "backend/cpu/cpu_simd.h"
 
@@ -19,7 +23,7 @@
 #define KERNELS_VAR kvs_cpu_kernels_generic
 #include "backend/cpu/cpu_simd_impl.h"
 
-static bool has_avx512(void) {
+bool kvs_cpu_runs_avx512(void) {
 #if defined(__x86_64__)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 #else
@@ -27,9 +31,12 @@ static bool has_avx512(void) {
 #endif
 }
 
-static bool has_avx2(void) {
+bool kvs_cpu_runs_avx2(void) {
 #if defined(__x86_64__)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    /* F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports does not know "f16c" */
+    unsigned a, b, c, d;
+    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
     return false;
 #endif
@@ -38,8 +45,8 @@ static bool has_avx2(void) {
 const kvs_cpu_kernels *kvs_cpu_kernels_pick(void) {
     const char *want = getenv("KVS_CPU_KERNELS");
     bool no512 = want && (!strcmp(want, "avx2") || !strcmp(want, "generic")), no2 = want && !strcmp(want, "generic");
-    if (kvs_cpu_kernels_avx512 && has_avx512() && !no512) return kvs_cpu_kernels_avx512;
-    if (kvs_cpu_kernels_avx2 && has_avx2() && !no2) return kvs_cpu_kernels_avx2;
+    if (kvs_cpu_kernels_avx512 && kvs_cpu_runs_avx512() && !no512) return kvs_cpu_kernels_avx512;
+    if (kvs_cpu_kernels_avx2 && kvs_cpu_runs_avx2() && !no2) return kvs_cpu_kernels_avx2;
     return &kvs_cpu_kernels_generic;
 }
 

@@ -33,6 +33,10 @@ extern const kvs_cpu_kernels kvs_cpu_kernels_generic;
 /* NULL where the build has no such set (not x86-64). */
 extern const kvs_cpu_kernels *const kvs_cpu_kernels_avx2, *const kvs_cpu_kernels_avx512;
 
+/* Whether this CPU runs a set (its instructions, not whether the build has it). */
+bool kvs_cpu_runs_avx2(void);
+bool kvs_cpu_runs_avx512(void);
+
 /* The best set this CPU runs; $KVS_CPU_KERNELS (generic, avx2, avx512) picks a
  * lesser one (a set the CPU lacks falls back to the best it has). */
 const kvs_cpu_kernels *kvs_cpu_kernels_pick(void);
