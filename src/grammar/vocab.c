@@ -340,7 +340,8 @@ void gr_mask_cache_free(gr_mask_cache *c) {
 static cache_slot *cache_find(const gr_mask_cache *c, const gr_state *s, uint64_t h) {
     for (size_t i = h & (c->cap - 1);; i = (i + 1) & (c->cap - 1)) {
         cache_slot *e = &c->slots[i];
-        if (!e->key || (e->hash == h && e->key_len == s->len && !memcmp(e->key, s->v, (size_t)s->len * sizeof *s->v)))
+        if (!e->key || (e->hash == h && e->key_len == s->len &&
+                        (s->len == 0 || !memcmp(e->key, s->v, (size_t)s->len * sizeof *s->v))))
             return e;
     }
 }
@@ -532,7 +533,7 @@ void gr_cache_put(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s,
         free(key), free(copy);
         goto done;
     }
-    memcpy(key, s->v, (size_t)s->len * sizeof *key);
+    if (s->len) memcpy(key, s->v, (size_t)s->len * sizeof *key); /* an empty state (every stack cut) has no v */
     memcpy(copy, bits, c->n_words * sizeof *copy);
     *e = (cache_slot){h, key, s->len, copy};
     c->n++;
