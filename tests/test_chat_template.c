@@ -210,6 +210,9 @@ static const struct { const char *src, *want; } CASES[] = {
       "{{ not evaluated }}" },
     { "{{ [1,2] + [3] }} {{ 'ab' * 3 }} {{ [0] * 3 }} {{ 10 - 3 - 2 }} {{ 2 ** 3 ** 2 }} {{ -2 ** 2 }}",
       "[1, 2, 3] ababab [0, 0, 0] 5 64 4" },
+    /* an empty sequence times a huge count: empty, at once (a fuzzer's timeout) */
+    { "[{{ '' * 100000000000 }}] {{ [] * 100000000000 }} [{{ 'ab' * -2 }}]|",
+      "[] [] []|" },
     { "{{ (messages|selectattr('role', 'equalto', 'user')|list|length) }} {{ messages|selectattr('role', 'equalto', 'user')|map(attribute='content')|first }}",
       "2   H\303\251llo w\303\266rld! \346\227\245\346\234\254 " },
     { "{% set a, b = [1, 2] %}{{ a }}{{ b }} {% set t = (1, 2) %}{{ t[0] }}",

@@ -185,6 +185,7 @@ overflow:
 
 static ct_value repeat(ct_ctx *c, ct_value seq, int64_t times, size_t pos) {
     if (times < 0) times = 0;
+    if (seq.t == V_STR && seq.s.n == 0) times = 0; /* '' * 10**11 is '' at once, not after 10**11 steps */
     if (seq.t == V_STR) {
         if (seq.s.n && (uint64_t)times > CT_MAX_OUTPUT / seq.s.n) ct_fail(c->e, pos, "string too long");
         ct_buf b = { 0 };
