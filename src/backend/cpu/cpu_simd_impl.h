@@ -27,9 +27,54 @@ ALWAYS_INLINE float w_at(const void *w, size_t i, kvs_dtype wt) {
     return ((const float *)w)[i];
 }
 
+/* One input's share of a weight row's tile [t0, t1): four accumulators over
+ * 4 * VL, then VL at a time, then scalars. The paired form below does the same
+ * operations in the same order for each of its inputs, so a row's result does
+ * not depend on how the inputs were grouped. */
+ALWAYS_INLINE float tile_1(const float *xi, const void *w, size_t row, int t0, int e4, int e1, int t1, kvs_dtype wt) {
+    V a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+    int k = t0;
+    for (; k < e4; k += 4 * VL) {
+        a0 = v_fma(load_w(w, row + k, wt), v_load(xi + k), a0);
+        a1 = v_fma(load_w(w, row + k + VL, wt), v_load(xi + k + VL), a1);
+        a2 = v_fma(load_w(w, row + k + 2 * VL, wt), v_load(xi + k + 2 * VL), a2);
+        a3 = v_fma(load_w(w, row + k + 3 * VL, wt), v_load(xi + k + 3 * VL), a3);
+    }
+    for (; k < e1; k += VL) a0 = v_fma(load_w(w, row + k, wt), v_load(xi + k), a0);
+    float t = v_hsum(a0 + a1 + (a2 + a3));
+    for (; k < t1; k++) t += w_at(w, row + k, wt) * xi[k];
+    return t;
+}
+
+/* Two inputs over one load (and widening) of the weights. */
+ALWAYS_INLINE void tile_2(float *t, const float *xa, const float *xb, const void *w, size_t row, int t0, int e4, int e1,
+                          int t1, kvs_dtype wt) {
+    V a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+    V b0 = v_zero(), b1 = v_zero(), b2 = v_zero(), b3 = v_zero();
+    int k = t0;
+    for (; k < e4; k += 4 * VL) {
+        V w0 = load_w(w, row + k, wt), w1 = load_w(w, row + k + VL, wt);
+        V w2 = load_w(w, row + k + 2 * VL, wt), w3 = load_w(w, row + k + 3 * VL, wt);
+        a0 = v_fma(w0, v_load(xa + k), a0), b0 = v_fma(w0, v_load(xb + k), b0);
+        a1 = v_fma(w1, v_load(xa + k + VL), a1), b1 = v_fma(w1, v_load(xb + k + VL), b1);
+        a2 = v_fma(w2, v_load(xa + k + 2 * VL), a2), b2 = v_fma(w2, v_load(xb + k + 2 * VL), b2);
+        a3 = v_fma(w3, v_load(xa + k + 3 * VL), a3), b3 = v_fma(w3, v_load(xb + k + 3 * VL), b3);
+    }
+    for (; k < e1; k += VL) {
+        V w0 = load_w(w, row + k, wt);
+        a0 = v_fma(w0, v_load(xa + k), a0), b0 = v_fma(w0, v_load(xb + k), b0);
+    }
+    float ta = v_hsum(a0 + a1 + (a2 + a3)), tb = v_hsum(b0 + b1 + (b2 + b3));
+    for (; k < t1; k++) {
+        float wk = w_at(w, row + k, wt);
+        ta += wk * xa[k], tb += wk * xb[k];
+    }
+    t[0] = ta, t[1] = tb;
+}
+
 /* One weight row at a time, one stream the prefetcher follows (measured
- * faster here than four interleaved rows), four accumulators; the k range in
- * tiles of KTILE so that the row's tile stays in L1 while the n inputs go over it. */
+ * faster here than four interleaved rows); the k range in tiles of KTILE so
+ * that the row's tile stays in L1 while the n inputs go over it, two at a time. */
 ALWAYS_INLINE void gemv_t(float *out, int ld_out, const float *x, const void *w, const float *bias, int n, int in_dim,
                           int j0, int j1, kvs_dtype wt) {
     int k4 = in_dim / (4 * VL) * (4 * VL), k1 = in_dim / VL * VL;
@@ -38,21 +83,13 @@ ALWAYS_INLINE void gemv_t(float *out, int ld_out, const float *x, const void *w,
         float sum[KVS_CPU_GEMV_MAX_N] = {0};
         for (int t0 = 0; t0 < in_dim; t0 += KTILE) {
             int t1 = t0 + KTILE < in_dim ? t0 + KTILE : in_dim, e4 = t1 < k4 ? t1 : k4, e1 = t1 < k1 ? t1 : k1;
-            for (int i = 0; i < n; i++) {
-                const float *xi = x + (size_t)i * in_dim;
-                V a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
-                int k = t0;
-                for (; k < e4; k += 4 * VL) {
-                    a0 = v_fma(load_w(w, row + k, wt), v_load(xi + k), a0);
-                    a1 = v_fma(load_w(w, row + k + VL, wt), v_load(xi + k + VL), a1);
-                    a2 = v_fma(load_w(w, row + k + 2 * VL, wt), v_load(xi + k + 2 * VL), a2);
-                    a3 = v_fma(load_w(w, row + k + 3 * VL, wt), v_load(xi + k + 3 * VL), a3);
-                }
-                for (; k < e1; k += VL) a0 = v_fma(load_w(w, row + k, wt), v_load(xi + k), a0);
-                float t = v_hsum(a0 + a1 + (a2 + a3));
-                for (; k < t1; k++) t += w_at(w, row + k, wt) * xi[k];
-                sum[i] += t;
+            int i = 0;
+            for (; i + 2 <= n; i += 2) {
+                float t[2];
+                tile_2(t, x + (size_t)i * in_dim, x + (size_t)(i + 1) * in_dim, w, row, t0, e4, e1, t1, wt);
+                sum[i] += t[0], sum[i + 1] += t[1];
             }
+            if (i < n) sum[i] += tile_1(x + (size_t)i * in_dim, w, row, t0, e4, e1, t1, wt);
         }
         for (int i = 0; i < n; i++) out[(size_t)i * ld_out + j] = sum[i] + (bias ? bias[j] : 0.0f);
     }
