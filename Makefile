@@ -46,7 +46,7 @@ test-asan: deps
 
 fuzz-smoke: deps
 	@CC=clang cmake -S . -B $(FUZZB) -DCMAKE_BUILD_TYPE=Debug -DKVS_FUZZ=ON -DKVS_CUDA=OFF >/dev/null
-	@cmake --build $(FUZZB) -j $(JOBS)
+	@cmake --build $(FUZZB) -j $(JOBS) --target fuzzers
 	scripts/fuzz-smoke $(FUZZB)
 
 bench: kvsparse
