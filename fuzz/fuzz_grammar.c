@@ -43,16 +43,20 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argv;
     tok = fuzz_load_bundled_tokenizer("fuzz_grammar");
     int32_t eos = kvs_tokenizer_eos_id(tok), all = kvs_tokenizer_vocab_size(tok);
+    if (eos < 0) {
+        fprintf(stderr, "fuzz_grammar: the bundled tokenizer has no end token\n");
+        abort();
+    }
     n_tokens = (all < VOCAB_TOKENS ? all : VOCAB_TOKENS) + 1;
     end_id = n_tokens - 1;
     bytes = calloc((size_t)n_tokens, sizeof *bytes);
     lens = calloc((size_t)n_tokens, sizeof *lens);
     for (int id = 0; id < n_tokens; id++) {
         int32_t from = id == end_id ? eos : id;
-        const char *text = from >= 0 ? kvs_tokenizer_token_text(tok, from) : NULL;
+        const char *text = kvs_tokenizer_token_text(tok, from);
         size_t cap = text ? strlen(text) : 0;
         bytes[id] = malloc(cap + 1);
-        if (from < 0 || kvs_tokenizer_token_bytes(tok, from, bytes[id], cap, &lens[id]) != KVS_OK) abort();
+        if (kvs_tokenizer_token_bytes(tok, from, bytes[id], cap, &lens[id]) != KVS_OK) abort();
     }
     if (kvs_grammar_vocab_create((const char *const *)bytes, lens, n_tokens, &end_id, 1, &vocab) != KVS_OK) {
         fprintf(stderr, "fuzz_grammar: no vocabulary: %s\n", kvs_last_error());
