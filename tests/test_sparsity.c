@@ -61,7 +61,9 @@ static kvs_attn_batch one_seq_batch(const filled_cache *f, int q_len, int32_t *q
 }
 
 /* Scores from the prefill's LSE equal the explicit softmax over the window
- * (double-precision reference; relative tolerance 1e-4). GQA 1, 2 and 4. */
+ * (double-precision reference; relative tolerance 1e-4). GQA 1, 2 and 4; the
+ * scored keys reach into the window (its keys seen by the queries at or after
+ * them, causal) by a random count. */
 Test(sparsity, lse_scores_equal_explicit_softmax) {
     uint64_t seed = kvs_test_seed();
     kvs_rng rng;
@@ -70,16 +72,17 @@ Test(sparsity, lse_scores_equal_explicit_softmax) {
     for (int c = 0; c < 3; c++) {
         int H = cases[c][0], KVH = cases[c][1], d = cases[c][2], g = H / KVH;
         int n = 37 + (int)(kvs_rng_u64(&rng) % 200), w = 1 + (int)(kvs_rng_u64(&rng) % 32);
+        int n_sc = n - w + (int)(kvs_rng_u64(&rng) % (w + 1)); /* keys scored: the older ones, part of the window */
         filled_cache f;
         fill_cache(&f, n, H, KVH, d, &rng);
         float *q = malloc(sizeof(float) * w * H * d), *out = malloc(sizeof(float) * w * H * d);
-        float *lse = malloc(sizeof(float) * w * H), *scores = malloc(sizeof(float) * KVH * (n - w));
+        float *lse = malloc(sizeof(float) * w * H), *scores = malloc(sizeof(float) * KVH * n_sc);
         for (int i = 0; i < w * H * d; i++) q[i] = kvs_rng_normal(&rng);
         int32_t qs[2], kvlen, *table;
         kvs_attn_batch ab = one_seq_batch(&f, w, qs, &kvlen, &table);
         float scale = 1.0f / sqrtf((float)d);
         f.be->attention(f.be, out, lse, q, kvs_kv_get_pool(f.kv), &ab, H, scale);
-        f.be->sparsity_scores(f.be, scores, q, lse, w, kvs_kv_get_pool(f.kv), table, n - w, H, scale);
+        f.be->sparsity_scores(f.be, scores, q, lse, w, kvs_kv_get_pool(f.kv), table, n_sc, H, scale, n - w);
         for (int kh = 0; kh < KVH; kh++) {
             double *ref = calloc(n, sizeof(double)), mx_ref = 0, mx_diff = 0;
             for (int i = 0; i < w; i++)
@@ -93,17 +96,17 @@ Test(sparsity, lse_scores_equal_explicit_softmax) {
                         if (p[j] > m) m = p[j];
                     }
                     for (int j = 0; j < n_keys; j++) sum += p[j] = exp(p[j] - m);
-                    for (int j = 0; j < n - w; j++) ref[j] += p[j] / sum;
+                    for (int j = 0; j < n_keys; j++) ref[j] += p[j] / sum;
                     free(p);
                 }
-            for (int j = 0; j < n - w; j++) {
-                double diff = fabs(scores[kh * (n - w) + j] - ref[j]);
-                if (isnan(scores[kh * (n - w) + j])) diff = INFINITY;
+            for (int j = 0; j < n_sc; j++) {
+                double diff = fabs(scores[kh * n_sc + j] - ref[j]);
+                if (isnan(scores[kh * n_sc + j])) diff = INFINITY;
                 if (diff > mx_diff) mx_diff = diff;
                 if (ref[j] > mx_ref) mx_ref = ref[j];
             }
-            cr_expect(mx_diff <= 1e-4 * mx_ref, "seed %llu H %d KVH %d d %d n %d w %d: max diff %g of %g",
-                      (unsigned long long)seed, H, KVH, d, n, w, mx_diff, mx_ref);
+            cr_expect(mx_diff <= 1e-4 * mx_ref, "seed %llu H %d KVH %d d %d n %d w %d scored %d: max diff %g of %g",
+                      (unsigned long long)seed, H, KVH, d, n, w, n_sc, mx_diff, mx_ref);
             free(ref);
         }
         free(q), free(out), free(lse), free(scores), free(table);
@@ -251,7 +254,7 @@ static void pooled_scores(rig *r, int seq, int layer, int n, int w, float *poole
     const int32_t *table = kvs_kv_blocks(r->kv, seq, layer, &nb);
     float *raw = malloc(sizeof(float) * 2 * (n - w));
     r->be->sparsity_scores(r->be, raw, (const float *)win_q + (size_t)row0 * H * d, win_lse + (size_t)row0 * H, w,
-                           kvs_kv_get_pool(r->kv), table, n - w, H, 1.0f / sqrtf((float)d));
+                           kvs_kv_get_pool(r->kv), table, n - w, H, 1.0f / sqrtf((float)d), n - w);
     for (int g = 0; g < 2; g++) kvs_kv_pool_scores(raw + g * (n - w), n - w, 7, pooled + g * (n - w));
     free(raw);
 }

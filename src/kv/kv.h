@@ -67,6 +67,26 @@ typedef enum {
     KVS_POLICY_STREAMINGLLM, /* attention sinks + the most recent entries */
 } kvs_policy_kind;
 
+/* A per-layer budget profile (kvsparse calibrate writes it; kv/profile.c reads
+ * it): for each of n_targets compression targets, the share of the prompt each
+ * layer keeps at that target (share[t][l] in (0, 1], mean over layers 1 /
+ * compression[t]). A policy with a profile splits its budget among its sparse
+ * layers in proportion to the shares of the target nearest its compression. */
+#define KVS_KV_PROFILE_MAX_TARGETS 16
+typedef struct {
+    int n_layers, n_targets;
+    double compression[KVS_KV_PROFILE_MAX_TARGETS]; /* ascending, each > 1 */
+    float *share[KVS_KV_PROFILE_MAX_TARGETS];       /* [n_layers] each */
+} kvs_kv_profile;
+
+/* Reads a profile file / text (the format: docs/SPARSITY.md), checked against
+ * a model of n_layers layers; a bad one is refused naming the field. */
+kvs_status kvs_kv_profile_load(const char *path, int n_layers, kvs_kv_profile **out);
+kvs_status kvs_kv_profile_parse(const char *text, size_t len, int n_layers, kvs_kv_profile **out);
+void kvs_kv_profile_free(kvs_kv_profile *p);
+/* The target of p nearest (in log ratio) to `compression`. */
+int kvs_kv_profile_target(const kvs_kv_profile *p, double compression);
+
 typedef struct {
     kvs_policy_kind kind;
     int budget_tokens;     /* B: mean entries per KV head per sparse layer; 0: use budget_fraction */
@@ -77,6 +97,7 @@ typedef struct {
     int min_prompt;        /* prompts shorter than this are not compressed */
     int sinks;             /* streamingllm: first entries always kept (4) */
     float pyramid_beta;    /* pyramidkv: the top sparse layer keeps (B - w) / beta beyond the window (1.5) */
+    const kvs_kv_profile *profile; /* per-layer shares of the budget (NULL: the kind's shape); the caller's, outlives the policy */
 } kvs_kv_policy;
 
 kvs_kv_policy kvs_kv_policy_default(kvs_policy_kind kind); /* 10% budget, w 32, p 7 */
@@ -100,6 +121,13 @@ int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int positio
 /* The window buffers of a layer: q [max_seqs * window, n_heads * head_dim]
  * (act dtype) and lse [max_seqs * window, n_heads] (f32), backend memory. */
 void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse);
+/* The SnapKV scores of every entry of (seq, layer) from its captured window,
+ * before any compaction (a policy that keeps the whole prompt, e.g. budget 100%,
+ * captures the window and compacts nothing): out[g * len + j] for KV head g, the
+ * attention mass the window's queries of g's group give entry j (window entries:
+ * the queries at or after them), summed; each head's row sums to group x window.
+ * Host memory; for kvsparse calibrate. */
+kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out);
 /* After a step that gave seq new tokens: compacts the sparse layers that are
  * due (its prompt just completed, or a layer reached B_l + window). */
 kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id);

@@ -62,7 +62,60 @@ kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers) {
     if (p->sinks < 0 || p->sinks > 1024) return kvs_fail(KVS_ERR_INVALID, "kv_sinks must be in [0, 1024]");
     if (!(p->pyramid_beta >= 1 && p->pyramid_beta <= 1000))
         return kvs_fail(KVS_ERR_INVALID, "kv_pyramid_beta must be in [1, 1000]");
+    if (p->profile && p->profile->n_layers != n_layers)
+        return kvs_fail(KVS_ERR_INVALID, "kv profile: %d layers, the model has %d", p->profile->n_layers, n_layers);
     return KVS_OK;
+}
+
+/* Splits `total` whole entries among n layers in proportion to weight[] (> 0),
+ * each within [lo, hi[l]] (lo <= hi): water-filling (a layer that a clamp holds
+ * gives its share to the others), then the largest remainders take the last
+ * units, so the sum is exactly `total` whenever n * lo <= total <= sum of hi. */
+static void apportion(long total, const double *weight, int lo, const int *hi, int n, int *out) {
+    bool *fixed = calloc((size_t)n, sizeof(bool));
+    double *want = malloc(sizeof(double) * (size_t)n);
+    if (!fixed || !want) { /* out of memory: the even split, clamped */
+        for (int l = 0; l < n; l++) out[l] = (int)(total / n) < lo ? lo : (int)(total / n) > hi[l] ? hi[l] : (int)(total / n);
+        free(fixed), free(want);
+        return;
+    }
+    for (bool again = true; again;) { /* at most n rounds: each fixes a layer or ends */
+        again = false;
+        long left = total;
+        double w_free = 0;
+        for (int l = 0; l < n; l++)
+            if (fixed[l]) left -= out[l];
+            else w_free += weight[l];
+        for (int l = 0; l < n && !again; l++) {
+            if (fixed[l]) continue;
+            want[l] = w_free > 0 ? (double)left * weight[l] / w_free : 0;
+            if (want[l] < lo || want[l] > hi[l]) {
+                out[l] = want[l] < lo ? lo : hi[l];
+                fixed[l] = again = true;
+            }
+        }
+    }
+    long sum = 0;
+    for (int l = 0; l < n; l++) {
+        if (!fixed[l]) out[l] = (int)floor(want[l]);
+        sum += out[l];
+    }
+    while (sum < total) { /* the largest remainder first (the lower layer on a tie) */
+        int best = -1;
+        double rem = -1;
+        for (int l = 0; l < n; l++)
+            if (!fixed[l] && out[l] < hi[l] && want[l] - out[l] > rem) rem = want[l] - out[l], best = l;
+        if (best < 0) break;
+        out[best]++, want[best] = out[best], sum++;
+    }
+    free(fixed), free(want);
+}
+
+int kvs_kv_profile_target(const kvs_kv_profile *p, double compression) {
+    int best = 0;
+    for (int t = 1; t < p->n_targets; t++)
+        if (fabs(log(p->compression[t] / compression)) < fabs(log(p->compression[best] / compression))) best = t;
+    return best;
 }
 
 void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len, int *budgets) {
@@ -70,25 +123,36 @@ void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len,
     int threshold = p->min_prompt > 2 * p->window ? p->min_prompt : 2 * p->window;
     bool off = p->kind == KVS_POLICY_FULL || prompt_len < threshold;
     int B = p->budget_tokens > 0 ? p->budget_tokens : (int)lround(p->budget_fraction * prompt_len);
-    int first = p->full_layers, m = n_layers - first;
-    for (int l = 0; l < n_layers; l++) {
-        if (off || l < first) {
-            budgets[l] = -1;
-            continue;
-        }
-        double b = B;
-        if (p->kind == KVS_POLICY_PYRAMIDKV && m > 1) {
+    int first = p->full_layers < n_layers ? p->full_layers : n_layers, m = n_layers - first;
+    for (int l = 0; l < n_layers; l++) budgets[l] = -1;
+    if (off || m == 0) return;
+    double *weight = malloc(sizeof(double) * m);
+    int *hi = malloc(sizeof(int) * m);
+    if (!weight || !hi) {
+        for (int l = first; l < n_layers; l++) budgets[l] = B < floor_budget ? floor_budget : B;
+        free(weight), free(hi);
+        return;
+    }
+    int t = p->profile ? kvs_kv_profile_target(p->profile, (double)prompt_len / (B > 0 ? B : 1)) : 0;
+    for (int i = 0; i < m; i++) {
+        int l = first + i;
+        weight[i] = 1;
+        if (p->profile && p->profile->n_layers == n_layers) {
+            weight[i] = p->profile->share[t][l];
+        } else if (p->kind == KVS_POLICY_PYRAMIDKV && m > 1) {
             /* PyramidKV: beyond the window, budgets fall linearly from 2(B-w) - min at the
                lowest sparse layer to min = (B-w)/beta at the highest; the mean stays B.
                The paper's beta (20, for 32 layers) starves the top layers of shallow
                models; the default is milder (docs/SPARSITY.md has the measurements). */
             double extra = B - p->window > 0 ? B - p->window : 0, beta = p->pyramid_beta;
-            double lo = extra / beta, hi = 2 * extra - lo;
-            b = p->window + hi - (hi - lo) * (l - first) / (m - 1);
+            double lo = extra / beta, top = 2 * extra - lo;
+            weight[i] = p->window + top - (top - lo) * i / (m - 1);
         }
-        int bl = (int)lround(b);
-        budgets[l] = bl < floor_budget ? floor_budget : bl;
+        hi[i] = prompt_len > floor_budget ? prompt_len : floor_budget; /* a whole layer at most */
     }
+    /* the sparse layers together keep m x B entries per KV head, exactly */
+    apportion((long)m * B, weight, floor_budget, hi, m, budgets + first);
+    free(weight), free(hi);
 }
 
 void kvs_kv_policy_describe(const kvs_kv_policy *p, char *buf, size_t cap) {
