@@ -405,3 +405,112 @@ Test(sparsity, streamingllm_keeps_sinks_and_recent) {
     free(ids), free(logits);
     rig_close(&r);
 }
+
+/* A policy keeping only the last r of the window: every head keeps the top (B - r)
+ * of entries [0, n - r) by the pooled causal window scores (kvs_kv_window_scores,
+ * the window's older entries included) and the last r entries, exactly. Both the
+ * reference and the compaction score on this backend with the same op, so the
+ * comparison is exact. */
+Test(sparsity, recent_keeps_the_last_r_and_scores_the_window_causally, .timeout = 600) {
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), NULL, 4 * 8 * 30 + 16, 2);
+    kvs_rng rng;
+    uint64_t seed = kvs_test_seed();
+    kvs_rng_seed(&rng, seed);
+    int n = 300 + (int)(kvs_rng_u64(&rng) % 100), w = 32, rec = 1 + (int)(kvs_rng_u64(&rng) % 31);
+    int32_t *ids = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % 8187);
+    kvs_kv_policy capture = kvs_kv_policy_default(KVS_POLICY_SNAPKV), p = kvs_kv_policy_default(KVS_POLICY_PYRAMIDKV);
+    capture.budget_fraction = 1.0f;
+    p.budget_fraction = 0.05f + 0.1f * (float)kvs_rng_uniform(&rng);
+    p.recent = rec;
+    float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
+    int a = kvs_kv_seq_create(r.kv), a_full;
+    cr_assert_eq(kvs_kv_set_policy(r.kv, a, &capture, n), KVS_OK);
+    rig_run(&r, a, ids, n, 0, logits);
+    cr_assert_eq(kvs_kv_fork(r.kv, a, &a_full), KVS_OK, "%s", kvs_last_error());
+    int budgets[8], m = n - rec;
+    kvs_kv_policy_budgets(&p, 8, n, budgets);
+    float *raw = malloc(sizeof(float) * 2 * n), *pooled = malloc(sizeof(float) * 2 * m);
+    int32_t *sel = malloc(sizeof(int32_t) * m);
+    float *all_scores[8];
+    for (int l = 0; l < 8; l++) {
+        cr_assert_eq(kvs_kv_window_scores(r.kv, a_full, l, raw), KVS_OK, "%s", kvs_last_error());
+        all_scores[l] = malloc(sizeof(float) * 2 * n);
+        memcpy(all_scores[l], raw, sizeof(float) * 2 * n);
+        for (int g = 0; g < 2; g++) { /* each head's row sums to group x window (attention rows sum to 1) */
+            double sum = 0;
+            for (int j = 0; j < n; j++) sum += raw[g * n + j];
+            int group = r.cfg.n_heads / r.cfg.n_kv_heads;
+            cr_assert(fabs(sum - group * w) < 1e-3 * group * w, "layer %d head %d: mass %g", l, g, sum);
+        }
+    }
+    cr_assert_eq(kvs_kv_set_policy(r.kv, a, &p, n), KVS_OK);
+    cr_assert_eq(kvs_kv_sparsify(r.kv, a), KVS_OK, "%s", kvs_last_error());
+    for (int l = 0; l < 8; l++) {
+        int k = budgets[l] - rec;
+        cr_assert_eq(kvs_kv_len(r.kv, a, l), budgets[l], "layer %d holds its budget", l);
+        for (int g = 0; g < 2; g++) {
+            kvs_kv_pool_scores(all_scores[l] + g * n, m, 7, pooled + g * m); /* the scores of [0, n - r) */
+            kvs_kv_top_k_sorted(pooled + g * m, m, k, sel);
+            for (int i = 0; i < budgets[l]; i++) {
+                int src = i < k ? sel[i] : m + (i - k);
+                cr_assert(!memcmp(key_of(&r, a, l, g, i), key_of(&r, a_full, l, g, src), sizeof(float) * 128),
+                          "seed %llu n %d recent %d layer %d head %d: kept entry %d is not entry %d",
+                          (unsigned long long)seed, n, rec, l, g, i, src);
+            }
+        }
+        free(all_scores[l]);
+    }
+    kvs_kv_free(r.kv, a), kvs_kv_free(r.kv, a_full);
+    cr_assert_eq(kvs_kv_check(r.kv), KVS_OK, "%s", kvs_last_error());
+    free(ids), free(logits), free(raw), free(pooled), free(sel);
+    rig_close(&r);
+}
+
+/* The sparse layers together keep exactly (sparse layers) x B entries per KV head
+ * under every shape (uniform, pyramid, a profile), each layer at least the window
+ * and at most the whole prompt; a profile's shares set the proportions. */
+Test(sparsity, budgets_keep_the_total_exactly) {
+    kvs_rng rng;
+    uint64_t seed = kvs_test_seed();
+    kvs_rng_seed(&rng, seed);
+    float shares[32];
+    kvs_kv_profile prof = {.n_layers = 32, .n_targets = 1, .compression = {10}, .share = {shares}};
+    for (int trial = 0; trial < 300; trial++) {
+        int L = 1 + (int)(kvs_rng_u64(&rng) % 32), n = 64 + (int)(kvs_rng_u64(&rng) % 20000);
+        kvs_kv_policy p = kvs_kv_policy_default((kvs_policy_kind)(1 + kvs_rng_u64(&rng) % 2));
+        p.budget_fraction = 0.01f + 0.5f * (float)kvs_rng_uniform(&rng);
+        p.full_layers = (int)(kvs_rng_u64(&rng) % L);
+        p.pyramid_beta = 1 + 30 * (float)kvs_rng_uniform(&rng);
+        prof.n_layers = L;
+        for (int l = 0; l < L; l++) shares[l] = 0.01f + (float)kvs_rng_uniform(&rng);
+        bool with_profile = kvs_rng_u64(&rng) % 2;
+        p.profile = with_profile ? &prof : NULL;
+        int b[32], B = (int)lround(p.budget_fraction * n), m = L - p.full_layers;
+        kvs_kv_policy_budgets(&p, L, n, b);
+        long total = 0;
+        for (int l = 0; l < L; l++) {
+            if (l < p.full_layers) {
+                cr_assert_eq(b[l], -1);
+                continue;
+            }
+            cr_assert(b[l] >= p.window && b[l] <= n, "seed %llu trial %d layer %d: budget %d (n %d)",
+                      (unsigned long long)seed, trial, l, b[l], n);
+            total += b[l];
+        }
+        if ((long)m * p.window <= (long)m * B && B <= n)
+            cr_assert_eq(total, (long)m * B, "seed %llu trial %d: total %ld, not %d x %d", (unsigned long long)seed,
+                         trial, total, m, B);
+        if (with_profile && B >= 4 * p.window) /* no clamp in reach: budgets follow the shares to within 1 entry */
+            for (int l = p.full_layers + 1; l < L; l++) {
+                double want = (double)b[p.full_layers] * shares[l] / shares[p.full_layers];
+                bool clamped = b[l] == p.window || b[l] == n || b[p.full_layers] == p.window || b[p.full_layers] == n;
+                if (!clamped && want >= p.window && want <= n)
+                    cr_assert(fabs(b[l] - want) <= 1 + want * 1e-3 + 1.0 * shares[l] / shares[p.full_layers],
+                              "seed %llu trial %d layer %d: %d vs %g", (unsigned long long)seed, trial, l, b[l], want);
+            }
+    }
+    cr_assert_eq(kvs_kv_profile_target(&(kvs_kv_profile){.n_targets = 2, .compression = {10, 20}}, 14.0), 0);
+    cr_assert_eq(kvs_kv_profile_target(&(kvs_kv_profile){.n_targets = 2, .compression = {10, 20}}, 15.0), 1);
+}

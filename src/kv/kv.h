@@ -97,6 +97,9 @@ typedef struct {
     int min_prompt;        /* prompts shorter than this are not compressed */
     int sinks;             /* streamingllm: first entries always kept (4) */
     float pyramid_beta;    /* pyramidkv: the top sparse layer keeps (B - w) / beta beyond the window (1.5) */
+    int recent;            /* snapkv/pyramidkv: the last `recent` entries are always kept (1 .. window; 0:
+                              kvs_kv_policy_recent's default); the window's older entries compete with
+                              the rest by their causal score */
     const kvs_kv_profile *profile; /* per-layer shares of the budget (NULL: the kind's shape); the caller's, outlives the policy */
 } kvs_kv_policy;
 
@@ -109,6 +112,8 @@ kvs_status kvs_kv_budget_parse(const char *text, kvs_kv_policy *p);
 kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers);
 /* Per-layer budgets B_l for a prompt (-1: the layer stays full). */
 void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len, int *budgets);
+/* Entries of the window always kept in a layer of budget B (p->recent, or the default for it). */
+int kvs_kv_policy_recent(const kvs_kv_policy *p, int budget);
 /* A one-line description, e.g. "pyramidkv budget=10% full_layers=2 window=32 pool=7". */
 void kvs_kv_policy_describe(const kvs_kv_policy *p, char *buf, size_t cap);
 

@@ -79,9 +79,7 @@ static kvs_status compact_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int bu
     seq_state *s = &kv->seqs[seq_id];
     kvs_backend *be = kv->be;
     int n = s->layers[layer].len, w = s->policy.window, H = kv->cfg.n_kv_heads;
-    int r = getenv("KVS_EXP_RECENT") ? atoi(getenv("KVS_EXP_RECENT")) : w;
-    if (r > w) r = w;
-    if (r < 1) r = 1;
+    int r = kvs_kv_policy_recent(&s->policy, budget);
     /* the window rows must be the last w entries in order (a decode ring that wrapped is not) */
     if ((s->n_tokens - s->ring_base[layer]) % w != 0) r = w;
     int n_keys = n - r, k = budget - r, d = kv->cfg.head_dim, nh = kv->cfg.n_heads;

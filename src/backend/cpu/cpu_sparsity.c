@@ -50,7 +50,6 @@ void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, c
                     sum += exp((double)(scale * dot) - win_lse[(size_t)i * n_heads + h]);
                 }
             }
-            if (i0 > 0 && getenv("KVS_EXP_SCALE")) sum *= (double)n_win / (n_win - i0);
             scores[(size_t)g * n_keys + j] = (float)sum;
         }
     }
