@@ -346,7 +346,7 @@ int main(int argc, char **argv) {
         s_.pool = lc.pool, s_.table = lc.ab.block_tables;
         t_scores = time_it(b, 50, [](kvs_backend *bb, void *p) {
             sc *c = (sc *)p;
-            bb->sparsity_scores(bb, c->scores, c->win_q, c->win_lse, W, &c->pool, c->table, c->n_keys, H, 0.08838834764f, c->n_keys);
+            bb->sparsity_scores(bb, c->scores, c->win_q, c->win_lse, W, &c->pool, c->table, c->n_keys, H, 0.08838834764f);
         }, &s_);
         /* snapkv_select on the device: pool 7, keep 2000 - 32 per KV head + the window */
         struct sel_ { int32_t *keep; const float *scores; int n_keys; } sel;
@@ -373,7 +373,7 @@ int main(int argc, char **argv) {
         t_all = time_it(b, 50, [](kvs_backend *bb, void *p) {
             all_ *c = (all_ *)p;
             bb->sparsity_scores(bb, c->s->scores, c->s->win_q, c->s->win_lse, W, &c->s->pool, c->s->table,
-                                c->s->n_keys, H, 0.08838834764f, c->s->n_keys);
+                                c->s->n_keys, H, 0.08838834764f);
             bb->snapkv_select(bb, c->sel->keep, c->sel->scores, c->sel->n_keys, KV, 7, KEEP - W, W);
             bb->kv_gather(bb, &c->g->pool, c->g->blocks, c->g->n_blocks, c->g->blocks, c->sel->keep, KEEP);
         }, &all);

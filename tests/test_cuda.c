@@ -664,13 +664,11 @@ Test(cuda, attention_decode_routes) {
     attention_case(32, 1, 64, 8, kv_batch, q_batch);
 }
 
-/* n_keys scored of the n_old + n_win entries: the first n_old, and n_keys - n_old
- * of the window's own (causal: each seen by the window queries at or after it) */
-static void scores_case_causal(int n_heads, int n_kv, int D, int n_old, int n_win, int n_keys) {
+static void scores_case(int n_heads, int n_kv, int D, int n_keys, int n_win) {
     duo d;
     OPEN_OR_SKIP(&d);
     paged p;
-    int kv_len[1] = {n_old + n_win};
+    int kv_len[1] = {n_keys + n_win};
     paged_build(&d, &p, 1, kv_len, n_kv, D);
     size_t qn = (size_t)n_win * n_heads * D;
     float *q = rnd(&d, qn, 1.0f), *lse = malloc(sizeof(float) * n_win * n_heads);
@@ -681,22 +679,18 @@ static void scores_case_causal(int n_heads, int n_kv, int D, int n_old, int n_wi
     size_t sn = (size_t)n_kv * n_keys;
     float *cs = d.cpu->alloc(d.cpu, sn * 4), *gs = d.gpu->alloc(d.gpu, sn * 4);
     float scale = 1.0f / sqrtf((float)D);
-    d.cpu->sparsity_scores(d.cpu, cs, cq, cl, n_win, &p.cpu, ct, n_keys, n_heads, scale, n_old);
-    d.gpu->sparsity_scores(d.gpu, gs, gq, gl, n_win, &p.gpu, gt, n_keys, n_heads, scale, n_old);
+    d.cpu->sparsity_scores(d.cpu, cs, cq, cl, n_win, &p.cpu, ct, n_keys, n_heads, scale);
+    d.gpu->sparsity_scores(d.gpu, gs, gq, gl, n_win, &p.gpu, gt, n_keys, n_heads, scale);
     float *got = gpu_get_f32(&d, gs, sn);
-    char what[160];
-    snprintf(what, sizeof what, "sparsity_scores heads %d/%d head_dim %d keys %d (%d of the window) window %d", n_heads,
-             n_kv, D, n_keys, n_keys - n_old, n_win);
+    char what[128];
+    snprintf(what, sizeof what, "sparsity_scores heads %d/%d head_dim %d keys %d window %d", n_heads, n_kv, D, n_keys,
+             n_win);
     expect_close(what, got, cs, sn, 1e-6, 2e-3);
     free(got), free(q), free(lse);
     void *pc[] = {cq, cl, ct, cs}, *pg[] = {gq, gl, gt, gs};
     for (int i = 0; i < 4; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
     paged_free(&d, &p);
     duo_close(&d);
-}
-
-static void scores_case(int n_heads, int n_kv, int D, int n_keys, int n_win) {
-    scores_case_causal(n_heads, n_kv, D, n_keys, n_win, n_keys);
 }
 
 Test(cuda, sparsity_scores_d128_gqa4) { scores_case(32, 8, 128, 1000, 32); }
@@ -712,13 +706,6 @@ Test(cuda, sparsity_scores_d64_gqa8_w70) { scores_case(16, 2, 64, 130, 70); }
 Test(cuda, sparsity_scores_d80_gqa2) { scores_case(4, 2, 80, 255, 9); }
 Test(cuda, sparsity_scores_d96_gqa4) { scores_case(8, 2, 96, 300, 13); }
 Test(cuda, sparsity_scores_d256_gqa4) { scores_case(16, 4, 256, 517, 33); }
-/* the window's older keys scored too (what a policy keeping fewer recent entries asks) */
-Test(cuda, sparsity_scores_causal_d128_gqa4) { scores_case_causal(32, 8, 128, 1000, 32, 1024); }
-Test(cuda, sparsity_scores_causal_d128_gqa4_all) { scores_case_causal(32, 8, 128, 990, 32, 1022); }
-Test(cuda, sparsity_scores_causal_d64_gqa1_odd) { scores_case_causal(8, 8, 64, 333, 17, 345); }
-Test(cuda, sparsity_scores_causal_d64_gqa8_w70) { scores_case_causal(16, 2, 64, 130, 70, 190); }
-Test(cuda, sparsity_scores_causal_d256_gqa4) { scores_case_causal(16, 4, 256, 517, 33, 540); }
-Test(cuda, sparsity_scores_causal_d32_short) { scores_case_causal(4, 2, 32, 3, 20, 15); }
 
 /* snapkv_select: the GPU radix select against the CPU op, exactly (the same
  * indices in the same slots), on scores full of exact ties and on smooth ones. */
@@ -888,10 +875,10 @@ static void snapkv_e2e_case(int n_heads, int n_kv, int D, int n, int w, int budg
     float scale = 1.0f / sqrtf((float)D);
     /* the CPU pool before compaction, for the near-tie check */
     float *pooled = malloc(sizeof(float) * (n_keys ? n_keys : 1));
-    d.cpu->sparsity_scores(d.cpu, cs, cq, cl, w, &p.cpu, ct, n_keys, n_heads, scale, n_keys);
+    d.cpu->sparsity_scores(d.cpu, cs, cq, cl, w, &p.cpu, ct, n_keys, n_heads, scale);
     d.cpu->snapkv_select(d.cpu, ck, cs, n_keys, n_kv, pool, k, w);
     d.cpu->kv_gather(d.cpu, &p.cpu, ct, p.max_blocks, ct, ck, budget);
-    d.gpu->sparsity_scores(d.gpu, gs, gq, gl, w, &p.gpu, gt, n_keys, n_heads, scale, n_keys);
+    d.gpu->sparsity_scores(d.gpu, gs, gq, gl, w, &p.gpu, gt, n_keys, n_heads, scale);
     d.gpu->snapkv_select(d.gpu, gk, gs, n_keys, n_kv, pool, k, w);
     d.gpu->kv_gather(d.gpu, &p.gpu, gt, p.max_blocks, gt, gk, budget);
     int32_t *got = malloc(sizeof(int32_t) * kn);

@@ -61,9 +61,7 @@ static kvs_attn_batch one_seq_batch(const filled_cache *f, int q_len, int32_t *q
 }
 
 /* Scores from the prefill's LSE equal the explicit softmax over the window
- * (double-precision reference; relative tolerance 1e-4). GQA 1, 2 and 4; the
- * scored keys reach into the window (its keys seen by the queries at or after
- * them, causal) by a random count. */
+ * (double-precision reference; relative tolerance 1e-4). GQA 1, 2 and 4. */
 Test(sparsity, lse_scores_equal_explicit_softmax) {
     uint64_t seed = kvs_test_seed();
     kvs_rng rng;
@@ -72,17 +70,16 @@ Test(sparsity, lse_scores_equal_explicit_softmax) {
     for (int c = 0; c < 3; c++) {
         int H = cases[c][0], KVH = cases[c][1], d = cases[c][2], g = H / KVH;
         int n = 37 + (int)(kvs_rng_u64(&rng) % 200), w = 1 + (int)(kvs_rng_u64(&rng) % 32);
-        int n_sc = n - w + (int)(kvs_rng_u64(&rng) % (w + 1)); /* keys scored: the older ones, part of the window */
         filled_cache f;
         fill_cache(&f, n, H, KVH, d, &rng);
         float *q = malloc(sizeof(float) * w * H * d), *out = malloc(sizeof(float) * w * H * d);
-        float *lse = malloc(sizeof(float) * w * H), *scores = malloc(sizeof(float) * KVH * n_sc);
+        float *lse = malloc(sizeof(float) * w * H), *scores = malloc(sizeof(float) * KVH * (n - w));
         for (int i = 0; i < w * H * d; i++) q[i] = kvs_rng_normal(&rng);
         int32_t qs[2], kvlen, *table;
         kvs_attn_batch ab = one_seq_batch(&f, w, qs, &kvlen, &table);
         float scale = 1.0f / sqrtf((float)d);
         f.be->attention(f.be, out, lse, q, kvs_kv_get_pool(f.kv), &ab, H, scale);
-        f.be->sparsity_scores(f.be, scores, q, lse, w, kvs_kv_get_pool(f.kv), table, n_sc, H, scale, n - w);
+        f.be->sparsity_scores(f.be, scores, q, lse, w, kvs_kv_get_pool(f.kv), table, n - w, H, scale);
         for (int kh = 0; kh < KVH; kh++) {
             double *ref = calloc(n, sizeof(double)), mx_ref = 0, mx_diff = 0;
             for (int i = 0; i < w; i++)
@@ -96,17 +93,17 @@ Test(sparsity, lse_scores_equal_explicit_softmax) {
                         if (p[j] > m) m = p[j];
                     }
                     for (int j = 0; j < n_keys; j++) sum += p[j] = exp(p[j] - m);
-                    for (int j = 0; j < n_keys; j++) ref[j] += p[j] / sum;
+                    for (int j = 0; j < n - w; j++) ref[j] += p[j] / sum;
                     free(p);
                 }
-            for (int j = 0; j < n_sc; j++) {
-                double diff = fabs(scores[kh * n_sc + j] - ref[j]);
-                if (isnan(scores[kh * n_sc + j])) diff = INFINITY;
+            for (int j = 0; j < n - w; j++) {
+                double diff = fabs(scores[kh * (n - w) + j] - ref[j]);
+                if (isnan(scores[kh * (n - w) + j])) diff = INFINITY;
                 if (diff > mx_diff) mx_diff = diff;
                 if (ref[j] > mx_ref) mx_ref = ref[j];
             }
-            cr_expect(mx_diff <= 1e-4 * mx_ref, "seed %llu H %d KVH %d d %d n %d w %d scored %d: max diff %g of %g",
-                      (unsigned long long)seed, H, KVH, d, n, w, n_sc, mx_diff, mx_ref);
+            cr_expect(mx_diff <= 1e-4 * mx_ref, "seed %llu H %d KVH %d d %d n %d w %d: max diff %g of %g",
+                      (unsigned long long)seed, H, KVH, d, n, w, mx_diff, mx_ref);
             free(ref);
         }
         free(q), free(out), free(lse), free(scores), free(table);
@@ -254,7 +251,7 @@ static void pooled_scores(rig *r, int seq, int layer, int n, int w, float *poole
     const int32_t *table = kvs_kv_blocks(r->kv, seq, layer, &nb);
     float *raw = malloc(sizeof(float) * 2 * (n - w));
     r->be->sparsity_scores(r->be, raw, (const float *)win_q + (size_t)row0 * H * d, win_lse + (size_t)row0 * H, w,
-                           kvs_kv_get_pool(r->kv), table, n - w, H, 1.0f / sqrtf((float)d), n - w);
+                           kvs_kv_get_pool(r->kv), table, n - w, H, 1.0f / sqrtf((float)d));
     for (int g = 0; g < 2; g++) kvs_kv_pool_scores(raw + g * (n - w), n - w, 7, pooled + g * (n - w));
     free(raw);
 }
@@ -273,7 +270,7 @@ Test(sparsity, chunked_and_one_shot_prefill_select_the_same_entries, .timeout = 
     kvs_rng rng;
     uint64_t seed = kvs_test_seed();
     kvs_rng_seed(&rng, seed);
-    int n = 500 + (int)(kvs_rng_u64(&rng) % 100), w = 32;
+    int n = 500 + (int)(kvs_rng_u64(&rng) % 100), w = kvs_kv_policy_default(KVS_POLICY_SNAPKV).window;
     int32_t *ids = malloc(sizeof(int32_t) * n);
     for (int i = 0; i < n; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % 8187);
     kvs_kv_policy capture = kvs_kv_policy_default(KVS_POLICY_SNAPKV), p = kvs_kv_policy_default(KVS_POLICY_PYRAMIDKV);
@@ -372,7 +369,7 @@ Test(sparsity, decode_stays_bounded, .timeout = 1200) {
                           kvs_kv_len(r.kv, seq, l));
         if (kvs_kv_used_blocks(r.kv) > peak_blocks) peak_blocks = kvs_kv_used_blocks(r.kv);
     }
-    cr_assert_leq(peak_blocks, 8 * ((40 + 32 + 15) / 16 + 1), "blocks held stay bounded: %lld", (long long)peak_blocks);
+    cr_assert_leq(peak_blocks, 8 * ((40 + p.window + 15) / 16 + 1), "blocks held stay bounded: %lld", (long long)peak_blocks);
     cr_assert_eq(kvs_kv_check(r.kv), KVS_OK, "%s", kvs_last_error());
     free(ids), free(logits);
     rig_close(&r);
@@ -406,65 +403,62 @@ Test(sparsity, streamingllm_keeps_sinks_and_recent) {
     rig_close(&r);
 }
 
-/* A policy keeping only the last r of the window: every head keeps the top (B - r)
- * of entries [0, n - r) by the pooled causal window scores (kvs_kv_window_scores,
- * the window's older entries included) and the last r entries, exactly. Both the
- * reference and the compaction score on this backend with the same op, so the
- * comparison is exact. */
-Test(sparsity, recent_keeps_the_last_r_and_scores_the_window_causally, .timeout = 600) {
+/* kvs_kv_window_scores gives what selection ranks: pyramidkv keeps, in every
+ * head, exactly the top (B - w) of the pooled scores of entries [0, n - w) plus
+ * the window (the reference and the compaction score with the same op on this
+ * backend, so the comparison is exact). */
+Test(sparsity, window_scores_are_what_compaction_ranks, .timeout = 600) {
     rig r;
     rig_open(&r, src_path("models/tiny-needle-llama"), NULL, 4 * 8 * 30 + 16, 2);
     kvs_rng rng;
     uint64_t seed = kvs_test_seed();
     kvs_rng_seed(&rng, seed);
-    int n = 300 + (int)(kvs_rng_u64(&rng) % 100), w = 32, rec = 1 + (int)(kvs_rng_u64(&rng) % 31);
+    int n = 300 + (int)(kvs_rng_u64(&rng) % 100);
     int32_t *ids = malloc(sizeof(int32_t) * n);
     for (int i = 0; i < n; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % 8187);
     kvs_kv_policy capture = kvs_kv_policy_default(KVS_POLICY_SNAPKV), p = kvs_kv_policy_default(KVS_POLICY_PYRAMIDKV);
     capture.budget_fraction = 1.0f;
     p.budget_fraction = 0.05f + 0.1f * (float)kvs_rng_uniform(&rng);
-    p.recent = rec;
+    p.window = capture.window = 8 + (int)(kvs_rng_u64(&rng) % 25);
+    int w = p.window, m = n - w, group = r.cfg.n_heads / r.cfg.n_kv_heads;
     float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
     int a = kvs_kv_seq_create(r.kv), a_full;
     cr_assert_eq(kvs_kv_set_policy(r.kv, a, &capture, n), KVS_OK);
     rig_run(&r, a, ids, n, 0, logits);
     cr_assert_eq(kvs_kv_fork(r.kv, a, &a_full), KVS_OK, "%s", kvs_last_error());
-    int budgets[8], m = n - rec;
+    int budgets[8];
     kvs_kv_policy_budgets(&p, 8, n, budgets);
-    float *raw = malloc(sizeof(float) * 2 * n), *pooled = malloc(sizeof(float) * 2 * m);
+    float *raw[8], *pooled = malloc(sizeof(float) * m);
     int32_t *sel = malloc(sizeof(int32_t) * m);
-    float *all_scores[8];
     for (int l = 0; l < 8; l++) {
-        cr_assert_eq(kvs_kv_window_scores(r.kv, a_full, l, raw), KVS_OK, "%s", kvs_last_error());
-        all_scores[l] = malloc(sizeof(float) * 2 * n);
-        memcpy(all_scores[l], raw, sizeof(float) * 2 * n);
-        for (int g = 0; g < 2; g++) { /* each head's row sums to group x window (attention rows sum to 1) */
+        raw[l] = malloc(sizeof(float) * 2 * m);
+        cr_assert_eq(kvs_kv_window_scores(r.kv, a_full, l, raw[l]), KVS_OK, "%s", kvs_last_error());
+        for (int g = 0; g < 2; g++) { /* attention rows sum to 1: at most group x w before the window */
             double sum = 0;
-            for (int j = 0; j < n; j++) sum += raw[g * n + j];
-            int group = r.cfg.n_heads / r.cfg.n_kv_heads;
-            cr_assert(fabs(sum - group * w) < 1e-3 * group * w, "layer %d head %d: mass %g", l, g, sum);
+            for (int j = 0; j < m; j++) sum += raw[l][g * m + j];
+            cr_assert(sum > 0 && sum <= group * w * (1 + 1e-4), "layer %d head %d: mass %g", l, g, sum);
         }
     }
     cr_assert_eq(kvs_kv_set_policy(r.kv, a, &p, n), KVS_OK);
     cr_assert_eq(kvs_kv_sparsify(r.kv, a), KVS_OK, "%s", kvs_last_error());
     for (int l = 0; l < 8; l++) {
-        int k = budgets[l] - rec;
+        int k = budgets[l] - w;
         cr_assert_eq(kvs_kv_len(r.kv, a, l), budgets[l], "layer %d holds its budget", l);
         for (int g = 0; g < 2; g++) {
-            kvs_kv_pool_scores(all_scores[l] + g * n, m, 7, pooled + g * m); /* the scores of [0, n - r) */
-            kvs_kv_top_k_sorted(pooled + g * m, m, k, sel);
+            kvs_kv_pool_scores(raw[l] + g * m, m, p.pool, pooled);
+            kvs_kv_top_k_sorted(pooled, m, k, sel);
             for (int i = 0; i < budgets[l]; i++) {
                 int src = i < k ? sel[i] : m + (i - k);
                 cr_assert(!memcmp(key_of(&r, a, l, g, i), key_of(&r, a_full, l, g, src), sizeof(float) * 128),
-                          "seed %llu n %d recent %d layer %d head %d: kept entry %d is not entry %d",
-                          (unsigned long long)seed, n, rec, l, g, i, src);
+                          "seed %llu n %d window %d layer %d head %d: kept entry %d is not entry %d",
+                          (unsigned long long)seed, n, w, l, g, i, src);
             }
         }
-        free(all_scores[l]);
+        free(raw[l]);
     }
     kvs_kv_free(r.kv, a), kvs_kv_free(r.kv, a_full);
     cr_assert_eq(kvs_kv_check(r.kv), KVS_OK, "%s", kvs_last_error());
-    free(ids), free(logits), free(raw), free(pooled), free(sel);
+    free(ids), free(logits), free(pooled), free(sel);
     rig_close(&r);
 }
 

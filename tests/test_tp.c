@@ -363,7 +363,7 @@ static void expect_same_selection(tp_rig *one, int s1, tp_rig *tp, int s2, const
  * in every layer and global KV head, logits within 1e-4, after the prompt
  * (ids[0 .. n) in chunks) and after n_decode greedy tokens. */
 static void check_sparse_on(kvs_policy_kind kind, const int32_t *ids, int n, int chunk, int full_layers,
-                            int n_decode) {
+                            int n_decode, int window) {
     tp_rig one, two;
     tp_rig_open(&one, src_path("models/tiny-needle-llama"), 0, 700, 1);
     tp_rig_open(&two, src_path("models/tiny-needle-llama"), 2, 700, 1);
@@ -371,6 +371,7 @@ static void check_sparse_on(kvs_policy_kind kind, const int32_t *ids, int n, int
     kvs_kv_policy p = kvs_kv_policy_default(kind);
     p.budget_fraction = 0.1f;
     p.full_layers = full_layers;
+    if (window) p.window = window;
     float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
     int s1 = rig_seq(&one, &p, n), s2 = rig_seq(&two, &p, n);
     tp_rig_run(&one, s1, ids, n, 0, chunk, l1, NULL);
@@ -407,7 +408,7 @@ static void check_sparse(kvs_policy_kind kind) {
     kvs_rng rng;
     kvs_rng_seed(&rng, 77);
     for (int i = 0; i < n; i++) ids[i] = (int32_t)(kvs_rng_u64(&rng) % 8187);
-    check_sparse_on(kind, ids, n, 200, 0, 48);
+    check_sparse_on(kind, ids, n, 200, 0, 48, 0);
     free(ids);
 }
 
@@ -417,7 +418,11 @@ Test(tp, pyramidkv_ranks_select_their_own_heads, .timeout = 900) { check_sparse(
 /* test_cuda's tp2_tiny_needle_llama_sparse case in f32: the 638-token
  * retrieval chat in chunks of 256, first layer full, 16 greedy steps. On 2
  * GPUs PyramidKV's TP = 2 logits drift past the dense bf16 limit at some steps;
- * here (no bf16 near-ties) the ranks keep exactly TP = 1's entries. */
+ * here (no bf16 near-ties) the ranks keep exactly TP = 1's entries. With the
+ * GPU test's window, 32: at the default 16, layer 5 of this prompt keeps
+ * another entry at TP = 2 (its logits still within 1e-4 of TP = 1: a
+ * selection boundary that float noise decides, as the ranks' all-reduce
+ * sums in another order). */
 Test(tp, pyramidkv_needle_prompt_like_the_gpu_test, .timeout = 900) {
     json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
@@ -425,7 +430,7 @@ Test(tp, pyramidkv_needle_prompt_like_the_gpu_test, .timeout = 900) {
     int32_t *ids = json_ids(json_object_get(json_array_get(cases, json_array_size(cases) - 1), "input_ids"), &n);
     json_decref(cases);
     cr_assert_gt(n, 600, "the retrieval chat has %d tokens", n);
-    check_sparse_on(KVS_POLICY_PYRAMIDKV, ids, n, 256, 1, 16);
+    check_sparse_on(KVS_POLICY_PYRAMIDKV, ids, n, 256, 1, 16, 32);
     free(ids);
 }
 

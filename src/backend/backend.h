@@ -110,8 +110,7 @@ struct kvs_backend {
      * of the table, scores[g * n_keys + j] = sum over the group's query heads h and
      * the n_win window queries i of exp(scale * q[i,h] . k[g,j] - lse[i,h]). */
     void (*sparsity_scores)(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
-                            const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale,
-                            int win_key0);
+                            const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
 
     /* sampling (backend/sample.h: the parameters and the exact semantics):
      * ids[r] (int32) for each row r < n_rows of logits [n_rows][ld] (act_dtype,

@@ -99,8 +99,6 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i) {
         ok = parse_int(v, 0, 100000, &p->full_layers);
     } else if (!strcmp(a, "--kv-window")) {
         ok = parse_int(v, 1, 512, &p->window);
-    } else if (!strcmp(a, "--kv-recent")) {
-        ok = parse_int(v, 0, 512, &p->recent);
     } else if (!strcmp(a, "--kv-pool")) {
         ok = parse_int(v, 1, 255, &p->pool) && p->pool % 2 == 1;
     } else if (!strcmp(a, "--kv-pyramid-beta")) {

@@ -66,8 +66,7 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i);
     "  --kv-policy P          full (default), snapkv, pyramidkv or streamingllm\n"         \
     "  --kv-budget B          entries kept per KV head in sparse layers: 0.1, 10%% or 256\n" \
     "  --kv-full-layers N     the first N layers stay full (default 0)\n"                  \
-    "  --kv-window W          observation window (default 32)\n"                           \
-    "  --kv-recent R          the last R entries always kept, R <= W (0: default, W)\n"          \
+    "  --kv-window W          observation window (default 16)\n"                           \
     "  --kv-pool P            max-pool kernel, odd (default 7)\n"                          \
     "  --kv-min-prompt N      prompts shorter than N are not compressed (default 64)\n"       \
     "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 1.5)\n"

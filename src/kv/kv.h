@@ -92,14 +92,11 @@ typedef struct {
     int budget_tokens;     /* B: mean entries per KV head per sparse layer; 0: use budget_fraction */
     float budget_fraction; /* B = round(fraction x prompt length) when budget_tokens is 0 */
     int full_layers;       /* the first N layers stay full */
-    int window;            /* observation window w (32) */
+    int window;            /* observation window w (16) */
     int pool;              /* max-pool kernel p, odd (7) */
     int min_prompt;        /* prompts shorter than this are not compressed */
     int sinks;             /* streamingllm: first entries always kept (4) */
     float pyramid_beta;    /* pyramidkv: the top sparse layer keeps (B - w) / beta beyond the window (1.5) */
-    int recent;            /* snapkv/pyramidkv: the last `recent` entries are always kept (1 .. window; 0:
-                              kvs_kv_policy_recent's default); the window's older entries compete with
-                              the rest by their causal score */
     const kvs_kv_profile *profile; /* per-layer shares of the budget (NULL: the kind's shape); the caller's, outlives the policy */
 } kvs_kv_policy;
 
@@ -112,9 +109,7 @@ kvs_status kvs_kv_budget_parse(const char *text, kvs_kv_policy *p);
 kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers);
 /* Per-layer budgets B_l for a prompt (-1: the layer stays full). */
 void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len, int *budgets);
-/* Entries of the window always kept in a layer of budget B (p->recent, or the default for it). */
-int kvs_kv_policy_recent(const kvs_kv_policy *p, int budget);
-/* A one-line description, e.g. "pyramidkv budget=10% full_layers=2 window=32 pool=7". */
+/* A one-line description, e.g. "pyramidkv budget=10% full_layers=2 window=16 pool=7". */
 void kvs_kv_policy_describe(const kvs_kv_policy *p, char *buf, size_t cap);
 
 /* Sets seq's policy for a prompt of prompt_len tokens (before its prefill). */
@@ -126,11 +121,11 @@ int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int positio
 /* The window buffers of a layer: q [max_seqs * window, n_heads * head_dim]
  * (act dtype) and lse [max_seqs * window, n_heads] (f32), backend memory. */
 void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse);
-/* The SnapKV scores of every entry of (seq, layer) from its captured window,
- * before any compaction (a policy that keeps the whole prompt, e.g. budget 100%,
- * captures the window and compacts nothing): out[g * len + j] for KV head g, the
- * attention mass the window's queries of g's group give entry j (window entries:
- * the queries at or after them), summed; each head's row sums to group x window.
+/* The SnapKV scores of (seq, layer)'s entries before its window, from its
+ * captured window, before any compaction (a policy that keeps the whole prompt,
+ * e.g. budget 100%, captures the window and compacts nothing): out[g * (len -
+ * window) + j] for KV head g and entry j < len - window, the attention mass the
+ * window's queries of g's group give entry j, summed (what selection ranks).
  * Host memory; for kvsparse calibrate. */
 kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out);
 /* After a step that gave seq new tokens: compacts the sparse layers that are

@@ -11,7 +11,7 @@ static const char *kind_names[] = {"full", "snapkv", "pyramidkv", "streamingllm"
 
 kvs_kv_policy kvs_kv_policy_default(kvs_policy_kind kind) {
     return (kvs_kv_policy){.kind = kind, .budget_tokens = 0, .budget_fraction = 0.10f, .full_layers = 0,
-                           .window = 32, .recent = 0, .pool = 7, .min_prompt = 64, .sinks = 4,
+                           .window = 16, .pool = 7, .min_prompt = 64, .sinks = 4,
                            .pyramid_beta = 1.5f};
 }
 
@@ -54,8 +54,6 @@ kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers) {
     if (p->budget_tokens < 0 || (p->budget_tokens == 0 && !(p->budget_fraction > 0 && p->budget_fraction <= 1)))
         return kvs_fail(KVS_ERR_INVALID, "kv_budget must be a fraction in (0, 1] or a positive number of tokens");
     if (p->window < 1 || p->window > 512) return kvs_fail(KVS_ERR_INVALID, "kv_window must be in [1, 512]");
-    if (p->recent < 0 || p->recent > p->window)
-        return kvs_fail(KVS_ERR_INVALID, "kv_recent must be in [0, kv_window = %d] (0: the default)", p->window);
     if (p->pool < 1 || p->pool % 2 == 0 || p->pool > 255)
         return kvs_fail(KVS_ERR_INVALID, "kv_pool must be an odd number in [1, 255]");
     if (p->full_layers < 0 || p->full_layers > n_layers)
@@ -113,11 +111,6 @@ static void apportion(long total, const double *weight, int lo, const int *hi, i
     free(fixed), free(want);
 }
 
-int kvs_kv_policy_recent(const kvs_kv_policy *p, int budget) {
-    (void)budget;
-    return p->recent > 0 ? p->recent : p->window;
-}
-
 int kvs_kv_profile_target(const kvs_kv_profile *p, double compression) {
     int best = 0;
     for (int t = 1; t < p->n_targets; t++)
@@ -172,6 +165,5 @@ void kvs_kv_policy_describe(const kvs_kv_policy *p, char *buf, size_t cap) {
     else snprintf(budget, sizeof budget, "%g%%", 100.0 * p->budget_fraction);
     int n = snprintf(buf, cap, "%s budget=%s full_layers=%d window=%d pool=%d", kvs_kv_policy_name(p->kind), budget,
                      p->full_layers, p->window, p->pool);
-    if (p->recent > 0 && n >= 0 && (size_t)n < cap) n += snprintf(buf + n, cap - n, " recent=%d", p->recent);
     if (p->profile && n >= 0 && (size_t)n < cap) snprintf(buf + n, cap - n, " profile");
 }

@@ -71,18 +71,14 @@ void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **
     *lse = kv->win_lse ? kv->win_lse[layer] : NULL;
 }
 
-/* SnapKV: keep the top (budget - r) of entries [0, n - r) by pooled score, plus the
- * last r (the window's most recent entries), and compact. The window's older
- * entries [n - w, n - r) compete by their causal score. Scores, selection and
- * compaction stay in backend memory: nothing comes back to the host. */
+/* SnapKV: keep the top (budget - w) of entries [0, n - w) by pooled score, plus the
+ * window, and compact. Scores, selection and compaction stay in backend memory:
+ * nothing comes back to the host. */
 static kvs_status compact_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int budget) {
     seq_state *s = &kv->seqs[seq_id];
     kvs_backend *be = kv->be;
-    int n = s->layers[layer].len, w = s->policy.window, H = kv->cfg.n_kv_heads;
-    int r = kvs_kv_policy_recent(&s->policy, budget);
-    /* the window rows must be the last w entries in order (a decode ring that wrapped is not) */
-    if ((s->n_tokens - s->ring_base[layer]) % w != 0) r = w;
-    int n_keys = n - r, k = budget - r, d = kv->cfg.head_dim, nh = kv->cfg.n_heads;
+    int n = s->layers[layer].len, w = s->policy.window, n_keys = n - w, H = kv->cfg.n_kv_heads;
+    int k = budget - w, d = kv->cfg.head_dim, nh = kv->cfg.n_heads;
     size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks, sc_bytes = sizeof(float) * (size_t)H * n_keys;
     int32_t *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
     float *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sc_bytes);
@@ -92,8 +88,8 @@ static kvs_status compact_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int bu
     const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
     be->to_device(be, d_tab, s->layers[layer].blocks, tab_bytes);
     be->sparsity_scores(be, d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, d_tab, n_keys, nh,
-                        1.0f / sqrtf((float)d), n - w);
-    be->snapkv_select(be, d_keep, d_scores, n_keys, H, s->policy.pool, k, r);
+                        1.0f / sqrtf((float)d));
+    be->snapkv_select(be, d_keep, d_scores, n_keys, H, s->policy.pool, k, w);
     return kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, budget);
 }
 
@@ -104,17 +100,18 @@ kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *
     if (!s->budgets || s->budgets[layer] < 0 || s->policy.kind == KVS_POLICY_STREAMINGLLM || n != s->n_tokens ||
         s->n_tokens != s->prompt_len || n < w)
         return kvs_fail(KVS_ERR_INVALID, "kv window scores: layer %d holds no captured window over its whole prompt", layer);
+    if (n == w) return KVS_OK; /* no entry before the window */
     kvs_backend *be = kv->be;
     int d = kv->cfg.head_dim, nh = kv->cfg.n_heads;
-    size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks, sc_bytes = sizeof(float) * (size_t)H * n;
+    size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks, sc_bytes = sizeof(float) * (size_t)H * (n - w);
     int32_t *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
     float *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sc_bytes);
     if (!d_tab || !d_scores) return kvs_fail(KVS_ERR_NOMEM, "kv window scores: out of backend memory");
     size_t row = (size_t)seq_id * kv->window_cap;
     const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
     be->to_device(be, d_tab, s->layers[layer].blocks, tab_bytes);
-    be->sparsity_scores(be, d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, d_tab, n, nh,
-                        1.0f / sqrtf((float)d), n - w);
+    be->sparsity_scores(be, d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, d_tab, n - w, nh,
+                        1.0f / sqrtf((float)d));
     be->to_host(be, out, d_scores, sc_bytes);
     return be->check(be);
 }

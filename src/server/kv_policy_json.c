@@ -44,9 +44,6 @@ bool kvs_api_parse_policy(json_t *v, const kvs_api_limits *lim, kvs_kv_policy *o
         } else if (!strcmp(key, "window")) {
             if (!kvs_api_get_int(f, "kv_policy.window", 1, 1 << 16, &x, err)) return false;
             p.window = (int)x;
-        } else if (!strcmp(key, "recent")) {
-            if (!kvs_api_get_int(f, "kv_policy.recent", 0, 1 << 16, &x, err)) return false;
-            p.recent = (int)x;
         } else if (!strcmp(key, "pool")) {
             if (!kvs_api_get_int(f, "kv_policy.pool", 1, 1 << 10, &x, err)) return false;
             p.pool = (int)x;

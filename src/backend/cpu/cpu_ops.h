@@ -48,8 +48,7 @@ void kvs_cpu_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *b
 void kvs_cpu_window_capture(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,
                             const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim);
 void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
-                             const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale,
-                             int win_key0);
+                             const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
 void kvs_cpu_sample(kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
                     const struct kvs_sample_row *params);
 void kvs_cpu_process_logits(kvs_backend *b, void *out, int ld_out, const void *logits, int ld, int n_rows, int vocab,

@@ -25,8 +25,7 @@ void kvs_cpu_window_capture(kvs_backend *b, void *win_q, float *win_lse, const v
 /* Keys outside, window queries inside: each key is read once and its sum
  * stays in a register. */
 void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
-                             const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale,
-                             int win_key0) {
+                             const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale) {
     int d = pool->head_dim, bs = pool->block_size, group = n_heads / pool->n_kv_heads;
     const float *q = win_q;
     if (d > KVS_CPU_MAX_HEAD_DIM) {
@@ -41,8 +40,7 @@ void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, c
             const float *k = entry;
             if (b->kv_dtype != KVS_F32) kvs_to_f32(kbuf, entry, b->kv_dtype, d), k = kbuf;
             double sum = 0;
-            int i0 = j >= win_key0 ? j - win_key0 : 0; /* a window key: the queries at or after it */
-            for (int i = i0; i < n_win; i++) {
+            for (int i = 0; i < n_win; i++) {
                 for (int h = g * group; h < (g + 1) * group; h++) {
                     const float *qi = q + ((size_t)i * n_heads + h) * d;
                     float dot = 0;

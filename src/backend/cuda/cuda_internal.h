@@ -130,8 +130,7 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
 void kvs_cuda_window_capture(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,
                              const int32_t *src_rows, const int32_t *dst_rows, int m, int n_heads, int head_dim);
 void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
-                              const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale,
-                              int win_key0);
+                              const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
 void kvs_cuda_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
                             int k, int n_win);
 

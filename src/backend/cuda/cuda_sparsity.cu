@@ -79,14 +79,13 @@ template <int D>
 __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
     kvs_sparsity_scores_mma_kernel(float *scores, const bf16 *win_q, const float *win_lse, int n_win, const bf16 *pool,
                                    const int32_t *table, int n_keys, int n_heads, int n_kv_heads, int block_size,
-                                   float scale, int win_key0) {
+                                   float scale) {
     using S = kvs_sc_shape<D>;
     constexpr int MT = S::MT, RB = S::RB, CH = D / 8;
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = blockIdx.y, group = n_heads / n_kv_heads, key0 = blockIdx.x * S::KEYS;
     const int n_rows = n_win * group, n_chunks = (n_rows + KVS_SC_ROWS - 1) / KVS_SC_ROWS;
-    const bool causal = key0 + S::KEYS > win_key0; /* the block holds window keys */
     const uint32_t k_s = kvs_smem_u32(smem), q_s0 = k_s + (uint32_t)S::K_BYTES;
     float *lse_s0 = (float *)(smem + S::K_BYTES + 2 * S::Q_BYTES);
 
@@ -148,23 +147,6 @@ __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
             }
             const int col = j * 8 + 2 * (lane & 3);
             const float l00 = lse_w[col], l01 = lse_w[col + 1], l10 = lse_w[col + 8], l11 = lse_w[col + 9];
-            if (causal) { /* window keys: only the queries at or after each key */
-                const int r0 = ch * KVS_SC_ROWS + col, q[4] = {r0 / group, (r0 + 1) / group, (r0 + 8) / group,
-                                                              (r0 + 9) / group};
-                const float l[4] = {l00, l01, l10, l11};
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int t = key0 + warp * 16 * MT + mt * 16 + lane / 4 + 8 * h - win_key0;
-                        float v = 0.f;
-#pragma unroll
-                        for (int c4 = 0; c4 < 4; c4++)
-                            if (t <= q[c4]) v += kvs_exp2(fmaf(c[mt][c4 >> 1][2 * h + (c4 & 1)], scale_log2, -l[c4]));
-                        acc[mt][h] += v;
-                    }
-                continue;
-            }
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 acc[mt][0] += kvs_exp2(fmaf(c[mt][0][0], scale_log2, -l00)) +
@@ -194,8 +176,7 @@ __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
 
 template <int D>
 static void launch_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
-                          const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale,
-                          int win_key0) {
+                          const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale) {
     using S = kvs_sc_shape<D>;
     /* every launch, like the attention kernels: the attribute is per device (tensor parallelism) */
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_sparsity_scores_mma_kernel<D>,
@@ -203,7 +184,7 @@ static void launch_scores(kvs_backend *b, float *scores, const void *win_q, cons
     dim3 grid(kvs_cuda_blocks(n_keys, S::KEYS), pool->n_kv_heads);
     kvs_sparsity_scores_mma_kernel<D><<<grid, KVS_SC_WARPS * 32, S::BYTES, kvs_cuda_of(b)->stream>>>(
         scores, (const bf16 *)win_q, win_lse, n_win, (const bf16 *)pool->data, table, n_keys, n_heads,
-        pool->n_kv_heads, pool->block_size, scale, win_key0);
+        pool->n_kv_heads, pool->block_size, scale);
     KVS_CUDA_LAUNCHED(b, "kvs_sparsity_scores_mma_kernel");
 }
 
@@ -213,8 +194,7 @@ __global__ void kvs_zero_f32_kernel(float *x, size_t n) {
 }
 
 void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
-                              const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale,
-                              int win_key0) {
+                              const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale) {
     if (n_keys <= 0) return;
     if (n_heads <= 0 || n_heads % pool->n_kv_heads || n_win < 0) {
         kvs_cuda_report(b, "sparsity_scores", "n_heads must be a positive multiple of the KV heads", __FILE__,
@@ -229,12 +209,12 @@ void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, 
         return;
     }
     switch (pool->head_dim) {
-    case 32: launch_scores<32>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale, win_key0); return;
-    case 64: launch_scores<64>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale, win_key0); return;
-    case 80: launch_scores<80>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale, win_key0); return;
-    case 96: launch_scores<96>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale, win_key0); return;
-    case 128: launch_scores<128>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale, win_key0); return;
-    case 256: launch_scores<256>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale, win_key0); return;
+    case 32: launch_scores<32>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
+    case 64: launch_scores<64>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
+    case 80: launch_scores<80>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
+    case 96: launch_scores<96>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
+    case 128: launch_scores<128>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
+    case 256: launch_scores<256>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
     default:
         kvs_cuda_report(b, "sparsity_scores", "head_dim not supported (32, 64, 80, 96, 128, 256)", __FILE__,
                         __LINE__);
