@@ -227,3 +227,35 @@ Test(eval, bench_model_tensor_parallel_2_runs, .timeout = 600) {
     cr_assert(strstr(out, "--tensor-parallel-size 3 does not divide the model's 2 KV heads"), "%s", out);
     free(out);
 }
+
+/* ---- --kv-profile ------------------------------------------------------------- */
+/* --kv-profile: eval names the policy with its profile and keeps the
+ * compression (the sparse layers' total is m x B); a profile of another
+ * layer count, or a broken one, is refused before the weights load. */
+Test(eval, kv_profile_option, .timeout = 300) {
+    const char *dir = make_temp_dir();
+    const char *good = "{\"format\": \"kvsparse-kv-profile\", \"version\": 1, \"n_layers\": 8, \"budgets\": ["
+                       "{\"compression\": 10, \"layer_share\": [0.3, 0.05, 0.05, 0.05, 0.05, 0.1, 0.1, 0.1]}]}";
+    write_file(dir, "good.json", good, strlen(good));
+    char args[4096];
+    snprintf(args, sizeof args, "eval retrieval -m %s --data %s --limit 1 --kv-policy snapkv --kv-budget 10%% --kv-profile %s/good.json --json",
+             src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"), dir);
+    json_t *o = run_json(args);
+    cr_expect_str_eq(json_string_value(json_object_get(o, "policy")),
+                     "snapkv budget=10% full_layers=0 window=32 pool=7 profile=good.json");
+    double r = json_real_value(json_object_get(o, "compression_ratio"));
+    cr_expect(r > 9.5 && r < 10.5, "10%% budget with a profile: ratio %g", r);
+    json_decref(o);
+    const char *bad = "{\"format\": \"kvsparse-kv-profile\", \"version\": 1, \"n_layers\": 16, \"budgets\": []}";
+    write_file(dir, "bad.json", bad, strlen(bad));
+    static const char *const commands[] = {"generate -p hi", "bench throughput --num-prompts 1", "eval ppl --text /dev/null",
+                                           "serve --port 0"};
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+        char cmd[4096], *out = NULL;
+        snprintf(cmd, sizeof cmd, "%s %s -m %s --kv-policy snapkv --kv-profile %s/bad.json 2>&1", kvsparse_binary(),
+                 commands[i], src_path("models/tiny-needle-llama"), dir);
+        cr_expect_eq(run_capture(cmd, &out), 1, "%s\n%s", cmd, out);
+        cr_expect(strstr(out, "bad.json: n_layers is 16, the model has 8"), "%s:\n%s", commands[i], out);
+        free(out);
+    }
+}

@@ -92,7 +92,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
-        if (r == 0) r = kvs_cli_policy_option(&o->ecfg.default_policy, argc, argv, &i);
+        if (r == 0) r = kvs_cli_policy_option(&o->ecfg.default_policy, &o->load.kv_profile, argc, argv, &i);
         if (r == 0) r = kvs_cli_prefix_caching_option(&o->ecfg.enable_prefix_caching, a);
         if (r < 0) goto bad;
         if (r > 0) continue;
@@ -274,6 +274,7 @@ int kvs_cmd_serve(int argc, char **argv) {
         free(key);
         return kvs_cli_error();
     }
+    o.ecfg.default_policy.profile = l.kv_profile; /* the server gives it to every request's kv_policy too */
     if (kvs_cli_kv_bytes(&l, o.kv_gib, o.gpu_gib, &o.ecfg.default_policy, &o.ecfg.kv_memory_bytes) != KVS_OK) {
         kvs_cli_unload(&l);
         free(key);
