@@ -278,6 +278,14 @@ bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n) {
     return true;
 }
 
+const char *kvs_cli_last_name(const char *path, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s", path ? path : "model");
+    size_t n = strlen(buf);
+    while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
+    const char *slash = strrchr(buf, '/');
+    return slash && slash[1] ? slash + 1 : buf;
+}
+
 int kvs_cli_error(void) {
     fprintf(stderr, "kvsparse: %s\n", kvs_last_error());
     return 1;

@@ -106,6 +106,9 @@ kvs_status kvs_cli_engine(kvs_loaded *l, const kvs_engine_config *c, kvs_engine 
 
 /* "1,2,3" -> ids (malloc'ed); false on a malformed list. */
 bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n);
+/* A path's last component ("models/tiny-needle-llama/" -> "tiny-needle-llama";
+ * NULL: "model"), in buf. */
+const char *kvs_cli_last_name(const char *path, char *buf, size_t cap);
 /* Prints "kvsparse: <last error>" on stderr; returns 1. */
 int kvs_cli_error(void);
 

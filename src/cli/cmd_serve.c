@@ -203,15 +203,6 @@ static bool resolve_api_key(serve_options *o, char **owned) {
     return true;
 }
 
-/* The model folder's last path component. */
-static const char *folder_name(const char *dir, char *buf, size_t cap) {
-    snprintf(buf, cap, "%s", dir ? dir : "model");
-    size_t n = strlen(buf);
-    while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
-    const char *slash = strrchr(buf, '/');
-    return slash && slash[1] ? slash + 1 : buf;
-}
-
 /* Blocks one sequence of len tokens holds in every layer, full or with the policy after compaction. */
 static int64_t seq_blocks(const kvs_kv_policy *p, int n_layers, int len, bool use_policy) {
     int *budgets = calloc((size_t)n_layers, sizeof(int));
@@ -282,7 +273,7 @@ int kvs_cmd_serve(int argc, char **argv) {
     }
     if (!l.tok) kvs_log(KVS_LOG_WARN, "the model has no tokenizer.json: only token-id prompts will work");
     char namebuf[512];
-    if (!o.scfg.served_model_name) o.scfg.served_model_name = folder_name(o.load.model_dir, namebuf, sizeof namebuf);
+    if (!o.scfg.served_model_name) o.scfg.served_model_name = kvs_cli_last_name(o.load.model_dir, namebuf, sizeof namebuf);
     kvs_engine *e = NULL;
     kvs_server *srv = NULL;
     kvs_status st = kvs_cli_engine(&l, &o.ecfg, &e); /* the server asks it for its limits */

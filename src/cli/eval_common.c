@@ -39,9 +39,9 @@ int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i) {
  * (kvs_kv_policy_describe does not say) */
 static void name_profile(const kvs_kv_policy *p, const char *profile_path, char *name, size_t cap) {
     if (!p->profile || p->kind == KVS_POLICY_FULL) return;
-    const char *slash = profile_path ? strrchr(profile_path, '/') : NULL;
+    char file[512];
     size_t n = strlen(name);
-    snprintf(name + n, cap - n, " profile=%s", slash ? slash + 1 : profile_path ? profile_path : "yes");
+    snprintf(name + n, cap - n, " profile=%s", kvs_cli_last_name(profile_path, file, sizeof file));
 }
 
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
