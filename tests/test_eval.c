@@ -284,6 +284,12 @@ Test(eval, calibrate_writes_a_profile_and_plots, .timeout = 300) {
         json_t *mass = json_array_get(json_object_get(curve, "mass"), l);
         cr_expect_eq(json_array_size(mass), json_array_size(json_object_get(curve, "kept")));
         cr_expect_float_eq(json_number_value(json_array_get(mass, json_array_size(mass) - 1)), 1, 1e-5, "all keys: all the mass");
+        json_t *snap = json_array_get(json_object_get(curve, "snapkv_mass"), l);
+        cr_expect_eq(json_array_size(snap), json_array_size(mass));
+        for (size_t k = 1; k < json_array_size(snap); k++) /* more budget, more mass kept; all of it at 100% */
+            cr_expect_geq(json_number_value(json_array_get(snap, k)), json_number_value(json_array_get(snap, k - 1)) - 1e-6,
+                          "layer %zu, kept[%zu]", l, k);
+        cr_expect_float_eq(json_number_value(json_array_get(snap, json_array_size(snap) - 1)), 1, 1e-5);
     }
     json_decref(j);
     static const char *const pngs[] = {"attention_heatmap.png", "concentration.png"};

@@ -12,7 +12,7 @@
 
 void kvs_calib_print_table(FILE *f, const kvs_calib_stats *s, const kvs_calib_result *r) {
     fprintf(f, "calibrated %d prompt%s (%lld tokens) of %s in %.1f s; window %d\n", s->n_prompts,
-            s->n_prompts == 1 ? "" : "s", r->tokens, r->data, r->seconds, r->window);
+            s->n_prompts == 1 ? "" : "s", r->tokens, r->data, r->seconds, s->window);
     fprintf(f, "layer  top1%%  top5%% top10%% top20%% entropy");
     for (int t = 0; t < r->n_targets; t++) fprintf(f, "  share@%gx", r->targets[t]);
     fprintf(f, "\n");
@@ -30,7 +30,7 @@ void kvs_calib_print_table(FILE *f, const kvs_calib_stats *s, const kvs_calib_re
     fprintf(f, "top N%%: the attention mass of a KV head's top N%% of keys (the last %d prompt queries' attention,\n"
                "mean over heads and prompts); entropy: of that attention / ln(keys), 1 = uniform; share@Cx: the\n"
                "recommended budget of the layer as a fraction of the prompt at compression C (mean 1/C).\n",
-            r->window);
+            s->window);
 }
 
 static json_t *measures(const kvs_calib_stats *s, int layer, int head) {
@@ -44,14 +44,19 @@ static json_t *measures(const kvs_calib_stats *s, int layer, int head) {
 static json_t *number(double v) { return v == floor(v) && fabs(v) < 1e15 ? json_integer((json_int_t)v) : json_real(v); }
 
 json_t *kvs_calib_profile_json(const kvs_calib_stats *s, const kvs_calib_result *r) {
-    json_t *layers = json_array(), *kept = json_array(), *mass = json_array(), *budgets = json_array();
+    json_t *layers = json_array(), *kept = json_array(), *mass = json_array(), *snapkv = json_array(),
+           *budgets = json_array();
     for (int l = 0; l < s->n_layers; l++) {
-        json_t *o = measures(s, l, -1), *heads = json_array(), *row = json_array();
+        json_t *o = measures(s, l, -1), *heads = json_array(), *row = json_array(), *snap_row = json_array();
         for (int g = 0; g < s->n_kv_heads; g++) json_array_append_new(heads, measures(s, l, g));
         json_object_set_new(o, "heads", heads);
         json_array_append_new(layers, o);
-        for (int k = 0; k < KVS_CALIB_GRID; k++) json_array_append_new(row, json_real(kvs_calib_curve(s, l, k)));
+        for (int k = 0; k < KVS_CALIB_GRID; k++) {
+            json_array_append_new(row, json_real(kvs_calib_curve(s, l, k)));
+            json_array_append_new(snap_row, json_real(kvs_calib_snapkv_curve(s, l, k)));
+        }
         json_array_append_new(mass, row);
+        json_array_append_new(snapkv, snap_row);
     }
     for (int k = 0; k < KVS_CALIB_GRID; k++) json_array_append_new(kept, json_real(kvs_calib_kept[k]));
     for (int t = 0; t < r->n_targets; t++) {
@@ -59,11 +64,11 @@ json_t *kvs_calib_profile_json(const kvs_calib_stats *s, const kvs_calib_result 
         for (int l = 0; l < s->n_layers; l++) json_array_append_new(shares, json_real(r->shares[t][l]));
         json_array_append_new(budgets, json_pack("{s:o, s:o}", "compression", number(r->targets[t]), "layer_share", shares));
     }
-    return json_pack("{s:s, s:i, s:s, s:i, s:i, s:i, s:i, s:s, s:i, s:I, s:o, s:{s:o, s:o}, s:o}", "format",
+    return json_pack("{s:s, s:i, s:s, s:i, s:i, s:i, s:i, s:i, s:s, s:i, s:I, s:o, s:{s:o, s:o, s:o}, s:o}", "format",
                      "kvsparse-kv-profile", "version", 1, "model", r->model, "n_layers", s->n_layers, "n_kv_heads",
-                     s->n_kv_heads, "window", r->window, "prompts", s->n_prompts, "data", r->data, "stride", r->stride,
-                     "tokens", (json_int_t)r->tokens, "layers", layers, "curve", "kept", kept, "mass", mass, "budgets",
-                     budgets);
+                     s->n_kv_heads, "window", s->window, "pool", s->pool, "prompts", s->n_prompts, "data", r->data,
+                     "stride", r->stride, "tokens", (json_int_t)r->tokens, "layers", layers, "curve", "kept", kept,
+                     "mass", mass, "snapkv_mass", snapkv, "budgets", budgets);
 }
 
 kvs_status kvs_calib_write_profile(const char *path, const kvs_calib_stats *s, const kvs_calib_result *r) {

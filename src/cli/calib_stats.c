@@ -5,20 +5,22 @@
 #include <string.h>
 
 #include "cli/calibrate.h"
+#include "kv/kv.h"
 
 const double kvs_calib_top_fraction[KVS_CALIB_TOPS] = {0.01, 0.05, 0.10, 0.20};
 const double kvs_calib_kept[KVS_CALIB_GRID] = {0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.07,
                                                0.08,  0.09, 0.10,  0.12, 0.14,  0.16, 0.18, 0.20, 0.25, 0.30,
                                                0.35,  0.40, 0.45,  0.50, 0.60,  0.70, 0.80, 0.90, 0.95, 1.00};
 
-kvs_status kvs_calib_stats_init(kvs_calib_stats *s, int n_layers, int n_kv_heads) {
+kvs_status kvs_calib_stats_init(kvs_calib_stats *s, int n_layers, int n_kv_heads, int window, int pool) {
     memset(s, 0, sizeof *s);
-    s->n_layers = n_layers, s->n_kv_heads = n_kv_heads;
-    size_t heads = (size_t)n_layers * n_kv_heads;
+    s->n_layers = n_layers, s->n_kv_heads = n_kv_heads, s->window = window, s->pool = pool;
+    size_t heads = (size_t)n_layers * n_kv_heads, grid = (size_t)n_layers * KVS_CALIB_GRID;
     s->top = calloc(heads * KVS_CALIB_TOPS, sizeof(double));
     s->entropy = calloc(heads, sizeof(double));
-    s->curve = calloc((size_t)n_layers * KVS_CALIB_GRID, sizeof(double));
-    if (!s->top || !s->entropy || !s->curve) {
+    s->curve = calloc(grid, sizeof(double));
+    s->snapkv = calloc(grid, sizeof(double));
+    if (!s->top || !s->entropy || !s->curve || !s->snapkv) {
         kvs_calib_stats_free(s);
         return kvs_fail(KVS_ERR_NOMEM, "calibrate: out of memory");
     }
@@ -26,8 +28,23 @@ kvs_status kvs_calib_stats_init(kvs_calib_stats *s, int n_layers, int n_kv_heads
 }
 
 void kvs_calib_stats_free(kvs_calib_stats *s) {
-    free(s->top), free(s->entropy), free(s->curve), free(s->sorted);
+    free(s->top), free(s->entropy), free(s->curve), free(s->snapkv);
+    free(s->mass), free(s->cum), free(s->ranked);
     memset(s, 0, sizeof *s);
+}
+
+struct kvs_calib_ranked {
+    float pooled;
+    int32_t key;
+};
+
+static kvs_status grow_scratch(kvs_calib_stats *s, int n) {
+    if (n <= s->scratch_n) return KVS_OK;
+    free(s->mass), free(s->cum), free(s->ranked);
+    s->mass = malloc(sizeof(double) * n), s->cum = malloc(sizeof(double) * n);
+    s->ranked = malloc(sizeof(struct kvs_calib_ranked) * n);
+    s->scratch_n = s->mass && s->cum && s->ranked ? n : 0;
+    return s->scratch_n ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "calibrate: out of memory");
 }
 
 static int descending(const void *a, const void *b) {
@@ -42,14 +59,34 @@ static double top_mass(const double *cum, int n, double fraction) {
     return cum[k - 1];
 }
 
+/* SnapKV's order of the earlier keys: by max-pooled score, higher first, ties
+ * to the earlier key (kvs_kv_top_k_sorted's order). */
+static int by_pooled(const void *a, const void *b) {
+    const struct kvs_calib_ranked *x = a, *y = b;
+    return x->pooled > y->pooled ? -1 : x->pooled < y->pooled ? 1 : x->key - y->key;
+}
+
+/* One head: s->snapkv[layer][k] += the mass SnapKV keeps at budget kept[k] / heads. */
+static void add_snapkv(kvs_calib_stats *s, int layer, const float *row, int n) {
+    int w = s->window < n ? s->window : n, older = n - w;
+    double window_mass = 0;
+    for (int j = older; j < n; j++) window_mass += s->mass[j];
+    float *pooled = (float *)s->cum; /* the prefix sums' room, before they are written */
+    kvs_kv_pool_scores(row, older, s->pool, pooled);
+    for (int j = 0; j < older; j++) s->ranked[j] = (struct kvs_calib_ranked){pooled[j], j};
+    qsort(s->ranked, (size_t)older, sizeof *s->ranked, by_pooled);
+    for (int j = 0; j < older; j++) s->cum[j] = s->mass[s->ranked[j].key] + (j ? s->cum[j - 1] : 0);
+    for (int k = 0; k < KVS_CALIB_GRID; k++) {
+        long budget = lround(kvs_calib_kept[k] * n), extra = budget > w ? budget - w : 0;
+        extra = extra < older ? extra : older;
+        s->snapkv[(size_t)layer * KVS_CALIB_GRID + k] += (window_mass + (extra ? s->cum[extra - 1] : 0)) / s->n_kv_heads;
+    }
+}
+
 kvs_status kvs_calib_add_layer(kvs_calib_stats *s, int layer, const float *scores, int n) {
     if (n < 1) return kvs_fail(KVS_ERR_INVALID, "calibrate: layer %d has no keys", layer);
-    if (n > s->scratch_n) {
-        double *grown = realloc(s->sorted, sizeof(double) * n);
-        if (!grown) return kvs_fail(KVS_ERR_NOMEM, "calibrate: out of memory");
-        s->sorted = grown, s->scratch_n = n;
-    }
-    double *a = s->sorted;
+    KVS_TRY(grow_scratch(s, n));
+    double *a = s->mass;
     for (int g = 0; g < s->n_kv_heads; g++) {
         const float *row = scores + (size_t)g * n;
         double total = 0;
@@ -63,11 +100,14 @@ kvs_status kvs_calib_add_layer(kvs_calib_stats *s, int layer, const float *score
         }
         size_t head = (size_t)layer * s->n_kv_heads + g;
         s->entropy[head] += n > 1 ? h / log(n) : 0;
-        qsort(a, (size_t)n, sizeof(double), descending);
-        for (int j = 1; j < n; j++) a[j] += a[j - 1]; /* prefix sums: the top j + 1 keys' mass */
-        for (int t = 0; t < KVS_CALIB_TOPS; t++) s->top[head * KVS_CALIB_TOPS + t] += top_mass(a, n, kvs_calib_top_fraction[t]);
+        add_snapkv(s, layer, row, n);
+        memcpy(s->cum, a, sizeof(double) * n);
+        qsort(s->cum, (size_t)n, sizeof(double), descending);
+        for (int j = 1; j < n; j++) s->cum[j] += s->cum[j - 1]; /* the top j + 1 keys' mass */
+        for (int t = 0; t < KVS_CALIB_TOPS; t++)
+            s->top[head * KVS_CALIB_TOPS + t] += top_mass(s->cum, n, kvs_calib_top_fraction[t]);
         for (int k = 0; k < KVS_CALIB_GRID; k++)
-            s->curve[(size_t)layer * KVS_CALIB_GRID + k] += top_mass(a, n, kvs_calib_kept[k]) / s->n_kv_heads;
+            s->curve[(size_t)layer * KVS_CALIB_GRID + k] += top_mass(s->cum, n, kvs_calib_kept[k]) / s->n_kv_heads;
     }
     return KVS_OK;
 }
@@ -92,6 +132,10 @@ double kvs_calib_entropy(const kvs_calib_stats *s, int layer, int head) {
 
 double kvs_calib_curve(const kvs_calib_stats *s, int layer, int k) {
     return per_prompt(s, s->curve[(size_t)layer * KVS_CALIB_GRID + k]);
+}
+
+double kvs_calib_snapkv_curve(const kvs_calib_stats *s, int layer, int k) {
+    return per_prompt(s, s->snapkv[(size_t)layer * KVS_CALIB_GRID + k]);
 }
 
 /* Layer l's mean curve at kept fraction x in [0, 1]: linear between (0, 0) and the grid's points. */

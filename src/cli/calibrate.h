@@ -20,17 +20,22 @@ extern const double kvs_calib_kept[KVS_CALIB_GRID];
 /* Sums over the prompts of each (layer, KV head)'s measures; the means are
  * the sums / n_prompts. A head's measures of a prompt come from its scores
  * normalised to sum 1 over the prompt's n keys: the mass of its top
- * ceil(x * n) keys, and its entropy / ln n. */
+ * ceil(x * n) keys, and its entropy / ln n; and the mass SnapKV keeps at a
+ * budget of B = round(x * n) entries (never below the window w): the window,
+ * plus the top B - w earlier keys by max-pooled score (kernel `pool`), as
+ * kvs_kv_sparsify selects them. */
 typedef struct {
-    int n_layers, n_kv_heads, n_prompts;
-    double *top;     /* [layer][head][KVS_CALIB_TOPS] */
-    double *entropy; /* [layer][head] */
-    double *curve;   /* [layer][KVS_CALIB_GRID]: the mass of the top kept[k] keys, mean over the heads */
-    double *sorted;  /* scratch: one head's normalised scores, then their prefix sums */
+    int n_layers, n_kv_heads, n_prompts, window, pool;
+    double *top;         /* [layer][head][KVS_CALIB_TOPS] */
+    double *entropy;     /* [layer][head] */
+    double *curve;       /* [layer][KVS_CALIB_GRID]: the mass of the top kept[k] keys, mean over the heads */
+    double *snapkv;      /* [layer][KVS_CALIB_GRID]: the mass SnapKV keeps at a budget of kept[k], mean over the heads */
+    double *mass, *cum;  /* scratch [n]: one head's normalised scores; prefix sums in some order */
+    struct kvs_calib_ranked *ranked; /* scratch [n]: earlier keys by pooled score */
     int scratch_n;
 } kvs_calib_stats;
 
-kvs_status kvs_calib_stats_init(kvs_calib_stats *s, int n_layers, int n_kv_heads);
+kvs_status kvs_calib_stats_init(kvs_calib_stats *s, int n_layers, int n_kv_heads, int window, int pool);
 void kvs_calib_stats_free(kvs_calib_stats *s);
 /* One prompt's scores of a layer: scores[g * n + j], KV head g, key j (kvs_runner_window_scores). */
 kvs_status kvs_calib_add_layer(kvs_calib_stats *s, int layer, const float *scores, int n);
@@ -40,17 +45,20 @@ void kvs_calib_prompt_done(kvs_calib_stats *s); /* after every layer of a prompt
 double kvs_calib_top(const kvs_calib_stats *s, int layer, int head, int k);
 double kvs_calib_entropy(const kvs_calib_stats *s, int layer, int head);
 double kvs_calib_curve(const kvs_calib_stats *s, int layer, int k);
+double kvs_calib_snapkv_curve(const kvs_calib_stats *s, int layer, int k);
 
 /* The recommended shares at compression c > 1: mean 1/c, each in
  * [0.25/c, 1], maximising the mass the layers keep together (the sum of their
- * mean curves, read between grid points linearly): water-filling, every next
- * slice of the budget to the layer whose curve gains most from it. */
+ * mean top-keys curves, read between grid points linearly): water-filling,
+ * every next slice of the budget to the layer whose curve gains most from it.
+ * (The snapkv curves are for people: docs/SPARSITY.md says why they do not
+ * set the shares either.) */
 void kvs_calib_shares(const kvs_calib_stats *s, double compression, double *share);
 
 /* ---- the report (calib_report.c) ------------------------------------------ */
 typedef struct {
     const char *model, *data; /* names for the profile */
-    int window, stride;
+    int stride;
     long long tokens;          /* prompt tokens calibrated */
     double seconds;
     int n_targets;

@@ -17,7 +17,7 @@
 typedef struct {
     kvs_load_options load;
     const char *data, *out, *plot_dir;
-    int limit, stride, window;
+    int limit, stride, window, pool;
     double targets[KVS_KV_PROFILE_MAX_TARGETS];
     int n_targets;
 } calib_options;
@@ -34,6 +34,7 @@ static void usage(FILE *f) {
                "  --plot DIR             write DIR/attention_heatmap.png and DIR/concentration.png\n"
                "  --targets C,C          compressions to recommend budgets for, each > 1 (default " DEFAULT_TARGETS ")\n"
                "  --kv-window W          observation window (default 32)\n"
+               "  --kv-pool P            max-pool kernel of the scores, odd (default 7): as the policy selects\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP);
 }
 
@@ -64,7 +65,7 @@ static bool parse_count(const char *s, int lo, int *out) {
 /* 1: run, 0: --help given, 2: a usage error (printed) */
 static int parse_args(int argc, char **argv, calib_options *o) {
     memset(o, 0, sizeof *o);
-    o->stride = 1, o->window = 32;
+    o->stride = 1, o->window = 32, o->pool = 7;
     parse_targets(DEFAULT_TARGETS, o);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -79,6 +80,7 @@ static int parse_args(int argc, char **argv, calib_options *o) {
         else if (!strcmp(a, "--limit") && v) ok = parse_count(argv[++i], 1, &o->limit);
         else if (!strcmp(a, "--stride") && v) ok = parse_count(argv[++i], 1, &o->stride);
         else if (!strcmp(a, "--kv-window") && v) ok = parse_count(argv[++i], 1, &o->window) && o->window <= 512;
+        else if (!strcmp(a, "--kv-pool") && v) ok = parse_count(argv[++i], 1, &o->pool) && o->pool % 2 && o->pool <= 255;
         else if (!strcmp(a, "--targets") && v) ok = parse_targets(argv[++i], o);
         else ok = false, val = NULL;
         if (!ok) {
@@ -197,15 +199,6 @@ static kvs_status calibrate_file(kvs_loaded *l, const calib_options *o, FILE *f,
     return st;
 }
 
-/* "models/tiny-needle-llama/" -> "tiny-needle-llama" */
-static const char *folder_name(const char *dir, char *buf, size_t cap) {
-    snprintf(buf, cap, "%s", dir ? dir : "model");
-    size_t n = strlen(buf);
-    while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
-    const char *slash = strrchr(buf, '/');
-    return slash ? slash + 1 : buf;
-}
-
 static kvs_status report(const calib_options *o, calib_run *run, double seconds) {
     int L = run->stats.n_layers;
     double *shares[KVS_KV_PROFILE_MAX_TARGETS] = {0};
@@ -215,7 +208,7 @@ static kvs_status report(const calib_options *o, calib_run *run, double seconds)
         else kvs_calib_shares(&run->stats, o->targets[t], shares[t]);
     }
     char model[512];
-    kvs_calib_result r = {folder_name(o->load.model_dir, model, sizeof model), o->data, o->window, o->stride,
+    kvs_calib_result r = {kvs_cli_last_name(o->load.model_dir, model, sizeof model), o->data, o->stride,
                           run->tokens, seconds, o->n_targets, o->targets, shares};
     if (st == KVS_OK) kvs_calib_print_table(stdout, &run->stats, &r);
     if (st == KVS_OK && o->out && (st = kvs_calib_write_profile(o->out, &run->stats, &r)) == KVS_OK)
@@ -244,7 +237,7 @@ int kvs_cmd_calibrate(int argc, char **argv) {
     }
     double t0 = kvs_now();
     calib_run run = {0};
-    kvs_status st = l.tok ? kvs_calib_stats_init(&run.stats, l.cfg.n_layers, l.cfg.n_kv_heads)
+    kvs_status st = l.tok ? kvs_calib_stats_init(&run.stats, l.cfg.n_layers, l.cfg.n_kv_heads, o.window, o.pool)
                           : kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
     if (st == KVS_OK) st = calibrate_file(&l, &o, f, &run);
     fclose(f);
