@@ -227,3 +227,129 @@ Test(eval, bench_model_tensor_parallel_2_runs, .timeout = 600) {
     cr_assert(strstr(out, "--tensor-parallel-size 3 does not divide the model's 2 KV heads"), "%s", out);
     free(out);
 }
+
+/* ---- calibrate and --kv-profile ------------------------------------------------- */
+static bool png_size(const char *path, unsigned *w, unsigned *h, long *bytes) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return false;
+    unsigned char head[24];
+    bool ok = fread(head, 1, sizeof head, f) == sizeof head && !memcmp(head, "\x89PNG\r\n\x1a\n", 8) &&
+              !memcmp(head + 12, "IHDR", 4);
+    fseek(f, 0, SEEK_END);
+    *bytes = ftell(f);
+    fclose(f);
+    *w = (unsigned)head[16] << 24 | head[17] << 16 | head[18] << 8 | head[19];
+    *h = (unsigned)head[20] << 24 | head[21] << 16 | head[22] << 8 | head[23];
+    return ok;
+}
+
+/* calibrate on the first 2 public prompts: a profile the loader accepts, its
+ * statistics shaped as docs/SPARSITY.md says, and the two plots. */
+Test(eval, calibrate_writes_a_profile_and_plots, .timeout = 300) {
+    const char *dir = make_temp_dir();
+    char cmd[4096], *out = NULL, profile[1024], plots[1024];
+    snprintf(profile, sizeof profile, "%s/profile.json", dir);
+    snprintf(plots, sizeof plots, "%s/plots", dir);
+    snprintf(cmd, sizeof cmd, "%s calibrate -m %s --data %s --limit 2 --out %s --plot %s 2>&1", kvsparse_binary(),
+             src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"), profile, plots);
+    cr_assert_eq(run_capture(cmd, &out), 0, "%s\n%s", cmd, out);
+    cr_expect(strstr(out, "calibrate [##############################] 2/2 prompts"), "the progress line: %s", out);
+    cr_expect(strstr(out, "layer  top1%  top5% top10% top20% entropy  share@10x  share@20x"), "the table: %s", out);
+    free(out);
+    kvs_kv_profile *p;
+    cr_assert_eq(kvs_kv_profile_load(profile, 8, &p), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(p->n_targets, 2);
+    for (int t = 0; t < p->n_targets; t++) {
+        double c = t ? 20 : 10, sum = 0;
+        cr_expect_float_eq(p->compression[t], c, 0);
+        for (int l = 0; l < 8; l++) {
+            sum += p->share[t][l];
+            cr_expect(p->share[t][l] >= 0.25 / c * (1 - 1e-5) && p->share[t][l] <= 1, "%gx, layer %d: share %g", c, l,
+                      p->share[t][l]);
+        }
+        cr_expect_float_eq(sum / 8, 1 / c, 1e-5, "%gx: mean share %g", c, sum / 8);
+    }
+    kvs_kv_profile_free(p);
+    json_t *j = load_json(profile);
+    cr_expect_eq(json_integer_value(json_object_get(j, "prompts")), 2);
+    cr_expect_eq(json_integer_value(json_object_get(j, "n_kv_heads")), 2);
+    json_t *layers = json_object_get(j, "layers"), *curve = json_object_get(j, "curve");
+    cr_assert_eq(json_array_size(layers), 8);
+    for (size_t l = 0; l < 8; l++) {
+        json_t *o = json_array_get(layers, l);
+        cr_expect_eq(json_array_size(json_object_get(o, "heads")), 2);
+        double top1 = json_number_value(json_object_get(o, "top1")), top20 = json_number_value(json_object_get(o, "top20"));
+        double h = json_number_value(json_object_get(o, "entropy"));
+        cr_expect(top1 > 0 && top1 <= top20 && top20 <= 1 + 1e-9 && h > 0 && h <= 1, "layer %zu: %g %g %g", l, top1, top20, h);
+        json_t *mass = json_array_get(json_object_get(curve, "mass"), l);
+        cr_expect_eq(json_array_size(mass), json_array_size(json_object_get(curve, "kept")));
+        cr_expect_float_eq(json_number_value(json_array_get(mass, json_array_size(mass) - 1)), 1, 1e-5, "all keys: all the mass");
+        json_t *snap = json_array_get(json_object_get(curve, "snapkv_mass"), l);
+        cr_expect_eq(json_array_size(snap), json_array_size(mass));
+        for (size_t k = 1; k < json_array_size(snap); k++) /* more budget, more mass kept; all of it at 100% */
+            cr_expect_geq(json_number_value(json_array_get(snap, k)), json_number_value(json_array_get(snap, k - 1)) - 1e-6,
+                          "layer %zu, kept[%zu]", l, k);
+        cr_expect_float_eq(json_number_value(json_array_get(snap, json_array_size(snap) - 1)), 1, 1e-5);
+    }
+    json_decref(j);
+    static const char *const pngs[] = {"attention_heatmap.png", "concentration.png"};
+    for (int i = 0; i < 2; i++) {
+        char path[1200];
+        unsigned w, h;
+        long bytes;
+        snprintf(path, sizeof path, "%s/%s", plots, pngs[i]);
+        cr_assert(png_size(path, &w, &h, &bytes), "%s: not a PNG", path);
+        cr_expect(w >= 600 && w <= 3000 && h >= 300 && h <= 2000 && bytes > 4000, "%s: %ux%u, %ld bytes", path, w, h, bytes);
+    }
+}
+
+Test(eval, calibrate_refuses_bad_options) {
+    static const struct {
+        const char *args, *says;
+        int rc;
+    } cases[] = {
+        {"--targets 1", "'--targets' 1", 2},
+        {"--targets 20,10", "'--targets' 20,10", 2},
+        {"--stride 0", "'--stride' 0", 2},
+        {"--limit 2 --tensor-parallel-size 2", "--tensor-parallel-size 2: not available in this command", 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char cmd[4096], *out = NULL;
+        snprintf(cmd, sizeof cmd, "%s calibrate -m %s --data %s %s 2>&1", kvsparse_binary(),
+                 src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"), cases[i].args);
+        cr_expect_eq(run_capture(cmd, &out), cases[i].rc, "%s\n%s", cmd, out);
+        cr_expect(strstr(out, cases[i].says), "%s: '%s' not in\n%s", cases[i].args, cases[i].says, out);
+        free(out);
+    }
+}
+
+/* --kv-profile: eval names the policy with its profile and keeps the
+ * compression (the sparse layers' total is m x B); a profile of another
+ * layer count, or a broken one, is refused before the weights load. */
+Test(eval, kv_profile_option, .timeout = 300) {
+    const char *dir = make_temp_dir();
+    const char *good = "{\"format\": \"kvsparse-kv-profile\", \"version\": 1, \"n_layers\": 8, \"budgets\": ["
+                       "{\"compression\": 10, \"layer_share\": [0.3, 0.05, 0.05, 0.05, 0.05, 0.1, 0.1, 0.1]}]}";
+    write_file(dir, "good.json", good, strlen(good));
+    char args[4096];
+    snprintf(args, sizeof args, "eval retrieval -m %s --data %s --limit 1 --kv-policy snapkv --kv-budget 10%% --kv-profile %s/good.json --json",
+             src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"), dir);
+    json_t *o = run_json(args);
+    cr_expect_str_eq(json_string_value(json_object_get(o, "policy")),
+                     "snapkv budget=10% full_layers=0 window=32 pool=7 profile=good.json");
+    double r = json_real_value(json_object_get(o, "compression_ratio"));
+    cr_expect(r > 9.5 && r < 10.5, "10%% budget with a profile: ratio %g", r);
+    json_decref(o);
+    const char *bad = "{\"format\": \"kvsparse-kv-profile\", \"version\": 1, \"n_layers\": 16, \"budgets\": []}";
+    write_file(dir, "bad.json", bad, strlen(bad));
+    static const char *const commands[] = {"generate -p hi", "bench throughput --num-prompts 1", "eval ppl --text /dev/null",
+                                           "serve --port 0"};
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+        char cmd[4096], *out = NULL;
+        snprintf(cmd, sizeof cmd, "%s %s -m %s --kv-policy snapkv --kv-profile %s/bad.json 2>&1", kvsparse_binary(),
+                 commands[i], src_path("models/tiny-needle-llama"), dir);
+        cr_expect_eq(run_capture(cmd, &out), 1, "%s\n%s", cmd, out);
+        cr_expect(strstr(out, "bad.json: n_layers is 16, the model has 8"), "%s:\n%s", commands[i], out);
+        free(out);
+    }
+}

@@ -567,6 +567,19 @@ Test(server_parse, fields_and_policy) {
     kvs_api_request_free(&r);
 }
 
+/* serve --kv-profile: every request's kv_policy gets the server's profile */
+Test(server_parse, kv_policy_takes_the_servers_profile) {
+    float shares[8] = {0.1f, 0.1f, 0.1f, 0.1f, 0.1f, 0.1f, 0.1f, 0.1f};
+    kvs_kv_profile prof = {.n_layers = 8, .n_targets = 1, .compression = {10}, .share = {shares}};
+    kvs_api_limits lim = {8192, 4096, 8, &prof};
+    kvs_api_request r;
+    kvs_api_error e;
+    const char *b = "{\"prompt\": [1, 2], \"kv_policy\": {\"policy\": \"snapkv\", \"budget\": 0.05}}";
+    cr_assert(kvs_api_parse_request(b, strlen(b), KVS_API_COMPLETIONS, &lim, &r, &e), "%s", e.message);
+    cr_expect(r.has_policy && r.policy.profile == &prof);
+    kvs_api_request_free(&r);
+}
+
 Test(server_parse, cache_salt_and_return_token_ids) {
     kvs_api_limits lim = {8192, 4096, 8};
     kvs_api_request r;

@@ -291,6 +291,43 @@ Test(tp, odd_vocab_padded_slices) {
     check_odd_vocab(false, true, 4);
 }
 
+/* kvsparse calibrate's scores through the runner: rank 0's kvs_kv_window_scores
+ * at world 1 (each KV head's row sums to its group x the window), refused with
+ * tensor parallelism (a rank holds a slice of the heads). */
+Test(tp, window_scores_at_world_1_only) {
+    kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
+    p.budget_fraction = 1.0f; /* the window captured, nothing compacted */
+    int32_t ids[100];
+    for (int i = 0; i < 100; i++) ids[i] = (i * 37 + 11) % 515;
+    for (int world = 1; world <= 2; world++) {
+        tp_rig r;
+        tp_rig_open_dummy(&r, odd_vocab_config(false, false), world, 128);
+        int seq = rig_seq(&r, &p, 100), H = r.cfg.n_kv_heads, group = r.cfg.n_heads / H;
+        tp_rig_run(&r, seq, ids, 100, 0, 40, NULL, NULL);
+        float *got = malloc(sizeof(float) * H * 100), *want = malloc(sizeof(float) * H * 100);
+        kvs_status st = kvs_runner_window_scores(r.g, seq, 1, got);
+        if (world == 1) {
+            cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
+            cr_assert_eq(kvs_kv_window_scores(kvs_runner_kv(r.g, 0), seq, 1, want), KVS_OK, "%s", kvs_last_error());
+            cr_expect(memcmp(got, want, sizeof(float) * H * 100) == 0, "the runner's scores are rank 0's");
+            for (int g = 0; g < H; g++) {
+                double sum = 0;
+                for (int j = 0; j < 100; j++) sum += got[g * 100 + j];
+                cr_expect(fabs(sum - group * p.window) < 1e-3 * group * p.window, "KV head %d: scores sum to %g, not %d",
+                          g, sum, group * p.window);
+            }
+            cr_expect_eq(kvs_kv_len(kvs_runner_kv(r.g, 0), seq, 1), 100, "nothing compacted");
+        } else {
+            cr_expect_eq(st, KVS_ERR_UNSUPPORTED);
+            cr_expect(strstr(kvs_last_error(), "not with tensor parallelism") && strstr(kvs_last_error(), "2 ranks"), "%s",
+                      kvs_last_error());
+        }
+        free(got), free(want);
+        rig_free(&r, seq);
+        tp_rig_close(&r);
+    }
+}
+
 /* The argmax that gathers no logits picks the lowest id among equal maxima, as
  * an argmax over the full logits does, also across ranks. */
 Test(tp, argmax_ties_go_to_the_lowest_id) {

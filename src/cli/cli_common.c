@@ -83,13 +83,16 @@ static bool parse_int(const char *s, int lo, int hi, int *out) {
     return true;
 }
 
-int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i) {
+int kvs_cli_policy_option(kvs_kv_policy *p, const char **profile_path, int argc, char **argv, int *i) {
     const char *a = argv[*i];
     if (strncmp(a, "--kv-", 5) != 0) return 0;
     if (*i + 1 >= argc) return -1;
     const char *v = argv[*i + 1];
     bool ok;
-    if (!strcmp(a, "--kv-policy")) {
+    if (!strcmp(a, "--kv-profile")) {
+        *profile_path = v;
+        ok = *v != 0;
+    } else if (!strcmp(a, "--kv-policy")) {
         kvs_policy_kind kind;
         ok = kvs_kv_policy_kind_parse(v, &kind) == KVS_OK;
         if (ok) p->kind = kind;
@@ -174,6 +177,8 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     } else {
         st = kvs_fail(KVS_ERR_INVALID, "no model given: use -m MODEL_DIR (or --config FILE --load-format dummy)");
     }
+    if (st == KVS_OK && o->kv_profile) /* before the weights: a bad profile fails at once */
+        st = kvs_kv_profile_load(o->kv_profile, out->cfg.n_layers, &out->kv_profile);
     if (st == KVS_OK)
         st = o->dummy ? kvs_checkpoint_dummy(&out->cfg, o->dummy_seed, &out->ck)
                       : kvs_checkpoint_open(o->model_dir, &out->cfg, &out->ck);
@@ -232,6 +237,7 @@ void kvs_cli_unload(kvs_loaded *l) {
     free(l->rank_be);
     free(l->rank_comm);
     if (l->be) l->be->destroy(l->be);
+    kvs_kv_profile_free(l->kv_profile);
     memset(l, 0, sizeof *l);
 }
 
@@ -270,6 +276,14 @@ bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n) {
     *ids = v;
     *n = count;
     return true;
+}
+
+const char *kvs_cli_last_name(const char *path, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s", path ? path : "model");
+    size_t n = strlen(buf);
+    while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
+    const char *slash = strrchr(buf, '/');
+    return slash && slash[1] ? slash + 1 : buf;
 }
 
 int kvs_cli_error(void) {

@@ -23,6 +23,7 @@ typedef struct {
     const char *device;      /* --device cpu (default) | cuda | cuda:N */
     bool enforce_eager;      /* --enforce-eager: no CUDA graphs for decode steps */
     kvs_model_limits limits; /* what a step of the command may hold (zeros: the defaults) */
+    const char *kv_profile;  /* --kv-profile (kvs_cli_policy_option): loaded for the model by kvs_cli_load */
 } kvs_load_options;
 
 typedef struct {
@@ -37,6 +38,9 @@ typedef struct {
        rank (be is rank_be[0]); the runner uses them, the CLI owns them */
     kvs_backend **rank_be;
     struct kvs_comm **rank_comm;
+    /* --kv-profile's, checked against the model: the commands set it as their
+       policies' profile; it lives as long as the model (kvs_cli_unload frees it) */
+    kvs_kv_profile *kv_profile;
 } kvs_loaded;
 
 #define KVS_CLI_LOAD_HELP                                                                    \
@@ -60,8 +64,10 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out);
 
 /* KV policy options at argv[*i]: --kv-policy full|snapkv|pyramidkv|streamingllm,
  * --kv-budget 0.1|10%|256, --kv-full-layers N, --kv-window W, --kv-pool P,
- * --kv-min-prompt N. Same contract as kvs_cli_load_option (1, 0, -1). */
-int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i);
+ * --kv-min-prompt N, --kv-pyramid-beta X, and --kv-profile FILE, whose path
+ * goes to *profile_path (kvs_load_options.kv_profile: kvs_cli_load reads it
+ * once the model's layers are known). Same contract as kvs_cli_load_option (1, 0, -1). */
+int kvs_cli_policy_option(kvs_kv_policy *p, const char **profile_path, int argc, char **argv, int *i);
 #define KVS_CLI_POLICY_HELP                                                                \
     "  --kv-policy P          full (default), snapkv, pyramidkv or streamingllm\n"         \
     "  --kv-budget B          entries kept per KV head in sparse layers: 0.1, 10%% or 256\n" \
@@ -69,7 +75,9 @@ int kvs_cli_policy_option(kvs_kv_policy *p, int argc, char **argv, int *i);
     "  --kv-window W          observation window (default 16)\n"                           \
     "  --kv-pool P            max-pool kernel, odd (default 7)\n"                          \
     "  --kv-min-prompt N      prompts shorter than N are not compressed (default 64)\n"       \
-    "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 1.5)\n"
+    "  --kv-pyramid-beta X    pyramidkv slope: top layer keeps (B - w) / X (default 1.5)\n"    \
+    "  --kv-profile FILE      split the budget among the sparse layers as FILE's shares say (kvsparse\n" \
+    "                         calibrate --out; the target nearest the compression)\n"
 void kvs_cli_unload(kvs_loaded *l);
 
 /* --enable-prefix-caching / --no-enable-prefix-caching (vLLM's names) as arg:
@@ -98,6 +106,9 @@ kvs_status kvs_cli_engine(kvs_loaded *l, const kvs_engine_config *c, kvs_engine 
 
 /* "1,2,3" -> ids (malloc'ed); false on a malformed list. */
 bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n);
+/* A path's last component ("models/tiny-needle-llama/" -> "tiny-needle-llama";
+ * NULL: "model"), in buf. */
+const char *kvs_cli_last_name(const char *path, char *buf, size_t cap);
 /* Prints "kvsparse: <last error>" on stderr; returns 1. */
 int kvs_cli_error(void);
 

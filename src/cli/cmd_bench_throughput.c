@@ -71,7 +71,7 @@ static int parse_args(int argc, char **argv, tp_options *o) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
-        if (r == 0) r = kvs_cli_policy_option(&o->policy, argc, argv, &i);
+        if (r == 0) r = kvs_cli_policy_option(&o->policy, &o->load.kv_profile, argc, argv, &i);
         if (r == 0) r = kvs_cli_prefix_caching_option(&o->prefix_caching, a);
         if (r < 0) goto bad;
         if (r > 0) continue;
@@ -215,6 +215,7 @@ int kvs_cmd_bench_throughput(int argc, char **argv) {
     kvs_loaded l;
     o.load.limits = (kvs_model_limits){o.max_num_batched_tokens, o.max_num_seqs, 0, 0};
     if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
+    o.policy.profile = l.kv_profile;
     tp_counts counts = {0};
     tp_result res = {0};
     kvs_status st = run(&o, &l, &counts, &res);

@@ -66,7 +66,7 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
     bool as_json = false;
     for (int i = 1; i < argc; i++) {
         int r = kvs_cli_load_option(&lo, argc, argv, &i);
-        if (r == 0) r = kvs_eval_policy_option(&base, kinds, budgets, sizeof kinds, argc, argv, &i);
+        if (r == 0) r = kvs_eval_policy_option(&base, &lo.kv_profile, kinds, budgets, sizeof kinds, argc, argv, &i);
         if (r > 0) continue;
         if (r == 0 && !strcmp(argv[i], "--text") && i + 1 < argc) path = argv[++i];
         else if (r == 0 && !strcmp(argv[i], "--prefix") && i + 1 < argc) prefix = atoi(argv[++i]);
@@ -87,7 +87,8 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
     int n = 0;
     kvs_engine *e = NULL;
     ppl_score *S = NULL;
-    kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, l.cfg.n_layers, &P);
+    base.profile = l.kv_profile;
+    kvs_status st = kvs_eval_policies_build(&base, kinds, budgets, lo.kv_profile, l.cfg.n_layers, &P);
     if (st == KVS_OK && !l.tok) st = kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
     if (st == KVS_OK) st = read_text(path, &text);
     kvs_encode_options eo = {.add_special_tokens = false, .parse_special = false};

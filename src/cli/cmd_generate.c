@@ -52,7 +52,7 @@ static int parse_args(int argc, char **argv, gen_options *o) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
-        if (r == 0) r = kvs_cli_policy_option(&o->policy, argc, argv, &i);
+        if (r == 0) r = kvs_cli_policy_option(&o->policy, &o->load.kv_profile, argc, argv, &i);
         if (r < 0) goto bad;
         if (r > 0) continue;
         bool v = i + 1 < argc;
@@ -226,6 +226,7 @@ int kvs_cmd_generate(int argc, char **argv) {
     }
     kvs_loaded l;
     if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
+    o.policy.profile = l.kv_profile;
     int32_t *prompt = NULL;
     int n_prompt = 0;
     gen_result r = {0};

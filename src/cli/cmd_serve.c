@@ -92,7 +92,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
-        if (r == 0) r = kvs_cli_policy_option(&o->ecfg.default_policy, argc, argv, &i);
+        if (r == 0) r = kvs_cli_policy_option(&o->ecfg.default_policy, &o->load.kv_profile, argc, argv, &i);
         if (r == 0) r = kvs_cli_prefix_caching_option(&o->ecfg.enable_prefix_caching, a);
         if (r < 0) goto bad;
         if (r > 0) continue;
@@ -203,15 +203,6 @@ static bool resolve_api_key(serve_options *o, char **owned) {
     return true;
 }
 
-/* The model folder's last path component. */
-static const char *folder_name(const char *dir, char *buf, size_t cap) {
-    snprintf(buf, cap, "%s", dir ? dir : "model");
-    size_t n = strlen(buf);
-    while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
-    const char *slash = strrchr(buf, '/');
-    return slash && slash[1] ? slash + 1 : buf;
-}
-
 /* Blocks one sequence of len tokens holds in every layer, full or with the policy after compaction. */
 static int64_t seq_blocks(const kvs_kv_policy *p, int n_layers, int len, bool use_policy) {
     int *budgets = calloc((size_t)n_layers, sizeof(int));
@@ -274,6 +265,7 @@ int kvs_cmd_serve(int argc, char **argv) {
         free(key);
         return kvs_cli_error();
     }
+    o.ecfg.default_policy.profile = l.kv_profile; /* the server gives it to every request's kv_policy too */
     if (kvs_cli_kv_bytes(&l, o.kv_gib, o.gpu_gib, &o.ecfg.default_policy, &o.ecfg.kv_memory_bytes) != KVS_OK) {
         kvs_cli_unload(&l);
         free(key);
@@ -281,7 +273,7 @@ int kvs_cmd_serve(int argc, char **argv) {
     }
     if (!l.tok) kvs_log(KVS_LOG_WARN, "the model has no tokenizer.json: only token-id prompts will work");
     char namebuf[512];
-    if (!o.scfg.served_model_name) o.scfg.served_model_name = folder_name(o.load.model_dir, namebuf, sizeof namebuf);
+    if (!o.scfg.served_model_name) o.scfg.served_model_name = kvs_cli_last_name(o.load.model_dir, namebuf, sizeof namebuf);
     kvs_engine *e = NULL;
     kvs_server *srv = NULL;
     kvs_status st = kvs_cli_engine(&l, &o.ecfg, &e); /* the server asks it for its limits */

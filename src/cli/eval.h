@@ -11,16 +11,18 @@
 
 typedef struct {
     kvs_kv_policy list[KVS_EVAL_MAX_POLICIES];
-    char names[KVS_EVAL_MAX_POLICIES][96];
+    char names[KVS_EVAL_MAX_POLICIES][160];
     int n;
 } kvs_eval_policies;
 
 /* Parses the eval's policy options: --kv-policy and --kv-budget accept
  * comma-separated lists (their cross product is evaluated; "full" once);
  * the other --kv-* options apply to all. Returns 1 / 0 / -1 like kvs_cli_load_option. */
-int kvs_eval_policy_option(kvs_kv_policy *base, char *kinds, char *budgets, size_t cap, int argc, char **argv, int *i);
+int kvs_eval_policy_option(kvs_kv_policy *base, const char **profile_path, char *kinds, char *budgets, size_t cap,
+                           int argc, char **argv, int *i);
 /* The options of the eval commands over a data set (retrieval, multiturn):
- * the model's, the policies' and --data FILE, --limit N, --json. */
+ * the model's, the policies' and --data FILE, --limit N, --json. The policies'
+ * --kv-profile: load.kv_profile. */
 typedef struct {
     kvs_load_options load;
     kvs_kv_policy base;
@@ -32,8 +34,10 @@ typedef struct {
 kvs_eval_options kvs_eval_options_default(void);
 /* One of those at argv[*i]: 1 consumed, 0 not one of them, -1 a bad value. */
 int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i);
+/* The policies: base (its profile, when set, named profile_path in their
+ * names) with each kind and budget of the lists. */
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
-                                   int n_layers, kvs_eval_policies *out);
+                                   const char *profile_path, int n_layers, kvs_eval_policies *out);
 
 /* An engine for the policies under test (base: their largest window): at most
  * max_seqs requests at a time, prompts prefilled in chunks of 2048 tokens, a

@@ -6,14 +6,15 @@
 
 #include "cli/eval.h"
 
-int kvs_eval_policy_option(kvs_kv_policy *base, char *kinds, char *budgets, size_t cap, int argc, char **argv, int *i) {
+int kvs_eval_policy_option(kvs_kv_policy *base, const char **profile_path, char *kinds, char *budgets, size_t cap,
+                           int argc, char **argv, int *i) {
     const char *a = argv[*i];
     if (!strcmp(a, "--kv-policy") || !strcmp(a, "--kv-budget")) {
         if (*i + 1 >= argc || strlen(argv[*i + 1]) >= cap) return -1;
         strcpy(!strcmp(a, "--kv-policy") ? kinds : budgets, argv[++*i]);
         return 1;
     }
-    return kvs_cli_policy_option(base, argc, argv, i);
+    return kvs_cli_policy_option(base, profile_path, argc, argv, i);
 }
 
 kvs_eval_options kvs_eval_options_default(void) {
@@ -23,7 +24,7 @@ kvs_eval_options kvs_eval_options_default(void) {
 
 int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i) {
     int r = kvs_cli_load_option(&o->load, argc, argv, i);
-    if (r == 0) r = kvs_eval_policy_option(&o->base, o->kinds, o->budgets, sizeof o->kinds, argc, argv, i);
+    if (r == 0) r = kvs_eval_policy_option(&o->base, &o->load.kv_profile, o->kinds, o->budgets, sizeof o->kinds, argc, argv, i);
     if (r != 0) return r;
     const char *a = argv[*i];
     bool v = *i + 1 < argc;
@@ -34,8 +35,17 @@ int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i) {
     return o->limit < 0 ? -1 : 1;
 }
 
+/* " profile=NAME" after a sparse policy's description when it has a profile
+ * (kvs_kv_policy_describe does not say) */
+static void name_profile(const kvs_kv_policy *p, const char *profile_path, char *name, size_t cap) {
+    if (!p->profile || p->kind == KVS_POLICY_FULL) return;
+    char file[512];
+    size_t n = strlen(name);
+    snprintf(name + n, cap - n, " profile=%s", kvs_cli_last_name(profile_path, file, sizeof file));
+}
+
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
-                                   int n_layers, kvs_eval_policies *out) {
+                                   const char *profile_path, int n_layers, kvs_eval_policies *out) {
     out->n = 0;
     char kbuf[512], bbuf[512], *ks, *bs;
     snprintf(kbuf, sizeof kbuf, "%s", kinds[0] ? kinds : "full");
@@ -52,6 +62,7 @@ kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds,
             if (out->n == KVS_EVAL_MAX_POLICIES) return kvs_fail(KVS_ERR_INVALID, "too many policies (max %d)", KVS_EVAL_MAX_POLICIES);
             out->list[out->n] = p;
             kvs_kv_policy_describe(&p, out->names[out->n], sizeof out->names[0]);
+            name_profile(&p, profile_path, out->names[out->n], sizeof out->names[0]);
             out->n++;
             if (p.kind == KVS_POLICY_FULL) break;
         }
@@ -74,7 +85,9 @@ kvs_status kvs_eval_engine_create(kvs_loaded *l, const kvs_kv_policy *base, int 
 kvs_status kvs_eval_engine(kvs_loaded *l, const kvs_eval_options *o, int room, bool prefix_caching,
                            kvs_eval_policies *P, kvs_engine **e) {
     *e = NULL;
-    KVS_TRY(kvs_eval_policies_build(&o->base, o->kinds, o->budgets, l->cfg.n_layers, P));
+    kvs_kv_policy base = o->base;
+    base.profile = l->kv_profile;
+    KVS_TRY(kvs_eval_policies_build(&base, o->kinds, o->budgets, o->load.kv_profile, l->cfg.n_layers, P));
     if (!l->tok) return kvs_fail(KVS_ERR_UNSUPPORTED, "the model has no tokenizer.json");
     return kvs_eval_engine_create(l, &o->base, 1, room, l->cfg.max_position_embeddings, prefix_caching, e);
 }

@@ -14,6 +14,7 @@ static void usage(FILE *f) {
             "  serve    -m MODEL_DIR [--host H] [--port P] [engine and KV policy options]\n"
             "  eval     retrieval -m MODEL_DIR --data FILE.jsonl [KV policy options] | ppl -m MODEL_DIR --text FILE\n"
             "  bench    model | tokenizer | throughput | serve  (see --help of each)\n"
+            "  calibrate -m MODEL_DIR --data FILE.jsonl [--out PROFILE.json] [--plot DIR]\n"
             "  -h, --help     this help\n"
             "  -V, --version  print the version and exit\n"
             "Run 'kvsparse COMMAND --help' for a command's options.\n");
@@ -46,6 +47,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "bench")) return kvs_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "serve")) return kvs_cmd_serve(argc - 1, argv + 1);
     if (!strcmp(cmd, "eval")) return kvs_cmd_eval(argc - 1, argv + 1);
+    if (!strcmp(cmd, "calibrate")) return kvs_cmd_calibrate(argc - 1, argv + 1);
     fprintf(stderr, "kvsparse: unknown command '%s'\n", cmd);
     usage(stderr);
     return 2;

@@ -72,13 +72,17 @@ typedef enum { KVS_LOG_DEBUG, KVS_LOG_INFO, KVS_LOG_WARN, KVS_LOG_ERROR } kvs_lo
 void kvs_log(kvs_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void kvs_log_set_level(kvs_log_level level);
 
-/* A progress bar on stderr, drawn only when stderr is a TTY. */
+/* A progress bar on stderr, drawn only when stderr is a TTY. A counted one
+ * (kvs_progress_start_counted) reads "LABEL [#####.....] 23/50 UNIT 4.1 s",
+ * redrawn in place on a TTY and otherwise a line at every tenth of the total. */
 typedef struct {
-    const char *label;
+    const char *label, *unit; /* unit: NULL for the percentage bar */
     double total, done, start, last_draw;
     bool tty;
+    int tenths_shown; /* counted, not a TTY: the lines printed so far */
 } kvs_progress;
 void kvs_progress_start(kvs_progress *p, const char *label, double total);
+void kvs_progress_start_counted(kvs_progress *p, const char *label, double total, const char *unit);
 void kvs_progress_update(kvs_progress *p, double done);
 void kvs_progress_finish(kvs_progress *p);
 

@@ -36,16 +36,27 @@ static void progress_draw(kvs_progress *p, bool final) {
     for (int i = 0; i < width; i++) bar[i] = i < fill ? '#' : '.';
     bar[width] = 0;
     double el = kvs_now() - p->start;
-    fprintf(stderr, "\r%s [%s] %5.1f%% %.1fs%s", p->label, bar, 100 * frac, el, final ? "\n" : "");
+    const char *cr = p->tty ? "\r" : "", *nl = final || !p->tty ? "\n" : "";
+    if (p->unit)
+        fprintf(stderr, "%s%s [%s] %.0f/%.0f %s %.1f s%s", cr, p->label, bar, p->done, p->total, p->unit, el, nl);
+    else
+        fprintf(stderr, "%s%s [%s] %5.1f%% %.1fs%s", cr, p->label, bar, 100 * frac, el, nl);
     fflush(stderr);
 }
 
 void kvs_progress_start(kvs_progress *p, const char *label, double total) {
     p->label = label;
+    p->unit = NULL;
     p->total = total;
     p->done = 0;
     p->start = p->last_draw = kvs_now();
     p->tty = isatty(2);
+    p->tenths_shown = 0;
+}
+
+void kvs_progress_start_counted(kvs_progress *p, const char *label, double total, const char *unit) {
+    kvs_progress_start(p, label, total);
+    p->unit = unit;
 }
 
 void kvs_progress_update(kvs_progress *p, double done) {
@@ -54,12 +65,19 @@ void kvs_progress_update(kvs_progress *p, double done) {
     if (p->tty && t - p->last_draw > 0.1) {
         p->last_draw = t;
         progress_draw(p, false);
+    } else if (!p->tty && p->unit && p->total > 0) { /* a log: a line at each tenth passed */
+        int tenths = (int)(10 * done / p->total);
+        if (tenths > p->tenths_shown) {
+            p->tenths_shown = tenths;
+            progress_draw(p, false);
+        }
     }
 }
 
 void kvs_progress_finish(kvs_progress *p) {
-    p->done = p->total;
+    if (!p->unit) p->done = p->total; /* a counted bar shows what was done (all of it, or where it stopped) */
     if (p->tty) progress_draw(p, true);
+    else if (p->unit && p->tenths_shown < 10) progress_draw(p, true); /* unless the last tenth's line said it */
 }
 
 static uint64_t splitmix64(uint64_t *x) {

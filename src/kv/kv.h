@@ -79,8 +79,10 @@ typedef struct {
     float *share[KVS_KV_PROFILE_MAX_TARGETS];       /* [n_layers] each */
 } kvs_kv_profile;
 
-/* Reads a profile file / text (the format: docs/SPARSITY.md), checked against
- * a model of n_layers layers; a bad one is refused naming the field. */
+/* Reads a profile file / text (the format: docs/SPARSITY.md, "Calibration
+ * profiles"), checked against a model of n_layers layers (0: any, the file's);
+ * a bad one is refused naming the field (KVS_ERR_FORMAT; a file that cannot be
+ * read KVS_ERR_IO). Free with kvs_kv_profile_free. */
 kvs_status kvs_kv_profile_load(const char *path, int n_layers, kvs_kv_profile **out);
 kvs_status kvs_kv_profile_parse(const char *text, size_t len, int n_layers, kvs_kv_profile **out);
 void kvs_kv_profile_free(kvs_kv_profile *p);

@@ -168,3 +168,13 @@ kvs_status kvs_runner_lengths_agree(const kvs_runner *g, int seq_id, const char 
         }
     return KVS_OK;
 }
+
+kvs_status kvs_runner_window_scores(kvs_runner *g, int seq_id, int layer, float *out) {
+    if (g->world > 1)
+        return kvs_fail(KVS_ERR_UNSUPPORTED,
+                        "window scores: not with tensor parallelism (each of the %d ranks holds a slice of the KV "
+                        "heads): run with --tensor-parallel-size 1",
+                        g->world);
+    KVS_TRY(kvs_runner_need_kv(g));
+    return kvs_kv_window_scores(g->ranks[0].kv, seq_id, layer, out); /* world 1 runs on the caller's thread */
+}

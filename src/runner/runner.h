@@ -69,6 +69,10 @@ kvs_status kvs_runner_reserve(kvs_runner *r, int seq_id, int n_new);
 void kvs_runner_commit(kvs_runner *r, int seq_id, int n_new); /* without a step: benchmarks faking a context */
 kvs_status kvs_runner_fork(kvs_runner *r, int seq_id, int *new_seq); /* -1 and nothing left behind on failure */
 kvs_status kvs_runner_sparsify(kvs_runner *r, int seq_id);
+/* kvs_kv_window_scores of (seq, layer) (kvsparse calibrate): host scores
+ * out[g * len + j] for every KV head g. World 1 only: with tensor parallelism
+ * each rank holds a slice of the KV heads (KVS_ERR_UNSUPPORTED). */
+kvs_status kvs_runner_window_scores(kvs_runner *r, int seq_id, int layer, float *out);
 /* kvs_kv_prefix_attach on every rank (the ranks' caches decide alike: checked);
  * *hit the tokens reused. */
 kvs_status kvs_runner_prefix_attach(kvs_runner *r, int seq_id, const int32_t *prompt, int n_prompt, const char *salt,

@@ -231,6 +231,7 @@ kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, c
         kvs_engine_limits el = kvs_engine_get_limits(engine);
         s->limits.max_model_len = el.max_model_len;
         s->limits.n_layers = el.n_layers;
+        s->limits.kv_profile = kvs_engine_default_policy(engine).profile; /* serve --kv-profile */
     }
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);

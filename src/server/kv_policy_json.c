@@ -15,6 +15,7 @@ bool kvs_api_parse_policy(json_t *v, const kvs_api_limits *lim, kvs_kv_policy *o
                                 "'kv_policy.policy' must be one of \"full\", \"snapkv\", \"pyramidkv\", \"streamingllm\"");
     }
     kvs_kv_policy p = kvs_kv_policy_default(kind);
+    p.profile = lim->kv_profile;
     const char *key;
     json_t *f;
     json_object_foreach(v, key, f) {

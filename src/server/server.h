@@ -27,6 +27,7 @@ typedef struct {
     int vocab_size;    /* token ids in prompts must be below this */
     int max_model_len; /* context limit: prompt + max_tokens */
     int n_layers;      /* for kv_policy validation */
+    const kvs_kv_profile *kv_profile; /* every kv_policy's budget profile (the server's --kv-profile; NULL: none) */
 } kvs_api_limits;
 
 /* tool_choice (tools_json.c) */
