@@ -66,48 +66,49 @@ static int by_pooled(const void *a, const void *b) {
     return x->pooled > y->pooled ? -1 : x->pooled < y->pooled ? 1 : x->key - y->key;
 }
 
-/* One head: s->snapkv[layer][k] += the mass SnapKV keeps at budget kept[k] / heads. */
-static void add_snapkv(kvs_calib_stats *s, int layer, const float *row, int n) {
-    int w = s->window < n ? s->window : n, older = n - w;
-    double window_mass = 0;
-    for (int j = older; j < n; j++) window_mass += s->mass[j];
+/* One head: s->snapkv[layer][k] += the mass SnapKV keeps at budget kept[k] of the
+ * n-token prompt / heads: the top B - w of the m earlier keys by pooled score (the
+ * window is kept whole; its own mass is not measured). */
+static void add_snapkv(kvs_calib_stats *s, int layer, const float *row, int m, int n) {
+    int w = n - m;
     float *pooled = (float *)s->cum; /* the prefix sums' room, before they are written */
-    kvs_kv_pool_scores(row, older, s->pool, pooled);
-    for (int j = 0; j < older; j++) s->ranked[j] = (struct kvs_calib_ranked){pooled[j], j};
-    qsort(s->ranked, (size_t)older, sizeof *s->ranked, by_pooled);
-    for (int j = 0; j < older; j++) s->cum[j] = s->mass[s->ranked[j].key] + (j ? s->cum[j - 1] : 0);
+    kvs_kv_pool_scores(row, m, s->pool, pooled);
+    for (int j = 0; j < m; j++) s->ranked[j] = (struct kvs_calib_ranked){pooled[j], j};
+    qsort(s->ranked, (size_t)m, sizeof *s->ranked, by_pooled);
+    for (int j = 0; j < m; j++) s->cum[j] = s->mass[s->ranked[j].key] + (j ? s->cum[j - 1] : 0);
     for (int k = 0; k < KVS_CALIB_GRID; k++) {
         long budget = lround(kvs_calib_kept[k] * n), extra = budget > w ? budget - w : 0;
-        extra = extra < older ? extra : older;
-        s->snapkv[(size_t)layer * KVS_CALIB_GRID + k] += (window_mass + (extra ? s->cum[extra - 1] : 0)) / s->n_kv_heads;
+        extra = extra < m ? extra : m;
+        s->snapkv[(size_t)layer * KVS_CALIB_GRID + k] += (extra ? s->cum[extra - 1] : 0) / s->n_kv_heads;
     }
 }
 
 kvs_status kvs_calib_add_layer(kvs_calib_stats *s, int layer, const float *scores, int n) {
-    if (n < 1) return kvs_fail(KVS_ERR_INVALID, "calibrate: layer %d has no keys", layer);
-    KVS_TRY(grow_scratch(s, n));
+    int m = n - s->window; /* the keys before the window */
+    if (m < 1) return kvs_fail(KVS_ERR_INVALID, "calibrate: layer %d has no keys before its window", layer);
+    KVS_TRY(grow_scratch(s, m));
     double *a = s->mass;
     for (int g = 0; g < s->n_kv_heads; g++) {
-        const float *row = scores + (size_t)g * n;
+        const float *row = scores + (size_t)g * m;
         double total = 0;
-        for (int j = 0; j < n; j++) total += row[j];
+        for (int j = 0; j < m; j++) total += row[j];
         if (!(total > 0) || !isfinite(total))
             return kvs_fail(KVS_ERR_INTERNAL, "calibrate: layer %d, KV head %d: the scores sum to %g", layer, g, total);
         double h = 0;
-        for (int j = 0; j < n; j++) {
+        for (int j = 0; j < m; j++) {
             a[j] = row[j] > 0 ? row[j] / total : 0;
             if (a[j] > 0) h -= a[j] * log(a[j]);
         }
         size_t head = (size_t)layer * s->n_kv_heads + g;
-        s->entropy[head] += n > 1 ? h / log(n) : 0;
-        add_snapkv(s, layer, row, n);
-        memcpy(s->cum, a, sizeof(double) * n);
-        qsort(s->cum, (size_t)n, sizeof(double), descending);
-        for (int j = 1; j < n; j++) s->cum[j] += s->cum[j - 1]; /* the top j + 1 keys' mass */
+        s->entropy[head] += m > 1 ? h / log(m) : 0;
+        add_snapkv(s, layer, row, m, n);
+        memcpy(s->cum, a, sizeof(double) * m);
+        qsort(s->cum, (size_t)m, sizeof(double), descending);
+        for (int j = 1; j < m; j++) s->cum[j] += s->cum[j - 1]; /* the top j + 1 keys' mass */
         for (int t = 0; t < KVS_CALIB_TOPS; t++)
-            s->top[head * KVS_CALIB_TOPS + t] += top_mass(s->cum, n, kvs_calib_top_fraction[t]);
+            s->top[head * KVS_CALIB_TOPS + t] += top_mass(s->cum, m, kvs_calib_top_fraction[t]);
         for (int k = 0; k < KVS_CALIB_GRID; k++)
-            s->curve[(size_t)layer * KVS_CALIB_GRID + k] += top_mass(s->cum, n, kvs_calib_kept[k]) / s->n_kv_heads;
+            s->curve[(size_t)layer * KVS_CALIB_GRID + k] += top_mass(s->cum, m, kvs_calib_kept[k]) / s->n_kv_heads;
     }
     return KVS_OK;
 }

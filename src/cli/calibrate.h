@@ -18,12 +18,12 @@ extern const double kvs_calib_top_fraction[KVS_CALIB_TOPS];
 extern const double kvs_calib_kept[KVS_CALIB_GRID];
 
 /* Sums over the prompts of each (layer, KV head)'s measures; the means are
- * the sums / n_prompts. A head's measures of a prompt come from its scores
- * normalised to sum 1 over the prompt's n keys: the mass of its top
- * ceil(x * n) keys, and its entropy / ln n; and the mass SnapKV keeps at a
- * budget of B = round(x * n) entries (never below the window w): the window,
- * plus the top B - w earlier keys by max-pooled score (kernel `pool`), as
- * kvs_kv_sparsify selects them. */
+ * the sums / n_prompts. A head's measures of a prompt come from its scores of
+ * the m = n - w keys before the window (what selection chooses among; the
+ * window is always kept), normalised to sum 1: the mass of its top ceil(x * m)
+ * keys, and its entropy / ln m; and the mass SnapKV keeps at a budget of B =
+ * round(x * n) entries (never below the window w): the top B - w earlier keys
+ * by max-pooled score (kernel `pool`), as kvs_kv_sparsify selects them. */
 typedef struct {
     int n_layers, n_kv_heads, n_prompts, window, pool;
     double *top;         /* [layer][head][KVS_CALIB_TOPS] */
@@ -37,7 +37,8 @@ typedef struct {
 
 kvs_status kvs_calib_stats_init(kvs_calib_stats *s, int n_layers, int n_kv_heads, int window, int pool);
 void kvs_calib_stats_free(kvs_calib_stats *s);
-/* One prompt's scores of a layer: scores[g * n + j], KV head g, key j (kvs_runner_window_scores). */
+/* One prompt's scores of a layer: scores[g * (n - window) + j], KV head g, key j
+ * before the window of the n-token prompt (kvs_runner_window_scores). */
 kvs_status kvs_calib_add_layer(kvs_calib_stats *s, int layer, const float *scores, int n);
 void kvs_calib_prompt_done(kvs_calib_stats *s); /* after every layer of a prompt */
 
@@ -73,7 +74,8 @@ json_t *kvs_calib_profile_json(const kvs_calib_stats *s, const kvs_calib_result 
 kvs_status kvs_calib_write_profile(const char *path, const kvs_calib_stats *s, const kvs_calib_result *r);
 
 /* The first prompt's attention mass by layer and position, for the heatmap:
- * mass[l * n + j], layer l's scores of key j summed over its KV heads, over their total. */
+ * mass[l * n + j], layer l's scores of key j summed over its KV heads, over their
+ * total (0 in the window, whose own mass is not measured). */
 typedef struct {
     int n, window;
     double *mass; /* [n_layers][n] */

@@ -33,7 +33,7 @@ static void usage(FILE *f) {
                "  --out PROFILE.json     write the profile there (default: the table only)\n"
                "  --plot DIR             write DIR/attention_heatmap.png and DIR/concentration.png\n"
                "  --targets C,C          compressions to recommend budgets for, each > 1 (default " DEFAULT_TARGETS ")\n"
-               "  --kv-window W          observation window (default 32)\n"
+               "  --kv-window W          observation window (default 16)\n"
                "  --kv-pool P            max-pool kernel of the scores, odd (default 7): as the policy selects\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP);
 }
@@ -65,7 +65,7 @@ static bool parse_count(const char *s, int lo, int *out) {
 /* 1: run, 0: --help given, 2: a usage error (printed) */
 static int parse_args(int argc, char **argv, calib_options *o) {
     memset(o, 0, sizeof *o);
-    o->stride = 1, o->window = 32, o->pool = 7;
+    o->stride = 1, o->window = kvs_kv_policy_default(KVS_POLICY_SNAPKV).window, o->pool = 7;
     parse_targets(DEFAULT_TARGETS, o);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -128,10 +128,11 @@ static kvs_status measure_prompt(kvs_runner *r, const kvs_kv_policy *p, const in
         st = kvs_runner_window_scores(r, seq, l, scores);
         if (st == KVS_OK) st = kvs_calib_add_layer(s, l, scores, n);
         if (st != KVS_OK || !first) continue;
+        int m = n - p->window; /* the keys before the window */
         double total = 0, *mass = first->mass + (size_t)l * n;
         for (int j = 0; j < n; j++) {
             mass[j] = 0;
-            for (int g = 0; g < H; g++) mass[j] += scores[(size_t)g * n + j];
+            for (int g = 0; j < m && g < H; g++) mass[j] += scores[(size_t)g * m + j];
             total += mass[j];
         }
         for (int j = 0; j < n; j++) mass[j] /= total > 0 ? total : 1;
