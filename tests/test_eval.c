@@ -264,7 +264,7 @@ Test(eval, calibrate_writes_a_profile_and_plots, .timeout = 300) {
         cr_expect_float_eq(p->compression[t], c, 0);
         for (int l = 0; l < 8; l++) {
             sum += p->share[t][l];
-            cr_expect(p->share[t][l] >= 0.25 / c * (1 - 1e-5) && p->share[t][l] <= 1, "%gx, layer %d: share %g", c, l,
+            cr_expect(p->share[t][l] >= 0.5 / c * (1 - 1e-5) && p->share[t][l] <= fmin(2 / c, 1) * (1 + 1e-5), "%gx, layer %d: share %g", c, l,
                       p->share[t][l]);
         }
         cr_expect_float_eq(sum / 8, 1 / c, 1e-5, "%gx: mean share %g", c, sum / 8);

@@ -92,14 +92,22 @@ kvs_status kvs_calib_add_layer(kvs_calib_stats *s, int layer, const float *score
         const float *row = scores + (size_t)g * m;
         double total = 0;
         for (int j = 0; j < m; j++) total += row[j];
-        if (!(total > 0) || !isfinite(total))
+        if (!isfinite(total) || total < 0)
             return kvs_fail(KVS_ERR_INTERNAL, "calibrate: layer %d, KV head %d: the scores sum to %g", layer, g, total);
+        size_t head = (size_t)layer * s->n_kv_heads + g;
+        if (total == 0) { /* the window's attention stays in the window (bf16 exp underflows): nothing to keep */
+            for (int t = 0; t < KVS_CALIB_TOPS; t++) s->top[head * KVS_CALIB_TOPS + t] += 1;
+            for (int k = 0; k < KVS_CALIB_GRID; k++) {
+                s->curve[(size_t)layer * KVS_CALIB_GRID + k] += 1.0 / s->n_kv_heads;
+                s->snapkv[(size_t)layer * KVS_CALIB_GRID + k] += 1.0 / s->n_kv_heads;
+            }
+            continue;
+        }
         double h = 0;
         for (int j = 0; j < m; j++) {
             a[j] = row[j] > 0 ? row[j] / total : 0;
             if (a[j] > 0) h -= a[j] * log(a[j]);
         }
-        size_t head = (size_t)layer * s->n_kv_heads + g;
         s->entropy[head] += m > 1 ? h / log(m) : 0;
         add_snapkv(s, layer, row, m, n);
         memcpy(s->cum, a, sizeof(double) * m);
@@ -152,7 +160,9 @@ static double curve_at(const kvs_calib_stats *s, int l, double x) {
 
 void kvs_calib_shares(const kvs_calib_stats *s, double compression, double *share) {
     int L = s->n_layers;
-    double lo = 0.25 / compression, left = L / compression - L * lo;
+    /* at most 2x either way from the uniform split: kept mass is a proxy (an unbounded
+       split starves the sharp layers of the few tokens retrieval needs: docs/SPARSITY.md) */
+    double lo = 0.5 / compression, hi = 2 / compression < 1 ? 2 / compression : 1, left = L / compression - L * lo;
     enum { SLICES = 4000 };
     double slice = left / SLICES;
     for (int l = 0; l < L; l++) share[l] = lo;
@@ -160,7 +170,7 @@ void kvs_calib_shares(const kvs_calib_stats *s, double compression, double *shar
         int best = -1;
         double gain = -1;
         for (int l = 0; l < L; l++) {
-            if (share[l] + slice > 1 + 1e-12) continue;
+            if (share[l] + slice > hi + 1e-12) continue;
             double g = curve_at(s, l, share[l] + slice) - curve_at(s, l, share[l]);
             if (g > gain + 1e-15) gain = g, best = l; /* a tie: the lower layer */
         }

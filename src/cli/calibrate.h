@@ -49,7 +49,7 @@ double kvs_calib_curve(const kvs_calib_stats *s, int layer, int k);
 double kvs_calib_snapkv_curve(const kvs_calib_stats *s, int layer, int k);
 
 /* The recommended shares at compression c > 1: mean 1/c, each in
- * [0.25/c, 1], maximising the mass the layers keep together (the sum of their
+ * [0.5/c, min(2/c, 1)], maximising the mass the layers keep together (the sum of their
  * mean top-keys curves, read between grid points linearly): water-filling,
  * every next slice of the budget to the layer whose curve gains most from it.
  * (The snapkv curves are for people: docs/SPARSITY.md says why they do not

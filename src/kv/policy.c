@@ -163,7 +163,6 @@ void kvs_kv_policy_describe(const kvs_kv_policy *p, char *buf, size_t cap) {
     char budget[32];
     if (p->budget_tokens > 0) snprintf(budget, sizeof budget, "%d", p->budget_tokens);
     else snprintf(budget, sizeof budget, "%g%%", 100.0 * p->budget_fraction);
-    int n = snprintf(buf, cap, "%s budget=%s full_layers=%d window=%d pool=%d", kvs_kv_policy_name(p->kind), budget,
-                     p->full_layers, p->window, p->pool);
-    if (p->profile && n >= 0 && (size_t)n < cap) snprintf(buf + n, cap - n, " profile");
+    snprintf(buf, cap, "%s budget=%s full_layers=%d window=%d pool=%d", kvs_kv_policy_name(p->kind), budget,
+             p->full_layers, p->window, p->pool);
 }
