@@ -147,9 +147,28 @@ Test(kv_profile, load_names_the_file) {
     cr_expect(strstr(kvs_last_error(), "kv profile /nonexistent/p.json: cannot open"), "%s", kvs_last_error());
 }
 
+/* want[first .. L): total entries in proportion to share[], each at least lo
+ * (a layer the floor holds keeps lo, the others split the rest). */
+static void shares_to_entries(const float *share, int first, int L, long total, int lo, double *want) {
+    bool fixed[32] = {0};
+    for (bool again = true; again;) {
+        again = false;
+        double left = (double)total, w_sum = 0;
+        for (int l = first; l < L; l++)
+            if (fixed[l]) left -= lo;
+            else w_sum += share[l];
+        for (int l = first; l < L; l++) {
+            if (fixed[l]) continue;
+            want[l] = left * share[l] / w_sum;
+            if (want[l] < lo) want[l] = lo, fixed[l] = again = true;
+        }
+    }
+}
+
 /* With a profile the sparse layers keep m x B entries together, exactly,
  * each layer its share of them (within a token: the apportionment's
- * rounding), from the target nearest the policy's compression. */
+ * rounding; never below the window), from the target nearest the policy's
+ * compression. */
 Test(kv_profile, budgets_follow_the_shares) {
     kvs_rng rng;
     kvs_rng_seed(&rng, kvs_test_seed());
@@ -171,16 +190,15 @@ Test(kv_profile, budgets_follow_the_shares) {
         int budgets[32], t = p.budget_fraction < 0.07f ? 1 : 0, m = L - p.full_layers;
         kvs_kv_policy_budgets(&p, L, prompt, budgets);
         long B = lroundf(p.budget_fraction * prompt), total = 0;
-        double w_sum = 0;
-        for (int l = p.full_layers; l < L; l++) w_sum += shares[t][l];
+        double want[32];
+        shares_to_entries(shares[t], p.full_layers, L, m * B, p.window, want);
         for (int l = 0; l < L; l++) {
             if (l < p.full_layers) {
                 cr_expect_eq(budgets[l], -1, "layer %d stays full", l);
                 continue;
             }
-            double want = (double)m * B * shares[t][l] / w_sum;
-            cr_expect(fabs(budgets[l] - want) < 1 + 1e-9, "trial %d, layer %d of %d: budget %d, shares say %.2f", trial, l,
-                      L, budgets[l], want);
+            cr_expect(fabs(budgets[l] - want[l]) < 1 + 1e-9, "trial %d, layer %d of %d: budget %d, shares say %.2f", trial,
+                      l, L, budgets[l], want[l]);
             total += budgets[l];
         }
         cr_expect_eq(total, m * B, "trial %d: the sparse layers keep %ld, not m x B = %ld", trial, total, m * B);

@@ -155,6 +155,21 @@ typedef struct {
     long long tokens;
 } calib_run;
 
+/* The ids of a data line's "prompt" (as eval retrieval tokenizes it), of 2w to max_len tokens. */
+static kvs_status read_prompt(const kvs_tokenizer *tok, const calib_options *o, const char *line, int line_no,
+                              int max_len, int32_t **ids, int *n) {
+    json_t *row = json_loads(line, 0, NULL);
+    const char *prompt = json_string_value(json_object_get(row, "prompt"));
+    kvs_encode_options eo = {.add_special_tokens = false, .parse_special = true};
+    kvs_status st = prompt ? kvs_tokenizer_encode(tok, prompt, strlen(prompt), eo, ids, n)
+                           : kvs_fail(KVS_ERR_FORMAT, "%s:%d: expected an object with a \"prompt\" string", o->data, line_no);
+    json_decref(row);
+    if (st == KVS_OK && (*n < 2 * o->window || *n > max_len))
+        st = kvs_fail(KVS_ERR_INVALID, "%s:%d: a prompt of %d tokens: calibrate takes %d (twice the window) to %d (the model's context)",
+                      o->data, line_no, *n, 2 * o->window, max_len);
+    return st;
+}
+
 static kvs_status calibrate_file(kvs_loaded *l, const calib_options *o, FILE *f, calib_run *run) {
     int max_len;
     KVS_TRY(make_cache(l, o->window, &max_len));
@@ -170,16 +185,9 @@ static kvs_status calibrate_file(kvs_loaded *l, const calib_options *o, FILE *f,
     for (int line_no = 1; st == KVS_OK && getline(&line, &cap, f) > 0 && (!o->limit || run->stats.n_prompts < o->limit);
          line_no++) {
         if ((line_no - 1) % o->stride || line[0] == '\n') continue;
-        json_t *row = json_loads(line, 0, NULL);
-        const char *prompt = json_string_value(json_object_get(row, "prompt"));
         int32_t *ids = NULL;
         int n = 0;
-        if (!prompt) st = kvs_fail(KVS_ERR_FORMAT, "%s:%d: expected an object with a \"prompt\" string", o->data, line_no);
-        else st = kvs_tokenizer_encode(l->tok, prompt, strlen(prompt), (kvs_encode_options){.add_special_tokens = false, .parse_special = true}, &ids, &n);
-        json_decref(row);
-        if (st == KVS_OK && (n < 2 * o->window || n > max_len))
-            st = kvs_fail(KVS_ERR_INVALID, "%s:%d: a prompt of %d tokens: calibrate takes %d (twice the window) to %d (the model's context)",
-                          o->data, line_no, n, 2 * o->window, max_len);
+        st = read_prompt(l->tok, o, line, line_no, max_len, &ids, &n);
         bool is_first = st == KVS_OK && run->stats.n_prompts == 0;
         if (is_first && !(run->first.mass = malloc(sizeof(double) * (size_t)l->cfg.n_layers * n)))
             st = kvs_fail(KVS_ERR_NOMEM, "calibrate: out of memory");
