@@ -336,7 +336,7 @@ Test(eval, kv_profile_option, .timeout = 300) {
              src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"), dir);
     json_t *o = run_json(args);
     cr_expect_str_eq(json_string_value(json_object_get(o, "policy")),
-                     "snapkv budget=10% full_layers=0 window=32 pool=7 profile=good.json");
+                     "snapkv budget=10% full_layers=0 window=16 pool=7 profile=good.json");
     double r = json_real_value(json_object_get(o, "compression_ratio"));
     cr_expect(r > 9.5 && r < 10.5, "10%% budget with a profile: ratio %g", r);
     json_decref(o);

@@ -304,16 +304,17 @@ Test(tp, window_scores_at_world_1_only) {
         tp_rig_open_dummy(&r, odd_vocab_config(false, false), world, 128);
         int seq = rig_seq(&r, &p, 100), H = r.cfg.n_kv_heads, group = r.cfg.n_heads / H;
         tp_rig_run(&r, seq, ids, 100, 0, 40, NULL, NULL);
-        float *got = malloc(sizeof(float) * H * 100), *want = malloc(sizeof(float) * H * 100);
+        int m = 100 - p.window; /* the entries before the window */
+        float *got = malloc(sizeof(float) * H * m), *want = malloc(sizeof(float) * H * m);
         kvs_status st = kvs_runner_window_scores(r.g, seq, 1, got);
         if (world == 1) {
             cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
             cr_assert_eq(kvs_kv_window_scores(kvs_runner_kv(r.g, 0), seq, 1, want), KVS_OK, "%s", kvs_last_error());
-            cr_expect(memcmp(got, want, sizeof(float) * H * 100) == 0, "the runner's scores are rank 0's");
-            for (int g = 0; g < H; g++) {
+            cr_expect(memcmp(got, want, sizeof(float) * H * m) == 0, "the runner's scores are rank 0's");
+            for (int g = 0; g < H; g++) { /* attention rows sum to 1: at most group x window before the window */
                 double sum = 0;
-                for (int j = 0; j < 100; j++) sum += got[g * 100 + j];
-                cr_expect(fabs(sum - group * p.window) < 1e-3 * group * p.window, "KV head %d: scores sum to %g, not %d",
+                for (int j = 0; j < m; j++) sum += got[g * m + j];
+                cr_expect(sum > 0 && sum <= group * p.window * (1 + 1e-4), "KV head %d: scores sum to %g, above %d",
                           g, sum, group * p.window);
             }
             cr_expect_eq(kvs_kv_len(kvs_runner_kv(r.g, 0), seq, 1), 100, "nothing compacted");
