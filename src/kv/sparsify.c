@@ -71,49 +71,50 @@ void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **
     *lse = kv->win_lse ? kv->win_lse[layer] : NULL;
 }
 
+/* The SnapKV scores of (seq, layer)'s entries [0, n - w) from its captured window,
+ * into backend scratch (*d_scores [H][n - w]); *d_tab is the layer's table uploaded. */
+static kvs_status score_window(kvs_kv_cache *kv, seq_state *s, int layer, float **d_scores, int32_t **d_tab) {
+    kvs_backend *be = kv->be;
+    int n = s->layers[layer].len, w = s->policy.window, d = kv->cfg.head_dim, nh = kv->cfg.n_heads;
+    size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks;
+    *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
+    *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sizeof(float) * (size_t)kv->cfg.n_kv_heads * (n - w));
+    if (!*d_tab || !*d_scores) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of backend memory");
+    size_t row = (size_t)(s - kv->seqs) * kv->window_cap;
+    const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
+    be->to_device(be, *d_tab, s->layers[layer].blocks, tab_bytes);
+    be->sparsity_scores(be, *d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, *d_tab, n - w, nh,
+                        1.0f / sqrtf((float)d));
+    return KVS_OK;
+}
+
 /* SnapKV: keep the top (budget - w) of entries [0, n - w) by pooled score, plus the
  * window, and compact. Scores, selection and compaction stay in backend memory:
  * nothing comes back to the host. */
 static kvs_status compact_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int budget) {
     seq_state *s = &kv->seqs[seq_id];
-    kvs_backend *be = kv->be;
-    int n = s->layers[layer].len, w = s->policy.window, n_keys = n - w, H = kv->cfg.n_kv_heads;
-    int k = budget - w, d = kv->cfg.head_dim, nh = kv->cfg.n_heads;
-    size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks, sc_bytes = sizeof(float) * (size_t)H * n_keys;
-    int32_t *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
-    float *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sc_bytes);
-    int32_t *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, sizeof(int32_t) * (size_t)H * budget);
-    if (!d_tab || !d_scores || !d_keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of backend memory");
-    size_t row = (size_t)seq_id * kv->window_cap;
-    const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
-    be->to_device(be, d_tab, s->layers[layer].blocks, tab_bytes);
-    be->sparsity_scores(be, d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, d_tab, n_keys, nh,
-                        1.0f / sqrtf((float)d));
-    be->snapkv_select(be, d_keep, d_scores, n_keys, H, s->policy.pool, k, w);
+    int w = s->policy.window, H = kv->cfg.n_kv_heads;
+    float *d_scores;
+    int32_t *d_tab, *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, sizeof(int32_t) * (size_t)H * budget);
+    if (!d_keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of backend memory");
+    KVS_TRY(score_window(kv, s, layer, &d_scores, &d_tab));
+    kv->be->snapkv_select(kv->be, d_keep, d_scores, s->layers[layer].len - w, H, s->policy.pool, budget - w, w);
     return kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, budget);
 }
 
 kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out) {
     seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s || layer < 0 || layer >= kv->cfg.n_layers) return kvs_fail(KVS_ERR_INVALID, "kv window scores: no such sequence or layer");
-    int n = s->layers[layer].len, w = s->policy.window, H = kv->cfg.n_kv_heads;
+    int n = s->layers[layer].len, w = s->policy.window;
     if (!s->budgets || s->budgets[layer] < 0 || s->policy.kind == KVS_POLICY_STREAMINGLLM || n != s->n_tokens ||
         s->n_tokens != s->prompt_len || n < w)
         return kvs_fail(KVS_ERR_INVALID, "kv window scores: layer %d holds no captured window over its whole prompt", layer);
     if (n == w) return KVS_OK; /* no entry before the window */
-    kvs_backend *be = kv->be;
-    int d = kv->cfg.head_dim, nh = kv->cfg.n_heads;
-    size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks, sc_bytes = sizeof(float) * (size_t)H * (n - w);
-    int32_t *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
-    float *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sc_bytes);
-    if (!d_tab || !d_scores) return kvs_fail(KVS_ERR_NOMEM, "kv window scores: out of backend memory");
-    size_t row = (size_t)seq_id * kv->window_cap;
-    const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
-    be->to_device(be, d_tab, s->layers[layer].blocks, tab_bytes);
-    be->sparsity_scores(be, d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, d_tab, n - w, nh,
-                        1.0f / sqrtf((float)d));
-    be->to_host(be, out, d_scores, sc_bytes);
-    return be->check(be);
+    float *d_scores;
+    int32_t *d_tab;
+    KVS_TRY(score_window(kv, s, layer, &d_scores, &d_tab));
+    kv->be->to_host(kv->be, out, d_scores, sizeof(float) * (size_t)kv->cfg.n_kv_heads * (n - w));
+    return kv->be->check(kv->be);
 }
 
 /* StreamingLLM: the first `sinks` entries and the most recent ones. */
