@@ -1,5 +1,6 @@
 /* The CPU backend: f32 activations; f32 weights and KV (the oracle that
  * other backends are tested against) or bf16 / f16 ones; all in host memory. */
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -20,6 +21,12 @@ typedef struct {
     kvs_cpu_pool *pool; /* decode's parallel ops */
     void *scratch; /* grow-only: no allocation per step once warm (a fresh buffer's pages fault in) */
     size_t scratch_cap;
+    struct { /* the last RoPE table (kvs_cpu_rope_table), grow-only */
+        float *cs, *freq;
+        int32_t *pos;
+        int n, half;
+        size_t cap_n, cap_half;
+    } rope;
 } cpu_state;
 
 const kvs_cpu_kernels *kvs_cpu_kernels_of(kvs_backend *b) { return ((cpu_state *)b->impl)->kernels; }
@@ -38,6 +45,40 @@ void *kvs_cpu_scratch(kvs_backend *b, size_t bytes) {
         c->scratch_cap = bytes;
     }
     return c->scratch;
+}
+
+const float *kvs_cpu_rope_table(kvs_backend *b, const int32_t *positions, const float *inv_freq, int n, int half) {
+    cpu_state *c = b->impl;
+    if (c->rope.cs && c->rope.n == n && c->rope.half == half && !memcmp(c->rope.pos, positions, sizeof(int32_t) * n) &&
+        !memcmp(c->rope.freq, inv_freq, sizeof(float) * half))
+        return c->rope.cs;
+    if ((size_t)n > c->rope.cap_n || (size_t)half > c->rope.cap_half || !c->rope.cs) {
+        size_t cap_n = (size_t)n > c->rope.cap_n ? (size_t)n : c->rope.cap_n;
+        size_t cap_half = (size_t)half > c->rope.cap_half ? (size_t)half : c->rope.cap_half;
+        free(c->rope.cs), free(c->rope.pos), free(c->rope.freq);
+        c->rope.cs = kvs_aligned_alloc(sizeof(float) * 2 * (cap_n ? cap_n : 1) * (cap_half ? cap_half : 1));
+        c->rope.pos = malloc(sizeof(int32_t) * (cap_n ? cap_n : 1));
+        c->rope.freq = malloc(sizeof(float) * (cap_half ? cap_half : 1));
+        c->rope.cap_n = cap_n, c->rope.cap_half = cap_half;
+        if (!c->rope.cs || !c->rope.pos || !c->rope.freq) {
+            free(c->rope.cs), free(c->rope.pos), free(c->rope.freq);
+            memset(&c->rope, 0, sizeof c->rope);
+            kvs_cpu_fail(b, KVS_ERR_NOMEM, "cpu backend: out of memory (a RoPE table of %d positions)", n);
+            return NULL;
+        }
+    }
+    float *cs = c->rope.cs;
+#pragma omp parallel for if (n > 4)
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < half; k++) {
+            double ang = (double)positions[i] * inv_freq[k];
+            cs[(size_t)i * 2 * half + k] = (float)cos(ang);
+            cs[(size_t)i * 2 * half + half + k] = (float)sin(ang);
+        }
+    memcpy(c->rope.pos, positions, sizeof(int32_t) * n);
+    memcpy(c->rope.freq, inv_freq, sizeof(float) * half);
+    c->rope.n = n, c->rope.half = half;
+    return cs;
 }
 
 const float *kvs_cpu_weights_f32(kvs_backend *b, const void *w, size_t n, float *buf) {
@@ -158,6 +199,7 @@ static void cpu_destroy(kvs_backend *b) {
     pthread_mutex_destroy(&c->mu);
     kvs_cpu_pool_destroy(c->pool);
     free(c->scratch);
+    free(c->rope.cs), free(c->rope.pos), free(c->rope.freq);
     free(c);
     free(b);
 }

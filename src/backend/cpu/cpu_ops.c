@@ -34,16 +34,17 @@ void kvs_cpu_rope(kvs_backend *b, void *x, const int32_t *positions, const float
                   int n_heads, int head_dim) {
     float *v = x;
     int half = head_dim / 2;
+    const float *cs = kvs_cpu_rope_table(b, positions, inv_freq, n, half);
+    if (!cs) return;
 #pragma omp parallel for if (n > 4)
     for (int i = 0; i < n; i++) {
-        for (int k = 0; k < half; k++) {
-            double ang = (double)positions[i] * inv_freq[k];
-            float c = (float)cos(ang), s = (float)sin(ang);
-            for (int h = 0; h < n_heads; h++) {
-                float *r = v + ((size_t)i * n_heads + h) * head_dim;
+        const float *c = cs + (size_t)i * 2 * half, *s = c + half;
+        for (int h = 0; h < n_heads; h++) {
+            float *r = v + ((size_t)i * n_heads + h) * head_dim;
+            for (int k = 0; k < half; k++) {
                 float x1 = r[k], x2 = r[k + half];
-                r[k] = x1 * c - x2 * s;
-                r[k + half] = x2 * c + x1 * s;
+                r[k] = x1 * c[k] - x2 * s[k];
+                r[k + half] = x2 * c[k] + x1 * s[k];
             }
         }
     }
@@ -52,13 +53,9 @@ void kvs_cpu_rope(kvs_backend *b, void *x, const int32_t *positions, const float
 void kvs_cpu_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int dim) {
     float *o = out;
     const float *gu = gate_up;
+    const kvs_cpu_kernels *k = kvs_cpu_kernels_of(b);
 #pragma omp parallel for if (n > 4)
-    for (int i = 0; i < n; i++) {
-        const float *g = gu + (size_t)i * 2 * dim, *u = g + dim;
-        /* expf overflows to inf past 88.7 (through glibc's slow errno path): inf directly, the same result */
-        for (int j = 0; j < dim; j++)
-            o[(size_t)i * dim + j] = g[j] / (1.0f + (-g[j] > 88.8f ? INFINITY : expf(-g[j]))) * u[j];
-    }
+    for (int i = 0; i < n; i++) k->silu_mul(o + (size_t)i * dim, gu + (size_t)i * 2 * dim, gu + (size_t)i * 2 * dim + dim, dim);
 }
 
 void kvs_cpu_gather_rows(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim) {

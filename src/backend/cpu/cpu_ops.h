@@ -20,6 +20,11 @@ kvs_cpu_pool *kvs_cpu_pool_of(kvs_backend *b);
  * until the next call; NULL (failure recorded) when out of memory. For one op
  * at a time, called outside parallel regions. */
 void *kvs_cpu_scratch(kvs_backend *b, size_t bytes);
+/* cos then sin of positions[i] * inv_freq[k] for k < half, [n][2][half] ((float) of
+ * the double angle's cos and sin): made again only when the positions or the
+ * frequencies differ from the last call's, so a step's layers (and q and k) share
+ * one. Valid until the next call; NULL (failure recorded) when out of memory. */
+const float *kvs_cpu_rope_table(kvs_backend *b, const int32_t *positions, const float *inv_freq, int n, int half);
 /* n weights of the backend's weight dtype as f32: w itself when weights are
  * f32, else converted into buf (n floats). */
 const float *kvs_cpu_weights_f32(kvs_backend *b, const void *w, size_t n, float *buf);
