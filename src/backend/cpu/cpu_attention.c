@@ -9,6 +9,13 @@
 
 #define kv_at(...) kvs_cpu_kv_at(b, __VA_ARGS__)
 
+/* Asks for the rows of the next block while the current one is computed: the
+ * blocks of a table are scattered, so the hardware prefetcher, which follows a
+ * stream within a page, starts cold at each one. */
+static inline void prefetch_rows(const void *p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
+
 /* Decode: one query row i of sequence s against its paged keys, for all the
  * query heads of KV head g at once (each key and value row read once), the
  * scores in S [group][n_keys]. */
@@ -20,9 +27,13 @@ static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const k
         for (int h = 0; lse && h < group; h++) lse[h] = -INFINITY;
         return;
     }
-    for (int e0 = 0; e0 < n_keys; e0 += bs)
+    size_t row_bytes = (size_t)d * kvs_dtype_size(b->kv_dtype);
+    for (int e0 = 0; e0 < n_keys; e0 += bs) {
+        if (e0 + bs < n_keys)
+            prefetch_rows(kv_at(pool, table[e0 / bs + 1], 0, g, 0), row_bytes * (n_keys - e0 - bs < bs ? n_keys - e0 - bs : bs));
         k->qk(S + e0, n_keys, q, d, group, kv_at(pool, table[e0 / bs], 0, g, 0), b->kv_dtype,
               n_keys - e0 < bs ? n_keys - e0 : bs, d, scale);
+    }
     double sum[group];
     float mx[group];
     for (int h = 0; h < group; h++) {
@@ -31,9 +42,12 @@ static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const k
         sum[h] = k->exp_sum(sh, n_keys, m), mx[h] = m;
     }
     memset(out, 0, sizeof(float) * d * group);
-    for (int e0 = 0; e0 < n_keys; e0 += bs)
+    for (int e0 = 0; e0 < n_keys; e0 += bs) {
+        if (e0 + bs < n_keys)
+            prefetch_rows(kv_at(pool, table[e0 / bs + 1], 1, g, 0), row_bytes * (n_keys - e0 - bs < bs ? n_keys - e0 - bs : bs));
         k->pv(out, d, S + e0, n_keys, group, kv_at(pool, table[e0 / bs], 1, g, 0), b->kv_dtype,
               n_keys - e0 < bs ? n_keys - e0 : bs, d);
+    }
     for (int h = 0; h < group; h++) {
         float inv = (float)(1.0 / sum[h]);
         for (int j = 0; j < d; j++) out[(size_t)h * d + j] *= inv;
