@@ -368,7 +368,9 @@ static void *whole_request(void *arg) {
 /* shutdown(SHUT_WR) after the request, which then waits in the queue (the
  * server looks at its socket meanwhile) and runs: the answer comes, whole. */
 static void half_close(int port, const char *version, bool stream) {
-    int arg[3] = {port, 0, 40};
+    /* 300 tokens: long enough to be seen running (polled every 50 ms) on a machine
+       that decodes 400 tokens/s (40 were over in under 50 ms on 2026-12-02) */
+    int arg[3] = {port, 0, 300};
     pthread_t th;
     pthread_create(&th, NULL, whole_request, arg);
     cr_assert(wait_running(port, 1));
