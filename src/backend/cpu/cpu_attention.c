@@ -9,11 +9,20 @@
 
 #define kv_at(...) kvs_cpu_kv_at(b, __VA_ARGS__)
 
-/* Asks for the rows of the next block while the current one is computed: the
- * blocks of a table are scattered, so the hardware prefetcher, which follows a
- * stream within a page, starts cold at each one. */
-static inline void prefetch_rows(const void *p, size_t bytes) {
-    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+/* Entries of a table's block that starts at entry e0 (of n). */
+static inline int block_rows(int n, int e0, int bs) { return n - e0 < bs ? n - e0 : bs; }
+
+/* Asks for the K (kind 0) or V (kind 1) rows of head g in the block after the one
+ * at entry e0, while that one is computed: the blocks of a table are scattered,
+ * so the hardware prefetcher, which follows a stream within a page, starts cold
+ * at each one. */
+static inline void prefetch_next_block(const kvs_backend *b, const kvs_kv_pool *pool, const int32_t *table, int n_keys,
+                                       int e0, int kind, int g) {
+    int bs = pool->block_size;
+    if (e0 + bs >= n_keys) return;
+    const char *p = kv_at(pool, table[e0 / bs + 1], kind, g, 0);
+    size_t bytes = (size_t)block_rows(n_keys, e0 + bs, bs) * pool->head_dim * kvs_dtype_size(b->kv_dtype);
+    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
 /* Decode: one query row i of sequence s against its paged keys, for all the
@@ -27,12 +36,10 @@ static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const k
         for (int h = 0; lse && h < group; h++) lse[h] = -INFINITY;
         return;
     }
-    size_t row_bytes = (size_t)d * kvs_dtype_size(b->kv_dtype);
     for (int e0 = 0; e0 < n_keys; e0 += bs) {
-        if (e0 + bs < n_keys)
-            prefetch_rows(kv_at(pool, table[e0 / bs + 1], 0, g, 0), row_bytes * (n_keys - e0 - bs < bs ? n_keys - e0 - bs : bs));
+        prefetch_next_block(b, pool, table, n_keys, e0, 0, g);
         k->qk(S + e0, n_keys, q, d, group, kv_at(pool, table[e0 / bs], 0, g, 0), b->kv_dtype,
-              n_keys - e0 < bs ? n_keys - e0 : bs, d, scale);
+              block_rows(n_keys, e0, bs), d, scale);
     }
     double sum[group];
     float mx[group];
@@ -46,10 +53,9 @@ static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const k
     }
     memset(out, 0, sizeof(float) * d * group);
     for (int e0 = 0; e0 < n_keys; e0 += bs) {
-        if (e0 + bs < n_keys)
-            prefetch_rows(kv_at(pool, table[e0 / bs + 1], 1, g, 0), row_bytes * (n_keys - e0 - bs < bs ? n_keys - e0 - bs : bs));
+        prefetch_next_block(b, pool, table, n_keys, e0, 1, g);
         k->pv(out, d, S + e0, n_keys, group, kv_at(pool, table[e0 / bs], 1, g, 0), b->kv_dtype,
-              n_keys - e0 < bs ? n_keys - e0 : bs, d);
+              block_rows(n_keys, e0, bs), d);
     }
     for (int h = 0; h < group; h++) {
         float inv = (float)(1.0 / sum[h]);
@@ -97,7 +103,7 @@ static void gather_head(const kvs_backend *b, const kvs_kv_pool *pool, const kvs
     int d = pool->head_dim, bs = pool->block_size, n = ab->kv_len[s];
     const int32_t *table = ab->block_tables + (size_t)s * ab->max_blocks;
     for (int e0 = 0; e0 < n; e0 += bs) {
-        int cnt = n - e0 < bs ? n - e0 : bs;
+        int cnt = block_rows(n, e0, bs);
         kvs_to_f32(k + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 0, g, 0), b->kv_dtype, (size_t)d * cnt);
         kvs_to_f32(v + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 1, g, 0), b->kv_dtype, (size_t)d * cnt);
     }
