@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <cblas.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "backend/cpu/cpu_ops.h"
 
@@ -19,6 +18,8 @@ typedef struct {
     char message[512];
     const kvs_cpu_kernels *kernels;
     kvs_cpu_pool *pool; /* decode's parallel ops */
+    kvs_cpu_populate *populating; /* the KV pool's page faulting (cpu_alloc_kv_pool) */
+    void *populating_p;
     void *scratch; /* grow-only: no allocation per step once warm (a fresh buffer's pages fault in) */
     size_t scratch_cap;
     struct { /* the last RoPE table (kvs_cpu_rope_table), grow-only */
@@ -104,20 +105,21 @@ void kvs_cpu_fail(kvs_backend *b, kvs_status code, const char *fmt, ...) {
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Weights (the model allocates a layer's as one buffer) are 2 MiB aligned and
- * asked for transparent huge pages: streamed, they read 10-20% faster here
- * than on 4 KiB pages (fewer TLB misses; docs/CPU.md). Only they: faulting
- * in huge pages costs more than the pages a buffer touches (the KV pool fills
- * block by block, and its resident size would creep up 2 MiB at a time). */
-static void *cpu_alloc_weights(kvs_backend *b, size_t bytes) {
-    enum { HUGE = 2 << 20 };
-    if (bytes < HUGE) return kvs_aligned_alloc(bytes);
-    void *p = NULL;
-    size_t rounded = (bytes + HUGE - 1) / HUGE * HUGE;
-    if (posix_memalign(&p, HUGE, rounded) != 0) return NULL;
-#ifdef MADV_HUGEPAGE
-    madvise(p, rounded, MADV_HUGEPAGE); /* advice: ignored where THP is off */
-#endif
+/* Weights (the model allocates a layer's as one buffer) on huge pages. */
+static void *cpu_alloc_weights(kvs_backend *b, size_t bytes) { return kvs_cpu_alloc_huge(bytes); }
+
+/* The KV pool on huge pages too: decode reads its blocks scattered, and on
+ * 4 KiB pages a block's first touch was a TLB miss (docs/CPU.md). Its pages
+ * are faulted in by a background thread from the start, so the resident size
+ * is the pool's at once instead of creeping up a huge page at a time as
+ * requests first write them; the engine does not wait for it. */
+static void *cpu_alloc_kv_pool(kvs_backend *b, size_t bytes) {
+    cpu_state *c = b->impl;
+    void *p = kvs_cpu_alloc_huge(bytes);
+    if (!p || bytes < (2 << 20)) return p;
+    kvs_cpu_populate_stop(c->populating); /* one pool a backend; an earlier one's rest faults in when written */
+    c->populating = kvs_cpu_populate_start(p, bytes);
+    c->populating_p = c->populating ? p : NULL;
     return p;
 }
 
@@ -129,7 +131,7 @@ double kvs_cpu_read_bandwidth(kvs_backend *b, size_t bytes, int reps) {
     if (!b || strcmp(b->name, "cpu") != 0) return 0;
     const kvs_cpu_kernels *k = ((cpu_state *)b->impl)->kernels;
     size_t n = bytes / sizeof(float) / 1024 * 1024;
-    float *x = cpu_alloc_weights(b, n * sizeof(float)); /* as the weights are */
+    float *x = kvs_cpu_alloc_huge(n * sizeof(float)); /* as the weights are */
     if (!x || n == 0) {
         free(x);
         return 0;
@@ -165,7 +167,14 @@ static kvs_status cpu_check(kvs_backend *b) {
     return st == KVS_OK ? KVS_OK : kvs_fail(st, "cpu backend: %s", msg);
 }
 
-static void cpu_free(kvs_backend *b, void *p) { free(p); }
+static void cpu_free(kvs_backend *b, void *p) {
+    cpu_state *c = b->impl;
+    if (p && p == c->populating_p) {
+        kvs_cpu_populate_stop(c->populating);
+        c->populating = NULL, c->populating_p = NULL;
+    }
+    free(p);
+}
 static void cpu_copy(kvs_backend *b, void *dst, const void *src, size_t bytes) {
     if (bytes) memcpy(dst, src, bytes);
 }
@@ -196,6 +205,7 @@ static void *cpu_host_alloc(kvs_backend *b, size_t bytes) { return malloc(bytes 
 static void cpu_host_free(kvs_backend *b, void *p) { free(p); }
 static void cpu_destroy(kvs_backend *b) {
     cpu_state *c = b->impl;
+    kvs_cpu_populate_stop(c->populating);
     pthread_mutex_destroy(&c->mu);
     kvs_cpu_pool_destroy(c->pool);
     free(c->scratch);
@@ -241,6 +251,7 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->kv_dtype = kv_dtype;
     b->alloc = cpu_alloc;
     b->alloc_weights = cpu_alloc_weights;
+    b->alloc_kv_pool = cpu_alloc_kv_pool;
     b->free = cpu_free;
     b->to_device = cpu_copy;
     b->to_host = cpu_copy;
