@@ -18,8 +18,6 @@ typedef struct {
     char message[512];
     const kvs_cpu_kernels *kernels;
     kvs_cpu_pool *pool; /* decode's parallel ops */
-    kvs_cpu_populate *populating; /* the KV pool's page faulting (cpu_alloc_kv_pool) */
-    void *populating_p;
     void *scratch; /* grow-only: no allocation per step once warm (a fresh buffer's pages fault in) */
     size_t scratch_cap;
     struct { /* the last RoPE table (kvs_cpu_rope_table), grow-only */
@@ -109,17 +107,12 @@ void kvs_cpu_fail(kvs_backend *b, kvs_status code, const char *fmt, ...) {
 static void *cpu_alloc_weights(kvs_backend *b, size_t bytes) { return kvs_cpu_alloc_huge(bytes); }
 
 /* The KV pool on huge pages too: decode reads its blocks scattered, and on
- * 4 KiB pages a block's first touch was a TLB miss (docs/CPU.md). Its pages
- * are faulted in by a background thread from the start, so the resident size
- * is the pool's at once instead of creeping up a huge page at a time as
- * requests first write them; the engine does not wait for it. */
+ * 4 KiB pages a block's first touch was a TLB miss (docs/CPU.md). Faulted in
+ * at once, as llama.cpp clears its KV buffer: the resident size is the pool's
+ * from the start instead of creeping up as requests first write its blocks. */
 static void *cpu_alloc_kv_pool(kvs_backend *b, size_t bytes) {
-    cpu_state *c = b->impl;
     void *p = kvs_cpu_alloc_huge(bytes);
-    if (!p || bytes < (2 << 20)) return p;
-    kvs_cpu_populate_stop(c->populating); /* one pool a backend; an earlier one's rest faults in when written */
-    c->populating = kvs_cpu_populate_start(p, bytes);
-    c->populating_p = c->populating ? p : NULL;
+    if (p) kvs_cpu_populate(p, bytes);
     return p;
 }
 
@@ -167,14 +160,7 @@ static kvs_status cpu_check(kvs_backend *b) {
     return st == KVS_OK ? KVS_OK : kvs_fail(st, "cpu backend: %s", msg);
 }
 
-static void cpu_free(kvs_backend *b, void *p) {
-    cpu_state *c = b->impl;
-    if (p && p == c->populating_p) {
-        kvs_cpu_populate_stop(c->populating);
-        c->populating = NULL, c->populating_p = NULL;
-    }
-    free(p);
-}
+static void cpu_free(kvs_backend *b, void *p) { free(p); }
 static void cpu_copy(kvs_backend *b, void *dst, const void *src, size_t bytes) {
     if (bytes) memcpy(dst, src, bytes);
 }
@@ -205,7 +191,6 @@ static void *cpu_host_alloc(kvs_backend *b, size_t bytes) { return malloc(bytes 
 static void cpu_host_free(kvs_backend *b, void *p) { free(p); }
 static void cpu_destroy(kvs_backend *b) {
     cpu_state *c = b->impl;
-    kvs_cpu_populate_stop(c->populating);
     pthread_mutex_destroy(&c->mu);
     kvs_cpu_pool_destroy(c->pool);
     free(c->scratch);

@@ -28,13 +28,8 @@ const float *kvs_cpu_rope_table(kvs_backend *b, const int32_t *positions, const 
 /* Memory (cpu_memory.c) for what every step streams, the weights and the KV
  * pool: 2 MiB aligned on transparent huge pages from 2 MiB up; free(). */
 void *kvs_cpu_alloc_huge(size_t bytes);
-/* A thread at idle priority that faults p's bytes in (2 MiB aligned, from
- * kvs_cpu_alloc_huge) a huge page at a time, leaving the contents alone; NULL
- * when no thread could start (the pages then fault in when first written).
- * Stop it (it stops within a page, joined and freed) before freeing p. */
-typedef struct kvs_cpu_populate kvs_cpu_populate;
-kvs_cpu_populate *kvs_cpu_populate_start(void *p, size_t bytes);
-void kvs_cpu_populate_stop(kvs_cpu_populate *t);
+/* Faults p's bytes in (p from kvs_cpu_alloc_huge), all at once. */
+void kvs_cpu_populate(void *p, size_t bytes);
 /* n weights of the backend's weight dtype as f32: w itself when weights are
  * f32, else converted into buf (n floats). */
 const float *kvs_cpu_weights_f32(kvs_backend *b, const void *w, size_t n, float *buf);
