@@ -192,10 +192,10 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     if (st == KVS_OK && tp > 1) st = kvs_tp_validate(&out->cfg, tp, -1);
     bool cuda = o->device && !strncmp(o->device, "cuda", 4);
     int device0 = cuda && o->device[4] == ':' ? atoi(o->device + 5) : 0;
-    /* auto: weights as the checkpoint (config.json's torch_dtype) stores them; the KV cache in f32 on the
-       CPU (a bf16 cache halves its memory but did not decode faster there: docs/CPU.md) */
+    /* auto: weights as the checkpoint (config.json's torch_dtype) stores them, and the KV cache in the
+       weights' dtype, as vLLM does (on the CPU a bf16 cache halves the bytes decode reads: docs/CPU.md) */
     if (st == KVS_OK) st = option_dtype("--dtype", o->dtype, out->cfg.dtype, cuda, &out->weight_dtype);
-    if (st == KVS_OK) st = option_dtype("--kv-cache-dtype", o->kv_dtype, KVS_F32, cuda, &out->kv_dtype);
+    if (st == KVS_OK) st = option_dtype("--kv-cache-dtype", o->kv_dtype, out->weight_dtype, cuda, &out->kv_dtype);
     if (st == KVS_OK && cuda && tp > 1) {
         st = load_cuda_ranks(o, out, tp, device0);
     } else if (st == KVS_OK) {

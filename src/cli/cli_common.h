@@ -16,7 +16,7 @@ typedef struct {
     uint64_t dummy_seed;
     int threads;             /* --threads */
     const char *dtype;       /* --dtype: NULL or "auto" (the checkpoint's), float32, bfloat16, float16 */
-    const char *kv_dtype;    /* --kv-cache-dtype: NULL or "auto" (f32 on the CPU), float32, bfloat16, float16 */
+    const char *kv_dtype;    /* --kv-cache-dtype: NULL or "auto" (the weights' dtype), float32, bfloat16, float16 */
     bool skip_model;         /* load config, checkpoint and backend only */
     int tensor_parallel;     /* --tensor-parallel-size (0 or 1: none) */
     bool allow_tp;           /* set by the commands wired for tensor parallelism */
@@ -50,8 +50,8 @@ typedef struct {
     "  --threads N            CPU threads (default: one per core, or $OMP_NUM_THREADS)\n"      \
     "  --dtype D              CPU weights: auto (default: as the checkpoint stores them; bf16 and\n" \
     "                         f16 are widened in registers), float32, bfloat16 or float16\n"   \
-    "  --kv-cache-dtype D     CPU KV cache: auto (default: float32), float32, bfloat16 or float16\n" \
-    "                         (half the memory)\n"
+    "  --kv-cache-dtype D     CPU KV cache: auto (default: the weights' dtype, as vLLM), float32,\n" \
+    "                         bfloat16 or float16 (half the memory of float32)\n"
 #define KVS_CLI_DEVICE_HELP                                                                  \
     "  --device D             cpu (default), cuda or cuda:N\n"                                 \
     "  --enforce-eager        no CUDA graphs for decode steps (default: graphs on cuda)\n"
