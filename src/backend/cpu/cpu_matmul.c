@@ -10,6 +10,13 @@
  * large panels, since each sgemm call packs the whole input again. */
 enum { PANEL_FLOATS = 2 << 20 };
 
+/* Input rows [r0, r1) of thread t of nt (prefill). */
+static void thread_rows(int n, int nt, int t, int *r0, int *r1) {
+    int per = (n + nt - 1) / nt;
+    *r0 = t * per < n ? t * per : n;
+    *r1 = *r0 + per > n ? n : *r0 + per;
+}
+
 /* Output columns [c0, c1) of thread t of nt: multiples of 16 (whole cache lines). */
 static void thread_cols(int out_dim, int nt, int t, int *c0, int *c1) {
     int per = (out_dim + nt - 1) / nt;
@@ -49,7 +56,7 @@ void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, co
     size_t panel = (size_t)panel_rows * in_dim;
     float *scratch = NULL;
     if (bias_floats || widen) {
-        scratch = kvs_cpu_scratch(b, sizeof(float) * (bias_floats + (widen ? panel * nt : 0)));
+        scratch = kvs_cpu_scratch(b, sizeof(float) * (bias_floats + (widen ? panel : 0)));
         if (!scratch) return;
     }
     const float *bias32 = bias ? kvs_cpu_weights_f32(b, bias, out_dim, scratch) : NULL;
@@ -61,23 +68,25 @@ void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, co
     }
     if (bias32)
         for (int i = 0; i < n; i++) memcpy(o + (size_t)i * out_dim, bias32, sizeof(float) * out_dim);
+    float beta = bias32 ? 1.0f : 0.0f, *p = widen ? scratch + bias_floats : NULL;
+    size_t es = kvs_dtype_size(wt);
 #pragma omp parallel num_threads(nt)
     {
-        int c0, c1, t = omp_get_thread_num();
-        thread_cols(out_dim, omp_get_num_threads(), t, &c0, &c1);
-        float beta = bias32 ? 1.0f : 0.0f;
-        if (c0 >= c1) {
-        } else if (!widen) {
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, c1 - c0, in_dim, 1.0f, x, in_dim,
-                        (const float *)w + (size_t)c0 * in_dim, in_dim, beta, o + c0, out_dim);
+        int r0, r1;
+        thread_rows(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
+        if (!widen) {
+            if (r0 < r1)
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, out_dim, in_dim, 1.0f, x + (size_t)r0 * in_dim,
+                            in_dim, w, in_dim, beta, o + (size_t)r0 * out_dim, out_dim);
         } else {
-            float *p = scratch + bias_floats + panel * t;
-            size_t es = kvs_dtype_size(wt);
-            for (int r0 = c0; r0 < c1; r0 += panel_rows) {
-                int nr = c1 - r0 < panel_rows ? c1 - r0 : panel_rows;
-                kvs_to_f32(p, (const char *)w + (size_t)r0 * in_dim * es, wt, (size_t)nr * in_dim);
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, nr, in_dim, 1.0f, x, in_dim, p, in_dim, beta,
-                            o + r0, out_dim);
+            for (int c0 = 0; c0 < out_dim; c0 += panel_rows) {
+                int nc = out_dim - c0 < panel_rows ? out_dim - c0 : panel_rows;
+#pragma omp for schedule(static)
+                for (int j = 0; j < nc; j++) kvs_to_f32(p + (size_t)j * in_dim, (const char *)w + (size_t)(c0 + j) * in_dim * es, wt, in_dim);
+                if (r0 < r1) /* (the for's barrier: the panel is whole) */
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, nc, in_dim, 1.0f, x + (size_t)r0 * in_dim,
+                                in_dim, p, in_dim, beta, o + (size_t)r0 * out_dim + c0, out_dim);
+#pragma omp barrier /* before the next panel is widened over this one */
             }
         }
     }
