@@ -3,7 +3,9 @@
  * f32, bf16 and f16 weights, attention's qk and pv on f32, bf16 and f16
  * keys and values; a row's gemv result the
  * same bits whatever the batch size and the row split; the matmul op on bf16
- * weights equal to the f32 oracle on the same values; the thread pool.
+ * weights equal to the f32 oracle on the same values; the vector exp of the
+ * softmax and SwiGLU kernels against expf (within 2 ulp of the double exp), the
+ * same bits wherever an element sits; the thread pool.
  *
  * Tolerance: |got - ref| <= 1e-5 * sum_k |w_k x_k| + 1e-30 (f32 accumulation
  * in any order is within n * eps of the exact sum of magnitudes; 1e-5 covers
@@ -165,6 +167,81 @@ Test(cpu_kernels, qk_and_pv_match_reference) {
                     }
                     free(q), free(k), free(v), free(kf), free(vf), free(p), free(sc), free(out), free(out0);
                 }
+}
+
+/* |got - want| in units of want's last place (float). */
+static double ulps(float got, double want) {
+    if (want == 0) return got == 0 ? 0 : INFINITY;
+    int e;
+    frexp(want, &e);
+    return fabs(got - want) / ldexp(1.0, e - 24);
+}
+
+/* exp_sum: elements within 2 ulp of exp(x - m) over the normal range, 0 below,
+ * the sum within 1e-6 of the double sum; an element's value the same bits at
+ * every offset and length (vector body or tail). */
+Test(cpu_kernels, exp_sum_matches_exp_and_not_its_position) {
+    kvs_rng rng = seeded();
+    const kvs_cpu_kernels *sets[3];
+    int n_sets = runnable_sets(sets);
+    enum { N = 4099 };
+    float *x = malloc(sizeof(float) * N), *y = malloc(sizeof(float) * N), *z = malloc(sizeof(float) * N);
+    for (int s = 0; s < n_sets; s++)
+        for (int round = 0; round < 20; round++) {
+            float m = (float)(kvs_rng_normal(&rng) * 4);
+            for (int i = 0; i < N; i++) /* x - m over [-100, 0], some exactly at the edges */
+                x[i] = i % 97 == 0 ? m - 87.3365447504f : i % 89 == 0 ? m : m - (float)(kvs_rng_u64(&rng) % 100000) * 1e-3f;
+            memcpy(y, x, sizeof(float) * N);
+            double got = sets[s]->exp_sum(y, N, m), want = 0, worst = 0;
+            for (int i = 0; i < N; i++) {
+                float d = x[i] - m; /* as the kernel subtracts */
+                double e = exp((double)d);
+                if (d < -87.3365447504f) {
+                    cr_assert(y[i] == 0, "%s: exp(%g) = %g, want 0 below the normal range", sets[s]->name, d, y[i]);
+                } else {
+                    double u = ulps(y[i], e);
+                    worst = u > worst ? u : worst;
+                    cr_assert(u <= 2, "%s: exp(%.9g) = %.9g, want %.9g (%.2f ulp)", sets[s]->name, d, y[i], e, u);
+                }
+                want += y[i];
+            }
+            cr_assert(fabs(got - want) <= 1e-6 * want, "%s: sum %.9g, want %.9g", sets[s]->name, got, want);
+            /* the same element in a tail, at another offset */
+            int off = 1 + (int)(kvs_rng_u64(&rng) % 37), len = 1 + (int)(kvs_rng_u64(&rng) % 40);
+            memcpy(z, x + off, sizeof(float) * len);
+            sets[s]->exp_sum(z, len, m);
+            cr_assert(!memcmp(z, y + off, sizeof(float) * len), "%s: an element's exp depends on its position",
+                      sets[s]->name);
+            if (round == 0) cr_log_info("%s: worst %.2f ulp", sets[s]->name, worst);
+        }
+    free(x), free(y), free(z);
+}
+
+/* silu_mul: g / (1 + exp(-g)) * u within 4e-7 relative of the double formula
+ * (1e-36 absolute: a gate below -88.72 gives 0 for e^88.7 g, as expf's +inf did),
+ * including gates far past exp's range either way. */
+Test(cpu_kernels, silu_mul_matches_reference) {
+    kvs_rng rng = seeded();
+    const kvs_cpu_kernels *sets[3];
+    int n_sets = runnable_sets(sets);
+    enum { N = 1031 };
+    float *g = malloc(sizeof(float) * N), *u = malloc(sizeof(float) * N), *o = malloc(sizeof(float) * N);
+    for (int s = 0; s < n_sets; s++)
+        for (int round = 0; round < 10; round++) {
+            for (int i = 0; i < N; i++) {
+                g[i] = (float)(kvs_rng_normal(&rng) * (round < 5 ? 3 : 60));
+                u[i] = (float)kvs_rng_normal(&rng);
+            }
+            g[0] = 100, g[1] = -100, g[2] = 0, g[3] = -88.5f, g[4] = 90;
+            int n = N - (int)(kvs_rng_u64(&rng) % 16);
+            sets[s]->silu_mul(o, g, u, n);
+            for (int i = 0; i < n; i++) {
+                double want = (double)g[i] / (1 + exp(-(double)g[i])) * u[i];
+                cr_assert(fabs(o[i] - want) <= 4e-7 * fabs(want) + 1e-36, "%s: silu(%g) * %g = %.9g, want %.9g",
+                          sets[s]->name, g[i], u[i], o[i], want);
+            }
+        }
+    free(g), free(u), free(o);
 }
 
 /* The matmul op with bf16 weights against the f32 oracle holding the same

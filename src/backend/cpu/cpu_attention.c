@@ -46,10 +46,7 @@ static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const k
     for (int h = 0; h < group; h++) {
         float *sh = S + (size_t)h * n_keys, m = -INFINITY;
         for (int e = 0; e < n_keys; e++) m = sh[e] > m ? sh[e] : m;
-        double t = 0;
-        /* below -104 expf underflows to 0 through glibc's slow errno path: 0 directly */
-        for (int e = 0; e < n_keys; e++) t += sh[e] = sh[e] - m < -104.0f ? 0.0f : expf(sh[e] - m);
-        sum[h] = t, mx[h] = m;
+        sum[h] = k->exp_sum(sh, n_keys, m), mx[h] = m;
     }
     memset(out, 0, sizeof(float) * d * group);
     for (int e0 = 0; e0 < n_keys; e0 += bs) {
@@ -75,8 +72,9 @@ typedef struct {
 } work_item;
 
 /* Rows [i0, i1) of sequence s, head h, against the gathered keys k/v [n_kv][d]. */
-static void attend_rows(const kvs_attn_batch *ab, int s, int h, int i0, int i1, const float *k, const float *v,
-                        const float *q, float *out, float *lse, int n_heads, int d, float scale, float *S) {
+static void attend_rows(const kvs_cpu_kernels *kern, const kvs_attn_batch *ab, int s, int h, int i0, int i1,
+                        const float *k, const float *v, const float *q, float *out, float *lse, int n_heads, int d,
+                        float scale, float *S) {
     int q_len = ab->q_start[s + 1] - ab->q_start[s], past = ab->kv_len[s] - q_len;
     int nb = i1 - i0, nk = past + i1, ld = n_heads * d;
     size_t row0 = ((size_t)(ab->q_start[s] + i0) * n_heads + h);
@@ -86,8 +84,7 @@ static void attend_rows(const kvs_attn_batch *ab, int s, int h, int i0, int i1, 
         float *sr = S + (size_t)r * nk, mx = -INFINITY;
         int limit = past + i0 + r + 1; /* causal */
         for (int e = 0; e < limit; e++) mx = sr[e] > mx ? sr[e] : mx;
-        double sum = 0;
-        for (int e = 0; e < limit; e++) sum += sr[e] = sr[e] - mx < -104.0f ? 0.0f : expf(sr[e] - mx);
+        double sum = kern->exp_sum(sr, limit, mx);
         for (int e = limit; e < nk; e++) sr[e] = 0;
         inv[r] = (float)(1.0 / sum);
         if (lse) lse[(row0 + (size_t)r * n_heads)] = mx + (float)log(sum);
@@ -142,7 +139,7 @@ static void run_items(void *arg, int t, int nt) {
         work_item w = j->items[it];
         if (w.blocked) {
             int g = w.h / j->group;
-            attend_rows(ab, w.s, w.h, w.i0, w.i1, j->kbuf[w.s * j->KVH + g], j->vbuf[w.s * j->KVH + g], j->q, j->out,
+            attend_rows(j->k, ab, w.s, w.h, w.i0, w.i1, j->kbuf[w.s * j->KVH + g], j->vbuf[w.s * j->KVH + g], j->q, j->out,
                         j->lse, j->n_heads, j->d, j->scale, S);
         } else {
             int tok = ab->q_start[w.s] + w.i0, q_len = ab->q_start[w.s + 1] - ab->q_start[w.s];

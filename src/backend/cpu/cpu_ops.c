@@ -53,13 +53,9 @@ void kvs_cpu_rope(kvs_backend *b, void *x, const int32_t *positions, const float
 void kvs_cpu_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int dim) {
     float *o = out;
     const float *gu = gate_up;
+    const kvs_cpu_kernels *k = kvs_cpu_kernels_of(b);
 #pragma omp parallel for if (n > 4)
-    for (int i = 0; i < n; i++) {
-        const float *g = gu + (size_t)i * 2 * dim, *u = g + dim;
-        /* expf overflows to inf past 88.7 (through glibc's slow errno path): inf directly, the same result */
-        for (int j = 0; j < dim; j++)
-            o[(size_t)i * dim + j] = g[j] / (1.0f + (-g[j] > 88.8f ? INFINITY : expf(-g[j]))) * u[j];
-    }
+    for (int i = 0; i < n; i++) k->silu_mul(o + (size_t)i * dim, gu + (size_t)i * 2 * dim, gu + (size_t)i * 2 * dim + dim, dim);
 }
 
 void kvs_cpu_gather_rows(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim) {

@@ -1,4 +1,5 @@
 /* The generic kernel set (plain C, any CPU) and the pick of the best set. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,6 +20,9 @@
 #define v_hsum(v) (v)
 #define v_load_bf16(p) kvs_bf16_to_f32(*(p))
 #define v_load_f16(p) kvs_f16_to_f32(*(p))
+#define v_floor(t) floorf(t)
+#define v_pow2(n) ldexpf(1.0f, (int)(n))
+#define v_select_lt(x, c, a, b) ((x) < (c) ? (a) : (b))
 #define KERNELS_NAME "generic"
 #define KERNELS_VAR kvs_cpu_kernels_generic
 #include "backend/cpu/cpu_simd_impl.h"

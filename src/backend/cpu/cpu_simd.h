@@ -27,6 +27,13 @@ typedef struct {
     void (*pv)(float *out, int ld_out, const float *p, int ld_p, int g, const void *v, kvs_dtype vt, int cnt, int d);
     /* The sum of x[0 .. n) (n a multiple of 64): the memory read benchmark's loop. */
     float (*sum)(const float *x, size_t n);
+    /* Softmax numerators in place: s[e] = exp(s[e] - m) for e < n, 0 where s[e] - m is
+     * below float's normal range (-87.33), and their sum. exp is a polynomial within 2
+     * ulp of expf; an element's value does not depend on where it sits. */
+    float (*exp_sum)(float *s, int n, float m);
+    /* SwiGLU of one row: out[j] = g[j] / (1 + exp(-g[j])) * u[j] for j < n (exp as above:
+     * +inf past 88.72). */
+    void (*silu_mul)(float *out, const float *g, const float *u, int n);
 } kvs_cpu_kernels;
 
 extern const kvs_cpu_kernels kvs_cpu_kernels_generic;

@@ -21,6 +21,9 @@ static inline float v_hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+#define v_floor(t) _mm256_floor_ps(t)
+#define v_pow2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define v_select_lt(x, c, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), (c), _CMP_LT_OQ))
 #define KERNELS_NAME "avx2"
 #define KERNELS_VAR avx2_kernels
 #define KERNELS_STATIC_STORAGE static

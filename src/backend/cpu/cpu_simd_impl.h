@@ -4,6 +4,7 @@
  *   v_zero(), v_set1(f), v_load(p), v_store(p, v), v_fma(a, b, c) (a * b + c),
  *   v_hsum(v)          the sum of the lanes
  *   v_load_bf16(p), v_load_f16(p)   VL weights of those dtypes, widened to f32
+ *   v_floor(t), v_pow2(n), v_select_lt(x, c, a, b)   for v_exp (below)
  *   KERNELS_NAME, KERNELS_VAR       the set's name and the variable to define
  * Every row is computed by the same sequence of operations wherever it falls
  * (block position, thread, batch size), so results do not depend on the split. */
@@ -201,7 +202,77 @@ static float sum(const float *x, size_t n) {
     return v_hsum(a0 + a1 + (a2 + a3));
 }
 
+/* exp over a vector (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+ * polynomial for e^r, 2^n put into the exponent in two halves): within 2 ulp of
+ * the exact value for x in [-87.33, 88.72]; 0 below (no subnormals: callers add
+ * these to sums of at least 1, or divide by 1 + them), +inf above, NaN for NaN.
+ * The includer supplies v_floor(t) (as floats), v_pow2(n) (2^n for integral n in
+ * [-126, 127]) and v_select_lt(x, c, a, b) (x < c ? a : b per lane). */
+ALWAYS_INLINE V v_exp(V x) {
+    const float lo = -87.3365447504f, hi = 88.7228391117f;
+    V xc = v_select_lt(x, v_set1(lo), v_set1(lo), v_select_lt(v_set1(hi), x, v_set1(hi), x));
+    V n = v_floor(v_fma(xc, v_set1(1.44269504088896341f), v_set1(0.5f)));
+    V r = v_fma(n, v_set1(-0.693359375f), xc);
+    r = v_fma(n, v_set1(2.12194440e-4f), r);
+    V y = v_set1(1.9875691500e-4f);
+    y = v_fma(y, r, v_set1(1.3981999507e-3f));
+    y = v_fma(y, r, v_set1(8.3334519073e-3f));
+    y = v_fma(y, r, v_set1(4.1665795894e-2f));
+    y = v_fma(y, r, v_set1(1.6666665459e-1f));
+    y = v_fma(y, r, v_set1(5.0000001201e-1f));
+    y = v_fma(y, r * r, r + v_set1(1.0f));
+    V n1 = v_floor(n * v_set1(0.5f)); /* n in [-126, 128]: 2^n1 * 2^(n - n1), both normal */
+    y = y * v_pow2(n1) * v_pow2(n - n1);
+    y = v_select_lt(x, v_set1(lo), v_zero(), y);
+    return v_select_lt(v_set1(hi), x, v_set1(__builtin_inff()), y);
+}
+
+/* n < VL elements of p through f as one vector padded with `pad`: the tail gets
+ * exactly the vector code's arithmetic. */
+#define TAIL_LOAD(buf, p, n, pad)                                                                                  \
+    do {                                                                                                           \
+        for (int i_ = 0; i_ < VL; i_++) (buf)[i_] = i_ < (n) ? (p)[i_] : (pad);                                     \
+    } while (0)
+
+static float exp_sum(float *s, int n, float m) {
+    V vm = v_set1(m), a0 = v_zero(), a1 = v_zero();
+    int e = 0;
+    for (; e + 2 * VL <= n; e += 2 * VL) {
+        V y0 = v_exp(v_load(s + e) - vm), y1 = v_exp(v_load(s + e + VL) - vm);
+        v_store(s + e, y0), v_store(s + e + VL, y1);
+        a0 = a0 + y0, a1 = a1 + y1;
+    }
+    for (; e + VL <= n; e += VL) {
+        V y = v_exp(v_load(s + e) - vm);
+        v_store(s + e, y);
+        a0 = a0 + y;
+    }
+    if (e < n) {
+        float buf[VL];
+        TAIL_LOAD(buf, s + e, n - e, -__builtin_inff());
+        V y = v_exp(v_load(buf) - vm);
+        v_store(buf, y);
+        memcpy(s + e, buf, sizeof(float) * (size_t)(n - e));
+        a1 = a1 + y; /* the padding lanes are exp(-inf) = 0 */
+    }
+    return v_hsum(a0 + a1);
+}
+
+ALWAYS_INLINE V silu_mul_v(V g, V u) { return g / (v_set1(1.0f) + v_exp(v_zero() - g)) * u; }
+
+static void silu_mul(float *out, const float *g, const float *u, int n) {
+    int j = 0;
+    for (; j + VL <= n; j += VL) v_store(out + j, silu_mul_v(v_load(g + j), v_load(u + j)));
+    if (j < n) {
+        float bg[VL], bu[VL];
+        TAIL_LOAD(bg, g + j, n - j, 0.0f);
+        TAIL_LOAD(bu, u + j, n - j, 0.0f);
+        v_store(bg, silu_mul_v(v_load(bg), v_load(bu)));
+        memcpy(out + j, bg, sizeof(float) * (size_t)(n - j));
+    }
+}
+
 #ifndef KERNELS_STATIC_STORAGE
 #define KERNELS_STATIC_STORAGE
 #endif
-KERNELS_STATIC_STORAGE const kvs_cpu_kernels KERNELS_VAR = {KERNELS_NAME, gemv, qk, pv, sum};
+KERNELS_STATIC_STORAGE const kvs_cpu_kernels KERNELS_VAR = {KERNELS_NAME, gemv, qk, pv, sum, exp_sum, silu_mul};
