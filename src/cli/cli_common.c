@@ -60,6 +60,12 @@ int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i) {
         if (!has_value) return -1;
         o->device = argv[++*i];
         if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda") && strncmp(o->device, "cuda:", 5)) return -1;
+    } else if (!strcmp(a, "--quantization")) {
+        if (!has_value) return -1;
+        if (kvs_quantization_parse(argv[++*i], &o->quantization) != KVS_OK) {
+            fprintf(stderr, "kvsparse: %s\n", kvs_last_error());
+            return -1;
+        }
     } else if (!strcmp(a, "--enforce-eager")) {
         o->enforce_eager = true;
     } else if (!strcmp(a, "--tensor-parallel-size") || !strcmp(a, "-tp")) {
@@ -177,6 +183,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     } else {
         st = kvs_fail(KVS_ERR_INVALID, "no model given: use -m MODEL_DIR (or --config FILE --load-format dummy)");
     }
+    if (st == KVS_OK) out->cfg.quantization = o->quantization;
     if (st == KVS_OK && o->kv_profile) /* before the weights: a bad profile fails at once */
         st = kvs_kv_profile_load(o->kv_profile, out->cfg.n_layers, &out->kv_profile);
     if (st == KVS_OK)
