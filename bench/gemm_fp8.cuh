@@ -3,6 +3,8 @@
  * backend in the same run, at 8192^3 and at a prefill shape of Llama-3-8B's
  * down projection (4096 tokens x 14336 in -> 4096 out); and the per-token
  * activation quantization (quantize_fp8) that an FP8 GEMM's input needs.
+ * Then decode shapes (1 and 64 tokens through 8B's gate/up, 4096 -> 28672),
+ * where the weights' bytes set the time: microseconds and weight GB/s.
  * Included by bench/kernels.cu (uses its fill and time_it). */
 
 struct gemm_shape { int n, in_dim, out_dim; const char *name; };
@@ -34,7 +36,7 @@ static void run_fp8_quantize(kvs_backend *b, void *p) {
     b->quantize_fp8(b, c->xq, c->xs, c->in, KVS_BF16, c->n, c->in_dim);
 }
 
-enum { N_FP8_MODES = 4, N_GEMM_SHAPES = 2 };
+enum { N_FP8_MODES = 4, N_GEMM_SHAPES = 4, N_PREFILL_SHAPES = 2 };
 static const int fp8_modes[N_FP8_MODES] = {KVS_CUDA_FP8_OUTER_FAST, KVS_CUDA_FP8_OUTER, KVS_CUDA_FP8_EPILOGUE_FAST,
                                            KVS_CUDA_FP8_EPILOGUE};
 static const char *fp8_mode_names[N_FP8_MODES] = {"outer-vector scales, fast accum", "outer-vector scales",
@@ -50,7 +52,9 @@ struct gemm_rates {
 /* Rates of every shape into r[N_GEMM_SHAPES]; false when memory or FP8 is missing. */
 static bool bench_gemm_rates(kvs_backend *b, gemm_rates *r) {
     const gemm_shape shapes[N_GEMM_SHAPES] = {{8192, 8192, 8192, "8192^3"},
-                                              {4096, 14336, 4096, "4096 tokens x 14336 -> 4096 (8B down proj)"}};
+                                              {4096, 14336, 4096, "4096 tokens x 14336 -> 4096 (8B down proj)"},
+                                              {1, 4096, 28672, "decode 1 token x 4096 -> 28672 (8B gate/up)"},
+                                              {64, 4096, 28672, "decode 64 tokens x 4096 -> 28672 (8B gate/up)"}};
     if (!b->matmul_fp8) return fprintf(stderr, "gemm: no FP8 on this GPU\n"), false;
     kvs_cuda *c = kvs_cuda_of(b);
     int saved_mode = c->fp8_gemm;
@@ -92,6 +96,27 @@ static bool bench_gemm_rates(kvs_backend *b, gemm_rates *r) {
     return true;
 }
 
+/* The decode shapes: microseconds a GEMM and the weights' bytes per second. */
+static void print_decode_gemms(const gemm_rates *r) {
+    printf("| decode GEMM | bf16 us (weight GB/s) |");
+    for (int m = 0; m < N_FP8_MODES; m++) printf(" fp8 %s |", fp8_mode_names[m]);
+    printf(" fp8 unit scales | quantize_fp8 of the input |\n| --- | --- |");
+    for (int m = 0; m < N_FP8_MODES; m++) printf(" --- |");
+    printf(" --- | --- |\n");
+    for (int s = N_PREFILL_SHAPES; s < N_GEMM_SHAPES; s++) {
+        const gemm_shape &g = r[s].shape;
+        double flop = 2.0 * g.n * (double)g.in_dim * g.out_dim, wb = (double)g.in_dim * g.out_dim;
+        double t = flop / (r[s].bf16_tf * 1e12);
+        printf("| %s | %.1f (%.0f) |", g.name, t * 1e6, 2 * wb / t / 1e9);
+        for (int m = 0; m < N_FP8_MODES; m++) {
+            double tm = r[s].fp8_tf[m] > 0 ? flop / (r[s].fp8_tf[m] * 1e12) : 0;
+            printf(" %.1f (%.0f) |", tm * 1e6, tm > 0 ? wb / tm / 1e9 : 0.0);
+        }
+        double tu = flop / (r[s].unscaled_tf * 1e12);
+        printf(" %.1f (%.0f) | %.1f us |\n", tu * 1e6, wb / tu / 1e9, r[s].t_quant * 1e6);
+    }
+}
+
 static void print_gemm_rates(const gemm_rates *r) {
     printf("| GEMM (cuBLASLt, same run) | bf16 TFLOP/s |");
     for (int m = 0; m < N_FP8_MODES; m++) printf(" fp8 %s |", fp8_mode_names[m]);
@@ -99,7 +124,7 @@ static void print_gemm_rates(const gemm_rates *r) {
            "| --- | --- | --- |");
     for (int m = 0; m < N_FP8_MODES; m++) printf(" --- |");
     printf(" --- | --- |\n");
-    for (int s = 0; s < N_GEMM_SHAPES; s++) {
+    for (int s = 0; s < N_PREFILL_SHAPES; s++) {
         const gemm_shape &g = r[s].shape;
         double flop = 2.0 * g.n * (double)g.in_dim * g.out_dim, best = 0;
         printf("| %s | %.1f |", g.name, r[s].bf16_tf);
@@ -111,4 +136,6 @@ static void print_gemm_rates(const gemm_rates *r) {
         printf(" %.1f (%.2fx) | %.1f us | %.2fx |\n", r[s].unscaled_tf, r[s].unscaled_tf / r[s].bf16_tf, r[s].t_quant * 1e6,
                best > 0 ? (flop / (r[s].bf16_tf * 1e12)) / (t_best + r[s].t_quant) : 0.0);
     }
+    printf("\n");
+    print_decode_gemms(r);
 }
