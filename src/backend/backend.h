@@ -237,7 +237,7 @@ typedef enum {
  * on (FAST: the tensor cores' own accumulator; otherwise partial sums are
  * promoted to f32 periodically). */
 typedef enum {
-    KVS_CUDA_FP8_AUTO,          /* OUTER_FAST where cuBLASLt has it, else EPILOGUE_FAST */
+    KVS_CUDA_FP8_AUTO,          /* EPILOGUE_FAST up to 64 rows (decode), OUTER_FAST above where cuBLASLt has it */
     KVS_CUDA_FP8_OUTER_FAST,    /* cuBLASLt outer-vector scales (A per row, B per column), bf16 out */
     KVS_CUDA_FP8_OUTER,         /* the same without fast accumulation */
     KVS_CUDA_FP8_EPILOGUE_FAST, /* cuBLASLt with unit scales, f32 out, then a kernel scales (+ bias) to bf16 */

@@ -9,6 +9,8 @@
 #include "backend/cuda/cuda_internal.h"
 
 enum { QUANT_THREADS = 256 };
+/* AUTO's largest batch for the f32-out GEMM + scale kernel (above: outer-vector scales) */
+enum { KVS_CUDA_FP8_EPILOGUE_MAX_N = 64 };
 
 __device__ __forceinline__ uint8_t to_e4m3(float v) {
     return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
@@ -116,7 +118,12 @@ void kvs_cuda_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const flo
     }
     int mode = c->fp8_gemm;
     bool automatic = mode == KVS_CUDA_FP8_AUTO;
-    if (automatic) mode = c->fp8_outer_missing ? KVS_CUDA_FP8_EPILOGUE_FAST : KVS_CUDA_FP8_OUTER_FAST;
+    /* AUTO: decode-sized batches through the f32 GEMM + scale kernel (cuBLASLt's
+       outer-vector kernels for few columns read the weights at ~2 TB/s, the
+       unit-scale ones at ~3; docs/CUDA.md "FP8", run 5), larger ones outer-vector */
+    if (automatic)
+        mode = c->fp8_outer_missing || n <= KVS_CUDA_FP8_EPILOGUE_MAX_N ? KVS_CUDA_FP8_EPILOGUE_FAST
+                                                                         : KVS_CUDA_FP8_OUTER_FAST;
     int fast = mode == KVS_CUDA_FP8_OUTER_FAST || mode == KVS_CUDA_FP8_EPILOGUE_FAST;
     if (mode == KVS_CUDA_FP8_OUTER_FAST || mode == KVS_CUDA_FP8_OUTER) {
         int epilogue = bias && ((uintptr_t)bias & 15) == 0;
