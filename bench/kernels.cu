@@ -1,7 +1,9 @@
 /* Kernel microbenchmarks for the CUDA backend, each against a baseline
  * measured in the same run:
  *   - device-to-device copy bandwidth (bytes read + written per second)
- *   - cuBLASLt bf16 GEMM 8192^3 (TFLOP/s)
+ *   - cuBLASLt bf16 GEMM 8192^3 (TFLOP/s); FP8 (matmul_fp8, each scaling mode)
+ *     beside bf16 at 8192^3 and at 4096 x 14336 -> 4096, with the activation
+ *     quantization (bench/gemm_fp8.cuh)
  *   - paged decode attention, batch 64 x 4096 context, Llama-3-8B shape
  *     (32 query heads, 8 KV heads, head_dim 128): KV bytes read per second, the
  *     decode kernel, then in graph mode (max_kv_len 8x)
@@ -23,10 +25,11 @@
  *     time, the fused op's nominal bytes per second as a share of copy
  *     bandwidth, and the speed-up
  * Times are wall clock around many queued launches between two stream syncs.
- * Usage: kvs_bench_kernels [device] */
+ * Usage: kvs_bench_kernels [device] [gemm]   (gemm: the GEMM rates alone) */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_mma.cuh"
@@ -58,6 +61,8 @@ static double time_it(kvs_backend *b, int iters, void (*fn)(kvs_backend *, void 
     b->synchronize(b);
     return (kvs_now() - t0) / iters;
 }
+
+#include "gemm_fp8.cuh"
 
 struct sample_ctx { void *logits; int32_t *ids; float *lp; kvs_sample_row *params; float *host; int n, vocab; };
 static void run_sample(kvs_backend *b, void *p) {
@@ -257,6 +262,14 @@ int main(int argc, char **argv) {
     double gemm_tf = 2.0 * gc.n * (double)gc.n * gc.n / t_gemm / 1e12;
     b->free(b, gc.in), b->free(b, gc.w), b->free(b, gc.out);
     printf("gemm: bf16 8192^3 %.1f TFLOP/s (%.3f ms)\n", gemm_tf, t_gemm * 1e3);
+    gemm_rates rates[N_GEMM_SHAPES];
+    bool have_rates = bench_gemm_rates(b, rates);
+    if (argc > 2 && !strcmp(argv[2], "gemm")) {
+        if (have_rates) printf("\n"), print_gemm_rates(rates);
+        int failed = kvs_cuda_of(b)->failed;
+        b->destroy(b);
+        return failed || !have_rates ? 1 : 0;
+    }
 
     /* decode attention: 64 x 4096, the per-warp kernel; then in graph mode */
     attn_ctx dc;
@@ -500,6 +513,7 @@ int main(int argc, char **argv) {
         printf("| %s %s | %.2f us, %.0f GB/s (%.0f%% of copy) | %s %.2f us | %.2fx |\n", fr[i].what, fused_shape[i],
                fr[i].t_fused * 1e6, fr[i].bytes / fr[i].t_fused / 1e9, 100 * fr[i].bytes / fr[i].t_fused / 1e9 / copy_bw,
                fused_pair[i], fr[i].t_unfused * 1e6, fr[i].t_unfused / fr[i].t_fused);
+    if (have_rates) printf("\n"), print_gemm_rates(rates);
     if (failed) fprintf(stderr, "a CUDA call failed: %s\n", kvs_last_error());
     return failed ? 1 : 0;
 }

@@ -213,8 +213,14 @@ int run_capture(const char *cmd, char **out) {
 }
 
 void rig_open(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs) {
+    rig_open_quantized(r, dir, be, n_blocks, max_seqs, KVS_QUANT_NONE);
+}
+
+void rig_open_quantized(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs,
+                        kvs_quantization q) {
     memset(r, 0, sizeof *r);
     cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
+    r->cfg.quantization = q;
     cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
     r->be = be;
     r->owns_be = !be;

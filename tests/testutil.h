@@ -77,6 +77,9 @@ bool kv_try_append(kvs_kv_cache *kv, int seq, int n);
 
 /* Loads dir on be (NULL: a new CPU backend) with a cache of n_blocks blocks and max_seqs sequences. */
 void rig_open(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs);
+/* ... with the model's weights quantized (--quantization). */
+void rig_open_quantized(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs,
+                        kvs_quantization q);
 void rig_close(rig *r);
 /* Room for max_seqs sequences of max_tokens in every layer of a model of up to 8 layers. */
 #define RIG_BLOCKS(max_tokens, max_seqs) ((int64_t)(((max_tokens) + 15) / 16 + 1) * 8 * (max_seqs))

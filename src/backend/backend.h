@@ -195,6 +195,22 @@ struct kvs_backend {
     void (*sample_shard)(kvs_backend *b, struct kvs_sample_part *parts, const void *logits, int n_rows, int ld,
                          int count, int id0, const struct kvs_sample_row *params);
 
+    /* FP8 E4M3 weights (--quantization fp8; docs/CUDA.md "FP8"). NULL where the
+     * backend has no FP8 (CUDA below compute capability 8.9). Codes are E4M3
+     * bytes (core.h kvs_f32_to_e4m3), one f32 scale per row. */
+    /* Per-row quantization: scale[r] = max_c |x[r][c]| / 448 (1 when that is not
+     * > 0: a row of zeros), q[r][c] = e4m3(x[r][c] / scale[r]) (IEEE f32 division),
+     * for x [rows][cols] of x_dtype (the backend's weight_dtype or act_dtype).
+     * Weights at load (a scale per output channel), activations per token. */
+    void (*quantize_fp8)(kvs_backend *b, uint8_t *q, float *scale, const void *x, kvs_dtype x_dtype, int rows,
+                         int cols);
+    /* out[n, out_dim] (act_dtype) = (sum_k e4m3(xq[n][k]) * e4m3(wq[o][k])) * xs[n] * ws[o]
+     * (+ bias[o] of weight_dtype when not NULL): the matmul on quantize_fp8's
+     * codes and scales, accumulated in f32. in_dim and out_dim multiples of 16
+     * (cuBLASLt's FP8 alignment); the codes 16-byte aligned. */
+    void (*matmul_fp8)(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,
+                       const float *ws, const void *bias, int n, int in_dim, int out_dim);
+
     void (*destroy)(kvs_backend *b);
 };
 
@@ -220,9 +236,21 @@ typedef enum {
     KVS_CUDA_PREFILL_HEAD,  /* 8 warps, 256 query rows of one head a block */
     KVS_CUDA_PREFILL_SMALL, /* 4 warps, 64 rows, Q in registers: the least shared memory */
 } kvs_cuda_prefill;
+/* How the CUDA backend's matmul_fp8 applies the per-token and per-channel
+ * scales (docs/CUDA.md "FP8"), and whether cuBLASLt's FP8 fast accumulation is
+ * on (FAST: the tensor cores' own accumulator; otherwise partial sums are
+ * promoted to f32 periodically). */
+typedef enum {
+    KVS_CUDA_FP8_AUTO,          /* EPILOGUE_FAST up to 64 rows (decode), OUTER_FAST above where cuBLASLt has it */
+    KVS_CUDA_FP8_OUTER_FAST,    /* cuBLASLt outer-vector scales (A per row, B per column), bf16 out */
+    KVS_CUDA_FP8_OUTER,         /* the same without fast accumulation */
+    KVS_CUDA_FP8_EPILOGUE_FAST, /* cuBLASLt with unit scales, f32 out, then a kernel scales (+ bias) to bf16 */
+    KVS_CUDA_FP8_EPILOGUE,      /* the same without fast accumulation */
+} kvs_cuda_fp8_gemm;
 typedef struct {
     int device;               /* CUDA device index */
     kvs_cuda_prefill prefill; /* 0: AUTO */
+    kvs_cuda_fp8_gemm fp8_gemm; /* 0: AUTO */
 } kvs_cuda_options;
 /* CUDA backend; KVS_ERR_UNSUPPORTED when built without CUDA or no GPU present. */
 kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out);

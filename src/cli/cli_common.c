@@ -60,6 +60,12 @@ int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i) {
         if (!has_value) return -1;
         o->device = argv[++*i];
         if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda") && strncmp(o->device, "cuda:", 5)) return -1;
+    } else if (!strcmp(a, "--quantization")) {
+        if (!has_value) return -1;
+        if (kvs_quantization_parse(argv[++*i], &o->quantization) != KVS_OK) {
+            fprintf(stderr, "kvsparse: %s\n", kvs_last_error());
+            return -1;
+        }
     } else if (!strcmp(a, "--enforce-eager")) {
         o->enforce_eager = true;
     } else if (!strcmp(a, "--tensor-parallel-size") || !strcmp(a, "-tp")) {
@@ -124,6 +130,24 @@ int kvs_cli_prefix_caching_option(bool *enable, const char *arg) {
     return 1;
 }
 
+/* The CUDA backend's options for GPU device: KVSPARSE_FP8_GEMM (a benchmarking
+ * knob, docs/CUDA.md "FP8") picks matmul_fp8's scaling mode: outer_fast, outer,
+ * epilogue_fast or epilogue (unset: auto). */
+static kvs_status cuda_options(int device, kvs_cuda_options *o) {
+    *o = (kvs_cuda_options){.device = device};
+    const char *v = getenv("KVSPARSE_FP8_GEMM");
+    if (!v || !*v || !strcmp(v, "auto")) return KVS_OK;
+    const char *names[] = {"outer_fast", "outer", "epilogue_fast", "epilogue"};
+    const kvs_cuda_fp8_gemm modes[] = {KVS_CUDA_FP8_OUTER_FAST, KVS_CUDA_FP8_OUTER, KVS_CUDA_FP8_EPILOGUE_FAST,
+                                       KVS_CUDA_FP8_EPILOGUE};
+    for (int i = 0; i < 4; i++)
+        if (!strcmp(v, names[i])) {
+            o->fp8_gemm = modes[i];
+            return KVS_OK;
+        }
+    return kvs_fail(KVS_ERR_INVALID, "KVSPARSE_FP8_GEMM=%s: not auto, outer_fast, outer, epilogue_fast or epilogue", v);
+}
+
 /* --device cuda[:K] --tensor-parallel-size N: CUDA backends on GPUs K .. K+N-1,
  * their NCCL communicators and the group (one thread per GPU). */
 static kvs_status load_cuda_ranks(const kvs_load_options *o, kvs_loaded *out, int tp, int device0) {
@@ -136,8 +160,11 @@ static kvs_status load_cuda_ranks(const kvs_load_options *o, kvs_loaded *out, in
     out->rank_be = calloc((size_t)tp, sizeof *out->rank_be);
     out->rank_comm = calloc((size_t)tp, sizeof *out->rank_comm);
     if (!out->rank_be || !out->rank_comm) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
-    for (int r = 0; r < tp; r++)
-        KVS_TRY(kvs_backend_cuda_create(&(kvs_cuda_options){.device = device0 + r}, &out->rank_be[r]));
+    for (int r = 0; r < tp; r++) {
+        kvs_cuda_options co;
+        KVS_TRY(cuda_options(device0 + r, &co));
+        KVS_TRY(kvs_backend_cuda_create(&co, &out->rank_be[r]));
+    }
     out->be = out->rank_be[0];
     KVS_TRY(kvs_comm_nccl_create(out->rank_be, tp, out->rank_comm));
     if (o->skip_model) return KVS_OK;
@@ -177,6 +204,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     } else {
         st = kvs_fail(KVS_ERR_INVALID, "no model given: use -m MODEL_DIR (or --config FILE --load-format dummy)");
     }
+    if (st == KVS_OK) out->cfg.quantization = o->quantization;
     if (st == KVS_OK && o->kv_profile) /* before the weights: a bad profile fails at once */
         st = kvs_kv_profile_load(o->kv_profile, out->cfg.n_layers, &out->kv_profile);
     if (st == KVS_OK)
@@ -199,8 +227,11 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     if (st == KVS_OK && cuda && tp > 1) {
         st = load_cuda_ranks(o, out, tp, device0);
     } else if (st == KVS_OK) {
-        st = cuda ? kvs_backend_cuda_create(&(kvs_cuda_options){.device = device0}, &out->be)
-                  : kvs_backend_cpu_create_typed(o->threads, out->weight_dtype, out->kv_dtype, &out->be);
+        kvs_cuda_options co;
+        st = cuda ? cuda_options(device0, &co) : KVS_OK;
+        if (st == KVS_OK)
+            st = cuda ? kvs_backend_cuda_create(&co, &out->be)
+                      : kvs_backend_cpu_create_typed(o->threads, out->weight_dtype, out->kv_dtype, &out->be);
         if (st == KVS_OK) st = inject_faults(out, tp);
         if (st == KVS_OK && !o->skip_model) {
             if (tp > 1) { /* the CPU simulation: --threads split over the ranks */

@@ -21,6 +21,7 @@ typedef struct {
     int tensor_parallel;     /* --tensor-parallel-size (0 or 1: none) */
     bool allow_tp;           /* set by the commands wired for tensor parallelism */
     const char *device;      /* --device cpu (default) | cuda | cuda:N */
+    kvs_quantization quantization; /* --quantization fp8 (default none) */
     bool enforce_eager;      /* --enforce-eager: no CUDA graphs for decode steps */
     kvs_model_limits limits; /* what a step of the command may hold (zeros: the defaults) */
     const char *kv_profile;  /* --kv-profile (kvs_cli_policy_option): loaded for the model by kvs_cli_load */
@@ -51,12 +52,15 @@ typedef struct {
     "  --dtype D              CPU weights: auto (default: as the checkpoint stores them; bf16 and\n" \
     "                         f16 are widened in registers), float32, bfloat16 or float16\n"   \
     "  --kv-cache-dtype D     CPU KV cache: auto (default: the weights' dtype, as vLLM), float32,\n" \
-    "                         bfloat16 or float16 (half the memory of float32)\n"
+    "                         bfloat16 or float16 (half the memory of float32)\n"                 \
+    "  --quantization fp8     linear weights in FP8 E4M3 (a scale per output channel, quantized at\n" \
+    "                         load), activations per token; CUDA: compute capability 8.9+\n"
 #define KVS_CLI_DEVICE_HELP                                                                  \
     "  --device D             cpu (default), cuda or cuda:N\n"                                 \
     "  --enforce-eager        no CUDA graphs for decode steps (default: graphs on cuda)\n"
 
-/* Handles -m, --config, --load-format, --threads, --dtype, --kv-cache-dtype, --device, --enforce-eager, --tensor-parallel-size at argv[*i];
+/* Handles -m, --config, --load-format, --threads, --dtype, --kv-cache-dtype, --quantization, --device, --enforce-eager,
+ * --tensor-parallel-size at argv[*i];
  * advances *i.
  * Returns 1 if consumed, 0 if not one of these, -1 on a bad value. */
 int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i);

@@ -48,6 +48,14 @@ static inline float kvs_bf16_to_f32(uint16_t h) {
 uint16_t kvs_f32_to_bf16(float f); /* round to nearest even, NaN kept */
 float kvs_f16_to_f32(uint16_t h);
 uint16_t kvs_f32_to_f16(float f);
+/* FP8 E4M3 (OCP "E4M3FN", torch.float8_e4m3fn) codes: 1 sign, 4 exponent
+ * (bias 7) and 3 mantissa bits, no infinities, NaN = S.1111.111, the largest
+ * finite value 448. kvs_f32_to_e4m3 rounds to nearest even and saturates to
+ * +-448 (infinities too), NaN -> 0x7f: CUDA's __nv_cvt_float_to_fp8(f,
+ * __NV_SATFINITE, __NV_E4M3) bit for bit. kvs_e4m3_to_f32 is exact. */
+#define KVS_E4M3_MAX 448.0f
+uint8_t kvs_f32_to_e4m3(float f);
+float kvs_e4m3_to_f32(uint8_t q);
 /* dst[i] = (float)src[i] for a src of dtype F32, F16 or BF16. */
 void kvs_to_f32(float *dst, const void *src, kvs_dtype src_type, size_t n);
 

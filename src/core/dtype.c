@@ -67,3 +67,27 @@ void kvs_to_f32(float *dst, const void *src, kvs_dtype t, size_t n) {
     default: memset(dst, 0, n * 4); break;
     }
 }
+
+uint8_t kvs_f32_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    if (isnan(f)) return 0x7f; /* one NaN, as CUDA's conversion */
+    float a = fabsf(f);
+    if (a >= KVS_E4M3_MAX) return sign | 0x7e; /* saturate (inf too) */
+    if (a < 0.015625f) /* below 2^-6: subnormal steps of 2^-9 (a * 512 is exact); 8 steps encode 2^-6 */
+        return sign | (uint8_t)lrintf(a * 512.0f);
+    uint32_t exp = ((u >> 23) & 0xffu) - 127 + 7, man = u & 0x7fffffu;
+    uint32_t q = (exp << 3) | (man >> 20), rest = man & 0xfffffu;
+    if (rest > 0x80000u || (rest == 0x80000u && (q & 1u))) q++; /* never past 0x7e: a < 448 */
+    return sign | (uint8_t)q;
+}
+
+float kvs_e4m3_to_f32(uint8_t q) {
+    uint32_t exp = (q >> 3) & 0xfu, man = q & 7u;
+    float a;
+    if (exp == 15 && man == 7) a = NAN;
+    else if (exp == 0) a = (float)man / 512.0f;
+    else a = ldexpf(1.0f + (float)man / 8.0f, (int)exp - 7);
+    return q & 0x80u ? -a : a;
+}

@@ -77,6 +77,10 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     on_device(w, &b->gate_up, n * 2 * sh->intermediate * a);
     on_device(w, &b->act, n * wide * a);
     on_device(w, &b->lse, n * sh->n_heads * sizeof(float));
+    if (c->quantization == KVS_QUANT_FP8) { /* the widest GEMM input: hidden, heads or the MLP columns */
+        on_device(w, &b->xq, n * wide);
+        on_device(w, &b->xs, n * sizeof(float));
+    }
     /* the metadata (step_meta.c): ids, positions, q_start, then per layer
        slots, kv lengths, window-capture rows and block tables */
     size_t meta = 2 * n + S + 1 + (size_t)c->n_layers * (3 * n + S + S * B);

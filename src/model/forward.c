@@ -14,6 +14,24 @@ static kvs_status tp_sum(kvs_model *m, void *buf, size_t n) {
     return m->comm ? m->comm->all_reduce_sum(m->comm, buf, n, m->be->act_dtype) : KVS_OK;
 }
 
+/* fp8: in [n][dim] quantized per row into the step's codes and scales, the
+ * input of the GEMMs (matmul_fp8) that follow. */
+static void quantize_input(kvs_model *m, const void *in, int n, int dim) {
+    if (m->cfg.quantization == KVS_QUANT_FP8)
+        m->be->quantize_fp8(m->be, m->buf.xq, m->buf.xs, in, m->be->act_dtype, n, dim);
+}
+
+/* out = in @ w^T (+ bias): the backend's matmul, or with fp8 matmul_fp8 on the
+ * codes of in that quantize_input left (scale: w's per output row). */
+static void linear(kvs_model *m, void *out, const void *in, const void *w, const float *scale, const void *bias,
+                   int n, int in_dim, int out_dim) {
+    kvs_backend *be = m->be;
+    if (m->cfg.quantization == KVS_QUANT_FP8)
+        be->matmul_fp8(be, out, m->buf.xq, m->buf.xs, w, scale, bias, n, in_dim, out_dim);
+    else
+        be->matmul(be, out, in, w, bias, n, in_dim, out_dim);
+}
+
 /* Expects xn = attn_norm(x) (the previous layer's mlp_block fuses it into its
  * residual add); leaves x += attention and xn = mlp_norm(x). */
 static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, const kvs_kv_cache *kv, int layer,
@@ -24,9 +42,10 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
     int n_heads = m->shard.n_heads, n_kv_heads = m->shard.n_kv_heads; /* this rank's */
     int qd = n_heads * c->head_dim, kd = n_kv_heads * c->head_dim;
     if (layer == 0) be->rmsnorm(be, sb->xn, sb->x, w->attn_norm, n, c->hidden_size, c->rms_norm_eps);
-    be->matmul(be, sb->q, sb->xn, w->wq, w->bq, n, c->hidden_size, qd);
-    be->matmul(be, sb->k, sb->xn, w->wk, w->bk, n, c->hidden_size, kd);
-    be->matmul(be, sb->v, sb->xn, w->wv, w->bv, n, c->hidden_size, kd);
+    quantize_input(m, sb->xn, n, c->hidden_size); /* once for q, k and v */
+    linear(m, sb->q, sb->xn, w->wq, w->sq, w->bq, n, c->hidden_size, qd);
+    linear(m, sb->k, sb->xn, w->wk, w->sk, w->bk, n, c->hidden_size, kd);
+    linear(m, sb->v, sb->xn, w->wv, w->sv, w->bv, n, c->hidden_size, kd);
     const kvs_kv_pool *pool = kvs_kv_get_pool(kv);
     be->rope_kv_write(be, pool, sb->q, sb->k, sb->v, sb->positions, m->inv_freq, sb->slots, n, n_heads);
     be->attention(be, sb->att, n_cap ? sb->lse : NULL, sb->q, pool, ab, n_heads, 1.0f / sqrtf((float)c->head_dim));
@@ -37,7 +56,8 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
         be->window_capture(be, win_q, win_lse, sb->q, sb->lse, sb->cap_src, sb->cap_dst, n_cap, n_heads,
                            c->head_dim);
     }
-    be->matmul(be, sb->tmp, sb->att, w->wo, NULL, n, qd, c->hidden_size);
+    quantize_input(m, sb->att, n, qd);
+    linear(m, sb->tmp, sb->att, w->wo, w->so, NULL, n, qd, c->hidden_size);
     KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel O */
     be->add_rmsnorm(be, sb->x, sb->xn, sb->tmp, w->mlp_norm, n, c->hidden_size, c->rms_norm_eps);
     return KVS_OK;
@@ -50,9 +70,11 @@ static kvs_status mlp_block(kvs_model *m, const kvs_layer_weights *w, const kvs_
     kvs_step_buffers *sb = &m->buf;
     const kvs_config *c = &m->cfg;
     int inter = m->shard.intermediate; /* this rank's columns */
-    be->matmul(be, sb->gate_up, sb->xn, w->w_gate_up, NULL, n, c->hidden_size, 2 * inter);
+    quantize_input(m, sb->xn, n, c->hidden_size);
+    linear(m, sb->gate_up, sb->xn, w->w_gate_up, w->s_gate_up, NULL, n, c->hidden_size, 2 * inter);
     be->swiglu(be, sb->act, sb->gate_up, n, inter);
-    be->matmul(be, sb->tmp, sb->act, w->w_down, NULL, n, inter, c->hidden_size);
+    quantize_input(m, sb->act, n, inter);
+    linear(m, sb->tmp, sb->act, w->w_down, w->s_down, NULL, n, inter, c->hidden_size);
     KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel down */
     if (next)
         be->add_rmsnorm(be, sb->x, sb->xn, sb->tmp, next->attn_norm, n, c->hidden_size, c->rms_norm_eps);

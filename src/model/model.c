@@ -131,25 +131,44 @@ static kvs_status upload_rows(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind 
     return upload_slice(m, ck, kind, layer, r0, nr, 0, -1, dst, offset_elems, alloc_elems);
 }
 
-/* One backend allocation for all of a layer's weights, each part 64-element
+/* One backend allocation for all of a layer's weights, each part 256-byte
  * aligned: a few large allocations instead of many (the CPU backend backs
- * large ones with huge pages, which stream faster). */
+ * large ones with huge pages, which stream faster). With fp8 the six linear
+ * weights are E4M3 codes (a byte each), followed by their f32 scales. */
 static kvs_status alloc_layer(kvs_model *m, kvs_layer_weights *w, int64_t qn, int64_t kn, int64_t in) {
     const kvs_config *c = &m->cfg;
-    int64_t h = c->hidden_size, bias = c->attention_bias ? 1 : 0;
+    int64_t h = c->hidden_size, bias = c->attention_bias ? 1 : 0, fp8 = c->quantization == KVS_QUANT_FP8;
+    size_t ws = kvs_dtype_size(m->be->weight_dtype), ls = fp8 ? 1 : ws; /* linear weights: codes or weight_dtype */
     void **part[] = {&w->attn_norm, &w->wq, &w->wk, &w->wv, &w->bq, &w->bk, &w->bv, &w->wo, &w->mlp_norm,
-                     &w->w_gate_up, &w->w_down};
-    int64_t elems[] = {h, qn * h, kn * h, kn * h, bias * qn, bias * kn, bias * kn, h * qn, h, 2 * in * h, h * in};
-    size_t total = 0, ws = kvs_dtype_size(m->be->weight_dtype);
-    for (size_t i = 0; i < sizeof elems / sizeof elems[0]; i++) total += ((size_t)elems[i] + 63) / 64 * 64;
-    w->arena = weights_alloc(m, total * ws);
+                     &w->w_gate_up, &w->w_down, (void **)&w->sq, (void **)&w->sk, (void **)&w->sv, (void **)&w->so,
+                     (void **)&w->s_gate_up, (void **)&w->s_down};
+    int64_t elems[] = {h, qn * h, kn * h, kn * h, bias * qn, bias * kn, bias * kn, h * qn, h, 2 * in * h, h * in,
+                       fp8 * qn, fp8 * kn, fp8 * kn, fp8 * h, fp8 * 2 * in, fp8 * h};
+    size_t size[] = {ws, ls, ls, ls, ws, ws, ws, ls, ws, ls, ls, 4, 4, 4, 4, 4, 4};
+    enum { N_PARTS = sizeof elems / sizeof elems[0] };
+    size_t total = 0;
+    for (int i = 0; i < N_PARTS; i++) total += ((size_t)elems[i] * size[i] + 255) / 256 * 256;
+    w->arena = weights_alloc(m, total);
     if (!w->arena) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
     size_t at = 0;
-    for (size_t i = 0; i < sizeof elems / sizeof elems[0]; i++) {
-        *part[i] = elems[i] ? (char *)w->arena + at * ws : NULL;
-        at += ((size_t)elems[i] + 63) / 64 * 64;
+    for (int i = 0; i < N_PARTS; i++) {
+        *part[i] = elems[i] ? (char *)w->arena + at : NULL;
+        at += ((size_t)elems[i] * size[i] + 255) / 256 * 256;
     }
     return KVS_OK;
+}
+
+/* Where a linear weight is uploaded to: its place, or with fp8 the staging
+ * buffer, quantized from there by quantize(). */
+static void **linear_dst(kvs_model *m, void **weight, void **staging) {
+    *staging = m->staging;
+    return m->cfg.quantization == KVS_QUANT_FP8 ? staging : weight;
+}
+
+/* fp8: the staged weight [rows][cols] into E4M3 codes and a scale per row. */
+static void quantize(kvs_model *m, void *codes, float *scale, int64_t rows, int64_t cols) {
+    if (m->cfg.quantization == KVS_QUANT_FP8)
+        m->be->quantize_fp8(m->be, codes, scale, m->staging, m->be->weight_dtype, (int)rows, (int)cols);
 }
 
 static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
@@ -158,27 +177,69 @@ static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
     kvs_layer_weights *w = &m->layers[l];
     int64_t hd = c->head_dim, q0 = (int64_t)sh->rank * sh->n_heads * hd, qn = (int64_t)sh->n_heads * hd;
     int64_t k0 = (int64_t)sh->rank * sh->n_kv_heads * hd, kn = (int64_t)sh->n_kv_heads * hd;
-    int64_t i0 = (int64_t)sh->rank * sh->intermediate, in = sh->intermediate;
+    int64_t i0 = (int64_t)sh->rank * sh->intermediate, in = sh->intermediate, h = c->hidden_size;
+    void *st;
     KVS_TRY(alloc_layer(m, w, qn, kn, in));
     KVS_TRY(upload(m, ck, KVS_W_ATTN_NORM, l, &w->attn_norm));
     /* column-parallel: this rank's heads are rows of Q, K, V */
-    KVS_TRY(upload_rows(m, ck, KVS_W_Q, l, q0, qn, &w->wq, 0, 0));
-    KVS_TRY(upload_rows(m, ck, KVS_W_K, l, k0, kn, &w->wk, 0, 0));
-    KVS_TRY(upload_rows(m, ck, KVS_W_V, l, k0, kn, &w->wv, 0, 0));
+    KVS_TRY(upload_rows(m, ck, KVS_W_Q, l, q0, qn, linear_dst(m, &w->wq, &st), 0, 0));
+    quantize(m, w->wq, w->sq, qn, h);
+    KVS_TRY(upload_rows(m, ck, KVS_W_K, l, k0, kn, linear_dst(m, &w->wk, &st), 0, 0));
+    quantize(m, w->wk, w->sk, kn, h);
+    KVS_TRY(upload_rows(m, ck, KVS_W_V, l, k0, kn, linear_dst(m, &w->wv, &st), 0, 0));
+    quantize(m, w->wv, w->sv, kn, h);
     if (c->attention_bias) {
         KVS_TRY(upload_rows(m, ck, KVS_W_Q_BIAS, l, q0, qn, &w->bq, 0, 0));
         KVS_TRY(upload_rows(m, ck, KVS_W_K_BIAS, l, k0, kn, &w->bk, 0, 0));
         KVS_TRY(upload_rows(m, ck, KVS_W_V_BIAS, l, k0, kn, &w->bv, 0, 0));
     }
     /* row-parallel: O [hidden, heads * head_dim] keeps the columns of this rank's heads */
-    KVS_TRY(upload_slice(m, ck, KVS_W_O, l, 0, -1, q0, qn, &w->wo, 0, 0));
+    KVS_TRY(upload_slice(m, ck, KVS_W_O, l, 0, -1, q0, qn, linear_dst(m, &w->wo, &st), 0, 0));
+    quantize(m, w->wo, w->so, h, qn);
     KVS_TRY(upload(m, ck, KVS_W_MLP_NORM, l, &w->mlp_norm));
     size_t gate_elems = (size_t)in * c->hidden_size;
-    KVS_TRY(upload_rows(m, ck, KVS_W_GATE, l, i0, in, &w->w_gate_up, 0, 2 * gate_elems));
-    KVS_TRY(upload_rows(m, ck, KVS_W_UP, l, i0, in, &w->w_gate_up, gate_elems, 0));
+    KVS_TRY(upload_rows(m, ck, KVS_W_GATE, l, i0, in, linear_dst(m, &w->w_gate_up, &st), 0, 2 * gate_elems));
+    KVS_TRY(upload_rows(m, ck, KVS_W_UP, l, i0, in, linear_dst(m, &w->w_gate_up, &st), gate_elems, 0));
+    quantize(m, w->w_gate_up, w->s_gate_up, 2 * in, h);
     /* row-parallel: down [hidden, intermediate] keeps this rank's intermediate columns */
-    KVS_TRY(upload_slice(m, ck, KVS_W_DOWN, l, 0, -1, i0, in, &w->w_down, 0, 0));
+    KVS_TRY(upload_slice(m, ck, KVS_W_DOWN, l, 0, -1, i0, in, linear_dst(m, &w->w_down, &st), 0, 0));
+    quantize(m, w->w_down, w->s_down, h, in);
     return KVS_OK;
+}
+
+/* --quantization fp8: the backend's FP8 ops and GEMM sizes cuBLASLt takes
+ * (multiples of 16); the staging buffer for the largest linear weight. */
+static kvs_status fp8_prepare(kvs_model *m) {
+    const kvs_config *c = &m->cfg;
+    const kvs_shard *sh = &m->shard;
+    if (!m->be->quantize_fp8 || !m->be->matmul_fp8)
+        return kvs_fail(KVS_ERR_UNSUPPORTED,
+                        "--quantization fp8: the %s backend has no FP8 here (CUDA needs a GPU of compute capability "
+                        "8.9 or later: Ada, Hopper, Blackwell)",
+                        m->be->name);
+    int64_t h = c->hidden_size, qn = (int64_t)sh->n_heads * c->head_dim, kn = (int64_t)sh->n_kv_heads * c->head_dim;
+    int64_t in = sh->intermediate;
+    const char *names[] = {"hidden_size", "the attention heads x head_dim", "the KV heads x head_dim",
+                           "intermediate_size"};
+    int64_t dims[] = {h, qn, kn, in};
+    for (int i = 0; i < 4; i++)
+        if (dims[i] % 16)
+            return kvs_fail(KVS_ERR_UNSUPPORTED, "--quantization fp8: %s (%lld on this rank) is not a multiple of 16",
+                            names[i], (long long)dims[i]);
+    int64_t most = 2 * in * h;
+    if (qn * h > most) most = qn * h;
+    m->staging = m->be->alloc(m->be, (size_t)most * kvs_dtype_size(m->be->weight_dtype));
+    if (!m->staging) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory staging weights for fp8");
+    return KVS_OK;
+}
+
+kvs_status kvs_quantization_parse(const char *v, kvs_quantization *q) {
+    if (v && !strcmp(v, "fp8")) {
+        *q = KVS_QUANT_FP8;
+        return KVS_OK;
+    }
+    return kvs_fail(KVS_ERR_INVALID, "--quantization %s: unknown method; the one supported is fp8 (FP8 E4M3 "
+                    "weights with a scale per output channel, activations per token)", v ? v : "(none)");
 }
 
 /* This rank's LM-head rows, zero-padded to vocab_pad rows. When the head is
@@ -236,6 +297,7 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
     kvs_status st = m->layers ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "model: out of memory");
     kvs_progress bar;
     bool show = rank == 0; /* one bar for the group */
+    if (st == KVS_OK && cfg->quantization == KVS_QUANT_FP8) st = fp8_prepare(m);
     if (show) kvs_progress_start(&bar, "loading weights", cfg->n_layers + 2);
     if (st == KVS_OK) st = upload(m, ck, KVS_W_EMBED, -1, &m->embed);
     if (st == KVS_OK) st = upload(m, ck, KVS_W_FINAL_NORM, -1, &m->final_norm);
@@ -246,6 +308,8 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
         if (show) kvs_progress_update(&bar, 3 + l);
     }
     if (show) kvs_progress_finish(&bar);
+    if (m->staging) be->free(be, m->staging); /* waits for the last quantize */
+    m->staging = NULL;
     if (st == KVS_OK) {
         float host[1024];
         size_t bytes = sizeof(float) * (size_t)(cfg->head_dim / 2);
@@ -281,6 +345,7 @@ void kvs_model_destroy(kvs_model *m) {
     if (m->embed) be->free(be, m->embed);
     if (m->final_norm) be->free(be, m->final_norm);
     if (m->inv_freq) be->free(be, m->inv_freq);
+    if (m->staging) be->free(be, m->staging);
     free(m);
 }
 

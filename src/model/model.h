@@ -13,6 +13,14 @@ typedef enum { KVS_ROPE_NONE, KVS_ROPE_LINEAR, KVS_ROPE_LLAMA3 } kvs_rope_type;
 
 #define KVS_MAX_EOS 8
 
+/* Weight quantization (--quantization; docs/CUDA.md "FP8"). FP8: the linear
+ * layers' weights (q, k, v, o, gate/up, down) quantized at load to FP8 E4M3
+ * with a scale per output channel, activations per token on the fly; the
+ * embeddings, the LM head, the norms and biases stay in the backend's dtype. */
+typedef enum { KVS_QUANT_NONE, KVS_QUANT_FP8 } kvs_quantization;
+/* "fp8" -> KVS_QUANT_FP8; anything else fails, naming the value. */
+kvs_status kvs_quantization_parse(const char *v, kvs_quantization *q);
+
 typedef struct {
     char architecture[64]; /* LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM */
     int hidden_size, n_layers, n_heads, n_kv_heads, head_dim, intermediate_size;
@@ -27,6 +35,7 @@ typedef struct {
     int eos_token_ids[KVS_MAX_EOS];  /* config.json, then generation_config.json */
     int n_eos;
     kvs_dtype dtype;                 /* torch_dtype / dtype; BF16 if absent */
+    kvs_quantization quantization;   /* set by --quantization (not read from config.json) */
 } kvs_config;
 
 /* Parses config.json text (name is used in messages). */

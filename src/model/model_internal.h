@@ -8,6 +8,9 @@
 typedef struct {
     void *attn_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo; /* biases NULL when absent */
     void *mlp_norm, *w_gate_up /* [2 * intermediate, hidden]: gate rows, then up rows */, *w_down;
+    /* --quantization fp8: the six linear weights above hold E4M3 codes, and
+       these their scales, one per output row (NULL without quantization) */
+    float *sq, *sk, *sv, *so, *s_gate_up, *s_down;
     void *arena; /* the one backend allocation the weights above are parts of */
 } kvs_layer_weights;
 
@@ -23,6 +26,7 @@ typedef struct {
 typedef struct {
     void *x, *xn, *q, *k, *v, *att, *tmp, *gate_up, *act; /* [rows][...] */
     float *lse;                                         /* [rows][heads] */
+    uint8_t *xq; float *xs; /* fp8: a GEMM input's E4M3 codes [rows][widest input] and per-row scales [rows] */
     void *last, *logits;                                /* [max_seqs][hidden], [max_seqs][vocab_pad] */
     int32_t *last_rows, *h_last_rows;                   /* [max_seqs] */
     /* Per-step metadata (step_meta.c): token ids, positions, q_start, then
@@ -88,6 +92,7 @@ struct kvs_model {
     void *embed, *final_norm, *lm_head; /* lm_head points into embed when tied and unpadded */
     bool lm_head_owned;
     kvs_layer_weights *layers;
+    void *staging; /* fp8 at load: one linear weight in weight_dtype before quantize_fp8 (NULL after) */
     float *inv_freq; /* [head_dim / 2], backend memory */
     kvs_step_buffers buf;
     kvs_sample_buffers sample;

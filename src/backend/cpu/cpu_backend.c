@@ -268,6 +268,8 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     /* no graphs: graph_begin .. graph_destroy stay NULL (calloc) */
     b->add_rmsnorm = kvs_cpu_add_rmsnorm;
     b->rope_kv_write = kvs_cpu_rope_kv_write;
+    b->quantize_fp8 = kvs_cpu_quantize_fp8;
+    b->matmul_fp8 = kvs_cpu_matmul_fp8;
     b->destroy = cpu_destroy;
     *out = b;
     return KVS_OK;

@@ -259,6 +259,7 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->impl = c;
     c->device = device;
     c->prefill = opt->prefill;
+    c->fp8_gemm = opt->fp8_gemm;
     c->n_sms = prop.multiProcessorCount;
     kvs_status st = KVS_OK;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
@@ -316,6 +317,10 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->graph_destroy = cuda_graph_destroy;
     b->add_rmsnorm = kvs_cuda_add_rmsnorm;
     b->rope_kv_write = kvs_cuda_rope_kv_write;
+    if (prop.major * 10 + prop.minor >= 89) { /* FP8 tensor cores: Ada and Hopper on */
+        b->quantize_fp8 = kvs_cuda_quantize_fp8;
+        b->matmul_fp8 = kvs_cuda_matmul_fp8;
+    }
     b->destroy = cuda_destroy;
     kvs_log(KVS_LOG_INFO, "cuda backend: %s (sm_%d%d, %d SMs, %.1f GiB)", prop.name, prop.major, prop.minor,
             prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0);

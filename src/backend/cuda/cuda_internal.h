@@ -37,9 +37,18 @@ __device__ __forceinline__ float kvs_block_sum(float v) {
     return part[0];
 }
 
-/* A cached cuBLASLt plan for one (n, in_dim, out_dim) shape, with or without the bias epilogue. */
+/* What a cached GEMM plan multiplies (cuda_matmul.cu, cuda_fp8.cu). */
+typedef enum {
+    KVS_GEMM_BF16,      /* bf16 x bf16 -> bf16 */
+    KVS_GEMM_FP8_OUTER, /* e4m3 x e4m3 -> bf16, outer-vector scales */
+    KVS_GEMM_FP8_F32,   /* e4m3 x e4m3 -> f32, unit scales (the epilogue kernel scales) */
+    KVS_GEMM_FP8_BF16,  /* e4m3 x e4m3 -> bf16, unit scales: the benchmark's ceiling for the scaled forms */
+} kvs_gemm_kind;
+
+/* A cached cuBLASLt plan for one (kind, n, in_dim, out_dim) shape, with or without the bias epilogue. */
 typedef struct {
     int n, in_dim, out_dim, valid;
+    int kind, fast_accum; /* kvs_gemm_kind; FP8 fast accumulation */
     int bias; /* CUBLASLT_EPILOGUE_BIAS; the pointer is set on op before each call */
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t a, b, c;
@@ -64,6 +73,8 @@ typedef struct {
     int capture_broken;   /* something during this capture could not be captured */
     int n_sms;
     int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
+    int fp8_gemm; /* kvs_cuda_fp8_gemm, resolved (never AUTO): how matmul_fp8 scales (cuda_fp8.cu) */
+    int fp8_outer_missing; /* cuBLASLt found no outer-vector FP8 algorithm once: AUTO falls back to EPILOGUE_FAST */
     int failed; /* sticky: a CUDA call failed; check reports failure */
     char failure[512]; /* the first failure's message */
 } kvs_cuda;
@@ -79,6 +90,16 @@ void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const ch
         cudaError_t kvs_e_ = (call);                                                   \
         if (kvs_e_ != cudaSuccess)                                                     \
             kvs_cuda_report((b), #call, cudaGetErrorString(kvs_e_), __FILE__, __LINE__); \
+    } while (0)
+
+/* A cuBLASLt call: reports a failure and clears ok. */
+#define LT_CHECK(b, call, ok)                                                                     \
+    do {                                                                                          \
+        cublasStatus_t kvs_s_ = (call);                                                           \
+        if (kvs_s_ != CUBLAS_STATUS_SUCCESS) {                                                    \
+            kvs_cuda_report((b), #call, cublasLtGetStatusString(kvs_s_), __FILE__, __LINE__);       \
+            ok = 0;                                                                               \
+        }                                                                                         \
     } while (0)
 
 /* After a kernel launch: reports launch errors (bad configuration etc.). */
@@ -121,6 +142,17 @@ void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, co
 void kvs_cuda_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n, int in_dim,
                      int out_dim);
 void kvs_cuda_gemm_destroy(kvs_cuda *c);
+/* The cached plan for C(out x n) = op_T(A) B of that kind (A = w [out][in], B =
+ * the input [n][in], both K-major), with the bias epilogue when bias; NULL
+ * (reported, unless quiet) when cuBLASLt has no algorithm for it. */
+kvs_cuda_gemm_plan *kvs_cuda_gemm_plan_for(kvs_backend *b, kvs_gemm_kind kind, int fast_accum, int n, int in_dim,
+                                           int out_dim, int bias, int quiet);
+
+/* FP8 (cuda_fp8.cu) */
+void kvs_cuda_quantize_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *x, kvs_dtype x_dtype, int rows,
+                           int cols);
+void kvs_cuda_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,
+                         const float *ws, const void *bias, int n, int in_dim, int out_dim);
 
 /* attention (cuda_attention.cu) */
 void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
