@@ -49,10 +49,6 @@ struct kvs_backend {
     /* Memory for weights, written once and then read whole every step (NULL:
      * alloc). The CPU backend puts it on huge pages. */
     void *(*alloc_weights)(kvs_backend *b, size_t bytes);
-    /* Memory for the KV pool, written block by block as requests come and
-     * read every decode step (NULL: alloc). The CPU backend puts it on huge
-     * pages and faults them in at once. */
-    void *(*alloc_kv_pool)(kvs_backend *b, size_t bytes);
     void (*free)(kvs_backend *b, void *p);
     void (*to_device)(kvs_backend *b, void *dst, const void *src, size_t bytes);
     void (*to_host)(kvs_backend *b, void *dst, const void *src, size_t bytes);

@@ -25,8 +25,7 @@ kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache
     kv->cfg = *cfg;
     kv->be = be;
     size_t bytes = (size_t)cfg->n_blocks * kvs_kv_block_bytes(cfg, be->kv_dtype);
-    void *pool = be->alloc_kv_pool ? be->alloc_kv_pool(be, bytes) : be->alloc(be, bytes);
-    kv->pool = (kvs_kv_pool){pool, cfg->n_blocks, cfg->block_size, cfg->n_kv_heads,
+    kv->pool = (kvs_kv_pool){be->alloc(be, bytes), cfg->n_blocks, cfg->block_size, cfg->n_kv_heads,
                              cfg->head_dim};
     kv->free_blocks = malloc(sizeof(int32_t) * (size_t)cfg->n_blocks);
     kv->seqs = calloc((size_t)cfg->max_seqs, sizeof(seq_state));

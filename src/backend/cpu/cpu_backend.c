@@ -36,7 +36,7 @@ void *kvs_cpu_scratch(kvs_backend *b, size_t bytes) {
     if (bytes > c->scratch_cap) {
         free(c->scratch);
         c->scratch_cap = 0;
-        c->scratch = kvs_aligned_alloc(bytes);
+        c->scratch = kvs_cpu_alloc_resident(bytes);
         if (!c->scratch) {
             kvs_cpu_fail(b, KVS_ERR_NOMEM, "cpu backend: out of memory (%zu bytes of scratch)", bytes);
             return NULL;
@@ -106,17 +106,13 @@ void kvs_cpu_fail(kvs_backend *b, kvs_status code, const char *fmt, ...) {
 /* Weights (the model allocates a layer's as one buffer) on huge pages. */
 static void *cpu_alloc_weights(kvs_backend *b, size_t bytes) { return kvs_cpu_alloc_huge(bytes); }
 
-/* The KV pool on huge pages too: decode reads its blocks scattered, and on
- * 4 KiB pages a block's first touch was a TLB miss (docs/CPU.md). Faulted in
- * at once, as llama.cpp clears its KV buffer: the resident size is the pool's
- * from the start instead of creeping up as requests first write its blocks. */
-static void *cpu_alloc_kv_pool(kvs_backend *b, size_t bytes) {
-    void *p = kvs_cpu_alloc_huge(bytes);
-    if (p) kvs_cpu_populate(p, bytes);
-    return p;
-}
-
-static void *cpu_alloc(kvs_backend *b, size_t bytes) { return kvs_aligned_alloc(bytes); }
+/* Everything else (the KV pool, the step buffers, scratch) from 2 MiB up:
+ * on huge pages too, and faulted in at once. The KV pool's blocks are read
+ * scattered, and on 4 KiB pages a block's first touch was a TLB miss; the
+ * pool is resident from the start, as llama.cpp clears its KV buffer, instead
+ * of creeping up as requests first write its blocks; and the first step does
+ * not fault in the activation buffers it writes (docs/CPU.md, "Memory"). */
+static void *cpu_alloc(kvs_backend *b, size_t bytes) { return kvs_cpu_alloc_resident(bytes); }
 
 static volatile float read_sink; /* keeps the reads from being optimised away */
 
@@ -236,7 +232,6 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->kv_dtype = kv_dtype;
     b->alloc = cpu_alloc;
     b->alloc_weights = cpu_alloc_weights;
-    b->alloc_kv_pool = cpu_alloc_kv_pool;
     b->free = cpu_free;
     b->to_device = cpu_copy;
     b->to_host = cpu_copy;

@@ -23,11 +23,15 @@ void *kvs_cpu_alloc_huge(size_t bytes) {
     return p;
 }
 
-/* MADV_POPULATE_WRITE (Linux 5.14) faults the pages in without writing them;
- * before it, or where it fails, they are written with zeros. */
-void kvs_cpu_populate(void *p, size_t bytes) {
+/* Huge pages as above, faulted in at once: MADV_POPULATE_WRITE (Linux 5.14)
+ * faults the pages in without writing them; before it, or where it fails,
+ * they are written with zeros. */
+void *kvs_cpu_alloc_resident(size_t bytes) {
+    void *p = kvs_cpu_alloc_huge(bytes);
+    if (!p || bytes < HUGE_PAGE) return p;
 #ifdef MADV_POPULATE_WRITE
-    if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return;
+    if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return p;
 #endif
     memset(p, 0, bytes);
+    return p;
 }

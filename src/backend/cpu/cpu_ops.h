@@ -28,8 +28,8 @@ const float *kvs_cpu_rope_table(kvs_backend *b, const int32_t *positions, const 
 /* Memory (cpu_memory.c) for what every step streams, the weights and the KV
  * pool: 2 MiB aligned on transparent huge pages from 2 MiB up; free(). */
 void *kvs_cpu_alloc_huge(size_t bytes);
-/* Faults p's bytes in (p from kvs_cpu_alloc_huge), all at once. */
-void kvs_cpu_populate(void *p, size_t bytes);
+/* The same, and from 2 MiB up faulted in at once (free()). */
+void *kvs_cpu_alloc_resident(size_t bytes);
 /* n weights of the backend's weight dtype as f32: w itself when weights are
  * f32, else converted into buf (n floats). */
 const float *kvs_cpu_weights_f32(kvs_backend *b, const void *w, size_t n, float *buf);
