@@ -1228,9 +1228,8 @@ static void compare_models(duo *d, const char *dir, const char *name, const int3
     compare_models_q(d, dir, name, ids, n, chunk, n_greedy, max_abs, rel, policy, KVS_QUANT_NONE);
 }
 
-Test(cuda, e2e_tiny_needle_llama, .timeout = 600) {
-    duo d;
-    OPEN_OR_SKIP(&d);
+/* compare_models_q over every prompt of the tiny model's fixture. */
+static void needle_cases(duo *d, const char *label, double max_abs, double rel, kvs_quantization q) {
     json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
     size_t i;
@@ -1239,11 +1238,17 @@ Test(cuda, e2e_tiny_needle_llama, .timeout = 600) {
         int n;
         int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
         char name[96];
-        snprintf(name, sizeof name, "tiny-needle-llama %s", json_string_value(json_object_get(c, "name")));
-        compare_models(&d, src_path("models/tiny-needle-llama"), name, ids, n, 256, 16, 0.35, 0, NULL);
+        snprintf(name, sizeof name, "tiny-needle-llama %s%s", label, json_string_value(json_object_get(c, "name")));
+        compare_models_q(d, src_path("models/tiny-needle-llama"), name, ids, n, 256, 16, max_abs, rel, NULL, q);
         free(ids);
     }
     json_decref(cases);
+}
+
+Test(cuda, e2e_tiny_needle_llama, .timeout = 600) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    needle_cases(&d, "", 0.35, 0, KVS_QUANT_NONE);
     duo_close(&d);
 }
 
@@ -1256,20 +1261,7 @@ Test(cuda, e2e_tiny_needle_llama, .timeout = 600) {
 Test(cuda, e2e_tiny_needle_llama_fp8, .timeout = 600) {
     duo d;
     OPEN_FP8_OR_SKIP(&d, KVS_CUDA_FP8_AUTO);
-    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
-    cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
-    size_t i;
-    json_t *c;
-    json_array_foreach(cases, i, c) {
-        int n;
-        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
-        char name[96];
-        snprintf(name, sizeof name, "tiny-needle-llama fp8 %s", json_string_value(json_object_get(c, "name")));
-        compare_models_q(&d, src_path("models/tiny-needle-llama"), name, ids, n, 256, 16, 0.7, 0.1, NULL,
-                         KVS_QUANT_FP8);
-        free(ids);
-    }
-    json_decref(cases);
+    needle_cases(&d, "fp8 ", 0.7, 0.1, KVS_QUANT_FP8);
     duo_close(&d);
 }
 
