@@ -797,6 +797,50 @@ Test(server, bench_serve) {
     cr_expect_eq(stop_server(&s), 0);
 }
 
+/* ---- bench serve's open loop: Poisson arrivals at each rate, a warm-up left out */
+Test(server, bench_serve_request_rate) {
+    server_proc s = start_server(NULL);
+    char *out = NULL;
+    json_t *j = bench_serve_report(s.port, "--input-len 16 --output-len 4 --request-rate 20,inf --concurrency 4 "
+                                   "--num-prompts 8 --warmup 2", make_temp_dir(), &out);
+    cr_expect(strstr(out, "open loop: Poisson arrivals, at most 4 in flight") && strstr(out, "steady state, after the first 2"),
+              "%s", out);
+    free(out);
+    json_t *levels = json_object_get(j, "levels");
+    cr_assert_eq(json_array_size(levels), 2u);
+    json_t *l0 = json_array_get(levels, 0), *l1 = json_array_get(levels, 1);
+    cr_expect_eq(json_real_value(json_object_get(l0, "request_rate")), 20.0);
+    cr_expect_str_eq(json_string_value(json_object_get(l1, "request_rate")), "inf");
+    for (int k = 0; k < 2; k++) {
+        json_t *l = json_array_get(levels, (size_t)k);
+        cr_expect_eq(json_integer_value(json_object_get(l, "completed")), 8);
+        cr_expect_eq(json_integer_value(json_object_get(l, "failed")), 0);
+        cr_expect_eq(json_integer_value(json_object_get(l, "max_concurrency")), 4);
+        cr_expect_eq(json_integer_value(json_object_get(l, "warmup")), 2);
+        cr_expect_eq(json_integer_value(json_object_get(l, "steady_requests")), 6, "the 8 requests less the warm-up's 2");
+        cr_expect_gt(json_real_value(json_object_get(json_object_get(l, "ttft_steady"), "p50_ms")), 0);
+    }
+    json_decref(j);
+    /* closed loop: the warm-up is the first wave (the concurrency) unless given */
+    j = bench_serve_report(s.port, "--input-len 16 --output-len 4 --concurrency 3 --num-prompts 6", make_temp_dir(), &out);
+    free(out);
+    l0 = json_array_get(json_object_get(j, "levels"), 0);
+    cr_expect(json_is_null(json_object_get(l0, "request_rate")));
+    cr_expect_eq(json_integer_value(json_object_get(l0, "warmup")), 3);
+    cr_expect_eq(json_integer_value(json_object_get(l0, "steady_requests")), 3);
+    json_decref(j);
+    /* bad rates are refused, naming the option */
+    char cmd[1024];
+    for (int k = 0; k < 3; k++) {
+        const char *bad[] = {"--request-rate 0", "--request-rate 2,x", "--request-rate 2 --concurrency 1,2"};
+        snprintf(cmd, sizeof cmd, "'%s' bench serve --url http://127.0.0.1:%d %s", kvsparse_binary(), s.port, bad[k]);
+        cr_expect_eq(run_capture(cmd, &out), 2, "%s: %s", bad[k], out);
+        cr_expect(strstr(out, "--request-rate") || strstr(out, "--concurrency"), "%s: %s", bad[k], out);
+        free(out);
+    }
+    cr_expect_eq(stop_server(&s), 0);
+}
+
 /* ---- bench serve's conversations: a shared prefix, several turns ------------ */
 Test(server, bench_serve_shared_prefix_turns) {
     server_proc s = start_server(NULL);

@@ -9,12 +9,20 @@
  * prompt = turn k's prompt + its answer (the ids the server returns with
  * vLLM's return_token_ids) + a new input-len question. Then also reported:
  * the TTFT of first and of later turns, and the server's prefix-cache hit
- * rate (its /metrics hits / queries over the level). */
+ * rate (its /metrics hits / queries over the level).
+ * Open loop (vLLM's --request-rate): each rate of the list is a level whose
+ * requests arrive as a Poisson process of that rate (seeded), however many
+ * are in flight (--concurrency then caps them, as vLLM's --max-concurrency).
+ * Every level also reports its steady state: the requests after a warm-up
+ * (by default the first wave of a closed loop, the first tenth of an open
+ * one), which a burst of simultaneous long prompts makes wait for each
+ * other's prefills whatever the engine does. */
 #include <arpa/inet.h>
 #include <jansson.h>
 #include <math.h>
 #include <netdb.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +40,9 @@ typedef struct {
     int input_len, output_len, num_prompts, id_lo, id_hi;
     int shared_prefix_len, turns; /* 0, 1: neither */
     int conc[32], n_conc;
+    double rate[32]; /* --request-rate: requests/s, INFINITY: all at once; n_rate 0: closed loop */
+    int n_rate;
+    int warmup; /* -1: the default (above) */
     uint64_t seed;
 } bench_opts;
 
@@ -55,6 +66,8 @@ typedef struct {
     int conc;
     atomic_int next, done;
     req_result *res;
+    sem_t slots; /* open loop with --concurrency: the requests in flight */
+    bool capped;
 } level_state;
 
 static void usage(FILE *f) {
@@ -62,9 +75,14 @@ static void usage(FILE *f) {
                "  --url URL            the server, e.g. http://127.0.0.1:8000 (/v1 is added when missing)\n"
                "  --input-len N        prompt tokens (random ids; default 4000)\n"
                "  --output-len N       generated tokens per request (ignore_eos; default 500)\n"
-               "  --concurrency LIST   requests in flight, e.g. 1,10,20 (default 1)\n"
-               "  --num-prompts N      requests (conversations with --turns) per concurrency level (default:\n"
-               "                       4 x concurrency, at least 8)\n"
+               "  --concurrency LIST   requests in flight, e.g. 1,10,20 (default 1); with --request-rate, one\n"
+               "                       value: the most in flight (default: no limit)\n"
+               "  --request-rate LIST  open loop: requests/s of Poisson arrivals, e.g. 2,4,8 or inf (all at\n"
+               "                       once), one level each (default: closed loop at --concurrency)\n"
+               "  --warmup N           requests left out of the steady-state figures (default: the first\n"
+               "                       wave, i.e. the concurrency, or a tenth of an open loop's)\n"
+               "  --num-prompts N      requests (conversations with --turns) per level (default: 4 x\n"
+               "                       concurrency, at least 8; 8 x rate, at least 16, with --request-rate)\n"
                "  --model NAME         the model to request (default: the first of GET /v1/models)\n"
                "  --api-key KEY        sent as 'Authorization: Bearer KEY'\n"
                "  --id-range LO,HI     random prompt ids in [LO, HI) (default 10,8000)\n"
@@ -74,7 +92,7 @@ static void usage(FILE *f) {
                "                       prompt is the last one + its answer + --input-len new ids (default 1)\n"
                "  --seed S             random prompt ids seed (default 0)\n"
                "  --json-out FILE      write the results as JSON to FILE\n"
-               "  --plot FILE.png      plot output tokens/s and median TTFT against concurrency\n");
+               "  --plot FILE.png      plot output tokens/s and median TTFT against concurrency (or rate)\n");
 }
 
 static bool parse_url(const char *url, bench_opts *o) {
@@ -308,6 +326,26 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* Open loop: one thread per request, started at its arrival. */
+typedef struct {
+    level_state *L;
+    int i;
+} arrival;
+
+static void *arrived(void *arg) {
+    arrival *a = arg;
+    level_state *L = a->L;
+    run_conversation(L->o, a->i, &L->res[(size_t)a->i * L->o->turns]);
+    if (L->capped) sem_post(&L->slots);
+    atomic_fetch_add(&L->done, 1);
+    return NULL;
+}
+
+/* Sleeps until kvs_now() reaches t. */
+static void sleep_until(double t) {
+    for (double d; (d = t - kvs_now()) > 0;) usleep(d > 0.2 ? 200000 : (useconds_t)(d * 1e6) + 1);
+}
+
 /* ---- statistics and reporting ----------------------------------------------- */
 typedef struct {
     double mean, p50, p90, p99;
@@ -336,42 +374,77 @@ static json_t *dist_json(dist d) {
 }
 
 typedef struct {
-    int conc, ok, failed, n_first, n_later;
+    int conc, ok, failed, n_first, n_later, warmup, n_steady;
+    double rate; /* 0: closed loop */
     double duration, req_s, tok_s;
     dist ttft, tpot, itl;
+    dist ttft_steady, tpot_steady; /* the requests after the warm-up */
     dist ttft_first, ttft_later; /* of conversations' first turns, of the others */
     bool have_cache;             /* the server's prefix-cache counters were read */
     double cache_queries, cache_hits; /* over the level */
 } level_result;
 
-static level_result run_level(const bench_opts *o, int conc) {
-    level_state L = {.o = o, .conc = conc};
+/* One level: a closed loop of conc requests in flight (rate 0), or Poisson
+ * arrivals at rate (at most conc in flight when conc > 0). */
+static level_result run_level(const bench_opts *o, int conc, double rate) {
+    level_state L = {.o = o, .conc = conc, .capped = rate > 0 && conc > 0};
     atomic_init(&L.next, 0);
     atomic_init(&L.done, 0);
     int n_req = o->num_prompts * o->turns;
     L.res = calloc((size_t)n_req, sizeof *L.res);
     double q0 = 0, h0 = 0, q1 = 0, h1 = 0;
     bool have_cache = prefix_cache_counts(o, &q0, &h0);
-    pthread_t *th = calloc((size_t)conc, sizeof *th);
+    int n_threads = rate > 0 ? o->num_prompts : conc;
+    pthread_t *th = calloc((size_t)n_threads, sizeof *th);
+    bool *live = calloc((size_t)n_threads, 1);
+    arrival *arr = calloc((size_t)o->num_prompts, sizeof *arr);
     char label[64];
-    snprintf(label, sizeof label, "concurrency %d", conc);
+    if (rate > 0) snprintf(label, sizeof label, "rate %g/s", rate);
+    else snprintf(label, sizeof label, "concurrency %d", conc);
     kvs_progress pr;
     kvs_progress_start(&pr, label, o->num_prompts);
+    if (L.capped) sem_init(&L.slots, 0, (unsigned)conc);
     double t0 = kvs_now();
     int started = 0;
-    for (int i = 0; i < conc; i++)
-        if (pthread_create(&th[i], NULL, worker, &L) == 0) started++;
+    if (rate > 0) { /* exponential gaps of mean 1 / rate, seeded */
+        kvs_rng rng;
+        kvs_rng_seed(&rng, o->seed ^ 0xa221ba15ull);
+        double at = t0;
+        for (int i = 0; i < o->num_prompts; i++) {
+            if (isfinite(rate)) at += -log(1.0 - kvs_rng_uniform(&rng)) / rate;
+            sleep_until(at);
+            if (L.capped) sem_wait(&L.slots);
+            arr[i] = (arrival){&L, i};
+            if (pthread_create(&th[i], NULL, arrived, &arr[i]) == 0) {
+                live[i] = true, started++;
+            } else { /* counted as failed: its result stays zero */
+                if (L.capped) sem_post(&L.slots);
+                atomic_fetch_add(&L.done, 1);
+            }
+            kvs_progress_update(&pr, atomic_load(&L.done));
+        }
+    } else {
+        for (int i = 0; i < conc; i++)
+            if (pthread_create(&th[i], NULL, worker, &L) == 0) live[i] = true, started++;
+    }
     while (atomic_load(&L.done) < o->num_prompts && started > 0) {
         usleep(200000);
         kvs_progress_update(&pr, atomic_load(&L.done));
     }
-    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < n_threads; i++)
+        if (live[i]) pthread_join(th[i], NULL);
     kvs_progress_finish(&pr);
-    level_result R = {.conc = conc, .duration = kvs_now() - t0};
+    if (L.capped) sem_destroy(&L.slots);
+    level_result R = {.conc = conc, .rate = rate, .duration = kvs_now() - t0};
+    /* the warm-up: the first requests in start order (conversation index) */
+    R.warmup = o->warmup >= 0 ? o->warmup : rate > 0 ? o->num_prompts / 10 : conc;
+    if (R.warmup >= o->num_prompts) R.warmup = o->num_prompts - 1;
     R.have_cache = have_cache && prefix_cache_counts(o, &q1, &h1);
     R.cache_queries = q1 - q0, R.cache_hits = h1 - h0;
     double *ttft = malloc(sizeof(double) * (n_req + 1)), *tpot = malloc(sizeof(double) * (n_req + 1));
     double *first = malloc(sizeof(double) * (n_req + 1)), *later = malloc(sizeof(double) * (n_req + 1));
+    double *ttft_s = malloc(sizeof(double) * (n_req + 1)), *tpot_s = malloc(sizeof(double) * (n_req + 1));
+    int n_tpot_s = 0;
     size_t n_itl = 0;
     for (int i = 0; i < n_req; i++) n_itl += (size_t)L.res[i].n_itl;
     double *itl = malloc(sizeof(double) * (n_itl + 1));
@@ -386,6 +459,10 @@ static level_result run_level(const bench_opts *o, int conc) {
         else later[R.n_later++] = r->ttft;
         tokens += r->out_tokens;
         if (r->out_tokens > 1) tpot[n_tpot++] = (r->latency - r->ttft) / (r->out_tokens - 1);
+        if (i / o->turns >= R.warmup) {
+            ttft_s[R.n_steady++] = r->ttft;
+            if (r->out_tokens > 1) tpot_s[n_tpot_s++] = (r->latency - r->ttft) / (r->out_tokens - 1);
+        }
         memcpy(itl + n_itl, r->itl, sizeof(double) * r->n_itl);
         n_itl += (size_t)r->n_itl;
         free(r->itl);
@@ -397,6 +474,12 @@ static level_result run_level(const bench_opts *o, int conc) {
     R.itl = summarize(itl, (int)n_itl);
     R.ttft_first = summarize(first, R.n_first);
     R.ttft_later = summarize(later, R.n_later);
+    R.ttft_steady = summarize(ttft_s, R.n_steady);
+    R.tpot_steady = summarize(tpot_s, n_tpot_s);
+    free(ttft_s);
+    free(tpot_s);
+    free(live);
+    free(arr);
     free(first);
     free(later);
     free(ttft);
@@ -416,20 +499,33 @@ static int bench_run_levels(bench_opts *o, char *found_model) {
         printf(", a shared prefix of %d tokens, %d turn%s per conversation", o->shared_prefix_len, o->turns,
                o->turns == 1 ? "" : "s");
     printf("\n");
-    printf("%6s %7s %9s %10s %10s %10s %9s %9s %9s %9s %9s %9s %6s\n", "conc", "req/s", "out tok/s", "TTFT mean",
+    bool open = o->n_rate > 0;
+    if (open && o->n_conc) printf("(open loop: Poisson arrivals, at most %d in flight)\n", o->conc[0]);
+    else if (open) printf("(open loop: Poisson arrivals)\n");
+    printf("%6s %7s %9s %10s %10s %10s %9s %9s %9s %9s %9s %9s %6s\n", open ? "rate" : "conc", "req/s", "out tok/s", "TTFT mean",
            "TTFT p50", "TTFT p99", "TPOT mean", "TPOT p50", "TPOT p99", "ITL mean", "ITL p50", "ITL p99", "failed");
     json_t *levels = json_array();
     int failed = 0;
-    for (int k = 0; k < o->n_conc; k++) {
+    int n_levels = open ? o->n_rate : o->n_conc;
+    for (int k = 0; k < n_levels; k++) {
         bench_opts lo = *o;
-        if (!lo.num_prompts) lo.num_prompts = o->conc[k] * 4 > 8 ? o->conc[k] * 4 : 8;
-        R[k] = run_level(&lo, o->conc[k]);
+        int conc = open ? (o->n_conc ? o->conc[0] : 0) : o->conc[k];
+        double rate = open ? o->rate[k] : 0;
+        if (!lo.num_prompts && open) lo.num_prompts = isfinite(rate) && rate * 8 > 16 ? (int)ceil(rate * 8) : 16;
+        else if (!lo.num_prompts) lo.num_prompts = conc * 4 > 8 ? conc * 4 : 8;
+        R[k] = run_level(&lo, conc, rate);
         level_result *r = &R[k];
         failed += r->failed;
-        printf("%6d %7.2f %9.1f %8.1fms %8.1fms %8.1fms %7.2fms %7.2fms %7.2fms %7.2fms %7.2fms %7.2fms %6d\n",
-               r->conc, r->req_s, r->tok_s, r->ttft.mean * 1e3, r->ttft.p50 * 1e3, r->ttft.p99 * 1e3,
+        char name[16];
+        if (open) snprintf(name, sizeof name, isfinite(rate) ? "%g" : "inf", rate);
+        else snprintf(name, sizeof name, "%d", conc);
+        printf("%6s %7.2f %9.1f %8.1fms %8.1fms %8.1fms %7.2fms %7.2fms %7.2fms %7.2fms %7.2fms %7.2fms %6d\n",
+               name, r->req_s, r->tok_s, r->ttft.mean * 1e3, r->ttft.p50 * 1e3, r->ttft.p99 * 1e3,
                r->tpot.mean * 1e3, r->tpot.p50 * 1e3, r->tpot.p99 * 1e3, r->itl.mean * 1e3, r->itl.p50 * 1e3,
                r->itl.p99 * 1e3, r->failed);
+        printf("%6s steady state, after the first %d: TTFT p50 %.1fms p99 %.1fms, TPOT p50 %.2fms p99 %.2fms (%d "
+               "requests)\n", "", r->warmup, r->ttft_steady.p50 * 1e3, r->ttft_steady.p99 * 1e3, r->tpot_steady.p50 * 1e3,
+               r->tpot_steady.p99 * 1e3, r->n_steady);
         if (conversations) {
             printf("%6s first turns TTFT p50 %.1fms p90 %.1fms (%d), later turns TTFT p50 %.1fms p90 %.1fms (%d); "
                    "prefix cache hit rate ", "", r->ttft_first.p50 * 1e3, r->ttft_first.p90 * 1e3, r->n_first,
@@ -443,6 +539,12 @@ static int bench_run_levels(bench_opts *o, char *found_model) {
                                                 r->failed, "duration_s", r->duration, "requests_per_s", r->req_s,
                                                 "output_tokens_per_s", r->tok_s, "ttft", dist_json(r->ttft), "tpot",
                                                 dist_json(r->tpot), "itl", dist_json(r->itl));
+        json_object_set_new(lj, "request_rate", !open ? json_null() : isfinite(rate) ? json_real(rate) : json_string("inf"));
+        json_object_set_new(lj, "max_concurrency", open && !conc ? json_null() : json_integer(conc));
+        json_object_set_new(lj, "warmup", json_integer(r->warmup));
+        json_object_set_new(lj, "steady_requests", json_integer(r->n_steady));
+        json_object_set_new(lj, "ttft_steady", dist_json(r->ttft_steady));
+        json_object_set_new(lj, "tpot_steady", dist_json(r->tpot_steady));
         json_object_set_new(lj, "ttft_first_turns", dist_json(r->ttft_first));
         json_object_set_new(lj, "ttft_later_turns", dist_json(r->ttft_later));
         json_object_set_new(lj, "prefix_cache_queries", r->have_cache ? json_real(r->cache_queries) : json_null());
@@ -466,9 +568,10 @@ static int bench_run_levels(bench_opts *o, char *found_model) {
     json_decref(levels);
     if (o->plot) {
         double x[32], thr[32], ttft[32];
-        for (int k = 0; k < o->n_conc; k++) x[k] = R[k].conc, thr[k] = R[k].tok_s, ttft[k] = R[k].ttft.p50 * 1e3;
+        for (int k = 0; k < n_levels; k++)
+            x[k] = open ? (isfinite(R[k].rate) ? R[k].rate : 0) : R[k].conc, thr[k] = R[k].tok_s, ttft[k] = R[k].ttft.p50 * 1e3;
         kvs_plot_series s[2] = {{"OUTPUT TOK/S", thr}, {"TTFT P50 MS", ttft}};
-        if (kvs_plot_png(o->plot, "CONCURRENCY", x, o->n_conc, s, 2) != KVS_OK) {
+        if (kvs_plot_png(o->plot, open ? "REQUEST RATE" : "CONCURRENCY", x, n_levels, s, 2) != KVS_OK) {
             fprintf(stderr, "kvsparse bench serve: %s\n", kvs_last_error());
             rc = 1;
         }
@@ -480,7 +583,7 @@ static int bench_run_levels(bench_opts *o, char *found_model) {
 
 int kvs_cmd_bench_serve(int argc, char **argv) {
     bench_opts o = {.input_len = 4000, .output_len = 500, .num_prompts = 0, .id_lo = 10, .id_hi = 8000, .seed = 0,
-                    .turns = 1};
+                    .turns = 1, .warmup = -1};
     const char *url = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -497,6 +600,25 @@ int kvs_cmd_bench_serve(int argc, char **argv) {
         else if (!strcmp(a, "--json-out") && v) o.json_out = argv[++i];
         else if (!strcmp(a, "--plot") && v) o.plot = argv[++i];
         else if (!strcmp(a, "--seed") && v) o.seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--warmup") && v) {
+            char *end;
+            long w = strtol(argv[++i], &end, 10);
+            if (*end || end == argv[i] || w < 0 || w > 1000000) goto bad;
+            o.warmup = (int)w;
+        } else if (!strcmp(a, "--request-rate") && v) {
+            char *s = argv[++i], *end;
+            o.n_rate = 0;
+            while (*s) {
+                if (o.n_rate == 32) goto bad;
+                double r = strncmp(s, "inf", 3) ? strtod(s, &end) : INFINITY;
+                if (isinf(r)) end = s + 3;
+                if (end == s || !(r > 0) || (isfinite(r) && r > 1e6)) goto bad;
+                o.rate[o.n_rate++] = r;
+                if (*end && *end != ',') goto bad;
+                s = *end == ',' ? end + 1 : end;
+            }
+            if (!o.n_rate) goto bad;
+        }
         else if (!strcmp(a, "--id-range") && v) {
             if (sscanf(argv[++i], "%d,%d", &o.id_lo, &o.id_hi) != 2 || o.id_lo < 0 || o.id_hi <= o.id_lo) goto bad;
         } else if (!strcmp(a, "--concurrency") && v) {
@@ -522,7 +644,11 @@ int kvs_cmd_bench_serve(int argc, char **argv) {
                 "prefix >= 0), --turns 1 to 1000\n");
         return 2;
     }
-    if (!o.n_conc) o.conc[o.n_conc++] = 1;
+    if (o.n_rate && o.n_conc > 1) {
+        fprintf(stderr, "kvsparse bench serve: with --request-rate, --concurrency is one value (the most in flight)\n");
+        return 2;
+    }
+    if (!o.n_conc && !o.n_rate) o.conc[o.n_conc++] = 1;
     char *found = NULL;
     if (!o.model && !(o.model = found = first_model(&o))) {
         fprintf(stderr, "kvsparse bench serve: GET %s/models at %s:%s failed (is the server up?)\n", o.base, o.host,
