@@ -60,8 +60,8 @@ static void print_text(const char *source, const kvs_config *c, const char *weig
     if (params >= 1000000000) printf("parameters       %.2f B (%lld)\n", (double)params / 1e9, (long long)params);
     else printf("parameters       %.2f M (%lld)\n", (double)params / 1e6, (long long)params);
     printf("weights          %s, %s (%zu bytes; %s)\n", kvs_dtype_name(c->dtype), wb, weight_bytes, weights_from);
-    printf("KV per token     %s bf16 (%zu bytes), %s f32 as the CPU backend stores it (%zu bytes)\n", k16, kv16, k32,
-           kv32);
+    printf("KV per token     %s bf16 (%zu bytes; the CUDA backend, and the CPU's for bf16 weights), %s f32 (%zu "
+           "bytes)\n", k16, kv16, k32, kv32);
     printf("KV capacity      %.0f tokens bf16, %.0f tokens f32 in a %g GiB budget "
            "(assumes the whole budget holds KV: weights and activations not subtracted)\n",
            budget / (double)kv16, budget / (double)kv32, budget_gib);
