@@ -37,14 +37,6 @@ void kvs_cpu_quantize_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *
     }
 }
 
-/* Output columns [c0, c1) of thread t of nt, multiples of 16. */
-static void thread_cols(int out_dim, int nt, int t, int *c0, int *c1) {
-    int per = (out_dim + nt - 1) / nt;
-    per = (per + 15) / 16 * 16;
-    *c0 = t * per < out_dim ? t * per : out_dim;
-    *c1 = *c0 + per > out_dim ? out_dim : *c0 + per;
-}
-
 void kvs_cpu_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,
                         const float *ws, const void *bias, int n, int in_dim, int out_dim) {
     if (n <= 0 || out_dim <= 0) return;
@@ -62,7 +54,7 @@ void kvs_cpu_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const floa
 #pragma omp parallel num_threads(nt)
     {
         int c0, c1, t = omp_get_thread_num();
-        thread_cols(out_dim, omp_get_num_threads(), t, &c0, &c1);
+        kvs_cpu_thread_cols(out_dim, omp_get_num_threads(), t, &c0, &c1);
         float *p = scratch + xn + bias_floats + panel * t;
         for (int r0 = c0; r0 < c1; r0 += panel_rows) {
             int nr = c1 - r0 < panel_rows ? c1 - r0 : panel_rows;

@@ -17,14 +17,6 @@ static void thread_rows(int n, int nt, int t, int *r0, int *r1) {
     *r1 = *r0 + per > n ? n : *r0 + per;
 }
 
-/* Output columns [c0, c1) of thread t of nt: multiples of 16 (whole cache lines). */
-static void thread_cols(int out_dim, int nt, int t, int *c0, int *c1) {
-    int per = (out_dim + nt - 1) / nt;
-    per = (per + 15) / 16 * 16;
-    *c0 = t * per < out_dim ? t * per : out_dim;
-    *c1 = *c0 + per > out_dim ? out_dim : *c0 + per;
-}
-
 typedef struct {
     const kvs_cpu_kernels *k;
     float *out;
@@ -37,7 +29,7 @@ typedef struct {
 static void run_gemv(void *arg, int t, int nt) {
     const gemv_job *g = arg;
     int c0, c1;
-    thread_cols(g->out_dim, nt, t, &c0, &c1);
+    kvs_cpu_thread_cols(g->out_dim, nt, t, &c0, &c1);
     if (c0 < c1) g->k->gemv(g->out, g->out_dim, g->x, g->w, g->wt, g->bias, g->n, g->in_dim, c0, c1);
 }
 

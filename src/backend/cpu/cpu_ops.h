@@ -30,6 +30,13 @@ const float *kvs_cpu_rope_table(kvs_backend *b, const int32_t *positions, const 
 void *kvs_cpu_alloc_huge(size_t bytes);
 /* The same, and from 2 MiB up faulted in at once (free()). */
 void *kvs_cpu_alloc_resident(size_t bytes);
+/* Output columns [c0, c1) of thread t of nt: multiples of 16 (whole cache lines). */
+static inline void kvs_cpu_thread_cols(int out_dim, int nt, int t, int *c0, int *c1) {
+    int per = (out_dim + nt - 1) / nt;
+    per = (per + 15) / 16 * 16;
+    *c0 = t * per < out_dim ? t * per : out_dim;
+    *c1 = *c0 + per > out_dim ? out_dim : *c0 + per;
+}
 /* n weights of the backend's weight dtype as f32: w itself when weights are
  * f32, else converted into buf (n floats). */
 const float *kvs_cpu_weights_f32(kvs_backend *b, const void *w, size_t n, float *buf);
