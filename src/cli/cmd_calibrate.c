@@ -101,7 +101,7 @@ static kvs_status make_cache(kvs_loaded *l, int window, int *max_len) {
     const kvs_config *c = &l->cfg;
     *max_len = kvs_runner_limits(l->runner).max_len;
     kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
-                        .n_heads = c->n_heads, .block_size = 16, .max_seqs = 1, .max_window = window};
+                        .n_heads = c->n_heads, .block_size = KVS_KV_BLOCK_SIZE, .max_seqs = 1, .max_window = window};
     kc.n_blocks = kvs_runner_kv_blocks_for_budget(l->runner, &kc, kvs_cli_kv_bytes_for(l, *max_len, 1));
     return kvs_runner_kv_create(l->runner, &kc);
 }

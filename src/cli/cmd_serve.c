@@ -222,7 +222,7 @@ static int64_t seq_blocks(const kvs_kv_policy *p, int n_layers, int len, bool us
 static void log_capacity(const kvs_loaded *l, const kvs_engine_config *ec, int max_len) {
     const kvs_config *c = &l->cfg;
     kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads / l->world, .head_dim = c->head_dim,
-                        .n_heads = c->n_heads / l->world, .block_size = 16, .max_seqs = ec->max_num_seqs};
+                        .n_heads = c->n_heads / l->world, .block_size = KVS_KV_BLOCK_SIZE, .max_seqs = ec->max_num_seqs};
     size_t bytes = ec->kv_memory_bytes ? ec->kv_memory_bytes : (size_t)1 << 30;
     int64_t blocks = kvs_kv_blocks_for_budget(&kc, l->be->kv_dtype, bytes);
     int64_t full = seq_blocks(&ec->default_policy, c->n_layers, max_len, false);

@@ -59,7 +59,7 @@ static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_token
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     kvs_kv_config kc = {.n_layers = mc->n_layers, .n_kv_heads = mc->n_kv_heads, .head_dim = mc->head_dim,
-                        .n_heads = mc->n_heads, .block_size = 16, .max_seqs = c.max_num_seqs,
+                        .n_heads = mc->n_heads, .block_size = KVS_KV_BLOCK_SIZE, .max_seqs = c.max_num_seqs,
                         .max_window = c.default_policy.window, /* requests may use windows up to the default's */
                         .prefix_caching = c.enable_prefix_caching};
     kc.n_blocks = kvs_runner_kv_blocks_for_budget(g, &kc, c.kv_memory_bytes); /* one rank's pool */

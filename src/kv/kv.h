@@ -7,10 +7,13 @@
 #include "backend/backend.h"
 #include "core/core.h"
 
+/* Tokens per block of the pools the engine and the commands make. */
+#define KVS_KV_BLOCK_SIZE 16
+
 typedef struct {
     int n_layers, n_kv_heads, head_dim;
     int n_heads;    /* query heads (for the sparsity scores' window queries) */
-    int block_size; /* tokens per block (16) */
+    int block_size; /* tokens per block (KVS_KV_BLOCK_SIZE) */
     int64_t n_blocks;
     int max_seqs;   /* sequence ids are 0 .. max_seqs - 1 */
     int max_window; /* largest observation window a policy may use (0: 64) */

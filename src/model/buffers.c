@@ -12,7 +12,7 @@ kvs_model_limits kvs_limits_resolve(const kvs_config *cfg, const kvs_model_limit
     if (l.max_tokens <= 0) l.max_tokens = 2048;
     if (l.max_seqs <= 0) l.max_seqs = 64;
     if (l.max_len <= 0) l.max_len = cfg->max_position_embeddings;
-    if (l.block_size <= 0) l.block_size = 16;
+    if (l.block_size <= 0) l.block_size = KVS_KV_BLOCK_SIZE;
     return l;
 }
 
