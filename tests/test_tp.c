@@ -387,7 +387,7 @@ typedef struct {
     int32_t *kept; /* [heads][take], ascending */
 } selection;
 
-typedef struct {
+typedef struct selection_log {
     kvs_backend *be;
     void (*select)(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool, int k,
                    int n_win);
@@ -436,7 +436,7 @@ static void recording_select(kvs_backend *b, int32_t *keep, const float *scores,
         float *pooled = malloc(sizeof(float) * (size_t)(n_keys + 1));
         int local = n_kv_heads / lg->world;
         for (int g = 0; g < n_kv_heads; g++) {
-            const selection_log *rank = (const selection_log *)lg->follow[g / local];
+            const selection_log *rank = lg->follow[g / local];
             cr_assert_lt(call, rank->n, "TP = 1 made selection %d, rank %d only %d", call, g / local, rank->n);
             const selection *theirs = &rank->calls[call];
             cr_assert(theirs->n_keys == n_keys && theirs->take == take,
@@ -461,7 +461,7 @@ static void recording_select(kvs_backend *b, int32_t *keep, const float *scores,
 static selection_log *record_selections(kvs_backend *be, selection_log *const *follow, int world) {
     for (int i = 0; i < MAX_SELECTION_LOGS; i++)
         if (!selection_logs[i].be) {
-            selection_logs[i] = (selection_log){be, be->snapkv_select, .follow = (struct selection_log *const *)follow,
+            selection_logs[i] = (selection_log){be, be->snapkv_select, .follow = follow,
                                                 .world = world};
             be->snapkv_select = recording_select;
             return &selection_logs[i];
