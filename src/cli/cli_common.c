@@ -204,7 +204,8 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     } else {
         st = kvs_fail(KVS_ERR_INVALID, "no model given: use -m MODEL_DIR (or --config FILE --load-format dummy)");
     }
-    if (st == KVS_OK) out->cfg.quantization = o->quantization;
+    /* an FP8 checkpoint (quantization_config) is fp8 already; --quantization fp8 on it changes nothing */
+    if (st == KVS_OK && o->quantization != KVS_QUANT_NONE) out->cfg.quantization = o->quantization;
     if (st == KVS_OK && o->kv_profile) /* before the weights: a bad profile fails at once */
         st = kvs_kv_profile_load(o->kv_profile, out->cfg.n_layers, &out->kv_profile);
     if (st == KVS_OK)

@@ -54,7 +54,8 @@ typedef struct {
     "  --kv-cache-dtype D     CPU KV cache: auto (default: the weights' dtype, as vLLM), float32,\n" \
     "                         bfloat16 or float16 (half the memory of float32)\n"                 \
     "  --quantization fp8     linear weights in FP8 E4M3 (a scale per output channel, quantized at\n" \
-    "                         load), activations per token; CUDA: compute capability 8.9+\n"
+    "                         load), activations per token; CUDA: compute capability 8.9+; implied\n" \
+    "                         by an FP8 checkpoint (quantization_config fp8 / compressed-tensors)\n"
 #define KVS_CLI_DEVICE_HELP                                                                  \
     "  --device D             cpu (default), cuda or cuda:N\n"                                 \
     "  --enforce-eager        no CUDA graphs for decode steps (default: graphs on cuda)\n"

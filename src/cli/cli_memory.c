@@ -12,8 +12,7 @@ kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const 
     KVS_TRY(kvs_shard_dims(c, 0, l->world > 0 ? l->world : 1, &shard));
     double cap = gpu_gib * (1 << 30);
     int w = l->world > 0 ? l->world : 1; /* a rank holds 1/w of the weights (embeddings aside) */
-    double weights = (double)kvs_checkpoint_total_bytes(l->ck) / kvs_dtype_size(c->dtype) *
-                     kvs_dtype_size(l->be->weight_dtype) / w;
+    double weights = (double)kvs_config_param_count(c) * kvs_dtype_size(l->be->weight_dtype) / w;
     if (w > 1) weights += (double)c->vocab_size * c->hidden_size * kvs_dtype_size(l->be->weight_dtype);
     if (c->quantization == KVS_QUANT_FP8) { /* the linear weights: a byte each and a f32 scale per row */
         double h = c->hidden_size, qd = (double)c->n_heads * c->head_dim, kd = (double)c->n_kv_heads * c->head_dim;

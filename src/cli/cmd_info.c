@@ -54,6 +54,10 @@ static void print_text(const char *source, const kvs_config *c, const char *weig
     printf("rms_norm_eps     %g\n", c->rms_norm_eps);
     printf("embeddings       %s; q/k/v biases %s\n", c->tie_word_embeddings ? "tied" : "untied",
            c->attention_bias ? "yes" : "no");
+    if (c->ckpt_quant.fp8)
+        printf("quantization     FP8 checkpoint (quant_method %s%s): linear weights as stored (F8_E4M3 + "
+               "weight_scale), activations per token\n", c->ckpt_quant.method,
+               c->ckpt_quant.static_input ? "; its static input_scale unused" : "");
     printf("bos / eos        %d /", c->bos_token_id);
     for (int i = 0; i < c->n_eos; i++) printf(" %d", c->eos_token_ids[i]);
     printf("\n");

@@ -36,7 +36,9 @@ const char *kvs_status_name(kvs_status s);
     } while (0)
 
 /* ---- dtypes --------------------------------------------------------------- */
-typedef enum { KVS_F32, KVS_F16, KVS_BF16, KVS_I32, KVS_I64, KVS_U8, KVS_DTYPE_COUNT } kvs_dtype;
+/* KVS_F8_E4M3: FP8 E4M3 codes as a checkpoint stores them (safetensors
+ * F8_E4M3); the model copies them, never computes in them. */
+typedef enum { KVS_F32, KVS_F16, KVS_BF16, KVS_I32, KVS_I64, KVS_U8, KVS_F8_E4M3, KVS_DTYPE_COUNT } kvs_dtype;
 
 size_t kvs_dtype_size(kvs_dtype t);
 const char *kvs_dtype_name(kvs_dtype t);

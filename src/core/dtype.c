@@ -4,12 +4,12 @@
 #include <string.h>
 
 size_t kvs_dtype_size(kvs_dtype t) {
-    static const size_t sizes[KVS_DTYPE_COUNT] = {4, 2, 2, 4, 8, 1};
+    static const size_t sizes[KVS_DTYPE_COUNT] = {4, 2, 2, 4, 8, 1, 1};
     return (unsigned)t < KVS_DTYPE_COUNT ? sizes[t] : 0;
 }
 
 const char *kvs_dtype_name(kvs_dtype t) {
-    static const char *names[KVS_DTYPE_COUNT] = {"F32", "F16", "BF16", "I32", "I64", "U8"};
+    static const char *names[KVS_DTYPE_COUNT] = {"F32", "F16", "BF16", "I32", "I64", "U8", "F8_E4M3"};
     return (unsigned)t < KVS_DTYPE_COUNT ? names[t] : "?";
 }
 

@@ -4,6 +4,7 @@
 #include "backend/dummy_values.h"
 
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,6 +165,81 @@ static void shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
     if (n < cap) snprintf(buf + n, cap - n, "]");
 }
 
+/* "...q_proj.weight" -> "...q_proj.<suffix>" (weight_scale, input_scale). */
+static void sibling_name(const char *weight, const char *suffix, char *buf, size_t cap) {
+    size_t n = strlen(weight), w = strlen("weight");
+    size_t keep = n >= w && !strcmp(weight + n - w, "weight") ? n - w : n;
+    snprintf(buf, cap, "%.*s%s", (int)keep, weight, suffix);
+}
+
+static int64_t elem_count(const ck_tensor *t) {
+    int64_t n = 1;
+    for (int d = 0; d < t->ndim; d++) n *= t->shape[d];
+    return n;
+}
+
+static float scale_at(const ck_tensor *t, int64_t i) {
+    float v;
+    kvs_to_f32(&v, (const char *)t->data + (size_t)i * kvs_dtype_size(t->dtype), t->dtype, 1);
+    return v;
+}
+
+/* An FP8 weight's weight_scale: F32/BF16/F16, one element ([] or [1]: per
+ * tensor) or one per row ([rows] or [rows, 1]: per channel), every value
+ * finite and not negative; its input_scale, when present: one finite positive
+ * element (checked, not used: activations are quantized per token). */
+static kvs_status check_fp8_scales(kvs_checkpoint *ck, const char *weight, const char *file, int64_t rows) {
+    char name[192];
+    sibling_name(weight, "weight_scale", name, sizeof name);
+    const ck_tensor *t = find_tensor(ck, name);
+    if (!t)
+        return kvs_fail(KVS_ERR_FORMAT, "%s: tensor '%s' is F8_E4M3 but its scale '%s' is missing (%s checkpoint)", file,
+                        weight, name, ck->cfg.ckpt_quant.method);
+    char got[96];
+    shape_str(got, sizeof got, t->ndim, t->shape);
+    if (t->dtype != KVS_F32 && t->dtype != KVS_BF16 && t->dtype != KVS_F16)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tensor '%s' has dtype '%s' (supported: F32, BF16, F16)",
+                        ck->file_names[t->file], name, kvs_dtype_name(t->dtype));
+    int64_t n = elem_count(t);
+    bool per_tensor = n == 1 && t->ndim <= 2;
+    bool per_row = t->ndim >= 1 && t->ndim <= 2 && t->shape[0] == rows && (t->ndim == 1 || t->shape[1] == 1);
+    if (!per_tensor && !per_row)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tensor '%s' has shape %s: supported are one scale per tensor ([] or "
+                        "[1]) or per output channel ([%lld] or [%lld, 1]); block-wise scales are not",
+                        ck->file_names[t->file], name, got, (long long)rows, (long long)rows);
+    for (int64_t i = 0; i < n; i++) {
+        float v = scale_at(t, i);
+        if (!(v >= 0) || !isfinite(v))
+            return kvs_fail(KVS_ERR_FORMAT, "%s: tensor '%s' element %lld is %g (scales must be finite and not negative)",
+                            ck->file_names[t->file], name, (long long)i, v);
+    }
+    sibling_name(weight, "input_scale", name, sizeof name);
+    const ck_tensor *in = find_tensor(ck, name);
+    if (!in) return KVS_OK;
+    float v = in->dtype == KVS_F32 || in->dtype == KVS_BF16 || in->dtype == KVS_F16 ? scale_at(in, 0) : NAN;
+    if (elem_count(in) != 1 || in->ndim > 2 || !(v > 0) || !isfinite(v)) {
+        shape_str(got, sizeof got, in->ndim, in->shape);
+        return kvs_fail(KVS_ERR_FORMAT, "%s: tensor '%s' (%s %s) must be one finite positive F32/BF16/F16 value "
+                        "(a per-tensor static activation scale)", ck->file_names[in->file], name,
+                        kvs_dtype_name(in->dtype), got);
+    }
+    return KVS_OK;
+}
+
+/* A weight's stored dtype: F32/F16/BF16, or F8_E4M3 for a linear weight of an
+ * FP8 checkpoint (its scales are checked after its shape). */
+static kvs_status check_dtype(const kvs_checkpoint *ck, kvs_weight_kind k, const ck_tensor *t, const char *name) {
+    const char *file = ck->file_names[t->file];
+    if (t->dtype == KVS_F32 || t->dtype == KVS_F16 || t->dtype == KVS_BF16) return KVS_OK;
+    if (t->dtype == KVS_F8_E4M3 && kvs_weight_is_linear(k) && ck->cfg.ckpt_quant.fp8) return KVS_OK;
+    if (t->dtype == KVS_F8_E4M3 && kvs_weight_is_linear(k))
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tensor '%s' is F8_E4M3, but config.json has no FP8 "
+                        "quantization_config (quant_method fp8 or compressed-tensors)", file, name);
+    return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tensor '%s' has unsupported dtype '%s' (supported: F32, F16, BF16%s)",
+                    file, name, kvs_dtype_name(t->dtype),
+                    kvs_weight_is_linear(k) ? "; F8_E4M3 in an FP8 checkpoint" : "");
+}
+
 /* Checks every weight the config calls for: present, dtype, shape. */
 static kvs_status check_weights(kvs_checkpoint *ck, const char *default_file) {
     const kvs_config *cfg = &ck->cfg;
@@ -180,9 +256,7 @@ static kvs_status check_weights(kvs_checkpoint *ck, const char *default_file) {
             const ck_tensor *t = find_tensor(ck, name);
             if (!t) return kvs_fail(KVS_ERR_FORMAT, "%s: missing tensor '%s'", default_file, name);
             const char *file = ck->file_names[t->file];
-            if (t->dtype != KVS_F32 && t->dtype != KVS_F16 && t->dtype != KVS_BF16)
-                return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tensor '%s' has unsupported dtype '%s' (supported: F32, F16, BF16)",
-                                file, name, kvs_dtype_name(t->dtype));
+            KVS_TRY(check_dtype(ck, (kvs_weight_kind)k, t, name));
             bool same = t->ndim == ndim;
             for (int d = 0; same && d < ndim; d++) same = t->shape[d] == shape[d];
             if (!same) {
@@ -192,6 +266,7 @@ static kvs_status check_weights(kvs_checkpoint *ck, const char *default_file) {
                 return kvs_fail(KVS_ERR_FORMAT, "%s: tensor '%s' has shape %s, expected %s from config.json", file,
                                 name, got, want);
             }
+            if (t->dtype == KVS_F8_E4M3) KVS_TRY(check_fp8_scales(ck, name, file, shape[0]));
             ck->total_bytes += t->nbytes;
         }
     }
@@ -342,3 +417,33 @@ bool kvs_checkpoint_dummy_weight(const kvs_checkpoint *ck, kvs_weight_kind kind,
 }
 
 size_t kvs_checkpoint_total_bytes(const kvs_checkpoint *ck) { return ck ? ck->total_bytes : 0; }
+
+/* A weight's table entry (NULL for dummy checkpoints and absent weights). */
+static const ck_tensor *stored(const kvs_checkpoint *ck, kvs_weight_kind kind, int layer) {
+    if (!ck || ck->dummy || (unsigned)kind >= KVS_W_KIND_COUNT) return NULL;
+    char name[160];
+    kvs_weight_name(kind, kind < KVS_W_ATTN_NORM ? -1 : layer, name, sizeof name);
+    return find_tensor(ck, name);
+}
+
+kvs_dtype kvs_checkpoint_dtype(const kvs_checkpoint *ck, kvs_weight_kind kind, int layer) {
+    const ck_tensor *t = stored(ck, kind, layer);
+    return t ? t->dtype : ck ? ck->cfg.dtype : KVS_BF16;
+}
+
+kvs_status kvs_checkpoint_read_scales(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0, int64_t nr,
+                                      float *out) {
+    const ck_tensor *t = stored(ck, kind, layer);
+    char name[160], scale_name[192];
+    kvs_weight_name(kind, layer, name, sizeof name);
+    if (!t || t->dtype != KVS_F8_E4M3)
+        return kvs_fail(KVS_ERR_INVALID, "checkpoint: '%s' is not an FP8 weight: it has no weight_scale", name);
+    sibling_name(name, "weight_scale", scale_name, sizeof scale_name);
+    const ck_tensor *s = find_tensor(ck, scale_name);
+    if (!s || r0 < 0 || nr < 0 || r0 + nr > t->shape[0])
+        return kvs_fail(KVS_ERR_INVALID, "checkpoint: '%s' has no scales for rows %lld+%lld", name, (long long)r0,
+                        (long long)nr);
+    bool per_tensor = elem_count(s) == 1;
+    for (int64_t r = 0; r < nr; r++) out[r] = scale_at(s, per_tensor ? 0 : r0 + r);
+    return KVS_OK;
+}

@@ -1,5 +1,5 @@
 /* config.json (+ generation_config.json) for Llama, Mistral and Qwen2 models. */
-#include "model/model.h"
+#include "model/model_internal.h"
 
 #include <jansson.h>
 #include <math.h>
@@ -224,9 +224,8 @@ static kvs_status parse_root(const json_t *root, const char *name, kvs_config *c
     bool qwen2 = !strcmp(cfg->architecture, "Qwen2ForCausalLM");
     bool mistral = !strcmp(cfg->architecture, "MistralForCausalLM");
 
-    const json_t *q = json_object_get(root, "quantization_config");
-    if (q && !json_is_null(q))
-        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: field 'quantization_config': quantized checkpoints are unsupported", name);
+    KVS_TRY(kvs_quant_config_parse(root, name, &cfg->ckpt_quant));
+    if (cfg->ckpt_quant.fp8) cfg->quantization = KVS_QUANT_FP8; /* an FP8 checkpoint runs as --quantization fp8 */
 
     bool has;
     KVS_TRY(get_int(root, "hidden_size", "hidden_size", name, true, 1, KVS_MAX_HIDDEN, &cfg->hidden_size, NULL));

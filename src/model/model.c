@@ -1,5 +1,6 @@
 /* Creating a model: weights from a checkpoint uploaded into the backend. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,6 +94,8 @@ static kvs_status upload_slice(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind
     }
     kvs_host_tensor t;
     KVS_TRY(kvs_checkpoint_read(ck, kind, layer, &t));
+    if (t.dtype == KVS_F8_E4M3) /* FP8 codes go through copy_fp8, never a conversion */
+        return kvs_fail(KVS_ERR_INTERNAL, "model: FP8 weight %d of layer %d reached a conversion", (int)kind, layer);
     int64_t rows = t.shape[0], cols = t.ndim == 2 ? t.shape[1] : 1;
     if (nr < 0) r0 = 0, nr = rows;
     if (nc < 0) c0 = 0, nc = cols;
@@ -158,17 +161,49 @@ static kvs_status alloc_layer(kvs_model *m, kvs_layer_weights *w, int64_t qn, in
     return KVS_OK;
 }
 
-/* Where a linear weight is uploaded to: its place, or with fp8 the staging
- * buffer, quantized from there by quantize(). */
-static void **linear_dst(kvs_model *m, void **weight, void **staging) {
-    *staging = m->staging;
-    return m->cfg.quantization == KVS_QUANT_FP8 ? staging : weight;
+/* An FP8 checkpoint's weight: rows [r0, r0 + nr) x columns [c0, c0 + nc) of
+ * its codes copied to codes, their rows' scales (the checkpoint's, a
+ * per-tensor one repeated) to scale: exactly as stored, no requantization. */
+static kvs_status copy_fp8(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0, int64_t nr,
+                           int64_t c0, int64_t nc, uint8_t *codes, float *scale) {
+    kvs_host_tensor t;
+    KVS_TRY(kvs_checkpoint_read(ck, kind, layer, &t));
+    int64_t cols = t.shape[1];
+    if (t.ndim != 2 || r0 < 0 || c0 < 0 || r0 + nr > t.shape[0] || c0 + nc > cols)
+        return kvs_fail(KVS_ERR_INVALID, "model: FP8 weight %d of layer %d has no slice rows %lld+%lld, columns "
+                        "%lld+%lld", (int)kind, layer, (long long)r0, (long long)nr, (long long)c0, (long long)nc);
+    const uint8_t *from = (const uint8_t *)t.data + (size_t)r0 * (size_t)cols + (size_t)c0;
+    size_t n = (size_t)nr * (size_t)nc;
+    uint8_t *gathered = nc == cols ? NULL : malloc(n ? n : 1);
+    float *s = malloc(sizeof(float) * (size_t)(nr ? nr : 1));
+    kvs_status st = s && (nc == cols || gathered) ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "model: out of host memory");
+    if (st == KVS_OK) st = kvs_checkpoint_read_scales(ck, kind, layer, r0, nr, s);
+    if (st == KVS_OK) {
+        for (int64_t r = 0; gathered && r < nr; r++) memcpy(gathered + (size_t)r * nc, from + (size_t)r * cols, nc);
+        m->be->to_device(m->be, codes, gathered ? gathered : from, n); /* pageable sources: staged on return */
+        m->be->to_device(m->be, scale, s, sizeof(float) * (size_t)nr);
+    }
+    free(gathered);
+    free(s);
+    return st;
 }
 
-/* fp8: the staged weight [rows][cols] into E4M3 codes and a scale per row. */
-static void quantize(kvs_model *m, void *codes, float *scale, int64_t rows, int64_t cols) {
-    if (m->cfg.quantization == KVS_QUANT_FP8)
-        m->be->quantize_fp8(m->be, codes, scale, m->staging, m->be->weight_dtype, (int)rows, (int)cols);
+/* A linear weight's rows [r0, r0 + nr) x columns [c0, c0 + nc) into w from its
+ * row `at` on (w's rows are nc wide). With fp8, w holds E4M3 codes and scale
+ * their rows' scales: the checkpoint's own when it stores FP8, else the
+ * weight staged in the backend's dtype and quantized (quantize_fp8, one scale
+ * per row: quantizing gate and up apart gives what quantizing them together
+ * would). */
+static kvs_status upload_linear(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0,
+                                int64_t nr, int64_t c0, int64_t nc, void *w, float *scale, int64_t at) {
+    size_t offset = (size_t)at * (size_t)nc;
+    if (m->cfg.quantization != KVS_QUANT_FP8) return upload_slice(m, ck, kind, layer, r0, nr, c0, nc, &w, offset, 0);
+    if (kvs_checkpoint_dtype(ck, kind, layer) == KVS_F8_E4M3)
+        return copy_fp8(m, ck, kind, layer, r0, nr, c0, nc, (uint8_t *)w + offset, scale + at);
+    void *staging = m->staging;
+    KVS_TRY(upload_slice(m, ck, kind, layer, r0, nr, c0, nc, &staging, 0, 0));
+    m->be->quantize_fp8(m->be, (uint8_t *)w + offset, scale + at, m->staging, m->be->weight_dtype, (int)nr, (int)nc);
+    return KVS_OK;
 }
 
 static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
@@ -178,32 +213,25 @@ static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
     int64_t hd = c->head_dim, q0 = (int64_t)sh->rank * sh->n_heads * hd, qn = (int64_t)sh->n_heads * hd;
     int64_t k0 = (int64_t)sh->rank * sh->n_kv_heads * hd, kn = (int64_t)sh->n_kv_heads * hd;
     int64_t i0 = (int64_t)sh->rank * sh->intermediate, in = sh->intermediate, h = c->hidden_size;
-    void *st;
     KVS_TRY(alloc_layer(m, w, qn, kn, in));
     KVS_TRY(upload(m, ck, KVS_W_ATTN_NORM, l, &w->attn_norm));
     /* column-parallel: this rank's heads are rows of Q, K, V */
-    KVS_TRY(upload_rows(m, ck, KVS_W_Q, l, q0, qn, linear_dst(m, &w->wq, &st), 0, 0));
-    quantize(m, w->wq, w->sq, qn, h);
-    KVS_TRY(upload_rows(m, ck, KVS_W_K, l, k0, kn, linear_dst(m, &w->wk, &st), 0, 0));
-    quantize(m, w->wk, w->sk, kn, h);
-    KVS_TRY(upload_rows(m, ck, KVS_W_V, l, k0, kn, linear_dst(m, &w->wv, &st), 0, 0));
-    quantize(m, w->wv, w->sv, kn, h);
+    KVS_TRY(upload_linear(m, ck, KVS_W_Q, l, q0, qn, 0, h, w->wq, w->sq, 0));
+    KVS_TRY(upload_linear(m, ck, KVS_W_K, l, k0, kn, 0, h, w->wk, w->sk, 0));
+    KVS_TRY(upload_linear(m, ck, KVS_W_V, l, k0, kn, 0, h, w->wv, w->sv, 0));
     if (c->attention_bias) {
         KVS_TRY(upload_rows(m, ck, KVS_W_Q_BIAS, l, q0, qn, &w->bq, 0, 0));
         KVS_TRY(upload_rows(m, ck, KVS_W_K_BIAS, l, k0, kn, &w->bk, 0, 0));
         KVS_TRY(upload_rows(m, ck, KVS_W_V_BIAS, l, k0, kn, &w->bv, 0, 0));
     }
     /* row-parallel: O [hidden, heads * head_dim] keeps the columns of this rank's heads */
-    KVS_TRY(upload_slice(m, ck, KVS_W_O, l, 0, -1, q0, qn, linear_dst(m, &w->wo, &st), 0, 0));
-    quantize(m, w->wo, w->so, h, qn);
+    KVS_TRY(upload_linear(m, ck, KVS_W_O, l, 0, h, q0, qn, w->wo, w->so, 0));
     KVS_TRY(upload(m, ck, KVS_W_MLP_NORM, l, &w->mlp_norm));
-    size_t gate_elems = (size_t)in * c->hidden_size;
-    KVS_TRY(upload_rows(m, ck, KVS_W_GATE, l, i0, in, linear_dst(m, &w->w_gate_up, &st), 0, 2 * gate_elems));
-    KVS_TRY(upload_rows(m, ck, KVS_W_UP, l, i0, in, linear_dst(m, &w->w_gate_up, &st), gate_elems, 0));
-    quantize(m, w->w_gate_up, w->s_gate_up, 2 * in, h);
+    /* gate rows, then up rows */
+    KVS_TRY(upload_linear(m, ck, KVS_W_GATE, l, i0, in, 0, h, w->w_gate_up, w->s_gate_up, 0));
+    KVS_TRY(upload_linear(m, ck, KVS_W_UP, l, i0, in, 0, h, w->w_gate_up, w->s_gate_up, in));
     /* row-parallel: down [hidden, intermediate] keeps this rank's intermediate columns */
-    KVS_TRY(upload_slice(m, ck, KVS_W_DOWN, l, 0, -1, i0, in, linear_dst(m, &w->w_down, &st), 0, 0));
-    quantize(m, w->w_down, w->s_down, h, in);
+    KVS_TRY(upload_linear(m, ck, KVS_W_DOWN, l, 0, h, i0, in, w->w_down, w->s_down, 0));
     return KVS_OK;
 }
 
@@ -212,11 +240,13 @@ static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
 static kvs_status fp8_prepare(kvs_model *m) {
     const kvs_config *c = &m->cfg;
     const kvs_shard *sh = &m->shard;
+    char who[64] = "--quantization fp8"; /* what asks for fp8, in messages */
+    if (c->ckpt_quant.fp8) snprintf(who, sizeof who, "FP8 checkpoint (quant_method %s)", c->ckpt_quant.method);
     if (!m->be->quantize_fp8 || !m->be->matmul_fp8)
         return kvs_fail(KVS_ERR_UNSUPPORTED,
-                        "--quantization fp8: the %s backend has no FP8 here (CUDA needs a GPU of compute capability "
+                        "%s: the %s backend has no FP8 here (CUDA needs a GPU of compute capability "
                         "8.9 or later: Ada, Hopper, Blackwell)",
-                        m->be->name);
+                        who, m->be->name);
     int64_t h = c->hidden_size, qn = (int64_t)sh->n_heads * c->head_dim, kn = (int64_t)sh->n_kv_heads * c->head_dim;
     int64_t in = sh->intermediate;
     const char *names[] = {"hidden_size", "the attention heads x head_dim", "the KV heads x head_dim",
@@ -224,9 +254,9 @@ static kvs_status fp8_prepare(kvs_model *m) {
     int64_t dims[] = {h, qn, kn, in};
     for (int i = 0; i < 4; i++)
         if (dims[i] % 16)
-            return kvs_fail(KVS_ERR_UNSUPPORTED, "--quantization fp8: %s (%lld on this rank) is not a multiple of 16",
+            return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: %s (%lld on this rank) is not a multiple of 16", who,
                             names[i], (long long)dims[i]);
-    int64_t most = 2 * in * h;
+    int64_t most = in * h; /* gate, up and down one at a time */
     if (qn * h > most) most = qn * h;
     m->staging = m->be->alloc(m->be, (size_t)most * kvs_dtype_size(m->be->weight_dtype));
     if (!m->staging) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory staging weights for fp8");
@@ -289,6 +319,7 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
     kvs_model *m = calloc(1, sizeof *m);
     if (!m) return kvs_fail(KVS_ERR_NOMEM, "model: out of memory");
     m->cfg = *cfg;
+    if (cfg->ckpt_quant.fp8) m->cfg.quantization = KVS_QUANT_FP8; /* its codes are the weights */
     m->be = be;
     m->shard = shard;
     m->comm = world > 1 ? comm : NULL;
@@ -297,7 +328,7 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
     kvs_status st = m->layers ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "model: out of memory");
     kvs_progress bar;
     bool show = rank == 0; /* one bar for the group */
-    if (st == KVS_OK && cfg->quantization == KVS_QUANT_FP8) st = fp8_prepare(m);
+    if (st == KVS_OK && m->cfg.quantization == KVS_QUANT_FP8) st = fp8_prepare(m);
     if (show) kvs_progress_start(&bar, "loading weights", cfg->n_layers + 2);
     if (st == KVS_OK) st = upload(m, ck, KVS_W_EMBED, -1, &m->embed);
     if (st == KVS_OK) st = upload(m, ck, KVS_W_FINAL_NORM, -1, &m->final_norm);

@@ -21,6 +21,19 @@ typedef enum { KVS_QUANT_NONE, KVS_QUANT_FP8 } kvs_quantization;
 /* "fp8" -> KVS_QUANT_FP8; anything else fails, naming the value. */
 kvs_status kvs_quantization_parse(const char *v, kvs_quantization *q);
 
+/* A checkpoint published with FP8 linear weights (config.json's
+ * quantization_config; docs/CUDA.md "FP8 checkpoints"): quant_method "fp8"
+ * (per-tensor or per-channel weight_scale, not block-wise) or
+ * "compressed-tensors" with FP8 channel / tensor weights. Such a checkpoint
+ * loads into the form --quantization fp8 gives (codes + a f32 scale per
+ * output row), keeping its own codes and scales; activations are quantized
+ * per token (a static input_scale is checked, not used). */
+typedef struct {
+    bool fp8;             /* the linear weights may be F8_E4M3 with a weight_scale each */
+    char method[24];      /* quant_method, for messages ("" without quantization_config) */
+    bool static_input;    /* static activation scales (input_scale tensors) */
+} kvs_ckpt_quant;
+
 typedef struct {
     char architecture[64]; /* LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM */
     int hidden_size, n_layers, n_heads, n_kv_heads, head_dim, intermediate_size;
@@ -35,7 +48,8 @@ typedef struct {
     int eos_token_ids[KVS_MAX_EOS];  /* config.json, then generation_config.json */
     int n_eos;
     kvs_dtype dtype;                 /* torch_dtype / dtype; BF16 if absent */
-    kvs_quantization quantization;   /* set by --quantization (not read from config.json) */
+    kvs_quantization quantization;   /* --quantization; FP8 too when the checkpoint is (ckpt_quant.fp8) */
+    kvs_ckpt_quant ckpt_quant;       /* config.json's quantization_config */
 } kvs_config;
 
 /* Parses config.json text (name is used in messages). */
@@ -65,6 +79,8 @@ typedef struct {
 
 /* Hugging Face name of a weight, e.g. "model.layers.3.self_attn.q_proj.weight". */
 void kvs_weight_name(kvs_weight_kind kind, int layer, char *buf, size_t cap);
+/* q, k, v, o, gate, up, down: the weights --quantization fp8 stores in FP8. */
+bool kvs_weight_is_linear(kvs_weight_kind kind);
 /* Expected shape from the config; returns false if the model has no such weight
  * (biases without attention_bias, lm_head when tied). */
 bool kvs_weight_expected(const kvs_config *cfg, kvs_weight_kind kind, int64_t shape[2], int *ndim);
@@ -73,8 +89,11 @@ bool kvs_weight_expected(const kvs_config *cfg, kvs_weight_kind kind, int64_t sh
 typedef struct kvs_checkpoint kvs_checkpoint;
 
 /* Opens model_dir's model.safetensors or model.safetensors.index.json, maps the
- * files and checks every tensor the config calls for: present, dtype F32/F16/BF16,
- * shape, and data inside the file. Errors name the file and the tensor. */
+ * files and checks every tensor the config calls for: present, dtype F32/F16/BF16
+ * (or, in an FP8 checkpoint, a linear weight in F8_E4M3 with its weight_scale:
+ * one element or one per row, finite and not negative; an input_scale, when
+ * present, one finite positive element), shape, and data inside the file.
+ * Errors name the file and the tensor. */
 kvs_status kvs_checkpoint_open(const char *model_dir, const kvs_config *cfg, kvs_checkpoint **out);
 /* Seeded random weights for the config alone (--load-format dummy). */
 kvs_status kvs_checkpoint_dummy(const kvs_config *cfg, uint64_t seed, kvs_checkpoint **out);
@@ -82,6 +101,13 @@ kvs_status kvs_checkpoint_dummy(const kvs_config *cfg, uint64_t seed, kvs_checkp
  * are generated into a scratch buffer). Fails if the model has no such weight. */
 kvs_status kvs_checkpoint_read(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, kvs_host_tensor *out);
 size_t kvs_checkpoint_total_bytes(const kvs_checkpoint *ck);
+/* The dtype a weight is stored in (dummy weights: the config's), without reading it. */
+kvs_dtype kvs_checkpoint_dtype(const kvs_checkpoint *ck, kvs_weight_kind kind, int layer);
+/* An FP8 checkpoint's linear weight (stored F8_E4M3): the f32 scales of its
+ * rows [r0, r0 + nr) from its weight_scale (a per-tensor scale repeated on
+ * every row). Fails for weights stored in another dtype. */
+kvs_status kvs_checkpoint_read_scales(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0, int64_t nr,
+                                      float *out);
 /* A dummy checkpoint's zero-mean weight (every weight but the norms), for the
  * backends' dummy_fill op: element i of the weight is
  * kvs_dummy_value(seed, i, scale, dtype) (backend/dummy_values.h), the value

@@ -5,6 +5,10 @@
 #include "backend/comm.h"
 #include "model/model.h"
 
+/* config.json's quantization_config into out (quant_config.c); no field: none. */
+struct json_t;
+kvs_status kvs_quant_config_parse(const struct json_t *root, const char *name, kvs_ckpt_quant *out);
+
 typedef struct {
     void *attn_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo; /* biases NULL when absent */
     void *mlp_norm, *w_gate_up /* [2 * intermediate, hidden]: gate rows, then up rows */, *w_down;

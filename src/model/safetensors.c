@@ -21,7 +21,7 @@ typedef struct {
 static bool st_dtype(const char *s, kvs_dtype *out) {
     static const struct { const char *name; kvs_dtype t; } map[] = {
         {"F32", KVS_F32}, {"F16", KVS_F16}, {"BF16", KVS_BF16},
-        {"I32", KVS_I32}, {"I64", KVS_I64}, {"U8", KVS_U8},
+        {"I32", KVS_I32}, {"I64", KVS_I64}, {"U8", KVS_U8}, {"F8_E4M3", KVS_F8_E4M3},
     };
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
         if (!strcmp(s, map[i].name)) {
@@ -44,7 +44,8 @@ static kvs_status parse_entry(const char *fname, const char *name, const json_t 
     const json_t *dt = json_object_get(v, "dtype");
     if (!json_is_string(dt)) return kvs_fail(KVS_ERR_FORMAT, "%s: tensor '%s': 'dtype' must be a string", fname, name);
     if (!st_dtype(json_string_value(dt), &e->dtype))
-        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tensor '%s' has unsupported dtype '%.32s' (supported: F32, F16, BF16)",
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tensor '%s' has unsupported dtype '%.32s' (supported: F32, F16, BF16, "
+                        "F8_E4M3, I32, I64, U8)",
                         fname, name, json_string_value(dt));
 
     const json_t *shape = json_object_get(v, "shape");

@@ -32,6 +32,11 @@ void kvs_weight_name(kvs_weight_kind kind, int layer, char *buf, size_t cap) {
     }
 }
 
+bool kvs_weight_is_linear(kvs_weight_kind kind) {
+    return kind == KVS_W_Q || kind == KVS_W_K || kind == KVS_W_V || kind == KVS_W_O || kind == KVS_W_GATE ||
+           kind == KVS_W_UP || kind == KVS_W_DOWN;
+}
+
 static bool set_shape(int64_t shape[2], int *ndim, int64_t rows, int64_t cols) {
     shape[0] = rows;
     shape[1] = cols;
