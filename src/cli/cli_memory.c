@@ -40,6 +40,6 @@ size_t kvs_cli_kv_bytes_for(const kvs_loaded *l, int max_tokens, int max_seqs) {
     int w = l->world > 0 ? l->world : 1;
     kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads / w, .head_dim = c->head_dim,
                         .block_size = KVS_KV_BLOCK_SIZE};
-    int64_t blocks = (int64_t)((max_tokens + 15) / 16 + 1) * c->n_layers * max_seqs;
+    int64_t blocks = (int64_t)((max_tokens + KVS_KV_BLOCK_SIZE - 1) / KVS_KV_BLOCK_SIZE + 1) * c->n_layers * max_seqs;
     return (size_t)blocks * kvs_kv_block_bytes(&kc, l->be->kv_dtype);
 }

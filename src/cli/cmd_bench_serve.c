@@ -458,11 +458,11 @@ static level_result run_level(const bench_opts *o, int conc, double rate) {
         if (r->turn == 0) first[R.n_first++] = r->ttft;
         else later[R.n_later++] = r->ttft;
         tokens += r->out_tokens;
-        if (r->out_tokens > 1) tpot[n_tpot++] = (r->latency - r->ttft) / (r->out_tokens - 1);
-        if (i / o->turns >= R.warmup) {
-            ttft_s[R.n_steady++] = r->ttft;
-            if (r->out_tokens > 1) tpot_s[n_tpot_s++] = (r->latency - r->ttft) / (r->out_tokens - 1);
-        }
+        double per_token = r->out_tokens > 1 ? (r->latency - r->ttft) / (r->out_tokens - 1) : -1;
+        bool steady = i / o->turns >= R.warmup;
+        if (per_token >= 0) tpot[n_tpot++] = per_token;
+        if (steady) ttft_s[R.n_steady++] = r->ttft;
+        if (steady && per_token >= 0) tpot_s[n_tpot_s++] = per_token;
         memcpy(itl + n_itl, r->itl, sizeof(double) * r->n_itl);
         n_itl += (size_t)r->n_itl;
         free(r->itl);

@@ -1,5 +1,6 @@
-/* Host memory of the CPU backend for what every step streams: the weights
- * and the KV pool, on 2 MiB-aligned transparent huge pages (docs/CPU.md,
+/* Host memory of the CPU backend's large buffers: the weights, the KV pool,
+ * the step buffers and the ops' scratch, on 2 MiB-aligned transparent huge
+ * pages, all but the weights faulted in when allocated (docs/CPU.md,
  * "Memory"). */
 #define _GNU_SOURCE
 #include <stdlib.h>

@@ -25,8 +25,8 @@ void *kvs_cpu_scratch(kvs_backend *b, size_t bytes);
  * frequencies differ from the last call's, so a step's layers (and q and k) share
  * one. Valid until the next call; NULL (failure recorded) when out of memory. */
 const float *kvs_cpu_rope_table(kvs_backend *b, const int32_t *positions, const float *inv_freq, int n, int half);
-/* Memory (cpu_memory.c) for what every step streams, the weights and the KV
- * pool: 2 MiB aligned on transparent huge pages from 2 MiB up; free(). */
+/* Memory (cpu_memory.c) for the large buffers (weights, KV pool, step buffers,
+ * scratch): 2 MiB aligned on transparent huge pages from 2 MiB up; free(). */
 void *kvs_cpu_alloc_huge(size_t bytes);
 /* The same, and from 2 MiB up faulted in at once (free()). */
 void *kvs_cpu_alloc_resident(size_t bytes);
