@@ -22,19 +22,10 @@ typedef struct {
     kvs_rng rng;
 } duo;
 
-/* the GPU backend with the given prefill attention kernel */
-static bool duo_open_prefill(duo *d, kvs_cuda_prefill prefill) {
+/* the GPU backend with the given options (device 0) and the CPU oracle */
+static bool duo_open(duo *d, kvs_cuda_options o) {
     memset(d, 0, sizeof *d);
-    if (kvs_backend_cuda_create(&(kvs_cuda_options){.device = 0, .prefill = prefill}, &d->gpu) != KVS_OK) return false;
-    cr_assert_eq(kvs_backend_cpu_create(0, &d->cpu), KVS_OK);
-    kvs_rng_seed(&d->rng, kvs_test_seed());
-    return true;
-}
-
-/* the GPU backend with the given FP8 GEMM mode */
-static bool duo_open_fp8(duo *d, kvs_cuda_fp8_gemm mode) {
-    memset(d, 0, sizeof *d);
-    if (kvs_backend_cuda_create(&(kvs_cuda_options){.device = 0, .fp8_gemm = mode}, &d->gpu) != KVS_OK) return false;
+    if (kvs_backend_cuda_create(&o, &d->gpu) != KVS_OK) return false;
     cr_assert_eq(kvs_backend_cpu_create(0, &d->cpu), KVS_OK);
     kvs_rng_seed(&d->rng, kvs_test_seed());
     return true;
@@ -46,9 +37,9 @@ static void duo_close(duo *d) {
 }
 
 #define OPEN_OR_SKIP(d) OPEN_PREFILL_OR_SKIP(d, KVS_CUDA_PREFILL_AUTO)
-#define OPEN_PREFILL_OR_SKIP(d, prefill)                                         \
+#define OPEN_PREFILL_OR_SKIP(d, kernel)                                          \
     do {                                                                         \
-        if (!duo_open_prefill(d, prefill)) {                                     \
+        if (!duo_open(d, (kvs_cuda_options){.prefill = kernel})) {               \
             cr_skip("no GPU: skipped (%s)", kvs_last_error());                   \
             return;                                                              \
         }                                                                        \
@@ -977,7 +968,7 @@ Test(cuda, copy_and_transfers) {
 
 #define OPEN_FP8_OR_SKIP(d, mode)                                                        \
     do {                                                                                 \
-        if (!duo_open_fp8(d, mode)) {                                                    \
+        if (!duo_open(d, (kvs_cuda_options){.fp8_gemm = mode})) {                        \
             cr_skip("no GPU: skipped (%s)", kvs_last_error());                           \
             return;                                                                      \
         }                                                                                \

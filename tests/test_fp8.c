@@ -232,22 +232,5 @@ Test(fp8, tiny_model_quantized_stays_near_f32, .timeout = 300) {
 /* A backend without the FP8 ops (the CUDA backend below compute capability
  * 8.9) refuses --quantization fp8 when the model is created, saying why. */
 Test(fp8, a_backend_without_fp8_refuses_it) {
-    kvs_backend *cpu;
-    cr_assert_eq(kvs_backend_cpu_create(1, &cpu), KVS_OK);
-    kvs_backend no_fp8 = *cpu; /* the same state, without the FP8 ops */
-    no_fp8.quantize_fp8 = NULL;
-    no_fp8.matmul_fp8 = NULL;
-    const char *dir = src_path("models/tiny-needle-llama");
-    kvs_config cfg;
-    kvs_checkpoint *ck;
-    cr_assert_eq(kvs_config_load(dir, &cfg), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK, "%s", kvs_last_error());
-    cfg.quantization = KVS_QUANT_FP8;
-    kvs_model *m = NULL;
-    cr_expect_eq(kvs_model_create(&cfg, ck, &no_fp8, NULL, &m), KVS_ERR_UNSUPPORTED);
-    cr_expect_null(m);
-    cr_expect(strstr(kvs_last_error(), "--quantization fp8") && strstr(kvs_last_error(), "8.9"), "message: %s",
-              kvs_last_error());
-    kvs_checkpoint_destroy(ck);
-    cpu->destroy(cpu);
+    expect_refused_without_fp8(src_path("models/tiny-needle-llama"), KVS_QUANT_FP8, "--quantization fp8");
 }

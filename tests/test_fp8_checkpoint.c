@@ -522,22 +522,5 @@ Test(fp8_checkpoint, bad_fp8_tensors_are_refused_by_name) {
 
 /* A backend without the FP8 ops refuses an FP8 checkpoint, naming it. */
 Test(fp8_checkpoint, a_backend_without_fp8_refuses_the_checkpoint) {
-    kvs_backend *cpu;
-    cr_assert_eq(kvs_backend_cpu_create(1, &cpu), KVS_OK);
-    kvs_backend no_fp8 = *cpu;
-    no_fp8.quantize_fp8 = NULL;
-    no_fp8.matmul_fp8 = NULL;
-    const char *dir = fixture("ct-channel");
-    kvs_config cfg;
-    kvs_checkpoint *ck;
-    cr_assert_eq(kvs_config_load(dir, &cfg), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK, "%s", kvs_last_error());
-    kvs_model *m = NULL;
-    cr_expect_eq(kvs_model_create(&cfg, ck, &no_fp8, NULL, &m), KVS_ERR_UNSUPPORTED);
-    cr_expect_null(m);
-    cr_expect(strstr(kvs_last_error(), "FP8 checkpoint (quant_method compressed-tensors)") &&
-                  strstr(kvs_last_error(), "8.9"),
-              "message: %s", kvs_last_error());
-    kvs_checkpoint_destroy(ck);
-    cpu->destroy(cpu);
+    expect_refused_without_fp8(fixture("ct-channel"), KVS_QUANT_NONE, "FP8 checkpoint (quant_method compressed-tensors)");
 }

@@ -212,6 +212,25 @@ int run_capture(const char *cmd, char **out) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
+void expect_refused_without_fp8(const char *dir, kvs_quantization q, const char *want) {
+    kvs_backend *cpu;
+    cr_assert_eq(kvs_backend_cpu_create(1, &cpu), KVS_OK);
+    kvs_backend no_fp8 = *cpu; /* the same state, without the FP8 ops */
+    no_fp8.quantize_fp8 = NULL;
+    no_fp8.matmul_fp8 = NULL;
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    cr_assert_eq(kvs_config_load(dir, &cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK, "%s", kvs_last_error());
+    if (q != KVS_QUANT_NONE) cfg.quantization = q;
+    kvs_model *m = NULL;
+    cr_expect_eq(kvs_model_create(&cfg, ck, &no_fp8, NULL, &m), KVS_ERR_UNSUPPORTED);
+    cr_expect_null(m);
+    cr_expect(strstr(kvs_last_error(), want) && strstr(kvs_last_error(), "8.9"), "message: %s", kvs_last_error());
+    kvs_checkpoint_destroy(ck);
+    cpu->destroy(cpu);
+}
+
 void rig_open(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs) {
     rig_open_quantized(r, dir, be, n_blocks, max_seqs, KVS_QUANT_NONE);
 }

@@ -81,6 +81,11 @@ void rig_open(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int ma
 void rig_open_quantized(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs,
                         kvs_quantization q);
 void rig_close(rig *r);
+/* The model of dir (its config with quantization q) created on a CPU backend
+ * stripped of its FP8 ops, as the CUDA backend is below compute capability
+ * 8.9: refused (KVS_ERR_UNSUPPORTED, no model) with a message that holds want
+ * and "8.9". */
+void expect_refused_without_fp8(const char *dir, kvs_quantization q, const char *want);
 /* Room for max_seqs sequences of max_tokens in every layer of a model of up to 8 layers. */
 #define RIG_BLOCKS(max_tokens, max_seqs) ((int64_t)(((max_tokens) + 15) / 16 + 1) * 8 * (max_seqs))
 /* Reserves and runs ids[0..n) of seq at positions pos0.. in one step; logits of the last token. */
