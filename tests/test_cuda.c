@@ -298,14 +298,16 @@ static void rope_kv_write_case(int H, int KV, int D, int n) {
     void *g_all = gpu_put(&d, init, all_n), *u_all = gpu_put(&d, init, all_n);
     kvs_kv_pool cp = {c_all + blk, n_blocks, 16, KV, D};
     kvs_kv_pool gp = {(uint16_t *)g_all + blk, n_blocks, 16, KV, D}, up = {(uint16_t *)u_all + blk, n_blocks, 16, KV, D};
+    float *qkv = qkv_rows(q, k, v, n, (size_t)H * D, (size_t)KV * D);
     void *cq = cpu_put(&d, q, qn), *ck = cpu_put(&d, k, kn), *cv = cpu_put(&d, v, kn);
     void *gq = gpu_put(&d, q, qn), *gk = gpu_put(&d, k, kn), *gv = gpu_put(&d, v, kn);
     void *uq = gpu_put(&d, q, qn), *uk = gpu_put(&d, k, kn);
+    void *cqkv = cpu_put(&d, qkv, qn + 2 * kn), *gqkv = gpu_put(&d, qkv, qn + 2 * kn);
     void *cpos = put_i32(d.cpu, pos, n), *gpos = put_i32(d.gpu, pos, n);
     void *cs = put_i32(d.cpu, slots, n), *gs = put_i32(d.gpu, slots, n);
     void *cf = put_f32(d.cpu, inv_freq, D / 2), *gf = put_f32(d.gpu, inv_freq, D / 2);
-    d.cpu->rope_kv_write(d.cpu, &cp, cq, ck, cv, cpos, cf, cs, n, H);
-    d.gpu->rope_kv_write(d.gpu, &gp, gq, gk, gv, gpos, gf, gs, n, H);
+    d.cpu->rope_kv_write(d.cpu, &cp, cq, cqkv, cpos, cf, cs, n, H); /* q's contents replaced */
+    d.gpu->rope_kv_write(d.gpu, &gp, gq, gqkv, gpos, gf, gs, n, H);
     d.gpu->rope(d.gpu, uq, gpos, gf, n, H, D);
     d.gpu->rope(d.gpu, uk, gpos, gf, n, KV, D);
     d.gpu->kv_write(d.gpu, &up, uk, gv, gs, n);
@@ -343,11 +345,11 @@ static void rope_kv_write_case(int H, int KV, int D, int n) {
     un = gpu_get(&d, u_all, all_n);
     snprintf(what, sizeof what, "kv_write with padding rows, %d/%d heads x %d", H, KV, D);
     expect_close(what, un, c_all, all_n, 0, 0);
-    free(q), free(k), free(v), free(init), free(pos), free(slots), free(order), free(got_q), free(un_q), free(got),
-        free(un), free(ck_all), free(cv_all), free(gk_all), free(gv_all), free(uk_all), free(uv_all);
-    void *pc[] = {c_all, cq, ck, cv, cpos, cs, cf}, *pg[] = {g_all, gq, gk, gv, gpos, gs, gf, u_all, uq, uk};
-    for (int i = 0; i < 7; i++) d.cpu->free(d.cpu, pc[i]);
-    for (int i = 0; i < 10; i++) d.gpu->free(d.gpu, pg[i]);
+    free(q), free(k), free(v), free(qkv), free(init), free(pos), free(slots), free(order), free(got_q), free(un_q),
+        free(got), free(un), free(ck_all), free(cv_all), free(gk_all), free(gv_all), free(uk_all), free(uv_all);
+    void *pc[] = {c_all, cq, ck, cv, cpos, cs, cf, cqkv}, *pg[] = {g_all, gq, gk, gv, gpos, gs, gf, u_all, uq, uk, gqkv};
+    for (int i = 0; i < 8; i++) d.cpu->free(d.cpu, pc[i]);
+    for (int i = 0; i < 11; i++) d.gpu->free(d.gpu, pg[i]);
     duo_close(&d);
 }
 

@@ -110,10 +110,11 @@ static void scale_name(const char *weight, char *buf, size_t cap) { snprintf(buf
 static void model_linear(const kvs_model *m, int l, kvs_weight_kind k, const uint8_t **codes, const float **scales) {
     const kvs_layer_weights *w = &m->layers[l];
     int64_t in = m->shard.intermediate, h = m->cfg.hidden_size;
+    int64_t qn = (int64_t)m->shard.n_heads * m->cfg.head_dim, kn = (int64_t)m->shard.n_kv_heads * m->cfg.head_dim;
     switch (k) {
-    case KVS_W_Q: *codes = w->wq, *scales = w->sq; break;
-    case KVS_W_K: *codes = w->wk, *scales = w->sk; break;
-    case KVS_W_V: *codes = w->wv, *scales = w->sv; break;
+    case KVS_W_Q: *codes = w->w_qkv, *scales = w->s_qkv; break;
+    case KVS_W_K: *codes = (const uint8_t *)w->w_qkv + qn * h, *scales = w->s_qkv + qn; break;
+    case KVS_W_V: *codes = (const uint8_t *)w->w_qkv + (qn + kn) * h, *scales = w->s_qkv + qn + kn; break;
     case KVS_W_O: *codes = w->wo, *scales = w->so; break;
     case KVS_W_GATE: *codes = w->w_gate_up, *scales = w->s_gate_up; break;
     case KVS_W_UP: *codes = (const uint8_t *)w->w_gate_up + in * h, *scales = w->s_gate_up + in; break;

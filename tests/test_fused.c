@@ -92,11 +92,14 @@ Test(fused, rope_kv_write_equals_rope_then_kv_write) {
         float *pool1 = malloc(sizeof(float) * pool_n), *pool2 = malloc(sizeof(float) * pool_n);
         for (size_t i = 0; i < pool_n; i++) pool1[i] = pool2[i] = SENTINEL;
         kvs_kv_pool p1 = {pool1, n_blocks, 16, KV, D}, p2 = {pool2, n_blocks, 16, KV, D};
-        float *q1 = dup(q, qn), *k1 = dup(k, kn), *q2 = dup(q, qn);
+        float *q1 = dup(q, qn), *k1 = dup(k, kn), *q2 = malloc(sizeof(float) * qn);
+        float *qkv = qkv_rows(q, k, v, n, (size_t)H * D, (size_t)KV * D), *qkv0 = dup(qkv, qn + 2 * kn);
         be->rope(be, q1, pos, inv_freq, n, H, D);
         be->rope(be, k1, pos, inv_freq, n, KV, D);
         be->kv_write(be, &p1, k1, v, slots, n);
-        be->rope_kv_write(be, &p2, q2, k, v, pos, inv_freq, slots, n, H);
+        be->rope_kv_write(be, &p2, q2, qkv, pos, inv_freq, slots, n, H);
+        cr_expect(memcmp(qkv, qkv0, sizeof(float) * (qn + 2 * kn)) == 0, "rope_kv_write %d/%d x %d: qkv changed", H,
+                  KV, D);
         cr_expect(memcmp(q1, q2, sizeof(float) * qn) == 0, "rope_kv_write %d/%d x %d: q differs", H, KV, D);
         cr_expect(memcmp(pool1, pool2, sizeof(float) * pool_n) == 0, "rope_kv_write %d/%d x %d: pool differs", H,
                   KV, D);
@@ -113,7 +116,7 @@ Test(fused, rope_kv_write_equals_rope_then_kv_write) {
                                      hit, "block %d offset %d: heads/kinds disagree on being written", blk, off);
             }
         cr_expect_eq(written, want, "%d slots written, %d non-padding rows", written, want);
-        free(q), free(k), free(v), free(q1), free(k1), free(q2), free(pool1), free(pool2);
+        free(q), free(k), free(v), free(q1), free(k1), free(q2), free(qkv), free(qkv0), free(pool1), free(pool2);
     }
     be->destroy(be);
 }
@@ -125,12 +128,20 @@ static void unfused_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y
     b->rmsnorm(b, xn, x, w, n, dim, eps);
 }
 
-static void unfused_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+static void unfused_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
                                   const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                                   int n_heads) {
+    int qd = n_heads * pool->head_dim, kd = pool->n_kv_heads * pool->head_dim, ld = qd + 2 * kd;
+    float *k = malloc(sizeof(float) * (size_t)(2 * n * kd + 1)), *v = k + (size_t)n * kd;
+    for (int i = 0; i < n; i++) { /* the columns of the one QKV GEMM's rows */
+        memcpy((float *)q + (size_t)i * qd, (const float *)qkv + (size_t)i * ld, sizeof(float) * qd);
+        memcpy(k + (size_t)i * kd, (const float *)qkv + (size_t)i * ld + qd, sizeof(float) * kd);
+        memcpy(v + (size_t)i * kd, (const float *)qkv + (size_t)i * ld + qd + kd, sizeof(float) * kd);
+    }
     b->rope(b, q, positions, inv_freq, n, n_heads, pool->head_dim);
-    b->rope(b, (void *)k, positions, inv_freq, n, pool->n_kv_heads, pool->head_dim);
+    b->rope(b, k, positions, inv_freq, n, pool->n_kv_heads, pool->head_dim);
     b->kv_write(b, pool, k, v, slots, n);
+    free(k);
 }
 
 Test(fused, model_logits_equal_unfused) {

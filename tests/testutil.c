@@ -131,6 +131,17 @@ static int b64_value(int c) {
     return -1;
 }
 
+float *qkv_rows(const float *q, const float *k, const float *v, int n, size_t qd, size_t kd) {
+    size_t ld = qd + 2 * kd;
+    float *out = malloc(sizeof(float) * (ld * (size_t)n + 1));
+    for (size_t i = 0; out && i < (size_t)n; i++) {
+        memcpy(out + i * ld, q + i * qd, sizeof(float) * qd);
+        memcpy(out + i * ld + qd, k + i * kd, sizeof(float) * kd);
+        memcpy(out + i * ld + qd + kd, v + i * kd, sizeof(float) * kd);
+    }
+    return out;
+}
+
 float *b64_floats(const char *b64, size_t *n) {
     size_t len = strlen(b64);
     unsigned char *bytes = malloc(len * 3 / 4 + 4);

@@ -41,6 +41,10 @@ float *b64_floats(const char *b64, size_t *n);
 /* ids from a JSON array of integers; malloc'ed. */
 int32_t *json_ids(const json_t *arr, int *n);
 
+/* One QKV GEMM's rows from separate q [n][qd], k and v [n][kd]: row i is q's
+ * row i, then k's, then v's (what rope_kv_write takes); malloc'ed. */
+float *qkv_rows(const float *q, const float *k, const float *v, int n, size_t qd, size_t kd);
+
 /* max|a-b| / max|b| */
 double rel_max_diff(const float *a, const float *b, size_t n);
 int argmax_f(const float *x, int n);

@@ -174,10 +174,12 @@ struct kvs_backend {
      * stored (bf16 on CUDA: rounded after the add, like add + rmsnorm). */
     void (*add_rmsnorm)(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
                         float eps);
-    /* rope on q [n, n_heads, head_dim] (in place) and on k [n, n_kv_heads, head_dim],
-     * the rotated k and v written into pool slots like kv_write; k itself is left
-     * unrotated. Rows whose slot is negative (padding) write nothing to the pool. */
-    void (*rope_kv_write)(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+    /* qkv [n][(n_heads + 2 * n_kv_heads) * head_dim] is one GEMM's output: each
+     * row's q heads, then its k heads, then its v heads. q [n, n_heads, head_dim]
+     * gets rope(q); rope(k) and v are written into pool slots like kv_write (qkv
+     * is left as it is). Rows whose slot is negative (padding) write nothing to
+     * the pool. */
+    void (*rope_kv_write)(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
                           const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                           int n_heads);
 

@@ -69,9 +69,8 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     if (wide < (size_t)c->hidden_size) wide = c->hidden_size;
     on_device(w, &b->x, n * c->hidden_size * a);
     on_device(w, &b->xn, n * c->hidden_size * a);
+    on_device(w, &b->qkv, n * (qd + 2 * kd) * a);
     on_device(w, &b->q, n * qd * a);
-    on_device(w, &b->k, n * kd * a);
-    on_device(w, &b->v, n * kd * a);
     on_device(w, &b->att, n * qd * a);
     on_device(w, &b->tmp, n * c->hidden_size * a);
     on_device(w, &b->gate_up, n * 2 * sh->intermediate * a);

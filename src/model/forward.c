@@ -42,12 +42,10 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
     int n_heads = m->shard.n_heads, n_kv_heads = m->shard.n_kv_heads; /* this rank's */
     int qd = n_heads * c->head_dim, kd = n_kv_heads * c->head_dim;
     if (layer == 0) be->rmsnorm(be, sb->xn, sb->x, w->attn_norm, n, c->hidden_size, c->rms_norm_eps);
-    quantize_input(m, sb->xn, n, c->hidden_size); /* once for q, k and v */
-    linear(m, sb->q, sb->xn, w->wq, w->sq, w->bq, n, c->hidden_size, qd);
-    linear(m, sb->k, sb->xn, w->wk, w->sk, w->bk, n, c->hidden_size, kd);
-    linear(m, sb->v, sb->xn, w->wv, w->sv, w->bv, n, c->hidden_size, kd);
+    quantize_input(m, sb->xn, n, c->hidden_size);
+    linear(m, sb->qkv, sb->xn, w->w_qkv, w->s_qkv, w->b_qkv, n, c->hidden_size, qd + 2 * kd); /* one GEMM */
     const kvs_kv_pool *pool = kvs_kv_get_pool(kv);
-    be->rope_kv_write(be, pool, sb->q, sb->k, sb->v, sb->positions, m->inv_freq, sb->slots, n, n_heads);
+    be->rope_kv_write(be, pool, sb->q, sb->qkv, sb->positions, m->inv_freq, sb->slots, n, n_heads);
     be->attention(be, sb->att, n_cap ? sb->lse : NULL, sb->q, pool, ab, n_heads, 1.0f / sqrtf((float)c->head_dim));
     if (n_cap) { /* the sparsity window keeps these queries and their log-sum-exp */
         void *win_q;

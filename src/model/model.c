@@ -136,18 +136,17 @@ static kvs_status upload_rows(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind 
 
 /* One backend allocation for all of a layer's weights, each part 256-byte
  * aligned: a few large allocations instead of many (the CPU backend backs
- * large ones with huge pages, which stream faster). With fp8 the six linear
+ * large ones with huge pages, which stream faster). With fp8 the four linear
  * weights are E4M3 codes (a byte each), followed by their f32 scales. */
 static kvs_status alloc_layer(kvs_model *m, kvs_layer_weights *w, int64_t qn, int64_t kn, int64_t in) {
     const kvs_config *c = &m->cfg;
     int64_t h = c->hidden_size, bias = c->attention_bias ? 1 : 0, fp8 = c->quantization == KVS_QUANT_FP8;
     size_t ws = kvs_dtype_size(m->be->weight_dtype), ls = fp8 ? 1 : ws; /* linear weights: codes or weight_dtype */
-    void **part[] = {&w->attn_norm, &w->wq, &w->wk, &w->wv, &w->bq, &w->bk, &w->bv, &w->wo, &w->mlp_norm,
-                     &w->w_gate_up, &w->w_down, (void **)&w->sq, (void **)&w->sk, (void **)&w->sv, (void **)&w->so,
-                     (void **)&w->s_gate_up, (void **)&w->s_down};
-    int64_t elems[] = {h, qn * h, kn * h, kn * h, bias * qn, bias * kn, bias * kn, h * qn, h, 2 * in * h, h * in,
-                       fp8 * qn, fp8 * kn, fp8 * kn, fp8 * h, fp8 * 2 * in, fp8 * h};
-    size_t size[] = {ws, ls, ls, ls, ws, ws, ws, ls, ws, ls, ls, 4, 4, 4, 4, 4, 4};
+    int64_t qkv = qn + 2 * kn;
+    void **part[] = {&w->attn_norm, &w->w_qkv, &w->b_qkv, &w->wo, &w->mlp_norm, &w->w_gate_up, &w->w_down,
+                     (void **)&w->s_qkv, (void **)&w->so, (void **)&w->s_gate_up, (void **)&w->s_down};
+    int64_t elems[] = {h, qkv * h, bias * qkv, h * qn, h, 2 * in * h, h * in, fp8 * qkv, fp8 * h, fp8 * 2 * in, fp8 * h};
+    size_t size[] = {ws, ls, ws, ls, ws, ls, ls, 4, 4, 4, 4};
     enum { N_PARTS = sizeof elems / sizeof elems[0] };
     size_t total = 0;
     for (int i = 0; i < N_PARTS; i++) total += ((size_t)elems[i] * size[i] + 255) / 256 * 256;
@@ -215,14 +214,14 @@ static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
     int64_t i0 = (int64_t)sh->rank * sh->intermediate, in = sh->intermediate, h = c->hidden_size;
     KVS_TRY(alloc_layer(m, w, qn, kn, in));
     KVS_TRY(upload(m, ck, KVS_W_ATTN_NORM, l, &w->attn_norm));
-    /* column-parallel: this rank's heads are rows of Q, K, V */
-    KVS_TRY(upload_linear(m, ck, KVS_W_Q, l, q0, qn, 0, h, w->wq, w->sq, 0));
-    KVS_TRY(upload_linear(m, ck, KVS_W_K, l, k0, kn, 0, h, w->wk, w->sk, 0));
-    KVS_TRY(upload_linear(m, ck, KVS_W_V, l, k0, kn, 0, h, w->wv, w->sv, 0));
+    /* column-parallel: this rank's heads are rows of Q, K, V, one above the other (one GEMM) */
+    KVS_TRY(upload_linear(m, ck, KVS_W_Q, l, q0, qn, 0, h, w->w_qkv, w->s_qkv, 0));
+    KVS_TRY(upload_linear(m, ck, KVS_W_K, l, k0, kn, 0, h, w->w_qkv, w->s_qkv, qn));
+    KVS_TRY(upload_linear(m, ck, KVS_W_V, l, k0, kn, 0, h, w->w_qkv, w->s_qkv, qn + kn));
     if (c->attention_bias) {
-        KVS_TRY(upload_rows(m, ck, KVS_W_Q_BIAS, l, q0, qn, &w->bq, 0, 0));
-        KVS_TRY(upload_rows(m, ck, KVS_W_K_BIAS, l, k0, kn, &w->bk, 0, 0));
-        KVS_TRY(upload_rows(m, ck, KVS_W_V_BIAS, l, k0, kn, &w->bv, 0, 0));
+        KVS_TRY(upload_rows(m, ck, KVS_W_Q_BIAS, l, q0, qn, &w->b_qkv, 0, 0));
+        KVS_TRY(upload_rows(m, ck, KVS_W_K_BIAS, l, k0, kn, &w->b_qkv, (size_t)qn, 0));
+        KVS_TRY(upload_rows(m, ck, KVS_W_V_BIAS, l, k0, kn, &w->b_qkv, (size_t)(qn + kn), 0));
     }
     /* row-parallel: O [hidden, heads * head_dim] keeps the columns of this rank's heads */
     KVS_TRY(upload_linear(m, ck, KVS_W_O, l, 0, h, q0, qn, w->wo, w->so, 0));

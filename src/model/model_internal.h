@@ -10,11 +10,14 @@ struct json_t;
 kvs_status kvs_quant_config_parse(const struct json_t *root, const char *name, kvs_ckpt_quant *out);
 
 typedef struct {
-    void *attn_norm, *wq, *wk, *wv, *bq, *bk, *bv, *wo; /* biases NULL when absent */
+    void *attn_norm;
+    void *w_qkv; /* [(heads + 2 * kv_heads) * head_dim, hidden]: this rank's Q rows, then K's, then V's */
+    void *b_qkv; /* their biases in the same order; NULL when absent */
+    void *wo;
     void *mlp_norm, *w_gate_up /* [2 * intermediate, hidden]: gate rows, then up rows */, *w_down;
-    /* --quantization fp8: the six linear weights above hold E4M3 codes, and
+    /* --quantization fp8: the four linear weights above hold E4M3 codes, and
        these their scales, one per output row (NULL without quantization) */
-    float *sq, *sk, *sv, *so, *s_gate_up, *s_down;
+    float *s_qkv, *so, *s_gate_up, *s_down;
     void *arena; /* the one backend allocation the weights above are parts of */
 } kvs_layer_weights;
 
@@ -28,7 +31,7 @@ typedef struct {
 /* The step buffers (buffers.c), for the model's limits: rows are max_tokens or
  * the largest padded graph bucket. */
 typedef struct {
-    void *x, *xn, *q, *k, *v, *att, *tmp, *gate_up, *act; /* [rows][...] */
+    void *x, *xn, *qkv, *q, *att, *tmp, *gate_up, *act; /* [rows][...]; q: qkv's q rotated */
     float *lse;                                         /* [rows][heads] */
     uint8_t *xq; float *xs; /* fp8: a GEMM input's E4M3 codes [rows][widest input] and per-row scales [rows] */
     void *last, *logits;                                /* [max_seqs][hidden], [max_seqs][vocab_pad] */

@@ -27,16 +27,22 @@ void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const
     }
 }
 
-/* The CPU reference of the fused op is the unfused sequence: rope on q in
- * place, rope on a copy of k, then kv_write (padding rows skipped there). */
-void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+/* The CPU reference of the fused op is the unfused sequence on qkv's parts:
+ * q copied out and roped in place, k copied and roped, then kv_write with v
+ * (padding rows skipped there). */
+void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
                            const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                            int n_heads) {
-    size_t kn = (size_t)n * pool->n_kv_heads * pool->head_dim;
-    float *kr = kvs_cpu_scratch(b, sizeof(float) * (kn ? kn : 1));
-    if (!kr) return;
-    memcpy(kr, k, sizeof(float) * kn);
+    size_t qd = (size_t)n_heads * pool->head_dim, kd = (size_t)pool->n_kv_heads * pool->head_dim, ld = qd + 2 * kd;
+    float *k = kvs_cpu_scratch(b, sizeof(float) * (2 * n * kd + 1)), *v = k + n * kd, *qq = q;
+    const float *in = qkv;
+    if (!k) return;
+    for (int i = 0; i < n; i++) {
+        memcpy(qq + i * qd, in + i * ld, sizeof(float) * qd);
+        memcpy(k + i * kd, in + i * ld + qd, sizeof(float) * kd);
+        memcpy(v + i * kd, in + i * ld + qd + kd, sizeof(float) * kd);
+    }
     kvs_cpu_rope(b, q, positions, inv_freq, n, n_heads, pool->head_dim);
-    kvs_cpu_rope(b, kr, positions, inv_freq, n, pool->n_kv_heads, pool->head_dim);
-    kvs_cpu_kv_write(b, pool, kr, v, slots, n);
+    kvs_cpu_rope(b, k, positions, inv_freq, n, pool->n_kv_heads, pool->head_dim);
+    kvs_cpu_kv_write(b, pool, k, v, slots, n);
 }

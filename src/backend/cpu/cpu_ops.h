@@ -54,7 +54,7 @@ void kvs_cpu_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int d
 void kvs_cpu_gather_rows(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim);
 void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v,
                       const int32_t *slots, int n);
-void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+void kvs_cpu_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
                            const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                            int n_heads);
 void kvs_cpu_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,

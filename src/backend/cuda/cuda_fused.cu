@@ -91,15 +91,15 @@ void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, cons
 
 /* ---- RoPE + paged KV write: one block per token --------------------------------
  * The token's cos/sin table (angle and sincos in double, like kvs_rope_kernel)
- * goes to shared memory once; then the block rotates its q heads in place and
- * its k heads straight into the pool slot, and copies v into the slot. A
- * negative slot (a padding row) rotates q only. VEC (head_dim % 8 == 0): pairs
- * (j, j + 1) rotated as bf16x2, v copied in 16-byte pieces. */
+ * goes to shared memory once; then the block rotates the q heads of its qkv
+ * row into q and its k heads straight into the pool slot, and copies v into
+ * the slot. A negative slot (a padding row) rotates q only. VEC (head_dim % 8
+ * == 0): pairs (j, j + 1) rotated as bf16x2, v copied in 16-byte pieces. */
 
 template <bool VEC>
-__global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, const bf16 *v,
-                                         const int32_t *positions, const float *inv_freq, const int32_t *slots,
-                                         int n_heads, int n_kv_heads, int block_size, int head_dim) {
+__global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *qkv, const int32_t *positions,
+                                         const float *inv_freq, const int32_t *slots, int n_heads, int n_kv_heads,
+                                         int block_size, int head_dim) {
     extern __shared__ float2 kvs_rope_cs[]; /* [head_dim / 2] (cos, sin) */
     int i = blockIdx.x, half = head_dim / 2;
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
@@ -108,6 +108,8 @@ __global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, con
         kvs_rope_cs[j] = make_float2((float)c, (float)s);
     }
     __syncthreads();
+    size_t ld = (size_t)(n_heads + 2 * n_kv_heads) * head_dim;
+    const bf16 *k = qkv + i * ld + (size_t)n_heads * head_dim, *vrow = k + (size_t)n_kv_heads * head_dim;
     int slot = slots[i];
     int blk = slot >= 0 ? slot / block_size : 0, off = slot >= 0 ? slot % block_size : 0;
     int rows = n_heads + (slot >= 0 ? n_kv_heads : 0); /* q heads, then k heads */
@@ -118,10 +120,10 @@ __global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, con
         bf16 *dst;
         if (h < n_heads) {
             dst = q + ((size_t)i * n_heads + h) * head_dim;
-            src = dst;
+            src = qkv + i * ld + (size_t)h * head_dim;
         } else {
             h -= n_heads;
-            src = k + ((size_t)i * n_kv_heads + h) * head_dim;
+            src = k + (size_t)h * head_dim;
             dst = pool + kvs_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim);
         }
         if (VEC) {
@@ -142,9 +144,8 @@ __global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, con
     if (!VEC && (head_dim & 1)) /* an odd head_dim's last element is not rotated (as kvs_rope_kernel) */
         for (int h = threadIdx.x; h < n_kv_heads; h += blockDim.x)
             pool[kvs_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim) + head_dim - 1] =
-                k[((size_t)i * n_kv_heads + h) * head_dim + head_dim - 1];
+                k[(size_t)h * head_dim + head_dim - 1];
     int piece = VEC ? 8 : 1, per_head = head_dim / piece;
-    const bf16 *vrow = v + (size_t)i * n_kv_heads * head_dim;
     for (int t = threadIdx.x; t < n_kv_heads * per_head; t += blockDim.x) {
         int h = t / per_head, e = (t % per_head) * piece;
         bf16 *dst = pool + kvs_kv_offset(blk, 1, h, off, n_kv_heads, block_size, head_dim) + e;
@@ -155,17 +156,16 @@ __global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *k, con
     }
 }
 
-void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
                             const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                             int n_heads) {
     int D = pool->head_dim;
     if (n <= 0 || D < 2) return;
-    bool vec = D % 8 == 0 && aligned16(pool->data) && aligned16(q) && aligned16(k) && aligned16(v);
+    bool vec = D % 8 == 0 && aligned16(pool->data) && aligned16(q) && aligned16(qkv);
     size_t smem = sizeof(float2) * (size_t)(D / 2);
-    void (*kernel)(bf16 *, bf16 *, const bf16 *, const bf16 *, const int32_t *, const float *, const int32_t *, int,
-                   int, int, int) = vec ? kvs_rope_kv_write_kernel<true> : kvs_rope_kv_write_kernel<false>;
-    kernel<<<n, 256, smem, kvs_cuda_of(b)->stream>>>((bf16 *)pool->data, (bf16 *)q, (const bf16 *)k,
-                                                     (const bf16 *)v, positions, inv_freq, slots, n_heads,
-                                                     pool->n_kv_heads, pool->block_size, D);
+    void (*kernel)(bf16 *, bf16 *, const bf16 *, const int32_t *, const float *, const int32_t *, int, int, int,
+                   int) = vec ? kvs_rope_kv_write_kernel<true> : kvs_rope_kv_write_kernel<false>;
+    kernel<<<n, 256, smem, kvs_cuda_of(b)->stream>>>((bf16 *)pool->data, (bf16 *)q, (const bf16 *)qkv, positions,
+                                                     inv_freq, slots, n_heads, pool->n_kv_heads, pool->block_size, D);
     KVS_CUDA_LAUNCHED(b, "kvs_rope_kv_write_kernel");
 }

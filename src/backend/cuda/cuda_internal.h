@@ -134,7 +134,7 @@ void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *
 /* fused ops (cuda_fused.cu) */
 void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
                           float eps);
-void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *k, const void *v,
+void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
                             const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                             int n_heads);
 
