@@ -8,12 +8,23 @@
 #include "backend/comm.h"
 #include "cli/cli_common.h"
 
-/* A backend whose matmul is timed; every other op is the inner backend's. */
+/* A backend whose matmul and attention are timed; every other op is the inner backend's. */
 typedef struct {
     kvs_backend base; /* first: the model sees this */
     kvs_backend *inner;
-    double seconds, flops;
+    double seconds, flops; /* matmul */
+    double attn_seconds;
 } timed_backend;
+
+static void timed_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
+                            const kvs_attn_batch *ab, int n_heads, float scale) {
+    timed_backend *t = (timed_backend *)b;
+    t->inner->synchronize(t->inner);
+    double t0 = kvs_now();
+    t->inner->attention(t->inner, out, lse, q, pool, ab, n_heads, scale);
+    t->inner->synchronize(t->inner);
+    t->attn_seconds += kvs_now() - t0;
+}
 
 static void timed_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
                          int in_dim, int out_dim) {
@@ -51,7 +62,7 @@ static double sgemm_rate(kvs_backend *be, int n, int reps) {
 /* Decode against the memory (the CPU backend, one rank): the bytes a decode
  * step reads (every weight but the untied embedding table, once, and the KV of
  * the mean context) times the tokens/s, beside a read benchmark's rate. */
-static void print_decode_bandwidth(const kvs_loaded *l, int ctx0, int ctx1, double tokens_per_s) {
+static void print_decode_bandwidth(const kvs_loaded *l, int ctx0, int ctx1, double tokens_per_s, double attn_s_per_token) {
     if (l->world != 1) return;
     double bw = kvs_cpu_read_bandwidth(l->be, (size_t)512 << 20, 5);
     if (bw <= 0) return;
@@ -64,13 +75,16 @@ static void print_decode_bandwidth(const kvs_loaded *l, int ctx0, int ctx1, doub
     printf("decode reads %.1f MB a token (%s weights %.1f MB + %s KV %.1f MB): %.1f GB/s = %.0f%% of the read rate\n",
            (weights + kv) / 1e6, kvs_dtype_name(l->be->weight_dtype), weights / 1e6, kvs_dtype_name(l->be->kv_dtype),
            kv / 1e6, rate, 100 * rate / bw);
+    printf("decode attention: %.0f%% of decode time, its KV read at %.1f GB/s = %.0f%% of the read rate\n",
+           100 * attn_s_per_token * tokens_per_s, kv / attn_s_per_token / 1e9, 100 * kv / attn_s_per_token / 1e9 / bw);
 }
 
 /* The rank's backend with its matmul timed (kvs_runner_backend_wrap): tb[rank]. */
 static kvs_backend *wrap_timed(void *user, int rank, kvs_backend *be) {
     timed_backend *t = &((timed_backend *)user)[rank];
-    *t = (timed_backend){*be, be, 0, 0};
+    *t = (timed_backend){*be, be, 0, 0, 0};
     t->base.matmul = timed_matmul;
+    t->base.attention = timed_attention;
     return &t->base;
 }
 
@@ -271,7 +285,7 @@ static int bench_model(int argc, char **argv) {
     double t0 = kvs_now();
     if (st == KVS_OK) st = step_until(e, &n, 1, 0);
     double t_prefill = kvs_now() - t0, mm_prefill = tb[0].seconds, fl_prefill = tb[0].flops;
-    for (int r = 0; r < world; r++) tb[r].seconds = tb[r].flops = 0;
+    for (int r = 0; r < world; r++) tb[r].seconds = tb[r].flops = tb[r].attn_seconds = 0;
     t0 = kvs_now();
     if (st == KVS_OK) st = step_until(e, &n, 1, decode_len + 1);
     double t_decode = kvs_now() - t0;
@@ -296,7 +310,7 @@ static int bench_model(int argc, char **argv) {
         printf("decode matmuls%s:  %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of decode time\n", ranks,
                tb[0].flops / tb[0].seconds / 1e9, 100 * tb[0].flops / tb[0].seconds / 1e9 / peak,
                100 * tb[0].seconds / t_decode);
-        print_decode_bandwidth(&l, prompt_len, total, decode_len / t_decode);
+        print_decode_bandwidth(&l, prompt_len, total, decode_len / t_decode, tb[0].attn_seconds / decode_len);
     }
     if (st == KVS_OK && n_batches > 0) {
         /* untimed: the timing synchronizes, which no graph can capture */
