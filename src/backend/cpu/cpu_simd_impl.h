@@ -13,6 +13,9 @@
 #include "backend/cpu/cpu_simd.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* Loops over a compile-time head count, unrolled whole so that their arrays of
+ * accumulators stay in registers (-O2 alone leaves them on the stack). */
+#define UNROLL _Pragma("GCC unroll 8")
 
 enum { KTILE = 1024 }; /* a multiple of 4 * VL for every VL */
 
@@ -113,12 +116,12 @@ ALWAYS_INLINE void qk_t(float *s, int ld_s, const float *q, int ld_q, const void
     for (int e = 0; e < cnt; e++) {
         size_t ke = (size_t)e * d;
         V acc[QK_HEADS];
-        for (int h = 0; h < nh; h++) acc[h] = v_zero();
+        UNROLL for (int h = 0; h < nh; h++) acc[h] = v_zero();
         for (int c = 0; c < dv; c += VL) {
             V kv = load_w(k, ke + c, kt);
-            for (int h = 0; h < nh; h++) acc[h] = v_fma(v_load(q + (size_t)h * ld_q + c), kv, acc[h]);
+            UNROLL for (int h = 0; h < nh; h++) acc[h] = v_fma(v_load(q + (size_t)h * ld_q + c), kv, acc[h]);
         }
-        for (int h = 0; h < nh; h++) {
+        UNROLL for (int h = 0; h < nh; h++) {
             float t = v_hsum(acc[h]);
             for (int c = dv; c < d; c++) t += q[(size_t)h * ld_q + c] * w_at(k, ke + c, kt);
             s[(size_t)h * ld_s + e] = scale * t;
@@ -134,10 +137,10 @@ ALWAYS_INLINE void pv_t(float *out, int ld_out, const float *p, int ld_p, const 
     for (int e = 0; e < cnt; e++) {
         size_t ve = (size_t)e * d;
         V pe[QK_HEADS];
-        for (int h = 0; h < nh; h++) pe[h] = v_set1(p[(size_t)h * ld_p + e]);
+        UNROLL for (int h = 0; h < nh; h++) pe[h] = v_set1(p[(size_t)h * ld_p + e]);
         for (int c = 0; c < dv; c += VL) {
             V vv = load_w(v, ve + c, vt);
-            for (int h = 0; h < nh; h++) {
+            UNROLL for (int h = 0; h < nh; h++) {
                 float *o = out + (size_t)h * ld_out + c;
                 v_store(o, v_fma(pe[h], vv, v_load(o)));
             }
