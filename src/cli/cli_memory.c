@@ -12,14 +12,8 @@ kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const 
     KVS_TRY(kvs_shard_dims(c, 0, l->world > 0 ? l->world : 1, &shard));
     double cap = gpu_gib * (1 << 30);
     int w = l->world > 0 ? l->world : 1; /* a rank holds 1/w of the weights (embeddings aside) */
-    double weights = (double)kvs_config_param_count(c) * kvs_dtype_size(l->be->weight_dtype) / w;
+    double weights = kvs_config_weight_bytes(c, l->be->weight_dtype, true) / w;
     if (w > 1) weights += (double)c->vocab_size * c->hidden_size * kvs_dtype_size(l->be->weight_dtype);
-    if (c->quantization == KVS_QUANT_FP8) { /* the linear weights: a byte each and a f32 scale per row */
-        double h = c->hidden_size, qd = (double)c->n_heads * c->head_dim, kd = (double)c->n_kv_heads * c->head_dim;
-        double linear = c->n_layers * (h * (2 * qd + 2 * kd) + 3 * h * c->intermediate_size) / w;
-        double rows = c->n_layers * (qd + 2 * kd + h + 2.0 * c->intermediate_size + h) / w;
-        weights -= linear * ((double)kvs_dtype_size(l->be->weight_dtype) - 1) - rows * sizeof(float);
-    }
     /* the model's step buffers and 64 MiB of backend scratch (attention partials, staging) */
     double act = (double)kvs_model_step_bytes(c, &shard, &limits, l->be->act_dtype) + 64.0 * (1 << 20);
     /* a sparse policy's window queries and LSE: [max_num_seqs * window] rows per layer */

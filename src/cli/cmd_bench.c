@@ -8,13 +8,24 @@
 #include "backend/comm.h"
 #include "cli/cli_common.h"
 
-/* A backend whose matmul and attention are timed; every other op is the inner backend's. */
+/* A backend whose matmuls (bf16/f32 and fp8) and attention are timed; every other op is the inner backend's. */
 typedef struct {
     kvs_backend base; /* first: the model sees this */
     kvs_backend *inner;
     double seconds, flops; /* matmul */
     double attn_seconds;
 } timed_backend;
+
+static void timed_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,
+                             const float *ws, const void *bias, int n, int in_dim, int out_dim) {
+    timed_backend *t = (timed_backend *)b;
+    t->inner->synchronize(t->inner);
+    double t0 = kvs_now();
+    t->inner->matmul_fp8(t->inner, out, xq, xs, wq, ws, bias, n, in_dim, out_dim);
+    t->inner->synchronize(t->inner);
+    t->seconds += kvs_now() - t0;
+    t->flops += 2.0 * n * in_dim * out_dim;
+}
 
 static void timed_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
                             const kvs_attn_batch *ab, int n_heads, float scale) {
@@ -67,13 +78,12 @@ static void print_decode_bandwidth(const kvs_loaded *l, int ctx0, int ctx1, doub
     double bw = kvs_cpu_read_bandwidth(l->be, (size_t)512 << 20, 5);
     if (bw <= 0) return;
     const kvs_config *c = &l->cfg;
-    int64_t params = kvs_config_param_count(c) - (c->tie_word_embeddings ? 0 : (int64_t)c->vocab_size * c->hidden_size);
-    double weights = (double)params * kvs_dtype_size(l->be->weight_dtype);
+    double weights = kvs_config_weight_bytes(c, l->be->weight_dtype, false);
     double kv = (double)kvs_config_kv_bytes_per_token(c, l->be->kv_dtype) * (ctx0 + ctx1) / 2;
     double rate = (weights + kv) * tokens_per_s / 1e9;
     printf("memory read rate (this run, same threads, 512 MiB): %.1f GB/s\n", bw);
     printf("decode reads %.1f MB a token (%s weights %.1f MB + %s KV %.1f MB): %.1f GB/s = %.0f%% of the read rate\n",
-           (weights + kv) / 1e6, kvs_dtype_name(l->be->weight_dtype), weights / 1e6, kvs_dtype_name(l->be->kv_dtype),
+           (weights + kv) / 1e6, c->quantization == KVS_QUANT_FP8 ? "FP8" : kvs_dtype_name(l->be->weight_dtype), weights / 1e6, kvs_dtype_name(l->be->kv_dtype),
            kv / 1e6, rate, 100 * rate / bw);
     printf("decode attention: %.0f%% of decode time, its KV read at %.1f GB/s = %.0f%% of the read rate\n",
            100 * attn_s_per_token * tokens_per_s, kv / attn_s_per_token / 1e9, 100 * kv / attn_s_per_token / 1e9 / bw);
@@ -85,6 +95,7 @@ static kvs_backend *wrap_timed(void *user, int rank, kvs_backend *be) {
     *t = (timed_backend){*be, be, 0, 0, 0};
     t->base.matmul = timed_matmul;
     t->base.attention = timed_attention;
+    if (be->matmul_fp8) t->base.matmul_fp8 = timed_matmul_fp8;
     return &t->base;
 }
 

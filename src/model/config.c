@@ -355,6 +355,21 @@ size_t kvs_config_kv_bytes_per_token(const kvs_config *cfg, kvs_dtype kv_dtype) 
     return 2 * (size_t)cfg->n_layers * (size_t)cfg->n_kv_heads * (size_t)cfg->head_dim * kvs_dtype_size(kv_dtype);
 }
 
+double kvs_config_weight_bytes(const kvs_config *cfg, kvs_dtype weight_dtype, bool include_embed) {
+    double total = 0;
+    for (int k = 0; k < KVS_W_KIND_COUNT; k++) {
+        int64_t shape[2];
+        int ndim;
+        if (!kvs_weight_expected(cfg, (kvs_weight_kind)k, shape, &ndim)) continue;
+        if (k == KVS_W_EMBED && !include_embed && !cfg->tie_word_embeddings) continue;
+        double n = ndim == 2 ? (double)shape[0] * shape[1] : (double)shape[0];
+        bool fp8 = cfg->quantization == KVS_QUANT_FP8 && kvs_weight_is_linear((kvs_weight_kind)k);
+        double bytes = fp8 ? n + (double)shape[0] * sizeof(float) : n * kvs_dtype_size(weight_dtype);
+        total += k >= KVS_W_ATTN_NORM ? bytes * cfg->n_layers : bytes;
+    }
+    return total;
+}
+
 int64_t kvs_config_param_count(const kvs_config *cfg) {
     int64_t total = 0;
     for (int k = 0; k < KVS_W_KIND_COUNT; k++) {

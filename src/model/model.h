@@ -59,6 +59,11 @@ kvs_status kvs_config_load(const char *model_dir, kvs_config *cfg);
 /* Bytes of K+V per token across all layers for a cache of the given dtype. */
 size_t kvs_config_kv_bytes_per_token(const kvs_config *cfg, kvs_dtype kv_dtype);
 int64_t kvs_config_param_count(const kvs_config *cfg);
+/* Bytes of the weights as the model holds them with weight_dtype: with
+ * quantization fp8 the linear weights take a byte each and an f32 scale per
+ * output row; everything else weight_dtype. include_embed false leaves out an
+ * untied embedding table (read one row per token, not whole). */
+double kvs_config_weight_bytes(const kvs_config *cfg, kvs_dtype weight_dtype, bool include_embed);
 
 /* ---- weights ---------------------------------------------------------------- */
 typedef enum {
