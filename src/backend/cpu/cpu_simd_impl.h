@@ -110,44 +110,70 @@ static void gemv(float *out, int ld_out, const float *x, const void *w, kvs_dtyp
 /* Up to QK_HEADS query heads a pass: one read of each key row serves them all. */
 enum { QK_HEADS = 8 };
 
-ALWAYS_INLINE void qk_t(float *s, int ld_s, const float *q, int ld_q, const void *k, int cnt, int d, float scale,
-                        const int nh, const kvs_dtype kt) {
-    int dv = d / VL * VL;
-    for (int e = 0; e < cnt; e++) {
-        size_t ke = (size_t)e * d;
-        V acc[QK_HEADS];
-        UNROLL for (int h = 0; h < nh; h++) acc[h] = v_zero();
-        for (int c = 0; c < dv; c += VL) {
-            V kv = load_w(k, ke + c, kt);
-            UNROLL for (int h = 0; h < nh; h++) acc[h] = v_fma(v_load(q + (size_t)h * ld_q + c), kv, acc[h]);
-        }
-        UNROLL for (int h = 0; h < nh; h++) {
-            float t = v_hsum(acc[h]);
-            for (int c = dv; c < d; c++) t += q[(size_t)h * ld_q + c] * w_at(k, ke + c, kt);
-            s[(size_t)h * ld_s + e] = scale * t;
+/* Rows e .. e + R - 1 of the keys against nh query heads: R * nh accumulators
+ * (at most 8), so that the FMAs of different rows overlap instead of waiting on
+ * one row's chain. Each (row, head) is the same sequence as with R = 1. */
+ALWAYS_INLINE void qk_rows(float *s, int ld_s, const float *q, int ld_q, const void *k, int e, int d, int dv,
+                           float scale, const int nh, const int R, const kvs_dtype kt) {
+    V acc[8];
+    UNROLL for (int i = 0; i < R * nh; i++) acc[i] = v_zero();
+    for (int c = 0; c < dv; c += VL) {
+        UNROLL for (int r = 0; r < R; r++) {
+            V kv = load_w(k, (size_t)(e + r) * d + c, kt);
+            UNROLL for (int h = 0; h < nh; h++) acc[r * nh + h] = v_fma(v_load(q + (size_t)h * ld_q + c), kv, acc[r * nh + h]);
         }
     }
+    UNROLL for (int r = 0; r < R; r++)
+        UNROLL for (int h = 0; h < nh; h++) {
+            size_t ke = (size_t)(e + r) * d;
+            float t = v_hsum(acc[r * nh + h]);
+            for (int c = dv; c < d; c++) t += q[(size_t)h * ld_q + c] * w_at(k, ke + c, kt);
+            s[(size_t)h * ld_s + e + r] = scale * t;
+        }
 }
 
-/* Key by key in address order (the block's values are one contiguous run the
- * prefetcher follows), the output rows accumulated in place (L1). */
-ALWAYS_INLINE void pv_t(float *out, int ld_out, const float *p, int ld_p, const void *v, int cnt, int d,
-                        const int nh, const kvs_dtype vt) {
-    int dv = d / VL * VL;
+ALWAYS_INLINE void qk_t(float *s, int ld_s, const float *q, int ld_q, const void *k, int cnt, int d, float scale,
+                        const int nh, const kvs_dtype kt) {
+    const int R = nh >= 8 ? 1 : 8 / nh;
+    int dv = d / VL * VL, e = 0;
+    for (; e + R <= cnt; e += R) qk_rows(s, ld_s, q, ld_q, k, e, d, dv, scale, nh, R, kt);
+    for (; e < cnt; e++) qk_rows(s, ld_s, q, ld_q, k, e, d, dv, scale, nh, 1, kt);
+}
+
+/* Columns c0 .. c0 + C * VL - 1 of the nh output rows, kept in registers
+ * (nh * C accumulators, at most 8) over the block's values key by key: each
+ * output element gets the same FMAs in the same key order as with a load and
+ * store of the output around each, without them. */
+ALWAYS_INLINE void pv_cols(float *out, int ld_out, const float *p, int ld_p, const void *v, int cnt, int d, int c0,
+                           const int nh, const int C, const kvs_dtype vt) {
+    V acc[8];
+    UNROLL for (int h = 0; h < nh; h++)
+        UNROLL for (int j = 0; j < C; j++) acc[h * C + j] = v_load(out + (size_t)h * ld_out + c0 + j * VL);
     for (int e = 0; e < cnt; e++) {
-        size_t ve = (size_t)e * d;
+        size_t ve = (size_t)e * d + c0;
         V pe[QK_HEADS];
         UNROLL for (int h = 0; h < nh; h++) pe[h] = v_set1(p[(size_t)h * ld_p + e]);
-        for (int c = 0; c < dv; c += VL) {
-            V vv = load_w(v, ve + c, vt);
-            UNROLL for (int h = 0; h < nh; h++) {
-                float *o = out + (size_t)h * ld_out + c;
-                v_store(o, v_fma(pe[h], vv, v_load(o)));
-            }
+        UNROLL for (int j = 0; j < C; j++) {
+            V vv = load_w(v, ve + j * VL, vt);
+            UNROLL for (int h = 0; h < nh; h++) acc[h * C + j] = v_fma(pe[h], vv, acc[h * C + j]);
         }
-        for (int c = dv; c < d; c++)
-            for (int h = 0; h < nh; h++) out[(size_t)h * ld_out + c] += p[(size_t)h * ld_p + e] * w_at(v, ve + c, vt);
     }
+    UNROLL for (int h = 0; h < nh; h++)
+        UNROLL for (int j = 0; j < C; j++) v_store(out + (size_t)h * ld_out + c0 + j * VL, acc[h * C + j]);
+}
+
+/* The block's values into the output rows, a register tile of columns at a
+ * time; the columns past the last full vector in scalars. */
+ALWAYS_INLINE void pv_t(float *out, int ld_out, const float *p, int ld_p, const void *v, int cnt, int d,
+                        const int nh, const kvs_dtype vt) {
+    const int C = nh >= 8 ? 1 : 8 / nh;
+    int dv = d / VL * VL, c0 = 0;
+    for (; c0 + C * VL <= dv; c0 += C * VL) pv_cols(out, ld_out, p, ld_p, v, cnt, d, c0, nh, C, vt);
+    for (; c0 < dv; c0 += VL) pv_cols(out, ld_out, p, ld_p, v, cnt, d, c0, nh, 1, vt);
+    for (int e = 0; e < cnt; e++)
+        for (int c = dv; c < d; c++)
+            for (int h = 0; h < nh; h++)
+                out[(size_t)h * ld_out + c] += p[(size_t)h * ld_p + e] * w_at(v, (size_t)e * d + c, vt);
 }
 
 /* the head count as a constant, so that the accumulators stay in registers */
