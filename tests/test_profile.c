@@ -76,9 +76,22 @@ Test(profile, bench_throughput_adds_up_by_phase, .timeout = 300) {
     const json_t *p = json_object_get(j, "profile");
     /* 6 prompts, 4 at a time and 512 tokens a step: prefill alone, decodes beside prefill chunks, decode alone */
     const json_t *steps = json_object_get(p, "steps");
-    cr_expect(json_integer_value(json_object_get(steps, "prefill")) > 0, "%s", out);
-    cr_expect(json_integer_value(json_object_get(steps, "decode")) > 0, "%s", out);
-    cr_expect(json_integer_value(json_object_get(steps, "mixed")) > 0, "%s", out);
+    json_int_t tokens = 0, decodes = 0;
+    const char *kinds[3] = {"prefill", "decode", "mixed"};
+    for (int k = 0; k < 3; k++) {
+        const json_t *o = json_object_get(steps, kinds[k]);
+        cr_expect(json_integer_value(json_object_get(o, "steps")) > 0, "no %s step: %s", kinds[k], out);
+        tokens += json_integer_value(json_object_get(o, "tokens"));
+        decodes += json_integer_value(json_object_get(o, "decode_tokens"));
+    }
+    /* every prompt token and every decode (a request's first token comes with its prefill); more if preempted */
+    cr_expect(tokens >= 6 * (200 + 11) && decodes > 0 && decodes < tokens, "%lld tokens, %lld decodes: %s",
+              (long long)tokens, (long long)decodes, out);
+    const json_t *dec = json_object_get(steps, "decode"), *mix = json_object_get(steps, "mixed");
+    cr_expect_eq(json_integer_value(json_object_get(dec, "decode_tokens")), json_integer_value(json_object_get(dec, "tokens")));
+    cr_expect(json_integer_value(json_object_get(mix, "decode_tokens")) > 0 &&
+                  json_integer_value(json_object_get(mix, "decode_tokens")) < json_integer_value(json_object_get(mix, "tokens")),
+              "%s", out);
     cr_expect(ms_of(p, "prefill GEMM") > 0, "%s", out);
     cr_expect(ms_of(p, "decode GEMM") > 0, "%s", out);
     cr_expect(ms_of(p, "prefill attention") > 0 && ms_of(p, "decode attention") > 0, "%s", out);
@@ -127,9 +140,9 @@ Test(profile, wrapper_counts_regions_by_phase) {
     kvs_profile_start(p);
     for (int i = 0; i < 3; i++) b->matmul(b, y, x, x, NULL, N, N, N);
     b->add(b, x, y, (size_t)N * N);
-    cr_assert_eq(kvs_profile_step(p, KVS_STEP_PREFILL), KVS_OK);
+    cr_assert_eq(kvs_profile_step(p, 512, 0), KVS_OK); /* a prefill step */
     b->rmsnorm(b, y, x, x, N, N, 1e-5f);
-    cr_assert_eq(kvs_profile_step(p, KVS_STEP_DECODE), KVS_OK);
+    cr_assert_eq(kvs_profile_step(p, 8, 8), KVS_OK); /* a decode step */
     const kvs_profile_totals *t = kvs_profile_get(p);
     cr_expect_eq(t->regions, 5);
     cr_expect_eq(t->steps[KVS_STEP_PREFILL], 1);

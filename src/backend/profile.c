@@ -151,8 +151,9 @@ void kvs_profile_start(kvs_profile *p) {
     p->last = kvs_now();
 }
 
-kvs_status kvs_profile_step(kvs_profile *p, kvs_step_kind kind) {
+kvs_status kvs_profile_step(kvs_profile *p, int64_t tokens, int64_t decode_tokens) {
     double t0 = kvs_now(), regions = 0;
+    kvs_step_kind kind = kvs_step_kind_of(tokens, decode_tokens);
     kvs_backend *in = p->inner;
     in->synchronize(in); /* normally done already: the step's check waited for its work */
     for (int r = 0; r < p->n_regions; r++) {
@@ -163,6 +164,8 @@ kvs_status kvs_profile_step(kvs_profile *p, kvs_step_kind kind) {
     p->t.regions += p->n_regions;
     p->n_regions = 0;
     p->t.steps[kind]++;
+    p->t.tokens[kind] += tokens;
+    p->t.decode_tokens[kind] += decode_tokens;
     p->t.host_ms[kind] += 1e3 * (t0 - p->last) - regions;
     double t1 = kvs_now();
     p->t.read_ms += 1e3 * (t1 - t0);

@@ -39,6 +39,7 @@ typedef struct {
     double read_ms;                           /* the profiler's own: reading the marks after each step */
     double wall_ms;                           /* kvs_profile_start to the last kvs_profile_step */
     int64_t steps[KVS_STEP_KINDS], regions;
+    int64_t tokens[KVS_STEP_KINDS], decode_tokens[KVS_STEP_KINDS]; /* the steps' tokens, and their decodes */
 } kvs_profile_totals;
 
 typedef struct kvs_profile kvs_profile;
@@ -49,9 +50,10 @@ typedef struct kvs_profile kvs_profile;
 kvs_status kvs_backend_profile_wrap(kvs_backend *inner, bool owns_inner, kvs_backend **out, kvs_profile **profile);
 /* Zeroes the totals and starts timing: the wall clock from now. */
 void kvs_profile_start(kvs_profile *p);
-/* After a step: its regions into the totals under kind, its wall since the
- * previous call (or the start). Fails when marks ran out (out of memory). */
-kvs_status kvs_profile_step(kvs_profile *p, kvs_step_kind kind);
+/* After a step of `tokens` tokens, `decode_tokens` of them decodes: its
+ * regions into the totals under its kind (kvs_step_kind_of), its wall since
+ * the previous call (or the start). Fails when marks ran out (out of memory). */
+kvs_status kvs_profile_step(kvs_profile *p, int64_t tokens, int64_t decode_tokens);
 const kvs_profile_totals *kvs_profile_get(const kvs_profile *p);
 
 #endif

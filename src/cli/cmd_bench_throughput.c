@@ -159,7 +159,7 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
         kvs_engine_stats s;
         kvs_engine_get_stats(e, &s);
         if (st == KVS_OK && l->profile)
-            st = kvs_profile_step(l->profile, kvs_step_kind_of(s.step_tokens, s.step_decode_tokens));
+            st = kvs_profile_step(l->profile, s.step_tokens, s.step_decode_tokens);
         res->steps++;
         batch_sum += s.running;
         block_sum += s.kv_blocks_used;

@@ -57,9 +57,12 @@ void kvs_cli_profile_print(const kvs_profile_totals *t, const char *backend) {
     printf("  %-54s %12s %7s\n", "phase", "ms", "share");
     for (int i = 0; i < n; i++) printf("  %-54s %12.1f %6.1f%%\n", r[i].name, r[i].ms, 100 * r[i].ms / wall);
     printf("  %-54s %12.1f %6.1f%%\n", "total (wall)", t->wall_ms, 100.0);
-    printf("  steps: %lld prefill, %lld decode, %lld mixed, %lld empty; %lld ops timed\n",
-           (long long)t->steps[KVS_STEP_PREFILL], (long long)t->steps[KVS_STEP_DECODE],
-           (long long)t->steps[KVS_STEP_MIXED], (long long)t->steps[KVS_STEP_EMPTY], (long long)t->regions);
+    printf("  steps: %lld prefill (%lld tokens), %lld decode (%lld tokens), %lld mixed (%lld tokens, %lld of them "
+           "decodes), %lld empty; %lld ops timed\n",
+           (long long)t->steps[KVS_STEP_PREFILL], (long long)t->tokens[KVS_STEP_PREFILL],
+           (long long)t->steps[KVS_STEP_DECODE], (long long)t->tokens[KVS_STEP_DECODE],
+           (long long)t->steps[KVS_STEP_MIXED], (long long)t->tokens[KVS_STEP_MIXED],
+           (long long)t->decode_tokens[KVS_STEP_MIXED], (long long)t->steps[KVS_STEP_EMPTY], (long long)t->regions);
 }
 
 json_t *kvs_cli_profile_json(const kvs_profile_totals *t, const char *backend) {
@@ -70,8 +73,10 @@ json_t *kvs_cli_profile_json(const kvs_profile_totals *t, const char *backend) {
     for (int i = 0; i < n; i++)
         json_array_append_new(rows, json_pack("{s:s, s:f, s:f}", "phase", r[i].name, "ms", r[i].ms, "share",
                                               r[i].ms / wall));
-    for (int k = 0; k < KVS_STEP_KINDS; k++)
-        json_object_set_new(steps, kvs_step_kind_name(k), json_integer((json_int_t)t->steps[k]));
+    for (int k = 0; k < KVS_STEP_KINDS; k++) /* per kind: steps, their tokens and the decodes among them */
+        json_object_set_new(steps, kvs_step_kind_name(k),
+                            json_pack("{s:I, s:I, s:I}", "steps", (json_int_t)t->steps[k], "tokens",
+                                      (json_int_t)t->tokens[k], "decode_tokens", (json_int_t)t->decode_tokens[k]));
     return json_pack("{s:s, s:s, s:f, s:o, s:o, s:I}", "timing", timing_of(backend), "decode",
                      decode_of(backend), "wall_ms", t->wall_ms, "rows", rows, "steps", steps,
                      "ops_timed", (json_int_t)t->regions);
