@@ -209,6 +209,16 @@ struct kvs_backend {
     void (*matmul_fp8)(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,
                        const float *ws, const void *bias, int n, int in_dim, int out_dim);
 
+    /* Timing marks (backend/profile.h times the ops with them): a mark is a
+     * point in the enqueued work. CUDA records an event on the stream; the CPU,
+     * whose ops run before they return, reads the monotonic clock.
+     * mark_create: NULL when out of memory. mark_elapsed_ms: milliseconds from
+     * mark `from` to mark `to`, both recorded and reached (after a synchronize). */
+    void *(*mark_create)(kvs_backend *b);
+    void (*mark_record)(kvs_backend *b, void *mark);
+    double (*mark_elapsed_ms)(kvs_backend *b, void *from, void *to);
+    void (*mark_destroy)(kvs_backend *b, void *mark);
+
     void (*destroy)(kvs_backend *b);
 };
 

@@ -2,6 +2,7 @@
 
 #include "backend/comm.h"
 #include "backend/fault.h"
+#include "backend/profile.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -188,6 +189,17 @@ static kvs_status inject_faults(kvs_loaded *out, int tp) {
     return KVS_OK;
 }
 
+/* bench throughput --profile: the backend wrapped so that its ops are timed
+ * (backend/profile.h). */
+static kvs_status wrap_profile(kvs_loaded *out, int tp, bool *graphs) {
+    if (tp > 1) return kvs_fail(KVS_ERR_UNSUPPORTED, "--profile: not with --tensor-parallel-size (one rank only)");
+    *graphs = out->be->graph_begin != NULL; /* the wrapper has none */
+    kvs_backend *wrapped;
+    KVS_TRY(kvs_backend_profile_wrap(out->be, true, &wrapped, &out->profile));
+    out->be = wrapped;
+    return KVS_OK;
+}
+
 kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     memset(out, 0, sizeof *out);
     kvs_status st;
@@ -225,6 +237,8 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
        weights' dtype, as vLLM does (on the CPU a bf16 cache halves the bytes decode reads: docs/CPU.md) */
     if (st == KVS_OK) st = option_dtype("--dtype", o->dtype, out->cfg.dtype, cuda, &out->weight_dtype);
     if (st == KVS_OK) st = option_dtype("--kv-cache-dtype", o->kv_dtype, out->weight_dtype, cuda, &out->kv_dtype);
+    bool graphs = false; /* --profile: the wrapped backend has graphs */
+    if (st == KVS_OK && o->profile && tp > 1) st = wrap_profile(out, tp, &graphs);
     if (st == KVS_OK && cuda && tp > 1) {
         st = load_cuda_ranks(o, out, tp, device0);
     } else if (st == KVS_OK) {
@@ -234,6 +248,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
             st = cuda ? kvs_backend_cuda_create(&co, &out->be)
                       : kvs_backend_cpu_create_typed(o->threads, out->weight_dtype, out->kv_dtype, &out->be);
         if (st == KVS_OK) st = inject_faults(out, tp);
+        if (st == KVS_OK && o->profile) st = wrap_profile(out, tp, &graphs);
         if (st == KVS_OK && !o->skip_model) {
             if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
                 int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;
@@ -244,8 +259,11 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
             }
         }
     }
-    if (st == KVS_OK && out->runner) /* --enforce-eager on every rank, CUDA ranks too */
-        kvs_runner_set_graph_mode(out->runner, o->enforce_eager ? KVS_GRAPHS_OFF : KVS_GRAPHS_ON);
+    if (st == KVS_OK && out->runner) /* --enforce-eager on every rank, CUDA ranks too; --profile: the graphs'
+                                        layout run eagerly (a captured op cannot be timed) */
+        kvs_runner_set_graph_mode(out->runner, o->enforce_eager ? KVS_GRAPHS_OFF
+                                               : graphs         ? KVS_GRAPHS_PADDED
+                                                                : KVS_GRAPHS_ON);
     if (st == KVS_OK && o->model_dir) {
         char path[4096];
         if (kvs_path_join(path, sizeof path, o->model_dir, "tokenizer.json") == KVS_OK && kvs_file_exists(path))

@@ -3,6 +3,7 @@
 #define KVS_CLI_COMMON_H
 
 #include "backend/backend.h"
+#include "backend/profile.h"
 #include "engine/engine.h"
 #include "kv/kv.h"
 #include "model/model.h"
@@ -25,6 +26,7 @@ typedef struct {
     bool enforce_eager;      /* --enforce-eager: no CUDA graphs for decode steps */
     kvs_model_limits limits; /* what a step of the command may hold (zeros: the defaults) */
     const char *kv_profile;  /* --kv-profile (kvs_cli_policy_option): loaded for the model by kvs_cli_load */
+    bool profile;            /* bench throughput --profile: the backend's ops timed (backend/profile.h), world 1 */
 } kvs_load_options;
 
 typedef struct {
@@ -42,6 +44,7 @@ typedef struct {
     /* --kv-profile's, checked against the model: the commands set it as their
        policies' profile; it lives as long as the model (kvs_cli_unload frees it) */
     kvs_kv_profile *kv_profile;
+    kvs_profile *profile; /* load option profile: the timing wrapper's counts (be is the wrapper) */
 } kvs_loaded;
 
 #define KVS_CLI_LOAD_HELP                                                                    \
@@ -108,6 +111,11 @@ kvs_status kvs_cli_engine(kvs_loaded *l, const kvs_engine_config *c, kvs_engine 
     "  -tp, --tensor-parallel-size N  split heads, MLP and vocabulary over N ranks, one thread each:\n" \
     "                         with --device cuda[:K] GPUs K .. K+N-1 over NCCL; on the CPU\n"   \
     "                         backend a simulation (same results as N = 1)\n"
+
+/* bench throughput --profile (profile_table.c): the totals as a table of
+ * phases on stdout, or as a JSON object; backend: the timed backend's name. */
+void kvs_cli_profile_print(const kvs_profile_totals *t, const char *backend);
+struct json_t *kvs_cli_profile_json(const kvs_profile_totals *t, const char *backend);
 
 /* "1,2,3" -> ids (malloc'ed); false on a malformed list. */
 bool kvs_cli_parse_ids(const char *s, int32_t **ids, int *n);

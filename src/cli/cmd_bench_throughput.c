@@ -41,6 +41,9 @@ static void usage(FILE *f) {
                "  --seed S               prompt ids seed (default 0)\n"
                KVS_CLI_PREFIX_CACHING_HELP
                "  --json                 print one JSON object\n"
+               "  --profile              time every op and add up the wall time by phase (GEMMs, attention,\n"
+               "                         other kernels of prefill, decode and mixed steps; sparsify; sampling;\n"
+               "                         host): a table, or \"profile\" in the JSON; decode runs without graphs\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP);
 }
 
@@ -79,6 +82,7 @@ static int parse_args(int argc, char **argv, tp_options *o) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
         else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = true;
         else if (!strcmp(a, "--json")) o->json = true;
+        else if (!strcmp(a, "--profile")) o->load.profile = true;
         else if (!strcmp(a, "--n-separate")) o->n_separate = true;
         else if (!strcmp(a, "--n") && v) { if (!parse_pos_int(argv[++i], &o->n) || o->n > KVS_MAX_N) goto bad; }
         else if (!strcmp(a, "--input-len") && v) { if (!parse_pos_int(argv[++i], &o->input_len)) goto bad; }
@@ -148,11 +152,14 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     free(prompt);
     kvs_progress bar;
     kvs_progress_start(&bar, "requests", o->num_prompts);
+    if (l->profile) kvs_profile_start(l->profile);
     double t0 = kvs_now(), batch_sum = 0, block_sum = 0;
     while (st == KVS_OK && !kvs_engine_idle(e)) {
         st = kvs_engine_step(e);
         kvs_engine_stats s;
         kvs_engine_get_stats(e, &s);
+        if (st == KVS_OK && l->profile)
+            st = kvs_profile_step(l->profile, s.step_tokens, s.step_decode_tokens);
         res->steps++;
         batch_sum += s.running;
         block_sum += s.kv_blocks_used;
@@ -168,7 +175,7 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     return st;
 }
 
-static void report(const tp_options *o, const tp_counts *c, const tp_result *r) {
+static void report(const tp_options *o, const kvs_loaded *l, const tp_counts *c, const tp_result *r) {
     double in_tok = (double)o->num_prompts * o->input_len, t = r->elapsed > 0 ? r->elapsed : 1e-9;
     char policy[128];
     kvs_kv_policy_describe(&o->policy, policy, sizeof policy);
@@ -188,6 +195,7 @@ static void report(const tp_options *o, const tp_counts *c, const tp_result *r) 
         json_object_set_new(j, "prefix_caching", json_boolean(o->prefix_caching));
         json_object_set_new(j, "prefix_cache_queries", json_integer((json_int_t)s->prefix_cache_queries));
         json_object_set_new(j, "prefix_cache_hits", json_integer((json_int_t)s->prefix_cache_hits));
+        if (l->profile) json_object_set_new(j, "profile", kvs_cli_profile_json(kvs_profile_get(l->profile), l->be->name));
         char *text = json_dumps(j, JSON_COMPACT);
         printf("%s\n", text);
         free(text);
@@ -206,6 +214,7 @@ static void report(const tp_options *o, const tp_counts *c, const tp_result *r) 
     printf("preemptions:         %llu\n", (unsigned long long)s->preemptions);
     printf("prefix cache:        %s, %llu of %llu prompt tokens found\n", o->prefix_caching ? "on" : "off",
            (unsigned long long)s->prefix_cache_hits, (unsigned long long)s->prefix_cache_queries);
+    if (l->profile) kvs_cli_profile_print(kvs_profile_get(l->profile), l->be->name);
 }
 
 int kvs_cmd_bench_throughput(int argc, char **argv) {
@@ -219,7 +228,7 @@ int kvs_cmd_bench_throughput(int argc, char **argv) {
     tp_counts counts = {0};
     tp_result res = {0};
     kvs_status st = run(&o, &l, &counts, &res);
-    if (st == KVS_OK) report(&o, &counts, &res);
+    if (st == KVS_OK) report(&o, &l, &counts, &res);
     kvs_cli_unload(&l);
     return st == KVS_OK ? 0 : kvs_cli_error();
 }

@@ -208,6 +208,9 @@ typedef struct {
        (evictable: counted in the free blocks) */
     uint64_t prefix_cache_queries, prefix_cache_hits, prefix_cache_evictions;
     int64_t kv_blocks_cached_full_layers, kv_blocks_cached_sparse_layers, kv_blocks_evictable;
+    /* the last step's batch: its tokens, and those of its sequences with one
+       token in it (decodes; bench throughput --profile sorts steps by them) */
+    int step_tokens, step_decode_tokens;
 } kvs_engine_stats;
 
 void kvs_engine_get_stats(kvs_engine *e, kvs_engine_stats *s); /* thread-safe */

@@ -45,6 +45,10 @@ void kvs_stats_refresh(kvs_engine *e) {
     s->kv_blocks_cached_sparse_layers = pc.cached_sparse_layers;
     s->kv_blocks_evictable = pc.evictable;
     s->prefix_cache_evictions = pc.evictions;
+    const kvs_step_batch *b = &e->batch;
+    s->step_tokens = b->n_tokens;
+    s->step_decode_tokens = 0;
+    for (int i = 0; i < b->n_seqs; i++) s->step_decode_tokens += b->query_start[i + 1] - b->query_start[i] == 1;
 }
 
 void kvs_engine_get_stats(kvs_engine *e, kvs_engine_stats *s) {

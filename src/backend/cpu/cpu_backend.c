@@ -183,6 +183,12 @@ static void cpu_synchronize(kvs_backend *b) {}
 static void cpu_to_host_f32(kvs_backend *b, float *dst, const void *src, size_t n) {
     memcpy(dst, src, n * sizeof(float));
 }
+static void *cpu_mark_create(kvs_backend *b) { return malloc(sizeof(double)); }
+static void cpu_mark_record(kvs_backend *b, void *mark) { *(double *)mark = kvs_now(); }
+static double cpu_mark_elapsed_ms(kvs_backend *b, void *from, void *to) {
+    return 1e3 * (*(double *)to - *(double *)from);
+}
+static void cpu_mark_destroy(kvs_backend *b, void *mark) { free(mark); }
 static void *cpu_host_alloc(kvs_backend *b, size_t bytes) { return malloc(bytes ? bytes : 16); }
 static void cpu_host_free(kvs_backend *b, void *p) { free(p); }
 static void cpu_destroy(kvs_backend *b) {
@@ -265,6 +271,10 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->rope_kv_write = kvs_cpu_rope_kv_write;
     b->quantize_fp8 = kvs_cpu_quantize_fp8;
     b->matmul_fp8 = kvs_cpu_matmul_fp8;
+    b->mark_create = cpu_mark_create;
+    b->mark_record = cpu_mark_record;
+    b->mark_elapsed_ms = cpu_mark_elapsed_ms;
+    b->mark_destroy = cpu_mark_destroy;
     b->destroy = cpu_destroy;
     *out = b;
     return KVS_OK;

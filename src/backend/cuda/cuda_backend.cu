@@ -215,6 +215,30 @@ static void cuda_graph_destroy(kvs_backend *b, void *graph) {
     free(h);
 }
 
+/* Timing marks: events on the stream (timing on: cudaEventElapsedTime). */
+static void *cuda_mark_create(kvs_backend *b) {
+    cudaEvent_t e;
+    if (cudaEventCreate(&e) != cudaSuccess) {
+        cudaGetLastError(); /* out of resources is an answer, not a failure */
+        return NULL;
+    }
+    return (void *)e;
+}
+
+static void cuda_mark_record(kvs_backend *b, void *mark) {
+    KVS_CUDA_CHECK(b, cudaEventRecord((cudaEvent_t)mark, kvs_cuda_of(b)->stream));
+}
+
+static double cuda_mark_elapsed_ms(kvs_backend *b, void *from, void *to) {
+    float ms = 0;
+    KVS_CUDA_CHECK(b, cudaEventElapsedTime(&ms, (cudaEvent_t)from, (cudaEvent_t)to));
+    return ms;
+}
+
+static void cuda_mark_destroy(kvs_backend *b, void *mark) {
+    if (mark) KVS_CUDA_CHECK(b, cudaEventDestroy((cudaEvent_t)mark));
+}
+
 static void cuda_destroy(kvs_backend *b) {
     if (!b) return;
     kvs_cuda *c = kvs_cuda_of(b);
@@ -321,6 +345,10 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
         b->quantize_fp8 = kvs_cuda_quantize_fp8;
         b->matmul_fp8 = kvs_cuda_matmul_fp8;
     }
+    b->mark_create = cuda_mark_create;
+    b->mark_record = cuda_mark_record;
+    b->mark_elapsed_ms = cuda_mark_elapsed_ms;
+    b->mark_destroy = cuda_mark_destroy;
     b->destroy = cuda_destroy;
     kvs_log(KVS_LOG_INFO, "cuda backend: %s (sm_%d%d, %d SMs, %.1f GiB)", prop.name, prop.major, prop.minor,
             prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0);
