@@ -46,9 +46,9 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
     linear(m, sb->q, sb->xn, w->wq, w->sq, w->bq, n, c->hidden_size, qd);
     linear(m, sb->k, sb->xn, w->wk, w->sk, w->bk, n, c->hidden_size, kd);
     linear(m, sb->v, sb->xn, w->wv, w->sv, w->bv, n, c->hidden_size, kd);
-    const kvs_kv_pool *pool = kvs_kv_get_pool(kv);
-    be->rope_kv_write(be, pool, sb->q, sb->k, sb->v, sb->positions, m->inv_freq, sb->slots, n, n_heads);
-    be->attention(be, sb->att, n_cap ? sb->lse : NULL, sb->q, pool, ab, n_heads, 1.0f / sqrtf((float)c->head_dim));
+    const kvs_kv_pool pool = kvs_kv_layer_pool(kv, layer); /* FP8: this layer's scales */
+    be->rope_kv_write(be, &pool, sb->q, sb->k, sb->v, sb->positions, m->inv_freq, sb->slots, n, n_heads);
+    be->attention(be, sb->att, n_cap ? sb->lse : NULL, sb->q, &pool, ab, n_heads, 1.0f / sqrtf((float)c->head_dim));
     if (n_cap) { /* the sparsity window keeps these queries and their log-sum-exp */
         void *win_q;
         float *win_lse;

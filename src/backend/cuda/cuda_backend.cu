@@ -249,6 +249,8 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     if (prop.major < 8)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "cuda backend: %s is compute capability %d.%d; bf16 needs 8.0+",
                         prop.name, prop.major, prop.minor);
+    if (opt->kv_fp8)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "cuda backend: --kv-cache-dtype fp8 is not implemented on CUDA yet");
     kvs_backend *b = (kvs_backend *)calloc(1, sizeof *b);
     kvs_cuda *c = (kvs_cuda *)calloc(1, sizeof *c);
     if (!b || !c) {
