@@ -290,6 +290,36 @@ int main(int argc, char **argv) {
     }
     attn_free(b, &dc);
 
+    /* the same with an FP8 KV cache (--kv-cache-dtype fp8): half the bytes per entry;
+       and the default prefill kernel on it (FP8 tiles decoded in shared memory) */
+    kvs_cuda_options opt8 = opt;
+    opt8.kv_fp8 = true;
+    kvs_backend *b8 = NULL;
+    if (kvs_backend_cuda_create(&opt8, &b8) == KVS_OK) {
+        attn_ctx d8;
+        if (!attn_setup(b8, &d8, 64, 4096, 1, false)) return fprintf(stderr, "out of memory\n"), 1;
+        for (int v = 0; v < N_DEC; v++) {
+            attn_ctx g8 = d8;
+            if (dec_graph[v]) g8.ab.max_kv_len *= 8;
+            double t8 = time_it(b8, 50, run_attn, &g8), bw8 = kv_bytes / 2 / t8 / 1e9;
+            printf("decode attention FP8 KV: batch 64 x 4096, 32/8 heads, d 128, %s: %.3f ms, %.0f GB/s of KV read "
+                   "(%.0f%% of copy); %.2fx the bf16 cache's time\n",
+                   dec_name[v], t8 * 1e3, bw8, 100 * bw8 / copy_bw, t_dec_v[v] / t8);
+        }
+        attn_free(b8, &d8);
+        attn_ctx p8;
+        if (!attn_setup(b8, &p8, 1, 4096, 4096, true)) return fprintf(stderr, "out of memory\n"), 1;
+        double t8 = time_it(b8, 20, run_attn, &p8), tf8 = 4.0 * 32 * 128 * (4096.0 * 4097 / 2) / t8 / 1e12;
+        printf("prefill attention FP8 KV: 4096 tokens causal, 32/8 heads, d 128, default + lse: %.3f ms, %.1f TFLOP/s\n",
+               t8 * 1e3, tf8);
+        attn_free(b8, &p8);
+        int failed8 = kvs_cuda_of(b8)->failed;
+        b8->destroy(b8);
+        if (failed8) return fprintf(stderr, "kvs_bench_kernels: the FP8 KV backend failed\n"), 1;
+    } else {
+        printf("decode attention FP8 KV: skipped (%s)\n", kvs_last_error());
+    }
+
     /* prefill attention: 4096 tokens, causal; every kernel (the default also with
        lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh
        (-1), its output compared with the default's */
