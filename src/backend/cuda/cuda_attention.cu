@@ -259,7 +259,7 @@ __device__ __forceinline__ void kvs_attn_issue_kv_tile8(const kvs_attn_args &a, 
 /* FP8: `rows` rows of raw K codes at raw (then as many V rows after them, rows
  * of D bytes) decoded into bf16 K and V tiles at tile (rows of
  * kvs_rows<D>::BYTES, V at tile + v_off) by `threads` threads from `first`. */
-template <int D>
+template <int D, bool F16 = false>
 __device__ __forceinline__ void kvs_attn_decode_rows8(const unsigned char *raw, unsigned char *tile, int rows,
                                                       int v_off, int first, int threads) {
     constexpr int CH = D / 8;
@@ -267,7 +267,8 @@ __device__ __forceinline__ void kvs_attn_decode_rows8(const unsigned char *raw, 
     for (int p = first; p < 2 * per_kind; p += threads) {
         int kind = p / per_kind, q = p % per_kind, r = q / CH, c = q % CH;
         uint2 codes = *(const uint2 *)(raw + (size_t)kind * rows * D + r * D + c * 8);
-        *(uint4 *)(tile + kind * v_off + r * kvs_rows<D>::BYTES + c * 16) = kvs_fp8x8_to_bf16x8(codes);
+        *(uint4 *)(tile + kind * v_off + r * kvs_rows<D>::BYTES + c * 16) =
+            F16 ? kvs_fp8x8_to_f16x8(codes) : kvs_fp8x8_to_bf16x8(codes);
     }
 }
 
@@ -285,7 +286,7 @@ __device__ __forceinline__ void kvs_attn_load_q_frags(uint32_t (&qa)[D / 16][4],
  * sum, the quad adds them at the end), O = alpha O + P V with P converted from the
  * S accumulators straight into A fragments. Rows g and g + 8 of the warp (g = lane/4)
  * see keys e <= lim0 and e <= lim1 when MASK. */
-template <int D, int NK, bool MASK>
+template <int D, int NK, bool MASK, bool F16 = false>
 __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][4], uint32_t k_w, uint32_t v_w,
                                                    int key_base, int lim0, int lim1, float scale_log2,
                                                    float (&o)[D / 8][4], float &m0, float &m1, float &l0, float &l1,
@@ -303,8 +304,8 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
         for (int j = 0; j < NK / 8; j += 2) {
             uint32_t b0, b1, b2, b3;
             kvs_ldmatrix_x4(b0, b1, b2, b3, k_lane + j * 8 * RB + kk * 32);
-            kvs_mma_bf16(s[j], qa[kk], b0, b1);
-            kvs_mma_bf16(s[j + 1], qa[kk], b2, b3);
+            kvs_mma<F16>(s[j], qa[kk], b0, b1);
+            kvs_mma<F16>(s[j + 1], qa[kk], b2, b3);
         }
     }
 
@@ -356,16 +357,16 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
 #pragma unroll
     for (int kk = 0; kk < NK / 16; kk++) {
         uint32_t pa[4];
-        pa[0] = kvs_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-        pa[1] = kvs_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-        pa[2] = kvs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[3] = kvs_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        pa[0] = kvs_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
+        pa[1] = kvs_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
+        pa[2] = kvs_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[3] = kvs_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
         for (int n = 0; n < D / 8; n += 2) {
             uint32_t b0, b1, b2, b3;
             kvs_ldmatrix_x4_trans(b0, b1, b2, b3, v_lane + kk * 16 * RB + n * 16);
-            kvs_mma_bf16(o[n], pa, b0, b1);
-            kvs_mma_bf16(o[n + 1], pa, b2, b3);
+            kvs_mma<F16>(o[n], pa, b0, b1);
+            kvs_mma<F16>(o[n + 1], pa, b2, b3);
         }
     }
 }
@@ -723,7 +724,10 @@ struct kvs_decw_smem {
     static_assert(KVS_DEC_WARPS * 16 * (D + 2) * 4 <= (size_t)KVS_DEC_WARPS * WARP, "merge area");
 };
 
-template <int D, bool FP8 = false>
+/* FP8: F16 (the default) decodes the codes to f16 (one cvt a pair) and runs f16
+ * mma's with Q as f16 (times scale log2 e: |q| below ~5e5); without it, bf16 as
+ * the prefill (five conversions a pair: the conversion rate bounds it, docs/CUDA.md). */
+template <int D, bool FP8 = false, bool F16 = FP8>
 __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     kvs_attn_decode_warp_kernel(kvs_attn_args a, float *part_o, float *part_ml, int split_len, bf16 *out, float *lse) {
     using L = kvs_decw_smem<D, FP8>;
@@ -808,10 +812,21 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     }
     kvs_cp_async_wait<STAGES - 1>(); /* this thread's Q pieces */
     __syncthreads();                 /* everyone's */
+    if (F16) { /* the f16 mma path: Q as f16, times scale log2 e (K and V decode to f16 with one cvt a pair) */
+        __nv_bfloat162 *q2 = (__nv_bfloat162 *)(smem + L::q);
+        const float qs = a.scale * KVS_LOG2E;
+        for (int i = threadIdx.x; i < 16 * (RB / 4); i += THREADS) {
+            float2 f = __bfloat1622float2(q2[i]);
+            __half2 h = __floats2half2_rn(f.x * qs, f.y * qs);
+            q2[i] = *(__nv_bfloat162 *)&h;
+        }
+        __syncthreads();
+    }
     uint32_t qa[D / 16][4];
     kvs_attn_load_q_frags<D>(qa, q_s, lane);
 
-    const float scale_log2 = a.scale * KVS_LOG2E * (FP8 ? kvs_kv_scale(a.scales, 0, g, a.n_kv_heads) : 1.f);
+    /* FP8: Q carries scale log2 e already; the K scale remains */
+    const float scale_log2 = (F16 ? 1.f : a.scale * KVS_LOG2E) * (FP8 ? kvs_kv_scale(a.scales, 0, g, a.n_kv_heads) : 1.f);
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -826,16 +841,17 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
         kvs_cp_async_commit();
         uint32_t k_w = ring + (i % STAGES) * 2 * SLOT;
         if (FP8) { /* sub-tile i's codes -> the warp's bf16 sub-tile (sub-tile i - 1's reads are done) */
-            kvs_attn_decode_rows8<D>(smem + L::kv + warp * L::WARP + (i % STAGES) * 2 * SLOT, dec_p, 16, SUB, lane, 32);
+            kvs_attn_decode_rows8<D, F16>(smem + L::kv + warp * L::WARP + (i % STAGES) * 2 * SLOT, dec_p, 16, SUB, lane,
+                                           32);
             __syncwarp();
             k_w = kvs_smem_u32(dec_p);
         }
         const uint32_t v_w = k_w + SUB;
         const int key_base = k0 + (warp + KVS_DEC_WARPS * i) * 16;
         if (key_base + 15 <= lim)
-            kvs_attn_warp_tile<D, 16, false>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+            kvs_attn_warp_tile<D, 16, false, F16>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
         else
-            kvs_attn_warp_tile<D, 16, true>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+            kvs_attn_warp_tile<D, 16, true, F16>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -1038,11 +1054,11 @@ static int kvs_attn_blocks_per_sm(K kernel, int threads, size_t smem, int *cache
 
 /* The per-warp decode kernel (head_dim 32/64/128, group <= 16, block_size a
  * multiple of 16) with its wave-aware split policy. */
-template <int D, bool FP8>
+template <int D, bool FP8, bool F16 = FP8>
 static void launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len) {
     kvs_cuda *c = kvs_cuda_of(b);
     using L = kvs_decw_smem<D, FP8>;
-    auto kernel = kvs_attn_decode_warp_kernel<D, FP8>;
+    auto kernel = kvs_attn_decode_warp_kernel<D, FP8, F16>;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
     static int per_sm = 0;
     int n_splits, split_len = kvs_attn_split_waves(
@@ -1086,7 +1102,8 @@ static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     /* the per-warp kernel takes 16-key sub-tiles of one paged block each */
     if ((D == 32 || D == 64 || D == 128) && group <= 16 && a.block_size % 16 == 0) {
         constexpr int DT = D == 32 || D == 64 ? D : 128; /* only instantiated for 32/64/128 */
-        if (fp8) launch_decode_warp<DT, true>(b, a, out, lse, max_kv_len);
+        if (fp8 && c->fp8_kv_decode_bf16) launch_decode_warp<DT, true, false>(b, a, out, lse, max_kv_len);
+        else if (fp8) launch_decode_warp<DT, true, true>(b, a, out, lse, max_kv_len);
         else launch_decode_warp<DT, false>(b, a, out, lse, max_kv_len);
         return;
     }

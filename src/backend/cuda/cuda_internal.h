@@ -6,6 +6,7 @@
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -45,6 +46,18 @@ __device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8(uint2 c) {
         float2 f = __half22float2(h);
         __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
         o[i] = *(uint32_t *)&b;
+    }
+    return out;
+}
+/* 8 codes as 8 f16, exactly: one cvt per pair (the FP8 decode kernel's f16 mma path). */
+__device__ __forceinline__ uint4 kvs_fp8x8_to_f16x8(uint2 c) {
+    uint4 out;
+    uint32_t *o = (uint32_t *)&out;
+    const uint32_t w[2] = {c.x, c.y};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[i / 2] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
+        o[i] = (uint32_t)h.x | ((uint32_t)h.y << 16);
     }
     return out;
 }
@@ -103,6 +116,7 @@ typedef struct {
     int n_sms;
     int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int fp8_gemm; /* kvs_cuda_fp8_gemm, resolved (never AUTO): how matmul_fp8 scales (cuda_fp8.cu) */
+    int fp8_kv_decode_bf16; /* FP8 KV decode through bf16 mma's (KVSPARSE_FP8_KV_DECODE=bf16), not f16 */
     int fp8_outer_missing; /* cuBLASLt found no outer-vector FP8 algorithm once: AUTO falls back to EPILOGUE_FAST */
     int failed; /* sticky: a CUDA call failed; check reports failure */
     char failure[512]; /* the first failure's message */
