@@ -167,10 +167,10 @@ static void run_add_then_rmsnorm(kvs_backend *b, void *p) {
     b->rmsnorm(b, c->xn, c->x, c->w, c->n, c->dim, 1e-5f);
 }
 
-struct rope_ctx { kvs_kv_pool pool; void *q, *k, *v; int32_t *pos, *slots; float *inv_freq; int n, n_heads; };
+struct rope_ctx { kvs_kv_pool pool; void *q, *k, *v, *qkv; int32_t *pos, *slots; float *inv_freq; int n, n_heads; };
 static void run_rope_kv_write(kvs_backend *b, void *p) {
     rope_ctx *c = (rope_ctx *)p;
-    b->rope_kv_write(b, &c->pool, c->q, c->k, c->v, c->pos, c->inv_freq, c->slots, c->n, c->n_heads);
+    b->rope_kv_write(b, &c->pool, c->q, c->qkv, c->pos, c->inv_freq, c->slots, c->n, c->n_heads);
 }
 static void run_rope_then_kv_write(kvs_backend *b, void *p) {
     rope_ctx *c = (rope_ctx *)p;
@@ -202,9 +202,9 @@ static fused_result bench_rope_kv_write(kvs_backend *b, int n) {
     int64_t nb = (n + BS - 1) / BS;
     c.pool = (kvs_kv_pool){b->alloc(b, (size_t)nb * 2 * KV * BS * D * 2), nb, BS, KV, D};
     c.q = b->alloc(b, (size_t)n * H * D * 2), c.k = b->alloc(b, (size_t)n * KV * D * 2);
-    c.v = b->alloc(b, (size_t)n * KV * D * 2);
+    c.v = b->alloc(b, (size_t)n * KV * D * 2), c.qkv = b->alloc(b, (size_t)n * (H + 2 * KV) * D * 2);
     fill((bf16 *)c.q, (size_t)n * H * D, 51), fill((bf16 *)c.k, (size_t)n * KV * D, 52);
-    fill((bf16 *)c.v, (size_t)n * KV * D, 53);
+    fill((bf16 *)c.v, (size_t)n * KV * D, 53), fill((bf16 *)c.qkv, (size_t)n * (H + 2 * KV) * D, 54);
     int32_t *pos = (int32_t *)malloc(4 * n), *slots = (int32_t *)malloc(4 * n);
     float inv_freq[D / 2];
     for (int i = 0; i < n; i++) pos[i] = 4000 + i, slots[i] = i;
@@ -214,11 +214,11 @@ static fused_result bench_rope_kv_write(kvs_backend *b, int n) {
     b->to_device(b, c.pos, pos, 4 * n), b->to_device(b, c.slots, slots, 4 * n);
     b->to_device(b, c.inv_freq, inv_freq, sizeof inv_freq);
     b->synchronize(b);
-    /* q r+w, k read, v read, k and v written to the pool */
+    /* q read (from the QKV rows) and written, k read, v read, k and v written to the pool */
     fused_result r = {"rope_kv_write", n, 0, 0, (double)n * (4.0 * H * D + 8.0 * KV * D)};
     r.t_fused = time_it(b, 200, run_rope_kv_write, &c);
     r.t_unfused = time_it(b, 200, run_rope_then_kv_write, &c);
-    b->free(b, c.pool.data), b->free(b, c.q), b->free(b, c.k), b->free(b, c.v);
+    b->free(b, c.pool.data), b->free(b, c.q), b->free(b, c.k), b->free(b, c.v), b->free(b, c.qkv);
     b->free(b, c.pos), b->free(b, c.slots), b->free(b, c.inv_freq);
     free(pos), free(slots);
     return r;
@@ -289,6 +289,36 @@ int main(int argc, char **argv) {
                dec_name[v], t_dec_v[v] * 1e3, dec_bw_v[v], 100 * dec_bw_v[v] / copy_bw);
     }
     attn_free(b, &dc);
+
+    /* the same with an FP8 KV cache (--kv-cache-dtype fp8): half the bytes per entry;
+       and the default prefill kernel on it (FP8 tiles decoded in shared memory) */
+    kvs_cuda_options opt8 = opt;
+    opt8.kv_fp8 = true;
+    kvs_backend *b8 = NULL;
+    if (kvs_backend_cuda_create(&opt8, &b8) == KVS_OK) {
+        attn_ctx d8;
+        if (!attn_setup(b8, &d8, 64, 4096, 1, false)) return fprintf(stderr, "out of memory\n"), 1;
+        for (int v = 0; v < N_DEC; v++) {
+            attn_ctx g8 = d8;
+            if (dec_graph[v]) g8.ab.max_kv_len *= 8;
+            double t8 = time_it(b8, 50, run_attn, &g8), bw8 = kv_bytes / 2 / t8 / 1e9;
+            printf("decode attention FP8 KV: batch 64 x 4096, 32/8 heads, d 128, %s: %.3f ms, %.0f GB/s of KV read "
+                   "(%.0f%% of copy); %.2fx the bf16 cache's time\n",
+                   dec_name[v], t8 * 1e3, bw8, 100 * bw8 / copy_bw, t_dec_v[v] / t8);
+        }
+        attn_free(b8, &d8);
+        attn_ctx p8;
+        if (!attn_setup(b8, &p8, 1, 4096, 4096, true)) return fprintf(stderr, "out of memory\n"), 1;
+        double t8 = time_it(b8, 20, run_attn, &p8), tf8 = 4.0 * 32 * 128 * (4096.0 * 4097 / 2) / t8 / 1e12;
+        printf("prefill attention FP8 KV: 4096 tokens causal, 32/8 heads, d 128, default + lse: %.3f ms, %.1f TFLOP/s\n",
+               t8 * 1e3, tf8);
+        attn_free(b8, &p8);
+        int failed8 = kvs_cuda_of(b8)->failed;
+        b8->destroy(b8);
+        if (failed8) return fprintf(stderr, "kvs_bench_kernels: the FP8 KV backend failed\n"), 1;
+    } else {
+        printf("decode attention FP8 KV: skipped (%s)\n", kvs_last_error());
+    }
 
     /* prefill attention: 4096 tokens, causal; every kernel (the default also with
        lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh

@@ -22,11 +22,12 @@ typedef struct {
     kvs_rng rng;
 } duo;
 
-/* the GPU backend with the given options (device 0) and the CPU oracle */
+/* the GPU backend with the given options (device 0) and the CPU oracle (with
+ * an FP8 KV cache when the GPU has one) */
 static bool duo_open(duo *d, kvs_cuda_options o) {
     memset(d, 0, sizeof *d);
     if (kvs_backend_cuda_create(&o, &d->gpu) != KVS_OK) return false;
-    cr_assert_eq(kvs_backend_cpu_create(0, &d->cpu), KVS_OK);
+    cr_assert_eq(kvs_backend_cpu_create_typed(0, KVS_F32, o.kv_fp8 ? KVS_F8_E4M3 : KVS_F32, &d->cpu), KVS_OK);
     kvs_rng_seed(&d->rng, kvs_test_seed());
     return true;
 }
@@ -36,10 +37,14 @@ static void duo_close(duo *d) {
     d->cpu->destroy(d->cpu);
 }
 
+/* the KV pools of the attention, scores and gather cases: FP8 (with random
+ * per-head scales, both backends) while a test sets it, else bf16 / f32 */
+static bool kv_fp8_cases = false;
+
 #define OPEN_OR_SKIP(d) OPEN_PREFILL_OR_SKIP(d, KVS_CUDA_PREFILL_AUTO)
 #define OPEN_PREFILL_OR_SKIP(d, kernel)                                          \
     do {                                                                         \
-        if (!duo_open(d, (kvs_cuda_options){.prefill = kernel})) {               \
+        if (!duo_open(d, (kvs_cuda_options){.prefill = kernel, .kv_fp8 = kv_fp8_cases})) { \
             cr_skip("no GPU: skipped (%s)", kvs_last_error());                   \
             return;                                                              \
         }                                                                        \
@@ -434,6 +439,7 @@ typedef struct {
     int64_t n_blocks;
     kvs_kv_pool cpu, gpu;
     int32_t *tables; /* [n_seqs * max_blocks] */
+    float *cpu_scales, *gpu_scales; /* FP8 pools: [2][n_kv] in [0.25, 2] (backend memory); else NULL */
 } paged;
 
 /* entries per paged block of the pools paged_build makes (16 unless a test
@@ -464,13 +470,21 @@ static void paged_build(duo *d, paged *p, int n_seqs, const int *kv_len, int n_k
     for (int s = 0; s < n_seqs; s++)
         for (int b = 0; b < (kv_len[s] + bs - 1) / bs; b++) p->tables[(size_t)s * p->max_blocks + b] = order[next++];
     size_t elems = (size_t)p->n_blocks * 2 * n_kv * bs * D;
-    p->cpu = (kvs_kv_pool){d->cpu->alloc(d->cpu, elems * 4), p->n_blocks, bs, n_kv, D};
-    p->gpu = (kvs_kv_pool){d->gpu->alloc(d->gpu, elems * 2), p->n_blocks, bs, n_kv, D};
+    size_t cb = elems * kvs_dtype_size(d->cpu->kv_dtype), gb = elems * kvs_dtype_size(d->gpu->kv_dtype);
+    p->cpu = (kvs_kv_pool){d->cpu->alloc(d->cpu, cb), p->n_blocks, bs, n_kv, D};
+    p->gpu = (kvs_kv_pool){d->gpu->alloc(d->gpu, gb), p->n_blocks, bs, n_kv, D};
     cr_assert(p->gpu.data, "cuda alloc of the pool");
-    float *zero = calloc(elems, sizeof(float));
-    d->cpu->to_device(d->cpu, p->cpu.data, zero, elems * 4);
-    d->gpu->upload_weight(d->gpu, p->gpu.data, zero, KVS_F32, elems);
+    void *zero = calloc(cb, 1); /* zero bytes: 0.0 in every dtype */
+    d->cpu->to_device(d->cpu, p->cpu.data, zero, cb);
+    d->gpu->to_device(d->gpu, p->gpu.data, zero, gb);
     free(zero);
+    if (d->gpu->kv_dtype == KVS_F8_E4M3) {
+        float sc[64];
+        cr_assert_leq(n_kv, 32);
+        for (int i = 0; i < 2 * n_kv; i++) sc[i] = 0.25f + 1.75f * (float)kvs_rng_uniform(&d->rng);
+        p->cpu.scales = p->cpu_scales = put_f32(d->cpu, sc, 2 * n_kv);
+        p->gpu.scales = p->gpu_scales = put_f32(d->gpu, sc, 2 * n_kv);
+    }
     /* K, V for every entry, written in one kv_write call */
     size_t row = (size_t)n_kv * D;
     float *k = rnd(d, (size_t)total_tokens * row, 1.0f), *v = rnd(d, (size_t)total_tokens * row, 1.0f);
@@ -491,11 +505,23 @@ static void paged_build(duo *d, paged *p, int n_seqs, const int *kv_len, int n_k
 static void paged_free(duo *d, paged *p) {
     d->cpu->free(d->cpu, p->cpu.data);
     d->gpu->free(d->gpu, p->gpu.data);
+    if (p->cpu_scales) d->cpu->free(d->cpu, p->cpu_scales), d->gpu->free(d->gpu, p->gpu_scales);
     free(p->tables);
 }
 
+static uint8_t *gpu_get_u8(duo *d, const void *p, size_t n);
+
 static void check_pools_equal(duo *d, paged *p, const char *what) {
     size_t elems = (size_t)p->n_blocks * 2 * p->n_kv * p->bs * p->D;
+    if (d->gpu->kv_dtype == KVS_F8_E4M3) { /* the codes, bit for bit */
+        uint8_t *codes = gpu_get_u8(d, p->gpu.data, elems);
+        size_t off = 0;
+        for (size_t i = 0; i < elems; i++) off += codes[i] != ((const uint8_t *)p->cpu.data)[i];
+        cr_log_info("%s (FP8 codes): %zu of %zu differ", what, off, elems);
+        cr_expect_eq(off, 0, "%s: %zu of %zu FP8 codes differ from the CPU's", what, off, elems);
+        free(codes);
+        return;
+    }
     float *got = gpu_get(d, p->gpu.data, elems);
     expect_close(what, got, p->cpu.data, elems, 0, 0);
     free(got);
@@ -789,7 +815,7 @@ Test(cuda, window_capture) {
 
 /* In place, and into another table (a compacted copy of a shared prompt: the
  * second sequence's blocks), for both piece widths' head_dims. */
-Test(cuda, kv_gather_compaction) {
+static void kv_gather_compaction_cases(void) {
     duo d;
     OPEN_OR_SKIP(&d);
     for (int D = 64, copy = 0; D <= 128; D += copy ? 64 : 0, copy = !copy) {
@@ -821,9 +847,11 @@ Test(cuda, kv_gather_compaction) {
     duo_close(&d);
 }
 
+Test(cuda, kv_gather_compaction) { kv_gather_compaction_cases(); }
+
 /* kv_gather in place with a kept prefix (rows that stay put), an odd count, and a
  * head_dim that is not a multiple of 8 (the 2-byte path). */
-Test(cuda, kv_gather_prefix_and_odd_sizes) {
+static void kv_gather_prefix_and_odd_size_cases(void) {
     duo d;
     OPEN_OR_SKIP(&d);
     const int dims[] = {128, 36, 64}, lens[] = {4001, 203, 1000}, keeps[] = {2001, 100, 999};
@@ -853,6 +881,8 @@ Test(cuda, kv_gather_prefix_and_odd_sizes) {
     }
     duo_close(&d);
 }
+
+Test(cuda, kv_gather_prefix_and_odd_sizes) { kv_gather_prefix_and_odd_size_cases(); }
 
 /* SnapKV end to end on the ops, as src/kv/sparsify.c runs them: scores ->
  * snapkv_select -> kv_gather, all in backend memory, on both backends. The kept
@@ -1255,6 +1285,181 @@ Test(cuda, e2e_tiny_needle_llama_fp8, .timeout = 600) {
     duo d;
     OPEN_FP8_OR_SKIP(&d, KVS_CUDA_FP8_AUTO);
     needle_cases(&d, "fp8 ", 0.7, 0.1, KVS_QUANT_FP8);
+    duo_close(&d);
+}
+
+/* ---- FP8 KV cache (--kv-cache-dtype fp8; docs/CUDA.md "FP8 KV cache") ------------ */
+
+#define OPEN_KV8_OR_SKIP(d)                                                                           \
+    do {                                                                                              \
+        if (!duo_open(d, (kvs_cuda_options){.kv_fp8 = true})) {                                       \
+            cr_skip("no GPU with FP8 (compute capability 8.9+): skipped (%s)", kvs_last_error());     \
+            return;                                                                                   \
+        }                                                                                             \
+    } while (0)
+
+/* Whether this machine's GPU backend takes an FP8 KV cache (skips otherwise). */
+static bool kv8_available(void) {
+    kvs_backend *g;
+    if (kvs_backend_cuda_create(&(kvs_cuda_options){.kv_fp8 = true}, &g) != KVS_OK) {
+        cr_skip("no GPU with FP8 (compute capability 8.9+): skipped (%s)", kvs_last_error());
+        return false;
+    }
+    g->destroy(g);
+    return true;
+}
+
+/* kv_write on FP8 pools against the CPU's: the codes bit for bit (both compute
+ * e4m3(x / scale) of the same bf16 values, IEEE division, the same rounding),
+ * padding rows untouched. rope_kv_write: V codes bit for bit; K codes within one
+ * code step of the CPU's (the GPU rotates bf16 inputs with fused multiply-adds,
+ * the CPU in f32 without: the rotated value can fall either side of a rounding
+ * boundary), at most 2% of them off; q as the bf16 test (atol 1e-2, rtol 1e-2). */
+static void fp8_rope_kv_write_case(int H, int KV, int D, int n) {
+    duo d;
+    OPEN_KV8_OR_SKIP(&d);
+    int n_blocks = (n + 15) / 16 + 2;
+    size_t pool_n = (size_t)n_blocks * 2 * KV * 16 * D, qn = (size_t)n * H * D, kn = (size_t)n * KV * D;
+    float *q = rnd(&d, qn, 1.0f), *k = rnd(&d, kn, 2.0f), *v = rnd(&d, kn, 2.0f), sc[64];
+    for (int i = 0; i < 2 * KV; i++) sc[i] = 0.05f + 2.0f * (float)kvs_rng_uniform(&d.rng);
+    uint8_t *init = malloc(pool_n);
+    for (size_t i = 0; i < pool_n; i++) init[i] = (uint8_t)kvs_rng_u64(&d.rng);
+    float inv_freq[128];
+    llama3_inv_freq(D, inv_freq);
+    int32_t *pos = malloc(sizeof(int32_t) * n), *slots = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++) {
+        pos[i] = i == 4 ? 131072 : (int32_t)(kvs_rng_u64(&d.rng) % 131073);
+        slots[i] = i % 6 == 5 ? -1 : (n_blocks - 1 - (i + 3) / 16) * 16 + (i + 3) % 16;
+    }
+    void *cq = cpu_put(&d, q, qn), *ck = cpu_put(&d, k, kn), *cv = cpu_put(&d, v, kn);
+    void *gq = gpu_put(&d, q, qn), *gk = gpu_put(&d, k, kn), *gv = gpu_put(&d, v, kn);
+    float *qkv = qkv_rows(q, k, v, n, (size_t)H * D, (size_t)KV * D);
+    void *cqkv = cpu_put(&d, qkv, qn + 2 * kn), *gqkv = gpu_put(&d, qkv, qn + 2 * kn);
+    void *cpos = put_i32(d.cpu, pos, n), *gpos = put_i32(d.gpu, pos, n), *cs = put_i32(d.cpu, slots, n);
+    void *gs = put_i32(d.gpu, slots, n), *cf = put_f32(d.cpu, inv_freq, D / 2), *gf = put_f32(d.gpu, inv_freq, D / 2);
+    kvs_kv_pool cp = {put_bytes(d.cpu, init, pool_n), n_blocks, 16, KV, D, put_f32(d.cpu, sc, 2 * KV)};
+    kvs_kv_pool gp = {put_bytes(d.gpu, init, pool_n), n_blocks, 16, KV, D, put_f32(d.gpu, sc, 2 * KV)};
+    char what[128];
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 0) {
+            d.cpu->kv_write(d.cpu, &cp, ck, cv, cs, n);
+            d.gpu->kv_write(d.gpu, &gp, gk, gv, gs, n);
+        } else {
+            d.cpu->to_device(d.cpu, cp.data, init, pool_n);
+            d.gpu->to_device(d.gpu, gp.data, init, pool_n);
+            d.cpu->rope_kv_write(d.cpu, &cp, cq, cqkv, cpos, cf, cs, n, H);
+            d.gpu->rope_kv_write(d.gpu, &gp, gq, gqkv, gpos, gf, gs, n, H);
+        }
+        uint8_t *got = gpu_get_u8(&d, gp.data, pool_n);
+        const uint8_t *ref = cp.data;
+        size_t off_k = 0, off_v = 0, far = 0, half = (size_t)KV * 16 * D;
+        for (size_t i = 0; i < pool_n; i++) {
+            if (got[i] == ref[i]) continue;
+            bool is_v = i / half % 2 == 1;
+            int mg = got[i] & 0x7f, mc = ref[i] & 0x7f;
+            bool near = (got[i] & 0x80) == (ref[i] & 0x80) ? abs(mg - mc) <= 1 : mg <= 1 && mc <= 1;
+            if (is_v || pass == 0 || !near) far++;
+            is_v ? off_v++ : off_k++;
+        }
+        snprintf(what, sizeof what, "%s FP8, %d/%d heads x %d, %d tokens", pass ? "rope_kv_write" : "kv_write", H, KV,
+                 D, n);
+        cr_log_info("%s: codes off K %zu, V %zu of %zu each (max abs err: %zu beyond one step)", what, off_k, off_v,
+                    pool_n / 2, far);
+        cr_expect_eq(far, 0, "%s: %zu codes differ (K %zu, V %zu) beyond what the bound allows", what, far, off_k, off_v);
+        cr_expect_leq(off_k, pool_n / 2 / 50 + 1, "%s: %zu K codes one step off", what, off_k);
+        free(got);
+    }
+    float *got_q = gpu_get(&d, gq, qn);
+    snprintf(what, sizeof what, "rope_kv_write FP8 q, %d/%d heads x %d", H, KV, D);
+    expect_close(what, got_q, cq, qn, 1e-2, 1e-2);
+    free(q), free(k), free(v), free(qkv), free(init), free(pos), free(slots), free(got_q);
+    void *pc[] = {cq, ck, cv, cpos, cs, cf, cp.data, (void *)cp.scales, cqkv},
+         *pg[] = {gq, gk, gv, gpos, gs, gf, gp.data, (void *)gp.scales, gqkv};
+    for (int i = 0; i < 9; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
+    duo_close(&d);
+}
+
+Test(cuda, fp8_kv_write_and_rope_kv_write) {
+    fp8_rope_kv_write_case(32, 8, 128, 37);
+    fp8_rope_kv_write_case(16, 4, 64, 1);
+    fp8_rope_kv_write_case(4, 2, 20, 19); /* the scalar path */
+}
+
+/* Attention over FP8 pools (written by each backend's kv_write: the same codes,
+ * checked) against the CPU's, on every route: prefill GQA / HEAD (FP8 tiles
+ * decoded in shared memory), SMALL (FP8 prefill through the decode kernels),
+ * the per-warp decode kernel (plain, split, graph capacity), the scalar kernel
+ * (head_dim 96, block sizes 24). Tolerances as bf16's: out 2e-2 + 2e-2 |ref|,
+ * lse 2e-3 + 1e-3 |ref| (the FP8 values are exact in bf16; only the order of the
+ * sums and the folded scales differ). */
+Test(cuda, fp8_kv_attention, .timeout = 600) {
+    if (!kv8_available()) return;
+    kv_fp8_cases = true;
+    const int kv_long[] = {1500, 333}, q_long[] = {1500, 333}, kv_one[] = {20000}, q_one[] = {1};
+    attention_case(32, 8, 128, MIX_N, mix_kv, mix_q);
+    attention_case(32, 4, 128, MIX_N, mix_kv, mix_q);
+    attention_case(16, 4, 64, MIX_N, mix_kv, mix_q);
+    attention_case(4, 2, 32, MIX_N, mix_kv, mix_q);
+    attention_case(8, 8, 64, MIX_N, mix_kv, mix_q);
+    attention_case(32, 8, 128, 2, kv_long, q_long);
+    const kvs_cuda_prefill kernels[] = {KVS_CUDA_PREFILL_SMALL, KVS_CUDA_PREFILL_HEAD, KVS_CUDA_PREFILL_GQA};
+    for (int i = 0; i < 3; i++) {
+        attention_case_prefill(kernels[i], 32, 8, 128, 2, kv_long, q_long, 1);
+        attention_case_prefill(kernels[i], 6, 2, 128, MIX_N, mix_kv, mix_q, 1);
+    }
+    attention_case(32, 4, 128, 10, dec_kv, dec_q);
+    attention_case(32, 8, 128, 10, dec_kv, dec_q);
+    attention_case(8, 8, 64, 10, dec_kv, dec_q);
+    attention_case(4, 2, 32, 10, dec_kv, dec_q);
+    attention_case(32, 8, 128, 1, kv_one, q_one);
+    attention_case_cap(32, 8, 128, 10, dec_kv, dec_q, 8);
+    attention_case_cap(32, 8, 128, MIX_N, mix_kv, mix_q, 8);
+    attention_case(8, 2, 96, MIX_N, mix_kv, mix_q); /* scalar kernel */
+    attention_case(32, 1, 128, 10, dec_kv, dec_q);  /* group 32: scalar */
+    paged_block_size = 24;
+    attention_case(32, 8, 128, 10, dec_kv, dec_q);
+    attention_case(32, 8, 128, MIX_N, mix_kv, mix_q);
+    paged_block_size = 16;
+    kv_fp8_cases = false;
+}
+
+/* SnapKV scores over FP8 pools against the CPU's (tolerance as bf16's: 1e-6 +
+ * 2e-3 |ref|), every head_dim the kernel takes. */
+Test(cuda, fp8_kv_sparsity_scores) {
+    if (!kv8_available()) return;
+    kv_fp8_cases = true;
+    scores_case(32, 8, 128, 1000, 32);
+    scores_case(32, 4, 128, 3968, 32);
+    scores_case(8, 8, 64, 333, 17);
+    scores_case(4, 2, 32, 129, 8);
+    scores_case(4, 2, 80, 255, 9);
+    scores_case(8, 2, 96, 300, 13);
+    scores_case(16, 4, 256, 517, 33);
+    kv_fp8_cases = false;
+}
+
+/* Compaction on FP8 pools: the codes move bit for bit (16-byte pieces; head_dim
+ * 36: 2-byte pieces), in place with kept prefixes and into other tables. */
+Test(cuda, fp8_kv_gather) {
+    if (!kv8_available()) return;
+    kv_fp8_cases = true;
+    kv_gather_compaction_cases();
+    kv_gather_prefix_and_odd_size_cases();
+    kv_fp8_cases = false;
+}
+
+/* The tiny model with FP8 KV caches on both backends (bf16 weights; the GPU's
+ * bf16 activations against the CPU's f32: a K or V code moves one step where
+ * the two roundings straddle a boundary). Limit: 10% of the largest |logit|
+ * (at least 0.7), the bound of the weights' fp8 test; the CPU's FP8 cache
+ * against its bf16 one is 1-4% (test_fp8_kv). */
+Test(cuda, e2e_tiny_needle_llama_fp8_kv, .timeout = 600) {
+    duo d;
+    OPEN_KV8_OR_SKIP(&d);
+    needle_cases(&d, "fp8 KV ", 0.7, 0.1, KVS_QUANT_NONE);
+    duo_close(&d);
+    if (!duo_open(&d, (kvs_cuda_options){.kv_fp8 = true})) return;
+    needle_cases(&d, "fp8 weights + fp8 KV ", 0.7, 0.1, KVS_QUANT_FP8);
     duo_close(&d);
 }
 

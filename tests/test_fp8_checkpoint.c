@@ -431,6 +431,9 @@ Test(fp8_checkpoint, fp8_configs_of_every_kind_parse) {
 /* A copy of a fixture whose safetensors header (and data) edit() changes, with
  * config.json from config_from's folder; returns the copy's folder. */
 typedef void (*header_edit)(json_t *header, uint8_t *data);
+/* An edit may append up to 64 bytes to the data section: at data + edit_data_len,
+ * counted in edit_appended. */
+static size_t edit_data_len, edit_appended;
 
 static const char *edited_copy(const char *from, const char *config_from, header_edit edit) {
     char path[512];
@@ -442,10 +445,12 @@ static const char *edited_copy(const char *from, const char *config_from, header
     json_t *header = json_loadb((const char *)f.data + 8, (size_t)hlen, 0, NULL);
     cr_assert_not_null(header);
     size_t data_len = f.size - 8 - hlen;
-    uint8_t *data = malloc(data_len);
+    uint8_t *data = calloc(data_len + 64, 1);
     memcpy(data, f.data + 8 + hlen, data_len);
     kvs_unmap_file(&f);
+    edit_data_len = data_len, edit_appended = 0;
     edit(header, data);
+    data_len += edit_appended;
     char *text = json_dumps(header, JSON_COMPACT);
     size_t tlen = strlen(text);
     uint8_t *out = malloc(8 + tlen + data_len);
@@ -524,4 +529,84 @@ Test(fp8_checkpoint, bad_fp8_tensors_are_refused_by_name) {
 /* A backend without the FP8 ops refuses an FP8 checkpoint, naming it. */
 Test(fp8_checkpoint, a_backend_without_fp8_refuses_the_checkpoint) {
     expect_refused_without_fp8(fixture("ct-channel"), KVS_QUANT_NONE, "FP8 checkpoint (quant_method compressed-tensors)");
+}
+
+/* ---- KV-cache scales (--kv-cache-dtype fp8): model.layers.N.self_attn.k_scale / v_scale */
+/* Appends n f32 values to the data section as tensor name (dtype F32, shape [n], or [] when n is 0: one value). */
+static void append_scale(json_t *h, uint8_t *d, const char *name, const float *v, int n) {
+    size_t at = edit_data_len + edit_appended, count = n ? (size_t)n : 1;
+    memcpy(d + at, v, 4 * count);
+    edit_appended += 4 * count;
+    json_object_set_new(h, name, n ? json_pack("{s:s, s:[i], s:[I, I]}", "dtype", "F32", "shape", n, "data_offsets",
+                                              (json_int_t)at, (json_int_t)(at + 4 * count))
+                                  : json_pack("{s:s, s:[], s:[I, I]}", "dtype", "F32", "shape", "data_offsets",
+                                              (json_int_t)at, (json_int_t)(at + 4)));
+}
+static const float k_scales[3] = {0.75f, 1.5f, 2.0f}, v_scale = 0.5f;
+#define KS0 "model.layers.0.self_attn.k_scale"
+#define VS0 "model.layers.0.self_attn.v_scale"
+/* layer 0: k_scale per KV head (F32 [2]) and one v_scale (F32 []) */
+static void add_kv_scales(json_t *h, uint8_t *d) {
+    append_scale(h, d, KS0, k_scales, 2);
+    append_scale(h, d, VS0, &v_scale, 0);
+}
+static void kv_scale_of_three(json_t *h, uint8_t *d) { append_scale(h, d, KS0, k_scales, 3); }
+static void zero_kv_scale(json_t *h, uint8_t *d) { append_scale(h, d, VS0, (const float[]){0.0f}, 0); }
+static void int_kv_scale(json_t *h, uint8_t *d) {
+    append_scale(h, d, KS0, k_scales, 0);
+    json_object_set_new(json_object_get(h, KS0), "dtype", json_string("I32"));
+}
+
+/* A checkpoint's k_scale / v_scale reach the FP8 cache: per KV head or one for
+ * all, 1 where absent; each tensor-parallel rank takes its heads' scales. */
+Test(fp8_checkpoint, kv_scales_reach_the_fp8_cache) {
+    const char *dir = edited_copy(fixture("fp8-channel"), fixture("fp8-channel"), add_kv_scales);
+    float want[2][2][2] = {{{k_scales[0], k_scales[1]}, {v_scale, v_scale}}, {{1, 1}, {1, 1}}}; /* [layer][K, V][head] */
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    cr_assert_eq(kvs_config_load(dir, &cfg), KVS_OK);
+    cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK, "%s", kvs_last_error());
+    for (int world = 1; world <= 2; world++) { /* the runner's caches: each rank its heads' scales */
+        kvs_runner *g;
+        cr_assert_eq(kvs_runner_create_cpu(&cfg, ck, world, 1, KVS_BF16, KVS_F8_E4M3, NULL, &g), KVS_OK, "%s",
+                     kvs_last_error());
+        kvs_kv_config kc = {.n_layers = 2, .n_kv_heads = 2, .head_dim = cfg.head_dim, .n_heads = cfg.n_heads,
+                            .block_size = 16, .n_blocks = 16, .max_seqs = 1};
+        cr_assert_eq(kvs_runner_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());
+        int kvh = 2 / world;
+        for (int rank = 0; rank < world; rank++) {
+            const float *s = kvs_model_kv_scales(kvs_runner_model(g, rank));
+            for (int l = 0; l < 2; l++) {
+                kvs_kv_pool p = kvs_kv_layer_pool(kvs_runner_kv(g, rank), l);
+                for (int kind = 0; kind < 2; kind++)
+                    for (int h = 0; h < kvh; h++) {
+                        float w = want[l][kind][rank * kvh + h];
+                        cr_expect_eq(s[(l * 2 + kind) * kvh + h], w, "world %d rank %d layer %d kind %d head %d", world,
+                                     rank, l, kind, h);
+                        cr_expect_eq(p.scales[kind * kvh + h], w, "the cache: world %d rank %d layer %d", world, rank, l);
+                    }
+            }
+        }
+        kvs_runner_destroy(g);
+    }
+    kvs_checkpoint_destroy(ck);
+    /* the rig's cache (as the runner's) holds them */
+    kvs_backend *be;
+    cr_assert_eq(kvs_backend_cpu_create_typed(1, KVS_BF16, KVS_F8_E4M3, &be), KVS_OK);
+    rig r;
+    rig_open(&r, dir, be, 64, 1);
+    kvs_kv_pool p0 = kvs_kv_layer_pool(r.kv, 0);
+    cr_expect(p0.scales[0] == k_scales[0] && p0.scales[1] == k_scales[1] && p0.scales[2] == v_scale &&
+              p0.scales[3] == v_scale);
+    rig_close(&r);
+    be->destroy(be);
+}
+
+Test(fp8_checkpoint, bad_kv_scales_are_refused_by_name) {
+    const char *ch = fixture("fp8-channel");
+    OPEN_FAILS(edited_copy(ch, ch, kv_scale_of_three), "a k_scale of 3 heads", "self_attn.k_scale' has shape [3]",
+               "one per KV head ([2])");
+    OPEN_FAILS(edited_copy(ch, ch, zero_kv_scale), "a zero v_scale", "self_attn.v_scale' element 0 is 0",
+               "finite and positive");
+    OPEN_FAILS(edited_copy(ch, ch, int_kv_scale), "an I32 k_scale", "self_attn.k_scale' has dtype 'I32'");
 }

@@ -259,6 +259,8 @@ void rig_open_quantized(rig *r, const char *dir, kvs_backend *be, int64_t n_bloc
     kvs_kv_config kc = {.n_layers = r->cfg.n_layers, .n_kv_heads = r->cfg.n_kv_heads, .head_dim = r->cfg.head_dim,
                         .n_heads = r->cfg.n_heads, .block_size = 16, .n_blocks = n_blocks, .max_seqs = max_seqs};
     cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
+    /* an FP8 pool takes the checkpoint's k_scale / v_scale, as the runner's caches do */
+    cr_assert_eq(kvs_kv_set_scales(r->kv, kvs_model_kv_scales(r->m)), KVS_OK, "%s", kvs_last_error());
 }
 
 void rig_close(rig *r) {

@@ -79,7 +79,8 @@ void kv_keep(kvs_kv_cache *kv, const kvs_batch *b);
  * takes nothing (false). The random-operation tests' append. */
 bool kv_try_append(kvs_kv_cache *kv, int seq, int n);
 
-/* Loads dir on be (NULL: a new CPU backend) with a cache of n_blocks blocks and max_seqs sequences. */
+/* Loads dir on be (NULL: a new CPU backend) with a cache of n_blocks blocks and max_seqs sequences
+ * (an FP8 cache with the checkpoint's KV scales). */
 void rig_open(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs);
 /* ... with the model's weights quantized (--quantization). */
 void rig_open_quantized(rig *r, const char *dir, kvs_backend *be, int64_t n_blocks, int max_seqs,

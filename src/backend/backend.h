@@ -14,11 +14,22 @@
 #include "core/core.h"
 
 /* The paged KV pool: n_blocks blocks; a block holds block_size tokens of one
- * layer, laid out [2 (K, V)][n_kv_heads][block_size][head_dim]. */
+ * layer, laid out [2 (K, V)][n_kv_heads][block_size][head_dim], entries of the
+ * backend's kv_dtype.
+ *
+ * FP8 pools (kv_dtype KVS_F8_E4M3, --kv-cache-dtype fp8): an entry x of K or V
+ * head g is stored as the code e4m3(x / s) (kvs_f32_to_e4m3 of the IEEE f32
+ * quotient) and read as kvs_e4m3_to_f32(code) * s, with s = scales[g] for K and
+ * scales[n_kv_heads + g] for V: a scale per (layer, KV head), so the pool the
+ * model passes to an op is one layer's view (kvs_kv_layer_pool: the same data,
+ * that layer's scales). scales: f32 in backend memory, NULL = every scale 1.
+ * kv_write, rope_kv_write, attention and sparsity_scores apply them; kv_gather
+ * copies codes. Pools of other dtypes ignore scales. */
 typedef struct {
     void *data;
     int64_t n_blocks;
     int block_size, n_kv_heads, head_dim;
+    const float *scales; /* FP8 pools: [2][n_kv_heads] (K's, then V's) of one layer; NULL: 1 */
 } kvs_kv_pool;
 
 /* One layer's view of a batch for attention, all arrays in backend memory.
@@ -229,6 +240,8 @@ kvs_status kvs_backend_cpu_create(int n_threads, kvs_backend **out);
  * F16: rounded to nearest even when written), both widened in registers;
  * activations stay f32. */
 kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, kvs_dtype kv_dtype, kvs_backend **out);
+/* kv_dtype may also be F8_E4M3 (an FP8 pool with scales, kvs_kv_pool); its
+ * entries are decoded and scaled in registers. */
 /* The CPU kernel set this machine runs ("avx512", "avx2" or "generic"). */
 const char *kvs_cpu_kernels_name(void);
 /* The memory's read rate in GB/s as the CPU backend b reads (its threads and
@@ -259,8 +272,10 @@ typedef struct {
     int device;               /* CUDA device index */
     kvs_cuda_prefill prefill; /* 0: AUTO */
     kvs_cuda_fp8_gemm fp8_gemm; /* 0: AUTO */
+    bool kv_fp8; /* kv_dtype F8_E4M3 (--kv-cache-dtype fp8) instead of BF16; compute capability 8.9+ */
 } kvs_cuda_options;
-/* CUDA backend; KVS_ERR_UNSUPPORTED when built without CUDA or no GPU present. */
+/* CUDA backend; KVS_ERR_UNSUPPORTED when built without CUDA, no GPU present, or
+ * kv_fp8 on a GPU below compute capability 8.9 (the message says so). */
 kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out);
 
 #endif

@@ -18,13 +18,24 @@ static bool parse_dtype(const char *v, kvs_dtype *t) {
     return true;
 }
 
-/* The dtype an option asks for (auto: fallback); the CUDA backend keeps bf16 only. */
+/* --kv-cache-dtype's FP8 names (vLLM's: fp8 is E4M3). */
+static bool is_fp8_name(const char *v) { return v && (!strcmp(v, "fp8") || !strcmp(v, "fp8_e4m3")); }
+
+/* The dtype an option asks for (auto: fallback); the CUDA backend keeps bf16,
+ * and an FP8 KV cache (--kv-cache-dtype fp8). */
 static kvs_status option_dtype(const char *option, const char *v, kvs_dtype fallback, bool cuda, kvs_dtype *t) {
     *t = fallback;
+    bool kv = !strcmp(option, "--kv-cache-dtype");
+    if (kv && is_fp8_name(v)) {
+        *t = KVS_F8_E4M3;
+        return KVS_OK;
+    }
     if (v && strcmp(v, "auto") && !parse_dtype(v, t))
-        return kvs_fail(KVS_ERR_INVALID, "%s %s: not auto, float32, bfloat16 or float16", option, v);
+        return kvs_fail(KVS_ERR_INVALID, "%s %s: not auto, float32, bfloat16 or float16%s", option, v,
+                        kv ? " or fp8" : "");
     if (cuda && v && strcmp(v, "auto") && *t != KVS_BF16)
-        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s %s: the CUDA backend keeps bfloat16 only", option, v);
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s %s: the CUDA backend keeps bfloat16%s", option, v,
+                        kv ? " or fp8" : " only");
     return KVS_OK;
 }
 
@@ -56,7 +67,7 @@ int kvs_cli_load_option(kvs_load_options *o, int argc, char **argv, int *i) {
         if (!has_value) return -1;
         o->kv_dtype = argv[++*i];
         kvs_dtype t;
-        if (!parse_dtype(o->kv_dtype, &t) && strcmp(o->kv_dtype, "auto")) return -1;
+        if (!parse_dtype(o->kv_dtype, &t) && strcmp(o->kv_dtype, "auto") && !is_fp8_name(o->kv_dtype)) return -1;
     } else if (!strcmp(a, "--device")) {
         if (!has_value) return -1;
         o->device = argv[++*i];
@@ -134,8 +145,8 @@ int kvs_cli_prefix_caching_option(bool *enable, const char *arg) {
 /* The CUDA backend's options for GPU device: KVSPARSE_FP8_GEMM (a benchmarking
  * knob, docs/CUDA.md "FP8") picks matmul_fp8's scaling mode: outer_fast, outer,
  * epilogue_fast or epilogue (unset: auto). */
-static kvs_status cuda_options(int device, kvs_cuda_options *o) {
-    *o = (kvs_cuda_options){.device = device};
+static kvs_status cuda_options(int device, kvs_dtype kv_dtype, kvs_cuda_options *o) {
+    *o = (kvs_cuda_options){.device = device, .kv_fp8 = kv_dtype == KVS_F8_E4M3};
     const char *v = getenv("KVSPARSE_FP8_GEMM");
     if (!v || !*v || !strcmp(v, "auto")) return KVS_OK;
     const char *names[] = {"outer_fast", "outer", "epilogue_fast", "epilogue"};
@@ -163,7 +174,7 @@ static kvs_status load_cuda_ranks(const kvs_load_options *o, kvs_loaded *out, in
     if (!out->rank_be || !out->rank_comm) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
     for (int r = 0; r < tp; r++) {
         kvs_cuda_options co;
-        KVS_TRY(cuda_options(device0 + r, &co));
+        KVS_TRY(cuda_options(device0 + r, out->kv_dtype, &co));
         KVS_TRY(kvs_backend_cuda_create(&co, &out->rank_be[r]));
     }
     out->be = out->rank_be[0];
@@ -243,7 +254,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
         st = load_cuda_ranks(o, out, tp, device0);
     } else if (st == KVS_OK) {
         kvs_cuda_options co;
-        st = cuda ? cuda_options(device0, &co) : KVS_OK;
+        st = cuda ? cuda_options(device0, out->kv_dtype, &co) : KVS_OK;
         if (st == KVS_OK)
             st = cuda ? kvs_backend_cuda_create(&co, &out->be)
                       : kvs_backend_cpu_create_typed(o->threads, out->weight_dtype, out->kv_dtype, &out->be);

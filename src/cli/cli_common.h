@@ -17,7 +17,7 @@ typedef struct {
     uint64_t dummy_seed;
     int threads;             /* --threads */
     const char *dtype;       /* --dtype: NULL or "auto" (the checkpoint's), float32, bfloat16, float16 */
-    const char *kv_dtype;    /* --kv-cache-dtype: NULL or "auto" (the weights' dtype), float32, bfloat16, float16 */
+    const char *kv_dtype;    /* --kv-cache-dtype: NULL or "auto" (the weights' dtype), float32, bfloat16, float16, fp8 */
     bool skip_model;         /* load config, checkpoint and backend only */
     int tensor_parallel;     /* --tensor-parallel-size (0 or 1: none) */
     bool allow_tp;           /* set by the commands wired for tensor parallelism */
@@ -54,8 +54,10 @@ typedef struct {
     "  --threads N            CPU threads (default: one per core, or $OMP_NUM_THREADS)\n"      \
     "  --dtype D              CPU weights: auto (default: as the checkpoint stores them; bf16 and\n" \
     "                         f16 are widened in registers), float32, bfloat16 or float16\n"   \
-    "  --kv-cache-dtype D     CPU KV cache: auto (default: the weights' dtype, as vLLM), float32,\n" \
-    "                         bfloat16 or float16 (half the memory of float32)\n"                 \
+    "  --kv-cache-dtype D     KV cache: auto (default: the weights' dtype, as vLLM), float32,\n" \
+    "                         bfloat16 or float16 (CPU), or fp8 (E4M3, a byte an entry, a scale\n" \
+    "                         per layer and KV head: the checkpoint's k_scale/v_scale, else 1;\n" \
+    "                         CPU, and CUDA on compute capability 8.9+)\n"                      \
     "  --quantization fp8     linear weights in FP8 E4M3 (a scale per output channel, quantized at\n" \
     "                         load), activations per token; CUDA: compute capability 8.9+; implied\n" \
     "                         by an FP8 checkpoint (quantization_config fp8 / compressed-tensors)\n"

@@ -64,11 +64,14 @@ static void print_text(const char *source, const kvs_config *c, const char *weig
     if (params >= 1000000000) printf("parameters       %.2f B (%lld)\n", (double)params / 1e9, (long long)params);
     else printf("parameters       %.2f M (%lld)\n", (double)params / 1e6, (long long)params);
     printf("weights          %s, %s (%zu bytes; %s)\n", kvs_dtype_name(c->dtype), wb, weight_bytes, weights_from);
+    size_t kv8 = kvs_config_kv_bytes_per_token(c, KVS_F8_E4M3);
+    char k8[32];
+    human_bytes(k8, sizeof k8, (double)kv8);
     printf("KV per token     %s bf16 (%zu bytes; the CUDA backend, and the CPU's for bf16 weights), %s f32 (%zu "
-           "bytes)\n", k16, kv16, k32, kv32);
-    printf("KV capacity      %.0f tokens bf16, %.0f tokens f32 in a %g GiB budget "
+           "bytes), %s fp8 (%zu bytes; --kv-cache-dtype fp8)\n", k16, kv16, k32, kv32, k8, kv8);
+    printf("KV capacity      %.0f tokens bf16, %.0f tokens f32, %.0f tokens fp8 in a %g GiB budget "
            "(assumes the whole budget holds KV: weights and activations not subtracted)\n",
-           budget / (double)kv16, budget / (double)kv32, budget_gib);
+           budget / (double)kv16, budget / (double)kv32, budget / (double)kv8, budget_gib);
 }
 
 /* A float as the shortest decimal that reads back as it (1e-05, not 9.99999e-06). */
@@ -101,6 +104,12 @@ static int print_json(const char *source, const kvs_config *c, const char *weigh
         budget_gib, "kv_tokens_bf16", (json_int_t)(budget / (double)kv16), "kv_tokens_f32",
         (json_int_t)(budget / (double)kv32), "kv_budget_assumption",
         "the whole budget holds KV; weights and activations are not subtracted");
+    size_t kv8 = kvs_config_kv_bytes_per_token(c, KVS_F8_E4M3);
+    if (o && (json_object_set_new(o, "kv_bytes_per_token_fp8", json_integer((json_int_t)kv8)) ||
+              json_object_set_new(o, "kv_tokens_fp8", json_integer((json_int_t)(budget / (double)kv8))))) {
+        json_decref(o);
+        o = NULL;
+    }
     if (!o) {
         fprintf(stderr, "kvsparse: internal error building the JSON output\n");
         return 1;

@@ -36,8 +36,8 @@ const char *kvs_status_name(kvs_status s);
     } while (0)
 
 /* ---- dtypes --------------------------------------------------------------- */
-/* KVS_F8_E4M3: FP8 E4M3 codes as a checkpoint stores them (safetensors
- * F8_E4M3); the model copies them, never computes in them. */
+/* KVS_F8_E4M3: FP8 E4M3 codes, as a checkpoint stores them (safetensors
+ * F8_E4M3) and as an FP8 KV cache holds its entries (--kv-cache-dtype fp8). */
 typedef enum { KVS_F32, KVS_F16, KVS_BF16, KVS_I32, KVS_I64, KVS_U8, KVS_F8_E4M3, KVS_DTYPE_COUNT } kvs_dtype;
 
 size_t kvs_dtype_size(kvs_dtype t);
@@ -58,7 +58,8 @@ uint16_t kvs_f32_to_f16(float f);
 #define KVS_E4M3_MAX 448.0f
 uint8_t kvs_f32_to_e4m3(float f);
 float kvs_e4m3_to_f32(uint8_t q);
-/* dst[i] = (float)src[i] for a src of dtype F32, F16 or BF16. */
+extern const float kvs_e4m3_values[256]; /* kvs_e4m3_to_f32 of every code */
+/* dst[i] = (float)src[i] for a src of dtype F32, F16, BF16 or F8_E4M3 (exact). */
 void kvs_to_f32(float *dst, const void *src, kvs_dtype src_type, size_t n);
 
 /* ---- files ------------------------------------------------------------------ */

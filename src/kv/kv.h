@@ -31,6 +31,14 @@ kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache
 void kvs_kv_destroy(kvs_kv_cache *kv);
 const kvs_kv_config *kvs_kv_get_config(const kvs_kv_cache *kv);
 const kvs_kv_pool *kvs_kv_get_pool(const kvs_kv_cache *kv);
+/* Layer's view of the pool for the backend's ops: the same blocks, with that
+ * layer's K and V scales when the pool is FP8 (backend.h kvs_kv_pool). */
+kvs_kv_pool kvs_kv_layer_pool(const kvs_kv_cache *kv, int layer);
+/* An FP8 pool's scales (every one 1 until set): host [n_layers][2][n_kv_heads]
+ * (per layer the K scales of this cache's KV heads, then the V scales), each
+ * finite and positive. Ignored (KVS_OK) when the pool is not FP8. Set them
+ * before the first write: codes already written keep the old scales. */
+kvs_status kvs_kv_set_scales(kvs_kv_cache *kv, const float *scales);
 
 /* Sequences: ids are chosen by kv; -1 (and KVS_ERR_NOMEM set) when all are in use. */
 int kvs_kv_seq_create(kvs_kv_cache *kv);

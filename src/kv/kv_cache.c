@@ -1,4 +1,5 @@
 /* The block pool and the per-(sequence, layer) block tables. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -35,6 +36,7 @@ kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache
                         (long long)cfg->n_blocks);
     }
     kvs_status st = kvs_kv_meta_create(kv);
+    if (st == KVS_OK && be->kv_dtype == KVS_F8_E4M3) st = kvs_kv_set_scales(kv, NULL);
     if (st != KVS_OK) {
         kvs_kv_destroy(kv);
         return st;
@@ -49,6 +51,7 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
     if (!kv) return;
     for (int s = 0; kv->seqs && s < kv->cfg.max_seqs; s++) kvs_kv_free(kv, s);
     if (kv->pool.data) kv->be->free(kv->be, kv->pool.data);
+    if (kv->scales) kv->be->free(kv->be, kv->scales);
     for (int l = 0; kv->win_q && l < kv->cfg.n_layers; l++) {
         if (kv->win_q[l]) kv->be->free(kv->be, kv->win_q[l]);
         if (kv->win_lse[l]) kv->be->free(kv->be, kv->win_lse[l]);
@@ -65,6 +68,33 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
 
 const kvs_kv_config *kvs_kv_get_config(const kvs_kv_cache *kv) { return &kv->cfg; }
 const kvs_kv_pool *kvs_kv_get_pool(const kvs_kv_cache *kv) { return &kv->pool; }
+
+kvs_kv_pool kvs_kv_layer_pool(const kvs_kv_cache *kv, int layer) {
+    kvs_kv_pool p = kv->pool;
+    if (kv->scales) p.scales = kv->scales + (size_t)layer * 2 * kv->cfg.n_kv_heads;
+    return p;
+}
+
+/* NULL scales: every one 1 (what kvs_kv_create sets for an FP8 pool). */
+kvs_status kvs_kv_set_scales(kvs_kv_cache *kv, const float *scales) {
+    if (kv->be->kv_dtype != KVS_F8_E4M3) return KVS_OK;
+    size_t n = (size_t)kv->cfg.n_layers * 2 * kv->cfg.n_kv_heads;
+    for (size_t i = 0; scales && i < n; i++)
+        if (!(scales[i] > 0) || !isfinite(scales[i]))
+            return kvs_fail(KVS_ERR_INVALID, "kv cache: FP8 %s scale of layer %zu, KV head %zu is %g (must be finite "
+                            "and positive)", i / kv->cfg.n_kv_heads % 2 ? "V" : "K",
+                            i / (2 * (size_t)kv->cfg.n_kv_heads), i % kv->cfg.n_kv_heads, scales[i]);
+    float *host = malloc(sizeof(float) * n);
+    if (!host) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory for %zu scales", n);
+    for (size_t i = 0; i < n; i++) host[i] = scales ? scales[i] : 1.0f;
+    if (!kv->scales) kv->scales = kv->be->alloc(kv->be, sizeof(float) * n);
+    if (kv->scales) {
+        kv->be->to_device(kv->be, kv->scales, host, sizeof(float) * n);
+        kv->be->synchronize(kv->be); /* the host copy goes now */
+    }
+    free(host);
+    return kv->scales ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "kv cache: cannot allocate %zu FP8 scales", n);
+}
 
 int kvs_kv_seq_create(kvs_kv_cache *kv) {
     for (int s = 0; s < kv->cfg.max_seqs; s++) {

@@ -54,6 +54,7 @@ struct kvs_kv_cache {
     kvs_kv_config cfg;
     kvs_backend *be;
     kvs_kv_pool pool;
+    float *scales; /* FP8 pools: [n_layers][2][n_kv_heads] in backend memory (kvs_kv_set_scales); else NULL */
     int32_t *free_blocks; /* stack of blocks neither held nor cached */
     int64_t n_free;
     /* prefix caching: every block's state; the cached blocks by key; the

@@ -83,7 +83,8 @@ static kvs_status score_window(kvs_kv_cache *kv, seq_state *s, int layer, float 
     size_t row = (size_t)(s - kv->seqs) * kv->window_cap;
     const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
     be->to_device(be, *d_tab, s->layers[layer].blocks, tab_bytes);
-    be->sparsity_scores(be, *d_scores, q, kv->win_lse[layer] + row * nh, w, &kv->pool, *d_tab, n - w, nh,
+    kvs_kv_pool pool = kvs_kv_layer_pool(kv, layer);
+    be->sparsity_scores(be, *d_scores, q, kv->win_lse[layer] + row * nh, w, &pool, *d_tab, n - w, nh,
                         1.0f / sqrtf((float)d));
     return KVS_OK;
 }

@@ -226,6 +226,50 @@ static kvs_status check_fp8_scales(kvs_checkpoint *ck, const char *weight, const
     return KVS_OK;
 }
 
+/* vLLM's name of a layer's KV-cache scale: which is "k_scale" or "v_scale". */
+static void kv_scale_name(int layer, const char *which, char *buf, size_t cap) {
+    snprintf(buf, cap, "model.layers.%d.self_attn.%s", layer, which);
+}
+
+/* A layer's k_scale / v_scale, when present: F32/BF16/F16, one value ([] or
+ * [1]: every KV head) or one per KV head ([n_kv_heads]), each finite and
+ * positive (the FP8 KV cache divides by it). */
+static kvs_status check_kv_scale(kvs_checkpoint *ck, int layer, const char *which) {
+    char name[128], got[96];
+    kv_scale_name(layer, which, name, sizeof name);
+    const ck_tensor *t = find_tensor(ck, name);
+    if (!t) return KVS_OK;
+    const char *file = ck->file_names[t->file];
+    shape_str(got, sizeof got, t->ndim, t->shape);
+    if (t->dtype != KVS_F32 && t->dtype != KVS_BF16 && t->dtype != KVS_F16)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tensor '%s' has dtype '%s' (a KV-cache scale: F32, BF16 or F16)", file,
+                        name, kvs_dtype_name(t->dtype));
+    int64_t n = elem_count(t), heads = ck->cfg.n_kv_heads;
+    if (!((n == 1 && t->ndim <= 1) || (t->ndim == 1 && n == heads)))
+        return kvs_fail(KVS_ERR_FORMAT, "%s: tensor '%s' has shape %s: a KV-cache scale is one value ([] or [1]) or "
+                        "one per KV head ([%lld])", file, name, got, (long long)heads);
+    for (int64_t i = 0; i < n; i++) {
+        float v = scale_at(t, i);
+        if (!(v > 0) || !isfinite(v))
+            return kvs_fail(KVS_ERR_FORMAT, "%s: tensor '%s' element %lld is %g (a KV-cache scale must be finite and "
+                            "positive)", file, name, (long long)i, v);
+    }
+    return KVS_OK;
+}
+
+kvs_status kvs_checkpoint_kv_scales(const kvs_checkpoint *ck, int layer, int head0, int n_heads, float *k, float *v) {
+    for (int w = 0; w < 2; w++) {
+        float *out = w ? v : k;
+        char name[128];
+        kv_scale_name(layer, w ? "v_scale" : "k_scale", name, sizeof name);
+        const ck_tensor *t = ck && !ck->dummy ? find_tensor(ck, name) : NULL;
+        if (t && elem_count(t) != 1 && head0 + n_heads > elem_count(t))
+            return kvs_fail(KVS_ERR_INVALID, "checkpoint: '%s' has no scales for KV heads %d+%d", name, head0, n_heads);
+        for (int h = 0; h < n_heads; h++) out[h] = !t ? 1.0f : scale_at(t, elem_count(t) == 1 ? 0 : head0 + h);
+    }
+    return KVS_OK;
+}
+
 /* A weight's stored dtype: F32/F16/BF16, or F8_E4M3 for a linear weight of an
  * FP8 checkpoint (its scales are checked after its shape). */
 static kvs_status check_dtype(const kvs_checkpoint *ck, kvs_weight_kind k, const ck_tensor *t, const char *name) {
@@ -268,6 +312,10 @@ static kvs_status check_weights(kvs_checkpoint *ck, const char *default_file) {
             }
             if (t->dtype == KVS_F8_E4M3) KVS_TRY(check_fp8_scales(ck, name, file, shape[0]));
             ck->total_bytes += t->nbytes;
+        }
+        if (layer >= 0) {
+            KVS_TRY(check_kv_scale(ck, layer, "k_scale"));
+            KVS_TRY(check_kv_scale(ck, layer, "v_scale"));
         }
     }
     return KVS_OK;

@@ -307,6 +307,18 @@ kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backe
     return kvs_model_create_shard(cfg, ck, be, 0, 1, NULL, limits, out);
 }
 
+/* The checkpoint's KV-cache scales of this rank's KV heads, every layer. */
+static kvs_status load_kv_scales(kvs_model *m, kvs_checkpoint *ck) {
+    int kvh = m->shard.n_kv_heads, head0 = m->shard.rank * kvh;
+    m->kv_scales = malloc(sizeof(float) * 2 * (size_t)kvh * m->cfg.n_layers);
+    if (!m->kv_scales) return kvs_fail(KVS_ERR_NOMEM, "model: out of memory");
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        float *k = m->kv_scales + (size_t)l * 2 * kvh;
+        KVS_TRY(kvs_checkpoint_kv_scales(ck, l, head0, kvh, k, k + kvh));
+    }
+    return KVS_OK;
+}
+
 kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, int rank, int world,
                                   kvs_comm *comm, const kvs_model_limits *limits, kvs_model **out) {
     *out = NULL;
@@ -351,6 +363,7 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
             be->to_device(be, m->inv_freq, host, bytes);
         }
     }
+    if (st == KVS_OK) st = load_kv_scales(m, ck);
     if (st == KVS_OK) st = kvs_step_buffers_create(m);
     if (st != KVS_OK) {
         kvs_model_destroy(m);
@@ -375,12 +388,14 @@ void kvs_model_destroy(kvs_model *m) {
     if (m->embed) be->free(be, m->embed);
     if (m->final_norm) be->free(be, m->final_norm);
     if (m->inv_freq) be->free(be, m->inv_freq);
+    free(m->kv_scales);
     if (m->staging) be->free(be, m->staging);
     free(m);
 }
 
 const kvs_config *kvs_model_config(const kvs_model *m) { return &m->cfg; }
 const kvs_shard *kvs_model_shard(const kvs_model *m) { return &m->shard; }
+const float *kvs_model_kv_scales(const kvs_model *m) { return m->kv_scales; }
 kvs_backend *kvs_model_backend(const kvs_model *m) { return m->be; }
 kvs_model_limits kvs_model_get_limits(const kvs_model *m) { return m->limits; }
 

@@ -113,6 +113,11 @@ kvs_dtype kvs_checkpoint_dtype(const kvs_checkpoint *ck, kvs_weight_kind kind, i
  * every row). Fails for weights stored in another dtype. */
 kvs_status kvs_checkpoint_read_scales(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0, int64_t nr,
                                       float *out);
+/* The FP8 KV cache's scales of a layer's KV heads [head0, head0 + n_heads): k[h]
+ * and v[h] from the checkpoint's model.layers.N.self_attn.k_scale / v_scale
+ * (vLLM's names: one value or one per KV head, checked at open), 1 where the
+ * checkpoint has none (and for dummy weights). */
+kvs_status kvs_checkpoint_kv_scales(const kvs_checkpoint *ck, int layer, int head0, int n_heads, float *k, float *v);
 /* A dummy checkpoint's zero-mean weight (every weight but the norms), for the
  * backends' dummy_fill op: element i of the weight is
  * kvs_dummy_value(seed, i, scale, dtype) (backend/dummy_values.h), the value
@@ -189,6 +194,10 @@ size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const
 /* The limits the model was created for, defaults filled in. */
 kvs_model_limits kvs_model_get_limits(const kvs_model *m);
 const kvs_shard *kvs_model_shard(const kvs_model *m);
+/* The rank's FP8 KV-cache scales from the checkpoint, [n_layers][2][its KV
+ * heads] (K's, then V's; 1 where the checkpoint has none): what
+ * kvs_kv_set_scales takes for the rank's cache. */
+const float *kvs_model_kv_scales(const kvs_model *m);
 kvs_backend *kvs_model_backend(const kvs_model *m);
 void kvs_model_destroy(kvs_model *m);
 const kvs_config *kvs_model_config(const kvs_model *m);

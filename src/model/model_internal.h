@@ -101,6 +101,7 @@ struct kvs_model {
     kvs_layer_weights *layers;
     void *staging; /* fp8 at load: one linear weight in weight_dtype before quantize_fp8 (NULL after) */
     float *inv_freq; /* [head_dim / 2], backend memory */
+    float *kv_scales; /* [n_layers][2][shard.n_kv_heads], host: the checkpoint's k_scale / v_scale (or 1) */
     kvs_step_buffers buf;
     kvs_sample_buffers sample;
     kvs_graphs graphs;

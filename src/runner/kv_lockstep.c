@@ -15,7 +15,9 @@ static kvs_status job_kv_create(kvs_runner *g, int rank, void *arg) {
     kvs_kv_config kc = rank_config(g, arg);
     kvs_kv_destroy(r->kv);
     r->kv = NULL;
-    return kvs_kv_create(&kc, r->be, &r->kv);
+    KVS_TRY(kvs_kv_create(&kc, r->be, &r->kv));
+    /* an FP8 pool takes the checkpoint's k_scale / v_scale of the rank's KV heads */
+    return r->model ? kvs_kv_set_scales(r->kv, kvs_model_kv_scales(r->model)) : KVS_OK;
 }
 
 kvs_status kvs_runner_kv_create(kvs_runner *g, const kvs_kv_config *global) {

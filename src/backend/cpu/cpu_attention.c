@@ -25,6 +25,15 @@ static inline void prefetch_next_block(const kvs_backend *b, const kvs_kv_pool *
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
+/* The first cnt K (kind 0) or V rows of head g in block: the pool's own rows,
+ * or for an FP8 pool their values (decoded, times the scale) in buf (f32). */
+static inline const void *block_kv(const kvs_backend *b, const kvs_kv_pool *pool, int32_t block, int kind, int g,
+                                   int cnt, float *buf) {
+    if (b->kv_dtype != KVS_F8_E4M3) return kv_at(pool, block, kind, g, 0);
+    kvs_cpu_kv_rows_f32(b, pool, block, kind, g, 0, cnt, buf);
+    return buf;
+}
+
 /* Decode: one query row i of sequence s against its paged keys, for all the
  * query heads of KV head g at once (each key and value row read once), the
  * scores in S [group][n_keys]. */
@@ -36,10 +45,13 @@ static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const k
         for (int h = 0; lse && h < group; h++) lse[h] = -INFINITY;
         return;
     }
+    bool fp8 = b->kv_dtype == KVS_F8_E4M3; /* blocks decoded (and scaled) into f32 first */
+    float blk[fp8 ? (size_t)bs * d : 1];
+    kvs_dtype kt = fp8 ? KVS_F32 : b->kv_dtype;
     for (int e0 = 0; e0 < n_keys; e0 += bs) {
         prefetch_next_block(b, pool, table, n_keys, e0, 0, g);
-        k->qk(S + e0, n_keys, q, d, group, kv_at(pool, table[e0 / bs], 0, g, 0), b->kv_dtype,
-              block_rows(n_keys, e0, bs), d, scale);
+        const void *rows = block_kv(b, pool, table[e0 / bs], 0, g, block_rows(n_keys, e0, bs), blk);
+        k->qk(S + e0, n_keys, q, d, group, rows, kt, block_rows(n_keys, e0, bs), d, scale);
     }
     double sum[group];
     float mx[group];
@@ -51,8 +63,8 @@ static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const k
     memset(out, 0, sizeof(float) * d * group);
     for (int e0 = 0; e0 < n_keys; e0 += bs) {
         prefetch_next_block(b, pool, table, n_keys, e0, 1, g);
-        k->pv(out, d, S + e0, n_keys, group, kv_at(pool, table[e0 / bs], 1, g, 0), b->kv_dtype,
-              block_rows(n_keys, e0, bs), d);
+        const void *rows = block_kv(b, pool, table[e0 / bs], 1, g, block_rows(n_keys, e0, bs), blk);
+        k->pv(out, d, S + e0, n_keys, group, rows, kt, block_rows(n_keys, e0, bs), d);
     }
     for (int h = 0; h < group; h++) {
         float inv = (float)(1.0 / sum[h]);
@@ -101,8 +113,8 @@ static void gather_head(const kvs_backend *b, const kvs_kv_pool *pool, const kvs
     const int32_t *table = ab->block_tables + (size_t)s * ab->max_blocks;
     for (int e0 = 0; e0 < n; e0 += bs) {
         int cnt = block_rows(n, e0, bs);
-        kvs_to_f32(k + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 0, g, 0), b->kv_dtype, (size_t)d * cnt);
-        kvs_to_f32(v + (size_t)e0 * d, kv_at(pool, table[e0 / bs], 1, g, 0), b->kv_dtype, (size_t)d * cnt);
+        kvs_cpu_kv_rows_f32(b, pool, table[e0 / bs], 0, g, 0, cnt, k + (size_t)e0 * d);
+        kvs_cpu_kv_rows_f32(b, pool, table[e0 / bs], 1, g, 0, cnt, v + (size_t)e0 * d);
     }
 }
 

@@ -210,8 +210,8 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     if (weight_dtype != KVS_F32 && weight_dtype != KVS_BF16 && weight_dtype != KVS_F16)
         return kvs_fail(KVS_ERR_INVALID, "cpu backend: weights of dtype %s (f32, bf16 or f16)",
                         kvs_dtype_name(weight_dtype));
-    if (kv_dtype != KVS_F32 && kv_dtype != KVS_BF16 && kv_dtype != KVS_F16)
-        return kvs_fail(KVS_ERR_INVALID, "cpu backend: a KV cache of dtype %s (f32, bf16 or f16)",
+    if (kv_dtype != KVS_F32 && kv_dtype != KVS_BF16 && kv_dtype != KVS_F16 && kv_dtype != KVS_F8_E4M3)
+        return kvs_fail(KVS_ERR_INVALID, "cpu backend: a KV cache of dtype %s (f32, bf16, f16 or F8_E4M3)",
                         kvs_dtype_name(kv_dtype));
     kvs_backend *b = calloc(1, sizeof *b);
     cpu_state *c = calloc(1, sizeof *c);

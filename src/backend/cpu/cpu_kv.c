@@ -1,14 +1,21 @@
-/* The paged KV pool on the CPU: the KV write and compaction's per-head gather. */
+/* The paged KV pool on the CPU: the KV write, reading entries as f32, and
+ * compaction's per-head gather (codes copied as they are, any dtype). */
 #include <string.h>
 
 #include "backend/cpu/cpu_ops.h"
 
 #define kv_at(...) kvs_cpu_kv_at(b, __VA_ARGS__)
 
-/* d f32 values into an entry of the pool's dtype (bf16 / f16: round to nearest even) */
-static void store_entry(kvs_dtype t, void *dst, const float *src, int d) {
+/* d f32 values into an entry of the pool's dtype (bf16 / f16: round to nearest
+ * even; FP8: the code of x / scale, rounded to nearest even, saturating) */
+static void store_entry(kvs_dtype t, void *dst, const float *src, int d, float scale) {
     if (t == KVS_F32) {
         memcpy(dst, src, sizeof(float) * d);
+        return;
+    }
+    if (t == KVS_F8_E4M3) {
+        uint8_t *c = dst;
+        for (int j = 0; j < d; j++) c[j] = kvs_f32_to_e4m3(src[j] / scale);
         return;
     }
     uint16_t *o = dst;
@@ -24,11 +31,24 @@ void kvs_cpu_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, co
         int32_t block = slots[i] / pool->block_size, off = slots[i] % pool->block_size;
         for (int h = 0; h < pool->n_kv_heads; h++) {
             store_entry(b->kv_dtype, kv_at(pool, block, 0, h, off), kk + i * row + (size_t)h * pool->head_dim,
-                        pool->head_dim);
+                        pool->head_dim, kvs_cpu_kv_scale(b, pool, 0, h));
             store_entry(b->kv_dtype, kv_at(pool, block, 1, h, off), vv + i * row + (size_t)h * pool->head_dim,
-                        pool->head_dim);
+                        pool->head_dim, kvs_cpu_kv_scale(b, pool, 1, h));
         }
     }
+}
+
+void kvs_cpu_kv_rows_f32(const kvs_backend *b, const kvs_kv_pool *p, int32_t block, int kind, int head, int offset,
+                         int rows, float *dst) {
+    size_t n = (size_t)rows * p->head_dim;
+    const void *src = kv_at(p, block, kind, head, offset);
+    if (b->kv_dtype != KVS_F8_E4M3) {
+        kvs_to_f32(dst, src, b->kv_dtype, n);
+        return;
+    }
+    const uint8_t *c = src;
+    float s = kvs_cpu_kv_scale(b, p, kind, head);
+    for (size_t i = 0; i < n; i++) dst[i] = kvs_e4m3_values[c[i]] * s;
 }
 
 void kvs_cpu_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks, const int32_t *dst,

@@ -86,7 +86,7 @@ void kvs_cpu_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const floa
 enum { KVS_CPU_MAX_HEAD_DIM = 1024 };
 
 /* K (kind 0) or V (kind 1) vector of (block, head, offset) in a pool of
- * b->kv_dtype entries (F32, BF16 or F16). */
+ * b->kv_dtype entries (F32, BF16, F16 or F8_E4M3). */
 static inline void *kvs_cpu_kv_at(const kvs_backend *b, const kvs_kv_pool *p, int32_t block, int kind, int head,
                                   int offset) {
     size_t per_head = (size_t)p->block_size * p->head_dim;
@@ -95,5 +95,15 @@ static inline void *kvs_cpu_kv_at(const kvs_backend *b, const kvs_kv_pool *p, in
                               (size_t)offset * p->head_dim) *
                                  kvs_dtype_size(b->kv_dtype);
 }
+
+/* The scale of K (kind 0) or V (kind 1) of head in an FP8 pool view (backend.h
+ * kvs_kv_pool); 1 for other dtypes and for a view without scales. */
+static inline float kvs_cpu_kv_scale(const kvs_backend *b, const kvs_kv_pool *p, int kind, int head) {
+    return b->kv_dtype == KVS_F8_E4M3 && p->scales ? p->scales[(size_t)kind * p->n_kv_heads + head] : 1.0f;
+}
+/* rows x head_dim entries of (block, kind, head) from offset on, as f32 into dst
+ * (FP8: each code decoded exactly, then times its scale). */
+void kvs_cpu_kv_rows_f32(const kvs_backend *b, const kvs_kv_pool *p, int32_t block, int kind, int head, int offset,
+                         int rows, float *dst);
 
 #endif

@@ -35,10 +35,8 @@ void kvs_cpu_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, c
 #pragma omp parallel for collapse(2) schedule(static)
     for (int g = 0; g < pool->n_kv_heads; g++) {
         for (int j = 0; j < n_keys; j++) {
-            const void *entry = kvs_cpu_kv_at(b, pool, table[j / bs], 0, g, j % bs);
-            float kbuf[KVS_CPU_MAX_HEAD_DIM];
-            const float *k = entry;
-            if (b->kv_dtype != KVS_F32) kvs_to_f32(kbuf, entry, b->kv_dtype, d), k = kbuf;
+            float k[KVS_CPU_MAX_HEAD_DIM]; /* the key as f32 (FP8: decoded, times its scale) */
+            kvs_cpu_kv_rows_f32(b, pool, table[j / bs], 0, g, j % bs, 1, k);
             double sum = 0;
             for (int i = 0; i < n_win; i++) {
                 for (int h = g * group; h < (g + 1) * group; h++) {

@@ -29,15 +29,23 @@
 
 struct kvs_attn_args {
     const bf16 *q;
-    const bf16 *pool;
+    const bf16 *pool; /* FP8 pools: the codes' bytes (kvs_attn_pool8) */
     const int32_t *q_start, *kv_len, *block_tables;
     int n_seqs, n_tokens, max_blocks, n_heads, n_kv_heads, block_size;
     float scale;
+    const float *scales; /* FP8 pools: the layer's [2][n_kv_heads] (backend.h kvs_kv_pool); NULL: 1 */
 };
 
+/* FP8 pools (the kernels' FP8 template argument): codes read from the paged
+ * blocks are decoded into bf16 exactly (kvs_fp8x8_to_bf16x8) before the mma's;
+ * the K scale of KV head g is folded into the softmax scale and the V scale
+ * multiplies the output, so the math on the tensor cores is the bf16 kernels'. */
+__device__ __forceinline__ const uint8_t *kvs_attn_pool8(const kvs_attn_args &a) { return (const uint8_t *)a.pool; }
+
 /* Loads keys [key0, key0 + 64) of (seq, kv head) into k_s and v_s (rows of D + 8;
- * rows at or past key_end are zero). 16-byte pieces. */
-template <int D>
+ * rows at or past key_end are zero). 16-byte pieces of bf16 (FP8: 8-byte pieces
+ * of codes, decoded). */
+template <int D, bool FP8>
 __device__ __forceinline__ void kvs_attn_load_kv_tile(const kvs_attn_args &a, const int32_t *table, int g, int key0,
                                                       int key_end, bf16 *k_s, bf16 *v_s) {
     constexpr int PIECES = D / 8, LD = D + 8;
@@ -46,8 +54,15 @@ __device__ __forceinline__ void kvs_attn_load_kv_tile(const kvs_attn_args &a, co
         uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
         if (e < key_end) {
             int blk = table[e / a.block_size], off = e % a.block_size;
-            kv = *(const uint4 *)(a.pool + kvs_kv_offset(blk, 0, g, off, a.n_kv_heads, a.block_size, D) + c * 8);
-            vv = *(const uint4 *)(a.pool + kvs_kv_offset(blk, 1, g, off, a.n_kv_heads, a.block_size, D) + c * 8);
+            size_t ko = kvs_kv_offset(blk, 0, g, off, a.n_kv_heads, a.block_size, D) + c * 8;
+            size_t vo = kvs_kv_offset(blk, 1, g, off, a.n_kv_heads, a.block_size, D) + c * 8;
+            if (FP8) {
+                kv = kvs_fp8x8_to_bf16x8(*(const uint2 *)(kvs_attn_pool8(a) + ko));
+                vv = kvs_fp8x8_to_bf16x8(*(const uint2 *)(kvs_attn_pool8(a) + vo));
+            } else {
+                kv = *(const uint4 *)(a.pool + ko);
+                vv = *(const uint4 *)(a.pool + vo);
+            }
         }
         *(uint4 *)(k_s + r * LD + c * 8) = kv;
         *(uint4 *)(v_s + r * LD + c * 8) = vv;
@@ -74,7 +89,7 @@ __device__ __forceinline__ int kvs_attn_seq_of(const int32_t *q_start, int n_seq
     return lo;
 }
 
-template <int D>
+template <int D, bool FP8>
 __global__ void __launch_bounds__(KVS_ATTN_THREADS)
     kvs_attn_split_kernel(kvs_attn_args a, float *part_o, float *part_ml, int split_len) {
     constexpr int LD = D + 8;
@@ -91,8 +106,9 @@ __global__ void __launch_bounds__(KVS_ATTN_THREADS)
     const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
     const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
 
+    const float qk_scale = a.scale * (FP8 ? kvs_kv_scale(a.scales, 0, g, a.n_kv_heads) : 1.f);
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-        q_s[i] = __bfloat162float(a.q[((size_t)t * a.n_heads + h0) * D + i]) * a.scale;
+        q_s[i] = __bfloat162float(a.q[((size_t)t * a.n_heads + h0) * D + i]) * qk_scale;
         o_s[i] = 0.f;
     }
     for (int i = threadIdx.x; i < group; i += blockDim.x) {
@@ -102,7 +118,7 @@ __global__ void __launch_bounds__(KVS_ATTN_THREADS)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
     for (int key0 = k0; key0 < k1; key0 += KVS_ATTN_TILE) {
         __syncthreads();
-        kvs_attn_load_kv_tile<D>(a, table, g, key0, k1, k_s, v_s);
+        kvs_attn_load_kv_tile<D, FP8>(a, table, g, key0, k1, k_s, v_s);
         __syncthreads();
         /* scores: one (head, key) a thread; q pre-scaled */
         for (int idx = threadIdx.x; idx < group * KVS_ATTN_TILE; idx += blockDim.x) {
@@ -158,7 +174,8 @@ __global__ void __launch_bounds__(KVS_ATTN_THREADS)
     }
     __syncthreads();
     size_t base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) part_o[base * D + i] = o_s[i];
+    const float vs = FP8 ? kvs_kv_scale(a.scales, 1, g, a.n_kv_heads) : 1.f;
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) part_o[base * D + i] = o_s[i] * vs;
     for (int i = threadIdx.x; i < group; i += blockDim.x) {
         part_ml[(base + i) * 2] = m_s[i];
         part_ml[(base + i) * 2 + 1] = l_s[i];
@@ -216,6 +233,45 @@ __device__ __forceinline__ void kvs_attn_issue_kv_tile(const kvs_attn_args &a, c
     }
 }
 
+/* FP8: issues the async copies of the codes of keys [key0, key0 + 64) of (seq,
+ * kv head g) into raw K and V tiles at k_r, v_r (shared addresses, rows of D
+ * bytes); rows at or past key_end are zero. */
+template <int D, int THREADS>
+__device__ __forceinline__ void kvs_attn_issue_kv_tile8(const kvs_attn_args &a, const int32_t *table, int g, int key0,
+                                                        int key_end, uint32_t k_r, uint32_t v_r) {
+    constexpr int CH = D / 16, PIECES = KVS_ATTN_TILE * CH;
+    const size_t v_delta = (size_t)a.n_kv_heads * a.block_size * D;
+    const uint8_t *pool = kvs_attn_pool8(a);
+#pragma unroll
+    for (int p = threadIdx.x; p < PIECES; p += THREADS) {
+        int r = p / CH, c = p % CH, e = key0 + r;
+        bool ok = e < key_end;
+        const uint8_t *src = pool;
+        if (ok)
+            src = pool + kvs_kv_offset(table[e / a.block_size], 0, g, e % a.block_size, a.n_kv_heads, a.block_size, D) +
+                  c * 16;
+        uint32_t off = r * D + c * 16;
+        kvs_cp_async16(k_r + off, src, ok);
+        kvs_cp_async16(v_r + off, ok ? src + v_delta : pool, ok);
+    }
+}
+
+/* FP8: `rows` rows of raw K codes at raw (then as many V rows after them, rows
+ * of D bytes) decoded into bf16 K and V tiles at tile (rows of
+ * kvs_rows<D>::BYTES, V at tile + v_off) by `threads` threads from `first`. */
+template <int D, bool F16 = false>
+__device__ __forceinline__ void kvs_attn_decode_rows8(const unsigned char *raw, unsigned char *tile, int rows,
+                                                      int v_off, int first, int threads) {
+    constexpr int CH = D / 8;
+    const int per_kind = rows * CH;
+    for (int p = first; p < 2 * per_kind; p += threads) {
+        int kind = p / per_kind, q = p % per_kind, r = q / CH, c = q % CH;
+        uint2 codes = *(const uint2 *)(raw + (size_t)kind * rows * D + r * D + c * 8);
+        *(uint4 *)(tile + kind * v_off + r * kvs_rows<D>::BYTES + c * 16) =
+            F16 ? kvs_fp8x8_to_f16x8(codes) : kvs_fp8x8_to_bf16x8(codes);
+    }
+}
+
 /* Q A-fragments of a warp's 16 rows from shared memory (rows of kvs_rows<D>::BYTES). */
 template <int D>
 __device__ __forceinline__ void kvs_attn_load_q_frags(uint32_t (&qa)[D / 16][4], uint32_t q_w, int lane) {
@@ -230,7 +286,7 @@ __device__ __forceinline__ void kvs_attn_load_q_frags(uint32_t (&qa)[D / 16][4],
  * sum, the quad adds them at the end), O = alpha O + P V with P converted from the
  * S accumulators straight into A fragments. Rows g and g + 8 of the warp (g = lane/4)
  * see keys e <= lim0 and e <= lim1 when MASK. */
-template <int D, int NK, bool MASK>
+template <int D, int NK, bool MASK, bool F16 = false>
 __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][4], uint32_t k_w, uint32_t v_w,
                                                    int key_base, int lim0, int lim1, float scale_log2,
                                                    float (&o)[D / 8][4], float &m0, float &m1, float &l0, float &l1,
@@ -248,8 +304,8 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
         for (int j = 0; j < NK / 8; j += 2) {
             uint32_t b0, b1, b2, b3;
             kvs_ldmatrix_x4(b0, b1, b2, b3, k_lane + j * 8 * RB + kk * 32);
-            kvs_mma_bf16(s[j], qa[kk], b0, b1);
-            kvs_mma_bf16(s[j + 1], qa[kk], b2, b3);
+            kvs_mma<F16>(s[j], qa[kk], b0, b1);
+            kvs_mma<F16>(s[j + 1], qa[kk], b2, b3);
         }
     }
 
@@ -301,16 +357,16 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
 #pragma unroll
     for (int kk = 0; kk < NK / 16; kk++) {
         uint32_t pa[4];
-        pa[0] = kvs_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-        pa[1] = kvs_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-        pa[2] = kvs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[3] = kvs_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        pa[0] = kvs_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
+        pa[1] = kvs_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
+        pa[2] = kvs_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[3] = kvs_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
         for (int n = 0; n < D / 8; n += 2) {
             uint32_t b0, b1, b2, b3;
             kvs_ldmatrix_x4_trans(b0, b1, b2, b3, v_lane + kk * 16 * RB + n * 16);
-            kvs_mma_bf16(o[n], pa, b0, b1);
-            kvs_mma_bf16(o[n + 1], pa, b2, b3);
+            kvs_mma<F16>(o[n], pa, b0, b1);
+            kvs_mma<F16>(o[n + 1], pa, b2, b3);
         }
     }
 }
@@ -523,12 +579,16 @@ __global__ void __launch_bounds__(WARPS * 32, KVS_FA2_MIN_BLOCKS(WARPS))
 
 /* Prefill with MT m-tiles a warp: WARPS x MT x 16 query rows a block, the Q tile
  * kept in shared memory beside two K/V stages (64-key tiles). */
-template <int D, int WARPS, int MT>
+template <int D, int WARPS, int MT, bool FP8 = false>
 struct kvs_fa2mt_smem {
     static constexpr int M = 16 * MT * WARPS;
     static constexpr int STAGES = 2;
+    /* FP8: one bf16 K/V tile (decoded from the raw stage in hand), then the
+       codes' two stages (64 rows of D bytes each for K and for V) */
+    static constexpr size_t RAW_STAGE = 2 * (size_t)KVS_ATTN_TILE * D;
     static constexpr size_t q = 0, kv = (size_t)M * kvs_rows<D>::BYTES,
-                            bytes = kv + (size_t)STAGES * 2 * kvs_rows<D>::TILE_BYTES;
+                            raw = kv + (size_t)(FP8 ? 1 : STAGES) * 2 * kvs_rows<D>::TILE_BYTES,
+                            bytes = raw + (FP8 ? STAGES * RAW_STAGE : 0);
 };
 
 /* Needs scale > 0 (kvs_attn_warp_tile_mt).
@@ -538,11 +598,11 @@ struct kvs_fa2mt_smem {
  * HEADS heads while the block covers only M / HEADS query positions (the causal
  * diagonal's waste of M / HEADS-row tiles). WSKIP: a warp skips a tile whose keys
  * are all past its last row's causal limit (an exact no-op: p = 0, alpha = 1). */
-template <int D, int WARPS, int MT, int HEADS = 1, bool WSKIP = false>
+template <int D, int WARPS, int MT, int HEADS = 1, bool WSKIP = false, bool FP8 = false>
 __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     kvs_attn_fa2mt_kernel(kvs_attn_args a, bf16 *out, float *lse) {
     static_assert(HEADS >= 1 && WARPS % HEADS == 0, "whole warps per head");
-    using L = kvs_fa2mt_smem<D, WARPS, MT>;
+    using L = kvs_fa2mt_smem<D, WARPS, MT, FP8>;
     constexpr int THREADS = WARPS * 32, M = L::M, RB = kvs_rows<D>::BYTES, TB = kvs_rows<D>::TILE_BYTES;
     constexpr int MH = M / HEADS, WPH = WARPS / HEADS; /* query rows and warps per head */
     extern __shared__ __align__(128) unsigned char smem[];
@@ -565,14 +625,16 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
         kvs_cp_async16(q_s + r * RB + c * 16, src, ok);
     }
     /* tile 0 in flight, in one group with Q (n_tiles >= 1) */
-    kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, 0, n_keys, kv_s, kv_s + TB);
+    const uint32_t raw_s = kvs_smem_u32(smem) + (uint32_t)L::raw; /* FP8: the codes' stages */
+    if (FP8) kvs_attn_issue_kv_tile8<D, THREADS>(a, table, g, 0, n_keys, raw_s, raw_s + KVS_ATTN_TILE * D);
+    else kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, 0, n_keys, kv_s, kv_s + TB);
     kvs_cp_async_commit();
 
     const int wrow = q0 + (warp % WPH) * 16 * MT + lane / 4; /* row g of the warp's first m-tile */
     const int lim_base = past + wrow;
     const int full_limit = past + q0;
     const int warp_limit = past + q0 + (warp % WPH + 1) * 16 * MT - 1; /* keys any row of the warp sees */
-    const float scale_log2 = a.scale * KVS_LOG2E;
+    const float scale_log2 = a.scale * KVS_LOG2E * (FP8 ? kvs_kv_scale(a.scales, 0, g, a.n_kv_heads) : 1.f);
     const uint32_t q_w = q_s + warp * 16 * MT * RB;
     float o[MT][D / 8][4], m[MT][2], l[MT][2];
 #pragma unroll
@@ -587,11 +649,22 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
         kvs_cp_async_wait<0>();
         __syncthreads(); /* tile i (and Q) landed; tile i - 1 is no longer read */
         if (i + 1 < n_tiles) { /* into the stage tile i - 1 used */
-            uint32_t st = kv_s + ((i + 1) % L::STAGES) * 2 * TB;
-            kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, (i + 1) * KVS_ATTN_TILE, n_keys, st, st + TB);
+            if (FP8) {
+                uint32_t st = raw_s + ((i + 1) % L::STAGES) * (uint32_t)L::RAW_STAGE;
+                kvs_attn_issue_kv_tile8<D, THREADS>(a, table, g, (i + 1) * KVS_ATTN_TILE, n_keys, st,
+                                                    st + KVS_ATTN_TILE * D);
+            } else {
+                uint32_t st = kv_s + ((i + 1) % L::STAGES) * 2 * TB;
+                kvs_attn_issue_kv_tile<D, THREADS>(a, table, g, (i + 1) * KVS_ATTN_TILE, n_keys, st, st + TB);
+            }
         }
         kvs_cp_async_commit();
-        const uint32_t k_w = kv_s + (i % L::STAGES) * 2 * TB, v_w = k_w + TB;
+        if (FP8) { /* tile i's codes -> the bf16 tile (tile i - 1's readers passed the barrier above) */
+            kvs_attn_decode_rows8<D>(smem + L::raw + (i % L::STAGES) * L::RAW_STAGE, smem + L::kv, KVS_ATTN_TILE, TB,
+                                     threadIdx.x, THREADS);
+            __syncthreads();
+        }
+        const uint32_t k_w = FP8 ? kv_s : kv_s + (i % L::STAGES) * 2 * TB, v_w = k_w + TB;
         const int key0 = i * KVS_ATTN_TILE;
         if (WSKIP && key0 > warp_limit) continue; /* warp-uniform: every row masked */
         if (key0 + KVS_ATTN_TILE - 1 <= full_limit)
@@ -613,7 +686,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
             const int row = wrow + 16 * mt + 8 * hf;
             if (row < q_len) {
                 size_t t = (size_t)t0 + row;
-                float inv = 1.f / lt;
+                float inv = (FP8 ? kvs_kv_scale(a.scales, 1, g, a.n_kv_heads) : 1.f) / lt;
                 bf16 *orow = out + (t * a.n_heads + h) * D + cq;
 #pragma unroll
                 for (int n = 0; n < D / 8; n++)
@@ -639,20 +712,27 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
 #define KVS_DEC_WARPS 4
 #define KVS_DEC_STAGES 3
 
-template <int D>
+template <int D, bool FP8 = false>
 struct kvs_decw_smem {
     static constexpr int STAGES = KVS_DEC_STAGES;
-    static constexpr int SUB = 16 * kvs_rows<D>::BYTES; /* one 16-key K (or V) sub-tile */
-    static constexpr size_t q = 0, kv = 16 * (size_t)kvs_rows<D>::BYTES,
-                            bytes = kv + (size_t)KVS_DEC_WARPS * STAGES * 2 * SUB;
-    static_assert(KVS_DEC_WARPS * 16 * (D + 2) * 4 <= (size_t)KVS_DEC_WARPS * STAGES * 2 * SUB, "merge area");
+    static constexpr int SUB = 16 * kvs_rows<D>::BYTES; /* one 16-key K (or V) sub-tile, bf16 */
+    static constexpr int SUB8 = 16 * D;                 /* FP8: one sub-tile's codes (rows of D bytes) */
+    /* a warp's part: its ring of STAGES K + V sub-tiles (FP8: of codes, then the
+       bf16 K + V sub-tile it decodes the one in hand into) */
+    static constexpr size_t RING = (size_t)STAGES * 2 * (FP8 ? SUB8 : SUB), WARP = RING + (FP8 ? 2 * SUB : 0);
+    static constexpr size_t q = 0, kv = 16 * (size_t)kvs_rows<D>::BYTES, bytes = kv + (size_t)KVS_DEC_WARPS * WARP;
+    static_assert(KVS_DEC_WARPS * 16 * (D + 2) * 4 <= (size_t)KVS_DEC_WARPS * WARP, "merge area");
 };
 
-template <int D>
+/* FP8: F16 (the default) decodes the codes to f16 (one cvt a pair) and runs f16
+ * mma's with Q as f16 (times scale log2 e: |q| below ~5e5); without it, bf16 as
+ * the prefill (five conversions a pair: the conversion rate bounds it, docs/CUDA.md). */
+template <int D, bool FP8 = false, bool F16 = FP8>
 __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     kvs_attn_decode_warp_kernel(kvs_attn_args a, float *part_o, float *part_ml, int split_len, bf16 *out, float *lse) {
-    using L = kvs_decw_smem<D>;
+    using L = kvs_decw_smem<D, FP8>;
     constexpr int STAGES = L::STAGES, THREADS = KVS_DEC_WARPS * 32, RB = kvs_rows<D>::BYTES, SUB = L::SUB, CH = D / 8;
+    constexpr int SLOT = FP8 ? L::SUB8 : SUB; /* one ring entry's K (or V) part */
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = a.n_heads / a.n_kv_heads;
@@ -679,7 +759,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     const int n_mine = n_sub > warp ? (n_sub - warp + KVS_DEC_WARPS - 1) / KVS_DEC_WARPS : 0;
 
     const uint32_t q_s = kvs_smem_u32(smem) + (uint32_t)L::q;
-    const uint32_t ring = kvs_smem_u32(smem) + (uint32_t)L::kv + warp * STAGES * 2 * SUB;
+    const uint32_t ring = kvs_smem_u32(smem) + (uint32_t)L::kv + warp * (uint32_t)L::WARP;
     for (int p = threadIdx.x; p < 16 * CH; p += THREADS) {
         int r = p / CH, c = p % CH;
         bool ok = r < group;
@@ -699,8 +779,22 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
         }
         const int key0 = k0 + (warp + KVS_DEC_WARPS * i) * 16;
         const int blk = __shfl_sync(0xffffffffu, blk_lanes, i & 31);
-        const bf16 *kb = a.pool + kvs_kv_offset(blk, 0, g, key0 % a.block_size, a.n_kv_heads, a.block_size, D);
-        const uint32_t st = ring + (i % STAGES) * 2 * SUB;
+        const size_t kofs = kvs_kv_offset(blk, 0, g, key0 % a.block_size, a.n_kv_heads, a.block_size, D);
+        const uint32_t st = ring + (i % STAGES) * 2 * SLOT;
+        if (FP8) { /* 16 rows of D code bytes: D / 32 16-byte pieces a lane */
+            const uint8_t *kb = kvs_attn_pool8(a) + kofs;
+#pragma unroll
+            for (int u = 0; u < D / 32; u++) {
+                int p = lane + 32 * u, r = p / (D / 16), c = p % (D / 16);
+                bool ok = key0 + r < k1;
+                const uint8_t *src = ok ? kb + r * D + c * 16 : kvs_attn_pool8(a);
+                uint32_t off = r * D + c * 16;
+                kvs_cp_async16(st + off, src, ok);
+                kvs_cp_async16(st + SLOT + off, ok ? src + v_delta : kvs_attn_pool8(a), ok);
+            }
+            return;
+        }
+        const bf16 *kb = a.pool + kofs;
 #pragma unroll
         for (int u = 0; u < CH / 2; u++) {
             int p = lane + 32 * u, r = p / CH, c = p % CH;
@@ -718,26 +812,46 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     }
     kvs_cp_async_wait<STAGES - 1>(); /* this thread's Q pieces */
     __syncthreads();                 /* everyone's */
+    if (F16) { /* the f16 mma path: Q as f16, times scale log2 e (K and V decode to f16 with one cvt a pair) */
+        __nv_bfloat162 *q2 = (__nv_bfloat162 *)(smem + L::q);
+        const float qs = a.scale * KVS_LOG2E;
+        for (int i = threadIdx.x; i < 16 * (RB / 4); i += THREADS) {
+            float2 f = __bfloat1622float2(q2[i]);
+            __half2 h = __floats2half2_rn(f.x * qs, f.y * qs);
+            q2[i] = *(__nv_bfloat162 *)&h;
+        }
+        __syncthreads();
+    }
     uint32_t qa[D / 16][4];
     kvs_attn_load_q_frags<D>(qa, q_s, lane);
 
-    const float scale_log2 = a.scale * KVS_LOG2E;
+    /* FP8: Q carries scale log2 e already; the K scale remains */
+    const float scale_log2 = (F16 ? 1.f : a.scale * KVS_LOG2E) * (FP8 ? kvs_kv_scale(a.scales, 0, g, a.n_kv_heads) : 1.f);
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
     const int lim = k1 - 1;
+    /* FP8: the warp's bf16 sub-tile, after its ring */
+    unsigned char *dec_p = smem + L::kv + warp * L::WARP + L::RING;
     for (int i = 0; i < n_mine; i++) {
         kvs_cp_async_wait<STAGES - 2>();
         __syncwarp(); /* sub-tile i landed for every lane; stage (i - 1) % STAGES is no longer read */
         issue(i + STAGES - 1);
         kvs_cp_async_commit();
-        const uint32_t k_w = ring + (i % STAGES) * 2 * SUB, v_w = k_w + SUB;
+        uint32_t k_w = ring + (i % STAGES) * 2 * SLOT;
+        if (FP8) { /* sub-tile i's codes -> the warp's bf16 sub-tile (sub-tile i - 1's reads are done) */
+            kvs_attn_decode_rows8<D, F16>(smem + L::kv + warp * L::WARP + (i % STAGES) * 2 * SLOT, dec_p, 16, SUB, lane,
+                                           32);
+            __syncwarp();
+            k_w = kvs_smem_u32(dec_p);
+        }
+        const uint32_t v_w = k_w + SUB;
         const int key_base = k0 + (warp + KVS_DEC_WARPS * i) * 16;
         if (key_base + 15 <= lim)
-            kvs_attn_warp_tile<D, 16, false>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+            kvs_attn_warp_tile<D, 16, false, F16>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
         else
-            kvs_attn_warp_tile<D, 16, true>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+            kvs_attn_warp_tile<D, 16, true, F16>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -779,6 +893,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
                 Lsum += row[D + 1] * f;
             }
         }
+        if (FP8) acc *= kvs_kv_scale(a.scales, 1, g, a.n_kv_heads);
         if (direct) { /* M is finite: the split holds key k0 < k1 */
             size_t orow = (size_t)t * a.n_heads + h0 + r;
             out[orow * D + d] = __float2bfloat16(acc / Lsum);
@@ -806,10 +921,10 @@ static void launch_fa2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float 
     KVS_CUDA_LAUNCHED(b, "kvs_attn_fa2_kernel");
 }
 
-template <int D, int WARPS, int MT, int HEADS = 1, bool WSKIP = false>
+template <int D, int WARPS, int MT, int HEADS = 1, bool WSKIP = false, bool FP8 = false>
 static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    using L = kvs_fa2mt_smem<D, WARPS, MT>;
-    auto kernel = kvs_attn_fa2mt_kernel<D, WARPS, MT, HEADS, WSKIP>;
+    using L = kvs_fa2mt_smem<D, WARPS, MT, FP8>;
+    auto kernel = kvs_attn_fa2mt_kernel<D, WARPS, MT, HEADS, WSKIP, FP8>;
     constexpr int MH = L::M / HEADS;
     int tiles = (max_q_len + MH - 1) / MH;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
@@ -864,9 +979,19 @@ static int kvs_prefill_pick(kvs_cuda *c, float scale) {
 }
 
 template <int D>
-static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
+static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len, bool fp8);
+
+template <int D>
+static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len,
+                           int max_kv_len, bool fp8) {
     const int k = kvs_prefill_pick<D>(kvs_cuda_of(b), a.scale);
     const int group = a.n_heads / a.n_kv_heads;
+    if (fp8) { /* GQA / HEAD decode FP8 tiles in shared memory; SMALL has no FP8 form: the decode kernels, a token a block */
+        if (k == KVS_CUDA_PREFILL_SMALL) launch_split<D>(b, a, out, lse, max_kv_len, true);
+        else if (k == KVS_CUDA_PREFILL_GQA && group % 4 == 0) launch_fa2mt<D, 8, 2, 4, true, true>(b, a, out, lse, max_q_len);
+        else launch_fa2mt<D, 8, 2, 1, false, true>(b, a, out, lse, max_q_len);
+        return;
+    }
     if (k == KVS_CUDA_PREFILL_SMALL) launch_fa2<D, 4>(b, a, out, lse, max_q_len);
     else if (k == KVS_CUDA_PREFILL_GQA && group % 4 == 0) launch_fa2mt<D, 8, 2, 4, true>(b, a, out, lse, max_q_len);
     else launch_fa2mt<D, 8, 2>(b, a, out, lse, max_q_len); /* HEAD, and GQA for groups not a multiple of 4 */
@@ -929,11 +1054,11 @@ static int kvs_attn_blocks_per_sm(K kernel, int threads, size_t smem, int *cache
 
 /* The per-warp decode kernel (head_dim 32/64/128, group <= 16, block_size a
  * multiple of 16) with its wave-aware split policy. */
-template <int D>
+template <int D, bool FP8, bool F16 = FP8>
 static void launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len) {
     kvs_cuda *c = kvs_cuda_of(b);
-    using L = kvs_decw_smem<D>;
-    auto kernel = kvs_attn_decode_warp_kernel<D>;
+    using L = kvs_decw_smem<D, FP8>;
+    auto kernel = kvs_attn_decode_warp_kernel<D, FP8, F16>;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
     static int per_sm = 0;
     int n_splits, split_len = kvs_attn_split_waves(
@@ -971,13 +1096,15 @@ static void launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out
  *  - the scratch below is only taken, never grown, inside a capture (a bucket
  *    runs eagerly once first; kvs_cuda_scratch fails the capture otherwise). */
 template <int D>
-static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len) {
+static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len, bool fp8) {
     kvs_cuda *c = kvs_cuda_of(b);
     int group = a.n_heads / a.n_kv_heads;
     /* the per-warp kernel takes 16-key sub-tiles of one paged block each */
     if ((D == 32 || D == 64 || D == 128) && group <= 16 && a.block_size % 16 == 0) {
         constexpr int DT = D == 32 || D == 64 ? D : 128; /* only instantiated for 32/64/128 */
-        launch_decode_warp<DT>(b, a, out, lse, max_kv_len);
+        if (fp8 && c->fp8_kv_decode_bf16) launch_decode_warp<DT, true, false>(b, a, out, lse, max_kv_len);
+        else if (fp8) launch_decode_warp<DT, true, true>(b, a, out, lse, max_kv_len);
+        else launch_decode_warp<DT, false>(b, a, out, lse, max_kv_len);
         return;
     }
     int n_splits, split_len = kvs_attn_split_len(c, a, max_kv_len, &n_splits);
@@ -988,10 +1115,10 @@ static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     float *part_o = (float *)scratch, *part_ml = (float *)(scratch + o_bytes);
     dim3 grid((unsigned)a.n_tokens, (unsigned)a.n_kv_heads, (unsigned)n_splits);
     size_t smem = kvs_split_smem_bytes<D>(group);
+    auto kernel = fp8 ? kvs_attn_split_kernel<D, true> : kvs_attn_split_kernel<D, false>;
     if (smem > 48 * 1024)
-        KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_attn_split_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem));
-    kvs_attn_split_kernel<D><<<grid, KVS_ATTN_THREADS, smem, c->stream>>>(a, part_o, part_ml, split_len);
+        KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<grid, KVS_ATTN_THREADS, smem, c->stream>>>(a, part_o, part_ml, split_len);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_split_kernel");
     kvs_attn_combine_kernel<<<(unsigned)rows, D < 128 ? D : 128, 0, c->stream>>>(out, lse, part_o, part_ml, n_splits,
                                                                                   (int)rows, D);
@@ -1014,16 +1141,18 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
     a.n_kv_heads = pool->n_kv_heads;
     a.block_size = pool->block_size;
     a.scale = scale;
-    int D = pool->head_dim;
+    const bool fp8 = b->kv_dtype == KVS_F8_E4M3;
+    a.scales = fp8 ? pool->scales : NULL;
+    int D = pool->head_dim, mq = ab->max_q_len, mk = ab->max_kv_len;
     bf16 *o = (bf16 *)out;
-    bool decode = ab->max_q_len <= 1;
+    bool decode = mq <= 1;
     switch (D) {
-    case 32: decode ? launch_split<32>(b, a, o, lse, ab->max_kv_len) : launch_prefill<32>(b, a, o, lse, ab->max_q_len); return;
-    case 64: decode ? launch_split<64>(b, a, o, lse, ab->max_kv_len) : launch_prefill<64>(b, a, o, lse, ab->max_q_len); return;
-    case 128: decode ? launch_split<128>(b, a, o, lse, ab->max_kv_len) : launch_prefill<128>(b, a, o, lse, ab->max_q_len); return;
-    case 80: launch_split<80>(b, a, o, lse, ab->max_kv_len); return;
-    case 96: launch_split<96>(b, a, o, lse, ab->max_kv_len); return;
-    case 256: launch_split<256>(b, a, o, lse, ab->max_kv_len); return;
+    case 32: decode ? launch_split<32>(b, a, o, lse, mk, fp8) : launch_prefill<32>(b, a, o, lse, mq, mk, fp8); return;
+    case 64: decode ? launch_split<64>(b, a, o, lse, mk, fp8) : launch_prefill<64>(b, a, o, lse, mq, mk, fp8); return;
+    case 128: decode ? launch_split<128>(b, a, o, lse, mk, fp8) : launch_prefill<128>(b, a, o, lse, mq, mk, fp8); return;
+    case 80: launch_split<80>(b, a, o, lse, mk, fp8); return;
+    case 96: launch_split<96>(b, a, o, lse, mk, fp8); return;
+    case 256: launch_split<256>(b, a, o, lse, mk, fp8); return;
     default:
         kvs_cuda_report(b, "attention", "head_dim not supported (32, 64, 80, 96, 128, 256)", __FILE__, __LINE__);
     }

@@ -273,6 +273,10 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     if (prop.major < 8)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "cuda backend: %s is compute capability %d.%d; bf16 needs 8.0+",
                         prop.name, prop.major, prop.minor);
+    if (opt->kv_fp8 && prop.major * 10 + prop.minor < 89)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "cuda backend: --kv-cache-dtype fp8 needs a GPU of compute capability 8.9 "
+                        "or later (FP8 E4M3; %s is %d.%d): use --kv-cache-dtype auto (bfloat16)", prop.name, prop.major,
+                        prop.minor);
     kvs_backend *b = (kvs_backend *)calloc(1, sizeof *b);
     kvs_cuda *c = (kvs_cuda *)calloc(1, sizeof *c);
     if (!b || !c) {
@@ -285,6 +289,8 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     c->prefill = opt->prefill;
     c->fp8_gemm = opt->fp8_gemm;
     c->n_sms = prop.multiProcessorCount;
+    const char *dec = getenv("KVSPARSE_FP8_KV_DECODE"); /* a benchmarking knob (docs/CUDA.md "FP8 KV cache") */
+    c->fp8_kv_decode_bf16 = dec && !strcmp(dec, "bf16");
     kvs_status st = KVS_OK;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -305,7 +311,8 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
         return st;
     }
     b->name = "cuda";
-    b->weight_dtype = b->act_dtype = b->kv_dtype = KVS_BF16;
+    b->weight_dtype = b->act_dtype = KVS_BF16;
+    b->kv_dtype = opt->kv_fp8 ? KVS_F8_E4M3 : KVS_BF16; /* FP8: codes + per-(layer, KV head) scales (backend.h) */
     b->alloc = cuda_alloc;
     b->free = cuda_free;
     b->to_device = cuda_to_device;

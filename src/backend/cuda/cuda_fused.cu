@@ -93,13 +93,25 @@ void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, cons
  * The token's cos/sin table (angle and sincos in double, like kvs_rope_kernel)
  * goes to shared memory once; then the block rotates the q heads of its qkv
  * row into q and its k heads straight into the pool slot, and copies v into
- * the slot. A negative slot (a padding row) rotates q only. VEC (head_dim % 8
- * == 0): pairs (j, j + 1) rotated as bf16x2, v copied in 16-byte pieces. */
+ * the slot. A negative slot (a padding row) rotates q only. VEC (head_dim % 8 == 0): pairs
+ * (j, j + 1) rotated as bf16x2, v copied in 16-byte pieces. T: the pool's
+ * entries, bf16 or FP8 codes (uint8_t: K's rotated f32 value and V's value
+ * each divided by its (kind, head) scale and rounded once, kvs_kv_fp8_code). */
 
-template <bool VEC>
-__global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *qkv, const int32_t *positions,
+/* Stores two rotated values at dst[0], dst[1] of a bf16 or FP8 row. */
+__device__ __forceinline__ void kvs_store2(bf16 *dst, float a, float b, float) {
+    *(__nv_bfloat162 *)dst = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void kvs_store2(uint8_t *dst, float a, float b, float s) {
+    dst[0] = kvs_kv_fp8_code(a, s), dst[1] = kvs_kv_fp8_code(b, s);
+}
+__device__ __forceinline__ void kvs_store1(bf16 *dst, float a, float) { *dst = __float2bfloat16(a); }
+__device__ __forceinline__ void kvs_store1(uint8_t *dst, float a, float s) { *dst = kvs_kv_fp8_code(a, s); }
+
+template <bool VEC, typename T>
+__global__ void kvs_rope_kv_write_kernel(T *pool, bf16 *q, const bf16 *qkv, const int32_t *positions,
                                          const float *inv_freq, const int32_t *slots, int n_heads, int n_kv_heads,
-                                         int block_size, int head_dim) {
+                                         int block_size, int head_dim, const float *scales) {
     extern __shared__ float2 kvs_rope_cs[]; /* [head_dim / 2] (cos, sin) */
     int i = blockIdx.x, half = head_dim / 2;
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
@@ -117,43 +129,86 @@ __global__ void kvs_rope_kv_write_kernel(bf16 *pool, bf16 *q, const bf16 *qkv, c
     for (int t = threadIdx.x; t < rows * per_row; t += blockDim.x) {
         int h = t / per_row, j = (t % per_row) * step;
         const bf16 *src;
-        bf16 *dst;
-        if (h < n_heads) {
-            dst = q + ((size_t)i * n_heads + h) * head_dim;
+        if (h < n_heads) { /* q, bf16 */
+            bf16 *dst = q + ((size_t)i * n_heads + h) * head_dim;
             src = qkv + i * ld + (size_t)h * head_dim;
-        } else {
-            h -= n_heads;
-            src = k + (size_t)h * head_dim;
-            dst = pool + kvs_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim);
+            if (VEC) {
+                float2 c0 = kvs_rope_cs[j], c1 = kvs_rope_cs[j + 1];
+                float2 x1 = __bfloat1622float2(*(const __nv_bfloat162 *)(src + j));
+                float2 x2 = __bfloat1622float2(*(const __nv_bfloat162 *)(src + j + half));
+                kvs_store2(dst + j, x1.x * c0.x - x2.x * c0.y, x1.y * c1.x - x2.y * c1.y, 1.f);
+                kvs_store2(dst + j + half, x2.x * c0.x + x1.x * c0.y, x2.y * c1.x + x1.y * c1.y, 1.f);
+            } else {
+                float2 cs = kvs_rope_cs[j];
+                float x1 = __bfloat162float(src[j]), x2 = __bfloat162float(src[j + half]);
+                kvs_store1(dst + j, x1 * cs.x - x2 * cs.y, 1.f);
+                kvs_store1(dst + j + half, x2 * cs.x + x1 * cs.y, 1.f);
+            }
+            continue;
         }
+        h -= n_heads;
+        src = k + (size_t)h * head_dim;
+        T *dst = pool + kvs_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim);
+        float ks = kvs_kv_scale(scales, 0, h, n_kv_heads);
         if (VEC) {
             float2 c0 = kvs_rope_cs[j], c1 = kvs_rope_cs[j + 1];
             float2 x1 = __bfloat1622float2(*(const __nv_bfloat162 *)(src + j));
             float2 x2 = __bfloat1622float2(*(const __nv_bfloat162 *)(src + j + half));
-            *(__nv_bfloat162 *)(dst + j) = __floats2bfloat162_rn(x1.x * c0.x - x2.x * c0.y, x1.y * c1.x - x2.y * c1.y);
-            *(__nv_bfloat162 *)(dst + j + half) =
-                __floats2bfloat162_rn(x2.x * c0.x + x1.x * c0.y, x2.y * c1.x + x1.y * c1.y);
+            kvs_store2(dst + j, x1.x * c0.x - x2.x * c0.y, x1.y * c1.x - x2.y * c1.y, ks);
+            kvs_store2(dst + j + half, x2.x * c0.x + x1.x * c0.y, x2.y * c1.x + x1.y * c1.y, ks);
         } else {
             float2 cs = kvs_rope_cs[j];
             float x1 = __bfloat162float(src[j]), x2 = __bfloat162float(src[j + half]);
-            dst[j] = __float2bfloat16(x1 * cs.x - x2 * cs.y);
-            dst[j + half] = __float2bfloat16(x2 * cs.x + x1 * cs.y);
+            kvs_store1(dst + j, x1 * cs.x - x2 * cs.y, ks);
+            kvs_store1(dst + j + half, x2 * cs.x + x1 * cs.y, ks);
         }
     }
     if (slot < 0) return;
     if (!VEC && (head_dim & 1)) /* an odd head_dim's last element is not rotated (as kvs_rope_kernel) */
         for (int h = threadIdx.x; h < n_kv_heads; h += blockDim.x)
-            pool[kvs_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim) + head_dim - 1] =
-                k[(size_t)h * head_dim + head_dim - 1];
+            kvs_store1(pool + kvs_kv_offset(blk, 0, h, off, n_kv_heads, block_size, head_dim) + head_dim - 1,
+                       __bfloat162float(k[(size_t)h * head_dim + head_dim - 1]),
+                       kvs_kv_scale(scales, 0, h, n_kv_heads));
     int piece = VEC ? 8 : 1, per_head = head_dim / piece;
     for (int t = threadIdx.x; t < n_kv_heads * per_head; t += blockDim.x) {
         int h = t / per_head, e = (t % per_head) * piece;
-        bf16 *dst = pool + kvs_kv_offset(blk, 1, h, off, n_kv_heads, block_size, head_dim) + e;
-        if (VEC)
-            *(uint4 *)dst = *(const uint4 *)(vrow + (size_t)h * head_dim + e);
-        else
-            *dst = vrow[(size_t)h * head_dim + e];
+        T *dst = pool + kvs_kv_offset(blk, 1, h, off, n_kv_heads, block_size, head_dim) + e;
+        const bf16 *src = vrow + (size_t)h * head_dim + e;
+        if constexpr (sizeof(T) == 1) {
+            float vs = kvs_kv_scale(scales, 1, h, n_kv_heads);
+            if (VEC) { /* 8 values -> 8 codes, one 8-byte store */
+                uint4 raw = *(const uint4 *)src;
+                const __nv_bfloat162 *x2 = (const __nv_bfloat162 *)&raw;
+                uint8_t c[8];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    float2 f = __bfloat1622float2(x2[u]);
+                    c[2 * u] = kvs_kv_fp8_code(f.x, vs), c[2 * u + 1] = kvs_kv_fp8_code(f.y, vs);
+                }
+                *(uint2 *)dst = *(const uint2 *)c;
+            } else {
+                *dst = kvs_kv_fp8_code(__bfloat162float(*src), vs);
+            }
+        } else if (VEC) {
+            *(uint4 *)dst = *(const uint4 *)src;
+        } else {
+            *dst = *src;
+        }
     }
+}
+
+template <typename T>
+static void launch_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
+                                 const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
+                                 int n_heads, bool vec) {
+    int D = pool->head_dim;
+    size_t smem = sizeof(float2) * (size_t)(D / 2);
+    void (*kernel)(T *, bf16 *, const bf16 *, const int32_t *, const float *, const int32_t *, int, int, int, int,
+                   const float *) = vec ? kvs_rope_kv_write_kernel<true, T> : kvs_rope_kv_write_kernel<false, T>;
+    kernel<<<n, 256, smem, kvs_cuda_of(b)->stream>>>((T *)pool->data, (bf16 *)q, (const bf16 *)qkv, positions,
+                                                     inv_freq, slots, n_heads, pool->n_kv_heads, pool->block_size, D,
+                                                     pool->scales);
+    KVS_CUDA_LAUNCHED(b, "kvs_rope_kv_write_kernel");
 }
 
 void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
@@ -162,10 +217,8 @@ void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, co
     int D = pool->head_dim;
     if (n <= 0 || D < 2) return;
     bool vec = D % 8 == 0 && aligned16(pool->data) && aligned16(q) && aligned16(qkv);
-    size_t smem = sizeof(float2) * (size_t)(D / 2);
-    void (*kernel)(bf16 *, bf16 *, const bf16 *, const int32_t *, const float *, const int32_t *, int, int, int,
-                   int) = vec ? kvs_rope_kv_write_kernel<true> : kvs_rope_kv_write_kernel<false>;
-    kernel<<<n, 256, smem, kvs_cuda_of(b)->stream>>>((bf16 *)pool->data, (bf16 *)q, (const bf16 *)qkv, positions,
-                                                     inv_freq, slots, n_heads, pool->n_kv_heads, pool->block_size, D);
-    KVS_CUDA_LAUNCHED(b, "kvs_rope_kv_write_kernel");
+    if (b->kv_dtype == KVS_F8_E4M3)
+        launch_rope_kv_write<uint8_t>(b, pool, q, qkv, positions, inv_freq, slots, n, n_heads, vec);
+    else
+        launch_rope_kv_write<bf16>(b, pool, q, qkv, positions, inv_freq, slots, n, n_heads, vec);
 }

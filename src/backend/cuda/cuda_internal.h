@@ -6,6 +6,8 @@
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 extern "C" {
@@ -14,10 +16,50 @@ extern "C" {
 
 typedef __nv_bfloat16 bf16;
 
-/* Element offset of (block, kind, head, offset) in a bf16 paged KV pool. */
+/* Element offset of (block, kind, head, offset) in a paged KV pool (bf16 or
+ * FP8: elements of 2 bytes or 1). */
 __device__ __forceinline__ size_t kvs_kv_offset(int block, int kind, int head, int offset, int n_kv_heads,
                                                 int block_size, int head_dim) {
     return ((((size_t)block * 2 + kind) * n_kv_heads + head) * block_size + offset) * (size_t)head_dim;
+}
+
+/* ---- FP8 KV pools (backend.h kvs_kv_pool; docs/CUDA.md "FP8 KV cache") ---------- */
+/* The scale of K (kind 0) or V (kind 1) of KV head g; 1 without scales. */
+__device__ __forceinline__ float kvs_kv_scale(const float *scales, int kind, int g, int n_kv_heads) {
+    return scales ? scales[kind * n_kv_heads + g] : 1.f;
+}
+/* The stored code of x: e4m3(x / s), IEEE division, round to nearest even,
+ * saturating (kvs_f32_to_e4m3 bit for bit). */
+__device__ __forceinline__ uint8_t kvs_kv_fp8_code(float x, float s) {
+    return (uint8_t)__nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3);
+}
+/* 8 codes (8 bytes) as 8 bf16 (16 bytes), exactly: every E4M3 value is an f16
+ * value and a bf16 value (cvt e4m3x2 -> f16x2, then through f32). */
+__device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8(uint2 c) {
+    uint4 out;
+    uint32_t *o = (uint32_t *)&out;
+    const uint32_t w[2] = {c.x, c.y};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)((w[i / 2] >> (16 * (i & 1))) & 0xffffu);
+        __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
+        float2 f = __half22float2(h);
+        __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+        o[i] = *(uint32_t *)&b;
+    }
+    return out;
+}
+/* 8 codes as 8 f16, exactly: one cvt per pair (the FP8 decode kernel's f16 mma path). */
+__device__ __forceinline__ uint4 kvs_fp8x8_to_f16x8(uint2 c) {
+    uint4 out;
+    uint32_t *o = (uint32_t *)&out;
+    const uint32_t w[2] = {c.x, c.y};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[i / 2] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
+        o[i] = (uint32_t)h.x | ((uint32_t)h.y << 16);
+    }
+    return out;
 }
 
 /* Sum of v over the block, returned to every thread (blockDim.x a multiple of
@@ -74,6 +116,7 @@ typedef struct {
     int n_sms;
     int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int fp8_gemm; /* kvs_cuda_fp8_gemm, resolved (never AUTO): how matmul_fp8 scales (cuda_fp8.cu) */
+    int fp8_kv_decode_bf16; /* FP8 KV decode through bf16 mma's (KVSPARSE_FP8_KV_DECODE=bf16), not f16 */
     int fp8_outer_missing; /* cuBLASLt found no outer-vector FP8 algorithm once: AUTO falls back to EPILOGUE_FAST */
     int failed; /* sticky: a CUDA call failed; check reports failure */
     char failure[512]; /* the first failure's message */

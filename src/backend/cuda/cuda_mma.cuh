@@ -1,5 +1,5 @@
 /* Tensor-core device helpers shared by the attention and SnapKV-score kernels
- * (internal to src/backend/cuda): mma.sync m16n8k16 bf16, ldmatrix, cp.async,
+ * (internal to src/backend/cuda): mma.sync m16n8k16 bf16 (and f16), ldmatrix, cp.async,
  * exp2 and bf16 packing. Include after cuda_internal.h. */
 #ifndef KVS_CUDA_MMA_CUH
 #define KVS_CUDA_MMA_CUH
@@ -44,6 +44,20 @@ __device__ __forceinline__ void kvs_mma_bf16(float (&c)[4], const uint32_t (&a)[
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* c += a (16x16 f16, row) * b (16x8 f16, col), fp32 accumulators (the FP8 decode path) */
+__device__ __forceinline__ void kvs_mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* bf16 (F16 false) or f16 operands */
+template <bool F16>
+__device__ __forceinline__ void kvs_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if (F16) kvs_mma_f16(c, a, b0, b1);
+    else kvs_mma_bf16(c, a, b0, b1);
+}
+
 __device__ __forceinline__ float kvs_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -52,6 +66,12 @@ __device__ __forceinline__ float kvs_exp2(float x) {
 
 __device__ __forceinline__ uint32_t kvs_pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&v;
+}
+template <bool F16>
+__device__ __forceinline__ uint32_t kvs_pack(float lo, float hi) {
+    if (!F16) return kvs_pack_bf16(lo, hi);
+    __half2 v = __floats2half2_rn(lo, hi);
     return *(uint32_t *)&v;
 }
 

@@ -75,11 +75,13 @@ __device__ __forceinline__ void kvs_sc_issue_rows(uint32_t q_s, float *lse_s, co
     }
 }
 
-template <int D>
+/* FP8 pools: the block's K codes are read and decoded into the bf16 rows
+ * (exact), and the K scale of head g joins the softmax scale. */
+template <int D, bool FP8>
 __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
     kvs_sparsity_scores_mma_kernel(float *scores, const bf16 *win_q, const float *win_lse, int n_win, const bf16 *pool,
                                    const int32_t *table, int n_keys, int n_heads, int n_kv_heads, int block_size,
-                                   float scale) {
+                                   float scale, const float *scales) {
     using S = kvs_sc_shape<D>;
     constexpr int MT = S::MT, RB = S::RB, CH = D / 8;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -93,10 +95,12 @@ __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
     for (int p = threadIdx.x; p < S::KEYS * CH; p += KVS_SC_WARPS * 32) {
         int r = p / CH, c = p % CH, e = key0 + r;
         bool ok = e < n_keys;
-        const bf16 *src = pool;
-        if (ok)
-            src = pool + kvs_kv_offset(table[e / block_size], 0, g, e % block_size, n_kv_heads, block_size, D) + c * 8;
-        kvs_cp_async16(k_s + r * RB + c * 16, src, ok);
+        size_t off = ok ? kvs_kv_offset(table[e / block_size], 0, g, e % block_size, n_kv_heads, block_size, D) + c * 8 : 0;
+        if (FP8) /* plain loads: the stores are seen after the barrier before the A fragments are read */
+            *(uint4 *)(smem + r * RB + c * 16) =
+                ok ? kvs_fp8x8_to_bf16x8(*(const uint2 *)((const uint8_t *)pool + off)) : make_uint4(0, 0, 0, 0);
+        else
+            kvs_cp_async16(k_s + r * RB + c * 16, ok ? pool + off : pool, ok);
     }
     kvs_sc_issue_rows<D>(q_s0, lse_s0, win_q, win_lse, 0, n_rows, g, group, n_heads);
     kvs_cp_async_commit();
@@ -105,7 +109,7 @@ __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
     float acc[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) acc[mt][0] = acc[mt][1] = 0.f;
-    const float scale_log2 = scale * KVS_LOG2E;
+    const float scale_log2 = scale * KVS_LOG2E * (FP8 ? kvs_kv_scale(scales, 0, g, n_kv_heads) : 1.f);
 
     for (int ch = 0; ch < n_chunks; ch++) {
         const int buf = ch & 1;
@@ -179,12 +183,13 @@ static void launch_scores(kvs_backend *b, float *scores, const void *win_q, cons
                           const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale) {
     using S = kvs_sc_shape<D>;
     /* every launch, like the attention kernels: the attribute is per device (tensor parallelism) */
-    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kvs_sparsity_scores_mma_kernel<D>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S::BYTES));
+    bool fp8 = b->kv_dtype == KVS_F8_E4M3;
+    auto kernel = fp8 ? kvs_sparsity_scores_mma_kernel<D, true> : kvs_sparsity_scores_mma_kernel<D, false>;
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S::BYTES));
     dim3 grid(kvs_cuda_blocks(n_keys, S::KEYS), pool->n_kv_heads);
-    kvs_sparsity_scores_mma_kernel<D><<<grid, KVS_SC_WARPS * 32, S::BYTES, kvs_cuda_of(b)->stream>>>(
+    kernel<<<grid, KVS_SC_WARPS * 32, S::BYTES, kvs_cuda_of(b)->stream>>>(
         scores, (const bf16 *)win_q, win_lse, n_win, (const bf16 *)pool->data, table, n_keys, n_heads,
-        pool->n_kv_heads, pool->block_size, scale);
+        pool->n_kv_heads, pool->block_size, scale, fp8 ? pool->scales : NULL);
     KVS_CUDA_LAUNCHED(b, "kvs_sparsity_scores_mma_kernel");
 }
 
