@@ -51,6 +51,19 @@ kvs_seq_usage kvs_runner_seq_usage(const kvs_runner *g, int seq_id) {
     return u;
 }
 
+void kvs_runner_seq_layers(const kvs_runner *g, int seq_id, int32_t *entries, uint8_t *sparse) {
+    const kvs_kv_cache *kv = g->ranks[0].kv;
+    for (int l = 0; l < kvs_kv_get_config(kv)->n_layers; l++) {
+        entries[l] = kvs_kv_len(kv, seq_id, l);
+        sparse[l] = kvs_kv_layer_sparse(kv, seq_id, l);
+    }
+}
+
+size_t kvs_runner_kv_entry_bytes(const kvs_runner *g) {
+    const kvs_kv_config *c = kvs_kv_get_config(g->ranks[0].kv);
+    return kvs_kv_block_bytes(c, g->ranks[0].be->kv_dtype) / (size_t)c->block_size * (size_t)g->world;
+}
+
 /* ---- lockstep operations ------------------------------------------------------ */
 typedef enum { KV_SEQ_CREATE, KV_SEQ_FREE, KV_SET_POLICY, KV_RESERVE, KV_COMMIT, KV_FORK, KV_SPARSIFY, KV_ATTACH } kv_op;
 typedef struct {
