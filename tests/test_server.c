@@ -1040,3 +1040,33 @@ Test(server, kv_memory_per_layer_and_the_chat_page) {
     free(page.body);
     cr_expect_eq(stop_server(&s), 0);
 }
+
+/* A model with a sliding-window layer (tests/fixtures/arch/qwen2-sliding: layer
+ * 1 a window of 64, no tokenizer: ids in): the kv extension marks that layer
+ * "window" and its entries stay within the window, the full layer holds the
+ * prompt; with a sparse policy layer 0 is compacted and layer 1 still a window. */
+Test(server, kv_layers_of_a_sliding_window_model) {
+    char extra[1200];
+    snprintf(extra, sizeof extra, "-m '%s'", src_path("tests/fixtures/arch/qwen2-sliding"));
+    server_proc s = start_server(extra);
+    char body[8192];
+    for (int sparse = 0; sparse < 2; sparse++) {
+        int n = snprintf(body, sizeof body, "{\"prompt\": [");
+        for (int i = 0; i < 300; i++) n += snprintf(body + n, sizeof body - n, "%s%d", i ? "," : "", 3 + (i * 37) % 500);
+        snprintf(body + n, sizeof body - n, "], \"max_tokens\": 4, \"temperature\": 0, \"ignore_eos\": true%s}",
+                 sparse ? ", \"kv_policy\": {\"policy\": \"snapkv\", \"budget\": 32, \"window\": 16}" : "");
+        json_t *j = post_json(s.port, "/v1/completions", body, 200);
+        json_t *layers = json_object_get(json_object_get(j, "kv"), "layers");
+        cr_assert_eq(json_array_size(layers), 2, "%s", body);
+        json_t *l0 = json_array_get(layers, 0), *l1 = json_array_get(layers, 1);
+        cr_expect(json_is_true(json_object_get(l1, "window")) && json_is_false(json_object_get(l1, "sparse")));
+        cr_expect_null(json_object_get(l0, "window"));
+        int e0 = (int)json_integer_value(json_object_get(l0, "entries"));
+        int e1 = (int)json_integer_value(json_object_get(l1, "entries"));
+        cr_expect(e1 >= 63 && e1 <= 63 + 15, "the window layer holds %d entries", e1);
+        if (sparse) cr_expect(json_is_true(json_object_get(l0, "sparse")) && e0 == 32, "layer 0: %d entries", e0);
+        else cr_expect(json_is_false(json_object_get(l0, "sparse")) && e0 == 300, "layer 0: %d entries", e0);
+        json_decref(j);
+    }
+    cr_expect_eq(stop_server(&s), 0);
+}

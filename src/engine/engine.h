@@ -128,9 +128,10 @@ typedef struct {
     double prompt_compression;
     int cached_tokens;        /* prompt tokens found in the prefix cache (the latest admission) */
     /* on the first token's delivery too (else NULL): each layer's KV entries
-       after the prompt and whether its policy compacts it ([n_layers]) */
+       after the prompt and its kind ([n_layers]; kvs_runner_seq_layers: 0 full,
+       1 compacted by the request's policy, 2 a sliding-window layer) */
     const int32_t *layer_entries;
-    const uint8_t *layer_sparse;
+    const uint8_t *layer_kind;
     int n_layers;
 } kvs_request_output;
 

@@ -77,8 +77,9 @@ static void put_kv(json_t *root, const kvs_resp_kv *kv, int prompt_tokens) {
         json_t *layers = json_array();
         int64_t held = 0;
         for (int l = 0; l < kv->n_layers; l++) {
-            json_array_append_new(layers, json_pack("{s:i, s:b}", "entries", kv->layer_entries[l], "sparse",
-                                                    kv->layer_sparse[l] != 0));
+            json_t *layer = json_pack("{s:i, s:b}", "entries", kv->layer_entries[l], "sparse", kv->layer_kind[l] == 1);
+            if (kv->layer_kind[l] == 2) json_object_set_new(layer, "window", json_true()); /* a sliding-window layer */
+            json_array_append_new(layers, layer);
             held += kv->layer_entries[l];
         }
         json_object_set_new(j, "layers", layers);

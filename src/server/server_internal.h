@@ -74,9 +74,9 @@ typedef struct {
     double compression_ratio; /* entries a full cache would hold / entries held (1: nothing dropped) */
     int cached_tokens;        /* prompt tokens found in the prefix cache */
     int min_prompt;           /* the policy's min_prompt: a shorter prompt keeps its cache full */
-    /* the prompt's KV per layer (n_layers 0: not known): entries, compacted or not, and an entry's bytes */
+    /* the prompt's KV per layer (n_layers 0: not known): entries, kind (engine.h) and an entry's bytes */
     const int32_t *layer_entries;
-    const uint8_t *layer_sparse;
+    const uint8_t *layer_kind;
     int n_layers;
     size_t entry_bytes;
 } kvs_resp_kv;
@@ -130,7 +130,7 @@ typedef struct kvs_gen {
     double compression; /* choice 0's prompt compression (its first output) */
     int cached_tokens;  /* choice 0's prefix-cache hit */
     int32_t *layer_entries; /* choice 0's KV entries per layer after the prompt ([n_layers]; NULL: not yet) */
-    uint8_t *layer_sparse;
+    uint8_t *layer_kind;
     int n_layers;
     size_t kv_entry_bytes;  /* one KV entry's bytes (the engine's kvs_engine_limits) */
     double t_submit;    /* when it went to the engine */
