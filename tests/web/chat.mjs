@@ -58,6 +58,17 @@ try {
   await page.type('#input', 'What is the access code for Marigold?');
   await page.keyboard.press('Enter');
   await page.waitForFunction(() => document.querySelectorAll('.assistant .kv').length === 2, { timeout: 120000 });
+
+  // Stop during an answer (the tiny model may end first: server-side aborts are test_server_http's)
+  // leaves the page ready for the next message
+  await page.$eval('#max-tokens', (e) => { e.value = '2000'; });
+  await page.type('#input', 'Tell me a long story about the harbour.');
+  await page.keyboard.press('Enter');
+  await page.waitForSelector('#stop:not([disabled])', { timeout: 15000 });
+  await page.click('#stop');
+  await page.waitForSelector('#send:not([disabled])', { timeout: 15000 });
+  assert.equal(await page.$eval('#stop', (e) => e.disabled), true, 'Stop is off again');
+  assert.equal(await page.$$eval('.assistant .msg.streaming', (m) => m.length), 0, 'nothing streams after Stop');
   await page.click('#new-chat');
   assert.equal(await page.$$eval('.turn', (t) => t.length), 0, 'a new chat has no turns');
 } catch (e) {
