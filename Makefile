@@ -4,12 +4,13 @@ ASAN    ?= build-asan
 FUZZB   ?= build-fuzz
 JOBS    ?= $(shell nproc)
 MODEL   ?= models/tiny-needle-llama
+PREFIX  ?= /usr/local
 CMAKE_FLAGS ?=
 
 # cmake --build runs make again: without this every build prints "make[1]: Entering directory"
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all deps configure kvsparse build run demo test test-asan fuzz-smoke bench eval clean
+.PHONY: all deps configure kvsparse build install run demo test test-asan fuzz-smoke bench eval clean
 
 all: build
 
@@ -26,6 +27,12 @@ kvsparse: configure
 # everything: kvsparse and the test binaries
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
+
+# libkvsparse (shared and static), kvsparse.h, kvsparse.pc and the kvsparse binary under PREFIX
+# (lib/, include/, lib/pkgconfig/, bin/): make install PREFIX=$$HOME/.local
+install: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target kvsparse kvsparse_shared kvsparse_static
+	cmake --install $(BUILD) --prefix $(PREFIX)
 
 # Serves the bundled model on http://127.0.0.1:8000/v1 (OpenAI API; Ctrl-C stops it)
 run: kvsparse

@@ -184,6 +184,37 @@ Test(cuda, rowwise_ops) {
     duo_close(&d);
 }
 
+/* Qwen3's per-head q_norm / k_norm on QKV rows, in place: the q pieces with
+ * one weight, the k pieces with another, v untouched (as rmsnorm's bounds). */
+Test(cuda, head_rmsnorm) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const int n = 37, heads = 8, kv_heads = 2;
+    for (int D = 64; D <= 128; D += 64) {
+        int stride = (heads + 2 * kv_heads) * D;
+        float *x = rnd(&d, (size_t)n * stride, 2.0f), *wq = rnd(&d, D, 1.0f), *wk = rnd(&d, D, 1.0f);
+        void *cx = cpu_put(&d, x, (size_t)n * stride), *gx = gpu_put(&d, x, (size_t)n * stride);
+        void *cq = cpu_put(&d, wq, D), *gq = gpu_put(&d, wq, D), *ck = cpu_put(&d, wk, D), *gk = gpu_put(&d, wk, D);
+        d.cpu->head_rmsnorm(d.cpu, cx, cq, n, stride, heads, D, 1e-6f);
+        d.cpu->head_rmsnorm(d.cpu, (float *)cx + heads * D, ck, n, stride, kv_heads, D, 1e-6f);
+        d.gpu->head_rmsnorm(d.gpu, gx, gq, n, stride, heads, D, 1e-6f);
+        d.gpu->head_rmsnorm(d.gpu, (uint16_t *)gx + heads * D, gk, n, stride, kv_heads, D, 1e-6f);
+        float *got = gpu_get(&d, gx, (size_t)n * stride);
+        char what[64];
+        snprintf(what, sizeof what, "head_rmsnorm head_dim %d", D);
+        expect_close(what, got, cx, (size_t)n * stride, 1e-2, 1e-2);
+        float *cpu = malloc(sizeof(float) * n * stride);
+        d.cpu->to_host(d.cpu, cpu, cx, sizeof(float) * n * stride);
+        for (int i = 0; i < n; i++) /* v untouched: x's bf16 rounding (cpu_put holds the rounded values too) */
+            for (int j = (heads + kv_heads) * D; j < stride; j++)
+                cr_expect_eq(got[(size_t)i * stride + j], cpu[(size_t)i * stride + j], "v changed at row %d", i);
+        free(got), free(cpu), free(x), free(wq), free(wk);
+        void *pc[] = {cx, cq, ck}, *pg[] = {gx, gq, gk};
+        for (int i = 0; i < 3; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
+    }
+    duo_close(&d);
+}
+
 Test(cuda, rope) {
     duo d;
     OPEN_OR_SKIP(&d);
@@ -527,6 +558,9 @@ static void check_pools_equal(duo *d, paged *p, const char *what) {
     free(got);
 }
 
+/* the sliding window of the attention calls below (0: none; a test sets it and puts 0 back) */
+static int attention_window = 0;
+
 /* One attention call over sequences (kv_len[s], q_len[s]) on both backends.
  * capacity > 1 emulates CUDA-graph mode: the block-table stride and max_kv_len
  * are capacity x what the sequences need (the extra table entries are block 0),
@@ -565,18 +599,18 @@ static void attention_case_prefill(kvs_cuda_prefill prefill, int n_heads, int n_
     void *ct = put_i32(d.cpu, p.tables, tn), *gt = put_i32(d.gpu, p.tables, tn);
     void *co = d.cpu->alloc(d.cpu, qn * 4), *go = d.gpu->alloc(d.gpu, qn * 2);
     float *cl = d.cpu->alloc(d.cpu, sizeof(float) * n * n_heads), *gl = d.gpu->alloc(d.gpu, sizeof(float) * n * n_heads);
-    kvs_attn_batch cab = {n_seqs, n, p.max_blocks, max_q, max_kv, cqs, ckl, ct};
-    kvs_attn_batch gab = {n_seqs, n, p.max_blocks, max_q, max_kv, gqs, gkl, gt};
+    kvs_attn_batch cab = {n_seqs, n, p.max_blocks, max_q, max_kv, cqs, ckl, ct, attention_window};
+    kvs_attn_batch gab = {n_seqs, n, p.max_blocks, max_q, max_kv, gqs, gkl, gt, attention_window};
     float scale = 1.0f / sqrtf((float)D);
     d.cpu->attention(d.cpu, co, cl, cq, &p.cpu, &cab, n_heads, scale);
     d.gpu->attention(d.gpu, go, gl, gq, &p.gpu, &gab, n_heads, scale);
     float *got = gpu_get(&d, go, qn), *got_lse = gpu_get_f32(&d, gl, (size_t)n * n_heads);
     char what[160];
-    snprintf(what, sizeof what, "attention %s heads %d/%d head_dim %d, %d seqs max_kv %d: out",
-             max_q <= 1 ? "decode" : "varlen", n_heads, n_kv, D, n_seqs, max_kv);
+    snprintf(what, sizeof what, "attention %s heads %d/%d head_dim %d, %d seqs max_kv %d window %d: out",
+             max_q <= 1 ? "decode" : "varlen", n_heads, n_kv, D, n_seqs, max_kv, attention_window);
     expect_close(what, got, co, qn, 2e-2, 2e-2);
-    snprintf(what, sizeof what, "attention %s heads %d/%d head_dim %d, %d seqs max_kv %d: lse",
-             max_q <= 1 ? "decode" : "varlen", n_heads, n_kv, D, n_seqs, max_kv);
+    snprintf(what, sizeof what, "attention %s heads %d/%d head_dim %d, %d seqs max_kv %d window %d: lse",
+             max_q <= 1 ? "decode" : "varlen", n_heads, n_kv, D, n_seqs, max_kv, attention_window);
     expect_close(what, got_lse, cl, (size_t)n * n_heads, 2e-3, 1e-3);
     /* without lse the output is the same */
     d.gpu->attention(d.gpu, go, NULL, gq, &p.gpu, &gab, n_heads, scale);
@@ -609,6 +643,23 @@ Test(cuda, attention_varlen_d64_gqa1) { attention_case(8, 8, 64, MIX_N, mix_kv, 
 Test(cuda, attention_varlen_d64_gqa4) { attention_case(16, 4, 64, MIX_N, mix_kv, mix_q); }
 Test(cuda, attention_varlen_d32_gqa2) { attention_case(4, 2, 32, MIX_N, mix_kv, mix_q); }
 Test(cuda, attention_varlen_d96_fallback) { attention_case(8, 2, 96, MIX_N, mix_kv, mix_q); }
+/* Sliding windows (kvs_attn_batch.window): every token, prefill or decode,
+ * sees its own entry and the window - 1 before it; windows shorter than a
+ * chunk, than a block, longer than some sequences; decode in graph mode too. */
+Test(cuda, attention_sliding_window) {
+    const int windows[] = {1, 7, 16, 48, 64, 300};
+    static const int dec_kv[] = {1, 15, 16, 17, 100, 333, 700, 64}, dec_q[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    for (size_t i = 0; i < sizeof windows / sizeof windows[0]; i++) {
+        attention_window = windows[i];
+        attention_case(32, 8, 128, MIX_N, mix_kv, mix_q);
+        attention_case(4, 2, 32, MIX_N, mix_kv, mix_q);
+        attention_case(8, 2, 96, MIX_N, mix_kv, mix_q);
+        attention_case(16, 4, 64, 8, dec_kv, dec_q);
+        attention_case_cap(16, 4, 64, 8, dec_kv, dec_q, 4);
+    }
+    attention_window = 0;
+}
+
 Test(cuda, attention_prefill_long_d128) {
     const int kv[] = {1500, 333}, q[] = {1500, 333};
     attention_case(32, 8, 128, 2, kv, q);
@@ -1505,6 +1556,10 @@ static void e2e_arch(const char *arch) {
 Test(cuda, e2e_llama3_rope_scaling, .timeout = 600) { e2e_arch("llama3-rope-scaling"); }
 Test(cuda, e2e_qwen2_bias_tied, .timeout = 600) { e2e_arch("qwen2-bias-tied"); }
 Test(cuda, e2e_mistral, .timeout = 600) { e2e_arch("mistral"); }
+/* the project's fixtures (tests/fixtures/arch): Qwen3's q_norm / k_norm, sliding windows */
+Test(cuda, e2e_qwen3, .timeout = 600) { e2e_arch("qwen3"); }
+Test(cuda, e2e_qwen2_sliding, .timeout = 600) { e2e_arch("qwen2-sliding"); }
+Test(cuda, e2e_mistral_sliding, .timeout = 600) { e2e_arch("mistral-sliding"); }
 
 /* ---- sampling (backend/sample.h) ---------------------------------------------
  * The same bf16 logits on both backends, so z = x / T is the same f32 on both

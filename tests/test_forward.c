@@ -413,3 +413,106 @@ Test(forward, one_metadata_upload_per_step) {
     rig_close(&r);
     cpu->destroy(cpu);
 }
+
+/* The project's own fixtures (tests/fixtures/arch, scripts/make-arch-fixtures):
+ * Qwen3 (q_norm / k_norm per head, head_dim 64 of hidden 128, tied), Qwen2 with
+ * a sliding window of 64 in layer 1 only, Mistral with a window of 48 in every
+ * layer (not a multiple of the block size). The long case prefills 2048
+ * tokens in chunks of 300 (the window masks within and across chunks) and
+ * decodes 16 past them (sliding layers trimmed to their windows). */
+Test(forward, qwen3_qk_norm) { check_arch("qwen3"); }
+Test(forward, qwen2_sliding_window) { check_arch("qwen2-sliding"); }
+Test(forward, mistral_sliding_window) { check_arch("mistral-sliding"); }
+Test(forward, qwen3_and_sliding_fixtures_with_checkpoint_dtype_weights) {
+    check_arch_weights("qwen3", KVS_DTYPE_COUNT);
+    check_arch_weights("qwen2-sliding", KVS_DTYPE_COUNT);
+    check_arch_weights("mistral-sliding", KVS_DTYPE_COUNT);
+}
+
+/* qwen2-sliding's short case as the prompt; then n greedy tokens, one a step,
+ * calling check after each (the sequence's length so far). */
+static void sliding_generate(rig *r, int seq, int n, void (*check)(rig *, int, int)) {
+    char dir[1024];
+    json_t *ref = arch_reference("qwen2-sliding", dir, sizeof dir);
+    int n_ids;
+    int32_t *ids = json_ids(json_object_get(json_array_get(json_object_get(ref, "cases"), 0), "input_ids"), &n_ids);
+    float *logits = malloc(sizeof(float) * r->cfg.vocab_size);
+    prefill(r, seq, ids, n_ids, 0, n_ids, logits);
+    for (int i = 0; i < n; i++) {
+        int32_t tok = argmax_f(logits, r->cfg.vocab_size);
+        prefill(r, seq, &tok, 1, n_ids + i, 1, logits);
+        check(r, seq, n_ids + i + 1);
+    }
+    for (int v = 0; v < r->cfg.vocab_size; v++) cr_assert(isfinite(logits[v]), "logit %d after %d tokens", v, n);
+    free(logits);
+    free(ids);
+    json_decref(ref);
+}
+
+static void check_bounded(rig *r, int seq, int n) {
+    int W = kvs_config_layer_window(&r->cfg, 1), bs = 16;
+    cr_assert_eq(kvs_kv_len(r->kv, seq, 0), n, "the full layer holds every token");
+    int len = kvs_kv_len(r->kv, seq, 1), nb;
+    kvs_kv_blocks(r->kv, seq, 1, &nb);
+    /* what the next query sees (W - 1 entries before it), plus less than a block not yet dropped */
+    cr_assert(len >= (n < W - 1 ? n : W - 1) && len <= W - 1 + bs - 1, "%d tokens: the sliding layer holds %d", n, len);
+    cr_assert_leq(nb, (W - 1 + bs - 1 + bs - 1) / bs, "%d tokens: %d blocks", n, nb);
+}
+
+/* A sliding layer's memory stays bounded by its window over a 4,000-token
+ * generation while the full layer holds every token; the pool's books balance. */
+Test(forward, sliding_window_memory_stays_bounded_over_4000_tokens) {
+    char dir[1024];
+    json_decref(arch_reference("qwen2-sliding", dir, sizeof dir));
+    rig r;
+    rig_open(&r, dir, NULL, RIG_BLOCKS(4100, 1), 1);
+    cr_assert(kvs_config_layer_window(&r.cfg, 0) == 0 && kvs_config_layer_window(&r.cfg, 1) == 64);
+    cr_assert_eq(kvs_kv_layer_window(r.kv, 1), 64);
+    int seq = kvs_kv_seq_create(r.kv);
+    sliding_generate(&r, seq, 4000, check_bounded);
+    int nb0, nb1;
+    kvs_kv_blocks(r.kv, seq, 0, &nb0);
+    kvs_kv_blocks(r.kv, seq, 1, &nb1);
+    cr_expect_eq(kvs_kv_used_blocks(r.kv), nb0 + nb1);
+    cr_expect_eq(kvs_kv_check(r.kv), KVS_OK, "%s", kvs_last_error());
+    kvs_kv_free(r.kv, seq);
+    cr_expect_eq(kvs_kv_used_blocks(r.kv), 0);
+    rig_close(&r);
+}
+
+static void check_composed(rig *r, int seq, int n) {
+    cr_assert(kvs_kv_layer_sparse(r->kv, seq, 0) && !kvs_kv_layer_sparse(r->kv, seq, 1));
+    cr_assert_leq(kvs_kv_len(r->kv, seq, 0), 32 + 16, "the sparse layer: its budget plus the decode window");
+    cr_assert_leq(kvs_kv_len(r->kv, seq, 1), 64 - 1 + 15, "the sliding layer: its window");
+}
+
+/* A sparse policy composes with sliding windows: the full-attention layer is
+ * compacted to its budget, the sliding layer is left to its window. */
+Test(forward, sparse_policy_composes_with_sliding_window) {
+    char dir[1024];
+    json_t *ref = arch_reference("qwen2-sliding", dir, sizeof dir);
+    rig r;
+    rig_open(&r, dir, NULL, RIG_BLOCKS(700, 1), 1);
+    int n;
+    int32_t *ids = json_ids(json_object_get(json_array_get(json_object_get(ref, "cases"), 1), "input_ids"), &n);
+    n = 400;
+    kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_SNAPKV);
+    p.budget_tokens = 32, p.budget_fraction = 0, p.window = 16, p.min_prompt = 0;
+    int seq = kvs_kv_seq_create(r.kv);
+    cr_assert_eq(kvs_kv_set_policy(r.kv, seq, &p, n), KVS_OK, "%s", kvs_last_error());
+    float *logits = malloc(sizeof(float) * r.cfg.vocab_size);
+    prefill(&r, seq, ids, n, 0, 100, logits);
+    cr_expect_eq(kvs_kv_len(r.kv, seq, 0), 32, "compacted to its budget after the prompt");
+    check_composed(&r, seq, n);
+    for (int i = 0; i < 200; i++) {
+        int32_t tok = argmax_f(logits, r.cfg.vocab_size);
+        prefill(&r, seq, &tok, 1, n + i, 1, logits);
+        check_composed(&r, seq, n + i + 1);
+    }
+    cr_expect_eq(kvs_kv_check(r.kv), KVS_OK, "%s", kvs_last_error());
+    free(logits);
+    free(ids);
+    kvs_kv_free(r.kv, seq);
+    rig_close(&r);
+    json_decref(ref);
+}

@@ -274,6 +274,41 @@ Test(config, layouts_and_fallbacks) {
     /* Mistral's sliding window as long as the context: harmless */
     cr_assert_eq(parse_str("{\"model_type\":\"mistral\"," BASE ",\"max_position_embeddings\":4096,"
                            "\"sliding_window\":4096}", &c), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(c.sliding_window, 0);
+}
+
+/* Sliding windows as transformers reads them: Mistral's in every layer;
+ * Qwen's with use_sliding_window from max_window_layers on (else none);
+ * layer_types when given. Qwen3 has q_norm / k_norm. */
+Test(config, sliding_windows_and_qwen3) {
+    kvs_config c;
+    cr_assert_eq(parse_str("{\"model_type\":\"mistral\"," BASE ",\"max_position_embeddings\":32768,"
+                           "\"sliding_window\":4096}", &c), KVS_OK, "%s", kvs_last_error());
+    cr_expect(kvs_config_layer_window(&c, 0) == 4096 && kvs_config_layer_window(&c, 1) == 4096);
+    cr_expect_eq(kvs_config_layer_window(&c, 2), 0, "no layer 2");
+    cr_assert_eq(parse_str("{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":4096}", &c), KVS_OK);
+    cr_expect_eq(c.sliding_window, 0, "Qwen2 without use_sliding_window: none");
+    cr_assert_eq(parse_str("{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":64,\"use_sliding_window\":true}",
+                           &c), KVS_OK);
+    cr_expect_eq(c.sliding_window, 0, "max_window_layers 28 by default: no layer of 2");
+    cr_assert_eq(parse_str("{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":64,\"use_sliding_window\":true,"
+                           "\"max_window_layers\":1}", &c), KVS_OK);
+    cr_expect(kvs_config_layer_window(&c, 0) == 0 && kvs_config_layer_window(&c, 1) == 64);
+    cr_assert_eq(parse_str("{\"model_type\":\"qwen3\"," BASE ",\"sliding_window\":32,\"use_sliding_window\":false,"
+                           "\"layer_types\":[\"sliding_attention\",\"full_attention\"]}", &c), KVS_OK);
+    cr_expect(kvs_config_layer_window(&c, 0) == 32 && kvs_config_layer_window(&c, 1) == 0, "layer_types decide");
+    cr_expect(c.qk_norm && !c.attention_bias);
+    cr_expect_str_eq(c.architecture, "Qwen3ForCausalLM");
+    cr_assert_eq(parse_str("{\"model_type\":\"llama\"," BASE ",\"sliding_window\":64,\"use_sliding_window\":true}",
+                           &c), KVS_OK);
+    cr_expect(c.sliding_window == 0 && !c.qk_norm, "Llama has no sliding window");
+    int64_t shape[2];
+    int nd;
+    cr_assert_eq(parse_str("{\"architectures\":[\"Qwen3ForCausalLM\"]," BASE ",\"head_dim\":32}", &c), KVS_OK);
+    cr_expect(kvs_weight_expected(&c, KVS_W_Q_NORM, shape, &nd) && nd == 1 && shape[0] == 32);
+    char name[96];
+    kvs_weight_name(KVS_W_K_NORM, 3, name, sizeof name);
+    cr_expect_str_eq(name, "model.layers.3.self_attn.k_norm.weight");
 }
 
 typedef struct {
@@ -323,10 +358,21 @@ Test(config, errors) {
         {"{\"model_type\":\"llama\"," BASE ",\"rms_norm_eps\":\"1e-5\"}", KVS_ERR_FORMAT, "field 'rms_norm_eps'"},
         {"{\"model_type\":\"llama\"," BASE ",\"tie_word_embeddings\":1}", KVS_ERR_FORMAT, "field 'tie_word_embeddings' must be true or false"},
         {"{\"model_type\":\"llama\"," BASE ",\"attention_bias\":true}", KVS_ERR_UNSUPPORTED, "field 'attention_bias'"},
-        {"{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":4096,\"use_sliding_window\":true}", KVS_ERR_UNSUPPORTED,
-         "field 'sliding_window' (4096)"},
-        {"{\"model_type\":\"mistral\"," BASE ",\"max_position_embeddings\":32768,\"sliding_window\":4096}",
-         KVS_ERR_UNSUPPORTED, "sliding-window attention is unsupported"},
+        {"{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":\"4096\",\"use_sliding_window\":true}", KVS_ERR_FORMAT,
+         "field 'sliding_window' must be a positive integer"},
+        {"{\"model_type\":\"mistral\"," BASE ",\"sliding_window\":0}", KVS_ERR_FORMAT,
+         "field 'sliding_window' must be a positive integer"},
+        {"{\"model_type\":\"qwen3\"," BASE ",\"sliding_window\":64,\"use_sliding_window\":1}", KVS_ERR_FORMAT,
+         "field 'use_sliding_window' must be true or false"},
+        {"{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":64,\"max_window_layers\":-1}", KVS_ERR_FORMAT,
+         "field 'max_window_layers'"},
+        {"{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":64,\"layer_types\":[\"full_attention\"]}", KVS_ERR_FORMAT,
+         "field 'layer_types' must be a list of num_hidden_layers (2) strings"},
+        {"{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":64,\"layer_types\":[\"full_attention\",\"chunked_attention\"]}",
+         KVS_ERR_UNSUPPORTED, "field 'layer_types[1]' must be"},
+        {"{\"model_type\":\"qwen3\"," BASE ",\"layer_types\":[\"sliding_attention\",\"full_attention\"]}", KVS_ERR_FORMAT,
+         "'sliding_window' is missing"},
+        {"{\"model_type\":\"qwen3\"," BASE ",\"attention_bias\":true}", KVS_ERR_UNSUPPORTED, "field 'attention_bias'"},
         {"{\"model_type\":\"llama\"," BASE ",\"torch_dtype\":\"int8\"}", KVS_ERR_UNSUPPORTED, "field 'torch_dtype' value 'int8'"},
         {"{\"model_type\":\"llama\"," BASE ",\"eos_token_id\":[1,\"2\"]}", KVS_ERR_FORMAT, "field 'eos_token_id' must be"},
         {"{\"model_type\":\"llama\"," BASE ",\"eos_token_id\":100}", KVS_ERR_FORMAT, "outside the vocabulary"},

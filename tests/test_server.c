@@ -980,3 +980,93 @@ Test(server_parse, chat_encode_strips_like_the_template) {
     expect_chat_text(tok, "{% for m in messages %}{% if m.content %}[{{ m.content }}]{% endif %}{% endfor %}", blank, 2);
     kvs_tokenizer_destroy(tok);
 }
+
+/* The kv extension's memory per layer (what the chat page draws): a sparse
+ * request with two full layers holds its whole prompt in those and less in
+ * the others; bytes and bytes_full follow from entry_bytes, and their ratio is
+ * compression_ratio. The same object in a stream's usage chunk. GET / is the
+ * chat page (no key needed), --no-web-ui turns it off. */
+Test(server, kv_memory_per_layer_and_the_chat_page) {
+    server_proc s = start_server("--api-key k");
+    char body[8192];
+    int n = snprintf(body, sizeof body, "{\"prompt\": [");
+    for (int i = 0; i < 400; i++) n += snprintf(body + n, sizeof body - n, "%s%d", i ? "," : "", 100 + (i * 37) % 7000);
+    snprintf(body + n, sizeof body - n, "], \"max_tokens\": 4, \"temperature\": 0, \"ignore_eos\": true, "
+             "\"kv_policy\": {\"policy\": \"snapkv\", \"budget\": 64, \"full_layers\": 2}%%s}");
+    char whole[8192], streamed[8192];
+    snprintf(whole, sizeof whole, body, "");
+    snprintf(streamed, sizeof streamed, body, ", \"stream\": true, \"stream_options\": {\"include_usage\": true}");
+    for (int stream = 0; stream < 2; stream++) {
+        http_resp r = http(s.port, "POST", "/v1/completions", "Authorization: Bearer k\r\n", stream ? streamed : whole);
+        cr_assert_eq(r.status, 200, "%s", r.body);
+        const char *at = r.body;
+        if (stream) { /* the usage chunk: the event that holds "kv" */
+            at = strstr(r.body, "\"kv\":");
+            cr_assert(at, "no kv in the stream: %s", r.body);
+            while (at > r.body && strncmp(at, "data: ", 6)) at--;
+            at += 6;
+        }
+        json_t *j = json_loads(at, JSON_DISABLE_EOF_CHECK, NULL);
+        cr_assert(j, "%s", at);
+        json_t *kv = json_object_get(j, "kv"), *layers = json_object_get(kv, "layers");
+        int prompt = usage_of(j, "prompt_tokens");
+        cr_assert_eq(prompt, 400);
+        cr_assert_eq(json_array_size(layers), 8, "a layer each: %s", r.body);
+        json_int_t entry = json_integer_value(json_object_get(kv, "entry_bytes")), held = 0;
+        cr_expect_gt(entry, 0);
+        for (size_t l = 0; l < json_array_size(layers); l++) {
+            json_t *x = json_array_get(layers, l);
+            int e = (int)json_integer_value(json_object_get(x, "entries"));
+            bool sparse = json_is_true(json_object_get(x, "sparse"));
+            cr_expect_eq(sparse, l >= 2, "layer %zu", l);
+            if (sparse) cr_expect(e >= 32 && e < 100, "layer %zu keeps its budget: %d", l, e);
+            else cr_expect_eq(e, prompt, "full layer %zu holds the prompt", l);
+            held += e;
+        }
+        cr_expect_eq(json_integer_value(json_object_get(kv, "bytes")), held * entry);
+        cr_expect_eq(json_integer_value(json_object_get(kv, "bytes_full")), (json_int_t)prompt * 8 * entry);
+        cr_expect_float_eq(json_real_value(json_object_get(kv, "compression_ratio")), (double)prompt * 8 / held, 1e-6);
+        json_decref(j);
+        free(r.body);
+    }
+    http_resp page = http(s.port, "GET", "/", NULL, NULL);
+    cr_expect_eq(page.status, 200, "the page needs no key");
+    cr_expect(page.body && strstr(page.body, "<!DOCTYPE html>") && strstr(page.body, "/v1/chat/completions"));
+    free(page.body);
+    cr_expect_eq(stop_server(&s), 0);
+    s = start_server("--no-web-ui");
+    page = http(s.port, "GET", "/", NULL, NULL);
+    cr_expect_eq(page.status, 404);
+    free(page.body);
+    cr_expect_eq(stop_server(&s), 0);
+}
+
+/* A model with a sliding-window layer (tests/fixtures/arch/qwen2-sliding: layer
+ * 1 a window of 64, no tokenizer: ids in): the kv extension marks that layer
+ * "window" and its entries stay within the window, the full layer holds the
+ * prompt; with a sparse policy layer 0 is compacted and layer 1 still a window. */
+Test(server, kv_layers_of_a_sliding_window_model) {
+    char extra[1200];
+    snprintf(extra, sizeof extra, "-m '%s'", src_path("tests/fixtures/arch/qwen2-sliding"));
+    server_proc s = start_server(extra);
+    char body[8192];
+    for (int sparse = 0; sparse < 2; sparse++) {
+        int n = snprintf(body, sizeof body, "{\"prompt\": [");
+        for (int i = 0; i < 300; i++) n += snprintf(body + n, sizeof body - n, "%s%d", i ? "," : "", 3 + (i * 37) % 500);
+        snprintf(body + n, sizeof body - n, "], \"max_tokens\": 4, \"temperature\": 0, \"ignore_eos\": true%s}",
+                 sparse ? ", \"kv_policy\": {\"policy\": \"snapkv\", \"budget\": 32, \"window\": 16}" : "");
+        json_t *j = post_json(s.port, "/v1/completions", body, 200);
+        json_t *layers = json_object_get(json_object_get(j, "kv"), "layers");
+        cr_assert_eq(json_array_size(layers), 2, "%s", body);
+        json_t *l0 = json_array_get(layers, 0), *l1 = json_array_get(layers, 1);
+        cr_expect(json_is_true(json_object_get(l1, "window")) && json_is_false(json_object_get(l1, "sparse")));
+        cr_expect_null(json_object_get(l0, "window"));
+        int e0 = (int)json_integer_value(json_object_get(l0, "entries"));
+        int e1 = (int)json_integer_value(json_object_get(l1, "entries"));
+        cr_expect(e1 >= 63 && e1 <= 63 + 15, "the window layer holds %d entries", e1);
+        if (sparse) cr_expect(json_is_true(json_object_get(l0, "sparse")) && e0 == 32, "layer 0: %d entries", e0);
+        else cr_expect(json_is_false(json_object_get(l0, "sparse")) && e0 == 300, "layer 0: %d entries", e0);
+        json_decref(j);
+    }
+    cr_expect_eq(stop_server(&s), 0);
+}

@@ -102,6 +102,25 @@ static char *repeat(const char *head, const char *unit, int n, const char *tail)
     return b;
 }
 
+/* GET /: the chat page, without the key the API needs (the page asks for it);
+ * --no-web-ui: 404; any other method: 405. */
+Test(http_path, chat_page) {
+    kvs_server *s = path_server("k", 2048, 64, NULL);
+    kvs_http_answer a;
+    kvs_http_prepared p;
+    cr_assert_not(kvs_http_handle(s, "GET", "/", NULL, NULL, NULL, 0, 0, &a, &p));
+    cr_expect_eq(a.status, 200);
+    cr_expect_str_eq(a.content_type, "text/html; charset=utf-8");
+    cr_expect(a.body && !strncmp(a.body, "<!DOCTYPE html>", 15) && strstr(a.body, "</html>"), "the whole page");
+    free(a.body);
+    cr_expect_eq(path_status(s, "POST", "/", "Bearer k", NULL, "{}", 0, NULL, 0), 405);
+    kvs_server_free(s);
+    kvs_server_config cfg = {.served_model_name = "m", .max_model_len = 64, .n_layers = 8, .no_web_ui = true};
+    cr_assert_eq(kvs_server_create(&cfg, NULL, NULL, &s), KVS_OK);
+    cr_expect_eq(path_status(s, "GET", "/", NULL, NULL, NULL, 0, NULL, 0), 404);
+    kvs_server_free(s);
+}
+
 Test(http_path, text_far_beyond_the_context_is_refused_before_tokenizing) {
     kvs_tokenizer *tok;
     cr_assert_eq(kvs_tokenizer_load(src_path("models/tiny-needle-llama"), &tok), KVS_OK, "%s", kvs_last_error());

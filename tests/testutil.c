@@ -114,6 +114,14 @@ json_t *load_json(const char *path) {
 
 json_t *arch_reference(const char *name, char *dir, size_t cap) {
     char rel[512];
+    snprintf(rel, sizeof rel, "tests/fixtures/arch/%s/reference.json", name);
+    if (kvs_file_exists(src_path(rel))) { /* the project's own (tests/fixtures/arch/README.md) */
+        json_t *ref = load_json(src_path(rel));
+        cr_assert(ref, "cannot read %s", src_path(rel));
+        snprintf(rel, sizeof rel, "tests/fixtures/arch/%s", name);
+        snprintf(dir, cap, "%s", src_path(rel));
+        return ref;
+    }
     snprintf(rel, sizeof rel, "fixtures/arch/%s", name);
     snprintf(dir, cap, "%s", shared_input(rel));
     snprintf(rel, sizeof rel, "fixtures/arch/%s/reference.json", name);
@@ -259,6 +267,9 @@ void rig_open_quantized(rig *r, const char *dir, kvs_backend *be, int64_t n_bloc
     kvs_kv_config kc = {.n_layers = r->cfg.n_layers, .n_kv_heads = r->cfg.n_kv_heads, .head_dim = r->cfg.head_dim,
                         .n_heads = r->cfg.n_heads, .block_size = 16, .n_blocks = n_blocks, .max_seqs = max_seqs};
     cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
+    int32_t window[KVS_MAX_LAYERS]; /* the model's sliding-window layers, as the runner sets them */
+    for (int l = 0; l < r->cfg.n_layers; l++) window[l] = kvs_config_layer_window(&r->cfg, l);
+    cr_assert_eq(kvs_kv_set_windows(r->kv, window), KVS_OK, "%s", kvs_last_error());
     /* an FP8 pool takes the checkpoint's k_scale / v_scale, as the runner's caches do */
     cr_assert_eq(kvs_kv_set_scales(r->kv, kvs_model_kv_scales(r->m)), KVS_OK, "%s", kvs_last_error());
 }

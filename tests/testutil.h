@@ -33,7 +33,8 @@ const char *kvsparse_binary(void);
 json_t *load_jsonl(const char *path);
 json_t *load_json(const char *path);
 
-/* shared/fixtures/arch/<name>: its folder's path into dir, and its reference.json (asserted). */
+/* tests/fixtures/arch/<name> (the project's: Qwen3, sliding windows), else
+ * shared/fixtures/arch/<name>: its folder's path into dir, and its reference.json (asserted). */
 json_t *arch_reference(const char *name, char *dir, size_t cap);
 
 /* Decodes base64 of little-endian float32; returns malloc'ed array, *n floats. */

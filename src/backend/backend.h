@@ -43,6 +43,10 @@ typedef struct {
     const int32_t *q_start;      /* [n_seqs + 1] */
     const int32_t *kv_len;       /* [n_seqs] */
     const int32_t *block_tables; /* [n_seqs * max_blocks] */
+    /* sliding window (0: none): a query sees its own entry and the window - 1
+       entries before it, not those further back (the layer's entries are then
+       consecutive positions: kv/kv.h's window layers) */
+    int window;
 } kvs_attn_batch;
 
 typedef struct kvs_backend kvs_backend;
@@ -78,6 +82,11 @@ struct kvs_backend {
     /* ops; n = rows (tokens) */
     void (*embedding)(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
     void (*rmsnorm)(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps);
+    /* In place, the rmsnorm of each head_dim-wide piece: the first n_pieces
+     * pieces of each of the n rows of x (rows row_stride elements apart), each
+     * scaled by w[head_dim]. Qwen3's per-head q_norm and k_norm on the QKV rows. */
+    void (*head_rmsnorm)(kvs_backend *b, void *x, const void *w, int n, int row_stride, int n_pieces, int head_dim,
+                         float eps);
     void (*add)(kvs_backend *b, void *x, const void *y, size_t n); /* x += y */
     /* out[n, out_dim] = in[n, in_dim] @ w[out_dim, in_dim]^T (+ bias[out_dim] if not NULL) */
     void (*matmul)(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
@@ -89,7 +98,7 @@ struct kvs_backend {
      * rows whose slot is negative (padding) are skipped. */
     void (*kv_write)(kvs_backend *b, const kvs_kv_pool *pool, const void *k, const void *v,
                      const int32_t *slots, int n);
-    /* Causal GQA attention over the paged cache: out[n_tokens, n_heads, head_dim];
+    /* Causal GQA attention over the paged cache (within ab->window when it is set): out[n_tokens, n_heads, head_dim];
      * lse[n_tokens, n_heads] (f32, natural log of the softmax denominator of the
      * scaled scores) when lse is not NULL. */
     void (*attention)(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,

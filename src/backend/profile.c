@@ -93,6 +93,9 @@ TIMED(embedding, KVS_PHASE_OTHER, (kvs_backend *b, void *out, const void *table,
       out, table, ids, n, dim)
 TIMED(rmsnorm, KVS_PHASE_OTHER, (kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps),
       out, in, w, n, dim, eps)
+TIMED(head_rmsnorm, KVS_PHASE_OTHER,
+      (kvs_backend *b, void *x, const void *w, int n, int row_stride, int n_pieces, int head_dim, float eps), x, w, n,
+      row_stride, n_pieces, head_dim, eps)
 TIMED(add, KVS_PHASE_OTHER, (kvs_backend *b, void *x, const void *y, size_t n), x, y, n)
 TIMED(rope, KVS_PHASE_OTHER,
       (kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n, int n_heads, int head_dim), x,
@@ -201,7 +204,8 @@ kvs_status kvs_backend_profile_wrap(kvs_backend *inner, bool owns_inner, kvs_bac
     kvs_backend *b = &p->base;
 #define WRAP(op) b->op = inner->op ? timed_##op : NULL
     WRAP(matmul), WRAP(matmul_fp8), WRAP(quantize_fp8), WRAP(attention), WRAP(embedding), WRAP(rmsnorm), WRAP(add);
-    WRAP(rope), WRAP(kv_write), WRAP(swiglu), WRAP(gather_rows), WRAP(copy), WRAP(add_rmsnorm), WRAP(rope_kv_write);
+    WRAP(head_rmsnorm), WRAP(rope), WRAP(kv_write), WRAP(swiglu), WRAP(gather_rows), WRAP(copy), WRAP(add_rmsnorm);
+    WRAP(rope_kv_write);
     WRAP(window_capture), WRAP(sparsity_scores), WRAP(snapkv_select), WRAP(kv_gather), WRAP(sample);
     WRAP(sample_shard), WRAP(process_logits), WRAP(top_logprobs);
 #undef WRAP

@@ -70,6 +70,7 @@ static void usage(FILE *f) {
                "                            abort them and exit 0 (default 30)\n"
                "  --tool-call-parser NAME   how outputs of requests with tools are read for calls: llama3_json,\n"
                "                            hermes, none, or auto (default: from the chat template)\n"
+               "  --no-web-ui               no chat page at GET / (default: served; it asks for the API key)\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "The API is described in docs/SERVING.md.\n");
 }
@@ -103,6 +104,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         else if (!strcmp(a, "--port") && v) { if (!parse_int(argv[++i], 0, &n) || n > 65535) goto bad; o->scfg.port = n; }
         else if (!strcmp(a, "--api-key") && v) o->scfg.api_key = argv[++i];
         else if (!strcmp(a, "--api-key-file") && v) o->api_key_file = argv[++i];
+        else if (!strcmp(a, "--no-web-ui")) o->scfg.no_web_ui = true;
         else if (!strcmp(a, "--max-tokens-default") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.max_tokens_default = n; }
         else if (!strcmp(a, "--http-timeout") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.http_timeout_s = (unsigned)n; }
         else if (!strcmp(a, "--max-connections-per-ip") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.max_connections_per_ip = (unsigned)n; }
@@ -302,6 +304,8 @@ int kvs_cmd_serve(int argc, char **argv) {
     printf("kvsparse: serving '%s' at http://%s%s%s:%d/v1 (port %d)\n", o.scfg.served_model_name, v6 ? "[" : "", host,
            v6 ? "]" : "", kvs_server_port(srv), kvs_server_port(srv));
     fflush(stdout);
+    if (!o.scfg.no_web_ui)
+        kvs_log(KVS_LOG_INFO, "chat page: http://%s%s%s:%d/", v6 ? "[" : "", host, v6 ? "]" : "", kvs_server_port(srv));
     char failure[600] = "";
     wait_for_stop(e, failure, sizeof failure);
     if (failure[0])

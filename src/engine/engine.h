@@ -127,6 +127,12 @@ typedef struct {
        held after the prompt (its KV policy applied; 1: nothing dropped); else 0 */
     double prompt_compression;
     int cached_tokens;        /* prompt tokens found in the prefix cache (the latest admission) */
+    /* on the first token's delivery too (else NULL): each layer's KV entries
+       after the prompt and its kind ([n_layers]; kvs_runner_seq_layers: 0 full,
+       1 compacted by the request's policy, 2 a sliding-window layer) */
+    const int32_t *layer_entries;
+    const uint8_t *layer_kind;
+    int n_layers;
 } kvs_request_output;
 
 /* Called on the thread that runs the step; must not block for long and must
@@ -168,6 +174,7 @@ typedef struct {
     int vocab_size;    /* prompt ids below this */
     int n_layers;      /* a KV policy's full_layers at most */
     int max_window;    /* a sparse policy's observation window at most */
+    size_t kv_entry_bytes; /* one KV entry: one token of one layer, K and V of every KV head */
 } kvs_engine_limits;
 kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e);
 /* The KV policy of requests that name none. */

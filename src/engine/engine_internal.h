@@ -58,6 +58,9 @@ typedef struct kvs_request {
     int seq;          /* kv sequence id, -1 when not running */
     int n_computed;
     int n_cached;     /* prompt tokens the prefix cache gave at admission */
+    int32_t *layer_entries; /* [n_layers] at the first token: each layer's KV entries (kvs_runner_seq_layers) */
+    uint8_t *layer_kind;
+    int n_layers;           /* 0 until then */
     int n_sched;      /* tokens scheduled in the current step */
     bool recompute;   /* was preempted after generating: it recomputes its KV (scheduler.c) */
     double t_arrival, t_last_token;

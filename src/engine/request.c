@@ -246,6 +246,8 @@ void kvs_request_destroy(kvs_request *r) {
     }
     free(r->prompt);
     free(r->gen);
+    free(r->layer_entries);
+    free(r->layer_kind);
     free(r->forced);
     free(r->cache_salt);
     free(r->stop_ids);
@@ -295,6 +297,8 @@ static void deliver(kvs_request *r, const int32_t *ids, const float *lp, const i
                             .error = r->finish == KVS_FINISH_ERROR ? r->error : NULL, .prompt_tokens = r->n_prompt,
                             .completion_tokens = r->n_gen, .prompt_compression = compression,
                             .cached_tokens = r->n_cached};
+    if (compression > 0 && r->n_layers) /* the first token: the prompt's KV per layer */
+        o.layer_entries = r->layer_entries, o.layer_kind = r->layer_kind, o.n_layers = r->n_layers;
     r->fn(r->user, &o);
 }
 
@@ -342,6 +346,13 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
     if (r->n_gen == 1 && r->seq >= 0) {
         kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);
         compression = u.held ? (double)u.full / u.held : 1;
+        int n_layers = e->mcfg.n_layers;
+        if (!r->layer_entries) {
+            r->layer_entries = malloc(sizeof(int32_t) * (size_t)n_layers);
+            r->layer_kind = malloc((size_t)n_layers);
+        }
+        r->n_layers = r->layer_entries && r->layer_kind ? n_layers : 0; /* out of memory: none reported */
+        if (r->n_layers) kvs_runner_seq_layers(e->runner, r->seq, r->layer_entries, r->layer_kind);
     }
     deliver_and_consume(r, &r->gen[r->n_gen - 1], r->logprobs > 0 ? &logprob : NULL,
                         r->top_logprobs > 0 ? top_ids : NULL, top_logprobs, 1, send, compression);

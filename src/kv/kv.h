@@ -53,6 +53,18 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new);
 /* Marks n_new tokens as written in every layer (after the forward that wrote them). */
 void kvs_kv_commit(kvs_kv_cache *kv, int seq_id, int n_new);
 
+/* Sliding-window attention (Mistral's and Qwen's sliding_window): window[l] > 0
+ * makes layer l a window layer whose query sees its own entry and the
+ * window[l] - 1 before it (backend.h's kvs_attn_batch.window); [n_layers],
+ * copied; NULL or all 0: none. A window layer keeps its entries as a run of
+ * consecutive positions and its memory bounded: kvs_kv_commit drops its
+ * leading blocks once no later query can see them, so it holds fewer than
+ * window + block_size + the step's tokens. Sparse policies leave window
+ * layers alone (they are bounded already) and compact the others; prefix
+ * caching is turned off (a window layer's table no longer starts at the prompt). */
+kvs_status kvs_kv_set_windows(kvs_kv_cache *kv, const int32_t *window);
+int kvs_kv_layer_window(const kvs_kv_cache *kv, int layer); /* 0: not a window layer */
+
 /* A layer's block table and length. */
 int kvs_kv_len(const kvs_kv_cache *kv, int seq_id, int layer);
 const int32_t *kvs_kv_blocks(const kvs_kv_cache *kv, int seq_id, int layer, int *n_blocks);

@@ -61,6 +61,7 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
     for (int i = 0; i < KVS_KV_SCRATCH_SLOTS; i++)
         if (kv->scratch[i]) kv->be->free(kv->be, kv->scratch[i]);
     kvs_kv_meta_destroy(kv);
+    free(kv->window);
     free(kv->free_blocks);
     free(kv->seqs);
     free(kv);
@@ -193,11 +194,46 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
     return KVS_OK;
 }
 
+kvs_status kvs_kv_set_windows(kvs_kv_cache *kv, const int32_t *window) {
+    int L = kv->cfg.n_layers, any = 0;
+    for (int l = 0; window && l < L; l++) {
+        if (window[l] < 0) return kvs_fail(KVS_ERR_INVALID, "kv cache: layer %d's sliding window %d < 0", l, window[l]);
+        any |= window[l] > 0;
+    }
+    free(kv->window);
+    kv->window = NULL;
+    if (!any) return KVS_OK;
+    if (!(kv->window = malloc(sizeof(int32_t) * (size_t)L))) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
+    memcpy(kv->window, window, sizeof(int32_t) * (size_t)L);
+    if (kv->cfg.prefix_caching) kvs_log(KVS_LOG_INFO, "kv cache: sliding-window layers: prefix caching is off");
+    kv->cfg.prefix_caching = false;
+    return KVS_OK;
+}
+
+int kvs_kv_layer_window(const kvs_kv_cache *kv, int layer) {
+    return kv->window && layer >= 0 && layer < kv->cfg.n_layers ? kv->window[layer] : 0;
+}
+
+/* A window layer's leading blocks that no later query sees: the next query
+ * (position n_tokens) sees the entries from position n_tokens - window + 1 on;
+ * the layer holds positions n_tokens - len .. n_tokens - 1. */
+static void slide(kvs_kv_cache *kv, layer_table *t, int window) {
+    int bs = kv->cfg.block_size, dead = t->len - (window - 1), drop = dead > 0 ? dead / bs : 0;
+    if (drop <= 0) return;
+    for (int i = 0; i < drop; i++) kvs_kv_drop_block(kv, t->blocks[i]);
+    memmove(t->blocks, t->blocks + drop, sizeof(int32_t) * (size_t)(t->n_blocks - drop));
+    t->n_blocks -= drop;
+    t->len -= drop * bs;
+}
+
 void kvs_kv_commit(kvs_kv_cache *kv, int seq_id, int n_new) {
     seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s) return;
     s->n_tokens += n_new;
-    for (int l = 0; l < kv->cfg.n_layers; l++) s->layers[l].len += n_new;
+    for (int l = 0; l < kv->cfg.n_layers; l++) {
+        s->layers[l].len += n_new;
+        if (kv->window && kv->window[l] > 0) slide(kv, &s->layers[l], kv->window[l]);
+    }
     if (s->prompt_hash) kvs_kv_register_prompt(kv, s);
 }
 

@@ -67,6 +67,7 @@ struct kvs_kv_cache {
     int64_t n_evictable, *cached_per_layer;
     uint64_t evictions;
     uint64_t (*hash_block)(uint64_t parent_hash, const int32_t *tokens, int n); /* tests force collisions */
+    int32_t *window;      /* [n_layers]: sliding windows (kvs_kv_set_windows); NULL: none */
     seq_state *seqs;
     /* window queries and their LSE, per layer: [max_seqs * window_cap] rows; allocated
        when the first sparse policy is set */

@@ -397,7 +397,8 @@ static void dummy_fill(void *dst, kvs_dtype dtype, size_t n, uint64_t seed, floa
 }
 
 static bool dummy_is_norm(kvs_weight_kind kind) {
-    return kind == KVS_W_ATTN_NORM || kind == KVS_W_MLP_NORM || kind == KVS_W_FINAL_NORM;
+    return kind == KVS_W_ATTN_NORM || kind == KVS_W_MLP_NORM || kind == KVS_W_FINAL_NORM || kind == KVS_W_Q_NORM ||
+           kind == KVS_W_K_NORM;
 }
 
 static kvs_status dummy_read(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, const int64_t shape[2], int ndim,

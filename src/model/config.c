@@ -1,4 +1,4 @@
-/* config.json (+ generation_config.json) for Llama, Mistral and Qwen2 models. */
+/* config.json (+ generation_config.json) for Llama, Mistral, Qwen2 and Qwen3 models. */
 #include "model/model_internal.h"
 
 #include <jansson.h>
@@ -10,7 +10,6 @@
 /* Sane upper limits: large enough for any released Llama-family model, small
  * enough that every shape product below fits comfortably in int64. */
 #define KVS_MAX_HIDDEN (1 << 17)
-#define KVS_MAX_LAYERS 1024
 #define KVS_MAX_HEADS 1024
 #define KVS_MAX_HEAD_DIM 1024
 #define KVS_MAX_INTERMEDIATE (1 << 20)
@@ -21,6 +20,7 @@ static const char *const supported_archs[][2] = {
     {"LlamaForCausalLM", "llama"},
     {"MistralForCausalLM", "mistral"},
     {"Qwen2ForCausalLM", "qwen2"},
+    {"Qwen3ForCausalLM", "qwen3"},
 };
 #define N_ARCHS (sizeof supported_archs / sizeof supported_archs[0])
 
@@ -88,7 +88,7 @@ static kvs_status parse_architecture(const json_t *root, const char *name, kvs_c
             }
         return kvs_fail(KVS_ERR_UNSUPPORTED,
                         "%s: architecture '%.100s' is unsupported (supported: LlamaForCausalLM, "
-                        "MistralForCausalLM, Qwen2ForCausalLM)", name, arch);
+                        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)", name, arch);
     }
     const json_t *mt = json_object_get(root, "model_type");
     if (!mt || json_is_null(mt))
@@ -99,7 +99,7 @@ static kvs_status parse_architecture(const json_t *root, const char *name, kvs_c
             snprintf(cfg->architecture, sizeof cfg->architecture, "%s", supported_archs[i][0]);
             return KVS_OK;
         }
-    return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: model_type '%.100s' is unsupported (supported: llama, mistral, qwen2)",
+    return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: model_type '%.100s' is unsupported (supported: llama, mistral, qwen2, qwen3)",
                     name, json_string_value(mt));
 }
 
@@ -218,11 +218,59 @@ static kvs_status parse_dtype(const json_t *root, const char *name, kvs_config *
     return KVS_OK;
 }
 
+/* Sliding-window attention, as transformers reads it: layer_types when given
+ * ("sliding_attention" / "full_attention" per layer); else Mistral's
+ * sliding_window (every layer); else Qwen2/Qwen3's use_sliding_window with
+ * sliding_window, for the layers from max_window_layers (default 28) on. A
+ * window as long as the context changes nothing (none). Llama has no such field. */
+static kvs_status parse_sliding_window(const json_t *root, const char *name, bool mistral, kvs_config *cfg) {
+    bool qwen = !strncmp(cfg->architecture, "Qwen", 4), has_window;
+    int window = 0, max_window_layers = 28;
+    memset(cfg->sliding_layers, 0, sizeof cfg->sliding_layers);
+    cfg->sliding_window = 0;
+    if (!mistral && !qwen) return KVS_OK;
+    KVS_TRY(get_int(root, "sliding_window", "sliding_window", name, false, 1, KVS_MAX_POSITIONS, &window, &has_window));
+    bool use = mistral;
+    KVS_TRY(get_bool(root, "use_sliding_window", name, &use));
+    if (qwen) KVS_TRY(get_int(root, "max_window_layers", "max_window_layers", name, false, 0, KVS_MAX_LAYERS,
+                              &max_window_layers, NULL));
+    const json_t *types = json_object_get(root, "layer_types");
+    bool any = false;
+    if (types && !json_is_null(types)) {
+        if (!json_is_array(types) || (int)json_array_size(types) != cfg->n_layers)
+            return kvs_fail(KVS_ERR_FORMAT, "%s: field 'layer_types' must be a list of num_hidden_layers (%d) strings",
+                            name, cfg->n_layers);
+        for (int l = 0; l < cfg->n_layers; l++) {
+            const char *t = json_string_value(json_array_get(types, l));
+            if (t && !strcmp(t, "sliding_attention")) cfg->sliding_layers[l] = 1, any = true;
+            else if (!t || strcmp(t, "full_attention"))
+                return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: field 'layer_types[%d]' must be \"full_attention\" or "
+                                "\"sliding_attention\"", name, l);
+        }
+        if (any && !has_window)
+            return kvs_fail(KVS_ERR_FORMAT, "%s: field 'layer_types' has sliding_attention layers but "
+                            "'sliding_window' is missing", name);
+    } else if (use && has_window) {
+        for (int l = mistral ? 0 : max_window_layers; l < cfg->n_layers; l++) cfg->sliding_layers[l] = 1, any = true;
+    }
+    if (!any || window >= cfg->max_position_embeddings) {
+        memset(cfg->sliding_layers, 0, sizeof cfg->sliding_layers);
+        return KVS_OK;
+    }
+    cfg->sliding_window = window;
+    return KVS_OK;
+}
+
+int kvs_config_layer_window(const kvs_config *cfg, int layer) {
+    return layer >= 0 && layer < cfg->n_layers && cfg->sliding_layers[layer] ? cfg->sliding_window : 0;
+}
+
 static kvs_status parse_root(const json_t *root, const char *name, kvs_config *cfg) {
     if (!json_is_object(root)) return kvs_fail(KVS_ERR_FORMAT, "%s: expected a JSON object", name);
     KVS_TRY(parse_architecture(root, name, cfg));
     bool qwen2 = !strcmp(cfg->architecture, "Qwen2ForCausalLM");
     bool mistral = !strcmp(cfg->architecture, "MistralForCausalLM");
+    cfg->qk_norm = !strcmp(cfg->architecture, "Qwen3ForCausalLM"); /* q_norm and k_norm in every layer */
 
     KVS_TRY(kvs_quant_config_parse(root, name, &cfg->ckpt_quant));
     if (cfg->ckpt_quant.fp8) cfg->quantization = KVS_QUANT_FP8; /* an FP8 checkpoint runs as --quantization fp8 */
@@ -276,21 +324,7 @@ static kvs_status parse_root(const json_t *root, const char *name, kvs_config *c
     KVS_TRY(get_bool(root, "mlp_bias", name, &mlp_bias));
     if (mlp_bias) return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: field 'mlp_bias' true is unsupported", name);
 
-    /* Sliding-window attention: Qwen2 enables it with use_sliding_window; Mistral
-     * uses any non-null sliding_window shorter than the context. */
-    const json_t *sw = json_object_get(root, "sliding_window");
-    if (sw && !json_is_null(sw)) {
-        if (!json_is_integer(sw)) return kvs_fail(KVS_ERR_FORMAT, "%s: field 'sliding_window' must be an integer or null", name);
-        bool use = mistral && json_integer_value(sw) < cfg->max_position_embeddings;
-        const json_t *u = json_object_get(root, "use_sliding_window");
-        if (u && !json_is_null(u)) {
-            if (!json_is_boolean(u)) return kvs_fail(KVS_ERR_FORMAT, "%s: field 'use_sliding_window' must be true or false", name);
-            use = json_is_true(u);
-        }
-        if (use)
-            return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: field 'sliding_window' (%lld): sliding-window attention is unsupported",
-                            name, (long long)json_integer_value(sw));
-    }
+    KVS_TRY(parse_sliding_window(root, name, mistral, cfg));
 
     cfg->bos_token_id = -1;
     cfg->n_eos = 0;

@@ -44,6 +44,11 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
     if (layer == 0) be->rmsnorm(be, sb->xn, sb->x, w->attn_norm, n, c->hidden_size, c->rms_norm_eps);
     quantize_input(m, sb->xn, n, c->hidden_size);
     linear(m, sb->qkv, sb->xn, w->w_qkv, w->s_qkv, w->b_qkv, n, c->hidden_size, qd + 2 * kd); /* one GEMM */
+    if (w->q_norm) { /* Qwen3: every q head and k head RMS-normalised before RoPE, in the GEMM's rows */
+        void *k = (char *)sb->qkv + (size_t)qd * kvs_dtype_size(be->act_dtype);
+        be->head_rmsnorm(be, sb->qkv, w->q_norm, n, qd + 2 * kd, n_heads, c->head_dim, c->rms_norm_eps);
+        be->head_rmsnorm(be, k, w->k_norm, n, qd + 2 * kd, n_kv_heads, c->head_dim, c->rms_norm_eps);
+    }
     const kvs_kv_pool pool = kvs_kv_layer_pool(kv, layer); /* FP8: this layer's scales */
     be->rope_kv_write(be, &pool, sb->q, sb->qkv, sb->positions, m->inv_freq, sb->slots, n, n_heads);
     be->attention(be, sb->att, n_cap ? sb->lse : NULL, sb->q, &pool, ab, n_heads, 1.0f / sqrtf((float)c->head_dim));

@@ -141,12 +141,15 @@ static kvs_status upload_rows(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind 
 static kvs_status alloc_layer(kvs_model *m, kvs_layer_weights *w, int64_t qn, int64_t kn, int64_t in) {
     const kvs_config *c = &m->cfg;
     int64_t h = c->hidden_size, bias = c->attention_bias ? 1 : 0, fp8 = c->quantization == KVS_QUANT_FP8;
+    int64_t qk_norm = c->qk_norm ? c->head_dim : 0;
     size_t ws = kvs_dtype_size(m->be->weight_dtype), ls = fp8 ? 1 : ws; /* linear weights: codes or weight_dtype */
     int64_t qkv = qn + 2 * kn;
     void **part[] = {&w->attn_norm, &w->w_qkv, &w->b_qkv, &w->wo, &w->mlp_norm, &w->w_gate_up, &w->w_down,
-                     (void **)&w->s_qkv, (void **)&w->so, (void **)&w->s_gate_up, (void **)&w->s_down};
-    int64_t elems[] = {h, qkv * h, bias * qkv, h * qn, h, 2 * in * h, h * in, fp8 * qkv, fp8 * h, fp8 * 2 * in, fp8 * h};
-    size_t size[] = {ws, ls, ws, ls, ws, ls, ls, 4, 4, 4, 4};
+                     (void **)&w->s_qkv, (void **)&w->so, (void **)&w->s_gate_up, (void **)&w->s_down,
+                     &w->q_norm, &w->k_norm};
+    int64_t elems[] = {h, qkv * h, bias * qkv, h * qn, h, 2 * in * h, h * in, fp8 * qkv, fp8 * h, fp8 * 2 * in, fp8 * h,
+                       qk_norm, qk_norm};
+    size_t size[] = {ws, ls, ws, ls, ws, ls, ls, 4, 4, 4, 4, ws, ws};
     enum { N_PARTS = sizeof elems / sizeof elems[0] };
     size_t total = 0;
     for (int i = 0; i < N_PARTS; i++) total += ((size_t)elems[i] * size[i] + 255) / 256 * 256;
@@ -222,6 +225,10 @@ static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
         KVS_TRY(upload_rows(m, ck, KVS_W_Q_BIAS, l, q0, qn, &w->b_qkv, 0, 0));
         KVS_TRY(upload_rows(m, ck, KVS_W_K_BIAS, l, k0, kn, &w->b_qkv, (size_t)qn, 0));
         KVS_TRY(upload_rows(m, ck, KVS_W_V_BIAS, l, k0, kn, &w->b_qkv, (size_t)(qn + kn), 0));
+    }
+    if (c->qk_norm) { /* one weight for every head: the same on every rank */
+        KVS_TRY(upload(m, ck, KVS_W_Q_NORM, l, &w->q_norm));
+        KVS_TRY(upload(m, ck, KVS_W_K_NORM, l, &w->k_norm));
     }
     /* row-parallel: O [hidden, heads * head_dim] keeps the columns of this rank's heads */
     KVS_TRY(upload_linear(m, ck, KVS_W_O, l, 0, h, q0, qn, w->wo, w->so, 0));

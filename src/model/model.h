@@ -34,8 +34,10 @@ typedef struct {
     bool static_input;    /* static activation scales (input_scale tensors) */
 } kvs_ckpt_quant;
 
+#define KVS_MAX_LAYERS 1024 /* num_hidden_layers at most */
+
 typedef struct {
-    char architecture[64]; /* LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM */
+    char architecture[64]; /* LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM */
     int hidden_size, n_layers, n_heads, n_kv_heads, head_dim, intermediate_size;
     int vocab_size, max_position_embeddings;
     float rms_norm_eps, rope_theta;
@@ -44,6 +46,12 @@ typedef struct {
     float rope_low_freq_factor, rope_high_freq_factor; /* llama3 */
     int rope_original_max_position;  /* llama3 */
     bool tie_word_embeddings, attention_bias;
+    bool qk_norm;                    /* Qwen3: q and k RMS-normalised per head (q_norm, k_norm) before RoPE */
+    /* sliding-window attention: a query of a sliding layer sees its own token
+       and the sliding_window - 1 before it (Mistral: every layer; Qwen2/3 with
+       use_sliding_window: layers from max_window_layers on; or layer_types) */
+    int sliding_window;              /* 0: none */
+    uint8_t sliding_layers[KVS_MAX_LAYERS]; /* 1: layer l is a sliding layer */
     int bos_token_id;                /* -1 if none */
     int eos_token_ids[KVS_MAX_EOS];  /* config.json, then generation_config.json */
     int n_eos;
@@ -56,6 +64,8 @@ typedef struct {
 kvs_status kvs_config_parse(const char *json_text, size_t len, const char *name, kvs_config *cfg);
 /* model_dir/config.json (+ generation_config.json's eos/bos when present). */
 kvs_status kvs_config_load(const char *model_dir, kvs_config *cfg);
+/* Layer l's sliding window (config.sliding_window for a sliding layer, else 0). */
+int kvs_config_layer_window(const kvs_config *cfg, int layer);
 /* Bytes of K+V per token across all layers for a cache of the given dtype. */
 size_t kvs_config_kv_bytes_per_token(const kvs_config *cfg, kvs_dtype kv_dtype);
 int64_t kvs_config_param_count(const kvs_config *cfg);
@@ -70,6 +80,7 @@ typedef enum {
     KVS_W_EMBED, KVS_W_FINAL_NORM, KVS_W_LM_HEAD,                 /* global (layer -1) */
     KVS_W_ATTN_NORM, KVS_W_Q, KVS_W_K, KVS_W_V, KVS_W_Q_BIAS, KVS_W_K_BIAS, KVS_W_V_BIAS,
     KVS_W_O, KVS_W_MLP_NORM, KVS_W_GATE, KVS_W_UP, KVS_W_DOWN,    /* per layer */
+    KVS_W_Q_NORM, KVS_W_K_NORM,                                   /* per layer, Qwen3: [head_dim] */
     KVS_W_KIND_COUNT
 } kvs_weight_kind;
 

@@ -13,6 +13,7 @@ typedef struct {
     void *attn_norm;
     void *w_qkv; /* [(heads + 2 * kv_heads) * head_dim, hidden]: this rank's Q rows, then K's, then V's */
     void *b_qkv; /* their biases in the same order; NULL when absent */
+    void *q_norm, *k_norm; /* Qwen3: [head_dim] each, every q / k head's RMSNorm weight; NULL when absent */
     void *wo;
     void *mlp_norm, *w_gate_up /* [2 * intermediate, hidden]: gate rows, then up rows */, *w_down;
     /* --quantization fp8: the four linear weights above hold E4M3 codes, and

@@ -162,6 +162,6 @@ int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch
     sb->cap_dst = sb->meta + lm->cap_dst;
     sb->block_tables = sb->meta + lm->tables;
     *ab = (kvs_attn_batch){sh->n_seqs, sh->n_rows, lm->max_blocks, lm->max_q_len, lm->max_kv_len, sb->q_start,
-                           sb->kv_len, sb->block_tables};
+                           sb->kv_len, sb->block_tables, kvs_config_layer_window(&m->cfg, l)};
     return lm->n_cap;
 }

@@ -19,6 +19,8 @@ static const char *const weight_suffix[KVS_W_KIND_COUNT] = {
     [KVS_W_GATE] = "mlp.gate_proj.weight",
     [KVS_W_UP] = "mlp.up_proj.weight",
     [KVS_W_DOWN] = "mlp.down_proj.weight",
+    [KVS_W_Q_NORM] = "self_attn.q_norm.weight",
+    [KVS_W_K_NORM] = "self_attn.k_norm.weight",
 };
 
 void kvs_weight_name(kvs_weight_kind kind, int layer, char *buf, size_t cap) {
@@ -70,6 +72,10 @@ bool kvs_weight_expected(const kvs_config *cfg, kvs_weight_kind kind, int64_t sh
     case KVS_W_GATE: return set_shape(shape, ndim, inter, hidden);
     case KVS_W_UP: return set_shape(shape, ndim, inter, hidden);
     case KVS_W_DOWN: return set_shape(shape, ndim, hidden, inter);
+    case KVS_W_Q_NORM:
+    case KVS_W_K_NORM:
+        if (!cfg->qk_norm) return false;
+        return set_shape(shape, ndim, cfg->head_dim, 0);
     default: return false;
     }
 }

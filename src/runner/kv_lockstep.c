@@ -10,12 +10,17 @@ static kvs_kv_config rank_config(const kvs_runner *g, const kvs_kv_config *globa
     return kc;
 }
 
+/* Each rank's cache, with the model's sliding-window layers (kv.h). */
 static kvs_status job_kv_create(kvs_runner *g, int rank, void *arg) {
     kvs_rank *r = &g->ranks[rank];
     kvs_kv_config kc = rank_config(g, arg);
     kvs_kv_destroy(r->kv);
     r->kv = NULL;
     KVS_TRY(kvs_kv_create(&kc, r->be, &r->kv));
+    const kvs_config *mc = kvs_runner_config(g);
+    int32_t window[KVS_MAX_LAYERS];
+    for (int l = 0; l < mc->n_layers; l++) window[l] = kvs_config_layer_window(mc, l);
+    KVS_TRY(kvs_kv_set_windows(r->kv, window));
     /* an FP8 pool takes the checkpoint's k_scale / v_scale of the rank's KV heads */
     return r->model ? kvs_kv_set_scales(r->kv, kvs_model_kv_scales(r->model)) : KVS_OK;
 }
@@ -51,6 +56,19 @@ kvs_seq_usage kvs_runner_seq_usage(const kvs_runner *g, int seq_id) {
     u.blocks_sparse_layers = kvs_kv_seq_sparse_blocks(kv, seq_id);
     kvs_kv_seq_usage(kv, seq_id, &u.held, &u.full);
     return u;
+}
+
+void kvs_runner_seq_layers(const kvs_runner *g, int seq_id, int32_t *entries, uint8_t *kind) {
+    const kvs_kv_cache *kv = g->ranks[0].kv;
+    for (int l = 0; l < kvs_kv_get_config(kv)->n_layers; l++) {
+        entries[l] = kvs_kv_len(kv, seq_id, l);
+        kind[l] = kvs_kv_layer_sparse(kv, seq_id, l) ? 1 : kvs_kv_layer_window(kv, l) > 0 ? 2 : 0;
+    }
+}
+
+size_t kvs_runner_kv_entry_bytes(const kvs_runner *g) {
+    const kvs_kv_config *c = kvs_kv_get_config(g->ranks[0].kv);
+    return kvs_kv_block_bytes(c, g->ranks[0].be->kv_dtype) / (size_t)c->block_size * (size_t)g->world;
 }
 
 /* ---- lockstep operations ------------------------------------------------------ */

@@ -59,6 +59,12 @@ typedef struct {
     double blocks_sparse_layers; /* kvs_kv_seq_sparse_blocks */
 } kvs_seq_usage;
 kvs_seq_usage kvs_runner_seq_usage(const kvs_runner *r, int seq_id);
+/* Each layer's entries of seq (kvs_kv_len) and kind: 1 its policy compacts it
+ * (kvs_kv_layer_sparse), 2 a sliding-window layer (kvs_kv_layer_window), 0
+ * full: [n_layers] each. */
+void kvs_runner_seq_layers(const kvs_runner *r, int seq_id, int32_t *entries, uint8_t *kind);
+/* The bytes of one KV entry (one token of one layer: K and V of every KV head, every rank). */
+size_t kvs_runner_kv_entry_bytes(const kvs_runner *r);
 
 /* Lockstep KV operations (kv.h); the ranks' answers must agree (a fork or a
  * sparsify also checks the ranks' layer lengths). */

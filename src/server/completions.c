@@ -21,6 +21,7 @@ static bool submit_params(kvs_server *s, const kvs_request_params *pp, kvs_gen *
         return kvs_api_fail(err, 503, NULL, "the server is shutting down");
     }
     g->refs = 2; /* ours and the engine's */
+    g->kv_entry_bytes = kvs_engine_get_limits(s->engine).kv_entry_bytes;
     /* the callback may run before submit returns; it never reads engine_id */
     uint64_t id = 0;
     kvs_status st = kvs_engine_submit(s->engine, &p, kvs_gen_on_output, g, &id);

@@ -41,12 +41,14 @@ void kvs_gen_release(kvs_gen *g) {
     }
     free(g->choices);
     free(g->error);
+    free(g->layer_entries), free(g->layer_kind);
     free(g);
 }
 
 kvs_resp_kv kvs_gen_kv(const kvs_gen *g, const kvs_kv_policy *policy) {
     return (kvs_resp_kv){kvs_kv_policy_name(policy->kind), g->compression > 0 ? g->compression : 1, g->cached_tokens,
-                         policy->kind == KVS_POLICY_FULL ? 0 : policy->min_prompt};
+                         policy->kind == KVS_POLICY_FULL ? 0 : policy->min_prompt, g->layer_entries, g->layer_kind,
+                         g->layer_entries ? g->n_layers : 0, g->kv_entry_bytes};
 }
 
 void kvs_gen_log(const kvs_gen *g, const char *id, const kvs_kv_policy *policy) {
@@ -117,6 +119,18 @@ void kvs_gen_on_output(void *user, const kvs_request_output *o) {
     c->completion_tokens = o->completion_tokens;
     if (o->n_tokens && !g->t_first) g->t_first = kvs_now();
     if (o->index == 0 && o->prompt_compression > 0) g->compression = o->prompt_compression, g->cached_tokens = o->cached_tokens;
+    if (o->index == 0 && o->n_layers && !g->layer_entries) { /* out of memory: the response has no layers */
+        g->layer_entries = malloc(sizeof(int32_t) * (size_t)o->n_layers);
+        g->layer_kind = malloc((size_t)o->n_layers);
+        if (g->layer_entries && g->layer_kind) {
+            memcpy(g->layer_entries, o->layer_entries, sizeof(int32_t) * (size_t)o->n_layers);
+            memcpy(g->layer_kind, o->layer_kind, (size_t)o->n_layers);
+            g->n_layers = o->n_layers;
+        } else {
+            free(g->layer_entries), free(g->layer_kind);
+            g->layer_entries = NULL, g->layer_kind = NULL;
+        }
+    }
     bool last = o->finish != KVS_FINISH_NONE && c->finish == KVS_FINISH_NONE;
     if (last) {
         c->finish = o->finish;

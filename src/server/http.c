@@ -46,6 +46,14 @@ enum MHD_Result kvs_http_respond(kvs_server *s, struct MHD_Connection *c, unsign
     MHD_add_response_header(resp, "Content-Type", content_type);
     if (status == 401) MHD_add_response_header(resp, "WWW-Authenticate", "Bearer");
     if (status == 405) MHD_add_response_header(resp, "Allow", "GET, POST");
+    if (!strncmp(content_type, "text/html", 9)) { /* the chat page: its own inline code, this server, nothing else */
+        MHD_add_response_header(resp, "Content-Security-Policy",
+                                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+                                "frame-ancestors 'none'");
+        MHD_add_response_header(resp, "X-Content-Type-Options", "nosniff");
+        MHD_add_response_header(resp, "Cache-Control", "no-cache");
+    }
     /* 401 and 413 are answered before the body is read: libmicrohttpd reads no
      * more of it and closes the connection after the answer; say so */
     if (status == 401 || status == 413 || atomic_load(&s->draining))

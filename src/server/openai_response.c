@@ -67,11 +67,27 @@ static json_t *usage_json(int prompt_tokens, int completion_tokens, const kvs_re
 }
 
 /* The "kv" extension beside usage: the policy, the prompt's compression and
- * whether sparsity applied (a prompt below min_prompt keeps its cache full). */
+ * whether sparsity applied (a prompt below min_prompt keeps its cache full),
+ * the KV memory per layer after the prompt and its total. */
 static void put_kv(json_t *root, const kvs_resp_kv *kv, int prompt_tokens) {
     if (!kv || !kv->policy) return;
     json_t *j = json_pack("{s:s, s:f, s:b}", "policy", kv->policy, "compression_ratio", kv->compression_ratio,
                           "sparsity_applied", kv->compression_ratio > 1.0);
+    if (kv->n_layers > 0) {
+        json_t *layers = json_array();
+        int64_t held = 0;
+        for (int l = 0; l < kv->n_layers; l++) {
+            json_t *layer = json_pack("{s:i, s:b}", "entries", kv->layer_entries[l], "sparse", kv->layer_kind[l] == 1);
+            if (kv->layer_kind[l] == 2) json_object_set_new(layer, "window", json_true()); /* a sliding-window layer */
+            json_array_append_new(layers, layer);
+            held += kv->layer_entries[l];
+        }
+        json_object_set_new(j, "layers", layers);
+        json_object_set_new(j, "entry_bytes", json_integer((json_int_t)kv->entry_bytes));
+        json_object_set_new(j, "bytes", json_integer((json_int_t)(held * (int64_t)kv->entry_bytes)));
+        json_object_set_new(j, "bytes_full",
+                            json_integer((json_int_t)prompt_tokens * kv->n_layers * (json_int_t)kv->entry_bytes));
+    }
     if (kv->min_prompt > 0 && prompt_tokens < kv->min_prompt)
         json_object_set_new(j, "note", json_sprintf("the prompt (%d tokens) is below min_prompt %d: the cache stays full",
                                                     prompt_tokens, kv->min_prompt));

@@ -41,6 +41,7 @@ static kvs_route find_route(const char *url) {
     if (!strcmp(url, "/metrics")) return KVS_ROUTE_METRICS;
     if (!strcmp(url, "/tokenize")) return KVS_ROUTE_TOKENIZE;
     if (!strcmp(url, "/detokenize")) return KVS_ROUTE_DETOKENIZE;
+    if (!strcmp(url, "/")) return KVS_ROUTE_WEB_UI;
     return KVS_ROUTE_NONE;
 }
 
@@ -65,6 +66,10 @@ static bool engine_failed(const kvs_server *s, const char **why) { return s->eng
 
 static void answer_get(kvs_server *s, kvs_route r, const char *url, kvs_http_answer *a) {
     const char *why;
+    if (r == KVS_ROUTE_WEB_UI) { /* no key needed: the page asks for it and sends it with its requests */
+        answer(a, 200, "text/html; charset=utf-8", kvs_web_ui_html());
+        return;
+    }
     if (r == KVS_ROUTE_HEALTH && engine_failed(s, &why)) { /* a supervisor restarts the process */
         json_t *j = json_pack("{s:s, s:s}", "status", "failed", "reason", why);
         answer(a, 503, "application/json", j ? json_dumps(j, JSON_COMPACT) : strdup("{\"status\":\"failed\"}")); /* not UTF-8 */
@@ -104,7 +109,7 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const cha
                    const char *content_length, kvs_route *route, kvs_http_answer *a) {
     memset(a, 0, sizeof *a);
     kvs_route r = *route = find_route(url);
-    if (r == KVS_ROUTE_NONE) return fail(a, 404, "Not found: %.200s", url);
+    if (r == KVS_ROUTE_NONE || (r == KVS_ROUTE_WEB_UI && s->cfg.no_web_ui)) return fail(a, 404, "Not found: %.200s", url);
     bool post = r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE;
     if (strcmp(method, post ? "POST" : "GET")) return fail(a, 405, "Method not allowed: use %s", post ? "POST" : "GET");
     if ((!strncmp(url, "/v1/", 4) || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) &&

@@ -17,7 +17,8 @@ typedef enum {
     KVS_ROUTE_HEALTH,
     KVS_ROUTE_METRICS,
     KVS_ROUTE_TOKENIZE,
-    KVS_ROUTE_DETOKENIZE
+    KVS_ROUTE_DETOKENIZE,
+    KVS_ROUTE_WEB_UI /* GET /: the chat page */
 } kvs_route;
 
 /* A response decided without the engine. */

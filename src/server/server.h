@@ -100,6 +100,7 @@ typedef struct {
     const char *tool_call_parser;  /* "llama3_json", "hermes", "none"; NULL or "auto": from the chat template */
     int max_tokens_default;        /* a request without max_tokens: at most this many (0: completions 16,
                                       chat the rest of the context) */
+    bool no_web_ui;                /* GET / is 404 instead of the chat page */
 } kvs_server_config;
 
 typedef struct kvs_server kvs_server;

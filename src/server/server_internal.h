@@ -74,6 +74,11 @@ typedef struct {
     double compression_ratio; /* entries a full cache would hold / entries held (1: nothing dropped) */
     int cached_tokens;        /* prompt tokens found in the prefix cache */
     int min_prompt;           /* the policy's min_prompt: a shorter prompt keeps its cache full */
+    /* the prompt's KV per layer (n_layers 0: not known): entries, kind (engine.h) and an entry's bytes */
+    const int32_t *layer_entries;
+    const uint8_t *layer_kind;
+    int n_layers;
+    size_t entry_bytes;
 } kvs_resp_kv;
 
 char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, int n_choices, int prompt_tokens,
@@ -124,6 +129,10 @@ typedef struct kvs_gen {
     int prompt_tokens;
     double compression; /* choice 0's prompt compression (its first output) */
     int cached_tokens;  /* choice 0's prefix-cache hit */
+    int32_t *layer_entries; /* choice 0's KV entries per layer after the prompt ([n_layers]; NULL: not yet) */
+    uint8_t *layer_kind;
+    int n_layers;
+    size_t kv_entry_bytes;  /* one KV entry's bytes (the engine's kvs_engine_limits) */
     double t_submit;    /* when it went to the engine */
     bool done;          /* every choice finished */
     double t_first;     /* when the first token arrived (0: not yet) */
@@ -187,6 +196,9 @@ struct kvs_server {
 kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, const char *prefix, const char *suffix,
                                 const char *param, kvs_api_error *err);
 void kvs_server_grammars_free(kvs_server *s);
+
+/* The chat page of GET / (web_ui.c; malloc'ed). */
+char *kvs_web_ui_html(void);
 
 /* The server's state without a listening socket (kvs_server_start listens). */
 kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, const kvs_tokenizer *tok,

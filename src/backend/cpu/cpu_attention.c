@@ -34,12 +34,16 @@ static inline const void *block_kv(const kvs_backend *b, const kvs_kv_pool *pool
     return buf;
 }
 
-/* Decode: one query row i of sequence s against its paged keys, for all the
- * query heads of KV head g at once (each key and value row read once), the
- * scores in S [group][n_keys]. */
-static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const kvs_kv_pool *pool, const int32_t *table, int n_keys, int g,
-                         int group, const float *q, float scale, float *S, float *out, float *lse) {
-    int d = pool->head_dim, bs = pool->block_size;
+/* The first entry a query sees that sees n_keys entries: all of them, or the
+ * last `window` (a sliding window, kvs_attn_batch.window). */
+static inline int first_key(int n_keys, int window) { return window > 0 && n_keys > window ? n_keys - window : 0; }
+
+/* Decode: one query row i of sequence s against its paged keys [first, n_keys),
+ * for all the query heads of KV head g at once (each key and value row read
+ * once), the scores in S [group][n_keys]. */
+static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const kvs_kv_pool *pool, const int32_t *table, int n_keys,
+                         int first, int g, int group, const float *q, float scale, float *S, float *out, float *lse) {
+    int d = pool->head_dim, bs = pool->block_size, begin = first / bs * bs; /* the block that holds first */
     if (n_keys <= 0) { /* a padding row (kv_len 0): no keys, output 0 */
         memset(out, 0, sizeof(float) * d * group);
         for (int h = 0; lse && h < group; h++) lse[h] = -INFINITY;
@@ -48,7 +52,7 @@ static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const k
     bool fp8 = b->kv_dtype == KVS_F8_E4M3; /* blocks decoded (and scaled) into f32 first */
     float blk[fp8 ? (size_t)bs * d : 1];
     kvs_dtype kt = fp8 ? KVS_F32 : b->kv_dtype;
-    for (int e0 = 0; e0 < n_keys; e0 += bs) {
+    for (int e0 = begin; e0 < n_keys; e0 += bs) {
         prefetch_next_block(b, pool, table, n_keys, e0, 0, g);
         const void *rows = block_kv(b, pool, table[e0 / bs], 0, g, block_rows(n_keys, e0, bs), blk);
         k->qk(S + e0, n_keys, q, d, group, rows, kt, block_rows(n_keys, e0, bs), d, scale);
@@ -57,11 +61,12 @@ static void attend_group(const kvs_backend *b, const kvs_cpu_kernels *k, const k
     float mx[group];
     for (int h = 0; h < group; h++) {
         float *sh = S + (size_t)h * n_keys, m = -INFINITY;
-        for (int e = 0; e < n_keys; e++) m = sh[e] > m ? sh[e] : m;
-        sum[h] = k->exp_sum(sh, n_keys, m), mx[h] = m;
+        for (int e = first; e < n_keys; e++) m = sh[e] > m ? sh[e] : m;
+        sum[h] = k->exp_sum(sh + first, n_keys - first, m), mx[h] = m;
+        for (int e = begin; e < first; e++) sh[e] = 0; /* before the window */
     }
     memset(out, 0, sizeof(float) * d * group);
-    for (int e0 = 0; e0 < n_keys; e0 += bs) {
+    for (int e0 = begin; e0 < n_keys; e0 += bs) {
         prefetch_next_block(b, pool, table, n_keys, e0, 1, g);
         const void *rows = block_kv(b, pool, table[e0 / bs], 1, g, block_rows(n_keys, e0, bs), blk);
         k->pv(out, d, S + e0, n_keys, group, rows, kt, block_rows(n_keys, e0, bs), d);
@@ -94,9 +99,10 @@ static void attend_rows(const kvs_cpu_kernels *kern, const kvs_attn_batch *ab, i
     float *inv = S + (size_t)nb * nk; /* nb floats after the scores */
     for (int r = 0; r < nb; r++) {
         float *sr = S + (size_t)r * nk, mx = -INFINITY;
-        int limit = past + i0 + r + 1; /* causal */
-        for (int e = 0; e < limit; e++) mx = sr[e] > mx ? sr[e] : mx;
-        double sum = kern->exp_sum(sr, limit, mx);
+        int limit = past + i0 + r + 1, first = first_key(limit, ab->window); /* causal, within the window */
+        for (int e = first; e < limit; e++) mx = sr[e] > mx ? sr[e] : mx;
+        double sum = kern->exp_sum(sr + first, limit - first, mx);
+        for (int e = 0; e < first; e++) sr[e] = 0;
         for (int e = limit; e < nk; e++) sr[e] = 0;
         inv[r] = (float)(1.0 / sum);
         if (lse) lse[(row0 + (size_t)r * n_heads)] = mx + (float)log(sum);
@@ -157,8 +163,9 @@ static void run_items(void *arg, int t, int nt) {
             int tok = ab->q_start[w.s] + w.i0, q_len = ab->q_start[w.s + 1] - ab->q_start[w.s];
             int n_keys = ab->kv_len[w.s] - q_len + w.i0 + 1;
             size_t row = (size_t)tok * j->n_heads + (size_t)w.h * j->group;
-            attend_group(j->b, j->k, j->pool, ab->block_tables + (size_t)w.s * ab->max_blocks, n_keys, w.h, j->group,
-                         j->q + row * j->d, j->scale, S, j->out + row * j->d, j->lse ? j->lse + row : NULL);
+            attend_group(j->b, j->k, j->pool, ab->block_tables + (size_t)w.s * ab->max_blocks, n_keys,
+                         first_key(n_keys, ab->window), w.h, j->group, j->q + row * j->d, j->scale, S,
+                         j->out + row * j->d, j->lse ? j->lse + row : NULL);
         }
     }
 }

@@ -247,6 +247,7 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->to_host_f32 = cpu_to_host_f32;
     b->embedding = kvs_cpu_embedding;
     b->rmsnorm = kvs_cpu_rmsnorm;
+    b->head_rmsnorm = kvs_cpu_head_rmsnorm;
     b->add = kvs_cpu_add;
     b->matmul = kvs_cpu_matmul;
     b->rope = kvs_cpu_rope;

@@ -24,6 +24,22 @@ void kvs_cpu_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, i
     }
 }
 
+void kvs_cpu_head_rmsnorm(kvs_backend *b, void *x, const void *w, int n, int row_stride, int n_pieces, int head_dim,
+                          float eps) {
+    float *buf = b->weight_dtype == KVS_F32 ? NULL : kvs_cpu_scratch(b, sizeof(float) * head_dim);
+    if (b->weight_dtype != KVS_F32 && !buf) return;
+    const float *g = kvs_cpu_weights_f32(b, w, head_dim, buf);
+#pragma omp parallel for if (n > 4)
+    for (int i = 0; i < n; i++)
+        for (int p = 0; p < n_pieces; p++) { /* kvs_cpu_rmsnorm's arithmetic on one piece */
+            float *xi = (float *)x + (size_t)i * row_stride + (size_t)p * head_dim;
+            double ss = 0;
+            for (int j = 0; j < head_dim; j++) ss += (double)xi[j] * xi[j];
+            float r = 1.0f / sqrtf((float)(ss / head_dim) + eps);
+            for (int j = 0; j < head_dim; j++) xi[j] = xi[j] * r * g[j];
+        }
+}
+
 void kvs_cpu_add(kvs_backend *b, void *x, const void *y, size_t n) {
     float *a = x;
     const float *c = y;

@@ -43,6 +43,8 @@ const float *kvs_cpu_weights_f32(kvs_backend *b, const void *w, size_t n, float 
 
 void kvs_cpu_embedding(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
 void kvs_cpu_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps);
+void kvs_cpu_head_rmsnorm(kvs_backend *b, void *x, const void *w, int n, int row_stride, int n_pieces, int head_dim,
+                          float eps);
 void kvs_cpu_add(kvs_backend *b, void *x, const void *y, size_t n);
 void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
                          float eps);

@@ -17,7 +17,9 @@
  *    <= 16, block_size a multiple of 16): per-warp cp.async rings, wave-aware
  *    splits, kvs_attn_combine_kernel merges the splits (none with one split).
  *  - kvs_attn_split_kernel: the scalar fallback for other head sizes (80, 96,
- *    256), larger groups and block sizes not a multiple of 16, also split + combine.
+ *    256), larger groups and block sizes not a multiple of 16, also split + combine;
+ *    and every batch of a sliding-window layer (kvs_attn_batch.window), prefill
+ *    too: each token attends to its window alone (at most `window` keys).
  * LSE is the natural log of the softmax denominator of the scaled scores. */
 #include <math.h>
 
@@ -32,6 +34,7 @@ struct kvs_attn_args {
     const bf16 *pool; /* FP8 pools: the codes' bytes (kvs_attn_pool8) */
     const int32_t *q_start, *kv_len, *block_tables;
     int n_seqs, n_tokens, max_blocks, n_heads, n_kv_heads, block_size;
+    int window; /* sliding window (split kernel only): keys [n_keys - window, n_keys); 0: all */
     float scale;
     const float *scales; /* FP8 pools: the layer's [2][n_kv_heads] (backend.h kvs_kv_pool); NULL: 1 */
 };
@@ -103,7 +106,8 @@ __global__ void __launch_bounds__(KVS_ATTN_THREADS)
     const int seq = kvs_attn_seq_of(a.q_start, a.n_seqs, t);
     const int q_len = a.q_start[seq + 1] - a.q_start[seq];
     const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
-    const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
+    const int first = a.window > 0 && n_keys > a.window ? n_keys - a.window : 0; /* the splits cover [first, n_keys) */
+    const int k0 = first + split * split_len, k1 = min(n_keys, k0 + split_len);
     const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
 
     const float qk_scale = a.scale * (FP8 ? kvs_kv_scale(a.scales, 0, g, a.n_kv_heads) : 1.f);
@@ -1095,18 +1099,12 @@ static void launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out
  *    are independent, so that NaN stays in its row), but 0 would be cleaner;
  *  - the scratch below is only taken, never grown, inside a capture (a bucket
  *    runs eagerly once first; kvs_cuda_scratch fails the capture otherwise). */
+/* The scalar split kernel; max_kv_len: the most keys a token attends to. */
 template <int D>
-static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len, bool fp8) {
+static void launch_split_scalar(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len,
+                                bool fp8) {
     kvs_cuda *c = kvs_cuda_of(b);
     int group = a.n_heads / a.n_kv_heads;
-    /* the per-warp kernel takes 16-key sub-tiles of one paged block each */
-    if ((D == 32 || D == 64 || D == 128) && group <= 16 && a.block_size % 16 == 0) {
-        constexpr int DT = D == 32 || D == 64 ? D : 128; /* only instantiated for 32/64/128 */
-        if (fp8 && c->fp8_kv_decode_bf16) launch_decode_warp<DT, true, false>(b, a, out, lse, max_kv_len);
-        else if (fp8) launch_decode_warp<DT, true, true>(b, a, out, lse, max_kv_len);
-        else launch_decode_warp<DT, false>(b, a, out, lse, max_kv_len);
-        return;
-    }
     int n_splits, split_len = kvs_attn_split_len(c, a, max_kv_len, &n_splits);
     size_t rows = (size_t)a.n_tokens * a.n_heads;
     size_t o_bytes = (size_t)n_splits * rows * D * sizeof(float), ml_bytes = (size_t)n_splits * rows * 2 * sizeof(float);
@@ -1125,6 +1123,28 @@ static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     KVS_CUDA_LAUNCHED(b, "kvs_attn_combine_kernel");
 }
 
+template <int D>
+static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len, bool fp8) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    int group = a.n_heads / a.n_kv_heads;
+    /* the per-warp kernel takes 16-key sub-tiles of one paged block each */
+    if ((D == 32 || D == 64 || D == 128) && group <= 16 && a.block_size % 16 == 0) {
+        constexpr int DT = D == 32 || D == 64 ? D : 128; /* only instantiated for 32/64/128 */
+        if (fp8 && c->fp8_kv_decode_bf16) launch_decode_warp<DT, true, false>(b, a, out, lse, max_kv_len);
+        else if (fp8) launch_decode_warp<DT, true, true>(b, a, out, lse, max_kv_len);
+        else launch_decode_warp<DT, false>(b, a, out, lse, max_kv_len);
+        return;
+    }
+    launch_split_scalar<D>(b, a, out, lse, max_kv_len, fp8);
+}
+
+/* A sliding-window layer: every token (prefill or decode) through the split
+ * kernel, its splits over the window's keys alone. */
+template <int D>
+static void launch_window(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len, bool fp8) {
+    launch_split_scalar<D>(b, a, out, lse, max_kv_len < a.window ? max_kv_len : a.window, fp8);
+}
+
 void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
                         const kvs_attn_batch *ab, int n_heads, float scale) {
     if (ab->n_tokens <= 0 || ab->n_seqs <= 0) return;
@@ -1140,12 +1160,23 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
     a.n_heads = n_heads;
     a.n_kv_heads = pool->n_kv_heads;
     a.block_size = pool->block_size;
+    a.window = ab->window;
     a.scale = scale;
     const bool fp8 = b->kv_dtype == KVS_F8_E4M3;
     a.scales = fp8 ? pool->scales : NULL;
     int D = pool->head_dim, mq = ab->max_q_len, mk = ab->max_kv_len;
     bf16 *o = (bf16 *)out;
     bool decode = mq <= 1;
+    if (a.window > 0) {
+        switch (D) {
+        case 32: launch_window<32>(b, a, o, lse, mk, fp8); return;
+        case 64: launch_window<64>(b, a, o, lse, mk, fp8); return;
+        case 80: launch_window<80>(b, a, o, lse, mk, fp8); return;
+        case 96: launch_window<96>(b, a, o, lse, mk, fp8); return;
+        case 128: launch_window<128>(b, a, o, lse, mk, fp8); return;
+        case 256: launch_window<256>(b, a, o, lse, mk, fp8); return;
+        }
+    }
     switch (D) {
     case 32: decode ? launch_split<32>(b, a, o, lse, mk, fp8) : launch_prefill<32>(b, a, o, lse, mq, mk, fp8); return;
     case 64: decode ? launch_split<64>(b, a, o, lse, mk, fp8) : launch_prefill<64>(b, a, o, lse, mq, mk, fp8); return;

@@ -323,6 +323,7 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->to_host_f32 = cuda_to_host_f32;
     b->embedding = kvs_cuda_embedding;
     b->rmsnorm = kvs_cuda_rmsnorm;
+    b->head_rmsnorm = kvs_cuda_head_rmsnorm;
     b->add = kvs_cuda_add;
     b->matmul = kvs_cuda_matmul;
     b->rope = kvs_cuda_rope;

@@ -160,6 +160,8 @@ static inline unsigned kvs_cuda_blocks(size_t n, unsigned threads) {
 /* ops (cuda_ops.cu) */
 void kvs_cuda_embedding(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
 void kvs_cuda_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps);
+void kvs_cuda_head_rmsnorm(kvs_backend *b, void *x, const void *w, int n, int row_stride, int n_pieces, int head_dim,
+                           float eps);
 void kvs_cuda_add(kvs_backend *b, void *x, const void *y, size_t n);
 void kvs_cuda_rope(kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n, int n_heads,
                    int head_dim);

@@ -51,6 +51,28 @@ __global__ void kvs_rmsnorm_kernel(bf16 *out, const bf16 *in, const bf16 *w, int
         o[j] = __float2bfloat16(__bfloat162float(x[j]) * r * __bfloat162float(w[j]));
 }
 
+/* Per-head RMSNorm in place: one warp per (row, piece) */
+__global__ void kvs_head_rmsnorm_kernel(bf16 *x, const bf16 *w, int row_stride, int head_dim, float eps) {
+    bf16 *p = x + (size_t)blockIdx.x * row_stride + (size_t)blockIdx.y * head_dim;
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < head_dim; j += 32) {
+        float v = __bfloat162float(p[j]);
+        ss += v * v;
+    }
+    for (int k = 16; k > 0; k >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, k);
+    float r = rsqrtf(ss / head_dim + eps);
+    for (int j = threadIdx.x; j < head_dim; j += 32)
+        p[j] = __float2bfloat16(__bfloat162float(p[j]) * r * __bfloat162float(w[j]));
+}
+
+void kvs_cuda_head_rmsnorm(kvs_backend *b, void *x, const void *w, int n, int row_stride, int n_pieces, int head_dim,
+                           float eps) {
+    if (n <= 0 || n_pieces <= 0) return;
+    kvs_head_rmsnorm_kernel<<<dim3(n, n_pieces), 32, 0, kvs_cuda_of(b)->stream>>>((bf16 *)x, (const bf16 *)w,
+                                                                                  row_stride, head_dim, eps);
+    KVS_CUDA_LAUNCHED(b, "kvs_head_rmsnorm_kernel");
+}
+
 void kvs_cuda_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps) {
     if (n <= 0) return;
     kvs_rmsnorm_kernel<<<n, 256, 0, kvs_cuda_of(b)->stream>>>((bf16 *)out, (const bf16 *)in, (const bf16 *)w, dim,
