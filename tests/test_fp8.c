@@ -194,9 +194,15 @@ Test(fp8, quantization_names_the_value_it_refuses) {
 }
 
 /* The tiny model with fp8 weights and activations against itself in f32
- * (both on the CPU): the quantization's own error. Bound: max |logit diff| <=
- * 10% of the largest |logit| (3.1-5.8% measured over seeds 1-6, 2026-12-03),
- * the same argmax unless the f32 top-2 gap is below the difference. */
+ * (both on the CPU): the quantization's own error, as the KL divergence of the
+ * next-token distributions (llama.cpp's measure of a quantization), and the
+ * same argmax unless the f32 top-2 gap is below the largest logit difference.
+ * Bound: 0.05 nats; measured 0.0029-0.0187 over seeds 1-40 and 3026578111
+ * (2026-12-03). The earlier bound, max |logit diff| <= 10% of the largest
+ * |logit|, was set from six seeds (3.1-5.8%) and failed seed 3026578111 at
+ * 10.2% (a low peak, 11.4, not a larger error: 1.16, as seeds 5 and 16): the
+ * peak of one position is no stable scale. */
+#define KL_BOUND 0.05
 Test(fp8, tiny_model_quantized_stays_near_f32, .timeout = 300) {
     const char *dir = src_path("models/tiny-needle-llama");
     rig r32, r8;
@@ -217,12 +223,19 @@ Test(fp8, tiny_model_quantized_stays_near_f32, .timeout = 300) {
         diff = fmax(diff, fabs((double)l8[i] - l32[i]));
     }
     int a32 = argmax_f(l32, V), a8 = argmax_f(l8, V);
-    double second = -INFINITY;
-    for (int i = 0; i < V; i++)
+    double second = -INFINITY, m32 = -INFINITY, m8 = -INFINITY, z32 = 0, z8 = 0, kl = 0;
+    for (int i = 0; i < V; i++) {
         if (i != a32 && l32[i] > second) second = l32[i];
-    cr_log_info("tiny model fp8 vs f32: max |logit diff| %.4f, peak %.3f (%.1f%%); argmax f32 %d fp8 %d (gap %.3f)",
-                diff, peak, 100 * diff / peak, a32, a8, l32[a32] - second);
-    cr_expect_leq(diff, 0.10 * peak, "fp8 logits %g off (peak %g)", diff, peak);
+        m32 = fmax(m32, l32[i]), m8 = fmax(m8, l8[i]);
+    }
+    for (int i = 0; i < V; i++) z32 += exp(l32[i] - m32), z8 += exp(l8[i] - m8);
+    for (int i = 0; i < V; i++) { /* KL(f32 || fp8) of the next-token distributions, in nats */
+        double lp32 = l32[i] - m32 - log(z32), lp8 = l8[i] - m8 - log(z8);
+        kl += exp(lp32) * (lp32 - lp8);
+    }
+    cr_log_info("tiny model fp8 vs f32: KL %.5f nats; max |logit diff| %.4f, peak %.3f (%.1f%%); argmax f32 %d fp8 %d "
+                "(gap %.3f)", kl, diff, peak, 100 * diff / peak, a32, a8, l32[a32] - second);
+    cr_expect_leq(kl, KL_BOUND, "fp8's next-token distribution %g nats from f32's", kl);
     cr_expect(a32 == a8 || l32[a32] - second < diff, "argmax f32 %d fp8 %d", a32, a8);
     free(ids), free(l32), free(l8);
     rig_close(&r32);
