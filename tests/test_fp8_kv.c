@@ -252,9 +252,10 @@ Test(fp8_kv, bad_scales_are_refused_by_name) {
 }
 
 /* The tiny model with an FP8 KV cache against a bf16 one (bf16 weights, f32
- * activations, CPU): 200 random tokens in one prefill. Bound: max |logit diff|
- * <= 10% of the largest |logit| (the bound of fp8 weights' test), the argmax
- * equal unless the bf16 top-2 gap is below the difference. */
+ * activations, CPU): 200 random tokens in one prefill. Bound: KL of the
+ * next-token distributions <= 0.02 nats (0.0003-0.0056 over seeds 1-30,
+ * 2026-12-03; the largest logit difference was 0.7-3.6% of the peak logit), the
+ * argmax equal unless the bf16 top-2 gap is below the largest difference. */
 Test(fp8_kv, tiny_model_with_fp8_cache_stays_near_bf16, .timeout = 300) {
     const char *dir = src_path("models/tiny-needle-llama");
     kvs_backend *b16, *b8;
@@ -272,19 +273,7 @@ Test(fp8_kv, tiny_model_with_fp8_cache_stays_near_bf16, .timeout = 300) {
     int s16 = kvs_kv_seq_create(r16.kv), s8 = kvs_kv_seq_create(r8.kv);
     rig_run(&r16, s16, ids, n, 0, l16);
     rig_run(&r8, s8, ids, n, 0, l8);
-    double peak = 0, diff = 0;
-    for (int i = 0; i < V; i++) {
-        peak = fmax(peak, fabs(l16[i]));
-        diff = fmax(diff, fabs((double)l8[i] - l16[i]));
-    }
-    int a16 = argmax_f(l16, V), a8 = argmax_f(l8, V);
-    double second = -INFINITY;
-    for (int i = 0; i < V; i++)
-        if (i != a16 && l16[i] > second) second = l16[i];
-    cr_log_info("tiny model fp8 vs bf16 KV: max |logit diff| %.4f, peak %.3f (%.1f%%); argmax bf16 %d fp8 %d (gap %.3f)",
-                diff, peak, 100 * diff / peak, a16, a8, l16[a16] - second);
-    cr_expect_leq(diff, 0.10 * peak, "fp8 KV logits %g off (peak %g)", diff, peak);
-    cr_expect(a16 == a8 || l16[a16] - second < diff, "argmax bf16 %d fp8 %d", a16, a8);
+    expect_logits_near("tiny model fp8 vs bf16 KV", l16, l8, V, 0.02);
     /* a fork decodes the next token exactly as its parent (it holds the same codes) */
     int f8;
     cr_assert_eq(kvs_kv_fork(r8.kv, s8, &f8), KVS_OK, "%s", kvs_last_error());

@@ -139,6 +139,31 @@ static int b64_value(int c) {
     return -1;
 }
 
+double expect_logits_near(const char *what, const float *ref, const float *got, int V, double kl_bound) {
+    double peak = 0, diff = 0, second = -INFINITY, mr = -INFINITY, mg = -INFINITY, zr = 0, zg = 0, kl = 0;
+    int ar = 0, ag = 0;
+    for (int i = 0; i < V; i++) {
+        peak = fmax(peak, fabs(ref[i]));
+        diff = fmax(diff, fabs((double)got[i] - ref[i]));
+        if (ref[i] > ref[ar]) ar = i;
+        if (got[i] > got[ag]) ag = i;
+        mr = fmax(mr, ref[i]), mg = fmax(mg, got[i]);
+    }
+    for (int i = 0; i < V; i++) {
+        if (i != ar && ref[i] > second) second = ref[i];
+        zr += exp(ref[i] - mr), zg += exp(got[i] - mg);
+    }
+    for (int i = 0; i < V; i++) {
+        double lr = ref[i] - mr - log(zr), lg = got[i] - mg - log(zg);
+        kl += exp(lr) * (lr - lg);
+    }
+    cr_log_info("%s: KL %.5f nats; max |logit diff| %.4f, peak %.3f (%.1f%%); argmax %d vs %d (gap %.3f)", what, kl,
+                diff, peak, 100 * diff / peak, ar, ag, ref[ar] - second);
+    cr_expect_leq(kl, kl_bound, "%s: next-token distributions %g nats apart (bound %g)", what, kl, kl_bound);
+    cr_expect(ar == ag || ref[ar] - second < diff, "%s: argmax %d vs %d", what, ar, ag);
+    return kl;
+}
+
 float *qkv_rows(const float *q, const float *k, const float *v, int n, size_t qd, size_t kd) {
     size_t ld = qd + 2 * kd;
     float *out = malloc(sizeof(float) * (ld * (size_t)n + 1));

@@ -46,6 +46,13 @@ int32_t *json_ids(const json_t *arr, int *n);
  * row i, then k's, then v's (what rope_kv_write takes); malloc'ed. */
 float *qkv_rows(const float *q, const float *k, const float *v, int n, size_t qd, size_t kd);
 
+/* A quantized model's next-token logits got [V] against the reference's ref:
+ * logs the KL divergence KL(ref || got) of their softmax distributions (nats,
+ * llama.cpp's measure of a quantization), the largest logit difference and the
+ * argmaxes; expects the KL at most kl_bound and the same argmax unless ref's
+ * top-2 gap is below the largest difference. Returns the KL. */
+double expect_logits_near(const char *what, const float *ref, const float *got, int V, double kl_bound);
+
 /* max|a-b| / max|b| */
 double rel_max_diff(const float *a, const float *b, size_t n);
 int argmax_f(const float *x, int n);
