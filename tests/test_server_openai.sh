@@ -20,22 +20,8 @@ if [ "$(node -p "try{require('$PREFIX/node_modules/openai/package.json').version
   fi
 fi
 
-LOG=$(mktemp)
-OUT=$(mktemp)
-OMP_WAIT_POLICY=passive "$BIN" serve -m "$SRC/models/tiny-needle-llama" --port 0 --api-key test-key \
-  --served-model-name tiny >"$OUT" 2>"$LOG" &
-PID=$!
-cleanup() { kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; rm -f "$LOG" "$OUT"; }
-trap cleanup EXIT
-
-PORT=""
-for _ in $(seq 1 300); do
-  PORT=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$OUT")
-  [ -n "$PORT" ] && break
-  kill -0 "$PID" 2>/dev/null || { cat "$LOG" >&2; echo "the server exited" >&2; exit 1; }
-  sleep 0.1
-done
-[ -n "$PORT" ] || { cat "$LOG" >&2; echo "the server did not print its port" >&2; exit 1; }
+. "$SRC/tests/serve_tiny.sh"
+serve_tiny --served-model-name tiny
 
 fail=0
 for t in "$SRC"/tests/openai/*.mjs; do

@@ -30,27 +30,14 @@ if [ "$(node -p "try{require('$PREFIX/node_modules/puppeteer-core/package.json')
   fi
 fi
 
-LOG=$(mktemp)
-OUT=$(mktemp)
-OMP_WAIT_POLICY=passive "$BIN" serve -m "$SRC/models/tiny-needle-llama" --port 0 --api-key test-key \
-  >"$OUT" 2>"$LOG" &
-PID=$!
-cleanup() { kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; rm -f "$LOG" "$OUT"; }
-trap cleanup EXIT
-PORT=""
-for _ in $(seq 1 300); do
-  PORT=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$OUT")
-  [ -n "$PORT" ] && break
-  kill -0 "$PID" 2>/dev/null || { cat "$LOG" >&2; echo "the server exited" >&2; exit 1; }
-  sleep 0.1
-done
-[ -n "$PORT" ] || { cat "$LOG" >&2; echo "the server did not print its port" >&2; exit 1; }
+. "$SRC/tests/serve_tiny.sh"
+serve_tiny
 
 if KVS_URL="http://127.0.0.1:$PORT/" KVS_API_KEY=test-key KVS_CHROMIUM="$CHROMIUM" KVS_SCREENSHOT="$SHOT" \
    PUPPETEER_MODULE="$PREFIX/node_modules/puppeteer-core/lib/esm/puppeteer/puppeteer-core.js" \
    node "$SRC/tests/web/chat.mjs"; then
   echo "PASS chat page (screenshot: $SHOT)"
 else
-  echo "FAIL chat page; the server's log:"; cat "$LOG"
+  echo "FAIL chat page; the server's log:"; cat "$SERVE_LOG"
   exit 1
 fi
