@@ -16,36 +16,42 @@ typedef struct {
     double attn_seconds;
 } timed_backend;
 
+/* The inner backend idle (its work done), then the clock: what each timed op starts with. */
+static double timed_start(timed_backend *t) {
+    t->inner->synchronize(t->inner);
+    return kvs_now();
+}
+
+/* Seconds since t0 once the op just enqueued has run. */
+static double timed_stop(timed_backend *t, double t0) {
+    t->inner->synchronize(t->inner);
+    return kvs_now() - t0;
+}
+
+static void timed_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
+                         int in_dim, int out_dim) {
+    timed_backend *t = (timed_backend *)b;
+    double t0 = timed_start(t);
+    t->inner->matmul(t->inner, out, in, w, bias, n, in_dim, out_dim);
+    t->seconds += timed_stop(t, t0);
+    t->flops += 2.0 * n * in_dim * out_dim;
+}
+
 static void timed_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,
                              const float *ws, const void *bias, int n, int in_dim, int out_dim) {
     timed_backend *t = (timed_backend *)b;
-    t->inner->synchronize(t->inner);
-    double t0 = kvs_now();
+    double t0 = timed_start(t);
     t->inner->matmul_fp8(t->inner, out, xq, xs, wq, ws, bias, n, in_dim, out_dim);
-    t->inner->synchronize(t->inner);
-    t->seconds += kvs_now() - t0;
+    t->seconds += timed_stop(t, t0);
     t->flops += 2.0 * n * in_dim * out_dim;
 }
 
 static void timed_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
                             const kvs_attn_batch *ab, int n_heads, float scale) {
     timed_backend *t = (timed_backend *)b;
-    t->inner->synchronize(t->inner);
-    double t0 = kvs_now();
+    double t0 = timed_start(t);
     t->inner->attention(t->inner, out, lse, q, pool, ab, n_heads, scale);
-    t->inner->synchronize(t->inner);
-    t->attn_seconds += kvs_now() - t0;
-}
-
-static void timed_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
-                         int in_dim, int out_dim) {
-    timed_backend *t = (timed_backend *)b;
-    t->inner->synchronize(t->inner);
-    double t0 = kvs_now();
-    t->inner->matmul(t->inner, out, in, w, bias, n, in_dim, out_dim);
-    t->inner->synchronize(t->inner);
-    t->seconds += kvs_now() - t0;
-    t->flops += 2.0 * n * in_dim * out_dim;
+    t->attn_seconds += timed_stop(t, t0);
 }
 
 /* GFLOP/s of the backend's matmul on a square problem of size n (best of reps):
