@@ -201,9 +201,8 @@ static kvs_status inject_faults(kvs_loaded *out, int tp) {
 }
 
 /* bench throughput --profile: the backend wrapped so that its ops are timed
- * (backend/profile.h). */
-static kvs_status wrap_profile(kvs_loaded *out, int tp, bool *graphs) {
-    if (tp > 1) return kvs_fail(KVS_ERR_UNSUPPORTED, "--profile: not with --tensor-parallel-size (one rank only)");
+ * (backend/profile.h); one rank only. */
+static kvs_status wrap_profile(kvs_loaded *out, bool *graphs) {
     *graphs = out->be->graph_begin != NULL; /* the wrapper has none */
     kvs_backend *wrapped;
     KVS_TRY(kvs_backend_profile_wrap(out->be, true, &wrapped, &out->profile));
@@ -249,7 +248,8 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     if (st == KVS_OK) st = option_dtype("--dtype", o->dtype, out->cfg.dtype, cuda, &out->weight_dtype);
     if (st == KVS_OK) st = option_dtype("--kv-cache-dtype", o->kv_dtype, out->weight_dtype, cuda, &out->kv_dtype);
     bool graphs = false; /* --profile: the wrapped backend has graphs */
-    if (st == KVS_OK && o->profile && tp > 1) st = wrap_profile(out, tp, &graphs);
+    if (st == KVS_OK && o->profile && tp > 1)
+        st = kvs_fail(KVS_ERR_UNSUPPORTED, "--profile: not with --tensor-parallel-size (one rank only)");
     if (st == KVS_OK && cuda && tp > 1) {
         st = load_cuda_ranks(o, out, tp, device0);
     } else if (st == KVS_OK) {
@@ -259,7 +259,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
             st = cuda ? kvs_backend_cuda_create(&co, &out->be)
                       : kvs_backend_cpu_create_typed(o->threads, out->weight_dtype, out->kv_dtype, &out->be);
         if (st == KVS_OK) st = inject_faults(out, tp);
-        if (st == KVS_OK && o->profile) st = wrap_profile(out, tp, &graphs);
+        if (st == KVS_OK && o->profile) st = wrap_profile(out, &graphs);
         if (st == KVS_OK && !o->skip_model) {
             if (tp > 1) { /* the CPU simulation: --threads split over the ranks */
                 int per_rank = o->threads > 0 ? (o->threads + tp - 1) / tp : 0;
