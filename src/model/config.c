@@ -389,30 +389,31 @@ size_t kvs_config_kv_bytes_per_token(const kvs_config *cfg, kvs_dtype kv_dtype) 
     return 2 * (size_t)cfg->n_layers * (size_t)cfg->n_kv_heads * (size_t)cfg->head_dim * kvs_dtype_size(kv_dtype);
 }
 
+/* Elements of one copy of weight kind k (0 when the model has none) and its rows;
+ * how many copies: one per layer from the attention norm on, else one. */
+static int64_t kind_elems(const kvs_config *cfg, int k, int64_t *rows) {
+    int64_t shape[2];
+    int ndim;
+    if (!kvs_weight_expected(cfg, (kvs_weight_kind)k, shape, &ndim)) return 0;
+    *rows = shape[0];
+    return ndim == 2 ? shape[0] * shape[1] : shape[0];
+}
+static int kind_copies(const kvs_config *cfg, int k) { return k >= KVS_W_ATTN_NORM ? cfg->n_layers : 1; }
+
 double kvs_config_weight_bytes(const kvs_config *cfg, kvs_dtype weight_dtype, bool include_embed) {
     double total = 0;
     for (int k = 0; k < KVS_W_KIND_COUNT; k++) {
-        int64_t shape[2];
-        int ndim;
-        if (!kvs_weight_expected(cfg, (kvs_weight_kind)k, shape, &ndim)) continue;
-        if (k == KVS_W_EMBED && !include_embed && !cfg->tie_word_embeddings) continue;
-        double n = ndim == 2 ? (double)shape[0] * shape[1] : (double)shape[0];
+        int64_t rows, n = kind_elems(cfg, k, &rows);
+        if (!n || (k == KVS_W_EMBED && !include_embed && !cfg->tie_word_embeddings)) continue;
         bool fp8 = cfg->quantization == KVS_QUANT_FP8 && kvs_weight_is_linear((kvs_weight_kind)k);
-        double bytes = fp8 ? n + (double)shape[0] * sizeof(float) : n * kvs_dtype_size(weight_dtype);
-        total += k >= KVS_W_ATTN_NORM ? bytes * cfg->n_layers : bytes;
+        double bytes = fp8 ? (double)n + (double)rows * sizeof(float) : (double)n * kvs_dtype_size(weight_dtype);
+        total += bytes * kind_copies(cfg, k);
     }
     return total;
 }
 
 int64_t kvs_config_param_count(const kvs_config *cfg) {
-    int64_t total = 0;
-    for (int k = 0; k < KVS_W_KIND_COUNT; k++) {
-        int64_t shape[2];
-        int ndim;
-        if (!kvs_weight_expected(cfg, (kvs_weight_kind)k, shape, &ndim)) continue;
-        int64_t n = ndim == 2 ? shape[0] * shape[1] : shape[0];
-        bool per_layer = k >= KVS_W_ATTN_NORM;
-        total += per_layer ? n * cfg->n_layers : n;
-    }
+    int64_t total = 0, rows;
+    for (int k = 0; k < KVS_W_KIND_COUNT; k++) total += kind_elems(cfg, k, &rows) * kind_copies(cfg, k);
     return total;
 }
