@@ -599,8 +599,10 @@ static void attention_case_prefill(kvs_cuda_prefill prefill, int n_heads, int n_
     void *ct = put_i32(d.cpu, p.tables, tn), *gt = put_i32(d.gpu, p.tables, tn);
     void *co = d.cpu->alloc(d.cpu, qn * 4), *go = d.gpu->alloc(d.gpu, qn * 2);
     float *cl = d.cpu->alloc(d.cpu, sizeof(float) * n * n_heads), *gl = d.gpu->alloc(d.gpu, sizeof(float) * n * n_heads);
-    kvs_attn_batch cab = {n_seqs, n, p.max_blocks, max_q, max_kv, cqs, ckl, ct, attention_window};
-    kvs_attn_batch gab = {n_seqs, n, p.max_blocks, max_q, max_kv, gqs, gkl, gt, attention_window};
+    int n_decode = 0; /* the leading one-query sequences: a mixed step's decodes, run apart on the GPU */
+    while (n_decode < n_seqs && q_len[n_decode] == 1) n_decode++;
+    kvs_attn_batch cab = {n_seqs, n, p.max_blocks, max_q, max_kv, cqs, ckl, ct, attention_window, n_decode};
+    kvs_attn_batch gab = {n_seqs, n, p.max_blocks, max_q, max_kv, gqs, gkl, gt, attention_window, n_decode};
     float scale = 1.0f / sqrtf((float)D);
     d.cpu->attention(d.cpu, co, cl, cq, &p.cpu, &cab, n_heads, scale);
     d.gpu->attention(d.gpu, go, gl, gq, &p.gpu, &gab, n_heads, scale);
@@ -643,6 +645,16 @@ Test(cuda, attention_varlen_d64_gqa1) { attention_case(8, 8, 64, MIX_N, mix_kv, 
 Test(cuda, attention_varlen_d64_gqa4) { attention_case(16, 4, 64, MIX_N, mix_kv, mix_q); }
 Test(cuda, attention_varlen_d32_gqa2) { attention_case(4, 2, 32, MIX_N, mix_kv, mix_q); }
 Test(cuda, attention_varlen_d96_fallback) { attention_case(8, 2, 96, MIX_N, mix_kv, mix_q); }
+/* a mixed step as the scheduler makes it: decodes first (long and short
+   contexts, one of a single key), then prefill chunks; the decodes run through
+   the decode kernel (kvs_attn_batch.n_decode), the chunks through the prefill one */
+static const int mixdec_kv[] = {4000, 1, 517, 64, 2100, 33, 300, 700, 4096};
+static const int mixdec_q[] = {1, 1, 1, 1, 1, 1, 37, 200, 512};
+Test(cuda, attention_mixed_decodes_first_d128_gqa4) { attention_case(32, 8, 128, 9, mixdec_kv, mixdec_q); }
+Test(cuda, attention_mixed_decodes_first_d64_gqa1) { attention_case(8, 8, 64, 9, mixdec_kv, mixdec_q); }
+Test(cuda, attention_mixed_decodes_first_d128_small) {
+    attention_case_prefill(KVS_CUDA_PREFILL_SMALL, 32, 8, 128, 9, mixdec_kv, mixdec_q, 1);
+}
 /* Sliding windows (kvs_attn_batch.window): every token, prefill or decode,
  * sees its own entry and the window - 1 before it; windows shorter than a
  * chunk, than a block, longer than some sequences; decode in graph mode too. */
@@ -1457,6 +1469,7 @@ Test(cuda, fp8_kv_attention, .timeout = 600) {
     for (int i = 0; i < 3; i++) {
         attention_case_prefill(kernels[i], 32, 8, 128, 2, kv_long, q_long, 1);
         attention_case_prefill(kernels[i], 6, 2, 128, MIX_N, mix_kv, mix_q, 1);
+        attention_case_prefill(kernels[i], 32, 8, 128, 9, mixdec_kv, mixdec_q, 1); /* decodes first */
     }
     attention_case(32, 4, 128, 10, dec_kv, dec_q);
     attention_case(32, 8, 128, 10, dec_kv, dec_q);

@@ -47,6 +47,10 @@ typedef struct {
        entries before it, not those further back (the layer's entries are then
        consecutive positions: kv/kv.h's window layers) */
     int window;
+    /* the first n_decode sequences have one query each (q_start[s] = s for
+       s <= n_decode): a mixed step's decodes, which a backend may run apart
+       from the prefill chunks (the CUDA decode kernel); 0: none said */
+    int n_decode;
 } kvs_attn_batch;
 
 typedef struct kvs_backend kvs_backend;

@@ -22,6 +22,12 @@ int kvs_ceil_log2(int n) {
     return i;
 }
 
+int kvs_stride_bucket(int blocks) {
+    int p = 1;
+    while (p < blocks && p + p / 2 < blocks) p *= 2;
+    return p >= blocks ? p : p + p / 2;
+}
+
 /* n, or the power of two a graph pads it to when there is a graph for it. */
 static int padded(int n, int n_graph_sizes) {
     int p = kvs_ceil_log2(n);
@@ -62,7 +68,7 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     /* S sequences (max_seqs or the graph bucket it pads to), n rows (a padded
        decode step has one per sequence), B blocks in a sequence's table */
     size_t a = kvs_dtype_size(act_dtype), S = padded(l->max_seqs, KVS_GRAPH_BATCHES), n = (size_t)l->max_tokens;
-    size_t B = padded((l->max_len + l->block_size - 1) / l->block_size, KVS_GRAPH_STRIDES);
+    size_t B = kvs_stride_bucket((l->max_len + l->block_size - 1) / l->block_size);
     if (n < S) n = S;
     size_t qd = (size_t)sh->n_heads * c->head_dim, kd = (size_t)sh->n_kv_heads * c->head_dim;
     size_t wide = (size_t)sh->intermediate > qd ? (size_t)sh->intermediate : qd;

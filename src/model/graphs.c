@@ -20,7 +20,7 @@ static void invalidate(kvs_model *m) {
     kvs_graphs *g = &m->graphs;
     bool any = false;
     for (int i = 0; i < KVS_GRAPH_BATCHES; i++)
-        for (int j = 0; j < KVS_GRAPH_STRIDES; j++) {
+        for (int j = 0; j < KVS_GRAPH_VARIANTS; j++) {
             kvs_graph_slot *s = &g->slot[i][j];
             if (s->exec) {
                 m->be->graph_destroy(m->be, s->exec);
@@ -54,6 +54,32 @@ static kvs_status check_kv(kvs_model *m, const kvs_kv_cache *kv) {
     return KVS_OK;
 }
 
+/* The slot of the step's batch bucket made for its layer strides (the step
+ * buffers' layer_meta, just prepared), or else the unused or least recently
+ * used one, emptied for them. NULL when out of host memory. */
+static kvs_graph_slot *find_slot(kvs_model *m, int bucket) {
+    kvs_graphs *g = &m->graphs;
+    const int L = m->cfg.n_layers;
+    const kvs_layer_meta *lm = m->buf.layer_meta;
+    kvs_graph_slot *row = g->slot[bucket], *pick = &row[0];
+    g->clock++;
+    for (int i = 0; i < KVS_GRAPH_VARIANTS; i++) {
+        kvs_graph_slot *s = &row[i];
+        int l = 0;
+        while (s->strides && l < L && s->strides[l] == lm[l].max_blocks) l++;
+        if (s->strides && l == L) {
+            s->used = g->clock;
+            return s;
+        }
+        if (pick->strides && (!s->strides || s->used < pick->used)) pick = s;
+    }
+    if (pick->exec) m->be->graph_destroy(m->be, pick->exec);
+    if (!pick->strides && !(pick->strides = malloc(sizeof(int32_t) * L))) return NULL;
+    for (int l = 0; l < L; l++) pick->strides[l] = lm[l].max_blocks;
+    pick->exec = NULL, pick->seen = 0, pick->failed = false, pick->used = g->clock;
+    return pick;
+}
+
 /* A padded step run eagerly. */
 static kvs_status padded_eager(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh) {
     m->graphs.stats.padded_eager_steps++;
@@ -71,7 +97,8 @@ kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_s
     }
     if (g->mode != KVS_GRAPHS_ON || !be->graph_begin) return padded_eager(m, kv, sh);
     KVS_TRY(check_kv(m, kv));
-    kvs_graph_slot *slot = &g->slot[sh->bucket][sh->si];
+    kvs_graph_slot *slot = find_slot(m, sh->bucket);
+    if (!slot) return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
     if (slot->exec) {
         if (be->graph_launch(be, slot->exec) == KVS_OK) {
             g->stats.replays++;
@@ -108,13 +135,18 @@ kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_s
     }
     slot->failed = true;
     g->stats.capture_failures++;
-    kvs_log(KVS_LOG_WARN, "forward: no CUDA graph for %d sequences x %d blocks (%s); that bucket stays eager",
-            sh->n_seqs, sh->stride, kvs_last_error());
+    kvs_log(KVS_LOG_WARN, "forward: no CUDA graph for %d sequences (layer 0's tables of %d blocks; %s); these "
+            "strides stay eager", sh->n_seqs, slot->strides[0], kvs_last_error());
     return padded_eager(m, kv, sh); /* nothing of the failed capture ran */
 }
 
 void kvs_graphs_free(kvs_model *m) {
     invalidate(m);
+    for (int i = 0; i < KVS_GRAPH_BATCHES; i++)
+        for (int j = 0; j < KVS_GRAPH_VARIANTS; j++) {
+            free(m->graphs.slot[i][j].strides);
+            m->graphs.slot[i][j].strides = NULL;
+        }
     free(m->graphs.baked);
     m->graphs.baked = NULL;
 }

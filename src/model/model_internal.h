@@ -71,20 +71,26 @@ typedef struct {
     int cap_adjust;
 } kvs_sample_buffers;
 
-/* CUDA graphs of pure-decode steps (graphs.c), one per bucket:
- * batch padded to 2^bi sequences (1 .. 256), block tables to a stride of 2^si
- * blocks per sequence. */
+/* CUDA graphs of pure-decode steps (graphs.c): the batch padded to 2^bi
+ * sequences (1 .. 256), each layer's block tables to its own stride
+ * (kvs_stride_bucket of its longest table in the batch: full layers long,
+ * sparse layers short). A graph bakes the strides in, so a batch bucket keeps
+ * up to KVS_GRAPH_VARIANTS graphs, one per vector of layer strides (the least
+ * recently used one makes room). */
 #define KVS_GRAPH_BATCHES 9
-#define KVS_GRAPH_STRIDES 20
+#define KVS_GRAPH_VARIANTS 8
 typedef struct {
     void *exec; /* the backend's graph; NULL until captured */
-    int seen;   /* steps of this bucket so far (0: next one runs eagerly, 1: captures) */
-    bool failed; /* capture failed once: this bucket stays eager */
+    int seen;   /* steps of this variant so far (0: next one runs eagerly, 1: captures) */
+    bool failed; /* capture failed once: this variant stays eager */
+    int32_t *strides; /* [n_layers]: the layer strides it is for; NULL: unused */
+    uint64_t used;    /* the step it last ran (least recently used goes first) */
 } kvs_graph_slot;
 
 typedef struct {
     kvs_graph_mode mode;
-    kvs_graph_slot slot[KVS_GRAPH_BATCHES][KVS_GRAPH_STRIDES];
+    kvs_graph_slot slot[KVS_GRAPH_BATCHES][KVS_GRAPH_VARIANTS];
+    uint64_t clock; /* padded steps run (for kvs_graph_slot.used) */
     /* the KV memory the graphs baked in: pool, then each layer's window q and
        lse; then the same of the step's KV cache */
     const void **baked;
@@ -118,14 +124,18 @@ kvs_status kvs_step_buffers_create(kvs_model *m);
 void kvs_step_buffers_free(kvs_model *m);
 
 /* step_meta.c: what a step runs on: n_rows token rows and n_seqs sequences,
- * padding included (the graphs' layout: up to the bucket, tables of `stride`
- * blocks per sequence). */
+ * padding included (the graphs' layout: up to the bucket, each layer's tables
+ * of its kvs_stride_bucket stride, in buf.layer_meta[l].max_blocks). */
 typedef struct {
     int n_rows, n_seqs;
     bool padded;
-    int stride, bucket, si; /* padded: the table stride, graph slot [bucket][si] */
+    int bucket;   /* padded: the graphs' batch bucket (n_seqs = 2^bucket) */
+    int n_decode; /* the leading sequences of one token each (kvs_attn_batch.n_decode) */
 } kvs_step_shape;
 int kvs_ceil_log2(int n);
+/* The table stride the graphs' layout pads `blocks` to: the next of 1, 2, 3,
+ * 4, 6, 8, 12, ... (powers of two and 1.5 times them: at most a third padding). */
+int kvs_stride_bucket(int blocks);
 /* Plans the step's shape and uploads its metadata (one copy). */
 kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_step_shape *sh);
 /* Points the step buffers at layer l's metadata, its attention batch in ab;

@@ -4,10 +4,12 @@
  *
  * Padded steps (the graphs' layout) append dummy sequences of one token each
  * (id 0, position 0, slot -1, kv_len 0, no window row) up to the batch bucket,
- * and give every layer the bucket's table stride and max_kv_len = stride x
- * block_size, so that every pointer and size a graph bakes in is fixed for
- * the bucket. Eager steps pad each layer's tables to that layer's most blocks
- * in the batch (sparse layers are short, full layers long). */
+ * and give each layer a table stride of kvs_stride_bucket(its most blocks in
+ * the batch) and max_kv_len = stride x block_size, so that every pointer and
+ * size a graph bakes in is fixed for the bucket and the vector of layer
+ * strides (graphs.c keeps a graph per vector). Eager steps pad each layer's
+ * tables to that layer's most blocks in the batch (sparse layers are short,
+ * full layers long). */
 #include <string.h>
 
 #include "model/model_internal.h"
@@ -63,19 +65,16 @@ kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const k
 }
 
 /* Pure-decode steps take the graphs' padded layout (in the graph modes). */
-static void plan(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_step_shape *sh) {
-    *sh = (kvs_step_shape){b->n_tokens, b->n_seqs, false, 0, 0, 0};
+static void plan(const kvs_model *m, const kvs_batch *b, kvs_step_shape *sh) {
+    int n_decode = 0; /* the scheduler puts a mixed step's decodes first */
+    while (n_decode < b->n_seqs && b->query_start[n_decode + 1] - b->query_start[n_decode] == 1) n_decode++;
+    *sh = (kvs_step_shape){b->n_tokens, b->n_seqs, false, 0, n_decode};
     const kvs_graphs *g = &m->graphs;
     bool layout = g->mode == KVS_GRAPHS_PADDED || (g->mode == KVS_GRAPHS_ON && m->be->graph_begin);
     if (!layout || b->n_tokens != b->n_seqs) return; /* graphs for pure decode only */
-    int max_blocks = 1;
-    for (int l = 0; l < m->cfg.n_layers; l++) {
-        int mb = layer_max_blocks(b, kv, l);
-        if (mb > max_blocks) max_blocks = mb;
-    }
-    int bi = kvs_ceil_log2(b->n_seqs), si = kvs_ceil_log2(max_blocks);
-    if (bi >= KVS_GRAPH_BATCHES || si >= KVS_GRAPH_STRIDES) return;
-    *sh = (kvs_step_shape){1 << bi, 1 << bi, true, 1 << si, bi, si};
+    int bi = kvs_ceil_log2(b->n_seqs);
+    if (bi >= KVS_GRAPH_BATCHES) return;
+    *sh = (kvs_step_shape){1 << bi, 1 << bi, true, bi, 1 << bi};
 }
 
 /* Builds the metadata in the pinned host buffer and uploads it with one copy.
@@ -84,7 +83,7 @@ static void plan(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv,
  * read, which already synchronized; only steps without a read, e.g. prefill
  * chunks, lose their host/GPU overlap here). */
 kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_step_shape *sh) {
-    plan(m, b, kv, sh);
+    plan(m, b, sh);
     kvs_step_buffers *sb = &m->buf;
     kvs_backend *be = m->be;
     const int L = m->cfg.n_layers, T = sh->n_rows, S = sh->n_seqs, n = b->n_tokens, bs = kvs_kv_get_config(kv)->block_size;
@@ -92,7 +91,8 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
     off += S + 1;
     for (int l = 0; l < L; l++) {
         kvs_layer_meta *lm = &sb->layer_meta[l];
-        lm->max_blocks = sh->padded ? sh->stride : layer_max_blocks(b, kv, l);
+        int mb = layer_max_blocks(b, kv, l);
+        lm->max_blocks = sh->padded ? kvs_stride_bucket(mb) : mb;
         lm->slots = off, off += T;
         lm->kv_len = off, off += S;
         lm->cap_src = off, off += T;
@@ -111,12 +111,13 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
         int32_t *slots = h + lm->slots, *kv_len = h + lm->kv_len, *cap_src = h + lm->cap_src,
                 *cap_dst = h + lm->cap_dst, *tables = h + lm->tables;
         int max_kv = 0, max_q = 0, n_cap = 0;
-        memset(tables, 0, sizeof(int32_t) * (size_t)S * lm->max_blocks);
         for (int s = 0; s < b->n_seqs; s++) {
             int seq = b->seq_ids[s], q0 = b->query_start[s], q_len = b->query_start[s + 1] - q0;
             int len = kvs_kv_len(kv, seq, l), nb;
             const int32_t *blocks = kvs_kv_blocks(kv, seq, l, &nb);
-            memcpy(tables + (size_t)s * lm->max_blocks, blocks, sizeof(int32_t) * nb);
+            int32_t *row = tables + (size_t)s * lm->max_blocks;
+            memcpy(row, blocks, sizeof(int32_t) * nb);
+            memset(row + nb, 0, sizeof(int32_t) * (lm->max_blocks - nb)); /* block 0: never read */
             for (int i = 0; i < q_len; i++) {
                 slots[q0 + i] = kvs_kv_slot(kv, seq, l, len + i);
                 int row = kvs_kv_window_row(kv, seq, l, b->positions[q0 + i]);
@@ -134,11 +135,12 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
         }
         for (int i = n; i < T; i++) slots[i] = -1, cap_src[i] = i, cap_dst[i] = -1;
         for (int s = b->n_seqs; s < S; s++) kv_len[s] = 0;
+        memset(tables + (size_t)b->n_seqs * lm->max_blocks, 0, sizeof(int32_t) * (S - b->n_seqs) * lm->max_blocks);
         if (sh->padded) { /* the bucket's fixed sizes; LSE and window capture always (when windows exist) */
             void *win_q;
             float *win_lse;
             kvs_kv_window_buffers(kv, l, &win_q, &win_lse);
-            max_kv = sh->stride * bs;
+            max_kv = lm->max_blocks * bs;
             max_q = 1;
             n_cap = win_q ? T : 0;
         }
@@ -162,6 +164,6 @@ int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch
     sb->cap_dst = sb->meta + lm->cap_dst;
     sb->block_tables = sb->meta + lm->tables;
     *ab = (kvs_attn_batch){sh->n_seqs, sh->n_rows, lm->max_blocks, lm->max_q_len, lm->max_kv_len, sb->q_start,
-                           sb->kv_len, sb->block_tables, kvs_config_layer_window(&m->cfg, l)};
+                           sb->kv_len, sb->block_tables, kvs_config_layer_window(&m->cfg, l), sh->n_decode};
     return lm->n_cap;
 }

@@ -1145,6 +1145,30 @@ static void launch_window(kvs_backend *b, const kvs_attn_args &a, bf16 *out, flo
     launch_split_scalar<D>(b, a, out, lse, max_kv_len < a.window ? max_kv_len : a.window, fp8);
 }
 
+/* A batch with prefill chunks: its leading decodes (ab->n_decode sequences of
+ * one query) through the decode kernel, split over the keys, and the chunks
+ * through the prefill kernel. In the prefill kernel a decode would be a tile of
+ * one live row, a block per (sequence, head group) walking all its keys. The
+ * two launches write disjoint rows of out and lse: the prefill kernels take
+ * their rows from q_start (absolute), so the chunks' part starts at q_start + nd. */
+template <int D>
+static void launch_mixed(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, const kvs_attn_batch *ab,
+                         bool fp8) {
+    int nd = ab->n_decode > 0 && ab->n_decode < a.n_seqs ? ab->n_decode : 0;
+    if (fp8 && kvs_prefill_pick<D>(kvs_cuda_of(b), a.scale) == KVS_CUDA_PREFILL_SMALL)
+        nd = 0; /* that prefill is the decode kernel already, a token a block (its rows index from 0) */
+    if (nd > 0) {
+        kvs_attn_args dec = a;
+        dec.n_seqs = nd, dec.n_tokens = nd;
+        launch_split<D>(b, dec, out, lse, ab->max_kv_len, fp8);
+    }
+    kvs_attn_args pre = a;
+    pre.q_start = a.q_start + nd, pre.kv_len = a.kv_len + nd;
+    pre.block_tables = a.block_tables + (size_t)nd * a.max_blocks;
+    pre.n_seqs = a.n_seqs - nd, pre.n_tokens = a.n_tokens - nd;
+    launch_prefill<D>(b, pre, out, lse, ab->max_q_len, ab->max_kv_len, fp8);
+}
+
 void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
                         const kvs_attn_batch *ab, int n_heads, float scale) {
     if (ab->n_tokens <= 0 || ab->n_seqs <= 0) return;
@@ -1178,9 +1202,9 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
         }
     }
     switch (D) {
-    case 32: decode ? launch_split<32>(b, a, o, lse, mk, fp8) : launch_prefill<32>(b, a, o, lse, mq, mk, fp8); return;
-    case 64: decode ? launch_split<64>(b, a, o, lse, mk, fp8) : launch_prefill<64>(b, a, o, lse, mq, mk, fp8); return;
-    case 128: decode ? launch_split<128>(b, a, o, lse, mk, fp8) : launch_prefill<128>(b, a, o, lse, mq, mk, fp8); return;
+    case 32: decode ? launch_split<32>(b, a, o, lse, mk, fp8) : launch_mixed<32>(b, a, o, lse, ab, fp8); return;
+    case 64: decode ? launch_split<64>(b, a, o, lse, mk, fp8) : launch_mixed<64>(b, a, o, lse, ab, fp8); return;
+    case 128: decode ? launch_split<128>(b, a, o, lse, mk, fp8) : launch_mixed<128>(b, a, o, lse, ab, fp8); return;
     case 80: launch_split<80>(b, a, o, lse, mk, fp8); return;
     case 96: launch_split<96>(b, a, o, lse, mk, fp8); return;
     case 256: launch_split<256>(b, a, o, lse, mk, fp8); return;
