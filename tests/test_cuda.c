@@ -181,6 +181,19 @@ Test(cuda, rowwise_ops) {
         }
         free(table), free(x), free(w), free(y), free(gu);
     }
+    /* swiglu with a dim not a multiple of 8: the scalar kernel (others take 8 columns a thread) */
+    {
+        const int dim = 1001;
+        float *gu = rnd(&d, (size_t)n * 2 * dim, 2.0f);
+        void *cg = cpu_put(&d, gu, (size_t)n * 2 * dim), *gg = gpu_put(&d, gu, (size_t)n * 2 * dim);
+        void *co = d.cpu->alloc(d.cpu, sizeof(float) * n * dim), *go = d.gpu->alloc(d.gpu, 2 * (size_t)n * dim);
+        d.cpu->swiglu(d.cpu, co, cg, n, dim);
+        d.gpu->swiglu(d.gpu, go, gg, n, dim);
+        float *got = gpu_get(&d, go, (size_t)n * dim);
+        expect_close("swiglu dim 1001", got, co, (size_t)n * dim, 1e-3, 8e-3);
+        free(got), free(gu);
+        d.cpu->free(d.cpu, cg), d.cpu->free(d.cpu, co), d.gpu->free(d.gpu, gg), d.gpu->free(d.gpu, go);
+    }
     duo_close(&d);
 }
 
