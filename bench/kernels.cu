@@ -326,7 +326,7 @@ int main(int argc, char **argv) {
        lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh
        (-1), its output compared with the default's */
     attn_ctx pc;
-    enum { N_PRE = 7 };
+    enum { N_PRE = 8 };
     double pre_tf[N_PRE], flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
     const char *pre_name[N_PRE] = {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)",
                                    "SMALL (v2) 4 warps x 16 rows",
@@ -334,10 +334,13 @@ int main(int argc, char **argv) {
                                    "GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles",
                                    "default (AUTO: GQA where it fits) + lse",
                                    "WGMMA (Hopper) producer warp + 2 consumer warpgroups, 4 heads x 32 rows",
-                                   "WGMMA (Hopper) + lse"};
+                                   "WGMMA (Hopper) + lse",
+                                   "WGMMA (Hopper), warpgroups taking turns (KVSPARSE_WGMMA_PINGPONG=1)"};
     const int pre_kernel[N_PRE] = {-1, KVS_CUDA_PREFILL_SMALL, KVS_CUDA_PREFILL_HEAD, KVS_CUDA_PREFILL_GQA,
-                                   KVS_CUDA_PREFILL_AUTO, KVS_CUDA_PREFILL_WGMMA, KVS_CUDA_PREFILL_WGMMA};
-    const bool pre_lse[N_PRE] = {false, false, false, false, true, false, true};
+                                   KVS_CUDA_PREFILL_AUTO, KVS_CUDA_PREFILL_WGMMA, KVS_CUDA_PREFILL_WGMMA,
+                                   KVS_CUDA_PREFILL_WGMMA};
+    const bool pre_lse[N_PRE] = {false, false, false, false, true, false, true, false};
+    const bool pre_pingpong[N_PRE] = {false, false, false, false, false, false, false, true};
     /* the Hopper kernel runs only where the backend would take it (compute capability 9.0, sm_90a code) */
     const char *wgmma_why = kvs_cuda_wgmma_supported(device);
     for (int v = 0; v < N_PRE; v++) {
@@ -347,6 +350,7 @@ int main(int argc, char **argv) {
             continue;
         }
         kvs_cuda_of(b)->prefill = pre_kernel[v] < 0 ? KVS_CUDA_PREFILL_AUTO : pre_kernel[v];
+        kvs_cuda_of(b)->wgmma_pingpong = pre_pingpong[v];
         if (!attn_setup(b, &pc, 1, 4096, 4096, pre_lse[v])) return fprintf(stderr, "out of memory\n"), 1;
         double t_pre = time_it(b, 20, pre_kernel[v] < 0 ? run_attn_v0 : run_attn, &pc);
         pre_tf[v] = flops / t_pre / 1e12;
@@ -373,6 +377,7 @@ int main(int argc, char **argv) {
             printf("\n");
             free(got), free(want), free(got_l), free(want_l);
         }
+        kvs_cuda_of(b)->wgmma_pingpong = 0;
         attn_free(b, &pc);
     }
     /* the issue-15 targets at 16k and 32k tokens (one sequence, causal): GQA and WGMMA, a few runs each */

@@ -752,6 +752,19 @@ Test(cuda, attention_wgmma_mixed_capacity_blocks) {
     attention_case_prefill(WGMMA, 16, 4, 64, MIX_N, mix_kv, mix_q, 1);
     paged_block_size = 16;
 }
+/* the warpgroups taking turns (KVSPARSE_WGMMA_PINGPONG=1, read when the backend
+ * is created): every block shape (4, 2 and 1 heads a block; a warpgroup past
+ * its keys still taking its turns), head_dim 64 and 128, a long sequence */
+Test(cuda, attention_wgmma_pingpong) {
+    const int kv[] = {1500, 333}, q[] = {1500, 333};
+    setenv("KVSPARSE_WGMMA_PINGPONG", "1", 1);
+    attention_case_prefill(WGMMA, 32, 8, 128, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 16, 8, 128, MIX_N, mix_kv, mix_q, 1);
+    attention_case_prefill(WGMMA, 6, 2, 128, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 16, 4, 64, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 32, 8, 128, 2, kv, q, 1);
+    unsetenv("KVSPARSE_WGMMA_PINGPONG");
+}
 /* calls the kernel does not take run the automatic choice's kernel */
 Test(cuda, attention_wgmma_falls_back) {
     attention_case_prefill(WGMMA, 4, 2, 32, MIX_N, mix_kv, mix_q, 1); /* head_dim 32 */

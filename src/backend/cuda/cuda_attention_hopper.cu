@@ -9,7 +9,9 @@
  *    (4 when the group is a multiple of 4, else 2, else 1) x 128 / HEADS
  *    positions, so each K/V tile in shared memory feeds 128 rows. 9 warps:
  *    two consumer warpgroups (warps 0-3 and 4-7, 64 rows each) and one producer
- *    warp (warp 8). No setmaxnreg: 288 threads leave 224 registers a thread.
+ *    warp (warp 8). No setmaxnreg: 168 registers a thread (one SM sub-partition
+ *    holds 3 of the 9 warps), which the consumers' 64 S + 64 O accumulators fit
+ *    without spills (ptxas: 166).
  *  - The producer streams 128-key K and V tiles (8 paged blocks of 16 entries;
  *    rows past the block's last key zero-filled) through a STAGES-deep ring with
  *    16-byte cp.async, writing the 128-byte-swizzled layout wgmma reads. Per
@@ -24,7 +26,10 @@
  *    from the S accumulators packed to bf16 (the f32 accumulator layout of a
  *    16-column slice is the A-fragment layout), V from shared memory as the
  *    N-major (transposed) B operand. The two warpgroups run unsynchronized, so
- *    one's softmax overlaps the other's GEMMs where the scheduler allows.
+ *    one's softmax overlaps the other's GEMMs where the scheduler allows; with
+ *    KVSPARSE_WGMMA_PINGPONG=1 they take turns issuing (named barriers), which
+ *    forces that overlap but spills ~190 bytes at head_dim 128 (not the default
+ *    until measured).
  *
  * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 =
  * 128 bytes of each row): Q [D/64 column blocks][128 rows][128 B], then STAGES x
@@ -101,6 +106,13 @@ __device__ __forceinline__ void kvs_fence_proxy_async() {
 __device__ __forceinline__ void kvs_named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void kvs_named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+/* the warpgroups' turns (no memory is handed over: no memory clobber, ordered
+   against the wgmma asm's as volatile asm's are) */
+__device__ __forceinline__ void kvs_turn_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id)); }
+__device__ __forceinline__ void kvs_turn_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id)); }
 __device__ __forceinline__ void kvs_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void kvs_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -233,7 +245,7 @@ __device__ __forceinline__ void kvs_wgmma_rs_n128(float (&d)[64], const uint32_t
 /* HEADS query heads of KV group blockIdx.x / ... x 128 / HEADS positions a block
  * (positions from the last tile down: the heaviest blocks first), sequence blockIdx.z.
  * Needs scale > 0 (the row max is taken over raw scores). */
-template <int D, int STAGES, int HEADS>
+template <int D, int STAGES, int HEADS, bool PINGPONG>
 __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     kvs_attn_wgmma_kernel(kvs_attn_args a, bf16 *out, float *lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -329,14 +341,15 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     kvs_fence_proxy_async();
     kvs_named_sync(1 + wg, 128); /* the warpgroup's Q rows landed */
 
+    /* (few values live across the key loop: the kernel sits at the 168 registers 9
+       warps allow, 3 warps on one SM sub-partition; the epilogue recomputes its own) */
     const int R0 = 64 * wg + 16 * (warp % 4) + lane / 4; /* this thread's rows R0 and R0 + 8 (one head) */
-    const int head = h0 + R0 / MH, pos0 = q0 + R0 % MH, pos1 = pos0 + 8;
-    const int lim0 = past + pos0, lim1 = past + pos1; /* the last key each row sees */
+    const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
     /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
     const int wg_first = q0 + (HEADS == 1 ? 64 * wg : 0);
-    const bool wg_live = wg_first < q_len;
-    const int wg_last_key = past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1; /* no live row sees keys past it */
-    const int wg_full_key = past + wg_first;                                      /* every row sees keys up to it */
+    /* keys past it: no live row of the warpgroup sees them (-1: no live row) */
+    const int wg_last_key = wg_first < q_len ? past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1 : -1;
+    const int wg_full_key = past + wg_first; /* every row sees keys up to it */
     const float scale_log2 = a.scale * KVS_LOG2E;
     const uint32_t q_wg = q_s + (uint32_t)wg * 64 * 128;
 
@@ -345,12 +358,20 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     for (int i = 0; i < D / 2; i++) o[i] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
+    /* PINGPONG: the warpgroups take turns issuing their GEMMs (named barrier 3:
+       warpgroup 0's turn, 4: warpgroup 1's), S of warpgroup 0, S of 1, P V of 0,
+       P V of 1, ..., so one's softmax runs while the other's GEMM occupies the
+       tensor cores. Each takes two turns a tile, issuing or not (a warpgroup
+       past its keys), and the last arrive is dropped, so every arrive meets a sync. */
+    if (PINGPONG && wg == 1) kvs_turn_arrive(3); /* warpgroup 0 goes first */
     for (int i = 0; i < n_tiles; i++) {
         const int st = i % STAGES, k0 = i * BN;
+        const bool live = k0 <= wg_last_key; /* warpgroup-uniform */
         kvs_mbar_wait(bar_s + 8 * st, (i / STAGES) & 1); /* tile i landed */
-        if (wg_live && k0 <= wg_last_key) { /* warpgroup-uniform */
-            const uint32_t k_st = kv_s + (uint32_t)(st * 2 * L::TILE), v_st = k_st + (uint32_t)L::TILE;
-            float s[BN / 2];
+        const uint32_t k_st = kv_s + (uint32_t)(st * 2 * L::TILE), v_st = k_st + (uint32_t)L::TILE;
+        float s[BN / 2];
+        if (PINGPONG) kvs_turn_sync(3 + wg);
+        if (live) {
             kvs_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / 16; kk++) {
@@ -360,6 +381,10 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
                 else kvs_wgmma_ss_n128(s, da, db);
             }
             kvs_wgmma_commit();
+        }
+        if (PINGPONG) kvs_turn_arrive(4 - wg);
+        uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
+        if (live) {
             kvs_wgmma_wait<0>();
             kvs_wg_fence_regs(s);
 
@@ -370,7 +395,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
                 for (int j = 0; j < BN / 8; j++) {
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
-                        if (col + 8 * j + (c & 1) > (c < 2 ? lim0 : lim1)) s[4 * j + c] = -INFINITY;
+                        if (col + 8 * j + (c & 1) > lim0 + 8 * (c >> 1)) s[4 * j + c] = -INFINITY;
                     }
                 }
             }
@@ -391,7 +416,6 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             const bool grew = mn0 != m0 || mn1 != m1;
             m0 = mn0, m1 = mn1;
             float sum0 = 0.f, sum1 = 0.f;
-            uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
 #pragma unroll
             for (int j = 0; j < BN / 8; j++) {
                 const float p0 = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
@@ -413,7 +437,10 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
                 }
             }
 
-            /* O += P V */
+        }
+        /* O += P V */
+        if (PINGPONG) kvs_turn_sync(3 + wg);
+        if (live) {
             kvs_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
@@ -422,6 +449,9 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
                 else kvs_wgmma_rs_n64(o, pa[kk], db);
             }
             kvs_wgmma_commit();
+        }
+        if (PINGPONG && !(wg == 1 && i == n_tiles - 1)) kvs_turn_arrive(4 - wg);
+        if (live) {
             kvs_wgmma_wait<0>();
             kvs_wg_fence_regs(o);
         }
@@ -431,7 +461,8 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         if (lane == 0) kvs_mbar_arrive(bar_s + 8 * (STAGES + st));
     }
 
-    if (!wg_live) return;
+    if (wg_last_key < 0) return; /* no live row */
+    const int head = h0 + R0 / MH, pos0 = q0 + R0 % MH, pos1 = pos0 + 8;
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -481,7 +512,8 @@ bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale, bool fp8) {
 template <int D, int STAGES, int HEADS>
 static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     using L = kvs_wg_smem<D, STAGES>;
-    auto kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS>;
+    auto kernel = kvs_cuda_of(b)->wgmma_pingpong ? kvs_attn_wgmma_kernel<D, STAGES, HEADS, true>
+                                                  : kvs_attn_wgmma_kernel<D, STAGES, HEADS, false>;
     constexpr int MH = KVS_WG_BM / HEADS;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
     dim3 grid((unsigned)(a.n_heads / HEADS), (unsigned)((max_q_len + MH - 1) / MH), (unsigned)a.n_seqs);
