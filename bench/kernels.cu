@@ -8,9 +8,11 @@
  *     (32 query heads, 8 KV heads, head_dim 128): KV bytes read per second, the
  *     decode kernel, then in graph mode (max_kv_len 8x)
  *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s, one line per
- *     prefill kernel (kvs_cuda_options.prefill: SMALL, HEAD, GQA), the version
- *     kept in bench/prefill_versions.cuh (v0, its output checked against the
- *     default's) and the default with lse
+ *     prefill kernel (kvs_cuda_options.prefill: SMALL, HEAD, GQA, WGMMA on
+ *     compute capability 9.0), the version kept in bench/prefill_versions.cuh
+ *     (v0), the default with lse, WGMMA with lse (v0's and WGMMA's outputs,
+ *     and WGMMA's lse, checked against the default's); GQA and WGMMA at 16384
+ *     and 32768 tokens (one sequence)
  *     (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
  *   - sampling 256 rows of 128,256 logits on the GPU (greedy, temperature,
  *     top-k + top-p + min-p; with logprobs) against copying them to the host as f32
@@ -324,36 +326,83 @@ int main(int argc, char **argv) {
        lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh
        (-1), its output compared with the default's */
     attn_ctx pc;
-    enum { N_PRE = 5 };
+    enum { N_PRE = 8 };
     double pre_tf[N_PRE], flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
     const char *pre_name[N_PRE] = {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)",
                                    "SMALL (v2) 4 warps x 16 rows",
                                    "HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip",
                                    "GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles",
-                                   "default (AUTO: GQA where it fits) + lse"};
+                                   "default (AUTO: GQA where it fits) + lse",
+                                   "WGMMA (Hopper) producer warp + 2 consumer warpgroups, 4 heads x 32 rows",
+                                   "WGMMA (Hopper) + lse",
+                                   "WGMMA (Hopper), warpgroups taking turns (KVSPARSE_WGMMA_PINGPONG=1)"};
     const int pre_kernel[N_PRE] = {-1, KVS_CUDA_PREFILL_SMALL, KVS_CUDA_PREFILL_HEAD, KVS_CUDA_PREFILL_GQA,
-                                   KVS_CUDA_PREFILL_AUTO};
+                                   KVS_CUDA_PREFILL_AUTO, KVS_CUDA_PREFILL_WGMMA, KVS_CUDA_PREFILL_WGMMA,
+                                   KVS_CUDA_PREFILL_WGMMA};
+    const bool pre_lse[N_PRE] = {false, false, false, false, true, false, true, false};
+    const bool pre_pingpong[N_PRE] = {false, false, false, false, false, false, false, true};
+    /* the Hopper kernel runs only where the backend would take it (compute capability 9.0, sm_90a code) */
+    const char *wgmma_why = kvs_cuda_wgmma_supported(device);
     for (int v = 0; v < N_PRE; v++) {
+        if (pre_kernel[v] == KVS_CUDA_PREFILL_WGMMA && wgmma_why) {
+            printf("prefill attention: %s: skipped (%s)\n", pre_name[v], wgmma_why);
+            pre_tf[v] = 0;
+            continue;
+        }
         kvs_cuda_of(b)->prefill = pre_kernel[v] < 0 ? KVS_CUDA_PREFILL_AUTO : pre_kernel[v];
-        bool auto_lse = pre_kernel[v] == KVS_CUDA_PREFILL_AUTO;
-        if (!attn_setup(b, &pc, 1, 4096, 4096, auto_lse)) return fprintf(stderr, "out of memory\n"), 1;
+        kvs_cuda_of(b)->wgmma_pingpong = pre_pingpong[v];
+        if (!attn_setup(b, &pc, 1, 4096, 4096, pre_lse[v])) return fprintf(stderr, "out of memory\n"), 1;
         double t_pre = time_it(b, 20, pre_kernel[v] < 0 ? run_attn_v0 : run_attn, &pc);
         pre_tf[v] = flops / t_pre / 1e12;
         printf("prefill attention: 4096 tokens causal, 32/8 heads, d 128, %s: %.3f ms, %.1f TFLOP/s (%.0f%% of gemm)\n",
                pre_name[v], t_pre * 1e3, pre_tf[v], 100 * pre_tf[v] / gemm_tf);
-        if (pre_kernel[v] < 0) { /* a kernel kept outside the backend: its output against the default's */
+        if (pre_kernel[v] < 0 || pre_kernel[v] == KVS_CUDA_PREFILL_WGMMA) {
+            /* a kernel kept outside the backend, or the one not yet chosen automatically: its output (and lse)
+               against the default's */
             size_t n_out = (size_t)4096 * 32 * 128;
             float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
+            float *got_l = (float *)malloc(4096 * 32 * 4), *want_l = (float *)malloc(4096 * 32 * 4);
             b->to_host_f32(b, got, pc.out, n_out);
+            if (pc.lse) b->to_host(b, got_l, pc.lse, 4096 * 32 * 4);
+            kvs_cuda_of(b)->prefill = KVS_CUDA_PREFILL_AUTO;
             run_attn(b, &pc);
             b->to_host_f32(b, want, pc.out, n_out);
-            double worst = 0;
-            for (size_t i = 0; i < n_out; i++) worst = fmax(worst, fabs((double)got[i] - want[i]));
-            printf("prefill attention: %s against the default: max |difference| %.3g (bf16 outputs)\n", pre_name[v],
-                   worst);
-            free(got), free(want);
+            if (pc.lse) b->to_host(b, want_l, pc.lse, 4096 * 32 * 4);
+            double worst = 0, worst_l = 0;
+            for (size_t i = 0; i < n_out; i++) worst = fmax(worst, isnan(got[i]) ? INFINITY : fabs((double)got[i] - want[i]));
+            for (size_t i = 0; pc.lse && i < 4096 * 32; i++)
+                worst_l = fmax(worst_l, isnan(got_l[i]) ? INFINITY : fabs((double)got_l[i] - want_l[i]));
+            printf("prefill attention: %s against the default: max |difference| %.3g (bf16 outputs)", pre_name[v], worst);
+            if (pc.lse) printf(", lse %.3g", worst_l);
+            printf("\n");
+            free(got), free(want), free(got_l), free(want_l);
         }
+        kvs_cuda_of(b)->wgmma_pingpong = 0;
         attn_free(b, &pc);
+    }
+    /* the issue-15 targets at 16k and 32k tokens (one sequence, causal): GQA and WGMMA, a few runs each */
+    const int long_n[2] = {16384, 32768};
+    const char *long_name[2] = {"GQA (v13)", "WGMMA (Hopper)"};
+    double long_tf[2][2] = {{0, 0}, {0, 0}};
+    for (int li = 0; li < 2; li++) {
+        const int n = long_n[li];
+        const int kinds[2] = {KVS_CUDA_PREFILL_GQA, KVS_CUDA_PREFILL_WGMMA};
+        const char *const *names = long_name;
+        double *tf_n = long_tf[li];
+        for (int v = 0; v < 2; v++) {
+            if (kinds[v] == KVS_CUDA_PREFILL_WGMMA && wgmma_why) {
+                printf("prefill attention: %d tokens, %s: skipped (%s)\n", n, names[v], wgmma_why);
+                continue;
+            }
+            kvs_cuda_of(b)->prefill = kinds[v];
+            if (!attn_setup(b, &pc, 1, n, n, false)) return fprintf(stderr, "out of memory\n"), 1;
+            double t = time_it(b, n > 16384 ? 3 : 5, run_attn, &pc);
+            tf_n[v] = 4.0 * 32 * 128 * ((double)n * (n + 1) / 2) / t / 1e12;
+            printf("prefill attention: %d tokens causal, 32/8 heads, d 128, %s: %.3f ms, %.1f TFLOP/s\n", n, names[v],
+                   t * 1e3, tf_n[v]);
+            attn_free(b, &pc);
+        }
+        if (tf_n[0] > 0 && tf_n[1] > 0) printf("prefill attention: %d tokens: WGMMA %.2fx GQA\n", n, tf_n[1] / tf_n[0]);
     }
     kvs_cuda_of(b)->prefill = KVS_CUDA_PREFILL_AUTO;
 
@@ -518,6 +567,10 @@ int main(int argc, char **argv) {
     for (int v = 0; v < N_PRE; v++)
         printf("| prefill attention 4096 causal, 32/8 x 128, %s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
                pre_name[v], pre_tf[v], gemm_tf, 100 * pre_tf[v] / gemm_tf);
+    for (int li = 0; li < 2; li++)
+        for (int v = 0; v < 2; v++)
+            printf("| prefill attention %d causal, 32/8 x 128, %s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
+                   long_n[li], long_name[v], long_tf[li][v], gemm_tf, 100 * long_tf[li][v] / gemm_tf);
     printf("| sparsity_scores, 32 x 4000 x 8/32 heads | %.1f us | layer prefill attention %.1f us | %.2f%% |\n",
            t_scores * 1e6, t_layer_attn * 1e6, 100 * t_scores / t_layer_attn);
     const double t_layer_us = t_layer * 1e6;

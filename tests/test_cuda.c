@@ -712,6 +712,84 @@ Test(cuda, attention_prefill_variants) {
     }
 }
 
+/* The Hopper prefill kernel (KVS_CUDA_PREFILL_WGMMA, cuda_attention_hopper.cu):
+ * the backend refuses it below compute capability 9.0 (and in a build without
+ * sm_90a code), so these skip there. Odd lengths (1, 17, 63, 65, 130, 700) fresh
+ * and after cached entries in one batch (a one-query sequence inside the batch
+ * goes through the kernel as a one-row tile; the leading ones of the mixed cases
+ * through the decode kernel), every GQA group the block packing takes (4 heads
+ * a block for groups 4 and 8, 2 for group 2, 1 for groups 1 and 3), head_dim 64
+ * and 128, 4096-token sequences, block sizes 16 and 32, graph-mode tables, and
+ * the calls it does not take (FP8 pools, head_dim 32, block size 24) falling
+ * back to the automatic choice. Tolerances as the other prefill kernels'. */
+#define WGMMA KVS_CUDA_PREFILL_WGMMA
+static bool kv8_available(void);
+static const int odd_kv[] = {1, 17, 64, 65, 463, 700, 129, 130, 117, 17};
+static const int odd_q[] = {1, 17, 63, 65, 130, 700, 65, 130, 17, 1};
+#define ODD_N 10
+
+Test(cuda, attention_wgmma_d128_gqa4) {
+    const int kv[] = {1500, 333}, q[] = {1500, 333};
+    attention_case_prefill(WGMMA, 32, 8, 128, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 1);
+    attention_case_prefill(WGMMA, 32, 8, 128, 2, kv, q, 1);
+}
+Test(cuda, attention_wgmma_d128_groups) {
+    attention_case_prefill(WGMMA, 8, 8, 128, ODD_N, odd_kv, odd_q, 1);  /* group 1 */
+    attention_case_prefill(WGMMA, 16, 8, 128, ODD_N, odd_kv, odd_q, 1); /* group 2 */
+    attention_case_prefill(WGMMA, 32, 4, 128, ODD_N, odd_kv, odd_q, 1); /* group 8 */
+    attention_case_prefill(WGMMA, 6, 2, 128, ODD_N, odd_kv, odd_q, 1);  /* group 3 */
+    attention_case_prefill(WGMMA, 8, 8, 128, MIX_N, mix_kv, mix_q, 1);
+    attention_case_prefill(WGMMA, 16, 8, 128, MIX_N, mix_kv, mix_q, 1);
+    attention_case_prefill(WGMMA, 32, 4, 128, MIX_N, mix_kv, mix_q, 1);
+}
+Test(cuda, attention_wgmma_d64) {
+    attention_case_prefill(WGMMA, 16, 4, 64, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 8, 8, 64, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 8, 4, 64, MIX_N, mix_kv, mix_q, 1);
+    attention_case_prefill(WGMMA, 16, 4, 64, MIX_N, mix_kv, mix_q, 1);
+}
+/* 4096 tokens fresh, and a 1000-token chunk after 3096 cached entries */
+Test(cuda, attention_wgmma_long, .timeout = 600) {
+    const int kv[] = {4096, 4096}, q[] = {4096, 1000};
+    attention_case_prefill(WGMMA, 8, 2, 128, 2, kv, q, 1);
+    attention_case_prefill(WGMMA, 4, 4, 64, 2, kv, q, 1);
+}
+/* a mixed step (leading decodes through the decode kernel), graph-mode tables
+ * (stride 8x), paged blocks of 32 entries (two 16-key groups a block) */
+Test(cuda, attention_wgmma_mixed_capacity_blocks) {
+    attention_case_prefill(WGMMA, 32, 8, 128, 9, mixdec_kv, mixdec_q, 1);
+    attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 8);
+    paged_block_size = 32;
+    attention_case_prefill(WGMMA, 32, 8, 128, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 16, 4, 64, MIX_N, mix_kv, mix_q, 1);
+    paged_block_size = 16;
+}
+/* the warpgroups taking turns (KVSPARSE_WGMMA_PINGPONG=1, read when the backend
+ * is created): every block shape (4, 2 and 1 heads a block; a warpgroup past
+ * its keys still taking its turns), head_dim 64 and 128, a long sequence */
+Test(cuda, attention_wgmma_pingpong) {
+    const int kv[] = {1500, 333}, q[] = {1500, 333};
+    setenv("KVSPARSE_WGMMA_PINGPONG", "1", 1);
+    attention_case_prefill(WGMMA, 32, 8, 128, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 16, 8, 128, MIX_N, mix_kv, mix_q, 1);
+    attention_case_prefill(WGMMA, 6, 2, 128, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 16, 4, 64, ODD_N, odd_kv, odd_q, 1);
+    attention_case_prefill(WGMMA, 32, 8, 128, 2, kv, q, 1);
+    unsetenv("KVSPARSE_WGMMA_PINGPONG");
+}
+/* calls the kernel does not take run the automatic choice's kernel */
+Test(cuda, attention_wgmma_falls_back) {
+    attention_case_prefill(WGMMA, 4, 2, 32, MIX_N, mix_kv, mix_q, 1); /* head_dim 32 */
+    paged_block_size = 24;
+    attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 1);
+    paged_block_size = 16;
+    if (!kv8_available()) return;
+    kv_fp8_cases = true;
+    attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 1);
+    kv_fp8_cases = false;
+}
+
 static const int dec_kv[] = {1, 15, 16, 17, 63, 64, 65, 1000, 5000, 4097};
 static const int dec_q[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 

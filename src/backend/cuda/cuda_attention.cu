@@ -12,7 +12,9 @@
  *    (KVS_CUDA_PREFILL_GQA) a block of 8 warps takes 4 query heads of a GQA group
  *    (HEAD: one head, for groups not a multiple of 4). Where its shared memory
  *    does not fit, kvs_attn_fa2_kernel (SMALL: one m-tile a warp, Q in
- *    registers). The other kernel versions measured live in bench/.
+ *    registers). The other kernel versions measured live in bench/. On request
+ *    (KVS_CUDA_PREFILL_WGMMA, compute capability 9.0) the Hopper kernel of
+ *    cuda_attention_hopper.cu takes the bf16 prefill calls it supports.
  *  - kvs_attn_decode_warp_kernel (one-token batches, head_dim 32/64/128, GQA group
  *    <= 16, block_size a multiple of 16): per-warp cp.async rings, wave-aware
  *    splits, kvs_attn_combine_kernel merges the splits (none with one split).
@@ -28,16 +30,6 @@
 
 #define KVS_ATTN_TILE 64    /* keys per K/V tile; query rows per prefill block */
 #define KVS_ATTN_THREADS 128
-
-struct kvs_attn_args {
-    const bf16 *q;
-    const bf16 *pool; /* FP8 pools: the codes' bytes (kvs_attn_pool8) */
-    const int32_t *q_start, *kv_len, *block_tables;
-    int n_seqs, n_tokens, max_blocks, n_heads, n_kv_heads, block_size;
-    int window; /* sliding window (split kernel only): keys [n_keys - window, n_keys); 0: all */
-    float scale;
-    const float *scales; /* FP8 pools: the layer's [2][n_kv_heads] (backend.h kvs_kv_pool); NULL: 1 */
-};
 
 /* FP8 pools (the kernels' FP8 template argument): codes read from the paged
  * blocks are decoded into bf16 exactly (kvs_fp8x8_to_bf16x8) before the mma's;
@@ -949,6 +941,7 @@ static size_t kvs_prefill_smem_bytes(int k) {
     switch (k) {
     case KVS_CUDA_PREFILL_GQA: case KVS_CUDA_PREFILL_HEAD: return kvs_fa2mt_smem<D, 8, 2>::bytes;
     case KVS_CUDA_PREFILL_SMALL: return kvs_fa2_smem<D, 4>::bytes;
+    case KVS_CUDA_PREFILL_WGMMA: return kvs_cuda_wgmma_smem_bytes(D); /* cuda_attention_hopper.cu */
     default: return 0;
     }
 }
@@ -968,14 +961,16 @@ static int kvs_attn_smem_optin(kvs_cuda *c) {
 }
 
 /* The kernel to run: the backend's option (kvs_cuda_options.prefill) when it is
- * set, is known and fits this device's shared memory; otherwise GQA (the
- * fastest measured on the H200, docs/CUDA.md) where it fits, else SMALL. GQA
- * and HEAD take the row max over unscaled scores, so they need scale > 0:
- * SMALL otherwise. */
+ * set, is known, takes this call (WGMMA: kvs_cuda_wgmma_fits) and fits this
+ * device's shared memory; otherwise GQA (the fastest measured on the H200,
+ * docs/CUDA.md) where it fits, else SMALL. GQA, HEAD and WGMMA take the row
+ * max over unscaled scores, so they need scale > 0: SMALL otherwise. */
 template <int D>
-static int kvs_prefill_pick(kvs_cuda *c, float scale) {
+static int kvs_prefill_pick(kvs_cuda *c, const kvs_attn_args &a, bool fp8) {
+    const float scale = a.scale;
     const size_t optin = (size_t)kvs_attn_smem_optin(c);
     int k = c->prefill;
+    if (k == KVS_CUDA_PREFILL_WGMMA && !kvs_cuda_wgmma_fits(D, a.block_size, scale, fp8)) k = KVS_CUDA_PREFILL_AUTO;
     size_t need = kvs_prefill_smem_bytes<D>(k);
     if (need == 0 || need > optin)
         k = kvs_prefill_smem_bytes<D>(KVS_CUDA_PREFILL_GQA) <= optin ? KVS_CUDA_PREFILL_GQA : KVS_CUDA_PREFILL_SMALL;
@@ -988,8 +983,12 @@ static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
 template <int D>
 static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len,
                            int max_kv_len, bool fp8) {
-    const int k = kvs_prefill_pick<D>(kvs_cuda_of(b), a.scale);
+    const int k = kvs_prefill_pick<D>(kvs_cuda_of(b), a, fp8);
     const int group = a.n_heads / a.n_kv_heads;
+    if (k == KVS_CUDA_PREFILL_WGMMA) { /* bf16, head_dim 64/128 (kvs_prefill_pick) */
+        kvs_cuda_prefill_wgmma(b, a, out, lse, D, max_q_len);
+        return;
+    }
     if (fp8) { /* GQA / HEAD decode FP8 tiles in shared memory; SMALL has no FP8 form: the decode kernels, a token a block */
         if (k == KVS_CUDA_PREFILL_SMALL) launch_split<D>(b, a, out, lse, max_kv_len, true);
         else if (k == KVS_CUDA_PREFILL_GQA && group % 4 == 0) launch_fa2mt<D, 8, 2, 4, true, true>(b, a, out, lse, max_q_len);
@@ -1155,7 +1154,7 @@ template <int D>
 static void launch_mixed(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, const kvs_attn_batch *ab,
                          bool fp8) {
     int nd = ab->n_decode > 0 && ab->n_decode < a.n_seqs ? ab->n_decode : 0;
-    if (fp8 && kvs_prefill_pick<D>(kvs_cuda_of(b), a.scale) == KVS_CUDA_PREFILL_SMALL)
+    if (fp8 && kvs_prefill_pick<D>(kvs_cuda_of(b), a, fp8) == KVS_CUDA_PREFILL_SMALL)
         nd = 0; /* that prefill is the decode kernel already, a token a block (its rows index from 0) */
     if (nd > 0) {
         kvs_attn_args dec = a;

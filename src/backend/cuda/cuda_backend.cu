@@ -273,6 +273,21 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     if (prop.major < 8)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "cuda backend: %s is compute capability %d.%d; bf16 needs 8.0+",
                         prop.name, prop.major, prop.minor);
+    /* KVSPARSE_CUDA_PREFILL (a benchmarking knob, docs/CUDA.md "Hopper prefill kernel"):
+       the prefill kernel where the options leave it AUTO */
+    kvs_cuda_prefill prefill = opt->prefill;
+    const char *pf = getenv("KVSPARSE_CUDA_PREFILL");
+    if (prefill == KVS_CUDA_PREFILL_AUTO && pf && *pf) {
+        const char *names[] = {"auto", "gqa", "head", "small", "wgmma"};
+        const kvs_cuda_prefill kinds[] = {KVS_CUDA_PREFILL_AUTO, KVS_CUDA_PREFILL_GQA, KVS_CUDA_PREFILL_HEAD,
+                                          KVS_CUDA_PREFILL_SMALL, KVS_CUDA_PREFILL_WGMMA};
+        int found = -1;
+        for (int i = 0; i < 5; i++)
+            if (!strcmp(pf, names[i])) found = i;
+        if (found < 0)
+            return kvs_fail(KVS_ERR_INVALID, "KVSPARSE_CUDA_PREFILL=%s: not auto, gqa, head, small or wgmma", pf);
+        prefill = kinds[found];
+    }
     if (opt->kv_fp8 && prop.major * 10 + prop.minor < 89)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "cuda backend: --kv-cache-dtype fp8 needs a GPU of compute capability 8.9 "
                         "or later (FP8 E4M3; %s is %d.%d): use --kv-cache-dtype auto (bfloat16)", prop.name, prop.major,
@@ -286,11 +301,13 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     }
     b->impl = c;
     c->device = device;
-    c->prefill = opt->prefill;
+    c->prefill = prefill;
     c->fp8_gemm = opt->fp8_gemm;
     c->n_sms = prop.multiProcessorCount;
     const char *dec = getenv("KVSPARSE_FP8_KV_DECODE"); /* a benchmarking knob (docs/CUDA.md "FP8 KV cache") */
     c->fp8_kv_decode_bf16 = dec && !strcmp(dec, "bf16");
+    const char *pp = getenv("KVSPARSE_WGMMA_PINGPONG"); /* a diagnostic knob (docs/CUDA.md "Hopper prefill kernel") */
+    c->wgmma_pingpong = pp && !strcmp(pp, "1");
     kvs_status st = KVS_OK;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -305,6 +322,12 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
         c->lt_workspace_bytes = (size_t)32 << 20;
         if ((e = cudaMalloc(&c->lt_workspace, c->lt_workspace_bytes)) != cudaSuccess)
             st = kvs_fail(KVS_ERR_NOMEM, "cuda backend: cuBLASLt workspace: %s", cudaGetErrorString(e));
+    }
+    if (st == KVS_OK && prefill == KVS_CUDA_PREFILL_WGMMA) { /* refused where it cannot run (the others fall back) */
+        const char *why = kvs_cuda_wgmma_supported(device);
+        if (why)
+            st = kvs_fail(KVS_ERR_UNSUPPORTED, "cuda backend: the WGMMA prefill kernel on %s (sm_%d%d): %s", prop.name,
+                          prop.major, prop.minor, why);
     }
     if (st != KVS_OK) {
         cuda_destroy(b);

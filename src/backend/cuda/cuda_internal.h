@@ -117,6 +117,7 @@ typedef struct {
     int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int fp8_gemm; /* kvs_cuda_fp8_gemm, resolved (never AUTO): how matmul_fp8 scales (cuda_fp8.cu) */
     int fp8_kv_decode_bf16; /* FP8 KV decode through bf16 mma's (KVSPARSE_FP8_KV_DECODE=bf16), not f16 */
+    int wgmma_pingpong;     /* the WGMMA prefill's warpgroups take turns issuing (KVSPARSE_WGMMA_PINGPONG=1) */
     int fp8_outer_missing; /* cuBLASLt found no outer-vector FP8 algorithm once: AUTO falls back to EPILOGUE_FAST */
     int failed; /* sticky: a CUDA call failed; check reports failure */
     char failure[512]; /* the first failure's message */
@@ -202,6 +203,27 @@ void kvs_cuda_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const flo
 /* attention (cuda_attention.cu) */
 void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, const kvs_kv_pool *pool,
                         const kvs_attn_batch *ab, int n_heads, float scale);
+/* One attention launch's view of the batch (cuda_attention.cu builds it from
+ * kvs_attn_batch; launch_mixed shifts it past a mixed step's leading decodes). */
+struct kvs_attn_args {
+    const bf16 *q;
+    const bf16 *pool; /* FP8 pools: the codes' bytes (kvs_attn_pool8) */
+    const int32_t *q_start, *kv_len, *block_tables;
+    int n_seqs, n_tokens, max_blocks, n_heads, n_kv_heads, block_size;
+    int window; /* sliding window (split kernel only): keys [n_keys - window, n_keys); 0: all */
+    float scale;
+    const float *scales; /* FP8 pools: the layer's [2][n_kv_heads] (backend.h kvs_kv_pool); NULL: 1 */
+};
+/* The Hopper prefill kernel (cuda_attention_hopper.cu, KVS_CUDA_PREFILL_WGMMA).
+ * kvs_cuda_wgmma_supported: whether device can run it (compute capability 9.0
+ * and this build holds its sm_90a code); NULL message on success, else why not.
+ * kvs_cuda_wgmma_fits: whether a call can go through it (bf16 pool, head_dim 64
+ * or 128, block_size a multiple of 16, scale > 0). */
+const char *kvs_cuda_wgmma_supported(int device);
+bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale, bool fp8);
+size_t kvs_cuda_wgmma_smem_bytes(int head_dim); /* dynamic shared memory a block; 0: head_dim not taken */
+void kvs_cuda_prefill_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int head_dim,
+                            int max_q_len);
 
 /* sparsity (cuda_sparsity.cu) */
 void kvs_cuda_window_capture(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,
