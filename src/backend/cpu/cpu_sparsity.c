@@ -101,10 +101,11 @@ void kvs_cpu_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, i
     free(rk);
 }
 
-/* The per-pair ops over the jobs, stage by stage as the CUDA backend runs them
- * (every job's scores, then every selection, then every gather: jobs whose
- * arrays overlap go wrong here as there). The jobs are checked first: a bad
- * one writes nothing (the CUDA kernels trust them). */
+/* The backend's per-pair ops over the jobs (through b, so that a test that
+ * replaces one, e.g. to record the selections, sees every pair), stage by stage
+ * as the CUDA backend runs them (every job's scores, then every selection, then
+ * every gather: jobs whose arrays overlap go wrong here as there). The jobs are
+ * checked first: a bad one writes nothing (the CUDA kernels trust them). */
 void kvs_cpu_snapkv_compact_batch(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_batch *batch) {
     int H = pool->n_kv_heads;
     if (batch->n_jobs < 0 || batch->n_heads <= 0 || batch->n_heads % H || pool->head_dim > KVS_CPU_MAX_HEAD_DIM) {
@@ -134,11 +135,11 @@ void kvs_cpu_snapkv_compact_batch(kvs_backend *b, const kvs_kv_pool *pool, const
             float *scores = batch->scores + j->scores;
             int32_t *keep = batch->keep + j->keep;
             if (stage == 0)
-                kvs_cpu_sparsity_scores(b, scores, j->win_q, j->win_lse, j->n_win, &p, table, j->n_keys,
-                                        batch->n_heads, batch->scale);
+                b->sparsity_scores(b, scores, j->win_q, j->win_lse, j->n_win, &p, table, j->n_keys, batch->n_heads,
+                                   batch->scale);
             else if (stage == 1)
-                kvs_cpu_snapkv_select(b, keep, scores, j->n_keys, H, j->pool, j->k, j->n_win);
+                b->snapkv_select(b, keep, scores, j->n_keys, H, j->pool, j->k, j->n_win);
             else
-                kvs_cpu_kv_gather(b, &p, table, j->n_blocks, table, keep, j->k + j->n_win);
+                b->kv_gather(b, &p, table, j->n_blocks, table, keep, j->k + j->n_win);
         }
 }
