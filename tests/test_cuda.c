@@ -554,6 +554,8 @@ static void paged_free(duo *d, paged *p) {
 }
 
 static uint8_t *gpu_get_u8(duo *d, const void *p, size_t n);
+static void *put_bytes(kvs_backend *b, const void *x, size_t n);
+static int32_t *tiny_long_prompt(int *n);
 
 static void check_pools_equal(duo *d, paged *p, const char *what) {
     size_t elems = (size_t)p->n_blocks * 2 * p->n_kv * p->bs * p->D;
@@ -1122,6 +1124,131 @@ Test(cuda, snapkv_e2e_d128_gqa4) { snapkv_e2e_case(32, 8, 128, 4000, 32, 2000, 7
 Test(cuda, snapkv_e2e_d64_gqa8_odd) { snapkv_e2e_case(16, 2, 64, 1337, 17, 301, 3); }
 Test(cuda, snapkv_e2e_d128_gqa1_pool1) { snapkv_e2e_case(8, 8, 128, 999, 31, 131, 1); }
 
+/* snapkv_compact_batch (every (sequence, layer) pair due in a step, one launch
+ * per stage) against the CPU's per-pair ops, job by job, on fresh random
+ * inputs: jobs of other key counts (1, odd, past 4,096, and one past the
+ * selection's 12,288 keys of shared memory), windows (1 .. 70: past a 64-row
+ * chunk), k (0, some, all keys) and pool kernels, each job its own table, window
+ * and (FP8 pools) scales. Scores within scores_case's tolerance (1e-6 + 2e-3
+ * |ref|); the selection exactly the CPU's on the GPU's scores (so near-ties
+ * cannot differ); after the in-place gathers, the whole pool exactly the CPU's
+ * (snapkv_select and kv_gather on the CPU with those keep lists). */
+typedef struct {
+    int n_keys, n_win, k, pool;
+} batch_shape;
+
+static void compact_batch_case(int n_heads, int n_kv, int D, const batch_shape *shape, int n_jobs) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    paged p;
+    int *len = malloc(sizeof(int) * n_jobs), max_keys = 0;
+    for (int j = 0; j < n_jobs; j++) len[j] = shape[j].n_keys + shape[j].n_win;
+    paged_build(&d, &p, n_jobs, len, n_kv, D);
+    kvs_snapkv_job *gjobs = calloc(n_jobs, sizeof *gjobs);
+    int32_t *tables = malloc(sizeof(int32_t) * (size_t)n_jobs * p.max_blocks);
+    void **cq = calloc(n_jobs, sizeof(void *)), **gq = calloc(n_jobs, sizeof(void *));
+    float **cl = calloc(n_jobs, sizeof(float *)), **gl = calloc(n_jobs, sizeof(float *));
+    float **csc = calloc(n_jobs, sizeof(float *)), **gsc = calloc(n_jobs, sizeof(float *));
+    int64_t n_scores = 0, n_keep = 0;
+    int n_tab = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        const batch_shape *sh = &shape[j];
+        size_t qn = (size_t)sh->n_win * n_heads * D;
+        float *q = rnd(&d, qn, 1.0f), *lse = malloc(sizeof(float) * (sh->n_win * n_heads + 1));
+        for (int i = 0; i < sh->n_win * n_heads; i++) lse[i] = 2.0f + (float)kvs_rng_uniform(&d.rng) * 3.0f;
+        cq[j] = cpu_put(&d, q, qn), gq[j] = gpu_put(&d, q, qn);
+        cl[j] = put_f32(d.cpu, lse, (size_t)sh->n_win * n_heads), gl[j] = put_f32(d.gpu, lse, (size_t)sh->n_win * n_heads);
+        if (d.gpu->kv_dtype == KVS_F8_E4M3) { /* the job's layer: scales of its own */
+            float sc[64];
+            for (int i = 0; i < 2 * n_kv; i++) sc[i] = 0.25f + 1.75f * (float)kvs_rng_uniform(&d.rng);
+            csc[j] = put_f32(d.cpu, sc, 2 * n_kv), gsc[j] = put_f32(d.gpu, sc, 2 * n_kv);
+        }
+        int nb = (len[j] + 15) / 16;
+        memcpy(tables + n_tab, p.tables + (size_t)j * p.max_blocks, sizeof(int32_t) * nb);
+        gjobs[j] = (kvs_snapkv_job){.win_q = gq[j], .win_lse = gl[j], .scales = gsc[j], .scores = n_scores,
+                                    .keep = n_keep, .table = n_tab, .n_blocks = nb, .n_keys = sh->n_keys,
+                                    .n_win = sh->n_win, .k = sh->k, .pool = sh->pool};
+        n_tab += nb;
+        n_scores += (int64_t)n_kv * sh->n_keys;
+        n_keep += (int64_t)n_kv * (sh->k + sh->n_win);
+        if (sh->n_keys > max_keys) max_keys = sh->n_keys;
+        free(q), free(lse);
+    }
+    float *g_scores = d.gpu->alloc(d.gpu, sizeof(float) * (n_scores + 1));
+    int32_t *g_keep = d.gpu->alloc(d.gpu, sizeof(int32_t) * (n_keep + 1));
+    void *g_jobs = put_bytes(d.gpu, gjobs, sizeof *gjobs * n_jobs), *g_tab = put_i32(d.gpu, tables, n_tab);
+    cr_assert(g_scores && g_keep, "cuda alloc");
+    float scale = 1.0f / sqrtf((float)D);
+    kvs_snapkv_batch batch = {.n_jobs = n_jobs, .n_heads = n_heads, .scale = scale, .jobs = g_jobs, .tables = g_tab,
+                              .scores = g_scores, .keep = g_keep, .max_keys = max_keys, .scores_len = n_scores};
+    d.gpu->snapkv_compact_batch(d.gpu, &p.gpu, &batch);
+    cr_assert_eq(d.gpu->check(d.gpu), KVS_OK, "%s", kvs_last_error());
+    float *got_scores = gpu_get_f32(&d, g_scores, n_scores);
+    int32_t *got_keep = malloc(sizeof(int32_t) * (n_keep + 1));
+    d.gpu->to_host(d.gpu, got_keep, g_keep, sizeof(int32_t) * n_keep);
+    for (int j = 0; j < n_jobs; j++) {
+        const batch_shape *sh = &shape[j];
+        const kvs_snapkv_job *job = &gjobs[j];
+        size_t sn = (size_t)n_kv * sh->n_keys, kn = (size_t)n_kv * (sh->k + sh->n_win);
+        kvs_kv_pool cp = p.cpu;
+        cp.scales = csc[j] ? csc[j] : p.cpu.scales;
+        int32_t *ct = put_i32(d.cpu, p.tables + (size_t)j * p.max_blocks, job->n_blocks);
+        float *cs = d.cpu->alloc(d.cpu, sizeof(float) * (sn + 1));
+        d.cpu->sparsity_scores(d.cpu, cs, cq[j], cl[j], sh->n_win, &cp, ct, sh->n_keys, n_heads, scale);
+        char what[160];
+        snprintf(what, sizeof what, "snapkv_compact_batch heads %d/%d head_dim %d job %d of %d (keys %d window %d k %d "
+                 "pool %d): scores", n_heads, n_kv, D, j, n_jobs, sh->n_keys, sh->n_win, sh->k, sh->pool);
+        expect_close(what, got_scores + job->scores, cs, sn, 1e-6, 2e-3);
+        /* the CPU's selection on the GPU's scores, then its gather with those lists */
+        float *gs_host = put_f32(d.cpu, got_scores + job->scores, sn);
+        int32_t *ck = d.cpu->alloc(d.cpu, sizeof(int32_t) * (kn + 1));
+        d.cpu->snapkv_select(d.cpu, ck, gs_host, sh->n_keys, n_kv, sh->pool, sh->k, sh->n_win);
+        size_t bad = 0, at = 0;
+        for (size_t i = 0; i < kn; i++)
+            if (got_keep[job->keep + i] != ck[i] && bad++ == 0) at = i;
+        cr_expect(bad == 0, "%s: %zu of %zu keep slots differ from the CPU's selection; first at %zu: gpu %d cpu %d",
+                  what, bad, kn, at, bad ? got_keep[job->keep + at] : 0, bad ? ck[at] : 0);
+        d.cpu->kv_gather(d.cpu, &cp, ct, job->n_blocks, ct, ck, sh->k + sh->n_win);
+        void *pc[] = {ct, cs, gs_host, ck};
+        for (int i = 0; i < 4; i++) d.cpu->free(d.cpu, pc[i]);
+    }
+    char what[96];
+    snprintf(what, sizeof what, "snapkv_compact_batch heads %d/%d head_dim %d, %d jobs: the pool after the gathers",
+             n_heads, n_kv, D, n_jobs);
+    check_pools_equal(&d, &p, what);
+    for (int j = 0; j < n_jobs; j++) {
+        d.cpu->free(d.cpu, cq[j]), d.cpu->free(d.cpu, cl[j]), d.gpu->free(d.gpu, gq[j]), d.gpu->free(d.gpu, gl[j]);
+        if (csc[j]) d.cpu->free(d.cpu, csc[j]), d.gpu->free(d.gpu, gsc[j]);
+    }
+    void *pg[] = {g_scores, g_keep, g_jobs, g_tab};
+    for (int i = 0; i < 4; i++) d.gpu->free(d.gpu, pg[i]);
+    free(got_scores), free(got_keep), free(gjobs), free(tables), free(len);
+    free(cq), free(gq), free(cl), free(gl), free(csc), free(gsc);
+    paged_free(&d, &p);
+    duo_close(&d);
+}
+
+/* the jobs of every case: key counts 1, odd, > 4096; windows 1 .. 70; k 0, some, all */
+static const batch_shape batch_jobs[] = {
+    {1, 1, 0, 1},    {1, 16, 1, 7},      {17, 8, 5, 3},     {333, 32, 100, 7}, {1001, 31, 500, 7},
+    {5000, 16, 400, 7}, {4097, 64, 4097, 1}, {130, 70, 64, 5}, {768, 32, 77, 3},
+};
+#define BATCH_JOBS (int)(sizeof batch_jobs / sizeof batch_jobs[0])
+
+static void compact_batch_cases(void) {
+    compact_batch_case(32, 8, 128, batch_jobs, BATCH_JOBS); /* GQA 4 */
+    compact_batch_case(32, 4, 128, batch_jobs, BATCH_JOBS); /* GQA 8 */
+    compact_batch_case(8, 8, 64, batch_jobs, BATCH_JOBS);   /* GQA 1 */
+    compact_batch_case(16, 4, 64, batch_jobs, BATCH_JOBS);  /* GQA 4, head_dim 64 */
+    compact_batch_case(16, 2, 64, batch_jobs, BATCH_JOBS);  /* GQA 8, head_dim 64 */
+    /* one job past shared memory (its selection's keys in global scratch) beside short ones */
+    const batch_shape past[] = {{13001, 32, 1300, 7}, {40, 8, 10, 3}, {1, 1, 1, 1}, {2000, 16, 700, 5}};
+    compact_batch_case(32, 8, 128, past, 4);
+    compact_batch_case(32, 8, 128, batch_jobs, 1); /* a batch of one */
+}
+
+Test(cuda, snapkv_compact_batch, .timeout = 600) { compact_batch_cases(); }
+
 Test(cuda, copy_and_transfers) {
     duo d;
     OPEN_OR_SKIP(&d);
@@ -1603,6 +1730,15 @@ Test(cuda, fp8_kv_gather) {
     kv_fp8_cases = false;
 }
 
+/* snapkv_compact_batch on FP8 pools (each job with its layer's own scales):
+ * scores as bf16's tolerance, selection and the pool's codes exact. */
+Test(cuda, fp8_kv_snapkv_compact_batch, .timeout = 600) {
+    if (!kv8_available()) return;
+    kv_fp8_cases = true;
+    compact_batch_cases();
+    kv_fp8_cases = false;
+}
+
 /* The tiny model with FP8 KV caches on both backends (bf16 weights; the GPU's
  * bf16 activations against the CPU's f32: a K or V code moves one step where
  * the two roundings straddle a boundary). Limit: 10% of the largest |logit|
@@ -1635,6 +1771,121 @@ Test(cuda, e2e_tiny_needle_llama_snapkv, .timeout = 600) {
                    &p);
     free(ids);
     json_decref(cases);
+    duo_close(&d);
+}
+
+/* PyramidKV on the GPU against the CPU (compare_models: the prompt's logits,
+ * the greedy continuations logged, the same number of entries held): window 8,
+ * so the 24 greedy tokens re-compress every sparse layer twice in batches. */
+Test(cuda, e2e_tiny_needle_llama_pyramidkv, .timeout = 600) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    int n;
+    int32_t *ids = tiny_long_prompt(&n);
+    kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_PYRAMIDKV);
+    p.budget_tokens = 128;
+    p.budget_fraction = 0;
+    p.full_layers = 1;
+    p.window = 8;
+    compare_models(&d, src_path("models/tiny-needle-llama"), "tiny-needle-llama pyramidkv 128 w8", ids, n, 256, 24,
+                   0.35, 0, &p);
+    free(ids);
+    duo_close(&d);
+}
+
+/* ---- the step's sparsify batch: batched vs per sequence on the GPU ----------
+ * Five sequences (prefixes of the 638-token chat, 150 .. 638 tokens) under
+ * five policies (PyramidKV and SnapKV with other windows, budgets and pool
+ * kernels, StreamingLLM), prefilled together in one step, then 40 decode steps
+ * of all five (teacher-forced: the same tokens in both runs; decode steps as
+ * CUDA graphs). One run compacts the step's sequences in one call
+ * (kvs_kv_sparsify_seqs: one batch of every due layer), the other one sequence
+ * at a time (kvs_kv_sparsify). A job's scores, selection and gather do not
+ * depend on the other jobs of its launch, so every logits row must be bitwise
+ * equal and every layer hold the same number of entries. */
+enum { SB_SEQS = 5, SB_DECODE = 40 };
+static const int sb_lens[SB_SEQS] = {638, 500, 333, 211, 150};
+
+static float *sparsify_batch_run(duo *d, const int32_t *ids, bool batched, int64_t *held) {
+    const int *lens = sb_lens;
+    rig r;
+    rig_open(&r, src_path("models/tiny-needle-llama"), d->gpu, RIG_BLOCKS(700, SB_SEQS), SB_SEQS);
+    int V = r.cfg.vocab_size, total = 0, seqs[SB_SEQS];
+    for (int i = 0; i < SB_SEQS; i++) {
+        kvs_kv_policy p = kvs_kv_policy_default(i == 3 ? KVS_POLICY_STREAMINGLLM
+                                                : i % 2 ? KVS_POLICY_SNAPKV
+                                                        : KVS_POLICY_PYRAMIDKV);
+        p.budget_fraction = 0.1f + 0.05f * i;
+        p.full_layers = i % 2;
+        p.window = (int[]){8, 16, 4, 8, 5}[i];
+        p.pool = (int[]){7, 3, 1, 7, 5}[i];
+        seqs[i] = kvs_kv_seq_create(r.kv);
+        cr_assert_eq(kvs_kv_set_policy(r.kv, seqs[i], &p, lens[i]), KVS_OK, "%s", kvs_last_error());
+        total += lens[i];
+    }
+    float *logits = malloc(sizeof(float) * (size_t)(SB_DECODE + 1) * SB_SEQS * V);
+    int32_t *tok = malloc(sizeof(int32_t) * total), *pos = malloc(sizeof(int32_t) * total), qs[SB_SEQS + 1];
+    uint8_t want[SB_SEQS];
+    kvs_rng rng;
+    kvs_rng_seed(&rng, 7);
+    for (int step = 0; step <= SB_DECODE; step++) {
+        int t = 0;
+        qs[0] = 0;
+        for (int i = 0; i < SB_SEQS; i++) {
+            int n = step ? 1 : lens[i], pos0 = step ? lens[i] + step - 1 : 0;
+            cr_assert_eq(kvs_kv_reserve(r.kv, seqs[i], n), KVS_OK, "%s", kvs_last_error());
+            for (int j = 0; j < n; j++, t++) {
+                tok[t] = step ? (int32_t)(kvs_rng_u64(&rng) % 8187) : ids[j];
+                pos[t] = pos0 + j;
+            }
+            qs[i + 1] = t;
+            want[i] = 1;
+        }
+        kvs_batch b = {t, SB_SEQS, tok, pos, qs, seqs, want};
+        cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, logits + (size_t)step * SB_SEQS * V), KVS_OK, "%s",
+                     kvs_last_error());
+        for (int i = 0; i < SB_SEQS; i++) kvs_kv_commit(r.kv, seqs[i], qs[i + 1] - qs[i]);
+        if (batched) {
+            cr_assert_eq(kvs_kv_sparsify_seqs(r.kv, seqs, SB_SEQS), KVS_OK, "%s", kvs_last_error());
+        } else {
+            for (int i = 0; i < SB_SEQS; i++)
+                cr_assert_eq(kvs_kv_sparsify(r.kv, seqs[i]), KVS_OK, "%s", kvs_last_error());
+        }
+        cr_assert_eq(d->gpu->check(d->gpu), KVS_OK, "%s", kvs_last_error());
+    }
+    for (int i = 0; i < SB_SEQS; i++)
+        for (int l = 0; l < r.cfg.n_layers; l++) held[i * r.cfg.n_layers + l] = kvs_kv_len(r.kv, seqs[i], l);
+    free(tok), free(pos);
+    rig_close(&r);
+    return logits;
+}
+
+Test(cuda, e2e_sparsify_batched_equals_per_sequence, .timeout = 600) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    int n;
+    int32_t *ids = tiny_long_prompt(&n);
+    cr_assert_geq(n, 638);
+    int64_t held[2][SB_SEQS * KVS_MAX_LAYERS] = {{0}};
+    float *a = sparsify_batch_run(&d, ids, true, held[0]), *b = sparsify_batch_run(&d, ids, false, held[1]);
+    kvs_config cfg;
+    cr_assert_eq(kvs_config_load(src_path("models/tiny-needle-llama"), &cfg), KVS_OK);
+    int V = cfg.vocab_size, rows_bad = 0, compacted = 0;
+    for (int r = 0; r < (SB_DECODE + 1) * SB_SEQS; r++) {
+        double diff = max_abs_diff(a + (size_t)r * V, b + (size_t)r * V, V);
+        if (diff != 0 && rows_bad++ < 5)
+            cr_log_error("step %d sequence %d: max|batched - per sequence| = %g", r / SB_SEQS, r % SB_SEQS, diff);
+    }
+    for (int i = 0; i < SB_SEQS * cfg.n_layers; i++) {
+        cr_expect_eq(held[0][i], held[1][i], "sequence %d layer %d: %lld entries batched, %lld per sequence",
+                     i / cfg.n_layers, i % cfg.n_layers, (long long)held[0][i], (long long)held[1][i]);
+        compacted += held[0][i] < sb_lens[i / cfg.n_layers];
+    }
+    cr_log_info("sparsify batched vs per sequence: %d of %d logits rows differ; %d of %d layers compacted", rows_bad,
+                (SB_DECODE + 1) * SB_SEQS, compacted, SB_SEQS * cfg.n_layers);
+    cr_expect_eq(rows_bad, 0, "%d logits rows differ between the batched and the per-sequence sparsify", rows_bad);
+    cr_expect_gt(compacted, SB_SEQS * (cfg.n_layers - 1) / 2, "the sparse layers should be compacted");
+    free(a), free(b), free(ids);
     duo_close(&d);
 }
 

@@ -508,3 +508,224 @@ Test(sparsity, budgets_keep_the_total_exactly) {
     cr_assert_eq(kvs_kv_profile_target(&(kvs_kv_profile){.n_targets = 2, .compression = {10, 20}}, 14.0), 0);
     cr_assert_eq(kvs_kv_profile_target(&(kvs_kv_profile){.n_targets = 2, .compression = {10, 20}}, 15.0), 1);
 }
+
+/* ---- kvs_kv_sparsify_seqs: one batch for the step's sequences ---------------
+ * Three caches on one backend get the same operations: sequences of several
+ * policies (SnapKV and PyramidKV with other windows, budgets and pool kernels,
+ * StreamingLLM, full, a prompt prefilled in two chunks, and with prefix caching
+ * a sequence on a cached prompt, whose compaction writes blocks of its own) and
+ * the same K/V and window queries at every position. After each step cache 1
+ * compacts the sequences one by one (kvs_kv_sparsify), cache 2 in one call
+ * (kvs_kv_sparsify_seqs: the batch), and cache 0 is the reference without the
+ * kv module's sparsity: its sequences are full, the test keeps their windows
+ * and decides what is due (the rule of kv.h), scores and selects with the
+ * backend's per-pair ops and compacts with kvs_kv_compact. Every layer's
+ * length and every entry's K and V (the stored bytes: codes for FP8 pools) must
+ * be the same in the three. */
+enum { BATCH_SEQS = 8, BATCH_L = 4, BATCH_H = 4, BATCH_KVH = 2, BATCH_D = 16, BATCH_CACHES = 3, BATCH_MAX_W = 32 };
+
+typedef struct {
+    kvs_backend *be;
+    kvs_kv_cache *kv[BATCH_CACHES];
+    int seq[BATCH_SEQS][BATCH_CACHES], pos[BATCH_SEQS];
+    kvs_kv_policy pol[BATCH_SEQS];
+    int prompt[BATCH_SEQS];
+    /* the reference's sparsity state: budgets (-1: full), the position of the
+       last compaction, whether the prompt's compaction ran, the window rings
+       (row = position - the window's first prompt position, then decode
+       positions modulo w) */
+    int budget[BATCH_SEQS][BATCH_L], last[BATCH_SEQS][BATCH_L];
+    bool done[BATCH_SEQS];
+    float q[BATCH_SEQS][BATCH_L][BATCH_MAX_W][BATCH_H * BATCH_D], lse[BATCH_SEQS][BATCH_L][BATCH_MAX_W][BATCH_H];
+} batch_rig;
+
+static int ref_row(const batch_rig *br, int i, int position) {
+    int w = br->pol[i].window, n = br->prompt[i];
+    if (position < n) return position >= n - w ? position - (n - w) : -1;
+    return (position - n) % w;
+}
+
+/* Writes positions pos .. pos + n - 1 of sequence i in the caches: random K/V
+ * rows and window queries (q, lse), kept where each cache keeps them. */
+static void batch_append(batch_rig *br, kvs_rng *rng, int i, int n) {
+    const int row = BATCH_KVH * BATCH_D, qrow = BATCH_H * BATCH_D;
+    kvs_backend *be = br->be;
+    float *k = malloc(sizeof(float) * n * row), *v = malloc(sizeof(float) * n * row);
+    float *q = malloc(sizeof(float) * n * BATCH_L * qrow), *lse = malloc(sizeof(float) * n * BATCH_L * BATCH_H);
+    for (int j = 0; j < n * row; j++) k[j] = kvs_rng_normal(rng), v[j] = kvs_rng_normal(rng);
+    for (int j = 0; j < n * BATCH_L * qrow; j++) q[j] = kvs_rng_normal(rng);
+    for (int j = 0; j < n * BATCH_L * BATCH_H; j++) lse[j] = 2.0f + 3.0f * (float)kvs_rng_uniform(rng);
+    int32_t *slots = malloc(sizeof(int32_t) * n);
+    for (int c = 0; c < BATCH_CACHES; c++) {
+        kvs_kv_cache *kv = br->kv[c];
+        int s = br->seq[i][c];
+        cr_assert_eq(kvs_kv_reserve(kv, s, n), KVS_OK, "%s", kvs_last_error());
+        for (int l = 0; l < BATCH_L; l++) {
+            for (int t = 0; t < n; t++) slots[t] = kvs_kv_slot(kv, s, l, kvs_kv_len(kv, s, l) + t);
+            kvs_kv_pool pool = kvs_kv_layer_pool(kv, l);
+            be->kv_write(be, &pool, k, v, slots, n);
+            void *wq = NULL;
+            float *wl = NULL;
+            kvs_kv_window_buffers(kv, l, &wq, &wl);
+            for (int t = 0; t < n; t++) {
+                int r = c ? kvs_kv_window_row(kv, s, l, br->pos[i] + t) : ref_row(br, i, br->pos[i] + t);
+                if (r < 0 || (c == 0 && br->budget[i][l] < 0)) continue;
+                float *dq = c ? (float *)wq + (size_t)r * qrow : br->q[i][l][r], *dl = c ? wl + (size_t)r * BATCH_H : br->lse[i][l][r];
+                memcpy(dq, q + ((size_t)t * BATCH_L + l) * qrow, sizeof(float) * qrow);
+                memcpy(dl, lse + ((size_t)t * BATCH_L + l) * BATCH_H, sizeof(float) * BATCH_H);
+            }
+        }
+        kvs_kv_commit(kv, s, n);
+    }
+    br->pos[i] += n;
+    free(k), free(v), free(q), free(lse), free(slots);
+}
+
+/* The reference: what is due in sequence i of cache 0, compacted with the
+ * backend's per-pair ops and kvs_kv_compact. */
+static int ref_sparsify(batch_rig *br, int i) {
+    const kvs_kv_policy *p = &br->pol[i];
+    int s = br->seq[i][0], n = br->pos[i], w = p->window, compacted = 0;
+    if (p->kind == KVS_POLICY_FULL || n < br->prompt[i]) return 0;
+    bool at_prompt_end = !br->done[i];
+    br->done[i] = true;
+    for (int l = 0; l < BATCH_L; l++) {
+        int b = br->budget[i][l], len = kvs_kv_len(br->kv[0], s, l);
+        if (b < 0 || !(at_prompt_end ? len > b : len >= b + w && n - br->last[i][l] >= w)) continue;
+        br->last[i][l] = n;
+        int32_t *keep = malloc(sizeof(int32_t) * BATCH_KVH * b);
+        if (p->kind == KVS_POLICY_STREAMINGLLM) {
+            int sinks = p->sinks < b ? p->sinks : b;
+            for (int h = 0; h < BATCH_KVH; h++)
+                for (int j = 0; j < b; j++) keep[h * b + j] = j < sinks ? j : len - b + j;
+        } else {
+            int nb;
+            const int32_t *table = kvs_kv_blocks(br->kv[0], s, l, &nb);
+            float *scores = malloc(sizeof(float) * BATCH_KVH * (len - w));
+            kvs_kv_pool pool = kvs_kv_layer_pool(br->kv[0], l);
+            br->be->sparsity_scores(br->be, scores, br->q[i][l], br->lse[i][l][0], w, &pool, table, len - w, BATCH_H,
+                                    1.0f / sqrtf((float)BATCH_D));
+            br->be->snapkv_select(br->be, keep, scores, len - w, BATCH_KVH, p->pool, b - w, w);
+            free(scores);
+        }
+        cr_assert_eq(kvs_kv_compact(br->kv[0], s, l, keep, b), KVS_OK, "%s", kvs_last_error());
+        free(keep);
+        compacted++;
+    }
+    return compacted;
+}
+
+/* The stored bytes of entry e (K or V of head h) of (seq, layer). */
+static const unsigned char *batch_entry(kvs_kv_cache *kv, kvs_backend *be, int seq, int layer, int kind, int h, int e) {
+    const kvs_kv_pool *p = kvs_kv_get_pool(kv);
+    int32_t slot = kvs_kv_slot(kv, seq, layer, e);
+    size_t row = (size_t)p->head_dim * kvs_dtype_size(be->kv_dtype);
+    size_t block = kvs_kv_block_bytes(kvs_kv_get_config(kv), be->kv_dtype);
+    return (const unsigned char *)p->data + (size_t)(slot / p->block_size) * block +
+           (((size_t)kind * p->n_kv_heads + h) * p->block_size + slot % p->block_size) * row;
+}
+
+static void batch_case(kvs_dtype kv_dtype, bool prefix_caching, uint64_t seed) {
+    batch_rig *br = calloc(1, sizeof *br);
+    cr_assert_eq(kvs_backend_cpu_create_typed(1, KVS_F32, kv_dtype, &br->be), KVS_OK);
+    kvs_backend *be = br->be;
+    kvs_rng rng;
+    kvs_rng_seed(&rng, seed);
+    kvs_kv_config kc = {.n_layers = BATCH_L, .n_kv_heads = BATCH_KVH, .head_dim = BATCH_D, .n_heads = BATCH_H,
+                        .block_size = 16, .n_blocks = 2000, .max_seqs = BATCH_SEQS, .max_window = BATCH_MAX_W,
+                        .prefix_caching = prefix_caching};
+    float scales[BATCH_L * 2 * BATCH_KVH];
+    for (int i = 0; i < BATCH_L * 2 * BATCH_KVH; i++) scales[i] = 0.25f + 1.75f * (float)kvs_rng_uniform(&rng);
+    for (int c = 0; c < BATCH_CACHES; c++) {
+        cr_assert_eq(kvs_kv_create(&kc, be, &br->kv[c]), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_kv_set_scales(br->kv[c], scales), KVS_OK, "%s", kvs_last_error());
+    }
+    /* policy kind, budget (tokens; 0: 25%), window, pool, full layers; prompts of 64 .. 263 tokens */
+    const struct { kvs_policy_kind kind; int budget, window, pool, full; } pol[BATCH_SEQS] = {
+        {KVS_POLICY_SNAPKV, 0, 8, 3, 1},    {KVS_POLICY_PYRAMIDKV, 0, 16, 7, 0}, {KVS_POLICY_STREAMINGLLM, 0, 8, 7, 1},
+        {KVS_POLICY_SNAPKV, 40, 4, 1, 0},   {KVS_POLICY_PYRAMIDKV, 0, 5, 5, 1},  {KVS_POLICY_FULL, 0, 8, 7, 0},
+        {KVS_POLICY_PYRAMIDKV, 0, 32, 3, 1}, {KVS_POLICY_SNAPKV, 0, 8, 3, 1}};
+    int32_t prompt_ids[264];
+    for (int i = 0; i < 264; i++) prompt_ids[i] = (int32_t)(kvs_rng_u64(&rng) % 1000);
+    for (int i = 0; i < BATCH_SEQS; i++) {
+        /* with prefix caching, sequence 7 takes sequence 0's prompt and reuses its cached blocks */
+        br->prompt[i] = prefix_caching && i == 7 ? br->prompt[0] : 64 + (int)(kvs_rng_u64(&rng) % 200);
+        kvs_kv_policy p = kvs_kv_policy_default(pol[i].kind);
+        p.budget_tokens = pol[i].budget;
+        p.budget_fraction = 0.25f;
+        p.window = pol[i].window, p.pool = pol[i].pool, p.full_layers = pol[i].full, p.min_prompt = 0;
+        br->pol[i] = p;
+        kvs_kv_policy_budgets(&p, BATCH_L, br->prompt[i], br->budget[i]);
+        for (int l = 0; l < BATCH_L; l++) br->last[i][l] = br->prompt[i];
+        kvs_kv_policy full = kvs_kv_policy_default(KVS_POLICY_FULL);
+        for (int c = 0; c < BATCH_CACHES; c++) {
+            br->seq[i][c] = kvs_kv_seq_create(br->kv[c]);
+            cr_assert_geq(br->seq[i][c], 0);
+            cr_assert_eq(kvs_kv_set_policy(br->kv[c], br->seq[i][c], c ? &p : &full, br->prompt[i]), KVS_OK, "%s",
+                         kvs_last_error());
+        }
+    }
+    int32_t ids[BATCH_CACHES][BATCH_SEQS];
+    int compactions = 0, steps = 70;
+    for (int step = 0; step < steps; step++) {
+        int n = 0;
+        for (int i = 0; i < BATCH_SEQS; i++) {
+            if (prefix_caching && i == 7 && step < 2) continue; /* once sequence 0's prompt is cached */
+            if (prefix_caching && (i == 0 || i == 7) && br->pos[i] == 0) { /* the window stays past the hit */
+                int hit[BATCH_CACHES];
+                for (int c = 0; c < BATCH_CACHES; c++) {
+                    hit[c] = kvs_kv_prefix_attach(br->kv[c], br->seq[i][c], prompt_ids, br->prompt[i], NULL,
+                                                  br->prompt[i] - br->pol[i].window);
+                    cr_assert_eq(hit[c], hit[0]);
+                }
+                cr_assert(i == 0 || hit[0] > 0, "sequence 7 should reuse sequence 0's cached prompt");
+                br->pos[i] = hit[0];
+            }
+            /* prompts in one step (sequence 4's in two), then a token a step */
+            int left = br->prompt[i] - br->pos[i];
+            batch_append(br, &rng, i, left <= 0 ? 1 : i == 4 && left == br->prompt[i] ? left / 2 : left);
+            for (int c = 0; c < BATCH_CACHES; c++) ids[c][n] = br->seq[i][c];
+            n++;
+        }
+        for (int j = 0; j < n; j++) {
+            int i = 0;
+            while (br->seq[i][0] != ids[0][j]) i++;
+            compactions += ref_sparsify(br, i);
+            cr_assert_eq(kvs_kv_sparsify(br->kv[1], ids[1][j]), KVS_OK, "%s", kvs_last_error());
+        }
+        cr_assert_eq(kvs_kv_sparsify_seqs(br->kv[2], ids[2], n), KVS_OK, "%s", kvs_last_error());
+        size_t bytes = kvs_dtype_size(be->kv_dtype) * BATCH_D;
+        for (int i = 0; i < BATCH_SEQS; i++)
+            for (int l = 0; l < BATCH_L; l++) {
+                int len = kvs_kv_len(br->kv[0], br->seq[i][0], l);
+                for (int c = 1; c < BATCH_CACHES; c++) {
+                    cr_assert_eq(kvs_kv_len(br->kv[c], br->seq[i][c], l), len,
+                                 "seed %llu step %d sequence %d layer %d: %d entries %s, %d in the reference",
+                                 (unsigned long long)seed, step, i, l, kvs_kv_len(br->kv[c], br->seq[i][c], l),
+                                 c == 1 ? "one by one" : "batched", len);
+                    for (int e = 0; e < len; e++)
+                        for (int kind = 0; kind < 2; kind++)
+                            for (int h = 0; h < BATCH_KVH; h++)
+                                cr_assert(!memcmp(batch_entry(br->kv[0], be, br->seq[i][0], l, kind, h, e),
+                                                  batch_entry(br->kv[c], be, br->seq[i][c], l, kind, h, e), bytes),
+                                          "seed %llu step %d sequence %d layer %d: %s of head %d, entry %d differs %s",
+                                          (unsigned long long)seed, step, i, l, kind ? "V" : "K", h, e,
+                                          c == 1 ? "one by one" : "batched");
+                }
+            }
+        for (int c = 0; c < BATCH_CACHES; c++) cr_assert_eq(kvs_kv_check(br->kv[c]), KVS_OK, "%s", kvs_last_error());
+    }
+    cr_log_info("%s pool%s: %d layer compactions in %d steps, the same in the three caches", kvs_dtype_name(kv_dtype),
+                prefix_caching ? ", prefix caching" : "", compactions, steps);
+    cr_assert_gt(compactions, 6 * BATCH_SEQS, "the decode steps should re-compress the sparse layers");
+    for (int c = 0; c < BATCH_CACHES; c++) kvs_kv_destroy(br->kv[c]);
+    be->destroy(be);
+    free(br);
+}
+
+Test(sparsity, batched_sparsify_equals_one_by_one) {
+    uint64_t seed = kvs_test_seed();
+    batch_case(KVS_F32, false, seed);
+    batch_case(KVS_F8_E4M3, false, seed + 1);
+    batch_case(KVS_F32, true, seed + 2);
+}

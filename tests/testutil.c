@@ -308,8 +308,7 @@ void rig_close(rig *r) {
 
 void kv_keep(kvs_kv_cache *kv, const kvs_batch *b) {
     for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
-    for (int s = 0; s < b->n_seqs; s++)
-        cr_assert_eq(kvs_kv_sparsify(kv, b->seq_ids[s]), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_kv_sparsify_seqs(kv, b->seq_ids, b->n_seqs), KVS_OK, "%s", kvs_last_error());
 }
 
 bool kv_try_append(kvs_kv_cache *kv, int seq, int n) {

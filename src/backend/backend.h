@@ -53,6 +53,39 @@ typedef struct {
     int n_decode;
 } kvs_attn_batch;
 
+/* One (sequence, layer) pair of snapkv_compact_batch: its SnapKV scores,
+ * selection and in-place compaction, exactly as sparsity_scores, snapkv_select
+ * and kv_gather (dst == blocks) would do them for that pair alone. Offsets
+ * index the batch's arrays (kvs_snapkv_batch); pointers are backend memory. */
+typedef struct {
+    const void *win_q;    /* its window queries [n_win][n_heads][head_dim] (act_dtype) */
+    const float *win_lse; /* [n_win][n_heads] */
+    const float *scales;  /* its layer's FP8 scales (kvs_kv_pool.scales); NULL: 1 */
+    int64_t scores;       /* its scores [n_kv_heads][n_keys] at batch.scores + scores */
+    int64_t keep;         /* its keep lists [n_kv_heads][k + n_win] at batch.keep + keep */
+    int32_t table;        /* its block table: batch.tables[table .. table + n_blocks) */
+    int32_t n_blocks;
+    int32_t n_keys;       /* entries scored and selected from: [0, n_keys); the window follows */
+    int32_t n_win, k;     /* window queries (= window entries kept), entries kept before it (k <= n_keys) */
+    int32_t pool;         /* max-pool kernel of its selection */
+} kvs_snapkv_job;
+
+/* A list of pairs for one snapkv_compact_batch call. The pairs' tables hold
+ * blocks of no other pair (compaction writes them). jobs, tables, scores and
+ * keep are backend memory; the bounds are host values (the CUDA launch is
+ * sized by them). */
+typedef struct {
+    int n_jobs;
+    int n_heads;  /* query heads (a multiple of the pool's n_kv_heads) */
+    float scale;  /* the attention scale, 1 / sqrt(head_dim) */
+    const kvs_snapkv_job *jobs; /* [n_jobs] */
+    const int32_t *tables;
+    float *scores;              /* [scores_len] */
+    int32_t *keep;
+    int max_keys;       /* the largest n_keys of the jobs */
+    int64_t scores_len; /* the scores' extent: at least every job's scores + n_kv_heads * n_keys */
+} kvs_snapkv_batch;
+
 typedef struct kvs_backend kvs_backend;
 struct kvs_sample_row; /* backend/sample.h */
 struct kvs_sample_part; /* backend/sample.h */
@@ -173,6 +206,19 @@ struct kvs_backend {
      * and nothing is written. */
     void (*snapkv_select)(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
                           int k, int n_win);
+    /* For each job of batch (kvs_snapkv_batch): sparsity_scores of its window
+     * over entries [0, n_keys) of its table (pool with the job's scales) into
+     * its scores, snapkv_select of those (its pool kernel, k, n_win) into its
+     * keep lists, then kv_gather of its k + n_win kept entries in place
+     * (dst == blocks): afterwards entries 0 .. k + n_win - 1 of its table hold
+     * the kept ones. pool gives the blocks and the geometry (its scales are not
+     * used). Stage by stage (every job's scores, then every selection, then
+     * every gather: one launch each on CUDA), so no two jobs may share scores,
+     * keep lists or blocks. The CPU checks the jobs (k <= n_keys, sizes, the
+     * bounds) and reports a bad one, writing nothing; CUDA trusts them. Bad
+     * batch arguments (sizes, heads, head_dim) are reported and nothing is
+     * written. */
+    void (*snapkv_compact_batch)(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_batch *batch);
     /* ---- the model's step buffers and decode-step graphs ---- */
     /* Host memory for uploads: pinned on CUDA (to_device from it is a truly
      * asynchronous copy, so the source must stay unchanged until the stream has

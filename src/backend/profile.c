@@ -129,6 +129,8 @@ TIMED(kv_gather, KVS_PHASE_SPARSIFY,
       (kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks, const int32_t *dst,
        const int32_t *src_entry, int n),
       pool, blocks, n_blocks, dst, src_entry, n)
+TIMED(snapkv_compact_batch, KVS_PHASE_SPARSIFY,
+      (kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_batch *batch), pool, batch)
 TIMED(sample, KVS_PHASE_SAMPLING,
       (kvs_backend *b, int32_t *ids, float *logprobs, const void *logits, int n_rows, int ld, int vocab,
        const struct kvs_sample_row *params),
@@ -206,7 +208,8 @@ kvs_status kvs_backend_profile_wrap(kvs_backend *inner, bool owns_inner, kvs_bac
     WRAP(matmul), WRAP(matmul_fp8), WRAP(quantize_fp8), WRAP(attention), WRAP(embedding), WRAP(rmsnorm), WRAP(add);
     WRAP(head_rmsnorm), WRAP(rope), WRAP(kv_write), WRAP(swiglu), WRAP(gather_rows), WRAP(copy), WRAP(add_rmsnorm);
     WRAP(rope_kv_write);
-    WRAP(window_capture), WRAP(sparsity_scores), WRAP(snapkv_select), WRAP(kv_gather), WRAP(sample);
+    WRAP(window_capture), WRAP(sparsity_scores), WRAP(snapkv_select), WRAP(kv_gather), WRAP(snapkv_compact_batch);
+    WRAP(sample);
     WRAP(sample_shard), WRAP(process_logits), WRAP(top_logprobs);
 #undef WRAP
     b->graph_begin = NULL; /* a captured op could not be timed: no graphs */

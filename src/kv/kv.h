@@ -153,8 +153,15 @@ void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **
  * window's queries of g's group give entry j, summed (what selection ranks).
  * Host memory; for kvsparse calibrate. */
 kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out);
-/* After a step that gave seq new tokens: compacts the sparse layers that are
- * due (its prompt just completed, or a layer reached B_l + window). */
+/* After a step that gave the n sequences seq_ids new tokens: compacts their
+ * sparse layers that are due (a prompt just completed, or a layer reached B_l +
+ * window). Every due SnapKV / PyramidKV layer whose blocks are the sequence's
+ * own goes in one batch (the backend's snapkv_compact_batch: one launch per
+ * stage for the step); StreamingLLM layers and layers on shared or cached
+ * blocks are compacted one by one. Returns once the device has run the batch's
+ * upload (it synchronizes the backend when there was a batch). */
+kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n);
+/* kvs_kv_sparsify_seqs of one sequence. */
 kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id);
 /* A copy of seq (blocks, lengths, windows, policy) as a new sequence id. */
 kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq);

@@ -60,6 +60,8 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
     free(kv->win_lse);
     for (int i = 0; i < KVS_KV_SCRATCH_SLOTS; i++)
         if (kv->scratch[i]) kv->be->free(kv->be, kv->scratch[i]);
+    if (kv->staging) kv->be->host_free(kv->be, kv->staging);
+    free(kv->batch);
     kvs_kv_meta_destroy(kv);
     free(kv->window);
     free(kv->free_blocks);
@@ -316,12 +318,20 @@ static kvs_status compact_into_own_blocks(kvs_kv_cache *kv, seq_state *s, layer_
 kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep,
                                    const int32_t *d_tab, int n_keep) {
     layer_table *t = &s->layers[layer];
-    s->n_prompt_blocks = s->n_registered; /* the rest of the prompt is no longer there in full */
-    if (n_keep > 0 && kvs_kv_table_shared(kv, t)) return compact_into_own_blocks(kv, s, t, d_keep, d_tab, n_keep);
+    if (n_keep > 0 && kvs_kv_table_shared(kv, t)) {
+        s->n_prompt_blocks = s->n_registered; /* the rest of the prompt is no longer there in full */
+        return compact_into_own_blocks(kv, s, t, d_keep, d_tab, n_keep);
+    }
     if (n_keep > 0) kv->be->kv_gather(kv->be, &kv->pool, d_tab, t->n_blocks, d_tab, d_keep, n_keep);
+    kvs_kv_compacted_in_place(kv, s, layer, n_keep);
+    return KVS_OK;
+}
+
+void kvs_kv_compacted_in_place(kvs_kv_cache *kv, seq_state *s, int layer, int n_keep) {
+    layer_table *t = &s->layers[layer];
+    s->n_prompt_blocks = s->n_registered;
     t->len = n_keep;
     kvs_kv_release_tail(kv, t, kvs_kv_blocks_for(kv, n_keep));
-    return KVS_OK;
 }
 
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes) {

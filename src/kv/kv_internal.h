@@ -4,7 +4,11 @@
 
 #include "kv/kv.h"
 
-enum { KVS_KV_SCRATCH_TABLE, KVS_KV_SCRATCH_SCORES, KVS_KV_SCRATCH_KEEP, KVS_KV_SCRATCH_DST, KVS_KV_SCRATCH_SLOTS };
+enum {
+    KVS_KV_SCRATCH_TABLE, KVS_KV_SCRATCH_SCORES, KVS_KV_SCRATCH_KEEP, KVS_KV_SCRATCH_DST,
+    KVS_KV_SCRATCH_BATCH, /* a sparsify batch's job list and tables (sparsify.c) */
+    KVS_KV_SCRATCH_SLOTS
+};
 
 typedef struct {
     int32_t *blocks; /* physical block ids */
@@ -79,6 +83,12 @@ struct kvs_kv_cache {
        would cost more than the work (and cudaFree synchronises the device) */
     void *scratch[KVS_KV_SCRATCH_SLOTS];
     size_t scratch_cap[KVS_KV_SCRATCH_SLOTS];
+    /* kvs_kv_sparsify_seqs's batch: the (sequence, layer) pairs it collects, and
+       the pinned host staging of their job list and tables (backend host_alloc) */
+    struct { int32_t seq, layer; } *batch;
+    int n_batch, batch_cap;
+    void *staging;
+    size_t staging_cap;
 };
 
 
@@ -109,6 +119,9 @@ void kvs_kv_free_sparsity(kvs_kv_cache *kv, seq_state *s);
  * and the released blocks. */
 kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep,
                                    const int32_t *d_tab, int n_keep);
+/* The host side of an in-place compaction of (s, layer) to n_keep entries (its
+ * kv_gather enqueued): the new length, the blocks past it released. */
+void kvs_kv_compacted_in_place(kvs_kv_cache *kv, seq_state *s, int layer, int n_keep);
 /* Backend scratch buffer `slot` of at least bytes (grown on demand); NULL when out of memory. */
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes);
 

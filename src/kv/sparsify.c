@@ -74,29 +74,36 @@ void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **
     *lse = kv->win_lse ? kv->win_lse[layer] : NULL;
 }
 
+/* The captured window of (s, layer): its w rows of queries and of LSE. */
+static void window_of(const kvs_kv_cache *kv, const seq_state *s, int layer, const void **q, const float **lse) {
+    size_t row = (size_t)(s - kv->seqs) * kv->window_cap, nh = kv->cfg.n_heads;
+    *q = (const char *)kv->win_q[layer] + row * nh * kv->cfg.head_dim * kvs_dtype_size(kv->be->act_dtype);
+    *lse = kv->win_lse[layer] + row * nh;
+}
+
 /* The SnapKV scores of (seq, layer)'s entries [0, n - w) from its captured window,
  * into backend scratch (*d_scores [H][n - w]); *d_tab is the layer's table uploaded. */
 static kvs_status score_window(kvs_kv_cache *kv, seq_state *s, int layer, float **d_scores, int32_t **d_tab) {
     kvs_backend *be = kv->be;
-    int n = s->layers[layer].len, w = s->policy.window, d = kv->cfg.head_dim, nh = kv->cfg.n_heads;
+    int n = s->layers[layer].len, w = s->policy.window;
     size_t tab_bytes = sizeof(int32_t) * s->layers[layer].n_blocks;
     *d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
     *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sizeof(float) * (size_t)kv->cfg.n_kv_heads * (n - w));
     if (!*d_tab || !*d_scores) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of backend memory");
-    size_t row = (size_t)(s - kv->seqs) * kv->window_cap;
-    const char *q = (const char *)kv->win_q[layer] + row * nh * d * kvs_dtype_size(be->act_dtype);
+    const void *q;
+    const float *lse;
+    window_of(kv, s, layer, &q, &lse);
     be->to_device(be, *d_tab, s->layers[layer].blocks, tab_bytes);
     kvs_kv_pool pool = kvs_kv_layer_pool(kv, layer);
-    be->sparsity_scores(be, *d_scores, q, kv->win_lse[layer] + row * nh, w, &pool, *d_tab, n - w, nh,
-                        1.0f / sqrtf((float)d));
+    be->sparsity_scores(be, *d_scores, q, lse, w, &pool, *d_tab, n - w, kv->cfg.n_heads,
+                        1.0f / sqrtf((float)kv->cfg.head_dim));
     return KVS_OK;
 }
 
-/* SnapKV: keep the top (budget - w) of entries [0, n - w) by pooled score, plus the
- * window, and compact. Scores, selection and compaction stay in backend memory:
- * nothing comes back to the host. */
-static kvs_status compact_snapkv(kvs_kv_cache *kv, int seq_id, int layer, int budget) {
-    seq_state *s = &kv->seqs[seq_id];
+/* SnapKV on one pair: keep the top (budget - w) of entries [0, n - w) by pooled
+ * score, plus the window, and compact. Scores, selection and compaction stay in
+ * backend memory: nothing comes back to the host. */
+static kvs_status compact_snapkv(kvs_kv_cache *kv, seq_state *s, int layer, int budget) {
     int w = s->policy.window, H = kv->cfg.n_kv_heads;
     float *d_scores;
     int32_t *d_tab, *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, sizeof(int32_t) * (size_t)H * budget);
@@ -131,42 +138,135 @@ static void select_streaming(const seq_state *s, int layer, int budget, int H, i
     }
 }
 
-static kvs_status compress_layer(kvs_kv_cache *kv, int seq_id, int layer) {
-    seq_state *s = &kv->seqs[seq_id];
+/* A pair compacted on its own: StreamingLLM, or SnapKV on a shared or cached
+ * table (compacted into blocks of the sequence's own). */
+static kvs_status compress_layer(kvs_kv_cache *kv, seq_state *s, int layer) {
     int budget = s->budgets[layer], H = kv->cfg.n_kv_heads;
-    if (s->layers[layer].len <= budget) return KVS_OK;
-    kvs_status st;
-    if (s->policy.kind == KVS_POLICY_STREAMINGLLM) {
-        int32_t *keep = malloc(sizeof(int32_t) * (size_t)H * budget);
-        if (!keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory");
-        select_streaming(s, layer, budget, H, keep);
-        st = kvs_kv_compact(kv, seq_id, layer, keep, budget);
-        free(keep);
-    } else {
-        st = compact_snapkv(kv, seq_id, layer, budget);
-    }
-    s->ring_base[layer] = s->n_tokens;
+    if (s->policy.kind != KVS_POLICY_STREAMINGLLM) return compact_snapkv(kv, s, layer, budget);
+    int32_t *keep = malloc(sizeof(int32_t) * (size_t)H * budget);
+    if (!keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory");
+    select_streaming(s, layer, budget, H, keep);
+    kvs_status st = kvs_kv_compact(kv, (int)(s - kv->seqs), layer, keep, budget);
+    free(keep);
     return st;
 }
 
-kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id) {
-    seq_state *s = kvs_kv_get_seq(kv, seq_id);
-    if (!s) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
-    if (!s->budgets || s->n_tokens < s->prompt_len) return KVS_OK;
-    bool at_prefill_end = !s->prefill_done;
-    s->prefill_done = true;
-    for (int l = 0; l < kv->cfg.n_layers; l++) {
-        int b = s->budgets[l];
-        if (b < 0) continue;
-        /* after the prefill: compact to B_l; in decode: when the layer reaches B_l + w */
-        bool due = at_prefill_end ? s->layers[l].len > b
-                                  : s->layers[l].len >= b + s->policy.window &&
-                                        s->n_tokens - s->ring_base[l] >= s->policy.window;
-        if (due) KVS_TRY(compress_layer(kv, seq_id, l));
+/* ---- the batch: every SnapKV pair whose table is the sequence's own ----------- */
+
+static kvs_status batch_add(kvs_kv_cache *kv, const seq_state *s, int layer) {
+    if (kv->n_batch == kv->batch_cap) {
+        int cap = kv->batch_cap ? 2 * kv->batch_cap : 64;
+        void *p = realloc(kv->batch, sizeof *kv->batch * (size_t)cap);
+        if (!p) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of host memory for %d compactions", cap);
+        kv->batch = p;
+        kv->batch_cap = cap;
     }
-    while (s->n_spare > 0) kvs_kv_drop_block(kv, s->spare[--s->n_spare]); /* what the compaction left */
+    kv->batch[kv->n_batch].seq = (int32_t)(s - kv->seqs);
+    kv->batch[kv->n_batch++].layer = layer;
     return KVS_OK;
 }
+
+/* Pinned host memory for bytes of job list and tables. */
+static void *staging(kvs_kv_cache *kv, size_t bytes) {
+    if (bytes <= kv->staging_cap) return kv->staging;
+    kvs_backend *be = kv->be;
+    if (kv->staging) be->host_free(be, kv->staging);
+    kv->staging_cap = bytes > 2 * kv->staging_cap ? bytes : 2 * kv->staging_cap;
+    if (!(kv->staging = be->host_alloc(be, kv->staging_cap))) kv->staging_cap = 0;
+    return kv->staging;
+}
+
+/* The collected pairs in one snapkv_compact_batch: their job list and tables
+ * in one upload from the pinned staging, then their lengths and blocks. */
+static kvs_status run_batch(kvs_kv_cache *kv) {
+    int n = kv->n_batch, H = kv->cfg.n_kv_heads, max_keys = 0;
+    kv->n_batch = 0;
+    if (!n) return KVS_OK;
+    size_t n_tab = 0;
+    int64_t n_scores = 0, n_keep = 0;
+    for (int i = 0; i < n; i++) {
+        const seq_state *s = &kv->seqs[kv->batch[i].seq];
+        const layer_table *t = &s->layers[kv->batch[i].layer];
+        int n_keys = t->len - s->policy.window;
+        n_tab += t->n_blocks;
+        n_scores += (int64_t)H * n_keys;
+        n_keep += (int64_t)H * s->budgets[kv->batch[i].layer];
+        if (n_keys > max_keys) max_keys = n_keys;
+    }
+    kvs_backend *be = kv->be;
+    size_t job_bytes = sizeof(kvs_snapkv_job) * n, bytes = job_bytes + sizeof(int32_t) * n_tab;
+    char *host = staging(kv, bytes), *d_lists = kvs_kv_scratch(kv, KVS_KV_SCRATCH_BATCH, bytes);
+    float *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sizeof(float) * (size_t)n_scores);
+    int32_t *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, sizeof(int32_t) * (size_t)n_keep);
+    if (!host || !d_lists || !d_scores || !d_keep)
+        return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory for a batch of %d compactions (%zu bytes of "
+                        "tables, %lld scores)", n, bytes, (long long)n_scores);
+    kvs_snapkv_job *jobs = (kvs_snapkv_job *)host;
+    int32_t *tables = (int32_t *)(host + job_bytes);
+    size_t tab = 0;
+    int64_t sc = 0, kp = 0;
+    for (int i = 0; i < n; i++) {
+        const seq_state *s = &kv->seqs[kv->batch[i].seq];
+        int l = kv->batch[i].layer, w = s->policy.window, budget = s->budgets[l];
+        const layer_table *t = &s->layers[l];
+        kvs_snapkv_job *j = &jobs[i];
+        window_of(kv, s, l, &j->win_q, &j->win_lse);
+        j->scales = kvs_kv_layer_pool(kv, l).scales;
+        j->scores = sc, j->keep = kp, j->table = (int32_t)tab, j->n_blocks = t->n_blocks;
+        j->n_keys = t->len - w, j->n_win = w, j->k = budget - w, j->pool = s->policy.pool;
+        memcpy(tables + tab, t->blocks, sizeof(int32_t) * t->n_blocks);
+        tab += t->n_blocks;
+        sc += (int64_t)H * j->n_keys;
+        kp += (int64_t)H * budget;
+    }
+    be->to_device(be, d_lists, host, bytes);
+    kvs_snapkv_batch b = {.n_jobs = n, .n_heads = kv->cfg.n_heads, .scale = 1.0f / sqrtf((float)kv->cfg.head_dim),
+                          .jobs = (const kvs_snapkv_job *)d_lists, .tables = (const int32_t *)(d_lists + job_bytes),
+                          .scores = d_scores, .keep = d_keep, .max_keys = max_keys, .scores_len = n_scores};
+    be->snapkv_compact_batch(be, &kv->pool, &b);
+    for (int i = 0; i < n; i++) {
+        seq_state *s = &kv->seqs[kv->batch[i].seq];
+        kvs_kv_compacted_in_place(kv, s, kv->batch[i].layer, s->budgets[kv->batch[i].layer]);
+    }
+    be->synchronize(be); /* the staging is reused: its copy must have run (host_alloc) */
+    return KVS_OK;
+}
+
+/* Whether (s, layer) is due: after the prefill, compact to B_l; in decode, when
+ * the layer reaches B_l + w (and w decode queries came since the last time). */
+static bool due(const seq_state *s, const layer_table *t, int layer, bool at_prefill_end) {
+    int b = s->budgets[layer], w = s->policy.window;
+    if (b < 0) return false;
+    return at_prefill_end ? t->len > b : t->len >= b + w && s->n_tokens - s->ring_base[layer] >= w;
+}
+
+kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n) {
+    for (int i = 0; i < n; i++)
+        if (!kvs_kv_get_seq(kv, seq_ids[i])) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_ids[i]);
+    kv->n_batch = 0;
+    kvs_status st = KVS_OK;
+    for (int i = 0; i < n && st == KVS_OK; i++) {
+        seq_state *s = &kv->seqs[seq_ids[i]];
+        if (!s->budgets || s->n_tokens < s->prompt_len) continue;
+        bool at_prefill_end = !s->prefill_done;
+        s->prefill_done = true;
+        for (int l = 0; l < kv->cfg.n_layers && st == KVS_OK; l++) {
+            if (!due(s, &s->layers[l], l, at_prefill_end)) continue;
+            s->ring_base[l] = s->n_tokens; /* set now: a sequence listed twice finds the layer not due */
+            bool own = s->policy.kind != KVS_POLICY_STREAMINGLLM && !kvs_kv_table_shared(kv, &s->layers[l]);
+            st = own ? batch_add(kv, s, l) : compress_layer(kv, s, l);
+        }
+        /* what the prompt's compaction left (spare blocks are in no table: the batch never reads them) */
+        while (st == KVS_OK && s->n_spare > 0) kvs_kv_drop_block(kv, s->spare[--s->n_spare]);
+    }
+    if (st != KVS_OK) {
+        kv->n_batch = 0;
+        return st;
+    }
+    return run_batch(kv);
+}
+
+kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id) { return kvs_kv_sparsify_seqs(kv, &(int32_t){seq_id}, 1); }
 
 /* A fork shares the cached blocks (the prompt's, which nobody writes again)
  * and copies the others. */

@@ -94,7 +94,7 @@ kvs_prefix_cache_stats kvs_runner_prefix_cache_stats(const kvs_runner *r, int fu
  * The batch (and the sampling rows) checked once, before any rank runs (a bad
  * one is KVS_ERR_INVALID and changes nothing); then on every rank the model's
  * forward, the new tokens committed and what the sequences' KV policies say is
- * due compacted (kvs_kv_sparsify), the backend asked whether an op failed. The
+ * due compacted (kvs_kv_sparsify_seqs), the backend asked whether an op failed. The
  * KV must hold room for the new tokens (kvs_runner_reserve). A rank failing
  * mid-step aborts the communicators: the runner is then unusable.
  * kvs_runner_step: rank 0's gathered logits [seqs that want them][vocab]

@@ -17,8 +17,7 @@ typedef struct {
 
 static kvs_status keep_step_kv(kvs_kv_cache *kv, const kvs_batch *b) {
     for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
-    for (int s = 0; s < b->n_seqs; s++) KVS_TRY(kvs_kv_sparsify(kv, b->seq_ids[s]));
-    return KVS_OK;
+    return kvs_kv_sparsify_seqs(kv, b->seq_ids, b->n_seqs);
 }
 
 static kvs_status job_step(kvs_runner *g, int rank, void *arg) {

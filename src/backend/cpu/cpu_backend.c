@@ -265,6 +265,7 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->top_logprobs = kvs_cpu_top_logprobs;
     b->dummy_fill = kvs_cpu_dummy_fill;
     b->snapkv_select = kvs_cpu_snapkv_select;
+    b->snapkv_compact_batch = kvs_cpu_snapkv_compact_batch;
     b->host_alloc = cpu_host_alloc;
     b->host_free = cpu_host_free;
     /* no graphs: graph_begin .. graph_destroy stay NULL (calloc) */

@@ -81,6 +81,7 @@ void kvs_cpu_dummy_fill(kvs_backend *b, void *dst, uint64_t seed, float scale, k
                         int64_t r0, int64_t nr, int64_t c0, int64_t nc);
 void kvs_cpu_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
                            int k, int n_win);
+void kvs_cpu_snapkv_compact_batch(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_batch *batch);
 void kvs_cpu_quantize_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *x, kvs_dtype x_dtype, int rows,
                           int cols);
 void kvs_cpu_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,

@@ -1,5 +1,6 @@
 /* SnapKV on the CPU: the window capture, the scores from the window queries'
- * log-sum-exp, and the selection. Selection: max-pool each KV head's scores,
+ * log-sum-exp, the selection, and the batched compaction (a loop over the
+ * per-pair ops: the reference of CUDA's one launch per stage). Selection: max-pool each KV head's scores,
  * sort the entries by (pooled score descending, index ascending), keep the
  * first k in index order, append the window. The oracle of the CUDA radix
  * select; written independently of kv/select.c (the heap the kv module kept
@@ -98,4 +99,47 @@ void kvs_cpu_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, i
         for (int i = take + n_win; i < row; i++) out[i] = -1;
     }
     free(rk);
+}
+
+/* The backend's per-pair ops over the jobs (through b, so that a test that
+ * replaces one, e.g. to record the selections, sees every pair), stage by stage
+ * as the CUDA backend runs them (every job's scores, then every selection, then
+ * every gather: jobs whose arrays overlap go wrong here as there). The jobs are
+ * checked first: a bad one writes nothing (the CUDA kernels trust them). */
+void kvs_cpu_snapkv_compact_batch(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_batch *batch) {
+    int H = pool->n_kv_heads;
+    if (batch->n_jobs < 0 || batch->n_heads <= 0 || batch->n_heads % H || pool->head_dim > KVS_CPU_MAX_HEAD_DIM) {
+        kvs_cpu_fail(b, KVS_ERR_INVALID, "snapkv_compact_batch: %d jobs, %d query heads for %d KV heads, head_dim %d",
+                     batch->n_jobs, batch->n_heads, H, pool->head_dim);
+        return;
+    }
+    for (int i = 0; i < batch->n_jobs; i++) {
+        const kvs_snapkv_job *j = &batch->jobs[i];
+        if (j->n_keys < 0 || j->n_win < 0 || j->k < 0 || j->k > j->n_keys || j->pool < 1 ||
+            (int64_t)j->n_blocks * pool->block_size < (int64_t)j->n_keys + j->n_win ||
+            j->scores + (int64_t)H * j->n_keys > batch->scores_len || j->n_keys > batch->max_keys) {
+            kvs_cpu_fail(b, KVS_ERR_INVALID,
+                         "snapkv_compact_batch: job %d (keys %d, window %d, k %d, pool %d, %d blocks, scores at %lld "
+                         "of %lld) is not a compaction of its table",
+                         i, j->n_keys, j->n_win, j->k, j->pool, j->n_blocks, (long long)j->scores,
+                         (long long)batch->scores_len);
+            return;
+        }
+    }
+    for (int stage = 0; stage < 3; stage++)
+        for (int i = 0; i < batch->n_jobs; i++) {
+            const kvs_snapkv_job *j = &batch->jobs[i];
+            kvs_kv_pool p = *pool;
+            p.scales = j->scales;
+            const int32_t *table = batch->tables + j->table;
+            float *scores = batch->scores + j->scores;
+            int32_t *keep = batch->keep + j->keep;
+            if (stage == 0)
+                b->sparsity_scores(b, scores, j->win_q, j->win_lse, j->n_win, &p, table, j->n_keys, batch->n_heads,
+                                   batch->scale);
+            else if (stage == 1)
+                b->snapkv_select(b, keep, scores, j->n_keys, H, j->pool, j->k, j->n_win);
+            else
+                b->kv_gather(b, &p, table, j->n_blocks, table, keep, j->k + j->n_win);
+        }
 }

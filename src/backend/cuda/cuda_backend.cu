@@ -364,6 +364,7 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->top_logprobs = kvs_cuda_top_logprobs;
     b->dummy_fill = kvs_cuda_dummy_fill;
     b->snapkv_select = kvs_cuda_snapkv_select;
+    b->snapkv_compact_batch = kvs_cuda_snapkv_compact_batch;
     b->host_alloc = cuda_host_alloc;
     b->host_free = cuda_host_free;
     b->graph_begin = cuda_graph_begin;

@@ -107,7 +107,8 @@ typedef struct {
     size_t lt_workspace_bytes;
     kvs_cuda_gemm_plan plans[KVS_CUDA_GEMM_PLANS];
     int next_plan;
-    /* grow-only scratch (attention split partials, kv_gather staging) */
+    /* grow-only scratch (attention split partials, the FP8 GEMM epilogue's f32
+       output, snapkv_select's pooled keys past shared memory) */
     void *scratch;
     size_t scratch_bytes;
     unsigned scratch_gen; /* bumped when scratch moves: graphs captured before are stale */
@@ -158,6 +159,16 @@ static inline unsigned kvs_cuda_blocks(size_t n, unsigned threads) {
     return (unsigned)((n + threads - 1) / threads);
 }
 
+/* ---- SnapKV jobs (backend.h kvs_snapkv_job) ------------------------------------
+ * The compaction kernels take either a batch's job list in device memory (job
+ * blockIdx.y or .z) or, for the per-pair ops, one job by value whose offsets
+ * are 0 into the arrays the op was given (jobs NULL). Grids put the jobs on y
+ * or z: at most 65,535 a launch. */
+#define KVS_CUDA_MAX_JOBS 65535
+__device__ __forceinline__ kvs_snapkv_job kvs_job(const kvs_snapkv_job *jobs, const kvs_snapkv_job &one, int j) {
+    return jobs ? jobs[j] : one;
+}
+
 /* ops (cuda_ops.cu) */
 void kvs_cuda_embedding(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
 void kvs_cuda_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps);
@@ -176,6 +187,12 @@ void kvs_cuda_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, c
                        int n);
 void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks, const int32_t *dst,
                         const int32_t *src_entry, int n);
+/* kv_gather of every job: each job's k + n_win entries of keep (keep + its
+ * offset) from its table (tables + its offset) into dst (NULL: in place, its
+ * own table). */
+void kvs_cuda_kv_gather_jobs(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_job &one,
+                             const kvs_snapkv_job *jobs, int n_jobs, const int32_t *tables, const int32_t *dst,
+                             const int32_t *keep);
 
 /* fused ops (cuda_fused.cu) */
 void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
@@ -232,6 +249,7 @@ void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, 
                               const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale);
 void kvs_cuda_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
                             int k, int n_win);
+void kvs_cuda_snapkv_compact_batch(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_batch *batch);
 
 /* sampling (cuda_sample.cu) */
 void kvs_cuda_process_logits(kvs_backend *b, void *out, int ld_out, const void *logits, int ld, int n_rows, int vocab,

@@ -1,6 +1,6 @@
 /* The paged KV pool on the GPU: the KV write (bf16, or FP8 codes with the
  * layer's scales) and compaction's per-head gather (codes copied as they are,
- * 16-byte pieces where a row allows). */
+ * 16-byte pieces where a row allows; one job or a batch's list). */
 #include "backend/cuda/cuda_internal.h"
 
 /* One thread per (token, kind, head, element): pool slot <- k or v (bf16 as
@@ -41,61 +41,82 @@ void kvs_cuda_kv_write(kvs_backend *b, const kvs_kv_pool *pool, const void *k, c
     KVS_CUDA_LAUNCHED(b, "kvs_kv_write_kernel");
 }
 
-/* Compaction through a staging buffer, in pieces of type T (16 bytes when a
- * row's bytes allow; the pool's entries are esize bytes: codes are copied as
- * they are, any dtype): phase 1 (SCATTER false) copies entry src[h * n + i] of
- * head h of the table blocks into staging[h][i][kind], phase 2 copies
- * staging[h][i][kind] into entry i of the table dst. Reading everything before
- * writing anything keeps it right when sources and destinations overlap (in
- * place: dst == blocks, into the layer's leading blocks). In place, rows whose
- * source is their own entry (src == i: a kept prefix) move in neither phase. */
-template <typename T, bool SCATTER>
-__global__ void kvs_kv_gather_kernel(T *staging, unsigned char *pool, const int32_t *blocks, const int32_t *dst_blocks,
-                                     const int32_t *src_entry, int n, int n_kv_heads, int block_size, int head_dim,
-                                     int esize) {
+#define KVS_GATHER_THREADS 256
+#define KVS_GATHER_PIECES 8 /* pieces a thread holds per round */
+
+/* Compaction's copies, a block per (job, KV head, kind): entry i of the
+ * destination table gets entry src[i] of the job's table, src the head's keep
+ * list (ascending, distinct, src[i] >= i), in pieces of type T (16 bytes when a
+ * row's bytes allow; entries of esize bytes: codes are copied as they are, any
+ * dtype). In place (dst NULL: the job's own table) the block walks the list in
+ * rounds of THREADS x PIECES pieces, every read of a round before any of its
+ * writes: a round writes only the entries it covers, and later rounds read
+ * only sources above them (src[i] >= i, distinct; an entry that is its own
+ * source does not move: a kept prefix stays put), so nothing is overwritten
+ * before it is read, with no staging buffer. Into another table (a compacted
+ * copy of a shared prompt) nothing overlaps. */
+template <typename T>
+__global__ void __launch_bounds__(KVS_GATHER_THREADS)
+    kvs_kv_gather_kernel(unsigned char *pool, kvs_snapkv_job one, const kvs_snapkv_job *jobs, const int32_t *tables,
+                         const int32_t *dst_table, const int32_t *keep, int n_kv_heads, int block_size, int head_dim,
+                         int esize) {
+    const kvs_snapkv_job job = kvs_job(jobs, one, blockIdx.y);
+    const int h = blockIdx.x >> 1, kind = blockIdx.x & 1, n = job.k + job.n_win;
     const int pieces = head_dim * esize / (int)sizeof(T);
-    size_t total = (size_t)n_kv_heads * n * 2 * pieces;
-    for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {
-        int c = (int)(t % pieces);
-        size_t r = t / pieces;
-        int kind = (int)(r & 1), i = (int)((r >> 1) % n), h = (int)((r >> 1) / n);
-        int src = src_entry[(size_t)h * n + i];
-        if (src == i && dst_blocks == blocks) continue;
-        if (SCATTER) {
-            T *dst = (T *)(pool + esize * kvs_kv_offset(dst_blocks[i / block_size], kind, h, i % block_size, n_kv_heads,
-                                                        block_size, head_dim)) + c;
-            *dst = staging[t];
-        } else {
-            staging[t] = ((const T *)(pool + esize * kvs_kv_offset(blocks[src / block_size], kind, h,
-                                                                   src % block_size, n_kv_heads, block_size,
-                                                                   head_dim)))[c];
+    const int32_t *blocks = tables + job.table, *src = keep + job.keep + (size_t)h * n;
+    const int32_t *dst = dst_table ? dst_table : blocks;
+    const size_t total = (size_t)n * pieces;
+    for (size_t round = 0; round < total; round += KVS_GATHER_THREADS * KVS_GATHER_PIECES) {
+        T piece[KVS_GATHER_PIECES];
+#pragma unroll
+        for (int r = 0; r < KVS_GATHER_PIECES; r++) {
+            size_t t = round + (size_t)r * KVS_GATHER_THREADS + threadIdx.x;
+            if (t >= total) continue;
+            int i = (int)(t / pieces), c = (int)(t % pieces), e = src[i];
+            if (e == i && !dst_table) continue;
+            piece[r] = ((const T *)(pool + esize * kvs_kv_offset(blocks[e / block_size], kind, h, e % block_size,
+                                                                 n_kv_heads, block_size, head_dim)))[c];
+        }
+        __syncthreads(); /* the round's reads before its writes */
+#pragma unroll
+        for (int r = 0; r < KVS_GATHER_PIECES; r++) {
+            size_t t = round + (size_t)r * KVS_GATHER_THREADS + threadIdx.x;
+            if (t >= total) continue;
+            int i = (int)(t / pieces), c = (int)(t % pieces);
+            if (src[i] == i && !dst_table) continue;
+            ((T *)(pool + esize * kvs_kv_offset(dst[i / block_size], kind, h, i % block_size, n_kv_heads, block_size,
+                                                head_dim)))[c] = piece[r];
         }
     }
 }
 
 template <typename T>
-static void launch_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, const int32_t *dst,
-                             const int32_t *src_entry, int n, int esize) {
-    size_t total = (size_t)pool->n_kv_heads * n * 2 * (pool->head_dim * esize / sizeof(T));
-    T *staging = (T *)kvs_cuda_scratch(b, total * sizeof(T));
-    if (!staging) return;
-    unsigned g = kvs_cuda_blocks(total, 256);
-    if (g > 65535u) g = 65535u;
-    cudaStream_t s = kvs_cuda_of(b)->stream;
-    unsigned char *data = (unsigned char *)pool->data;
-    kvs_kv_gather_kernel<T, false><<<g, 256, 0, s>>>(staging, data, blocks, dst, src_entry, n, pool->n_kv_heads,
-                                                     pool->block_size, pool->head_dim, esize);
-    KVS_CUDA_LAUNCHED(b, "kvs_kv_gather_kernel (stage)");
-    kvs_kv_gather_kernel<T, true><<<g, 256, 0, s>>>(staging, data, blocks, dst, src_entry, n, pool->n_kv_heads,
-                                                    pool->block_size, pool->head_dim, esize);
-    KVS_CUDA_LAUNCHED(b, "kvs_kv_gather_kernel (scatter)");
+static void launch_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_job &one,
+                             const kvs_snapkv_job *jobs, int n_jobs, const int32_t *tables, const int32_t *dst,
+                             const int32_t *keep, int esize) {
+    for (int j0 = 0; j0 < n_jobs; j0 += KVS_CUDA_MAX_JOBS) {
+        dim3 grid(2 * pool->n_kv_heads, n_jobs - j0 < KVS_CUDA_MAX_JOBS ? n_jobs - j0 : KVS_CUDA_MAX_JOBS);
+        kvs_kv_gather_kernel<T><<<grid, KVS_GATHER_THREADS, 0, kvs_cuda_of(b)->stream>>>(
+            (unsigned char *)pool->data, one, jobs ? jobs + j0 : NULL, tables, dst, keep, pool->n_kv_heads,
+            pool->block_size, pool->head_dim, esize);
+        KVS_CUDA_LAUNCHED(b, "kvs_kv_gather_kernel");
+    }
+}
+
+void kvs_cuda_kv_gather_jobs(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_job &one,
+                             const kvs_snapkv_job *jobs, int n_jobs, const int32_t *tables, const int32_t *dst,
+                             const int32_t *keep) {
+    if (n_jobs <= 0 || pool->n_kv_heads <= 0 || pool->head_dim <= 0) return;
+    int esize = (int)kvs_dtype_size(b->kv_dtype), row = pool->head_dim * esize;
+    if (row % 16 == 0) launch_kv_gather<uint4>(b, pool, one, jobs, n_jobs, tables, dst, keep, esize);
+    else if (row % 2 == 0) launch_kv_gather<uint16_t>(b, pool, one, jobs, n_jobs, tables, dst, keep, esize);
+    else launch_kv_gather<uint8_t>(b, pool, one, jobs, n_jobs, tables, dst, keep, esize);
 }
 
 void kvs_cuda_kv_gather(kvs_backend *b, const kvs_kv_pool *pool, const int32_t *blocks, int n_blocks,
                         const int32_t *dst, const int32_t *src_entry, int n) {
-    if ((size_t)pool->n_kv_heads * n * pool->head_dim == 0) return;
-    int esize = (int)kvs_dtype_size(b->kv_dtype), row = pool->head_dim * esize;
-    if (row % 16 == 0) launch_kv_gather<uint4>(b, pool, blocks, dst, src_entry, n, esize);
-    else if (row % 2 == 0) launch_kv_gather<uint16_t>(b, pool, blocks, dst, src_entry, n, esize);
-    else launch_kv_gather<uint8_t>(b, pool, blocks, dst, src_entry, n, esize);
+    if (n <= 0) return;
+    kvs_snapkv_job one = {};
+    one.k = n; /* one job: its n entries as k, no window */
+    kvs_cuda_kv_gather_jobs(b, pool, one, NULL, 1, blocks, dst == blocks ? NULL : dst, src_entry);
 }

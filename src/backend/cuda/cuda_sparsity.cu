@@ -14,7 +14,12 @@
  * scratch past 12,288 keys) as order-preserving uint32 keys, a 4-pass 8-bit
  * radix select finds the k-th largest value T and how many entries equal to T
  * to take (the lowest indices), then an ordered compaction (ballots + a block
- * scan per 1024 entries) writes the kept indices ascending. */
+ * scan per 1024 entries) writes the kept indices ascending.
+ *
+ * Both kernels and the gather (cuda_kv.cu) run one job (the per-pair ops) or
+ * a batch's list (snapkv_compact_batch: every (sequence, layer) pair due in a
+ * step, one launch per stage): the job index is a grid dimension, and blocks
+ * past a shorter job's keys return at once. */
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_mma.cuh"
 
@@ -79,14 +84,21 @@ __device__ __forceinline__ void kvs_sc_issue_rows(uint32_t q_s, float *lse_s, co
  * (exact), and the K scale of head g joins the softmax scale. */
 template <int D, bool FP8>
 __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
-    kvs_sparsity_scores_mma_kernel(float *scores, const bf16 *win_q, const float *win_lse, int n_win, const bf16 *pool,
-                                   const int32_t *table, int n_keys, int n_heads, int n_kv_heads, int block_size,
-                                   float scale, const float *scales) {
+    kvs_sparsity_scores_mma_kernel(kvs_snapkv_job one, const kvs_snapkv_job *jobs, float *all_scores,
+                                   const int32_t *tables, const bf16 *pool, int n_heads, int n_kv_heads,
+                                   int block_size, float scale) {
     using S = kvs_sc_shape<D>;
     constexpr int MT = S::MT, RB = S::RB, CH = D / 8;
     extern __shared__ __align__(128) unsigned char smem[];
+    const kvs_snapkv_job job = kvs_job(jobs, one, blockIdx.z);
+    const int n_keys = job.n_keys, n_win = job.n_win, key0 = blockIdx.x * S::KEYS;
+    if (key0 >= n_keys) return; /* past a shorter job's keys: the grid covers the batch's longest */
+    float *scores = all_scores + job.scores;
+    const int32_t *table = tables + job.table;
+    const bf16 *win_q = (const bf16 *)job.win_q;
+    const float *win_lse = job.win_lse, *scales = job.scales;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = blockIdx.y, group = n_heads / n_kv_heads, key0 = blockIdx.x * S::KEYS;
+    const int g = blockIdx.y, group = n_heads / n_kv_heads;
     const int n_rows = n_win * group, n_chunks = (n_rows + KVS_SC_ROWS - 1) / KVS_SC_ROWS;
     const uint32_t k_s = kvs_smem_u32(smem), q_s0 = k_s + (uint32_t)S::K_BYTES;
     float *lse_s0 = (float *)(smem + S::K_BYTES + 2 * S::Q_BYTES);
@@ -179,18 +191,36 @@ __global__ void __launch_bounds__(KVS_SC_WARPS * 32)
 }
 
 template <int D>
-static void launch_scores(kvs_backend *b, float *scores, const void *win_q, const float *win_lse, int n_win,
-                          const kvs_kv_pool *pool, const int32_t *table, int n_keys, int n_heads, float scale) {
+static void launch_scores(kvs_backend *b, const kvs_snapkv_job &one, const kvs_snapkv_job *jobs, int n_jobs,
+                          int max_keys, float *scores, const int32_t *tables, const kvs_kv_pool *pool, int n_heads,
+                          float scale) {
     using S = kvs_sc_shape<D>;
     /* every launch, like the attention kernels: the attribute is per device (tensor parallelism) */
     bool fp8 = b->kv_dtype == KVS_F8_E4M3;
     auto kernel = fp8 ? kvs_sparsity_scores_mma_kernel<D, true> : kvs_sparsity_scores_mma_kernel<D, false>;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)S::BYTES));
-    dim3 grid(kvs_cuda_blocks(n_keys, S::KEYS), pool->n_kv_heads);
-    kernel<<<grid, KVS_SC_WARPS * 32, S::BYTES, kvs_cuda_of(b)->stream>>>(
-        scores, (const bf16 *)win_q, win_lse, n_win, (const bf16 *)pool->data, table, n_keys, n_heads,
-        pool->n_kv_heads, pool->block_size, scale, fp8 ? pool->scales : NULL);
-    KVS_CUDA_LAUNCHED(b, "kvs_sparsity_scores_mma_kernel");
+    for (int j0 = 0; j0 < n_jobs; j0 += KVS_CUDA_MAX_JOBS) {
+        dim3 grid(kvs_cuda_blocks(max_keys, S::KEYS), pool->n_kv_heads,
+                  n_jobs - j0 < KVS_CUDA_MAX_JOBS ? n_jobs - j0 : KVS_CUDA_MAX_JOBS);
+        kernel<<<grid, KVS_SC_WARPS * 32, S::BYTES, kvs_cuda_of(b)->stream>>>(
+            one, jobs ? jobs + j0 : NULL, scores, tables, (const bf16 *)pool->data, n_heads, pool->n_kv_heads,
+            pool->block_size, scale);
+        KVS_CUDA_LAUNCHED(b, "kvs_sparsity_scores_mma_kernel");
+    }
+}
+
+static bool scores_head_dim(int d) { return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+
+/* The scores of one job or a batch's (max_keys > 0, head_dim one of scores_head_dim's). */
+static void scores_stage(kvs_backend *b, const kvs_snapkv_job &one, const kvs_snapkv_job *jobs, int n_jobs,
+                         int max_keys, float *scores, const int32_t *tables, const kvs_kv_pool *pool, int n_heads,
+                         float scale) {
+    switch (pool->head_dim) {
+#define KVS_SC_CASE(D) \
+    case D: launch_scores<D>(b, one, jobs, n_jobs, max_keys, scores, tables, pool, n_heads, scale); return;
+        KVS_SC_CASE(32) KVS_SC_CASE(64) KVS_SC_CASE(80) KVS_SC_CASE(96) KVS_SC_CASE(128) KVS_SC_CASE(256)
+#undef KVS_SC_CASE
+    }
 }
 
 __global__ void kvs_zero_f32_kernel(float *x, size_t n) {
@@ -213,17 +243,14 @@ void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, 
         KVS_CUDA_LAUNCHED(b, "kvs_zero_f32_kernel");
         return;
     }
-    switch (pool->head_dim) {
-    case 32: launch_scores<32>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
-    case 64: launch_scores<64>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
-    case 80: launch_scores<80>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
-    case 96: launch_scores<96>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
-    case 128: launch_scores<128>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
-    case 256: launch_scores<256>(b, scores, win_q, win_lse, n_win, pool, table, n_keys, n_heads, scale); return;
-    default:
+    if (!scores_head_dim(pool->head_dim)) {
         kvs_cuda_report(b, "sparsity_scores", "head_dim not supported (32, 64, 80, 96, 128, 256)", __FILE__,
                         __LINE__);
+        return;
     }
+    kvs_snapkv_job one = {};
+    one.win_q = win_q, one.win_lse = win_lse, one.scales = pool->scales, one.n_keys = n_keys, one.n_win = n_win;
+    scores_stage(b, one, NULL, 1, n_keys, scores, table, pool, n_heads, scale);
 }
 
 /* ---- selection: max-pool + radix top-k + ordered compaction ------------------- */
@@ -250,17 +277,22 @@ __device__ __forceinline__ void kvs_sel_warp_exclusive(int *v, int lane) {
     v[lane] = incl - x;
 }
 
+/* scratch: NULL, or the pooled keys of every job in global memory, laid out as
+ * the scores are (the batch's longest job is past shared memory). */
 __global__ void __launch_bounds__(KVS_SEL_THREADS)
-    kvs_snapkv_select_kernel(int32_t *keep, const float *scores, uint32_t *scratch, int n_keys, int pool, int k,
-                             int n_win) {
+    kvs_snapkv_select_kernel(kvs_snapkv_job one, const kvs_snapkv_job *jobs, int32_t *keep, const float *all_scores,
+                             uint32_t *scratch) {
     extern __shared__ uint32_t keys_s[];
     __shared__ int hist[256];
     __shared__ int warp_gt[KVS_SEL_WARPS], warp_eq[KVS_SEL_WARPS];
     __shared__ uint32_t sh_prefix;
     __shared__ int sh_want, sh_base_gt, sh_base_eq;
+    const kvs_snapkv_job job = kvs_job(jobs, one, blockIdx.y);
+    const int n_keys = job.n_keys, pool = job.pool, k = job.k, n_win = job.n_win;
+    const float *scores = all_scores + job.scores;
     const int g = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int take = min(k, n_keys), row = k + n_win;
-    int32_t *out = keep + (size_t)g * row;
+    int32_t *out = keep + job.keep + (size_t)g * row;
     for (int i = tid; i < row - take; i += KVS_SEL_THREADS) out[take + i] = i < n_win ? n_keys + i : -1;
     if (take == n_keys) { /* everything (also n_keys == 0) */
         for (int j = tid; j < n_keys; j += KVS_SEL_THREADS) out[j] = j;
@@ -270,7 +302,7 @@ __global__ void __launch_bounds__(KVS_SEL_THREADS)
 
     /* pooled keys (the CPU's loop and comparison, so NaN-free inputs pool alike) */
     const float *s = scores + (size_t)g * n_keys;
-    uint32_t *v = scratch ? scratch + (size_t)g * n_keys : keys_s;
+    uint32_t *v = scratch ? scratch + job.scores + (size_t)g * n_keys : keys_s;
     const int r = pool / 2;
     for (int j = tid; j < n_keys; j += KVS_SEL_THREADS) {
         int lo = max(j - r, 0), hi = min(j + r, n_keys - 1);
@@ -364,6 +396,26 @@ __global__ void __launch_bounds__(KVS_SEL_THREADS)
     }
 }
 
+/* The selection of one job or a batch's (scores_len: the scores' extent, for
+ * the global scratch). */
+static void select_stage(kvs_backend *b, const kvs_snapkv_job &one, const kvs_snapkv_job *jobs, int n_jobs,
+                         int max_keys, int64_t scores_len, int32_t *keep, const float *scores, int n_kv_heads) {
+    uint32_t *scratch = NULL;
+    size_t smem = 0;
+    if (max_keys > KVS_SEL_SMEM_KEYS) {
+        scratch = (uint32_t *)kvs_cuda_scratch(b, sizeof(uint32_t) * (size_t)scores_len);
+        if (!scratch) return;
+    } else {
+        smem = sizeof(uint32_t) * (size_t)max_keys;
+    }
+    for (int j0 = 0; j0 < n_jobs; j0 += KVS_CUDA_MAX_JOBS) {
+        dim3 grid(n_kv_heads, n_jobs - j0 < KVS_CUDA_MAX_JOBS ? n_jobs - j0 : KVS_CUDA_MAX_JOBS);
+        kvs_snapkv_select_kernel<<<grid, KVS_SEL_THREADS, smem, kvs_cuda_of(b)->stream>>>(
+            one, jobs ? jobs + j0 : NULL, keep, scores, scratch);
+        KVS_CUDA_LAUNCHED(b, "kvs_snapkv_select_kernel");
+    }
+}
+
 void kvs_cuda_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, int n_keys, int n_kv_heads, int pool,
                             int k, int n_win) {
     if (n_keys < 0 || n_kv_heads < 0 || k < 0 || n_win < 0 || pool < 1) {
@@ -371,15 +423,31 @@ void kvs_cuda_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, 
         return;
     }
     if (n_kv_heads == 0 || k + n_win == 0) return;
-    uint32_t *scratch = NULL;
-    size_t smem = 0;
-    if (n_keys > KVS_SEL_SMEM_KEYS) {
-        scratch = (uint32_t *)kvs_cuda_scratch(b, sizeof(uint32_t) * (size_t)n_kv_heads * n_keys);
-        if (!scratch) return;
-    } else {
-        smem = sizeof(uint32_t) * (size_t)n_keys;
+    kvs_snapkv_job one = {};
+    one.n_keys = n_keys, one.n_win = n_win, one.k = k, one.pool = pool;
+    select_stage(b, one, NULL, 1, n_keys, (int64_t)n_kv_heads * n_keys, keep, scores, n_kv_heads);
+}
+
+/* ---- the batch: scores, selection and gather, one launch each ------------------- */
+
+void kvs_cuda_snapkv_compact_batch(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_batch *batch) {
+    if (batch->n_jobs < 0 || batch->max_keys < 0 || batch->n_heads <= 0 || pool->n_kv_heads <= 0 ||
+        batch->n_heads % pool->n_kv_heads) {
+        kvs_cuda_report(b, "snapkv_compact_batch", "bad arguments (negative sizes, or query heads not a multiple of "
+                        "the KV heads)", __FILE__, __LINE__);
+        return;
     }
-    kvs_snapkv_select_kernel<<<n_kv_heads, KVS_SEL_THREADS, smem, kvs_cuda_of(b)->stream>>>(keep, scores, scratch,
-                                                                                            n_keys, pool, k, n_win);
-    KVS_CUDA_LAUNCHED(b, "kvs_snapkv_select_kernel");
+    if (!scores_head_dim(pool->head_dim)) {
+        kvs_cuda_report(b, "snapkv_compact_batch", "head_dim not supported (32, 64, 80, 96, 128, 256)", __FILE__,
+                        __LINE__);
+        return;
+    }
+    if (batch->n_jobs == 0) return;
+    const kvs_snapkv_job none = {};
+    if (batch->max_keys > 0)
+        scores_stage(b, none, batch->jobs, batch->n_jobs, batch->max_keys, batch->scores, batch->tables, pool,
+                     batch->n_heads, batch->scale);
+    select_stage(b, none, batch->jobs, batch->n_jobs, batch->max_keys, batch->scores_len, batch->keep, batch->scores,
+                 pool->n_kv_heads);
+    kvs_cuda_kv_gather_jobs(b, pool, none, batch->jobs, batch->n_jobs, batch->tables, NULL, batch->keep);
 }
