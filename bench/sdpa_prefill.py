@@ -2,7 +2,8 @@
 causal, 32 query heads / 8 KV heads, head_dim 128, bf16. Prints TFLOP/s with the
 same FLOP count (4 * heads * d * causal pairs). Flash backend first (GQA through
 enable_gqa when this torch has it, else K/V repeated to 32 heads), then the
-default dispatch. Usage: python3 bench/sdpa_prefill.py"""
+default dispatch; then the default dispatch at 16384 and 32768 tokens.
+Usage: python3 bench/sdpa_prefill.py"""
 import sys
 
 import torch
@@ -52,4 +53,12 @@ try:
 except ImportError:
     print("sdpa: torch.nn.attention.sdpa_kernel missing")
 run("default dispatch, K/V repeated", lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True))
+# the issue's longer shapes (16k, 32k tokens): the default dispatch (cuDNN) alone, fewer iterations
+for T in (16384, 32768):
+    flops = 4.0 * H * D * (T * (T + 1) / 2)
+    q = torch.randn(1, H, T, D, device=dev, dtype=torch.bfloat16)
+    k_rep = torch.randn(1, H, T, D, device=dev, dtype=torch.bfloat16)
+    v_rep = torch.randn(1, H, T, D, device=dev, dtype=torch.bfloat16)
+    t = bench(lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True), iters=5)
+    print(f"sdpa default dispatch {T} tokens: {t * 1e3:.3f} ms, {flops / t / 1e12:.1f} TFLOP/s")
 sys.stdout.flush()
