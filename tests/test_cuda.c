@@ -940,7 +940,12 @@ Test(cuda, snapkv_select_exact) {
     select_case(&d, 2, 20001, 7, 9000, 32, 1);
     select_case(&d, 8, 3968, 7, 1968, 32, 1);
     select_case(&d, 3, 0, 7, 0, 5, 0);
-    cr_log_info("snapkv_select: %d cases + 4 large, all exact", cases);
+    /* at the shared-memory path's edge: its keys plus the kernel's static arrays
+       within the 48 KiB a block gets without opting in (12,288 keys did not) */
+    select_case(&d, 8, 11776, 7, 1000, 16, 1);
+    select_case(&d, 8, 11777, 7, 1000, 16, 1);
+    select_case(&d, 8, 12100, 7, 1000, 16, 1);
+    cr_log_info("snapkv_select: %d cases + 7 large, all exact", cases);
     duo_close(&d);
 }
 

@@ -11,7 +11,7 @@
  * columns in registers; a quad shuffle finishes each key's sum.
  *
  * Selection: one 1024-thread block per KV head: pool into shared memory (global
- * scratch past 12,288 keys) as order-preserving uint32 keys, a 4-pass 8-bit
+ * scratch past 11,776 keys) as order-preserving uint32 keys, a 4-pass 8-bit
  * radix select finds the k-th largest value T and how many entries equal to T
  * to take (the lowest indices), then an ordered compaction (ballots + a block
  * scan per 1024 entries) writes the kept indices ascending.
@@ -257,7 +257,10 @@ void kvs_cuda_sparsity_scores(kvs_backend *b, float *scores, const void *win_q, 
 
 #define KVS_SEL_THREADS 1024
 #define KVS_SEL_WARPS (KVS_SEL_THREADS / 32)
-#define KVS_SEL_SMEM_KEYS 12288 /* pooled keys kept in shared memory (48 KiB); beyond: global scratch */
+/* pooled keys kept in shared memory (46 KiB: with the kernel's ~1.1 KiB of static
+   arrays within the 48 KiB a block gets without opting in; 12,288 keys did not
+   fit beside them and failed to launch); beyond: global scratch */
+#define KVS_SEL_SMEM_KEYS 11776
 
 /* Order-preserving map of a float to uint32 (larger float, larger key); -0 as +0. */
 __device__ __forceinline__ uint32_t kvs_sel_key(float x) {
