@@ -8,6 +8,7 @@
 #include "backend/backend.h"
 #include "kv/kv.h"
 #include "model/model.h"
+#include "model/model_internal.h"
 #include "testutil.h"
 
 /* Runs ids[0..n) of one sequence as a prefill of `chunk` tokens at a time
@@ -307,6 +308,23 @@ Test(forward, padding_rows_do_nothing) {
     for (int i = 0; i < H * D; i++) cr_expect_eq(win_q[i], q[H * D + i]);
     for (int i = H * D; i < 2 * H * D; i++) cr_expect_eq(win_q[i], 3.0f, "row 1 of the window was written");
     be->destroy(be);
+}
+
+/* The graphs' table strides: at least the blocks asked for, a power of two or
+ * 1.5 times one, at most a third of the stride padding, never smaller for more
+ * blocks (kvs_stride_bucket in buffers.c sizes the tables by the longest). */
+Test(forward, stride_buckets) {
+    int prev = 0;
+    for (int n = 1; n <= 200000; n++) {
+        int b = kvs_stride_bucket(n), p = b;
+        while (p % 2 == 0) p /= 2;
+        cr_assert(b >= n && 3 * (b - n) <= b, "kvs_stride_bucket(%d) = %d", n, b);
+        cr_assert(p == 1 || p == 3, "kvs_stride_bucket(%d) = %d: not 2^k or 3 x 2^k", n, b);
+        cr_assert(b >= prev, "kvs_stride_bucket(%d) = %d < %d", n, b, prev);
+        prev = b;
+    }
+    cr_expect_eq(kvs_stride_bucket(282), 384); /* a 4,500-token table */
+    cr_expect_eq(kvs_stride_bucket(26), 32);   /* a sparse layer's */
 }
 
 /* Decode steps in the graphs' padded layout (dummy rows up to the batch
