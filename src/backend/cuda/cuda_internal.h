@@ -33,22 +33,6 @@ __device__ __forceinline__ float kvs_kv_scale(const float *scales, int kind, int
 __device__ __forceinline__ uint8_t kvs_kv_fp8_code(float x, float s) {
     return (uint8_t)__nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3);
 }
-/* 8 codes (8 bytes) as 8 bf16 (16 bytes), exactly: every E4M3 value is an f16
- * value and a bf16 value (cvt e4m3x2 -> f16x2, then through f32). */
-__device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8(uint2 c) {
-    uint4 out;
-    uint32_t *o = (uint32_t *)&out;
-    const uint32_t w[2] = {c.x, c.y};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)((w[i / 2] >> (16 * (i & 1))) & 0xffffu);
-        __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
-        float2 f = __half22float2(h);
-        __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-        o[i] = *(uint32_t *)&b;
-    }
-    return out;
-}
 /* 8 codes as 8 f16, exactly: one cvt per pair (the FP8 decode kernel's f16 mma path). */
 __device__ __forceinline__ uint4 kvs_fp8x8_to_f16x8(uint2 c) {
     uint4 out;
@@ -58,6 +42,19 @@ __device__ __forceinline__ uint4 kvs_fp8x8_to_f16x8(uint2 c) {
     for (int i = 0; i < 4; i++) {
         __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[i / 2] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
         o[i] = (uint32_t)h.x | ((uint32_t)h.y << 16);
+    }
+    return out;
+}
+/* 8 codes (8 bytes) as 8 bf16 (16 bytes), exactly: every E4M3 value is an f16
+ * value and a bf16 value (the f16 conversion above, then each pair through f32). */
+__device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8(uint2 c) {
+    uint4 out = kvs_fp8x8_to_f16x8(c);
+    uint32_t *o = (uint32_t *)&out;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 f = __half22float2(*(const __half2 *)&o[i]);
+        __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+        o[i] = *(uint32_t *)&b;
     }
     return out;
 }
