@@ -334,14 +334,25 @@ void kvs_kv_compacted_in_place(kvs_kv_cache *kv, seq_state *s, int layer, int n_
     kvs_kv_release_tail(kv, t, kvs_kv_blocks_for(kv, n_keep));
 }
 
-void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes) {
-    if (bytes > kv->scratch_cap[slot]) {
-        size_t cap = bytes > 2 * kv->scratch_cap[slot] ? bytes : 2 * kv->scratch_cap[slot];
-        if (kv->scratch[slot]) kv->be->free(kv->be, kv->scratch[slot]);
-        kv->scratch[slot] = kv->be->alloc(kv->be, cap);
-        kv->scratch_cap[slot] = kv->scratch[slot] ? cap : 0;
+/* *buf at least bytes long (grown to bytes or twice its size, its contents
+ * dropped) through the backend's alloc / release pair; NULL when out of memory. */
+static void *grow(kvs_backend *be, void **buf, size_t *cap, size_t bytes, void *(*alloc)(kvs_backend *, size_t),
+                  void (*release)(kvs_backend *, void *)) {
+    if (bytes > *cap) {
+        size_t want = bytes > 2 * *cap ? bytes : 2 * *cap;
+        if (*buf) release(be, *buf);
+        *buf = alloc(be, want);
+        *cap = *buf ? want : 0;
     }
-    return kv->scratch[slot];
+    return *buf;
+}
+
+void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes) {
+    return grow(kv->be, &kv->scratch[slot], &kv->scratch_cap[slot], bytes, kv->be->alloc, kv->be->free);
+}
+
+void *kvs_kv_staging(kvs_kv_cache *kv, size_t bytes) {
+    return grow(kv->be, &kv->staging, &kv->staging_cap, bytes, kv->be->host_alloc, kv->be->host_free);
 }
 
 int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv) { return kv->n_free + kv->n_evictable; }

@@ -124,5 +124,7 @@ kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, co
 void kvs_kv_compacted_in_place(kvs_kv_cache *kv, seq_state *s, int layer, int n_keep);
 /* Backend scratch buffer `slot` of at least bytes (grown on demand); NULL when out of memory. */
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes);
+/* The pinned host staging (backend host_alloc) of at least bytes, grown the same way. */
+void *kvs_kv_staging(kvs_kv_cache *kv, size_t bytes);
 
 #endif

@@ -166,16 +166,6 @@ static kvs_status batch_add(kvs_kv_cache *kv, const seq_state *s, int layer) {
     return KVS_OK;
 }
 
-/* Pinned host memory for bytes of job list and tables. */
-static void *staging(kvs_kv_cache *kv, size_t bytes) {
-    if (bytes <= kv->staging_cap) return kv->staging;
-    kvs_backend *be = kv->be;
-    if (kv->staging) be->host_free(be, kv->staging);
-    kv->staging_cap = bytes > 2 * kv->staging_cap ? bytes : 2 * kv->staging_cap;
-    if (!(kv->staging = be->host_alloc(be, kv->staging_cap))) kv->staging_cap = 0;
-    return kv->staging;
-}
-
 /* The collected pairs in one snapkv_compact_batch: their job list and tables
  * in one upload from the pinned staging, then their lengths and blocks. */
 static kvs_status run_batch(kvs_kv_cache *kv) {
@@ -195,7 +185,7 @@ static kvs_status run_batch(kvs_kv_cache *kv) {
     }
     kvs_backend *be = kv->be;
     size_t job_bytes = sizeof(kvs_snapkv_job) * n, bytes = job_bytes + sizeof(int32_t) * n_tab;
-    char *host = staging(kv, bytes), *d_lists = kvs_kv_scratch(kv, KVS_KV_SCRATCH_BATCH, bytes);
+    char *host = kvs_kv_staging(kv, bytes), *d_lists = kvs_kv_scratch(kv, KVS_KV_SCRATCH_BATCH, bytes);
     float *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sizeof(float) * (size_t)n_scores);
     int32_t *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, sizeof(int32_t) * (size_t)n_keep);
     if (!host || !d_lists || !d_scores || !d_keep)
