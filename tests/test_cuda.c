@@ -109,6 +109,38 @@ static void expect_close(const char *what, const float *got, const float *ref, s
 
 /* ---- row-wise ops ------------------------------------------------------------ */
 
+/* scatter_i32 (the model's block-table cells): n distinct random cells of a
+ * random table get random values, against the CPU op; the rest untouched. */
+Test(cuda, scatter_i32) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    const int cells = 300007, ns[3] = {1, 1000, 262144};
+    int32_t *table = malloc(sizeof(int32_t) * cells), *pairs = malloc(sizeof(int32_t) * 2 * ns[2]);
+    int32_t *perm = malloc(sizeof(int32_t) * cells), *cpu = malloc(sizeof(int32_t) * cells),
+            *gpu = malloc(sizeof(int32_t) * cells);
+    for (int k = 0; k < 3; k++) {
+        int n = ns[k];
+        for (int i = 0; i < cells; i++) table[i] = (int32_t)(kvs_rng_u64(&d.rng) >> 33), perm[i] = i;
+        for (int i = 0; i < n; i++) { /* n distinct cells: a partial Fisher-Yates shuffle */
+            int j = i + (int)(kvs_rng_u64(&d.rng) % (uint64_t)(cells - i)), t = perm[i];
+            perm[i] = perm[j], perm[j] = t;
+            pairs[2 * i] = perm[i], pairs[2 * i + 1] = (int32_t)(kvs_rng_u64(&d.rng) >> 33);
+        }
+        int32_t *ct = put_i32(d.cpu, table, cells), *gt = put_i32(d.gpu, table, cells);
+        int32_t *cp = put_i32(d.cpu, pairs, 2 * n), *gp = put_i32(d.gpu, pairs, 2 * n);
+        d.cpu->scatter_i32(d.cpu, ct, cp, n);
+        d.gpu->scatter_i32(d.gpu, gt, gp, n);
+        d.cpu->to_host(d.cpu, cpu, ct, sizeof(int32_t) * cells);
+        d.gpu->to_host(d.gpu, gpu, gt, sizeof(int32_t) * cells);
+        int bad = 0;
+        for (int i = 0; i < cells; i++) bad += cpu[i] != gpu[i];
+        cr_expect(bad == 0, "scatter_i32 of %d pairs: %d of %d cells differ from the CPU's", n, bad, cells);
+        d.cpu->free(d.cpu, ct), d.gpu->free(d.gpu, gt), d.cpu->free(d.cpu, cp), d.gpu->free(d.gpu, gp);
+    }
+    free(table), free(pairs), free(perm), free(cpu), free(gpu);
+    duo_close(&d);
+}
+
 Test(cuda, rowwise_ops) {
     duo d;
     OPEN_OR_SKIP(&d);
@@ -595,11 +627,20 @@ static void attention_case_prefill(kvs_cuda_prefill prefill, int n_heads, int n_
         if (q_len[s] > max_q) max_q = q_len[s];
         if (kv_len[s] > max_kv) max_kv = kv_len[s];
     }
-    if (capacity > 1) { /* restride the tables; max_kv_len = capacity x the longest */
+    /* capacity > 1: restride the tables, max_kv_len = capacity x the longest, and
+       sequence s's table in row n_seqs - s (the model's tables kept on the
+       device: rows through table_rows; row 0 holds sequence 0's blocks too,
+       which the kernels must not take for anyone else's) */
+    int32_t *rows = NULL;
+    if (capacity > 1) {
         int stride = p.max_blocks * capacity;
-        int32_t *wide = calloc((size_t)n_seqs * stride, sizeof(int32_t));
-        for (int s = 0; s < n_seqs; s++)
-            memcpy(wide + (size_t)s * stride, p.tables + (size_t)s * p.max_blocks, sizeof(int32_t) * p.max_blocks);
+        int32_t *wide = calloc((size_t)(n_seqs + 1) * stride, sizeof(int32_t));
+        rows = malloc(sizeof(int32_t) * n_seqs);
+        for (int s = 0; s < n_seqs; s++) {
+            rows[s] = n_seqs - s;
+            memcpy(wide + (size_t)rows[s] * stride, p.tables + (size_t)s * p.max_blocks, sizeof(int32_t) * p.max_blocks);
+        }
+        memcpy(wide, p.tables, sizeof(int32_t) * p.max_blocks);
         free(p.tables);
         p.tables = wide, p.max_blocks = stride;
         max_kv *= capacity;
@@ -610,14 +651,15 @@ static void attention_case_prefill(kvs_cuda_prefill prefill, int n_heads, int n_
     void *cq = cpu_put(&d, q, qn), *gq = gpu_put(&d, q, qn);
     void *cqs = put_i32(d.cpu, qs, n_seqs + 1), *gqs = put_i32(d.gpu, qs, n_seqs + 1);
     void *ckl = put_i32(d.cpu, kv_len, n_seqs), *gkl = put_i32(d.gpu, kv_len, n_seqs);
-    size_t tn = (size_t)n_seqs * p.max_blocks;
+    size_t tn = (size_t)(n_seqs + (rows ? 1 : 0)) * p.max_blocks;
     void *ct = put_i32(d.cpu, p.tables, tn), *gt = put_i32(d.gpu, p.tables, tn);
+    void *crows = rows ? put_i32(d.cpu, rows, n_seqs) : NULL, *grows = rows ? put_i32(d.gpu, rows, n_seqs) : NULL;
     void *co = d.cpu->alloc(d.cpu, qn * 4), *go = d.gpu->alloc(d.gpu, qn * 2);
     float *cl = d.cpu->alloc(d.cpu, sizeof(float) * n * n_heads), *gl = d.gpu->alloc(d.gpu, sizeof(float) * n * n_heads);
     int n_decode = 0; /* the leading one-query sequences: a mixed step's decodes, run apart on the GPU */
     while (n_decode < n_seqs && q_len[n_decode] == 1) n_decode++;
-    kvs_attn_batch cab = {n_seqs, n, p.max_blocks, max_q, max_kv, cqs, ckl, ct, attention_window, n_decode};
-    kvs_attn_batch gab = {n_seqs, n, p.max_blocks, max_q, max_kv, gqs, gkl, gt, attention_window, n_decode};
+    kvs_attn_batch cab = {n_seqs, n, p.max_blocks, max_q, max_kv, cqs, ckl, ct, crows, attention_window, n_decode};
+    kvs_attn_batch gab = {n_seqs, n, p.max_blocks, max_q, max_kv, gqs, gkl, gt, grows, attention_window, n_decode};
     float scale = 1.0f / sqrtf((float)D);
     d.cpu->attention(d.cpu, co, cl, cq, &p.cpu, &cab, n_heads, scale);
     d.gpu->attention(d.gpu, go, gl, gq, &p.gpu, &gab, n_heads, scale);
@@ -636,6 +678,8 @@ static void attention_case_prefill(kvs_cuda_prefill prefill, int n_heads, int n_
     free(got), free(got2), free(got_lse), free(q), free(qs);
     void *pc[] = {cq, cqs, ckl, ct, co, cl}, *pg[] = {gq, gqs, gkl, gt, go, gl};
     for (int i = 0; i < 6; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
+    if (rows) d.cpu->free(d.cpu, crows), d.gpu->free(d.gpu, grows);
+    free(rows);
     paged_free(&d, &p);
     duo_close(&d);
 }

@@ -11,6 +11,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "model/model_internal.h" /* kvs_tables_check */
+
 static const char *env_or(const char *name, const char *dflt) {
     const char *v = getenv(name);
     return v && *v ? v : dflt;
@@ -372,6 +374,8 @@ static void scen_forward(rig *r, scen_side *side, const int32_t *tok, const int3
     kvs_batch b = {n, n_active, tok, ps, qs, seqs, want};
     cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out->logits + (size_t)out->n_rows * V), KVS_OK, "%s",
                  kvs_last_error());
+    /* the device-resident block tables the step ran on are the cache's */
+    cr_assert_eq(kvs_tables_check(r->m, &b, r->kv), KVS_OK, "%s", kvs_last_error());
     kv_keep(r->kv, &b);
     side->total = stats_plus(side->total, stats_minus(kvs_model_graph_stats(r->m), before));
     out->n_rows += n_active;

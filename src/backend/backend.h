@@ -37,12 +37,16 @@ typedef struct {
  * K/V were already written at entries kv_len[s] - q_len[s] .. kv_len[s] - 1 of
  * its table; query i of s attends to entries 0 .. kv_len[s] - q_len[s] + i
  * (causal within the chunk). Entry e of s is in block
- * block_tables[s * max_blocks + e / block_size] at offset e % block_size. */
+ * block_tables[r * max_blocks + e / block_size] at offset e % block_size, where
+ * r = table_rows[s] (r = s when table_rows is NULL). max_kv_len bounds kv_len
+ * (it sizes the kernels' grids); a table is read only below
+ * ceil(kv_len[s] / block_size). */
 typedef struct {
     int n_seqs, n_tokens, max_blocks, max_q_len, max_kv_len;
     const int32_t *q_start;      /* [n_seqs + 1] */
     const int32_t *kv_len;       /* [n_seqs] */
-    const int32_t *block_tables; /* [n_seqs * max_blocks] */
+    const int32_t *block_tables; /* [rows * max_blocks] */
+    const int32_t *table_rows;   /* [n_seqs]: each sequence's row of block_tables; NULL: row s */
     /* sliding window (0: none): a query sees its own entry and the window - 1
        entries before it, not those further back (the layer's entries are then
        consecutive positions: kv/kv.h's window layers) */
@@ -52,6 +56,11 @@ typedef struct {
        from the prefill chunks (the CUDA decode kernel); 0: none said */
     int n_decode;
 } kvs_attn_batch;
+
+/* Sequence s's block table (for backends whose memory the host reads). */
+static inline const int32_t *kvs_attn_table(const kvs_attn_batch *ab, int s) {
+    return ab->block_tables + (size_t)(ab->table_rows ? ab->table_rows[s] : s) * ab->max_blocks;
+}
 
 /* One (sequence, layer) pair of snapkv_compact_batch: its SnapKV scores,
  * selection and in-place compaction, exactly as sparsity_scores, snapkv_select
@@ -157,6 +166,8 @@ struct kvs_backend {
                       const int32_t *dst, const int32_t *src_entry, int n);
     /* dst <- src, both backend memory */
     void (*copy)(kvs_backend *b, void *dst, const void *src, size_t bytes);
+    /* dst[pairs[2 i]] = pairs[2 i + 1] for i < n (distinct indices), backend memory */
+    void (*scatter_i32)(kvs_backend *b, int32_t *dst, const int32_t *pairs, int n);
 
     /* sparsity */
     /* Copies rows src_rows[i] of q [*, n_heads * head_dim] and lse [*, n_heads]

@@ -107,6 +107,7 @@ TIMED(swiglu, KVS_PHASE_OTHER, (kvs_backend *b, void *out, const void *gate_up, 
 TIMED(gather_rows, KVS_PHASE_OTHER, (kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim),
       out, in, idx, m, dim)
 TIMED(copy, KVS_PHASE_OTHER, (kvs_backend *b, void *dst, const void *src, size_t bytes), dst, src, bytes)
+TIMED(scatter_i32, KVS_PHASE_OTHER, (kvs_backend *b, int32_t *dst, const int32_t *pairs, int n), dst, pairs, n)
 TIMED(add_rmsnorm, KVS_PHASE_OTHER,
       (kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim, float eps), x, xn, y, w, n, dim,
       eps)
@@ -207,6 +208,7 @@ kvs_status kvs_backend_profile_wrap(kvs_backend *inner, bool owns_inner, kvs_bac
 #define WRAP(op) b->op = inner->op ? timed_##op : NULL
     WRAP(matmul), WRAP(matmul_fp8), WRAP(quantize_fp8), WRAP(attention), WRAP(embedding), WRAP(rmsnorm), WRAP(add);
     WRAP(head_rmsnorm), WRAP(rope), WRAP(kv_write), WRAP(swiglu), WRAP(gather_rows), WRAP(copy), WRAP(add_rmsnorm);
+    WRAP(scatter_i32);
     WRAP(rope_kv_write);
     WRAP(window_capture), WRAP(sparsity_scores), WRAP(snapkv_select), WRAP(kv_gather), WRAP(snapkv_compact_batch);
     WRAP(sample);

@@ -1,5 +1,6 @@
 /* The block pool and the per-(sequence, layer) block tables. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -105,6 +106,7 @@ int kvs_kv_seq_create(kvs_kv_cache *kv) {
         layer_table *layers = calloc((size_t)kv->cfg.n_layers, sizeof(layer_table));
         if (!layers) break;
         kv->seqs[s] = (seq_state){.used = true, .layers = layers, .policy = kvs_kv_policy_default(KVS_POLICY_FULL)};
+        for (int l = 0; l < kv->cfg.n_layers; l++) kvs_kv_touch(kv, &layers[l]);
         return s;
     }
     kvs_fail(KVS_ERR_NOMEM, "kv cache: all %d sequence slots are in use", kv->cfg.max_seqs);
@@ -118,6 +120,7 @@ seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id) {
 
 void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks) {
     /* the last block first: a cached prompt's end is evicted before its start */
+    if (t->n_blocks > keep_blocks) kvs_kv_touch(kv, t);
     while (t->n_blocks > keep_blocks) kvs_kv_drop_block(kv, t->blocks[--t->n_blocks]);
 }
 
@@ -191,6 +194,7 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
             t->blocks = nb;
             t->cap = cap;
         }
+        if (t->n_blocks < want) kvs_kv_touch(kv, t);
         while (t->n_blocks < want) t->blocks[t->n_blocks++] = kvs_kv_take_block(kv);
     }
     return KVS_OK;
@@ -225,6 +229,7 @@ static void slide(kvs_kv_cache *kv, layer_table *t, int window) {
     for (int i = 0; i < drop; i++) kvs_kv_drop_block(kv, t->blocks[i]);
     memmove(t->blocks, t->blocks + drop, sizeof(int32_t) * (size_t)(t->n_blocks - drop));
     t->n_blocks -= drop;
+    kvs_kv_touch(kv, t);
     t->len -= drop * bs;
 }
 
@@ -252,6 +257,16 @@ const int32_t *kvs_kv_blocks(const kvs_kv_cache *kv, int seq_id, int layer, int 
     }
     *n_blocks = s->layers[layer].n_blocks;
     return s->layers[layer].blocks;
+}
+
+uint64_t kvs_kv_new_stamp(void) {
+    static _Atomic uint64_t last;
+    return atomic_fetch_add(&last, 1) + 1;
+}
+
+uint64_t kvs_kv_table_gen(const kvs_kv_cache *kv, int seq_id, int layer) {
+    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
+    return s && layer >= 0 && layer < kv->cfg.n_layers ? s->layers[layer].gen : 0;
 }
 
 int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry) {
@@ -310,6 +325,7 @@ static kvs_status compact_into_own_blocks(kvs_kv_cache *kv, seq_state *s, layer_
     kvs_kv_release_tail(kv, t, 0);
     memcpy(t->blocks, own, sizeof(int32_t) * nb); /* cap >= the old count >= nb */
     t->n_blocks = nb;
+    kvs_kv_touch(kv, t);
     t->len = n_keep;
     free(own);
     return KVS_OK;

@@ -14,6 +14,7 @@ typedef struct {
     int32_t *blocks; /* physical block ids */
     int n_blocks, cap;
     int len;         /* entries held */
+    uint64_t gen;    /* kvs_kv_touch's stamp of the last change of blocks / n_blocks (kvs_kv_table_gen) */
 } layer_table;
 
 typedef struct {
@@ -90,6 +91,16 @@ struct kvs_kv_cache {
     void *staging;
     size_t staging_cap;
 };
+
+/* Every change of a layer table's blocks or n_blocks goes with a touch: a
+ * stamp never given before in the process (any cache, any thread), so a copy
+ * of the table taken at stamp g is current while the table's gen is g (the
+ * model's device-resident block tables, which may outlive a cache). */
+uint64_t kvs_kv_new_stamp(void);
+static inline void kvs_kv_touch(kvs_kv_cache *kv, layer_table *t) {
+    (void)kv;
+    t->gen = kvs_kv_new_stamp();
+}
 
 
 seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id);

@@ -3,7 +3,9 @@
  * step's rows, logits and sampling for max_seqs rows, the metadata of max_seqs
  * sequences of max_len entries in every layer. One walk over the buffers
  * counts them, allocates them and frees them. */
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "model/model_internal.h"
 
@@ -51,7 +53,7 @@ static void on_device(walk *w, void *ptr, size_t bytes) {
 
 static void on_host(walk *w, void *ptr, size_t bytes) {
     void **p = ptr;
-    if (w->mode == ALLOC && !(*p = malloc(bytes))) w->failed = true;
+    if (w->mode == ALLOC && !(*p = calloc(1, bytes ? bytes : 1))) w->failed = true; /* zeros: tables.c's host copy */
     if (w->mode == FREE) free(*p);
 }
 
@@ -86,12 +88,25 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
         on_device(w, &b->xq, n * wide);
         on_device(w, &b->xs, n * sizeof(float));
     }
-    /* the metadata (step_meta.c): ids, positions, q_start, then per layer
-       slots, kv lengths, window-capture rows and block tables */
-    size_t meta = 2 * n + S + 1 + (size_t)c->n_layers * (3 * n + S + S * B);
+    /* the metadata (step_meta.c): ids, positions, q_start, table rows, then per
+       layer slots, kv lengths and window-capture rows */
+    size_t meta = 2 * n + 2 * S + 1 + (size_t)c->n_layers * (3 * n + S);
     on_device(w, &b->meta, meta * sizeof(int32_t));
     on_pinned(w, &b->h_meta, meta * sizeof(int32_t));
     on_host(w, &b->layer_meta, c->n_layers * sizeof(kvs_layer_meta));
+    /* the block tables (tables.c): a row of B blocks per sequence of a step in
+       every layer, their changed cells' pairs (uploaded in rounds when more) */
+    kvs_block_tables *t = &b->tables;
+    size_t cells = (size_t)c->n_layers * S * B;
+    t->n_layers = c->n_layers, t->rows = (int)S, t->blocks = (int)B;
+    t->cap_pairs = (int)(cells < (1u << 20) ? cells : (1u << 20));
+    on_device(w, &t->dev, cells * sizeof(int32_t));
+    on_device(w, &t->pairs, (size_t)t->cap_pairs * 2 * sizeof(int32_t));
+    on_pinned(w, &t->h_pairs, (size_t)t->cap_pairs * 2 * sizeof(int32_t));
+    on_host(w, &t->host, cells * sizeof(int32_t)); /* calloc: pages of zeros until written */
+    on_host(w, &t->gen, (size_t)c->n_layers * S * sizeof(uint64_t));
+    on_host(w, &t->row_seq, S * sizeof(int32_t));
+    on_host(w, &t->row_step, S * sizeof(uint64_t));
     /* the logits of the sequences that want them (at most one per sequence) */
     size_t L = (size_t)l->max_seqs, world = (size_t)sh->world, vp = (size_t)sh->vocab_pad;
     on_device(w, &b->last, L * c->hidden_size * a);
@@ -127,10 +142,33 @@ size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const
     return w.bytes;
 }
 
+/* The device tables as their host copy: zeros. */
+static void zero_tables(kvs_model *m) {
+    kvs_block_tables *t = &m->buf.tables;
+    size_t cells = (size_t)t->n_layers * t->rows * t->blocks, chunk = (size_t)t->cap_pairs * 2;
+    memset(t->h_pairs, 0, sizeof(int32_t) * chunk);
+    for (size_t i = 0; i < cells; i += chunk) {
+        m->be->to_device(m->be, t->dev + i, t->h_pairs, sizeof(int32_t) * (cells - i < chunk ? cells - i : chunk));
+        m->be->synchronize(m->be); /* h_pairs is read by the copy */
+    }
+    t->seq_row = NULL, t->n_seq_row = 0;
+    kvs_tables_reset(t);
+}
+
 kvs_status kvs_step_buffers_create(kvs_model *m) {
+    const kvs_model_limits *l = &m->limits;
+    size_t cells = (size_t)m->cfg.n_layers * padded(l->max_seqs, KVS_GRAPH_BATCHES) *
+                   kvs_stride_bucket((l->max_len + l->block_size - 1) / l->block_size);
+    if (cells > INT32_MAX)
+        return kvs_fail(KVS_ERR_INVALID, "model: the block tables of %d sequences of %d tokens in %d layers are %zu "
+                        "cells, more than 2^31: lower max_num_seqs or max_model_len", l->max_seqs, l->max_len,
+                        m->cfg.n_layers, cells);
     walk w = {ALLOC, m->be, 0, false};
     walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
-    if (!w.failed) return KVS_OK;
+    if (!w.failed) {
+        zero_tables(m);
+        return KVS_OK;
+    }
     return kvs_fail(KVS_ERR_NOMEM, "model: out of memory for the step buffers (%.1f MiB of backend memory for %d "
                     "tokens and %d sequences per step)", w.bytes / 1048576.0, m->limits.max_tokens,
                     m->limits.max_seqs);
@@ -139,6 +177,8 @@ kvs_status kvs_step_buffers_create(kvs_model *m) {
 void kvs_step_buffers_free(kvs_model *m) {
     walk w = {FREE, m->be, 0, false};
     walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
+    free(m->buf.tables.seq_row);
+    m->buf.tables.seq_row = NULL;
     if (m->sample.adjust) m->be->free(m->be, m->sample.adjust);
     m->sample.adjust = NULL;
     m->sample.cap_adjust = 0;

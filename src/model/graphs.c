@@ -54,7 +54,7 @@ static kvs_status check_kv(kvs_model *m, const kvs_kv_cache *kv) {
     return KVS_OK;
 }
 
-/* The slot of the step's batch bucket made for its layer strides (the step
+/* The slot of the step's batch bucket made for its layer lengths (the step
  * buffers' layer_meta, just prepared), or else the unused or least recently
  * used one, emptied for them. NULL when out of host memory. */
 static kvs_graph_slot *find_slot(kvs_model *m, int bucket) {
@@ -66,16 +66,16 @@ static kvs_graph_slot *find_slot(kvs_model *m, int bucket) {
     for (int i = 0; i < KVS_GRAPH_VARIANTS; i++) {
         kvs_graph_slot *s = &row[i];
         int l = 0;
-        while (s->strides && l < L && s->strides[l] == lm[l].max_blocks) l++;
-        if (s->strides && l == L) {
+        while (s->kv_blocks && l < L && s->kv_blocks[l] == lm[l].kv_blocks) l++;
+        if (s->kv_blocks && l == L) {
             s->used = g->clock;
             return s;
         }
-        if (pick->strides && (!s->strides || s->used < pick->used)) pick = s;
+        if (pick->kv_blocks && (!s->kv_blocks || s->used < pick->used)) pick = s;
     }
     if (pick->exec) m->be->graph_destroy(m->be, pick->exec);
-    if (!pick->strides && !(pick->strides = malloc(sizeof(int32_t) * L))) return NULL;
-    for (int l = 0; l < L; l++) pick->strides[l] = lm[l].max_blocks;
+    if (!pick->kv_blocks && !(pick->kv_blocks = malloc(sizeof(int32_t) * L))) return NULL;
+    for (int l = 0; l < L; l++) pick->kv_blocks[l] = lm[l].kv_blocks;
     pick->exec = NULL, pick->seen = 0, pick->failed = false, pick->used = g->clock;
     return pick;
 }
@@ -136,7 +136,7 @@ kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_s
     slot->failed = true;
     g->stats.capture_failures++;
     kvs_log(KVS_LOG_WARN, "forward: no CUDA graph for %d sequences (layer 0's tables of %d blocks; %s); these "
-            "strides stay eager", sh->n_seqs, slot->strides[0], kvs_last_error());
+            "lengths stay eager", sh->n_seqs, slot->kv_blocks[0], kvs_last_error());
     return padded_eager(m, kv, sh); /* nothing of the failed capture ran */
 }
 
@@ -144,8 +144,8 @@ void kvs_graphs_free(kvs_model *m) {
     invalidate(m);
     for (int i = 0; i < KVS_GRAPH_BATCHES; i++)
         for (int j = 0; j < KVS_GRAPH_VARIANTS; j++) {
-            free(m->graphs.slot[i][j].strides);
-            m->graphs.slot[i][j].strides = NULL;
+            free(m->graphs.slot[i][j].kv_blocks);
+            m->graphs.slot[i][j].kv_blocks = NULL;
         }
     free(m->graphs.baked);
     m->graphs.baked = NULL;

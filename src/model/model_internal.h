@@ -23,11 +23,34 @@ typedef struct {
 } kvs_layer_weights;
 
 /* Where one layer's metadata sits in the step's metadata buffer (int32
- * offsets), and what its attention op is told. */
+ * offsets), and what its attention op is told. kv_blocks: the layer's longest
+ * table in the batch (padded steps: its kvs_stride_bucket, which a graph bakes
+ * in through max_kv_len). */
 typedef struct {
-    size_t slots, kv_len, cap_src, cap_dst, tables;
-    int max_blocks, max_kv_len, max_q_len, n_cap;
+    size_t slots, kv_len, cap_src, cap_dst;
+    int kv_blocks, max_kv_len, max_q_len, n_cap;
 } kvs_layer_meta;
+
+/* The block tables of the steps' sequences, kept in backend memory from step
+ * to step (tables.c): [n_layers][rows][blocks], a row per sequence of the
+ * step, kept for it while it keeps coming back. A step uploads only the cells
+ * that changed since the row was last written (the KV module's table stamps
+ * say which tables changed), as (index, value) pairs the scatter_i32 op
+ * writes: a decode step's tables no longer go up whole (the graphs' padded
+ * tables were up to 16.8 MB a step, filled and uploaded while the GPU waited). */
+typedef struct {
+    int32_t *dev;       /* [n_layers][rows][blocks], backend memory */
+    int32_t *host;      /* what dev holds, cell for cell (zeros at first; past a table's end: stale in both) */
+    uint64_t *gen;      /* [n_layers][rows]: the stamp (kvs_kv_table_gen) the row was written at; 0: none */
+    int32_t *row_seq;   /* [rows]: the sequence a row is for; -1: none */
+    uint64_t *row_step; /* [rows]: the step that last used it */
+    int32_t *seq_row;   /* [n_seq_row]: a sequence's row, -1: none (grown on demand) */
+    int n_seq_row;
+    int32_t *h_pairs, *pairs; /* pinned and backend: [cap_pairs][2] (cell index, block id) */
+    int n_pairs, cap_pairs;
+    int n_layers, rows, blocks, next_free;
+    uint64_t step;
+} kvs_block_tables;
 
 /* The step buffers (buffers.c), for the model's limits: rows are max_tokens or
  * the largest padded graph bucket. */
@@ -44,7 +67,8 @@ typedef struct {
        for the step, the others at the layer being run. */
     int32_t *meta, *h_meta;
     kvs_layer_meta *layer_meta; /* [n_layers] */
-    int32_t *ids, *positions, *slots, *q_start, *kv_len, *block_tables, *cap_src, *cap_dst;
+    int32_t *ids, *positions, *slots, *q_start, *table_rows, *kv_len, *cap_src, *cap_dst;
+    kvs_block_tables tables;
     /* tensor parallelism: every rank's logits slices [world][max_seqs][vocab_pad] */
     void *logits_all;
     float *h_logits; /* their host staging (kvs_model_forward) */
@@ -72,18 +96,18 @@ typedef struct {
 } kvs_sample_buffers;
 
 /* CUDA graphs of pure-decode steps (graphs.c): the batch padded to 2^bi
- * sequences (1 .. 256), each layer's block tables to its own stride
- * (kvs_stride_bucket of its longest table in the batch: full layers long,
- * sparse layers short). A graph bakes the strides in, so a batch bucket keeps
- * up to KVS_GRAPH_VARIANTS graphs, one per vector of layer strides (the least
- * recently used one makes room). */
+ * sequences (1 .. 256), each layer's max_kv_len padded to its own bucket of
+ * blocks (kvs_stride_bucket of its longest table in the batch: full layers
+ * long, sparse layers short; it sizes the attention's grid). A graph bakes
+ * those lengths in, so a batch bucket keeps up to KVS_GRAPH_VARIANTS graphs,
+ * one per vector of layer lengths (the least recently used one makes room). */
 #define KVS_GRAPH_BATCHES 9
 #define KVS_GRAPH_VARIANTS 8
 typedef struct {
     void *exec; /* the backend's graph; NULL until captured */
     int seen;   /* steps of this variant so far (0: next one runs eagerly, 1: captures) */
     bool failed; /* capture failed once: this variant stays eager */
-    int32_t *strides; /* [n_layers]: the layer strides it is for; NULL: unused */
+    int32_t *kv_blocks; /* [n_layers]: the layers' bucketed lengths it is for; NULL: unused */
     uint64_t used;    /* the step it last ran (least recently used goes first) */
 } kvs_graph_slot;
 
@@ -124,8 +148,8 @@ kvs_status kvs_step_buffers_create(kvs_model *m);
 void kvs_step_buffers_free(kvs_model *m);
 
 /* step_meta.c: what a step runs on: n_rows token rows and n_seqs sequences,
- * padding included (the graphs' layout: up to the bucket, each layer's tables
- * of its kvs_stride_bucket stride, in buf.layer_meta[l].max_blocks). */
+ * padding included (the graphs' layout: up to the bucket, each layer's
+ * kv_blocks bucketed by kvs_stride_bucket, in buf.layer_meta[l].kv_blocks). */
 typedef struct {
     int n_rows, n_seqs;
     bool padded;
@@ -141,6 +165,16 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
 /* Points the step buffers at layer l's metadata, its attention batch in ab;
  * returns the rows the window captures. */
 int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch *ab);
+
+/* tables.c: the rows of the batch's sequences (rows_out[s], host) with their
+ * tables current in buf.tables.dev: the changed cells uploaded and scattered.
+ * Uses the pinned pair buffer: the device must be done with the last step's
+ * upload (kvs_step_prepare synchronizes first). */
+kvs_status kvs_tables_update(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, int32_t *rows_out);
+void kvs_tables_reset(kvs_block_tables *t); /* no row holds anything (after allocation) */
+/* Every row of the batch against its KV table, in the host copy and read back
+ * from the device: KVS_ERR_INTERNAL naming the first difference (tests). */
+kvs_status kvs_tables_check(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
 
 /* forward.c: the embedding and the layers (all a graph holds); the step up
  * to each rank's logits slice in buf.logits [n_logits][vocab_pad], after

@@ -1,15 +1,16 @@
 /* A step's metadata: the batch checks, the shape it runs on (padded for the
- * graphs or as given), and every layer's slots, lengths, block tables and
- * window-capture rows packed into one buffer and uploaded with one copy.
+ * graphs or as given), and every layer's slots, lengths and window-capture
+ * rows packed into one buffer and uploaded with one copy; the block tables
+ * stay on the device from step to step (tables.c), the sequences' rows in them
+ * go with the metadata.
  *
  * Padded steps (the graphs' layout) append dummy sequences of one token each
- * (id 0, position 0, slot -1, kv_len 0, no window row) up to the batch bucket,
- * and give each layer a table stride of kvs_stride_bucket(its most blocks in
- * the batch) and max_kv_len = stride x block_size, so that every pointer and
- * size a graph bakes in is fixed for the bucket and the vector of layer
- * strides (graphs.c keeps a graph per vector). Eager steps pad each layer's
- * tables to that layer's most blocks in the batch (sparse layers are short,
- * full layers long). */
+ * (id 0, position 0, slot -1, kv_len 0, no window row, table row 0) up to the
+ * batch bucket, and give each layer max_kv_len = kvs_stride_bucket(its most
+ * blocks in the batch) x block_size, so that every pointer and size a graph
+ * bakes in is fixed for the bucket and the vector of those layer lengths
+ * (graphs.c keeps a graph per vector). Eager steps take each layer's longest
+ * table as it is (sparse layers are short, full layers long). */
 #include <string.h>
 
 #include "model/model_internal.h"
@@ -87,20 +88,21 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
     kvs_step_buffers *sb = &m->buf;
     kvs_backend *be = m->be;
     const int L = m->cfg.n_layers, T = sh->n_rows, S = sh->n_seqs, n = b->n_tokens, bs = kvs_kv_get_config(kv)->block_size;
-    size_t off = 0, o_ids = off, o_pos = (off += T), o_qs = (off += T);
-    off += S + 1;
+    size_t off = 0, o_ids = off, o_pos = (off += T), o_qs = (off += T), o_rows = (off += S + 1);
+    off += S;
     for (int l = 0; l < L; l++) {
         kvs_layer_meta *lm = &sb->layer_meta[l];
         int mb = layer_max_blocks(b, kv, l);
-        lm->max_blocks = sh->padded ? kvs_stride_bucket(mb) : mb;
+        lm->kv_blocks = sh->padded ? kvs_stride_bucket(mb) : mb;
         lm->slots = off, off += T;
         lm->kv_len = off, off += S;
         lm->cap_src = off, off += T;
         lm->cap_dst = off, off += T;
-        lm->tables = off, off += (size_t)S * lm->max_blocks;
     }
-    be->synchronize(be); /* the last step's upload may still read h_meta */
+    be->synchronize(be); /* the last step's uploads may still read h_meta and the tables' pairs */
     int32_t *h = sb->h_meta;
+    KVS_TRY(kvs_tables_update(m, b, kv, h + o_rows));
+    for (int s = b->n_seqs; s < S; s++) h[o_rows + s] = 0; /* dummies read no table */
     memcpy(h + o_ids, b->token_ids, sizeof(int32_t) * n);
     memcpy(h + o_pos, b->positions, sizeof(int32_t) * n);
     memcpy(h + o_qs, b->query_start, sizeof(int32_t) * (b->n_seqs + 1));
@@ -109,15 +111,11 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
     for (int l = 0; l < L; l++) {
         kvs_layer_meta *lm = &sb->layer_meta[l];
         int32_t *slots = h + lm->slots, *kv_len = h + lm->kv_len, *cap_src = h + lm->cap_src,
-                *cap_dst = h + lm->cap_dst, *tables = h + lm->tables;
+                *cap_dst = h + lm->cap_dst;
         int max_kv = 0, max_q = 0, n_cap = 0;
         for (int s = 0; s < b->n_seqs; s++) {
             int seq = b->seq_ids[s], q0 = b->query_start[s], q_len = b->query_start[s + 1] - q0;
-            int len = kvs_kv_len(kv, seq, l), nb;
-            const int32_t *blocks = kvs_kv_blocks(kv, seq, l, &nb);
-            int32_t *row = tables + (size_t)s * lm->max_blocks;
-            memcpy(row, blocks, sizeof(int32_t) * nb);
-            memset(row + nb, 0, sizeof(int32_t) * (lm->max_blocks - nb)); /* block 0: never read */
+            int len = kvs_kv_len(kv, seq, l);
             for (int i = 0; i < q_len; i++) {
                 slots[q0 + i] = kvs_kv_slot(kv, seq, l, len + i);
                 int row = kvs_kv_window_row(kv, seq, l, b->positions[q0 + i]);
@@ -135,12 +133,11 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
         }
         for (int i = n; i < T; i++) slots[i] = -1, cap_src[i] = i, cap_dst[i] = -1;
         for (int s = b->n_seqs; s < S; s++) kv_len[s] = 0;
-        memset(tables + (size_t)b->n_seqs * lm->max_blocks, 0, sizeof(int32_t) * (S - b->n_seqs) * lm->max_blocks);
         if (sh->padded) { /* the bucket's fixed sizes; LSE and window capture always (when windows exist) */
             void *win_q;
             float *win_lse;
             kvs_kv_window_buffers(kv, l, &win_q, &win_lse);
-            max_kv = lm->max_blocks * bs;
+            max_kv = lm->kv_blocks * bs;
             max_q = 1;
             n_cap = win_q ? T : 0;
         }
@@ -152,6 +149,7 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
     sb->ids = sb->meta + o_ids;
     sb->positions = sb->meta + o_pos;
     sb->q_start = sb->meta + o_qs;
+    sb->table_rows = sb->meta + o_rows;
     return KVS_OK;
 }
 
@@ -162,8 +160,9 @@ int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch
     sb->kv_len = sb->meta + lm->kv_len;
     sb->cap_src = sb->meta + lm->cap_src;
     sb->cap_dst = sb->meta + lm->cap_dst;
-    sb->block_tables = sb->meta + lm->tables;
-    *ab = (kvs_attn_batch){sh->n_seqs, sh->n_rows, lm->max_blocks, lm->max_q_len, lm->max_kv_len, sb->q_start,
-                           sb->kv_len, sb->block_tables, kvs_config_layer_window(&m->cfg, l), sh->n_decode};
+    const kvs_block_tables *t = &sb->tables;
+    *ab = (kvs_attn_batch){sh->n_seqs, sh->n_rows, t->blocks, lm->max_q_len, lm->max_kv_len, sb->q_start,
+                           sb->kv_len, t->dev + (size_t)l * t->rows * t->blocks, sb->table_rows,
+                           kvs_config_layer_window(&m->cfg, l), sh->n_decode};
     return lm->n_cap;
 }

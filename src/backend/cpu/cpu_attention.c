@@ -116,7 +116,7 @@ static void attend_rows(const kvs_cpu_kernels *kern, const kvs_attn_batch *ab, i
 /* Copies the K and V of (sequence s, KV head g) into contiguous [kv_len][d] buffers. */
 static void gather_head(const kvs_backend *b, const kvs_kv_pool *pool, const kvs_attn_batch *ab, int s, int g, float *k, float *v) {
     int d = pool->head_dim, bs = pool->block_size, n = ab->kv_len[s];
-    const int32_t *table = ab->block_tables + (size_t)s * ab->max_blocks;
+    const int32_t *table = kvs_attn_table(ab, s);
     for (int e0 = 0; e0 < n; e0 += bs) {
         int cnt = block_rows(n, e0, bs);
         kvs_cpu_kv_rows_f32(b, pool, table[e0 / bs], 0, g, 0, cnt, k + (size_t)e0 * d);
@@ -163,7 +163,7 @@ static void run_items(void *arg, int t, int nt) {
             int tok = ab->q_start[w.s] + w.i0, q_len = ab->q_start[w.s + 1] - ab->q_start[w.s];
             int n_keys = ab->kv_len[w.s] - q_len + w.i0 + 1;
             size_t row = (size_t)tok * j->n_heads + (size_t)w.h * j->group;
-            attend_group(j->b, j->k, j->pool, ab->block_tables + (size_t)w.s * ab->max_blocks, n_keys,
+            attend_group(j->b, j->k, j->pool, kvs_attn_table(ab, w.s), n_keys,
                          first_key(n_keys, ab->window), w.h, j->group, j->q + row * j->d, j->scale, S,
                          j->out + row * j->d, j->lse ? j->lse + row : NULL);
         }

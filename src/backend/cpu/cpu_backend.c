@@ -160,6 +160,9 @@ static void cpu_free(kvs_backend *b, void *p) { free(p); }
 static void cpu_copy(kvs_backend *b, void *dst, const void *src, size_t bytes) {
     if (bytes) memcpy(dst, src, bytes);
 }
+static void cpu_scatter_i32(kvs_backend *b, int32_t *dst, const int32_t *pairs, int n) {
+    for (int i = 0; i < n; i++) dst[pairs[2 * i]] = pairs[2 * i + 1];
+}
 /* Weights kept in the backend's weight dtype: the checkpoint's bytes when the
  * dtypes match, else converted (round to nearest even). */
 static void cpu_upload_weight(kvs_backend *b, void *dst, const void *src, kvs_dtype t, size_t n) {
@@ -257,6 +260,7 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->attention = kvs_cpu_attention;
     b->kv_gather = kvs_cpu_kv_gather;
     b->copy = cpu_copy;
+    b->scatter_i32 = cpu_scatter_i32;
     b->window_capture = kvs_cpu_window_capture;
     b->sparsity_scores = kvs_cpu_sparsity_scores;
     b->sample = kvs_cpu_sample;

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(KVS_ATTN_THREADS)
     const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
     const int first = a.window > 0 && n_keys > a.window ? n_keys - a.window : 0; /* the splits cover [first, n_keys) */
     const int k0 = first + split * split_len, k1 = min(n_keys, k0 + split_len);
-    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
+    const int32_t *table = kvs_attn_table(a, seq);
 
     const float qk_scale = a.scale * (FP8 ? kvs_kv_scale(a.scales, 0, g, a.n_kv_heads) : 1.f);
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(WARPS * 32, KVS_FA2_MIN_BLOCKS(WARPS))
     const int q0 = (gridDim.y - 1 - blockIdx.y) * M;
     const int t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, kv_len = a.kv_len[seq];
     if (q0 >= q_len) return;
-    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
+    const int32_t *table = kvs_attn_table(a, seq);
     const int past = kv_len - q_len; /* query i sees keys 0 .. past + i */
     const int last_row = min(q0 + M, q_len) - 1;
     const int n_keys = past + last_row + 1, n_tiles = (n_keys + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
@@ -608,7 +608,7 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
     const int q0 = (gridDim.y - 1 - blockIdx.y) * MH;
     const int t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, kv_len = a.kv_len[seq];
     if (q0 >= q_len) return;
-    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
+    const int32_t *table = kvs_attn_table(a, seq);
     const int past = kv_len - q_len;
     const int last_row = min(q0 + MH, q_len) - 1;
     const int n_keys = past + last_row + 1, n_tiles = (n_keys + KVS_ATTN_TILE - 1) / KVS_ATTN_TILE;
@@ -750,7 +750,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
         }
         return;
     }
-    const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
+    const int32_t *table = kvs_attn_table(a, seq);
     const int n_sub = (k1 - k0 + 15) / 16;
     const int n_mine = n_sub > warp ? (n_sub - warp + KVS_DEC_WARPS - 1) / KVS_DEC_WARPS : 0;
 
@@ -1163,7 +1163,8 @@ static void launch_mixed(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     }
     kvs_attn_args pre = a;
     pre.q_start = a.q_start + nd, pre.kv_len = a.kv_len + nd;
-    pre.block_tables = a.block_tables + (size_t)nd * a.max_blocks;
+    pre.table_rows = a.table_rows ? a.table_rows + nd : NULL;
+    pre.block_tables = a.table_rows ? a.block_tables : a.block_tables + (size_t)nd * a.max_blocks;
     pre.n_seqs = a.n_seqs - nd, pre.n_tokens = a.n_tokens - nd;
     launch_prefill<D>(b, pre, out, lse, ab->max_q_len, ab->max_kv_len, fp8);
 }
@@ -1177,6 +1178,7 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
     a.q_start = ab->q_start;
     a.kv_len = ab->kv_len;
     a.block_tables = ab->block_tables;
+    a.table_rows = ab->table_rows;
     a.n_seqs = ab->n_seqs;
     a.n_tokens = ab->n_tokens;
     a.max_blocks = ab->max_blocks;

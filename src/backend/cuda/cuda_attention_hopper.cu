@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
 
     if (warp == 8) {
         /* ---- producer: tile i into stage i % STAGES ---- */
-        const int32_t *table = a.block_tables + (size_t)seq * a.max_blocks;
+        const int32_t *table = kvs_attn_table(a, seq);
         constexpr int RPI = 32 / CH;  /* rows one warp-wide copy covers */
         constexpr int NG = BN / 16;   /* 16-key groups a tile (one paged block each: block_size % 16 == 0) */
         constexpr int VPG = 16 / RPI; /* copies a lane issues per group, for K (and as many for V) */

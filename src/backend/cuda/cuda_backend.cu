@@ -352,6 +352,7 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->rope = kvs_cuda_rope;
     b->swiglu = kvs_cuda_swiglu;
     b->gather_rows = kvs_cuda_gather_rows;
+    b->scatter_i32 = kvs_cuda_scatter_i32;
     b->kv_write = kvs_cuda_kv_write;
     b->attention = kvs_cuda_attention;
     b->kv_gather = kvs_cuda_kv_gather;

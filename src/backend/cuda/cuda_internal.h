@@ -176,6 +176,7 @@ void kvs_cuda_rope(kvs_backend *b, void *x, const int32_t *positions, const floa
                    int head_dim);
 void kvs_cuda_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int dim);
 void kvs_cuda_gather_rows(kvs_backend *b, void *out, const void *in, const int32_t *idx, int m, int dim);
+void kvs_cuda_scatter_i32(kvs_backend *b, int32_t *dst, const int32_t *pairs, int n);
 void kvs_cuda_add_bias(kvs_backend *b, void *out, const void *bias, int n, int dim);
 void kvs_cuda_f32_to_bf16(kvs_backend *b, void *dst, const float *src, size_t n);
 
@@ -223,11 +224,16 @@ struct kvs_attn_args {
     const bf16 *q;
     const bf16 *pool; /* FP8 pools: the codes' bytes (kvs_attn_pool8) */
     const int32_t *q_start, *kv_len, *block_tables;
+    const int32_t *table_rows; /* sequence s's table: block_tables + table_rows[s] * max_blocks; NULL: row s */
     int n_seqs, n_tokens, max_blocks, n_heads, n_kv_heads, block_size;
     int window; /* sliding window (split kernel only): keys [n_keys - window, n_keys); 0: all */
     float scale;
     const float *scales; /* FP8 pools: the layer's [2][n_kv_heads] (backend.h kvs_kv_pool); NULL: 1 */
 };
+/* Sequence seq's block table (backend.h kvs_attn_batch). */
+__device__ __forceinline__ const int32_t *kvs_attn_table(const kvs_attn_args &a, int seq) {
+    return a.block_tables + (size_t)(a.table_rows ? a.table_rows[seq] : seq) * a.max_blocks;
+}
 /* The Hopper prefill kernel (cuda_attention_hopper.cu, KVS_CUDA_PREFILL_WGMMA).
  * kvs_cuda_wgmma_supported: whether device can run it (compute capability 9.0
  * and this build holds its sm_90a code); NULL message on success, else why not.

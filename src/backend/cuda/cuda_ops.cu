@@ -36,6 +36,18 @@ void kvs_cuda_gather_rows(kvs_backend *b, void *out, const void *in, const int32
     copy_rows(b, out, in, idx, m, dim);
 }
 
+__global__ void kvs_scatter_i32_kernel(int32_t *dst, const int32_t *pairs, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        dst[pairs[2 * i]] = pairs[2 * i + 1];
+}
+
+void kvs_cuda_scatter_i32(kvs_backend *b, int32_t *dst, const int32_t *pairs, int n) {
+    if (n <= 0) return;
+    int grid = (n + 255) / 256;
+    kvs_scatter_i32_kernel<<<grid < 1024 ? grid : 1024, 256, 0, kvs_cuda_of(b)->stream>>>(dst, pairs, n);
+    KVS_CUDA_LAUNCHED(b, "kvs_scatter_i32_kernel");
+}
+
 /* ---- RMSNorm: one block per row; in place is safe (each element is read by the thread that writes it) */
 
 __global__ void kvs_rmsnorm_kernel(bf16 *out, const bf16 *in, const bf16 *w, int dim, float eps) {
