@@ -79,6 +79,107 @@ struct kvs_wg2_smem {
     static constexpr size_t bytes = bar + 4 * STAGES * 8 + 1024;
 };
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* ---- the consumer warpgroups' pieces both kernels share ---------------------------
+ * Block row R: head h0 + R / MH, position q0 + R % MH; warpgroup wg owns rows
+ * 64 wg .. 64 wg + 63; a thread holds rows R0 = 64 wg + 16 (warp % 4) + lane / 4
+ * and R0 + 8 (one head). */
+
+/* The block's work (both kernels): query heads h0 .. h0 + HEADS - 1 of KV group g,
+   positions q0 .. q0 + 128 / HEADS - 1 of sequence seq (position tiles from the last
+   down: the heaviest blocks first), whose chunk starts at token t0 and sees
+   `past` cached entries; the block's rows see keys 0 .. n_keys - 1 (n_tiles tiles
+   of 128). q0 >= q_len: the block has no row. */
+template <int HEADS>
+struct kvs_wg_block {
+    int h0, g, seq, q0, t0, q_len, past, n_keys, n_tiles;
+    __device__ __forceinline__ explicit kvs_wg_block(const kvs_attn_args &a) {
+        constexpr int MH = KVS_WG_BM / HEADS;
+        h0 = blockIdx.x * HEADS, g = h0 / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
+        q0 = (gridDim.y - 1 - blockIdx.y) * MH;
+        t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, past = a.kv_len[seq] - q_len;
+        n_keys = past + min(q0 + MH, q_len);
+        n_tiles = (n_keys + KVS_WG_BN - 1) / KVS_WG_BN;
+    }
+};
+
+/* Warpgroup wg's Q rows (zero past q_len) into q_s by cp.async; waits, publishes
+   them to the async proxy and syncs the warpgroup (named barrier 1 + wg). */
+template <int D, int HEADS>
+__device__ __forceinline__ void kvs_wg_load_q(const kvs_attn_args &a, uint32_t q_s, int wg, int h0, int q0, int t0,
+                                              int q_len) {
+    constexpr int MH = KVS_WG_BM / HEADS, CH = D / 8;
+    for (int p = threadIdx.x % 128; p < 64 * CH; p += 128) {
+        const int R = 64 * wg + p / CH, c = p % CH, pos = q0 + R % MH;
+        const bool ok = pos < q_len;
+        const bf16 *src = ok ? a.q + ((size_t)(t0 + pos) * a.n_heads + h0 + R / MH) * D + c * 8 : a.q;
+        kvs_cp_async16(q_s + kvs_wg_swz(KVS_WG_BM, R, c), src, ok);
+    }
+    kvs_cp_async_commit();
+    kvs_cp_async_wait<0>();
+    kvs_fence_proxy_async();
+    kvs_named_sync(1 + wg, 128);
+}
+
+/* The scaled row maxima (log2 domain) of the thread's rows over S of the tile at
+   key k0 (-inf where a row sees none of it); with `mask`, first sets the scores of
+   keys past each row's last (lim0 for row R0, lim0 + 8 for R0 + 8) to -inf. */
+template <int BN>
+__device__ __forceinline__ void kvs_wg_row_max(float (&s)[BN / 2], int k0, bool mask, int lim0, float scale_log2,
+                                               float &mx0, float &mx1) {
+    const int lane = threadIdx.x % 32;
+    if (mask) {
+        const int col = k0 + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                if (col + 8 * j + (c & 1) > lim0 + 8 * (c >> 1)) s[4 * j + c] = -INFINITY;
+            }
+        }
+    }
+    mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
+}
+
+/* O / l and the LSE of the thread's rows (positions past q_len skipped); l0, l1:
+   the thread's parts of the row sums, m0, m1: the rows' scaled maxima. */
+template <int D, int HEADS>
+__device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, float *lse, const float (&o)[D / 2],
+                                             float l0, float l1, float m0, float m1, int R0, int h0, int q0, int t0,
+                                             int q_len) {
+    constexpr int MH = KVS_WG_BM / HEADS;
+    const int lane = threadIdx.x % 32, head = h0 + R0 / MH, pos0 = q0 + R0 % MH;
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int cq = 2 * (lane & 3);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int pos = pos0 + 8 * hf;
+        if (pos < q_len) {
+            const size_t t = (size_t)t0 + pos;
+            const float lt = hf ? l1 : l0, inv = 1.f / lt;
+            bf16 *orow = out + (t * a.n_heads + head) * D + cq;
+#pragma unroll
+            for (int j = 0; j < D / 8; j++)
+                *(uint32_t *)(orow + 8 * j) = kvs_pack_bf16(o[4 * j + 2 * hf] * inv, o[4 * j + 2 * hf + 1] * inv);
+            if (lse && (lane & 3) == 0) lse[t * a.n_heads + head] = ((hf ? m1 : m0) + __log2f(lt)) * KVS_LN2;
+        }
+    }
+}
+#endif
+
 /* v1 (KVSPARSE_WGMMA_V1=1, until v2 is measured): HEADS query heads of KV group
  * blockIdx.x / ... x 128 / HEADS positions a block (positions from the last tile
  * down: the heaviest blocks first), sequence blockIdx.z. Needs scale > 0 (the row
@@ -98,13 +199,10 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     const uint32_t q_s = base + (uint32_t)L::q, kv_s = base + (uint32_t)L::kv, bar_s = base + (uint32_t)L::bar;
     /* full[st] at bar_s + 8 st, empty[st] at bar_s + 8 (STAGES + st) */
 
-    const int h0 = blockIdx.x * HEADS, g = h0 / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * MH;
-    const int t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, kv_len = a.kv_len[seq];
+    const kvs_wg_block<HEADS> blk(a);
+    const int h0 = blk.h0, g = blk.g, seq = blk.seq, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
     if (q0 >= q_len) return; /* the whole block: before any barrier */
-    const int past = kv_len - q_len; /* query i sees keys 0 .. past + i */
-    const int n_keys = past + min(q0 + MH, q_len); /* keys any row of the block sees */
-    const int n_tiles = (n_keys + BN - 1) / BN;
+    const int past = blk.past, n_keys = blk.n_keys, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
@@ -166,18 +264,8 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     }
 
     /* ---- consumers: warpgroup wg owns block rows 64 wg .. 64 wg + 63 ---- */
-    const int wg = warp / 4, tid = threadIdx.x % 128;
-    /* block row R: head h0 + R / MH, position q0 + R % MH */
-    for (int p = tid; p < 64 * CH; p += 128) {
-        const int R = 64 * wg + p / CH, c = p % CH, pos = q0 + R % MH;
-        const bool ok = pos < q_len;
-        const bf16 *src = ok ? a.q + ((size_t)(t0 + pos) * a.n_heads + h0 + R / MH) * D + c * 8 : a.q;
-        kvs_cp_async16(q_s + kvs_wg_swz(BM, R, c), src, ok);
-    }
-    kvs_cp_async_commit();
-    kvs_cp_async_wait<0>();
-    kvs_fence_proxy_async();
-    kvs_named_sync(1 + wg, 128); /* the warpgroup's Q rows landed */
+    const int wg = warp / 4;
+    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
 
     /* (few values live across the key loop: the kernel sits at the 168 registers 9
        warps allow, 3 warps on one SM sub-partition; the epilogue recomputes its own) */
@@ -225,28 +313,9 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             kvs_wgmma_wait<0>();
             kvs_wg_fence_regs(s);
 
-            /* online softmax (log2 domain; m over scaled scores) */
-            if (k0 + BN - 1 > wg_full_key) { /* tile crosses some row's diagonal: mask */
-                const int col = k0 + 2 * (lane & 3);
-#pragma unroll
-                for (int j = 0; j < BN / 8; j++) {
-#pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        if (col + 8 * j + (c & 1) > lim0 + 8 * (c >> 1)) s[4 * j + c] = -INFINITY;
-                    }
-                }
-            }
-            float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-                mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-            }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
+            /* online softmax (log2 domain; m over scaled scores); mask where the tile crosses some row's diagonal */
+            float mx0, mx1;
+            kvs_wg_row_max<BN>(s, k0, k0 + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
             const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
             const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
             const float alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
@@ -298,25 +367,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     }
 
     if (wg_last_key < 0) return; /* no live row */
-    const int head = h0 + R0 / MH, pos0 = q0 + R0 % MH, pos1 = pos0 + 8;
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const int cq = 2 * (lane & 3);
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int pos = hf ? pos1 : pos0;
-        if (pos < q_len) {
-            const size_t t = (size_t)t0 + pos;
-            const float lt = hf ? l1 : l0, inv = 1.f / lt;
-            bf16 *orow = out + (t * a.n_heads + head) * D + cq;
-#pragma unroll
-            for (int j = 0; j < D / 8; j++)
-                *(uint32_t *)(orow + 8 * j) = kvs_pack_bf16(o[4 * j + 2 * hf] * inv, o[4 * j + 2 * hf + 1] * inv);
-            if (lse && (lane & 3) == 0) lse[t * a.n_heads + head] = ((hf ? m1 : m0) + __log2f(lt)) * KVS_LN2;
-        }
-    }
+    kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
 #else
     __trap(); /* not built for sm_90a: kvs_cuda_wgmma_supported refuses such devices */
 #endif
@@ -393,7 +444,7 @@ __global__ void __launch_bounds__(KVS_WG2_THREADS, 1)
     kvs_attn_wgmma2_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using L = kvs_wg2_smem<D, STAGES>;
-    constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS, CH = D / 8;
+    constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS;
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(STAGES >= 2, "two stages at least");
     extern __shared__ unsigned char kvs_wg_smem_raw[];
@@ -404,13 +455,10 @@ __global__ void __launch_bounds__(KVS_WG2_THREADS, 1)
     const uint32_t bars = base + (uint32_t)L::bar, full_k = bars, full_v = bars + 8 * STAGES;
     const uint32_t empty_k = bars + 16 * STAGES, empty_v = bars + 24 * STAGES;
 
-    const int h0 = blockIdx.x * HEADS, g = h0 / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * MH;
-    const int t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, kv_len = a.kv_len[seq];
+    const kvs_wg_block<HEADS> blk(a);
+    const int h0 = blk.h0, g = blk.g, seq = blk.seq, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
     if (q0 >= q_len) return; /* the whole block: before any barrier */
-    const int past = kv_len - q_len; /* query i sees keys 0 .. past + i */
-    const int n_keys = past + min(q0 + MH, q_len); /* keys any row of the block sees */
-    const int n_tiles = (n_keys + BN - 1) / BN;
+    const int past = blk.past, n_keys = blk.n_keys, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
@@ -428,18 +476,8 @@ __global__ void __launch_bounds__(KVS_WG2_THREADS, 1)
     kvs_setmaxnreg_inc<KVS_WG2_CONSUMER_REGS>();
 
     /* ---- consumers: warpgroup wg owns block rows 64 wg .. 64 wg + 63 ---- */
-    const int wg = warp / 4, tid = threadIdx.x % 128;
-    /* block row R: head h0 + R / MH, position q0 + R % MH */
-    for (int p = tid; p < 64 * CH; p += 128) {
-        const int R = 64 * wg + p / CH, c = p % CH, pos = q0 + R % MH;
-        const bool ok = pos < q_len;
-        const bf16 *src = ok ? a.q + ((size_t)(t0 + pos) * a.n_heads + h0 + R / MH) * D + c * 8 : a.q;
-        kvs_cp_async16(q_s + kvs_wg_swz(BM, R, c), src, ok);
-    }
-    kvs_cp_async_commit();
-    kvs_cp_async_wait<0>();
-    kvs_fence_proxy_async();
-    kvs_named_sync(1 + wg, 128); /* the warpgroup's Q rows landed */
+    const int wg = warp / 4;
+    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
 
     const int R0 = 64 * wg + 16 * (warp % 4) + lane / 4; /* this thread's rows R0 and R0 + 8 (one head) */
     const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
@@ -486,28 +524,8 @@ __global__ void __launch_bounds__(KVS_WG2_THREADS, 1)
        scores): s becomes the probabilities; alpha: O's factors; returns whether a
        row max changed */
     auto softmax = [&](int i, float &alpha0, float &alpha1) -> bool {
-        const int k0 = i * BN;
-        if (k0 + BN - 1 > wg_full_key) { /* tile crosses some row's diagonal: mask */
-            const int col = k0 + 2 * (lane & 3);
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    if (col + 8 * j + (c & 1) > lim0 + 8 * (c >> 1)) s[4 * j + c] = -INFINITY;
-                }
-            }
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-            mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
+        float mx0, mx1; /* mask where the tile crosses some row's diagonal */
+        kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
         const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
         const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
         alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
@@ -597,25 +615,7 @@ __global__ void __launch_bounds__(KVS_WG2_THREADS, 1)
     }
 
     if (wg_last_key < 0) return; /* no live row */
-    const int head = h0 + R0 / MH, pos0 = q0 + R0 % MH, pos1 = pos0 + 8;
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const int cq = 2 * (lane & 3);
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int pos = hf ? pos1 : pos0;
-        if (pos < q_len) {
-            const size_t t = (size_t)t0 + pos;
-            const float lt = hf ? l1 : l0, inv = 1.f / lt;
-            bf16 *orow = out + (t * a.n_heads + head) * D + cq;
-#pragma unroll
-            for (int j = 0; j < D / 8; j++)
-                *(uint32_t *)(orow + 8 * j) = kvs_pack_bf16(o[4 * j + 2 * hf] * inv, o[4 * j + 2 * hf + 1] * inv);
-            if (lse && (lane & 3) == 0) lse[t * a.n_heads + head] = ((hf ? m1 : m0) + __log2f(lt)) * KVS_LN2;
-        }
-    }
+    kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
 #else
     __trap(); /* not built for sm_90a: kvs_cuda_wgmma_supported refuses such devices */
 #endif
