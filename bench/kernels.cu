@@ -10,9 +10,11 @@
  *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s, one line per
  *     prefill kernel (kvs_cuda_options.prefill: SMALL, HEAD, GQA, WGMMA on
  *     compute capability 9.0), the version kept in bench/prefill_versions.cuh
- *     (v0), the default with lse, WGMMA with lse (v0's and WGMMA's outputs,
- *     and WGMMA's lse, checked against the default's); GQA and WGMMA at 16384
- *     and 32768 tokens (one sequence)
+ *     (v0), the default with lse, the WGMMA kernel's variants (v2 with and
+ *     without lse, without ping-pong, without TMA; v1 with and without
+ *     ping-pong: v0's and WGMMA's outputs, and WGMMA's lse, checked against the
+ *     default's); GQA, WGMMA v1 and v2 (with and without ping-pong) at 16384 and
+ *     32768 tokens (one sequence, with lse; v2's output checked against GQA's)
  *     (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
  *   - sampling 256 rows of 128,256 logits on the GPU (greedy, temperature,
  *     top-k + top-p + min-p; with logprobs) against copying them to the host as f32
@@ -324,87 +326,121 @@ int main(int argc, char **argv) {
 
     /* prefill attention: 4096 tokens, causal; every kernel (the default also with
        lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh
-       (-1), its output compared with the default's */
+       (-1), its output compared with the default's; the WGMMA kernel's variants (the
+       backend's wgmma_* fields, docs/CUDA.md "Hopper prefill kernel") */
     attn_ctx pc;
-    enum { N_PRE = 8 };
-    double pre_tf[N_PRE], flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
-    const char *pre_name[N_PRE] = {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)",
-                                   "SMALL (v2) 4 warps x 16 rows",
-                                   "HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip",
-                                   "GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles",
-                                   "default (AUTO: GQA where it fits) + lse",
-                                   "WGMMA (Hopper) producer warp + 2 consumer warpgroups, 4 heads x 32 rows",
-                                   "WGMMA (Hopper) + lse",
-                                   "WGMMA (Hopper), warpgroups taking turns (KVSPARSE_WGMMA_PINGPONG=1)"};
-    const int pre_kernel[N_PRE] = {-1, KVS_CUDA_PREFILL_SMALL, KVS_CUDA_PREFILL_HEAD, KVS_CUDA_PREFILL_GQA,
-                                   KVS_CUDA_PREFILL_AUTO, KVS_CUDA_PREFILL_WGMMA, KVS_CUDA_PREFILL_WGMMA,
-                                   KVS_CUDA_PREFILL_WGMMA};
-    const bool pre_lse[N_PRE] = {false, false, false, false, true, false, true, false};
-    const bool pre_pingpong[N_PRE] = {false, false, false, false, false, false, false, true};
+    struct pre_row {
+        const char *name;
+        int kernel; /* -1: v0 */
+        bool lse, v1;
+        int pingpong; /* kvs_cuda.wgmma_pingpong: -1 the kernel's default */
+        bool no_tma;
+    };
+    const pre_row pre[] = {
+        {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)", -1, false, false, -1, false},
+        {"SMALL (v2) 4 warps x 16 rows", KVS_CUDA_PREFILL_SMALL, false, false, -1, false},
+        {"HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip", KVS_CUDA_PREFILL_HEAD, false, false, -1, false},
+        {"GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles", KVS_CUDA_PREFILL_GQA,
+         false, false, -1, false},
+        {"default (AUTO: GQA where it fits) + lse", KVS_CUDA_PREFILL_AUTO, true, false, -1, false},
+        {"WGMMA v2 (TMA producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap, ping-pong)",
+         KVS_CUDA_PREFILL_WGMMA, false, false, -1, false},
+        {"WGMMA v2 + lse", KVS_CUDA_PREFILL_WGMMA, true, false, -1, false},
+        {"WGMMA v2 + lse, no ping-pong", KVS_CUDA_PREFILL_WGMMA, true, false, 0, false},
+        {"WGMMA v2 + lse, cp.async producer (no TMA, diagnostic)", KVS_CUDA_PREFILL_WGMMA, true, false, -1, true},
+        {"WGMMA v1 (9 warps, cp.async producer warp) + lse", KVS_CUDA_PREFILL_WGMMA, true, true, -1, false},
+        {"WGMMA v1 + lse, warpgroups taking turns", KVS_CUDA_PREFILL_WGMMA, true, true, 1, false},
+    };
+    const int N_PRE = (int)(sizeof pre / sizeof pre[0]);
+    double pre_tf[sizeof pre / sizeof pre[0]] = {0}; /* 0: skipped */
+    const double flops = 4.0 * 32 * 128 * (4096.0 * 4097 / 2);
     /* the Hopper kernel runs only where the backend would take it (compute capability 9.0, sm_90a code) */
     const char *wgmma_why = kvs_cuda_wgmma_supported(device);
+    kvs_cuda *bc = kvs_cuda_of(b);
+    auto wgmma_set = [&](bool v1, int pingpong, bool no_tma) {
+        bc->wgmma_v1 = v1, bc->wgmma_pingpong = pingpong, bc->wgmma_no_tma = no_tma;
+    };
+    /* the largest |difference| of the output (and lse) of the attention just run from
+       the kernel `ref`'s (run on the same inputs; NaN counts as infinite) */
+    auto against = [&](attn_ctx *c, int n, int ref, double *worst_l) -> double {
+        size_t n_out = (size_t)n * 32 * 128, n_l = (size_t)n * 32;
+        float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
+        float *got_l = (float *)malloc(n_l * 4), *want_l = (float *)malloc(n_l * 4);
+        b->to_host_f32(b, got, c->out, n_out);
+        if (c->lse) b->to_host(b, got_l, c->lse, n_l * 4);
+        const int kernel = bc->prefill;
+        bc->prefill = ref;
+        run_attn(b, c);
+        bc->prefill = kernel;
+        b->to_host_f32(b, want, c->out, n_out);
+        if (c->lse) b->to_host(b, want_l, c->lse, n_l * 4);
+        double worst = 0;
+        *worst_l = 0;
+        for (size_t i = 0; i < n_out; i++) worst = fmax(worst, isnan(got[i]) ? INFINITY : fabs((double)got[i] - want[i]));
+        for (size_t i = 0; c->lse && i < n_l; i++)
+            *worst_l = fmax(*worst_l, isnan(got_l[i]) ? INFINITY : fabs((double)got_l[i] - want_l[i]));
+        free(got), free(want), free(got_l), free(want_l);
+        return worst;
+    };
     for (int v = 0; v < N_PRE; v++) {
-        if (pre_kernel[v] == KVS_CUDA_PREFILL_WGMMA && wgmma_why) {
-            printf("prefill attention: %s: skipped (%s)\n", pre_name[v], wgmma_why);
-            pre_tf[v] = 0;
+        const pre_row &r = pre[v];
+        if (r.kernel == KVS_CUDA_PREFILL_WGMMA && wgmma_why) {
+            printf("prefill attention: %s: skipped (%s)\n", r.name, wgmma_why);
             continue;
         }
-        kvs_cuda_of(b)->prefill = pre_kernel[v] < 0 ? KVS_CUDA_PREFILL_AUTO : pre_kernel[v];
-        kvs_cuda_of(b)->wgmma_pingpong = pre_pingpong[v];
-        if (!attn_setup(b, &pc, 1, 4096, 4096, pre_lse[v])) return fprintf(stderr, "out of memory\n"), 1;
-        double t_pre = time_it(b, 20, pre_kernel[v] < 0 ? run_attn_v0 : run_attn, &pc);
-        pre_tf[v] = flops / t_pre / 1e12;
+        bc->prefill = r.kernel < 0 ? KVS_CUDA_PREFILL_AUTO : r.kernel;
+        wgmma_set(r.v1, r.pingpong, r.no_tma);
+        if (!attn_setup(b, &pc, 1, 4096, 4096, r.lse)) return fprintf(stderr, "out of memory\n"), 1;
+        double t_pre = time_it(b, 20, r.kernel < 0 ? run_attn_v0 : run_attn, &pc), tf = flops / t_pre / 1e12;
+        pre_tf[v] = tf;
         printf("prefill attention: 4096 tokens causal, 32/8 heads, d 128, %s: %.3f ms, %.1f TFLOP/s (%.0f%% of gemm)\n",
-               pre_name[v], t_pre * 1e3, pre_tf[v], 100 * pre_tf[v] / gemm_tf);
-        if (pre_kernel[v] < 0 || pre_kernel[v] == KVS_CUDA_PREFILL_WGMMA) {
+               r.name, t_pre * 1e3, tf, 100 * tf / gemm_tf);
+        if (r.kernel < 0 || r.kernel == KVS_CUDA_PREFILL_WGMMA) {
             /* a kernel kept outside the backend, or the one not yet chosen automatically: its output (and lse)
                against the default's */
-            size_t n_out = (size_t)4096 * 32 * 128;
-            float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
-            float *got_l = (float *)malloc(4096 * 32 * 4), *want_l = (float *)malloc(4096 * 32 * 4);
-            b->to_host_f32(b, got, pc.out, n_out);
-            if (pc.lse) b->to_host(b, got_l, pc.lse, 4096 * 32 * 4);
-            kvs_cuda_of(b)->prefill = KVS_CUDA_PREFILL_AUTO;
-            run_attn(b, &pc);
-            b->to_host_f32(b, want, pc.out, n_out);
-            if (pc.lse) b->to_host(b, want_l, pc.lse, 4096 * 32 * 4);
-            double worst = 0, worst_l = 0;
-            for (size_t i = 0; i < n_out; i++) worst = fmax(worst, isnan(got[i]) ? INFINITY : fabs((double)got[i] - want[i]));
-            for (size_t i = 0; pc.lse && i < 4096 * 32; i++)
-                worst_l = fmax(worst_l, isnan(got_l[i]) ? INFINITY : fabs((double)got_l[i] - want_l[i]));
-            printf("prefill attention: %s against the default: max |difference| %.3g (bf16 outputs)", pre_name[v], worst);
+            double worst_l, worst = against(&pc, 4096, KVS_CUDA_PREFILL_AUTO, &worst_l);
+            printf("prefill attention: %s against the default: max |difference| %.3g (bf16 outputs)", r.name, worst);
             if (pc.lse) printf(", lse %.3g", worst_l);
             printf("\n");
-            free(got), free(want), free(got_l), free(want_l);
         }
-        kvs_cuda_of(b)->wgmma_pingpong = 0;
+        wgmma_set(false, -1, false);
         attn_free(b, &pc);
     }
-    /* the issue-15 targets at 16k and 32k tokens (one sequence, causal): GQA and WGMMA, a few runs each */
-    const int long_n[2] = {16384, 32768};
-    const char *long_name[2] = {"GQA (v13)", "WGMMA (Hopper)"};
-    double long_tf[2][2] = {{0, 0}, {0, 0}};
+    /* the issue-15 targets at 16k and 32k tokens (one sequence, causal, with lse): GQA and the WGMMA kernels, a
+       few runs each; WGMMA v2's output and lse against GQA's */
+    struct long_row { const char *name; int kernel; bool v1; int pingpong; };
+    const long_row lr[] = {{"GQA (v13)", KVS_CUDA_PREFILL_GQA, false, -1},
+                           {"WGMMA v1", KVS_CUDA_PREFILL_WGMMA, true, -1},
+                           {"WGMMA v2", KVS_CUDA_PREFILL_WGMMA, false, -1},
+                           {"WGMMA v2, no ping-pong", KVS_CUDA_PREFILL_WGMMA, false, 0}};
+    const int N_LONG = (int)(sizeof lr / sizeof lr[0]), long_n[2] = {16384, 32768};
+    double long_tf[2][sizeof lr / sizeof lr[0]] = {{0}};
     for (int li = 0; li < 2; li++) {
         const int n = long_n[li];
-        const int kinds[2] = {KVS_CUDA_PREFILL_GQA, KVS_CUDA_PREFILL_WGMMA};
-        const char *const *names = long_name;
         double *tf_n = long_tf[li];
-        for (int v = 0; v < 2; v++) {
-            if (kinds[v] == KVS_CUDA_PREFILL_WGMMA && wgmma_why) {
-                printf("prefill attention: %d tokens, %s: skipped (%s)\n", n, names[v], wgmma_why);
+        for (int v = 0; v < N_LONG; v++) {
+            if (lr[v].kernel == KVS_CUDA_PREFILL_WGMMA && wgmma_why) {
+                printf("prefill attention: %d tokens, %s: skipped (%s)\n", n, lr[v].name, wgmma_why);
                 continue;
             }
-            kvs_cuda_of(b)->prefill = kinds[v];
-            if (!attn_setup(b, &pc, 1, n, n, false)) return fprintf(stderr, "out of memory\n"), 1;
+            bc->prefill = lr[v].kernel;
+            wgmma_set(lr[v].v1, lr[v].pingpong, false);
+            if (!attn_setup(b, &pc, 1, n, n, true)) return fprintf(stderr, "out of memory\n"), 1;
             double t = time_it(b, n > 16384 ? 3 : 5, run_attn, &pc);
             tf_n[v] = 4.0 * 32 * 128 * ((double)n * (n + 1) / 2) / t / 1e12;
-            printf("prefill attention: %d tokens causal, 32/8 heads, d 128, %s: %.3f ms, %.1f TFLOP/s\n", n, names[v],
-                   t * 1e3, tf_n[v]);
+            printf("prefill attention: %d tokens causal, 32/8 heads, d 128, + lse, %s: %.3f ms, %.1f TFLOP/s", n,
+                   lr[v].name, t * 1e3, tf_n[v]);
+            if (tf_n[0] > 0 && v > 0) printf(" (%.2fx GQA)", tf_n[v] / tf_n[0]);
+            if (lr[v].kernel == KVS_CUDA_PREFILL_WGMMA && !lr[v].v1 && lr[v].pingpong < 0) {
+                double worst_l, worst = against(&pc, n, KVS_CUDA_PREFILL_GQA, &worst_l);
+                printf("; against GQA: max |difference| %.3g, lse %.3g", worst, worst_l);
+            }
+            printf("\n");
+            wgmma_set(false, -1, false);
             attn_free(b, &pc);
         }
-        if (tf_n[0] > 0 && tf_n[1] > 0) printf("prefill attention: %d tokens: WGMMA %.2fx GQA\n", n, tf_n[1] / tf_n[0]);
     }
-    kvs_cuda_of(b)->prefill = KVS_CUDA_PREFILL_AUTO;
+    bc->prefill = KVS_CUDA_PREFILL_AUTO;
 
     /* SnapKV cost vs the prefill of one layer, 4000-token prompt, Llama-3-8B shape */
     const int P = 4000, W = 32, H = 32, KV = 8, D = 128, KEEP = 2000;
@@ -565,12 +601,15 @@ int main(int argc, char **argv) {
                dec_name[v], dec_graph[v] ? "" : " (default)", dec_bw_v[v],
                t_dec_v[v] * 1e3, copy_bw, 100 * dec_bw_v[v] / copy_bw);
     for (int v = 0; v < N_PRE; v++)
-        printf("| prefill attention 4096 causal, 32/8 x 128, %s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
-               pre_name[v], pre_tf[v], gemm_tf, 100 * pre_tf[v] / gemm_tf);
+        if (pre_tf[v] > 0)
+            printf("| prefill attention 4096 causal, 32/8 x 128, %s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
+                   pre[v].name, pre_tf[v], gemm_tf, 100 * pre_tf[v] / gemm_tf);
     for (int li = 0; li < 2; li++)
-        for (int v = 0; v < 2; v++)
-            printf("| prefill attention %d causal, 32/8 x 128, %s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f TFLOP/s | %.0f%% |\n",
-                   long_n[li], long_name[v], long_tf[li][v], gemm_tf, 100 * long_tf[li][v] / gemm_tf);
+        for (int v = 0; v < N_LONG; v++)
+            if (long_tf[li][v] > 0)
+                printf("| prefill attention %d causal + lse, 32/8 x 128, %s | %.1f TFLOP/s | cuBLASLt bf16 8192^3 %.1f "
+                       "TFLOP/s | %.0f%% |\n",
+                       long_n[li], lr[v].name, long_tf[li][v], gemm_tf, 100 * long_tf[li][v] / gemm_tf);
     printf("| sparsity_scores, 32 x 4000 x 8/32 heads | %.1f us | layer prefill attention %.1f us | %.2f%% |\n",
            t_scores * 1e6, t_layer_attn * 1e6, 100 * t_scores / t_layer_attn);
     const double t_layer_us = t_layer * 1e6;

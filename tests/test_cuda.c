@@ -521,6 +521,11 @@ typedef struct {
 /* entries per paged block of the pools paged_build makes (16 unless a test
  * sets another size for its cases and puts 16 back) */
 static int paged_block_size = 16;
+/* the GPU pool's entries before kv_write: 0 zeros, else this bf16 bit pattern in
+ * every entry (NaN 0x7fc0, Inf 0x7f80; a test sets it and puts 0 back): what no
+ * sequence wrote (the tail of a sequence's last block, unused blocks) must never
+ * reach an output. attention_case_prefill then skips check_pools_equal. */
+static uint16_t paged_poison = 0;
 
 static void paged_build(duo *d, paged *p, int n_seqs, const int *kv_len, int n_kv, int D) {
     memset(p, 0, sizeof *p);
@@ -550,8 +555,12 @@ static void paged_build(duo *d, paged *p, int n_seqs, const int *kv_len, int n_k
     p->cpu = (kvs_kv_pool){d->cpu->alloc(d->cpu, cb), p->n_blocks, bs, n_kv, D};
     p->gpu = (kvs_kv_pool){d->gpu->alloc(d->gpu, gb), p->n_blocks, bs, n_kv, D};
     cr_assert(p->gpu.data, "cuda alloc of the pool");
-    void *zero = calloc(cb, 1); /* zero bytes: 0.0 in every dtype */
+    void *zero = calloc(cb > gb ? cb : gb, 1); /* zero bytes: 0.0 in every dtype */
     d->cpu->to_device(d->cpu, p->cpu.data, zero, cb);
+    if (paged_poison) {
+        cr_assert_eq(gb, elems * 2, "a poisoned pool is bf16");
+        for (size_t i = 0; i < elems; i++) ((uint16_t *)zero)[i] = paged_poison;
+    }
     d->gpu->to_device(d->gpu, p->gpu.data, zero, gb);
     free(zero);
     if (d->gpu->kv_dtype == KVS_F8_E4M3) {
@@ -618,7 +627,7 @@ static void attention_case_prefill(kvs_cuda_prefill prefill, int n_heads, int n_
     OPEN_PREFILL_OR_SKIP(&d, prefill);
     paged p;
     paged_build(&d, &p, n_seqs, kv_len, n_kv, D);
-    check_pools_equal(&d, &p, "kv_write");
+    if (!paged_poison) check_pools_equal(&d, &p, "kv_write");
     int32_t *qs = malloc(sizeof(int32_t) * (n_seqs + 1));
     int max_q = 0, max_kv = 0;
     qs[0] = 0;
@@ -767,20 +776,24 @@ Test(cuda, attention_prefill_variants) {
  * a block for groups 4 and 8, 2 for group 2, 1 for groups 1 and 3), head_dim 64
  * and 128, 4096-token sequences, block sizes 16 and 32, graph-mode tables, and
  * the calls it does not take (FP8 pools, head_dim 32, block size 24) falling
- * back to the automatic choice. Tolerances as the other prefill kernels'. */
+ * back to the automatic choice. Tolerances as the other prefill kernels'.
+ * The tests run v2 (the default); attention_wgmma_v1 runs the same cases through
+ * v1 (KVSPARSE_WGMMA_V1=1), attention_wgmma_no_tma through v2's cp.async
+ * producer (KVSPARSE_WGMMA_TMA=0), attention_wgmma_pingpong both kernels with
+ * the turn-taking of the warpgroups flipped from their default. */
 #define WGMMA KVS_CUDA_PREFILL_WGMMA
 static bool kv8_available(void);
 static const int odd_kv[] = {1, 17, 64, 65, 463, 700, 129, 130, 117, 17};
 static const int odd_q[] = {1, 17, 63, 65, 130, 700, 65, 130, 17, 1};
 #define ODD_N 10
 
-Test(cuda, attention_wgmma_d128_gqa4) {
+static void wgmma_d128_gqa4(void) {
     const int kv[] = {1500, 333}, q[] = {1500, 333};
     attention_case_prefill(WGMMA, 32, 8, 128, ODD_N, odd_kv, odd_q, 1);
     attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 1);
     attention_case_prefill(WGMMA, 32, 8, 128, 2, kv, q, 1);
 }
-Test(cuda, attention_wgmma_d128_groups) {
+static void wgmma_d128_groups(void) {
     attention_case_prefill(WGMMA, 8, 8, 128, ODD_N, odd_kv, odd_q, 1);  /* group 1 */
     attention_case_prefill(WGMMA, 16, 8, 128, ODD_N, odd_kv, odd_q, 1); /* group 2 */
     attention_case_prefill(WGMMA, 32, 4, 128, ODD_N, odd_kv, odd_q, 1); /* group 8 */
@@ -789,21 +802,21 @@ Test(cuda, attention_wgmma_d128_groups) {
     attention_case_prefill(WGMMA, 16, 8, 128, MIX_N, mix_kv, mix_q, 1);
     attention_case_prefill(WGMMA, 32, 4, 128, MIX_N, mix_kv, mix_q, 1);
 }
-Test(cuda, attention_wgmma_d64) {
+static void wgmma_d64(void) {
     attention_case_prefill(WGMMA, 16, 4, 64, ODD_N, odd_kv, odd_q, 1);
     attention_case_prefill(WGMMA, 8, 8, 64, ODD_N, odd_kv, odd_q, 1);
     attention_case_prefill(WGMMA, 8, 4, 64, MIX_N, mix_kv, mix_q, 1);
     attention_case_prefill(WGMMA, 16, 4, 64, MIX_N, mix_kv, mix_q, 1);
 }
 /* 4096 tokens fresh, and a 1000-token chunk after 3096 cached entries */
-Test(cuda, attention_wgmma_long, .timeout = 600) {
+static void wgmma_long(void) {
     const int kv[] = {4096, 4096}, q[] = {4096, 1000};
     attention_case_prefill(WGMMA, 8, 2, 128, 2, kv, q, 1);
     attention_case_prefill(WGMMA, 4, 4, 64, 2, kv, q, 1);
 }
 /* a mixed step (leading decodes through the decode kernel), graph-mode tables
  * (stride 8x), paged blocks of 32 entries (two 16-key groups a block) */
-Test(cuda, attention_wgmma_mixed_capacity_blocks) {
+static void wgmma_mixed_capacity_blocks(void) {
     attention_case_prefill(WGMMA, 32, 8, 128, 9, mixdec_kv, mixdec_q, 1);
     attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 8);
     paged_block_size = 32;
@@ -811,18 +824,83 @@ Test(cuda, attention_wgmma_mixed_capacity_blocks) {
     attention_case_prefill(WGMMA, 16, 4, 64, MIX_N, mix_kv, mix_q, 1);
     paged_block_size = 16;
 }
-/* the warpgroups taking turns (KVSPARSE_WGMMA_PINGPONG=1, read when the backend
- * is created): every block shape (4, 2 and 1 heads a block; a warpgroup past
- * its keys still taking its turns), head_dim 64 and 128, a long sequence */
-Test(cuda, attention_wgmma_pingpong) {
+/* every case above, long ones included when `long_too` */
+static void wgmma_all(bool long_too) {
+    wgmma_d128_gqa4();
+    wgmma_d128_groups();
+    wgmma_d64();
+    wgmma_mixed_capacity_blocks();
+    if (long_too) wgmma_long();
+}
+
+Test(cuda, attention_wgmma_d128_gqa4) { wgmma_d128_gqa4(); }
+Test(cuda, attention_wgmma_d128_groups) { wgmma_d128_groups(); }
+Test(cuda, attention_wgmma_d64) { wgmma_d64(); }
+Test(cuda, attention_wgmma_long, .timeout = 600) { wgmma_long(); }
+Test(cuda, attention_wgmma_mixed_capacity_blocks) { wgmma_mixed_capacity_blocks(); }
+/* the v1 kernel (KVSPARSE_WGMMA_V1=1, read when the backend is created) on every case */
+Test(cuda, attention_wgmma_v1, .timeout = 900) {
+    setenv("KVSPARSE_WGMMA_V1", "1", 1);
+    wgmma_all(true);
+    unsetenv("KVSPARSE_WGMMA_V1");
+}
+/* v2 loading every K/V row by cp.async (KVSPARSE_WGMMA_TMA=0): the consumers without
+   TMA (up to 6 tiles a block: every stage reused; the long cases left to the others) */
+Test(cuda, attention_wgmma_no_tma) {
+    setenv("KVSPARSE_WGMMA_TMA", "0", 1);
+    wgmma_all(false);
+    unsetenv("KVSPARSE_WGMMA_TMA");
+}
+/* the warpgroups' turn-taking (KVSPARSE_WGMMA_PINGPONG) flipped from each kernel's
+ * default: v2 without it, v1 with it; every block shape (4, 2 and 1 heads a block;
+ * a warpgroup past its keys still taking its turns), head_dim 64 and 128, a long
+ * sequence */
+Test(cuda, attention_wgmma_pingpong, .timeout = 600) {
     const int kv[] = {1500, 333}, q[] = {1500, 333};
-    setenv("KVSPARSE_WGMMA_PINGPONG", "1", 1);
-    attention_case_prefill(WGMMA, 32, 8, 128, ODD_N, odd_kv, odd_q, 1);
-    attention_case_prefill(WGMMA, 16, 8, 128, MIX_N, mix_kv, mix_q, 1);
-    attention_case_prefill(WGMMA, 6, 2, 128, ODD_N, odd_kv, odd_q, 1);
-    attention_case_prefill(WGMMA, 16, 4, 64, ODD_N, odd_kv, odd_q, 1);
-    attention_case_prefill(WGMMA, 32, 8, 128, 2, kv, q, 1);
+    for (int v1 = 0; v1 < 2; v1++) {
+        setenv("KVSPARSE_WGMMA_PINGPONG", v1 ? "1" : "0", 1);
+        if (v1) setenv("KVSPARSE_WGMMA_V1", "1", 1);
+        attention_case_prefill(WGMMA, 32, 8, 128, ODD_N, odd_kv, odd_q, 1);
+        attention_case_prefill(WGMMA, 16, 8, 128, MIX_N, mix_kv, mix_q, 1);
+        attention_case_prefill(WGMMA, 6, 2, 128, ODD_N, odd_kv, odd_q, 1);
+        attention_case_prefill(WGMMA, 16, 4, 64, ODD_N, odd_kv, odd_q, 1);
+        attention_case_prefill(WGMMA, 32, 8, 128, 2, kv, q, 1);
+    }
     unsetenv("KVSPARSE_WGMMA_PINGPONG");
+    unsetenv("KVSPARSE_WGMMA_V1");
+}
+/* Pool entries no sequence wrote are NaN (then Inf) on the GPU: the tail of each
+ * sequence's last block past its last key (which TMA would load as it is) and the
+ * unused blocks. Keys ending mid-block (block sizes 16 and 32), a one-query chunk
+ * and a one-key sequence inside the batch, chunks after cached entries, and 1-head
+ * blocks (groups 1 and 3) whose warpgroup 0 has a tile past its keys (kv 190 / q
+ * 130 and kv 260 / q 200: 60 cached entries; the first block's warpgroup 0 sees
+ * keys up to 123 of 188) or whose warpgroup 1 has no row at all (their last
+ * block). No leading one-query sequence: those go to the decode kernel. Every
+ * kernel: v2, v2 without TMA, v1. */
+static const int nan_kv[] = {17, 463, 700, 190, 260, 33, 1, 129, 5, 31};
+static const int nan_q[] = {17, 63, 700, 130, 200, 1, 1, 65, 5, 31};
+#define NAN_N 10
+Test(cuda, attention_wgmma_nan_pool, .timeout = 600) {
+    const char *env[3][2] = {{NULL, NULL}, {"KVSPARSE_WGMMA_TMA", "0"}, {"KVSPARSE_WGMMA_V1", "1"}};
+    for (int k = 0; k < 3; k++) {
+        if (env[k][0]) setenv(env[k][0], env[k][1], 1);
+        paged_poison = 0x7fc0; /* NaN */
+        attention_case_prefill(WGMMA, 32, 8, 128, NAN_N, nan_kv, nan_q, 1); /* 4 heads a block */
+        attention_case_prefill(WGMMA, 16, 8, 128, NAN_N, nan_kv, nan_q, 1); /* 2 */
+        attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);  /* 1 */
+        attention_case_prefill(WGMMA, 6, 2, 128, NAN_N, nan_kv, nan_q, 8);  /* 1, graph-mode tables */
+        attention_case_prefill(WGMMA, 8, 8, 64, NAN_N, nan_kv, nan_q, 1);
+        paged_block_size = 32;
+        attention_case_prefill(WGMMA, 32, 8, 128, NAN_N, nan_kv, nan_q, 1);
+        attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);
+        paged_block_size = 16;
+        paged_poison = 0x7f80; /* +Inf */
+        attention_case_prefill(WGMMA, 32, 8, 128, NAN_N, nan_kv, nan_q, 1);
+        attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);
+        paged_poison = 0;
+        if (env[k][0]) unsetenv(env[k][0]);
+    }
 }
 /* calls the kernel does not take run the automatic choice's kernel */
 Test(cuda, attention_wgmma_falls_back) {

@@ -327,7 +327,7 @@ typedef enum {
     KVS_CUDA_PREFILL_HEAD,  /* 8 warps, 256 query rows of one head a block */
     KVS_CUDA_PREFILL_SMALL, /* 4 warps, 64 rows, Q in registers: the least shared memory */
     /* Hopper (compute capability 9.0 only; kvs_backend_cuda_create refuses it
-       elsewhere): wgmma from a producer warp's cp.async ring, two consumer
+       elsewhere): wgmma fed by a TMA producer warpgroup, two consumer
        warpgroups, 128 rows of one KV group a block; head_dim 64/128 with bf16
        pools and block sizes a multiple of 16, other calls as AUTO. Not the
        automatic choice (yet). */

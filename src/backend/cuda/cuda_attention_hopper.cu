@@ -2,49 +2,47 @@
  * head_dim 64 and 128, bf16 pools). The semantics are cuda_attention.cu's
  * prefill kernels' (backend.h kvs_attn_batch: varlen, chunks after cached
  * entries, causal within the chunk, GQA, LSE as the natural log of the softmax
- * denominator of the scaled scores).
+ * denominator of the scaled scores). docs/CUDA.md "Hopper prefill kernel (wgmma)"
+ * has the design and the measurements.
  *
- * Structure (FlashAttention-3's, with cp.async instead of TMA for the paged rows):
- *  - A block owns 128 query rows of one KV group: HEADS query heads of the group
- *    (4 when the group is a multiple of 4, else 2, else 1) x 128 / HEADS
- *    positions, so each K/V tile in shared memory feeds 128 rows. 9 warps:
- *    two consumer warpgroups (warps 0-3 and 4-7, 64 rows each) and one producer
- *    warp (warp 8). No setmaxnreg: 168 registers a thread (one SM sub-partition
- *    holds 3 of the 9 warps), which the consumers' 64 S + 64 O accumulators fit
- *    without spills (ptxas: 166).
- *  - The producer streams 128-key K and V tiles (8 paged blocks of 16 entries;
- *    rows past the block's last key zero-filled) through a STAGES-deep ring with
- *    16-byte cp.async, writing the 128-byte-swizzled layout wgmma reads. Per
- *    tile, each producer lane waits for its own copies (cp.async.wait_group),
- *    fences them to the async proxy (fence.proxy.async) and arrives on the
- *    stage's `full` mbarrier (32 arrivals); consumers release a stage through its
- *    `empty` mbarrier (one arrival per consumer warp, 8).
- *  - Each consumer warpgroup: S = Q K^T with wgmma m64n128k16 (Q and K from shared
- *    memory, K-major, 128-byte swizzle), online softmax in registers (row max
- *    over raw scores, one FFMA + ex2 a probability, O rescale skipped by warp vote
- *    when no row max changed), then O += P V with wgmma m64nDk16, P straight
- *    from the S accumulators packed to bf16 (the f32 accumulator layout of a
- *    16-column slice is the A-fragment layout), V from shared memory as the
- *    N-major (transposed) B operand. The two warpgroups run unsynchronized, so
- *    one's softmax overlaps the other's GEMMs where the scheduler allows; with
- *    KVSPARSE_WGMMA_PINGPONG=1 they take turns issuing (named barriers), which
- *    forces that overlap but spills ~190 bytes at head_dim 128 (not the default
- *    until measured).
+ * A block owns 128 query rows of one KV group: HEADS query heads of the group (4
+ * when the group is a multiple of 4, else 2, else 1) x 128 / HEADS positions, so
+ * each K/V tile in shared memory feeds 128 rows; two consumer warpgroups of 64 rows
+ * (warps 0-3, 4-7). Per 128-key tile each consumer warpgroup computes S = Q K^T
+ * with wgmma m64n128k16 (Q and K from shared memory, K-major, 128-byte swizzle),
+ * the online softmax in registers (row max over raw scores, one FFMA + ex2 a
+ * probability, O rescale skipped by warp vote when no row max changed), and
+ * O += P V with wgmma m64nDk16, P straight from the S accumulators packed to bf16
+ * (the f32 accumulator layout of a 16-column slice is the A-fragment layout), V
+ * from shared memory as the N-major (transposed) B operand.
  *
- * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 =
- * 128 bytes of each row): Q [D/64 column blocks][128 rows][128 B], then STAGES x
- * (K [D/64][128 keys][128 B], V [D/64][128 keys][128 B]), then the mbarriers.
- * 16-byte chunk c (0..7) of row r of a column block is stored at chunk
- * c ^ (r % 8) of that row: the 128-byte swizzle (Swizzle<3,4,3> on byte
- * addresses), which the hardware applies to address bits [4,7) ^ [7,10).
- * Descriptors: K-major (Q, K) start + 32 bytes per k16 step inside a column
- * block, LBO 16 (unused), SBO 1024 (8-row groups); N-major (V) start + 2048
- * bytes per 16 keys, LBO = 128 keys x 128 B (the next 64 head_dim columns), SBO
- * 1024 (the next 8 keys). */
+ * v2 (kvs_attn_wgmma2_kernel, the default): FlashAttention-3's structure. 12 warps:
+ * a producer warpgroup (warps 8-11, setmaxnreg down to 40 registers; warp 8 loads)
+ * and the two consumer warpgroups (setmaxnreg up to 232). The producer fills a K
+ * ring and a V ring (STAGES tiles each) by TMA, a 16-row x 64-column box per paged
+ * block (16 keys) and column block; the rows of the last tile at or past the
+ * block's last key go by cp.async with zero fill instead, so that stale or NaN
+ * pool rows never reach the tensor cores. Consumers overlap within the warpgroup:
+ * S of tile i and P V of tile i - 1 are issued together, the softmax of i runs
+ * while P V of i - 1 does; and across warpgroups (ping-pong, named barriers) they
+ * take turns issuing. v1 (kvs_attn_wgmma_kernel, KVSPARSE_WGMMA_V1=1, kept until
+ * v2 is measured): 9 warps, one cp.async producer warp, one K/V ring, S, wait,
+ * softmax, P V, wait in lockstep.
+ *
+ * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 = 128
+ * bytes of each row): Q [D/64 column blocks][128 rows][128 B], then the K/V tiles
+ * [D/64][128 keys][128 B], then the mbarriers; layout and descriptors in
+ * cuda_wgmma.cuh (kvs_wg_swz, kvs_wg_desc). Descriptors: K-major (Q, K) start + 32
+ * bytes per k16 step inside a column block, LBO 16 (unused), SBO 1024 (8-row
+ * groups); N-major (V) start + 2048 bytes per 16 keys, LBO = 128 keys x 128 B (the
+ * next 64 head_dim columns), SBO 1024 (the next 8 keys). */
+#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled */
 #include <math.h>
+#include <string.h>
 
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_mma.cuh"
+#include "backend/cuda/cuda_wgmma.cuh"
 
 /* 1 in the sm_90a code of this file, 0 in any other: read by the host to tell
  * whether the device runs the wgmma kernel (a build for other architectures
@@ -56,195 +54,136 @@ __device__ int kvs_wgmma_built =
     0;
 #endif
 
-#define KVS_WG_BM 128     /* query rows a block (two consumer warpgroups of 64) */
-#define KVS_WG_BN 128     /* keys a K/V tile */
-#define KVS_WG_THREADS 288 /* 8 consumer warps + the producer warp */
+#define KVS_WG_BM 128      /* query rows a block (two consumer warpgroups of 64) */
+#define KVS_WG_BN 128      /* keys a K/V tile */
+#define KVS_WG_THREADS 288 /* v1: 8 consumer warps + the producer warp */
+#define KVS_WG2_THREADS 384 /* v2: 2 consumer warpgroups + the producer warpgroup */
+/* v2's registers a thread after setmaxnreg: producer + 2 consumers = 3 x 168, the
+   count ptxas compiles 384 threads at (ptxas: the producer spills at 24, the
+   consumers need 192 at head_dim 128) */
+#define KVS_WG2_PRODUCER_REGS 40
+#define KVS_WG2_CONSUMER_REGS 232
 
+/* v1: Q, then STAGES x (K tile, V tile), then full[STAGES], empty[STAGES] */
 template <int D, int STAGES>
 struct kvs_wg_smem {
     static constexpr size_t TILE = (size_t)KVS_WG_BN * D * 2; /* one K (or V) tile */
     static constexpr size_t q = 0, kv = (size_t)KVS_WG_BM * D * 2, bar = kv + (size_t)STAGES * 2 * TILE;
     static constexpr size_t bytes = bar + 2 * STAGES * 8 + 1024; /* + slack to align the base to 1024 */
 };
+/* v2: Q, the K ring, the V ring, then K full, V full, K empty, V empty (STAGES each) */
+template <int D, int STAGES>
+struct kvs_wg2_smem {
+    static constexpr size_t TILE = (size_t)KVS_WG_BN * D * 2;
+    static constexpr size_t q = 0, k = (size_t)KVS_WG_BM * D * 2, v = k + STAGES * TILE, bar = v + STAGES * TILE;
+    static constexpr size_t bytes = bar + 4 * STAGES * 8 + 1024;
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* ---- the consumer warpgroups' pieces both kernels share ---------------------------
+ * Block row R: head h0 + R / MH, position q0 + R % MH; warpgroup wg owns rows
+ * 64 wg .. 64 wg + 63; a thread holds rows R0 = 64 wg + 16 (warp % 4) + lane / 4
+ * and R0 + 8 (one head). */
 
-/* Byte offset of 16-byte chunk c (0 .. D/8 - 1) of row r in a swizzled tile of `rows` rows. */
-__device__ __forceinline__ uint32_t kvs_wg_swz(int rows, int r, int c) {
-    return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+/* The block's work (both kernels): query heads h0 .. h0 + HEADS - 1 of KV group g,
+   positions q0 .. q0 + 128 / HEADS - 1 of sequence seq (position tiles from the last
+   down: the heaviest blocks first), whose chunk starts at token t0 and sees
+   `past` cached entries; the block's rows see keys 0 .. n_keys - 1 (n_tiles tiles
+   of 128). q0 >= q_len: the block has no row. */
+template <int HEADS>
+struct kvs_wg_block {
+    int h0, g, seq, q0, t0, q_len, past, n_keys, n_tiles;
+    __device__ __forceinline__ explicit kvs_wg_block(const kvs_attn_args &a) {
+        constexpr int MH = KVS_WG_BM / HEADS;
+        h0 = blockIdx.x * HEADS, g = h0 / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
+        q0 = (gridDim.y - 1 - blockIdx.y) * MH;
+        t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, past = a.kv_len[seq] - q_len;
+        n_keys = past + min(q0 + MH, q_len);
+        n_tiles = (n_keys + KVS_WG_BN - 1) / KVS_WG_BN;
+    }
+};
+
+/* Warpgroup wg's Q rows (zero past q_len) into q_s by cp.async; waits, publishes
+   them to the async proxy and syncs the warpgroup (named barrier 1 + wg). */
+template <int D, int HEADS>
+__device__ __forceinline__ void kvs_wg_load_q(const kvs_attn_args &a, uint32_t q_s, int wg, int h0, int q0, int t0,
+                                              int q_len) {
+    constexpr int MH = KVS_WG_BM / HEADS, CH = D / 8;
+    for (int p = threadIdx.x % 128; p < 64 * CH; p += 128) {
+        const int R = 64 * wg + p / CH, c = p % CH, pos = q0 + R % MH;
+        const bool ok = pos < q_len;
+        const bf16 *src = ok ? a.q + ((size_t)(t0 + pos) * a.n_heads + h0 + R / MH) * D + c * 8 : a.q;
+        kvs_cp_async16(q_s + kvs_wg_swz(KVS_WG_BM, R, c), src, ok);
+    }
+    kvs_cp_async_commit();
+    kvs_cp_async_wait<0>();
+    kvs_fence_proxy_async();
+    kvs_named_sync(1 + wg, 128);
 }
 
-/* wgmma shared-memory matrix descriptor, 128-byte swizzle, SBO 1024. */
-__device__ __forceinline__ uint64_t kvs_wg_desc(uint32_t addr, uint32_t lbo) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
-           ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void kvs_mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-/* arrive (release, CTA scope); returns the barrier state, which the callers ignore */
-__device__ __forceinline__ uint64_t kvs_mbar_arrive(uint32_t bar) {
-    uint64_t state;
-    asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];\n" : "=l"(state) : "r"(bar) : "memory");
-    return state;
-}
-/* waits (acquire, CTA scope) until the phase of the given parity has completed */
-__device__ __forceinline__ void kvs_mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-/* generic-proxy writes to shared memory (cp.async, st.shared) -> visible to the async proxy (wgmma) */
-__device__ __forceinline__ void kvs_fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void kvs_named_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void kvs_named_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-/* the warpgroups' turns (no memory is handed over: no memory clobber, ordered
-   against the wgmma asm's as volatile asm's are) */
-__device__ __forceinline__ void kvs_turn_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id)); }
-__device__ __forceinline__ void kvs_turn_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id)); }
-__device__ __forceinline__ void kvs_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void kvs_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void kvs_wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-/* keeps the compiler from moving accesses of wgmma accumulators across the wait */
-template <int N>
-__device__ __forceinline__ void kvs_wg_fence_regs(float (&r)[N]) {
+/* The scaled row maxima (log2 domain) of the thread's rows over S of the tile at
+   key k0 (-inf where a row sees none of it); with `mask`, first sets the scores of
+   keys past each row's last (lim0 for row R0, lim0 + 8 for R0 + 8) to -inf. */
+template <int BN>
+__device__ __forceinline__ void kvs_wg_row_max(float (&s)[BN / 2], int k0, bool mask, int lim0, float scale_log2,
+                                               float &mx0, float &mx1) {
+    const int lane = threadIdx.x % 32;
+    if (mask) {
+        const int col = k0 + 2 * (lane & 3);
 #pragma unroll
-    for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i])::"memory");
+        for (int j = 0; j < BN / 8; j++) {
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                if (col + 8 * j + (c & 1) > lim0 + 8 * (c >> 1)) s[4 * j + c] = -INFINITY;
+            }
+        }
+    }
+    mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
 }
 
-/* ---- wgmma m64nNk16, bf16 x bf16 -> f32 (N = 64, 128) ----------------------------
- * ss: A and B from shared memory (descriptors, both K-major); _zero: D = A B,
- * otherwise D += A B. rs: A from registers (4 x bf16x2, the m16n8k16 A-fragment
- * layout per warp, rows 16 x warp), B from shared memory N-major (imm-trans-b 1);
- * D += A B. Accumulator d[4 j + 2 h + c]: row 16 x warp + lane / 4 + 8 h, column
- * 8 j + 2 (lane % 4) + c. */
-__device__ __forceinline__ void kvs_wgmma_ss_n64_zero(float (&d)[32], uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, "
-                 "%8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, "
-                 "%24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-                   "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
-                   "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
-                   "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
-                 : "l"(a), "l"(b), "r"(0));
+/* O / l and the LSE of the thread's rows (positions past q_len skipped); l0, l1:
+   the thread's parts of the row sums, m0, m1: the rows' scaled maxima. */
+template <int D, int HEADS>
+__device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, float *lse, const float (&o)[D / 2],
+                                             float l0, float l1, float m0, float m1, int R0, int h0, int q0, int t0,
+                                             int q_len) {
+    constexpr int MH = KVS_WG_BM / HEADS;
+    const int lane = threadIdx.x % 32, head = h0 + R0 / MH, pos0 = q0 + R0 % MH;
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const int cq = 2 * (lane & 3);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int pos = pos0 + 8 * hf;
+        if (pos < q_len) {
+            const size_t t = (size_t)t0 + pos;
+            const float lt = hf ? l1 : l0, inv = 1.f / lt;
+            bf16 *orow = out + (t * a.n_heads + head) * D + cq;
+#pragma unroll
+            for (int j = 0; j < D / 8; j++)
+                *(uint32_t *)(orow + 8 * j) = kvs_pack_bf16(o[4 * j + 2 * hf] * inv, o[4 * j + 2 * hf + 1] * inv);
+            if (lse && (lane & 3) == 0) lse[t * a.n_heads + head] = ((hf ? m1 : m0) + __log2f(lt)) * KVS_LN2;
+        }
+    }
 }
-__device__ __forceinline__ void kvs_wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, "
-                 "%8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, "
-                 "%24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(a), "l"(b), "r"(1));
-}
-__device__ __forceinline__ void kvs_wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, "
-                 "%8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, "
-                 "%24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
-__device__ __forceinline__ void kvs_wgmma_ss_n128_zero(float (&d)[64], uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, "
-                 "%8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, "
-                 "%24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, "
-                 "%40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, "
-                 "%56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-                   "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
-                   "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
-                   "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
-                   "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
-                   "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
-                   "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
-                   "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
-                 : "l"(a), "l"(b), "r"(0));
-}
-__device__ __forceinline__ void kvs_wgmma_ss_n128(float (&d)[64], uint64_t a, uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, "
-                 "%8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, "
-                 "%24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, "
-                 "%40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, "
-                 "%56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(a), "l"(b), "r"(1));
-}
-__device__ __forceinline__ void kvs_wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, "
-                 "%8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, "
-                 "%24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, "
-                 "%40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, "
-                 "%56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
-#endif /* __CUDA_ARCH_FEAT_SM90_ALL */
+#endif
 
-/* HEADS query heads of KV group blockIdx.x / ... x 128 / HEADS positions a block
- * (positions from the last tile down: the heaviest blocks first), sequence blockIdx.z.
- * Needs scale > 0 (the row max is taken over raw scores). */
+/* v1 (KVSPARSE_WGMMA_V1=1, until v2 is measured): HEADS query heads of KV group
+ * blockIdx.x / ... x 128 / HEADS positions a block (positions from the last tile
+ * down: the heaviest blocks first), sequence blockIdx.z. Needs scale > 0 (the row
+ * max is taken over raw scores). */
 template <int D, int STAGES, int HEADS, bool PINGPONG>
 __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     kvs_attn_wgmma_kernel(kvs_attn_args a, bf16 *out, float *lse) {
@@ -260,13 +199,10 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     const uint32_t q_s = base + (uint32_t)L::q, kv_s = base + (uint32_t)L::kv, bar_s = base + (uint32_t)L::bar;
     /* full[st] at bar_s + 8 st, empty[st] at bar_s + 8 (STAGES + st) */
 
-    const int h0 = blockIdx.x * HEADS, g = h0 / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
-    const int q0 = (gridDim.y - 1 - blockIdx.y) * MH;
-    const int t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, kv_len = a.kv_len[seq];
+    const kvs_wg_block<HEADS> blk(a);
+    const int h0 = blk.h0, g = blk.g, seq = blk.seq, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
     if (q0 >= q_len) return; /* the whole block: before any barrier */
-    const int past = kv_len - q_len; /* query i sees keys 0 .. past + i */
-    const int n_keys = past + min(q0 + MH, q_len); /* keys any row of the block sees */
-    const int n_tiles = (n_keys + BN - 1) / BN;
+    const int past = blk.past, n_keys = blk.n_keys, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
@@ -328,18 +264,8 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     }
 
     /* ---- consumers: warpgroup wg owns block rows 64 wg .. 64 wg + 63 ---- */
-    const int wg = warp / 4, tid = threadIdx.x % 128;
-    /* block row R: head h0 + R / MH, position q0 + R % MH */
-    for (int p = tid; p < 64 * CH; p += 128) {
-        const int R = 64 * wg + p / CH, c = p % CH, pos = q0 + R % MH;
-        const bool ok = pos < q_len;
-        const bf16 *src = ok ? a.q + ((size_t)(t0 + pos) * a.n_heads + h0 + R / MH) * D + c * 8 : a.q;
-        kvs_cp_async16(q_s + kvs_wg_swz(BM, R, c), src, ok);
-    }
-    kvs_cp_async_commit();
-    kvs_cp_async_wait<0>();
-    kvs_fence_proxy_async();
-    kvs_named_sync(1 + wg, 128); /* the warpgroup's Q rows landed */
+    const int wg = warp / 4;
+    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
 
     /* (few values live across the key loop: the kernel sits at the 168 registers 9
        warps allow, 3 warps on one SM sub-partition; the epilogue recomputes its own) */
@@ -377,8 +303,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             for (int kk = 0; kk < D / 16; kk++) {
                 const uint64_t da = kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16);
                 const uint64_t db = kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16);
-                if (kk == 0) kvs_wgmma_ss_n128_zero(s, da, db);
-                else kvs_wgmma_ss_n128(s, da, db);
+                kvs_wgmma_ss<BN>(s, da, db, kk > 0);
             }
             kvs_wgmma_commit();
         }
@@ -388,28 +313,9 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             kvs_wgmma_wait<0>();
             kvs_wg_fence_regs(s);
 
-            /* online softmax (log2 domain; m over scaled scores) */
-            if (k0 + BN - 1 > wg_full_key) { /* tile crosses some row's diagonal: mask */
-                const int col = k0 + 2 * (lane & 3);
-#pragma unroll
-                for (int j = 0; j < BN / 8; j++) {
-#pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        if (col + 8 * j + (c & 1) > lim0 + 8 * (c >> 1)) s[4 * j + c] = -INFINITY;
-                    }
-                }
-            }
-            float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-                mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-            }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
+            /* online softmax (log2 domain; m over scaled scores); mask where the tile crosses some row's diagonal */
+            float mx0, mx1;
+            kvs_wg_row_max<BN>(s, k0, k0 + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
             const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
             const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
             const float alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
@@ -445,8 +351,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
                 const uint64_t db = kvs_wg_desc(v_st + kk * 16 * 128, BN * 128);
-                if constexpr (D == 128) kvs_wgmma_rs_n128(o, pa[kk], db);
-                else kvs_wgmma_rs_n64(o, pa[kk], db);
+                kvs_wgmma_rs<D>(o, pa[kk], db, 1);
             }
             kvs_wgmma_commit();
         }
@@ -462,25 +367,255 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     }
 
     if (wg_last_key < 0) return; /* no live row */
-    const int head = h0 + R0 / MH, pos0 = q0 + R0 % MH, pos1 = pos0 + 8;
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const int cq = 2 * (lane & 3);
+    kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
+#else
+    __trap(); /* not built for sm_90a: kvs_cuda_wgmma_supported refuses such devices */
+#endif
+}
+
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* v2's producer warp: K and V of tile i (keys [128 i, 128 i + 128) of the block's
+ * n_keys, 8 groups of 16 keys, one paged block each) into stage i % STAGES of the K
+ * and V rings. Full groups by TMA: lane l < 8 x D/64 loads the box (group l % 8,
+ * column block l / 8). On the last tile, the groups holding keys at or past n_keys
+ * (the sequence's last paged block may hold anything past its last key: stale rows
+ * of other requests, never-written NaN) go by 16-byte cp.async with those rows
+ * zero-filled, waited for and fenced to the async proxy by each lane before it
+ * arrives; without TMA every group goes that way. Every lane arrives on the full
+ * barrier once a tile and ring, lane 0's arrival announcing the TMA bytes. */
+template <int D, int STAGES, bool TMA>
+__device__ __forceinline__ void kvs_wg2_produce(const CUtensorMap *map, const kvs_attn_args &a, int g, int seq,
+                                                int n_keys, int n_tiles, uint32_t k_s, uint32_t v_s, uint32_t bars,
+                                                int lane) {
+    constexpr int BN = KVS_WG_BN, NG = BN / 16, CB = D / 64, CH = D / 8;
+    constexpr int RPI = 32 / CH, VPG = 16 / RPI;                /* rows a warp-wide copy; copies a lane a group */
+    constexpr uint32_t TILE = (uint32_t)BN * D * 2, BOX = 16 * 128; /* a box: 16 rows x 128 bytes */
+    const int32_t *table = kvs_attn_table(a, seq);
+    const int bs = a.block_size, gl = lane % NG, cbl = lane / NG; /* TMA: the box of lane < NG x CB */
+    const int c = lane % CH, rs = lane / CH;                      /* cp.async: chunk c of rows rs + RPI v */
+    if (TMA && lane == 0) kvs_tma_prefetch_map(map);
+    auto block_of = [&](int i) -> int { /* the paged block of group gl of tile i (0 past the keys) */
+        const int e = i * BN + 16 * gl;
+        return e < n_keys ? table[e / bs] : 0;
+    };
+    int blk_next = block_of(0);
+    for (int i = 0; i < n_tiles; i++) {
+        const int blk = blk_next;
+        if (i + 1 < n_tiles) blk_next = block_of(i + 1); /* used next tile: its latency hides */
+        const int st = i % STAGES, k0 = i * BN;
+        const int n_tma = !TMA ? 0 : i + 1 < n_tiles ? NG : min(NG, (n_keys - k0) / 16); /* groups [0, n_tma) */
 #pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int pos = hf ? pos1 : pos0;
-        if (pos < q_len) {
-            const size_t t = (size_t)t0 + pos;
-            const float lt = hf ? l1 : l0, inv = 1.f / lt;
-            bf16 *orow = out + (t * a.n_heads + head) * D + cq;
+        for (int kind = 0; kind < 2; kind++) { /* K, then V (released later by the consumers) */
+            const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
+            const uint32_t dst = (kind ? v_s : k_s) + st * TILE;
+            if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
+            if (n_tma < NG) {
+                for (int gi = n_tma; gi < NG; gi++) {
+                    const int e0 = k0 + 16 * gi, b = __shfl_sync(0xffffffffu, blk, gi);
+                    const bf16 *src0 =
+                        a.pool + (e0 < n_keys ? kvs_kv_offset(b, kind, g, e0 % bs, a.n_kv_heads, bs, D) : 0) + c * 8;
 #pragma unroll
-            for (int j = 0; j < D / 8; j++)
-                *(uint32_t *)(orow + 8 * j) = kvs_pack_bf16(o[4 * j + 2 * hf] * inv, o[4 * j + 2 * hf + 1] * inv);
-            if (lse && (lane & 3) == 0) lse[t * a.n_heads + head] = ((hf ? m1 : m0) + __log2f(lt)) * KVS_LN2;
+                    for (int v = 0; v < VPG; v++) {
+                        const int rr = rs + RPI * v;
+                        const bool ok = e0 + rr < n_keys;
+                        kvs_cp_async16(dst + kvs_wg_swz(BN, 16 * gi + rr, c), ok ? src0 + (size_t)rr * D : a.pool, ok);
+                    }
+                }
+                kvs_cp_async_commit();
+                kvs_cp_async_wait<0>();
+                kvs_fence_proxy_async();
+            }
+            if (lane == 0 && n_tma > 0) kvs_mbar_arrive_tx(full, (uint32_t)(n_tma * CB) * BOX);
+            else kvs_mbar_arrive(full);
+            if (TMA && lane < NG * CB && gl < n_tma) /* row of the pool as a [rows][D] tensor (kvs_kv_offset / D) */
+                kvs_tma_load_2d(dst + cbl * (BN * 128) + gl * BOX, map, 64 * cbl,
+                                ((blk * 2 + kind) * a.n_kv_heads + g) * bs + (k0 + 16 * gl) % bs, full);
         }
     }
+}
+#endif
+
+/* v2 (the default; docs/CUDA.md "Hopper prefill kernel (wgmma)"): the block as
+ * v1's, 12 warps; kv_map: the pool as a [rows][D] bf16 tensor, boxes of 16 x 64,
+ * 128-byte swizzle (unused without TMA). */
+template <int D, int STAGES, int HEADS, bool PINGPONG, bool TMA>
+__global__ void __launch_bounds__(KVS_WG2_THREADS, 1)
+    kvs_attn_wgmma2_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using L = kvs_wg2_smem<D, STAGES>;
+    constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS;
+    static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+    static_assert(STAGES >= 2, "two stages at least");
+    extern __shared__ unsigned char kvs_wg_smem_raw[];
+    const uint32_t base = (kvs_smem_u32(kvs_wg_smem_raw) + 1023u) & ~1023u;
+    const uint32_t q_s = base + (uint32_t)L::q, k_s = base + (uint32_t)L::k, v_s = base + (uint32_t)L::v;
+    /* mbarriers at bars + 8 x: [0, STAGES) K full, [STAGES, 2 STAGES) V full (the
+       producer warp's 32 lanes + TMA bytes), then K empty, V empty (the 8 consumer warps) */
+    const uint32_t bars = base + (uint32_t)L::bar, full_k = bars, full_v = bars + 8 * STAGES;
+    const uint32_t empty_k = bars + 16 * STAGES, empty_v = bars + 24 * STAGES;
+
+    const kvs_wg_block<HEADS> blk(a);
+    const int h0 = blk.h0, g = blk.g, seq = blk.seq, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
+    if (q0 >= q_len) return; /* the whole block: before any barrier */
+    const int past = blk.past, n_keys = blk.n_keys, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < 2 * STAGES; st++) kvs_mbar_init(bars + 8 * st, 32);
+        for (int st = 2 * STAGES; st < 4 * STAGES; st++) kvs_mbar_init(bars + 8 * st, 8);
+        kvs_mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warp >= 8) { /* the producer warpgroup */
+        kvs_setmaxnreg_dec<KVS_WG2_PRODUCER_REGS>();
+        if (warp == 8) kvs_wg2_produce<D, STAGES, TMA>(&kv_map, a, g, seq, n_keys, n_tiles, k_s, v_s, bars, lane);
+        return;
+    }
+    kvs_setmaxnreg_inc<KVS_WG2_CONSUMER_REGS>();
+
+    /* ---- consumers: warpgroup wg owns block rows 64 wg .. 64 wg + 63 ---- */
+    const int wg = warp / 4;
+    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
+
+    const int R0 = 64 * wg + 16 * (warp % 4) + lane / 4; /* this thread's rows R0 and R0 + 8 (one head) */
+    const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
+    /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
+    const int wg_first = q0 + (HEADS == 1 ? 64 * wg : 0);
+    /* keys past it: no live row of the warpgroup sees them (-1: no live row) */
+    const int wg_last_key = wg_first < q_len ? past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1 : -1;
+    const int wg_full_key = past + wg_first; /* every row sees keys up to it */
+    const int n_live = wg_last_key < 0 ? 0 : wg_last_key / BN + 1; /* tiles 0 .. n_live - 1 hold keys of its rows */
+    const float scale_log2 = a.scale * KVS_LOG2E;
+    const uint32_t q_wg = q_s + (uint32_t)wg * 64 * 128;
+
+    float o[D / 2], s[BN / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) o[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++) s[i] = 0.f;
+    uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    auto wait_full = [&](uint32_t full, int i) { kvs_mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1); };
+    /* this warp's wgmma's reading tile i's stage completed: hand it back; fenced when
+       the producer writes the stage next through the generic proxy (cp.async) */
+    auto release = [&](uint32_t empty, int i) {
+        if (!TMA || i + STAGES == n_tiles - 1) kvs_fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) kvs_mbar_arrive(empty + 8 * (i % STAGES));
+    };
+    auto gemm_s = [&](int i) { /* S = Q K_i^T: one commit group */
+        const uint32_t k_st = k_s + (uint32_t)((i % STAGES) * L::TILE);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
+                             kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
+        kvs_wgmma_commit();
+    };
+    auto gemm_pv = [&](int i) { /* O += P V_i: one commit group */
+        const uint32_t v_st = v_s + (uint32_t)((i % STAGES) * L::TILE);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 16 * 128, BN * 128), 1);
+        kvs_wgmma_commit();
+    };
+    /* online softmax of S = tile i's scores, in place (log2 domain, m over scaled
+       scores): s becomes the probabilities; alpha: O's factors; returns whether a
+       row max changed */
+    auto softmax = [&](int i, float &alpha0, float &alpha1) -> bool {
+        float mx0, mx1; /* mask where the tile crosses some row's diagonal */
+        kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+        alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
+        const bool grew = mn0 != m0 || mn1 != m1;
+        m0 = mn0, m1 = mn1;
+        float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            s[4 * j] = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
+            s[4 * j + 1] = kvs_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
+            s[4 * j + 2] = kvs_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
+            s[4 * j + 3] = kvs_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
+            sum0 += s[4 * j] + s[4 * j + 1];
+            sum1 += s[4 * j + 2] + s[4 * j + 3];
+        }
+        l0 = l0 * alpha0 + sum0;
+        l1 = l1 * alpha1 + sum1;
+        return grew;
+    };
+    auto pack_p = [&]() { /* the probabilities as P's A fragments (once P V of the last tile is done) */
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(s[4 * j], s[4 * j + 1]);         /* row lane/4, keys 8 j + 2 (lane % 4) */
+            pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
+        }
+    };
+    /* PINGPONG: FA3's warp-scheduler barrier. Turn i (1 <= i < n_tiles) issues S of
+       tile i and P V of tile i - 1 (nothing past the warpgroup's keys); the
+       warpgroups take turns, 0 first (named barrier 3: warpgroup 0's turn, 4: 1's),
+       so one's softmax runs under the other's GEMMs. Both take n_tiles - 1 turns;
+       warpgroup 1's last arrive is dropped, so every arrive meets a sync. */
+    auto turn_begin = [&]() {
+        if (PINGPONG) kvs_turn_sync(3 + wg);
+    };
+    auto turn_end = [&](int i) {
+        if (PINGPONG && !(wg == 1 && i == n_tiles - 1)) kvs_turn_arrive(4 - wg);
+    };
+    if (PINGPONG && wg == 1 && n_tiles > 1) kvs_turn_arrive(3); /* warpgroup 0 goes first */
+
+    if (n_live > 0) {
+        float alpha0, alpha1;
+        wait_full(full_k, 0);
+        kvs_wgmma_fence();
+        gemm_s(0);
+        kvs_wgmma_wait<0>();
+        kvs_wg_fence_regs(s);
+        release(empty_k, 0);
+        softmax(0, alpha0, alpha1); /* O is 0: nothing to rescale */
+        pack_p();
+        for (int i = 1; i < n_live; i++) {
+            wait_full(full_k, i);
+            wait_full(full_v, i - 1);
+            turn_begin();
+            kvs_wgmma_fence();
+            gemm_s(i);
+            gemm_pv(i - 1);
+            turn_end(i);
+            kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
+            kvs_wg_fence_regs(s);
+            release(empty_k, i);
+            const bool grew = softmax(i, alpha0, alpha1);
+            kvs_wgmma_wait<0>();
+            kvs_wg_fence_regs(o);
+            release(empty_v, i - 1);
+            if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+                for (int j = 0; j < D / 8; j++) {
+                    o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
+                    o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
+                }
+            }
+            pack_p();
+        }
+        wait_full(full_v, n_live - 1);
+        kvs_wgmma_fence();
+        gemm_pv(n_live - 1);
+        kvs_wgmma_wait<0>();
+        kvs_wg_fence_regs(o);
+        release(empty_v, n_live - 1);
+    }
+    for (int i = n_live; i < n_tiles; i++) { /* tiles past the warpgroup's keys (1 head a block): turns, releases */
+        if (i > 0) turn_begin(), turn_end(i);
+        wait_full(full_k, i);
+        release(empty_k, i);
+        wait_full(full_v, i);
+        release(empty_v, i);
+    }
+
+    if (wg_last_key < 0) return; /* no live row */
+    kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
 #else
     __trap(); /* not built for sm_90a: kvs_cuda_wgmma_supported refuses such devices */
 #endif
@@ -512,8 +647,8 @@ bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale, bool fp8) {
 template <int D, int STAGES, int HEADS>
 static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     using L = kvs_wg_smem<D, STAGES>;
-    auto kernel = kvs_cuda_of(b)->wgmma_pingpong ? kvs_attn_wgmma_kernel<D, STAGES, HEADS, true>
-                                                  : kvs_attn_wgmma_kernel<D, STAGES, HEADS, false>;
+    auto kernel = kvs_cuda_of(b)->wgmma_pingpong == 1 ? kvs_attn_wgmma_kernel<D, STAGES, HEADS, true>
+                                                       : kvs_attn_wgmma_kernel<D, STAGES, HEADS, false>;
     constexpr int MH = KVS_WG_BM / HEADS;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
     dim3 grid((unsigned)(a.n_heads / HEADS), (unsigned)((max_q_len + MH - 1) / MH), (unsigned)a.n_seqs);
@@ -521,21 +656,106 @@ static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma_kernel");
 }
 
+/* cuTensorMapEncodeTiled through the runtime's driver entry point (no link
+ * dependency on libcuda); NULL where the driver has none. Looked up once (a benign
+ * race between threads: they store the same value). */
+static PFN_cuTensorMapEncodeTiled_v12000 kvs_encode_tiled(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    static bool tried;
+    if (!tried) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) ==
+                cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+        else
+            cudaGetLastError();
+        tried = true;
+    }
+    return fn;
+}
+
+/* v2's TMA view of the pool: a [rows][D] bf16 tensor (rows = n_blocks x 2 x
+ * n_kv_heads x block_size: kvs_kv_offset / D, a paged block's K rows of every KV
+ * head, then its V rows), boxes of 16 rows x 64 columns (128 bytes) with the
+ * 128-byte swizzle, which writes kvs_wg_swz's layout. Encoded once per (pool, rows,
+ * D) and cached in the backend; false (warned once) where it cannot be made: v2
+ * then loads every row by cp.async. */
+static bool kvs_wg2_map(kvs_backend *b, const kvs_attn_args &a, int D, CUtensorMap *map) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    const int64_t rows = a.pool_blocks * 2 * a.n_kv_heads * a.block_size;
+    if (c->wgmma_map_ok && c->wgmma_map_pool == a.pool && c->wgmma_map_rows == rows && c->wgmma_map_d == D) {
+        memcpy(map, c->wgmma_map, sizeof *map);
+        return true;
+    }
+    PFN_cuTensorMapEncodeTiled_v12000 encode = kvs_encode_tiled();
+    const char *why = NULL;
+    if (!encode) why = "the driver has no cuTensorMapEncodeTiled";
+    else if (rows <= 0 || rows > INT32_MAX) why = "the pool has more rows than TMA's int32 coordinates reach";
+    if (!why) {
+        const cuuint64_t dims[2] = {(cuuint64_t)D, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)D * 2};
+        const cuuint32_t box[2] = {64, 16}, unit[2] = {1, 1};
+        CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)a.pool, dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        if (r != CUDA_SUCCESS) why = "cuTensorMapEncodeTiled failed";
+    }
+    if (why) {
+        if (!c->wgmma_map_warned)
+            kvs_log(KVS_LOG_WARN, "cuda: the WGMMA prefill loads K/V by cp.async, not TMA: %s", why);
+        c->wgmma_map_warned = 1;
+        return false;
+    }
+    memcpy(c->wgmma_map, map, sizeof *map);
+    c->wgmma_map_pool = a.pool, c->wgmma_map_rows = rows, c->wgmma_map_d = D, c->wgmma_map_ok = 1;
+    return true;
+}
+
+template <int D, int STAGES, int HEADS>
+static void launch_wgmma2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
+    using L = kvs_wg2_smem<D, STAGES>;
+    const kvs_cuda *c = kvs_cuda_of(b);
+    CUtensorMap map;
+    memset(&map, 0, sizeof map);
+    const bool pingpong = c->wgmma_pingpong != 0, tma = !c->wgmma_no_tma && kvs_wg2_map(b, a, D, &map);
+    auto kernel = pingpong ? (tma ? kvs_attn_wgmma2_kernel<D, STAGES, HEADS, true, true>
+                                  : kvs_attn_wgmma2_kernel<D, STAGES, HEADS, true, false>)
+                           : (tma ? kvs_attn_wgmma2_kernel<D, STAGES, HEADS, false, true>
+                                  : kvs_attn_wgmma2_kernel<D, STAGES, HEADS, false, false>);
+    constexpr int MH = KVS_WG_BM / HEADS;
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
+    dim3 grid((unsigned)(a.n_heads / HEADS), (unsigned)((max_q_len + MH - 1) / MH), (unsigned)a.n_seqs);
+    kernel<<<grid, KVS_WG2_THREADS, L::bytes, c->stream>>>(map, a, out, lse);
+    KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma2_kernel");
+}
+
 template <int D, int STAGES>
 static void launch_wgmma_group(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     const int group = a.n_heads / a.n_kv_heads;
-    if (group % 4 == 0) launch_wgmma<D, STAGES, 4>(b, a, out, lse, max_q_len);
-    else if (group % 2 == 0) launch_wgmma<D, STAGES, 2>(b, a, out, lse, max_q_len);
-    else launch_wgmma<D, STAGES, 1>(b, a, out, lse, max_q_len);
+    const bool v1 = kvs_cuda_of(b)->wgmma_v1;
+    if (group % 4 == 0) v1 ? launch_wgmma<D, STAGES, 4>(b, a, out, lse, max_q_len)
+                           : launch_wgmma2<D, STAGES, 4>(b, a, out, lse, max_q_len);
+    else if (group % 2 == 0) v1 ? launch_wgmma<D, STAGES, 2>(b, a, out, lse, max_q_len)
+                                : launch_wgmma2<D, STAGES, 2>(b, a, out, lse, max_q_len);
+    else v1 ? launch_wgmma<D, STAGES, 1>(b, a, out, lse, max_q_len) : launch_wgmma2<D, STAGES, 1>(b, a, out, lse, max_q_len);
 }
 
-/* K/V stages: 3 at head_dim 128 (32 KiB of Q + 3 x 64 KiB: 225 KiB with the
- * barriers and the alignment slack, under sm_90's 227 KiB), 4 at 64 (145 KiB). */
+/* K/V stages (v1: K+V tiles; v2: K tiles and as many V tiles): 3 at head_dim 128
+ * (32 KiB of Q + 3 x 64 KiB: 225 KiB with the barriers and the alignment slack,
+ * under sm_90's 227 KiB), 4 at 64 (145 KiB). */
 #define KVS_WG_STAGES(D) ((D) == 128 ? 3 : 4)
 
+template <int D>
+static constexpr size_t kvs_wg_smem_bytes() {
+    using L1 = kvs_wg_smem<D, KVS_WG_STAGES(D)>;
+    using L2 = kvs_wg2_smem<D, KVS_WG_STAGES(D)>;
+    return L1::bytes > L2::bytes ? L1::bytes : L2::bytes;
+}
+
 size_t kvs_cuda_wgmma_smem_bytes(int head_dim) {
-    if (head_dim == 128) return kvs_wg_smem<128, KVS_WG_STAGES(128)>::bytes;
-    if (head_dim == 64) return kvs_wg_smem<64, KVS_WG_STAGES(64)>::bytes;
+    if (head_dim == 128) return kvs_wg_smem_bytes<128>();
+    if (head_dim == 64) return kvs_wg_smem_bytes<64>();
     return 0;
 }
 

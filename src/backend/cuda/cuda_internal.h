@@ -115,7 +115,17 @@ typedef struct {
     int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int fp8_gemm; /* kvs_cuda_fp8_gemm, resolved (never AUTO): how matmul_fp8 scales (cuda_fp8.cu) */
     int fp8_kv_decode_bf16; /* FP8 KV decode through bf16 mma's (KVSPARSE_FP8_KV_DECODE=bf16), not f16 */
-    int wgmma_pingpong;     /* the WGMMA prefill's warpgroups take turns issuing (KVSPARSE_WGMMA_PINGPONG=1) */
+    /* the WGMMA prefill (cuda_attention_hopper.cu; diagnostic knobs, docs/CUDA.md
+       "Hopper prefill kernel"): its v1 kernel (KVSPARSE_WGMMA_V1=1); the consumer
+       warpgroups taking turns: -1 the kernel's default (v2 on, v1 off), 0 off, 1 on
+       (KVSPARSE_WGMMA_PINGPONG=0/1); v2 loading every K/V row by cp.async, no TMA
+       (KVSPARSE_WGMMA_TMA=0) */
+    int wgmma_v1, wgmma_pingpong, wgmma_no_tma;
+    /* v2's TMA view of the KV pool (a CUtensorMap's bytes) for (pool, rows, head_dim) */
+    unsigned char wgmma_map[128];
+    const void *wgmma_map_pool;
+    int64_t wgmma_map_rows;
+    int wgmma_map_d, wgmma_map_ok, wgmma_map_warned;
     int fp8_outer_missing; /* cuBLASLt found no outer-vector FP8 algorithm once: AUTO falls back to EPILOGUE_FAST */
     int failed; /* sticky: a CUDA call failed; check reports failure */
     char failure[512]; /* the first failure's message */
@@ -229,6 +239,7 @@ struct kvs_attn_args {
     int window; /* sliding window (split kernel only): keys [n_keys - window, n_keys); 0: all */
     float scale;
     const float *scales; /* FP8 pools: the layer's [2][n_kv_heads] (backend.h kvs_kv_pool); NULL: 1 */
+    int64_t pool_blocks; /* the pool's n_blocks (the WGMMA prefill's TMA view of it) */
 };
 /* Sequence seq's block table (backend.h kvs_attn_batch). */
 __device__ __forceinline__ const int32_t *kvs_attn_table(const kvs_attn_args &a, int seq) {
