@@ -970,6 +970,8 @@ static int kvs_prefill_pick(kvs_cuda *c, const kvs_attn_args &a, bool fp8) {
     const float scale = a.scale;
     const size_t optin = (size_t)kvs_attn_smem_optin(c);
     int k = c->prefill;
+    /* AUTO on Hopper: WGMMA, unless its TMA view of the pool could not be made (then GQA) */
+    if (k == KVS_CUDA_PREFILL_AUTO && c->wgmma_auto && !c->wgmma_map_warned) k = KVS_CUDA_PREFILL_WGMMA;
     if (k == KVS_CUDA_PREFILL_WGMMA && !kvs_cuda_wgmma_fits(D, a.block_size, scale, fp8)) k = KVS_CUDA_PREFILL_AUTO;
     size_t need = kvs_prefill_smem_bytes<D>(k);
     if (need == 0 || need > optin)

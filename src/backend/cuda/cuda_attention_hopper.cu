@@ -718,7 +718,7 @@ static void launch_wgmma2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, flo
     const kvs_cuda *c = kvs_cuda_of(b);
     CUtensorMap map;
     memset(&map, 0, sizeof map);
-    const bool pingpong = c->wgmma_pingpong != 0, tma = !c->wgmma_no_tma && kvs_wg2_map(b, a, D, &map);
+    const bool pingpong = c->wgmma_pingpong == 1, tma = !c->wgmma_no_tma && kvs_wg2_map(b, a, D, &map);
     auto kernel = pingpong ? (tma ? kvs_attn_wgmma2_kernel<D, STAGES, HEADS, true, true>
                                   : kvs_attn_wgmma2_kernel<D, STAGES, HEADS, true, false>)
                            : (tma ? kvs_attn_wgmma2_kernel<D, STAGES, HEADS, false, true>

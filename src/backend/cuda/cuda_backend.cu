@@ -327,6 +327,9 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
         if ((e = cudaMalloc(&c->lt_workspace, c->lt_workspace_bytes)) != cudaSuccess)
             st = kvs_fail(KVS_ERR_NOMEM, "cuda backend: cuBLASLt workspace: %s", cudaGetErrorString(e));
     }
+    /* AUTO takes the WGMMA prefill where the device runs it (Hopper, sm_90a code in
+       this build), GQA elsewhere (measured: docs/CUDA.md "Hopper prefill kernel") */
+    if (st == KVS_OK && prefill == KVS_CUDA_PREFILL_AUTO) c->wgmma_auto = kvs_cuda_wgmma_supported(device) == NULL;
     if (st == KVS_OK && prefill == KVS_CUDA_PREFILL_WGMMA) { /* refused where it cannot run (the others fall back) */
         const char *why = kvs_cuda_wgmma_supported(device);
         if (why)

@@ -121,6 +121,7 @@ typedef struct {
        (KVSPARSE_WGMMA_PINGPONG=0/1); v2 loading every K/V row by cp.async, no TMA
        (KVSPARSE_WGMMA_TMA=0) */
     int wgmma_v1, wgmma_pingpong, wgmma_no_tma;
+    int wgmma_auto; /* AUTO runs the WGMMA prefill where it fits (a Hopper device, sm_90a code built) */
     /* v2's TMA view of the KV pool (a CUtensorMap's bytes) for (pool, rows, head_dim) */
     unsigned char wgmma_map[128];
     const void *wgmma_map_pool;
