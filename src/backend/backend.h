@@ -104,6 +104,10 @@ struct kvs_backend {
     const char *name;
     kvs_dtype weight_dtype, act_dtype, kv_dtype;
     void *impl;
+    /* How many times the host has waited for all the work enqueued so far
+     * (synchronize, to_host): work enqueued while it read m is done once it
+     * exceeds m (kvs_backend_reuse). */
+    uint64_t n_waits;
 
     /* memory */
     void *(*alloc)(kvs_backend *b, size_t bytes); /* NULL when out of memory */
@@ -353,5 +357,13 @@ typedef struct {
 /* CUDA backend; KVS_ERR_UNSUPPORTED when built without CUDA, no GPU present, or
  * kv_fp8 on a GPU below compute capability 8.9 (the message says so). */
 kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out);
+
+/* A host_alloc buffer whose upload was enqueued when b->n_waits read `mark`:
+ * waits for that upload unless the host has waited for everything since, so
+ * the buffer may be written again (double-buffered uploads need no wait a
+ * step: the step's sampled ids are read in between). */
+static inline void kvs_backend_reuse(kvs_backend *b, uint64_t mark) {
+    if (b->n_waits <= mark) b->synchronize(b);
+}
 
 #endif

@@ -162,8 +162,8 @@ kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *
  * window). Every due SnapKV / PyramidKV layer whose blocks are the sequence's
  * own goes in one batch (the backend's snapkv_compact_batch: one launch per
  * stage for the step); StreamingLLM layers and layers on shared or cached
- * blocks are compacted one by one. Returns once the device has run the batch's
- * upload (it synchronizes the backend when there was a batch). */
+ * blocks are compacted one by one. Returns with the batch enqueued, not run
+ * (its pinned staging alternates between two buffers: kvs_backend_reuse). */
 kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n);
 /* kvs_kv_sparsify_seqs of one sequence. */
 kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id);

@@ -61,7 +61,8 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
     free(kv->win_lse);
     for (int i = 0; i < KVS_KV_SCRATCH_SLOTS; i++)
         if (kv->scratch[i]) kv->be->free(kv->be, kv->scratch[i]);
-    if (kv->staging) kv->be->host_free(kv->be, kv->staging);
+    for (int i = 0; i < 2; i++)
+        if (kv->staging[i]) kv->be->host_free(kv->be, kv->staging[i]);
     free(kv->batch);
     kvs_kv_meta_destroy(kv);
     free(kv->window);
@@ -368,7 +369,14 @@ void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes) {
 }
 
 void *kvs_kv_staging(kvs_kv_cache *kv, size_t bytes) {
-    return grow(kv->be, &kv->staging, &kv->staging_cap, bytes, kv->be->host_alloc, kv->be->host_free);
+    int h = kv->staging_half;
+    kvs_backend_reuse(kv->be, kv->staging_mark[h]); /* before writing or freeing it */
+    return grow(kv->be, &kv->staging[h], &kv->staging_cap[h], bytes, kv->be->host_alloc, kv->be->host_free);
+}
+
+void kvs_kv_staging_sent(kvs_kv_cache *kv) {
+    kv->staging_mark[kv->staging_half] = kv->be->n_waits;
+    kv->staging_half ^= 1;
 }
 
 int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv) { return kv->n_free + kv->n_evictable; }

@@ -88,8 +88,10 @@ struct kvs_kv_cache {
        the pinned host staging of their job list and tables (backend host_alloc) */
     struct { int32_t seq, layer; } *batch;
     int n_batch, batch_cap;
-    void *staging;
-    size_t staging_cap;
+    void *staging[2]; /* two, used in turn: a batch is built while the last one's copy may still run */
+    size_t staging_cap[2];
+    uint64_t staging_mark[2]; /* the backend's n_waits when each one's copy was enqueued */
+    int staging_half;
 };
 
 /* Every change of a layer table's blocks or n_blocks goes with a touch: a
@@ -135,7 +137,10 @@ kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, co
 void kvs_kv_compacted_in_place(kvs_kv_cache *kv, seq_state *s, int layer, int n_keep);
 /* Backend scratch buffer `slot` of at least bytes (grown on demand); NULL when out of memory. */
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes);
-/* The pinned host staging (backend host_alloc) of at least bytes, grown the same way. */
+/* The pinned host staging (backend host_alloc) of at least bytes, grown the same
+ * way: the one of the two whose copy has run (waited for only when no wait for
+ * the device came since it was sent); kvs_kv_staging_sent after its to_device. */
 void *kvs_kv_staging(kvs_kv_cache *kv, size_t bytes);
+void kvs_kv_staging_sent(kvs_kv_cache *kv);
 
 #endif

@@ -210,6 +210,7 @@ static kvs_status run_batch(kvs_kv_cache *kv) {
         kp += (int64_t)H * budget;
     }
     be->to_device(be, d_lists, host, bytes);
+    kvs_kv_staging_sent(kv);
     kvs_snapkv_batch b = {.n_jobs = n, .n_heads = kv->cfg.n_heads, .scale = 1.0f / sqrtf((float)kv->cfg.head_dim),
                           .jobs = (const kvs_snapkv_job *)d_lists, .tables = (const int32_t *)(d_lists + job_bytes),
                           .scores = d_scores, .keep = d_keep, .max_keys = max_keys, .scores_len = n_scores};
@@ -218,8 +219,7 @@ static kvs_status run_batch(kvs_kv_cache *kv) {
         seq_state *s = &kv->seqs[kv->batch[i].seq];
         kvs_kv_compacted_in_place(kv, s, kv->batch[i].layer, s->budgets[kv->batch[i].layer]);
     }
-    be->synchronize(be); /* the staging is reused: its copy must have run (host_alloc) */
-    return KVS_OK;
+    return KVS_OK; /* no wait: the host goes on with the next step while the device compacts */
 }
 
 /* Whether (s, layer) is due: after the prefill, compact to B_l; in decode, when

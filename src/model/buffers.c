@@ -91,8 +91,9 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     /* the metadata (step_meta.c): ids, positions, q_start, table rows, then per
        layer slots, kv lengths and window-capture rows */
     size_t meta = 2 * n + 2 * S + 1 + (size_t)c->n_layers * (3 * n + S);
+    b->meta_words = meta;
     on_device(w, &b->meta, meta * sizeof(int32_t));
-    on_pinned(w, &b->h_meta, meta * sizeof(int32_t));
+    on_pinned(w, &b->h_meta, 2 * meta * sizeof(int32_t));
     on_host(w, &b->layer_meta, c->n_layers * sizeof(kvs_layer_meta));
     /* the block tables (tables.c): a row of B blocks per sequence of a step in
        every layer, their changed cells' pairs (uploaded in rounds when more) */
@@ -102,7 +103,7 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     t->cap_pairs = (int)(cells < (1u << 20) ? cells : (1u << 20));
     on_device(w, &t->dev, cells * sizeof(int32_t));
     on_device(w, &t->pairs, (size_t)t->cap_pairs * 2 * sizeof(int32_t));
-    on_pinned(w, &t->h_pairs, (size_t)t->cap_pairs * 2 * sizeof(int32_t));
+    on_pinned(w, &t->h_pairs, (size_t)t->cap_pairs * 4 * sizeof(int32_t));
     on_host(w, &t->host, cells * sizeof(int32_t)); /* calloc: pages of zeros until written */
     on_host(w, &t->gen, (size_t)c->n_layers * S * sizeof(uint64_t));
     on_host(w, &t->row_seq, S * sizeof(int32_t));
@@ -145,7 +146,7 @@ size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const
 /* The device tables as their host copy: zeros. */
 static void zero_tables(kvs_model *m) {
     kvs_block_tables *t = &m->buf.tables;
-    size_t cells = (size_t)t->n_layers * t->rows * t->blocks, chunk = (size_t)t->cap_pairs * 2;
+    size_t cells = (size_t)t->n_layers * t->rows * t->blocks, chunk = (size_t)t->cap_pairs * 4;
     memset(t->h_pairs, 0, sizeof(int32_t) * chunk);
     for (size_t i = 0; i < cells; i += chunk) {
         m->be->to_device(m->be, t->dev + i, t->h_pairs, sizeof(int32_t) * (cells - i < chunk ? cells - i : chunk));

@@ -46,8 +46,9 @@ typedef struct {
     uint64_t *row_step; /* [rows]: the step that last used it */
     int32_t *seq_row;   /* [n_seq_row]: a sequence's row, -1: none (grown on demand) */
     int n_seq_row;
-    int32_t *h_pairs, *pairs; /* pinned and backend: [cap_pairs][2] (cell index, block id) */
-    int n_pairs, cap_pairs;
+    int32_t *h_pairs, *pairs; /* pinned [2][cap_pairs][2] (two halves used in turn), backend [cap_pairs][2] */
+    int n_pairs, cap_pairs, pairs_half;
+    uint64_t pairs_mark[2];   /* n_waits when each half's upload was enqueued (kvs_backend_reuse) */
     int n_layers, rows, blocks, next_free;
     uint64_t step;
 } kvs_block_tables;
@@ -65,7 +66,10 @@ typedef struct {
        built in h_meta (pinned) and uploaded with one copy into meta. The
        pointers below point into meta (not owned): ids, positions and q_start
        for the step, the others at the layer being run. */
-    int32_t *meta, *h_meta;
+    int32_t *meta, *h_meta; /* h_meta: two halves of meta_words, used in turn (no wait for the last upload) */
+    size_t meta_words;
+    int h_half;
+    uint64_t h_mark[2]; /* n_waits when each half's upload was enqueued (kvs_backend_reuse) */
     kvs_layer_meta *layer_meta; /* [n_layers] */
     int32_t *ids, *positions, *slots, *q_start, *table_rows, *kv_len, *cap_src, *cap_dst;
     kvs_block_tables tables;

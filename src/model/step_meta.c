@@ -79,10 +79,10 @@ static void plan(const kvs_model *m, const kvs_batch *b, kvs_step_shape *sh) {
 }
 
 /* Builds the metadata in the pinned host buffer and uploads it with one copy.
- * The host buffer is reused every step: the backend is synchronized first
- * (cheap: the previous step normally ended with its logits' device-to-host
- * read, which already synchronized; only steps without a read, e.g. prefill
- * chunks, lose their host/GPU overlap here). */
+ * The buffer's two halves take turns: a step writes the half the step before
+ * last uploaded, whose copy has run when any wait for the device came since
+ * (normally the last step's read of its sampled ids), so the host builds this
+ * step while the device still runs the last one's compactions. */
 kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_step_shape *sh) {
     plan(m, b, sh);
     kvs_step_buffers *sb = &m->buf;
@@ -99,8 +99,10 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
         lm->cap_src = off, off += T;
         lm->cap_dst = off, off += T;
     }
-    be->synchronize(be); /* the last step's uploads may still read h_meta and the tables' pairs */
-    int32_t *h = sb->h_meta;
+    /* this step's half of h_meta: the upload that last read it (two steps back) has
+       run, unless no step since waited for the device (then wait now) */
+    kvs_backend_reuse(be, sb->h_mark[sb->h_half]);
+    int32_t *h = sb->h_meta + (size_t)sb->h_half * sb->meta_words;
     KVS_TRY(kvs_tables_update(m, b, kv, h + o_rows));
     for (int s = b->n_seqs; s < S; s++) h[o_rows + s] = 0; /* dummies read no table */
     memcpy(h + o_ids, b->token_ids, sizeof(int32_t) * n);
@@ -146,6 +148,8 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
         lm->n_cap = n_cap;
     }
     be->to_device(be, sb->meta, h, sizeof(int32_t) * off);
+    sb->h_mark[sb->h_half] = be->n_waits;
+    sb->h_half ^= 1;
     sb->ids = sb->meta + o_ids;
     sb->positions = sb->meta + o_pos;
     sb->q_start = sb->meta + o_qs;

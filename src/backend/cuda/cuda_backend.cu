@@ -78,6 +78,7 @@ static void cuda_to_host(kvs_backend *b, void *dst, const void *src, size_t byte
     cudaStream_t s = kvs_cuda_of(b)->stream;
     KVS_CUDA_CHECK(b, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
     KVS_CUDA_CHECK(b, cudaStreamSynchronize(s));
+    b->n_waits++;
 }
 
 static void cuda_copy(kvs_backend *b, void *dst, const void *src, size_t bytes) {
@@ -85,7 +86,10 @@ static void cuda_copy(kvs_backend *b, void *dst, const void *src, size_t bytes) 
     KVS_CUDA_CHECK(b, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, kvs_cuda_of(b)->stream));
 }
 
-static void cuda_synchronize(kvs_backend *b) { KVS_CUDA_CHECK(b, cudaStreamSynchronize(kvs_cuda_of(b)->stream)); }
+static void cuda_synchronize(kvs_backend *b) {
+    KVS_CUDA_CHECK(b, cudaStreamSynchronize(kvs_cuda_of(b)->stream));
+    b->n_waits++;
+}
 
 /* Host-side conversion to bf16 in chunks, then an upload per chunk. */
 static void cuda_upload_weight(kvs_backend *b, void *dst, const void *src, kvs_dtype t, size_t n) {
