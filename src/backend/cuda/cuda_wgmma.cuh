@@ -1,4 +1,4 @@
-/* Hopper (sm_90a) device helpers of the wgmma prefill kernels
+/* Hopper (sm_90a) device helpers of the wgmma prefill kernel
  * (cuda_attention_hopper.cu): the 128-byte-swizzled shared-memory layout and the
  * wgmma descriptors of it, mbarriers, proxy fences, named barriers, TMA, setmaxnreg
  * and the wgmma instructions. Include after cuda_internal.h and cuda_mma.cuh; the
@@ -61,10 +61,6 @@ __device__ __forceinline__ void kvs_fence_proxy_async() {
 __device__ __forceinline__ void kvs_named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-/* the consumer warpgroups' turns (no memory is handed over: no memory clobber,
-   ordered against the wgmma asm's as volatile asm's are) */
-__device__ __forceinline__ void kvs_turn_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id)); }
-__device__ __forceinline__ void kvs_turn_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id)); }
 
 /* ---- TMA and setmaxnreg ------------------------------------------------------- */
 /* box (c0 = column, c1 = row) of the 2D tensor map -> shared dst; complete_tx on bar */
