@@ -11,7 +11,9 @@
  *     prefill kernel (kvs_cuda_options.prefill: SMALL, HEAD, GQA, WGMMA on
  *     compute capability 9.0), the version kept in bench/prefill_versions.cuh
  *     (v0), the default with lse, the WGMMA kernel with and without lse and its
- *     variants (the cp.async producer): v0's output checked against the
+ *     variants (the cp.async producer; L2 evict_last on the K/V loads, a
+ *     persistent grid, both: docs/CUDA.md "Variants for one comparative run"):
+ *     v0's output checked against the
  *     default's, WGMMA's output and lse against GQA's, each variant's against the
  *     default WGMMA's; GQA, WGMMA and its variants at 16384 and 32768 tokens
  *     (one sequence, with lse; checked the same way)
@@ -332,9 +334,19 @@ int main(int argc, char **argv) {
        variants against the default WGMMA kernel's) */
     attn_ctx pc;
     struct wg_variant {
-        bool no_tma; /* kvs_cuda.wgmma_no_tma */
+        bool no_tma;     /* kvs_cuda.wgmma_no_tma */
+        bool l2_last;    /* kvs_cuda.wgmma_l2_last: K/V boxes with an L2 evict_last policy */
+        bool persistent; /* kvs_cuda.wgmma_persistent: a persistent grid of one CTA an SM */
     };
-    const wg_variant wg_default = {false};
+    const wg_variant wg_default = {false, false, false}, wg_no_tma = {true, false, false};
+    /* the variants of docs/CUDA.md "Variants for one comparative run", timed at 4k, 16k and 32k */
+    struct wg_named {
+        const char *name;
+        wg_variant var;
+    };
+    const wg_named wg_vars[] = {{"L2 evict_last", {false, true, false}},
+                                {"persistent", {false, false, true}},
+                                {"persistent + L2 evict_last", {false, true, true}}};
     struct pre_row {
         const char *name;
         int kernel; /* -1: v0 */
@@ -352,7 +364,10 @@ int main(int argc, char **argv) {
         {"default (AUTO: WGMMA on Hopper, else GQA where it fits) + lse", AUTO, true, wg_default, -2},
         {"WGMMA (TMA producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap)", WG, false, wg_default, GQA},
         {"WGMMA + lse", WG, true, wg_default, GQA},
-        {"WGMMA + lse, cp.async producer (no TMA, diagnostic)", WG, true, {true}, WG},
+        {"WGMMA + lse, cp.async producer (no TMA, diagnostic)", WG, true, wg_no_tma, WG},
+        {"WGMMA + lse, L2 evict_last", WG, true, wg_vars[0].var, WG},
+        {"WGMMA + lse, persistent", WG, true, wg_vars[1].var, WG},
+        {"WGMMA + lse, persistent + L2 evict_last", WG, true, wg_vars[2].var, WG},
     };
     const int N_PRE = (int)(sizeof pre / sizeof pre[0]);
     double pre_tf[sizeof pre / sizeof pre[0]] = {0}; /* 0: skipped */
@@ -360,7 +375,9 @@ int main(int argc, char **argv) {
     /* the Hopper kernel runs only where the backend would take it (compute capability 9.0, sm_90a code) */
     const char *wgmma_why = kvs_cuda_wgmma_supported(device);
     kvs_cuda *bc = kvs_cuda_of(b);
-    auto wgmma_set = [&](const wg_variant &v) { bc->wgmma_no_tma = v.no_tma; };
+    auto wgmma_set = [&](const wg_variant &v) {
+        bc->wgmma_no_tma = v.no_tma, bc->wgmma_l2_last = v.l2_last, bc->wgmma_persistent = v.persistent ? bc->n_sms : 0;
+    };
     /* the largest |difference| of the output (and lse) of the attention just run from
        the kernel `ref`'s in its default variant (run on the same inputs; NaN counts as
        infinite) */
@@ -371,7 +388,7 @@ int main(int argc, char **argv) {
         b->to_host_f32(b, got, c->out, n_out);
         if (c->lse) b->to_host(b, got_l, c->lse, n_l * 4);
         const int kernel = bc->prefill;
-        const wg_variant var = {bc->wgmma_no_tma != 0};
+        const wg_variant var = {bc->wgmma_no_tma != 0, bc->wgmma_l2_last != 0, bc->wgmma_persistent != 0};
         bc->prefill = ref;
         wgmma_set(wg_default);
         run_attn(b, c);
@@ -419,7 +436,12 @@ int main(int argc, char **argv) {
         wg_variant var;
         int ref;
     };
-    const long_row lr[] = {{"GQA (v13)", GQA, wg_default, -2}, {"WGMMA", WG, wg_default, GQA}};
+    const long_row lr[] = {{"GQA (v13)", GQA, wg_default, -2},
+                           {"WGMMA", WG, wg_default, GQA},
+                           {"WGMMA, L2 evict_last", WG, wg_vars[0].var, WG},
+                           {"WGMMA, persistent", WG, wg_vars[1].var, WG},
+                           {"WGMMA, persistent + L2 evict_last", WG, wg_vars[2].var, WG}};
+    static_assert(sizeof lr / sizeof lr[0] == 2 + sizeof wg_vars / sizeof wg_vars[0], "a long row per variant");
     const int N_LONG = (int)(sizeof lr / sizeof lr[0]), long_n[2] = {16384, 32768};
     double long_tf[2][sizeof lr / sizeof lr[0]] = {{0}};
     for (int li = 0; li < 2; li++) {
