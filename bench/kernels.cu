@@ -10,11 +10,13 @@
  *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s, one line per
  *     prefill kernel (kvs_cuda_options.prefill: SMALL, HEAD, GQA, WGMMA on
  *     compute capability 9.0), the version kept in bench/prefill_versions.cuh
- *     (v0), the default with lse, the WGMMA kernel's variants (v2 with and
- *     without lse, without ping-pong, without TMA; v1 with and without
- *     ping-pong: v0's and WGMMA's outputs, and WGMMA's lse, checked against the
- *     default's); GQA, WGMMA v1 and v2 (with and without ping-pong) at 16384 and
- *     32768 tokens (one sequence, with lse; v2's output checked against GQA's)
+ *     (v0), the default with lse, the WGMMA kernel with and without lse and its
+ *     variants (the cp.async producer; L2 evict_last on the K/V loads, a
+ *     persistent grid, both: docs/CUDA.md "Variants for one comparative run"):
+ *     v0's output checked against the
+ *     default's, WGMMA's output and lse against GQA's, each variant's against the
+ *     default WGMMA's; GQA, WGMMA and its variants at 16384 and 32768 tokens
+ *     (one sequence, with lse; checked the same way)
  *     (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
  *   - sampling 256 rows of 128,256 logits on the GPU (greedy, temperature,
  *     top-k + top-p + min-p; with logprobs) against copying them to the host as f32
@@ -326,30 +328,46 @@ int main(int argc, char **argv) {
 
     /* prefill attention: 4096 tokens, causal; every kernel (the default also with
        lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh
-       (-1), its output compared with the default's; the WGMMA kernel's variants (the
-       backend's wgmma_* fields, docs/CUDA.md "Hopper prefill kernel") */
+       (-1); the WGMMA kernel's variants (the backend's wgmma_* fields, docs/CUDA.md
+       "Hopper prefill kernel"). A row's output (and lse) is checked against the
+       kernel `ref`'s on the same inputs (the WGMMA kernel's against GQA's; its
+       variants against the default WGMMA kernel's) */
     attn_ctx pc;
+    struct wg_variant {
+        bool no_tma;     /* kvs_cuda.wgmma_no_tma */
+        bool l2_last;    /* kvs_cuda.wgmma_l2_last: K/V boxes with an L2 evict_last policy */
+        bool persistent; /* kvs_cuda.wgmma_persistent: a persistent grid of one CTA an SM */
+    };
+    const wg_variant wg_default = {false, false, false}, wg_no_tma = {true, false, false};
+    /* the variants of docs/CUDA.md "Variants for one comparative run", timed at 4k, 16k and 32k */
+    struct wg_named {
+        const char *name;
+        wg_variant var;
+    };
+    const wg_named wg_vars[] = {{"L2 evict_last", {false, true, false}},
+                                {"persistent", {false, false, true}},
+                                {"persistent + L2 evict_last", {false, true, true}}};
     struct pre_row {
         const char *name;
         int kernel; /* -1: v0 */
-        bool lse, v1;
-        int pingpong; /* kvs_cuda.wgmma_pingpong: -1 the kernel's default */
-        bool no_tma;
+        bool lse;
+        wg_variant var;
+        int ref; /* the kernel whose output it is checked against (its default variant); -2: none */
     };
+    const int AUTO = KVS_CUDA_PREFILL_AUTO, WG = KVS_CUDA_PREFILL_WGMMA, GQA = KVS_CUDA_PREFILL_GQA;
     const pre_row pre[] = {
-        {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)", -1, false, false, -1, false},
-        {"SMALL (v2) 4 warps x 16 rows", KVS_CUDA_PREFILL_SMALL, false, false, -1, false},
-        {"HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip", KVS_CUDA_PREFILL_HEAD, false, false, -1, false},
-        {"GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles", KVS_CUDA_PREFILL_GQA,
-         false, false, -1, false},
-        {"default (AUTO: GQA where it fits) + lse", KVS_CUDA_PREFILL_AUTO, true, false, -1, false},
-        {"WGMMA v2 (TMA producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap, ping-pong)",
-         KVS_CUDA_PREFILL_WGMMA, false, false, -1, false},
-        {"WGMMA v2 + lse", KVS_CUDA_PREFILL_WGMMA, true, false, -1, false},
-        {"WGMMA v2 + lse, no ping-pong", KVS_CUDA_PREFILL_WGMMA, true, false, 0, false},
-        {"WGMMA v2 + lse, cp.async producer (no TMA, diagnostic)", KVS_CUDA_PREFILL_WGMMA, true, false, -1, true},
-        {"WGMMA v1 (9 warps, cp.async producer warp) + lse", KVS_CUDA_PREFILL_WGMMA, true, true, -1, false},
-        {"WGMMA v1 + lse, warpgroups taking turns", KVS_CUDA_PREFILL_WGMMA, true, true, 1, false},
+        {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)", -1, false, wg_default, AUTO},
+        {"SMALL (v2) 4 warps x 16 rows", KVS_CUDA_PREFILL_SMALL, false, wg_default, -2},
+        {"HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip", KVS_CUDA_PREFILL_HEAD, false, wg_default, -2},
+        {"GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles", GQA, false, wg_default,
+         -2},
+        {"default (AUTO: WGMMA on Hopper, else GQA where it fits) + lse", AUTO, true, wg_default, -2},
+        {"WGMMA (TMA producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap)", WG, false, wg_default, GQA},
+        {"WGMMA + lse", WG, true, wg_default, GQA},
+        {"WGMMA + lse, cp.async producer (no TMA, diagnostic)", WG, true, wg_no_tma, WG},
+        {"WGMMA + lse, L2 evict_last", WG, true, wg_vars[0].var, WG},
+        {"WGMMA + lse, persistent", WG, true, wg_vars[1].var, WG},
+        {"WGMMA + lse, persistent + L2 evict_last", WG, true, wg_vars[2].var, WG},
     };
     const int N_PRE = (int)(sizeof pre / sizeof pre[0]);
     double pre_tf[sizeof pre / sizeof pre[0]] = {0}; /* 0: skipped */
@@ -357,11 +375,12 @@ int main(int argc, char **argv) {
     /* the Hopper kernel runs only where the backend would take it (compute capability 9.0, sm_90a code) */
     const char *wgmma_why = kvs_cuda_wgmma_supported(device);
     kvs_cuda *bc = kvs_cuda_of(b);
-    auto wgmma_set = [&](bool v1, int pingpong, bool no_tma) {
-        bc->wgmma_v1 = v1, bc->wgmma_pingpong = pingpong, bc->wgmma_no_tma = no_tma;
+    auto wgmma_set = [&](const wg_variant &v) {
+        bc->wgmma_no_tma = v.no_tma, bc->wgmma_l2_last = v.l2_last, bc->wgmma_persistent = v.persistent ? bc->n_sms : 0;
     };
     /* the largest |difference| of the output (and lse) of the attention just run from
-       the kernel `ref`'s (run on the same inputs; NaN counts as infinite) */
+       the kernel `ref`'s in its default variant (run on the same inputs; NaN counts as
+       infinite) */
     auto against = [&](attn_ctx *c, int n, int ref, double *worst_l) -> double {
         size_t n_out = (size_t)n * 32 * 128, n_l = (size_t)n * 32;
         float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
@@ -369,9 +388,12 @@ int main(int argc, char **argv) {
         b->to_host_f32(b, got, c->out, n_out);
         if (c->lse) b->to_host(b, got_l, c->lse, n_l * 4);
         const int kernel = bc->prefill;
+        const wg_variant var = {bc->wgmma_no_tma != 0, bc->wgmma_l2_last != 0, bc->wgmma_persistent != 0};
         bc->prefill = ref;
+        wgmma_set(wg_default);
         run_attn(b, c);
         bc->prefill = kernel;
+        wgmma_set(var);
         b->to_host_f32(b, want, c->out, n_out);
         if (c->lse) b->to_host(b, want_l, c->lse, n_l * 4);
         double worst = 0;
@@ -382,61 +404,68 @@ int main(int argc, char **argv) {
         free(got), free(want), free(got_l), free(want_l);
         return worst;
     };
+    auto ref_name = [&](int ref) { return ref == AUTO ? "the default" : ref == GQA ? "GQA" : "the default WGMMA"; };
     for (int v = 0; v < N_PRE; v++) {
         const pre_row &r = pre[v];
-        if (r.kernel == KVS_CUDA_PREFILL_WGMMA && wgmma_why) {
+        if (r.kernel == WG && wgmma_why) {
             printf("prefill attention: %s: skipped (%s)\n", r.name, wgmma_why);
             continue;
         }
-        bc->prefill = r.kernel < 0 ? KVS_CUDA_PREFILL_AUTO : r.kernel;
-        wgmma_set(r.v1, r.pingpong, r.no_tma);
+        bc->prefill = r.kernel < 0 ? AUTO : r.kernel;
+        wgmma_set(r.var);
         if (!attn_setup(b, &pc, 1, 4096, 4096, r.lse)) return fprintf(stderr, "out of memory\n"), 1;
         double t_pre = time_it(b, 20, r.kernel < 0 ? run_attn_v0 : run_attn, &pc), tf = flops / t_pre / 1e12;
         pre_tf[v] = tf;
         printf("prefill attention: 4096 tokens causal, 32/8 heads, d 128, %s: %.3f ms, %.1f TFLOP/s (%.0f%% of gemm)\n",
                r.name, t_pre * 1e3, tf, 100 * tf / gemm_tf);
-        if (r.kernel < 0 || r.kernel == KVS_CUDA_PREFILL_WGMMA) {
-            /* a kernel kept outside the backend, or the one not yet chosen automatically: its output (and lse)
-               against the default's */
-            double worst_l, worst = against(&pc, 4096, KVS_CUDA_PREFILL_AUTO, &worst_l);
-            printf("prefill attention: %s against the default: max |difference| %.3g (bf16 outputs)", r.name, worst);
+        if (r.ref != -2) {
+            double worst_l, worst = against(&pc, 4096, r.ref, &worst_l);
+            printf("prefill attention: %s against %s: max |difference| %.3g (bf16 outputs)", r.name, ref_name(r.ref),
+                   worst);
             if (pc.lse) printf(", lse %.3g", worst_l);
             printf("\n");
         }
-        wgmma_set(false, -1, false);
+        wgmma_set(wg_default);
         attn_free(b, &pc);
     }
-    /* the issue-15 targets at 16k and 32k tokens (one sequence, causal, with lse): GQA and the WGMMA kernels, a
-       few runs each; WGMMA v2's output and lse against GQA's */
-    struct long_row { const char *name; int kernel; bool v1; int pingpong; };
-    const long_row lr[] = {{"GQA (v13)", KVS_CUDA_PREFILL_GQA, false, -1},
-                           {"WGMMA v1", KVS_CUDA_PREFILL_WGMMA, true, -1},
-                           {"WGMMA v2", KVS_CUDA_PREFILL_WGMMA, false, -1},
-                           {"WGMMA v2, no ping-pong", KVS_CUDA_PREFILL_WGMMA, false, 0}};
+    /* the issue-15 targets at 16k and 32k tokens (one sequence, causal, with lse): GQA, the WGMMA kernel and its
+       variants, a few runs each; WGMMA's output and lse against GQA's, a variant's against the default WGMMA's */
+    struct long_row {
+        const char *name;
+        int kernel;
+        wg_variant var;
+        int ref;
+    };
+    const long_row lr[] = {{"GQA (v13)", GQA, wg_default, -2},
+                           {"WGMMA", WG, wg_default, GQA},
+                           {"WGMMA, L2 evict_last", WG, wg_vars[0].var, WG},
+                           {"WGMMA, persistent", WG, wg_vars[1].var, WG},
+                           {"WGMMA, persistent + L2 evict_last", WG, wg_vars[2].var, WG}};
+    static_assert(sizeof lr / sizeof lr[0] == 2 + sizeof wg_vars / sizeof wg_vars[0], "a long row per variant");
     const int N_LONG = (int)(sizeof lr / sizeof lr[0]), long_n[2] = {16384, 32768};
     double long_tf[2][sizeof lr / sizeof lr[0]] = {{0}};
     for (int li = 0; li < 2; li++) {
         const int n = long_n[li];
         double *tf_n = long_tf[li];
         for (int v = 0; v < N_LONG; v++) {
-            if (lr[v].kernel == KVS_CUDA_PREFILL_WGMMA && wgmma_why) {
+            if (lr[v].kernel == WG && wgmma_why) {
                 printf("prefill attention: %d tokens, %s: skipped (%s)\n", n, lr[v].name, wgmma_why);
                 continue;
             }
             bc->prefill = lr[v].kernel;
-            wgmma_set(lr[v].v1, lr[v].pingpong, false);
+            wgmma_set(lr[v].var);
             if (!attn_setup(b, &pc, 1, n, n, true)) return fprintf(stderr, "out of memory\n"), 1;
             double t = time_it(b, n > 16384 ? 3 : 5, run_attn, &pc);
             tf_n[v] = 4.0 * 32 * 128 * ((double)n * (n + 1) / 2) / t / 1e12;
             printf("prefill attention: %d tokens causal, 32/8 heads, d 128, + lse, %s: %.3f ms, %.1f TFLOP/s", n,
                    lr[v].name, t * 1e3, tf_n[v]);
             if (tf_n[0] > 0 && v > 0) printf(" (%.2fx GQA)", tf_n[v] / tf_n[0]);
-            if (lr[v].kernel == KVS_CUDA_PREFILL_WGMMA && !lr[v].v1 && lr[v].pingpong < 0) {
-                double worst_l, worst = against(&pc, n, KVS_CUDA_PREFILL_GQA, &worst_l);
-                printf("; against GQA: max |difference| %.3g, lse %.3g", worst, worst_l);
+            if (lr[v].ref != -2) {
+                double worst_l, worst = against(&pc, n, lr[v].ref, &worst_l);
+                printf("; against %s: max |difference| %.3g, lse %.3g", ref_name(lr[v].ref), worst, worst_l);
             }
             printf("\n");
-            wgmma_set(false, -1, false);
+            wgmma_set(wg_default);
             attn_free(b, &pc);
         }
     }

@@ -777,10 +777,10 @@ Test(cuda, attention_prefill_variants) {
  * and 128, 4096-token sequences, block sizes 16 and 32, graph-mode tables, and
  * the calls it does not take (FP8 pools, head_dim 32, block size 24) falling
  * back to the automatic choice. Tolerances as the other prefill kernels'.
- * The tests run v2 (the default); attention_wgmma_v1 runs the same cases through
- * v1 (KVSPARSE_WGMMA_V1=1), attention_wgmma_no_tma through v2's cp.async
- * producer (KVSPARSE_WGMMA_TMA=0), attention_wgmma_pingpong both kernels with
- * the turn-taking of the warpgroups flipped from their default. */
+ * attention_wgmma_no_tma runs the cases through the kernel's cp.async producer
+ * (KVSPARSE_WGMMA_TMA=0: the path an explicit request takes where the TMA view of
+ * the pool cannot be made); attention_wgmma_l2_hint and attention_wgmma_persistent
+ * through the variants. */
 #define WGMMA KVS_CUDA_PREFILL_WGMMA
 static bool kv8_available(void);
 static const int odd_kv[] = {1, 17, 64, 65, 463, 700, 129, 130, 117, 17};
@@ -838,36 +838,12 @@ Test(cuda, attention_wgmma_d128_groups) { wgmma_d128_groups(); }
 Test(cuda, attention_wgmma_d64) { wgmma_d64(); }
 Test(cuda, attention_wgmma_long, .timeout = 600) { wgmma_long(); }
 Test(cuda, attention_wgmma_mixed_capacity_blocks) { wgmma_mixed_capacity_blocks(); }
-/* the v1 kernel (KVSPARSE_WGMMA_V1=1, read when the backend is created) on every case */
-Test(cuda, attention_wgmma_v1, .timeout = 900) {
-    setenv("KVSPARSE_WGMMA_V1", "1", 1);
-    wgmma_all(true);
-    unsetenv("KVSPARSE_WGMMA_V1");
-}
-/* v2 loading every K/V row by cp.async (KVSPARSE_WGMMA_TMA=0): the consumers without
+/* every K/V row by cp.async (KVSPARSE_WGMMA_TMA=0, read when the backend is created): the consumers without
    TMA (up to 6 tiles a block: every stage reused; the long cases left to the others) */
 Test(cuda, attention_wgmma_no_tma) {
     setenv("KVSPARSE_WGMMA_TMA", "0", 1);
     wgmma_all(false);
     unsetenv("KVSPARSE_WGMMA_TMA");
-}
-/* the warpgroups' turn-taking (KVSPARSE_WGMMA_PINGPONG) flipped from each kernel's
- * default (off in both): v2 and v1 with it; every block shape (4, 2 and 1 heads a block;
- * a warpgroup past its keys still taking its turns), head_dim 64 and 128, a long
- * sequence */
-Test(cuda, attention_wgmma_pingpong, .timeout = 600) {
-    const int kv[] = {1500, 333}, q[] = {1500, 333};
-    for (int v1 = 0; v1 < 2; v1++) {
-        setenv("KVSPARSE_WGMMA_PINGPONG", "1", 1); /* off by default in both (measured slower in v2) */
-        if (v1) setenv("KVSPARSE_WGMMA_V1", "1", 1);
-        attention_case_prefill(WGMMA, 32, 8, 128, ODD_N, odd_kv, odd_q, 1);
-        attention_case_prefill(WGMMA, 16, 8, 128, MIX_N, mix_kv, mix_q, 1);
-        attention_case_prefill(WGMMA, 6, 2, 128, ODD_N, odd_kv, odd_q, 1);
-        attention_case_prefill(WGMMA, 16, 4, 64, ODD_N, odd_kv, odd_q, 1);
-        attention_case_prefill(WGMMA, 32, 8, 128, 2, kv, q, 1);
-    }
-    unsetenv("KVSPARSE_WGMMA_PINGPONG");
-    unsetenv("KVSPARSE_WGMMA_V1");
 }
 /* Pool entries no sequence wrote are NaN (then Inf) on the GPU: the tail of each
  * sequence's last block past its last key (which TMA would load as it is) and the
@@ -877,30 +853,66 @@ Test(cuda, attention_wgmma_pingpong, .timeout = 600) {
  * 130 and kv 260 / q 200: 60 cached entries; the first block's warpgroup 0 sees
  * keys up to 123 of 188) or whose warpgroup 1 has no row at all (their last
  * block). No leading one-query sequence: those go to the decode kernel. Every
- * kernel: v2, v2 without TMA, v1. */
+ * path: TMA (with the cp.async tail) and cp.async alone. */
 static const int nan_kv[] = {17, 463, 700, 190, 260, 33, 1, 129, 5, 31};
 static const int nan_q[] = {17, 63, 700, 130, 200, 1, 1, 65, 5, 31};
 #define NAN_N 10
+static void wgmma_nan_cases(void) {
+    paged_poison = 0x7fc0; /* NaN */
+    attention_case_prefill(WGMMA, 32, 8, 128, NAN_N, nan_kv, nan_q, 1); /* 4 heads a block */
+    attention_case_prefill(WGMMA, 16, 8, 128, NAN_N, nan_kv, nan_q, 1); /* 2 */
+    attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);  /* 1 */
+    attention_case_prefill(WGMMA, 6, 2, 128, NAN_N, nan_kv, nan_q, 8);  /* 1, graph-mode tables */
+    attention_case_prefill(WGMMA, 8, 8, 64, NAN_N, nan_kv, nan_q, 1);
+    paged_block_size = 32;
+    attention_case_prefill(WGMMA, 32, 8, 128, NAN_N, nan_kv, nan_q, 1);
+    attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);
+    paged_block_size = 16;
+    paged_poison = 0x7f80; /* +Inf */
+    attention_case_prefill(WGMMA, 32, 8, 128, NAN_N, nan_kv, nan_q, 1);
+    attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);
+    paged_poison = 0;
+}
 Test(cuda, attention_wgmma_nan_pool, .timeout = 600) {
-    const char *env[3][2] = {{NULL, NULL}, {"KVSPARSE_WGMMA_TMA", "0"}, {"KVSPARSE_WGMMA_V1", "1"}};
-    for (int k = 0; k < 3; k++) {
-        if (env[k][0]) setenv(env[k][0], env[k][1], 1);
-        paged_poison = 0x7fc0; /* NaN */
-        attention_case_prefill(WGMMA, 32, 8, 128, NAN_N, nan_kv, nan_q, 1); /* 4 heads a block */
-        attention_case_prefill(WGMMA, 16, 8, 128, NAN_N, nan_kv, nan_q, 1); /* 2 */
-        attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);  /* 1 */
-        attention_case_prefill(WGMMA, 6, 2, 128, NAN_N, nan_kv, nan_q, 8);  /* 1, graph-mode tables */
-        attention_case_prefill(WGMMA, 8, 8, 64, NAN_N, nan_kv, nan_q, 1);
-        paged_block_size = 32;
-        attention_case_prefill(WGMMA, 32, 8, 128, NAN_N, nan_kv, nan_q, 1);
-        attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);
-        paged_block_size = 16;
-        paged_poison = 0x7f80; /* +Inf */
-        attention_case_prefill(WGMMA, 32, 8, 128, NAN_N, nan_kv, nan_q, 1);
-        attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);
-        paged_poison = 0;
-        if (env[k][0]) unsetenv(env[k][0]);
-    }
+    wgmma_nan_cases();
+    setenv("KVSPARSE_WGMMA_TMA", "0", 1);
+    wgmma_nan_cases();
+    unsetenv("KVSPARSE_WGMMA_TMA");
+}
+/* The variants of docs/CUDA.md "Variants for one comparative run" (knobs read when the
+ * backend is created). L2 evict_last on the K/V boxes (KVSPARSE_WGMMA_L2HINT=1): the
+ * TMA instruction with the cache hint, every case but the long ones, and the NaN pool
+ * (the cp.async tail beside hinted boxes). */
+Test(cuda, attention_wgmma_l2_hint, .timeout = 600) {
+    setenv("KVSPARSE_WGMMA_L2HINT", "1", 1);
+    wgmma_all(false);
+    wgmma_nan_cases();
+    unsetenv("KVSPARSE_WGMMA_L2HINT");
+}
+/* A persistent grid (KVSPARSE_WGMMA_PERSISTENT=N CTAs taking every N-th work item):
+ * with 3 and 5 CTAs every CTA takes many items, so the rings' stages and phases run
+ * on across items of 1 to 32 tiles, items with no row (q-blocks past a short
+ * sequence's q_len) are skipped by the producer and the consumers alike, a stage
+ * that a later item's cp.async tail rewrites is fenced, and Q is reloaded after the
+ * last item's wgmma's; every case (the long ones too: ~100 items a CTA), the NaN pool
+ * with TMA and without, and with the L2 hint; then the SM count's worth of CTAs
+ * (132 on the H200: more CTAs than items in the small cases, one item a CTA). */
+Test(cuda, attention_wgmma_persistent, .timeout = 900) {
+    setenv("KVSPARSE_WGMMA_PERSISTENT", "5", 1);
+    wgmma_all(true);
+    setenv("KVSPARSE_WGMMA_PERSISTENT", "3", 1);
+    wgmma_nan_cases();
+    setenv("KVSPARSE_WGMMA_TMA", "0", 1);
+    wgmma_nan_cases();
+    unsetenv("KVSPARSE_WGMMA_TMA");
+    setenv("KVSPARSE_WGMMA_L2HINT", "1", 1);
+    wgmma_nan_cases();
+    wgmma_d128_gqa4();
+    unsetenv("KVSPARSE_WGMMA_L2HINT");
+    setenv("KVSPARSE_WGMMA_PERSISTENT", "132", 1);
+    wgmma_d128_gqa4();
+    wgmma_long();
+    unsetenv("KVSPARSE_WGMMA_PERSISTENT");
 }
 /* calls the kernel does not take run the automatic choice's kernel */
 Test(cuda, attention_wgmma_falls_back) {

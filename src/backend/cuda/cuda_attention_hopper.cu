@@ -16,18 +16,15 @@
  * (the f32 accumulator layout of a 16-column slice is the A-fragment layout), V
  * from shared memory as the N-major (transposed) B operand.
  *
- * v2 (kvs_attn_wgmma2_kernel, the default): FlashAttention-3's structure. 12 warps:
- * a producer warpgroup (warps 8-11, setmaxnreg down to 40 registers; warp 8 loads)
- * and the two consumer warpgroups (setmaxnreg up to 232). The producer fills a K
- * ring and a V ring (STAGES tiles each) by TMA, a 16-row x 64-column box per paged
- * block (16 keys) and column block; the rows of the last tile at or past the
- * block's last key go by cp.async with zero fill instead, so that stale or NaN
- * pool rows never reach the tensor cores. Consumers overlap within the warpgroup:
- * S of tile i and P V of tile i - 1 are issued together, the softmax of i runs
- * while P V of i - 1 does; and across warpgroups (ping-pong, named barriers) they
- * take turns issuing. v1 (kvs_attn_wgmma_kernel, KVSPARSE_WGMMA_V1=1, kept until
- * v2 is measured): 9 warps, one cp.async producer warp, one K/V ring, S, wait,
- * softmax, P V, wait in lockstep.
+ * FlashAttention-3's structure (kvs_attn_wgmma_kernel). 12 warps: a producer
+ * warpgroup (warps 8-11, setmaxnreg down to 40 registers; warp 8 loads) and the two
+ * consumer warpgroups (setmaxnreg up to 232). The producer fills a K ring and a V
+ * ring (STAGES tiles each) by TMA, a 16-row x 64-column box per paged block (16
+ * keys) and column block; the rows of the last tile at or past the block's last key
+ * go by cp.async with zero fill instead, so that stale or NaN pool rows never reach
+ * the tensor cores (without a TMA view of the pool every row goes that way).
+ * Consumers overlap within the warpgroup: S of tile i and P V of tile i - 1 are
+ * issued together, the softmax of i runs while P V of i - 1 does.
  *
  * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 = 128
  * bytes of each row): Q [D/64 column blocks][128 rows][128 B], then the K/V tiles
@@ -56,47 +53,44 @@ __device__ int kvs_wgmma_built =
 
 #define KVS_WG_BM 128      /* query rows a block (two consumer warpgroups of 64) */
 #define KVS_WG_BN 128      /* keys a K/V tile */
-#define KVS_WG_THREADS 288 /* v1: 8 consumer warps + the producer warp */
-#define KVS_WG2_THREADS 384 /* v2: 2 consumer warpgroups + the producer warpgroup */
-/* v2's registers a thread after setmaxnreg: producer + 2 consumers = 3 x 168, the
+#define KVS_WG_THREADS 384 /* 2 consumer warpgroups + the producer warpgroup */
+/* registers a thread after setmaxnreg: producer + 2 consumers = 3 x 168, the
    count ptxas compiles 384 threads at (ptxas: the producer spills at 24, the
    consumers need 192 at head_dim 128) */
-#define KVS_WG2_PRODUCER_REGS 40
-#define KVS_WG2_CONSUMER_REGS 232
+#define KVS_WG_PRODUCER_REGS 40
+#define KVS_WG_CONSUMER_REGS 232
+/* the kernel's flags (an int argument; kvs_cuda fields, docs/CUDA.md "Hopper prefill
+   kernel (wgmma)"): the K/V boxes by TMA (else every row by cp.async, the map unused);
+   those boxes with an L2 evict_last policy */
+#define KVS_WG_TMA 1
+#define KVS_WG_L2_LAST 2
 
-/* v1: Q, then STAGES x (K tile, V tile), then full[STAGES], empty[STAGES] */
 template <int D, int STAGES>
 struct kvs_wg_smem {
-    static constexpr size_t TILE = (size_t)KVS_WG_BN * D * 2; /* one K (or V) tile */
-    static constexpr size_t q = 0, kv = (size_t)KVS_WG_BM * D * 2, bar = kv + (size_t)STAGES * 2 * TILE;
-    static constexpr size_t bytes = bar + 2 * STAGES * 8 + 1024; /* + slack to align the base to 1024 */
-};
-/* v2: Q, the K ring, the V ring, then K full, V full, K empty, V empty (STAGES each) */
-template <int D, int STAGES>
-struct kvs_wg2_smem {
     static constexpr size_t TILE = (size_t)KVS_WG_BN * D * 2;
     static constexpr size_t q = 0, k = (size_t)KVS_WG_BM * D * 2, v = k + STAGES * TILE, bar = v + STAGES * TILE;
     static constexpr size_t bytes = bar + 4 * STAGES * 8 + 1024;
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* ---- the consumer warpgroups' pieces both kernels share ---------------------------
+/* ---- the kernel's pieces ------------------------------------------------------------
  * Block row R: head h0 + R / MH, position q0 + R % MH; warpgroup wg owns rows
  * 64 wg .. 64 wg + 63; a thread holds rows R0 = 64 wg + 16 (warp % 4) + lane / 4
  * and R0 + 8 (one head). */
 
-/* The block's work (both kernels): query heads h0 .. h0 + HEADS - 1 of KV group g,
-   positions q0 .. q0 + 128 / HEADS - 1 of sequence seq (position tiles from the last
-   down: the heaviest blocks first), whose chunk starts at token t0 and sees
-   `past` cached entries; the block's rows see keys 0 .. n_keys - 1 (n_tiles tiles
-   of 128). q0 >= q_len: the block has no row. */
+/* Work item w of the kernel (ny q-blocks a sequence): query heads h0 .. h0 + HEADS - 1
+   of KV group g, positions q0 .. q0 + 128 / HEADS - 1 of sequence seq (position tiles
+   from the last down: the heaviest first), whose chunk starts at token t0 and sees
+   `past` cached entries; the item's rows see keys 0 .. n_keys - 1 (n_tiles tiles of
+   128). q0 >= q_len: the item has no row. */
 template <int HEADS>
 struct kvs_wg_block {
     int h0, g, seq, q0, t0, q_len, past, n_keys, n_tiles;
-    __device__ __forceinline__ explicit kvs_wg_block(const kvs_attn_args &a) {
+    __device__ __forceinline__ kvs_wg_block(const kvs_attn_args &a, int w, int ny) {
         constexpr int MH = KVS_WG_BM / HEADS;
-        h0 = blockIdx.x * HEADS, g = h0 / (a.n_heads / a.n_kv_heads), seq = blockIdx.z;
-        q0 = (gridDim.y - 1 - blockIdx.y) * MH;
+        const int nx = a.n_heads / HEADS;
+        h0 = w % nx * HEADS, g = h0 / (a.n_heads / a.n_kv_heads), seq = w / nx / ny;
+        q0 = (ny - 1 - w / nx % ny) * MH;
         t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, past = a.kv_len[seq] - q_len;
         n_keys = past + min(q0 + MH, q_len);
         n_tiles = (n_keys + KVS_WG_BN - 1) / KVS_WG_BN;
@@ -178,223 +172,28 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
         }
     }
 }
-#endif
 
-/* v1 (KVSPARSE_WGMMA_V1=1, until v2 is measured): HEADS query heads of KV group
- * blockIdx.x / ... x 128 / HEADS positions a block (positions from the last tile
- * down: the heaviest blocks first), sequence blockIdx.z. Needs scale > 0 (the row
- * max is taken over raw scores). */
-template <int D, int STAGES, int HEADS, bool PINGPONG>
-__global__ void __launch_bounds__(KVS_WG_THREADS, 1)
-    kvs_attn_wgmma_kernel(kvs_attn_args a, bf16 *out, float *lse) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using L = kvs_wg_smem<D, STAGES>;
-    constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS; /* positions a block */
-    constexpr int CH = D / 8;                                       /* 16-byte chunks a row */
-    constexpr int LAG = STAGES - 2; /* tiles the producer keeps in flight unsignalled */
-    static_assert(D == 64 || D == 128, "head_dim 64 or 128");
-    static_assert(STAGES >= 2, "two stages at least");
-    extern __shared__ unsigned char kvs_wg_smem_raw[];
-    const uint32_t base = (kvs_smem_u32(kvs_wg_smem_raw) + 1023u) & ~1023u;
-    const uint32_t q_s = base + (uint32_t)L::q, kv_s = base + (uint32_t)L::kv, bar_s = base + (uint32_t)L::bar;
-    /* full[st] at bar_s + 8 st, empty[st] at bar_s + 8 (STAGES + st) */
-
-    const kvs_wg_block<HEADS> blk(a);
-    const int h0 = blk.h0, g = blk.g, seq = blk.seq, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
-    if (q0 >= q_len) return; /* the whole block: before any barrier */
-    const int past = blk.past, n_keys = blk.n_keys, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (threadIdx.x == 0) {
-        for (int st = 0; st < STAGES; st++) {
-            kvs_mbar_init(bar_s + 8 * st, 32);                          /* the producer warp's lanes */
-            kvs_mbar_init(bar_s + 8 * (STAGES + st), 8);                /* the consumer warps */
-        }
-    }
-    __syncthreads();
-
-    if (warp == 8) {
-        /* ---- producer: tile i into stage i % STAGES ---- */
-        const int32_t *table = kvs_attn_table(a, seq);
-        constexpr int RPI = 32 / CH;  /* rows one warp-wide copy covers */
-        constexpr int NG = BN / 16;   /* 16-key groups a tile (one paged block each: block_size % 16 == 0) */
-        constexpr int VPG = 16 / RPI; /* copies a lane issues per group, for K (and as many for V) */
-        const int c = lane % CH, rs = lane / CH;
-        const size_t v_delta = (size_t)a.n_kv_heads * a.block_size * D;
-        /* lane j < NG: the paged block of group j of tile i (0 past the block's keys) */
-        auto block_of = [&](int i) -> int {
-            const int e = i * BN + 16 * lane;
-            return lane < NG && e < n_keys ? table[e / a.block_size] : 0;
-        };
-        int blk_next = block_of(0);
-        for (int i = 0; i < n_tiles; i++) {
-            const int blk_lanes = blk_next;
-            if (i + 1 < n_tiles) blk_next = block_of(i + 1); /* consumed next iteration */
-            const int st = i % STAGES;
-            if (i >= STAGES) kvs_mbar_wait(bar_s + 8 * (STAGES + st), ((i / STAGES) - 1) & 1); /* tile i - STAGES read */
-            const uint32_t k_st = kv_s + (uint32_t)(st * 2 * L::TILE), v_st = k_st + (uint32_t)L::TILE;
-#pragma unroll
-            for (int gi = 0; gi < NG; gi++) {
-                const int e0 = i * BN + 16 * gi;
-                const int blk = __shfl_sync(0xffffffffu, blk_lanes, gi);
-                const bf16 *src0 =
-                    a.pool + (e0 < n_keys ? kvs_kv_offset(blk, 0, g, e0 % a.block_size, a.n_kv_heads, a.block_size, D)
-                                          : (size_t)0) + c * 8;
-#pragma unroll
-                for (int v = 0; v < VPG; v++) {
-                    const int rr = rs + RPI * v, r = 16 * gi + rr;
-                    const bool ok = e0 + rr < n_keys;
-                    const bf16 *src = ok ? src0 + (size_t)rr * D : a.pool;
-                    const uint32_t off = kvs_wg_swz(BN, r, c);
-                    kvs_cp_async16(k_st + off, src, ok);
-                    kvs_cp_async16(v_st + off, ok ? src + v_delta : a.pool, ok);
-                }
-            }
-            kvs_cp_async_commit();
-            if (i >= LAG) { /* tile i - LAG landed (this lane's copies): publish it */
-                kvs_cp_async_wait<LAG>();
-                kvs_fence_proxy_async();
-                kvs_mbar_arrive(bar_s + 8 * ((i - LAG) % STAGES));
-            }
-        }
-        kvs_cp_async_wait<0>();
-        kvs_fence_proxy_async();
-        for (int j = n_tiles - LAG > 0 ? n_tiles - LAG : 0; j < n_tiles; j++) kvs_mbar_arrive(bar_s + 8 * (j % STAGES));
-        return;
-    }
-
-    /* ---- consumers: warpgroup wg owns block rows 64 wg .. 64 wg + 63 ---- */
-    const int wg = warp / 4;
-    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
-
-    /* (few values live across the key loop: the kernel sits at the 168 registers 9
-       warps allow, 3 warps on one SM sub-partition; the epilogue recomputes its own) */
-    const int R0 = 64 * wg + 16 * (warp % 4) + lane / 4; /* this thread's rows R0 and R0 + 8 (one head) */
-    const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
-    /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
-    const int wg_first = q0 + (HEADS == 1 ? 64 * wg : 0);
-    /* keys past it: no live row of the warpgroup sees them (-1: no live row) */
-    const int wg_last_key = wg_first < q_len ? past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1 : -1;
-    const int wg_full_key = past + wg_first; /* every row sees keys up to it */
-    const float scale_log2 = a.scale * KVS_LOG2E;
-    const uint32_t q_wg = q_s + (uint32_t)wg * 64 * 128;
-
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; i++) o[i] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-    /* PINGPONG: the warpgroups take turns issuing their GEMMs (named barrier 3:
-       warpgroup 0's turn, 4: warpgroup 1's), S of warpgroup 0, S of 1, P V of 0,
-       P V of 1, ..., so one's softmax runs while the other's GEMM occupies the
-       tensor cores. Each takes two turns a tile, issuing or not (a warpgroup
-       past its keys), and the last arrive is dropped, so every arrive meets a sync. */
-    if (PINGPONG && wg == 1) kvs_turn_arrive(3); /* warpgroup 0 goes first */
-    for (int i = 0; i < n_tiles; i++) {
-        const int st = i % STAGES, k0 = i * BN;
-        const bool live = k0 <= wg_last_key; /* warpgroup-uniform */
-        kvs_mbar_wait(bar_s + 8 * st, (i / STAGES) & 1); /* tile i landed */
-        const uint32_t k_st = kv_s + (uint32_t)(st * 2 * L::TILE), v_st = k_st + (uint32_t)L::TILE;
-        float s[BN / 2];
-        if (PINGPONG) kvs_turn_sync(3 + wg);
-        if (live) {
-            kvs_wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                const uint64_t da = kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16);
-                const uint64_t db = kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16);
-                kvs_wgmma_ss<BN>(s, da, db, kk > 0);
-            }
-            kvs_wgmma_commit();
-        }
-        if (PINGPONG) kvs_turn_arrive(4 - wg);
-        uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
-        if (live) {
-            kvs_wgmma_wait<0>();
-            kvs_wg_fence_regs(s);
-
-            /* online softmax (log2 domain; m over scaled scores); mask where the tile crosses some row's diagonal */
-            float mx0, mx1;
-            kvs_wg_row_max<BN>(s, k0, k0 + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
-            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-            const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
-            const float alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
-            const bool grew = mn0 != m0 || mn1 != m1;
-            m0 = mn0, m1 = mn1;
-            float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                const float p0 = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
-                const float p1 = kvs_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
-                const float p2 = kvs_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
-                const float p3 = kvs_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
-                sum0 += p0 + p1;
-                sum1 += p2 + p3;
-                pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(p0, p1);     /* row lane/4, keys 8 j + 2 (lane % 4) */
-                pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(p2, p3); /* row lane/4 + 8 */
-            }
-            l0 = l0 * alpha0 + sum0;
-            l1 = l1 * alpha1 + sum1;
-            if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-                for (int j = 0; j < D / 8; j++) {
-                    o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
-                    o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
-                }
-            }
-
-        }
-        /* O += P V */
-        if (PINGPONG) kvs_turn_sync(3 + wg);
-        if (live) {
-            kvs_wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) {
-                const uint64_t db = kvs_wg_desc(v_st + kk * 16 * 128, BN * 128);
-                kvs_wgmma_rs<D>(o, pa[kk], db, 1);
-            }
-            kvs_wgmma_commit();
-        }
-        if (PINGPONG && !(wg == 1 && i == n_tiles - 1)) kvs_turn_arrive(4 - wg);
-        if (live) {
-            kvs_wgmma_wait<0>();
-            kvs_wg_fence_regs(o);
-        }
-        /* stage st is read (this warp's wgmma's completed above): hand it back */
-        kvs_fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) kvs_mbar_arrive(bar_s + 8 * (STAGES + st));
-    }
-
-    if (wg_last_key < 0) return; /* no live row */
-    kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
-#else
-    __trap(); /* not built for sm_90a: kvs_cuda_wgmma_supported refuses such devices */
-#endif
-}
-
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* v2's producer warp: K and V of tile i (keys [128 i, 128 i + 128) of the block's
- * n_keys, 8 groups of 16 keys, one paged block each) into stage i % STAGES of the K
- * and V rings. Full groups by TMA: lane l < 8 x D/64 loads the box (group l % 8,
- * column block l / 8). On the last tile, the groups holding keys at or past n_keys
- * (the sequence's last paged block may hold anything past its last key: stale rows
- * of other requests, never-written NaN) go by 16-byte cp.async with those rows
- * zero-filled, waited for and fenced to the async proxy by each lane before it
- * arrives; without TMA every group goes that way. Every lane arrives on the full
- * barrier once a tile and ring, lane 0's arrival announcing the TMA bytes. */
-template <int D, int STAGES, bool TMA>
-__device__ __forceinline__ void kvs_wg2_produce(const CUtensorMap *map, const kvs_attn_args &a, int g, int seq,
-                                                int n_keys, int n_tiles, uint32_t k_s, uint32_t v_s, uint32_t bars,
-                                                int lane) {
+/* The producer warp, one work item: K and V of tile i (keys [128 i, 128 i + 128) of
+ * the item's n_keys, 8 groups of 16 keys, one paged block each) into stage r % STAGES
+ * of the K and V rings, r = ring + i (ring: the tiles this CTA's earlier items
+ * loaded; a stage's phase goes on across items). Full groups by TMA: lane l < 8 x
+ * D/64 loads the box (group l % 8, column block l / 8). On the last tile, the groups
+ * holding keys at or past n_keys (the sequence's last paged block may hold anything
+ * past its last key: stale rows of other requests, never-written NaN) go by 16-byte
+ * cp.async with those rows zero-filled, waited for and fenced to the async proxy by
+ * each lane before it arrives; without TMA every group goes that way. Every lane
+ * arrives on the full barrier once a tile and ring, lane 0's arrival announcing the
+ * TMA bytes. policy: the L2 policy of the boxes (l2_last). */
+template <int D, int STAGES>
+__device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma, bool l2_last, uint64_t policy,
+                                               const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
+                                               int ring, uint32_t k_s, uint32_t v_s, uint32_t bars, int lane) {
     constexpr int BN = KVS_WG_BN, NG = BN / 16, CB = D / 64, CH = D / 8;
     constexpr int RPI = 32 / CH, VPG = 16 / RPI;                /* rows a warp-wide copy; copies a lane a group */
     constexpr uint32_t TILE = (uint32_t)BN * D * 2, BOX = 16 * 128; /* a box: 16 rows x 128 bytes */
     const int32_t *table = kvs_attn_table(a, seq);
     const int bs = a.block_size, gl = lane % NG, cbl = lane / NG; /* TMA: the box of lane < NG x CB */
     const int c = lane % CH, rs = lane / CH;                      /* cp.async: chunk c of rows rs + RPI v */
-    if (TMA && lane == 0) kvs_tma_prefetch_map(map);
     auto block_of = [&](int i) -> int { /* the paged block of group gl of tile i (0 past the keys) */
         const int e = i * BN + 16 * gl;
         return e < n_keys ? table[e / bs] : 0;
@@ -403,13 +202,13 @@ __device__ __forceinline__ void kvs_wg2_produce(const CUtensorMap *map, const kv
     for (int i = 0; i < n_tiles; i++) {
         const int blk = blk_next;
         if (i + 1 < n_tiles) blk_next = block_of(i + 1); /* used next tile: its latency hides */
-        const int st = i % STAGES, k0 = i * BN;
-        const int n_tma = !TMA ? 0 : i + 1 < n_tiles ? NG : min(NG, (n_keys - k0) / 16); /* groups [0, n_tma) */
+        const int r = ring + i, st = r % STAGES, k0 = i * BN;
+        const int n_tma = !tma ? 0 : i + 1 < n_tiles ? NG : min(NG, (n_keys - k0) / 16); /* groups [0, n_tma) */
 #pragma unroll
         for (int kind = 0; kind < 2; kind++) { /* K, then V (released later by the consumers) */
             const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
             const uint32_t dst = (kind ? v_s : k_s) + st * TILE;
-            if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
+            if (r >= STAGES) kvs_mbar_wait(empty, ((r / STAGES) & 1) ^ 1); /* tile r - STAGES read */
             if (n_tma < NG) {
                 for (int gi = n_tma; gi < NG; gi++) {
                     const int e0 = k0 + 16 * gi, b = __shfl_sync(0xffffffffu, blk, gi);
@@ -428,22 +227,34 @@ __device__ __forceinline__ void kvs_wg2_produce(const CUtensorMap *map, const kv
             }
             if (lane == 0 && n_tma > 0) kvs_mbar_arrive_tx(full, (uint32_t)(n_tma * CB) * BOX);
             else kvs_mbar_arrive(full);
-            if (TMA && lane < NG * CB && gl < n_tma) /* row of the pool as a [rows][D] tensor (kvs_kv_offset / D) */
-                kvs_tma_load_2d(dst + cbl * (BN * 128) + gl * BOX, map, 64 * cbl,
-                                ((blk * 2 + kind) * a.n_kv_heads + g) * bs + (k0 + 16 * gl) % bs, full);
+            if (lane < NG * CB && gl < n_tma) { /* row of the pool as a [rows][D] tensor (kvs_kv_offset / D) */
+                const uint32_t box_dst = dst + cbl * (BN * 128) + gl * BOX;
+                const int row = ((blk * 2 + kind) * a.n_kv_heads + g) * bs + (k0 + 16 * gl) % bs;
+                if (l2_last) kvs_tma_load_2d_hint(box_dst, map, 64 * cbl, row, full, policy);
+                else kvs_tma_load_2d(box_dst, map, 64 * cbl, row, full);
+            }
         }
     }
 }
 #endif
 
-/* v2 (the default; docs/CUDA.md "Hopper prefill kernel (wgmma)"): the block as
- * v1's, 12 warps; kv_map: the pool as a [rows][D] bf16 tensor, boxes of 16 x 64,
- * 128-byte swizzle (unused without TMA). */
-template <int D, int STAGES, int HEADS, bool PINGPONG, bool TMA>
-__global__ void __launch_bounds__(KVS_WG2_THREADS, 1)
-    kvs_attn_wgmma2_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse) {
+/* The kernel (docs/CUDA.md "Hopper prefill kernel (wgmma)"). Work item w (0 ..
+ * n_items - 1, n_items = n_heads / HEADS x ny x n_seqs): HEADS query heads (head
+ * group w % (n_heads / HEADS)) x 128 / HEADS positions (q-block ny - 1 - the next
+ * index: the heaviest first) of sequence w / (n_heads / HEADS x ny), the order the
+ * hardware launches a grid of that shape in. CTA b takes items b, b + gridDim.x, ...:
+ * one each in the default grid of n_items CTAs; several in a persistent grid
+ * (kvs_cuda.wgmma_persistent), where the rings' stages and phases go on across items,
+ * so the producer loads the next item's first tiles while the consumers finish the
+ * last one. 12 warps. kv_map: the pool as a [rows][D] bf16 tensor, boxes of 16 x 64,
+ * 128-byte swizzle; flags: KVS_WG_TMA, KVS_WG_L2_LAST. Needs scale > 0 (the row max
+ * is taken over raw scores). */
+template <int D, int STAGES, int HEADS>
+__global__ void __launch_bounds__(KVS_WG_THREADS, 1)
+    kvs_attn_wgmma_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse,
+                          int flags, int ny) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using L = kvs_wg2_smem<D, STAGES>;
+    using L = kvs_wg_smem<D, STAGES>;
     constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS;
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(STAGES >= 2, "two stages at least");
@@ -454,11 +265,8 @@ __global__ void __launch_bounds__(KVS_WG2_THREADS, 1)
        producer warp's 32 lanes + TMA bytes), then K empty, V empty (the 8 consumer warps) */
     const uint32_t bars = base + (uint32_t)L::bar, full_k = bars, full_v = bars + 8 * STAGES;
     const uint32_t empty_k = bars + 16 * STAGES, empty_v = bars + 24 * STAGES;
-
-    const kvs_wg_block<HEADS> blk(a);
-    const int h0 = blk.h0, g = blk.g, seq = blk.seq, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
-    if (q0 >= q_len) return; /* the whole block: before any barrier */
-    const int past = blk.past, n_keys = blk.n_keys, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
+    const int n_items = a.n_heads / HEADS * ny * a.n_seqs;
+    const bool tma = flags & KVS_WG_TMA;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
@@ -469,153 +277,167 @@ __global__ void __launch_bounds__(KVS_WG2_THREADS, 1)
     __syncthreads();
 
     if (warp >= 8) { /* the producer warpgroup */
-        kvs_setmaxnreg_dec<KVS_WG2_PRODUCER_REGS>();
-        if (warp == 8) kvs_wg2_produce<D, STAGES, TMA>(&kv_map, a, g, seq, n_keys, n_tiles, k_s, v_s, bars, lane);
+        kvs_setmaxnreg_dec<KVS_WG_PRODUCER_REGS>();
+        if (warp == 8) {
+            const bool l2_last = tma && (flags & KVS_WG_L2_LAST);
+            uint64_t policy = 0;
+            if (l2_last) policy = kvs_l2_policy_evict_last();
+            if (tma && lane == 0) kvs_tma_prefetch_map(&kv_map);
+            int ring = 0; /* tiles loaded for this CTA's earlier items */
+            for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
+                const kvs_wg_block<HEADS> blk(a, w, ny);
+                if (blk.q0 >= blk.q_len) continue; /* no row: the consumers skip it too */
+                kvs_wg_produce<D, STAGES>(&kv_map, tma, l2_last, policy, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles,
+                                          ring, k_s, v_s, bars, lane);
+                ring += blk.n_tiles;
+            }
+        }
         return;
     }
-    kvs_setmaxnreg_inc<KVS_WG2_CONSUMER_REGS>();
+    kvs_setmaxnreg_inc<KVS_WG_CONSUMER_REGS>();
 
     /* ---- consumers: warpgroup wg owns block rows 64 wg .. 64 wg + 63 ---- */
     const int wg = warp / 4;
-    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
-
     const int R0 = 64 * wg + 16 * (warp % 4) + lane / 4; /* this thread's rows R0 and R0 + 8 (one head) */
-    const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
-    /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
-    const int wg_first = q0 + (HEADS == 1 ? 64 * wg : 0);
-    /* keys past it: no live row of the warpgroup sees them (-1: no live row) */
-    const int wg_last_key = wg_first < q_len ? past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1 : -1;
-    const int wg_full_key = past + wg_first; /* every row sees keys up to it */
-    const int n_live = wg_last_key < 0 ? 0 : wg_last_key / BN + 1; /* tiles 0 .. n_live - 1 hold keys of its rows */
     const float scale_log2 = a.scale * KVS_LOG2E;
     const uint32_t q_wg = q_s + (uint32_t)wg * 64 * 128;
-
-    float o[D / 2], s[BN / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; i++) o[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < BN / 2; i++) s[i] = 0.f;
-    uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-    auto wait_full = [&](uint32_t full, int i) { kvs_mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1); };
-    /* this warp's wgmma's reading tile i's stage completed: hand it back; fenced when
-       the producer writes the stage next through the generic proxy (cp.async) */
-    auto release = [&](uint32_t empty, int i) {
-        if (!TMA || i + STAGES == n_tiles - 1) kvs_fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) kvs_mbar_arrive(empty + 8 * (i % STAGES));
-    };
-    auto gemm_s = [&](int i) { /* S = Q K_i^T: one commit group */
-        const uint32_t k_st = k_s + (uint32_t)((i % STAGES) * L::TILE);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-            kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
-                             kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
-        kvs_wgmma_commit();
-    };
-    auto gemm_pv = [&](int i) { /* O += P V_i: one commit group */
-        const uint32_t v_st = v_s + (uint32_t)((i % STAGES) * L::TILE);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++) kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 16 * 128, BN * 128), 1);
-        kvs_wgmma_commit();
-    };
-    /* online softmax of S = tile i's scores, in place (log2 domain, m over scaled
-       scores): s becomes the probabilities; alpha: O's factors; returns whether a
-       row max changed */
-    auto softmax = [&](int i, float &alpha0, float &alpha1) -> bool {
-        float mx0, mx1; /* mask where the tile crosses some row's diagonal */
-        kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
-        alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
-        const bool grew = mn0 != m0 || mn1 != m1;
-        m0 = mn0, m1 = mn1;
-        float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            s[4 * j] = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
-            s[4 * j + 1] = kvs_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
-            s[4 * j + 2] = kvs_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
-            s[4 * j + 3] = kvs_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
-            sum0 += s[4 * j] + s[4 * j + 1];
-            sum1 += s[4 * j + 2] + s[4 * j + 3];
+    int ring = 0; /* tiles consumed for this CTA's earlier items (the producer's count) */
+    for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
+        const kvs_wg_block<HEADS> blk(a, w, ny);
+        const int h0 = blk.h0, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
+        if (q0 >= q_len) continue; /* the whole item: the producer skips it too */
+        const int past = blk.past, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
+        /* the stage of tile i + STAGES (ring) is written next by a later item, maybe by cp.async */
+        const bool more = w + (int)gridDim.x < n_items;
+        if (ring > 0) { /* every warp of the warpgroup done with the last item's Q (its wgmma's waited for) */
+            kvs_fence_proxy_async();
+            kvs_named_sync(1 + wg, 128);
         }
-        l0 = l0 * alpha0 + sum0;
-        l1 = l1 * alpha1 + sum1;
-        return grew;
-    };
-    auto pack_p = [&]() { /* the probabilities as P's A fragments (once P V of the last tile is done) */
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(s[4 * j], s[4 * j + 1]);         /* row lane/4, keys 8 j + 2 (lane % 4) */
-            pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
-        }
-    };
-    /* PINGPONG: FA3's warp-scheduler barrier. Turn i (1 <= i < n_tiles) issues S of
-       tile i and P V of tile i - 1 (nothing past the warpgroup's keys); the
-       warpgroups take turns, 0 first (named barrier 3: warpgroup 0's turn, 4: 1's),
-       so one's softmax runs under the other's GEMMs. Both take n_tiles - 1 turns;
-       warpgroup 1's last arrive is dropped, so every arrive meets a sync. */
-    auto turn_begin = [&]() {
-        if (PINGPONG) kvs_turn_sync(3 + wg);
-    };
-    auto turn_end = [&](int i) {
-        if (PINGPONG && !(wg == 1 && i == n_tiles - 1)) kvs_turn_arrive(4 - wg);
-    };
-    if (PINGPONG && wg == 1 && n_tiles > 1) kvs_turn_arrive(3); /* warpgroup 0 goes first */
+        kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
 
-    if (n_live > 0) {
-        float alpha0, alpha1;
-        wait_full(full_k, 0);
-        kvs_wgmma_fence();
-        gemm_s(0);
-        kvs_wgmma_wait<0>();
-        kvs_wg_fence_regs(s);
-        release(empty_k, 0);
-        softmax(0, alpha0, alpha1); /* O is 0: nothing to rescale */
-        pack_p();
-        for (int i = 1; i < n_live; i++) {
-            wait_full(full_k, i);
-            wait_full(full_v, i - 1);
-            turn_begin();
+        const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
+        /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
+        const int wg_first = q0 + (HEADS == 1 ? 64 * wg : 0);
+        /* keys past it: no live row of the warpgroup sees them (-1: no live row) */
+        const int wg_last_key = wg_first < q_len ? past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1 : -1;
+        const int wg_full_key = past + wg_first; /* every row sees keys up to it */
+        const int n_live = wg_last_key < 0 ? 0 : wg_last_key / BN + 1; /* tiles 0 .. n_live - 1 hold keys of its rows */
+
+        float o[D / 2], s[BN / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; i++) o[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++) s[i] = 0.f;
+        uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
+        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+        auto wait_full = [&](uint32_t full, int i) {
+            kvs_mbar_wait(full + 8 * ((ring + i) % STAGES), ((ring + i) / STAGES) & 1);
+        };
+        /* this warp's wgmma's reading tile i's stage completed: hand it back; fenced when
+           the producer may write the stage next through the generic proxy (cp.async): the
+           item's last tile, or a later item's tile */
+        auto release = [&](uint32_t empty, int i) {
+            if (!tma || i + STAGES == n_tiles - 1 || (more && i + STAGES >= n_tiles)) kvs_fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) kvs_mbar_arrive(empty + 8 * ((ring + i) % STAGES));
+        };
+        auto gemm_s = [&](int i) { /* S = Q K_i^T: one commit group */
+            const uint32_t k_st = k_s + (uint32_t)(((ring + i) % STAGES) * L::TILE);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
+                                 kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
+            kvs_wgmma_commit();
+        };
+        auto gemm_pv = [&](int i) { /* O += P V_i: one commit group */
+            const uint32_t v_st = v_s + (uint32_t)(((ring + i) % STAGES) * L::TILE);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 16 * 128, BN * 128), 1);
+            kvs_wgmma_commit();
+        };
+
+        /* online softmax of S = tile i's scores, in place (log2 domain, m over scaled
+           scores): s becomes the probabilities; alpha: O's factors; returns whether a
+           row max changed */
+        auto softmax = [&](int i, float &alpha0, float &alpha1) -> bool {
+            float mx0, mx1; /* mask where the tile crosses some row's diagonal */
+            kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
+            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+            alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
+            const bool grew = mn0 != m0 || mn1 != m1;
+            m0 = mn0, m1 = mn1;
+            float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                s[4 * j] = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
+                s[4 * j + 1] = kvs_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
+                s[4 * j + 2] = kvs_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
+                s[4 * j + 3] = kvs_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
+                sum0 += s[4 * j] + s[4 * j + 1];
+                sum1 += s[4 * j + 2] + s[4 * j + 3];
+            }
+            l0 = l0 * alpha0 + sum0;
+            l1 = l1 * alpha1 + sum1;
+            return grew;
+        };
+        auto pack_p = [&]() { /* the probabilities as P's A fragments (once P V of the last tile is done) */
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(s[4 * j], s[4 * j + 1]);         /* row lane/4, keys 8 j + 2 (lane % 4) */
+                pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
+            }
+        };
+        if (n_live > 0) {
+            float alpha0, alpha1;
+            wait_full(full_k, 0);
             kvs_wgmma_fence();
-            gemm_s(i);
-            gemm_pv(i - 1);
-            turn_end(i);
-            kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
+            gemm_s(0);
+            kvs_wgmma_wait<0>();
             kvs_wg_fence_regs(s);
-            release(empty_k, i);
-            const bool grew = softmax(i, alpha0, alpha1);
+            release(empty_k, 0);
+            softmax(0, alpha0, alpha1); /* O is 0: nothing to rescale */
+            pack_p();
+            for (int i = 1; i < n_live; i++) {
+                wait_full(full_k, i);
+                wait_full(full_v, i - 1);
+                kvs_wgmma_fence();
+                gemm_s(i);
+                gemm_pv(i - 1);
+                kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
+                kvs_wg_fence_regs(s);
+                release(empty_k, i);
+                const bool grew = softmax(i, alpha0, alpha1);
+                kvs_wgmma_wait<0>();
+                kvs_wg_fence_regs(o);
+                release(empty_v, i - 1);
+                if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+                    for (int j = 0; j < D / 8; j++) {
+                        o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
+                        o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
+                    }
+                }
+                pack_p();
+            }
+            wait_full(full_v, n_live - 1);
+            kvs_wgmma_fence();
+            gemm_pv(n_live - 1);
             kvs_wgmma_wait<0>();
             kvs_wg_fence_regs(o);
-            release(empty_v, i - 1);
-            if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-                for (int j = 0; j < D / 8; j++) {
-                    o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
-                    o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
-                }
-            }
-            pack_p();
+            release(empty_v, n_live - 1);
         }
-        wait_full(full_v, n_live - 1);
-        kvs_wgmma_fence();
-        gemm_pv(n_live - 1);
-        kvs_wgmma_wait<0>();
-        kvs_wg_fence_regs(o);
-        release(empty_v, n_live - 1);
-    }
-    for (int i = n_live; i < n_tiles; i++) { /* tiles past the warpgroup's keys (1 head a block): turns, releases */
-        if (i > 0) turn_begin(), turn_end(i);
-        wait_full(full_k, i);
-        release(empty_k, i);
-        wait_full(full_v, i);
-        release(empty_v, i);
-    }
+        for (int i = n_live; i < n_tiles; i++) { /* tiles past the warpgroup's keys (1 head a block): releases */
+            wait_full(full_k, i);
+            release(empty_k, i);
+            wait_full(full_v, i);
+            release(empty_v, i);
+        }
 
-    if (wg_last_key < 0) return; /* no live row */
-    kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
+        if (wg_last_key >= 0) kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
+        ring += n_tiles;
+    }
 #else
     __trap(); /* not built for sm_90a: kvs_cuda_wgmma_supported refuses such devices */
 #endif
@@ -644,18 +466,6 @@ bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale, bool fp8) {
     return !fp8 && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && scale > 0.f;
 }
 
-template <int D, int STAGES, int HEADS>
-static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    using L = kvs_wg_smem<D, STAGES>;
-    auto kernel = kvs_cuda_of(b)->wgmma_pingpong == 1 ? kvs_attn_wgmma_kernel<D, STAGES, HEADS, true>
-                                                       : kvs_attn_wgmma_kernel<D, STAGES, HEADS, false>;
-    constexpr int MH = KVS_WG_BM / HEADS;
-    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
-    dim3 grid((unsigned)(a.n_heads / HEADS), (unsigned)((max_q_len + MH - 1) / MH), (unsigned)a.n_seqs);
-    kernel<<<grid, KVS_WG_THREADS, L::bytes, kvs_cuda_of(b)->stream>>>(a, out, lse);
-    KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma_kernel");
-}
-
 /* cuTensorMapEncodeTiled through the runtime's driver entry point (no link
  * dependency on libcuda); NULL where the driver has none. Looked up once (a benign
  * race between threads: they store the same value). */
@@ -676,13 +486,13 @@ static PFN_cuTensorMapEncodeTiled_v12000 kvs_encode_tiled(void) {
     return fn;
 }
 
-/* v2's TMA view of the pool: a [rows][D] bf16 tensor (rows = n_blocks x 2 x
+/* The kernel's TMA view of the pool: a [rows][D] bf16 tensor (rows = n_blocks x 2 x
  * n_kv_heads x block_size: kvs_kv_offset / D, a paged block's K rows of every KV
  * head, then its V rows), boxes of 16 rows x 64 columns (128 bytes) with the
  * 128-byte swizzle, which writes kvs_wg_swz's layout. Encoded once per (pool, rows,
- * D) and cached in the backend; false (warned once) where it cannot be made: v2
- * then loads every row by cp.async. */
-static bool kvs_wg2_map(kvs_backend *b, const kvs_attn_args &a, int D, CUtensorMap *map) {
+ * D) and cached in the backend; false (warned once) where it cannot be made: the
+ * kernel then loads every row by cp.async (AUTO takes GQA from then on). */
+static bool kvs_wg_map(kvs_backend *b, const kvs_attn_args &a, int D, CUtensorMap *map) {
     kvs_cuda *c = kvs_cuda_of(b);
     const int64_t rows = a.pool_blocks * 2 * a.n_kv_heads * a.block_size;
     if (c->wgmma_map_ok && c->wgmma_map_pool == a.pool && c->wgmma_map_rows == rows && c->wgmma_map_d == D) {
@@ -713,49 +523,41 @@ static bool kvs_wg2_map(kvs_backend *b, const kvs_attn_args &a, int D, CUtensorM
 }
 
 template <int D, int STAGES, int HEADS>
-static void launch_wgmma2(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    using L = kvs_wg2_smem<D, STAGES>;
+static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
+    using L = kvs_wg_smem<D, STAGES>;
     const kvs_cuda *c = kvs_cuda_of(b);
     CUtensorMap map;
     memset(&map, 0, sizeof map);
-    const bool pingpong = c->wgmma_pingpong == 1, tma = !c->wgmma_no_tma && kvs_wg2_map(b, a, D, &map);
-    auto kernel = pingpong ? (tma ? kvs_attn_wgmma2_kernel<D, STAGES, HEADS, true, true>
-                                  : kvs_attn_wgmma2_kernel<D, STAGES, HEADS, true, false>)
-                           : (tma ? kvs_attn_wgmma2_kernel<D, STAGES, HEADS, false, true>
-                                  : kvs_attn_wgmma2_kernel<D, STAGES, HEADS, false, false>);
+    const bool tma = !c->wgmma_no_tma && kvs_wg_map(b, a, D, &map);
+    const int flags = (tma ? KVS_WG_TMA : 0) | (c->wgmma_l2_last ? KVS_WG_L2_LAST : 0);
+    auto kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS>;
     constexpr int MH = KVS_WG_BM / HEADS;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
-    dim3 grid((unsigned)(a.n_heads / HEADS), (unsigned)((max_q_len + MH - 1) / MH), (unsigned)a.n_seqs);
-    kernel<<<grid, KVS_WG2_THREADS, L::bytes, c->stream>>>(map, a, out, lse);
-    KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma2_kernel");
+    /* work items (head groups x q-blocks x sequences): a CTA each, or wgmma_persistent CTAs taking turns */
+    const int ny = (max_q_len + MH - 1) / MH;
+    const int64_t n_items = (int64_t)(a.n_heads / HEADS) * ny * a.n_seqs;
+    const int64_t grid = c->wgmma_persistent > 0 && c->wgmma_persistent < n_items ? c->wgmma_persistent : n_items;
+    if (grid <= 0) return;
+    kernel<<<(unsigned)grid, KVS_WG_THREADS, L::bytes, c->stream>>>(map, a, out, lse, flags, ny);
+    KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma_kernel");
 }
 
 template <int D, int STAGES>
 static void launch_wgmma_group(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     const int group = a.n_heads / a.n_kv_heads;
-    const bool v1 = kvs_cuda_of(b)->wgmma_v1;
-    if (group % 4 == 0) v1 ? launch_wgmma<D, STAGES, 4>(b, a, out, lse, max_q_len)
-                           : launch_wgmma2<D, STAGES, 4>(b, a, out, lse, max_q_len);
-    else if (group % 2 == 0) v1 ? launch_wgmma<D, STAGES, 2>(b, a, out, lse, max_q_len)
-                                : launch_wgmma2<D, STAGES, 2>(b, a, out, lse, max_q_len);
-    else v1 ? launch_wgmma<D, STAGES, 1>(b, a, out, lse, max_q_len) : launch_wgmma2<D, STAGES, 1>(b, a, out, lse, max_q_len);
+    if (group % 4 == 0) launch_wgmma<D, STAGES, 4>(b, a, out, lse, max_q_len);
+    else if (group % 2 == 0) launch_wgmma<D, STAGES, 2>(b, a, out, lse, max_q_len);
+    else launch_wgmma<D, STAGES, 1>(b, a, out, lse, max_q_len);
 }
 
-/* K/V stages (v1: K+V tiles; v2: K tiles and as many V tiles): 3 at head_dim 128
+/* K/V stages (K tiles and as many V tiles): 3 at head_dim 128
  * (32 KiB of Q + 3 x 64 KiB: 225 KiB with the barriers and the alignment slack,
  * under sm_90's 227 KiB), 4 at 64 (145 KiB). */
 #define KVS_WG_STAGES(D) ((D) == 128 ? 3 : 4)
 
-template <int D>
-static constexpr size_t kvs_wg_smem_bytes() {
-    using L1 = kvs_wg_smem<D, KVS_WG_STAGES(D)>;
-    using L2 = kvs_wg2_smem<D, KVS_WG_STAGES(D)>;
-    return L1::bytes > L2::bytes ? L1::bytes : L2::bytes;
-}
-
 size_t kvs_cuda_wgmma_smem_bytes(int head_dim) {
-    if (head_dim == 128) return kvs_wg_smem_bytes<128>();
-    if (head_dim == 64) return kvs_wg_smem_bytes<64>();
+    if (head_dim == 128) return kvs_wg_smem<128, KVS_WG_STAGES(128)>::bytes;
+    if (head_dim == 64) return kvs_wg_smem<64, KVS_WG_STAGES(64)>::bytes;
     return 0;
 }
 

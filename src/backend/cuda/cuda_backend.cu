@@ -310,12 +310,13 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     c->n_sms = prop.multiProcessorCount;
     const char *dec = getenv("KVSPARSE_FP8_KV_DECODE"); /* a benchmarking knob (docs/CUDA.md "FP8 KV cache") */
     c->fp8_kv_decode_bf16 = dec && !strcmp(dec, "bf16");
-    /* the WGMMA prefill's diagnostic knobs (docs/CUDA.md "Hopper prefill kernel") */
-    const char *pp = getenv("KVSPARSE_WGMMA_PINGPONG"), *v1 = getenv("KVSPARSE_WGMMA_V1");
-    const char *tma = getenv("KVSPARSE_WGMMA_TMA");
-    c->wgmma_pingpong = pp && !strcmp(pp, "1") ? 1 : pp && !strcmp(pp, "0") ? 0 : -1;
-    c->wgmma_v1 = v1 && !strcmp(v1, "1");
+    /* the WGMMA prefill's diagnostic knob and variants (docs/CUDA.md "Hopper prefill kernel") */
+    const char *tma = getenv("KVSPARSE_WGMMA_TMA"), *l2 = getenv("KVSPARSE_WGMMA_L2HINT");
+    const char *pers = getenv("KVSPARSE_WGMMA_PERSISTENT");
     c->wgmma_no_tma = tma && !strcmp(tma, "0");
+    c->wgmma_l2_last = l2 && !strcmp(l2, "1");
+    c->wgmma_persistent = pers ? atoi(pers) : 0;
+    if (c->wgmma_persistent < 0) c->wgmma_persistent = 0;
     kvs_status st = KVS_OK;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {

@@ -115,14 +115,16 @@ typedef struct {
     int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int fp8_gemm; /* kvs_cuda_fp8_gemm, resolved (never AUTO): how matmul_fp8 scales (cuda_fp8.cu) */
     int fp8_kv_decode_bf16; /* FP8 KV decode through bf16 mma's (KVSPARSE_FP8_KV_DECODE=bf16), not f16 */
-    /* the WGMMA prefill (cuda_attention_hopper.cu; diagnostic knobs, docs/CUDA.md
-       "Hopper prefill kernel"): its v1 kernel (KVSPARSE_WGMMA_V1=1); the consumer
-       warpgroups taking turns: -1 the kernel's default (v2 on, v1 off), 0 off, 1 on
-       (KVSPARSE_WGMMA_PINGPONG=0/1); v2 loading every K/V row by cp.async, no TMA
-       (KVSPARSE_WGMMA_TMA=0) */
-    int wgmma_v1, wgmma_pingpong, wgmma_no_tma;
+    /* the WGMMA prefill (cuda_attention_hopper.cu; a diagnostic knob, docs/CUDA.md
+       "Hopper prefill kernel"): every K/V row by cp.async, no TMA (KVSPARSE_WGMMA_TMA=0;
+       the path an explicit WGMMA request takes where the TMA view cannot be made) */
+    int wgmma_no_tma;
+    /* variants for comparison (off: 0; docs/CUDA.md "Variants for one comparative run"):
+       the K/V boxes with an L2 evict_last policy (KVSPARSE_WGMMA_L2HINT=1); a persistent
+       grid of that many CTAs (KVSPARSE_WGMMA_PERSISTENT=N; the bench: the SM count) */
+    int wgmma_l2_last, wgmma_persistent;
     int wgmma_auto; /* AUTO runs the WGMMA prefill where it fits (a Hopper device, sm_90a code built) */
-    /* v2's TMA view of the KV pool (a CUtensorMap's bytes) for (pool, rows, head_dim) */
+    /* the kernel's TMA view of the KV pool (a CUtensorMap's bytes) for (pool, rows, head_dim) */
     unsigned char wgmma_map[128];
     const void *wgmma_map_pool;
     int64_t wgmma_map_rows;

@@ -1,4 +1,4 @@
-/* Hopper (sm_90a) device helpers of the wgmma prefill kernels
+/* Hopper (sm_90a) device helpers of the wgmma prefill kernel
  * (cuda_attention_hopper.cu): the 128-byte-swizzled shared-memory layout and the
  * wgmma descriptors of it, mbarriers, proxy fences, named barriers, TMA, setmaxnreg
  * and the wgmma instructions. Include after cuda_internal.h and cuda_mma.cuh; the
@@ -61,10 +61,6 @@ __device__ __forceinline__ void kvs_fence_proxy_async() {
 __device__ __forceinline__ void kvs_named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-/* the consumer warpgroups' turns (no memory is handed over: no memory clobber,
-   ordered against the wgmma asm's as volatile asm's are) */
-__device__ __forceinline__ void kvs_turn_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id)); }
-__device__ __forceinline__ void kvs_turn_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id)); }
 
 /* ---- TMA and setmaxnreg ------------------------------------------------------- */
 /* box (c0 = column, c1 = row) of the 2D tensor map -> shared dst; complete_tx on bar */
@@ -74,6 +70,21 @@ __device__ __forceinline__ void kvs_tma_load_2d(uint32_t dst, const CUtensorMap 
             dst),
         "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
+}
+/* the same with an L2 cache policy (kvs_l2_policy_evict_last) on the global reads */
+__device__ __forceinline__ void kvs_tma_load_2d_hint(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                                     uint32_t bar, uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+        "%3}], [%4], %5;\n" ::"r"(dst),
+        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+        : "memory");
+}
+/* an L2 policy: every line accessed under it evict_last (evicted after the normal ones) */
+__device__ __forceinline__ uint64_t kvs_l2_policy_evict_last() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
 }
 __device__ __forceinline__ void kvs_tma_prefetch_map(const CUtensorMap *map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
