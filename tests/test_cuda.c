@@ -1710,6 +1710,40 @@ Test(cuda, fp8_kv_attention, .timeout = 600) {
     kv_fp8_cases = false;
 }
 
+/* The FP8 decode kernel (kvs_attn_decode8_kernel: keys as the mma rows, the
+ * group's heads as 8-column n-tiles, one for groups 1-8 and two for 9-16) on
+ * every group size it takes, head_dim 32/64/128, two KV heads (the second at
+ * its own scales and head offset), odd lengths (a partial last sub-tile, splits
+ * with fewer sub-tiles than warps), paged blocks of 16, 32 and 48 entries, one
+ * long sequence (many splits) and graph-mode tables (empty splits). Tolerances
+ * as fp8_kv_attention's. */
+static const int dec8_kv[] = {1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 100, 257, 1000, 3001};
+static const int dec8_q[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+#define DEC8_N 14
+Test(cuda, fp8_kv_decode_groups_and_shapes, .timeout = 600) {
+    if (!kv8_available()) return;
+    kv_fp8_cases = true;
+    const int groups[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16}, dims[] = {128, 64, 32};
+    for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++)
+        for (int j = 0; j < 3; j++) attention_case(2 * groups[i], 2, dims[j], DEC8_N, dec8_kv, dec8_q);
+    const int kv_long[] = {20000}, q_long[] = {1};
+    attention_case(12, 2, 128, 1, kv_long, q_long);
+    attention_case(32, 2, 64, 1, kv_long, q_long);
+    attention_case_cap(6, 2, 128, DEC8_N, dec8_kv, dec8_q, 8);
+    attention_case_cap(16, 2, 64, DEC8_N, dec8_kv, dec8_q, 8);
+    attention_case_cap(32, 2, 32, DEC8_N, dec8_kv, dec8_q, 8);
+    const int block_sizes[] = {32, 48};
+    for (int b = 0; b < 2; b++) {
+        paged_block_size = block_sizes[b];
+        attention_case(32, 8, 128, DEC8_N, dec8_kv, dec8_q);
+        attention_case(24, 2, 64, DEC8_N, dec8_kv, dec8_q);
+        attention_case(6, 2, 32, DEC8_N, dec8_kv, dec8_q);
+        attention_case_cap(16, 2, 128, DEC8_N, dec8_kv, dec8_q, 8);
+    }
+    paged_block_size = 16;
+    kv_fp8_cases = false;
+}
+
 /* SnapKV scores over FP8 pools against the CPU's (tolerance as bf16's: 1e-6 +
  * 2e-3 |ref|), every head_dim the kernel takes. */
 Test(cuda, fp8_kv_sparsity_scores) {

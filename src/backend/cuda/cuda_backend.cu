@@ -304,8 +304,6 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     c->prefill = prefill;
     c->fp8_gemm = opt->fp8_gemm;
     c->n_sms = prop.multiProcessorCount;
-    const char *dec = getenv("KVSPARSE_FP8_KV_DECODE"); /* a benchmarking knob (docs/CUDA.md "FP8 KV cache") */
-    c->fp8_kv_decode_bf16 = dec && !strcmp(dec, "bf16");
     const char *pp = getenv("KVSPARSE_WGMMA_PINGPONG"); /* a diagnostic knob (docs/CUDA.md "Hopper prefill kernel") */
     c->wgmma_pingpong = pp && !strcmp(pp, "1");
     kvs_status st = KVS_OK;

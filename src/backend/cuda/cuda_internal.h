@@ -33,17 +33,16 @@ __device__ __forceinline__ float kvs_kv_scale(const float *scales, int kind, int
 __device__ __forceinline__ uint8_t kvs_kv_fp8_code(float x, float s) {
     return (uint8_t)__nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3);
 }
-/* 8 codes as 8 f16, exactly: one cvt per pair (the FP8 decode kernel's f16 mma path). */
+/* Codes 0-1 (hi 0) or 2-3 (hi 1) of a word of four as an f16 pair, exactly (the
+ * lower byte in the lower half): one cvt.rn.f16x2.e4m3x2 from compute capability 8.9. */
+__device__ __forceinline__ uint32_t kvs_e4m3x2_to_f16x2(uint32_t w, int hi) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> (16 * hi)), __NV_E4M3);
+    return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+/* 8 codes as 8 f16, exactly: one cvt a pair. */
 __device__ __forceinline__ uint4 kvs_fp8x8_to_f16x8(uint2 c) {
-    uint4 out;
-    uint32_t *o = (uint32_t *)&out;
-    const uint32_t w[2] = {c.x, c.y};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[i / 2] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
-        o[i] = (uint32_t)h.x | ((uint32_t)h.y << 16);
-    }
-    return out;
+    return make_uint4(kvs_e4m3x2_to_f16x2(c.x, 0), kvs_e4m3x2_to_f16x2(c.x, 1), kvs_e4m3x2_to_f16x2(c.y, 0),
+                      kvs_e4m3x2_to_f16x2(c.y, 1));
 }
 /* 8 codes (8 bytes) as 8 bf16 (16 bytes), exactly: every E4M3 value is an f16
  * value and a bf16 value (the f16 conversion above, then each pair through f32). */
@@ -114,7 +113,6 @@ typedef struct {
     int n_sms;
     int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int fp8_gemm; /* kvs_cuda_fp8_gemm, resolved (never AUTO): how matmul_fp8 scales (cuda_fp8.cu) */
-    int fp8_kv_decode_bf16; /* FP8 KV decode through bf16 mma's (KVSPARSE_FP8_KV_DECODE=bf16), not f16 */
     int wgmma_pingpong;     /* the WGMMA prefill's warpgroups take turns issuing (KVSPARSE_WGMMA_PINGPONG=1) */
     int fp8_outer_missing; /* cuBLASLt found no outer-vector FP8 algorithm once: AUTO falls back to EPILOGUE_FAST */
     int failed; /* sticky: a CUDA call failed; check reports failure */
