@@ -373,6 +373,8 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->rope_kv_write = kvs_cuda_rope_kv_write;
     if (prop.major * 10 + prop.minor >= 89) { /* FP8 tensor cores: Ada and Hopper on */
         b->quantize_fp8 = kvs_cuda_quantize_fp8;
+        b->add_rmsnorm_fp8 = kvs_cuda_add_rmsnorm_fp8;
+        b->swiglu_fp8 = kvs_cuda_swiglu_fp8;
         b->matmul_fp8 = kvs_cuda_matmul_fp8;
     }
     b->mark_create = cuda_mark_create;

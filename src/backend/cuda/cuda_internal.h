@@ -5,6 +5,7 @@
 #define KVS_CUDA_INTERNAL_H
 
 #include <cublasLt.h>
+#include <math.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -58,22 +59,35 @@ __device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8(uint2 c) {
     return out;
 }
 
-/* Sum of v over the block, returned to every thread (blockDim.x a multiple of
- * 32, at most 1024). Its barriers also publish the block's earlier shared-memory
- * writes; call it from every thread, at most once per kernel. */
-__device__ __forceinline__ float kvs_block_sum(float v) {
+/* Sum (MAX: max) of v over the block, returned to every thread (blockDim.x a
+ * multiple of 32, at most 1024). Its barriers also publish the block's earlier
+ * shared-memory writes; call it from every thread, at most once per kernel
+ * for each of the two. */
+template <bool MAX>
+__device__ __forceinline__ float kvs_block_reduce(float v) {
     __shared__ float part[32];
-    for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+    for (int k = 16; k > 0; k >>= 1) {
+        float o = __shfl_xor_sync(0xffffffffu, v, k);
+        v = MAX ? fmaxf(v, o) : v + o;
+    }
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
     __syncthreads();
     if (threadIdx.x < 32) {
-        float w = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
-        for (int k = 16; k > 0; k >>= 1) w += __shfl_xor_sync(0xffffffffu, w, k);
+        float w = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : (MAX ? -INFINITY : 0.f);
+        for (int k = 16; k > 0; k >>= 1) {
+            float o = __shfl_xor_sync(0xffffffffu, w, k);
+            w = MAX ? fmaxf(w, o) : w + o;
+        }
         if (threadIdx.x == 0) part[0] = w;
     }
     __syncthreads();
     return part[0];
 }
+__device__ __forceinline__ float kvs_block_sum(float v) { return kvs_block_reduce<false>(v); }
+__device__ __forceinline__ float kvs_block_max(float v) { return kvs_block_reduce<true>(v); }
+
+/* silu(g) * u: swiglu's arithmetic (cuda_ops.cu, and fused with the fp8 quantize in cuda_fused.cu) */
+__device__ __forceinline__ float kvs_silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 /* What a cached GEMM plan multiplies (cuda_matmul.cu, cuda_fp8.cu). */
 typedef enum {
@@ -195,6 +209,10 @@ void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, cons
 void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
                             const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                             int n_heads);
+/* fp8 activations: add_rmsnorm / swiglu with their output quantized per row instead of stored */
+void kvs_cuda_add_rmsnorm_fp8(kvs_backend *b, void *x, uint8_t *q, float *scale, const void *y, const void *w, int n,
+                              int dim, float eps);
+void kvs_cuda_swiglu_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *gate_up, int n, int dim);
 
 /* matmul (cuda_matmul.cu) */
 void kvs_cuda_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n, int in_dim,
