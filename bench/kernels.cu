@@ -30,7 +30,9 @@
  *     time, the fused op's nominal bytes per second as a share of copy
  *     bandwidth, and the speed-up
  * Times are wall clock around many queued launches between two stream syncs.
- * Usage: kvs_bench_kernels [device] [gemm]   (gemm: the GEMM rates alone) */
+ * Usage: kvs_bench_kernels [device] [gemm | fp8]   (gemm: the GEMM rates alone;
+ * fp8: copy, decode attention on bf16 and FP8 caches (and the FP8 prefill line),
+ * the fused ops) */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -276,6 +278,25 @@ static fused_result bench_rope_kv_write(kvs_backend *b, int n) {
     return r;
 }
 
+/* The fused ops vs the unfused pairs (Llama-3-8B shapes; decode batch 64 and a
+ * 4096-token prefill): 4 results, 8 with the FP8 activation ops. */
+static int bench_fused(kvs_backend *b, fused_result *fr) {
+    fr[0] = bench_add_rmsnorm(b, 64, 4096), fr[1] = bench_add_rmsnorm(b, 4096, 4096);
+    fr[2] = bench_rope_kv_write(b, 64), fr[3] = bench_rope_kv_write(b, 4096);
+    if (!b->add_rmsnorm_fp8) return 4;
+    fr[4] = bench_fp8_act(b, false, 64, 4096), fr[5] = bench_fp8_act(b, false, 4096, 4096);
+    fr[6] = bench_fp8_act(b, true, 64, 14336), fr[7] = bench_fp8_act(b, true, 4096, 14336);
+    return 8;
+}
+
+static void print_fused(const fused_result *fr, int n, double copy_bw) {
+    for (int i = 0; i < n; i++)
+        printf("fused %s, %d rows: %.2f us (%.0f GB/s, %.0f%% of copy) vs unfused %.2f us: %.2fx\n", fr[i].what,
+               fr[i].n, fr[i].t_fused * 1e6, fr[i].bytes / fr[i].t_fused / 1e9,
+               100 * fr[i].bytes / fr[i].t_fused / 1e9 / copy_bw, fr[i].t_unfused * 1e6,
+               fr[i].t_unfused / fr[i].t_fused);
+}
+
 static void attn_free(kvs_backend *b, attn_ctx *c) {
     b->free(b, c->pool.data), b->free(b, c->q), b->free(b, c->out), b->free(b, c->lse);
     b->free(b, (void *)c->ab.q_start), b->free(b, (void *)c->ab.kv_len), b->free(b, (void *)c->ab.block_tables);
@@ -305,17 +326,29 @@ int main(int argc, char **argv) {
     b->free(b, cc.src), b->free(b, cc.dst);
     printf("copy: %.0f GB/s (read + write) over %zu MiB\n", copy_bw, cc.bytes >> 20);
 
+    const bool only_fp8 = argc > 2 && !strcmp(argv[2], "fp8");
+    if (only_fp8) {
+        fused_result fr[8];
+        int n_fused = bench_fused(b, fr);
+        print_fused(fr, n_fused, copy_bw);
+        /* the decode lines below: bf16, then the FP8 cache (its prefill line too) */
+    }
+
     /* cuBLASLt GEMM 8192^3 */
-    gemm_ctx gc = {NULL, NULL, NULL, 8192};
-    size_t ge = (size_t)gc.n * gc.n;
-    gc.in = b->alloc(b, ge * 2), gc.w = b->alloc(b, ge * 2), gc.out = b->alloc(b, ge * 2);
-    fill((bf16 *)gc.in, ge, 4), fill((bf16 *)gc.w, ge, 5);
-    double t_gemm = time_it(b, 10, run_gemm, &gc);
-    double gemm_tf = 2.0 * gc.n * (double)gc.n * gc.n / t_gemm / 1e12;
-    b->free(b, gc.in), b->free(b, gc.w), b->free(b, gc.out);
-    printf("gemm: bf16 8192^3 %.1f TFLOP/s (%.3f ms)\n", gemm_tf, t_gemm * 1e3);
+    double gemm_tf = 0;
     gemm_rates rates[N_GEMM_SHAPES];
-    bool have_rates = bench_gemm_rates(b, rates);
+    bool have_rates = false;
+    if (!only_fp8) {
+        gemm_ctx gc = {NULL, NULL, NULL, 8192};
+        size_t ge = (size_t)gc.n * gc.n;
+        gc.in = b->alloc(b, ge * 2), gc.w = b->alloc(b, ge * 2), gc.out = b->alloc(b, ge * 2);
+        fill((bf16 *)gc.in, ge, 4), fill((bf16 *)gc.w, ge, 5);
+        double t_gemm = time_it(b, 10, run_gemm, &gc);
+        gemm_tf = 2.0 * gc.n * (double)gc.n * gc.n / t_gemm / 1e12;
+        b->free(b, gc.in), b->free(b, gc.w), b->free(b, gc.out);
+        printf("gemm: bf16 8192^3 %.1f TFLOP/s (%.3f ms)\n", gemm_tf, t_gemm * 1e3);
+        have_rates = bench_gemm_rates(b, rates);
+    }
     if (argc > 2 && !strcmp(argv[2], "gemm")) {
         if (have_rates) printf("\n"), print_gemm_rates(rates);
         int failed = kvs_cuda_of(b)->failed;
@@ -372,6 +405,11 @@ int main(int argc, char **argv) {
         if (failed8) return fprintf(stderr, "kvs_bench_kernels: the FP8 KV backend failed\n"), 1;
     } else {
         printf("decode attention FP8 KV: skipped (%s)\n", kvs_last_error());
+    }
+    if (only_fp8) {
+        int failed = kvs_cuda_of(b)->failed;
+        b->destroy(b);
+        return failed ? 1 : 0;
     }
 
     /* prefill attention: 4096 tokens, causal; every kernel (the default also with
@@ -599,19 +637,9 @@ int main(int argc, char **argv) {
     }
     double t_step_floor = 16.06e9 / (copy_bw * 1e9) + t_dec_v[0]; /* copy_bw counts read + write: the DRAM rate */
 
-    /* fused ops vs the unfused pairs (Llama-3-8B shapes; decode batch 64 and a 4096-token prefill) */
-    const bool fp8_act = b->add_rmsnorm_fp8 != NULL;
-    fused_result fr[8] = {bench_add_rmsnorm(b, 64, 4096), bench_add_rmsnorm(b, 4096, 4096),
-                          bench_rope_kv_write(b, 64), bench_rope_kv_write(b, 4096)};
-    if (fp8_act)
-        fr[4] = bench_fp8_act(b, false, 64, 4096), fr[5] = bench_fp8_act(b, false, 4096, 4096),
-        fr[6] = bench_fp8_act(b, true, 64, 14336), fr[7] = bench_fp8_act(b, true, 4096, 14336);
-    const int n_fused = fp8_act ? 8 : 4;
-    for (int i = 0; i < n_fused; i++)
-        printf("fused %s, %d rows: %.2f us (%.0f GB/s, %.0f%% of copy) vs unfused %.2f us: %.2fx\n", fr[i].what,
-               fr[i].n, fr[i].t_fused * 1e6, fr[i].bytes / fr[i].t_fused / 1e9,
-               100 * fr[i].bytes / fr[i].t_fused / 1e9 / copy_bw, fr[i].t_unfused * 1e6,
-               fr[i].t_unfused / fr[i].t_fused);
+    fused_result fr[8];
+    const int n_fused = bench_fused(b, fr);
+    print_fused(fr, n_fused, copy_bw);
     b->synchronize(b);
     int failed = kvs_cuda_of(b)->failed;
     b->destroy(b);
