@@ -27,11 +27,16 @@
  *     its four GEMMs): the target is <= 3%
  *   - fused ops against the unfused pairs they replace, same shapes, same run:
  *     add_rmsnorm vs add + rmsnorm (64 and 4096 rows x 4096), rope_kv_write vs
- *     rope(q) + rope(k) + kv_write (64 and 4096 tokens, 32/8 heads x 128):
+ *     rope(q) + rope(k) + kv_write (64 and 4096 tokens, 32/8 heads x 128), and
+ *     with FP8 (compute capability 8.9+) add_rmsnorm_fp8 vs add_rmsnorm +
+ *     quantize_fp8 (64 and 4096 x 4096), swiglu_fp8 vs swiglu + quantize_fp8
+ *     (64 and 4096 x 14336):
  *     time, the fused op's nominal bytes per second as a share of copy
  *     bandwidth, and the speed-up
  * Times are wall clock around many queued launches between two stream syncs.
- * Usage: kvs_bench_kernels [device] [gemm]   (gemm: the GEMM rates alone) */
+ * Usage: kvs_bench_kernels [device] [gemm | fp8]   (gemm: the GEMM rates alone;
+ * fp8: copy, decode attention on bf16 and FP8 caches (and the FP8 prefill line),
+ * the fused ops) */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -173,6 +178,27 @@ static void run_add_then_rmsnorm(kvs_backend *b, void *p) {
     b->rmsnorm(b, c->xn, c->x, c->w, c->n, c->dim, 1e-5f);
 }
 
+/* the fp8 activation ops: the norm's or swiglu's output quantized in the op, vs the pair */
+struct quant_ctx { norm_ctx norm; void *gate_up, *act; uint8_t *q; float *s; };
+static void run_add_rmsnorm_fp8(kvs_backend *b, void *p) {
+    quant_ctx *c = (quant_ctx *)p;
+    b->add_rmsnorm_fp8(b, c->norm.x, c->q, c->s, c->norm.y, c->norm.w, c->norm.n, c->norm.dim, 1e-5f);
+}
+static void run_add_rmsnorm_then_quantize(kvs_backend *b, void *p) {
+    quant_ctx *c = (quant_ctx *)p;
+    b->add_rmsnorm(b, c->norm.x, c->norm.xn, c->norm.y, c->norm.w, c->norm.n, c->norm.dim, 1e-5f);
+    b->quantize_fp8(b, c->q, c->s, c->norm.xn, KVS_BF16, c->norm.n, c->norm.dim);
+}
+static void run_swiglu_fp8(kvs_backend *b, void *p) {
+    quant_ctx *c = (quant_ctx *)p;
+    b->swiglu_fp8(b, c->q, c->s, c->gate_up, c->norm.n, c->norm.dim);
+}
+static void run_swiglu_then_quantize(kvs_backend *b, void *p) {
+    quant_ctx *c = (quant_ctx *)p;
+    b->swiglu(b, c->act, c->gate_up, c->norm.n, c->norm.dim);
+    b->quantize_fp8(b, c->q, c->s, c->act, KVS_BF16, c->norm.n, c->norm.dim);
+}
+
 struct rope_ctx { kvs_kv_pool pool; void *q, *k, *v, *qkv; int32_t *pos, *slots; float *inv_freq; int n, n_heads; };
 static void run_rope_kv_write(kvs_backend *b, void *p) {
     rope_ctx *c = (rope_ctx *)p;
@@ -198,6 +224,32 @@ static fused_result bench_add_rmsnorm(kvs_backend *b, int n, int dim) {
     r.t_fused = time_it(b, 200, run_add_rmsnorm, &c);
     r.t_unfused = time_it(b, 200, run_add_then_rmsnorm, &c);
     b->free(b, c.x), b->free(b, c.xn), b->free(b, c.y), b->free(b, c.w);
+    return r;
+}
+
+/* add_rmsnorm_fp8 (mlp false) or swiglu_fp8 on n x dim (swiglu: gate_up n x 2 dim);
+ * nominal bytes: x, y read, x and the codes written; gate_up read, the codes written */
+static fused_result bench_fp8_act(kvs_backend *b, bool mlp, int n, int dim) {
+    quant_ctx c = {};
+    size_t t = (size_t)n * dim;
+    c.norm.n = n, c.norm.dim = dim;
+    c.q = (uint8_t *)b->alloc(b, t), c.s = (float *)b->alloc(b, sizeof(float) * n);
+    fused_result r = {mlp ? "swiglu_fp8" : "add_rmsnorm_fp8", n, 0, 0, mlp ? 5.0 * t : 7.0 * t + dim * 2.0};
+    if (mlp) {
+        c.gate_up = b->alloc(b, t * 4), c.act = b->alloc(b, t * 2);
+        fill((bf16 *)c.gate_up, 2 * t, 44);
+        r.t_fused = time_it(b, 200, run_swiglu_fp8, &c);
+        r.t_unfused = time_it(b, 200, run_swiglu_then_quantize, &c);
+        b->free(b, c.gate_up), b->free(b, c.act);
+    } else {
+        norm_ctx &m = c.norm;
+        m.x = b->alloc(b, t * 2), m.xn = b->alloc(b, t * 2), m.y = b->alloc(b, t * 2), m.w = b->alloc(b, (size_t)dim * 2);
+        fill((bf16 *)m.x, t, 41), fill((bf16 *)m.y, t, 42), fill((bf16 *)m.w, dim, 43);
+        r.t_fused = time_it(b, 200, run_add_rmsnorm_fp8, &c);
+        r.t_unfused = time_it(b, 200, run_add_rmsnorm_then_quantize, &c);
+        b->free(b, m.x), b->free(b, m.xn), b->free(b, m.y), b->free(b, m.w);
+    }
+    b->free(b, c.q), b->free(b, c.s);
     return r;
 }
 
@@ -230,6 +282,25 @@ static fused_result bench_rope_kv_write(kvs_backend *b, int n) {
     return r;
 }
 
+/* The fused ops vs the unfused pairs (Llama-3-8B shapes; decode batch 64 and a
+ * 4096-token prefill): 4 results, 8 with the FP8 activation ops. */
+static int bench_fused(kvs_backend *b, fused_result *fr) {
+    fr[0] = bench_add_rmsnorm(b, 64, 4096), fr[1] = bench_add_rmsnorm(b, 4096, 4096);
+    fr[2] = bench_rope_kv_write(b, 64), fr[3] = bench_rope_kv_write(b, 4096);
+    if (!b->add_rmsnorm_fp8) return 4;
+    fr[4] = bench_fp8_act(b, false, 64, 4096), fr[5] = bench_fp8_act(b, false, 4096, 4096);
+    fr[6] = bench_fp8_act(b, true, 64, 14336), fr[7] = bench_fp8_act(b, true, 4096, 14336);
+    return 8;
+}
+
+static void print_fused(const fused_result *fr, int n, double copy_bw) {
+    for (int i = 0; i < n; i++)
+        printf("fused %s, %d rows: %.2f us (%.0f GB/s, %.0f%% of copy) vs unfused %.2f us: %.2fx\n", fr[i].what,
+               fr[i].n, fr[i].t_fused * 1e6, fr[i].bytes / fr[i].t_fused / 1e9,
+               100 * fr[i].bytes / fr[i].t_fused / 1e9 / copy_bw, fr[i].t_unfused * 1e6,
+               fr[i].t_unfused / fr[i].t_fused);
+}
+
 static void attn_free(kvs_backend *b, attn_ctx *c) {
     b->free(b, c->pool.data), b->free(b, c->q), b->free(b, c->out), b->free(b, c->lse);
     b->free(b, (void *)c->ab.q_start), b->free(b, (void *)c->ab.kv_len), b->free(b, (void *)c->ab.block_tables);
@@ -259,17 +330,29 @@ int main(int argc, char **argv) {
     b->free(b, cc.src), b->free(b, cc.dst);
     printf("copy: %.0f GB/s (read + write) over %zu MiB\n", copy_bw, cc.bytes >> 20);
 
+    const bool only_fp8 = argc > 2 && !strcmp(argv[2], "fp8");
+    if (only_fp8) {
+        fused_result fr[8];
+        int n_fused = bench_fused(b, fr);
+        print_fused(fr, n_fused, copy_bw);
+        /* the decode lines below: bf16, then the FP8 cache (its prefill line too) */
+    }
+
     /* cuBLASLt GEMM 8192^3 */
-    gemm_ctx gc = {NULL, NULL, NULL, 8192};
-    size_t ge = (size_t)gc.n * gc.n;
-    gc.in = b->alloc(b, ge * 2), gc.w = b->alloc(b, ge * 2), gc.out = b->alloc(b, ge * 2);
-    fill((bf16 *)gc.in, ge, 4), fill((bf16 *)gc.w, ge, 5);
-    double t_gemm = time_it(b, 10, run_gemm, &gc);
-    double gemm_tf = 2.0 * gc.n * (double)gc.n * gc.n / t_gemm / 1e12;
-    b->free(b, gc.in), b->free(b, gc.w), b->free(b, gc.out);
-    printf("gemm: bf16 8192^3 %.1f TFLOP/s (%.3f ms)\n", gemm_tf, t_gemm * 1e3);
+    double gemm_tf = 0;
     gemm_rates rates[N_GEMM_SHAPES];
-    bool have_rates = bench_gemm_rates(b, rates);
+    bool have_rates = false;
+    if (!only_fp8) {
+        gemm_ctx gc = {NULL, NULL, NULL, 8192};
+        size_t ge = (size_t)gc.n * gc.n;
+        gc.in = b->alloc(b, ge * 2), gc.w = b->alloc(b, ge * 2), gc.out = b->alloc(b, ge * 2);
+        fill((bf16 *)gc.in, ge, 4), fill((bf16 *)gc.w, ge, 5);
+        double t_gemm = time_it(b, 10, run_gemm, &gc);
+        gemm_tf = 2.0 * gc.n * (double)gc.n * gc.n / t_gemm / 1e12;
+        b->free(b, gc.in), b->free(b, gc.w), b->free(b, gc.out);
+        printf("gemm: bf16 8192^3 %.1f TFLOP/s (%.3f ms)\n", gemm_tf, t_gemm * 1e3);
+        have_rates = bench_gemm_rates(b, rates);
+    }
     if (argc > 2 && !strcmp(argv[2], "gemm")) {
         if (have_rates) printf("\n"), print_gemm_rates(rates);
         int failed = kvs_cuda_of(b)->failed;
@@ -304,13 +387,15 @@ int main(int argc, char **argv) {
     if (kvs_backend_cuda_create(&opt8, &b8) == KVS_OK) {
         attn_ctx d8;
         if (!attn_setup(b8, &d8, 64, 4096, 1, false)) return fprintf(stderr, "out of memory\n"), 1;
+        const char *dec8_name[N_DEC] = {"codes into the mma fragments, 4-stage rings, wave splits",
+                                        "graph mode (max_kv_len 8x)"};
         for (int v = 0; v < N_DEC; v++) {
             attn_ctx g8 = d8;
             if (dec_graph[v]) g8.ab.max_kv_len *= 8;
             double t8 = time_it(b8, 50, run_attn, &g8), bw8 = kv_bytes / 2 / t8 / 1e9;
             printf("decode attention FP8 KV: batch 64 x 4096, 32/8 heads, d 128, %s: %.3f ms, %.0f GB/s of KV read "
                    "(%.0f%% of copy); %.2fx the bf16 cache's time\n",
-                   dec_name[v], t8 * 1e3, bw8, 100 * bw8 / copy_bw, t_dec_v[v] / t8);
+                   dec8_name[v], t8 * 1e3, bw8, 100 * bw8 / copy_bw, t_dec_v[v] / t8);
         }
         attn_free(b8, &d8);
         attn_ctx p8;
@@ -324,6 +409,11 @@ int main(int argc, char **argv) {
         if (failed8) return fprintf(stderr, "kvs_bench_kernels: the FP8 KV backend failed\n"), 1;
     } else {
         printf("decode attention FP8 KV: skipped (%s)\n", kvs_last_error());
+    }
+    if (only_fp8) {
+        int failed = kvs_cuda_of(b)->failed;
+        b->destroy(b);
+        return failed ? 1 : 0;
     }
 
     /* prefill attention: 4096 tokens, causal; every kernel (the default also with
@@ -612,14 +702,9 @@ int main(int argc, char **argv) {
     }
     double t_step_floor = 16.06e9 / (copy_bw * 1e9) + t_dec_v[0]; /* copy_bw counts read + write: the DRAM rate */
 
-    /* fused ops vs the unfused pairs (Llama-3-8B shapes; decode batch 64 and a 4096-token prefill) */
-    fused_result fr[4] = {bench_add_rmsnorm(b, 64, 4096), bench_add_rmsnorm(b, 4096, 4096),
-                          bench_rope_kv_write(b, 64), bench_rope_kv_write(b, 4096)};
-    for (int i = 0; i < 4; i++)
-        printf("fused %s, %d rows: %.2f us (%.0f GB/s, %.0f%% of copy) vs unfused %.2f us: %.2fx\n", fr[i].what,
-               fr[i].n, fr[i].t_fused * 1e6, fr[i].bytes / fr[i].t_fused / 1e9,
-               100 * fr[i].bytes / fr[i].t_fused / 1e9 / copy_bw, fr[i].t_unfused * 1e6,
-               fr[i].t_unfused / fr[i].t_fused);
+    fused_result fr[8];
+    const int n_fused = bench_fused(b, fr);
+    print_fused(fr, n_fused, copy_bw);
     b->synchronize(b);
     int failed = kvs_cuda_of(b)->failed;
     b->destroy(b);
@@ -657,10 +742,12 @@ int main(int argc, char **argv) {
            "(weights at copy rate + attention 64 x 4096) %.0f us | %.1f%% (mask target <= 10%%) |\n",
            t_masks_h2d * 1e6, t_process * 1e6, t_top * 1e6, t_step_floor * 1e6,
            100 * (t_masks_h2d + t_process) / t_step_floor);
-    const char *fused_pair[4] = {"add + rmsnorm", "add + rmsnorm", "rope q + rope k + kv_write",
-                                 "rope q + rope k + kv_write"};
-    const char *fused_shape[4] = {"64 x 4096", "4096 x 4096", "64 tokens, 32/8 x 128", "4096 tokens, 32/8 x 128"};
-    for (int i = 0; i < 4; i++)
+    const char *fused_pair[8] = {"add + rmsnorm", "add + rmsnorm", "rope q + rope k + kv_write",
+                                 "rope q + rope k + kv_write", "add_rmsnorm + quantize_fp8", "add_rmsnorm + quantize_fp8",
+                                 "swiglu + quantize_fp8", "swiglu + quantize_fp8"};
+    const char *fused_shape[8] = {"64 x 4096", "4096 x 4096", "64 tokens, 32/8 x 128", "4096 tokens, 32/8 x 128",
+                                  "64 x 4096", "4096 x 4096", "64 x 14336", "4096 x 14336"};
+    for (int i = 0; i < n_fused; i++)
         printf("| %s %s | %.2f us, %.0f GB/s (%.0f%% of copy) | %s %.2f us | %.2fx |\n", fr[i].what, fused_shape[i],
                fr[i].t_fused * 1e6, fr[i].bytes / fr[i].t_fused / 1e9, 100 * fr[i].bytes / fr[i].t_fused / 1e9 / copy_bw,
                fused_pair[i], fr[i].t_unfused * 1e6, fr[i].t_unfused / fr[i].t_fused);

@@ -1523,6 +1523,100 @@ Test(cuda, fp8_quantize_matches_cpu) {
     duo_close(&d);
 }
 
+/* The fp8 activation ops (add_rmsnorm_fp8, swiglu_fp8: the quantize of a GEMM
+ * input fused into the op that makes it) against the GPU's own unfused pairs
+ * (add_rmsnorm or swiglu, then quantize_fp8): x, codes and scales bit for bit
+ * (the same xn and act bits: add_rmsnorm_fp8 takes add_rmsnorm's block shape);
+ * and against the CPU's ops (f32 activations): each scale within 1% of the
+ * CPU's (the rows' amax within add_rmsnorm's xn tolerance), each decoded code
+ * x scale within half an E4M3 step of the GPU's value (6.25% of it, or half
+ * the row's smallest subnormal step, scale x 2^-10) and that value within
+ * add_rmsnorm's tolerance of the CPU's (1e-2 + 1e-2 |ref|): 7.5% |ref| + 1.1e-2
+ * + scale x 2^-10 in all. dim 1003 takes the
+ * scalar paths; 32768 and 28672 need more than 48 KiB of shared memory; rows of
+ * zeros (scale 1) included. */
+static void expect_codes_near(const char *what, const uint8_t *q, const float *s, const float *ref_x,
+                              const float *ref_s, int n, int dim) {
+    size_t bad = 0, bad_s = 0;
+    double worst = 0;
+    for (int r = 0; r < n; r++) {
+        bad_s += fabsf(s[r] - ref_s[r]) > 1e-2f * ref_s[r];
+        for (int c = 0; c < dim; c++) {
+            double ref = ref_x[(size_t)r * dim + c], got = kvs_e4m3_to_f32(q[(size_t)r * dim + c]) * (double)s[r];
+            double e = fabs(got - ref), lim = 0.075 * fabs(ref) + 1.1e-2 + ldexp(s[r], -10);
+            if (isnan(got) || e > lim) bad++;
+            if (e > worst) worst = e;
+        }
+    }
+    cr_log_info("%s: max abs err %.3g of the decoded codes (%d rows)", what, worst, n);
+    cr_expect(bad == 0 && bad_s == 0, "%s: %zu decoded codes and %zu scales off the CPU's", what, bad, bad_s);
+}
+
+Test(cuda, fp8_add_rmsnorm_and_swiglu_quantize) {
+    duo d;
+    OPEN_FP8_OR_SKIP(&d, KVS_CUDA_FP8_AUTO);
+    const int ns[] = {1, 37, 64}, norm_dims[] = {1000, 1003, 4096, 32768}, mlp_dims[] = {1000, 1003, 14336, 28672};
+    for (int a = 0; a < 3; a++)
+        for (int k = 0; k < 4; k++) {
+            int n = ns[a], dim = norm_dims[k], inter = mlp_dims[k];
+            if (k == 3 && n > 1) continue;
+            size_t t = (size_t)n * dim, ti = (size_t)n * inter;
+            float *x = rnd(&d, t, 3.0f), *y = rnd(&d, t, 1.0f), *w = rnd(&d, dim, 1.0f), *gu = rnd(&d, 2 * ti, 2.0f);
+            if (n > 1) /* row 1: zeros */
+                for (int j = 0; j < dim; j++) x[dim + j] = -y[dim + j];
+            if (n > 1)
+                for (int j = 0; j < inter; j++) gu[2 * (size_t)inter + j] = 0.f;
+            void *gx = gpu_put(&d, x, t), *ux = gpu_put(&d, x, t), *gy = gpu_put(&d, y, t), *gw = gpu_put(&d, w, dim);
+            void *ggu = gpu_put(&d, gu, 2 * ti), *uxn = d.gpu->alloc(d.gpu, 2 * ti + 2 * t);
+            uint8_t *gq = d.gpu->alloc(d.gpu, ti + t), *uq = d.gpu->alloc(d.gpu, ti + t);
+            float *gs = d.gpu->alloc(d.gpu, sizeof(float) * n), *us = d.gpu->alloc(d.gpu, sizeof(float) * n);
+            void *cx = cpu_put(&d, x, t), *cy = cpu_put(&d, y, t), *cw = cpu_put(&d, w, dim), *cgu = cpu_put(&d, gu, 2 * ti);
+            void *cxn = d.cpu->alloc(d.cpu, sizeof(float) * (ti > t ? ti : t));
+            uint8_t *cq = malloc(ti + t);
+            float *cs = malloc(sizeof(float) * n);
+            char what[96];
+            for (int op = 0; op < 2; op++) { /* add_rmsnorm_fp8, then swiglu_fp8 */
+                int cols = op ? inter : dim;
+                size_t m = (size_t)n * cols;
+                if (op == 0) {
+                    d.gpu->add_rmsnorm_fp8(d.gpu, gx, gq, gs, gy, gw, n, dim, 1e-5f);
+                    d.gpu->add_rmsnorm(d.gpu, ux, uxn, gy, gw, n, dim, 1e-5f);
+                    d.cpu->add_rmsnorm(d.cpu, cx, cxn, cy, cw, n, dim, 1e-5f); /* xn: the reference values */
+                } else {
+                    d.gpu->swiglu_fp8(d.gpu, gq, gs, ggu, n, inter);
+                    d.gpu->swiglu(d.gpu, uxn, ggu, n, inter);
+                    d.cpu->swiglu(d.cpu, cxn, cgu, n, inter);
+                }
+                d.gpu->quantize_fp8(d.gpu, uq, us, uxn, KVS_BF16, n, cols);
+                d.cpu->quantize_fp8(d.cpu, cq, cs, cxn, KVS_F32, n, cols);
+                uint8_t *q = gpu_get_u8(&d, gq, m), *qu = gpu_get_u8(&d, uq, m);
+                float *s = gpu_get_f32(&d, gs, n), *su = gpu_get_f32(&d, us, n);
+                size_t off = 0;
+                for (size_t i = 0; i < m; i++) off += q[i] != qu[i];
+                int off_s = 0;
+                for (int r = 0; r < n; r++) off_s += s[r] != su[r];
+                snprintf(what, sizeof what, "%s n %d dim %d", op ? "swiglu_fp8" : "add_rmsnorm_fp8", n, cols);
+                cr_log_info("%s vs the GPU's unfused pair: %zu codes and %d scales differ", what, off, off_s);
+                cr_expect(off == 0 && off_s == 0, "%s: %zu codes and %d scales differ from the GPU's unfused pair", what,
+                          off, off_s);
+                if (n > 1) cr_expect(s[1] == 1.0f, "%s: a row of zeros has scale %g", what, s[1]);
+                expect_codes_near(what, q, s, cxn, cs, n, cols);
+                if (op == 0) {
+                    float *got_x = gpu_get(&d, gx, t), *un_x = gpu_get(&d, ux, t);
+                    expect_close("add_rmsnorm_fp8 x vs add_rmsnorm's", got_x, un_x, t, 0, 0);
+                    free(got_x), free(un_x);
+                }
+                free(q), free(qu), free(s), free(su);
+            }
+            free(x), free(y), free(w), free(gu), free(cq), free(cs);
+            void *pg[] = {gx, ux, gy, gw, ggu, uxn, gq, uq, gs, us}, *pc[] = {cx, cy, cw, cgu, cxn};
+            for (int i = 0; i < 10; i++) d.gpu->free(d.gpu, pg[i]);
+            for (int i = 0; i < 5; i++) d.cpu->free(d.cpu, pc[i]);
+        }
+    cr_expect_eq(d.gpu->check(d.gpu), KVS_OK, "%s", kvs_last_error());
+    duo_close(&d);
+}
+
 /* matmul_fp8 in one scaling mode against the CPU's on the same codes and
  * scales (quantized on the CPU from N(0, 1) inputs and N(0, 1/in) weights):
  * |gpu - cpu| <= 2e-2 + 1e-2 |cpu|, matmul's tolerance (bf16 output, f32 sums
@@ -1840,6 +1934,40 @@ Test(cuda, fp8_kv_attention, .timeout = 600) {
     paged_block_size = 24;
     attention_case(32, 8, 128, 10, dec_kv, dec_q);
     attention_case(32, 8, 128, MIX_N, mix_kv, mix_q);
+    paged_block_size = 16;
+    kv_fp8_cases = false;
+}
+
+/* The FP8 decode kernel (kvs_attn_decode8_kernel: keys as the mma rows, the
+ * group's heads as 8-column n-tiles, one for groups 1-8 and two for 9-16) on
+ * every group size it takes, head_dim 32/64/128, two KV heads (the second at
+ * its own scales and head offset), odd lengths (a partial last sub-tile, splits
+ * with fewer sub-tiles than warps), paged blocks of 16, 32 and 48 entries, one
+ * long sequence (many splits) and graph-mode tables (empty splits). Tolerances
+ * as fp8_kv_attention's. */
+static const int dec8_kv[] = {1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 100, 257, 1000, 3001};
+static const int dec8_q[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+#define DEC8_N 14
+Test(cuda, fp8_kv_decode_groups_and_shapes, .timeout = 600) {
+    if (!kv8_available()) return;
+    kv_fp8_cases = true;
+    const int groups[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16}, dims[] = {128, 64, 32};
+    for (size_t i = 0; i < sizeof groups / sizeof groups[0]; i++)
+        for (int j = 0; j < 3; j++) attention_case(2 * groups[i], 2, dims[j], DEC8_N, dec8_kv, dec8_q);
+    const int kv_long[] = {20000}, q_long[] = {1};
+    attention_case(12, 2, 128, 1, kv_long, q_long);
+    attention_case(32, 2, 64, 1, kv_long, q_long);
+    attention_case_cap(6, 2, 128, DEC8_N, dec8_kv, dec8_q, 8);
+    attention_case_cap(16, 2, 64, DEC8_N, dec8_kv, dec8_q, 8);
+    attention_case_cap(32, 2, 32, DEC8_N, dec8_kv, dec8_q, 8);
+    const int block_sizes[] = {32, 48};
+    for (int b = 0; b < 2; b++) {
+        paged_block_size = block_sizes[b];
+        attention_case(32, 8, 128, DEC8_N, dec8_kv, dec8_q);
+        attention_case(24, 2, 64, DEC8_N, dec8_kv, dec8_q);
+        attention_case(6, 2, 32, DEC8_N, dec8_kv, dec8_q);
+        attention_case_cap(16, 2, 128, DEC8_N, dec8_kv, dec8_q, 8);
+    }
     paged_block_size = 16;
     kv_fp8_cases = false;
 }

@@ -1,8 +1,10 @@
 /* The fused backend ops on the CPU backend (the reference) against the
- * unfused sequences they replace: add_rmsnorm == add + rmsnorm and
- * rope_kv_write == rope(q) + rope(k) + kv_write, bitwise; negative (padding)
- * slots leave the pool untouched; and a whole model gives bitwise the same
- * logits with the fused ops as with the unfused sequences. */
+ * unfused sequences they replace: add_rmsnorm == add + rmsnorm,
+ * rope_kv_write == rope(q) + rope(k) + kv_write, add_rmsnorm_fp8 ==
+ * add_rmsnorm + quantize_fp8 and swiglu_fp8 == swiglu + quantize_fp8, bitwise;
+ * negative (padding) slots leave the pool untouched; and a whole model (bf16
+ * and fp8 weights) gives bitwise the same logits with the fused ops as with the
+ * unfused sequences. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdlib.h>
@@ -49,6 +51,51 @@ Test(fused, add_rmsnorm_equals_add_then_rmsnorm) {
             free(x), free(y), free(w), free(x1), free(xn1), free(x2), free(xn2);
         }
     be->destroy(be);
+}
+
+/* x, codes and scales of add_rmsnorm_fp8 against add_rmsnorm + quantize_fp8, on
+ * f32 weights and on bf16 ones (w widened into the scratch beside xn), rows of
+ * zeros included; swiglu_fp8 against swiglu + quantize_fp8. Bit for bit. */
+Test(fused, fp8_quantize_in_add_rmsnorm_and_swiglu_equals_the_pairs) {
+    kvs_backend *be[2];
+    cr_assert_eq(kvs_backend_cpu_create(0, &be[0]), KVS_OK);
+    cr_assert_eq(kvs_backend_cpu_create_typed(0, KVS_BF16, KVS_F32, &be[1]), KVS_OK);
+    kvs_rng rng = seeded();
+    const int ns[] = {1, 5, 37}, dims[] = {16, 1000, 1003, 4096};
+    for (int k = 0; k < 2; k++)
+        for (int a = 0; a < 3; a++)
+            for (int c = 0; c < 4; c++) {
+                kvs_backend *b = be[k];
+                int n = ns[a], dim = dims[c];
+                size_t t = (size_t)n * dim;
+                float *x = normal(&rng, t, 3.0f), *y = normal(&rng, t, 1.0f), *wf = normal(&rng, dim, 1.0f);
+                float *gu = normal(&rng, 2 * t, 2.0f), *act = malloc(sizeof(float) * t);
+                if (n > 1)
+                    for (int j = 0; j < dim; j++) x[dim + j] = -y[dim + j], gu[2 * dim + j] = 0.f; /* zero rows */
+                uint16_t *wb = malloc(sizeof(uint16_t) * dim);
+                for (int j = 0; j < dim; j++) wb[j] = kvs_f32_to_bf16(wf[j]);
+                const void *w = k ? (const void *)wb : (const void *)wf;
+                float *x1 = dup(x, t), *xn1 = malloc(sizeof(float) * t), *x2 = dup(x, t);
+                uint8_t *q1 = malloc(t), *q2 = malloc(t);
+                float *s1 = malloc(sizeof(float) * n), *s2 = malloc(sizeof(float) * n);
+                b->add_rmsnorm(b, x1, xn1, y, w, n, dim, 1e-5f);
+                b->quantize_fp8(b, q1, s1, xn1, KVS_F32, n, dim);
+                b->add_rmsnorm_fp8(b, x2, q2, s2, y, w, n, dim, 1e-5f);
+                cr_expect(memcmp(x1, x2, sizeof(float) * t) == 0, "add_rmsnorm_fp8 n %d dim %d: x differs", n, dim);
+                cr_expect(memcmp(q1, q2, t) == 0 && memcmp(s1, s2, sizeof(float) * n) == 0,
+                          "add_rmsnorm_fp8 n %d dim %d (%s weights): codes or scales differ", n, dim, k ? "bf16" : "f32");
+                b->swiglu(b, act, gu, n, dim);
+                b->quantize_fp8(b, q1, s1, act, KVS_F32, n, dim);
+                b->swiglu_fp8(b, q2, s2, gu, n, dim);
+                cr_expect(memcmp(q1, q2, t) == 0 && memcmp(s1, s2, sizeof(float) * n) == 0,
+                          "swiglu_fp8 n %d dim %d: codes or scales differ", n, dim);
+                if (n > 1) cr_expect(s2[1] == 1.0f, "swiglu_fp8: a row of zeros has scale %g, not 1", s2[1]);
+                cr_expect_eq(b->check(b), KVS_OK, "%s", kvs_last_error());
+                free(x), free(y), free(wf), free(wb), free(gu), free(act), free(x1), free(xn1), free(x2);
+                free(q1), free(q2), free(s1), free(s2);
+            }
+    be[0]->destroy(be[0]);
+    be[1]->destroy(be[1]);
 }
 
 /* Llama 3.1's scaled inverse frequencies for head_dim d. */
@@ -144,14 +191,32 @@ static void unfused_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void 
     free(k);
 }
 
-Test(fused, model_logits_equal_unfused) {
+/* The fp8 activation ops as their unfused pairs (xn and act in buffers of their own). */
+static void unfused_add_rmsnorm_fp8(kvs_backend *b, void *x, uint8_t *q, float *scale, const void *y, const void *w,
+                                    int n, int dim, float eps) {
+    float *xn = malloc(sizeof(float) * (size_t)n * dim);
+    unfused_add_rmsnorm(b, x, xn, y, w, n, dim, eps);
+    b->quantize_fp8(b, q, scale, xn, KVS_F32, n, dim);
+    free(xn);
+}
+
+static void unfused_swiglu_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *gate_up, int n, int dim) {
+    float *act = malloc(sizeof(float) * (size_t)n * dim);
+    b->swiglu(b, act, gate_up, n, dim);
+    b->quantize_fp8(b, q, scale, act, KVS_F32, n, dim);
+    free(act);
+}
+
+static void model_logits_case(kvs_quantization quant) {
     kvs_backend *plain;
     cr_assert_eq(kvs_backend_cpu_create(0, &plain), KVS_OK);
     plain->add_rmsnorm = unfused_add_rmsnorm;
     plain->rope_kv_write = unfused_rope_kv_write;
+    plain->add_rmsnorm_fp8 = unfused_add_rmsnorm_fp8;
+    plain->swiglu_fp8 = unfused_swiglu_fp8;
     rig fused, ref;
-    rig_open(&fused, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(200, 1), 1);
-    rig_open(&ref, src_path("models/tiny-needle-llama"), plain, RIG_BLOCKS(200, 1), 1);
+    rig_open_quantized(&fused, src_path("models/tiny-needle-llama"), NULL, RIG_BLOCKS(200, 1), 1, quant);
+    rig_open_quantized(&ref, src_path("models/tiny-needle-llama"), plain, RIG_BLOCKS(200, 1), 1, quant);
     kvs_rng rng = seeded();
     int V = fused.cfg.vocab_size, n = 61;
     int32_t ids[64];
@@ -171,3 +236,6 @@ Test(fused, model_logits_equal_unfused) {
     rig_close(&ref);
     plain->destroy(plain);
 }
+
+Test(fused, model_logits_equal_unfused) { model_logits_case(KVS_QUANT_NONE); }
+Test(fused, model_logits_equal_unfused_fp8) { model_logits_case(KVS_QUANT_FP8); }

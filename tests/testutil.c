@@ -264,6 +264,8 @@ void expect_refused_without_fp8(const char *dir, kvs_quantization q, const char 
     kvs_backend no_fp8 = *cpu; /* the same state, without the FP8 ops */
     no_fp8.quantize_fp8 = NULL;
     no_fp8.matmul_fp8 = NULL;
+    no_fp8.add_rmsnorm_fp8 = NULL;
+    no_fp8.swiglu_fp8 = NULL;
     kvs_config cfg;
     kvs_checkpoint *ck;
     cr_assert_eq(kvs_config_load(dir, &cfg), KVS_OK, "%s", kvs_last_error());

@@ -293,6 +293,14 @@ struct kvs_backend {
      * (cuBLASLt's FP8 alignment); the codes 16-byte aligned. */
     void (*matmul_fp8)(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,
                        const float *ws, const void *bias, int n, int in_dim, int out_dim);
+    /* A GEMM input quantized by the op that makes it (fp8 activations): q, scale
+     * are what quantize_fp8 (x_dtype act_dtype) makes of the output the unfused
+     * op would have stored, and that output is not stored. add_rmsnorm_fp8: x as
+     * add_rmsnorm leaves it, q, scale of rmsnorm(x) * w; swiglu_fp8: q, scale of
+     * swiglu(gate_up) [n, dim]. NULL where quantize_fp8 is. */
+    void (*add_rmsnorm_fp8)(kvs_backend *b, void *x, uint8_t *q, float *scale, const void *y, const void *w, int n,
+                            int dim, float eps);
+    void (*swiglu_fp8)(kvs_backend *b, uint8_t *q, float *scale, const void *gate_up, int n, int dim);
 
     /* Timing marks (backend/profile.h times the ops with them): a mark is a
      * point in the enqueued work. CUDA records an event on the stream; the CPU,

@@ -111,6 +111,11 @@ TIMED(scatter_i32, KVS_PHASE_OTHER, (kvs_backend *b, int32_t *dst, const int32_t
 TIMED(add_rmsnorm, KVS_PHASE_OTHER,
       (kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim, float eps), x, xn, y, w, n, dim,
       eps)
+TIMED(add_rmsnorm_fp8, KVS_PHASE_OTHER,
+      (kvs_backend *b, void *x, uint8_t *q, float *scale, const void *y, const void *w, int n, int dim, float eps), x,
+      q, scale, y, w, n, dim, eps)
+TIMED(swiglu_fp8, KVS_PHASE_OTHER, (kvs_backend *b, uint8_t *q, float *scale, const void *gate_up, int n, int dim), q,
+      scale, gate_up, n, dim)
 TIMED(rope_kv_write, KVS_PHASE_OTHER,
       (kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv, const int32_t *positions,
        const float *inv_freq, const int32_t *slots, int n, int n_heads),
@@ -209,7 +214,7 @@ kvs_status kvs_backend_profile_wrap(kvs_backend *inner, bool owns_inner, kvs_bac
     WRAP(matmul), WRAP(matmul_fp8), WRAP(quantize_fp8), WRAP(attention), WRAP(embedding), WRAP(rmsnorm), WRAP(add);
     WRAP(head_rmsnorm), WRAP(rope), WRAP(kv_write), WRAP(swiglu), WRAP(gather_rows), WRAP(copy), WRAP(add_rmsnorm);
     WRAP(scatter_i32);
-    WRAP(rope_kv_write);
+    WRAP(rope_kv_write), WRAP(add_rmsnorm_fp8), WRAP(swiglu_fp8);
     WRAP(window_capture), WRAP(sparsity_scores), WRAP(snapkv_select), WRAP(kv_gather), WRAP(snapkv_compact_batch);
     WRAP(sample);
     WRAP(sample_shard), WRAP(process_logits), WRAP(top_logprobs);

@@ -21,7 +21,8 @@
 typedef enum {
     KVS_PHASE_GEMM,      /* matmul, matmul_fp8 and quantize_fp8 (its input); the LM head too */
     KVS_PHASE_ATTENTION, /* attention */
-    KVS_PHASE_OTHER,     /* embedding, norms, rope + KV write, swiglu, add, row gathers, device copies */
+    KVS_PHASE_OTHER,     /* embedding, norms, rope + KV write, swiglu (fp8: the last two with their
+                            outputs' quantize), add, row gathers, device copies */
     KVS_PHASE_SPARSIFY,  /* window_capture, sparsity_scores, snapkv_select, kv_gather, snapkv_compact_batch */
     KVS_PHASE_SAMPLING,  /* process_logits, sample, sample_shard, top_logprobs */
     KVS_PHASES

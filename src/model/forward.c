@@ -15,14 +15,16 @@ static kvs_status tp_sum(kvs_model *m, void *buf, size_t n) {
 }
 
 /* fp8: in [n][dim] quantized per row into the step's codes and scales, the
- * input of the GEMMs (matmul_fp8) that follow. */
+ * input of the GEMMs (matmul_fp8) that follow (add_norm and swiglu quantize
+ * their outputs themselves). */
 static void quantize_input(kvs_model *m, const void *in, int n, int dim) {
     if (m->cfg.quantization == KVS_QUANT_FP8)
         m->be->quantize_fp8(m->be, m->buf.xq, m->buf.xs, in, m->be->act_dtype, n, dim);
 }
 
 /* out = in @ w^T (+ bias): the backend's matmul, or with fp8 matmul_fp8 on the
- * codes of in that quantize_input left (scale: w's per output row). */
+ * codes of in that quantize_input, add_norm or swiglu_fp8 left (scale: w's per
+ * output row). */
 static void linear(kvs_model *m, void *out, const void *in, const void *w, const float *scale, const void *bias,
                    int n, int in_dim, int out_dim) {
     kvs_backend *be = m->be;
@@ -32,8 +34,19 @@ static void linear(kvs_model *m, void *out, const void *in, const void *w, const
         be->matmul(be, out, in, w, bias, n, in_dim, out_dim);
 }
 
-/* Expects xn = attn_norm(x) (the previous layer's mlp_block fuses it into its
- * residual add); leaves x += attention and xn = mlp_norm(x). */
+/* x += tmp, then the norm with weight w: xn (fp8: its codes, in the op) for the GEMM that follows. */
+static void add_norm(kvs_model *m, const void *w, int n) {
+    kvs_backend *be = m->be;
+    kvs_step_buffers *sb = &m->buf;
+    const kvs_config *c = &m->cfg;
+    if (c->quantization == KVS_QUANT_FP8)
+        be->add_rmsnorm_fp8(be, sb->x, sb->xq, sb->xs, sb->tmp, w, n, c->hidden_size, c->rms_norm_eps);
+    else
+        be->add_rmsnorm(be, sb->x, sb->xn, sb->tmp, w, n, c->hidden_size, c->rms_norm_eps);
+}
+
+/* Expects xn = attn_norm(x) (fp8: its codes), made by the previous layer's
+ * mlp_block with its residual add; leaves x += attention and xn = mlp_norm(x). */
 static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, const kvs_kv_cache *kv, int layer,
                                   const kvs_attn_batch *ab, int n, int n_cap) {
     kvs_backend *be = m->be;
@@ -41,8 +54,10 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
     const kvs_config *c = &m->cfg;
     int n_heads = m->shard.n_heads, n_kv_heads = m->shard.n_kv_heads; /* this rank's */
     int qd = n_heads * c->head_dim, kd = n_kv_heads * c->head_dim;
-    if (layer == 0) be->rmsnorm(be, sb->xn, sb->x, w->attn_norm, n, c->hidden_size, c->rms_norm_eps);
-    quantize_input(m, sb->xn, n, c->hidden_size);
+    if (layer == 0) {
+        be->rmsnorm(be, sb->xn, sb->x, w->attn_norm, n, c->hidden_size, c->rms_norm_eps);
+        quantize_input(m, sb->xn, n, c->hidden_size);
+    }
     linear(m, sb->qkv, sb->xn, w->w_qkv, w->s_qkv, w->b_qkv, n, c->hidden_size, qd + 2 * kd); /* one GEMM */
     if (w->q_norm) { /* Qwen3: every q head and k head RMS-normalised before RoPE, in the GEMM's rows */
         void *k = (char *)sb->qkv + (size_t)qd * kvs_dtype_size(be->act_dtype);
@@ -62,25 +77,26 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
     quantize_input(m, sb->att, n, qd);
     linear(m, sb->tmp, sb->att, w->wo, w->so, NULL, n, qd, c->hidden_size);
     KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel O */
-    be->add_rmsnorm(be, sb->x, sb->xn, sb->tmp, w->mlp_norm, n, c->hidden_size, c->rms_norm_eps);
+    add_norm(m, w->mlp_norm, n);
     return KVS_OK;
 }
 
-/* Expects xn = mlp_norm(x); leaves x += mlp and, when there is a next layer,
- * xn = its attn_norm(x) (the last layer's rows are normed by logits). */
+/* Expects xn = mlp_norm(x) (fp8: its codes); leaves x += mlp and, when there is
+ * a next layer, xn = its attn_norm(x) (the last layer's rows are normed by logits). */
 static kvs_status mlp_block(kvs_model *m, const kvs_layer_weights *w, const kvs_layer_weights *next, int n) {
     kvs_backend *be = m->be;
     kvs_step_buffers *sb = &m->buf;
     const kvs_config *c = &m->cfg;
     int inter = m->shard.intermediate; /* this rank's columns */
-    quantize_input(m, sb->xn, n, c->hidden_size);
     linear(m, sb->gate_up, sb->xn, w->w_gate_up, w->s_gate_up, NULL, n, c->hidden_size, 2 * inter);
-    be->swiglu(be, sb->act, sb->gate_up, n, inter);
-    quantize_input(m, sb->act, n, inter);
+    if (c->quantization == KVS_QUANT_FP8) /* act's codes, act not stored */
+        be->swiglu_fp8(be, sb->xq, sb->xs, sb->gate_up, n, inter);
+    else
+        be->swiglu(be, sb->act, sb->gate_up, n, inter);
     linear(m, sb->tmp, sb->act, w->w_down, w->s_down, NULL, n, inter, c->hidden_size);
     KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel down */
     if (next)
-        be->add_rmsnorm(be, sb->x, sb->xn, sb->tmp, next->attn_norm, n, c->hidden_size, c->rms_norm_eps);
+        add_norm(m, next->attn_norm, n);
     else
         be->add(be, sb->x, sb->tmp, (size_t)n * c->hidden_size);
     return KVS_OK;

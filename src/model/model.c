@@ -248,7 +248,7 @@ static kvs_status fp8_prepare(kvs_model *m) {
     const kvs_shard *sh = &m->shard;
     char who[64] = "--quantization fp8"; /* what asks for fp8, in messages */
     if (c->ckpt_quant.fp8) snprintf(who, sizeof who, "FP8 checkpoint (quant_method %s)", c->ckpt_quant.method);
-    if (!m->be->quantize_fp8 || !m->be->matmul_fp8)
+    if (!m->be->quantize_fp8 || !m->be->matmul_fp8 || !m->be->add_rmsnorm_fp8 || !m->be->swiglu_fp8)
         return kvs_fail(KVS_ERR_UNSUPPORTED,
                         "%s: the %s backend has no FP8 here (CUDA needs a GPU of compute capability "
                         "8.9 or later: Ada, Hopper, Blackwell)",

@@ -276,6 +276,8 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->add_rmsnorm = kvs_cpu_add_rmsnorm;
     b->rope_kv_write = kvs_cpu_rope_kv_write;
     b->quantize_fp8 = kvs_cpu_quantize_fp8;
+    b->add_rmsnorm_fp8 = kvs_cpu_add_rmsnorm_fp8;
+    b->swiglu_fp8 = kvs_cpu_swiglu_fp8;
     b->matmul_fp8 = kvs_cpu_matmul_fp8;
     b->mark_create = cpu_mark_create;
     b->mark_record = cpu_mark_record;

@@ -1,5 +1,6 @@
 /* Fused ops on the CPU: each is the unfused sequence it replaces, so the CPU
- * results are what the separate ops give (add then rmsnorm; rope then kv_write). */
+ * results are what the separate ops give (add then rmsnorm; rope then kv_write;
+ * with fp8 activations add_rmsnorm or swiglu, then quantize_fp8). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,12 +8,8 @@
 #include "backend/cpu/cpu_ops.h"
 
 /* add then rmsnorm, row by row: the same arithmetic in the same order as
- * kvs_cpu_add + kvs_cpu_rmsnorm, so the results are bitwise equal. */
-void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
-                         float eps) {
-    float *a = x, *o = xn, *buf = b->weight_dtype == KVS_F32 ? NULL : kvs_cpu_scratch(b, sizeof(float) * dim);
-    if (b->weight_dtype != KVS_F32 && !buf) return;
-    const float *c = y, *g = kvs_cpu_weights_f32(b, w, dim, buf);
+ * kvs_cpu_add + kvs_cpu_rmsnorm, so the results are bitwise equal (g: w in f32). */
+static void add_rmsnorm_f32(float *a, float *o, const float *c, const float *g, int n, int dim, float eps) {
 #pragma omp parallel for if (n > 4)
     for (int i = 0; i < n; i++) {
         float *xi = a + (size_t)i * dim;
@@ -25,6 +22,33 @@ void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const
         float r = 1.0f / sqrtf((float)(ss / dim) + eps);
         for (int j = 0; j < dim; j++) o[(size_t)i * dim + j] = xi[j] * r * g[j];
     }
+}
+
+void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
+                         float eps) {
+    float *buf = b->weight_dtype == KVS_F32 ? NULL : kvs_cpu_scratch(b, sizeof(float) * dim);
+    if (b->weight_dtype != KVS_F32 && !buf) return;
+    add_rmsnorm_f32(x, xn, y, kvs_cpu_weights_f32(b, w, dim, buf), n, dim, eps);
+}
+
+/* add_rmsnorm into a scratch xn, then quantize_fp8 of it */
+void kvs_cpu_add_rmsnorm_fp8(kvs_backend *b, void *x, uint8_t *q, float *scale, const void *y, const void *w, int n,
+                             int dim, float eps) {
+    if (n <= 0 || dim <= 0) return;
+    size_t t = (size_t)n * dim;
+    float *xn = kvs_cpu_scratch(b, sizeof(float) * (t + dim)); /* xn, then w in f32 when it is not */
+    if (!xn) return;
+    add_rmsnorm_f32(x, xn, y, kvs_cpu_weights_f32(b, w, dim, xn + t), n, dim, eps);
+    kvs_cpu_quantize_fp8(b, q, scale, xn, KVS_F32, n, dim);
+}
+
+/* swiglu into a scratch act, then quantize_fp8 of it */
+void kvs_cpu_swiglu_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *gate_up, int n, int dim) {
+    if (n <= 0 || dim <= 0) return;
+    float *act = kvs_cpu_scratch(b, sizeof(float) * (size_t)n * dim);
+    if (!act) return;
+    kvs_cpu_swiglu(b, act, gate_up, n, dim);
+    kvs_cpu_quantize_fp8(b, q, scale, act, KVS_F32, n, dim);
 }
 
 /* The CPU reference of the fused op is the unfused sequence on qkv's parts:

@@ -84,6 +84,9 @@ void kvs_cpu_snapkv_select(kvs_backend *b, int32_t *keep, const float *scores, i
 void kvs_cpu_snapkv_compact_batch(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_batch *batch);
 void kvs_cpu_quantize_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *x, kvs_dtype x_dtype, int rows,
                           int cols);
+void kvs_cpu_add_rmsnorm_fp8(kvs_backend *b, void *x, uint8_t *q, float *scale, const void *y, const void *w, int n,
+                             int dim, float eps);
+void kvs_cpu_swiglu_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *gate_up, int n, int dim);
 void kvs_cpu_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,
                         const float *ws, const void *bias, int n, int in_dim, int out_dim);
 enum { KVS_CPU_MAX_HEAD_DIM = 1024 };

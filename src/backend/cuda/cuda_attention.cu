@@ -17,7 +17,9 @@
  *    cuda_attention_hopper.cu takes the bf16 prefill calls it supports.
  *  - kvs_attn_decode_warp_kernel (one-token batches, head_dim 32/64/128, GQA group
  *    <= 16, block_size a multiple of 16): per-warp cp.async rings, wave-aware
- *    splits, kvs_attn_combine_kernel merges the splits (none with one split).
+ *    splits, kvs_attn_combine_kernel merges the splits (none with one split);
+ *    on FP8 pools kvs_attn_decode8_kernel, the same structure with the codes
+ *    converted straight into the mma fragments.
  *  - kvs_attn_split_kernel: the scalar fallback for other head sizes (80, 96,
  *    256), larger groups and block sizes not a multiple of 16, also split + combine;
  *    and every batch of a sliding-window layer (kvs_attn_batch.window), prefill
@@ -34,7 +36,8 @@
 /* FP8 pools (the kernels' FP8 template argument): codes read from the paged
  * blocks are decoded into bf16 exactly (kvs_fp8x8_to_bf16x8) before the mma's;
  * the K scale of KV head g is folded into the softmax scale and the V scale
- * multiplies the output, so the math on the tensor cores is the bf16 kernels'. */
+ * multiplies the output, so the math on the tensor cores is the bf16 kernels'.
+ * The decode kernel (kvs_attn_decode8_kernel) converts codes to f16 instead. */
 __device__ __forceinline__ const uint8_t *kvs_attn_pool8(const kvs_attn_args &a) { return (const uint8_t *)a.pool; }
 
 /* Loads keys [key0, key0 + 64) of (seq, kv head) into k_s and v_s (rows of D + 8;
@@ -255,7 +258,7 @@ __device__ __forceinline__ void kvs_attn_issue_kv_tile8(const kvs_attn_args &a, 
 /* FP8: `rows` rows of raw K codes at raw (then as many V rows after them, rows
  * of D bytes) decoded into bf16 K and V tiles at tile (rows of
  * kvs_rows<D>::BYTES, V at tile + v_off) by `threads` threads from `first`. */
-template <int D, bool F16 = false>
+template <int D>
 __device__ __forceinline__ void kvs_attn_decode_rows8(const unsigned char *raw, unsigned char *tile, int rows,
                                                       int v_off, int first, int threads) {
     constexpr int CH = D / 8;
@@ -263,8 +266,7 @@ __device__ __forceinline__ void kvs_attn_decode_rows8(const unsigned char *raw, 
     for (int p = first; p < 2 * per_kind; p += threads) {
         int kind = p / per_kind, q = p % per_kind, r = q / CH, c = q % CH;
         uint2 codes = *(const uint2 *)(raw + (size_t)kind * rows * D + r * D + c * 8);
-        *(uint4 *)(tile + kind * v_off + r * kvs_rows<D>::BYTES + c * 16) =
-            F16 ? kvs_fp8x8_to_f16x8(codes) : kvs_fp8x8_to_bf16x8(codes);
+        *(uint4 *)(tile + kind * v_off + r * kvs_rows<D>::BYTES + c * 16) = kvs_fp8x8_to_bf16x8(codes);
     }
 }
 
@@ -282,7 +284,7 @@ __device__ __forceinline__ void kvs_attn_load_q_frags(uint32_t (&qa)[D / 16][4],
  * sum, the quad adds them at the end), O = alpha O + P V with P converted from the
  * S accumulators straight into A fragments. Rows g and g + 8 of the warp (g = lane/4)
  * see keys e <= lim0 and e <= lim1 when MASK. */
-template <int D, int NK, bool MASK, bool F16 = false>
+template <int D, int NK, bool MASK>
 __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][4], uint32_t k_w, uint32_t v_w,
                                                    int key_base, int lim0, int lim1, float scale_log2,
                                                    float (&o)[D / 8][4], float &m0, float &m1, float &l0, float &l1,
@@ -300,8 +302,8 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
         for (int j = 0; j < NK / 8; j += 2) {
             uint32_t b0, b1, b2, b3;
             kvs_ldmatrix_x4(b0, b1, b2, b3, k_lane + j * 8 * RB + kk * 32);
-            kvs_mma<F16>(s[j], qa[kk], b0, b1);
-            kvs_mma<F16>(s[j + 1], qa[kk], b2, b3);
+            kvs_mma_bf16(s[j], qa[kk], b0, b1);
+            kvs_mma_bf16(s[j + 1], qa[kk], b2, b3);
         }
     }
 
@@ -353,16 +355,16 @@ __device__ __forceinline__ void kvs_attn_warp_tile(const uint32_t (&qa)[D / 16][
 #pragma unroll
     for (int kk = 0; kk < NK / 16; kk++) {
         uint32_t pa[4];
-        pa[0] = kvs_pack<F16>(s[2 * kk][0], s[2 * kk][1]);
-        pa[1] = kvs_pack<F16>(s[2 * kk][2], s[2 * kk][3]);
-        pa[2] = kvs_pack<F16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[3] = kvs_pack<F16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        pa[0] = kvs_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+        pa[1] = kvs_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+        pa[2] = kvs_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[3] = kvs_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
         for (int n = 0; n < D / 8; n += 2) {
             uint32_t b0, b1, b2, b3;
             kvs_ldmatrix_x4_trans(b0, b1, b2, b3, v_lane + kk * 16 * RB + n * 16);
-            kvs_mma<F16>(o[n], pa, b0, b1);
-            kvs_mma<F16>(o[n + 1], pa, b2, b3);
+            kvs_mma_bf16(o[n], pa, b0, b1);
+            kvs_mma_bf16(o[n + 1], pa, b2, b3);
         }
     }
 }
@@ -704,31 +706,82 @@ __global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
  * multiples of 64), so it costs one block-table entry; the entries of 32
  * sub-tiles at a time sit in the warp's lanes (one load, then __shfl_sync), off
  * the copy path. With one split (gridDim.z == 1) the block writes the final
- * output and LSE itself and no combine runs. */
+ * output and LSE itself and no combine runs. FP8 pools: kvs_attn_decode8_kernel
+ * below, the same structure on codes. */
 #define KVS_DEC_WARPS 4
 #define KVS_DEC_STAGES 3
 
-template <int D, bool FP8 = false>
+template <int D>
 struct kvs_decw_smem {
     static constexpr int STAGES = KVS_DEC_STAGES;
-    static constexpr int SUB = 16 * kvs_rows<D>::BYTES; /* one 16-key K (or V) sub-tile, bf16 */
-    static constexpr int SUB8 = 16 * D;                 /* FP8: one sub-tile's codes (rows of D bytes) */
-    /* a warp's part: its ring of STAGES K + V sub-tiles (FP8: of codes, then the
-       bf16 K + V sub-tile it decodes the one in hand into) */
-    static constexpr size_t RING = (size_t)STAGES * 2 * (FP8 ? SUB8 : SUB), WARP = RING + (FP8 ? 2 * SUB : 0);
-    static constexpr size_t q = 0, kv = 16 * (size_t)kvs_rows<D>::BYTES, bytes = kv + (size_t)KVS_DEC_WARPS * WARP;
-    static_assert(KVS_DEC_WARPS * 16 * (D + 2) * 4 <= (size_t)KVS_DEC_WARPS * WARP, "merge area");
+    static constexpr int SUB = 16 * kvs_rows<D>::BYTES; /* one 16-key K (or V) sub-tile */
+    static constexpr size_t RING = (size_t)STAGES * 2 * SUB; /* a warp's ring of K + V sub-tiles */
+    static constexpr size_t q = 0, kv = 16 * (size_t)kvs_rows<D>::BYTES, bytes = kv + (size_t)KVS_DEC_WARPS * RING;
+    static_assert(KVS_DEC_WARPS * 16 * (D + 2) * 4 <= (size_t)KVS_DEC_WARPS * RING, "merge area");
 };
 
-/* FP8: F16 (the default) decodes the codes to f16 (one cvt a pair) and runs f16
- * mma's with Q as f16 (times scale log2 e: |q| below ~5e5); without it, bf16 as
- * the prefill (five conversions a pair: the conversion rate bounds it, docs/CUDA.md). */
-template <int D, bool FP8 = false, bool F16 = FP8>
+/* A decode split that holds no keys (k0 >= k1: past its sequence's keys, a shorter
+ * sequence or graph mode's capacity): with one split (kv_len 0, a padding slot)
+ * zeros and lse -inf, else m = -inf for the combine to skip (part_o unread). */
+__device__ __forceinline__ void kvs_attn_decode_empty(const kvs_attn_args &a, int group, int t, int h0, size_t base,
+                                                      float *part_ml, bf16 *out, float *lse, int head_dim) {
+    if (gridDim.z == 1) {
+        for (int i = threadIdx.x; i < group * head_dim; i += blockDim.x)
+            out[((size_t)t * a.n_heads + h0) * head_dim + i] = 0.f;
+        for (int i = threadIdx.x; lse && i < group; i += blockDim.x) lse[(size_t)t * a.n_heads + h0 + i] = -INFINITY;
+        return;
+    }
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        part_ml[(base + i) * 2] = -INFINITY;
+        part_ml[(base + i) * 2 + 1] = 0.f;
+    }
+}
+
+/* The end of both decode kernels: the warps' rows in shared memory (warp w's query
+ * row r at mw + (w ROWS + r)(D + 2): o[D], m in the log2 domain, l) merged into
+ * the output and LSE (one split) or the split's partials (m in the natural-log
+ * domain); o times v_scale. Call after a barrier that publishes mw. */
+template <int D, int ROWS>
+__device__ __forceinline__ void kvs_attn_decode_merge(const kvs_attn_args &a, const float *mw, int group, int t,
+                                                      int h0, size_t base, float v_scale, float *part_o,
+                                                      float *part_ml, bf16 *out, float *lse) {
+    constexpr int OLD = D + 2;
+    const bool direct = gridDim.z == 1; /* the only split: write the result itself */
+    for (int idx = threadIdx.x; idx < group * D; idx += blockDim.x) {
+        int r = idx / D, d = idx % D;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < KVS_DEC_WARPS; w++) M = fmaxf(M, mw[(w * ROWS + r) * OLD + D]);
+        float acc = 0.f, Lsum = 0.f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int w = 0; w < KVS_DEC_WARPS; w++) {
+                const float *row = mw + (w * ROWS + r) * OLD;
+                float f = kvs_exp2(row[D] - M);
+                acc += row[d] * f;
+                Lsum += row[D + 1] * f;
+            }
+        }
+        acc *= v_scale;
+        if (direct) { /* M is finite: the split holds key k0 < k1 */
+            size_t orow = (size_t)t * a.n_heads + h0 + r;
+            out[orow * D + d] = __float2bfloat16(acc / Lsum);
+            if (lse && d == 0) lse[orow] = (M + __log2f(Lsum)) * KVS_LN2;
+        } else {
+            part_o[(base + r) * D + d] = acc;
+            if (d == 0) {
+                part_ml[(base + r) * 2] = M == -INFINITY ? -INFINITY : M * KVS_LN2; /* natural-log domain */
+                part_ml[(base + r) * 2 + 1] = Lsum;
+            }
+        }
+    }
+}
+
+template <int D>
 __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     kvs_attn_decode_warp_kernel(kvs_attn_args a, float *part_o, float *part_ml, int split_len, bf16 *out, float *lse) {
-    using L = kvs_decw_smem<D, FP8>;
+    using L = kvs_decw_smem<D>;
     constexpr int STAGES = L::STAGES, THREADS = KVS_DEC_WARPS * 32, RB = kvs_rows<D>::BYTES, SUB = L::SUB, CH = D / 8;
-    constexpr int SLOT = FP8 ? L::SUB8 : SUB; /* one ring entry's K (or V) part */
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = a.n_heads / a.n_kv_heads;
@@ -738,16 +791,8 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
     const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
     const size_t base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
-    if (k0 >= k1) { /* past this sequence's keys (a shorter sequence, or graph mode's capacity) */
-        if (gridDim.z == 1) { /* no keys at all (kv_len 0: a padding slot): zeros, lse -inf */
-            for (int i = threadIdx.x; i < group * D; i += THREADS) out[((size_t)t * a.n_heads + h0) * D + i] = 0.f;
-            for (int i = threadIdx.x; lse && i < group; i += THREADS) lse[(size_t)t * a.n_heads + h0 + i] = -INFINITY;
-            return;
-        }
-        for (int i = threadIdx.x; i < group; i += THREADS) {
-            part_ml[(base + i) * 2] = -INFINITY; /* the combine skips this split (part_o unread) */
-            part_ml[(base + i) * 2 + 1] = 0.f;
-        }
+    if (k0 >= k1) {
+        kvs_attn_decode_empty(a, group, t, h0, base, part_ml, out, lse, D);
         return;
     }
     const int32_t *table = kvs_attn_table(a, seq);
@@ -755,7 +800,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     const int n_mine = n_sub > warp ? (n_sub - warp + KVS_DEC_WARPS - 1) / KVS_DEC_WARPS : 0;
 
     const uint32_t q_s = kvs_smem_u32(smem) + (uint32_t)L::q;
-    const uint32_t ring = kvs_smem_u32(smem) + (uint32_t)L::kv + warp * (uint32_t)L::WARP;
+    const uint32_t ring = kvs_smem_u32(smem) + (uint32_t)L::kv + warp * (uint32_t)L::RING;
     for (int p = threadIdx.x; p < 16 * CH; p += THREADS) {
         int r = p / CH, c = p % CH;
         bool ok = r < group;
@@ -775,22 +820,8 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
         }
         const int key0 = k0 + (warp + KVS_DEC_WARPS * i) * 16;
         const int blk = __shfl_sync(0xffffffffu, blk_lanes, i & 31);
-        const size_t kofs = kvs_kv_offset(blk, 0, g, key0 % a.block_size, a.n_kv_heads, a.block_size, D);
-        const uint32_t st = ring + (i % STAGES) * 2 * SLOT;
-        if (FP8) { /* 16 rows of D code bytes: D / 32 16-byte pieces a lane */
-            const uint8_t *kb = kvs_attn_pool8(a) + kofs;
-#pragma unroll
-            for (int u = 0; u < D / 32; u++) {
-                int p = lane + 32 * u, r = p / (D / 16), c = p % (D / 16);
-                bool ok = key0 + r < k1;
-                const uint8_t *src = ok ? kb + r * D + c * 16 : kvs_attn_pool8(a);
-                uint32_t off = r * D + c * 16;
-                kvs_cp_async16(st + off, src, ok);
-                kvs_cp_async16(st + SLOT + off, ok ? src + v_delta : kvs_attn_pool8(a), ok);
-            }
-            return;
-        }
-        const bf16 *kb = a.pool + kofs;
+        const bf16 *kb = a.pool + kvs_kv_offset(blk, 0, g, key0 % a.block_size, a.n_kv_heads, a.block_size, D);
+        const uint32_t st = ring + (i % STAGES) * 2 * SUB;
 #pragma unroll
         for (int u = 0; u < CH / 2; u++) {
             int p = lane + 32 * u, r = p / CH, c = p % CH;
@@ -808,46 +839,26 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     }
     kvs_cp_async_wait<STAGES - 1>(); /* this thread's Q pieces */
     __syncthreads();                 /* everyone's */
-    if (F16) { /* the f16 mma path: Q as f16, times scale log2 e (K and V decode to f16 with one cvt a pair) */
-        __nv_bfloat162 *q2 = (__nv_bfloat162 *)(smem + L::q);
-        const float qs = a.scale * KVS_LOG2E;
-        for (int i = threadIdx.x; i < 16 * (RB / 4); i += THREADS) {
-            float2 f = __bfloat1622float2(q2[i]);
-            __half2 h = __floats2half2_rn(f.x * qs, f.y * qs);
-            q2[i] = *(__nv_bfloat162 *)&h;
-        }
-        __syncthreads();
-    }
     uint32_t qa[D / 16][4];
     kvs_attn_load_q_frags<D>(qa, q_s, lane);
 
-    /* FP8: Q carries scale log2 e already; the K scale remains */
-    const float scale_log2 = (F16 ? 1.f : a.scale * KVS_LOG2E) * (FP8 ? kvs_kv_scale(a.scales, 0, g, a.n_kv_heads) : 1.f);
+    const float scale_log2 = a.scale * KVS_LOG2E;
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
     const int lim = k1 - 1;
-    /* FP8: the warp's bf16 sub-tile, after its ring */
-    unsigned char *dec_p = smem + L::kv + warp * L::WARP + L::RING;
     for (int i = 0; i < n_mine; i++) {
         kvs_cp_async_wait<STAGES - 2>();
         __syncwarp(); /* sub-tile i landed for every lane; stage (i - 1) % STAGES is no longer read */
         issue(i + STAGES - 1);
         kvs_cp_async_commit();
-        uint32_t k_w = ring + (i % STAGES) * 2 * SLOT;
-        if (FP8) { /* sub-tile i's codes -> the warp's bf16 sub-tile (sub-tile i - 1's reads are done) */
-            kvs_attn_decode_rows8<D, F16>(smem + L::kv + warp * L::WARP + (i % STAGES) * 2 * SLOT, dec_p, 16, SUB, lane,
-                                           32);
-            __syncwarp();
-            k_w = kvs_smem_u32(dec_p);
-        }
-        const uint32_t v_w = k_w + SUB;
+        const uint32_t k_w = ring + (i % STAGES) * 2 * SUB, v_w = k_w + SUB;
         const int key_base = k0 + (warp + KVS_DEC_WARPS * i) * 16;
         if (key_base + 15 <= lim)
-            kvs_attn_warp_tile<D, 16, false, F16>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+            kvs_attn_warp_tile<D, 16, false>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
         else
-            kvs_attn_warp_tile<D, 16, true, F16>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
+            kvs_attn_warp_tile<D, 16, true>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -873,35 +884,269 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
         }
     }
     __syncthreads();
-    const bool direct = gridDim.z == 1; /* the only split: write the result itself */
-    for (int idx = threadIdx.x; idx < group * D; idx += THREADS) {
-        int r = idx / D, d = idx % D;
-        float M = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < KVS_DEC_WARPS; w++) M = fmaxf(M, mw[(w * 16 + r) * OLD + D]);
-        float acc = 0.f, Lsum = 0.f;
-        if (M != -INFINITY) {
-#pragma unroll
-            for (int w = 0; w < KVS_DEC_WARPS; w++) {
-                const float *row = mw + (w * 16 + r) * OLD;
-                float f = kvs_exp2(row[D] - M);
-                acc += row[d] * f;
-                Lsum += row[D + 1] * f;
-            }
+    kvs_attn_decode_merge<D, 16>(a, mw, group, t, h0, base, 1.f, part_o, part_ml, out, lse);
+}
+
+/* ---- FP8 decode: the codes straight into the mma fragments
+ * The structure of kvs_attn_decode_warp_kernel (a block a token x KV group x split,
+ * 4 warps each streaming its 16-key sub-tiles through its own cp.async ring of
+ * KVS_DEC8_STAGES), with the mma operands swapped: the sub-tile's 16 keys are the
+ * rows of A and the group's query heads the 8 columns of B (NQ n-tiles of 8
+ * heads: 2 for groups of 9-16), S^T = K Q^T then O^T += V^T P^T, 16 mma's a
+ * sub-tile for groups up to 8 (32 with the heads as A rows). Lane (gq = lane / 4,
+ * q4 = lane % 4) holds:
+ *  - K: keys gq and gq + 8 (rows gq, gq + 8 of A), D / 4 codes of each; its word
+ *    w (codes kvs_dec8_kdim(q4, w) .. + 3: D / 4 contiguous bytes in whole pieces
+ *    of up to 16) is k-step w, the first pair its columns 2 q4, 2 q4 + 1, the second
+ *    2 q4 + 8, + 9. Q's B fragments take their dims in the same order (a dot
+ *    product does not see the order), so one cvt.rn.f16x2.e4m3x2 a pair makes A.
+ *  - V: keys 2 q4, 2 q4 + 1, 2 q4 + 8, 2 q4 + 9 (the k rows of its A fragments)
+ *    at dims gq D / 8 .. + D / 8 - 1: code 2 mt is row gq of m-tile mt, code 2 mt + 1
+ *    row gq + 8, so the output's dims are permuted (undone when the warp writes its
+ *    rows to shared memory); a prmt pairs two keys' codes, one cvt makes the pair.
+ *  - P: S^T's accumulators (rows keys, columns queries) packed as f16 and moved
+ *    to the B layout of V^T P^T by movmatrix.trans (two a sub-tile and n-tile).
+ * Each lane copies exactly the bytes it reads back, so a stage is ready for a
+ * lane after its own wait_group (no __syncwarp) and is laid out piece-major (the
+ * 32 lanes' piece c side by side: copies and loads without bank conflicts); no
+ * pass through shared memory converts anything: per 4 KB sub-tile (D = 128) the
+ * shared memory moves 8 KB. Math as the f16 path it replaces: Q in f16 times
+ * scale x log2 e (|q| up to ~5e5), K and V codes exact in f16, f32 accumulators,
+ * the K scale on each score, P packed as f16, the V scale on the output. */
+#define KVS_DEC8_STAGES 4
+
+template <int D, int NQ>
+struct kvs_dec8 {
+    static constexpr int KB = D / 4 < 16 ? D / 4 : 16; /* bytes of a K piece (a lane's run of one key) */
+    static constexpr int KP = D / 4 / KB;              /* K pieces a key a lane */
+    static constexpr int VB = D / 8;                   /* bytes of a V piece (a lane's run of one key) */
+    static constexpr int KW = D / 16, VW = VB / 4;     /* 4-code words of a key a lane, K and V */
+    static constexpr int STAGE = 32 * D;               /* a sub-tile: 16 keys x D codes of K, then of V */
+    static constexpr int K_PART = 2 * KP * 32 * KB;    /* its K pieces: [2 KP][32 lanes][KB]; V: [4][32][VB] */
+    static constexpr size_t WARP = (size_t)KVS_DEC8_STAGES * STAGE, bytes = KVS_DEC_WARPS * WARP;
+    static constexpr int ROWS = 8 * NQ; /* query rows a warp merges */
+    static_assert(K_PART == 16 * D && VB <= 16, "K is half a stage; V pieces of at most 16 bytes");
+    static_assert(KVS_DEC_WARPS * ROWS * (D + 2) * 4 <= bytes, "merge area");
+};
+
+/* First dim of K word w of lane q4 (Q's B fragments in the same order) */
+template <int D>
+__device__ __forceinline__ int kvs_dec8_kdim(int q4, int w) {
+    constexpr int KB = kvs_dec8<D, 1>::KB, WP = KB / 4; /* words a piece */
+    return (w / WP) * 4 * KB + q4 * KB + 4 * (w % WP);
+}
+
+/* N bytes (4, 8 or 16) of shared memory as N / 4 words */
+template <int N>
+__device__ __forceinline__ void kvs_lds_words(uint32_t *w, const unsigned char *p) {
+    if (N == 16) {
+        uint4 v = *(const uint4 *)p;
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if (N == 8) {
+        uint2 v = *(const uint2 *)p;
+        w[0] = v.x, w[1] = v.y;
+    } else {
+        w[0] = *(const uint32_t *)p;
+    }
+}
+
+template <int D, int NQ>
+__global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
+    kvs_attn_decode8_kernel(kvs_attn_args a, float *part_o, float *part_ml, int split_len, bf16 *out, float *lse) {
+    using L = kvs_dec8<D, NQ>;
+    constexpr int STAGES = KVS_DEC8_STAGES, KB = L::KB, KP = L::KP, VB = L::VB, KW = L::KW, VW = L::VW, MT = D / 16;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, q4 = lane % 4;
+    const int group = a.n_heads / a.n_kv_heads;
+    const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, h0 = g * group;
+    const int seq = kvs_attn_seq_of(a.q_start, a.n_seqs, t);
+    const int q_len = a.q_start[seq + 1] - a.q_start[seq];
+    const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
+    const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
+    const size_t base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
+    if (k0 >= k1) {
+        kvs_attn_decode_empty(a, group, t, h0, base, part_ml, out, lse, D);
+        return;
+    }
+    const int32_t *table = kvs_attn_table(a, seq);
+    const int n_sub = (k1 - k0 + 15) / 16;
+    const int n_mine = n_sub > warp ? (n_sub - warp + KVS_DEC_WARPS - 1) / KVS_DEC_WARPS : 0;
+
+    const uint8_t *pool = kvs_attn_pool8(a);
+    const size_t v_delta = (size_t)a.n_kv_heads * a.block_size * D;
+    unsigned char *ring_p = smem + warp * L::WARP;
+    const uint32_t ring = kvs_smem_u32(ring_p);
+    int blk_lanes = 0; /* lane j: block of this warp's sub-tile 32 * chunk + j */
+    /* issues this lane's pieces of the warp's sub-tile i into stage i % STAGES (warp-uniform i) */
+    auto issue = [&](int i) {
+        if (i >= n_mine) return;
+        if ((i & 31) == 0) {
+            int key = k0 + (warp + KVS_DEC_WARPS * (i + lane)) * 16;
+            blk_lanes = key < k1 ? table[key / a.block_size] : 0;
         }
-        if (FP8) acc *= kvs_kv_scale(a.scales, 1, g, a.n_kv_heads);
-        if (direct) { /* M is finite: the split holds key k0 < k1 */
-            size_t orow = (size_t)t * a.n_heads + h0 + r;
-            out[orow * D + d] = __float2bfloat16(acc / Lsum);
-            if (lse && d == 0) lse[orow] = (M + __log2f(Lsum)) * KVS_LN2;
-        } else {
-            part_o[(base + r) * D + d] = acc;
-            if (d == 0) {
-                part_ml[(base + r) * 2] = M == -INFINITY ? -INFINITY : M * KVS_LN2; /* natural-log domain */
-                part_ml[(base + r) * 2 + 1] = Lsum;
+        const int key0 = k0 + (warp + KVS_DEC_WARPS * i) * 16;
+        const int blk = __shfl_sync(0xffffffffu, blk_lanes, i & 31);
+        const uint8_t *kb = pool + kvs_kv_offset(blk, 0, g, key0 % a.block_size, a.n_kv_heads, a.block_size, D);
+        const uint32_t st = ring + (i % STAGES) * L::STAGE;
+#pragma unroll
+        for (int h = 0; h < 2; h++) { /* K: keys gq, gq + 8 */
+            const int r = gq + 8 * h;
+            const bool ok = key0 + r < k1;
+#pragma unroll
+            for (int p = 0; p < KP; p++)
+                kvs_cp_async_n<KB>(st + ((h * KP + p) * 32 + lane) * KB,
+                                   ok ? kb + r * D + kvs_dec8_kdim<D>(q4, p * (KB / 4)) : pool, ok);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) { /* V: keys 2 q4 + {0, 1, 8, 9} */
+            const int r = 2 * q4 + (u & 1) + 8 * (u >> 1);
+            const bool ok = key0 + r < k1;
+            kvs_cp_async_n<VB>(st + L::K_PART + (u * 32 + lane) * VB, ok ? kb + v_delta + r * D + gq * VB : pool, ok);
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; i++) {
+        issue(i);
+        kvs_cp_async_commit();
+    }
+
+    /* Q's B fragments: head 8 nq + gq (zero past the group), f16 x scale log2 e */
+    uint32_t qb[NQ][KW][2];
+    const float qs = a.scale * KVS_LOG2E;
+#pragma unroll
+    for (int nq = 0; nq < NQ; nq++) {
+        const int r = 8 * nq + gq;
+        const bf16 *qrow = a.q + ((size_t)t * a.n_heads + h0 + min(r, group - 1)) * D;
+#pragma unroll
+        for (int w = 0; w < KW; w++) {
+            uint2 raw = *(const uint2 *)(qrow + kvs_dec8_kdim<D>(q4, w));
+            const __nv_bfloat162 *b2 = (const __nv_bfloat162 *)&raw;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                float2 f = __bfloat1622float2(b2[j]);
+                qb[nq][w][j] = r < group ? kvs_pack_f16(f.x * qs, f.y * qs) : 0u;
             }
         }
     }
+
+    const float k_scale = kvs_kv_scale(a.scales, 0, g, a.n_kv_heads);
+    float o[NQ][MT][4], m[NQ][2], l[NQ][2]; /* O^T; m, l of heads 8 nq + 2 q4 + {0, 1} */
+#pragma unroll
+    for (int nq = 0; nq < NQ; nq++) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) o[nq][mt][0] = o[nq][mt][1] = o[nq][mt][2] = o[nq][mt][3] = 0.f;
+        m[nq][0] = m[nq][1] = -INFINITY;
+        l[nq][0] = l[nq][1] = 0.f;
+    }
+    const int lim = k1 - 1;
+    for (int i = 0; i < n_mine; i++) {
+        kvs_cp_async_wait<STAGES - 2>(); /* this lane's pieces of sub-tile i landed */
+        issue(i + STAGES - 1);           /* into the stage sub-tile i - 1 used (this lane read it) */
+        kvs_cp_async_commit();
+        const unsigned char *st = ring_p + (i % STAGES) * L::STAGE;
+        const int key_base = k0 + (warp + KVS_DEC_WARPS * i) * 16;
+
+        /* S^T = K Q^T */
+        uint32_t kw[2][KW];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int p = 0; p < KP; p++) kvs_lds_words<KB>(&kw[h][p * (KB / 4)], st + ((h * KP + p) * 32 + lane) * KB);
+        float s[NQ][4];
+#pragma unroll
+        for (int nq = 0; nq < NQ; nq++) s[nq][0] = s[nq][1] = s[nq][2] = s[nq][3] = 0.f;
+#pragma unroll
+        for (int w = 0; w < KW; w++) {
+            const uint32_t ka[4] = {kvs_e4m3x2_to_f16x2(kw[0][w], 0), kvs_e4m3x2_to_f16x2(kw[1][w], 0),
+                                    kvs_e4m3x2_to_f16x2(kw[0][w], 1), kvs_e4m3x2_to_f16x2(kw[1][w], 1)};
+#pragma unroll
+            for (int nq = 0; nq < NQ; nq++) kvs_mma_f16(s[nq], ka, qb[nq][w][0], qb[nq][w][1]);
+        }
+
+        /* online softmax in the log2 domain: s[nq][c] is key key_base + gq + 8 (c / 2), head 8 nq + 2 q4 + c % 2 */
+        const bool tail = key_base + 15 > lim;
+        uint32_t pb[NQ][2];
+        float alpha[NQ][2];
+        bool grew = false;
+#pragma unroll
+        for (int nq = 0; nq < NQ; nq++) {
+            float x[4];
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                x[c] = s[nq][c] * k_scale;
+                if (tail && key_base + gq + 8 * (c >> 1) > lim) x[c] = -INFINITY;
+            }
+            float mx0 = fmaxf(x[0], x[2]), mx1 = fmaxf(x[1], x[3]);
+#pragma unroll
+            for (int k = 4; k < 32; k <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, k));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, k));
+            }
+            const float mn0 = fmaxf(m[nq][0], mx0), mn1 = fmaxf(m[nq][1], mx1);
+            const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+            alpha[nq][0] = kvs_exp2(m[nq][0] - mu0), alpha[nq][1] = kvs_exp2(m[nq][1] - mu1);
+            grew |= mn0 != m[nq][0] || mn1 != m[nq][1];
+            m[nq][0] = mn0, m[nq][1] = mn1;
+            const float p0 = kvs_exp2(x[0] - mu0), p1 = kvs_exp2(x[1] - mu1);
+            const float p2 = kvs_exp2(x[2] - mu0), p3 = kvs_exp2(x[3] - mu1);
+            l[nq][0] = l[nq][0] * alpha[nq][0] + (p0 + p2);
+            l[nq][1] = l[nq][1] * alpha[nq][1] + (p1 + p3);
+            pb[nq][0] = kvs_movmatrix_trans(kvs_pack_f16(p0, p1)); /* keys 2 q4, + 1 of head gq */
+            pb[nq][1] = kvs_movmatrix_trans(kvs_pack_f16(p2, p3)); /* keys 2 q4 + 8, + 9 */
+        }
+        if (__any_sync(0xffffffffu, grew)) { /* else every alpha is 1 */
+#pragma unroll
+            for (int nq = 0; nq < NQ; nq++)
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    o[nq][mt][0] *= alpha[nq][0], o[nq][mt][1] *= alpha[nq][1];
+                    o[nq][mt][2] *= alpha[nq][0], o[nq][mt][3] *= alpha[nq][1];
+                }
+        }
+
+        /* O^T += V^T P^T: word w of each key holds codes 4w .. 4w + 3 of the lane's dims, m-tiles 2w and 2w + 1 */
+        uint32_t vw[4][VW];
+#pragma unroll
+        for (int u = 0; u < 4; u++) kvs_lds_words<VB>(vw[u], st + L::K_PART + (u * 32 + lane) * VB);
+#pragma unroll
+        for (int w = 0; w < VW; w++) {
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const uint32_t sel = hf ? 0x7362u : 0x5140u; /* codes 2 hf, 2 hf + 1 of two keys, interleaved */
+                const uint32_t x01 = __byte_perm(vw[0][w], vw[1][w], sel), x89 = __byte_perm(vw[2][w], vw[3][w], sel);
+                const uint32_t va[4] = {kvs_e4m3x2_to_f16x2(x01, 0), kvs_e4m3x2_to_f16x2(x01, 1),
+                                        kvs_e4m3x2_to_f16x2(x89, 0), kvs_e4m3x2_to_f16x2(x89, 1)};
+#pragma unroll
+                for (int nq = 0; nq < NQ; nq++) kvs_mma_f16(o[nq][2 * w + hf], va, pb[nq][0], pb[nq][1]);
+            }
+        }
+    }
+#pragma unroll
+    for (int nq = 0; nq < NQ; nq++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int k = 4; k < 32; k <<= 1) l[nq][j] += __shfl_xor_sync(0xffffffffu, l[nq][j], k);
+
+    /* the warps' rows, dims in order, into shared memory (reusing the rings), then merged */
+    kvs_cp_async_wait<0>();
+    __syncthreads();
+    constexpr int OLD = D + 2;
+    float *mw = (float *)smem;
+#pragma unroll
+    for (int nq = 0; nq < NQ; nq++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) { /* head 8 nq + 2 q4 + j: dims gq D / 8 + 2 mt (c j) and + 1 (c j + 2) */
+            float *row = mw + (warp * L::ROWS + 8 * nq + 2 * q4 + j) * OLD;
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                *(float2 *)(row + gq * (D / 8) + 2 * mt) = make_float2(o[nq][mt][j], o[nq][mt][j + 2]);
+            if (gq == 0) row[D] = m[nq][j], row[D + 1] = l[nq][j];
+        }
+    }
+    __syncthreads();
+    kvs_attn_decode_merge<D, L::ROWS>(a, mw, group, t, h0, base, kvs_kv_scale(a.scales, 1, g, a.n_kv_heads), part_o,
+                                      part_ml, out, lse);
 }
 
 /* ---- dispatch ------------------------------------------------------------------ */
@@ -1057,17 +1302,18 @@ static int kvs_attn_blocks_per_sm(K kernel, int threads, size_t smem, int *cache
     return *cache;
 }
 
-/* The per-warp decode kernel (head_dim 32/64/128, group <= 16, block_size a
- * multiple of 16) with its wave-aware split policy. */
-template <int D, bool FP8, bool F16 = FP8>
+/* The per-warp decode kernels (head_dim 32/64/128, group <= 16, block_size a
+ * multiple of 16; FP8: kvs_attn_decode8_kernel with NQ 8-head n-tiles) with their
+ * wave-aware split policy. */
+template <int D, bool FP8, int NQ = 1>
 static void launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len) {
     kvs_cuda *c = kvs_cuda_of(b);
-    using L = kvs_decw_smem<D, FP8>;
-    auto kernel = kvs_attn_decode_warp_kernel<D, FP8, F16>;
-    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
+    const size_t smem = FP8 ? kvs_dec8<D, NQ>::bytes : kvs_decw_smem<D>::bytes;
+    auto kernel = FP8 ? kvs_attn_decode8_kernel<D, NQ> : kvs_attn_decode_warp_kernel<D>;
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     static int per_sm = 0;
     int n_splits, split_len = kvs_attn_split_waves(
-        a, max_kv_len, (long)kvs_attn_blocks_per_sm(kernel, KVS_DEC_WARPS * 32, L::bytes, &per_sm) * c->n_sms, &n_splits);
+        a, max_kv_len, (long)kvs_attn_blocks_per_sm(kernel, KVS_DEC_WARPS * 32, smem, &per_sm) * c->n_sms, &n_splits);
     size_t rows = (size_t)a.n_tokens * a.n_heads;
     float *part_o = NULL, *part_ml = NULL;
     if (n_splits > 1) {
@@ -1077,8 +1323,8 @@ static void launch_decode_warp(kvs_backend *b, const kvs_attn_args &a, bf16 *out
         part_o = (float *)scratch, part_ml = (float *)(scratch + o_bytes);
     }
     dim3 grid((unsigned)a.n_tokens, (unsigned)a.n_kv_heads, (unsigned)n_splits);
-    kernel<<<grid, KVS_DEC_WARPS * 32, L::bytes, c->stream>>>(a, part_o, part_ml, split_len, out, lse);
-    KVS_CUDA_LAUNCHED(b, "kvs_attn_decode_warp_kernel");
+    kernel<<<grid, KVS_DEC_WARPS * 32, smem, c->stream>>>(a, part_o, part_ml, split_len, out, lse);
+    KVS_CUDA_LAUNCHED(b, FP8 ? "kvs_attn_decode8_kernel" : "kvs_attn_decode_warp_kernel");
     if (n_splits > 1) {
         kvs_attn_combine_kernel<<<(unsigned)rows, D < 128 ? D : 128, 0, c->stream>>>(out, lse, part_o, part_ml,
                                                                                       n_splits, (int)rows, D);
@@ -1126,13 +1372,12 @@ static void launch_split_scalar(kvs_backend *b, const kvs_attn_args &a, bf16 *ou
 
 template <int D>
 static void launch_split(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_kv_len, bool fp8) {
-    kvs_cuda *c = kvs_cuda_of(b);
     int group = a.n_heads / a.n_kv_heads;
-    /* the per-warp kernel takes 16-key sub-tiles of one paged block each */
+    /* the per-warp kernels take 16-key sub-tiles of one paged block each */
     if ((D == 32 || D == 64 || D == 128) && group <= 16 && a.block_size % 16 == 0) {
         constexpr int DT = D == 32 || D == 64 ? D : 128; /* only instantiated for 32/64/128 */
-        if (fp8 && c->fp8_kv_decode_bf16) launch_decode_warp<DT, true, false>(b, a, out, lse, max_kv_len);
-        else if (fp8) launch_decode_warp<DT, true, true>(b, a, out, lse, max_kv_len);
+        if (fp8 && group <= 8) launch_decode_warp<DT, true, 1>(b, a, out, lse, max_kv_len);
+        else if (fp8) launch_decode_warp<DT, true, 2>(b, a, out, lse, max_kv_len);
         else launch_decode_warp<DT, false>(b, a, out, lse, max_kv_len);
         return;
     }

@@ -308,8 +308,6 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     c->prefill = prefill;
     c->fp8_gemm = opt->fp8_gemm;
     c->n_sms = prop.multiProcessorCount;
-    const char *dec = getenv("KVSPARSE_FP8_KV_DECODE"); /* a benchmarking knob (docs/CUDA.md "FP8 KV cache") */
-    c->fp8_kv_decode_bf16 = dec && !strcmp(dec, "bf16");
     /* the WGMMA prefill's diagnostic knob and variants (docs/CUDA.md "Hopper prefill kernel") */
     const char *tma = getenv("KVSPARSE_WGMMA_TMA"), *l2 = getenv("KVSPARSE_WGMMA_L2HINT");
     const char *pers = getenv("KVSPARSE_WGMMA_PERSISTENT");
@@ -388,6 +386,8 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->rope_kv_write = kvs_cuda_rope_kv_write;
     if (prop.major * 10 + prop.minor >= 89) { /* FP8 tensor cores: Ada and Hopper on */
         b->quantize_fp8 = kvs_cuda_quantize_fp8;
+        b->add_rmsnorm_fp8 = kvs_cuda_add_rmsnorm_fp8;
+        b->swiglu_fp8 = kvs_cuda_swiglu_fp8;
         b->matmul_fp8 = kvs_cuda_matmul_fp8;
     }
     b->mark_create = cuda_mark_create;

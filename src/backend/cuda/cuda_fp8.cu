@@ -16,17 +16,6 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
     return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
 }
 
-/* Max of v over the block (blockDim.x == QUANT_THREADS), returned to every thread. */
-__device__ __forceinline__ float block_max(float v) {
-    __shared__ float part[QUANT_THREADS / 32];
-    for (int k = 16; k > 0; k >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, k));
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float m = part[0];
-    for (int w = 1; w < QUANT_THREADS / 32; w++) m = fmaxf(m, part[w]);
-    return m;
-}
-
 /* One block per row: the row's amax, its scale, then the codes. VEC: 8
  * elements a step (16-byte loads, 8-byte stores; cols % 8 == 0). */
 template <bool VEC>
@@ -43,7 +32,7 @@ __global__ void kvs_quantize_fp8_kernel(uint8_t *q, float *scale, const bf16 *x,
     } else {
         for (int c = threadIdx.x; c < cols; c += QUANT_THREADS) m = fmaxf(m, fabsf(__bfloat162float(row[c])));
     }
-    float s = block_max(m) / KVS_E4M3_MAX;
+    float s = kvs_block_max(m) / KVS_E4M3_MAX;
     if (!(s > 0.f)) s = 1.f;
     if (threadIdx.x == 0) scale[blockIdx.x] = s;
     if (VEC) {

@@ -1,7 +1,9 @@
-/* Fused forward-pass kernels: residual add + RMSNorm, and RoPE + paged KV write.
- * Each one equals the unfused sequence of cuda_ops.cu and cuda_kv.cu (add then
- * rmsnorm; rope on q and k then kv_write) up to the order of the fp32 sum of
- * squares; the CPU references are in cpu/cpu_fused.c. */
+/* Fused forward-pass kernels: residual add + RMSNorm, RoPE + paged KV write, and
+ * for fp8 activations add + RMSNorm or SwiGLU with the per-row quantize of their
+ * output. Each one equals the unfused sequence of cuda_ops.cu, cuda_kv.cu and
+ * cuda_fp8.cu (add then rmsnorm; rope on q and k then kv_write; add_rmsnorm or
+ * swiglu, then quantize_fp8) up to the order of the fp32 sum of squares; the
+ * CPU references are in cpu/cpu_fused.c. */
 #include <stdint.h>
 
 #include "backend/cuda/cuda_internal.h"
@@ -10,19 +12,50 @@
  * Pass 1 reads x and y once, stores x + y rounded to bf16 (as kvs_add_kernel
  * does) into x and into a shared-memory copy of the row, and sums the squares
  * of the rounded values in fp32 (so the norm sees the x that add + rmsnorm
- * would read); pass 2 writes xn from the shared copy. VEC: 16-byte pieces. */
+ * would read); pass 2 writes xn from the shared copy. VEC: 16-byte pieces.
+ * QUANT (add_rmsnorm_fp8): pass 2 writes xn over the shared copy instead and
+ * takes its amax; pass 3 writes the codes of xn / scale as quantize_fp8 does
+ * (the same xn bits as add_rmsnorm's with the same VEC: the same threads sum
+ * the squares in the same order). */
 
 union kvs_bf16x8 {
     uint4 u;
     __nv_bfloat162 h[4];
 };
 
+/* The row's scale (amax / 448, 1 for a row of zeros), as quantize_fp8's. */
+__device__ __forceinline__ float kvs_fp8_row_scale(float amax) {
+    float s = kvs_block_max(amax) / KVS_E4M3_MAX;
+    return s > 0.f ? s : 1.f;
+}
+
+/* The codes of the bf16 row in shared memory (dim of them) over s, as quantize_fp8 writes them. */
 template <bool VEC>
-__global__ void kvs_add_rmsnorm_kernel(bf16 *x, bf16 *xn, const bf16 *y, const bf16 *w, int dim, float eps) {
+__device__ __forceinline__ void kvs_fp8_row_codes(uint8_t *q, const bf16 *row, int dim, float s) {
+    if (VEC) {
+        for (int j = threadIdx.x; j < dim / 8; j += blockDim.x) {
+            kvs_bf16x8 a;
+            a.u = ((const uint4 *)row)[j];
+            uint8_t c[8];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float2 f = __bfloat1622float2(a.h[e]);
+                c[2 * e] = kvs_kv_fp8_code(f.x, s), c[2 * e + 1] = kvs_kv_fp8_code(f.y, s);
+            }
+            ((uint2 *)q)[j] = *(const uint2 *)c;
+        }
+    } else {
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) q[j] = kvs_kv_fp8_code(__bfloat162float(row[j]), s);
+    }
+}
+
+template <bool VEC, bool QUANT>
+__global__ void kvs_add_rmsnorm_kernel(bf16 *x, bf16 *xn, uint8_t *q, float *qscale, const bf16 *y, const bf16 *w,
+                                       int dim, float eps) {
     extern __shared__ uint4 kvs_add_rmsnorm_row[]; /* dim bf16 */
     bf16 *row = (bf16 *)kvs_add_rmsnorm_row;
     size_t base = (size_t)blockIdx.x * dim;
-    float ss = 0.f;
+    float ss = 0.f, amax = 0.f;
     if (VEC) {
         uint4 *xv = (uint4 *)(x + base), *rv = (uint4 *)row;
         const uint4 *yv = (const uint4 *)(y + base);
@@ -51,8 +84,9 @@ __global__ void kvs_add_rmsnorm_kernel(bf16 *x, bf16 *xn, const bf16 *y, const b
     }
     float r = rsqrtf(kvs_block_sum(ss) / dim + eps); /* its barrier also publishes the shared row */
     if (VEC) {
-        const uint4 *rv = (const uint4 *)row, *wv = (const uint4 *)w;
-        uint4 *ov = (uint4 *)(xn + base);
+        uint4 *rv = (uint4 *)row;
+        const uint4 *wv = (const uint4 *)w;
+        uint4 *ov = QUANT ? rv : (uint4 *)(xn + base); /* QUANT: each thread over its own pieces */
         for (int j = threadIdx.x; j < dim / 8; j += blockDim.x) {
             kvs_bf16x8 a, g;
             a.u = rv[j], g.u = wv[j];
@@ -60,33 +94,111 @@ __global__ void kvs_add_rmsnorm_kernel(bf16 *x, bf16 *xn, const bf16 *y, const b
             for (int e = 0; e < 4; e++) {
                 float2 fa = __bfloat1622float2(a.h[e]), fg = __bfloat1622float2(g.h[e]);
                 a.h[e] = __floats2bfloat162_rn(fa.x * r * fg.x, fa.y * r * fg.y);
+                float2 o = __bfloat1622float2(a.h[e]);
+                amax = fmaxf(amax, fmaxf(fabsf(o.x), fabsf(o.y)));
             }
             ov[j] = a.u;
         }
     } else {
-        for (int j = threadIdx.x; j < dim; j += blockDim.x)
-            xn[base + j] = __float2bfloat16(__bfloat162float(row[j]) * r * __bfloat162float(w[j]));
+        bf16 *out = QUANT ? row : xn + base;
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+            bf16 o = __float2bfloat16(__bfloat162float(row[j]) * r * __bfloat162float(w[j]));
+            amax = fmaxf(amax, fabsf(__bfloat162float(o)));
+            out[j] = o;
+        }
+    }
+    if (QUANT) {
+        float s = kvs_fp8_row_scale(amax); /* its barriers publish xn in the shared row */
+        if (threadIdx.x == 0) qscale[blockIdx.x] = s;
+        kvs_fp8_row_codes<VEC>(q + base, row, dim, s);
     }
 }
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
-void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
-                          float eps) {
+/* add_rmsnorm (q NULL) or add_rmsnorm_fp8 (xn NULL). The path (and the block
+ * shape, so the order of the sum of squares) depends on dim and the alignment
+ * of the pointers: with xn 16-byte and q 8-byte aligned both ops take the same
+ * one, so the codes are quantize_fp8's of add_rmsnorm's xn, bit for bit. */
+static void add_rmsnorm(kvs_backend *b, void *x, void *xn, uint8_t *q, float *qscale, const void *y, const void *w,
+                        int n, int dim, float eps) {
     if (n <= 0 || dim <= 0) return;
-    bool vec = dim % 8 == 0 && aligned16(x) && aligned16(xn) && aligned16(y) && aligned16(w);
+    bool out_ok = q ? ((uintptr_t)q & 7) == 0 : aligned16(xn);
+    bool vec = dim % 8 == 0 && aligned16(x) && aligned16(y) && aligned16(w) && out_ok;
     size_t smem = (size_t)dim * sizeof(bf16);
     /* a thread per 16-byte piece up to 1024 threads (whole warps); 256 for the scalar path */
     int units = vec ? dim / 8 : 256;
     int threads = units >= 1024 ? 1024 : (units + 31) / 32 * 32;
     if (threads < 64) threads = 64;
-    void (*kernel)(bf16 *, bf16 *, const bf16 *, const bf16 *, int, float) =
-        vec ? kvs_add_rmsnorm_kernel<true> : kvs_add_rmsnorm_kernel<false>;
+    void (*kernel)(bf16 *, bf16 *, uint8_t *, float *, const bf16 *, const bf16 *, int, float) =
+        q ? (vec ? kvs_add_rmsnorm_kernel<true, true> : kvs_add_rmsnorm_kernel<false, true>)
+          : (vec ? kvs_add_rmsnorm_kernel<true, false> : kvs_add_rmsnorm_kernel<false, false>);
     if (smem > 48 * 1024) /* rows over 24576 elements: opt in to more shared memory */
         KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kernel<<<n, threads, smem, kvs_cuda_of(b)->stream>>>((bf16 *)x, (bf16 *)xn, (const bf16 *)y, (const bf16 *)w,
-                                                          dim, eps);
+    kernel<<<n, threads, smem, kvs_cuda_of(b)->stream>>>((bf16 *)x, (bf16 *)xn, q, qscale, (const bf16 *)y,
+                                                          (const bf16 *)w, dim, eps);
     KVS_CUDA_LAUNCHED(b, "kvs_add_rmsnorm_kernel");
+}
+
+void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const void *w, int n, int dim,
+                          float eps) {
+    add_rmsnorm(b, x, xn, NULL, NULL, y, w, n, dim, eps);
+}
+
+void kvs_cuda_add_rmsnorm_fp8(kvs_backend *b, void *x, uint8_t *q, float *scale, const void *y, const void *w, int n,
+                              int dim, float eps) {
+    add_rmsnorm(b, x, NULL, q, scale, y, w, n, dim, eps);
+}
+
+/* ---- SwiGLU + the fp8 quantize of its output: one block per row ---------------
+ * Pass 1 stores silu(g) * u rounded to bf16 (as the swiglu kernels do) into a
+ * shared-memory row and takes its amax; pass 2 writes the codes as
+ * quantize_fp8 does. VEC: 16-byte loads (the values do not depend on it). */
+template <bool VEC>
+__global__ void kvs_swiglu_fp8_kernel(uint8_t *q, float *qscale, const bf16 *gate_up, int dim) {
+    extern __shared__ uint4 kvs_swiglu_row[]; /* dim bf16 */
+    bf16 *row = (bf16 *)kvs_swiglu_row;
+    const bf16 *g = gate_up + (size_t)blockIdx.x * 2 * dim, *u = g + dim;
+    float amax = 0.f;
+    if (VEC) {
+        for (int j = threadIdx.x; j < dim / 8; j += blockDim.x) {
+            kvs_bf16x8 a, c, o;
+            a.u = ((const uint4 *)g)[j], c.u = ((const uint4 *)u)[j];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float2 fa = __bfloat1622float2(a.h[e]), fc = __bfloat1622float2(c.h[e]);
+                o.h[e] = __halves2bfloat162(__float2bfloat16(kvs_silu_mul(fa.x, fc.x)),
+                                            __float2bfloat16(kvs_silu_mul(fa.y, fc.y)));
+                float2 f = __bfloat1622float2(o.h[e]);
+                amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+            }
+            ((uint4 *)row)[j] = o.u;
+        }
+    } else {
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+            bf16 o = __float2bfloat16(kvs_silu_mul(__bfloat162float(g[j]), __bfloat162float(u[j])));
+            amax = fmaxf(amax, fabsf(__bfloat162float(o)));
+            row[j] = o;
+        }
+    }
+    float s = kvs_fp8_row_scale(amax); /* its barriers publish the row */
+    if (threadIdx.x == 0) qscale[blockIdx.x] = s;
+    kvs_fp8_row_codes<VEC>(q + (size_t)blockIdx.x * dim, row, dim, s);
+}
+
+void kvs_cuda_swiglu_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *gate_up, int n, int dim) {
+    if (n <= 0 || dim <= 0) return;
+    bool vec = dim % 8 == 0 && aligned16(gate_up) && ((uintptr_t)q & 7) == 0;
+    size_t smem = (size_t)dim * sizeof(bf16);
+    int units = vec ? dim / 8 : 256;
+    int threads = units >= 1024 ? 1024 : (units + 31) / 32 * 32;
+    if (threads < 64) threads = 64;
+    void (*kernel)(uint8_t *, float *, const bf16 *, int) =
+        vec ? kvs_swiglu_fp8_kernel<true> : kvs_swiglu_fp8_kernel<false>;
+    if (smem > 48 * 1024)
+        KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<n, threads, smem, kvs_cuda_of(b)->stream>>>(q, scale, (const bf16 *)gate_up, dim);
+    KVS_CUDA_LAUNCHED(b, "kvs_swiglu_fp8_kernel");
 }
 
 /* ---- RoPE + paged KV write: one block per token --------------------------------

@@ -5,6 +5,7 @@
 #define KVS_CUDA_INTERNAL_H
 
 #include <cublasLt.h>
+#include <math.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -33,17 +34,16 @@ __device__ __forceinline__ float kvs_kv_scale(const float *scales, int kind, int
 __device__ __forceinline__ uint8_t kvs_kv_fp8_code(float x, float s) {
     return (uint8_t)__nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3);
 }
-/* 8 codes as 8 f16, exactly: one cvt per pair (the FP8 decode kernel's f16 mma path). */
+/* Codes 0-1 (hi 0) or 2-3 (hi 1) of a word of four as an f16 pair, exactly (the
+ * lower byte in the lower half): one cvt.rn.f16x2.e4m3x2 from compute capability 8.9. */
+__device__ __forceinline__ uint32_t kvs_e4m3x2_to_f16x2(uint32_t w, int hi) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> (16 * hi)), __NV_E4M3);
+    return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+/* 8 codes as 8 f16, exactly: one cvt a pair. */
 __device__ __forceinline__ uint4 kvs_fp8x8_to_f16x8(uint2 c) {
-    uint4 out;
-    uint32_t *o = (uint32_t *)&out;
-    const uint32_t w[2] = {c.x, c.y};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[i / 2] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
-        o[i] = (uint32_t)h.x | ((uint32_t)h.y << 16);
-    }
-    return out;
+    return make_uint4(kvs_e4m3x2_to_f16x2(c.x, 0), kvs_e4m3x2_to_f16x2(c.x, 1), kvs_e4m3x2_to_f16x2(c.y, 0),
+                      kvs_e4m3x2_to_f16x2(c.y, 1));
 }
 /* 8 codes (8 bytes) as 8 bf16 (16 bytes), exactly: every E4M3 value is an f16
  * value and a bf16 value (the f16 conversion above, then each pair through f32). */
@@ -59,22 +59,35 @@ __device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8(uint2 c) {
     return out;
 }
 
-/* Sum of v over the block, returned to every thread (blockDim.x a multiple of
- * 32, at most 1024). Its barriers also publish the block's earlier shared-memory
- * writes; call it from every thread, at most once per kernel. */
-__device__ __forceinline__ float kvs_block_sum(float v) {
+/* Sum (MAX: max) of v over the block, returned to every thread (blockDim.x a
+ * multiple of 32, at most 1024). Its barriers also publish the block's earlier
+ * shared-memory writes; call it from every thread, at most once per kernel
+ * for each of the two. */
+template <bool MAX>
+__device__ __forceinline__ float kvs_block_reduce(float v) {
     __shared__ float part[32];
-    for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+    for (int k = 16; k > 0; k >>= 1) {
+        float o = __shfl_xor_sync(0xffffffffu, v, k);
+        v = MAX ? fmaxf(v, o) : v + o;
+    }
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
     __syncthreads();
     if (threadIdx.x < 32) {
-        float w = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
-        for (int k = 16; k > 0; k >>= 1) w += __shfl_xor_sync(0xffffffffu, w, k);
+        float w = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : (MAX ? -INFINITY : 0.f);
+        for (int k = 16; k > 0; k >>= 1) {
+            float o = __shfl_xor_sync(0xffffffffu, w, k);
+            w = MAX ? fmaxf(w, o) : w + o;
+        }
         if (threadIdx.x == 0) part[0] = w;
     }
     __syncthreads();
     return part[0];
 }
+__device__ __forceinline__ float kvs_block_sum(float v) { return kvs_block_reduce<false>(v); }
+__device__ __forceinline__ float kvs_block_max(float v) { return kvs_block_reduce<true>(v); }
+
+/* silu(g) * u: swiglu's arithmetic (cuda_ops.cu, and fused with the fp8 quantize in cuda_fused.cu) */
+__device__ __forceinline__ float kvs_silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 /* What a cached GEMM plan multiplies (cuda_matmul.cu, cuda_fp8.cu). */
 typedef enum {
@@ -114,7 +127,6 @@ typedef struct {
     int n_sms;
     int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int fp8_gemm; /* kvs_cuda_fp8_gemm, resolved (never AUTO): how matmul_fp8 scales (cuda_fp8.cu) */
-    int fp8_kv_decode_bf16; /* FP8 KV decode through bf16 mma's (KVSPARSE_FP8_KV_DECODE=bf16), not f16 */
     /* the WGMMA prefill (cuda_attention_hopper.cu; a diagnostic knob, docs/CUDA.md
        "Hopper prefill kernel"): every K/V row by cp.async, no TMA (KVSPARSE_WGMMA_TMA=0;
        the path an explicit WGMMA request takes where the TMA view cannot be made) */
@@ -211,6 +223,10 @@ void kvs_cuda_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, cons
 void kvs_cuda_rope_kv_write(kvs_backend *b, const kvs_kv_pool *pool, void *q, const void *qkv,
                             const int32_t *positions, const float *inv_freq, const int32_t *slots, int n,
                             int n_heads);
+/* fp8 activations: add_rmsnorm / swiglu with their output quantized per row instead of stored */
+void kvs_cuda_add_rmsnorm_fp8(kvs_backend *b, void *x, uint8_t *q, float *scale, const void *y, const void *w, int n,
+                              int dim, float eps);
+void kvs_cuda_swiglu_fp8(kvs_backend *b, uint8_t *q, float *scale, const void *gate_up, int n, int dim);
 
 /* matmul (cuda_matmul.cu) */
 void kvs_cuda_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n, int in_dim,

@@ -135,9 +135,7 @@ void kvs_cuda_f32_to_bf16(kvs_backend *b, void *dst, const float *src, size_t n)
     KVS_CUDA_LAUNCHED(b, "kvs_f32_to_bf16_kernel");
 }
 
-/* out[i, j] = silu(g) * u with g = gate_up[i, j], u = gate_up[i, dim + j] */
-__device__ __forceinline__ float kvs_silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
+/* out[i, j] = silu(g) * u with g = gate_up[i, j], u = gate_up[i, dim + j] (kvs_silu_mul) */
 __global__ void kvs_swiglu_kernel(bf16 *out, const bf16 *gate_up, int n, int dim) {
     size_t total = (size_t)n * dim;
     for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total; t += (size_t)gridDim.x * blockDim.x) {
