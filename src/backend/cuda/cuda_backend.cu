@@ -22,7 +22,10 @@ void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const ch
  * reports the first recorded failure. */
 static kvs_status cuda_check(kvs_backend *b) {
     kvs_cuda *c = kvs_cuda_of(b);
-    if (!c->failed && !c->capturing) KVS_CUDA_CHECK(b, cudaStreamSynchronize(c->stream));
+    if (!c->failed && !c->capturing) {
+        KVS_CUDA_CHECK(b, cudaStreamSynchronize(c->stream));
+        b->n_waits++; /* everything enqueued has run (tensor-parallel ranks other than 0 read no ids) */
+    }
     return c->failed ? kvs_fail(KVS_ERR_INTERNAL, "cuda backend (device %d): %s", c->device, c->failure) : KVS_OK;
 }
 
