@@ -106,7 +106,7 @@ struct kvs_backend {
     void *impl;
     /* How many times the host has waited for all the work enqueued so far
      * (synchronize, to_host): work enqueued while it read m is done once it
-     * exceeds m (kvs_backend_reuse). */
+     * exceeds m (kvs_upload_turns). */
     uint64_t n_waits;
 
     /* memory */
@@ -366,12 +366,24 @@ typedef struct {
  * kv_fp8 on a GPU below compute capability 8.9 (the message says so). */
 kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out);
 
-/* A host_alloc buffer whose upload was enqueued when b->n_waits read `mark`:
- * waits for that upload unless the host has waited for everything since, so
- * the buffer may be written again (double-buffered uploads need no wait a
- * step: the step's sampled ids are read in between). */
-static inline void kvs_backend_reuse(kvs_backend *b, uint64_t mark) {
-    if (b->n_waits <= mark) b->synchronize(b);
+/* Two host_alloc buffers (or halves of one) taking turns as the source of
+ * uploads, so that building the next upload need not wait for the last one:
+ * kvs_turn_take gives the half to write, waiting for its previous upload only
+ * when the host has not waited for the device since that upload was enqueued
+ * (normally a step's read of its sampled ids came in between); kvs_turn_sent
+ * after its to_device marks it and hands over to the other half. */
+typedef struct {
+    uint64_t mark[2]; /* b->n_waits when each half's upload was enqueued */
+    int half;         /* the half to write next */
+} kvs_upload_turns;
+
+static inline int kvs_turn_take(kvs_backend *b, const kvs_upload_turns *t) {
+    if (b->n_waits <= t->mark[t->half]) b->synchronize(b);
+    return t->half;
+}
+static inline void kvs_turn_sent(kvs_backend *b, kvs_upload_turns *t) {
+    t->mark[t->half] = b->n_waits;
+    t->half ^= 1;
 }
 
 #endif

@@ -163,7 +163,7 @@ kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *
  * own goes in one batch (the backend's snapkv_compact_batch: one launch per
  * stage for the step); StreamingLLM layers and layers on shared or cached
  * blocks are compacted one by one. Returns with the batch enqueued, not run
- * (its pinned staging alternates between two buffers: kvs_backend_reuse). */
+ * (its pinned staging alternates between two buffers: kvs_upload_turns). */
 kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n);
 /* kvs_kv_sparsify_seqs of one sequence. */
 kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id);

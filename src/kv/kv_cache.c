@@ -107,7 +107,7 @@ int kvs_kv_seq_create(kvs_kv_cache *kv) {
         layer_table *layers = calloc((size_t)kv->cfg.n_layers, sizeof(layer_table));
         if (!layers) break;
         kv->seqs[s] = (seq_state){.used = true, .layers = layers, .policy = kvs_kv_policy_default(KVS_POLICY_FULL)};
-        for (int l = 0; l < kv->cfg.n_layers; l++) kvs_kv_touch(kv, &layers[l]);
+        for (int l = 0; l < kv->cfg.n_layers; l++) kvs_kv_touch(&layers[l]);
         return s;
     }
     kvs_fail(KVS_ERR_NOMEM, "kv cache: all %d sequence slots are in use", kv->cfg.max_seqs);
@@ -121,7 +121,7 @@ seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id) {
 
 void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks) {
     /* the last block first: a cached prompt's end is evicted before its start */
-    if (t->n_blocks > keep_blocks) kvs_kv_touch(kv, t);
+    if (t->n_blocks > keep_blocks) kvs_kv_touch(t);
     while (t->n_blocks > keep_blocks) kvs_kv_drop_block(kv, t->blocks[--t->n_blocks]);
 }
 
@@ -195,7 +195,7 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
             t->blocks = nb;
             t->cap = cap;
         }
-        if (t->n_blocks < want) kvs_kv_touch(kv, t);
+        if (t->n_blocks < want) kvs_kv_touch(t);
         while (t->n_blocks < want) t->blocks[t->n_blocks++] = kvs_kv_take_block(kv);
     }
     return KVS_OK;
@@ -230,7 +230,7 @@ static void slide(kvs_kv_cache *kv, layer_table *t, int window) {
     for (int i = 0; i < drop; i++) kvs_kv_drop_block(kv, t->blocks[i]);
     memmove(t->blocks, t->blocks + drop, sizeof(int32_t) * (size_t)(t->n_blocks - drop));
     t->n_blocks -= drop;
-    kvs_kv_touch(kv, t);
+    kvs_kv_touch(t);
     t->len -= drop * bs;
 }
 
@@ -326,7 +326,7 @@ static kvs_status compact_into_own_blocks(kvs_kv_cache *kv, seq_state *s, layer_
     kvs_kv_release_tail(kv, t, 0);
     memcpy(t->blocks, own, sizeof(int32_t) * nb); /* cap >= the old count >= nb */
     t->n_blocks = nb;
-    kvs_kv_touch(kv, t);
+    kvs_kv_touch(t);
     t->len = n_keep;
     free(own);
     return KVS_OK;
@@ -369,15 +369,11 @@ void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes) {
 }
 
 void *kvs_kv_staging(kvs_kv_cache *kv, size_t bytes) {
-    int h = kv->staging_half;
-    kvs_backend_reuse(kv->be, kv->staging_mark[h]); /* before writing or freeing it */
+    int h = kvs_turn_take(kv->be, &kv->staging_turns); /* before writing or freeing it */
     return grow(kv->be, &kv->staging[h], &kv->staging_cap[h], bytes, kv->be->host_alloc, kv->be->host_free);
 }
 
-void kvs_kv_staging_sent(kvs_kv_cache *kv) {
-    kv->staging_mark[kv->staging_half] = kv->be->n_waits;
-    kv->staging_half ^= 1;
-}
+void kvs_kv_staging_sent(kvs_kv_cache *kv) { kvs_turn_sent(kv->be, &kv->staging_turns); }
 
 int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv) { return kv->n_free + kv->n_evictable; }
 int64_t kvs_kv_used_blocks(const kvs_kv_cache *kv) { return kv->cfg.n_blocks - kvs_kv_free_blocks(kv); }

@@ -90,8 +90,7 @@ struct kvs_kv_cache {
     int n_batch, batch_cap;
     void *staging[2]; /* two, used in turn: a batch is built while the last one's copy may still run */
     size_t staging_cap[2];
-    uint64_t staging_mark[2]; /* the backend's n_waits when each one's copy was enqueued */
-    int staging_half;
+    kvs_upload_turns staging_turns; /* which of the two the next batch writes */
 };
 
 /* Every change of a layer table's blocks or n_blocks goes with a touch: a
@@ -99,10 +98,7 @@ struct kvs_kv_cache {
  * of the table taken at stamp g is current while the table's gen is g (the
  * model's device-resident block tables, which may outlive a cache). */
 uint64_t kvs_kv_new_stamp(void);
-static inline void kvs_kv_touch(kvs_kv_cache *kv, layer_table *t) {
-    (void)kv;
-    t->gen = kvs_kv_new_stamp();
-}
+static inline void kvs_kv_touch(layer_table *t) { t->gen = kvs_kv_new_stamp(); }
 
 
 seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id);

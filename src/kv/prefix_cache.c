@@ -199,7 +199,7 @@ int kvs_kv_prefix_attach(kvs_kv_cache *kv, int seq_id, const int32_t *prompt, in
             if (kv->meta[b].ref++ == 0) lru_remove(kv, b);
             t->blocks[t->n_blocks++] = b;
         }
-        if (hit) kvs_kv_touch(kv, t);
+        if (hit) kvs_kv_touch(t);
         t->len = hit * bs;
     }
     free(found);

@@ -293,7 +293,7 @@ kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq) {
             kv->be->copy(kv->be, (char *)kv->pool.data + (size_t)blk * block_bytes,
                          (char *)kv->pool.data + (size_t)from * block_bytes, block_bytes);
         }
-        kvs_kv_touch(kv, b);
+        kvs_kv_touch(b);
         b->len = a->len;
     }
     dst->n_tokens = src->n_tokens;

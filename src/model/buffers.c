@@ -30,6 +30,8 @@ int kvs_stride_bucket(int blocks) {
     return p >= blocks ? p : p + p / 2;
 }
 
+int kvs_table_blocks(const kvs_model_limits *l) { return (l->max_len + l->block_size - 1) / l->block_size; }
+
 /* n, or the power of two a graph pads it to when there is a graph for it. */
 static int padded(int n, int n_graph_sizes) {
     int p = kvs_ceil_log2(n);
@@ -70,7 +72,7 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     /* S sequences (max_seqs or the graph bucket it pads to), n rows (a padded
        decode step has one per sequence), B blocks in a sequence's table */
     size_t a = kvs_dtype_size(act_dtype), S = padded(l->max_seqs, KVS_GRAPH_BATCHES), n = (size_t)l->max_tokens;
-    size_t B = kvs_stride_bucket((l->max_len + l->block_size - 1) / l->block_size);
+    size_t B = (size_t)kvs_table_blocks(l);
     if (n < S) n = S;
     size_t qd = (size_t)sh->n_heads * c->head_dim, kd = (size_t)sh->n_kv_heads * c->head_dim;
     size_t wide = (size_t)sh->intermediate > qd ? (size_t)sh->intermediate : qd;
@@ -158,8 +160,7 @@ static void zero_tables(kvs_model *m) {
 
 kvs_status kvs_step_buffers_create(kvs_model *m) {
     const kvs_model_limits *l = &m->limits;
-    size_t cells = (size_t)m->cfg.n_layers * padded(l->max_seqs, KVS_GRAPH_BATCHES) *
-                   kvs_stride_bucket((l->max_len + l->block_size - 1) / l->block_size);
+    size_t cells = (size_t)m->cfg.n_layers * padded(l->max_seqs, KVS_GRAPH_BATCHES) * (size_t)kvs_table_blocks(l);
     if (cells > INT32_MAX)
         return kvs_fail(KVS_ERR_INVALID, "model: the block tables of %d sequences of %d tokens in %d layers are %zu "
                         "cells, more than 2^31: lower max_num_seqs or max_model_len", l->max_seqs, l->max_len,

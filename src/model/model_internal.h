@@ -47,8 +47,8 @@ typedef struct {
     int32_t *seq_row;   /* [n_seq_row]: a sequence's row, -1: none (grown on demand) */
     int n_seq_row;
     int32_t *h_pairs, *pairs; /* pinned [2][cap_pairs][2] (two halves used in turn), backend [cap_pairs][2] */
-    int n_pairs, cap_pairs, pairs_half;
-    uint64_t pairs_mark[2];   /* n_waits when each half's upload was enqueued (kvs_backend_reuse) */
+    int n_pairs, cap_pairs;
+    kvs_upload_turns pairs_turns; /* which half of h_pairs takes the next pairs */
     int n_layers, rows, blocks, next_free;
     uint64_t step;
 } kvs_block_tables;
@@ -68,8 +68,7 @@ typedef struct {
        for the step, the others at the layer being run. */
     int32_t *meta, *h_meta; /* h_meta: two halves of meta_words, used in turn (no wait for the last upload) */
     size_t meta_words;
-    int h_half;
-    uint64_t h_mark[2]; /* n_waits when each half's upload was enqueued (kvs_backend_reuse) */
+    kvs_upload_turns h_turns; /* which half of h_meta the next step writes */
     kvs_layer_meta *layer_meta; /* [n_layers] */
     int32_t *ids, *positions, *slots, *q_start, *table_rows, *kv_len, *cap_src, *cap_dst;
     kvs_block_tables tables;
@@ -164,6 +163,9 @@ int kvs_ceil_log2(int n);
 /* The table stride the graphs' layout pads `blocks` to: the next of 1, 2, 3,
  * 4, 6, 8, 12, ... (powers of two and 1.5 times them: at most a third padding). */
 int kvs_stride_bucket(int blocks);
+/* The most blocks a sequence's table may hold in a layer (max_len of them): what
+ * kvs_model_check_batch allows and the length of a device table row. */
+int kvs_table_blocks(const kvs_model_limits *l);
 /* Plans the step's shape and uploads its metadata (one copy). */
 kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_step_shape *sh);
 /* Points the step buffers at layer l's metadata, its attention batch in ab;

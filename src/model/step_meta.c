@@ -42,7 +42,7 @@ kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const k
                         "rank %d of %d of the model (%d layers, %d KV heads, %d heads, head_dim %d)",
                         kc->n_layers, kc->n_kv_heads, kc->n_heads, kc->head_dim, sh->rank, sh->world,
                         m->cfg.n_layers, sh->n_kv_heads, sh->n_heads, m->cfg.head_dim);
-    int max_blocks = (lim->max_len + lim->block_size - 1) / lim->block_size;
+    int max_blocks = kvs_table_blocks(lim);
     for (int s = 0; s < b->n_seqs; s++) {
         int q_len = b->query_start[s + 1] - b->query_start[s];
         if (q_len <= 0) return kvs_fail(KVS_ERR_INVALID, "forward: sequence %d has no tokens", s);
@@ -101,8 +101,7 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
     }
     /* this step's half of h_meta: the upload that last read it (two steps back) has
        run, unless no step since waited for the device (then wait now) */
-    kvs_backend_reuse(be, sb->h_mark[sb->h_half]);
-    int32_t *h = sb->h_meta + (size_t)sb->h_half * sb->meta_words;
+    int32_t *h = sb->h_meta + (size_t)kvs_turn_take(be, &sb->h_turns) * sb->meta_words;
     KVS_TRY(kvs_tables_update(m, b, kv, h + o_rows));
     for (int s = b->n_seqs; s < S; s++) h[o_rows + s] = 0; /* dummies read no table */
     memcpy(h + o_ids, b->token_ids, sizeof(int32_t) * n);
@@ -148,8 +147,7 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
         lm->n_cap = n_cap;
     }
     be->to_device(be, sb->meta, h, sizeof(int32_t) * off);
-    sb->h_mark[sb->h_half] = be->n_waits;
-    sb->h_half ^= 1;
+    kvs_turn_sent(be, &sb->h_turns);
     sb->ids = sb->meta + o_ids;
     sb->positions = sb->meta + o_pos;
     sb->q_start = sb->meta + o_qs;

@@ -19,7 +19,7 @@ void kvs_tables_reset(kvs_block_tables *t) {
     t->n_pairs = 0, t->next_free = 0, t->step = 0;
 }
 
-static int32_t *half(kvs_block_tables *t) { return t->h_pairs + (size_t)t->pairs_half * 2 * t->cap_pairs; }
+static int32_t *half(kvs_block_tables *t) { return t->h_pairs + (size_t)t->pairs_turns.half * 2 * t->cap_pairs; }
 
 /* The pairs gathered so far up and written; the next half of the pinned buffer
  * takes the next ones. (The backend's pairs buffer is reused at once: the
@@ -30,15 +30,14 @@ static void flush(kvs_model *m) {
     kvs_backend *be = m->be;
     be->to_device(be, t->pairs, half(t), sizeof(int32_t) * 2 * (size_t)t->n_pairs);
     be->scatter_i32(be, t->dev, t->pairs, t->n_pairs);
-    t->pairs_mark[t->pairs_half] = be->n_waits;
-    t->pairs_half ^= 1;
+    kvs_turn_sent(be, &t->pairs_turns);
     t->n_pairs = 0;
 }
 
 static void put(kvs_model *m, size_t cell, int32_t block) {
     kvs_block_tables *t = &m->buf.tables;
     if (t->n_pairs == t->cap_pairs) flush(m);
-    if (t->n_pairs == 0) kvs_backend_reuse(m->be, t->pairs_mark[t->pairs_half]); /* its last upload has run */
+    if (t->n_pairs == 0) kvs_turn_take(m->be, &t->pairs_turns); /* its last upload has run */
     int32_t *h = half(t);
     h[2 * t->n_pairs] = (int32_t)cell;
     h[2 * t->n_pairs + 1] = block;
