@@ -297,7 +297,8 @@ Test(fp8_checkpoint, per_channel_layout_is_what_quantization_fp8_makes) {
 
 /* Each layout against the bf16 model it was made from, both on the CPU (f32
  * activations), 100 random tokens: max |logit diff| <= 15% of the peak
- * |logit|, the same argmax unless the bf16 top-2 gap is below the difference.
+ * |logit|, the same argmax unless the two tokens' bf16 logits are within twice
+ * the difference (each moved at most the difference).
  * Measured 4.4-9.5% over seeds 1-8 (2026-12-03). Looser than test_fp8's 10%
  * for the trained tiny model (3.1-5.8%): a random model's logits are noise
  * with no confident peak, so the ratio is the hidden state's FP8 relative
@@ -323,7 +324,8 @@ Test(fp8_checkpoint, each_layout_runs_near_its_bf16_model) {
         cr_log_info("%s vs bf16: max |logit diff| %.4f, peak %.3f (%.1f%%); argmax %d / %d (gap %.3f)", layouts[k],
                     diff, peak, 100 * diff / peak, a, top, ref[top] - second);
         cr_expect_leq(diff, 0.15 * peak, "%s: logits %g off (peak %g)", layouts[k], diff, peak);
-        cr_expect(a == top || ref[top] - second < diff, "%s: argmax %d, bf16 %d", layouts[k], a, top);
+        /* every logit moved at most diff, so a flip needs ref[top] - ref[a] <= 2 diff */
+        cr_expect(a == top || ref[top] - ref[a] <= 2 * diff, "%s: argmax %d, bf16 %d", layouts[k], a, top);
     }
     free(ids), free(ref), free(got);
 }
