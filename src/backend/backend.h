@@ -104,10 +104,11 @@ struct kvs_backend {
     const char *name;
     kvs_dtype weight_dtype, act_dtype, kv_dtype;
     void *impl;
-    /* How many times the host has waited for all the work enqueued so far
-     * (synchronize, to_host): work enqueued while it read m is done once it
-     * exceeds m (kvs_upload_turns). */
-    uint64_t n_waits;
+    /* Uploads from host_alloc buffers are numbered as they are enqueued
+     * (kvs_turn_sent: n_sent); n_done is the highest number the host knows the
+     * device has run, raised by every wait (synchronize, to_host, check: all of
+     * them; fence_wait: those enqueued before the fence). kvs_upload_turns. */
+    uint64_t n_sent, n_done;
 
     /* memory */
     void *(*alloc)(kvs_backend *b, size_t bytes); /* NULL when out of memory */
@@ -128,6 +129,18 @@ struct kvs_backend {
      * enqueued (CUDA: a fault in flight shows here, not a step later). The
      * forward calls it at the end of every step. */
     kvs_status (*check)(kvs_backend *b);
+    /* A step's end without waiting for the work enqueued after it: fence marks
+     * the point in the enqueued work (the backend holds one fence: a later
+     * fence moves it); to_host_async enqueues a copy into host_alloc memory
+     * whose bytes are there once a wait for a point after it returns;
+     * fence_wait waits for the fence (not for what was enqueued since) and
+     * returns what check would, but for faults of the work after the fence,
+     * which a later wait reports. The runner fences a step, enqueues the KV
+     * policy's compactions, then waits: the host plans them while the device
+     * runs the step. */
+    void (*fence)(kvs_backend *b);
+    kvs_status (*fence_wait)(kvs_backend *b);
+    void (*to_host_async)(kvs_backend *b, void *dst, const void *src, size_t bytes);
 
     /* ops; n = rows (tokens) */
     void (*embedding)(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
@@ -369,20 +382,20 @@ kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **ou
 /* Two host_alloc buffers (or halves of one) taking turns as the source of
  * uploads, so that building the next upload need not wait for the last one:
  * kvs_turn_take gives the half to write, waiting for its previous upload only
- * when the host has not waited for the device since that upload was enqueued
- * (normally a step's read of its sampled ids came in between); kvs_turn_sent
- * after its to_device marks it and hands over to the other half. */
+ * when no wait since covered it (normally a step's fence_wait came in
+ * between); kvs_turn_sent after its to_device numbers the upload and hands
+ * over to the other half. */
 typedef struct {
-    uint64_t mark[2]; /* b->n_waits when each half's upload was enqueued */
+    uint64_t mark[2]; /* each half's last upload's number (b->n_sent) */
     int half;         /* the half to write next */
 } kvs_upload_turns;
 
 static inline int kvs_turn_take(kvs_backend *b, const kvs_upload_turns *t) {
-    if (b->n_waits <= t->mark[t->half]) b->synchronize(b);
+    if (b->n_done < t->mark[t->half]) b->synchronize(b);
     return t->half;
 }
 static inline void kvs_turn_sent(kvs_backend *b, kvs_upload_turns *t) {
-    t->mark[t->half] = b->n_waits;
+    t->mark[t->half] = ++b->n_sent;
     t->half ^= 1;
 }
 

@@ -56,7 +56,14 @@ static void fault_embedding(kvs_backend *b, void *out, const void *table, const 
 
 static kvs_status fault_check(kvs_backend *b) {
     fault_backend *f = (fault_backend *)b;
-    kvs_status st = f->inner->check(f->inner);
+    kvs_status st = f->inner->check(b); /* b: its counters (impl shared) */
+    if (st == KVS_OK && f->failed) st = kvs_fail(KVS_ERR_INTERNAL, "%s", f->failure);
+    return st;
+}
+
+static kvs_status fault_fence_wait(kvs_backend *b) {
+    fault_backend *f = (fault_backend *)b;
+    kvs_status st = f->inner->fence_wait(b);
     if (st == KVS_OK && f->failed) st = kvs_fail(KVS_ERR_INTERNAL, "%s", f->failure);
     return st;
 }
@@ -116,6 +123,7 @@ kvs_status kvs_backend_fault_wrap(kvs_backend *inner, const kvs_fault_spec *spec
     f->spec = *spec;
     f->base.embedding = fault_embedding;
     f->base.check = fault_check;
+    f->base.fence_wait = fault_fence_wait;
     f->base.sample = fault_sample;
     f->base.sample_shard = fault_sample_shard;
     f->base.graph_begin = NULL; /* eager: every step runs embedding */

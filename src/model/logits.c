@@ -108,9 +108,9 @@ static kvs_status sample_sharded(kvs_model *m, int n, const kvs_sample_row *para
     size_t floats = sizeof(kvs_sample_part) / sizeof(float) * (size_t)n; /* the gather copies bytes */
     KVS_TRY(m->comm->all_gather(m->comm, s->parts_all, s->parts, floats, KVS_F32));
     if (!ids) return KVS_OK;
-    be->to_host(be, s->h_parts, s->parts_all, sizeof(kvs_sample_part) * sh->world * n); /* the one copy back */
-    for (int q = 0; q < n; q++)
-        ids[q] = kvs_sample_pick(s->h_parts + q, sh->world, (size_t)n, &params[q], logprobs ? &logprobs[q] : NULL);
+    be->to_host_async(be, s->h_parts, s->parts_all, sizeof(kvs_sample_part) * sh->world * n); /* the one copy back */
+    s->pending = (kvs_sample_pending){.n = n, .world = sh->world, .parts = true, .ids = ids, .logprobs = logprobs,
+                                      .params = params};
     return KVS_OK;
 }
 
@@ -165,13 +165,31 @@ static kvs_status sample_rows(kvs_model *m, const void *rows, int ld, int n, con
         be->top_logprobs(be, lp_dev, k ? top_ids : NULL, k ? top_lp : NULL, rows, n, ld, V, s->out, k);
     }
     if (!ids) return KVS_OK;
-    be->to_host(be, s->h_out, s->out, sizeof(int32_t) * (logprobs ? 2 : 1) * n); /* the copy back */
-    memcpy(ids, s->h_out, sizeof(int32_t) * n);
-    if (logprobs) memcpy(logprobs, s->h_out + n, sizeof(float) * n);
+    be->to_host_async(be, s->h_out, s->out, sizeof(int32_t) * (logprobs ? 2 : 1) * n); /* the copy back */
+    if (k > 0) be->to_host_async(be, s->h_top, s->top, sizeof(int32_t) * 2 * (size_t)n * k);
+    s->pending = (kvs_sample_pending){.n = n, .top_k = k, .ids = ids, .logprobs = logprobs,
+                                      .top_ids = k ? x->top_ids : NULL, .top_logprobs = k ? x->top_logprobs : NULL};
+    return KVS_OK;
+}
+
+kvs_status kvs_model_step_end(kvs_model *m) {
+    kvs_status st = m->be->fence_wait(m->be);
+    kvs_sample_buffers *s = &m->sample;
+    kvs_sample_pending *p = &s->pending;
+    int n = p->n, k = p->top_k;
+    p->n = 0;
+    if (st != KVS_OK || n == 0) return st;
+    if (p->parts) {
+        for (int q = 0; q < n; q++)
+            p->ids[q] = kvs_sample_pick(s->h_parts + q, p->world, (size_t)n, &p->params[q],
+                                        p->logprobs ? &p->logprobs[q] : NULL);
+        return KVS_OK;
+    }
+    memcpy(p->ids, s->h_out, sizeof(int32_t) * n);
+    if (p->logprobs) memcpy(p->logprobs, s->h_out + n, sizeof(float) * n);
     if (k > 0) {
-        be->to_host(be, s->h_top, s->top, sizeof(int32_t) * 2 * (size_t)n * k);
-        memcpy(x->top_ids, s->h_top, sizeof(int32_t) * (size_t)n * k);
-        memcpy(x->top_logprobs, s->h_top + (size_t)n * k, sizeof(float) * (size_t)n * k);
+        memcpy(p->top_ids, s->h_top, sizeof(int32_t) * (size_t)n * k);
+        memcpy(p->top_logprobs, s->h_top + (size_t)n * k, sizeof(float) * (size_t)n * k);
     }
     return KVS_OK;
 }
@@ -211,11 +229,16 @@ kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cac
                                     const kvs_sample_extras *x, int32_t *ids, float *logprobs) {
     KVS_TRY(kvs_model_check_batch(m, b, kv));
     if (params) KVS_TRY(kvs_model_check_sample(b, params, x, m->cfg.vocab_size)); /* before the step: a bad row changes nothing */
-    return step_status(m, forward_sample(m, b, kv, params, x, ids, logprobs));
+    kvs_status st = forward_sample(m, b, kv, params, x, ids, logprobs);
+    m->be->fence(m->be);
+    kvs_status end = kvs_model_step_end(m);
+    return step_status(m, st != KVS_OK ? st : end);
 }
 
 kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
                                        const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
                                        float *logprobs, float *logits) {
-    return params ? forward_sample(m, b, kv, params, x, ids, logprobs) : forward_logits(m, b, kv, logits);
+    kvs_status st = params ? forward_sample(m, b, kv, params, x, ids, logprobs) : forward_logits(m, b, kv, logits);
+    m->be->fence(m->be);
+    return st;
 }

@@ -283,11 +283,17 @@ kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const k
 kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, const kvs_sample_extras *x,
                                   int vocab);
 /* The runner's forward: kvs_model_forward_sample (params) or kvs_model_forward
- * without the checks (the runner runs them once for every rank) and without the
- * backend's check for failed ops (the runner's comes after the KV policy). */
+ * without the checks (the runner runs them once for every rank), ending at the
+ * backend's fence without waiting for it: the sampled ids, logprobs and top
+ * logprobs are in ids, logprobs and x's arrays once kvs_model_step_end has
+ * returned KVS_OK (the runner enqueues the KV policy's work in between; full
+ * logits are copied before it returns). */
 kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
                                        const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
                                        float *logprobs, float *logits);
+/* Waits for the step's fence (backend.h fence_wait: its health) and puts the
+ * sampled results where the forward was told to. */
+kvs_status kvs_model_step_end(kvs_model *m);
 /* ---- CUDA graphs for decode steps ---------------------------------------------
  * A pure-decode step (every sequence has one new token) on a backend with graphs
  * runs as a graph captured per bucket: the batch padded with dummy rows (slot -1:

@@ -77,6 +77,16 @@ typedef struct {
     float *h_logits; /* their host staging (kvs_model_forward) */
 } kvs_step_buffers;
 
+/* A step's sampled results on their way to the host (to_host_async into the
+ * staging below): where kvs_model_step_end puts them; n 0: none. */
+typedef struct {
+    int n, top_k, world;
+    bool parts; /* h_parts to pick from (tensor parallelism's parts), else h_out */
+    int32_t *ids, *top_ids;
+    float *logprobs, *top_logprobs;
+    const struct kvs_sample_row *params;
+} kvs_sample_pending;
+
 /* kvs_model_forward_sample's buffers (buffers.c, logits.c). */
 typedef struct {
     struct kvs_sample_row *params; /* [max_seqs] */
@@ -96,6 +106,7 @@ typedef struct {
     int32_t *h_top;
     struct kvs_logit_adjust *adjust;  /* grown on demand (cap_adjust entries) */
     int cap_adjust;
+    kvs_sample_pending pending;
 } kvs_sample_buffers;
 
 /* CUDA graphs of pure-decode steps (graphs.c): the batch padded to 2^bi

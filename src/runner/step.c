@@ -26,14 +26,15 @@ static kvs_status job_step(kvs_runner *g, int rank, void *arg) {
     bool out = rank == 0; /* rank 0 copies the results out */
     kvs_status st = kvs_model_forward_unchecked(r->model, a->b, r->kv, a->params, a->extras, out ? a->ids : NULL,
                                                 out ? a->logprobs : NULL, out ? a->logits : NULL);
-    /* a failed op (ops return nothing, the backend records it) fails the step that
-       ran it. Checked before the KV's compactions are enqueued: the device runs
-       them while the host prepares the next step (a fault in them fails the next
-       step's check, or its read of the sampled ids) */
-    kvs_backend *be = kvs_model_backend(r->model);
-    kvs_status health = be->check(be);
-    if (st == KVS_OK && health == KVS_OK) st = keep_step_kv(r->kv, a->b);
-    return st != KVS_OK ? st : health;
+    /* the KV policy's compactions go after the step's fence: the host plans them
+       while the device runs the step, and the device runs them while the host
+       prepares the next step. A failed op (ops return nothing, the backend
+       records it) fails the step that ran it (the fence's wait), or the next one
+       (a fault in the compactions: the next step's wait); a failed step fails
+       the engine, whatever the KV policy did in it */
+    if (st == KVS_OK) st = keep_step_kv(r->kv, a->b);
+    kvs_status end = kvs_model_step_end(r->model);
+    return st != KVS_OK ? st : end;
 }
 
 static kvs_status step(kvs_runner *g, const kvs_batch *b, float *logits, int32_t *ids, const kvs_sample_row *params,

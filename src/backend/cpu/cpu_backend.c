@@ -182,7 +182,12 @@ static void cpu_upload_weight(kvs_backend *b, void *dst, const void *src, kvs_dt
         }
     }
 }
-static void cpu_synchronize(kvs_backend *b) { b->n_waits++; } /* every op has run already */
+static void cpu_synchronize(kvs_backend *b) { b->n_done = b->n_sent; } /* every op has run already */
+static void cpu_fence(kvs_backend *b) { (void)b; }
+static kvs_status cpu_fence_wait(kvs_backend *b) {
+    cpu_synchronize(b);
+    return cpu_check(b);
+}
 static void cpu_to_host_f32(kvs_backend *b, float *dst, const void *src, size_t n) {
     memcpy(dst, src, n * sizeof(float));
 }
@@ -247,6 +252,9 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->upload_weight = cpu_upload_weight;
     b->synchronize = cpu_synchronize;
     b->check = cpu_check;
+    b->fence = cpu_fence;
+    b->fence_wait = cpu_fence_wait;
+    b->to_host_async = cpu_copy;
     b->to_host_f32 = cpu_to_host_f32;
     b->embedding = kvs_cpu_embedding;
     b->rmsnorm = kvs_cpu_rmsnorm;

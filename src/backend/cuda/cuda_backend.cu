@@ -20,13 +20,40 @@ void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const ch
 
 /* Waits for the stream (a kernel fault shows at the synchronization), then
  * reports the first recorded failure. */
+static kvs_status cuda_health(kvs_cuda *c) {
+    return c->failed ? kvs_fail(KVS_ERR_INTERNAL, "cuda backend (device %d): %s", c->device, c->failure) : KVS_OK;
+}
+
 static kvs_status cuda_check(kvs_backend *b) {
     kvs_cuda *c = kvs_cuda_of(b);
     if (!c->failed && !c->capturing) {
         KVS_CUDA_CHECK(b, cudaStreamSynchronize(c->stream));
-        b->n_waits++; /* everything enqueued has run (tensor-parallel ranks other than 0 read no ids) */
+        b->n_done = b->n_sent; /* everything enqueued has run */
     }
-    return c->failed ? kvs_fail(KVS_ERR_INTERNAL, "cuda backend (device %d): %s", c->device, c->failure) : KVS_OK;
+    return cuda_health(c);
+}
+
+static void cuda_fence(kvs_backend *b) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    if (c->failed || c->capturing) return;
+    KVS_CUDA_CHECK(b, cudaEventRecord(c->fence, c->stream));
+    c->fence_sent = b->n_sent;
+}
+
+/* A fault of the work before the fence shows here (the event's wait returns
+   the sticky error); one after it, at the next wait. */
+static kvs_status cuda_fence_wait(kvs_backend *b) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    if (!c->failed && !c->capturing) {
+        KVS_CUDA_CHECK(b, cudaEventSynchronize(c->fence));
+        if (c->fence_sent > b->n_done) b->n_done = c->fence_sent;
+    }
+    return cuda_health(c);
+}
+
+static void cuda_to_host_async(kvs_backend *b, void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    KVS_CUDA_CHECK(b, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, kvs_cuda_of(b)->stream));
 }
 
 void *kvs_cuda_scratch(kvs_backend *b, size_t bytes) {
@@ -81,7 +108,7 @@ static void cuda_to_host(kvs_backend *b, void *dst, const void *src, size_t byte
     cudaStream_t s = kvs_cuda_of(b)->stream;
     KVS_CUDA_CHECK(b, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
     KVS_CUDA_CHECK(b, cudaStreamSynchronize(s));
-    b->n_waits++;
+    b->n_done = b->n_sent;
 }
 
 static void cuda_copy(kvs_backend *b, void *dst, const void *src, size_t bytes) {
@@ -91,7 +118,7 @@ static void cuda_copy(kvs_backend *b, void *dst, const void *src, size_t bytes) 
 
 static void cuda_synchronize(kvs_backend *b) {
     KVS_CUDA_CHECK(b, cudaStreamSynchronize(kvs_cuda_of(b)->stream));
-    b->n_waits++;
+    b->n_done = b->n_sent;
 }
 
 /* Host-side conversion to bf16 in chunks, then an upload per chunk. */
@@ -256,6 +283,7 @@ static void cuda_destroy(kvs_backend *b) {
         if (c->lt) cublasLtDestroy(c->lt);
         if (c->lt_workspace) cudaFree(c->lt_workspace);
         if (c->scratch) cudaFree(c->scratch);
+        if (c->fence) cudaEventDestroy(c->fence);
         if (c->stream) cudaStreamDestroy(c->stream);
         free(c);
     }
@@ -320,7 +348,8 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     if (c->wgmma_persistent < 0) c->wgmma_persistent = 0;
     kvs_status st = KVS_OK;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
-        (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&c->fence, cudaEventDisableTiming)) != cudaSuccess) {
         st = kvs_fail(KVS_ERR_INTERNAL, "cuda backend: device %d: %s", device, cudaGetErrorString(e));
     }
     if (st == KVS_OK) {
@@ -356,6 +385,9 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->upload_weight = cuda_upload_weight;
     b->synchronize = cuda_synchronize;
     b->check = cuda_check;
+    b->fence = cuda_fence;
+    b->fence_wait = cuda_fence_wait;
+    b->to_host_async = cuda_to_host_async;
     b->to_host_f32 = cuda_to_host_f32;
     b->embedding = kvs_cuda_embedding;
     b->rmsnorm = kvs_cuda_rmsnorm;

@@ -142,6 +142,8 @@ typedef struct {
     int64_t wgmma_map_rows;
     int wgmma_map_d, wgmma_map_ok, wgmma_map_warned;
     int fp8_outer_missing; /* cuBLASLt found no outer-vector FP8 algorithm once: AUTO falls back to EPILOGUE_FAST */
+    cudaEvent_t fence; /* the step's fence (backend.h fence / fence_wait) */
+    uint64_t fence_sent; /* b->n_sent when it was recorded */
     int failed; /* sticky: a CUDA call failed; check reports failure */
     char failure[512]; /* the first failure's message */
 } kvs_cuda;
