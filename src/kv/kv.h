@@ -70,8 +70,11 @@ int kvs_kv_len(const kvs_kv_cache *kv, int seq_id, int layer);
 const int32_t *kvs_kv_blocks(const kvs_kv_cache *kv, int seq_id, int layer, int *n_blocks);
 /* A stamp that changes whenever the table's blocks change, and is never reused
  * (over every sequence and layer of the cache): a copy of the table taken at
- * stamp g is current while the stamp is g. 0 for no such table. */
-uint64_t kvs_kv_table_gen(const kvs_kv_cache *kv, int seq_id, int layer);
+ * stamp g is current while the stamp is g. 0 for no such table. *base (when
+ * not NULL): the stamp of its last change other than blocks appended at the
+ * end: while it stays, a copy of the table's first n blocks holds them still,
+ * and only the blocks past n are new. */
+uint64_t kvs_kv_table_gen(const kvs_kv_cache *kv, int seq_id, int layer, uint64_t *base);
 /* The pool slot of entry e of (seq, layer): block * block_size + e % block_size. */
 int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry);
 

@@ -195,7 +195,7 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
             t->blocks = nb;
             t->cap = cap;
         }
-        if (t->n_blocks < want) kvs_kv_touch(t);
+        if (t->n_blocks < want) kvs_kv_touch_append(t);
         while (t->n_blocks < want) t->blocks[t->n_blocks++] = kvs_kv_take_block(kv);
     }
     return KVS_OK;
@@ -265,9 +265,11 @@ uint64_t kvs_kv_new_stamp(void) {
     return atomic_fetch_add(&last, 1) + 1;
 }
 
-uint64_t kvs_kv_table_gen(const kvs_kv_cache *kv, int seq_id, int layer) {
+uint64_t kvs_kv_table_gen(const kvs_kv_cache *kv, int seq_id, int layer, uint64_t *base) {
     const seq_state *s = kvs_kv_get_seq(kv, seq_id);
-    return s && layer >= 0 && layer < kv->cfg.n_layers ? s->layers[layer].gen : 0;
+    bool ok = s && layer >= 0 && layer < kv->cfg.n_layers;
+    if (base) *base = ok ? s->layers[layer].base : 0;
+    return ok ? s->layers[layer].gen : 0;
 }
 
 int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry) {

@@ -15,6 +15,7 @@ typedef struct {
     int n_blocks, cap;
     int len;         /* entries held */
     uint64_t gen;    /* kvs_kv_touch's stamp of the last change of blocks / n_blocks (kvs_kv_table_gen) */
+    uint64_t base;   /* the stamp of the last change other than blocks appended at the end */
 } layer_table;
 
 typedef struct {
@@ -96,9 +97,13 @@ struct kvs_kv_cache {
 /* Every change of a layer table's blocks or n_blocks goes with a touch: a
  * stamp never given before in the process (any cache, any thread), so a copy
  * of the table taken at stamp g is current while the table's gen is g (the
- * model's device-resident block tables, which may outlive a cache). */
+ * model's device-resident block tables, which may outlive a cache).
+ * kvs_kv_touch_append after blocks appended at the end, and nothing else
+ * changed: a copy whose base stamp is still the table's needs only the new
+ * blocks. */
 uint64_t kvs_kv_new_stamp(void);
-static inline void kvs_kv_touch(layer_table *t) { t->gen = kvs_kv_new_stamp(); }
+static inline void kvs_kv_touch(layer_table *t) { t->gen = t->base = kvs_kv_new_stamp(); }
+static inline void kvs_kv_touch_append(layer_table *t) { t->gen = kvs_kv_new_stamp(); }
 
 
 seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id);

@@ -55,7 +55,7 @@ static void on_device(walk *w, void *ptr, size_t bytes) {
 
 static void on_host(walk *w, void *ptr, size_t bytes) {
     void **p = ptr;
-    if (w->mode == ALLOC && !(*p = calloc(1, bytes ? bytes : 1))) w->failed = true; /* zeros: tables.c's host copy */
+    if (w->mode == ALLOC && !(*p = calloc(1, bytes ? bytes : 1))) w->failed = true;
     if (w->mode == FREE) free(*p);
 }
 
@@ -106,8 +106,7 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     on_device(w, &t->dev, cells * sizeof(int32_t));
     on_device(w, &t->pairs, (size_t)t->cap_pairs * 2 * sizeof(int32_t));
     on_pinned(w, &t->h_pairs, (size_t)t->cap_pairs * 4 * sizeof(int32_t));
-    on_host(w, &t->host, cells * sizeof(int32_t)); /* calloc: pages of zeros until written */
-    on_host(w, &t->gen, (size_t)c->n_layers * S * sizeof(uint64_t));
+    on_host(w, &t->held, (size_t)c->n_layers * S * sizeof(kvs_table_held));
     on_host(w, &t->row_seq, S * sizeof(int32_t));
     on_host(w, &t->row_step, S * sizeof(uint64_t));
     /* the logits of the sequences that want them (at most one per sequence) */
@@ -145,7 +144,7 @@ size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const
     return w.bytes;
 }
 
-/* The device tables as their host copy: zeros. */
+/* The device tables start as zeros (block 0 wherever a kernel might look past a table). */
 static void zero_tables(kvs_model *m) {
     kvs_block_tables *t = &m->buf.tables;
     size_t cells = (size_t)t->n_layers * t->rows * t->blocks, chunk = (size_t)t->cap_pairs * 4;

@@ -31,17 +31,25 @@ typedef struct {
     int kv_blocks, max_kv_len, max_q_len, n_cap;
 } kvs_layer_meta;
 
+/* What a row of the device tables holds of its sequence's table in a layer:
+ * the table as it was at stamp gen (kvs_kv_table_gen), whose base stamp was
+ * base, n blocks; gen 0: nothing. */
+typedef struct {
+    uint64_t gen, base;
+    int n;
+} kvs_table_held;
+
 /* The block tables of the steps' sequences, kept in backend memory from step
  * to step (tables.c): [n_layers][rows][blocks], a row per sequence of the
  * step, kept for it while it keeps coming back. A step uploads only the cells
  * that changed since the row was last written (the KV module's table stamps
- * say which tables changed), as (index, value) pairs the scatter_i32 op
- * writes: a decode step's tables no longer go up whole (the graphs' padded
- * tables were up to 16.8 MB a step, filled and uploaded while the GPU waited). */
+ * say which tables changed, and whether only by blocks appended), as (index,
+ * value) pairs the scatter_i32 op writes: a decode step's tables no longer go
+ * up whole (the graphs' padded tables were up to 16.8 MB a step, filled and
+ * uploaded while the GPU waited). */
 typedef struct {
-    int32_t *dev;       /* [n_layers][rows][blocks], backend memory */
-    int32_t *host;      /* what dev holds, cell for cell (zeros at first; past a table's end: stale in both) */
-    uint64_t *gen;      /* [n_layers][rows]: the stamp (kvs_kv_table_gen) the row was written at; 0: none */
+    int32_t *dev;        /* [n_layers][rows][blocks], backend memory (past a table's end: stale) */
+    kvs_table_held *held; /* [rows][n_layers] */
     int32_t *row_seq;   /* [rows]: the sequence a row is for; -1: none */
     uint64_t *row_step; /* [rows]: the step that last used it */
     int32_t *seq_row;   /* [n_seq_row]: a sequence's row, -1: none (grown on demand) */
@@ -184,13 +192,12 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
 int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch *ab);
 
 /* tables.c: the rows of the batch's sequences (rows_out[s], host) with their
- * tables current in buf.tables.dev: the changed cells uploaded and scattered.
- * Uses the pinned pair buffer: the device must be done with the last step's
- * upload (kvs_step_prepare synchronizes first). */
+ * tables current in buf.tables.dev: the changed cells uploaded and scattered
+ * (the pinned pairs' halves taken in turn, kvs_upload_turns). */
 kvs_status kvs_tables_update(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, int32_t *rows_out);
 void kvs_tables_reset(kvs_block_tables *t); /* no row holds anything (after allocation) */
-/* Every row of the batch against its KV table, in the host copy and read back
- * from the device: KVS_ERR_INTERNAL naming the first difference (tests). */
+/* Every row of the batch against its KV table, read back from the device:
+ * KVS_ERR_INTERNAL naming the first difference (tests). */
 kvs_status kvs_tables_check(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
 
 /* forward.c: the embedding and the layers (all a graph holds); the step up

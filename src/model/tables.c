@@ -3,10 +3,11 @@
  * kept while the sequence keeps coming back; a row another sequence needs is
  * taken from one the step does not use. Each step compares every (row, layer)
  * table's stamp with the KV module's (kvs_kv_table_gen: a new stamp whenever a
- * table's blocks change), and only the cells of the changed tables that differ
- * from what the row holds go up, as (cell, block) pairs for scatter_i32. A
- * decode step appends a block to a table every block_size tokens: a few
- * hundred cells a step instead of every table of the batch. */
+ * table's blocks change) and sends the changed tables' blocks up as (cell,
+ * block) pairs for scatter_i32: the appended ones when blocks were only
+ * appended since the row was written (the base stamp unchanged), else the
+ * whole table. A decode step appends a block to a table every block_size
+ * tokens: a few hundred cells a step instead of every table of the batch. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,7 +15,7 @@
 
 void kvs_tables_reset(kvs_block_tables *t) {
     for (int r = 0; r < t->rows; r++) t->row_seq[r] = -1, t->row_step[r] = 0;
-    memset(t->gen, 0, sizeof(uint64_t) * (size_t)t->rows * t->n_layers);
+    memset(t->held, 0, sizeof(kvs_table_held) * (size_t)t->rows * t->n_layers);
     for (int i = 0; i < t->n_seq_row; i++) t->seq_row[i] = -1;
     t->n_pairs = 0, t->next_free = 0, t->step = 0;
 }
@@ -65,7 +66,7 @@ static int row_for(kvs_block_tables *t, int seq) {
         if (t->row_seq[r] >= 0) t->seq_row[t->row_seq[r]] = -1;
         t->row_seq[r] = seq;
         t->seq_row[seq] = r;
-        for (int l = 0; l < t->n_layers; l++) t->gen[(size_t)l * t->rows + r] = 0; /* holds nothing of seq yet */
+        memset(t->held + (size_t)r * t->n_layers, 0, sizeof(kvs_table_held) * t->n_layers); /* nothing of seq yet */
         t->next_free = (r + 1) % t->rows;
         return r;
     }
@@ -81,21 +82,20 @@ kvs_status kvs_tables_update(kvs_model *m, const kvs_batch *b, const kvs_kv_cach
         t->row_step[r] = t->step;
         rows_out[s] = r;
     }
-    for (int l = 0; l < t->n_layers; l++)
-        for (int s = 0; s < b->n_seqs; s++) {
-            int seq = b->seq_ids[s], r = rows_out[s], nb;
-            uint64_t gen = kvs_kv_table_gen(kv, seq, l), *held = &t->gen[(size_t)l * t->rows + r];
-            if (gen == *held) continue;
+    for (int s = 0; s < b->n_seqs; s++) {
+        int seq = b->seq_ids[s], r = rows_out[s];
+        kvs_table_held *held = t->held + (size_t)r * t->n_layers;
+        for (int l = 0; l < t->n_layers; l++) {
+            uint64_t base, gen = kvs_kv_table_gen(kv, seq, l, &base);
+            kvs_table_held *h = &held[l];
+            if (gen == h->gen) continue;
+            int nb;
             const int32_t *blocks = kvs_kv_blocks(kv, seq, l, &nb);
-            size_t base = ((size_t)l * t->rows + r) * t->blocks;
-            int32_t *mine = t->host + base;
-            for (int i = 0; i < nb; i++) /* host holds what the device holds, cell for cell */
-                if (mine[i] != blocks[i]) {
-                    mine[i] = blocks[i];
-                    put(m, base + i, blocks[i]);
-                }
-            *held = gen;
+            size_t cell = ((size_t)l * t->rows + r) * t->blocks;
+            for (int i = h->gen && base == h->base && nb >= h->n ? h->n : 0; i < nb; i++) put(m, cell + i, blocks[i]);
+            *h = (kvs_table_held){gen, base, nb};
         }
+    }
     flush(m);
     return KVS_OK;
 }
@@ -118,10 +118,10 @@ kvs_status kvs_tables_check(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
             const int32_t *blocks = kvs_kv_blocks(kv, seq, l, &nb);
             size_t base = ((size_t)l * t->rows + r) * t->blocks;
             for (int i = 0; i < nb; i++)
-                if (t->host[base + i] != blocks[i] || dev[base + i] != blocks[i]) {
+                if (dev[base + i] != blocks[i]) {
                     st = kvs_fail(KVS_ERR_INTERNAL,
-                                  "tables check: sequence %d layer %d block %d is %d in the KV cache, %d in the host "
-                                  "copy, %d on the device", seq, l, i, blocks[i], t->host[base + i], dev[base + i]);
+                                  "tables check: sequence %d layer %d block %d is %d in the KV cache, %d on the device",
+                                  seq, l, i, blocks[i], dev[base + i]);
                     break;
                 }
         }
