@@ -159,6 +159,7 @@ void kvs_profile_start(kvs_profile *p) {
     p->n_regions = 0;
     p->out_of_marks = false;
     p->on = true;
+    kvs_host_clock_on(true);
     p->last = kvs_now();
 }
 
@@ -178,6 +179,7 @@ kvs_status kvs_profile_step(kvs_profile *p, int64_t tokens, int64_t decode_token
     p->t.tokens[kind] += tokens;
     p->t.decode_tokens[kind] += decode_tokens;
     p->t.host_ms[kind] += 1e3 * (t0 - p->last) - regions;
+    kvs_host_clock_totals(p->t.host_phase_ms);
     double t1 = kvs_now();
     p->t.read_ms += 1e3 * (t1 - t0);
     p->t.wall_ms += 1e3 * (t1 - p->last);
@@ -192,6 +194,7 @@ const kvs_profile_totals *kvs_profile_get(const kvs_profile *p) { return &p->t; 
 
 static void profile_destroy(kvs_backend *b) {
     kvs_profile *p = (kvs_profile *)b;
+    if (p->on) kvs_host_clock_on(false);
     for (int i = 0; i < p->n_marks; i++) p->inner->mark_destroy(p->inner, p->marks[i]);
     if (p->owns_inner) p->inner->destroy(p->inner);
     free(p->marks);

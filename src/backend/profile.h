@@ -3,7 +3,7 @@
  * sampling as a region of the enqueued work, between two timing marks
  * (backend.h: CUDA events on the stream; the CPU's clock), and adds the
  * regions up by the op's phase. After each step (its work done: the step's
- * check synchronized) the caller names the step's kind; the regions are read
+ * fence waited for, then a synchronize) the caller names the step's kind; the regions are read
  * then, and the step's wall time that no region covers is host time
  * (scheduling, metadata, launches, syncs, copies between host and device).
  *
@@ -38,6 +38,7 @@ typedef struct {
     double op_ms[KVS_STEP_KINDS][KVS_PHASES]; /* the regions, by step kind and phase */
     double host_ms[KVS_STEP_KINDS];           /* each step's wall minus its regions */
     double read_ms;                           /* the profiler's own: reading the marks after each step */
+    double host_phase_ms[KVS_HOST_PHASES];    /* core.h's host clock since kvs_profile_start (its own totals) */
     double wall_ms;                           /* kvs_profile_start to the last kvs_profile_step */
     int64_t steps[KVS_STEP_KINDS], regions;
     int64_t tokens[KVS_STEP_KINDS], decode_tokens[KVS_STEP_KINDS]; /* the steps' tokens, and their decodes */
@@ -49,7 +50,8 @@ typedef struct kvs_profile kvs_profile;
  * destroys inner when owns_inner); *profile: its counts, valid as long as
  * *out. Nothing is timed before kvs_profile_start. */
 kvs_status kvs_backend_profile_wrap(kvs_backend *inner, bool owns_inner, kvs_backend **out, kvs_profile **profile);
-/* Zeroes the totals and starts timing: the wall clock from now. */
+/* Zeroes the totals and starts timing: the wall clock from now (and the
+ * host clock, core.h, until the wrapper is destroyed). */
 void kvs_profile_start(kvs_profile *p);
 /* After a step of `tokens` tokens, `decode_tokens` of them decodes: its
  * regions into the totals under its kind (kvs_step_kind_of), its wall since

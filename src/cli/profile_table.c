@@ -57,6 +57,9 @@ void kvs_cli_profile_print(const kvs_profile_totals *t, const char *backend) {
     printf("  %-54s %12s %7s\n", "phase", "ms", "share");
     for (int i = 0; i < n; i++) printf("  %-54s %12.1f %6.1f%%\n", r[i].name, r[i].ms, 100 * r[i].ms / wall);
     printf("  %-54s %12.1f %6.1f%%\n", "total (wall)", t->wall_ms, 100.0);
+    printf("  host work by phase (wall clock on the host, the device busy or not):\n");
+    for (int h = 0; h < KVS_HOST_PHASES; h++)
+        printf("    %-52s %12.1f %6.1f%%\n", kvs_host_phase_name(h), t->host_phase_ms[h], 100 * t->host_phase_ms[h] / wall);
     printf("  steps: %lld prefill (%lld tokens), %lld decode (%lld tokens), %lld mixed (%lld tokens, %lld of them "
            "decodes), %lld empty; %lld ops timed\n",
            (long long)t->steps[KVS_STEP_PREFILL], (long long)t->tokens[KVS_STEP_PREFILL],
@@ -69,15 +72,17 @@ json_t *kvs_cli_profile_json(const kvs_profile_totals *t, const char *backend) {
     row r[MAX_ROWS];
     int n = rows_of(t, r);
     double wall = t->wall_ms > 0 ? t->wall_ms : 1e-9;
-    json_t *rows = json_array(), *steps = json_object();
+    json_t *rows = json_array(), *steps = json_object(), *host = json_array();
     for (int i = 0; i < n; i++)
         json_array_append_new(rows, json_pack("{s:s, s:f, s:f}", "phase", r[i].name, "ms", r[i].ms, "share",
                                               r[i].ms / wall));
+    for (int h = 0; h < KVS_HOST_PHASES; h++)
+        json_array_append_new(host, json_pack("{s:s, s:f}", "phase", kvs_host_phase_name(h), "ms", t->host_phase_ms[h]));
     for (int k = 0; k < KVS_STEP_KINDS; k++) /* per kind: steps, their tokens and the decodes among them */
         json_object_set_new(steps, kvs_step_kind_name(k),
                             json_pack("{s:I, s:I, s:I}", "steps", (json_int_t)t->steps[k], "tokens",
                                       (json_int_t)t->tokens[k], "decode_tokens", (json_int_t)t->decode_tokens[k]));
-    return json_pack("{s:s, s:s, s:f, s:o, s:o, s:I}", "timing", timing_of(backend), "decode",
-                     decode_of(backend), "wall_ms", t->wall_ms, "rows", rows, "steps", steps,
+    return json_pack("{s:s, s:s, s:f, s:o, s:o, s:o, s:I}", "timing", timing_of(backend), "decode",
+                     decode_of(backend), "wall_ms", t->wall_ms, "rows", rows, "host_work", host, "steps", steps,
                      "ops_timed", (json_int_t)t->regions);
 }

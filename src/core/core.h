@@ -79,6 +79,20 @@ kvs_status kvs_path_join(char *dst, size_t cap, const char *dir, const char *nam
 /* ---- time, logging, progress ------------------------------------------------ */
 double kvs_now(void); /* seconds, monotonic */
 
+/* Host work by phase (bench throughput --profile): process-wide totals of the
+ * wall time the host spends in the engine's scheduling, the model's step
+ * metadata, the runner's KV policy (commits, the sparsify batch's planning and
+ * enqueue) and the waits for the device at a step's end, timed where they
+ * happen while the clock is on. Whether the device was busy meanwhile is not
+ * theirs to say (the profile's host row is the device's idle time). Every
+ * thread adds to the same totals. */
+typedef enum { KVS_HOST_SCHEDULE, KVS_HOST_METADATA, KVS_HOST_KV_POLICY, KVS_HOST_WAIT, KVS_HOST_PHASES } kvs_host_phase;
+void kvs_host_clock_on(bool on);   /* turning it on zeroes the totals */
+double kvs_host_clock_start(void); /* kvs_now(), or 0 when the clock is off */
+void kvs_host_clock_stop(kvs_host_phase phase, double start); /* adds now - start (nothing when off) */
+void kvs_host_clock_totals(double ms[KVS_HOST_PHASES]);
+const char *kvs_host_phase_name(kvs_host_phase phase);
+
 typedef enum { KVS_LOG_DEBUG, KVS_LOG_INFO, KVS_LOG_WARN, KVS_LOG_ERROR } kvs_log_level;
 void kvs_log(kvs_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void kvs_log_set_level(kvs_log_level level);

@@ -2,6 +2,7 @@
 #include "core/core.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -11,6 +12,33 @@ double kvs_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static _Atomic bool host_clock;
+static _Atomic int64_t host_ns[KVS_HOST_PHASES];
+
+void kvs_host_clock_on(bool on) {
+    if (on)
+        for (int p = 0; p < KVS_HOST_PHASES; p++) atomic_store(&host_ns[p], 0);
+    atomic_store(&host_clock, on);
+}
+
+double kvs_host_clock_start(void) { return atomic_load_explicit(&host_clock, memory_order_relaxed) ? kvs_now() : 0; }
+
+void kvs_host_clock_stop(kvs_host_phase phase, double start) {
+    if (start <= 0 || phase < 0 || phase >= KVS_HOST_PHASES) return;
+    atomic_fetch_add(&host_ns[phase], (int64_t)(1e9 * (kvs_now() - start)));
+}
+
+void kvs_host_clock_totals(double ms[KVS_HOST_PHASES]) {
+    for (int p = 0; p < KVS_HOST_PHASES; p++) ms[p] = 1e-6 * (double)atomic_load(&host_ns[p]);
+}
+
+const char *kvs_host_phase_name(kvs_host_phase phase) {
+    static const char *const names[KVS_HOST_PHASES] = {
+        "scheduling", "step metadata (tables, slots, upload)", "KV policy (commit, sparsify planning)",
+        "waiting for the device at a step's end"};
+    return phase >= 0 && phase < KVS_HOST_PHASES ? names[phase] : "?";
 }
 
 static kvs_log_level min_level = KVS_LOG_INFO; /* process-wide setting, set once by the CLI */

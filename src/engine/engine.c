@@ -456,7 +456,9 @@ static kvs_status step(kvs_engine *e) {
         engine_fail(e, e->failure); /* ends what is left: nothing normally, submit refuses */
         return kvs_fail(KVS_ERR_INTERNAL, "the engine failed: %s", e->failure);
     }
+    double t0 = kvs_host_clock_start();
     kvs_status st = kvs_schedule(e);
+    kvs_host_clock_stop(KVS_HOST_SCHEDULE, t0);
     if (st == KVS_OK && e->batch.n_seqs > 0) st = run_batch(e);
     pthread_mutex_lock(&e->mu);
     kvs_stats_refresh(e);

@@ -135,7 +135,10 @@ kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, 
     int n_logits = 0;
     for (int s = 0; s < b->n_seqs; s++) n_logits += b->wants_logits[s] ? 1 : 0;
     kvs_step_shape sh;
-    KVS_TRY(kvs_step_prepare(m, b, kv, &sh));
+    double t0 = kvs_host_clock_start();
+    kvs_status st = kvs_step_prepare(m, b, kv, &sh);
+    kvs_host_clock_stop(KVS_HOST_METADATA, t0);
+    KVS_TRY(st);
     KVS_TRY(kvs_graphs_run(m, kv, &sh));
     if (n_logits > 0) logits(m, b, n_logits);
     /* the new tokens' K and V are written: the runner commits them and applies

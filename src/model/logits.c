@@ -173,7 +173,9 @@ static kvs_status sample_rows(kvs_model *m, const void *rows, int ld, int n, con
 }
 
 kvs_status kvs_model_step_end(kvs_model *m) {
+    double t0 = kvs_host_clock_start();
     kvs_status st = m->be->fence_wait(m->be);
+    kvs_host_clock_stop(KVS_HOST_WAIT, t0);
     kvs_sample_buffers *s = &m->sample;
     kvs_sample_pending *p = &s->pending;
     int n = p->n, k = p->top_k;

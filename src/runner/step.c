@@ -16,8 +16,11 @@ typedef struct {
 } step_args;
 
 static kvs_status keep_step_kv(kvs_kv_cache *kv, const kvs_batch *b) {
+    double t0 = kvs_host_clock_start();
     for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
-    return kvs_kv_sparsify_seqs(kv, b->seq_ids, b->n_seqs);
+    kvs_status st = kvs_kv_sparsify_seqs(kv, b->seq_ids, b->n_seqs);
+    kvs_host_clock_stop(KVS_HOST_KV_POLICY, t0);
+    return st;
 }
 
 static kvs_status job_step(kvs_runner *g, int rank, void *arg) {
