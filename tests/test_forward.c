@@ -534,3 +534,40 @@ Test(forward, sparse_policy_composes_with_sliding_window) {
     rig_close(&r);
     json_decref(ref);
 }
+
+/* kvs_upload_turns (backend.h): a half is written again without a wait only
+ * when a wait since covered its last upload; a step's fence_wait covers what
+ * was enqueued before the fence (on the CPU, whose ops run at once: all). */
+static int n_syncs;
+static void (*cpu_synchronize)(kvs_backend *b);
+static void counting_synchronize(kvs_backend *b) {
+    n_syncs++;
+    cpu_synchronize(b);
+}
+
+Test(forward, upload_turns_wait_only_for_uncovered_uploads) {
+    kvs_backend *cpu;
+    cr_assert_eq(kvs_backend_cpu_create(1, &cpu), KVS_OK);
+    kvs_backend b = *cpu; /* impl shared, counters and synchronize its own */
+    cpu_synchronize = cpu->synchronize;
+    b.synchronize = counting_synchronize;
+    n_syncs = 0;
+    kvs_upload_turns t = {{0, 0}, 0};
+    cr_expect_eq(kvs_turn_take(&b, &t), 0);
+    kvs_turn_sent(&b, &t);
+    cr_expect_eq(kvs_turn_take(&b, &t), 1); /* the other half: never uploaded */
+    kvs_turn_sent(&b, &t);
+    cr_expect_eq(n_syncs, 0);
+    cr_expect_eq(kvs_turn_take(&b, &t), 0); /* half 0's upload not covered by any wait: one */
+    cr_expect_eq(n_syncs, 1);
+    kvs_turn_sent(&b, &t);
+    b.fence(&b);
+    cr_expect_eq(b.fence_wait(&b), KVS_OK); /* covers both halves' uploads */
+    cr_expect_eq(kvs_turn_take(&b, &t), 1);
+    kvs_turn_sent(&b, &t);
+    cr_expect_eq(kvs_turn_take(&b, &t), 0);
+    kvs_turn_sent(&b, &t);
+    cr_expect_eq(n_syncs, 1, "%d waits: the fence's wait covered the uploads before it", n_syncs);
+    cr_expect(b.n_done <= b.n_sent);
+    cpu->destroy(cpu);
+}
