@@ -46,7 +46,7 @@ static void check_table_copies(kvs_kv_cache *kv, const int *live, int n_live, in
                              "under an unchanged %s stamp", (unsigned long long)seed, op, live[i], l, k, blocks[k],
                              c->blocks[k], gen == c->gen ? "" : "base");
             c->gen = gen, c->base = base, c->n = nb;
-            memcpy(c->blocks, blocks, sizeof(int32_t) * (size_t)nb);
+            if (nb > 0) memcpy(c->blocks, blocks, sizeof(int32_t) * (size_t)nb); /* an empty table's blocks: NULL */
         }
 }
 
