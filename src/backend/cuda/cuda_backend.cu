@@ -18,12 +18,13 @@ void kvs_cuda_report(kvs_backend *b, const char *call, const char *err, const ch
     kvs_log(KVS_LOG_ERROR, "cuda: %s failed: %s (%s:%d)", call, err, file, line);
 }
 
-/* Waits for the stream (a kernel fault shows at the synchronization), then
- * reports the first recorded failure. */
+/* The first recorded failure, if any. */
 static kvs_status cuda_health(kvs_cuda *c) {
     return c->failed ? kvs_fail(KVS_ERR_INTERNAL, "cuda backend (device %d): %s", c->device, c->failure) : KVS_OK;
 }
 
+/* Waits for the stream (a kernel fault shows at the synchronization), then
+ * reports the first recorded failure. */
 static kvs_status cuda_check(kvs_backend *b) {
     kvs_cuda *c = kvs_cuda_of(b);
     if (!c->failed && !c->capturing) {
