@@ -737,6 +737,44 @@ __device__ __forceinline__ void kvs_attn_decode_empty(const kvs_attn_args &a, in
     }
 }
 
+/* What a block of both decode kernels works on (grid: tokens x KV groups x
+ * splits): token t of sequence seq, the query heads h0 .. h0 + group - 1 of KV
+ * group g, the keys [k0, k1) of split blockIdx.z that token sees; base: the
+ * split's first partial row. empty(): no key (kvs_attn_decode_empty). Warp
+ * `warp` takes the 16-key sub-tiles warp, warp + KVS_DEC_WARPS, ... of them,
+ * n_mine(warp) in all. */
+struct kvs_dec_block {
+    int group, t, g, h0, seq, k0, k1;
+    size_t base;
+    __device__ __forceinline__ kvs_dec_block(const kvs_attn_args &a, int split_len) {
+        group = a.n_heads / a.n_kv_heads;
+        t = blockIdx.x, g = blockIdx.y, h0 = g * group;
+        const int split = blockIdx.z;
+        seq = kvs_attn_seq_of(a.q_start, a.n_seqs, t);
+        const int q_len = a.q_start[seq + 1] - a.q_start[seq];
+        const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
+        k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
+        base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
+    }
+    __device__ __forceinline__ bool empty() const { return k0 >= k1; }
+    __device__ __forceinline__ int n_mine(int warp) const {
+        const int n_sub = (k1 - k0 + 15) / 16;
+        return n_sub > warp ? (n_sub - warp + KVS_DEC_WARPS - 1) / KVS_DEC_WARPS : 0;
+    }
+    /* The first key of the warp's sub-tile i, and its paged block in table (the
+       sequence's; warp-uniform i): lane j keeps the block of sub-tile 32 (i / 32) + j
+       in lanes, read when i % 32 == 0. */
+    __device__ __forceinline__ int key_of(int warp, int i) const { return k0 + (warp + KVS_DEC_WARPS * i) * 16; }
+    __device__ __forceinline__ int block_of(const kvs_attn_args &a, const int32_t *table, int warp, int lane, int i,
+                                            int &lanes) const {
+        if ((i & 31) == 0) {
+            const int key = key_of(warp, i + lane);
+            lanes = key < k1 ? table[key / a.block_size] : 0;
+        }
+        return __shfl_sync(0xffffffffu, lanes, i & 31);
+    }
+};
+
 /* The end of both decode kernels: the warps' rows in shared memory (warp w's query
  * row r at mw + (w ROWS + r)(D + 2): o[D], m in the log2 domain, l) merged into
  * the output and LSE (one split) or the split's partials (m in the natural-log
@@ -784,20 +822,15 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     constexpr int STAGES = L::STAGES, THREADS = KVS_DEC_WARPS * 32, RB = kvs_rows<D>::BYTES, SUB = L::SUB, CH = D / 8;
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int group = a.n_heads / a.n_kv_heads;
-    const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, h0 = g * group;
-    const int seq = kvs_attn_seq_of(a.q_start, a.n_seqs, t);
-    const int q_len = a.q_start[seq + 1] - a.q_start[seq];
-    const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
-    const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
-    const size_t base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
-    if (k0 >= k1) {
-        kvs_attn_decode_empty(a, group, t, h0, base, part_ml, out, lse, D);
+    const kvs_dec_block db(a, split_len);
+    if (db.empty()) {
+        kvs_attn_decode_empty(a, db.group, db.t, db.h0, db.base, part_ml, out, lse, D);
         return;
     }
-    const int32_t *table = kvs_attn_table(a, seq);
-    const int n_sub = (k1 - k0 + 15) / 16;
-    const int n_mine = n_sub > warp ? (n_sub - warp + KVS_DEC_WARPS - 1) / KVS_DEC_WARPS : 0;
+    const int group = db.group, t = db.t, g = db.g, h0 = db.h0, k1 = db.k1;
+    const size_t base = db.base;
+    const int32_t *table = kvs_attn_table(a, db.seq);
+    const int n_mine = db.n_mine(warp);
 
     const uint32_t q_s = kvs_smem_u32(smem) + (uint32_t)L::q;
     const uint32_t ring = kvs_smem_u32(smem) + (uint32_t)L::kv + warp * (uint32_t)L::RING;
@@ -814,12 +847,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     /* issues this warp's sub-tile i into stage i % STAGES (warp-uniform i) */
     auto issue = [&](int i) {
         if (i >= n_mine) return;
-        if ((i & 31) == 0) {
-            int key = k0 + (warp + KVS_DEC_WARPS * (i + lane)) * 16;
-            blk_lanes = key < k1 ? table[key / a.block_size] : 0;
-        }
-        const int key0 = k0 + (warp + KVS_DEC_WARPS * i) * 16;
-        const int blk = __shfl_sync(0xffffffffu, blk_lanes, i & 31);
+        const int blk = db.block_of(a, table, warp, lane, i, blk_lanes), key0 = db.key_of(warp, i);
         const bf16 *kb = a.pool + kvs_kv_offset(blk, 0, g, key0 % a.block_size, a.n_kv_heads, a.block_size, D);
         const uint32_t st = ring + (i % STAGES) * 2 * SUB;
 #pragma unroll
@@ -854,7 +882,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
         issue(i + STAGES - 1);
         kvs_cp_async_commit();
         const uint32_t k_w = ring + (i % STAGES) * 2 * SUB, v_w = k_w + SUB;
-        const int key_base = k0 + (warp + KVS_DEC_WARPS * i) * 16;
+        const int key_base = db.key_of(warp, i);
         if (key_base + 15 <= lim)
             kvs_attn_warp_tile<D, 16, false>(qa, k_w, v_w, key_base, lim, lim, scale_log2, o, m0, m1, l0, l1, lane);
         else
@@ -957,20 +985,15 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     constexpr int STAGES = KVS_DEC8_STAGES, KB = L::KB, KP = L::KP, VB = L::VB, KW = L::KW, VW = L::VW, MT = D / 16;
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, q4 = lane % 4;
-    const int group = a.n_heads / a.n_kv_heads;
-    const int t = blockIdx.x, g = blockIdx.y, split = blockIdx.z, h0 = g * group;
-    const int seq = kvs_attn_seq_of(a.q_start, a.n_seqs, t);
-    const int q_len = a.q_start[seq + 1] - a.q_start[seq];
-    const int n_keys = a.kv_len[seq] - q_len + (t - a.q_start[seq]) + 1;
-    const int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
-    const size_t base = ((size_t)split * a.n_tokens + t) * a.n_heads + h0;
-    if (k0 >= k1) {
-        kvs_attn_decode_empty(a, group, t, h0, base, part_ml, out, lse, D);
+    const kvs_dec_block db(a, split_len);
+    if (db.empty()) {
+        kvs_attn_decode_empty(a, db.group, db.t, db.h0, db.base, part_ml, out, lse, D);
         return;
     }
-    const int32_t *table = kvs_attn_table(a, seq);
-    const int n_sub = (k1 - k0 + 15) / 16;
-    const int n_mine = n_sub > warp ? (n_sub - warp + KVS_DEC_WARPS - 1) / KVS_DEC_WARPS : 0;
+    const int group = db.group, t = db.t, g = db.g, h0 = db.h0, k1 = db.k1;
+    const size_t base = db.base;
+    const int32_t *table = kvs_attn_table(a, db.seq);
+    const int n_mine = db.n_mine(warp);
 
     const uint8_t *pool = kvs_attn_pool8(a);
     const size_t v_delta = (size_t)a.n_kv_heads * a.block_size * D;
@@ -980,12 +1003,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
     /* issues this lane's pieces of the warp's sub-tile i into stage i % STAGES (warp-uniform i) */
     auto issue = [&](int i) {
         if (i >= n_mine) return;
-        if ((i & 31) == 0) {
-            int key = k0 + (warp + KVS_DEC_WARPS * (i + lane)) * 16;
-            blk_lanes = key < k1 ? table[key / a.block_size] : 0;
-        }
-        const int key0 = k0 + (warp + KVS_DEC_WARPS * i) * 16;
-        const int blk = __shfl_sync(0xffffffffu, blk_lanes, i & 31);
+        const int blk = db.block_of(a, table, warp, lane, i, blk_lanes), key0 = db.key_of(warp, i);
         const uint8_t *kb = pool + kvs_kv_offset(blk, 0, g, key0 % a.block_size, a.n_kv_heads, a.block_size, D);
         const uint32_t st = ring + (i % STAGES) * L::STAGE;
 #pragma unroll
@@ -1044,7 +1062,7 @@ __global__ void __launch_bounds__(KVS_DEC_WARPS * 32)
         issue(i + STAGES - 1);           /* into the stage sub-tile i - 1 used (this lane read it) */
         kvs_cp_async_commit();
         const unsigned char *st = ring_p + (i % STAGES) * L::STAGE;
-        const int key_base = k0 + (warp + KVS_DEC_WARPS * i) * 16;
+        const int key_base = db.key_of(warp, i);
 
         /* S^T = K Q^T */
         uint32_t kw[2][KW];
