@@ -54,18 +54,20 @@ static void fault_embedding(kvs_backend *b, void *out, const void *table, const 
     kvs_fail(KVS_ERR_INTERNAL, "%s", f->failure);
 }
 
+/* The inner backend's health, or the injected failure once it happened. */
+static kvs_status with_injected(const fault_backend *f, kvs_status st) {
+    return st == KVS_OK && f->failed ? kvs_fail(KVS_ERR_INTERNAL, "%s", f->failure) : st;
+}
+
+/* b, not inner: the inner op updates the wrapper's counters (impl shared) */
 static kvs_status fault_check(kvs_backend *b) {
-    fault_backend *f = (fault_backend *)b;
-    kvs_status st = f->inner->check(b); /* b: its counters (impl shared) */
-    if (st == KVS_OK && f->failed) st = kvs_fail(KVS_ERR_INTERNAL, "%s", f->failure);
-    return st;
+    const fault_backend *f = (const fault_backend *)b;
+    return with_injected(f, f->inner->check(b));
 }
 
 static kvs_status fault_fence_wait(kvs_backend *b) {
-    fault_backend *f = (fault_backend *)b;
-    kvs_status st = f->inner->fence_wait(b);
-    if (st == KVS_OK && f->failed) st = kvs_fail(KVS_ERR_INTERNAL, "%s", f->failure);
-    return st;
+    const fault_backend *f = (const fault_backend *)b;
+    return with_injected(f, f->inner->fence_wait(b));
 }
 
 /* Writes a NaN at column col of the rows of logits [n_rows][ld] whose params
