@@ -118,7 +118,7 @@ static void on_output(void *user, const kvs_request_output *out) {
 
 typedef struct {
     double elapsed, mean_batch, mean_blocks;
-    int64_t peak_blocks, steps;
+    int64_t peak_blocks, peak_running, steps; /* peak_running: the most sequences a step ran (how many fit) */
     kvs_engine_stats stats;
 } tp_result;
 
@@ -164,6 +164,7 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
         batch_sum += s.running;
         block_sum += s.kv_blocks_used;
         if (s.kv_blocks_used > res->peak_blocks) res->peak_blocks = s.kv_blocks_used;
+        if (s.running > res->peak_running) res->peak_running = s.running;
         kvs_progress_update(&bar, (double)counts->finished);
     }
     res->elapsed = kvs_now() - t0;
@@ -192,6 +193,7 @@ static void report(const tp_options *o, const kvs_loaded *l, const tp_counts *c,
                               (json_int_t)r->peak_blocks, "kv_blocks_total", (json_int_t)s->kv_blocks_total,
                               "kv_tokens_capacity", (json_int_t)s->kv_tokens_capacity, "preemptions",
                               (json_int_t)s->preemptions, "steps", (json_int_t)r->steps);
+        json_object_set_new(j, "peak_running_batch", json_integer((json_int_t)r->peak_running));
         json_object_set_new(j, "prefix_caching", json_boolean(o->prefix_caching));
         json_object_set_new(j, "prefix_cache_queries", json_integer((json_int_t)s->prefix_cache_queries));
         json_object_set_new(j, "prefix_cache_hits", json_integer((json_int_t)s->prefix_cache_hits));
@@ -207,7 +209,7 @@ static void report(const tp_options *o, const kvs_loaded *l, const tp_counts *c,
     printf("elapsed:             %.2f s over %lld steps\n", r->elapsed, (long long)r->steps);
     printf("throughput:          %.2f requests/s, %.1f input tokens/s, %.1f output tokens/s\n", c->finished / t,
            in_tok / t, c->tokens / t);
-    printf("mean running batch:  %.1f sequences\n", r->mean_batch);
+    printf("running batch:       mean %.1f, peak %lld sequences\n", r->mean_batch, (long long)r->peak_running);
     printf("KV blocks in use:    mean %.0f, peak %lld of %lld (%.1f%%), %lld tokens capacity\n", r->mean_blocks,
            (long long)r->peak_blocks, (long long)s->kv_blocks_total, total > 0 ? 100.0 * r->peak_blocks / total : 0,
            (long long)s->kv_tokens_capacity);
