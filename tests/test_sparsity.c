@@ -547,6 +547,22 @@ static int ref_row(const batch_rig *br, int i, int position) {
 
 /* Writes positions pos .. pos + n - 1 of sequence i in the caches: random K/V
  * rows and window queries (q, lse), kept where each cache keeps them. */
+
+/* kvs_kv_slots and kvs_kv_window_rows (a step's tokens at once) give what kvs_kv_slot and
+   kvs_kv_window_row give one by one: n new entries of (s, l) at positions pos0 .. */
+static void expect_ranges_match_one_by_one(const kvs_kv_cache *kv, int s, int l, int pos0, int n,
+                                           const int32_t *slots) {
+    int32_t *got = malloc(sizeof(int32_t) * n), *pos = malloc(sizeof(int32_t) * n);
+    kvs_kv_slots(kv, s, l, kvs_kv_len(kv, s, l), n, got);
+    for (int t = 0; t < n; t++) cr_assert_eq(got[t], slots[t], "slot of new entry %d, layer %d", t, l);
+    for (int t = 0; t < n; t++) pos[t] = pos0 + t;
+    kvs_kv_window_rows(kv, s, l, pos, n, got);
+    for (int t = 0; t < n; t++)
+        cr_assert_eq(got[t], kvs_kv_window_row(kv, s, l, pos0 + t), "window row of position %d, layer %d", pos0 + t, l);
+    free(got);
+    free(pos);
+}
+
 static void batch_append(batch_rig *br, kvs_rng *rng, int i, int n) {
     const int row = BATCH_KVH * BATCH_D, qrow = BATCH_H * BATCH_D;
     kvs_backend *be = br->be;
@@ -562,6 +578,7 @@ static void batch_append(batch_rig *br, kvs_rng *rng, int i, int n) {
         cr_assert_eq(kvs_kv_reserve(kv, s, n), KVS_OK, "%s", kvs_last_error());
         for (int l = 0; l < BATCH_L; l++) {
             for (int t = 0; t < n; t++) slots[t] = kvs_kv_slot(kv, s, l, kvs_kv_len(kv, s, l) + t);
+            expect_ranges_match_one_by_one(kv, s, l, br->pos[i], n, slots);
             kvs_kv_pool pool = kvs_kv_layer_pool(kv, l);
             be->kv_write(be, &pool, k, v, slots, n);
             void *wq = NULL;

@@ -77,6 +77,9 @@ const int32_t *kvs_kv_blocks(const kvs_kv_cache *kv, int seq_id, int layer, int 
 uint64_t kvs_kv_table_gen(const kvs_kv_cache *kv, int seq_id, int layer, uint64_t *base);
 /* The pool slot of entry e of (seq, layer): block * block_size + e % block_size. */
 int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry);
+/* The slots of entries entry0 .. entry0 + n - 1 of (seq, layer) into slots[0 .. n) (a
+   step's new tokens: one lookup of the table, then a block's run of slots at a time). */
+void kvs_kv_slots(const kvs_kv_cache *kv, int seq_id, int layer, int entry0, int n, int32_t *slots);
 
 /* Keeps, in every KV head h of (seq, layer), entries keep[h * n_keep + i] (each
  * head's list sorted ascending, distinct, < len), moved to entries 0 .. n_keep-1;
@@ -150,6 +153,8 @@ kvs_status kvs_kv_set_policy(kvs_kv_cache *kv, int seq_id, const kvs_kv_policy *
  * fills, or -1: the last `window` prompt positions, then every decode token of
  * a sparse layer (a ring). Rows index [max_seqs * window]. */
 int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int position);
+/* kvs_kv_window_row of positions[0 .. n) into rows[0 .. n) (one lookup of the sequence). */
+void kvs_kv_window_rows(const kvs_kv_cache *kv, int seq_id, int layer, const int32_t *positions, int n, int32_t *rows);
 /* The window buffers of a layer: q [max_seqs * window, n_heads * head_dim]
  * (act dtype) and lse [max_seqs * window, n_heads] (f32), backend memory. */
 void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse);

@@ -277,6 +277,17 @@ int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry) {
     return t->blocks[entry / kv->cfg.block_size] * kv->cfg.block_size + entry % kv->cfg.block_size;
 }
 
+void kvs_kv_slots(const kvs_kv_cache *kv, int seq_id, int layer, int entry0, int n, int32_t *slots) {
+    const int32_t *blocks = kv->seqs[seq_id].layers[layer].blocks;
+    const int bs = kv->cfg.block_size;
+    for (int i = 0, b = entry0 / bs, off = entry0 % bs; i < n; b++, off = 0) { /* block b's run of entries */
+        int run = bs - off < n - i ? bs - off : n - i;
+        int32_t first = blocks[b] * bs + off;
+        for (int j = 0; j < run; j++) slots[i + j] = first + j;
+        i += run;
+    }
+}
+
 kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t *keep, int n_keep) {
     seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s || layer < 0 || layer >= kv->cfg.n_layers)

@@ -61,12 +61,32 @@ kvs_status kvs_kv_set_policy(kvs_kv_cache *kv, int seq_id, const kvs_kv_policy *
     return KVS_OK;
 }
 
-int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int position) {
-    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
-    if (!s || !s->budgets || s->budgets[layer] < 0 || s->policy.kind == KVS_POLICY_STREAMINGLLM) return -1;
-    int w = s->policy.window, base = seq_id * kv->window_cap;
+/* The window row of `position` in s's layer (-1: none); s has sparsity in the layer. */
+static int window_row(const kvs_kv_cache *kv, const seq_state *s, int layer, int position) {
+    int w = s->policy.window, base = (int)(s - kv->seqs) * kv->window_cap;
     if (position < s->prompt_len) return position >= s->prompt_len - w ? base + position - (s->prompt_len - w) : -1;
     return base + (position - s->ring_base[layer]) % w;
+}
+
+/* Whether s's queries in layer fill window rows at all. */
+static bool has_window(const seq_state *s, int layer) {
+    return s && s->budgets && s->budgets[layer] >= 0 && s->policy.kind != KVS_POLICY_STREAMINGLLM;
+}
+
+int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int position) {
+    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
+    return has_window(s, layer) ? window_row(kv, s, layer, position) : -1;
+}
+
+void kvs_kv_window_rows(const kvs_kv_cache *kv, int seq_id, int layer, const int32_t *positions, int n, int32_t *rows) {
+    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
+    if (!has_window(s, layer)) {
+        for (int i = 0; i < n; i++) rows[i] = -1;
+        return;
+    }
+    const int first = s->prompt_len - s->policy.window; /* the prompt's first position with a row */
+    for (int i = 0; i < n; i++)
+        rows[i] = positions[i] < first ? -1 : window_row(kv, s, layer, positions[i]);
 }
 
 void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse) {

@@ -117,15 +117,16 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
         for (int s = 0; s < b->n_seqs; s++) {
             int seq = b->seq_ids[s], q0 = b->query_start[s], q_len = b->query_start[s + 1] - q0;
             int len = kvs_kv_len(kv, seq, l);
+            kvs_kv_slots(kv, seq, l, len, q_len, slots + q0);
+            /* the rows at q0 ..; padded: every row goes through window_capture (-1 skips), eager: only
+               rows >= 0, moved down to n_cap (<= q0 + i: never past the row read next) */
+            kvs_kv_window_rows(kv, seq, l, b->positions + q0, q_len, cap_dst + q0);
             for (int i = 0; i < q_len; i++) {
-                slots[q0 + i] = kvs_kv_slot(kv, seq, l, len + i);
-                int row = kvs_kv_window_row(kv, seq, l, b->positions[q0 + i]);
-                if (sh->padded) { /* every row goes through window_capture; -1 skips */
+                if (sh->padded) {
                     cap_src[q0 + i] = q0 + i;
-                    cap_dst[q0 + i] = row;
-                } else if (row >= 0) {
+                } else if (cap_dst[q0 + i] >= 0) {
                     cap_src[n_cap] = q0 + i;
-                    cap_dst[n_cap++] = row;
+                    cap_dst[n_cap++] = cap_dst[q0 + i];
                 }
             }
             kv_len[s] = len + q_len;
