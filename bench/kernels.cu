@@ -10,12 +10,10 @@
  *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s, one line per
  *     prefill kernel (kvs_cuda_options.prefill: SMALL, HEAD, GQA, WGMMA on
  *     compute capability 9.0), the version kept in bench/prefill_versions.cuh
- *     (v0), the default with lse, the WGMMA kernel with and without lse and its
- *     variants (the cp.async producer; L2 evict_last on the K/V loads, a
- *     persistent grid, both: docs/CUDA.md "Variants for one comparative run"):
- *     v0's output checked against the
- *     default's, WGMMA's output and lse against GQA's, each variant's against the
- *     default WGMMA's; GQA, WGMMA and its variants at 16384 and 32768 tokens
+ *     (v0), the default with lse, the WGMMA kernel with and without lse and
+ *     with its cp.async producer (diagnostic): v0's output checked against the
+ *     default's, WGMMA's output and lse against GQA's, the cp.async producer's
+ *     against the default WGMMA's; GQA and WGMMA at 16384 and 32768 tokens
  *     (one sequence, with lse; checked the same way)
  *     (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
  *   - sampling 256 rows of 128,256 logits on the GPU (greedy, temperature,
@@ -418,46 +416,28 @@ int main(int argc, char **argv) {
 
     /* prefill attention: 4096 tokens, causal; every kernel (the default also with
        lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh
-       (-1); the WGMMA kernel's variants (the backend's wgmma_* fields, docs/CUDA.md
+       (-1); the WGMMA kernel's cp.async producer (the backend's wgmma_no_tma, docs/CUDA.md
        "Hopper prefill kernel"). A row's output (and lse) is checked against the
        kernel `ref`'s on the same inputs (the WGMMA kernel's against GQA's; its
-       variants against the default WGMMA kernel's) */
+       cp.async producer against the default WGMMA kernel's) */
     attn_ctx pc;
-    struct wg_variant {
-        bool no_tma;     /* kvs_cuda.wgmma_no_tma */
-        bool l2_last;    /* kvs_cuda.wgmma_l2_last: K/V boxes with an L2 evict_last policy */
-        bool persistent; /* kvs_cuda.wgmma_persistent: a persistent grid of one CTA an SM */
-    };
-    const wg_variant wg_default = {false, false, false}, wg_no_tma = {true, false, false};
-    /* the variants of docs/CUDA.md "Variants for one comparative run", timed at 4k, 16k and 32k */
-    struct wg_named {
-        const char *name;
-        wg_variant var;
-    };
-    const wg_named wg_vars[] = {{"L2 evict_last", {false, true, false}},
-                                {"persistent", {false, false, true}},
-                                {"persistent + L2 evict_last", {false, true, true}}};
     struct pre_row {
         const char *name;
         int kernel; /* -1: v0 */
         bool lse;
-        wg_variant var;
-        int ref; /* the kernel whose output it is checked against (its default variant); -2: none */
+        bool no_tma; /* kvs_cuda.wgmma_no_tma */
+        int ref;     /* the kernel whose output it is checked against (with TMA); -2: none */
     };
     const int AUTO = KVS_CUDA_PREFILL_AUTO, WG = KVS_CUDA_PREFILL_WGMMA, GQA = KVS_CUDA_PREFILL_GQA;
     const pre_row pre[] = {
-        {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)", -1, false, wg_default, AUTO},
-        {"SMALL (v2) 4 warps x 16 rows", KVS_CUDA_PREFILL_SMALL, false, wg_default, -2},
-        {"HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip", KVS_CUDA_PREFILL_HEAD, false, wg_default, -2},
-        {"GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles", GQA, false, wg_default,
-         -2},
-        {"default (AUTO: WGMMA on Hopper, else GQA where it fits) + lse", AUTO, true, wg_default, -2},
-        {"WGMMA (TMA producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap)", WG, false, wg_default, GQA},
-        {"WGMMA + lse", WG, true, wg_default, GQA},
-        {"WGMMA + lse, cp.async producer (no TMA, diagnostic)", WG, true, wg_no_tma, WG},
-        {"WGMMA + lse, L2 evict_last", WG, true, wg_vars[0].var, WG},
-        {"WGMMA + lse, persistent", WG, true, wg_vars[1].var, WG},
-        {"WGMMA + lse, persistent + L2 evict_last", WG, true, wg_vars[2].var, WG},
+        {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)", -1, false, false, AUTO},
+        {"SMALL (v2) 4 warps x 16 rows", KVS_CUDA_PREFILL_SMALL, false, false, -2},
+        {"HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip", KVS_CUDA_PREFILL_HEAD, false, false, -2},
+        {"GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles", GQA, false, false, -2},
+        {"default (AUTO: WGMMA on Hopper, else GQA where it fits) + lse", AUTO, true, false, -2},
+        {"WGMMA (TMA producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap)", WG, false, false, GQA},
+        {"WGMMA + lse", WG, true, false, GQA},
+        {"WGMMA + lse, cp.async producer (no TMA, diagnostic)", WG, true, true, WG},
     };
     const int N_PRE = (int)(sizeof pre / sizeof pre[0]);
     double pre_tf[sizeof pre / sizeof pre[0]] = {0}; /* 0: skipped */
@@ -465,25 +445,20 @@ int main(int argc, char **argv) {
     /* the Hopper kernel runs only where the backend would take it (compute capability 9.0, sm_90a code) */
     const char *wgmma_why = kvs_cuda_wgmma_supported(device);
     kvs_cuda *bc = kvs_cuda_of(b);
-    auto wgmma_set = [&](const wg_variant &v) {
-        bc->wgmma_no_tma = v.no_tma, bc->wgmma_l2_last = v.l2_last, bc->wgmma_persistent = v.persistent ? bc->n_sms : 0;
-    };
     /* the largest |difference| of the output (and lse) of the attention just run from
-       the kernel `ref`'s in its default variant (run on the same inputs; NaN counts as
-       infinite) */
+       the kernel `ref`'s with TMA (run on the same inputs; NaN counts as infinite) */
     auto against = [&](attn_ctx *c, int n, int ref, double *worst_l) -> double {
         size_t n_out = (size_t)n * 32 * 128, n_l = (size_t)n * 32;
         float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
         float *got_l = (float *)malloc(n_l * 4), *want_l = (float *)malloc(n_l * 4);
         b->to_host_f32(b, got, c->out, n_out);
         if (c->lse) b->to_host(b, got_l, c->lse, n_l * 4);
-        const int kernel = bc->prefill;
-        const wg_variant var = {bc->wgmma_no_tma != 0, bc->wgmma_l2_last != 0, bc->wgmma_persistent != 0};
+        const int kernel = bc->prefill, no_tma = bc->wgmma_no_tma;
         bc->prefill = ref;
-        wgmma_set(wg_default);
+        bc->wgmma_no_tma = 0;
         run_attn(b, c);
         bc->prefill = kernel;
-        wgmma_set(var);
+        bc->wgmma_no_tma = no_tma;
         b->to_host_f32(b, want, c->out, n_out);
         if (c->lse) b->to_host(b, want_l, c->lse, n_l * 4);
         double worst = 0;
@@ -502,7 +477,7 @@ int main(int argc, char **argv) {
             continue;
         }
         bc->prefill = r.kernel < 0 ? AUTO : r.kernel;
-        wgmma_set(r.var);
+        bc->wgmma_no_tma = r.no_tma;
         if (!attn_setup(b, &pc, 1, 4096, 4096, r.lse)) return fprintf(stderr, "out of memory\n"), 1;
         double t_pre = time_it(b, 20, r.kernel < 0 ? run_attn_v0 : run_attn, &pc), tf = flops / t_pre / 1e12;
         pre_tf[v] = tf;
@@ -515,23 +490,17 @@ int main(int argc, char **argv) {
             if (pc.lse) printf(", lse %.3g", worst_l);
             printf("\n");
         }
-        wgmma_set(wg_default);
+        bc->wgmma_no_tma = 0;
         attn_free(b, &pc);
     }
-    /* the issue-15 targets at 16k and 32k tokens (one sequence, causal, with lse): GQA, the WGMMA kernel and its
-       variants, a few runs each; WGMMA's output and lse against GQA's, a variant's against the default WGMMA's */
+    /* the issue-15 targets at 16k and 32k tokens (one sequence, causal, with lse): GQA and the WGMMA kernel, a
+       few runs each; WGMMA's output and lse against GQA's */
     struct long_row {
         const char *name;
         int kernel;
-        wg_variant var;
         int ref;
     };
-    const long_row lr[] = {{"GQA (v13)", GQA, wg_default, -2},
-                           {"WGMMA", WG, wg_default, GQA},
-                           {"WGMMA, L2 evict_last", WG, wg_vars[0].var, WG},
-                           {"WGMMA, persistent", WG, wg_vars[1].var, WG},
-                           {"WGMMA, persistent + L2 evict_last", WG, wg_vars[2].var, WG}};
-    static_assert(sizeof lr / sizeof lr[0] == 2 + sizeof wg_vars / sizeof wg_vars[0], "a long row per variant");
+    const long_row lr[] = {{"GQA (v13)", GQA, -2}, {"WGMMA", WG, GQA}};
     const int N_LONG = (int)(sizeof lr / sizeof lr[0]), long_n[2] = {16384, 32768};
     double long_tf[2][sizeof lr / sizeof lr[0]] = {{0}};
     for (int li = 0; li < 2; li++) {
@@ -543,7 +512,6 @@ int main(int argc, char **argv) {
                 continue;
             }
             bc->prefill = lr[v].kernel;
-            wgmma_set(lr[v].var);
             if (!attn_setup(b, &pc, 1, n, n, true)) return fprintf(stderr, "out of memory\n"), 1;
             double t = time_it(b, n > 16384 ? 3 : 5, run_attn, &pc);
             tf_n[v] = 4.0 * 32 * 128 * ((double)n * (n + 1) / 2) / t / 1e12;
@@ -555,7 +523,6 @@ int main(int argc, char **argv) {
                 printf("; against %s: max |difference| %.3g, lse %.3g", ref_name(lr[v].ref), worst, worst_l);
             }
             printf("\n");
-            wgmma_set(wg_default);
             attn_free(b, &pc);
         }
     }

@@ -779,8 +779,7 @@ Test(cuda, attention_prefill_variants) {
  * back to the automatic choice. Tolerances as the other prefill kernels'.
  * attention_wgmma_no_tma runs the cases through the kernel's cp.async producer
  * (KVSPARSE_WGMMA_TMA=0: the path an explicit request takes where the TMA view of
- * the pool cannot be made); attention_wgmma_l2_hint and attention_wgmma_persistent
- * through the variants. */
+ * the pool cannot be made). */
 #define WGMMA KVS_CUDA_PREFILL_WGMMA
 static bool kv8_available(void);
 static const int odd_kv[] = {1, 17, 64, 65, 463, 700, 129, 130, 117, 17};
@@ -824,13 +823,12 @@ static void wgmma_mixed_capacity_blocks(void) {
     attention_case_prefill(WGMMA, 16, 4, 64, MIX_N, mix_kv, mix_q, 1);
     paged_block_size = 16;
 }
-/* every case above, long ones included when `long_too` */
-static void wgmma_all(bool long_too) {
+/* every case above but the long ones */
+static void wgmma_all(void) {
     wgmma_d128_gqa4();
     wgmma_d128_groups();
     wgmma_d64();
     wgmma_mixed_capacity_blocks();
-    if (long_too) wgmma_long();
 }
 
 Test(cuda, attention_wgmma_d128_gqa4) { wgmma_d128_gqa4(); }
@@ -842,7 +840,7 @@ Test(cuda, attention_wgmma_mixed_capacity_blocks) { wgmma_mixed_capacity_blocks(
    TMA (up to 6 tiles a block: every stage reused; the long cases left to the others) */
 Test(cuda, attention_wgmma_no_tma) {
     setenv("KVSPARSE_WGMMA_TMA", "0", 1);
-    wgmma_all(false);
+    wgmma_all();
     unsetenv("KVSPARSE_WGMMA_TMA");
 }
 /* Pool entries no sequence wrote are NaN (then Inf) on the GPU: the tail of each
@@ -878,41 +876,6 @@ Test(cuda, attention_wgmma_nan_pool, .timeout = 600) {
     setenv("KVSPARSE_WGMMA_TMA", "0", 1);
     wgmma_nan_cases();
     unsetenv("KVSPARSE_WGMMA_TMA");
-}
-/* The variants of docs/CUDA.md "Variants for one comparative run" (knobs read when the
- * backend is created). L2 evict_last on the K/V boxes (KVSPARSE_WGMMA_L2HINT=1): the
- * TMA instruction with the cache hint, every case but the long ones, and the NaN pool
- * (the cp.async tail beside hinted boxes). */
-Test(cuda, attention_wgmma_l2_hint, .timeout = 600) {
-    setenv("KVSPARSE_WGMMA_L2HINT", "1", 1);
-    wgmma_all(false);
-    wgmma_nan_cases();
-    unsetenv("KVSPARSE_WGMMA_L2HINT");
-}
-/* A persistent grid (KVSPARSE_WGMMA_PERSISTENT=N CTAs taking every N-th work item):
- * with 3 and 5 CTAs every CTA takes many items, so the rings' stages and phases run
- * on across items of 1 to 32 tiles, items with no row (q-blocks past a short
- * sequence's q_len) are skipped by the producer and the consumers alike, a stage
- * that a later item's cp.async tail rewrites is fenced, and Q is reloaded after the
- * last item's wgmma's; every case (the long ones too: ~100 items a CTA), the NaN pool
- * with TMA and without, and with the L2 hint; then the SM count's worth of CTAs
- * (132 on the H200: more CTAs than items in the small cases, one item a CTA). */
-Test(cuda, attention_wgmma_persistent, .timeout = 900) {
-    setenv("KVSPARSE_WGMMA_PERSISTENT", "5", 1);
-    wgmma_all(true);
-    setenv("KVSPARSE_WGMMA_PERSISTENT", "3", 1);
-    wgmma_nan_cases();
-    setenv("KVSPARSE_WGMMA_TMA", "0", 1);
-    wgmma_nan_cases();
-    unsetenv("KVSPARSE_WGMMA_TMA");
-    setenv("KVSPARSE_WGMMA_L2HINT", "1", 1);
-    wgmma_nan_cases();
-    wgmma_d128_gqa4();
-    unsetenv("KVSPARSE_WGMMA_L2HINT");
-    setenv("KVSPARSE_WGMMA_PERSISTENT", "132", 1);
-    wgmma_d128_gqa4();
-    wgmma_long();
-    unsetenv("KVSPARSE_WGMMA_PERSISTENT");
 }
 /* calls the kernel does not take run the automatic choice's kernel */
 Test(cuda, attention_wgmma_falls_back) {

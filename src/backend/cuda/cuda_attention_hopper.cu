@@ -59,11 +59,9 @@ __device__ int kvs_wgmma_built =
    consumers need 192 at head_dim 128) */
 #define KVS_WG_PRODUCER_REGS 40
 #define KVS_WG_CONSUMER_REGS 232
-/* the kernel's flags (an int argument; kvs_cuda fields, docs/CUDA.md "Hopper prefill
-   kernel (wgmma)"): the K/V boxes by TMA (else every row by cp.async, the map unused);
-   those boxes with an L2 evict_last policy */
+/* the kernel's flags (an int argument; docs/CUDA.md "Hopper prefill kernel (wgmma)"):
+   the K/V boxes by TMA (else every row by cp.async, the map unused) */
 #define KVS_WG_TMA 1
-#define KVS_WG_L2_LAST 2
 
 template <int D, int STAGES>
 struct kvs_wg_smem {
@@ -174,20 +172,19 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
 }
 
 /* The producer warp, one work item: K and V of tile i (keys [128 i, 128 i + 128) of
- * the item's n_keys, 8 groups of 16 keys, one paged block each) into stage r % STAGES
- * of the K and V rings, r = ring + i (ring: the tiles this CTA's earlier items
- * loaded; a stage's phase goes on across items). Full groups by TMA: lane l < 8 x
+ * the item's n_keys, 8 groups of 16 keys, one paged block each) into stage i % STAGES
+ * of the K and V rings. Full groups by TMA: lane l < 8 x
  * D/64 loads the box (group l % 8, column block l / 8). On the last tile, the groups
  * holding keys at or past n_keys (the sequence's last paged block may hold anything
  * past its last key: stale rows of other requests, never-written NaN) go by 16-byte
  * cp.async with those rows zero-filled, waited for and fenced to the async proxy by
  * each lane before it arrives; without TMA every group goes that way. Every lane
  * arrives on the full barrier once a tile and ring, lane 0's arrival announcing the
- * TMA bytes. policy: the L2 policy of the boxes (l2_last). */
+ * TMA bytes. */
 template <int D, int STAGES>
-__device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma, bool l2_last, uint64_t policy,
-                                               const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
-                                               int ring, uint32_t k_s, uint32_t v_s, uint32_t bars, int lane) {
+__device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma, const kvs_attn_args &a, int g,
+                                               int seq, int n_keys, int n_tiles, uint32_t k_s, uint32_t v_s,
+                                               uint32_t bars, int lane) {
     constexpr int BN = KVS_WG_BN, NG = BN / 16, CB = D / 64, CH = D / 8;
     constexpr int RPI = 32 / CH, VPG = 16 / RPI;                /* rows a warp-wide copy; copies a lane a group */
     constexpr uint32_t TILE = (uint32_t)BN * D * 2, BOX = 16 * 128; /* a box: 16 rows x 128 bytes */
@@ -202,13 +199,13 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
     for (int i = 0; i < n_tiles; i++) {
         const int blk = blk_next;
         if (i + 1 < n_tiles) blk_next = block_of(i + 1); /* used next tile: its latency hides */
-        const int r = ring + i, st = r % STAGES, k0 = i * BN;
+        const int st = i % STAGES, k0 = i * BN;
         const int n_tma = !tma ? 0 : i + 1 < n_tiles ? NG : min(NG, (n_keys - k0) / 16); /* groups [0, n_tma) */
 #pragma unroll
         for (int kind = 0; kind < 2; kind++) { /* K, then V (released later by the consumers) */
             const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
             const uint32_t dst = (kind ? v_s : k_s) + st * TILE;
-            if (r >= STAGES) kvs_mbar_wait(empty, ((r / STAGES) & 1) ^ 1); /* tile r - STAGES read */
+            if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
             if (n_tma < NG) {
                 for (int gi = n_tma; gi < NG; gi++) {
                     const int e0 = k0 + 16 * gi, b = __shfl_sync(0xffffffffu, blk, gi);
@@ -230,25 +227,20 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
             if (lane < NG * CB && gl < n_tma) { /* row of the pool as a [rows][D] tensor (kvs_kv_offset / D) */
                 const uint32_t box_dst = dst + cbl * (BN * 128) + gl * BOX;
                 const int row = ((blk * 2 + kind) * a.n_kv_heads + g) * bs + (k0 + 16 * gl) % bs;
-                if (l2_last) kvs_tma_load_2d_hint(box_dst, map, 64 * cbl, row, full, policy);
-                else kvs_tma_load_2d(box_dst, map, 64 * cbl, row, full);
+                kvs_tma_load_2d(box_dst, map, 64 * cbl, row, full);
             }
         }
     }
 }
 #endif
 
-/* The kernel (docs/CUDA.md "Hopper prefill kernel (wgmma)"). Work item w (0 ..
- * n_items - 1, n_items = n_heads / HEADS x ny x n_seqs): HEADS query heads (head
- * group w % (n_heads / HEADS)) x 128 / HEADS positions (q-block ny - 1 - the next
- * index: the heaviest first) of sequence w / (n_heads / HEADS x ny), the order the
- * hardware launches a grid of that shape in. CTA b takes items b, b + gridDim.x, ...:
- * one each in the default grid of n_items CTAs; several in a persistent grid
- * (kvs_cuda.wgmma_persistent), where the rings' stages and phases go on across items,
- * so the producer loads the next item's first tiles while the consumers finish the
- * last one. 12 warps. kv_map: the pool as a [rows][D] bf16 tensor, boxes of 16 x 64,
- * 128-byte swizzle; flags: KVS_WG_TMA, KVS_WG_L2_LAST. Needs scale > 0 (the row max
- * is taken over raw scores). */
+/* The kernel (docs/CUDA.md "Hopper prefill kernel (wgmma)"). CTA w runs work item w
+ * (n_heads / HEADS x ny x n_seqs of them): HEADS query heads (head group
+ * w % (n_heads / HEADS)) x 128 / HEADS positions (q-block ny - 1 - the next index: the
+ * heaviest first) of sequence w / (n_heads / HEADS x ny), the order the hardware
+ * launches a grid of that shape in. 12 warps. kv_map: the pool as a [rows][D] bf16
+ * tensor, boxes of 16 x 64, 128-byte swizzle; flags: KVS_WG_TMA. Needs scale > 0 (the
+ * row max is taken over raw scores). */
 template <int D, int STAGES, int HEADS>
 __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     kvs_attn_wgmma_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse,
@@ -265,7 +257,6 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
        producer warp's 32 lanes + TMA bytes), then K empty, V empty (the 8 consumer warps) */
     const uint32_t bars = base + (uint32_t)L::bar, full_k = bars, full_v = bars + 8 * STAGES;
     const uint32_t empty_k = bars + 16 * STAGES, empty_v = bars + 24 * STAGES;
-    const int n_items = a.n_heads / HEADS * ny * a.n_seqs;
     const bool tma = flags & KVS_WG_TMA;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -275,22 +266,14 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         kvs_mbar_init_fence();
     }
     __syncthreads();
+    const kvs_wg_block<HEADS> blk(a, blockIdx.x, ny);
+    if (blk.q0 >= blk.q_len) return; /* no row (a q-block past a short sequence's q_len) */
 
     if (warp >= 8) { /* the producer warpgroup */
         kvs_setmaxnreg_dec<KVS_WG_PRODUCER_REGS>();
         if (warp == 8) {
-            const bool l2_last = tma && (flags & KVS_WG_L2_LAST);
-            uint64_t policy = 0;
-            if (l2_last) policy = kvs_l2_policy_evict_last();
             if (tma && lane == 0) kvs_tma_prefetch_map(&kv_map);
-            int ring = 0; /* tiles loaded for this CTA's earlier items */
-            for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
-                const kvs_wg_block<HEADS> blk(a, w, ny);
-                if (blk.q0 >= blk.q_len) continue; /* no row: the consumers skip it too */
-                kvs_wg_produce<D, STAGES>(&kv_map, tma, l2_last, policy, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles,
-                                          ring, k_s, v_s, bars, lane);
-                ring += blk.n_tiles;
-            }
+            kvs_wg_produce<D, STAGES>(&kv_map, tma, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars, lane);
         }
         return;
     }
@@ -301,143 +284,129 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     const int R0 = 64 * wg + 16 * (warp % 4) + lane / 4; /* this thread's rows R0 and R0 + 8 (one head) */
     const float scale_log2 = a.scale * KVS_LOG2E;
     const uint32_t q_wg = q_s + (uint32_t)wg * 64 * 128;
-    int ring = 0; /* tiles consumed for this CTA's earlier items (the producer's count) */
-    for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
-        const kvs_wg_block<HEADS> blk(a, w, ny);
-        const int h0 = blk.h0, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
-        if (q0 >= q_len) continue; /* the whole item: the producer skips it too */
-        const int past = blk.past, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
-        /* the stage of tile i + STAGES (ring) is written next by a later item, maybe by cp.async */
-        const bool more = w + (int)gridDim.x < n_items;
-        if (ring > 0) { /* every warp of the warpgroup done with the last item's Q (its wgmma's waited for) */
-            kvs_fence_proxy_async();
-            kvs_named_sync(1 + wg, 128);
+    const int h0 = blk.h0, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
+    const int past = blk.past, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
+    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
+
+    const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
+    /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
+    const int wg_first = q0 + (HEADS == 1 ? 64 * wg : 0);
+    /* keys past it: no live row of the warpgroup sees them (-1: no live row) */
+    const int wg_last_key = wg_first < q_len ? past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1 : -1;
+    const int wg_full_key = past + wg_first; /* every row sees keys up to it */
+    const int n_live = wg_last_key < 0 ? 0 : wg_last_key / BN + 1; /* tiles 0 .. n_live - 1 hold keys of its rows */
+
+    float o[D / 2], s[BN / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) o[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++) s[i] = 0.f;
+    uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    auto wait_full = [&](uint32_t full, int i) { kvs_mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1); };
+    /* this warp's wgmma's reading tile i's stage completed: hand it back; fenced when
+       the producer may write the stage next through the generic proxy (cp.async): the
+       last tile */
+    auto release = [&](uint32_t empty, int i) {
+        if (!tma || i + STAGES == n_tiles - 1) kvs_fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) kvs_mbar_arrive(empty + 8 * (i % STAGES));
+    };
+    auto gemm_s = [&](int i) { /* S = Q K_i^T: one commit group */
+        const uint32_t k_st = k_s + (uint32_t)((i % STAGES) * L::TILE);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
+                             kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
+        kvs_wgmma_commit();
+    };
+    auto gemm_pv = [&](int i) { /* O += P V_i: one commit group */
+        const uint32_t v_st = v_s + (uint32_t)((i % STAGES) * L::TILE);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 16 * 128, BN * 128), 1);
+        kvs_wgmma_commit();
+    };
+
+    /* online softmax of S = tile i's scores, in place (log2 domain, m over scaled
+       scores): s becomes the probabilities; alpha: O's factors; returns whether a
+       row max changed */
+    auto softmax = [&](int i, float &alpha0, float &alpha1) -> bool {
+        float mx0, mx1; /* mask where the tile crosses some row's diagonal */
+        kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+        alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
+        const bool grew = mn0 != m0 || mn1 != m1;
+        m0 = mn0, m1 = mn1;
+        float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            s[4 * j] = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
+            s[4 * j + 1] = kvs_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
+            s[4 * j + 2] = kvs_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
+            s[4 * j + 3] = kvs_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
+            sum0 += s[4 * j] + s[4 * j + 1];
+            sum1 += s[4 * j + 2] + s[4 * j + 3];
         }
-        kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
-
-        const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
-        /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
-        const int wg_first = q0 + (HEADS == 1 ? 64 * wg : 0);
-        /* keys past it: no live row of the warpgroup sees them (-1: no live row) */
-        const int wg_last_key = wg_first < q_len ? past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1 : -1;
-        const int wg_full_key = past + wg_first; /* every row sees keys up to it */
-        const int n_live = wg_last_key < 0 ? 0 : wg_last_key / BN + 1; /* tiles 0 .. n_live - 1 hold keys of its rows */
-
-        float o[D / 2], s[BN / 2];
+        l0 = l0 * alpha0 + sum0;
+        l1 = l1 * alpha1 + sum1;
+        return grew;
+    };
+    auto pack_p = [&]() { /* the probabilities as P's A fragments (once P V of the last tile is done) */
 #pragma unroll
-        for (int i = 0; i < D / 2; i++) o[i] = 0.f;
-#pragma unroll
-        for (int i = 0; i < BN / 2; i++) s[i] = 0.f;
-        uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
-        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-        auto wait_full = [&](uint32_t full, int i) {
-            kvs_mbar_wait(full + 8 * ((ring + i) % STAGES), ((ring + i) / STAGES) & 1);
-        };
-        /* this warp's wgmma's reading tile i's stage completed: hand it back; fenced when
-           the producer may write the stage next through the generic proxy (cp.async): the
-           item's last tile, or a later item's tile */
-        auto release = [&](uint32_t empty, int i) {
-            if (!tma || i + STAGES == n_tiles - 1 || (more && i + STAGES >= n_tiles)) kvs_fence_proxy_async();
-            __syncwarp();
-            if (lane == 0) kvs_mbar_arrive(empty + 8 * ((ring + i) % STAGES));
-        };
-        auto gemm_s = [&](int i) { /* S = Q K_i^T: one commit group */
-            const uint32_t k_st = k_s + (uint32_t)(((ring + i) % STAGES) * L::TILE);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
-                                 kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
-            kvs_wgmma_commit();
-        };
-        auto gemm_pv = [&](int i) { /* O += P V_i: one commit group */
-            const uint32_t v_st = v_s + (uint32_t)(((ring + i) % STAGES) * L::TILE);
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 16 * 128, BN * 128), 1);
-            kvs_wgmma_commit();
-        };
-
-        /* online softmax of S = tile i's scores, in place (log2 domain, m over scaled
-           scores): s becomes the probabilities; alpha: O's factors; returns whether a
-           row max changed */
-        auto softmax = [&](int i, float &alpha0, float &alpha1) -> bool {
-            float mx0, mx1; /* mask where the tile crosses some row's diagonal */
-            kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
-            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-            const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
-            alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
-            const bool grew = mn0 != m0 || mn1 != m1;
-            m0 = mn0, m1 = mn1;
-            float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                s[4 * j] = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
-                s[4 * j + 1] = kvs_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
-                s[4 * j + 2] = kvs_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
-                s[4 * j + 3] = kvs_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
-                sum0 += s[4 * j] + s[4 * j + 1];
-                sum1 += s[4 * j + 2] + s[4 * j + 3];
-            }
-            l0 = l0 * alpha0 + sum0;
-            l1 = l1 * alpha1 + sum1;
-            return grew;
-        };
-        auto pack_p = [&]() { /* the probabilities as P's A fragments (once P V of the last tile is done) */
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(s[4 * j], s[4 * j + 1]);         /* row lane/4, keys 8 j + 2 (lane % 4) */
-                pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
-            }
-        };
-        if (n_live > 0) {
-            float alpha0, alpha1;
-            wait_full(full_k, 0);
+        for (int j = 0; j < BN / 8; j++) {
+            pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(s[4 * j], s[4 * j + 1]);         /* row lane/4, keys 8 j + 2 (lane % 4) */
+            pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
+        }
+    };
+    if (n_live > 0) {
+        float alpha0, alpha1;
+        wait_full(full_k, 0);
+        kvs_wgmma_fence();
+        gemm_s(0);
+        kvs_wgmma_wait<0>();
+        kvs_wg_fence_regs(s);
+        release(empty_k, 0);
+        softmax(0, alpha0, alpha1); /* O is 0: nothing to rescale */
+        pack_p();
+        for (int i = 1; i < n_live; i++) {
+            wait_full(full_k, i);
+            wait_full(full_v, i - 1);
             kvs_wgmma_fence();
-            gemm_s(0);
-            kvs_wgmma_wait<0>();
+            gemm_s(i);
+            gemm_pv(i - 1);
+            kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
             kvs_wg_fence_regs(s);
-            release(empty_k, 0);
-            softmax(0, alpha0, alpha1); /* O is 0: nothing to rescale */
-            pack_p();
-            for (int i = 1; i < n_live; i++) {
-                wait_full(full_k, i);
-                wait_full(full_v, i - 1);
-                kvs_wgmma_fence();
-                gemm_s(i);
-                gemm_pv(i - 1);
-                kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
-                kvs_wg_fence_regs(s);
-                release(empty_k, i);
-                const bool grew = softmax(i, alpha0, alpha1);
-                kvs_wgmma_wait<0>();
-                kvs_wg_fence_regs(o);
-                release(empty_v, i - 1);
-                if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-                    for (int j = 0; j < D / 8; j++) {
-                        o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
-                        o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
-                    }
-                }
-                pack_p();
-            }
-            wait_full(full_v, n_live - 1);
-            kvs_wgmma_fence();
-            gemm_pv(n_live - 1);
+            release(empty_k, i);
+            const bool grew = softmax(i, alpha0, alpha1);
             kvs_wgmma_wait<0>();
             kvs_wg_fence_regs(o);
-            release(empty_v, n_live - 1);
+            release(empty_v, i - 1);
+            if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+                for (int j = 0; j < D / 8; j++) {
+                    o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
+                    o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
+                }
+            }
+            pack_p();
         }
-        for (int i = n_live; i < n_tiles; i++) { /* tiles past the warpgroup's keys (1 head a block): releases */
-            wait_full(full_k, i);
-            release(empty_k, i);
-            wait_full(full_v, i);
-            release(empty_v, i);
-        }
-
-        if (wg_last_key >= 0) kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
-        ring += n_tiles;
+        wait_full(full_v, n_live - 1);
+        kvs_wgmma_fence();
+        gemm_pv(n_live - 1);
+        kvs_wgmma_wait<0>();
+        kvs_wg_fence_regs(o);
+        release(empty_v, n_live - 1);
     }
+    for (int i = n_live; i < n_tiles; i++) { /* tiles past the warpgroup's keys (1 head a block): releases */
+        wait_full(full_k, i);
+        release(empty_k, i);
+        wait_full(full_v, i);
+        release(empty_v, i);
+    }
+
+    if (wg_last_key >= 0) kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
 #else
     __trap(); /* not built for sm_90a: kvs_cuda_wgmma_supported refuses such devices */
 #endif
@@ -529,14 +498,13 @@ static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     CUtensorMap map;
     memset(&map, 0, sizeof map);
     const bool tma = !c->wgmma_no_tma && kvs_wg_map(b, a, D, &map);
-    const int flags = (tma ? KVS_WG_TMA : 0) | (c->wgmma_l2_last ? KVS_WG_L2_LAST : 0);
+    const int flags = tma ? KVS_WG_TMA : 0;
     auto kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS>;
     constexpr int MH = KVS_WG_BM / HEADS;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
-    /* work items (head groups x q-blocks x sequences): a CTA each, or wgmma_persistent CTAs taking turns */
+    /* work items (head groups x q-blocks x sequences): a CTA each */
     const int ny = (max_q_len + MH - 1) / MH;
-    const int64_t n_items = (int64_t)(a.n_heads / HEADS) * ny * a.n_seqs;
-    const int64_t grid = c->wgmma_persistent > 0 && c->wgmma_persistent < n_items ? c->wgmma_persistent : n_items;
+    const int64_t grid = (int64_t)(a.n_heads / HEADS) * ny * a.n_seqs;
     if (grid <= 0) return;
     kernel<<<(unsigned)grid, KVS_WG_THREADS, L::bytes, c->stream>>>(map, a, out, lse, flags, ny);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma_kernel");

@@ -131,10 +131,6 @@ typedef struct {
        "Hopper prefill kernel"): every K/V row by cp.async, no TMA (KVSPARSE_WGMMA_TMA=0;
        the path an explicit WGMMA request takes where the TMA view cannot be made) */
     int wgmma_no_tma;
-    /* variants for comparison (off: 0; docs/CUDA.md "Variants for one comparative run"):
-       the K/V boxes with an L2 evict_last policy (KVSPARSE_WGMMA_L2HINT=1); a persistent
-       grid of that many CTAs (KVSPARSE_WGMMA_PERSISTENT=N; the bench: the SM count) */
-    int wgmma_l2_last, wgmma_persistent;
     int wgmma_auto; /* AUTO runs the WGMMA prefill where it fits (a Hopper device, sm_90a code built) */
     /* the kernel's TMA view of the KV pool (a CUtensorMap's bytes) for (pool, rows, head_dim) */
     unsigned char wgmma_map[128];
