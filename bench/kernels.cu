@@ -14,7 +14,9 @@
  *     with its cp.async producer (diagnostic): v0's output checked against the
  *     default's, WGMMA's output and lse against GQA's, the cp.async producer's
  *     against the default WGMMA's; GQA and WGMMA at 16384 and 32768 tokens
- *     (one sequence, with lse; checked the same way)
+ *     (one sequence, with lse; checked the same way); on an FP8 pool the default
+ *     at 4096, then GQA (FA2-style) and WGMMA at 4096, 16384 and 32768 tokens
+ *     (WGMMA's output and lse against GQA's)
  *     (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
  *   - sampling 256 rows of 128,256 logits on the GPU (greedy, temperature,
  *     top-k + top-p + min-p; with logprobs) against copying them to the host as f32
@@ -33,7 +35,7 @@
  *     bandwidth, and the speed-up
  * Times are wall clock around many queued launches between two stream syncs.
  * Usage: kvs_bench_kernels [device] [gemm | fp8]   (gemm: the GEMM rates alone;
- * fp8: copy, decode attention on bf16 and FP8 caches (and the FP8 prefill line),
+ * fp8: copy, decode attention on bf16 and FP8 caches (and the FP8 prefill lines),
  * the fused ops) */
 #include <math.h>
 #include <stdio.h>
@@ -304,6 +306,66 @@ static void attn_free(kvs_backend *b, attn_ctx *c) {
     b->free(b, (void *)c->ab.q_start), b->free(b, (void *)c->ab.kv_len), b->free(b, (void *)c->ab.block_tables);
 }
 
+/* The largest |difference| of the output (and lse) of the attention just run on c
+ * (n tokens, 32 heads x 128) from prefill kernel `ref`'s with TMA (run on the same
+ * inputs; NaN counts as infinite). */
+static double max_diff_against(kvs_backend *b, attn_ctx *c, int n, int ref, double *worst_l) {
+    kvs_cuda *bc = kvs_cuda_of(b);
+    size_t n_out = (size_t)n * 32 * 128, n_l = (size_t)n * 32;
+    float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
+    float *got_l = (float *)malloc(n_l * 4), *want_l = (float *)malloc(n_l * 4);
+    b->to_host_f32(b, got, c->out, n_out);
+    if (c->lse) b->to_host(b, got_l, c->lse, n_l * 4);
+    const int kernel = bc->prefill, no_tma = bc->wgmma_no_tma;
+    bc->prefill = ref;
+    bc->wgmma_no_tma = 0;
+    run_attn(b, c);
+    bc->prefill = kernel;
+    bc->wgmma_no_tma = no_tma;
+    b->to_host_f32(b, want, c->out, n_out);
+    if (c->lse) b->to_host(b, want_l, c->lse, n_l * 4);
+    double worst = 0;
+    *worst_l = 0;
+    for (size_t i = 0; i < n_out; i++) worst = fmax(worst, isnan(got[i]) ? INFINITY : fabs((double)got[i] - want[i]));
+    for (size_t i = 0; c->lse && i < n_l; i++)
+        *worst_l = fmax(*worst_l, isnan(got_l[i]) ? INFINITY : fabs((double)got_l[i] - want_l[i]));
+    free(got), free(want), free(got_l), free(want_l);
+    return worst;
+}
+
+/* Prefill attention on an FP8 pool (backend b8), one sequence of n tokens causal,
+ * 32/8 heads x 128, with lse: the FA2-style kernel (GQA: codes decoded in shared
+ * memory) and, where wgmma_why is NULL, the WGMMA kernel (its producer warpgroup
+ * converting the codes), WGMMA's output and lse against GQA's on the same inputs. */
+static bool bench_prefill_fp8(kvs_backend *b8, int n, const char *wgmma_why) {
+    kvs_cuda *c8 = kvs_cuda_of(b8);
+    const int kernels[2] = {KVS_CUDA_PREFILL_GQA, KVS_CUDA_PREFILL_WGMMA};
+    const char *names[2] = {"GQA (FA2-style, codes decoded in shared memory)",
+                            "WGMMA (producer warpgroup converting the codes)"};
+    double tf[2] = {0, 0};
+    for (int v = 0; v < 2; v++) {
+        if (v == 1 && wgmma_why) {
+            printf("prefill attention FP8 KV: %d tokens, %s: skipped (%s)\n", n, names[v], wgmma_why);
+            continue;
+        }
+        attn_ctx p8;
+        c8->prefill = kernels[v];
+        if (!attn_setup(b8, &p8, 1, n, n, true)) return false;
+        double t = time_it(b8, n > 16384 ? 3 : n > 4096 ? 5 : 20, run_attn, &p8);
+        tf[v] = 4.0 * 32 * 128 * ((double)n * (n + 1) / 2) / t / 1e12;
+        printf("prefill attention FP8 KV: %d tokens causal, 32/8 heads, d 128, + lse, %s: %.3f ms, %.1f TFLOP/s", n,
+               names[v], t * 1e3, tf[v]);
+        if (v == 1) {
+            double worst_l, worst = max_diff_against(b8, &p8, n, KVS_CUDA_PREFILL_GQA, &worst_l);
+            printf(" (%.2fx GQA); against GQA: max |difference| %.3g, lse %.3g", tf[1] / tf[0], worst, worst_l);
+        }
+        printf("\n");
+        attn_free(b8, &p8);
+    }
+    c8->prefill = KVS_CUDA_PREFILL_AUTO;
+    return true;
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     kvs_backend *b;
@@ -402,6 +464,10 @@ int main(int argc, char **argv) {
         printf("prefill attention FP8 KV: 4096 tokens causal, 32/8 heads, d 128, default + lse: %.3f ms, %.1f TFLOP/s\n",
                t8 * 1e3, tf8);
         attn_free(b8, &p8);
+        const int fp8_n[3] = {4096, 16384, 32768};
+        for (int i = 0; i < 3; i++)
+            if (!bench_prefill_fp8(b8, fp8_n[i], kvs_cuda_wgmma_supported(device)))
+                return fprintf(stderr, "out of memory\n"), 1;
         int failed8 = kvs_cuda_of(b8)->failed;
         b8->destroy(b8);
         if (failed8) return fprintf(stderr, "kvs_bench_kernels: the FP8 KV backend failed\n"), 1;
@@ -445,30 +511,7 @@ int main(int argc, char **argv) {
     /* the Hopper kernel runs only where the backend would take it (compute capability 9.0, sm_90a code) */
     const char *wgmma_why = kvs_cuda_wgmma_supported(device);
     kvs_cuda *bc = kvs_cuda_of(b);
-    /* the largest |difference| of the output (and lse) of the attention just run from
-       the kernel `ref`'s with TMA (run on the same inputs; NaN counts as infinite) */
-    auto against = [&](attn_ctx *c, int n, int ref, double *worst_l) -> double {
-        size_t n_out = (size_t)n * 32 * 128, n_l = (size_t)n * 32;
-        float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
-        float *got_l = (float *)malloc(n_l * 4), *want_l = (float *)malloc(n_l * 4);
-        b->to_host_f32(b, got, c->out, n_out);
-        if (c->lse) b->to_host(b, got_l, c->lse, n_l * 4);
-        const int kernel = bc->prefill, no_tma = bc->wgmma_no_tma;
-        bc->prefill = ref;
-        bc->wgmma_no_tma = 0;
-        run_attn(b, c);
-        bc->prefill = kernel;
-        bc->wgmma_no_tma = no_tma;
-        b->to_host_f32(b, want, c->out, n_out);
-        if (c->lse) b->to_host(b, want_l, c->lse, n_l * 4);
-        double worst = 0;
-        *worst_l = 0;
-        for (size_t i = 0; i < n_out; i++) worst = fmax(worst, isnan(got[i]) ? INFINITY : fabs((double)got[i] - want[i]));
-        for (size_t i = 0; c->lse && i < n_l; i++)
-            *worst_l = fmax(*worst_l, isnan(got_l[i]) ? INFINITY : fabs((double)got_l[i] - want_l[i]));
-        free(got), free(want), free(got_l), free(want_l);
-        return worst;
-    };
+    auto against = [&](attn_ctx *c, int n, int ref, double *worst_l) { return max_diff_against(b, c, n, ref, worst_l); };
     auto ref_name = [&](int ref) { return ref == AUTO ? "the default" : ref == GQA ? "GQA" : "the default WGMMA"; };
     for (int v = 0; v < N_PRE; v++) {
         const pre_row &r = pre[v];

@@ -291,6 +291,10 @@ static void cuda_destroy(kvs_backend *b) {
     free(b);
 }
 
+extern "C" int kvs_backend_cuda_last_prefill(kvs_backend *b) {
+    return b && b->name && !strcmp(b->name, "cuda") ? kvs_cuda_of(b)->last_prefill : -1;
+}
+
 extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out) {
     *out = NULL;
     const int device = opt->device;
@@ -338,6 +342,7 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->impl = c;
     c->device = device;
     c->prefill = prefill;
+    c->last_prefill = -1;
     c->fp8_gemm = opt->fp8_gemm;
     c->n_sms = prop.multiProcessorCount;
     /* the WGMMA prefill's diagnostic knob (docs/CUDA.md "Hopper prefill kernel") */

@@ -62,6 +62,17 @@ __device__ __forceinline__ void kvs_named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+/* 16 bytes from / to shared memory (a shared-window address) */
+__device__ __forceinline__ uint4 kvs_lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void kvs_sts128(uint32_t addr, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
 /* ---- TMA and setmaxnreg ------------------------------------------------------- */
 /* box (c0 = column, c1 = row) of the 2D tensor map -> shared dst; complete_tx on bar */
 __device__ __forceinline__ void kvs_tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
