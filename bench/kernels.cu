@@ -141,6 +141,17 @@ static bool attn_setup(kvs_backend *b, attn_ctx *c, int n_seqs, int ctx, int q_l
     c->lse = with_lse ? (float *)b->alloc(b, (size_t)n * H * 4) : NULL;
     if (!c->pool.data || !c->q || !c->out) return false;
     fill((bf16 *)c->pool.data, pool_elems, 1);
+    if (b->kv_dtype == KVS_F8_E4M3) { /* FP8 pools: random codes of magnitude < 2, no NaN code (0x7f, 0xff) */
+        uint8_t *codes = (uint8_t *)malloc(pool_elems);
+        kvs_rng crng;
+        kvs_rng_seed(&crng, 3);
+        for (size_t i = 0; i < pool_elems; i++) {
+            const uint64_t r = kvs_rng_u64(&crng);
+            codes[i] = (uint8_t)((r & 0x80) | (r >> 8) % 0x40);
+        }
+        b->to_device(b, c->pool.data, codes, pool_elems);
+        free(codes);
+    }
     fill((bf16 *)c->q, (size_t)n * H * D, 2);
     int32_t *perm = (int32_t *)malloc(sizeof(int32_t) * n_blocks), *qs = (int32_t *)malloc(4 * (n_seqs + 1)),
             *kl = (int32_t *)malloc(4 * n_seqs);

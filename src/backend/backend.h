@@ -355,7 +355,7 @@ typedef enum {
        elsewhere): wgmma fed by a TMA producer warpgroup, two consumer
        warpgroups, 128 rows of one KV group a block; head_dim 64/128 with bf16
        or FP8 pools and block sizes a multiple of 16, other calls as AUTO. AUTO's
-       choice on Hopper. */
+       choice on Hopper for bf16 pools (FP8 pools: GQA, measured faster). */
     KVS_CUDA_PREFILL_WGMMA,
 } kvs_cuda_prefill;
 /* How the CUDA backend's matmul_fp8 applies the per-token and per-channel
