@@ -10,13 +10,13 @@
  *   - causal prefill attention, 4096 tokens, same shape: TFLOP/s, one line per
  *     prefill kernel (kvs_cuda_options.prefill: SMALL, HEAD, GQA, WGMMA on
  *     compute capability 9.0), the version kept in bench/prefill_versions.cuh
- *     (v0), the default with lse, the WGMMA kernel with and without lse and its
- *     variants (the cp.async producer; L2 evict_last on the K/V loads, a
- *     persistent grid, both: docs/CUDA.md "Variants for one comparative run"):
- *     v0's output checked against the
- *     default's, WGMMA's output and lse against GQA's, each variant's against the
- *     default WGMMA's; GQA, WGMMA and its variants at 16384 and 32768 tokens
- *     (one sequence, with lse; checked the same way)
+ *     (v0), the default with lse, the WGMMA kernel with and without lse and
+ *     with its cp.async producer (diagnostic): v0's output checked against the
+ *     default's, WGMMA's output and lse against GQA's, the cp.async producer's
+ *     against the default WGMMA's; GQA and WGMMA at 16384 and 32768 tokens
+ *     (one sequence, with lse; checked the same way); on an FP8 pool the default
+ *     at 4096, then GQA (FA2-style) and WGMMA at 4096, 16384 and 32768 tokens
+ *     (WGMMA's output and lse against GQA's)
  *     (bench/sdpa_prefill.py times PyTorch's SDPA at the same shape)
  *   - sampling 256 rows of 128,256 logits on the GPU (greedy, temperature,
  *     top-k + top-p + min-p; with logprobs) against copying them to the host as f32
@@ -35,7 +35,7 @@
  *     bandwidth, and the speed-up
  * Times are wall clock around many queued launches between two stream syncs.
  * Usage: kvs_bench_kernels [device] [gemm | fp8]   (gemm: the GEMM rates alone;
- * fp8: copy, decode attention on bf16 and FP8 caches (and the FP8 prefill line),
+ * fp8: copy, decode attention on bf16 and FP8 caches (and the FP8 prefill lines),
  * the fused ops) */
 #include <math.h>
 #include <stdio.h>
@@ -141,6 +141,17 @@ static bool attn_setup(kvs_backend *b, attn_ctx *c, int n_seqs, int ctx, int q_l
     c->lse = with_lse ? (float *)b->alloc(b, (size_t)n * H * 4) : NULL;
     if (!c->pool.data || !c->q || !c->out) return false;
     fill((bf16 *)c->pool.data, pool_elems, 1);
+    if (b->kv_dtype == KVS_F8_E4M3) { /* FP8 pools: random codes of magnitude < 2, no NaN code (0x7f, 0xff) */
+        uint8_t *codes = (uint8_t *)malloc(pool_elems);
+        kvs_rng crng;
+        kvs_rng_seed(&crng, 3);
+        for (size_t i = 0; i < pool_elems; i++) {
+            const uint64_t r = kvs_rng_u64(&crng);
+            codes[i] = (uint8_t)((r & 0x80) | (r >> 8) % 0x40);
+        }
+        b->to_device(b, c->pool.data, codes, pool_elems);
+        free(codes);
+    }
     fill((bf16 *)c->q, (size_t)n * H * D, 2);
     int32_t *perm = (int32_t *)malloc(sizeof(int32_t) * n_blocks), *qs = (int32_t *)malloc(4 * (n_seqs + 1)),
             *kl = (int32_t *)malloc(4 * n_seqs);
@@ -306,6 +317,66 @@ static void attn_free(kvs_backend *b, attn_ctx *c) {
     b->free(b, (void *)c->ab.q_start), b->free(b, (void *)c->ab.kv_len), b->free(b, (void *)c->ab.block_tables);
 }
 
+/* The largest |difference| of the output (and lse) of the attention just run on c
+ * (n tokens, 32 heads x 128) from prefill kernel `ref`'s with TMA (run on the same
+ * inputs; NaN counts as infinite). */
+static double max_diff_against(kvs_backend *b, attn_ctx *c, int n, int ref, double *worst_l) {
+    kvs_cuda *bc = kvs_cuda_of(b);
+    size_t n_out = (size_t)n * 32 * 128, n_l = (size_t)n * 32;
+    float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
+    float *got_l = (float *)malloc(n_l * 4), *want_l = (float *)malloc(n_l * 4);
+    b->to_host_f32(b, got, c->out, n_out);
+    if (c->lse) b->to_host(b, got_l, c->lse, n_l * 4);
+    const int kernel = bc->prefill, no_tma = bc->wgmma_no_tma;
+    bc->prefill = ref;
+    bc->wgmma_no_tma = 0;
+    run_attn(b, c);
+    bc->prefill = kernel;
+    bc->wgmma_no_tma = no_tma;
+    b->to_host_f32(b, want, c->out, n_out);
+    if (c->lse) b->to_host(b, want_l, c->lse, n_l * 4);
+    double worst = 0;
+    *worst_l = 0;
+    for (size_t i = 0; i < n_out; i++) worst = fmax(worst, isnan(got[i]) ? INFINITY : fabs((double)got[i] - want[i]));
+    for (size_t i = 0; c->lse && i < n_l; i++)
+        *worst_l = fmax(*worst_l, isnan(got_l[i]) ? INFINITY : fabs((double)got_l[i] - want_l[i]));
+    free(got), free(want), free(got_l), free(want_l);
+    return worst;
+}
+
+/* Prefill attention on an FP8 pool (backend b8), one sequence of n tokens causal,
+ * 32/8 heads x 128, with lse: the FA2-style kernel (GQA: codes decoded in shared
+ * memory) and, where wgmma_why is NULL, the WGMMA kernel (its producer warpgroup
+ * converting the codes), WGMMA's output and lse against GQA's on the same inputs. */
+static bool bench_prefill_fp8(kvs_backend *b8, int n, const char *wgmma_why) {
+    kvs_cuda *c8 = kvs_cuda_of(b8);
+    const int kernels[2] = {KVS_CUDA_PREFILL_GQA, KVS_CUDA_PREFILL_WGMMA};
+    const char *names[2] = {"GQA (FA2-style, codes decoded in shared memory)",
+                            "WGMMA (producer warpgroup converting the codes)"};
+    double tf[2] = {0, 0};
+    for (int v = 0; v < 2; v++) {
+        if (v == 1 && wgmma_why) {
+            printf("prefill attention FP8 KV: %d tokens, %s: skipped (%s)\n", n, names[v], wgmma_why);
+            continue;
+        }
+        attn_ctx p8;
+        c8->prefill = kernels[v];
+        if (!attn_setup(b8, &p8, 1, n, n, true)) return false;
+        double t = time_it(b8, n > 16384 ? 3 : n > 4096 ? 5 : 20, run_attn, &p8);
+        tf[v] = 4.0 * 32 * 128 * ((double)n * (n + 1) / 2) / t / 1e12;
+        printf("prefill attention FP8 KV: %d tokens causal, 32/8 heads, d 128, + lse, %s: %.3f ms, %.1f TFLOP/s", n,
+               names[v], t * 1e3, tf[v]);
+        if (v == 1) {
+            double worst_l, worst = max_diff_against(b8, &p8, n, KVS_CUDA_PREFILL_GQA, &worst_l);
+            printf(" (%.2fx GQA); against GQA: max |difference| %.3g, lse %.3g", tf[1] / tf[0], worst, worst_l);
+        }
+        printf("\n");
+        attn_free(b8, &p8);
+    }
+    c8->prefill = KVS_CUDA_PREFILL_AUTO;
+    return true;
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     kvs_backend *b;
@@ -404,6 +475,10 @@ int main(int argc, char **argv) {
         printf("prefill attention FP8 KV: 4096 tokens causal, 32/8 heads, d 128, default + lse: %.3f ms, %.1f TFLOP/s\n",
                t8 * 1e3, tf8);
         attn_free(b8, &p8);
+        const int fp8_n[3] = {4096, 16384, 32768};
+        for (int i = 0; i < 3; i++)
+            if (!bench_prefill_fp8(b8, fp8_n[i], kvs_cuda_wgmma_supported(device)))
+                return fprintf(stderr, "out of memory\n"), 1;
         int failed8 = kvs_cuda_of(b8)->failed;
         b8->destroy(b8);
         if (failed8) return fprintf(stderr, "kvs_bench_kernels: the FP8 KV backend failed\n"), 1;
@@ -418,46 +493,28 @@ int main(int argc, char **argv) {
 
     /* prefill attention: 4096 tokens, causal; every kernel (the default also with
        lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh
-       (-1); the WGMMA kernel's variants (the backend's wgmma_* fields, docs/CUDA.md
+       (-1); the WGMMA kernel's cp.async producer (the backend's wgmma_no_tma, docs/CUDA.md
        "Hopper prefill kernel"). A row's output (and lse) is checked against the
        kernel `ref`'s on the same inputs (the WGMMA kernel's against GQA's; its
-       variants against the default WGMMA kernel's) */
+       cp.async producer against the default WGMMA kernel's) */
     attn_ctx pc;
-    struct wg_variant {
-        bool no_tma;     /* kvs_cuda.wgmma_no_tma */
-        bool l2_last;    /* kvs_cuda.wgmma_l2_last: K/V boxes with an L2 evict_last policy */
-        bool persistent; /* kvs_cuda.wgmma_persistent: a persistent grid of one CTA an SM */
-    };
-    const wg_variant wg_default = {false, false, false}, wg_no_tma = {true, false, false};
-    /* the variants of docs/CUDA.md "Variants for one comparative run", timed at 4k, 16k and 32k */
-    struct wg_named {
-        const char *name;
-        wg_variant var;
-    };
-    const wg_named wg_vars[] = {{"L2 evict_last", {false, true, false}},
-                                {"persistent", {false, false, true}},
-                                {"persistent + L2 evict_last", {false, true, true}}};
     struct pre_row {
         const char *name;
         int kernel; /* -1: v0 */
         bool lse;
-        wg_variant var;
-        int ref; /* the kernel whose output it is checked against (its default variant); -2: none */
+        bool no_tma; /* kvs_cuda.wgmma_no_tma */
+        int ref;     /* the kernel whose output it is checked against (with TMA); -2: none */
     };
     const int AUTO = KVS_CUDA_PREFILL_AUTO, WG = KVS_CUDA_PREFILL_WGMMA, GQA = KVS_CUDA_PREFILL_GQA;
     const pre_row pre[] = {
-        {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)", -1, false, wg_default, AUTO},
-        {"SMALL (v2) 4 warps x 16 rows", KVS_CUDA_PREFILL_SMALL, false, wg_default, -2},
-        {"HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip", KVS_CUDA_PREFILL_HEAD, false, wg_default, -2},
-        {"GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles", GQA, false, wg_default,
-         -2},
-        {"default (AUTO: WGMMA on Hopper, else GQA where it fits) + lse", AUTO, true, wg_default, -2},
-        {"WGMMA (TMA producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap)", WG, false, wg_default, GQA},
-        {"WGMMA + lse", WG, true, wg_default, GQA},
-        {"WGMMA + lse, cp.async producer (no TMA, diagnostic)", WG, true, wg_no_tma, WG},
-        {"WGMMA + lse, L2 evict_last", WG, true, wg_vars[0].var, WG},
-        {"WGMMA + lse, persistent", WG, true, wg_vars[1].var, WG},
-        {"WGMMA + lse, persistent + L2 evict_last", WG, true, wg_vars[2].var, WG},
+        {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)", -1, false, false, AUTO},
+        {"SMALL (v2) 4 warps x 16 rows", KVS_CUDA_PREFILL_SMALL, false, false, -2},
+        {"HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip", KVS_CUDA_PREFILL_HEAD, false, false, -2},
+        {"GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles", GQA, false, false, -2},
+        {"default (AUTO: WGMMA on Hopper, else GQA where it fits) + lse", AUTO, true, false, -2},
+        {"WGMMA (TMA producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap)", WG, false, false, GQA},
+        {"WGMMA + lse", WG, true, false, GQA},
+        {"WGMMA + lse, cp.async producer (no TMA, diagnostic)", WG, true, true, WG},
     };
     const int N_PRE = (int)(sizeof pre / sizeof pre[0]);
     double pre_tf[sizeof pre / sizeof pre[0]] = {0}; /* 0: skipped */
@@ -465,35 +522,7 @@ int main(int argc, char **argv) {
     /* the Hopper kernel runs only where the backend would take it (compute capability 9.0, sm_90a code) */
     const char *wgmma_why = kvs_cuda_wgmma_supported(device);
     kvs_cuda *bc = kvs_cuda_of(b);
-    auto wgmma_set = [&](const wg_variant &v) {
-        bc->wgmma_no_tma = v.no_tma, bc->wgmma_l2_last = v.l2_last, bc->wgmma_persistent = v.persistent ? bc->n_sms : 0;
-    };
-    /* the largest |difference| of the output (and lse) of the attention just run from
-       the kernel `ref`'s in its default variant (run on the same inputs; NaN counts as
-       infinite) */
-    auto against = [&](attn_ctx *c, int n, int ref, double *worst_l) -> double {
-        size_t n_out = (size_t)n * 32 * 128, n_l = (size_t)n * 32;
-        float *got = (float *)malloc(n_out * 4), *want = (float *)malloc(n_out * 4);
-        float *got_l = (float *)malloc(n_l * 4), *want_l = (float *)malloc(n_l * 4);
-        b->to_host_f32(b, got, c->out, n_out);
-        if (c->lse) b->to_host(b, got_l, c->lse, n_l * 4);
-        const int kernel = bc->prefill;
-        const wg_variant var = {bc->wgmma_no_tma != 0, bc->wgmma_l2_last != 0, bc->wgmma_persistent != 0};
-        bc->prefill = ref;
-        wgmma_set(wg_default);
-        run_attn(b, c);
-        bc->prefill = kernel;
-        wgmma_set(var);
-        b->to_host_f32(b, want, c->out, n_out);
-        if (c->lse) b->to_host(b, want_l, c->lse, n_l * 4);
-        double worst = 0;
-        *worst_l = 0;
-        for (size_t i = 0; i < n_out; i++) worst = fmax(worst, isnan(got[i]) ? INFINITY : fabs((double)got[i] - want[i]));
-        for (size_t i = 0; c->lse && i < n_l; i++)
-            *worst_l = fmax(*worst_l, isnan(got_l[i]) ? INFINITY : fabs((double)got_l[i] - want_l[i]));
-        free(got), free(want), free(got_l), free(want_l);
-        return worst;
-    };
+    auto against = [&](attn_ctx *c, int n, int ref, double *worst_l) { return max_diff_against(b, c, n, ref, worst_l); };
     auto ref_name = [&](int ref) { return ref == AUTO ? "the default" : ref == GQA ? "GQA" : "the default WGMMA"; };
     for (int v = 0; v < N_PRE; v++) {
         const pre_row &r = pre[v];
@@ -502,7 +531,7 @@ int main(int argc, char **argv) {
             continue;
         }
         bc->prefill = r.kernel < 0 ? AUTO : r.kernel;
-        wgmma_set(r.var);
+        bc->wgmma_no_tma = r.no_tma;
         if (!attn_setup(b, &pc, 1, 4096, 4096, r.lse)) return fprintf(stderr, "out of memory\n"), 1;
         double t_pre = time_it(b, 20, r.kernel < 0 ? run_attn_v0 : run_attn, &pc), tf = flops / t_pre / 1e12;
         pre_tf[v] = tf;
@@ -515,23 +544,17 @@ int main(int argc, char **argv) {
             if (pc.lse) printf(", lse %.3g", worst_l);
             printf("\n");
         }
-        wgmma_set(wg_default);
+        bc->wgmma_no_tma = 0;
         attn_free(b, &pc);
     }
-    /* the issue-15 targets at 16k and 32k tokens (one sequence, causal, with lse): GQA, the WGMMA kernel and its
-       variants, a few runs each; WGMMA's output and lse against GQA's, a variant's against the default WGMMA's */
+    /* the issue-15 targets at 16k and 32k tokens (one sequence, causal, with lse): GQA and the WGMMA kernel, a
+       few runs each; WGMMA's output and lse against GQA's */
     struct long_row {
         const char *name;
         int kernel;
-        wg_variant var;
         int ref;
     };
-    const long_row lr[] = {{"GQA (v13)", GQA, wg_default, -2},
-                           {"WGMMA", WG, wg_default, GQA},
-                           {"WGMMA, L2 evict_last", WG, wg_vars[0].var, WG},
-                           {"WGMMA, persistent", WG, wg_vars[1].var, WG},
-                           {"WGMMA, persistent + L2 evict_last", WG, wg_vars[2].var, WG}};
-    static_assert(sizeof lr / sizeof lr[0] == 2 + sizeof wg_vars / sizeof wg_vars[0], "a long row per variant");
+    const long_row lr[] = {{"GQA (v13)", GQA, -2}, {"WGMMA", WG, GQA}};
     const int N_LONG = (int)(sizeof lr / sizeof lr[0]), long_n[2] = {16384, 32768};
     double long_tf[2][sizeof lr / sizeof lr[0]] = {{0}};
     for (int li = 0; li < 2; li++) {
@@ -543,7 +566,6 @@ int main(int argc, char **argv) {
                 continue;
             }
             bc->prefill = lr[v].kernel;
-            wgmma_set(lr[v].var);
             if (!attn_setup(b, &pc, 1, n, n, true)) return fprintf(stderr, "out of memory\n"), 1;
             double t = time_it(b, n > 16384 ? 3 : 5, run_attn, &pc);
             tf_n[v] = 4.0 * 32 * 128 * ((double)n * (n + 1) / 2) / t / 1e12;
@@ -555,7 +577,6 @@ int main(int argc, char **argv) {
                 printf("; against %s: max |difference| %.3g, lse %.3g", ref_name(lr[v].ref), worst, worst_l);
             }
             printf("\n");
-            wgmma_set(wg_default);
             attn_free(b, &pc);
         }
     }

@@ -522,10 +522,14 @@ typedef struct {
  * sets another size for its cases and puts 16 back) */
 static int paged_block_size = 16;
 /* the GPU pool's entries before kv_write: 0 zeros, else this bf16 bit pattern in
- * every entry (NaN 0x7fc0, Inf 0x7f80; a test sets it and puts 0 back): what no
+ * every entry (NaN 0x7fc0, Inf 0x7f80; a test sets it and puts 0 back; FP8 pools: the
+ * NaN code 0x7f for 0x7fc0, 0xff for any other pattern, E4M3 having no Inf): what no
  * sequence wrote (the tail of a sequence's last block, unused blocks) must never
  * reach an output. attention_case_prefill then skips check_pools_equal. */
 static uint16_t paged_poison = 0;
+/* whether attention_case_prefill checks that its call ran the WGMMA kernel (1) or
+   another (-1; kvs_backend_cuda_last_prefill); 0: no check */
+static int expect_wgmma = 0;
 
 static void paged_build(duo *d, paged *p, int n_seqs, const int *kv_len, int n_kv, int D) {
     memset(p, 0, sizeof *p);
@@ -557,8 +561,10 @@ static void paged_build(duo *d, paged *p, int n_seqs, const int *kv_len, int n_k
     cr_assert(p->gpu.data, "cuda alloc of the pool");
     void *zero = calloc(cb > gb ? cb : gb, 1); /* zero bytes: 0.0 in every dtype */
     d->cpu->to_device(d->cpu, p->cpu.data, zero, cb);
-    if (paged_poison) {
-        cr_assert_eq(gb, elems * 2, "a poisoned pool is bf16");
+    if (paged_poison && gb == elems) { /* FP8 codes */
+        memset(zero, paged_poison == 0x7fc0 ? 0x7f : 0xff, gb);
+    } else if (paged_poison) {
+        cr_assert_eq(gb, elems * 2, "a poisoned pool is bf16 or FP8");
         for (size_t i = 0; i < elems; i++) ((uint16_t *)zero)[i] = paged_poison;
     }
     d->gpu->to_device(d->gpu, p->gpu.data, zero, gb);
@@ -672,6 +678,12 @@ static void attention_case_prefill(kvs_cuda_prefill prefill, int n_heads, int n_
     float scale = 1.0f / sqrtf((float)D);
     d.cpu->attention(d.cpu, co, cl, cq, &p.cpu, &cab, n_heads, scale);
     d.gpu->attention(d.gpu, go, gl, gq, &p.gpu, &gab, n_heads, scale);
+    if (expect_wgmma && n_decode < n_seqs) { /* a prefill launch ran */
+        const bool wg = kvs_backend_cuda_last_prefill(d.gpu) == KVS_CUDA_PREFILL_WGMMA;
+        cr_expect(expect_wgmma > 0 ? wg : !wg, "heads %d/%d head_dim %d block size %d%s: the prefill kernel %d, %s",
+                  n_heads, n_kv, D, paged_block_size, kv_fp8_cases ? " FP8" : "",
+                  kvs_backend_cuda_last_prefill(d.gpu), expect_wgmma > 0 ? "WGMMA expected" : "not WGMMA expected");
+    }
     float *got = gpu_get(&d, go, qn), *got_lse = gpu_get_f32(&d, gl, (size_t)n * n_heads);
     char what[160];
     snprintf(what, sizeof what, "attention %s heads %d/%d head_dim %d, %d seqs max_kv %d window %d: out",
@@ -775,12 +787,12 @@ Test(cuda, attention_prefill_variants) {
  * through the decode kernel), every GQA group the block packing takes (4 heads
  * a block for groups 4 and 8, 2 for group 2, 1 for groups 1 and 3), head_dim 64
  * and 128, 4096-token sequences, block sizes 16 and 32, graph-mode tables, and
- * the calls it does not take (FP8 pools, head_dim 32, block size 24) falling
- * back to the automatic choice. Tolerances as the other prefill kernels'.
+ * the calls it does not take (head_dim 32, block size 24) falling back to the
+ * automatic choice. Tolerances as the other prefill kernels'. The attention_wgmma_fp8*
+ * tests run the cases on FP8 pools (the kernel's converting producer).
  * attention_wgmma_no_tma runs the cases through the kernel's cp.async producer
  * (KVSPARSE_WGMMA_TMA=0: the path an explicit request takes where the TMA view of
- * the pool cannot be made); attention_wgmma_l2_hint and attention_wgmma_persistent
- * through the variants. */
+ * the pool cannot be made). */
 #define WGMMA KVS_CUDA_PREFILL_WGMMA
 static bool kv8_available(void);
 static const int odd_kv[] = {1, 17, 64, 65, 463, 700, 129, 130, 117, 17};
@@ -824,13 +836,12 @@ static void wgmma_mixed_capacity_blocks(void) {
     attention_case_prefill(WGMMA, 16, 4, 64, MIX_N, mix_kv, mix_q, 1);
     paged_block_size = 16;
 }
-/* every case above, long ones included when `long_too` */
-static void wgmma_all(bool long_too) {
+/* every case above but the long ones */
+static void wgmma_all(void) {
     wgmma_d128_gqa4();
     wgmma_d128_groups();
     wgmma_d64();
     wgmma_mixed_capacity_blocks();
-    if (long_too) wgmma_long();
 }
 
 Test(cuda, attention_wgmma_d128_gqa4) { wgmma_d128_gqa4(); }
@@ -842,7 +853,7 @@ Test(cuda, attention_wgmma_mixed_capacity_blocks) { wgmma_mixed_capacity_blocks(
    TMA (up to 6 tiles a block: every stage reused; the long cases left to the others) */
 Test(cuda, attention_wgmma_no_tma) {
     setenv("KVSPARSE_WGMMA_TMA", "0", 1);
-    wgmma_all(false);
+    wgmma_all();
     unsetenv("KVSPARSE_WGMMA_TMA");
 }
 /* Pool entries no sequence wrote are NaN (then Inf) on the GPU: the tail of each
@@ -879,50 +890,128 @@ Test(cuda, attention_wgmma_nan_pool, .timeout = 600) {
     wgmma_nan_cases();
     unsetenv("KVSPARSE_WGMMA_TMA");
 }
-/* The variants of docs/CUDA.md "Variants for one comparative run" (knobs read when the
- * backend is created). L2 evict_last on the K/V boxes (KVSPARSE_WGMMA_L2HINT=1): the
- * TMA instruction with the cache hint, every case but the long ones, and the NaN pool
- * (the cp.async tail beside hinted boxes). */
-Test(cuda, attention_wgmma_l2_hint, .timeout = 600) {
-    setenv("KVSPARSE_WGMMA_L2HINT", "1", 1);
-    wgmma_all(false);
-    wgmma_nan_cases();
-    unsetenv("KVSPARSE_WGMMA_L2HINT");
-}
-/* A persistent grid (KVSPARSE_WGMMA_PERSISTENT=N CTAs taking every N-th work item):
- * with 3 and 5 CTAs every CTA takes many items, so the rings' stages and phases run
- * on across items of 1 to 32 tiles, items with no row (q-blocks past a short
- * sequence's q_len) are skipped by the producer and the consumers alike, a stage
- * that a later item's cp.async tail rewrites is fenced, and Q is reloaded after the
- * last item's wgmma's; every case (the long ones too: ~100 items a CTA), the NaN pool
- * with TMA and without, and with the L2 hint; then the SM count's worth of CTAs
- * (132 on the H200: more CTAs than items in the small cases, one item a CTA). */
-Test(cuda, attention_wgmma_persistent, .timeout = 900) {
-    setenv("KVSPARSE_WGMMA_PERSISTENT", "5", 1);
-    wgmma_all(true);
-    setenv("KVSPARSE_WGMMA_PERSISTENT", "3", 1);
-    wgmma_nan_cases();
-    setenv("KVSPARSE_WGMMA_TMA", "0", 1);
-    wgmma_nan_cases();
-    unsetenv("KVSPARSE_WGMMA_TMA");
-    setenv("KVSPARSE_WGMMA_L2HINT", "1", 1);
-    wgmma_nan_cases();
-    wgmma_d128_gqa4();
-    unsetenv("KVSPARSE_WGMMA_L2HINT");
-    setenv("KVSPARSE_WGMMA_PERSISTENT", "132", 1);
-    wgmma_d128_gqa4();
-    wgmma_long();
-    unsetenv("KVSPARSE_WGMMA_PERSISTENT");
-}
-/* calls the kernel does not take run the automatic choice's kernel */
+/* calls the kernel does not take run the automatic choice's kernel (checked: not
+   WGMMA), bf16 and FP8 pools alike; an FP8 pool it takes runs it */
 Test(cuda, attention_wgmma_falls_back) {
-    attention_case_prefill(WGMMA, 4, 2, 32, MIX_N, mix_kv, mix_q, 1); /* head_dim 32 */
-    paged_block_size = 24;
-    attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 1);
-    paged_block_size = 16;
+    bool fp8 = false;
+    for (int pass = 0; pass < 2; pass++) {
+        kv_fp8_cases = fp8;
+        expect_wgmma = -1;
+        attention_case_prefill(WGMMA, 4, 2, 32, MIX_N, mix_kv, mix_q, 1); /* head_dim 32 */
+        paged_block_size = 24;
+        attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 1);
+        paged_block_size = 16;
+        expect_wgmma = 0;
+        if (pass == 0 && !(fp8 = kv8_available())) break;
+    }
+    if (fp8) {
+        expect_wgmma = 1;
+        attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 1);
+        expect_wgmma = 0;
+    }
+    kv_fp8_cases = false;
+}
+
+/* FP8 (E4M3) pools through the WGMMA kernel (its producer warpgroup copies the codes
+ * and converts them to bf16; K scale folded into the softmax scale, V scale into the
+ * output), against the CPU oracle on the same codes and scales (paged_build: random
+ * per-head scales in [0.25, 2]); each call checked to have run the WGMMA kernel.
+ * Tolerances as bf16's (the codes are exact in bf16): out 2e-2 + 2e-2
+ * |ref|, lse 2e-3 + 1e-3 |ref|. Skipped below compute capability 9.0. */
+static void wgmma_fp8_begin(void) { kv_fp8_cases = true, expect_wgmma = 1; }
+static void wgmma_fp8_end(void) { kv_fp8_cases = false, expect_wgmma = 0; }
+/* every case of the bf16 tests but the long ones: d128 GQA 4 (odd lengths, chunks
+   after cached entries, 1500/333), groups 1, 2, 3, 8, d64, a mixed step, graph-mode
+   tables, block size 32 (AUTO keeps FP8 pools on GQA / HEAD: measured faster) */
+Test(cuda, attention_wgmma_fp8, .timeout = 600) {
+    if (!kv8_available()) return;
+    wgmma_fp8_begin();
+    wgmma_all();
+    wgmma_fp8_end();
+}
+/* 4096 tokens fresh, and 1000 after 3096 cached entries, d128 and d64 */
+Test(cuda, attention_wgmma_fp8_long, .timeout = 600) {
+    if (!kv8_available()) return;
+    wgmma_fp8_begin();
+    wgmma_long();
+    wgmma_fp8_end();
+}
+/* every pool entry no sequence wrote holds a NaN code (0x7f, then 0xff): the
+   producer's zero fill keeps them out (attention_wgmma_nan_pool's cases) */
+Test(cuda, attention_wgmma_fp8_nan_pool, .timeout = 600) {
+    if (!kv8_available()) return;
+    wgmma_fp8_begin();
+    wgmma_nan_cases();
+    wgmma_fp8_end();
+}
+
+/* Every E4M3 code but the two NaN codes through the producer's fast conversion (its
+ * exponent rebias by a multiply, subnormals included), against the CPU's decoding:
+ * one-key sequences whose K and V rows hold the codes (kv head g, dim d: code
+ * (g D + d) % 256, V rotated by 77; NaN codes replaced by zeros), so that each
+ * output row is v_scale x that V row and each LSE is scale x k_scale x A x one K
+ * code (query rows one-hot, A at dim 8 s + h % 8: the sequences and the 8 heads of a
+ * group cover every dim); a first two-key sequence with zero queries (uniform
+ * probabilities: out the mean of its two V rows) keeps the others out of the decode
+ * kernel. Tight tolerances, so that a code off by one step or a subnormal flushed
+ * shows: out 1e-2 |ref| (bf16 rounding of v x v_scale; 0 absolute), lse 1e-6 +
+ * 1e-4 |ref|. */
+static void wgmma_fp8_codes_case(int D) {
+    duo d;
+    OPEN_PREFILL_OR_SKIP(&d, WGMMA);
+    const int n_kv = 256 / D, group = 8, H = n_kv * group, bs = 16, NS = 1 + D / 8; /* sequences */
+    const float A = 4.f, scale = 1.0f / sqrtf((float)D);
+    const size_t row = (size_t)D, blk = (size_t)2 * n_kv * bs * D, pool_n = blk * NS;
+    uint8_t *codes = calloc(pool_n, 1);
+    for (int s = 0; s < NS; s++)
+        for (int kind = 0; kind < 2; kind++)
+            for (int g = 0; g < n_kv; g++)
+                for (int e = 0; e < (s == 0 ? 2 : 1); e++)
+                    for (int x = 0; x < D; x++) {
+                        int c = (g * D + x + (kind ? 77 : 0) + 13 * e) % 256;
+                        if ((c & 0x7f) == 0x7f) c = c & 0x80; /* NaN -> +-0 */
+                        codes[(size_t)s * blk + ((size_t)kind * n_kv + g) * bs * row + e * row + x] = (uint8_t)c;
+                    }
+    float sc[64];
+    for (int i = 0; i < 2 * n_kv; i++) sc[i] = 0.25f + 1.75f * (float)kvs_rng_uniform(&d.rng);
+    int32_t qs[1 + 1 + 16], kvl[1 + 16], table[1 + 16];
+    qs[0] = 0;
+    for (int s = 0; s < NS; s++) qs[s + 1] = qs[s] + (s == 0 ? 2 : 1), kvl[s] = s == 0 ? 2 : 1, table[s] = s;
+    const int n = qs[NS];
+    const size_t qn = (size_t)n * H * D;
+    float *q = calloc(qn, sizeof(float));
+    for (int s = 1; s < NS; s++)
+        for (int h = 0; h < H; h++) q[((size_t)qs[s] * H + h) * D + (8 * (s - 1) + h % group)] = A;
+    kvs_kv_pool cp = {put_bytes(d.cpu, codes, pool_n), NS, bs, n_kv, D, put_f32(d.cpu, sc, 2 * n_kv)};
+    kvs_kv_pool gp = {put_bytes(d.gpu, codes, pool_n), NS, bs, n_kv, D, put_f32(d.gpu, sc, 2 * n_kv)};
+    void *cq = cpu_put(&d, q, qn), *gq = gpu_put(&d, q, qn);
+    void *cqs = put_i32(d.cpu, qs, NS + 1), *gqs = put_i32(d.gpu, qs, NS + 1);
+    void *ckl = put_i32(d.cpu, kvl, NS), *gkl = put_i32(d.gpu, kvl, NS);
+    void *ct = put_i32(d.cpu, table, NS), *gt = put_i32(d.gpu, table, NS);
+    void *co = d.cpu->alloc(d.cpu, qn * 4), *go = d.gpu->alloc(d.gpu, qn * 2);
+    float *cl = d.cpu->alloc(d.cpu, sizeof(float) * n * H), *gl = d.gpu->alloc(d.gpu, sizeof(float) * n * H);
+    kvs_attn_batch cab = {NS, n, 1, 2, 2, cqs, ckl, ct, NULL, 0, 0};
+    kvs_attn_batch gab = {NS, n, 1, 2, 2, gqs, gkl, gt, NULL, 0, 0};
+    d.cpu->attention(d.cpu, co, cl, cq, &cp, &cab, H, scale);
+    d.gpu->attention(d.gpu, go, gl, gq, &gp, &gab, H, scale);
+    cr_expect_eq(kvs_backend_cuda_last_prefill(d.gpu), KVS_CUDA_PREFILL_WGMMA, "FP8 codes: the WGMMA kernel ran");
+    float *got = gpu_get(&d, go, qn), *got_lse = gpu_get_f32(&d, gl, (size_t)n * H);
+    char what[96];
+    snprintf(what, sizeof what, "FP8 codes, head_dim %d: out (V codes x v_scale)", D);
+    expect_close(what, got, co, qn, 0, 1e-2);
+    snprintf(what, sizeof what, "FP8 codes, head_dim %d: lse (K codes x k_scale)", D);
+    expect_close(what, got_lse, cl, (size_t)n * H, 1e-6, 1e-4);
+    free(got), free(got_lse), free(q), free(codes);
+    void *pc[] = {cq, cqs, ckl, ct, co, cl, cp.data, (void *)cp.scales},
+         *pg[] = {gq, gqs, gkl, gt, go, gl, gp.data, (void *)gp.scales};
+    for (int i = 0; i < 8; i++) d.cpu->free(d.cpu, pc[i]), d.gpu->free(d.gpu, pg[i]);
+    duo_close(&d);
+}
+Test(cuda, attention_wgmma_fp8_codes) {
     if (!kv8_available()) return;
     kv_fp8_cases = true;
-    attention_case_prefill(WGMMA, 32, 8, 128, MIX_N, mix_kv, mix_q, 1);
+    wgmma_fp8_codes_case(128);
+    wgmma_fp8_codes_case(64);
     kv_fp8_cases = false;
 }
 

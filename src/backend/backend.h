@@ -354,8 +354,8 @@ typedef enum {
     /* Hopper (compute capability 9.0 only; kvs_backend_cuda_create refuses it
        elsewhere): wgmma fed by a TMA producer warpgroup, two consumer
        warpgroups, 128 rows of one KV group a block; head_dim 64/128 with bf16
-       pools and block sizes a multiple of 16, other calls as AUTO. Not the
-       automatic choice (yet). */
+       or FP8 pools and block sizes a multiple of 16, other calls as AUTO. AUTO's
+       choice on Hopper for bf16 pools (FP8 pools: GQA, measured faster). */
     KVS_CUDA_PREFILL_WGMMA,
 } kvs_cuda_prefill;
 /* How the CUDA backend's matmul_fp8 applies the per-token and per-channel
@@ -378,6 +378,10 @@ typedef struct {
 /* CUDA backend; KVS_ERR_UNSUPPORTED when built without CUDA, no GPU present, or
  * kv_fp8 on a GPU below compute capability 8.9 (the message says so). */
 kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out);
+/* For tests: the kvs_cuda_prefill kernel that the CUDA backend b's last prefill
+ * attention launch ran (HEAD where GQA took a group not a multiple of 4); -1 before
+ * the first, for a backend that is not CUDA's, or in a build without CUDA. */
+int kvs_backend_cuda_last_prefill(kvs_backend *b);
 
 /* Two host_alloc buffers (or halves of one) taking turns as the source of
  * uploads, so that building the next upload need not wait for the last one:

@@ -301,4 +301,8 @@ kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **ou
     *out = NULL;
     return kvs_fail(KVS_ERR_UNSUPPORTED, "this kvsparse was built without CUDA");
 }
+int kvs_backend_cuda_last_prefill(kvs_backend *b) {
+    (void)b;
+    return -1;
+}
 #endif

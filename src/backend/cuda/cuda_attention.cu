@@ -38,7 +38,6 @@
  * the K scale of KV head g is folded into the softmax scale and the V scale
  * multiplies the output, so the math on the tensor cores is the bf16 kernels'.
  * The decode kernel (kvs_attn_decode8_kernel) converts codes to f16 instead. */
-__device__ __forceinline__ const uint8_t *kvs_attn_pool8(const kvs_attn_args &a) { return (const uint8_t *)a.pool; }
 
 /* Loads keys [key0, key0 + 64) of (seq, kv head) into k_s and v_s (rows of D + 8;
  * rows at or past key_end are zero). 16-byte pieces of bf16 (FP8: 8-byte pieces
@@ -1200,11 +1199,11 @@ static void launch_fa2mt(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
  * runs only SMALL, an A100 everything. At D = 64 (144-byte rows) GQA needs
  * 72 KiB: it fits sm_89. */
 template <int D>
-static size_t kvs_prefill_smem_bytes(int k) {
+static size_t kvs_prefill_smem_bytes(int k, bool fp8) {
     switch (k) {
     case KVS_CUDA_PREFILL_GQA: case KVS_CUDA_PREFILL_HEAD: return kvs_fa2mt_smem<D, 8, 2>::bytes;
     case KVS_CUDA_PREFILL_SMALL: return kvs_fa2_smem<D, 4>::bytes;
-    case KVS_CUDA_PREFILL_WGMMA: return kvs_cuda_wgmma_smem_bytes(D); /* cuda_attention_hopper.cu */
+    case KVS_CUDA_PREFILL_WGMMA: return kvs_cuda_wgmma_smem_bytes(D, fp8); /* cuda_attention_hopper.cu */
     default: return 0;
     }
 }
@@ -1233,12 +1232,15 @@ static int kvs_prefill_pick(kvs_cuda *c, const kvs_attn_args &a, bool fp8) {
     const float scale = a.scale;
     const size_t optin = (size_t)kvs_attn_smem_optin(c);
     int k = c->prefill;
-    /* AUTO on Hopper: WGMMA, unless its TMA view of the pool could not be made (then GQA) */
-    if (k == KVS_CUDA_PREFILL_AUTO && c->wgmma_auto && !c->wgmma_map_warned) k = KVS_CUDA_PREFILL_WGMMA;
-    if (k == KVS_CUDA_PREFILL_WGMMA && !kvs_cuda_wgmma_fits(D, a.block_size, scale, fp8)) k = KVS_CUDA_PREFILL_AUTO;
-    size_t need = kvs_prefill_smem_bytes<D>(k);
+    /* AUTO on Hopper: WGMMA for bf16 pools, unless its TMA view of the pool could not be
+       made (then GQA). FP8 pools stay on GQA / HEAD: WGMMA's FP8 path measured 0.6x of
+       them (docs/CUDA.md "FP8 pools"); an explicit WGMMA request takes it. */
+    if (k == KVS_CUDA_PREFILL_AUTO && c->wgmma_auto && !fp8 && !c->wgmma_map_warned) k = KVS_CUDA_PREFILL_WGMMA;
+    if (k == KVS_CUDA_PREFILL_WGMMA && !kvs_cuda_wgmma_fits(D, a.block_size, scale)) k = KVS_CUDA_PREFILL_AUTO;
+    size_t need = kvs_prefill_smem_bytes<D>(k, fp8);
     if (need == 0 || need > optin)
-        k = kvs_prefill_smem_bytes<D>(KVS_CUDA_PREFILL_GQA) <= optin ? KVS_CUDA_PREFILL_GQA : KVS_CUDA_PREFILL_SMALL;
+        k = kvs_prefill_smem_bytes<D>(KVS_CUDA_PREFILL_GQA, fp8) <= optin ? KVS_CUDA_PREFILL_GQA
+                                                                         : KVS_CUDA_PREFILL_SMALL;
     return scale > 0.f ? k : KVS_CUDA_PREFILL_SMALL;
 }
 
@@ -1250,8 +1252,10 @@ static void launch_prefill(kvs_backend *b, const kvs_attn_args &a, bf16 *out, fl
                            int max_kv_len, bool fp8) {
     const int k = kvs_prefill_pick<D>(kvs_cuda_of(b), a, fp8);
     const int group = a.n_heads / a.n_kv_heads;
-    if (k == KVS_CUDA_PREFILL_WGMMA) { /* bf16, head_dim 64/128 (kvs_prefill_pick) */
-        kvs_cuda_prefill_wgmma(b, a, out, lse, D, max_q_len);
+    /* the kernel that runs (GQA takes groups of a multiple of 4 only) */
+    kvs_cuda_of(b)->last_prefill = k == KVS_CUDA_PREFILL_GQA && group % 4 ? KVS_CUDA_PREFILL_HEAD : k;
+    if (k == KVS_CUDA_PREFILL_WGMMA) { /* head_dim 64/128, bf16 or FP8 (kvs_prefill_pick) */
+        kvs_cuda_prefill_wgmma(b, a, out, lse, D, max_q_len, fp8);
         return;
     }
     if (fp8) { /* GQA / HEAD decode FP8 tiles in shared memory; SMALL has no FP8 form: the decode kernels, a token a block */

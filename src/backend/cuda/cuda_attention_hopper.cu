@@ -56,19 +56,24 @@ __device__ int kvs_wgmma_built =
 #define KVS_WG_THREADS 384 /* 2 consumer warpgroups + the producer warpgroup */
 /* registers a thread after setmaxnreg: producer + 2 consumers = 3 x 168, the
    count ptxas compiles 384 threads at (ptxas: the producer spills at 24, the
-   consumers need 192 at head_dim 128) */
-#define KVS_WG_PRODUCER_REGS 40
-#define KVS_WG_CONSUMER_REGS 232
-/* the kernel's flags (an int argument; kvs_cuda fields, docs/CUDA.md "Hopper prefill
-   kernel (wgmma)"): the K/V boxes by TMA (else every row by cp.async, the map unused);
-   those boxes with an L2 evict_last policy */
+   consumers need 192 at head_dim 128). FP8 pools: the producer's four warps convert
+   codes (56), the consumers keep 224. */
+#define KVS_WG_PRODUCER_REGS(FP8) ((FP8) ? 56 : 40)
+#define KVS_WG_CONSUMER_REGS(FP8) ((FP8) ? 224 : 232)
+static_assert(KVS_WG_PRODUCER_REGS(false) + 2 * KVS_WG_CONSUMER_REGS(false) == 3 * 168, "bf16 register split");
+static_assert(KVS_WG_PRODUCER_REGS(true) + 2 * KVS_WG_CONSUMER_REGS(true) == 3 * 168, "FP8 register split");
+/* the kernel's flags (an int argument; docs/CUDA.md "Hopper prefill kernel (wgmma)"):
+   the K/V boxes by TMA (else every row by cp.async, the map unused) */
 #define KVS_WG_TMA 1
-#define KVS_WG_L2_LAST 2
 
-template <int D, int STAGES>
+/* Shared memory: Q, the K ring, the V ring (bf16 tiles), FP8 pools: two raw tiles of
+   codes (a tile's K or V, 128 keys x D bytes, the producer's staging), then the
+   mbarriers; + 1024 for aligning the base. */
+template <int D, int STAGES, bool FP8>
 struct kvs_wg_smem {
-    static constexpr size_t TILE = (size_t)KVS_WG_BN * D * 2;
-    static constexpr size_t q = 0, k = (size_t)KVS_WG_BM * D * 2, v = k + STAGES * TILE, bar = v + STAGES * TILE;
+    static constexpr size_t TILE = (size_t)KVS_WG_BN * D * 2, RAW = (size_t)KVS_WG_BN * D;
+    static constexpr size_t q = 0, k = (size_t)KVS_WG_BM * D * 2, v = k + STAGES * TILE, raw = v + STAGES * TILE;
+    static constexpr size_t bar = raw + (FP8 ? 2 * RAW : 0);
     static constexpr size_t bytes = bar + 4 * STAGES * 8 + 1024;
 };
 
@@ -145,12 +150,13 @@ __device__ __forceinline__ void kvs_wg_row_max(float (&s)[BN / 2], int k0, bool 
     mx0 *= scale_log2, mx1 *= scale_log2; /* -inf stays -inf (scale > 0) */
 }
 
-/* O / l and the LSE of the thread's rows (positions past q_len skipped); l0, l1:
-   the thread's parts of the row sums, m0, m1: the rows' scaled maxima. */
+/* O x v_scale / l and the LSE of the thread's rows (positions past q_len skipped);
+   l0, l1: the thread's parts of the row sums, m0, m1: the rows' scaled maxima;
+   v_scale: an FP8 pool's V scale (1 for bf16). */
 template <int D, int HEADS>
 __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, float *lse, const float (&o)[D / 2],
-                                             float l0, float l1, float m0, float m1, int R0, int h0, int q0, int t0,
-                                             int q_len) {
+                                             float l0, float l1, float m0, float m1, float v_scale, int R0, int h0,
+                                             int q0, int t0, int q_len) {
     constexpr int MH = KVS_WG_BM / HEADS;
     const int lane = threadIdx.x % 32, head = h0 + R0 / MH, pos0 = q0 + R0 % MH;
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -163,7 +169,7 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
         const int pos = pos0 + 8 * hf;
         if (pos < q_len) {
             const size_t t = (size_t)t0 + pos;
-            const float lt = hf ? l1 : l0, inv = 1.f / lt;
+            const float lt = hf ? l1 : l0, inv = v_scale / lt;
             bf16 *orow = out + (t * a.n_heads + head) * D + cq;
 #pragma unroll
             for (int j = 0; j < D / 8; j++)
@@ -174,20 +180,19 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
 }
 
 /* The producer warp, one work item: K and V of tile i (keys [128 i, 128 i + 128) of
- * the item's n_keys, 8 groups of 16 keys, one paged block each) into stage r % STAGES
- * of the K and V rings, r = ring + i (ring: the tiles this CTA's earlier items
- * loaded; a stage's phase goes on across items). Full groups by TMA: lane l < 8 x
+ * the item's n_keys, 8 groups of 16 keys, one paged block each) into stage i % STAGES
+ * of the K and V rings. Full groups by TMA: lane l < 8 x
  * D/64 loads the box (group l % 8, column block l / 8). On the last tile, the groups
  * holding keys at or past n_keys (the sequence's last paged block may hold anything
  * past its last key: stale rows of other requests, never-written NaN) go by 16-byte
  * cp.async with those rows zero-filled, waited for and fenced to the async proxy by
  * each lane before it arrives; without TMA every group goes that way. Every lane
  * arrives on the full barrier once a tile and ring, lane 0's arrival announcing the
- * TMA bytes. policy: the L2 policy of the boxes (l2_last). */
+ * TMA bytes. */
 template <int D, int STAGES>
-__device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma, bool l2_last, uint64_t policy,
-                                               const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
-                                               int ring, uint32_t k_s, uint32_t v_s, uint32_t bars, int lane) {
+__device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma, const kvs_attn_args &a, int g,
+                                               int seq, int n_keys, int n_tiles, uint32_t k_s, uint32_t v_s,
+                                               uint32_t bars, int lane) {
     constexpr int BN = KVS_WG_BN, NG = BN / 16, CB = D / 64, CH = D / 8;
     constexpr int RPI = 32 / CH, VPG = 16 / RPI;                /* rows a warp-wide copy; copies a lane a group */
     constexpr uint32_t TILE = (uint32_t)BN * D * 2, BOX = 16 * 128; /* a box: 16 rows x 128 bytes */
@@ -202,13 +207,13 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
     for (int i = 0; i < n_tiles; i++) {
         const int blk = blk_next;
         if (i + 1 < n_tiles) blk_next = block_of(i + 1); /* used next tile: its latency hides */
-        const int r = ring + i, st = r % STAGES, k0 = i * BN;
+        const int st = i % STAGES, k0 = i * BN;
         const int n_tma = !tma ? 0 : i + 1 < n_tiles ? NG : min(NG, (n_keys - k0) / 16); /* groups [0, n_tma) */
 #pragma unroll
         for (int kind = 0; kind < 2; kind++) { /* K, then V (released later by the consumers) */
             const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
             const uint32_t dst = (kind ? v_s : k_s) + st * TILE;
-            if (r >= STAGES) kvs_mbar_wait(empty, ((r / STAGES) & 1) ^ 1); /* tile r - STAGES read */
+            if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
             if (n_tma < NG) {
                 for (int gi = n_tma; gi < NG; gi++) {
                     const int e0 = k0 + 16 * gi, b = __shfl_sync(0xffffffffu, blk, gi);
@@ -230,31 +235,101 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
             if (lane < NG * CB && gl < n_tma) { /* row of the pool as a [rows][D] tensor (kvs_kv_offset / D) */
                 const uint32_t box_dst = dst + cbl * (BN * 128) + gl * BOX;
                 const int row = ((blk * 2 + kind) * a.n_kv_heads + g) * bs + (k0 + 16 * gl) % bs;
-                if (l2_last) kvs_tma_load_2d_hint(box_dst, map, 64 * cbl, row, full, policy);
-                else kvs_tma_load_2d(box_dst, map, 64 * cbl, row, full);
+                kvs_tma_load_2d(box_dst, map, 64 * cbl, row, full);
             }
         }
     }
 }
+
+/* ---- FP8 pools: the producer warpgroup's 128 threads convert codes -----------------
+ * Half-tile j: tile j / 2's K (j even) or V codes, 128 keys x D bytes, 16-byte chunks
+ * p = pt + 128 v (v < D / 16) for thread pt (0 .. 127): chunk p % (D / 16) of key
+ * p / (D / 16). A thread converts exactly the chunks it copied, so the raw tiles need
+ * no barrier between the producer's threads. */
+
+/* Thread pt's chunks of half-tile j into raw tile `raw` by cp.async (keys at or past
+   n_keys zero-filled, no table lookup: stale or NaN pool rows never reach the tensor
+   cores); one commit group. */
+template <int D>
+__device__ __forceinline__ void kvs_wg_issue_codes8(const kvs_attn_args &a, const int32_t *table, int g, int j,
+                                                    int n_keys, uint32_t raw, int pt) {
+    constexpr int CH = D / 16;
+    const int kind = j & 1, k0 = (j >> 1) * KVS_WG_BN, bs = a.block_size;
+    const uint8_t *pool = kvs_attn_pool8(a);
+#pragma unroll 2
+    for (int v = 0; v < CH; v++) {
+        const int p = pt + 128 * v, e = k0 + p / CH;
+        const bool ok = e < n_keys;
+        const uint8_t *src =
+            ok ? pool + kvs_kv_offset(table[e / bs], kind, g, e % bs, a.n_kv_heads, bs, D) + p % CH * 16 : pool;
+        kvs_cp_async16(raw + 16 * p, src, ok);
+    }
+    kvs_cp_async_commit();
+}
+
+/* Thread pt's chunks of raw tile `raw` (its copies, waited for) as bf16 into the tile
+   at dst, swizzled as TMA writes it (kvs_wg_swz): 16 codes -> 2 bf16 chunks, exactly
+   (a chunk with a NaN code the slow way, so that NaN stays NaN). The thread of chunk
+   c (c >= 4: the second column block) writes its odd chunk first: the 8 threads of a
+   row hit 8 different bank groups. */
+template <int D>
+__device__ __forceinline__ void kvs_wg_convert8(uint32_t raw, uint32_t dst, int pt) {
+    constexpr int CH = D / 16;
+#pragma unroll 2
+    for (int v = 0; v < CH; v++) {
+        const int p = pt + 128 * v, r = p / CH, c = p % CH;
+        const uint4 codes = kvs_lds128(raw + 16 * p);
+        const uint2 c0 = make_uint2(codes.x, codes.y), c1 = make_uint2(codes.z, codes.w);
+        uint4 lo, hi;
+        if (kvs_fp8x16_has_nan(codes)) lo = kvs_fp8x8_to_bf16x8(c0), hi = kvs_fp8x8_to_bf16x8(c1);
+        else lo = kvs_fp8x8_to_bf16x8_fast(c0), hi = kvs_fp8x8_to_bf16x8_fast(c1);
+        const int odd_first = (c >> 2) & 1;
+        kvs_sts128(dst + kvs_wg_swz(KVS_WG_BN, r, 2 * c + odd_first), odd_first ? hi : lo);
+        kvs_sts128(dst + kvs_wg_swz(KVS_WG_BN, r, 2 * c + 1 - odd_first), odd_first ? lo : hi);
+    }
+}
+
+/* The FP8 producer, thread pt of the producer warpgroup, one work item: half-tiles
+ * j = 0 .. 2 n_tiles - 1 in order, j's codes copied while j - 1's convert (raw tiles
+ * j % 2 at raw, raw + RAW). For each: wait for its own copies, for the ring stage's
+ * empty barrier (tile j / 2 - STAGES read), convert into stage (j / 2) % STAGES of
+ * the K or V ring, fence to the async proxy and arrive on the stage's full barrier
+ * (128 arrivals, no transaction bytes). */
+template <int D, int STAGES>
+__device__ __forceinline__ void kvs_wg_produce8(const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
+                                                uint32_t k_s, uint32_t v_s, uint32_t raw, uint32_t bars, int pt) {
+    constexpr uint32_t TILE = (uint32_t)KVS_WG_BN * D * 2, RAW = (uint32_t)KVS_WG_BN * D;
+    const int32_t *table = kvs_attn_table(a, seq);
+    kvs_wg_issue_codes8<D>(a, table, g, 0, n_keys, raw, pt);
+    for (int j = 0; j < 2 * n_tiles; j++) {
+        if (j + 1 < 2 * n_tiles) kvs_wg_issue_codes8<D>(a, table, g, j + 1, n_keys, raw + ((j + 1) & 1) * RAW, pt);
+        else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
+        kvs_cp_async_wait<1>();    /* half-tile j's copies landed */
+        const int i = j >> 1, kind = j & 1, st = i % STAGES;
+        const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
+        if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
+        kvs_wg_convert8<D>(raw + (j & 1) * RAW, (kind ? v_s : k_s) + st * TILE, pt);
+        kvs_fence_proxy_async();
+        kvs_mbar_arrive(full);
+    }
+}
 #endif
 
-/* The kernel (docs/CUDA.md "Hopper prefill kernel (wgmma)"). Work item w (0 ..
- * n_items - 1, n_items = n_heads / HEADS x ny x n_seqs): HEADS query heads (head
- * group w % (n_heads / HEADS)) x 128 / HEADS positions (q-block ny - 1 - the next
- * index: the heaviest first) of sequence w / (n_heads / HEADS x ny), the order the
- * hardware launches a grid of that shape in. CTA b takes items b, b + gridDim.x, ...:
- * one each in the default grid of n_items CTAs; several in a persistent grid
- * (kvs_cuda.wgmma_persistent), where the rings' stages and phases go on across items,
- * so the producer loads the next item's first tiles while the consumers finish the
- * last one. 12 warps. kv_map: the pool as a [rows][D] bf16 tensor, boxes of 16 x 64,
- * 128-byte swizzle; flags: KVS_WG_TMA, KVS_WG_L2_LAST. Needs scale > 0 (the row max
- * is taken over raw scores). */
-template <int D, int STAGES, int HEADS>
+/* The kernel (docs/CUDA.md "Hopper prefill kernel (wgmma)"). CTA w runs work item w
+ * (n_heads / HEADS x ny x n_seqs of them): HEADS query heads (head group
+ * w % (n_heads / HEADS)) x 128 / HEADS positions (q-block ny - 1 - the next index: the
+ * heaviest first) of sequence w / (n_heads / HEADS x ny), the order the hardware
+ * launches a grid of that shape in. 12 warps. kv_map: the pool as a [rows][D] bf16
+ * tensor, boxes of 16 x 64, 128-byte swizzle; flags: KVS_WG_TMA. Needs scale > 0 (the
+ * row max is taken over raw scores). FP8: the pool holds E4M3 codes, which the
+ * producer warpgroup's four warps copy and convert (kvs_wg_produce8; no TMA, kv_map
+ * unused); the K scale is folded into the softmax scale, the V scale into 1 / l. */
+template <int D, int STAGES, int HEADS, bool FP8>
 __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     kvs_attn_wgmma_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse,
                           int flags, int ny) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using L = kvs_wg_smem<D, STAGES>;
+    using L = kvs_wg_smem<D, STAGES, FP8>;
     constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS;
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(STAGES >= 2, "two stages at least");
@@ -262,181 +337,165 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     const uint32_t base = (kvs_smem_u32(kvs_wg_smem_raw) + 1023u) & ~1023u;
     const uint32_t q_s = base + (uint32_t)L::q, k_s = base + (uint32_t)L::k, v_s = base + (uint32_t)L::v;
     /* mbarriers at bars + 8 x: [0, STAGES) K full, [STAGES, 2 STAGES) V full (the
-       producer warp's 32 lanes + TMA bytes), then K empty, V empty (the 8 consumer warps) */
+       producer warp's 32 lanes + TMA bytes; FP8: the producer warpgroup's 128 threads),
+       then K empty, V empty (the 8 consumer warps) */
     const uint32_t bars = base + (uint32_t)L::bar, full_k = bars, full_v = bars + 8 * STAGES;
     const uint32_t empty_k = bars + 16 * STAGES, empty_v = bars + 24 * STAGES;
-    const int n_items = a.n_heads / HEADS * ny * a.n_seqs;
-    const bool tma = flags & KVS_WG_TMA;
+    const bool tma = !FP8 && (flags & KVS_WG_TMA);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
-        for (int st = 0; st < 2 * STAGES; st++) kvs_mbar_init(bars + 8 * st, 32);
+        for (int st = 0; st < 2 * STAGES; st++) kvs_mbar_init(bars + 8 * st, FP8 ? 128 : 32);
         for (int st = 2 * STAGES; st < 4 * STAGES; st++) kvs_mbar_init(bars + 8 * st, 8);
         kvs_mbar_init_fence();
     }
     __syncthreads();
+    const kvs_wg_block<HEADS> blk(a, blockIdx.x, ny);
+    if (blk.q0 >= blk.q_len) return; /* no row (a q-block past a short sequence's q_len) */
 
     if (warp >= 8) { /* the producer warpgroup */
-        kvs_setmaxnreg_dec<KVS_WG_PRODUCER_REGS>();
-        if (warp == 8) {
-            const bool l2_last = tma && (flags & KVS_WG_L2_LAST);
-            uint64_t policy = 0;
-            if (l2_last) policy = kvs_l2_policy_evict_last();
+        kvs_setmaxnreg_dec<KVS_WG_PRODUCER_REGS(FP8)>();
+        if (FP8)
+            kvs_wg_produce8<D, STAGES>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, base + (uint32_t)L::raw,
+                                       bars, threadIdx.x - 256);
+        else if (warp == 8) {
             if (tma && lane == 0) kvs_tma_prefetch_map(&kv_map);
-            int ring = 0; /* tiles loaded for this CTA's earlier items */
-            for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
-                const kvs_wg_block<HEADS> blk(a, w, ny);
-                if (blk.q0 >= blk.q_len) continue; /* no row: the consumers skip it too */
-                kvs_wg_produce<D, STAGES>(&kv_map, tma, l2_last, policy, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles,
-                                          ring, k_s, v_s, bars, lane);
-                ring += blk.n_tiles;
-            }
+            kvs_wg_produce<D, STAGES>(&kv_map, tma, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars, lane);
         }
         return;
     }
-    kvs_setmaxnreg_inc<KVS_WG_CONSUMER_REGS>();
+    kvs_setmaxnreg_inc<KVS_WG_CONSUMER_REGS(FP8)>();
 
     /* ---- consumers: warpgroup wg owns block rows 64 wg .. 64 wg + 63 ---- */
     const int wg = warp / 4;
     const int R0 = 64 * wg + 16 * (warp % 4) + lane / 4; /* this thread's rows R0 and R0 + 8 (one head) */
-    const float scale_log2 = a.scale * KVS_LOG2E;
+    const float scale_log2 = a.scale * KVS_LOG2E * (FP8 ? kvs_kv_scale(a.scales, 0, blk.g, a.n_kv_heads) : 1.f);
     const uint32_t q_wg = q_s + (uint32_t)wg * 64 * 128;
-    int ring = 0; /* tiles consumed for this CTA's earlier items (the producer's count) */
-    for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
-        const kvs_wg_block<HEADS> blk(a, w, ny);
-        const int h0 = blk.h0, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
-        if (q0 >= q_len) continue; /* the whole item: the producer skips it too */
-        const int past = blk.past, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
-        /* the stage of tile i + STAGES (ring) is written next by a later item, maybe by cp.async */
-        const bool more = w + (int)gridDim.x < n_items;
-        if (ring > 0) { /* every warp of the warpgroup done with the last item's Q (its wgmma's waited for) */
-            kvs_fence_proxy_async();
-            kvs_named_sync(1 + wg, 128);
+    const int h0 = blk.h0, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
+    const int past = blk.past, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
+    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
+
+    const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
+    /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
+    const int wg_first = q0 + (HEADS == 1 ? 64 * wg : 0);
+    /* keys past it: no live row of the warpgroup sees them (-1: no live row) */
+    const int wg_last_key = wg_first < q_len ? past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1 : -1;
+    const int wg_full_key = past + wg_first; /* every row sees keys up to it */
+    const int n_live = wg_last_key < 0 ? 0 : wg_last_key / BN + 1; /* tiles 0 .. n_live - 1 hold keys of its rows */
+
+    float o[D / 2], s[BN / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) o[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++) s[i] = 0.f;
+    uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    auto wait_full = [&](uint32_t full, int i) { kvs_mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1); };
+    /* this warp's wgmma's reading tile i's stage completed: hand it back; fenced when
+       the producer may write the stage next through the generic proxy (cp.async, FP8's
+       stores): the last tile, or every tile without TMA */
+    auto release = [&](uint32_t empty, int i) {
+        if (!tma || i + STAGES == n_tiles - 1) kvs_fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) kvs_mbar_arrive(empty + 8 * (i % STAGES));
+    };
+    auto gemm_s = [&](int i) { /* S = Q K_i^T: one commit group */
+        const uint32_t k_st = k_s + (uint32_t)((i % STAGES) * L::TILE);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+            kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
+                             kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
+        kvs_wgmma_commit();
+    };
+    auto gemm_pv = [&](int i) { /* O += P V_i: one commit group */
+        const uint32_t v_st = v_s + (uint32_t)((i % STAGES) * L::TILE);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 16 * 128, BN * 128), 1);
+        kvs_wgmma_commit();
+    };
+
+    /* online softmax of S = tile i's scores, in place (log2 domain, m over scaled
+       scores): s becomes the probabilities; alpha: O's factors; returns whether a
+       row max changed */
+    auto softmax = [&](int i, float &alpha0, float &alpha1) -> bool {
+        float mx0, mx1; /* mask where the tile crosses some row's diagonal */
+        kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
+        alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
+        const bool grew = mn0 != m0 || mn1 != m1;
+        m0 = mn0, m1 = mn1;
+        float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            s[4 * j] = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
+            s[4 * j + 1] = kvs_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
+            s[4 * j + 2] = kvs_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
+            s[4 * j + 3] = kvs_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
+            sum0 += s[4 * j] + s[4 * j + 1];
+            sum1 += s[4 * j + 2] + s[4 * j + 3];
         }
-        kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
-
-        const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
-        /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
-        const int wg_first = q0 + (HEADS == 1 ? 64 * wg : 0);
-        /* keys past it: no live row of the warpgroup sees them (-1: no live row) */
-        const int wg_last_key = wg_first < q_len ? past + min(wg_first + (MH < 64 ? MH : 64), q_len) - 1 : -1;
-        const int wg_full_key = past + wg_first; /* every row sees keys up to it */
-        const int n_live = wg_last_key < 0 ? 0 : wg_last_key / BN + 1; /* tiles 0 .. n_live - 1 hold keys of its rows */
-
-        float o[D / 2], s[BN / 2];
+        l0 = l0 * alpha0 + sum0;
+        l1 = l1 * alpha1 + sum1;
+        return grew;
+    };
+    auto pack_p = [&]() { /* the probabilities as P's A fragments (once P V of the last tile is done) */
 #pragma unroll
-        for (int i = 0; i < D / 2; i++) o[i] = 0.f;
-#pragma unroll
-        for (int i = 0; i < BN / 2; i++) s[i] = 0.f;
-        uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
-        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-        auto wait_full = [&](uint32_t full, int i) {
-            kvs_mbar_wait(full + 8 * ((ring + i) % STAGES), ((ring + i) / STAGES) & 1);
-        };
-        /* this warp's wgmma's reading tile i's stage completed: hand it back; fenced when
-           the producer may write the stage next through the generic proxy (cp.async): the
-           item's last tile, or a later item's tile */
-        auto release = [&](uint32_t empty, int i) {
-            if (!tma || i + STAGES == n_tiles - 1 || (more && i + STAGES >= n_tiles)) kvs_fence_proxy_async();
-            __syncwarp();
-            if (lane == 0) kvs_mbar_arrive(empty + 8 * ((ring + i) % STAGES));
-        };
-        auto gemm_s = [&](int i) { /* S = Q K_i^T: one commit group */
-            const uint32_t k_st = k_s + (uint32_t)(((ring + i) % STAGES) * L::TILE);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
-                                 kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
-            kvs_wgmma_commit();
-        };
-        auto gemm_pv = [&](int i) { /* O += P V_i: one commit group */
-            const uint32_t v_st = v_s + (uint32_t)(((ring + i) % STAGES) * L::TILE);
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 16 * 128, BN * 128), 1);
-            kvs_wgmma_commit();
-        };
-
-        /* online softmax of S = tile i's scores, in place (log2 domain, m over scaled
-           scores): s becomes the probabilities; alpha: O's factors; returns whether a
-           row max changed */
-        auto softmax = [&](int i, float &alpha0, float &alpha1) -> bool {
-            float mx0, mx1; /* mask where the tile crosses some row's diagonal */
-            kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
-            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-            const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
-            alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
-            const bool grew = mn0 != m0 || mn1 != m1;
-            m0 = mn0, m1 = mn1;
-            float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                s[4 * j] = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
-                s[4 * j + 1] = kvs_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
-                s[4 * j + 2] = kvs_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
-                s[4 * j + 3] = kvs_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
-                sum0 += s[4 * j] + s[4 * j + 1];
-                sum1 += s[4 * j + 2] + s[4 * j + 3];
-            }
-            l0 = l0 * alpha0 + sum0;
-            l1 = l1 * alpha1 + sum1;
-            return grew;
-        };
-        auto pack_p = [&]() { /* the probabilities as P's A fragments (once P V of the last tile is done) */
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(s[4 * j], s[4 * j + 1]);         /* row lane/4, keys 8 j + 2 (lane % 4) */
-                pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
-            }
-        };
-        if (n_live > 0) {
-            float alpha0, alpha1;
-            wait_full(full_k, 0);
+        for (int j = 0; j < BN / 8; j++) {
+            pa[j / 2][(j & 1) * 2] = kvs_pack_bf16(s[4 * j], s[4 * j + 1]);         /* row lane/4, keys 8 j + 2 (lane % 4) */
+            pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
+        }
+    };
+    if (n_live > 0) {
+        float alpha0, alpha1;
+        wait_full(full_k, 0);
+        kvs_wgmma_fence();
+        gemm_s(0);
+        kvs_wgmma_wait<0>();
+        kvs_wg_fence_regs(s);
+        release(empty_k, 0);
+        softmax(0, alpha0, alpha1); /* O is 0: nothing to rescale */
+        pack_p();
+        for (int i = 1; i < n_live; i++) {
+            wait_full(full_k, i);
+            wait_full(full_v, i - 1);
             kvs_wgmma_fence();
-            gemm_s(0);
-            kvs_wgmma_wait<0>();
+            gemm_s(i);
+            gemm_pv(i - 1);
+            kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
             kvs_wg_fence_regs(s);
-            release(empty_k, 0);
-            softmax(0, alpha0, alpha1); /* O is 0: nothing to rescale */
-            pack_p();
-            for (int i = 1; i < n_live; i++) {
-                wait_full(full_k, i);
-                wait_full(full_v, i - 1);
-                kvs_wgmma_fence();
-                gemm_s(i);
-                gemm_pv(i - 1);
-                kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
-                kvs_wg_fence_regs(s);
-                release(empty_k, i);
-                const bool grew = softmax(i, alpha0, alpha1);
-                kvs_wgmma_wait<0>();
-                kvs_wg_fence_regs(o);
-                release(empty_v, i - 1);
-                if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-                    for (int j = 0; j < D / 8; j++) {
-                        o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
-                        o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
-                    }
-                }
-                pack_p();
-            }
-            wait_full(full_v, n_live - 1);
-            kvs_wgmma_fence();
-            gemm_pv(n_live - 1);
+            release(empty_k, i);
+            const bool grew = softmax(i, alpha0, alpha1);
             kvs_wgmma_wait<0>();
             kvs_wg_fence_regs(o);
-            release(empty_v, n_live - 1);
+            release(empty_v, i - 1);
+            if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+                for (int j = 0; j < D / 8; j++) {
+                    o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
+                    o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
+                }
+            }
+            pack_p();
         }
-        for (int i = n_live; i < n_tiles; i++) { /* tiles past the warpgroup's keys (1 head a block): releases */
-            wait_full(full_k, i);
-            release(empty_k, i);
-            wait_full(full_v, i);
-            release(empty_v, i);
-        }
+        wait_full(full_v, n_live - 1);
+        kvs_wgmma_fence();
+        gemm_pv(n_live - 1);
+        kvs_wgmma_wait<0>();
+        kvs_wg_fence_regs(o);
+        release(empty_v, n_live - 1);
+    }
+    for (int i = n_live; i < n_tiles; i++) { /* tiles past the warpgroup's keys (1 head a block): releases */
+        wait_full(full_k, i);
+        release(empty_k, i);
+        wait_full(full_v, i);
+        release(empty_v, i);
+    }
 
-        if (wg_last_key >= 0) kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, R0, h0, q0, t0, q_len);
-        ring += n_tiles;
+    if (wg_last_key >= 0) {
+        const float v_scale = FP8 ? kvs_kv_scale(a.scales, 1, blk.g, a.n_kv_heads) : 1.f;
+        kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, v_scale, R0, h0, q0, t0, q_len);
     }
 #else
     __trap(); /* not built for sm_90a: kvs_cuda_wgmma_supported refuses such devices */
@@ -462,8 +521,8 @@ const char *kvs_cuda_wgmma_supported(int device) {
     return NULL;
 }
 
-bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale, bool fp8) {
-    return !fp8 && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && scale > 0.f;
+bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale) {
+    return (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && scale > 0.f;
 }
 
 /* cuTensorMapEncodeTiled through the runtime's driver entry point (no link
@@ -522,48 +581,58 @@ static bool kvs_wg_map(kvs_backend *b, const kvs_attn_args &a, int D, CUtensorMa
     return true;
 }
 
-template <int D, int STAGES, int HEADS>
+template <int D, int STAGES, int HEADS, bool FP8>
 static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    using L = kvs_wg_smem<D, STAGES>;
+    using L = kvs_wg_smem<D, STAGES, FP8>;
     const kvs_cuda *c = kvs_cuda_of(b);
     CUtensorMap map;
     memset(&map, 0, sizeof map);
-    const bool tma = !c->wgmma_no_tma && kvs_wg_map(b, a, D, &map);
-    const int flags = (tma ? KVS_WG_TMA : 0) | (c->wgmma_l2_last ? KVS_WG_L2_LAST : 0);
-    auto kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS>;
+    const bool tma = !FP8 && !c->wgmma_no_tma && kvs_wg_map(b, a, D, &map); /* FP8: the producer converts, no TMA */
+    const int flags = tma ? KVS_WG_TMA : 0;
+    auto kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8>;
     constexpr int MH = KVS_WG_BM / HEADS;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
-    /* work items (head groups x q-blocks x sequences): a CTA each, or wgmma_persistent CTAs taking turns */
+    /* work items (head groups x q-blocks x sequences): a CTA each */
     const int ny = (max_q_len + MH - 1) / MH;
-    const int64_t n_items = (int64_t)(a.n_heads / HEADS) * ny * a.n_seqs;
-    const int64_t grid = c->wgmma_persistent > 0 && c->wgmma_persistent < n_items ? c->wgmma_persistent : n_items;
+    const int64_t grid = (int64_t)(a.n_heads / HEADS) * ny * a.n_seqs;
     if (grid <= 0) return;
     kernel<<<(unsigned)grid, KVS_WG_THREADS, L::bytes, c->stream>>>(map, a, out, lse, flags, ny);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma_kernel");
 }
 
-template <int D, int STAGES>
+/* K/V stages (K tiles and as many V tiles). bf16: 3 at head_dim 128 (32 KiB of Q +
+ * 3 x 64 KiB: 225 KiB with the barriers and the alignment slack, under sm_90's 227
+ * KiB), 4 at 64 (145 KiB). FP8 (two raw tiles of codes besides: 32 KiB at 128, 16 at
+ * 64): 2 at 128 (193 KiB), 6 at 64 (225 KiB). */
+#define KVS_WG_STAGES(D, FP8) ((D) == 128 ? ((FP8) ? 2 : 3) : ((FP8) ? 6 : 4))
+static_assert(kvs_wg_smem<128, KVS_WG_STAGES(128, true), true>::bytes <= 227 * 1024, "FP8 d128 fits");
+static_assert(kvs_wg_smem<64, KVS_WG_STAGES(64, true), true>::bytes <= 227 * 1024, "FP8 d64 fits");
+static_assert(kvs_wg_smem<128, KVS_WG_STAGES(128, false), false>::bytes <= 227 * 1024, "bf16 d128 fits");
+
+template <int D, bool FP8>
 static void launch_wgmma_group(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
+    constexpr int S = KVS_WG_STAGES(D, FP8);
     const int group = a.n_heads / a.n_kv_heads;
-    if (group % 4 == 0) launch_wgmma<D, STAGES, 4>(b, a, out, lse, max_q_len);
-    else if (group % 2 == 0) launch_wgmma<D, STAGES, 2>(b, a, out, lse, max_q_len);
-    else launch_wgmma<D, STAGES, 1>(b, a, out, lse, max_q_len);
+    if (group % 4 == 0) launch_wgmma<D, S, 4, FP8>(b, a, out, lse, max_q_len);
+    else if (group % 2 == 0) launch_wgmma<D, S, 2, FP8>(b, a, out, lse, max_q_len);
+    else launch_wgmma<D, S, 1, FP8>(b, a, out, lse, max_q_len);
 }
 
-/* K/V stages (K tiles and as many V tiles): 3 at head_dim 128
- * (32 KiB of Q + 3 x 64 KiB: 225 KiB with the barriers and the alignment slack,
- * under sm_90's 227 KiB), 4 at 64 (145 KiB). */
-#define KVS_WG_STAGES(D) ((D) == 128 ? 3 : 4)
-
-size_t kvs_cuda_wgmma_smem_bytes(int head_dim) {
-    if (head_dim == 128) return kvs_wg_smem<128, KVS_WG_STAGES(128)>::bytes;
-    if (head_dim == 64) return kvs_wg_smem<64, KVS_WG_STAGES(64)>::bytes;
+size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8) {
+    if (head_dim == 128)
+        return fp8 ? kvs_wg_smem<128, KVS_WG_STAGES(128, true), true>::bytes
+                   : kvs_wg_smem<128, KVS_WG_STAGES(128, false), false>::bytes;
+    if (head_dim == 64)
+        return fp8 ? kvs_wg_smem<64, KVS_WG_STAGES(64, true), true>::bytes
+                   : kvs_wg_smem<64, KVS_WG_STAGES(64, false), false>::bytes;
     return 0;
 }
 
 void kvs_cuda_prefill_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int head_dim,
-                            int max_q_len) {
-    if (head_dim == 128) launch_wgmma_group<128, KVS_WG_STAGES(128)>(b, a, out, lse, max_q_len);
-    else if (head_dim == 64) launch_wgmma_group<64, KVS_WG_STAGES(64)>(b, a, out, lse, max_q_len);
+                            int max_q_len, bool fp8) {
+    if (head_dim == 128 && fp8) launch_wgmma_group<128, true>(b, a, out, lse, max_q_len);
+    else if (head_dim == 128) launch_wgmma_group<128, false>(b, a, out, lse, max_q_len);
+    else if (head_dim == 64 && fp8) launch_wgmma_group<64, true>(b, a, out, lse, max_q_len);
+    else if (head_dim == 64) launch_wgmma_group<64, false>(b, a, out, lse, max_q_len);
     else kvs_cuda_report(b, "attention", "the wgmma prefill kernel takes head_dim 64 or 128", __FILE__, __LINE__);
 }

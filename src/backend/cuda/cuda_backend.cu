@@ -291,6 +291,10 @@ static void cuda_destroy(kvs_backend *b) {
     free(b);
 }
 
+extern "C" int kvs_backend_cuda_last_prefill(kvs_backend *b) {
+    return b && b->name && !strcmp(b->name, "cuda") ? kvs_cuda_of(b)->last_prefill : -1;
+}
+
 extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_backend **out) {
     *out = NULL;
     const int device = opt->device;
@@ -338,15 +342,12 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->impl = c;
     c->device = device;
     c->prefill = prefill;
+    c->last_prefill = -1;
     c->fp8_gemm = opt->fp8_gemm;
     c->n_sms = prop.multiProcessorCount;
-    /* the WGMMA prefill's diagnostic knob and variants (docs/CUDA.md "Hopper prefill kernel") */
-    const char *tma = getenv("KVSPARSE_WGMMA_TMA"), *l2 = getenv("KVSPARSE_WGMMA_L2HINT");
-    const char *pers = getenv("KVSPARSE_WGMMA_PERSISTENT");
+    /* the WGMMA prefill's diagnostic knob (docs/CUDA.md "Hopper prefill kernel") */
+    const char *tma = getenv("KVSPARSE_WGMMA_TMA");
     c->wgmma_no_tma = tma && !strcmp(tma, "0");
-    c->wgmma_l2_last = l2 && !strcmp(l2, "1");
-    c->wgmma_persistent = pers ? atoi(pers) : 0;
-    if (c->wgmma_persistent < 0) c->wgmma_persistent = 0;
     kvs_status st = KVS_OK;
     if ((e = cudaSetDevice(device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||

@@ -58,6 +58,28 @@ __device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8(uint2 c) {
     }
     return out;
 }
+/* The same for codes without a NaN code (0x7f, 0xff; kvs_fp8x8_has_nan), in fewer
+ * instructions: each code into the upper byte of a bf16 half and shifted right by 4
+ * (sign in place, the 4 exponent bits at the bottom of bf16's 8, the 3 mantissa bits
+ * at its top), which is the code's value x 2^-120 as a bf16 (normal or subnormal,
+ * exactly: bf16's exponent bias 127 = E4M3's 7 + 120), then one exact multiply by
+ * 2^120 a pair. A NaN code would come out as 480. */
+__device__ __forceinline__ uint32_t kvs_e4m3x2_to_bf16x2_fast(uint32_t w, uint32_t sel) {
+    const uint32_t x = __byte_perm(w, 0, sel); /* codes at bits 8-15 and 24-31, zeros below */
+    uint32_t bits = ((x >> 4) & 0x07f007f0u) | (x & 0x80008000u);
+    __nv_bfloat162 r = __hmul2(*(const __nv_bfloat162 *)&bits, __floats2bfloat162_rn(0x1p120f, 0x1p120f));
+    return *(uint32_t *)&r;
+}
+__device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8_fast(uint2 c) {
+    return make_uint4(kvs_e4m3x2_to_bf16x2_fast(c.x, 0x1404), kvs_e4m3x2_to_bf16x2_fast(c.x, 0x3424),
+                      kvs_e4m3x2_to_bf16x2_fast(c.y, 0x1404), kvs_e4m3x2_to_bf16x2_fast(c.y, 0x3424));
+}
+/* Whether 16 codes hold a NaN code (a byte whose low 7 bits are all ones: + 1 carries
+   into bit 7 of that byte alone). */
+__device__ __forceinline__ bool kvs_fp8x16_has_nan(uint4 c) {
+    const uint32_t m = 0x7f7f7f7fu, one = 0x01010101u;
+    return (((c.x & m) + one) | ((c.y & m) + one) | ((c.z & m) + one) | ((c.w & m) + one)) & 0x80808080u;
+}
 
 /* Sum (MAX: max) of v over the block, returned to every thread (blockDim.x a
  * multiple of 32, at most 1024). Its barriers also publish the block's earlier
@@ -131,11 +153,8 @@ typedef struct {
        "Hopper prefill kernel"): every K/V row by cp.async, no TMA (KVSPARSE_WGMMA_TMA=0;
        the path an explicit WGMMA request takes where the TMA view cannot be made) */
     int wgmma_no_tma;
-    /* variants for comparison (off: 0; docs/CUDA.md "Variants for one comparative run"):
-       the K/V boxes with an L2 evict_last policy (KVSPARSE_WGMMA_L2HINT=1); a persistent
-       grid of that many CTAs (KVSPARSE_WGMMA_PERSISTENT=N; the bench: the SM count) */
-    int wgmma_l2_last, wgmma_persistent;
     int wgmma_auto; /* AUTO runs the WGMMA prefill where it fits (a Hopper device, sm_90a code built) */
+    int last_prefill; /* the kvs_cuda_prefill kernel of the last prefill launch (-1: none yet; tests) */
     /* the kernel's TMA view of the KV pool (a CUtensorMap's bytes) for (pool, rows, head_dim) */
     unsigned char wgmma_map[128];
     const void *wgmma_map_pool;
@@ -262,6 +281,8 @@ struct kvs_attn_args {
     const float *scales; /* FP8 pools: the layer's [2][n_kv_heads] (backend.h kvs_kv_pool); NULL: 1 */
     int64_t pool_blocks; /* the pool's n_blocks (the WGMMA prefill's TMA view of it) */
 };
+/* An FP8 pool's codes (kvs_attn_args.pool). */
+__device__ __forceinline__ const uint8_t *kvs_attn_pool8(const kvs_attn_args &a) { return (const uint8_t *)a.pool; }
 /* Sequence seq's block table (backend.h kvs_attn_batch). */
 __device__ __forceinline__ const int32_t *kvs_attn_table(const kvs_attn_args &a, int seq) {
     return a.block_tables + (size_t)(a.table_rows ? a.table_rows[seq] : seq) * a.max_blocks;
@@ -269,13 +290,14 @@ __device__ __forceinline__ const int32_t *kvs_attn_table(const kvs_attn_args &a,
 /* The Hopper prefill kernel (cuda_attention_hopper.cu, KVS_CUDA_PREFILL_WGMMA).
  * kvs_cuda_wgmma_supported: whether device can run it (compute capability 9.0
  * and this build holds its sm_90a code); NULL message on success, else why not.
- * kvs_cuda_wgmma_fits: whether a call can go through it (bf16 pool, head_dim 64
- * or 128, block_size a multiple of 16, scale > 0). */
+ * kvs_cuda_wgmma_fits: whether a call can go through it (bf16 or FP8 pool,
+ * head_dim 64 or 128, block_size a multiple of 16, scale > 0). */
 const char *kvs_cuda_wgmma_supported(int device);
-bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale, bool fp8);
-size_t kvs_cuda_wgmma_smem_bytes(int head_dim); /* dynamic shared memory a block; 0: head_dim not taken */
+bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale);
+/* dynamic shared memory a block (fp8: an FP8 pool's kernel); 0: head_dim not taken */
+size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
 void kvs_cuda_prefill_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int head_dim,
-                            int max_q_len);
+                            int max_q_len, bool fp8);
 
 /* sparsity (cuda_sparsity.cu) */
 void kvs_cuda_window_capture(kvs_backend *b, void *win_q, float *win_lse, const void *q, const float *lse,

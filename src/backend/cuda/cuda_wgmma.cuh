@@ -62,6 +62,17 @@ __device__ __forceinline__ void kvs_named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+/* 16 bytes from / to shared memory (a shared-window address) */
+__device__ __forceinline__ uint4 kvs_lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void kvs_sts128(uint32_t addr, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
 /* ---- TMA and setmaxnreg ------------------------------------------------------- */
 /* box (c0 = column, c1 = row) of the 2D tensor map -> shared dst; complete_tx on bar */
 __device__ __forceinline__ void kvs_tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
@@ -70,21 +81,6 @@ __device__ __forceinline__ void kvs_tma_load_2d(uint32_t dst, const CUtensorMap 
             dst),
         "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
-}
-/* the same with an L2 cache policy (kvs_l2_policy_evict_last) on the global reads */
-__device__ __forceinline__ void kvs_tma_load_2d_hint(uint32_t dst, const CUtensorMap *map, int c0, int c1,
-                                                     uint32_t bar, uint64_t policy) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
-        "%3}], [%4], %5;\n" ::"r"(dst),
-        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
-        : "memory");
-}
-/* an L2 policy: every line accessed under it evict_last (evicted after the normal ones) */
-__device__ __forceinline__ uint64_t kvs_l2_policy_evict_last() {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-    return policy;
 }
 __device__ __forceinline__ void kvs_tma_prefetch_map(const CUtensorMap *map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
