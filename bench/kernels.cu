@@ -34,7 +34,9 @@
  *     time, the fused op's nominal bytes per second as a share of copy
  *     bandwidth, and the speed-up
  * Times are wall clock around many queued launches between two stream syncs.
- * Usage: kvs_bench_kernels [device] [gemm | fp8]   (gemm: the GEMM rates alone;
+ *   - SnapKV batches as the engine runs them (snapkv_compact_batch): decode-time
+ *     recompactions (64 and 240 pairs of 432 entries -> 400) and a prompt's (30 x 4000 -> 400)
+ * Usage: kvs_bench_kernels [device] [gemm | fp8 | snapkv]   (gemm: the GEMM rates alone; snapkv: the batches alone;
  * fp8: copy, decode attention on bf16 and FP8 caches (and the FP8 prefill lines),
  * the fused ops) */
 #include <math.h>
@@ -377,6 +379,57 @@ static bool bench_prefill_fp8(kvs_backend *b8, int n, const char *wgmma_why) {
     return true;
 }
 
+/* SnapKV batches as the engine runs them (src/kv/sparsify.c run_batch: one snapkv_compact_batch for every
+ * pair due in a step), Llama-3-8B shape (32/8 heads x 128), window 32, pool 7: the decode-time
+ * recompactions (a layer at budget + window, 432 entries, back to 400: 64 and 240 pairs) and the prompts'
+ * (4000 entries to 400: 30 pairs, one prompt's sparse layers); time a batch and a pair. Compacting the same
+ * blocks again each time: the cost does not depend on the data. */
+struct snapkv_batch_ctx { kvs_kv_pool pool; kvs_snapkv_batch batch; };
+static void run_snapkv_batch(kvs_backend *b, void *p) {
+    snapkv_batch_ctx *c = (snapkv_batch_ctx *)p;
+    b->snapkv_compact_batch(b, &c->pool, &c->batch);
+}
+static bool bench_snapkv_batches(kvs_backend *b) {
+    const int H = 32, KV = 8, D = 128, W = 32, BS = 16;
+    const struct { const char *name; int jobs, keys, keep; } cases[] = {
+        {"decode-time recompaction", 64, 432, 400}, {"decode-time recompaction", 240, 432, 400},
+        {"the prompt's compaction", 30, 4000, 400}};
+    for (const auto &cs : cases) {
+        const int nb = (cs.keys + BS - 1) / BS, n_keys = cs.keys - W;
+        snapkv_batch_ctx c = {};
+        size_t pool_elems = (size_t)cs.jobs * nb * 2 * KV * BS * D;
+        c.pool = (kvs_kv_pool){b->alloc(b, pool_elems * 2), (int64_t)cs.jobs * nb, BS, KV, D};
+        void *win_q = b->alloc(b, (size_t)cs.jobs * W * H * D * 2);
+        float *win_lse = (float *)b->alloc(b, sizeof(float) * cs.jobs * W * H);
+        kvs_snapkv_job *jobs = (kvs_snapkv_job *)malloc(sizeof(kvs_snapkv_job) * cs.jobs);
+        int32_t *tables = (int32_t *)malloc(sizeof(int32_t) * cs.jobs * nb);
+        for (int j = 0; j < cs.jobs; j++) {
+            for (int i = 0; i < nb; i++) tables[j * nb + i] = j * nb + i;
+            jobs[j] = (kvs_snapkv_job){(const char *)win_q + (size_t)j * W * H * D * 2, win_lse + (size_t)j * W * H,
+                                       NULL, (int64_t)j * KV * n_keys, (int64_t)j * KV * cs.keep, j * nb, nb, n_keys,
+                                       W, cs.keep - W, 7};
+        }
+        kvs_snapkv_job *d_jobs = (kvs_snapkv_job *)b->alloc(b, sizeof(kvs_snapkv_job) * cs.jobs);
+        int32_t *d_tables = (int32_t *)b->alloc(b, sizeof(int32_t) * cs.jobs * nb);
+        float *scores = (float *)b->alloc(b, sizeof(float) * cs.jobs * KV * n_keys);
+        int32_t *keep = (int32_t *)b->alloc(b, sizeof(int32_t) * cs.jobs * KV * cs.keep);
+        if (!c.pool.data || !win_q || !win_lse || !d_jobs || !d_tables || !scores || !keep) return false;
+        fill((bf16 *)c.pool.data, pool_elems, 41), fill((bf16 *)win_q, (size_t)cs.jobs * W * H * D, 42);
+        cudaMemset(win_lse, 0, sizeof(float) * cs.jobs * W * H);
+        b->to_device(b, d_jobs, jobs, sizeof(kvs_snapkv_job) * cs.jobs);
+        b->to_device(b, d_tables, tables, sizeof(int32_t) * cs.jobs * nb);
+        c.batch = (kvs_snapkv_batch){cs.jobs, H, 0.08838834764f, d_jobs, d_tables, scores, keep, n_keys,
+                                     (int64_t)cs.jobs * KV * n_keys};
+        double t = time_it(b, 20, run_snapkv_batch, &c);
+        printf("snapkv batch, %s: %d pairs of %d entries -> %d: %.1f us a batch, %.2f us a pair\n", cs.name,
+               cs.jobs, cs.keys, cs.keep, t * 1e6, t * 1e6 / cs.jobs);
+        b->free(b, c.pool.data), b->free(b, win_q), b->free(b, win_lse), b->free(b, d_jobs), b->free(b, d_tables);
+        b->free(b, scores), b->free(b, keep);
+        free(jobs), free(tables);
+    }
+    return true;
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     kvs_backend *b;
@@ -401,6 +454,12 @@ int main(int argc, char **argv) {
     b->free(b, cc.src), b->free(b, cc.dst);
     printf("copy: %.0f GB/s (read + write) over %zu MiB\n", copy_bw, cc.bytes >> 20);
 
+    if (argc > 2 && !strcmp(argv[2], "snapkv")) { /* the SnapKV batches alone */
+        bool ok = bench_snapkv_batches(b);
+        int failed = kvs_cuda_of(b)->failed;
+        b->destroy(b);
+        return failed || !ok ? 1 : 0;
+    }
     const bool only_fp8 = argc > 2 && !strcmp(argv[2], "fp8");
     if (only_fp8) {
         fused_result fr[8];
@@ -655,6 +714,7 @@ int main(int argc, char **argv) {
            "(sum %.1f us), the three queued together %.1f us; prefill attention %.1f us + gemms %.1f us\n",
            P, t_scores * 1e6, t_select * 1e6, t_gather * 1e6, (t_scores + t_select + t_gather) * 1e6, t_all * 1e6,
            t_layer_attn * 1e6, t_layer_gemm * 1e6);
+    if (!bench_snapkv_batches(b)) return fprintf(stderr, "out of memory\n"), 1;
     /* sampling on the GPU (backend/sample.h) vs copying the f32 logits to the host */
     double t_sample[3], t_logits_d2h;
     const int SR = 256, SV = 128256;
