@@ -1357,7 +1357,8 @@ Test(cuda, snapkv_e2e_d128_gqa1_pool1) { snapkv_e2e_case(8, 8, 128, 999, 31, 131
  * inputs: jobs of other key counts (1, odd, past 4,096, and one past the
  * selection's 12,288 keys of shared memory), windows (1 .. 70: past a 64-row
  * chunk), k (0, some, all keys) and pool kernels, each job its own table, window
- * and (FP8 pools) scales. Scores within scores_case's tolerance (1e-6 + 2e-3
+ * and (FP8 pools) scales; every odd job compacted into a table of its own (a
+ * shared or cached prompt's copy: dst_table), the others in place. Scores within scores_case's tolerance (1e-6 + 2e-3
  * |ref|); the selection exactly the CPU's on the GPU's scores (so near-ties
  * cannot differ); after the in-place gathers, the whole pool exactly the CPU's
  * (snapkv_select and kv_gather on the CPU with those keep lists). */
@@ -1369,11 +1370,14 @@ static void compact_batch_case(int n_heads, int n_kv, int D, const batch_shape *
     duo d;
     OPEN_OR_SKIP(&d);
     paged p;
-    int *len = malloc(sizeof(int) * n_jobs), max_keys = 0;
+    /* sequences n_jobs + j / 2: odd job j's copy (its k + n_win entries) */
+    const int n_seqs = n_jobs + n_jobs / 2;
+    int *len = malloc(sizeof(int) * n_seqs), max_keys = 0;
     for (int j = 0; j < n_jobs; j++) len[j] = shape[j].n_keys + shape[j].n_win;
-    paged_build(&d, &p, n_jobs, len, n_kv, D);
+    for (int j = 1; j < n_jobs; j += 2) len[n_jobs + j / 2] = shape[j].k + shape[j].n_win;
+    paged_build(&d, &p, n_seqs, len, n_kv, D);
     kvs_snapkv_job *gjobs = calloc(n_jobs, sizeof *gjobs);
-    int32_t *tables = malloc(sizeof(int32_t) * (size_t)n_jobs * p.max_blocks);
+    int32_t *tables = malloc(sizeof(int32_t) * (size_t)n_seqs * p.max_blocks);
     void **cq = calloc(n_jobs, sizeof(void *)), **gq = calloc(n_jobs, sizeof(void *));
     float **cl = calloc(n_jobs, sizeof(float *)), **gl = calloc(n_jobs, sizeof(float *));
     float **csc = calloc(n_jobs, sizeof(float *)), **gsc = calloc(n_jobs, sizeof(float *));
@@ -1397,6 +1401,12 @@ static void compact_batch_case(int n_heads, int n_kv, int D, const batch_shape *
                                     .keep = n_keep, .table = n_tab, .n_blocks = nb, .n_keys = sh->n_keys,
                                     .n_win = sh->n_win, .k = sh->k, .pool = sh->pool};
         n_tab += nb;
+        if (j % 2) { /* into sequence n_jobs + j / 2's table */
+            int dn = (len[n_jobs + j / 2] + 15) / 16;
+            memcpy(tables + n_tab, p.tables + (size_t)(n_jobs + j / 2) * p.max_blocks, sizeof(int32_t) * dn);
+            gjobs[j].dst_table = n_tab, gjobs[j].dst_blocks = dn;
+            n_tab += dn;
+        }
         n_scores += (int64_t)n_kv * sh->n_keys;
         n_keep += (int64_t)n_kv * (sh->k + sh->n_win);
         if (sh->n_keys > max_keys) max_keys = sh->n_keys;
@@ -1436,9 +1446,11 @@ static void compact_batch_case(int n_heads, int n_kv, int D, const batch_shape *
             if (got_keep[job->keep + i] != ck[i] && bad++ == 0) at = i;
         cr_expect(bad == 0, "%s: %zu of %zu keep slots differ from the CPU's selection; first at %zu: gpu %d cpu %d",
                   what, bad, kn, at, bad ? got_keep[job->keep + at] : 0, bad ? ck[at] : 0);
-        d.cpu->kv_gather(d.cpu, &cp, ct, job->n_blocks, ct, ck, sh->k + sh->n_win);
+        int32_t *cd = job->dst_blocks ? put_i32(d.cpu, tables + job->dst_table, job->dst_blocks) : ct;
+        d.cpu->kv_gather(d.cpu, &cp, ct, job->n_blocks, cd, ck, sh->k + sh->n_win);
         void *pc[] = {ct, cs, gs_host, ck};
         for (int i = 0; i < 4; i++) d.cpu->free(d.cpu, pc[i]);
+        if (cd != ct) d.cpu->free(d.cpu, cd);
     }
     char what[96];
     snprintf(what, sizeof what, "snapkv_compact_batch heads %d/%d head_dim %d, %d jobs: the pool after the gathers",

@@ -218,7 +218,8 @@ Test(prefix_cache, compaction_and_forks_leave_cached_blocks_alone) {
 }
 
 /* 10,000 random operations: admit (a prompt from a few shared documents and
- * two salts, its cached prefix attached; half of them under a sparse policy,
+ * two salts, its cached prefix attached; half of them under a sparse policy
+ * (StreamingLLM or SnapKV),
  * compacted when their prompt completes and in decode), append, compact, fork, free, preempt
  * (free mid-prompt), with eviction under pressure: the invariant holds after
  * each, every hit's blocks hold that prompt's tokens, and all comes back. */
@@ -238,8 +239,9 @@ Test(prefix_cache, random_operations_keep_ownership_and_reference_counts, .timeo
             for (int i = 0; i < n; i++) prompt[i] = i < shared ? doc * 1000 + i : (int32_t)(kvs_rng_u64(&rng) % 5000);
             int s = kvs_kv_seq_create(kv);
             if (s < 0) continue;
-            if (kvs_rng_u64(&rng) % 2) { /* compacted at the prompt's end (into its own blocks), then in decode */
-                kvs_kv_policy p = kvs_kv_policy_default(KVS_POLICY_STREAMINGLLM);
+            if (kvs_rng_u64(&rng) % 2) { /* compacted at the prompt's end (into its own blocks), then in decode:
+                                             StreamingLLM pair by pair, SnapKV in the step's batch */
+                kvs_kv_policy p = kvs_kv_policy_default(kvs_rng_u64(&rng) % 2 ? KVS_POLICY_STREAMINGLLM : KVS_POLICY_SNAPKV);
                 p.budget_fraction = 0.3f, p.window = 8, p.min_prompt = 0;
                 cr_assert_eq(kvs_kv_set_policy(kv, s, &p, n), KVS_OK, "%s", kvs_last_error());
             }

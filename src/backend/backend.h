@@ -63,8 +63,10 @@ static inline const int32_t *kvs_attn_table(const kvs_attn_batch *ab, int s) {
 }
 
 /* One (sequence, layer) pair of snapkv_compact_batch: its SnapKV scores,
- * selection and in-place compaction, exactly as sparsity_scores, snapkv_select
- * and kv_gather (dst == blocks) would do them for that pair alone. Offsets
+ * selection and compaction, exactly as sparsity_scores, snapkv_select and
+ * kv_gather would do them for that pair alone: in place (dst == blocks), or,
+ * with dst_blocks > 0, into the table at dst_table (a compacted copy of a
+ * table it does not own alone, e.g. a prompt the prefix cache holds). Offsets
  * index the batch's arrays (kvs_snapkv_batch); pointers are backend memory. */
 typedef struct {
     const void *win_q;    /* its window queries [n_win][n_heads][head_dim] (act_dtype) */
@@ -77,6 +79,7 @@ typedef struct {
     int32_t n_keys;       /* entries scored and selected from: [0, n_keys); the window follows */
     int32_t n_win, k;     /* window queries (= window entries kept), entries kept before it (k <= n_keys) */
     int32_t pool;         /* max-pool kernel of its selection */
+    int32_t dst_table, dst_blocks; /* its copy's table: batch.tables[dst_table .. + dst_blocks); 0 blocks: in place */
 } kvs_snapkv_job;
 
 /* A list of pairs for one snapkv_compact_batch call. The pairs' tables hold

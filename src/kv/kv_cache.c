@@ -64,6 +64,7 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
     for (int i = 0; i < 2; i++)
         if (kv->staging[i]) kv->be->host_free(kv->be, kv->staging[i]);
     free(kv->batch);
+    free(kv->batch_own);
     kvs_kv_meta_destroy(kv);
     free(kv->window);
     free(kv->free_blocks);
@@ -319,39 +320,51 @@ kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t
 /* Compaction into blocks of the sequence's own (the spare ones first) when the
  * layer's blocks are shared or cached: they stay as they are for their other
  * holders and the cache. */
-static kvs_status compact_into_own_blocks(kvs_kv_cache *kv, seq_state *s, layer_table *t, const int32_t *d_keep,
-                                          const int32_t *d_tab, int n_keep) {
-    int nb = kvs_kv_blocks_for(kv, n_keep);
-    int32_t *own = malloc(sizeof(int32_t) * nb);
-    if (!own) return kvs_fail(KVS_ERR_NOMEM, "kv compact: out of host memory");
+kvs_status kvs_kv_take_own_blocks(kvs_kv_cache *kv, seq_state *s, int nb, int32_t *own) {
     int got = 0;
     while (got < nb && s->n_spare > 0) own[got++] = s->spare[--s->n_spare];
     while (got < nb && (own[got] = kvs_kv_take_block(kv)) >= 0) got++;
-    int32_t *d_own = got == nb ? kvs_kv_scratch(kv, KVS_KV_SCRATCH_DST, sizeof(int32_t) * nb) : NULL;
-    if (!d_own) {
-        while (got > 0) kvs_kv_drop_block(kv, own[--got]);
-        free(own);
-        return kvs_fail(KVS_ERR_NOMEM, "kv compact: no free block for a shared layer's compacted copy");
-    }
-    kvs_backend *be = kv->be;
-    be->to_device(be, d_own, own, sizeof(int32_t) * nb);
-    be->kv_gather(be, &kv->pool, d_tab, t->n_blocks, d_own, d_keep, n_keep);
+    if (got == nb) return KVS_OK;
+    while (got > 0) kvs_kv_drop_block(kv, own[--got]);
+    return kvs_fail(KVS_ERR_NOMEM, "kv compact: no free block for a shared layer's compacted copy");
+}
+
+void kvs_kv_compacted_into(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *own, int nb, int n_keep) {
+    layer_table *t = &s->layers[layer];
+    s->n_prompt_blocks = s->n_registered; /* the rest of the prompt is no longer there in full */
     kvs_kv_release_tail(kv, t, 0);
     memcpy(t->blocks, own, sizeof(int32_t) * nb); /* cap >= the old count >= nb */
     t->n_blocks = nb;
     kvs_kv_touch(t);
     t->len = n_keep;
+}
+
+/* A shared or cached layer compacted into blocks of the sequence's own. */
+static kvs_status compact_into_own_blocks(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep,
+                                          const int32_t *d_tab, int n_keep) {
+    layer_table *t = &s->layers[layer];
+    int nb = kvs_kv_blocks_for(kv, n_keep);
+    int32_t *own = malloc(sizeof(int32_t) * nb);
+    int32_t *d_own = own ? kvs_kv_scratch(kv, KVS_KV_SCRATCH_DST, sizeof(int32_t) * nb) : NULL;
+    if (!d_own) {
+        free(own);
+        return kvs_fail(KVS_ERR_NOMEM, "kv compact: out of memory for a shared layer's compacted copy");
+    }
+    kvs_status st = kvs_kv_take_own_blocks(kv, s, nb, own);
+    if (st == KVS_OK) {
+        kvs_backend *be = kv->be;
+        be->to_device(be, d_own, own, sizeof(int32_t) * nb);
+        be->kv_gather(be, &kv->pool, d_tab, t->n_blocks, d_own, d_keep, n_keep);
+        kvs_kv_compacted_into(kv, s, layer, own, nb, n_keep);
+    }
     free(own);
-    return KVS_OK;
+    return st;
 }
 
 kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep,
                                    const int32_t *d_tab, int n_keep) {
     layer_table *t = &s->layers[layer];
-    if (n_keep > 0 && kvs_kv_table_shared(kv, t)) {
-        s->n_prompt_blocks = s->n_registered; /* the rest of the prompt is no longer there in full */
-        return compact_into_own_blocks(kv, s, t, d_keep, d_tab, n_keep);
-    }
+    if (n_keep > 0 && kvs_kv_table_shared(kv, t)) return compact_into_own_blocks(kv, s, layer, d_keep, d_tab, n_keep);
     if (n_keep > 0) kv->be->kv_gather(kv->be, &kv->pool, d_tab, t->n_blocks, d_tab, d_keep, n_keep);
     kvs_kv_compacted_in_place(kv, s, layer, n_keep);
     return KVS_OK;

@@ -85,10 +85,14 @@ struct kvs_kv_cache {
        would cost more than the work (and cudaFree synchronises the device) */
     void *scratch[KVS_KV_SCRATCH_SLOTS];
     size_t scratch_cap[KVS_KV_SCRATCH_SLOTS];
-    /* kvs_kv_sparsify_seqs's batch: the (sequence, layer) pairs it collects, and
-       the pinned host staging of their job list and tables (backend host_alloc) */
-    struct { int32_t seq, layer; } *batch;
+    /* kvs_kv_sparsify_seqs's batch: the (sequence, layer) pairs it collects (a pair
+       whose table is shared or cached: n_own blocks of the sequence's own for the
+       compacted copy, batch_own[own ..]), and the pinned host staging of their job
+       list and tables (backend host_alloc) */
+    struct { int32_t seq, layer, own, n_own; } *batch;
     int n_batch, batch_cap;
+    int32_t *batch_own;
+    int n_batch_own, batch_own_cap;
     void *staging[2]; /* two, used in turn: a batch is built while the last one's copy may still run */
     size_t staging_cap[2];
     kvs_upload_turns staging_turns; /* which of the two the next batch writes */
@@ -136,6 +140,12 @@ kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, co
 /* The host side of an in-place compaction of (s, layer) to n_keep entries (its
  * kv_gather enqueued): the new length, the blocks past it released. */
 void kvs_kv_compacted_in_place(kvs_kv_cache *kv, seq_state *s, int layer, int n_keep);
+/* nb blocks of s's own for a compacted copy (its spare blocks first) into own;
+ * KVS_ERR_NOMEM (none taken) when the pool runs dry. */
+kvs_status kvs_kv_take_own_blocks(kvs_kv_cache *kv, seq_state *s, int nb, int32_t *own);
+/* The host side of a compaction of (s, layer) into own[0 .. nb) (its kv_gather
+ * enqueued): the old blocks released, own the table, n_keep its length. */
+void kvs_kv_compacted_into(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *own, int nb, int n_keep);
 /* Backend scratch buffer `slot` of at least bytes (grown on demand); NULL when out of memory. */
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes);
 /* The pinned host staging (backend host_alloc) of at least bytes, grown the same

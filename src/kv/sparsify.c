@@ -120,19 +120,6 @@ static kvs_status score_window(kvs_kv_cache *kv, seq_state *s, int layer, float 
     return KVS_OK;
 }
 
-/* SnapKV on one pair: keep the top (budget - w) of entries [0, n - w) by pooled
- * score, plus the window, and compact. Scores, selection and compaction stay in
- * backend memory: nothing comes back to the host. */
-static kvs_status compact_snapkv(kvs_kv_cache *kv, seq_state *s, int layer, int budget) {
-    int w = s->policy.window, H = kv->cfg.n_kv_heads;
-    float *d_scores;
-    int32_t *d_tab, *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, sizeof(int32_t) * (size_t)H * budget);
-    if (!d_keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of backend memory");
-    KVS_TRY(score_window(kv, s, layer, &d_scores, &d_tab));
-    kv->be->snapkv_select(kv->be, d_keep, d_scores, s->layers[layer].len - w, H, s->policy.pool, budget - w, w);
-    return kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, budget);
-}
-
 kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out) {
     seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s || layer < 0 || layer >= kv->cfg.n_layers) return kvs_fail(KVS_ERR_INVALID, "kv window scores: no such sequence or layer");
@@ -158,11 +145,9 @@ static void select_streaming(const seq_state *s, int layer, int budget, int H, i
     }
 }
 
-/* A pair compacted on its own: StreamingLLM, or SnapKV on a shared or cached
- * table (compacted into blocks of the sequence's own). */
-static kvs_status compress_layer(kvs_kv_cache *kv, seq_state *s, int layer) {
+/* StreamingLLM's compaction of a pair (keep lists from the host: no scores). */
+static kvs_status compact_streaming(kvs_kv_cache *kv, seq_state *s, int layer) {
     int budget = s->budgets[layer], H = kv->cfg.n_kv_heads;
-    if (s->policy.kind != KVS_POLICY_STREAMINGLLM) return compact_snapkv(kv, s, layer, budget);
     int32_t *keep = malloc(sizeof(int32_t) * (size_t)H * budget);
     if (!keep) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory");
     select_streaming(s, layer, budget, H, keep);
@@ -171,9 +156,11 @@ static kvs_status compress_layer(kvs_kv_cache *kv, seq_state *s, int layer) {
     return st;
 }
 
-/* ---- the batch: every SnapKV pair whose table is the sequence's own ----------- */
+/* ---- the batch: every SnapKV pair due in a step --------------------------------- */
 
-static kvs_status batch_add(kvs_kv_cache *kv, const seq_state *s, int layer) {
+/* Adds (s, layer) to the batch; a shared or cached table (the prefix cache holds the
+ * prompt) gets its compacted copy's blocks now, from s's spare blocks first. */
+static kvs_status batch_add(kvs_kv_cache *kv, seq_state *s, int layer) {
     if (kv->n_batch == kv->batch_cap) {
         int cap = kv->batch_cap ? 2 * kv->batch_cap : 64;
         void *p = realloc(kv->batch, sizeof *kv->batch * (size_t)cap);
@@ -181,16 +168,34 @@ static kvs_status batch_add(kvs_kv_cache *kv, const seq_state *s, int layer) {
         kv->batch = p;
         kv->batch_cap = cap;
     }
+    int nb = kvs_kv_table_shared(kv, &s->layers[layer]) ? kvs_kv_blocks_for(kv, s->budgets[layer]) : 0;
+    if (kv->n_batch_own + nb > kv->batch_own_cap) {
+        int cap = 2 * (kv->n_batch_own + nb);
+        void *p = realloc(kv->batch_own, sizeof(int32_t) * (size_t)cap);
+        if (!p) return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of host memory for the compacted copies' blocks");
+        kv->batch_own = p;
+        kv->batch_own_cap = cap;
+    }
+    if (nb) KVS_TRY(kvs_kv_take_own_blocks(kv, s, nb, kv->batch_own + kv->n_batch_own));
     kv->batch[kv->n_batch].seq = (int32_t)(s - kv->seqs);
-    kv->batch[kv->n_batch++].layer = layer;
+    kv->batch[kv->n_batch].layer = layer;
+    kv->batch[kv->n_batch].own = kv->n_batch_own;
+    kv->batch[kv->n_batch++].n_own = nb;
+    kv->n_batch_own += nb;
     return KVS_OK;
 }
 
+/* Forgets the batch (a pair failed before it ran): its copies' blocks go back. */
+static void batch_drop(kvs_kv_cache *kv) {
+    while (kv->n_batch_own > 0) kvs_kv_drop_block(kv, kv->batch_own[--kv->n_batch_own]);
+    kv->n_batch = 0;
+}
+
 /* The collected pairs in one snapkv_compact_batch: their job list and tables
- * in one upload from the pinned staging, then their lengths and blocks. */
+ * (and their copies' tables) in one upload from the pinned staging, then their
+ * lengths and blocks. */
 static kvs_status run_batch(kvs_kv_cache *kv) {
     int n = kv->n_batch, H = kv->cfg.n_kv_heads, max_keys = 0;
-    kv->n_batch = 0;
     if (!n) return KVS_OK;
     size_t n_tab = 0;
     int64_t n_scores = 0, n_keep = 0;
@@ -198,7 +203,7 @@ static kvs_status run_batch(kvs_kv_cache *kv) {
         const seq_state *s = &kv->seqs[kv->batch[i].seq];
         const layer_table *t = &s->layers[kv->batch[i].layer];
         int n_keys = t->len - s->policy.window;
-        n_tab += t->n_blocks;
+        n_tab += t->n_blocks + kv->batch[i].n_own;
         n_scores += (int64_t)H * n_keys;
         n_keep += (int64_t)H * s->budgets[kv->batch[i].layer];
         if (n_keys > max_keys) max_keys = n_keys;
@@ -208,9 +213,11 @@ static kvs_status run_batch(kvs_kv_cache *kv) {
     char *host = kvs_kv_staging(kv, bytes), *d_lists = kvs_kv_scratch(kv, KVS_KV_SCRATCH_BATCH, bytes);
     float *d_scores = kvs_kv_scratch(kv, KVS_KV_SCRATCH_SCORES, sizeof(float) * (size_t)n_scores);
     int32_t *d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, sizeof(int32_t) * (size_t)n_keep);
-    if (!host || !d_lists || !d_scores || !d_keep)
+    if (!host || !d_lists || !d_scores || !d_keep) {
+        batch_drop(kv);
         return kvs_fail(KVS_ERR_NOMEM, "kv sparsify: out of memory for a batch of %d compactions (%zu bytes of "
                         "tables, %lld scores)", n, bytes, (long long)n_scores);
+    }
     kvs_snapkv_job *jobs = (kvs_snapkv_job *)host;
     int32_t *tables = (int32_t *)(host + job_bytes);
     size_t tab = 0;
@@ -226,6 +233,9 @@ static kvs_status run_batch(kvs_kv_cache *kv) {
         j->n_keys = t->len - w, j->n_win = w, j->k = budget - w, j->pool = s->policy.pool;
         memcpy(tables + tab, t->blocks, sizeof(int32_t) * t->n_blocks);
         tab += t->n_blocks;
+        j->dst_table = (int32_t)tab, j->dst_blocks = kv->batch[i].n_own; /* 0: in place */
+        memcpy(tables + tab, kv->batch_own + kv->batch[i].own, sizeof(int32_t) * kv->batch[i].n_own);
+        tab += kv->batch[i].n_own;
         sc += (int64_t)H * j->n_keys;
         kp += (int64_t)H * budget;
     }
@@ -237,8 +247,11 @@ static kvs_status run_batch(kvs_kv_cache *kv) {
     be->snapkv_compact_batch(be, &kv->pool, &b);
     for (int i = 0; i < n; i++) {
         seq_state *s = &kv->seqs[kv->batch[i].seq];
-        kvs_kv_compacted_in_place(kv, s, kv->batch[i].layer, s->budgets[kv->batch[i].layer]);
+        int l = kv->batch[i].layer, n_own = kv->batch[i].n_own;
+        if (n_own) kvs_kv_compacted_into(kv, s, l, kv->batch_own + kv->batch[i].own, n_own, s->budgets[l]);
+        else kvs_kv_compacted_in_place(kv, s, l, s->budgets[l]);
     }
+    kv->n_batch = kv->n_batch_own = 0;
     return KVS_OK; /* no wait: the host goes on with the next step while the device compacts */
 }
 
@@ -253,7 +266,7 @@ static bool due(const seq_state *s, const layer_table *t, int layer, bool at_pre
 kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n) {
     for (int i = 0; i < n; i++)
         if (!kvs_kv_get_seq(kv, seq_ids[i])) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_ids[i]);
-    kv->n_batch = 0;
+    batch_drop(kv);
     kvs_status st = KVS_OK;
     for (int i = 0; i < n && st == KVS_OK; i++) {
         seq_state *s = &kv->seqs[seq_ids[i]];
@@ -263,14 +276,13 @@ kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n)
         for (int l = 0; l < kv->cfg.n_layers && st == KVS_OK; l++) {
             if (!due(s, &s->layers[l], l, at_prefill_end)) continue;
             s->ring_base[l] = s->n_tokens; /* set now: a sequence listed twice finds the layer not due */
-            bool own = s->policy.kind != KVS_POLICY_STREAMINGLLM && !kvs_kv_table_shared(kv, &s->layers[l]);
-            st = own ? batch_add(kv, s, l) : compress_layer(kv, s, l);
+            st = s->policy.kind == KVS_POLICY_STREAMINGLLM ? compact_streaming(kv, s, l) : batch_add(kv, s, l);
         }
         /* what the prompt's compaction left (spare blocks are in no table: the batch never reads them) */
         while (st == KVS_OK && s->n_spare > 0) kvs_kv_drop_block(kv, s->spare[--s->n_spare]);
     }
     if (st != KVS_OK) {
-        kv->n_batch = 0;
+        batch_drop(kv);
         return st;
     }
     return run_batch(kv);

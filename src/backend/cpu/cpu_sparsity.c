@@ -116,7 +116,8 @@ void kvs_cpu_snapkv_compact_batch(kvs_backend *b, const kvs_kv_pool *pool, const
     for (int i = 0; i < batch->n_jobs; i++) {
         const kvs_snapkv_job *j = &batch->jobs[i];
         if (j->n_keys < 0 || j->n_win < 0 || j->k < 0 || j->k > j->n_keys || j->pool < 1 ||
-            (int64_t)j->n_blocks * pool->block_size < (int64_t)j->n_keys + j->n_win ||
+            (int64_t)j->n_blocks * pool->block_size < (int64_t)j->n_keys + j->n_win || j->dst_blocks < 0 ||
+            (j->dst_blocks > 0 && (int64_t)j->dst_blocks * pool->block_size < (int64_t)j->k + j->n_win) ||
             j->scores + (int64_t)H * j->n_keys > batch->scores_len || j->n_keys > batch->max_keys) {
             kvs_cpu_fail(b, KVS_ERR_INVALID,
                          "snapkv_compact_batch: job %d (keys %d, window %d, k %d, pool %d, %d blocks, scores at %lld "
@@ -140,6 +141,7 @@ void kvs_cpu_snapkv_compact_batch(kvs_backend *b, const kvs_kv_pool *pool, const
             else if (stage == 1)
                 b->snapkv_select(b, keep, scores, j->n_keys, H, j->pool, j->k, j->n_win);
             else
-                b->kv_gather(b, &p, table, j->n_blocks, table, keep, j->k + j->n_win);
+                b->kv_gather(b, &p, table, j->n_blocks, j->dst_blocks > 0 ? batch->tables + j->dst_table : table, keep,
+                             j->k + j->n_win);
         }
 }

@@ -64,7 +64,9 @@ __global__ void __launch_bounds__(KVS_GATHER_THREADS)
     const int h = blockIdx.x >> 1, kind = blockIdx.x & 1, n = job.k + job.n_win;
     const int pieces = head_dim * esize / (int)sizeof(T);
     const int32_t *blocks = tables + job.table, *src = keep + job.keep + (size_t)h * n;
-    const int32_t *dst = dst_table ? dst_table : blocks;
+    /* the destination: the job's copy table, else the call's, else its own (in place) */
+    const int32_t *dst = job.dst_blocks > 0 ? tables + job.dst_table : dst_table ? dst_table : blocks;
+    const bool in_place = dst == blocks;
     const size_t total = (size_t)n * pieces;
     for (size_t round = 0; round < total; round += KVS_GATHER_THREADS * KVS_GATHER_PIECES) {
         T piece[KVS_GATHER_PIECES];
@@ -73,7 +75,7 @@ __global__ void __launch_bounds__(KVS_GATHER_THREADS)
             size_t t = round + (size_t)r * KVS_GATHER_THREADS + threadIdx.x;
             if (t >= total) continue;
             int i = (int)(t / pieces), c = (int)(t % pieces), e = src[i];
-            if (e == i && !dst_table) continue;
+            if (e == i && in_place) continue;
             piece[r] = ((const T *)(pool + esize * kvs_kv_offset(blocks[e / block_size], kind, h, e % block_size,
                                                                  n_kv_heads, block_size, head_dim)))[c];
         }
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(KVS_GATHER_THREADS)
             size_t t = round + (size_t)r * KVS_GATHER_THREADS + threadIdx.x;
             if (t >= total) continue;
             int i = (int)(t / pieces), c = (int)(t % pieces);
-            if (src[i] == i && !dst_table) continue;
+            if (src[i] == i && in_place) continue;
             ((T *)(pool + esize * kvs_kv_offset(dst[i / block_size], kind, h, i % block_size, n_kv_heads, block_size,
                                                 head_dim)))[c] = piece[r];
         }
