@@ -167,10 +167,10 @@ void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **
 kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out);
 /* After a step that gave the n sequences seq_ids new tokens: compacts their
  * sparse layers that are due (a prompt just completed, or a layer reached B_l +
- * window). Every due SnapKV / PyramidKV layer whose blocks are the sequence's
- * own goes in one batch (the backend's snapkv_compact_batch: one launch per
- * stage for the step); StreamingLLM layers and layers on shared or cached
- * blocks are compacted one by one. Returns with the batch enqueued, not run
+ * window). Every due SnapKV / PyramidKV layer goes in one batch (the backend's
+ * snapkv_compact_batch: one launch per stage for the step), in place, or into
+ * blocks of the sequence's own where its blocks are shared or cached;
+ * StreamingLLM layers are compacted one by one. Returns with the batch enqueued, not run
  * (its pinned staging alternates between two buffers: kvs_upload_turns). */
 kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n);
 /* kvs_kv_sparsify_seqs of one sequence. */
