@@ -241,11 +241,13 @@ struct kvs_backend {
      * over entries [0, n_keys) of its table (pool with the job's scales) into
      * its scores, snapkv_select of those (its pool kernel, k, n_win) into its
      * keep lists, then kv_gather of its k + n_win kept entries in place
-     * (dst == blocks): afterwards entries 0 .. k + n_win - 1 of its table hold
-     * the kept ones. pool gives the blocks and the geometry (its scales are not
-     * used). Stage by stage (every job's scores, then every selection, then
-     * every gather: one launch each on CUDA), so no two jobs may share scores,
-     * keep lists or blocks. The CPU checks the jobs (k <= n_keys, sizes, the
+     * (dst == blocks) or, with dst_blocks > 0, into its copy's table:
+     * afterwards entries 0 .. k + n_win - 1 of that table hold the kept ones.
+     * pool gives the blocks and the geometry (its scales are not used). Stage
+     * by stage (every job's scores, then every selection, then every gather:
+     * one launch each on CUDA), so no two jobs may share scores or keep lists,
+     * and no job may write a block another job reads or writes (jobs may read
+     * the same source blocks when both compact into copies). The CPU checks the jobs (k <= n_keys, sizes, the
      * bounds) and reports a bad one, writing nothing; CUDA trusts them. Bad
      * batch arguments (sizes, heads, head_dim) are reported and nothing is
      * written. */
