@@ -234,8 +234,8 @@ static kvs_status run_batch(kvs_kv_cache *kv) {
         memcpy(tables + tab, t->blocks, sizeof(int32_t) * t->n_blocks);
         tab += t->n_blocks;
         j->dst_table = (int32_t)tab, j->dst_blocks = kv->batch[i].n_own; /* 0: in place */
-        memcpy(tables + tab, kv->batch_own + kv->batch[i].own, sizeof(int32_t) * kv->batch[i].n_own);
-        tab += kv->batch[i].n_own;
+        if (j->dst_blocks) memcpy(tables + tab, kv->batch_own + kv->batch[i].own, sizeof(int32_t) * j->dst_blocks);
+        tab += j->dst_blocks;
         sc += (int64_t)H * j->n_keys;
         kp += (int64_t)H * budget;
     }
