@@ -244,25 +244,28 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
 /* ---- FP8 pools: the producer warpgroup's 128 threads convert codes -----------------
  * Half-tile j: tile j / 2's K (j even) or V codes, 128 keys x D bytes, 16-byte chunks
  * p = pt + 128 v (v < D / 16) for thread pt (0 .. 127): chunk p % (D / 16) of key
- * p / (D / 16). A thread converts exactly the chunks it copied, so the raw tiles need
- * no barrier between the producer's threads. */
+ * p / (D / 16), so the thread's key in round v is kt + KPV v (kt = pt / (D / 16), KPV
+ * = 2048 / D keys a round) and its chunk c = pt % (D / 16) the same in every round. A
+ * thread converts exactly the chunks it copied, so the raw tiles need no barrier
+ * between the producer's threads. block_size is a multiple of 16
+ * (kvs_cuda_wgmma_fits), so each 16-key group of a tile lies in one paged block, the
+ * same for all 128 threads and for K and V: lane l < 8 of every producer warp looks up
+ * group l's block one tile ahead and the copies take it by shuffle. */
 
-/* Thread pt's chunks of half-tile j into raw tile `raw` by cp.async (keys at or past
-   n_keys zero-filled, no table lookup: stale or NaN pool rows never reach the tensor
-   cores); one commit group. */
+/* Thread pt's chunks of a half-tile into raw tile `raw` (+ 16 pt) by cp.async, keys at
+   or past n_keys (v with KPV v >= lim = n_keys - k0 - kt) zero-filled; src: the
+   thread's byte in paged block 0 (K or V), unit: lane l's 16-key unit of group l (the
+   block's 16-key units x block id + the group's unit in it; 0 past the keys), gl0:
+   the lane of the thread's group in round 0. One commit group. */
 template <int D>
-__device__ __forceinline__ void kvs_wg_issue_codes8(const kvs_attn_args &a, const int32_t *table, int g, int j,
-                                                    int n_keys, uint32_t raw, int pt) {
-    constexpr int CH = D / 16;
-    const int kind = j & 1, k0 = (j >> 1) * KVS_WG_BN, bs = a.block_size;
-    const uint8_t *pool = kvs_attn_pool8(a);
-#pragma unroll 2
+__device__ __forceinline__ void kvs_wg_issue_codes8(const uint8_t *src, uint32_t unit, int gl0, int lim,
+                                                    uint32_t raw) {
+    constexpr int CH = D / 16, KPV = KVS_WG_BN / CH;
+    asm("" : "+l"(src)); /* opaque: one IMAD.WIDE a chunk on it, not the pool base added after */
+#pragma unroll
     for (int v = 0; v < CH; v++) {
-        const int p = pt + 128 * v, e = k0 + p / CH;
-        const bool ok = e < n_keys;
-        const uint8_t *src =
-            ok ? pool + kvs_kv_offset(table[e / bs], kind, g, e % bs, a.n_kv_heads, bs, D) + p % CH * 16 : pool;
-        kvs_cp_async16(raw + 16 * p, src, ok);
+        const uint32_t u = __shfl_sync(0xffffffffu, unit, gl0 + KPV / 16 * v);
+        kvs_cp_async16(raw + 2048 * v, src + (size_t)u * (16 * D), KPV * v < lim);
     }
     kvs_cp_async_commit();
 }
@@ -294,17 +297,41 @@ __device__ __forceinline__ void kvs_wg_convert8(uint32_t raw, uint32_t dst, int 
  * j % 2 at raw, raw + RAW). For each: wait for its own copies, for the ring stage's
  * empty barrier (tile j / 2 - STAGES read), convert into stage (j / 2) % STAGES of
  * the K or V ring, fence to the async proxy and arrive on the stage's full barrier
- * (128 arrivals, no transaction bytes). */
+ * (128 arrivals, no transaction bytes). Lane l < 8 holds group l's 16-key unit of the
+ * tile being copied (unit) and the table entry of the next tile's (nb; -1 past the
+ * keys), loaded one tile ahead; key 128 t + 16 l = bq block_size + br, advanced a
+ * tile at a time without a division. */
 template <int D, int STAGES>
 __device__ __forceinline__ void kvs_wg_produce8(const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
                                                 uint32_t k_s, uint32_t v_s, uint32_t raw, uint32_t bars, int pt) {
+    constexpr int CH = D / 16;
     constexpr uint32_t TILE = (uint32_t)KVS_WG_BN * D * 2, RAW = (uint32_t)KVS_WG_BN * D;
     const int32_t *table = kvs_attn_table(a, seq);
-    kvs_wg_issue_codes8<D>(a, table, g, 0, n_keys, raw, pt);
+    const int bs = a.block_size, lane = pt % 32, kt = pt / CH, c = pt % CH, gl0 = kt / 16;
+    const uint8_t *src_k = kvs_attn_pool8(a) + kvs_kv_offset(0, 0, g, kt % 16, a.n_kv_heads, bs, D) + 16 * c;
+    const uint8_t *src_v = src_k + (size_t)a.n_kv_heads * bs * D;
+    const uint32_t bunits = 2u * a.n_kv_heads * (bs / 16); /* 16-key units a paged block */
+    const int tq = KVS_WG_BN / bs, tr = KVS_WG_BN % bs;
+    int bq = 16 * lane / bs, br = 16 * lane % bs, nb, nr, t_next = 0;
+    auto fetch = [&]() { /* lane's group of tile t_next, then the tile after it */
+        nb = lane < 8 && KVS_WG_BN * t_next + 16 * lane < n_keys ? table[bq] : -1, nr = br / 16;
+        bq += tq, br += tr, t_next++;
+        if (br >= bs) br -= bs, bq++;
+    };
+    auto unit_of = [&]() -> uint32_t { return nb < 0 ? 0u : (uint32_t)nb * bunits + (uint32_t)nr; };
+    fetch();
+    uint32_t unit = unit_of();
+    fetch();
+    const uint32_t raw_t = raw + 16 * pt;
+    kvs_wg_issue_codes8<D>(src_k, unit, gl0, n_keys - kt, raw_t);
     for (int j = 0; j < 2 * n_tiles; j++) {
-        if (j + 1 < 2 * n_tiles) kvs_wg_issue_codes8<D>(a, table, g, j + 1, n_keys, raw + ((j + 1) & 1) * RAW, pt);
-        else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
-        kvs_cp_async_wait<1>();    /* half-tile j's copies landed */
+        if (j + 1 < 2 * n_tiles) {
+            const int kind = (j + 1) & 1, t = (j + 1) >> 1;
+            if (!kind) unit = unit_of(), fetch(); /* tile t's groups; tile t + 1's entries on the way */
+            kvs_wg_issue_codes8<D>(kind ? src_v : src_k, unit, gl0, n_keys - KVS_WG_BN * t - kt,
+                                   raw_t + ((j + 1) & 1) * RAW);
+        } else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
+        kvs_cp_async_wait<1>();        /* half-tile j's copies landed */
         const int i = j >> 1, kind = j & 1, st = i % STAGES;
         const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
         if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
