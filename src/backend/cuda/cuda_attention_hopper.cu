@@ -244,48 +244,99 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
 /* ---- FP8 pools: the producer warpgroup's 128 threads convert codes -----------------
  * Half-tile j: tile j / 2's K (j even) or V codes, 128 keys x D bytes, 16-byte chunks
  * p = pt + 128 v (v < D / 16) for thread pt (0 .. 127): chunk p % (D / 16) of key
- * p / (D / 16). A thread converts exactly the chunks it copied, so the raw tiles need
- * no barrier between the producer's threads. */
+ * p / (D / 16), so the thread's key in round v is kt + KPV v (kt = pt / (D / 16), KPV
+ * = 2048 / D keys a round) and its chunk c = pt % (D / 16) the same in every round. A
+ * thread converts exactly the chunks it copied, so the raw tiles need no barrier
+ * between the producer's threads. block_size is a multiple of 16
+ * (kvs_cuda_wgmma_fits), so each 16-key group of a tile lies in one paged block, the
+ * same for all 128 threads and for K and V: lane l < 8 of every producer warp looks up
+ * group l's block one tile ahead and the copies take it by shuffle. */
 
-/* Thread pt's chunks of half-tile j into raw tile `raw` by cp.async (keys at or past
-   n_keys zero-filled, no table lookup: stale or NaN pool rows never reach the tensor
-   cores); one commit group. */
+/* Thread pt's chunks of a half-tile into raw tile `raw` (+ 16 pt) by cp.async, keys at
+   or past n_keys (v with KPV v >= lim = n_keys - k0 - kt) zero-filled; src: the
+   thread's byte in paged block 0 (K or V), unit: lane l's 16-key unit of group l (the
+   block's 16-key units x block id + the group's unit in it; 0 past the keys), gl0:
+   the lane of the thread's group in round 0. One commit group. */
 template <int D>
-__device__ __forceinline__ void kvs_wg_issue_codes8(const kvs_attn_args &a, const int32_t *table, int g, int j,
-                                                    int n_keys, uint32_t raw, int pt) {
-    constexpr int CH = D / 16;
-    const int kind = j & 1, k0 = (j >> 1) * KVS_WG_BN, bs = a.block_size;
-    const uint8_t *pool = kvs_attn_pool8(a);
-#pragma unroll 2
+__device__ __forceinline__ void kvs_wg_issue_codes8(const uint8_t *src, uint32_t unit, int gl0, int lim,
+                                                    uint32_t raw) {
+    constexpr int CH = D / 16, KPV = KVS_WG_BN / CH;
+    asm("" : "+l"(src)); /* opaque: one IMAD.WIDE a chunk on it, not the pool base added after */
+#pragma unroll
     for (int v = 0; v < CH; v++) {
-        const int p = pt + 128 * v, e = k0 + p / CH;
-        const bool ok = e < n_keys;
-        const uint8_t *src =
-            ok ? pool + kvs_kv_offset(table[e / bs], kind, g, e % bs, a.n_kv_heads, bs, D) + p % CH * 16 : pool;
-        kvs_cp_async16(raw + 16 * p, src, ok);
+        const uint32_t u = __shfl_sync(0xffffffffu, unit, gl0 + KPV / 16 * v);
+        kvs_cp_async16(raw + 2048 * v, src + (size_t)u * (16 * D), KPV * v < lim);
     }
     kvs_cp_async_commit();
 }
 
-/* Thread pt's chunks of raw tile `raw` (its copies, waited for) as bf16 into the tile
-   at dst, swizzled as TMA writes it (kvs_wg_swz): 16 codes -> 2 bf16 chunks, exactly
-   (a chunk with a NaN code the slow way, so that NaN stays NaN). The thread of chunk
-   c (c >= 4: the second column block) writes its odd chunk first: the 8 threads of a
-   row hit 8 different bank groups. */
+/* Two E4M3 codes as a bf16 pair, exactly for non-NaN codes (kvs_fp8x8_to_bf16x8 bit
+   for bit): the prmt (selector s over the bytes of a, b) puts the low code at byte 1,
+   its sign replicated into byte 2 and the high code at byte 3; shifted right by 4
+   (arithmetic) each half holds its code's sign at bit 15 and the code's 7 other bits
+   at bits 4-10 (the mask drops the rest: the 4 exponent bits at the bottom of bf16's
+   8, the 3 mantissa bits at its top), which is the code's value x 2^-120 as a bf16
+   (normal or subnormal: bf16's bias 127 = E4M3's 7 + 120), then one exact multiply
+   by 2^120 a pair. A NaN code (0x7f, 0xff) comes out as +-480. 4 instructions a pair
+   (PRMT, SHF, LOP3, HMUL2 with 2^120 as an immediate). */
+__device__ __forceinline__ uint32_t kvs_wg_e4m3x2_to_bf16x2(uint32_t a, uint32_t b, uint32_t s) {
+    uint32_t x;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(x) : "r"(a), "r"(b), "r"(s));
+    const uint32_t bits = (uint32_t)((int32_t)x >> 4) & 0x87f087f0u, k = 0x7b807b80u; /* k: 2^120 twice */
+    const __nv_bfloat162 r = __hmul2(*(const __nv_bfloat162 *)&bits, *(const __nv_bfloat162 *)&k);
+    return *(const uint32_t *)&r;
+}
+/* The prmt selector of codes 0-1 (hi 0) or 2-3 (hi 1) of a word of a (b: 0) or of b
+   (b: 1): byte 1 = the low code, byte 2 = its sign replicated, byte 3 = the high code. */
+__device__ __forceinline__ uint32_t kvs_wg_sel8(int hi, int b) {
+    const uint32_t i = 2 * hi + 4 * b;
+    return i | i << 4 | (8 | i) << 8 | (i + 1) << 12;
+}
+
+/* Thread pt's chunks of raw tile `raw` (+ 16 pt; its copies, waited for) as bf16 into
+   the stage tile, swizzled as TMA writes it (kvs_wg_swz): 16 codes -> 2 bf16 chunks.
+   The thread of chunk c writes the chunk at `first` (+ 128 KPV v: row kt + KPV v keeps
+   its swizzle, kt % 8) before the one at `second`: chunk 2c, then 2c + 1, or for c >= 4
+   (the second column block) 2c + 1 first, so the 8 threads of a row hit 8 different
+   bank groups; sel: the prmt selectors of the first chunk (codes 0-1, 2-3 of words
+   x, y, or z, w: kvs_wg_sel8), the second's are ^ 0x4444. Loads 4 chunks, then
+   converts and stores them; one NaN test for all: a thread that met a NaN code does
+   its chunks again the exact way (kvs_fp8x8_to_bf16x8), so NaN stays NaN. */
 template <int D>
-__device__ __forceinline__ void kvs_wg_convert8(uint32_t raw, uint32_t dst, int pt) {
-    constexpr int CH = D / 16;
-#pragma unroll 2
-    for (int v = 0; v < CH; v++) {
-        const int p = pt + 128 * v, r = p / CH, c = p % CH;
-        const uint4 codes = kvs_lds128(raw + 16 * p);
-        const uint2 c0 = make_uint2(codes.x, codes.y), c1 = make_uint2(codes.z, codes.w);
-        uint4 lo, hi;
-        if (kvs_fp8x16_has_nan(codes)) lo = kvs_fp8x8_to_bf16x8(c0), hi = kvs_fp8x8_to_bf16x8(c1);
-        else lo = kvs_fp8x8_to_bf16x8_fast(c0), hi = kvs_fp8x8_to_bf16x8_fast(c1);
-        const int odd_first = (c >> 2) & 1;
-        kvs_sts128(dst + kvs_wg_swz(KVS_WG_BN, r, 2 * c + odd_first), odd_first ? hi : lo);
-        kvs_sts128(dst + kvs_wg_swz(KVS_WG_BN, r, 2 * c + 1 - odd_first), odd_first ? lo : hi);
+__device__ __forceinline__ void kvs_wg_convert8(uint32_t raw, uint32_t first, uint32_t second, uint32_t sel0,
+                                                uint32_t sel1, bool odd_first) {
+    constexpr int CH = D / 16, KPV = KVS_WG_BN / CH, B = CH < 4 ? CH : 4;
+    uint32_t nan = 0; /* bit 7 of a byte: a NaN code (low 7 bits all ones: + 1 carries into bit 7 alone) */
+#pragma unroll
+    for (int v0 = 0; v0 < CH; v0 += B) {
+        uint4 c[B];
+#pragma unroll
+        for (int u = 0; u < B; u++) c[u] = kvs_lds128(raw + 2048 * (v0 + u));
+#pragma unroll
+        for (int u = 0; u < B; u++) {
+            const uint32_t m = 0x7f7f7f7fu, one = 0x01010101u;
+            nan |= ((c[u].x & m) + one) | ((c[u].y & m) + one) | ((c[u].z & m) + one) | ((c[u].w & m) + one);
+            const uint32_t s0 = sel0 ^ 0x4444u, s1 = sel1 ^ 0x4444u;
+            const uint4 f = make_uint4(kvs_wg_e4m3x2_to_bf16x2(c[u].x, c[u].z, sel0),
+                                       kvs_wg_e4m3x2_to_bf16x2(c[u].x, c[u].z, sel1),
+                                       kvs_wg_e4m3x2_to_bf16x2(c[u].y, c[u].w, sel0),
+                                       kvs_wg_e4m3x2_to_bf16x2(c[u].y, c[u].w, sel1));
+            const uint4 s = make_uint4(kvs_wg_e4m3x2_to_bf16x2(c[u].x, c[u].z, s0),
+                                       kvs_wg_e4m3x2_to_bf16x2(c[u].x, c[u].z, s1),
+                                       kvs_wg_e4m3x2_to_bf16x2(c[u].y, c[u].w, s0),
+                                       kvs_wg_e4m3x2_to_bf16x2(c[u].y, c[u].w, s1));
+            kvs_sts128(first + 128 * KPV * (v0 + u), f);
+            kvs_sts128(second + 128 * KPV * (v0 + u), s);
+        }
+    }
+    if (nan & 0x80808080u) {
+        const uint32_t lo = odd_first ? second : first, hi = odd_first ? first : second;
+#pragma unroll 1
+        for (int v = 0; v < CH; v++) {
+            const uint4 c = kvs_lds128(raw + 2048 * v);
+            kvs_sts128(lo + 128 * KPV * v, kvs_fp8x8_to_bf16x8(make_uint2(c.x, c.y)));
+            kvs_sts128(hi + 128 * KPV * v, kvs_fp8x8_to_bf16x8(make_uint2(c.z, c.w)));
+        }
     }
 }
 
@@ -294,21 +345,51 @@ __device__ __forceinline__ void kvs_wg_convert8(uint32_t raw, uint32_t dst, int 
  * j % 2 at raw, raw + RAW). For each: wait for its own copies, for the ring stage's
  * empty barrier (tile j / 2 - STAGES read), convert into stage (j / 2) % STAGES of
  * the K or V ring, fence to the async proxy and arrive on the stage's full barrier
- * (128 arrivals, no transaction bytes). */
+ * (128 arrivals, no transaction bytes). Lane l < 8 holds group l's 16-key unit of the
+ * tile being copied (unit) and the table entry of the next tile's (nb; -1 past the
+ * keys), loaded one tile ahead; key 128 t + 16 l = bq block_size + br, advanced a
+ * tile at a time without a division. */
 template <int D, int STAGES>
 __device__ __forceinline__ void kvs_wg_produce8(const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
                                                 uint32_t k_s, uint32_t v_s, uint32_t raw, uint32_t bars, int pt) {
+    constexpr int CH = D / 16;
     constexpr uint32_t TILE = (uint32_t)KVS_WG_BN * D * 2, RAW = (uint32_t)KVS_WG_BN * D;
     const int32_t *table = kvs_attn_table(a, seq);
-    kvs_wg_issue_codes8<D>(a, table, g, 0, n_keys, raw, pt);
+    const int bs = a.block_size, lane = pt % 32, kt = pt / CH, c = pt % CH, gl0 = kt / 16;
+    const uint8_t *src_k = kvs_attn_pool8(a) + kvs_kv_offset(0, 0, g, kt % 16, a.n_kv_heads, bs, D) + 16 * c;
+    const uint8_t *src_v = src_k + (size_t)a.n_kv_heads * bs * D;
+    const uint32_t bunits = 2u * a.n_kv_heads * (bs / 16); /* 16-key units a paged block */
+    const int tq = KVS_WG_BN / bs, tr = KVS_WG_BN % bs;
+    int bq = 16 * lane / bs, br = 16 * lane % bs, nb, nr, t_next = 0;
+    auto fetch = [&]() { /* lane's group of tile t_next, then the tile after it */
+        nb = lane < 8 && KVS_WG_BN * t_next + 16 * lane < n_keys ? table[bq] : -1, nr = br / 16;
+        bq += tq, br += tr, t_next++;
+        if (br >= bs) br -= bs, bq++;
+    };
+    auto unit_of = [&]() -> uint32_t { return nb < 0 ? 0u : (uint32_t)nb * bunits + (uint32_t)nr; };
+    fetch();
+    uint32_t unit = unit_of();
+    fetch();
+    /* the stage tile's chunks of row kt (its swizzle holds for kt + KPV v) */
+    const int odd_first = (c >> 2) & 1;
+    const uint32_t first = kvs_wg_swz(KVS_WG_BN, kt, 2 * c + odd_first);
+    const uint32_t second = kvs_wg_swz(KVS_WG_BN, kt, 2 * c + 1 - odd_first);
+    const uint32_t sel0 = kvs_wg_sel8(0, odd_first), sel1 = kvs_wg_sel8(1, odd_first);
+    const uint32_t raw_t = raw + 16 * pt;
+    kvs_wg_issue_codes8<D>(src_k, unit, gl0, n_keys - kt, raw_t);
     for (int j = 0; j < 2 * n_tiles; j++) {
-        if (j + 1 < 2 * n_tiles) kvs_wg_issue_codes8<D>(a, table, g, j + 1, n_keys, raw + ((j + 1) & 1) * RAW, pt);
-        else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
-        kvs_cp_async_wait<1>();    /* half-tile j's copies landed */
+        if (j + 1 < 2 * n_tiles) {
+            const int kind = (j + 1) & 1, t = (j + 1) >> 1;
+            if (!kind) unit = unit_of(), fetch(); /* tile t's groups; tile t + 1's entries on the way */
+            kvs_wg_issue_codes8<D>(kind ? src_v : src_k, unit, gl0, n_keys - KVS_WG_BN * t - kt,
+                                   raw_t + ((j + 1) & 1) * RAW);
+        } else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
+        kvs_cp_async_wait<1>();        /* half-tile j's copies landed */
         const int i = j >> 1, kind = j & 1, st = i % STAGES;
         const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
         if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
-        kvs_wg_convert8<D>(raw + (j & 1) * RAW, (kind ? v_s : k_s) + st * TILE, pt);
+        const uint32_t dst = (kind ? v_s : k_s) + st * TILE;
+        kvs_wg_convert8<D>(raw_t + (j & 1) * RAW, dst + first, dst + second, sel0, sel1, odd_first);
         kvs_fence_proxy_async();
         kvs_mbar_arrive(full);
     }

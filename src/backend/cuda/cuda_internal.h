@@ -58,28 +58,6 @@ __device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8(uint2 c) {
     }
     return out;
 }
-/* The same for codes without a NaN code (0x7f, 0xff; kvs_fp8x8_has_nan), in fewer
- * instructions: each code into the upper byte of a bf16 half and shifted right by 4
- * (sign in place, the 4 exponent bits at the bottom of bf16's 8, the 3 mantissa bits
- * at its top), which is the code's value x 2^-120 as a bf16 (normal or subnormal,
- * exactly: bf16's exponent bias 127 = E4M3's 7 + 120), then one exact multiply by
- * 2^120 a pair. A NaN code would come out as 480. */
-__device__ __forceinline__ uint32_t kvs_e4m3x2_to_bf16x2_fast(uint32_t w, uint32_t sel) {
-    const uint32_t x = __byte_perm(w, 0, sel); /* codes at bits 8-15 and 24-31, zeros below */
-    uint32_t bits = ((x >> 4) & 0x07f007f0u) | (x & 0x80008000u);
-    __nv_bfloat162 r = __hmul2(*(const __nv_bfloat162 *)&bits, __floats2bfloat162_rn(0x1p120f, 0x1p120f));
-    return *(uint32_t *)&r;
-}
-__device__ __forceinline__ uint4 kvs_fp8x8_to_bf16x8_fast(uint2 c) {
-    return make_uint4(kvs_e4m3x2_to_bf16x2_fast(c.x, 0x1404), kvs_e4m3x2_to_bf16x2_fast(c.x, 0x3424),
-                      kvs_e4m3x2_to_bf16x2_fast(c.y, 0x1404), kvs_e4m3x2_to_bf16x2_fast(c.y, 0x3424));
-}
-/* Whether 16 codes hold a NaN code (a byte whose low 7 bits are all ones: + 1 carries
-   into bit 7 of that byte alone). */
-__device__ __forceinline__ bool kvs_fp8x16_has_nan(uint4 c) {
-    const uint32_t m = 0x7f7f7f7fu, one = 0x01010101u;
-    return (((c.x & m) + one) | ((c.y & m) + one) | ((c.z & m) + one) | ((c.w & m) + one)) & 0x80808080u;
-}
 
 /* Sum (MAX: max) of v over the block, returned to every thread (blockDim.x a
  * multiple of 32, at most 1024). Its barriers also publish the block's earlier
