@@ -548,13 +548,16 @@ static int ref_row(const batch_rig *br, int i, int position) {
 /* Writes positions pos .. pos + n - 1 of sequence i in the caches: random K/V
  * rows and window queries (q, lse), kept where each cache keeps them. */
 
-/* kvs_kv_slots and kvs_kv_window_rows (a step's tokens at once) give what kvs_kv_slot and
-   kvs_kv_window_row give one by one: n new entries of (s, l) at positions pos0 .. */
-static void expect_ranges_match_one_by_one(const kvs_kv_cache *kv, int s, int l, int pos0, int n,
-                                           const int32_t *slots) {
+/* kvs_kv_slots and kvs_kv_window_rows (a step's tokens at once) give the slots of the
+   layer's table (block * block_size + entry % block_size) and what kvs_kv_window_row
+   gives one by one: n new entries of (s, l) at positions pos0 .. */
+static void expect_ranges_match_one_by_one(const kvs_kv_cache *kv, int s, int l, int pos0, int n) {
     int32_t *got = malloc(sizeof(int32_t) * n), *pos = malloc(sizeof(int32_t) * n);
-    kvs_kv_slots(kv, s, l, kvs_kv_len(kv, s, l), n, got);
-    for (int t = 0; t < n; t++) cr_assert_eq(got[t], slots[t], "slot of new entry %d, layer %d", t, l);
+    int len = kvs_kv_len(kv, s, l), nb, bs = kvs_kv_get_config(kv)->block_size;
+    const int32_t *blocks = kvs_kv_blocks(kv, s, l, &nb);
+    kvs_kv_slots(kv, s, l, len, n, got);
+    for (int t = 0; t < n; t++)
+        cr_assert_eq(got[t], blocks[(len + t) / bs] * bs + (len + t) % bs, "slot of new entry %d, layer %d", t, l);
     for (int t = 0; t < n; t++) pos[t] = pos0 + t;
     kvs_kv_window_rows(kv, s, l, pos, n, got);
     for (int t = 0; t < n; t++)
@@ -578,7 +581,7 @@ static void batch_append(batch_rig *br, kvs_rng *rng, int i, int n) {
         cr_assert_eq(kvs_kv_reserve(kv, s, n), KVS_OK, "%s", kvs_last_error());
         for (int l = 0; l < BATCH_L; l++) {
             for (int t = 0; t < n; t++) slots[t] = kvs_kv_slot(kv, s, l, kvs_kv_len(kv, s, l) + t);
-            expect_ranges_match_one_by_one(kv, s, l, br->pos[i], n, slots);
+            expect_ranges_match_one_by_one(kv, s, l, br->pos[i], n);
             kvs_kv_pool pool = kvs_kv_layer_pool(kv, l);
             be->kv_write(be, &pool, k, v, slots, n);
             void *wq = NULL;

@@ -274,8 +274,9 @@ uint64_t kvs_kv_table_gen(const kvs_kv_cache *kv, int seq_id, int layer, uint64_
 }
 
 int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry) {
-    const layer_table *t = &kv->seqs[seq_id].layers[layer];
-    return t->blocks[entry / kv->cfg.block_size] * kv->cfg.block_size + entry % kv->cfg.block_size;
+    int32_t slot;
+    kvs_kv_slots(kv, seq_id, layer, entry, 1, &slot);
+    return slot;
 }
 
 void kvs_kv_slots(const kvs_kv_cache *kv, int seq_id, int layer, int entry0, int n, int32_t *slots) {

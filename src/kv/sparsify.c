@@ -84,9 +84,7 @@ void kvs_kv_window_rows(const kvs_kv_cache *kv, int seq_id, int layer, const int
         for (int i = 0; i < n; i++) rows[i] = -1;
         return;
     }
-    const int first = s->prompt_len - s->policy.window; /* the prompt's first position with a row */
-    for (int i = 0; i < n; i++)
-        rows[i] = positions[i] < first ? -1 : window_row(kv, s, layer, positions[i]);
+    for (int i = 0; i < n; i++) rows[i] = window_row(kv, s, layer, positions[i]);
 }
 
 void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse) {
