@@ -36,9 +36,11 @@
  * Times are wall clock around many queued launches between two stream syncs.
  *   - SnapKV batches as the engine runs them (snapkv_compact_batch): decode-time
  *     recompactions (64 and 240 pairs of 432 entries -> 400) and a prompt's (30 x 4000 -> 400)
- * Usage: kvs_bench_kernels [device] [gemm | fp8 | snapkv]   (gemm: the GEMM rates alone; snapkv: the batches alone;
- * fp8: copy, decode attention on bf16 and FP8 caches (and the FP8 prefill lines),
- * the fused ops) */
+ *   - cuBLASLt's first bf16 GEMM algorithm against its next 15, Llama-3-8B shapes at
+ *     8,192 / 4,096 / 256 / 128 rows (bench/gemm_algos.cuh)
+ * Usage: kvs_bench_kernels [device] [gemm | fp8 | snapkv | gemmalgo]   (gemm: the GEMM rates alone; snapkv: the
+ * batches alone; gemmalgo: the GEMM algorithms alone; fp8: copy, decode attention on bf16 and FP8 caches (and the
+ * FP8 prefill lines), the fused ops) */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -76,6 +78,7 @@ static double time_it(kvs_backend *b, int iters, void (*fn)(kvs_backend *, void 
 }
 
 #include "gemm_fp8.cuh"
+#include "gemm_algos.cuh"
 
 struct sample_ctx { void *logits; int32_t *ids; float *lp; kvs_sample_row *params; float *host; int n, vocab; };
 static void run_sample(kvs_backend *b, void *p) {
@@ -454,6 +457,12 @@ int main(int argc, char **argv) {
     b->free(b, cc.src), b->free(b, cc.dst);
     printf("copy: %.0f GB/s (read + write) over %zu MiB\n", copy_bw, cc.bytes >> 20);
 
+    if (argc > 2 && !strcmp(argv[2], "gemmalgo")) { /* the heuristic's GEMM algorithm against its next ones */
+        bool ok = bench_gemm_algos(b);
+        int failed = kvs_cuda_of(b)->failed;
+        b->destroy(b);
+        return failed || !ok ? 1 : 0;
+    }
     if (argc > 2 && !strcmp(argv[2], "snapkv")) { /* the SnapKV batches alone */
         bool ok = bench_snapkv_batches(b);
         int failed = kvs_cuda_of(b)->failed;
