@@ -405,7 +405,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     };
     const ab_row rows[] = {
         {"default", 0, 1},
-        {"K_ORDER (K released after the softmax)", K_ORDER, 2},
+        {"K_ORDER (K released before the softmax: main)", K_ORDER, 2},
         {"SERIAL (P V waited for before the softmax)", SERIAL, 2},
         {"NO_V (the producer loads K only)", NO_V, 0},
         {"NO_LOAD (no copies after the first 3 tiles)", NO_LOAD, 0},

@@ -24,7 +24,8 @@
  * go by cp.async with zero fill instead, so that stale or NaN pool rows never reach
  * the tensor cores (without a TMA view of the pool every row goes that way).
  * Consumers overlap within the warpgroup: S of tile i and P V of tile i - 1 are
- * issued together, the softmax of i runs while P V of i - 1 does.
+ * issued together, the softmax of i runs while P V of i - 1 does (K_i released after
+ * the softmax: the SASS keeps that overlap only so; see the tile loop).
  *
  * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 = 128
  * bytes of each row): Q [D/64 column blocks][128 rows][128 B], then the K/V tiles
@@ -569,9 +570,16 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
         }
     };
-    /* the K release of tile i before the softmax (the default) or after it (K_ORDER);
-       docs/CUDA.md "Where a tile's time goes" */
-    constexpr bool k_late = (AB & KVS_WG_AB_K_ORDER) != 0;
+    /* The overlap of tile i's softmax with P V of tile i - 1 is ptxas's to keep: it
+       hoists the wgmma.wait_group 0 (WARPGROUP.DEPBAR) up to the nearest memory
+       operation or block start and sinks independent ALU work below barriers. With
+       K_i released as soon as S_i was done (before 2026-12-04; K_ORDER, bench), the
+       wait landed before the whole softmax: 0 of the loop's 66 ex2 ran under P V. So
+       K_i is released after the softmax, the arrival data-dependent on the row sums
+       (count 1 + (l0 + l1 < 0): always 1, the sums of ex2's being >= 0 or NaN), which
+       pins the wait after all 66 ex2 in every instance, bf16 and FP8 (docs/CUDA.md
+       "Where a tile's time goes"; check the SASS when touching this loop). */
+    constexpr bool k_late = (AB & KVS_WG_AB_K_ORDER) == 0;
     const long long t_loop = tick();
     long long n_iter = 0;
     if (n_live > 0) {
@@ -604,7 +612,13 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             if constexpr ((AB & KVS_WG_AB_SERIAL) != 0) wait_pv(); /* bench: P V of i - 1 before the softmax */
             const long long t1 = tick();
             const bool grew = softmax(i, alpha0, alpha1);
-            if (k_late) release(empty_k, i);
+            if (k_late) { /* release(empty_k, i), the arrival depending on the softmax (above) */
+                if (!tma || i + STAGES == n_tiles - 1) kvs_fence_proxy_async();
+                __syncwarp();
+                /* the bench's NO_EXP / NO_SOFTMAX sums can be negative: 1 */
+                const uint32_t count = (AB & (KVS_WG_AB_NO_EXP | KVS_WG_AB_NO_SOFTMAX)) ? 1u : 1u + (l0 + l1 < 0.f);
+                if (lane == 0) kvs_mbar_arrive_n(empty_k + 8 * (i % STAGES), count);
+            }
             d_sm += tick() - t1;
             if constexpr ((AB & KVS_WG_AB_SERIAL) == 0) wait_pv();
             d_tail -= tick();

@@ -284,7 +284,8 @@ size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
  * copies after the first STAGES tiles (the producer only arrives), NO_EXP the
  * softmax without its ex2 (p = the FFMA's argument), NO_SOFTMAX P = S (no mask, max,
  * exp, sums or rescale), DIAG clock64 counters into kvs_cuda_wgmma_diag_read's
- * buffer, K_ORDER the other place of the K release (before / after the softmax),
+ * buffer, K_ORDER the K release before the softmax (the pre-fix order, whose SASS
+ * waits for P V of tile i - 1 before the softmax of tile i),
  * SERIAL the wait for P V of tile i - 1 before tile i's softmax (no overlap). */
 enum {
     KVS_WG_AB_NO_V = 1,
