@@ -38,9 +38,10 @@
  *     recompactions (64 and 240 pairs of 432 entries -> 400) and a prompt's (30 x 4000 -> 400)
  *   - cuBLASLt's first bf16 GEMM algorithm against its next 15, Llama-3-8B shapes at
  *     8,192 / 4,096 / 256 / 128 rows (bench/gemm_algos.cuh)
- * Usage: kvs_bench_kernels [device] [gemm | fp8 | snapkv | gemmalgo]   (gemm: the GEMM rates alone; snapkv: the
- * batches alone; gemmalgo: the GEMM algorithms alone; fp8: copy, decode attention on bf16 and FP8 caches (and the
- * FP8 prefill lines), the fused ops) */
+ *   - ablate: the WGMMA prefill's bench variants at 4k/16k/32k (bench_ablate)
+ * Usage: kvs_bench_kernels [device] [gemm | fp8 | snapkv | gemmalgo | ablate]   (gemm: the GEMM rates alone; snapkv:
+ * the batches alone; gemmalgo: the GEMM algorithms alone; ablate: the WGMMA prefill's variants alone; fp8: copy,
+ * decode attention on bf16 and FP8 caches (and the FP8 prefill lines), the fused ops) */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -382,6 +383,101 @@ static bool bench_prefill_fp8(kvs_backend *b8, int n, const char *wgmma_why) {
     return true;
 }
 
+/* kvs_bench_kernels [device] ablate: where a tile's time goes in the WGMMA prefill (docs/CUDA.md "Where a tile's
+ * time goes"). One sequence of 4096, 16384 and 32768 tokens, causal, 32/8 heads x 128, with lse, bf16 pool (the
+ * long prefill rows' setup); each row a compiled variant of the kernel (kvs_cuda.wgmma_variant, KVS_WG_AB_*):
+ * time, TFLOP/s counted as the full causal FLOP for every row (rows compare by time), the time a 128-key tile
+ * takes an SM (time x SMs / the tiles the CTAs walk) and the ratio to the default's time. The default's output
+ * and lse are checked against GQA's, the variants that compute what the default does against the default's
+ * (expect exactly 0); the DIAG rows print the clock64 breakdown of a consumer warpgroup's tile loop. */
+static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
+    if (wgmma_why) {
+        printf("ablate: skipped (%s)\n", wgmma_why);
+        return true;
+    }
+    kvs_cuda *bc = kvs_cuda_of(b);
+    enum { NO_V = KVS_WG_AB_NO_V, NO_LOAD = KVS_WG_AB_NO_LOAD, NO_EXP = KVS_WG_AB_NO_EXP,
+           NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG, K_ORDER = KVS_WG_AB_K_ORDER, SERIAL = KVS_WG_AB_SERIAL };
+    struct ab_row {
+        const char *name;
+        int ab;
+        int check; /* 0: none, 1: against GQA, 2: against the default (expect 0) */
+    };
+    const ab_row rows[] = {
+        {"default", 0, 1},
+        {"K_ORDER (K released before the softmax: main)", K_ORDER, 2},
+        {"SERIAL (P V waited for before the softmax)", SERIAL, 2},
+        {"NO_V (the producer loads K only)", NO_V, 0},
+        {"NO_LOAD (no copies after the first 3 tiles)", NO_LOAD, 0},
+        {"NO_EXP (softmax without its ex2)", NO_EXP, 0},
+        {"NO_SOFTMAX (P = S)", NO_SM, 0},
+        {"NO_LOAD + NO_SOFTMAX (wgmma + barriers)", NO_LOAD | NO_SM, 0},
+        {"K_ORDER + NO_LOAD", K_ORDER | NO_LOAD, 0},
+        {"DIAG (clock64 counters)", DIAG, 2},
+        {"DIAG + K_ORDER", DIAG | K_ORDER, 2},
+        {"DIAG + SERIAL", DIAG | SERIAL, 2},
+    };
+    const int ns[3] = {4096, 16384, 32768};
+    for (int ni = 0; ni < 3; ni++) {
+        const int n = ns[ni];
+        attn_ctx c;
+        if (!attn_setup(b, &c, 1, n, n, true)) return false;
+        /* tiles the CTAs walk: 4 heads x 32 positions a CTA, keys 0 .. q0 + 31 */
+        double tiles = 0;
+        for (int q0 = 0; q0 < n; q0 += 32) tiles += 8 * ((q0 + 32 + 127) / 128);
+        const double flops = 4.0 * 32 * 128 * ((double)n * (n + 1) / 2);
+        const int iters = n > 16384 ? 6 : n > 4096 ? 10 : 30;
+        const size_t n_out = (size_t)n * 32 * 128, n_l = (size_t)n * 32;
+        float *want = (float *)malloc(n_out * 4), *want_l = (float *)malloc(n_l * 4);
+        float *got = (float *)malloc(n_out * 4), *got_l = (float *)malloc(n_l * 4);
+        double t_def = 0;
+        for (const ab_row &r : rows) {
+            bc->prefill = KVS_CUDA_PREFILL_WGMMA;
+            bc->wgmma_variant = r.ab;
+            kvs_cuda_wgmma_diag_reset();
+            const double t = time_it(b, iters, run_attn, &c);
+            unsigned long long d[KVS_WG_DIAG_N];
+            kvs_cuda_wgmma_diag_read(d);
+            if (r.ab == 0) t_def = t;
+            printf("ablate: %d tokens, %-44s %8.3f ms %6.1f TFLOP/s %6.3f us a tile a SM, %.3fx the default's time", n,
+                   r.name, t * 1e3, flops / t / 1e12, t * 1e6 * n_sms / tiles, t / t_def);
+            if (r.check == 1) {
+                b->to_host_f32(b, want, c.out, n_out);
+                b->to_host(b, want_l, c.lse, n_l * 4);
+                double worst_l, worst = max_diff_against(b, &c, n, KVS_CUDA_PREFILL_GQA, &worst_l);
+                printf("; against GQA: max |difference| %.3g, lse %.3g", worst, worst_l);
+            } else if (r.check == 2) { /* this row's output (the last launch) against the default's */
+                b->to_host_f32(b, got, c.out, n_out);
+                b->to_host(b, got_l, c.lse, n_l * 4);
+                double worst = 0, worst_l = 0;
+                for (size_t i = 0; i < n_out; i++)
+                    worst = fmax(worst, isnan(got[i]) ? INFINITY : fabs((double)got[i] - want[i]));
+                for (size_t i = 0; i < n_l; i++)
+                    worst_l = fmax(worst_l, isnan(got_l[i]) ? INFINITY : fabs((double)got_l[i] - want_l[i]));
+                printf("; against the default: max |difference| %.3g, lse %.3g", worst, worst_l);
+            }
+            printf("\n");
+            if ((r.ab & DIAG) && d[KVS_WG_DIAG_ITERS] > 0 && d[KVS_WG_DIAG_CTA_NS] > 0) {
+                const double it = (double)d[KVS_WG_DIAG_ITERS], ghz = (double)d[KVS_WG_DIAG_CTA_CYCLES] / d[KVS_WG_DIAG_CTA_NS];
+                const double loop = d[KVS_WG_DIAG_LOOP] / it, full = d[KVS_WG_DIAG_FULL] / it, ws = d[KVS_WG_DIAG_WAIT_S] / it;
+                const double sm = d[KVS_WG_DIAG_SOFTMAX] / it, wpv = d[KVS_WG_DIAG_WAIT_PV] / it, tail = d[KVS_WG_DIAG_TAIL] / it;
+                printf("ablate: %d tokens, %s: a consumer warpgroup's loop %.0f cycles a tile (%.3f us at the measured %.3f GHz; "
+                       "%.1f tiles a warpgroup): full-barrier waits %.0f, wgmma wait for S %.0f, softmax %.0f, wgmma wait for "
+                       "P V %.0f, V release + rescale + pack %.0f, the rest (wgmma issue, first / last tile) %.0f; the producer "
+                       "waits on empty barriers %.1f%% of its loop (%.0f cycles a tile)\n",
+                       n, r.name, loop, loop / ghz / 1e3, ghz, it / d[KVS_WG_DIAG_WGS], full, ws, sm, wpv, tail,
+                       loop - full - ws - sm - wpv - tail, 100.0 * d[KVS_WG_DIAG_PROD_EMPTY] / fmax(1.0, (double)d[KVS_WG_DIAG_PROD_LOOP]),
+                       (double)d[KVS_WG_DIAG_PROD_LOOP] / fmax(1.0, (double)d[KVS_WG_DIAG_PROD_TILES]));
+            }
+        }
+        bc->wgmma_variant = 0;
+        free(want), free(want_l), free(got), free(got_l);
+        attn_free(b, &c);
+    }
+    bc->prefill = KVS_CUDA_PREFILL_AUTO;
+    return true;
+}
+
 /* SnapKV batches as the engine runs them (src/kv/sparsify.c run_batch: one snapkv_compact_batch for every
  * pair due in a step), Llama-3-8B shape (32/8 heads x 128), window 32, pool 7: the decode-time
  * recompactions (a layer at budget + window, 432 entries, back to 400: 64 and 240 pairs) and the prompts'
@@ -465,6 +561,12 @@ int main(int argc, char **argv) {
     }
     if (argc > 2 && !strcmp(argv[2], "snapkv")) { /* the SnapKV batches alone */
         bool ok = bench_snapkv_batches(b);
+        int failed = kvs_cuda_of(b)->failed;
+        b->destroy(b);
+        return failed || !ok ? 1 : 0;
+    }
+    if (argc > 2 && !strcmp(argv[2], "ablate")) { /* the WGMMA prefill's variants alone */
+        bool ok = bench_ablate(b, prop.multiProcessorCount, kvs_cuda_wgmma_supported(device));
         int failed = kvs_cuda_of(b)->failed;
         b->destroy(b);
         return failed || !ok ? 1 : 0;

@@ -24,7 +24,8 @@
  * go by cp.async with zero fill instead, so that stale or NaN pool rows never reach
  * the tensor cores (without a TMA view of the pool every row goes that way).
  * Consumers overlap within the warpgroup: S of tile i and P V of tile i - 1 are
- * issued together, the softmax of i runs while P V of i - 1 does.
+ * issued together, the softmax of i runs while P V of i - 1 does (K_i released after
+ * the softmax: the SASS keeps that overlap only so; see the tile loop).
  *
  * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 = 128
  * bytes of each row): Q [D/64 column blocks][128 rows][128 B], then the K/V tiles
@@ -50,6 +51,9 @@ __device__ int kvs_wgmma_built =
 #else
     0;
 #endif
+
+/* bench-only: the DIAG variant's counters (KVS_WG_DIAG_*; kvs_cuda_wgmma_diag_read) */
+__device__ unsigned long long kvs_wg_diag[KVS_WG_DIAG_N];
 
 #define KVS_WG_BM 128      /* query rows a block (two consumer warpgroups of 64) */
 #define KVS_WG_BN 128      /* keys a K/V tile */
@@ -189,7 +193,7 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
  * each lane before it arrives; without TMA every group goes that way. Every lane
  * arrives on the full barrier once a tile and ring, lane 0's arrival announcing the
  * TMA bytes. */
-template <int D, int STAGES>
+template <int D, int STAGES, int AB>
 __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma, const kvs_attn_args &a, int g,
                                                int seq, int n_keys, int n_tiles, uint32_t k_s, uint32_t v_s,
                                                uint32_t bars, int lane) {
@@ -204,6 +208,13 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
         return e < n_keys ? table[e / bs] : 0;
     };
     int blk_next = block_of(0);
+    /* bench variants (KVS_WG_AB_*; AB 0: all of it folds away) */
+    auto tick = [&]() -> long long {
+        if constexpr ((AB & KVS_WG_AB_DIAG) != 0) return clock64();
+        else return 0;
+    };
+    long long d_empty = 0;
+    const long long t_loop = tick();
     for (int i = 0; i < n_tiles; i++) {
         const int blk = blk_next;
         if (i + 1 < n_tiles) blk_next = block_of(i + 1); /* used next tile: its latency hides */
@@ -213,8 +224,12 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
         for (int kind = 0; kind < 2; kind++) { /* K, then V (released later by the consumers) */
             const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
             const uint32_t dst = (kind ? v_s : k_s) + st * TILE;
+            const long long t_empty = tick();
             if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
-            if (n_tma < NG) {
+            d_empty += tick() - t_empty;
+            /* bench variants: no copy of V (NO_V), none after the first STAGES tiles (NO_LOAD) */
+            const bool skip = ((AB & KVS_WG_AB_NO_V) != 0 && kind == 1) || ((AB & KVS_WG_AB_NO_LOAD) != 0 && i >= STAGES);
+            if (!skip && n_tma < NG) {
                 for (int gi = n_tma; gi < NG; gi++) {
                     const int e0 = k0 + 16 * gi, b = __shfl_sync(0xffffffffu, blk, gi);
                     const bf16 *src0 =
@@ -230,13 +245,20 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
                 kvs_cp_async_wait<0>();
                 kvs_fence_proxy_async();
             }
-            if (lane == 0 && n_tma > 0) kvs_mbar_arrive_tx(full, (uint32_t)(n_tma * CB) * BOX);
+            if (!skip && lane == 0 && n_tma > 0) kvs_mbar_arrive_tx(full, (uint32_t)(n_tma * CB) * BOX);
             else kvs_mbar_arrive(full);
-            if (lane < NG * CB && gl < n_tma) { /* row of the pool as a [rows][D] tensor (kvs_kv_offset / D) */
+            if (!skip && lane < NG * CB && gl < n_tma) { /* row of the pool as a [rows][D] tensor (kvs_kv_offset / D) */
                 const uint32_t box_dst = dst + cbl * (BN * 128) + gl * BOX;
                 const int row = ((blk * 2 + kind) * a.n_kv_heads + g) * bs + (k0 + 16 * gl) % bs;
                 kvs_tma_load_2d(box_dst, map, 64 * cbl, row, full);
             }
+        }
+    }
+    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) {
+        if (lane == 0) {
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_LOOP], (unsigned long long)(tick() - t_loop));
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_EMPTY], (unsigned long long)d_empty);
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_TILES], (unsigned long long)n_tiles);
         }
     }
 }
@@ -404,8 +426,10 @@ __device__ __forceinline__ void kvs_wg_produce8(const kvs_attn_args &a, int g, i
  * tensor, boxes of 16 x 64, 128-byte swizzle; flags: KVS_WG_TMA. Needs scale > 0 (the
  * row max is taken over raw scores). FP8: the pool holds E4M3 codes, which the
  * producer warpgroup's four warps copy and convert (kvs_wg_produce8; no TMA, kv_map
- * unused); the K scale is folded into the softmax scale, the V scale into 1 / l. */
-template <int D, int STAGES, int HEADS, bool FP8>
+ * unused); the K scale is folded into the softmax scale, the V scale into 1 / l. AB:
+ * a bench variant (KVS_WG_AB_*, cuda_internal.h; 0 everywhere but kvs_bench_kernels
+ * ablate). */
+template <int D, int STAGES, int HEADS, bool FP8, int AB = 0>
 __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     kvs_attn_wgmma_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse,
                           int flags, int ny) {
@@ -431,6 +455,12 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         kvs_mbar_init_fence();
     }
     __syncthreads();
+    auto tick = [&]() -> long long { /* the DIAG variant's clock (0 in the others: folds away) */
+        if constexpr ((AB & KVS_WG_AB_DIAG) != 0) return clock64();
+        else return 0;
+    };
+    [[maybe_unused]] long long t_cta = tick(), ns_cta = 0;
+    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns_cta));
     const kvs_wg_block<HEADS> blk(a, blockIdx.x, ny);
     if (blk.q0 >= blk.q_len) return; /* no row (a q-block past a short sequence's q_len) */
 
@@ -441,7 +471,8 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
                                        bars, threadIdx.x - 256);
         else if (warp == 8) {
             if (tma && lane == 0) kvs_tma_prefetch_map(&kv_map);
-            kvs_wg_produce<D, STAGES>(&kv_map, tma, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars, lane);
+            kvs_wg_produce<D, STAGES, AB>(&kv_map, tma, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars,
+                                          lane);
         }
         return;
     }
@@ -472,7 +503,12 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     uint32_t pa[BN / 16][4]; /* P as the A fragments of k16 step kk: keys 16 kk .. 16 kk + 15 */
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-    auto wait_full = [&](uint32_t full, int i) { kvs_mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1); };
+    long long d_full = 0, d_ws = 0, d_sm = 0, d_wpv = 0, d_tail = 0; /* DIAG */
+    auto wait_full = [&](uint32_t full, int i) {
+        const long long t0 = tick();
+        kvs_mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
+        d_full += tick() - t0;
+    };
     /* this warp's wgmma's reading tile i's stage completed: hand it back; fenced when
        the producer may write the stage next through the generic proxy (cp.async, FP8's
        stores): the last tile, or every tile without TMA */
@@ -500,6 +536,12 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
        scores): s becomes the probabilities; alpha: O's factors; returns whether a
        row max changed */
     auto softmax = [&](int i, float &alpha0, float &alpha1) -> bool {
+        if constexpr ((AB & KVS_WG_AB_NO_SOFTMAX) != 0) { /* bench: P = S */
+            alpha0 = alpha1 = 1.f;
+            return false;
+        }
+        /* bench NO_EXP: the probabilities without their ex2 */
+        auto ex = [](float x) { return (AB & KVS_WG_AB_NO_EXP) != 0 ? x : kvs_exp2(x); };
         float mx0, mx1; /* mask where the tile crosses some row's diagonal */
         kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
         const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
@@ -510,10 +552,10 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
         for (int j = 0; j < BN / 8; j++) {
-            s[4 * j] = kvs_exp2(fmaf(s[4 * j], scale_log2, -mu0));
-            s[4 * j + 1] = kvs_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
-            s[4 * j + 2] = kvs_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
-            s[4 * j + 3] = kvs_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
+            s[4 * j] = ex(fmaf(s[4 * j], scale_log2, -mu0));
+            s[4 * j + 1] = ex(fmaf(s[4 * j + 1], scale_log2, -mu0));
+            s[4 * j + 2] = ex(fmaf(s[4 * j + 2], scale_log2, -mu1));
+            s[4 * j + 3] = ex(fmaf(s[4 * j + 3], scale_log2, -mu1));
             sum0 += s[4 * j] + s[4 * j + 1];
             sum1 += s[4 * j + 2] + s[4 * j + 3];
         }
@@ -528,6 +570,18 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
         }
     };
+    /* The overlap of tile i's softmax with P V of tile i - 1 is ptxas's to keep: it
+       hoists the wgmma.wait_group 0 (WARPGROUP.DEPBAR) up to the nearest memory
+       operation or block start and sinks independent ALU work below barriers. With
+       K_i released as soon as S_i was done (before 2026-12-04; K_ORDER, bench), the
+       wait landed before the whole softmax: 0 of the loop's 66 ex2 ran under P V. So
+       K_i is released after the softmax, the arrival data-dependent on the row sums
+       (count 1 + (l0 + l1 < 0): always 1, the sums of ex2's being >= 0 or NaN), which
+       pins the wait after all 66 ex2 in every instance, bf16 and FP8 (docs/CUDA.md
+       "Where a tile's time goes"; check the SASS when touching this loop). */
+    constexpr bool k_late = (AB & KVS_WG_AB_K_ORDER) == 0;
+    const long long t_loop = tick();
+    long long n_iter = 0;
     if (n_live > 0) {
         float alpha0, alpha1;
         wait_full(full_k, 0);
@@ -544,12 +598,30 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             kvs_wgmma_fence();
             gemm_s(i);
             gemm_pv(i - 1);
+            const long long t0 = tick();
             kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
             kvs_wg_fence_regs(s);
-            release(empty_k, i);
+            d_ws += tick() - t0;
+            auto wait_pv = [&]() {
+                const long long t = tick();
+                kvs_wgmma_wait<0>();
+                kvs_wg_fence_regs(o);
+                d_wpv += tick() - t;
+            };
+            if (!k_late) release(empty_k, i);
+            if constexpr ((AB & KVS_WG_AB_SERIAL) != 0) wait_pv(); /* bench: P V of i - 1 before the softmax */
+            const long long t1 = tick();
             const bool grew = softmax(i, alpha0, alpha1);
-            kvs_wgmma_wait<0>();
-            kvs_wg_fence_regs(o);
+            if (k_late) { /* release(empty_k, i), the arrival depending on the softmax (above) */
+                if (!tma || i + STAGES == n_tiles - 1) kvs_fence_proxy_async();
+                __syncwarp();
+                /* the bench's NO_EXP / NO_SOFTMAX sums can be negative: 1 */
+                const uint32_t count = (AB & (KVS_WG_AB_NO_EXP | KVS_WG_AB_NO_SOFTMAX)) ? 1u : 1u + (l0 + l1 < 0.f);
+                if (lane == 0) kvs_mbar_arrive_n(empty_k + 8 * (i % STAGES), count);
+            }
+            d_sm += tick() - t1;
+            if constexpr ((AB & KVS_WG_AB_SERIAL) == 0) wait_pv();
+            d_tail -= tick();
             release(empty_v, i - 1);
             if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
@@ -559,6 +631,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
                 }
             }
             pack_p();
+            d_tail += tick(), n_iter++;
         }
         wait_full(full_v, n_live - 1);
         kvs_wgmma_fence();
@@ -574,9 +647,24 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         release(empty_v, i);
     }
 
+    [[maybe_unused]] const long long d_loop = tick() - t_loop;
+
     if (wg_last_key >= 0) {
         const float v_scale = FP8 ? kvs_kv_scale(a.scales, 1, blk.g, a.n_kv_heads) : 1.f;
         kvs_wg_store<D, HEADS>(a, out, lse, o, l0, l1, m0, m1, v_scale, R0, h0, q0, t0, q_len);
+    }
+    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) {
+        if (warp % 4 == 0 && lane == 0) { /* one thread a consumer warpgroup */
+            const long long d[] = {d_loop, d_full, d_ws, d_sm, d_wpv, d_tail, n_iter, 1};
+            for (int k = 0; k <= KVS_WG_DIAG_WGS; k++) atomicAdd(&kvs_wg_diag[k], (unsigned long long)d[k]);
+        }
+        if (threadIdx.x == 0) {
+            long long ns;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_CTA_CYCLES], (unsigned long long)(tick() - t_cta));
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_CTA_NS], (unsigned long long)(ns - ns_cta));
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_CTAS], 1ull);
+        }
     }
 #else
     __trap(); /* not built for sm_90a: kvs_cuda_wgmma_supported refuses such devices */
@@ -662,6 +750,41 @@ static bool kvs_wg_map(kvs_backend *b, const kvs_attn_args &a, int D, CUtensorMa
     return true;
 }
 
+/* ---- bench-only variants (kvs_cuda.wgmma_variant: KVS_WG_AB_* masks; docs/CUDA.md
+ * "Where a tile's time goes"): instantiated for bf16 d128 with 4 heads a block only */
+void kvs_cuda_wgmma_diag_reset(void) {
+    static const unsigned long long zero[KVS_WG_DIAG_N] = {0};
+    cudaMemcpyToSymbol(kvs_wg_diag, zero, sizeof zero);
+}
+void kvs_cuda_wgmma_diag_read(unsigned long long out[KVS_WG_DIAG_N]) {
+    cudaMemcpyFromSymbol(out, kvs_wg_diag, sizeof(unsigned long long) * KVS_WG_DIAG_N);
+}
+typedef void (*kvs_wg_kernel_fn)(const CUtensorMap, kvs_attn_args, bf16 *, float *, int, int);
+/* the variant's kernel, NULL for a mask not compiled */
+template <int D, int STAGES, int HEADS, bool FP8>
+static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
+    if constexpr (D == 128 && HEADS == 4 && !FP8) {
+        enum { V = KVS_WG_AB_NO_V, NL = KVS_WG_AB_NO_LOAD, NE = KVS_WG_AB_NO_EXP, NS = KVS_WG_AB_NO_SOFTMAX,
+               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL };
+        switch (ab) {
+        case V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, V>;
+        case NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL>;
+        case NE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NE>;
+        case NS: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NS>;
+        case NL | NS: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL | NS>;
+        case DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, DG>;
+        case KO: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO>;
+        case KO | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO | DG>;
+        case KO | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO | NL>;
+        case SE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE>;
+        case SE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE | DG>;
+        default: return NULL;
+        }
+    }
+    (void)ab;
+    return NULL;
+}
+
 template <int D, int STAGES, int HEADS, bool FP8>
 static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     using L = kvs_wg_smem<D, STAGES, FP8>;
@@ -670,7 +793,11 @@ static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     memset(&map, 0, sizeof map);
     const bool tma = !FP8 && !c->wgmma_no_tma && kvs_wg_map(b, a, D, &map); /* FP8: the producer converts, no TMA */
     const int flags = tma ? KVS_WG_TMA : 0;
-    auto kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8>;
+    kvs_wg_kernel_fn kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8>;
+    if (c->wgmma_variant) {
+        kvs_wg_kernel_fn v = kvs_wg_variant<D, STAGES, HEADS, FP8>(c->wgmma_variant);
+        if (v) kernel = v;
+    }
     constexpr int MH = KVS_WG_BM / HEADS;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
     /* work items (head groups x q-blocks x sequences): a CTA each */

@@ -132,6 +132,10 @@ typedef struct {
        the path an explicit WGMMA request takes where the TMA view cannot be made) */
     int wgmma_no_tma;
     int wgmma_auto; /* AUTO runs the WGMMA prefill where it fits (a Hopper device, sm_90a code built) */
+    /* bench-only (kvs_bench_kernels ablate; docs/CUDA.md "Where a tile's time goes"): a
+       KVS_WG_AB_* mask picking a compiled variant of the bf16 d128 4-heads-a-block
+       kernel (other shapes, FP8 pools and unknown masks run the default); 0: the default */
+    int wgmma_variant;
     int last_prefill; /* the kvs_cuda_prefill kernel of the last prefill launch (-1: none yet; tests) */
     /* the kernel's TMA view of the KV pool (a CUtensorMap's bytes) for (pool, rows, head_dim) */
     unsigned char wgmma_map[128];
@@ -274,6 +278,45 @@ const char *kvs_cuda_wgmma_supported(int device);
 bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale);
 /* dynamic shared memory a block (fp8: an FP8 pool's kernel); 0: head_dim not taken */
 size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
+/* Bench-only variants of the WGMMA prefill (kvs_cuda.wgmma_variant; docs/CUDA.md "Where
+ * a tile's time goes"), each its own instantiation so that the default's code is
+ * untouched: NO_V the producer loads K only (V stages left as they are), NO_LOAD no
+ * copies after the first STAGES tiles (the producer only arrives), NO_EXP the
+ * softmax without its ex2 (p = the FFMA's argument), NO_SOFTMAX P = S (no mask, max,
+ * exp, sums or rescale), DIAG clock64 counters into kvs_cuda_wgmma_diag_read's
+ * buffer, K_ORDER the K release before the softmax (the pre-fix order, whose SASS
+ * waits for P V of tile i - 1 before the softmax of tile i),
+ * SERIAL the wait for P V of tile i - 1 before tile i's softmax (no overlap). */
+enum {
+    KVS_WG_AB_NO_V = 1,
+    KVS_WG_AB_NO_LOAD = 2,
+    KVS_WG_AB_NO_EXP = 4,
+    KVS_WG_AB_NO_SOFTMAX = 8,
+    KVS_WG_AB_DIAG = 16,
+    KVS_WG_AB_K_ORDER = 32,
+    KVS_WG_AB_SERIAL = 64,
+};
+/* the DIAG counters (KVS_WG_DIAG_*), summed over the CTAs of every DIAG launch since
+   the last reset */
+enum {
+    KVS_WG_DIAG_LOOP,     /* consumer warpgroups: cycles of the tile loop */
+    KVS_WG_DIAG_FULL,     /* ... waiting on K / V full barriers */
+    KVS_WG_DIAG_WAIT_S,   /* ... in wgmma.wait_group 1 (S of tile i) */
+    KVS_WG_DIAG_SOFTMAX,  /* ... in the softmax (mask, max, exp, sums; the K release after it) */
+    KVS_WG_DIAG_WAIT_PV,  /* ... in wgmma.wait_group 0 (P V of tile i - 1) */
+    KVS_WG_DIAG_TAIL,     /* ... from P V done to the loop's end (V release, rescale, pack) */
+    KVS_WG_DIAG_ITERS,    /* loop iterations (tiles 1 .. n_live - 1) */
+    KVS_WG_DIAG_WGS,      /* warpgroups counted */
+    KVS_WG_DIAG_PROD_LOOP,  /* the producer warp: cycles of its tile loop */
+    KVS_WG_DIAG_PROD_EMPTY, /* ... waiting on empty barriers */
+    KVS_WG_DIAG_PROD_TILES, /* tiles it loaded */
+    KVS_WG_DIAG_CTA_CYCLES, /* thread 0: cycles from after the barrier init to the end */
+    KVS_WG_DIAG_CTA_NS,     /* thread 0: the same in globaltimer nanoseconds */
+    KVS_WG_DIAG_CTAS,
+    KVS_WG_DIAG_N
+};
+void kvs_cuda_wgmma_diag_reset(void);
+void kvs_cuda_wgmma_diag_read(unsigned long long out[KVS_WG_DIAG_N]);
 void kvs_cuda_prefill_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int head_dim,
                             int max_q_len, bool fp8);
 
