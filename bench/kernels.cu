@@ -397,7 +397,8 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     }
     kvs_cuda *bc = kvs_cuda_of(b);
     enum { NO_V = KVS_WG_AB_NO_V, NO_LOAD = KVS_WG_AB_NO_LOAD, NO_EXP = KVS_WG_AB_NO_EXP,
-           NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG, K_ORDER = KVS_WG_AB_K_ORDER, SERIAL = KVS_WG_AB_SERIAL };
+           NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG, K_ORDER = KVS_WG_AB_K_ORDER, SERIAL = KVS_WG_AB_SERIAL,
+           CP4 = KVS_WG_AB_CP4 };
     struct ab_row {
         const char *name;
         int ab;
@@ -416,6 +417,8 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
         {"DIAG (clock64 counters)", DIAG, 2},
         {"DIAG + K_ORDER", DIAG | K_ORDER, 2},
         {"DIAG + SERIAL", DIAG | SERIAL, 2},
+        {"CP4 (4 producer warps, cp.async, no TMA)", CP4, 2},
+        {"DIAG + CP4", DIAG | CP4, 2},
     };
     const int ns[3] = {4096, 16384, 32768};
     for (int ni = 0; ni < 3; ni++) {

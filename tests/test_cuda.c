@@ -856,6 +856,17 @@ Test(cuda, attention_wgmma_no_tma) {
     wgmma_all();
     unsetenv("KVSPARSE_WGMMA_TMA");
 }
+/* the bench variant CP4 (KVSPARSE_WGMMA_VARIANT=128: K/V by the producer warpgroup's
+   128 threads with cp.async, no TMA; compiled for d128 with 4 heads a block, the other
+   cases run the default kernel), on every case, the NaN pools and the long ones */
+static void wgmma_nan_cases(void);
+Test(cuda, attention_wgmma_cp4, .timeout = 600) {
+    setenv("KVSPARSE_WGMMA_VARIANT", "128", 1);
+    wgmma_all();
+    wgmma_nan_cases();
+    wgmma_long();
+    unsetenv("KVSPARSE_WGMMA_VARIANT");
+}
 /* Pool entries no sequence wrote are NaN (then Inf) on the GPU: the tail of each
  * sequence's last block past its last key (which TMA would load as it is) and the
  * unused blocks. Keys ending mid-block (block sizes 16 and 32), a one-query chunk

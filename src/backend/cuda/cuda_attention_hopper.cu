@@ -263,6 +263,65 @@ __device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma,
     }
 }
 
+/* CP4 (bench variant KVS_WG_AB_CP4): bf16 K/V copied by the producer warpgroup's 128
+ * threads with cp.async, as FlashAttention-3 loads pages of fewer than 128 keys,
+ * instead of one warp's 32 TMA boxes of 16 rows a tile. Half-tile j: tile j / 2's K
+ * (j even) or V, 128 keys x D: thread pt copies the 16-byte chunk c = pt % CH (CH = D /
+ * 8) of rows kt + KPR v (kt = pt / CH, KPR = 128 / CH), straight into the ring stage's
+ * swizzled place, rows at or past n_keys zero-filled. Lanes 0..7 of each warp hold the
+ * 16-key units (paged block x 16-row group, as kvs_wg_produce8's) of the tile being
+ * copied, and the next tile's, loaded a tile ahead. Half-tile j + 1 is issued (after
+ * its stage's empty wait) before j is waited for, fenced to the async proxy and
+ * arrived on (128 arrivals, no transaction bytes). */
+template <int D, int STAGES>
+__device__ __forceinline__ void kvs_wg_produce_cp(const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
+                                                  uint32_t k_s, uint32_t v_s, uint32_t bars, int pt) {
+    constexpr int BN = KVS_WG_BN, CH = D / 8, KPR = 128 / CH;
+    constexpr uint32_t TILE = (uint32_t)BN * D * 2;
+    static_assert(KPR % 8 == 0 && KPR <= 16, "a thread's rows kt + KPR v: 16 / KPR of each 16-row group");
+    const int32_t *table = kvs_attn_table(a, seq);
+    const int bs = a.block_size, lane = pt % 32, kt = pt / CH, c = pt % CH;
+    const bf16 *src_k = a.pool + kvs_kv_offset(0, 0, g, kt, a.n_kv_heads, bs, D) + 8 * c;
+    const size_t v_off = (size_t)a.n_kv_heads * bs * D; /* a block's K rows of a head -> its V rows */
+    const uint32_t bunits = 2u * a.n_kv_heads * (bs / 16);
+    auto unit_of = [&](int i) -> uint32_t { /* lane < 8: the unit of group lane of tile i (0 past the keys) */
+        const int e = i * BN + 16 * lane;
+        return lane < 8 && e < n_keys ? (uint32_t)table[e / bs] * bunits + (uint32_t)(e % bs) / 16 : 0u;
+    };
+    uint32_t unit_t = unit_of(0), unit_n = unit_of(1);
+    auto issue = [&](int j) {
+        const int i = j >> 1, kind = j & 1, k0 = i * BN;
+        const uint32_t dst = (kind ? v_s : k_s) + (uint32_t)(i % STAGES) * TILE;
+        const bf16 *src = kind ? src_k + v_off : src_k;
+        const uint32_t dst_t = dst + kvs_wg_swz(BN, kt, c); /* row kt + KPR v: + KPR v x 128 bytes (same swizzle) */
+#pragma unroll
+        for (int gq = 0; gq < BN / 16; gq++) { /* group gq: rows kt + KPR v of it, v = gq 16 / KPR .. */
+            const uint32_t u = __shfl_sync(0xffffffffu, unit_t, gq);
+            const bf16 *src_g = src + (size_t)u * 16 * D;
+#pragma unroll
+            for (int w = 0; w < 16 / KPR; w++) {
+                const int rr = KPR * w, r = 16 * gq + rr + kt; /* row rr + kt of the group */
+                const bool ok = k0 + r < n_keys;
+                kvs_cp_async16(dst_t + (uint32_t)(16 * gq + rr) * 128, ok ? src_g + (size_t)rr * D : a.pool, ok);
+            }
+        }
+        kvs_cp_async_commit();
+    };
+    issue(0);
+    for (int j = 0; j < 2 * n_tiles; j++) {
+        if (j + 1 < 2 * n_tiles) {
+            const int i1 = (j + 1) >> 1, kind1 = (j + 1) & 1;
+            if (!kind1) unit_t = unit_n, unit_n = unit_of(i1 + 1); /* tile i1's units; i1 + 1's on the way */
+            if (i1 >= STAGES) /* tile i1 - STAGES of this kind read */
+                kvs_mbar_wait(bars + 8 * (kind1 * STAGES + i1 % STAGES) + 16 * STAGES, ((i1 / STAGES) & 1) ^ 1);
+            issue(j + 1);
+        } else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
+        kvs_cp_async_wait<1>();        /* half-tile j's copies landed */
+        kvs_fence_proxy_async();
+        kvs_mbar_arrive(bars + 8 * ((j & 1) * STAGES + (j >> 1) % STAGES));
+    }
+}
+
 /* ---- FP8 pools: the producer warpgroup's 128 threads convert codes -----------------
  * Half-tile j: tile j / 2's K (j even) or V codes, 128 keys x D bytes, 16-byte chunks
  * p = pt + 128 v (v < D / 16) for thread pt (0 .. 127): chunk p % (D / 16) of key
@@ -446,11 +505,12 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
        then K empty, V empty (the 8 consumer warps) */
     const uint32_t bars = base + (uint32_t)L::bar, full_k = bars, full_v = bars + 8 * STAGES;
     const uint32_t empty_k = bars + 16 * STAGES, empty_v = bars + 24 * STAGES;
-    const bool tma = !FP8 && (flags & KVS_WG_TMA);
+    constexpr bool CP4 = !FP8 && (AB & KVS_WG_AB_CP4) != 0; /* bench: kvs_wg_produce_cp */
+    const bool tma = !FP8 && !CP4 && (flags & KVS_WG_TMA);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
-        for (int st = 0; st < 2 * STAGES; st++) kvs_mbar_init(bars + 8 * st, FP8 ? 128 : 32);
+        for (int st = 0; st < 2 * STAGES; st++) kvs_mbar_init(bars + 8 * st, FP8 || CP4 ? 128 : 32);
         for (int st = 2 * STAGES; st < 4 * STAGES; st++) kvs_mbar_init(bars + 8 * st, 8);
         kvs_mbar_init_fence();
     }
@@ -465,10 +525,12 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     if (blk.q0 >= blk.q_len) return; /* no row (a q-block past a short sequence's q_len) */
 
     if (warp >= 8) { /* the producer warpgroup */
-        kvs_setmaxnreg_dec<KVS_WG_PRODUCER_REGS(FP8)>();
+        kvs_setmaxnreg_dec<KVS_WG_PRODUCER_REGS(FP8 || CP4)>();
         if (FP8)
             kvs_wg_produce8<D, STAGES>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, base + (uint32_t)L::raw,
                                        bars, threadIdx.x - 256);
+        else if (CP4)
+            kvs_wg_produce_cp<D, STAGES>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars, threadIdx.x - 256);
         else if (warp == 8) {
             if (tma && lane == 0) kvs_tma_prefetch_map(&kv_map);
             kvs_wg_produce<D, STAGES, AB>(&kv_map, tma, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars,
@@ -476,7 +538,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         }
         return;
     }
-    kvs_setmaxnreg_inc<KVS_WG_CONSUMER_REGS(FP8)>();
+    kvs_setmaxnreg_inc<KVS_WG_CONSUMER_REGS(FP8 || CP4)>();
 
     /* ---- consumers: warpgroup wg owns block rows 64 wg .. 64 wg + 63 ---- */
     const int wg = warp / 4;
@@ -765,7 +827,7 @@ template <int D, int STAGES, int HEADS, bool FP8>
 static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
     if constexpr (D == 128 && HEADS == 4 && !FP8) {
         enum { V = KVS_WG_AB_NO_V, NL = KVS_WG_AB_NO_LOAD, NE = KVS_WG_AB_NO_EXP, NS = KVS_WG_AB_NO_SOFTMAX,
-               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL };
+               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL, CP = KVS_WG_AB_CP4 };
         switch (ab) {
         case V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, V>;
         case NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL>;
@@ -778,6 +840,8 @@ static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
         case KO | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO | NL>;
         case SE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE>;
         case SE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE | DG>;
+        case CP: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP>;
+        case CP | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | DG>;
         default: return NULL;
         }
     }

@@ -286,7 +286,8 @@ size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
  * exp, sums or rescale), DIAG clock64 counters into kvs_cuda_wgmma_diag_read's
  * buffer, K_ORDER the K release before the softmax (the pre-fix order, whose SASS
  * waits for P V of tile i - 1 before the softmax of tile i),
- * SERIAL the wait for P V of tile i - 1 before tile i's softmax (no overlap). */
+ * SERIAL the wait for P V of tile i - 1 before tile i's softmax (no overlap), CP4 K/V
+ * by the producer warpgroup's 128 threads with cp.async instead of TMA boxes. */
 enum {
     KVS_WG_AB_NO_V = 1,
     KVS_WG_AB_NO_LOAD = 2,
@@ -295,6 +296,7 @@ enum {
     KVS_WG_AB_DIAG = 16,
     KVS_WG_AB_K_ORDER = 32,
     KVS_WG_AB_SERIAL = 64,
+    KVS_WG_AB_CP4 = 128,
 };
 /* the DIAG counters (KVS_WG_DIAG_*), summed over the CTAs of every DIAG launch since
    the last reset */
