@@ -324,7 +324,7 @@ static void attn_free(kvs_backend *b, attn_ctx *c) {
 }
 
 /* The largest |difference| of the output (and lse) of the attention just run on c
- * (n tokens, 32 heads x 128) from prefill kernel `ref`'s with TMA (run on the same
+ * (n tokens, 32 heads x 128) from prefill kernel `ref`'s (run on the same
  * inputs; NaN counts as infinite). */
 static double max_diff_against(kvs_backend *b, attn_ctx *c, int n, int ref, double *worst_l) {
     kvs_cuda *bc = kvs_cuda_of(b);
@@ -333,12 +333,10 @@ static double max_diff_against(kvs_backend *b, attn_ctx *c, int n, int ref, doub
     float *got_l = (float *)malloc(n_l * 4), *want_l = (float *)malloc(n_l * 4);
     b->to_host_f32(b, got, c->out, n_out);
     if (c->lse) b->to_host(b, got_l, c->lse, n_l * 4);
-    const int kernel = bc->prefill, no_tma = bc->wgmma_no_tma;
+    const int kernel = bc->prefill;
     bc->prefill = ref;
-    bc->wgmma_no_tma = 0;
     run_attn(b, c);
     bc->prefill = kernel;
-    bc->wgmma_no_tma = no_tma;
     b->to_host_f32(b, want, c->out, n_out);
     if (c->lse) b->to_host(b, want_l, c->lse, n_l * 4);
     double worst = 0;
@@ -397,8 +395,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     }
     kvs_cuda *bc = kvs_cuda_of(b);
     enum { NO_V = KVS_WG_AB_NO_V, NO_LOAD = KVS_WG_AB_NO_LOAD, NO_EXP = KVS_WG_AB_NO_EXP,
-           NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG, K_ORDER = KVS_WG_AB_K_ORDER, SERIAL = KVS_WG_AB_SERIAL,
-           CP4 = KVS_WG_AB_CP4 };
+           NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG, K_ORDER = KVS_WG_AB_K_ORDER, SERIAL = KVS_WG_AB_SERIAL };
     struct ab_row {
         const char *name;
         int ab;
@@ -417,8 +414,6 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
         {"DIAG (clock64 counters)", DIAG, 2},
         {"DIAG + K_ORDER", DIAG | K_ORDER, 2},
         {"DIAG + SERIAL", DIAG | SERIAL, 2},
-        {"CP4 (4 producer warps, cp.async, no TMA)", CP4, 2},
-        {"DIAG + CP4", DIAG | CP4, 2},
     };
     const int ns[3] = {4096, 16384, 32768};
     for (int ni = 0; ni < 3; ni++) {
@@ -666,28 +661,24 @@ int main(int argc, char **argv) {
 
     /* prefill attention: 4096 tokens, causal; every kernel (the default also with
        lse), chosen by the backend's prefill option; v0 from bench/prefill_versions.cuh
-       (-1); the WGMMA kernel's cp.async producer (the backend's wgmma_no_tma, docs/CUDA.md
-       "Hopper prefill kernel"). A row's output (and lse) is checked against the
-       kernel `ref`'s on the same inputs (the WGMMA kernel's against GQA's; its
-       cp.async producer against the default WGMMA kernel's) */
+       (-1). A row's output (and lse) is checked against the kernel `ref`'s on the same
+       inputs (the WGMMA kernel's against GQA's) */
     attn_ctx pc;
     struct pre_row {
         const char *name;
         int kernel; /* -1: v0 */
         bool lse;
-        bool no_tma; /* kvs_cuda.wgmma_no_tma */
-        int ref;     /* the kernel whose output it is checked against (with TMA); -2: none */
+        int ref; /* the kernel whose output it is checked against; -2: none */
     };
     const int AUTO = KVS_CUDA_PREFILL_AUTO, WG = KVS_CUDA_PREFILL_WGMMA, GQA = KVS_CUDA_PREFILL_GQA;
     const pre_row pre[] = {
-        {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)", -1, false, false, AUTO},
-        {"SMALL (v2) 4 warps x 16 rows", KVS_CUDA_PREFILL_SMALL, false, false, -2},
-        {"HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip", KVS_CUDA_PREFILL_HEAD, false, false, -2},
-        {"GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles", GQA, false, false, -2},
-        {"default (AUTO: WGMMA on Hopper, else GQA where it fits) + lse", AUTO, true, false, -2},
-        {"WGMMA (TMA producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap)", WG, false, false, GQA},
-        {"WGMMA + lse", WG, true, false, GQA},
-        {"WGMMA + lse, cp.async producer (no TMA, diagnostic)", WG, true, true, WG},
+        {"v0 4 warps x 32 rows (bench/prefill_versions.cuh)", -1, false, AUTO},
+        {"SMALL (v2) 4 warps x 16 rows", KVS_CUDA_PREFILL_SMALL, false, -2},
+        {"HEAD (v4) 8 warps x 32 rows, FFMA + rescale skip", KVS_CUDA_PREFILL_HEAD, false, -2},
+        {"GQA (v13) HEAD with 4 heads x 64 rows a block, warps skipping fully masked tiles", GQA, false, -2},
+        {"default (AUTO: WGMMA on Hopper, else GQA where it fits) + lse", AUTO, true, -2},
+        {"WGMMA (cp.async producer warpgroup, 2 consumer warpgroups, intra-warpgroup overlap)", WG, false, GQA},
+        {"WGMMA + lse", WG, true, GQA},
     };
     const int N_PRE = (int)(sizeof pre / sizeof pre[0]);
     double pre_tf[sizeof pre / sizeof pre[0]] = {0}; /* 0: skipped */
@@ -696,7 +687,7 @@ int main(int argc, char **argv) {
     const char *wgmma_why = kvs_cuda_wgmma_supported(device);
     kvs_cuda *bc = kvs_cuda_of(b);
     auto against = [&](attn_ctx *c, int n, int ref, double *worst_l) { return max_diff_against(b, c, n, ref, worst_l); };
-    auto ref_name = [&](int ref) { return ref == AUTO ? "the default" : ref == GQA ? "GQA" : "the default WGMMA"; };
+    auto ref_name = [&](int ref) { return ref == AUTO ? "the default" : "GQA"; };
     for (int v = 0; v < N_PRE; v++) {
         const pre_row &r = pre[v];
         if (r.kernel == WG && wgmma_why) {
@@ -704,7 +695,6 @@ int main(int argc, char **argv) {
             continue;
         }
         bc->prefill = r.kernel < 0 ? AUTO : r.kernel;
-        bc->wgmma_no_tma = r.no_tma;
         if (!attn_setup(b, &pc, 1, 4096, 4096, r.lse)) return fprintf(stderr, "out of memory\n"), 1;
         double t_pre = time_it(b, 20, r.kernel < 0 ? run_attn_v0 : run_attn, &pc), tf = flops / t_pre / 1e12;
         pre_tf[v] = tf;
@@ -717,7 +707,6 @@ int main(int argc, char **argv) {
             if (pc.lse) printf(", lse %.3g", worst_l);
             printf("\n");
         }
-        bc->wgmma_no_tma = 0;
         attn_free(b, &pc);
     }
     /* the issue-15 targets at 16k and 32k tokens (one sequence, causal, with lse): GQA and the WGMMA kernel, a

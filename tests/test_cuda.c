@@ -789,10 +789,7 @@ Test(cuda, attention_prefill_variants) {
  * and 128, 4096-token sequences, block sizes 16 and 32, graph-mode tables, and
  * the calls it does not take (head_dim 32, block size 24) falling back to the
  * automatic choice. Tolerances as the other prefill kernels'. The attention_wgmma_fp8*
- * tests run the cases on FP8 pools (the kernel's converting producer).
- * attention_wgmma_no_tma runs the cases through the kernel's cp.async producer
- * (KVSPARSE_WGMMA_TMA=0: the path an explicit request takes where the TMA view of
- * the pool cannot be made). */
+ * tests run the cases on FP8 pools (the kernel's converting producer). */
 #define WGMMA KVS_CUDA_PREFILL_WGMMA
 static bool kv8_available(void);
 static const int odd_kv[] = {1, 17, 64, 65, 463, 700, 129, 130, 117, 17};
@@ -849,33 +846,14 @@ Test(cuda, attention_wgmma_d128_groups) { wgmma_d128_groups(); }
 Test(cuda, attention_wgmma_d64) { wgmma_d64(); }
 Test(cuda, attention_wgmma_long, .timeout = 600) { wgmma_long(); }
 Test(cuda, attention_wgmma_mixed_capacity_blocks) { wgmma_mixed_capacity_blocks(); }
-/* every K/V row by cp.async (KVSPARSE_WGMMA_TMA=0, read when the backend is created): the consumers without
-   TMA (up to 6 tiles a block: every stage reused; the long cases left to the others) */
-Test(cuda, attention_wgmma_no_tma) {
-    setenv("KVSPARSE_WGMMA_TMA", "0", 1);
-    wgmma_all();
-    unsetenv("KVSPARSE_WGMMA_TMA");
-}
-/* the bench variant CP4 (KVSPARSE_WGMMA_VARIANT=128: K/V by the producer warpgroup's
-   128 threads with cp.async, no TMA; compiled for d128 with 4 heads a block, the other
-   cases run the default kernel), on every case, the NaN pools and the long ones */
-static void wgmma_nan_cases(void);
-Test(cuda, attention_wgmma_cp4, .timeout = 600) {
-    setenv("KVSPARSE_WGMMA_VARIANT", "128", 1);
-    wgmma_all();
-    wgmma_nan_cases();
-    wgmma_long();
-    unsetenv("KVSPARSE_WGMMA_VARIANT");
-}
 /* Pool entries no sequence wrote are NaN (then Inf) on the GPU: the tail of each
- * sequence's last block past its last key (which TMA would load as it is) and the
- * unused blocks. Keys ending mid-block (block sizes 16 and 32), a one-query chunk
+ * sequence's last block past its last key (the producer's zero fill keeps it out) and
+ * the unused blocks. Keys ending mid-block (block sizes 16 and 32), a one-query chunk
  * and a one-key sequence inside the batch, chunks after cached entries, and 1-head
  * blocks (groups 1 and 3) whose warpgroup 0 has a tile past its keys (kv 190 / q
  * 130 and kv 260 / q 200: 60 cached entries; the first block's warpgroup 0 sees
  * keys up to 123 of 188) or whose warpgroup 1 has no row at all (their last
- * block). No leading one-query sequence: those go to the decode kernel. Every
- * path: TMA (with the cp.async tail) and cp.async alone. */
+ * block). No leading one-query sequence: those go to the decode kernel. */
 static const int nan_kv[] = {17, 463, 700, 190, 260, 33, 1, 129, 5, 31};
 static const int nan_q[] = {17, 63, 700, 130, 200, 1, 1, 65, 5, 31};
 #define NAN_N 10
@@ -895,12 +873,7 @@ static void wgmma_nan_cases(void) {
     attention_case_prefill(WGMMA, 8, 8, 128, NAN_N, nan_kv, nan_q, 1);
     paged_poison = 0;
 }
-Test(cuda, attention_wgmma_nan_pool, .timeout = 600) {
-    wgmma_nan_cases();
-    setenv("KVSPARSE_WGMMA_TMA", "0", 1);
-    wgmma_nan_cases();
-    unsetenv("KVSPARSE_WGMMA_TMA");
-}
+Test(cuda, attention_wgmma_nan_pool, .timeout = 600) { wgmma_nan_cases(); }
 /* calls the kernel does not take run the automatic choice's kernel (checked: not
    WGMMA), bf16 and FP8 pools alike; an FP8 pool it takes runs it, asked for or by
    the automatic choice (on Hopper: the explicit call skips the test elsewhere) */

@@ -1232,10 +1232,9 @@ static int kvs_prefill_pick(kvs_cuda *c, const kvs_attn_args &a, bool fp8) {
     const float scale = a.scale;
     const size_t optin = (size_t)kvs_attn_smem_optin(c);
     int k = c->prefill;
-    /* AUTO on Hopper: WGMMA, unless its TMA view of a bf16 pool could not be made (then
-       GQA). FP8 pools too: its producer converting the codes measured 1.7-1.8x the
-       FA2-style FP8 kernel (docs/CUDA.md "FP8 pools", row 54). */
-    if (k == KVS_CUDA_PREFILL_AUTO && c->wgmma_auto && (fp8 || !c->wgmma_map_warned)) k = KVS_CUDA_PREFILL_WGMMA;
+    /* AUTO on Hopper: WGMMA, bf16 and FP8 pools (FP8: its producer converting the codes
+       measured 1.7-1.8x the FA2-style FP8 kernel, docs/CUDA.md "FP8 pools", row 54) */
+    if (k == KVS_CUDA_PREFILL_AUTO && c->wgmma_auto) k = KVS_CUDA_PREFILL_WGMMA;
     if (k == KVS_CUDA_PREFILL_WGMMA && !kvs_cuda_wgmma_fits(D, a.block_size, scale)) k = KVS_CUDA_PREFILL_AUTO;
     size_t need = kvs_prefill_smem_bytes<D>(k, fp8);
     if (need == 0 || need > optin)
@@ -1444,7 +1443,6 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
     kvs_attn_args a;
     a.q = (const bf16 *)q;
     a.pool = (const bf16 *)pool->data;
-    a.pool_blocks = pool->n_blocks;
     a.q_start = ab->q_start;
     a.kv_len = ab->kv_len;
     a.block_tables = ab->block_tables;

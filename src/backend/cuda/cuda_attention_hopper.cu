@@ -17,12 +17,13 @@
  * from shared memory as the N-major (transposed) B operand.
  *
  * FlashAttention-3's structure (kvs_attn_wgmma_kernel). 12 warps: a producer
- * warpgroup (warps 8-11, setmaxnreg down to 40 registers; warp 8 loads) and the two
- * consumer warpgroups (setmaxnreg up to 232). The producer fills a K ring and a V
- * ring (STAGES tiles each) by TMA, a 16-row x 64-column box per paged block (16
- * keys) and column block; the rows of the last tile at or past the block's last key
- * go by cp.async with zero fill instead, so that stale or NaN pool rows never reach
- * the tensor cores (without a TMA view of the pool every row goes that way).
+ * warpgroup (warps 8-11, setmaxnreg down to 56 registers) and the two consumer
+ * warpgroups (setmaxnreg up to 224). The producer's 128 threads fill a K ring and a V
+ * ring (STAGES tiles each) by 16-byte cp.async, as FlashAttention-3 loads pages of
+ * fewer than 128 keys (TMA boxes of a 16-key paged block, 32 a tile from one warp,
+ * measured 1.08-1.13x slower: docs/CUDA.md "Where a tile's time goes"); rows at or
+ * past the block's last key are zero-filled, so that stale or NaN pool rows never
+ * reach the tensor cores. FP8 pools: the same threads convert the codes.
  * Consumers overlap within the warpgroup: S of tile i and P V of tile i - 1 are
  * issued together, the softmax of i runs while P V of i - 1 does (K_i released after
  * the softmax: the SASS keeps that overlap only so; see the tile loop).
@@ -34,9 +35,7 @@
  * bytes per k16 step inside a column block, LBO 16 (unused), SBO 1024 (8-row
  * groups); N-major (V) start + 2048 bytes per 16 keys, LBO = 128 keys x 128 B (the
  * next 64 head_dim columns), SBO 1024 (the next 8 keys). */
-#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled */
 #include <math.h>
-#include <string.h>
 
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_mma.cuh"
@@ -59,16 +58,11 @@ __device__ unsigned long long kvs_wg_diag[KVS_WG_DIAG_N];
 #define KVS_WG_BN 128      /* keys a K/V tile */
 #define KVS_WG_THREADS 384 /* 2 consumer warpgroups + the producer warpgroup */
 /* registers a thread after setmaxnreg: producer + 2 consumers = 3 x 168, the
-   count ptxas compiles 384 threads at (ptxas: the producer spills at 24, the
-   consumers need 192 at head_dim 128). FP8 pools: the producer's four warps convert
-   codes (56), the consumers keep 224. */
-#define KVS_WG_PRODUCER_REGS(FP8) ((FP8) ? 56 : 40)
-#define KVS_WG_CONSUMER_REGS(FP8) ((FP8) ? 224 : 232)
-static_assert(KVS_WG_PRODUCER_REGS(false) + 2 * KVS_WG_CONSUMER_REGS(false) == 3 * 168, "bf16 register split");
-static_assert(KVS_WG_PRODUCER_REGS(true) + 2 * KVS_WG_CONSUMER_REGS(true) == 3 * 168, "FP8 register split");
-/* the kernel's flags (an int argument; docs/CUDA.md "Hopper prefill kernel (wgmma)"):
-   the K/V boxes by TMA (else every row by cp.async, the map unused) */
-#define KVS_WG_TMA 1
+   count ptxas compiles 384 threads at (the consumers need 192 at head_dim 128; the
+   producer's copies, and FP8's conversion, fit 56) */
+#define KVS_WG_PRODUCER_REGS 56
+#define KVS_WG_CONSUMER_REGS 224
+static_assert(KVS_WG_PRODUCER_REGS + 2 * KVS_WG_CONSUMER_REGS == 3 * 168, "register split");
 
 /* Shared memory: Q, the K ring, the V ring (bf16 tiles), FP8 pools: two raw tiles of
    codes (a tile's K or V, 128 keys x D bytes, the producer's staging), then the
@@ -183,99 +177,20 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
     }
 }
 
-/* The producer warp, one work item: K and V of tile i (keys [128 i, 128 i + 128) of
- * the item's n_keys, 8 groups of 16 keys, one paged block each) into stage i % STAGES
- * of the K and V rings. Full groups by TMA: lane l < 8 x
- * D/64 loads the box (group l % 8, column block l / 8). On the last tile, the groups
- * holding keys at or past n_keys (the sequence's last paged block may hold anything
- * past its last key: stale rows of other requests, never-written NaN) go by 16-byte
- * cp.async with those rows zero-filled, waited for and fenced to the async proxy by
- * each lane before it arrives; without TMA every group goes that way. Every lane
- * arrives on the full barrier once a tile and ring, lane 0's arrival announcing the
- * TMA bytes. */
+/* The bf16 producer, thread pt of the producer warpgroup, one work item: K and V of
+ * every tile into the rings by 16-byte cp.async (FlashAttention-3's way for pages of
+ * fewer than 128 keys). Half-tile j: tile j / 2's K (j even) or V, 128 keys x D:
+ * thread pt copies the chunk c = pt % CH (CH = D / 8) of rows kt + KPR v (kt = pt /
+ * CH, KPR = 128 / CH) straight into the ring stage's swizzled place, rows at or past
+ * n_keys zero-filled. Lanes 0..7 of each warp hold the 16-key units (paged block x
+ * 16-row group, as kvs_wg_produce8's) of the tile being copied, and the next tile's,
+ * loaded a tile ahead. Half-tile j + 1 is issued (after its stage's empty wait) before
+ * j is waited for, fenced to the async proxy and arrived on (128 arrivals). AB: the
+ * bench's NO_V (no V copies), NO_LOAD (none after the first STAGES tiles), DIAG (the
+ * empty waits' clock). */
 template <int D, int STAGES, int AB>
-__device__ __forceinline__ void kvs_wg_produce(const CUtensorMap *map, bool tma, const kvs_attn_args &a, int g,
-                                               int seq, int n_keys, int n_tiles, uint32_t k_s, uint32_t v_s,
-                                               uint32_t bars, int lane) {
-    constexpr int BN = KVS_WG_BN, NG = BN / 16, CB = D / 64, CH = D / 8;
-    constexpr int RPI = 32 / CH, VPG = 16 / RPI;                /* rows a warp-wide copy; copies a lane a group */
-    constexpr uint32_t TILE = (uint32_t)BN * D * 2, BOX = 16 * 128; /* a box: 16 rows x 128 bytes */
-    const int32_t *table = kvs_attn_table(a, seq);
-    const int bs = a.block_size, gl = lane % NG, cbl = lane / NG; /* TMA: the box of lane < NG x CB */
-    const int c = lane % CH, rs = lane / CH;                      /* cp.async: chunk c of rows rs + RPI v */
-    auto block_of = [&](int i) -> int { /* the paged block of group gl of tile i (0 past the keys) */
-        const int e = i * BN + 16 * gl;
-        return e < n_keys ? table[e / bs] : 0;
-    };
-    int blk_next = block_of(0);
-    /* bench variants (KVS_WG_AB_*; AB 0: all of it folds away) */
-    auto tick = [&]() -> long long {
-        if constexpr ((AB & KVS_WG_AB_DIAG) != 0) return clock64();
-        else return 0;
-    };
-    long long d_empty = 0;
-    const long long t_loop = tick();
-    for (int i = 0; i < n_tiles; i++) {
-        const int blk = blk_next;
-        if (i + 1 < n_tiles) blk_next = block_of(i + 1); /* used next tile: its latency hides */
-        const int st = i % STAGES, k0 = i * BN;
-        const int n_tma = !tma ? 0 : i + 1 < n_tiles ? NG : min(NG, (n_keys - k0) / 16); /* groups [0, n_tma) */
-#pragma unroll
-        for (int kind = 0; kind < 2; kind++) { /* K, then V (released later by the consumers) */
-            const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
-            const uint32_t dst = (kind ? v_s : k_s) + st * TILE;
-            const long long t_empty = tick();
-            if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
-            d_empty += tick() - t_empty;
-            /* bench variants: no copy of V (NO_V), none after the first STAGES tiles (NO_LOAD) */
-            const bool skip = ((AB & KVS_WG_AB_NO_V) != 0 && kind == 1) || ((AB & KVS_WG_AB_NO_LOAD) != 0 && i >= STAGES);
-            if (!skip && n_tma < NG) {
-                for (int gi = n_tma; gi < NG; gi++) {
-                    const int e0 = k0 + 16 * gi, b = __shfl_sync(0xffffffffu, blk, gi);
-                    const bf16 *src0 =
-                        a.pool + (e0 < n_keys ? kvs_kv_offset(b, kind, g, e0 % bs, a.n_kv_heads, bs, D) : 0) + c * 8;
-#pragma unroll
-                    for (int v = 0; v < VPG; v++) {
-                        const int rr = rs + RPI * v;
-                        const bool ok = e0 + rr < n_keys;
-                        kvs_cp_async16(dst + kvs_wg_swz(BN, 16 * gi + rr, c), ok ? src0 + (size_t)rr * D : a.pool, ok);
-                    }
-                }
-                kvs_cp_async_commit();
-                kvs_cp_async_wait<0>();
-                kvs_fence_proxy_async();
-            }
-            if (!skip && lane == 0 && n_tma > 0) kvs_mbar_arrive_tx(full, (uint32_t)(n_tma * CB) * BOX);
-            else kvs_mbar_arrive(full);
-            if (!skip && lane < NG * CB && gl < n_tma) { /* row of the pool as a [rows][D] tensor (kvs_kv_offset / D) */
-                const uint32_t box_dst = dst + cbl * (BN * 128) + gl * BOX;
-                const int row = ((blk * 2 + kind) * a.n_kv_heads + g) * bs + (k0 + 16 * gl) % bs;
-                kvs_tma_load_2d(box_dst, map, 64 * cbl, row, full);
-            }
-        }
-    }
-    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) {
-        if (lane == 0) {
-            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_LOOP], (unsigned long long)(tick() - t_loop));
-            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_EMPTY], (unsigned long long)d_empty);
-            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_TILES], (unsigned long long)n_tiles);
-        }
-    }
-}
-
-/* CP4 (bench variant KVS_WG_AB_CP4): bf16 K/V copied by the producer warpgroup's 128
- * threads with cp.async, as FlashAttention-3 loads pages of fewer than 128 keys,
- * instead of one warp's 32 TMA boxes of 16 rows a tile. Half-tile j: tile j / 2's K
- * (j even) or V, 128 keys x D: thread pt copies the 16-byte chunk c = pt % CH (CH = D /
- * 8) of rows kt + KPR v (kt = pt / CH, KPR = 128 / CH), straight into the ring stage's
- * swizzled place, rows at or past n_keys zero-filled. Lanes 0..7 of each warp hold the
- * 16-key units (paged block x 16-row group, as kvs_wg_produce8's) of the tile being
- * copied, and the next tile's, loaded a tile ahead. Half-tile j + 1 is issued (after
- * its stage's empty wait) before j is waited for, fenced to the async proxy and
- * arrived on (128 arrivals, no transaction bytes). */
-template <int D, int STAGES>
-__device__ __forceinline__ void kvs_wg_produce_cp(const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
-                                                  uint32_t k_s, uint32_t v_s, uint32_t bars, int pt) {
+__device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
+                                               uint32_t k_s, uint32_t v_s, uint32_t bars, int pt) {
     constexpr int BN = KVS_WG_BN, CH = D / 8, KPR = 128 / CH;
     constexpr uint32_t TILE = (uint32_t)BN * D * 2;
     static_assert(KPR % 8 == 0 && KPR <= 16, "a thread's rows kt + KPR v: 16 / KPR of each 16-row group");
@@ -288,14 +203,24 @@ __device__ __forceinline__ void kvs_wg_produce_cp(const kvs_attn_args &a, int g,
         const int e = i * BN + 16 * lane;
         return lane < 8 && e < n_keys ? (uint32_t)table[e / bs] * bunits + (uint32_t)(e % bs) / 16 : 0u;
     };
+    auto tick = [&]() -> long long { /* the DIAG variant's clock (0 in the others: folds away) */
+        if constexpr ((AB & KVS_WG_AB_DIAG) != 0) return clock64();
+        else return 0;
+    };
+    long long d_empty = 0;
+    const long long t_loop = tick();
     uint32_t unit_t = unit_of(0), unit_n = unit_of(1);
     auto issue = [&](int j) {
         const int i = j >> 1, kind = j & 1, k0 = i * BN;
+        if (((AB & KVS_WG_AB_NO_V) != 0 && kind) || ((AB & KVS_WG_AB_NO_LOAD) != 0 && i >= STAGES)) {
+            kvs_cp_async_commit(); /* bench: no copy (an empty group keeps the count) */
+            return;
+        }
         const uint32_t dst = (kind ? v_s : k_s) + (uint32_t)(i % STAGES) * TILE;
         const bf16 *src = kind ? src_k + v_off : src_k;
         const uint32_t dst_t = dst + kvs_wg_swz(BN, kt, c); /* row kt + KPR v: + KPR v x 128 bytes (same swizzle) */
 #pragma unroll
-        for (int gq = 0; gq < BN / 16; gq++) { /* group gq: rows kt + KPR v of it, v = gq 16 / KPR .. */
+        for (int gq = 0; gq < BN / 16; gq++) { /* the thread's rows of 16-key group gq */
             const uint32_t u = __shfl_sync(0xffffffffu, unit_t, gq);
             const bf16 *src_g = src + (size_t)u * 16 * D;
 #pragma unroll
@@ -312,13 +237,22 @@ __device__ __forceinline__ void kvs_wg_produce_cp(const kvs_attn_args &a, int g,
         if (j + 1 < 2 * n_tiles) {
             const int i1 = (j + 1) >> 1, kind1 = (j + 1) & 1;
             if (!kind1) unit_t = unit_n, unit_n = unit_of(i1 + 1); /* tile i1's units; i1 + 1's on the way */
+            const long long t_empty = tick();
             if (i1 >= STAGES) /* tile i1 - STAGES of this kind read */
                 kvs_mbar_wait(bars + 8 * (kind1 * STAGES + i1 % STAGES) + 16 * STAGES, ((i1 / STAGES) & 1) ^ 1);
+            d_empty += tick() - t_empty;
             issue(j + 1);
         } else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
         kvs_cp_async_wait<1>();        /* half-tile j's copies landed */
         kvs_fence_proxy_async();
         kvs_mbar_arrive(bars + 8 * ((j & 1) * STAGES + (j >> 1) % STAGES));
+    }
+    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) {
+        if (pt == 0) {
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_LOOP], (unsigned long long)(tick() - t_loop));
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_EMPTY], (unsigned long long)d_empty);
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_TILES], (unsigned long long)n_tiles);
+        }
     }
 }
 
@@ -375,7 +309,7 @@ __device__ __forceinline__ uint32_t kvs_wg_sel8(int hi, int b) {
 }
 
 /* Thread pt's chunks of raw tile `raw` (+ 16 pt; its copies, waited for) as bf16 into
-   the stage tile, swizzled as TMA writes it (kvs_wg_swz): 16 codes -> 2 bf16 chunks.
+   the stage tile, swizzled (kvs_wg_swz): 16 codes -> 2 bf16 chunks.
    The thread of chunk c writes the chunk at `first` (+ 128 KPV v: row kt + KPV v keeps
    its swizzle, kt % 8) before the one at `second`: chunk 2c, then 2c + 1, or for c >= 4
    (the second column block) 2c + 1 first, so the 8 threads of a row hit 8 different
@@ -481,17 +415,15 @@ __device__ __forceinline__ void kvs_wg_produce8(const kvs_attn_args &a, int g, i
  * (n_heads / HEADS x ny x n_seqs of them): HEADS query heads (head group
  * w % (n_heads / HEADS)) x 128 / HEADS positions (q-block ny - 1 - the next index: the
  * heaviest first) of sequence w / (n_heads / HEADS x ny), the order the hardware
- * launches a grid of that shape in. 12 warps. kv_map: the pool as a [rows][D] bf16
- * tensor, boxes of 16 x 64, 128-byte swizzle; flags: KVS_WG_TMA. Needs scale > 0 (the
- * row max is taken over raw scores). FP8: the pool holds E4M3 codes, which the
- * producer warpgroup's four warps copy and convert (kvs_wg_produce8; no TMA, kv_map
- * unused); the K scale is folded into the softmax scale, the V scale into 1 / l. AB:
+ * launches a grid of that shape in. 12 warps. Needs scale > 0 (the row max is taken
+ * over raw scores). FP8: the pool holds E4M3 codes, which the producer warpgroup's
+ * four warps copy and convert (kvs_wg_produce8); the K scale is folded into the
+ * softmax scale, the V scale into 1 / l. AB:
  * a bench variant (KVS_WG_AB_*, cuda_internal.h; 0 everywhere but kvs_bench_kernels
  * ablate). */
 template <int D, int STAGES, int HEADS, bool FP8, int AB = 0>
 __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
-    kvs_attn_wgmma_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse,
-                          int flags, int ny) {
+    kvs_attn_wgmma_kernel(kvs_attn_args a, bf16 *out, float *lse, int ny) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using L = kvs_wg_smem<D, STAGES, FP8>;
     constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS;
@@ -501,16 +433,13 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     const uint32_t base = (kvs_smem_u32(kvs_wg_smem_raw) + 1023u) & ~1023u;
     const uint32_t q_s = base + (uint32_t)L::q, k_s = base + (uint32_t)L::k, v_s = base + (uint32_t)L::v;
     /* mbarriers at bars + 8 x: [0, STAGES) K full, [STAGES, 2 STAGES) V full (the
-       producer warp's 32 lanes + TMA bytes; FP8: the producer warpgroup's 128 threads),
-       then K empty, V empty (the 8 consumer warps) */
+       producer warpgroup's 128 threads), then K empty, V empty (the 8 consumer warps) */
     const uint32_t bars = base + (uint32_t)L::bar, full_k = bars, full_v = bars + 8 * STAGES;
     const uint32_t empty_k = bars + 16 * STAGES, empty_v = bars + 24 * STAGES;
-    constexpr bool CP4 = !FP8 && (AB & KVS_WG_AB_CP4) != 0; /* bench: kvs_wg_produce_cp */
-    const bool tma = !FP8 && !CP4 && (flags & KVS_WG_TMA);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
-        for (int st = 0; st < 2 * STAGES; st++) kvs_mbar_init(bars + 8 * st, FP8 || CP4 ? 128 : 32);
+        for (int st = 0; st < 2 * STAGES; st++) kvs_mbar_init(bars + 8 * st, 128);
         for (int st = 2 * STAGES; st < 4 * STAGES; st++) kvs_mbar_init(bars + 8 * st, 8);
         kvs_mbar_init_fence();
     }
@@ -525,20 +454,15 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     if (blk.q0 >= blk.q_len) return; /* no row (a q-block past a short sequence's q_len) */
 
     if (warp >= 8) { /* the producer warpgroup */
-        kvs_setmaxnreg_dec<KVS_WG_PRODUCER_REGS(FP8 || CP4)>();
+        kvs_setmaxnreg_dec<KVS_WG_PRODUCER_REGS>();
         if (FP8)
             kvs_wg_produce8<D, STAGES>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, base + (uint32_t)L::raw,
                                        bars, threadIdx.x - 256);
-        else if (CP4)
-            kvs_wg_produce_cp<D, STAGES>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars, threadIdx.x - 256);
-        else if (warp == 8) {
-            if (tma && lane == 0) kvs_tma_prefetch_map(&kv_map);
-            kvs_wg_produce<D, STAGES, AB>(&kv_map, tma, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars,
-                                          lane);
-        }
+        else
+            kvs_wg_produce<D, STAGES, AB>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars, threadIdx.x - 256);
         return;
     }
-    kvs_setmaxnreg_inc<KVS_WG_CONSUMER_REGS(FP8 || CP4)>();
+    kvs_setmaxnreg_inc<KVS_WG_CONSUMER_REGS>();
 
     /* ---- consumers: warpgroup wg owns block rows 64 wg .. 64 wg + 63 ---- */
     const int wg = warp / 4;
@@ -571,11 +495,10 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         kvs_mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
         d_full += tick() - t0;
     };
-    /* this warp's wgmma's reading tile i's stage completed: hand it back; fenced when
-       the producer may write the stage next through the generic proxy (cp.async, FP8's
-       stores): the last tile, or every tile without TMA */
+    /* this warp's wgmma's reading tile i's stage completed: hand it back, fenced (the
+       producer writes the stage next through the generic proxy: cp.async, FP8's stores) */
     auto release = [&](uint32_t empty, int i) {
-        if (!tma || i + STAGES == n_tiles - 1) kvs_fence_proxy_async();
+        kvs_fence_proxy_async();
         __syncwarp();
         if (lane == 0) kvs_mbar_arrive(empty + 8 * (i % STAGES));
     };
@@ -675,7 +598,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             const long long t1 = tick();
             const bool grew = softmax(i, alpha0, alpha1);
             if (k_late) { /* release(empty_k, i), the arrival depending on the softmax (above) */
-                if (!tma || i + STAGES == n_tiles - 1) kvs_fence_proxy_async();
+                kvs_fence_proxy_async();
                 __syncwarp();
                 /* the bench's NO_EXP / NO_SOFTMAX sums can be negative: 1 */
                 const uint32_t count = (AB & (KVS_WG_AB_NO_EXP | KVS_WG_AB_NO_SOFTMAX)) ? 1u : 1u + (l0 + l1 < 0.f);
@@ -756,62 +679,6 @@ bool kvs_cuda_wgmma_fits(int head_dim, int block_size, float scale) {
     return (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && scale > 0.f;
 }
 
-/* cuTensorMapEncodeTiled through the runtime's driver entry point (no link
- * dependency on libcuda); NULL where the driver has none. Looked up once (a benign
- * race between threads: they store the same value). */
-static PFN_cuTensorMapEncodeTiled_v12000 kvs_encode_tiled(void) {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn;
-    static bool tried;
-    if (!tried) {
-        void *p = NULL;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) ==
-                cudaSuccess &&
-            q == cudaDriverEntryPointSuccess)
-            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
-        else
-            cudaGetLastError();
-        tried = true;
-    }
-    return fn;
-}
-
-/* The kernel's TMA view of the pool: a [rows][D] bf16 tensor (rows = n_blocks x 2 x
- * n_kv_heads x block_size: kvs_kv_offset / D, a paged block's K rows of every KV
- * head, then its V rows), boxes of 16 rows x 64 columns (128 bytes) with the
- * 128-byte swizzle, which writes kvs_wg_swz's layout. Encoded once per (pool, rows,
- * D) and cached in the backend; false (warned once) where it cannot be made: the
- * kernel then loads every row by cp.async (AUTO takes GQA from then on). */
-static bool kvs_wg_map(kvs_backend *b, const kvs_attn_args &a, int D, CUtensorMap *map) {
-    kvs_cuda *c = kvs_cuda_of(b);
-    const int64_t rows = a.pool_blocks * 2 * a.n_kv_heads * a.block_size;
-    if (c->wgmma_map_ok && c->wgmma_map_pool == a.pool && c->wgmma_map_rows == rows && c->wgmma_map_d == D) {
-        memcpy(map, c->wgmma_map, sizeof *map);
-        return true;
-    }
-    PFN_cuTensorMapEncodeTiled_v12000 encode = kvs_encode_tiled();
-    const char *why = NULL;
-    if (!encode) why = "the driver has no cuTensorMapEncodeTiled";
-    else if (rows <= 0 || rows > INT32_MAX) why = "the pool has more rows than TMA's int32 coordinates reach";
-    if (!why) {
-        const cuuint64_t dims[2] = {(cuuint64_t)D, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)D * 2};
-        const cuuint32_t box[2] = {64, 16}, unit[2] = {1, 1};
-        CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)a.pool, dims, strides, box, unit,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-        if (r != CUDA_SUCCESS) why = "cuTensorMapEncodeTiled failed";
-    }
-    if (why) {
-        if (!c->wgmma_map_warned)
-            kvs_log(KVS_LOG_WARN, "cuda: the WGMMA prefill loads K/V by cp.async, not TMA: %s", why);
-        c->wgmma_map_warned = 1;
-        return false;
-    }
-    memcpy(c->wgmma_map, map, sizeof *map);
-    c->wgmma_map_pool = a.pool, c->wgmma_map_rows = rows, c->wgmma_map_d = D, c->wgmma_map_ok = 1;
-    return true;
-}
-
 /* ---- bench-only variants (kvs_cuda.wgmma_variant: KVS_WG_AB_* masks; docs/CUDA.md
  * "Where a tile's time goes"): instantiated for bf16 d128 with 4 heads a block only */
 void kvs_cuda_wgmma_diag_reset(void) {
@@ -821,13 +688,13 @@ void kvs_cuda_wgmma_diag_reset(void) {
 void kvs_cuda_wgmma_diag_read(unsigned long long out[KVS_WG_DIAG_N]) {
     cudaMemcpyFromSymbol(out, kvs_wg_diag, sizeof(unsigned long long) * KVS_WG_DIAG_N);
 }
-typedef void (*kvs_wg_kernel_fn)(const CUtensorMap, kvs_attn_args, bf16 *, float *, int, int);
+typedef void (*kvs_wg_kernel_fn)(kvs_attn_args, bf16 *, float *, int);
 /* the variant's kernel, NULL for a mask not compiled */
 template <int D, int STAGES, int HEADS, bool FP8>
 static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
     if constexpr (D == 128 && HEADS == 4 && !FP8) {
         enum { V = KVS_WG_AB_NO_V, NL = KVS_WG_AB_NO_LOAD, NE = KVS_WG_AB_NO_EXP, NS = KVS_WG_AB_NO_SOFTMAX,
-               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL, CP = KVS_WG_AB_CP4 };
+               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL };
         switch (ab) {
         case V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, V>;
         case NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL>;
@@ -840,8 +707,6 @@ static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
         case KO | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO | NL>;
         case SE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE>;
         case SE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE | DG>;
-        case CP: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP>;
-        case CP | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | DG>;
         default: return NULL;
         }
     }
@@ -853,10 +718,6 @@ template <int D, int STAGES, int HEADS, bool FP8>
 static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     using L = kvs_wg_smem<D, STAGES, FP8>;
     const kvs_cuda *c = kvs_cuda_of(b);
-    CUtensorMap map;
-    memset(&map, 0, sizeof map);
-    const bool tma = !FP8 && !c->wgmma_no_tma && kvs_wg_map(b, a, D, &map); /* FP8: the producer converts, no TMA */
-    const int flags = tma ? KVS_WG_TMA : 0;
     kvs_wg_kernel_fn kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8>;
     if (c->wgmma_variant) {
         kvs_wg_kernel_fn v = kvs_wg_variant<D, STAGES, HEADS, FP8>(c->wgmma_variant);
@@ -868,7 +729,7 @@ static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     const int ny = (max_q_len + MH - 1) / MH;
     const int64_t grid = (int64_t)(a.n_heads / HEADS) * ny * a.n_seqs;
     if (grid <= 0) return;
-    kernel<<<(unsigned)grid, KVS_WG_THREADS, L::bytes, c->stream>>>(map, a, out, lse, flags, ny);
+    kernel<<<(unsigned)grid, KVS_WG_THREADS, L::bytes, c->stream>>>(a, out, lse, ny);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma_kernel");
 }
 

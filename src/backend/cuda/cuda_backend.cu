@@ -346,8 +346,6 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     c->fp8_gemm = opt->fp8_gemm;
     c->n_sms = prop.multiProcessorCount;
     /* the WGMMA prefill's diagnostic knob (docs/CUDA.md "Hopper prefill kernel") */
-    const char *tma = getenv("KVSPARSE_WGMMA_TMA");
-    c->wgmma_no_tma = tma && !strcmp(tma, "0");
     const char *variant = getenv("KVSPARSE_WGMMA_VARIANT"); /* a bench variant's KVS_WG_AB_* mask, for the tests */
     c->wgmma_variant = variant ? atoi(variant) : 0;
     kvs_status st = KVS_OK;

@@ -127,21 +127,13 @@ typedef struct {
     int n_sms;
     int prefill; /* kvs_cuda_prefill: the prefill attention kernel (cuda_attention.cu) */
     int fp8_gemm; /* kvs_cuda_fp8_gemm, resolved (never AUTO): how matmul_fp8 scales (cuda_fp8.cu) */
-    /* the WGMMA prefill (cuda_attention_hopper.cu; a diagnostic knob, docs/CUDA.md
-       "Hopper prefill kernel"): every K/V row by cp.async, no TMA (KVSPARSE_WGMMA_TMA=0;
-       the path an explicit WGMMA request takes where the TMA view cannot be made) */
-    int wgmma_no_tma;
     int wgmma_auto; /* AUTO runs the WGMMA prefill where it fits (a Hopper device, sm_90a code built) */
     /* bench-only (kvs_bench_kernels ablate; docs/CUDA.md "Where a tile's time goes"): a
        KVS_WG_AB_* mask picking a compiled variant of the bf16 d128 4-heads-a-block
-       kernel (other shapes, FP8 pools and unknown masks run the default); 0: the default */
+       kernel (other shapes, FP8 pools and unknown masks run the default); 0: the default;
+       KVSPARSE_WGMMA_VARIANT=mask for the tests */
     int wgmma_variant;
     int last_prefill; /* the kvs_cuda_prefill kernel of the last prefill launch (-1: none yet; tests) */
-    /* the kernel's TMA view of the KV pool (a CUtensorMap's bytes) for (pool, rows, head_dim) */
-    unsigned char wgmma_map[128];
-    const void *wgmma_map_pool;
-    int64_t wgmma_map_rows;
-    int wgmma_map_d, wgmma_map_ok, wgmma_map_warned;
     int fp8_outer_missing; /* cuBLASLt found no outer-vector FP8 algorithm once: AUTO falls back to EPILOGUE_FAST */
     cudaEvent_t fence; /* the step's fence (backend.h fence / fence_wait) */
     uint64_t fence_sent; /* b->n_sent when it was recorded */
@@ -261,7 +253,6 @@ struct kvs_attn_args {
     int window; /* sliding window (split kernel only): keys [n_keys - window, n_keys); 0: all */
     float scale;
     const float *scales; /* FP8 pools: the layer's [2][n_kv_heads] (backend.h kvs_kv_pool); NULL: 1 */
-    int64_t pool_blocks; /* the pool's n_blocks (the WGMMA prefill's TMA view of it) */
 };
 /* An FP8 pool's codes (kvs_attn_args.pool). */
 __device__ __forceinline__ const uint8_t *kvs_attn_pool8(const kvs_attn_args &a) { return (const uint8_t *)a.pool; }
@@ -286,8 +277,7 @@ size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
  * exp, sums or rescale), DIAG clock64 counters into kvs_cuda_wgmma_diag_read's
  * buffer, K_ORDER the K release before the softmax (the pre-fix order, whose SASS
  * waits for P V of tile i - 1 before the softmax of tile i),
- * SERIAL the wait for P V of tile i - 1 before tile i's softmax (no overlap), CP4 K/V
- * by the producer warpgroup's 128 threads with cp.async instead of TMA boxes. */
+ * SERIAL the wait for P V of tile i - 1 before tile i's softmax (no overlap). */
 enum {
     KVS_WG_AB_NO_V = 1,
     KVS_WG_AB_NO_LOAD = 2,
@@ -296,7 +286,6 @@ enum {
     KVS_WG_AB_DIAG = 16,
     KVS_WG_AB_K_ORDER = 32,
     KVS_WG_AB_SERIAL = 64,
-    KVS_WG_AB_CP4 = 128,
 };
 /* the DIAG counters (KVS_WG_DIAG_*), summed over the CTAs of every DIAG launch since
    the last reset */

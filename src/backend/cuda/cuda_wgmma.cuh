@@ -1,12 +1,11 @@
 /* Hopper (sm_90a) device helpers of the wgmma prefill kernel
  * (cuda_attention_hopper.cu): the 128-byte-swizzled shared-memory layout and the
- * wgmma descriptors of it, mbarriers, proxy fences, named barriers, TMA, setmaxnreg
- * and the wgmma instructions. Include after cuda_internal.h and cuda_mma.cuh; the
+ * wgmma descriptors of it, mbarriers, proxy fences, named barriers, setmaxnreg and
+ * the wgmma instructions. Include after cuda_internal.h and cuda_mma.cuh; the
  * helpers exist only in the sm_90a pass (__CUDA_ARCH_FEAT_SM90_ALL). */
 #ifndef KVS_CUDA_WGMMA_CUH
 #define KVS_CUDA_WGMMA_CUH
 
-#include <cuda.h> /* CUtensorMap (the type only: no driver-API call is linked) */
 #include <stdint.h>
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -14,8 +13,7 @@
 /* Byte offset of 16-byte chunk c (0 .. D/8 - 1) of row r in a swizzled tile of
  * `rows` rows: [D/64 column blocks][rows][128 B], chunk c of a row at chunk
  * c ^ (r % 8) of it (the 128-byte swizzle, Swizzle<3,4,3> on byte addresses;
- * every tile 1024-byte aligned). TMA's CU_TENSOR_MAP_SWIZZLE_128B writes a box
- * of 64 columns x n rows into the same layout when the box starts 1024-aligned. */
+ * every tile 1024-byte aligned; TMA's CU_TENSOR_MAP_SWIZZLE_128B layout). */
 __device__ __forceinline__ uint32_t kvs_wg_swz(int rows, int r, int c) {
     return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
@@ -42,11 +40,6 @@ __device__ __forceinline__ void kvs_mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void kvs_mbar_arrive_n(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
-/* arrive (release) and announce `bytes` more of asynchronous writes (TMA complete_tx)
-   the current phase waits for */
-__device__ __forceinline__ void kvs_mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 /* waits (acquire) until the phase of the given parity has completed */
 __device__ __forceinline__ void kvs_mbar_wait(uint32_t bar, uint32_t parity) {
     uint32_t done;
@@ -58,7 +51,7 @@ __device__ __forceinline__ void kvs_mbar_wait(uint32_t bar, uint32_t parity) {
     } while (!done);
 }
 
-/* generic-proxy writes to shared memory (cp.async, st.shared) -> visible to the async proxy (wgmma, TMA) */
+/* generic-proxy writes to shared memory (cp.async, st.shared) -> visible to the async proxy (wgmma) */
 __device__ __forceinline__ void kvs_fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -77,18 +70,7 @@ __device__ __forceinline__ void kvs_sts128(uint32_t addr, uint4 v) {
                  : "memory");
 }
 
-/* ---- TMA and setmaxnreg ------------------------------------------------------- */
-/* box (c0 = column, c1 = row) of the 2D tensor map -> shared dst; complete_tx on bar */
-__device__ __forceinline__ void kvs_tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-            dst),
-        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
-        : "memory");
-}
-__device__ __forceinline__ void kvs_tma_prefetch_map(const CUtensorMap *map) {
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
-}
+/* ---- setmaxnreg --------------------------------------------------------------- */
 /* the warpgroup's registers a thread (every thread of the warpgroup executes it) */
 template <int N>
 __device__ __forceinline__ void kvs_setmaxnreg_dec() {
