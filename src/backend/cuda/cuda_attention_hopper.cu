@@ -187,7 +187,7 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
  * loaded a tile ahead. Half-tile j + 1 is issued (after its stage's empty wait) before
  * j is waited for, fenced to the async proxy and arrived on (128 arrivals). AB: the
  * bench's NO_V (no V copies), NO_LOAD (none after the first STAGES tiles), DIAG (the
- * empty waits' clock). */
+ * empty waits' clock), PIPE2 (j + 2 issued before j is waited for: below). */
 template <int D, int STAGES, int AB>
 __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
                                                uint32_t k_s, uint32_t v_s, uint32_t bars, int pt) {
@@ -232,20 +232,60 @@ __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, in
         }
         kvs_cp_async_commit();
     };
-    issue(0);
-    for (int j = 0; j < 2 * n_tiles; j++) {
-        if (j + 1 < 2 * n_tiles) {
-            const int i1 = (j + 1) >> 1, kind1 = (j + 1) & 1;
-            if (!kind1) unit_t = unit_n, unit_n = unit_of(i1 + 1); /* tile i1's units; i1 + 1's on the way */
-            const long long t_empty = tick();
-            if (i1 >= STAGES) /* tile i1 - STAGES of this kind read */
-                kvs_mbar_wait(bars + 8 * (kind1 * STAGES + i1 % STAGES) + 16 * STAGES, ((i1 / STAGES) & 1) ^ 1);
-            d_empty += tick() - t_empty;
-            issue(j + 1);
-        } else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
-        kvs_cp_async_wait<1>();        /* half-tile j's copies landed */
-        kvs_fence_proxy_async();
-        kvs_mbar_arrive(bars + 8 * ((j & 1) * STAGES + (j >> 1) % STAGES));
+    /* Half-tiles in flight while the producer waits for the oldest: 1, the bench's
+     * PIPE2 2 (half-tile j + 2 issued before j is waited for: K_{i+1} before K_i is
+     * published, V_{i+1} before V_i).
+     * PIPE2 is deadlock-free for STAGES >= 2. The producer arrives on full(j) only
+     * after the empty waits of every half-tile up to j + 2 (j + 2's the latest: the
+     * one that binds), which need releases by
+     * both consumer warpgroups; a consumer releases K_t after the softmax of tile t
+     * (its iteration t needs full K_t and V_{t-1}) and V_t after P V of tile t (its
+     * iteration t + 1 needs full K_{t+1} and V_t; the last tile's after the loop
+     * needs V_t alone; tiles past a warpgroup's keys need their own stage alone).
+     * Full(K_i) waits on empty K_{i+1}: the release of K_{i+1-STAGES}, which needs full
+     * K_{i+1-STAGES} and V_{i-STAGES}, both before K_i in the producer's order (K_0 V_0
+     * K_1 ...) when STAGES >= 2. Full(V_i) waits on empty V_{i+1}: the release of
+     * V_{i+1-STAGES}, which needs full K_{i+2-STAGES} and V_{i+1-STAGES}, before V_i
+     * when STAGES >= 2 (at 2: K_i, published one step earlier). Every arrival thus
+     * needs only earlier arrivals (and consumer progress that needs only those): no
+     * cycle. At STAGES = 3 (bf16 d128) the slack is a tile more than at 2. */
+    if constexpr ((AB & KVS_WG_AB_PIPE2) != 0) {
+        /* j = -1 issues half-tile 1 and publishes nothing (one inlined issue in the
+           loop, as below: a second copy of its 16 addresses spills at 56 registers) */
+        issue(0);
+#pragma unroll 1
+        for (int j = -1; j < 2 * n_tiles; j++) {
+            if (j + 2 < 2 * n_tiles) {
+                const int i1 = (j + 2) >> 1, kind1 = (j + 2) & 1;
+                if (!kind1) unit_t = unit_n, unit_n = unit_of(i1 + 1); /* tile i1's units; i1 + 1's on the way */
+                const long long t_empty = tick();
+                if (i1 >= STAGES) /* tile i1 - STAGES of this kind read */
+                    kvs_mbar_wait(bars + 8 * (kind1 * STAGES + i1 % STAGES) + 16 * STAGES, ((i1 / STAGES) & 1) ^ 1);
+                d_empty += tick() - t_empty;
+                issue(j + 2);
+            } else kvs_cp_async_commit(); /* an empty group: the wait below leaves two in flight */
+            if (j >= 0) {
+                kvs_cp_async_wait<2>(); /* half-tile j's copies landed */
+                kvs_fence_proxy_async();
+                kvs_mbar_arrive(bars + 8 * ((j & 1) * STAGES + (j >> 1) % STAGES));
+            }
+        }
+    } else {
+        issue(0);
+        for (int j = 0; j < 2 * n_tiles; j++) {
+            if (j + 1 < 2 * n_tiles) {
+                const int i1 = (j + 1) >> 1, kind1 = (j + 1) & 1;
+                if (!kind1) unit_t = unit_n, unit_n = unit_of(i1 + 1); /* tile i1's units; i1 + 1's on the way */
+                const long long t_empty = tick();
+                if (i1 >= STAGES) /* tile i1 - STAGES of this kind read */
+                    kvs_mbar_wait(bars + 8 * (kind1 * STAGES + i1 % STAGES) + 16 * STAGES, ((i1 / STAGES) & 1) ^ 1);
+                d_empty += tick() - t_empty;
+                issue(j + 1);
+            } else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
+            kvs_cp_async_wait<1>();    /* half-tile j's copies landed */
+            kvs_fence_proxy_async();
+            kvs_mbar_arrive(bars + 8 * ((j & 1) * STAGES + (j >> 1) % STAGES));
+        }
     }
     if constexpr ((AB & KVS_WG_AB_DIAG) != 0) {
         if (pt == 0) {
@@ -565,10 +605,29 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
        pins the wait after all 66 ex2 in every instance, bf16 and FP8 (docs/CUDA.md
        "Where a tile's time goes"; check the SASS when touching this loop). */
     constexpr bool k_late = (AB & KVS_WG_AB_K_ORDER) == 0;
+    /* O x the factors of a tile's softmax, skipped when no row max of the warp grew */
+    auto rescale_o = [&](bool grew, float alpha0, float alpha1) {
+        if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+            for (int j = 0; j < D / 8; j++) {
+                o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
+                o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
+            }
+        }
+    };
+    /* bench RESCALE_EARLY: FlashAttention-3's order. O (tiles up to i - 2) is rescaled
+       by tile i - 1's factors after the S_i issue and before the P_{i-1} V_{i-1} issue
+       (a second wgmma.fence: the P V wgmma reads O), the last tile's before its P V
+       after the loop; the tail after the P V wait is then the V release and the P pack.
+       The same FMULs on the same values in the same order as the default's rescale
+       after the P V wait (each O element: x alpha_{i-1}, then + P_{i-1} V_{i-1}), so
+       the output is bit-identical. */
+    constexpr bool early = (AB & KVS_WG_AB_RESCALE_EARLY) != 0;
     const long long t_loop = tick();
     long long n_iter = 0;
     if (n_live > 0) {
         float alpha0, alpha1;
+        [[maybe_unused]] bool grew_prev = false; /* RESCALE_EARLY: tile i - 1's softmax grew a max (tile 0: O is 0) */
         wait_full(full_k, 0);
         kvs_wgmma_fence();
         gemm_s(0);
@@ -582,6 +641,10 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             wait_full(full_v, i - 1);
             kvs_wgmma_fence();
             gemm_s(i);
+            if constexpr (early) {
+                rescale_o(grew_prev, alpha0, alpha1); /* tile i - 1's factors */
+                kvs_wgmma_fence();
+            }
             gemm_pv(i - 1);
             const long long t0 = tick();
             kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
@@ -608,17 +671,13 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             if constexpr ((AB & KVS_WG_AB_SERIAL) == 0) wait_pv();
             d_tail -= tick();
             release(empty_v, i - 1);
-            if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-                for (int j = 0; j < D / 8; j++) {
-                    o[4 * j] *= alpha0, o[4 * j + 1] *= alpha0;
-                    o[4 * j + 2] *= alpha1, o[4 * j + 3] *= alpha1;
-                }
-            }
+            if constexpr (early) grew_prev = grew;
+            else rescale_o(grew, alpha0, alpha1);
             pack_p();
             d_tail += tick(), n_iter++;
         }
         wait_full(full_v, n_live - 1);
+        if constexpr (early) rescale_o(grew_prev, alpha0, alpha1); /* the last tile's factors */
         kvs_wgmma_fence();
         gemm_pv(n_live - 1);
         kvs_wgmma_wait<0>();
@@ -694,7 +753,8 @@ template <int D, int STAGES, int HEADS, bool FP8>
 static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
     if constexpr (D == 128 && HEADS == 4 && !FP8) {
         enum { V = KVS_WG_AB_NO_V, NL = KVS_WG_AB_NO_LOAD, NE = KVS_WG_AB_NO_EXP, NS = KVS_WG_AB_NO_SOFTMAX,
-               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL };
+               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL, P2 = KVS_WG_AB_PIPE2,
+               RE = KVS_WG_AB_RESCALE_EARLY };
         switch (ab) {
         case V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, V>;
         case NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL>;
@@ -707,6 +767,12 @@ static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
         case KO | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO | NL>;
         case SE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE>;
         case SE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE | DG>;
+        case P2: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, P2>;
+        case RE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, RE>;
+        case P2 | RE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, P2 | RE>;
+        case P2 | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, P2 | DG>;
+        case RE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, RE | DG>;
+        case P2 | RE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, P2 | RE | DG>;
         default: return NULL;
         }
     }
