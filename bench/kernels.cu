@@ -36,10 +36,12 @@
  * Times are wall clock around many queued launches between two stream syncs.
  *   - SnapKV batches as the engine runs them (snapkv_compact_batch): decode-time
  *     recompactions (64 and 240 pairs of 432 entries -> 400) and a prompt's (30 x 4000 -> 400)
+ *   - global -> shared memory bandwidth, every SM: 16-byte cp.async and 4 KiB bulk copies from
+ *     L2-resident and HBM regions (bench/l2_bandwidth.cuh; mode l2)
  *   - cuBLASLt's first bf16 GEMM algorithm against its next 15, Llama-3-8B shapes at
  *     8,192 / 4,096 / 256 / 128 rows (bench/gemm_algos.cuh)
  *   - ablate: the WGMMA prefill's bench variants at 4k/16k/32k (bench_ablate)
- * Usage: kvs_bench_kernels [device] [gemm | fp8 | snapkv | gemmalgo | ablate]   (gemm: the GEMM rates alone; snapkv:
+ * Usage: kvs_bench_kernels [device] [gemm | fp8 | snapkv | gemmalgo | ablate | l2]   (gemm: the GEMM rates alone; snapkv:
  * the batches alone; gemmalgo: the GEMM algorithms alone; ablate: the WGMMA prefill's variants alone; fp8: copy,
  * decode attention on bf16 and FP8 caches (and the FP8 prefill lines), the fused ops) */
 #include <math.h>
@@ -80,6 +82,8 @@ static double time_it(kvs_backend *b, int iters, void (*fn)(kvs_backend *, void 
 
 #include "gemm_fp8.cuh"
 #include "gemm_algos.cuh"
+#include "backend/cuda/cuda_wgmma.cuh"
+#include "l2_bandwidth.cuh"
 
 struct sample_ctx { void *logits; int32_t *ids; float *lp; kvs_sample_row *params; float *host; int n, vocab; };
 static void run_sample(kvs_backend *b, void *p) {
@@ -387,7 +391,7 @@ static bool bench_prefill_fp8(kvs_backend *b8, int n, const char *wgmma_why) {
  * time, TFLOP/s counted as the full causal FLOP for every row (rows compare by time), the time a 128-key tile
  * takes an SM (time x SMs / the tiles the CTAs walk) and the ratio to the default's time. The default's output
  * and lse are checked against GQA's, the variants that compute what the default does against the default's
- * (expect exactly 0; PIPE2 and RESCALE_EARLY too: the same arithmetic); the DIAG rows print the clock64
+ * (expect exactly 0: the same arithmetic); the DIAG rows print the clock64
  * breakdown of a consumer warpgroup's tile loop; the last row runs the default again (the drift within the
  * call, against the first row's time). */
 static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
@@ -398,7 +402,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     kvs_cuda *bc = kvs_cuda_of(b);
     enum { NO_V = KVS_WG_AB_NO_V, NO_LOAD = KVS_WG_AB_NO_LOAD, NO_EXP = KVS_WG_AB_NO_EXP,
            NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG, K_ORDER = KVS_WG_AB_K_ORDER, SERIAL = KVS_WG_AB_SERIAL,
-           PIPE2 = KVS_WG_AB_PIPE2, RE = KVS_WG_AB_RESCALE_EARLY };
+           QR = KVS_WG_AB_Q_REGS };
     struct ab_row {
         const char *name;
         int ab;
@@ -406,9 +410,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     };
     const ab_row rows[] = {
         {"default", 0, 1},
-        {"PIPE2 (two half-tiles in flight)", PIPE2, 2},
-        {"RESCALE_EARLY (O rescaled before P V issue)", RE, 2},
-        {"PIPE2 + RESCALE_EARLY", PIPE2 | RE, 2},
+        {"Q_REGS (S = Q K^T with Q in registers)", QR, 2},
         {"K_ORDER (K released before the softmax: main)", K_ORDER, 2},
         {"SERIAL (P V waited for before the softmax)", SERIAL, 2},
         {"NO_V (the producer loads K only)", NO_V, 0},
@@ -420,9 +422,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
         {"DIAG (clock64 counters)", DIAG, 2},
         {"DIAG + K_ORDER", DIAG | K_ORDER, 2},
         {"DIAG + SERIAL", DIAG | SERIAL, 2},
-        {"DIAG + PIPE2", DIAG | PIPE2, 2},
-        {"DIAG + RESCALE_EARLY", DIAG | RE, 2},
-        {"DIAG + PIPE2 + RESCALE_EARLY", DIAG | PIPE2 | RE, 2},
+        {"DIAG + Q_REGS", DIAG | QR, 2},
         {"default again (the call's drift)", 0, 2},
     };
     const int ns[3] = {4096, 16384, 32768};
@@ -474,7 +474,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
                        "P V %.0f, %s %.0f, the rest (wgmma issue, first / last tile) %.0f; the producer "
                        "waits on empty barriers %.1f%% of its loop (%.0f cycles a tile)\n",
                        n, r.name, loop, loop / ghz / 1e3, ghz, it / d[KVS_WG_DIAG_WGS], full, ws, sm, wpv,
-                       (r.ab & RE) ? "V release + pack (the rescale: in the rest)" : "V release + rescale + pack", tail,
+                       "V release + pack (the rescale: in the rest)", tail,
                        loop - full - ws - sm - wpv - tail, 100.0 * d[KVS_WG_DIAG_PROD_EMPTY] / fmax(1.0, (double)d[KVS_WG_DIAG_PROD_LOOP]),
                        (double)d[KVS_WG_DIAG_PROD_LOOP] / fmax(1.0, (double)d[KVS_WG_DIAG_PROD_TILES]));
             }
@@ -570,6 +570,12 @@ int main(int argc, char **argv) {
     }
     if (argc > 2 && !strcmp(argv[2], "snapkv")) { /* the SnapKV batches alone */
         bool ok = bench_snapkv_batches(b);
+        int failed = kvs_cuda_of(b)->failed;
+        b->destroy(b);
+        return failed || !ok ? 1 : 0;
+    }
+    if (argc > 2 && !strcmp(argv[2], "l2")) { /* global -> shared memory bandwidth alone */
+        bool ok = bench_l2_bandwidth(b, prop.multiProcessorCount);
         int failed = kvs_cuda_of(b)->failed;
         b->destroy(b);
         return failed || !ok ? 1 : 0;

@@ -874,21 +874,18 @@ static void wgmma_nan_cases(void) {
     paged_poison = 0;
 }
 Test(cuda, attention_wgmma_nan_pool, .timeout = 600) { wgmma_nan_cases(); }
-/* the bench variants PIPE2 (KVSPARSE_WGMMA_VARIANT=256: the producer with two
-   half-tiles in flight), RESCALE_EARLY (512: O rescaled before the P V issue) and both
-   (768; KVS_WG_AB_*, cuda_internal.h), compiled for d128 with 4 heads a block (the
-   other cases run the default kernel): every case and the NaN pools; the long ones
-   (4096 keys: the rings reused 10 times) with both */
-static void wgmma_variant_cases(const char *mask, bool long_too) {
+/* the bench variant Q_REGS (KVSPARSE_WGMMA_VARIANT=4096: Q as register fragments, S
+   by wgmma RS; KVS_WG_AB_*, cuda_internal.h), compiled for d128 with 4 heads a block
+   (the other cases run the default kernel): every case, the NaN pools, the long ones
+   (4096 keys: the rings reused 10 times) */
+static void wgmma_variant_cases(const char *mask) {
     setenv("KVSPARSE_WGMMA_VARIANT", mask, 1);
     wgmma_all();
     wgmma_nan_cases();
-    if (long_too) wgmma_long();
+    wgmma_long();
     unsetenv("KVSPARSE_WGMMA_VARIANT");
 }
-Test(cuda, attention_wgmma_pipe2, .timeout = 600) { wgmma_variant_cases("256", false); }
-Test(cuda, attention_wgmma_rescale_early, .timeout = 600) { wgmma_variant_cases("512", false); }
-Test(cuda, attention_wgmma_pipe2_rescale_early, .timeout = 600) { wgmma_variant_cases("768", true); }
+Test(cuda, attention_wgmma_q_regs, .timeout = 600) { wgmma_variant_cases("4096"); }
 /* calls the kernel does not take run the automatic choice's kernel (checked: not
    WGMMA), bf16 and FP8 pools alike; an FP8 pool it takes runs it, asked for or by
    the automatic choice (on Hopper: the explicit call skips the test elsewhere) */

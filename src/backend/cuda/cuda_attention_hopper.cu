@@ -184,10 +184,10 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
  * CH, KPR = 128 / CH) straight into the ring stage's swizzled place, rows at or past
  * n_keys zero-filled. Lanes 0..7 of each warp hold the 16-key units (paged block x
  * 16-row group, as kvs_wg_produce8's) of the tile being copied, and the next tile's,
- * loaded a tile ahead. Half-tile j + 1 is issued (after its stage's empty wait) before
- * j is waited for, fenced to the async proxy and arrived on (128 arrivals). AB: the
- * bench's NO_V (no V copies), NO_LOAD (none after the first STAGES tiles), DIAG (the
- * empty waits' clock), PIPE2 (j + 2 issued before j is waited for: below). */
+ * loaded a tile ahead. Half-tiles j + 1 and j + 2 are issued (each after its stage's
+ * empty wait) before j is waited for, fenced to the async proxy and arrived on (128
+ * arrivals). AB: the bench's NO_V (no V copies), NO_LOAD (none after the first STAGES
+ * tiles), DIAG (the empty waits' clock). */
 template <int D, int STAGES, int AB>
 __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, int seq, int n_keys, int n_tiles,
                                                uint32_t k_s, uint32_t v_s, uint32_t bars, int pt) {
@@ -232,57 +232,41 @@ __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, in
         }
         kvs_cp_async_commit();
     };
-    /* Half-tiles in flight while the producer waits for the oldest: 1, the bench's
-     * PIPE2 2 (half-tile j + 2 issued before j is waited for: K_{i+1} before K_i is
-     * published, V_{i+1} before V_i).
-     * PIPE2 is deadlock-free for STAGES >= 2. The producer arrives on full(j) only
-     * after the empty waits of every half-tile up to j + 2 (j + 2's the latest: the
-     * one that binds), which need releases by
-     * both consumer warpgroups; a consumer releases K_t after the softmax of tile t
-     * (its iteration t needs full K_t and V_{t-1}) and V_t after P V of tile t (its
-     * iteration t + 1 needs full K_{t+1} and V_t; the last tile's after the loop
-     * needs V_t alone; tiles past a warpgroup's keys need their own stage alone).
-     * Full(K_i) waits on empty K_{i+1}: the release of K_{i+1-STAGES}, which needs full
-     * K_{i+1-STAGES} and V_{i-STAGES}, both before K_i in the producer's order (K_0 V_0
-     * K_1 ...) when STAGES >= 2. Full(V_i) waits on empty V_{i+1}: the release of
-     * V_{i+1-STAGES}, which needs full K_{i+2-STAGES} and V_{i+1-STAGES}, before V_i
-     * when STAGES >= 2 (at 2: K_i, published one step earlier). Every arrival thus
-     * needs only earlier arrivals (and consumer progress that needs only those): no
-     * cycle. At STAGES = 3 (bf16 d128) the slack is a tile more than at 2. */
-    if constexpr ((AB & KVS_WG_AB_PIPE2) != 0) {
-        /* j = -1 issues half-tile 1 and publishes nothing (one inlined issue in the
-           loop, as below: a second copy of its 16 addresses spills at 56 registers) */
-        issue(0);
+    /* Two half-tiles in flight while the producer waits for the oldest (half-tile j + 2
+     * issued before j is waited for: K_{i+1} before K_i is published, V_{i+1} before
+     * V_i; one in flight measured 0.98-1.0x of this with the consumers' order below,
+     * docs/CUDA.md "Where a tile's time goes").
+     * Deadlock-free for STAGES >= 2. The producer arrives on full(j) only after the
+     * empty waits of every half-tile up to j + 2 (j + 2's the latest: the one that
+     * binds), which need releases by both consumer warpgroups; a consumer releases K_t
+     * after the softmax of tile t (its iteration t needs full K_t and V_{t-1}) and V_t
+     * after P V of tile t (its iteration t + 1 needs full K_{t+1} and V_t; the last
+     * tile's after the loop needs V_t alone; tiles past a warpgroup's keys need their
+     * own stage alone). Full(K_i) waits on empty K_{i+1}: the release of K_{i+1-STAGES},
+     * which needs full K_{i+1-STAGES} and V_{i-STAGES}, both before K_i in the
+     * producer's order (K_0 V_0 K_1 ...) when STAGES >= 2. Full(V_i) waits on empty
+     * V_{i+1}: the release of V_{i+1-STAGES}, which needs full K_{i+2-STAGES} and
+     * V_{i+1-STAGES}, before V_i when STAGES >= 2 (at 2: K_i, published one step
+     * earlier). Every arrival thus needs only earlier arrivals (and consumer progress
+     * that needs only those; the consumers' turns, kvs_attn_wgmma_kernel, keep the two
+     * warpgroups within a round of each other, both past the releases named here): no
+     * cycle. At STAGES = 3 (bf16 d128) the slack is a tile more than at 2.
+     * j = -1 issues half-tile 1 and publishes nothing (one inlined issue in the loop: a
+     * second copy of its 16 addresses spills at 56 registers). */
+    issue(0);
 #pragma unroll 1
-        for (int j = -1; j < 2 * n_tiles; j++) {
-            if (j + 2 < 2 * n_tiles) {
-                const int i1 = (j + 2) >> 1, kind1 = (j + 2) & 1;
-                if (!kind1) unit_t = unit_n, unit_n = unit_of(i1 + 1); /* tile i1's units; i1 + 1's on the way */
-                const long long t_empty = tick();
-                if (i1 >= STAGES) /* tile i1 - STAGES of this kind read */
-                    kvs_mbar_wait(bars + 8 * (kind1 * STAGES + i1 % STAGES) + 16 * STAGES, ((i1 / STAGES) & 1) ^ 1);
-                d_empty += tick() - t_empty;
-                issue(j + 2);
-            } else kvs_cp_async_commit(); /* an empty group: the wait below leaves two in flight */
-            if (j >= 0) {
-                kvs_cp_async_wait<2>(); /* half-tile j's copies landed */
-                kvs_fence_proxy_async();
-                kvs_mbar_arrive(bars + 8 * ((j & 1) * STAGES + (j >> 1) % STAGES));
-            }
-        }
-    } else {
-        issue(0);
-        for (int j = 0; j < 2 * n_tiles; j++) {
-            if (j + 1 < 2 * n_tiles) {
-                const int i1 = (j + 1) >> 1, kind1 = (j + 1) & 1;
-                if (!kind1) unit_t = unit_n, unit_n = unit_of(i1 + 1); /* tile i1's units; i1 + 1's on the way */
-                const long long t_empty = tick();
-                if (i1 >= STAGES) /* tile i1 - STAGES of this kind read */
-                    kvs_mbar_wait(bars + 8 * (kind1 * STAGES + i1 % STAGES) + 16 * STAGES, ((i1 / STAGES) & 1) ^ 1);
-                d_empty += tick() - t_empty;
-                issue(j + 1);
-            } else kvs_cp_async_commit(); /* an empty group: the wait below leaves one in flight */
-            kvs_cp_async_wait<1>();    /* half-tile j's copies landed */
+    for (int j = -1; j < 2 * n_tiles; j++) {
+        if (j + 2 < 2 * n_tiles) {
+            const int i1 = (j + 2) >> 1, kind1 = (j + 2) & 1;
+            if (!kind1) unit_t = unit_n, unit_n = unit_of(i1 + 1); /* tile i1's units; i1 + 1's on the way */
+            const long long t_empty = tick();
+            if (i1 >= STAGES) /* tile i1 - STAGES of this kind read */
+                kvs_mbar_wait(bars + 8 * (kind1 * STAGES + i1 % STAGES) + 16 * STAGES, ((i1 / STAGES) & 1) ^ 1);
+            d_empty += tick() - t_empty;
+            issue(j + 2);
+        } else kvs_cp_async_commit(); /* an empty group: the wait below leaves two in flight */
+        if (j >= 0) {
+            kvs_cp_async_wait<2>(); /* half-tile j's copies landed */
             kvs_fence_proxy_async();
             kvs_mbar_arrive(bars + 8 * ((j & 1) * STAGES + (j >> 1) % STAGES));
         }
@@ -511,7 +495,25 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     const uint32_t q_wg = q_s + (uint32_t)wg * 64 * 128;
     const int h0 = blk.h0, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
     const int past = blk.past, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
-    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
+    /* bench Q_REGS: Q as the S GEMM's register A fragments, k16 step kk: qa[kk] (rows
+       R0, R0 + 8; the A layout of kvs_wgmma_rs), straight from global memory */
+    constexpr bool q_regs = (AB & KVS_WG_AB_Q_REGS) != 0;
+    [[maybe_unused]] uint32_t qa[q_regs ? D / 16 : 1][4];
+    if constexpr (q_regs) {
+        const int cq = 2 * (lane & 3);
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int R = R0 + 8 * hf, pos = q0 + R % MH;
+            const bool ok = pos < q_len;
+            const uint32_t *row = (const uint32_t *)(a.q + ((size_t)(t0 + (ok ? pos : 0)) * a.n_heads + h0 + R / MH) * D + cq);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                qa[kk][hf] = ok ? row[8 * kk] : 0u;
+                qa[kk][2 + hf] = ok ? row[8 * kk + 4] : 0u;
+            }
+        }
+    } else
+        kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
 
     const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
     /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
@@ -545,9 +547,13 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     auto gemm_s = [&](int i) { /* S = Q K_i^T: one commit group */
         const uint32_t k_st = k_s + (uint32_t)((i % STAGES) * L::TILE);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
-            kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
-                             kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
+        for (int kk = 0; kk < D / 16; kk++) {
+            if constexpr (q_regs)
+                kvs_wgmma_rs<BN, 0>(s, qa[kk], kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
+            else
+                kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
+                                 kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
+        }
         kvs_wgmma_commit();
     };
     auto gemm_pv = [&](int i) { /* O += P V_i: one commit group */
@@ -615,22 +621,41 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             }
         }
     };
-    /* bench RESCALE_EARLY: FlashAttention-3's order. O (tiles up to i - 2) is rescaled
-       by tile i - 1's factors after the S_i issue and before the P_{i-1} V_{i-1} issue
-       (a second wgmma.fence: the P V wgmma reads O), the last tile's before its P V
-       after the loop; the tail after the P V wait is then the V release and the P pack.
-       The same FMULs on the same values in the same order as the default's rescale
-       after the P V wait (each O element: x alpha_{i-1}, then + P_{i-1} V_{i-1}), so
-       the output is bit-identical. */
-    constexpr bool early = (AB & KVS_WG_AB_RESCALE_EARLY) != 0;
+    /* FlashAttention-3's order: O (tiles up to i - 2) is rescaled by tile i - 1's
+       factors after the S_i issue and before the P_{i-1} V_{i-1} issue (a second
+       wgmma.fence: the P V wgmma reads O), the last tile's before its P V after the
+       loop; the tail after the P V wait is the V release and the P pack. (Rescaling
+       after the P V wait instead: the same arithmetic, 1.0-1.02x the time.)
+       With 2 or 4 heads a block, FlashAttention-3's warp-scheduler barriers too: the
+       warpgroups issue their GEMMs in turn (a round: tile 0's S; tile i's S with tile
+       i - 1's P V; the last tile's P V): warpgroup wg waits on named barrier 3 + wg
+       before its round's issue and arrives on the other's after it, so one's softmax
+       runs while the other's GEMMs hold the tensor cores. Both warpgroups run the same
+       rounds (n_live + 1: they hold the same positions); warpgroup 1 lets 0 go first
+       and skips its last arrival (nobody waits for it), so every barrier ends
+       balanced. 1 head a block (the warpgroups' positions and rounds differ): no turns.
+       Measured together with the producer's two half-tiles in flight: 0.97-0.99x the
+       time of neither (docs/CUDA.md "Where a tile's time goes"). */
+    constexpr bool pp = HEADS >= 2;
+    auto turn_begin = [&]() {
+        if constexpr (pp) kvs_named_sync(3 + wg, 256);
+    };
+    auto turn_end = [&](bool last) {
+        if constexpr (pp) {
+            if (!last || wg == 0) kvs_named_arrive(4 - wg, 256);
+        }
+    };
     const long long t_loop = tick();
     long long n_iter = 0;
     if (n_live > 0) {
         float alpha0, alpha1;
-        [[maybe_unused]] bool grew_prev = false; /* RESCALE_EARLY: tile i - 1's softmax grew a max (tile 0: O is 0) */
+        bool grew_prev = false; /* tile i - 1's softmax grew a max (tile 0: O is 0) */
+        if (pp && wg == 1) kvs_named_arrive(3, 256); /* warpgroup 0's first turn */
         wait_full(full_k, 0);
+        turn_begin();
         kvs_wgmma_fence();
         gemm_s(0);
+        turn_end(false);
         kvs_wgmma_wait<0>();
         kvs_wg_fence_regs(s);
         release(empty_k, 0);
@@ -639,13 +664,13 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         for (int i = 1; i < n_live; i++) {
             wait_full(full_k, i);
             wait_full(full_v, i - 1);
+            turn_begin();
             kvs_wgmma_fence();
             gemm_s(i);
-            if constexpr (early) {
-                rescale_o(grew_prev, alpha0, alpha1); /* tile i - 1's factors */
-                kvs_wgmma_fence();
-            }
+            rescale_o(grew_prev, alpha0, alpha1); /* tile i - 1's factors */
+            kvs_wgmma_fence();
             gemm_pv(i - 1);
+            turn_end(false);
             const long long t0 = tick();
             kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
             kvs_wg_fence_regs(s);
@@ -671,15 +696,16 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             if constexpr ((AB & KVS_WG_AB_SERIAL) == 0) wait_pv();
             d_tail -= tick();
             release(empty_v, i - 1);
-            if constexpr (early) grew_prev = grew;
-            else rescale_o(grew, alpha0, alpha1);
+            grew_prev = grew;
             pack_p();
             d_tail += tick(), n_iter++;
         }
         wait_full(full_v, n_live - 1);
-        if constexpr (early) rescale_o(grew_prev, alpha0, alpha1); /* the last tile's factors */
+        rescale_o(grew_prev, alpha0, alpha1); /* the last tile's factors */
+        turn_begin();
         kvs_wgmma_fence();
         gemm_pv(n_live - 1);
+        turn_end(true);
         kvs_wgmma_wait<0>();
         kvs_wg_fence_regs(o);
         release(empty_v, n_live - 1);
@@ -753,8 +779,7 @@ template <int D, int STAGES, int HEADS, bool FP8>
 static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
     if constexpr (D == 128 && HEADS == 4 && !FP8) {
         enum { V = KVS_WG_AB_NO_V, NL = KVS_WG_AB_NO_LOAD, NE = KVS_WG_AB_NO_EXP, NS = KVS_WG_AB_NO_SOFTMAX,
-               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL, P2 = KVS_WG_AB_PIPE2,
-               RE = KVS_WG_AB_RESCALE_EARLY };
+               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL, QR = KVS_WG_AB_Q_REGS };
         switch (ab) {
         case V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, V>;
         case NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL>;
@@ -767,12 +792,8 @@ static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
         case KO | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO | NL>;
         case SE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE>;
         case SE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE | DG>;
-        case P2: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, P2>;
-        case RE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, RE>;
-        case P2 | RE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, P2 | RE>;
-        case P2 | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, P2 | DG>;
-        case RE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, RE | DG>;
-        case P2 | RE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, P2 | RE | DG>;
+        case QR: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, QR>;
+        case QR | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, QR | DG>;
         default: return NULL;
         }
     }

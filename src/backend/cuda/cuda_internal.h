@@ -278,11 +278,10 @@ size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
  * buffer, K_ORDER the K release before the softmax (the pre-fix order, whose SASS
  * waits for P V of tile i - 1 before the softmax of tile i),
  * SERIAL the wait for P V of tile i - 1 before tile i's softmax (no overlap),
- * PIPE2 the producer with two half-tiles in flight (cp.async.wait_group 2: half-tile
- * j + 2 issued before j is waited for), RESCALE_EARLY FlashAttention-3's consumer
- * order (O rescaled by tile i - 1's factor between the S_i and the P_{i-1} V_{i-1}
- * issue, not after the P V wait; the same arithmetic). 128 is free (it was CP4, the
- * cp.async producer, before it became the default). */
+ * Q_REGS Q as register A fragments (S = Q K^T by wgmma RS: the S GEMM reads K alone
+ * from shared memory). Free: 128 (was CP4, the cp.async producer), 256, 512, 1024
+ * (PIPE2, RESCALE_EARLY, PINGPONG: the default since 2026-12-04), 2048 (GROUP_ORDER,
+ * a KV group's q-blocks launched together: measured 1.0x, deleted). */
 enum {
     KVS_WG_AB_NO_V = 1,
     KVS_WG_AB_NO_LOAD = 2,
@@ -291,8 +290,7 @@ enum {
     KVS_WG_AB_DIAG = 16,
     KVS_WG_AB_K_ORDER = 32,
     KVS_WG_AB_SERIAL = 64,
-    KVS_WG_AB_PIPE2 = 256,
-    KVS_WG_AB_RESCALE_EARLY = 512,
+    KVS_WG_AB_Q_REGS = 4096,
 };
 /* the DIAG counters (KVS_WG_DIAG_*), summed over the CTAs of every DIAG launch since
    the last reset */

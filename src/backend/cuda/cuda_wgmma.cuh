@@ -58,6 +58,10 @@ __device__ __forceinline__ void kvs_fence_proxy_async() {
 __device__ __forceinline__ void kvs_named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+/* arrive on named barrier id (of `threads` in all) without waiting */
+__device__ __forceinline__ void kvs_named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 /* 16 bytes from / to shared memory (a shared-window address) */
 __device__ __forceinline__ uint4 kvs_lds128(uint32_t addr) {
@@ -112,7 +116,7 @@ __device__ __forceinline__ void kvs_wg_fence_regs(float (&r)[N]) {
  * D = A B (accumulate 0) or D += A B (accumulate 1). ss: A and B from shared memory
  * (descriptors, both K-major). rs: A from registers (4 x bf16x2, the m16n8k16
  * A-fragment layout per warp, rows 16 x warp), B from shared memory N-major
- * (imm-trans-b 1). Accumulator d[4 j + 2 h + c]: row 16 x warp + lane / 4 + 8 h,
+ * (TRANS_B 1, imm-trans-b) or K-major (TRANS_B 0). Accumulator d[4 j + 2 h + c]: row 16 x warp + lane / 4 + 8 h,
  * column 8 j + 2 (lane % 4) + c. */
 template <int N>
 __device__ __forceinline__ void kvs_wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
@@ -128,21 +132,22 @@ __device__ __forceinline__ void kvs_wgmma_ss(float (&d)[N / 2], uint64_t a, uint
                      : KVS_WG_ACC64
                      : "l"(a), "l"(b), "r"(accumulate));
 }
-template <int N>
+template <int N, int TRANS_B = 1>
 __device__ __forceinline__ void kvs_wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate) {
     static_assert(N == 64 || N == 128, "N 64 or 128");
+    static_assert(TRANS_B == 0 || TRANS_B == 1, "B K-major (0) or N-major (1)");
     if constexpr (N == 64)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " KVS_WG_D32
-                     ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                     ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
                      : KVS_WG_ACC32
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
     else
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " KVS_WG_D64
-                     ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                     ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
                      : KVS_WG_ACC64
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
 }
 #undef KVS_WG_ACC4
 #undef KVS_WG_ACC16
