@@ -23,10 +23,13 @@
  * fewer than 128 keys (TMA boxes of a 16-key paged block, 32 a tile from one warp,
  * measured 1.08-1.13x slower: docs/CUDA.md "Where a tile's time goes"); rows at or
  * past the block's last key are zero-filled, so that stale or NaN pool rows never
- * reach the tensor cores. FP8 pools: the same threads convert the codes.
- * Consumers overlap within the warpgroup: S of tile i and P V of tile i - 1 are
- * issued together, the softmax of i runs while P V of i - 1 does (K_i released after
- * the softmax: the SASS keeps that overlap only so; see the tile loop).
+ * reach the tensor cores. FP8 pools: the same threads convert the codes. bf16 pools:
+ * the producer keeps two half-tiles (a tile's K or V) in flight. Consumers overlap
+ * within the warpgroup: S of tile i and P V of tile i - 1 are issued together (O
+ * rescaled between them, FlashAttention-3's order), the softmax of i runs while P V of
+ * i - 1 does (K_i released after the softmax: the SASS keeps that overlap only so; see
+ * the tile loop); with 2 or 4 heads a block the two warpgroups issue their GEMMs in
+ * turn (named barriers 3 and 4, FlashAttention-3's warp-scheduler barriers).
  *
  * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 = 128
  * bytes of each row): Q [D/64 column blocks][128 rows][128 B], then the K/V tiles
