@@ -402,7 +402,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     kvs_cuda *bc = kvs_cuda_of(b);
     enum { NO_V = KVS_WG_AB_NO_V, NO_LOAD = KVS_WG_AB_NO_LOAD, NO_EXP = KVS_WG_AB_NO_EXP,
            NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG, K_ORDER = KVS_WG_AB_K_ORDER, SERIAL = KVS_WG_AB_SERIAL,
-           QR = KVS_WG_AB_Q_REGS };
+           CP = KVS_WG_AB_CP_ASYNC };
     struct ab_row {
         const char *name;
         int ab;
@@ -410,7 +410,8 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     };
     const ab_row rows[] = {
         {"default", 0, 1},
-        {"Q_REGS (S = Q K^T with Q in registers)", QR, 2},
+        {"CP_ASYNC (K/V by the producer's cp.async)", CP, 2},
+        {"CP_ASYNC + NO_LOAD", CP | NO_LOAD, 0},
         {"K_ORDER (K released before the softmax: main)", K_ORDER, 2},
         {"SERIAL (P V waited for before the softmax)", SERIAL, 2},
         {"NO_V (the producer loads K only)", NO_V, 0},
@@ -422,7 +423,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
         {"DIAG (clock64 counters)", DIAG, 2},
         {"DIAG + K_ORDER", DIAG | K_ORDER, 2},
         {"DIAG + SERIAL", DIAG | SERIAL, 2},
-        {"DIAG + Q_REGS", DIAG | QR, 2},
+        {"DIAG + CP_ASYNC", DIAG | CP, 2},
         {"default again (the call's drift)", 0, 2},
     };
     const int ns[3] = {4096, 16384, 32768};

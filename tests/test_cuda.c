@@ -874,10 +874,8 @@ static void wgmma_nan_cases(void) {
     paged_poison = 0;
 }
 Test(cuda, attention_wgmma_nan_pool, .timeout = 600) { wgmma_nan_cases(); }
-/* the bench variant Q_REGS (KVSPARSE_WGMMA_VARIANT=4096: Q as register fragments, S
-   by wgmma RS; KVS_WG_AB_*, cuda_internal.h), compiled for d128 with 4 heads a block
-   (the other cases run the default kernel): every case, the NaN pools, the long ones
-   (4096 keys: the rings reused 10 times) */
+/* a bench variant (KVSPARSE_WGMMA_VARIANT=mask; KVS_WG_AB_*, cuda_internal.h) on every
+   case, the NaN pools and the long ones (4096 keys: the rings reused 10 times) */
 static void wgmma_variant_cases(const char *mask) {
     setenv("KVSPARSE_WGMMA_VARIANT", mask, 1);
     wgmma_all();
@@ -885,7 +883,9 @@ static void wgmma_variant_cases(const char *mask) {
     wgmma_long();
     unsetenv("KVSPARSE_WGMMA_VARIANT");
 }
-Test(cuda, attention_wgmma_q_regs, .timeout = 600) { wgmma_variant_cases("4096"); }
+/* CP_ASYNC (128: bf16 K/V by the producer's 128 threads with cp.async, the kernel
+   where no tensor map of the pool can be made; every head count) */
+Test(cuda, attention_wgmma_cp_async, .timeout = 600) { wgmma_variant_cases("128"); }
 /* calls the kernel does not take run the automatic choice's kernel (checked: not
    WGMMA), bf16 and FP8 pools alike; an FP8 pool it takes runs it, asked for or by
    the automatic choice (on Hopper: the explicit call skips the test elsewhere) */

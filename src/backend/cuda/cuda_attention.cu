@@ -1443,6 +1443,7 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
     kvs_attn_args a;
     a.q = (const bf16 *)q;
     a.pool = (const bf16 *)pool->data;
+    a.pool_blocks = pool->n_blocks;
     a.q_start = ab->q_start;
     a.kv_len = ab->kv_len;
     a.block_tables = ab->block_tables;

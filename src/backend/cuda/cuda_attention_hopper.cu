@@ -38,7 +38,9 @@
  * bytes per k16 step inside a column block, LBO 16 (unused), SBO 1024 (8-row
  * groups); N-major (V) start + 2048 bytes per 16 keys, LBO = 128 keys x 128 B (the
  * next 64 head_dim columns), SBO 1024 (the next 8 keys). */
+#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled (the bench variant TMA) */
 #include <math.h>
+#include <string.h>
 
 #include "backend/cuda/cuda_internal.h"
 #include "backend/cuda/cuda_mma.cuh"
@@ -283,6 +285,97 @@ __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, in
     }
 }
 
+/* The bf16 producer at head_dim 128 (the default since 2026-12-04; bench CP_ASYNC and
+ * a pool without a tensor map take kvs_wg_produce): K and V by TMA, one box a 16-key
+ * unit of a paged block (16 rows x 256 bytes: both column blocks), through a 4D view
+ * of the pool (kvs_wg_unit_map: {64 columns, 8 rows, 2 column blocks, 8-row groups}),
+ * which writes the tile as [unit][row group][column block][8 rows][128 B]
+ * (kvs_wg_swz_units; the consumers' descriptors follow): 16 boxes a tile from four
+ * warps, where session 16's one warp issuing 32 boxes of 16 rows x 128 bytes could not
+ * keep up, and 0.93x the time of the 128 threads' cp.async (docs/CUDA.md "Where a
+ * tile's time goes"). Warp w
+ * of the producer loads units 2w and 2w + 1 of every half-tile: it waits for the
+ * stage's empty barrier, copies the units holding keys at or past n_keys (the last
+ * tile's: stale or NaN pool rows must not reach the tensor cores) by 16-byte cp.async
+ * with those rows zero-filled, waits for them and fences them to the async proxy,
+ * then lane 0 arrives on the full barrier (4 arrivals, one a warp) announcing its TMA
+ * bytes and issues its boxes. The paged blocks of a tile's units: lanes 0 and 1 load
+ * them a tile ahead. */
+template <int D, int STAGES, int AB>
+__device__ __forceinline__ void kvs_wg_produce_tma(const void *map, const kvs_attn_args &a, int g, int seq,
+                                                   int n_keys, int n_tiles, uint32_t k_s, uint32_t v_s,
+                                                   uint32_t bars, int pt) {
+    static_assert(D == 128, "the unit box is 16 rows x 2 column blocks");
+    constexpr int BN = KVS_WG_BN;
+    constexpr uint32_t TILE = (uint32_t)BN * D * 2, UNIT = 16u * D * 2;
+    const int32_t *table = kvs_attn_table(a, seq);
+    const int bs = a.block_size, w = pt / 32, lane = pt % 32;
+    const int rg_k = (int)(kvs_kv_offset(0, 0, g, 0, a.n_kv_heads, bs, D) / (8 * D)); /* head g's K, 8-row groups */
+    const int rg_v = a.n_kv_heads * bs / 8;                                             /* K -> V rows of a block */
+    const int bunits = 2 * a.n_kv_heads * (bs / 16);
+    auto block_of = [&](int i) -> int { /* lane < 2: the paged block of unit 2w + lane of tile i (0 past the keys) */
+        const int e = i * BN + 32 * w + 16 * lane;
+        return lane < 2 && e < n_keys ? table[e / bs] : 0;
+    };
+    auto tick = [&]() -> long long { /* the DIAG variant's clock (0 in the others: folds away) */
+        if constexpr ((AB & KVS_WG_AB_DIAG) != 0) return clock64();
+        else return 0;
+    };
+    long long d_empty = 0;
+    const long long t_loop = tick();
+    int blk_cur = 0, blk_next = block_of(0);
+    for (int j = 0; j < 2 * n_tiles; j++) {
+        const int i = j >> 1, kind = j & 1, st = i % STAGES, k0 = i * BN;
+        if (!kind) blk_cur = blk_next, blk_next = i + 1 < n_tiles ? block_of(i + 1) : 0;
+        const uint32_t full = bars + 8 * (kind * STAGES + st), empty = full + 16 * STAGES;
+        const long long t_empty = tick();
+        if (i >= STAGES) kvs_mbar_wait(empty, ((i / STAGES) & 1) ^ 1); /* tile i - STAGES read */
+        d_empty += tick() - t_empty;
+        const uint32_t dst = (kind ? v_s : k_s) + st * TILE;
+        /* bench: no V copies (NO_V), none after the first STAGES tiles (NO_LOAD) */
+        if (((AB & KVS_WG_AB_NO_V) != 0 && kind) || ((AB & KVS_WG_AB_NO_LOAD) != 0 && i >= STAGES)) {
+            if (lane == 0) kvs_mbar_arrive(full);
+            continue;
+        }
+        int n_box = 0;
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const int e = k0 + 32 * w + 16 * m, blk = __shfl_sync(0xffffffffu, blk_cur, m);
+            if (e + 16 <= n_keys) {
+                n_box++;
+                continue;
+            }
+            /* keys at or past n_keys in it: 16 rows x 16 chunks by the warp, 8 a lane */
+            const bf16 *unit_src = a.pool + (e < n_keys ? kvs_kv_offset(blk, kind, g, e % bs, a.n_kv_heads, bs, D) : 0);
+#pragma unroll 1
+            for (int v = 0; v < 8; v++) {
+                const int q = lane + 32 * v, r = q / 16, c = q % 16;
+                const bool ok = e + r < n_keys;
+                kvs_cp_async16(dst + kvs_wg_swz_units(32 * w + 16 * m + r, c), ok ? unit_src + r * D + 8 * c : a.pool, ok);
+            }
+        }
+        if (n_box < 2) {
+            kvs_cp_async_commit();
+            kvs_cp_async_wait<0>();
+            kvs_fence_proxy_async();
+            __syncwarp();
+        }
+        if (lane == 0) kvs_mbar_arrive_tx(full, (uint32_t)n_box * UNIT); /* tx may complete first: no order needed */
+        { /* the boxes: lane m < 2 holds unit 2w + m's paged block */
+            const int e = k0 + 32 * w + 16 * (lane & 1);
+            const int rg = rg_k + 2 * (blk_cur * bunits + (e % bs) / 16) + (kind ? rg_v : 0);
+            if (lane < 2 && e + 16 <= n_keys) kvs_tma_load_4d(dst + (2 * w + lane) * UNIT, map, rg, full);
+        }
+    }
+    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) {
+        if (pt == 0) {
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_LOOP], (unsigned long long)(tick() - t_loop));
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_EMPTY], (unsigned long long)d_empty);
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_TILES], (unsigned long long)n_tiles);
+        }
+    }
+}
+
 /* ---- FP8 pools: the producer warpgroup's 128 threads convert codes -----------------
  * Half-tile j: tile j / 2's K (j even) or V codes, 128 keys x D bytes, 16-byte chunks
  * p = pt + 128 v (v < D / 16) for thread pt (0 .. 127): chunk p % (D / 16) of key
@@ -450,11 +543,14 @@ __device__ __forceinline__ void kvs_wg_produce8(const kvs_attn_args &a, int g, i
  * ablate). */
 template <int D, int STAGES, int HEADS, bool FP8, int AB = 0>
 __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
-    kvs_attn_wgmma_kernel(kvs_attn_args a, bf16 *out, float *lse, int ny) {
+    kvs_attn_wgmma_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse, int ny) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using L = kvs_wg_smem<D, STAGES, FP8>;
     constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS;
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+    /* bf16 d128: K/V by TMA boxes of 16-key units (kvs_wg_produce_tma), the tiles laid
+       out by units (kvs_wg_swz_units); else (and bench CP_ASYNC) by cp.async */
+    constexpr bool tma = D == 128 && !FP8 && (AB & KVS_WG_AB_CP_ASYNC) == 0;
     static_assert(STAGES >= 2, "two stages at least");
     extern __shared__ unsigned char kvs_wg_smem_raw[];
     const uint32_t base = (kvs_smem_u32(kvs_wg_smem_raw) + 1023u) & ~1023u;
@@ -466,7 +562,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
-        for (int st = 0; st < 2 * STAGES; st++) kvs_mbar_init(bars + 8 * st, 128);
+        for (int st = 0; st < 2 * STAGES; st++) kvs_mbar_init(bars + 8 * st, tma ? 4 : 128);
         for (int st = 2 * STAGES; st < 4 * STAGES; st++) kvs_mbar_init(bars + 8 * st, 8);
         kvs_mbar_init_fence();
     }
@@ -485,6 +581,9 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         if (FP8)
             kvs_wg_produce8<D, STAGES>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, base + (uint32_t)L::raw,
                                        bars, threadIdx.x - 256);
+        else if constexpr (tma)
+            kvs_wg_produce_tma<D, STAGES, AB>(&kv_map, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars,
+                                          threadIdx.x - 256);
         else
             kvs_wg_produce<D, STAGES, AB>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars, threadIdx.x - 256);
         return;
@@ -498,25 +597,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     const uint32_t q_wg = q_s + (uint32_t)wg * 64 * 128;
     const int h0 = blk.h0, q0 = blk.q0, t0 = blk.t0, q_len = blk.q_len;
     const int past = blk.past, n_tiles = blk.n_tiles; /* query i sees keys 0 .. past + i */
-    /* bench Q_REGS: Q as the S GEMM's register A fragments, k16 step kk: qa[kk] (rows
-       R0, R0 + 8; the A layout of kvs_wgmma_rs), straight from global memory */
-    constexpr bool q_regs = (AB & KVS_WG_AB_Q_REGS) != 0;
-    [[maybe_unused]] uint32_t qa[q_regs ? D / 16 : 1][4];
-    if constexpr (q_regs) {
-        const int cq = 2 * (lane & 3);
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const int R = R0 + 8 * hf, pos = q0 + R % MH;
-            const bool ok = pos < q_len;
-            const uint32_t *row = (const uint32_t *)(a.q + ((size_t)(t0 + (ok ? pos : 0)) * a.n_heads + h0 + R / MH) * D + cq);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                qa[kk][hf] = ok ? row[8 * kk] : 0u;
-                qa[kk][2 + hf] = ok ? row[8 * kk + 4] : 0u;
-            }
-        }
-    } else
-        kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
+    kvs_wg_load_q<D, HEADS>(a, q_s, wg, h0, q0, t0, q_len);
 
     const int lim0 = past + q0 + R0 % MH;                /* the last key row R0 sees (R0 + 8: lim0 + 8) */
     /* the warpgroup's positions: [wg_first, wg_first + min(MH, 64)) */
@@ -550,19 +631,20 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     auto gemm_s = [&](int i) { /* S = Q K_i^T: one commit group */
         const uint32_t k_st = k_s + (uint32_t)((i % STAGES) * L::TILE);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            if constexpr (q_regs)
-                kvs_wgmma_rs<BN, 0>(s, qa[kk], kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
-            else
-                kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16),
-                                 kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16), kk > 0);
+        for (int kk = 0; kk < D / 16; kk++) { /* K's column block kk / 4: tiles by units (TMA) or [column block][rows] */
+            const uint64_t k_desc = tma ? kvs_wg_desc(k_st + (kk / 4) * 1024 + (kk % 4) * 32, 16, 2048)
+                                        : kvs_wg_desc(k_st + (kk / 4) * (BN * 128) + (kk % 4) * 32, 16);
+            kvs_wgmma_ss<BN>(s, kvs_wg_desc(q_wg + (kk / 4) * (BM * 128) + (kk % 4) * 32, 16), k_desc, kk > 0);
         }
         kvs_wgmma_commit();
     };
     auto gemm_pv = [&](int i) { /* O += P V_i: one commit group */
         const uint32_t v_st = v_s + (uint32_t)((i % STAGES) * L::TILE);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++) kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 16 * 128, BN * 128), 1);
+        for (int kk = 0; kk < BN / 16; kk++) {
+            if constexpr (tma) kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 4096, 1024, 2048), 1);
+            else kvs_wgmma_rs<D>(o, pa[kk], kvs_wg_desc(v_st + kk * 16 * 128, BN * 128), 1);
+        }
         kvs_wgmma_commit();
     };
 
@@ -776,13 +858,71 @@ void kvs_cuda_wgmma_diag_reset(void) {
 void kvs_cuda_wgmma_diag_read(unsigned long long out[KVS_WG_DIAG_N]) {
     cudaMemcpyFromSymbol(out, kvs_wg_diag, sizeof(unsigned long long) * KVS_WG_DIAG_N);
 }
-typedef void (*kvs_wg_kernel_fn)(kvs_attn_args, bf16 *, float *, int);
+typedef void (*kvs_wg_kernel_fn)(const CUtensorMap, kvs_attn_args, bf16 *, float *, int);
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point (no link dependency
+ * on libcuda); NULL where the driver has none. */
+static PFN_cuTensorMapEncodeTiled_v12000 kvs_encode_tiled(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    static bool tried;
+    if (!tried) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) ==
+                cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+        else
+            cudaGetLastError();
+        tried = true;
+    }
+    return fn;
+}
+
+/* The bf16 d128 kernel's TMA view of the pool: 4D {64 columns, 8 rows, 2 column
+ * blocks, 8-row groups} (groups = the pool's rows / 8: n_blocks x 2 x n_kv_heads x
+ * block_size / 8), strides 256 B (a row), 128 B (a column block), 2 KiB (a row group),
+ * boxes {64, 8, 2, 2} (a 16-key unit) with the 128-byte swizzle. Encoded once a pool and
+ * cached in the backend; false (warned once) where it cannot be made: the kernel then
+ * copies by cp.async (KVS_WG_AB_CP_ASYNC). */
+static bool kvs_wg_unit_map(kvs_backend *b, const kvs_attn_args &a, CUtensorMap *map) {
+    static_assert(sizeof(CUtensorMap) == sizeof(((kvs_cuda *)0)->wgmma_map), "the cached map's size");
+    kvs_cuda *c = kvs_cuda_of(b);
+    const int64_t groups = a.pool_blocks * 2 * a.n_kv_heads * a.block_size / 8;
+    if (c->wgmma_map_ok && c->wgmma_map_pool == a.pool && c->wgmma_map_groups == groups) {
+        memcpy(map, c->wgmma_map, sizeof *map);
+        return true;
+    }
+    PFN_cuTensorMapEncodeTiled_v12000 encode = kvs_encode_tiled();
+    const char *why = NULL;
+    if (!encode) why = "the driver has no cuTensorMapEncodeTiled";
+    else if (groups <= 0 || groups > INT32_MAX) why = "the pool has more 8-row groups than TMA's int32 coordinates reach";
+    if (!why) {
+        const cuuint64_t dims[4] = {64, 8, 2, (cuuint64_t)groups}, strides[3] = {256, 128, 2048};
+        const cuuint32_t box[4] = {64, 8, 2, 2}, unit[4] = {1, 1, 1, 1};
+        if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, (void *)a.pool, dims, strides, box, unit,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+            why = "cuTensorMapEncodeTiled failed";
+    }
+    if (why) {
+        if (!c->wgmma_map_warned) kvs_log(KVS_LOG_WARN, "cuda: the WGMMA prefill copies K/V by cp.async, not TMA: %s", why);
+        c->wgmma_map_warned = 1;
+        return false;
+    }
+    memcpy(c->wgmma_map, map, sizeof *map);
+    c->wgmma_map_pool = a.pool, c->wgmma_map_groups = groups, c->wgmma_map_ok = 1;
+    return true;
+}
 /* the variant's kernel, NULL for a mask not compiled */
 template <int D, int STAGES, int HEADS, bool FP8>
 static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
+    if constexpr (D == 128 && !FP8) { /* every head count: the fallback without a tensor map */
+        if (ab == KVS_WG_AB_CP_ASYNC) return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KVS_WG_AB_CP_ASYNC>;
+    }
     if constexpr (D == 128 && HEADS == 4 && !FP8) {
         enum { V = KVS_WG_AB_NO_V, NL = KVS_WG_AB_NO_LOAD, NE = KVS_WG_AB_NO_EXP, NS = KVS_WG_AB_NO_SOFTMAX,
-               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL, QR = KVS_WG_AB_Q_REGS };
+               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL, CP = KVS_WG_AB_CP_ASYNC };
         switch (ab) {
         case V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, V>;
         case NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL>;
@@ -795,8 +935,9 @@ static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
         case KO | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO | NL>;
         case SE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE>;
         case SE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE | DG>;
-        case QR: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, QR>;
-        case QR | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, QR | DG>;
+        case CP | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | DG>;
+        case CP | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | NL>;
+        case CP | V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | V>;
         default: return NULL;
         }
     }
@@ -807,19 +948,22 @@ static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
 template <int D, int STAGES, int HEADS, bool FP8>
 static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
     using L = kvs_wg_smem<D, STAGES, FP8>;
-    const kvs_cuda *c = kvs_cuda_of(b);
+    kvs_cuda *c = kvs_cuda_of(b);
     kvs_wg_kernel_fn kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8>;
-    if (c->wgmma_variant) {
-        kvs_wg_kernel_fn v = kvs_wg_variant<D, STAGES, HEADS, FP8>(c->wgmma_variant);
-        if (v) kernel = v;
-    }
+    int ab = 0;
+    if (c->wgmma_variant && kvs_wg_variant<D, STAGES, HEADS, FP8>(c->wgmma_variant))
+        ab = c->wgmma_variant, kernel = kvs_wg_variant<D, STAGES, HEADS, FP8>(ab);
+    CUtensorMap map;
+    memset(&map, 0, sizeof map);
+    if (D == 128 && !FP8 && !(ab & KVS_WG_AB_CP_ASYNC) && !kvs_wg_unit_map(b, a, &map)) /* TMA without a map: */
+        kernel = kvs_wg_variant<D, STAGES, HEADS, FP8>(KVS_WG_AB_CP_ASYNC);                /* cp.async */
     constexpr int MH = KVS_WG_BM / HEADS;
     KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
     /* work items (head groups x q-blocks x sequences): a CTA each */
     const int ny = (max_q_len + MH - 1) / MH;
     const int64_t grid = (int64_t)(a.n_heads / HEADS) * ny * a.n_seqs;
     if (grid <= 0) return;
-    kernel<<<(unsigned)grid, KVS_WG_THREADS, L::bytes, c->stream>>>(a, out, lse, ny);
+    kernel<<<(unsigned)grid, KVS_WG_THREADS, L::bytes, c->stream>>>(map, a, out, lse, ny);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma_kernel");
 }
 

@@ -133,6 +133,11 @@ typedef struct {
        kernel (other shapes, FP8 pools and unknown masks run the default); 0: the default;
        KVSPARSE_WGMMA_VARIANT=mask for the tests */
     int wgmma_variant;
+    /* the WGMMA prefill's TMA view of the pool (kvs_wg_unit_map), cached for one pool */
+    alignas(64) unsigned char wgmma_map[128];
+    const void *wgmma_map_pool;
+    int64_t wgmma_map_groups;
+    int wgmma_map_ok, wgmma_map_warned;
     int last_prefill; /* the kvs_cuda_prefill kernel of the last prefill launch (-1: none yet; tests) */
     int fp8_outer_missing; /* cuBLASLt found no outer-vector FP8 algorithm once: AUTO falls back to EPILOGUE_FAST */
     cudaEvent_t fence; /* the step's fence (backend.h fence / fence_wait) */
@@ -247,6 +252,7 @@ void kvs_cuda_attention(kvs_backend *b, void *out, float *lse, const void *q, co
 struct kvs_attn_args {
     const bf16 *q;
     const bf16 *pool; /* FP8 pools: the codes' bytes (kvs_attn_pool8) */
+    int64_t pool_blocks; /* the pool's blocks (the WGMMA prefill's TMA view of it) */
     const int32_t *q_start, *kv_len, *block_tables;
     const int32_t *table_rows; /* sequence s's table: block_tables + table_rows[s] * max_blocks; NULL: row s */
     int n_seqs, n_tokens, max_blocks, n_heads, n_kv_heads, block_size;
@@ -278,10 +284,12 @@ size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
  * buffer, K_ORDER the K release before the softmax (the pre-fix order, whose SASS
  * waits for P V of tile i - 1 before the softmax of tile i),
  * SERIAL the wait for P V of tile i - 1 before tile i's softmax (no overlap),
- * Q_REGS Q as register A fragments (S = Q K^T by wgmma RS: the S GEMM reads K alone
- * from shared memory). Free: 128 (was CP4, the cp.async producer), 256, 512, 1024
+ * CP_ASYNC the producer's 128 threads copying bf16 K/V by 16-byte
+ * cp.async (the default before 2026-12-04; the fallback where no tensor map can be
+ * made; head_dim 64 always). Free: 256, 512, 1024
  * (PIPE2, RESCALE_EARLY, PINGPONG: the default since 2026-12-04), 2048 (GROUP_ORDER,
- * a KV group's q-blocks launched together: measured 1.0x, deleted). */
+ * a KV group's q-blocks launched together: measured 1.0x, deleted), 4096 (Q_REGS, Q
+ * as register fragments and S by wgmma RS: 0.98-1.03x, deleted). */
 enum {
     KVS_WG_AB_NO_V = 1,
     KVS_WG_AB_NO_LOAD = 2,
@@ -290,7 +298,7 @@ enum {
     KVS_WG_AB_DIAG = 16,
     KVS_WG_AB_K_ORDER = 32,
     KVS_WG_AB_SERIAL = 64,
-    KVS_WG_AB_Q_REGS = 4096,
+    KVS_WG_AB_CP_ASYNC = 128,
 };
 /* the DIAG counters (KVS_WG_DIAG_*), summed over the CTAs of every DIAG launch since
    the last reset */

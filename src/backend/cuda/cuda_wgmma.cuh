@@ -18,10 +18,19 @@ __device__ __forceinline__ uint32_t kvs_wg_swz(int rows, int r, int c) {
     return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-/* wgmma shared-memory matrix descriptor, 128-byte swizzle, SBO 1024. */
-__device__ __forceinline__ uint64_t kvs_wg_desc(uint32_t addr, uint32_t lbo) {
+/* wgmma shared-memory matrix descriptor, 128-byte swizzle, SBO 1024 (or sbo). */
+__device__ __forceinline__ uint64_t kvs_wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo = 1024) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
-           ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+           ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+/* The bf16 d128 prefill's K/V tile layout (what its TMA boxes write: kvs_wg_unit_map):
+ * [8-row group][2 column blocks][8 rows][128 B], a 1 KiB 128-byte-swizzled atom a group
+ * and column block (a 16-key unit: 4 KiB): byte offset of 16-byte chunk c (0 .. 15) of
+ * row r. wgmma descriptors on it: K-major SBO 2048 (the next 8 rows), column block
+ * +1024; N-major LBO 1024 (the next 64 columns), SBO 2048 (the next 8 keys). */
+__device__ __forceinline__ uint32_t kvs_wg_swz_units(int r, int c) {
+    return (uint32_t)((r >> 3) * 2048 + (c >> 3) * 1024 + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
 /* ---- mbarriers (CTA scope) ------------------------------------------------------ */
@@ -39,6 +48,19 @@ __device__ __forceinline__ void kvs_mbar_arrive(uint32_t bar) {
 /* arrive (release) counting `count` arrivals */
 __device__ __forceinline__ void kvs_mbar_arrive_n(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/* arrive (release) and announce `bytes` more of asynchronous writes (TMA complete_tx)
+   the current phase waits for */
+__device__ __forceinline__ void kvs_mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/* box at (0, 0, 0, c3) of a 4D tensor map -> shared dst; complete_tx on bar */
+__device__ __forceinline__ void kvs_tma_load_4d(uint32_t dst, const void *map, int c3, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %2, %2, %3}], "
+        "[%4];\n" ::"r"(dst),
+        "l"((uint64_t)map), "r"(0), "r"(c3), "r"(bar)
+        : "memory");
 }
 /* waits (acquire) until the phase of the given parity has completed */
 __device__ __forceinline__ void kvs_mbar_wait(uint32_t bar, uint32_t parity) {
@@ -116,7 +138,7 @@ __device__ __forceinline__ void kvs_wg_fence_regs(float (&r)[N]) {
  * D = A B (accumulate 0) or D += A B (accumulate 1). ss: A and B from shared memory
  * (descriptors, both K-major). rs: A from registers (4 x bf16x2, the m16n8k16
  * A-fragment layout per warp, rows 16 x warp), B from shared memory N-major
- * (TRANS_B 1, imm-trans-b) or K-major (TRANS_B 0). Accumulator d[4 j + 2 h + c]: row 16 x warp + lane / 4 + 8 h,
+ * (imm-trans-b 1). Accumulator d[4 j + 2 h + c]: row 16 x warp + lane / 4 + 8 h,
  * column 8 j + 2 (lane % 4) + c. */
 template <int N>
 __device__ __forceinline__ void kvs_wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
@@ -132,22 +154,21 @@ __device__ __forceinline__ void kvs_wgmma_ss(float (&d)[N / 2], uint64_t a, uint
                      : KVS_WG_ACC64
                      : "l"(a), "l"(b), "r"(accumulate));
 }
-template <int N, int TRANS_B = 1>
+template <int N>
 __device__ __forceinline__ void kvs_wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate) {
     static_assert(N == 64 || N == 128, "N 64 or 128");
-    static_assert(TRANS_B == 0 || TRANS_B == 1, "B K-major (0) or N-major (1)");
     if constexpr (N == 64)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " KVS_WG_D32
-                     ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                     ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
                      : KVS_WG_ACC32
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
     else
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " KVS_WG_D64
-                     ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                     ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
                      : KVS_WG_ACC64
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 #undef KVS_WG_ACC4
 #undef KVS_WG_ACC16
