@@ -182,9 +182,10 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
     }
 }
 
-/* The bf16 producer, thread pt of the producer warpgroup, one work item: K and V of
- * every tile into the rings by 16-byte cp.async (FlashAttention-3's way for pages of
- * fewer than 128 keys). Half-tile j: tile j / 2's K (j even) or V, 128 keys x D:
+/* The bf16 producer at head_dim 64 (and at 128 without a tensor map of the pool, or as
+ * the bench's CP_ASYNC; kvs_wg_produce_tma below is the d128 default), thread pt of the
+ * producer warpgroup, one work item: K and V of every tile into the rings by 16-byte
+ * cp.async (FlashAttention-3's way for pages of fewer than 128 keys). Half-tile j: tile j / 2's K (j even) or V, 128 keys x D:
  * thread pt copies the chunk c = pt % CH (CH = D / 8) of rows kt + KPR v (kt = pt /
  * CH, KPR = 128 / CH) straight into the ring stage's swizzled place, rows at or past
  * n_keys zero-filled. Lanes 0..7 of each warp hold the 16-key units (paged block x
