@@ -46,7 +46,7 @@ static __global__ void l2bw_bulk(const uint8_t *src, size_t region, int iters) {
     auto issue = [&](int it) {
         const uint8_t *s = src + ((blockIdx.x * 7919ull + it) % n_chunks) * L2BW_CHUNK;
         const uint32_t d = base + (uint32_t)(it % 2) * L2BW_CHUNK, bar = bars + 8 * (it % 2);
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(L2BW_CHUNK) : "memory");
+        kvs_mbar_arrive_tx(bar, L2BW_CHUNK);
 #pragma unroll
         for (int k = 0; k < L2BW_CHUNK / 4096; k++)
             asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 4096, [%2];\n" ::"r"(

@@ -18,13 +18,13 @@
  *
  * FlashAttention-3's structure (kvs_attn_wgmma_kernel). 12 warps: a producer
  * warpgroup (warps 8-11, setmaxnreg down to 56 registers) and the two consumer
- * warpgroups (setmaxnreg up to 224). The producer's 128 threads fill a K ring and a V
- * ring (STAGES tiles each) by 16-byte cp.async, as FlashAttention-3 loads pages of
- * fewer than 128 keys (TMA boxes of a 16-key paged block, 32 a tile from one warp,
- * measured 1.08-1.13x slower: docs/CUDA.md "Where a tile's time goes"); rows at or
- * past the block's last key are zero-filled, so that stale or NaN pool rows never
- * reach the tensor cores. FP8 pools: the same threads convert the codes. bf16 pools:
- * the producer keeps two half-tiles (a tile's K or V) in flight. Consumers overlap
+ * warpgroups (setmaxnreg up to 224). The producer fills a K ring and a V ring (STAGES
+ * tiles each): bf16 at head_dim 128 by TMA, one box a 16-key unit of a paged block
+ * from each of its four warps (kvs_wg_produce_tma), else its 128 threads by 16-byte
+ * cp.async, two half-tiles (a tile's K or V) in flight (kvs_wg_produce), FP8 pools
+ * with the same threads converting the codes (kvs_wg_produce8); rows at or past the
+ * block's last key are zero-filled, so that stale or NaN pool rows never reach the
+ * tensor cores. Consumers overlap
  * within the warpgroup: S of tile i and P V of tile i - 1 are issued together (O
  * rescaled between them, FlashAttention-3's order), the softmax of i runs while P V of
  * i - 1 does (K_i released after the softmax: the SASS keeps that overlap only so; see
@@ -33,12 +33,14 @@
  *
  * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 = 128
  * bytes of each row): Q [D/64 column blocks][128 rows][128 B], then the K/V tiles
- * [D/64][128 keys][128 B], then the mbarriers; layout and descriptors in
- * cuda_wgmma.cuh (kvs_wg_swz, kvs_wg_desc). Descriptors: K-major (Q, K) start + 32
+ * [D/64][128 keys][128 B] (bf16 d128: [8-row group][2 column blocks][8 rows][128 B],
+ * what the TMA boxes write: kvs_wg_swz_units, its descriptors there), then the
+ * mbarriers; layout and descriptors in cuda_wgmma.cuh (kvs_wg_swz, kvs_wg_desc).
+ * Descriptors: K-major (Q, K) start + 32
  * bytes per k16 step inside a column block, LBO 16 (unused), SBO 1024 (8-row
  * groups); N-major (V) start + 2048 bytes per 16 keys, LBO = 128 keys x 128 B (the
  * next 64 head_dim columns), SBO 1024 (the next 8 keys). */
-#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled (the bench variant TMA) */
+#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled (kvs_wg_unit_map) */
 #include <math.h>
 #include <string.h>
 
@@ -182,6 +184,25 @@ __device__ __forceinline__ void kvs_wg_store(const kvs_attn_args &a, bf16 *out, 
     }
 }
 
+/* The DIAG variant's clock (0 in the others: the timing folds away) */
+template <int AB>
+__device__ __forceinline__ long long kvs_wg_tick() {
+    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) return clock64();
+    else return 0;
+}
+/* A bf16 producer's DIAG counters (thread 0 of the producer warpgroup): its loop's cycles
+   from t_loop, those of its empty waits, its tiles */
+template <int AB>
+__device__ __forceinline__ void kvs_wg_diag_producer(int pt, long long t_loop, long long d_empty, int n_tiles) {
+    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) {
+        if (pt == 0) {
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_LOOP], (unsigned long long)(clock64() - t_loop));
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_EMPTY], (unsigned long long)d_empty);
+            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_TILES], (unsigned long long)n_tiles);
+        }
+    }
+}
+
 /* The bf16 producer at head_dim 64 (and at 128 without a tensor map of the pool, or as
  * the bench's CP_ASYNC; kvs_wg_produce_tma below is the d128 default), thread pt of the
  * producer warpgroup, one work item: K and V of every tile into the rings by 16-byte
@@ -209,10 +230,7 @@ __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, in
         const int e = i * BN + 16 * lane;
         return lane < 8 && e < n_keys ? (uint32_t)table[e / bs] * bunits + (uint32_t)(e % bs) / 16 : 0u;
     };
-    auto tick = [&]() -> long long { /* the DIAG variant's clock (0 in the others: folds away) */
-        if constexpr ((AB & KVS_WG_AB_DIAG) != 0) return clock64();
-        else return 0;
-    };
+    auto tick = kvs_wg_tick<AB>;
     long long d_empty = 0;
     const long long t_loop = tick();
     uint32_t unit_t = unit_of(0), unit_n = unit_of(1);
@@ -277,13 +295,7 @@ __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, in
             kvs_mbar_arrive(bars + 8 * ((j & 1) * STAGES + (j >> 1) % STAGES));
         }
     }
-    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) {
-        if (pt == 0) {
-            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_LOOP], (unsigned long long)(tick() - t_loop));
-            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_EMPTY], (unsigned long long)d_empty);
-            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_TILES], (unsigned long long)n_tiles);
-        }
-    }
+    kvs_wg_diag_producer<AB>(pt, t_loop, d_empty, n_tiles);
 }
 
 /* The bf16 producer at head_dim 128 (the default since 2026-12-04; bench CP_ASYNC and
@@ -318,10 +330,7 @@ __device__ __forceinline__ void kvs_wg_produce_tma(const void *map, const kvs_at
         const int e = i * BN + 32 * w + 16 * lane;
         return lane < 2 && e < n_keys ? table[e / bs] : 0;
     };
-    auto tick = [&]() -> long long { /* the DIAG variant's clock (0 in the others: folds away) */
-        if constexpr ((AB & KVS_WG_AB_DIAG) != 0) return clock64();
-        else return 0;
-    };
+    auto tick = kvs_wg_tick<AB>;
     long long d_empty = 0;
     const long long t_loop = tick();
     int blk_cur = 0, blk_next = block_of(0);
@@ -368,13 +377,7 @@ __device__ __forceinline__ void kvs_wg_produce_tma(const void *map, const kvs_at
             if (lane < 2 && e + 16 <= n_keys) kvs_tma_load_4d(dst + (2 * w + lane) * UNIT, map, rg, full);
         }
     }
-    if constexpr ((AB & KVS_WG_AB_DIAG) != 0) {
-        if (pt == 0) {
-            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_LOOP], (unsigned long long)(tick() - t_loop));
-            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_EMPTY], (unsigned long long)d_empty);
-            atomicAdd(&kvs_wg_diag[KVS_WG_DIAG_PROD_TILES], (unsigned long long)n_tiles);
-        }
-    }
+    kvs_wg_diag_producer<AB>(pt, t_loop, d_empty, n_tiles);
 }
 
 /* ---- FP8 pools: the producer warpgroup's 128 threads convert codes -----------------
@@ -568,10 +571,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         kvs_mbar_init_fence();
     }
     __syncthreads();
-    auto tick = [&]() -> long long { /* the DIAG variant's clock (0 in the others: folds away) */
-        if constexpr ((AB & KVS_WG_AB_DIAG) != 0) return clock64();
-        else return 0;
-    };
+    auto tick = kvs_wg_tick<AB>;
     [[maybe_unused]] long long t_cta = tick(), ns_cta = 0;
     if constexpr ((AB & KVS_WG_AB_DIAG) != 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns_cta));
     const kvs_wg_block<HEADS> blk(a, blockIdx.x, ny);
@@ -951,9 +951,9 @@ static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     using L = kvs_wg_smem<D, STAGES, FP8>;
     kvs_cuda *c = kvs_cuda_of(b);
     kvs_wg_kernel_fn kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8>;
-    int ab = 0;
-    if (c->wgmma_variant && kvs_wg_variant<D, STAGES, HEADS, FP8>(c->wgmma_variant))
-        ab = c->wgmma_variant, kernel = kvs_wg_variant<D, STAGES, HEADS, FP8>(ab);
+    const kvs_wg_kernel_fn variant = c->wgmma_variant ? kvs_wg_variant<D, STAGES, HEADS, FP8>(c->wgmma_variant) : NULL;
+    const int ab = variant ? c->wgmma_variant : 0; /* the mask that runs (0: the default) */
+    if (variant) kernel = variant;
     CUtensorMap map;
     memset(&map, 0, sizeof map);
     if (D == 128 && !FP8 && !(ab & KVS_WG_AB_CP_ASYNC) && !kvs_wg_unit_map(b, a, &map)) /* TMA without a map: */
