@@ -401,7 +401,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     }
     kvs_cuda *bc = kvs_cuda_of(b);
     enum { NO_V = KVS_WG_AB_NO_V, NO_LOAD = KVS_WG_AB_NO_LOAD, NO_EXP = KVS_WG_AB_NO_EXP,
-           NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG, K_ORDER = KVS_WG_AB_K_ORDER, SERIAL = KVS_WG_AB_SERIAL,
+           NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG,
            CP = KVS_WG_AB_CP_ASYNC };
     struct ab_row {
         const char *name;
@@ -412,17 +412,12 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
         {"default", 0, 1},
         {"CP_ASYNC (K/V by the producer's cp.async)", CP, 2},
         {"CP_ASYNC + NO_LOAD", CP | NO_LOAD, 0},
-        {"K_ORDER (K released before the softmax: main)", K_ORDER, 2},
-        {"SERIAL (P V waited for before the softmax)", SERIAL, 2},
         {"NO_V (the producer loads K only)", NO_V, 0},
         {"NO_LOAD (no copies after the first 3 tiles)", NO_LOAD, 0},
         {"NO_EXP (softmax without its ex2)", NO_EXP, 0},
         {"NO_SOFTMAX (P = S)", NO_SM, 0},
         {"NO_LOAD + NO_SOFTMAX (wgmma + barriers)", NO_LOAD | NO_SM, 0},
-        {"K_ORDER + NO_LOAD", K_ORDER | NO_LOAD, 0},
         {"DIAG (clock64 counters)", DIAG, 2},
-        {"DIAG + K_ORDER", DIAG | K_ORDER, 2},
-        {"DIAG + SERIAL", DIAG | SERIAL, 2},
         {"DIAG + CP_ASYNC", DIAG | CP, 2},
         {"default again (the call's drift)", 0, 2},
     };

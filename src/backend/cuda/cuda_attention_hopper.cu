@@ -10,8 +10,9 @@
  * each K/V tile in shared memory feeds 128 rows; two consumer warpgroups of 64 rows
  * (warps 0-3, 4-7). Per 128-key tile each consumer warpgroup computes S = Q K^T
  * with wgmma m64n128k16 (Q and K from shared memory, K-major, 128-byte swizzle),
- * the online softmax in registers (row max over raw scores, one FFMA + ex2 a
- * probability, O rescale skipped by warp vote when no row max changed), and
+ * the online softmax in registers (row max over raw scores, moved only by more
+ * than 8 in log2, one FFMA + ex2 a probability, O rescale skipped by warp vote when
+ * no row max moved), and
  * O += P V with wgmma m64nDk16, P straight from the S accumulators packed to bf16
  * (the f32 accumulator layout of a 16-column slice is the A-fragment layout), V
  * from shared memory as the N-major (transposed) B operand.
@@ -24,12 +25,12 @@
  * cp.async, two half-tiles (a tile's K or V) in flight (kvs_wg_produce), FP8 pools
  * with the same threads converting the codes (kvs_wg_produce8); rows at or past the
  * block's last key are zero-filled, so that stale or NaN pool rows never reach the
- * tensor cores. Consumers overlap
- * within the warpgroup: S of tile i and P V of tile i - 1 are issued together (O
- * rescaled between them, FlashAttention-3's order), the softmax of i runs while P V of
- * i - 1 does (K_i released after the softmax: the SASS keeps that overlap only so; see
- * the tile loop); with 2 or 4 heads a block the two warpgroups issue their GEMMs in
- * turn (named barriers 3 and 4, FlashAttention-3's warp-scheduler barriers).
+ * tensor cores. Consumers: S of tile i and P V of tile i - 1 are issued together (O
+ * rescaled between them, FlashAttention-3's order), K_i released once S_i is done,
+ * P V of i - 1 waited for and V_{i-1} released before the softmax of i in the SASS
+ * (see the tile loop); with 2 or 4 heads a block the two warpgroups issue their GEMMs in
+ * turn (named barriers 3 and 4, FlashAttention-3's warp-scheduler barriers), so one's
+ * softmax runs under the other's GEMMs.
  *
  * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 = 128
  * bytes of each row): Q [D/64 column blocks][128 rows][128 B], then the K/V tiles
@@ -263,7 +264,7 @@ __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, in
      * Deadlock-free for STAGES >= 2. The producer arrives on full(j) only after the
      * empty waits of every half-tile up to j + 2 (j + 2's the latest: the one that
      * binds), which need releases by both consumer warpgroups; a consumer releases K_t
-     * after the softmax of tile t (its iteration t needs full K_t and V_{t-1}) and V_t
+     * once S of tile t is done (its iteration t needs full K_t and V_{t-1}) and V_t
      * after P V of tile t (its iteration t + 1 needs full K_{t+1} and V_t; the last
      * tile's after the loop needs V_t alone; tiles past a warpgroup's keys need their
      * own stage alone). Full(K_i) waits on empty K_{i+1}: the release of K_{i+1-STAGES},
@@ -661,7 +662,10 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
         auto ex = [](float x) { return (AB & KVS_WG_AB_NO_EXP) != 0 ? x : kvs_exp2(x); };
         float mx0, mx1; /* mask where the tile crosses some row's diagonal */
         kvs_wg_row_max<BN>(s, i * BN, i * BN + BN - 1 > wg_full_key, lim0, scale_log2, mx0, mx1);
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        /* a row's max moves only where the tile's exceeds it by more than 8 (log2):
+           probabilities up to 2^8, and O's rescale all but gone after the first tiles
+           (FlashAttention-4's threshold; -inf: the first tile a row sees sets it) */
+        const float mn0 = mx0 > m0 + 8.f ? mx0 : m0, mn1 = mx1 > m1 + 8.f ? mx1 : m1;
         const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
         alpha0 = kvs_exp2(m0 - mu0), alpha1 = kvs_exp2(m1 - mu1);
         const bool grew = mn0 != m0 || mn1 != m1;
@@ -687,16 +691,6 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             pa[j / 2][(j & 1) * 2 + 1] = kvs_pack_bf16(s[4 * j + 2], s[4 * j + 3]); /* row lane/4 + 8 */
         }
     };
-    /* The overlap of tile i's softmax with P V of tile i - 1 is ptxas's to keep: it
-       hoists the wgmma.wait_group 0 (WARPGROUP.DEPBAR) up to the nearest memory
-       operation or block start and sinks independent ALU work below barriers. With
-       K_i released as soon as S_i was done (before 2026-12-04; K_ORDER, bench), the
-       wait landed before the whole softmax: 0 of the loop's 66 ex2 ran under P V. So
-       K_i is released after the softmax, the arrival data-dependent on the row sums
-       (count 1 + (l0 + l1 < 0): always 1, the sums of ex2's being >= 0 or NaN), which
-       pins the wait after all 66 ex2 in every instance, bf16 and FP8 (docs/CUDA.md
-       "Where a tile's time goes"; check the SASS when touching this loop). */
-    constexpr bool k_late = (AB & KVS_WG_AB_K_ORDER) == 0;
     /* O x the factors of a tile's softmax, skipped when no row max of the warp grew */
     auto rescale_o = [&](bool grew, float alpha0, float alpha1) {
         if (__any_sync(0xffffffffu, grew)) {
@@ -710,8 +704,9 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     /* FlashAttention-3's order: O (tiles up to i - 2) is rescaled by tile i - 1's
        factors after the S_i issue and before the P_{i-1} V_{i-1} issue (a second
        wgmma.fence: the P V wgmma reads O), the last tile's before its P V after the
-       loop; the tail after the P V wait is the V release and the P pack. (Rescaling
-       after the P V wait instead: the same arithmetic, 1.0-1.02x the time.)
+       loop; after the S wait: the K release, (in the SASS) the P V wait and the V
+       release, the softmax, the P pack. (Rescaling after the P V wait instead: the same arithmetic, 1.0-1.02x
+       the time, session 16.)
        With 2 or 4 heads a block, FlashAttention-3's warp-scheduler barriers too: the
        warpgroups issue their GEMMs in turn (a round: tile 0's S; tile i's S with tile
        i - 1's P V; the last tile's P V): warpgroup wg waits on named barrier 3 + wg
@@ -761,25 +756,24 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             kvs_wgmma_wait<1>(); /* S done; P V of i - 1 still running */
             kvs_wg_fence_regs(s);
             d_ws += tick() - t0;
-            auto wait_pv = [&]() {
-                const long long t = tick();
-                kvs_wgmma_wait<0>();
-                kvs_wg_fence_regs(o);
-                d_wpv += tick() - t;
-            };
-            if (!k_late) release(empty_k, i);
-            if constexpr ((AB & KVS_WG_AB_SERIAL) != 0) wait_pv(); /* bench: P V of i - 1 before the softmax */
+            /* K_i released as soon as S_i is done. ptxas hoists the P V wait and the
+               V_{i-1} release above the softmax (up to the K release's memory
+               operations; the SASS: wait_group 0 and its fence right after the K
+               release's), so the softmax of tile i runs after P V of i - 1, while the
+               other warpgroup's GEMMs hold the tensor cores. The softmax under this
+               warpgroup's own P V (K_i released after it, its arrival made
+               data-dependent on the row sums to pin the wait below all 64 ex2: the
+               order before 2026-12-04) measured 1.015-1.05x this order's time in
+               three calls; the wait written before the softmax schedules the softmax
+               differently (not measured better): docs/CUDA.md "Session 18" */
+            release(empty_k, i);
             const long long t1 = tick();
             const bool grew = softmax(i, alpha0, alpha1);
-            if (k_late) { /* release(empty_k, i), the arrival depending on the softmax (above) */
-                kvs_fence_proxy_async();
-                __syncwarp();
-                /* the bench's NO_EXP / NO_SOFTMAX sums can be negative: 1 */
-                const uint32_t count = (AB & (KVS_WG_AB_NO_EXP | KVS_WG_AB_NO_SOFTMAX)) ? 1u : 1u + (l0 + l1 < 0.f);
-                if (lane == 0) kvs_mbar_arrive_n(empty_k + 8 * (i % STAGES), count);
-            }
             d_sm += tick() - t1;
-            if constexpr ((AB & KVS_WG_AB_SERIAL) == 0) wait_pv();
+            const long long t = tick();
+            kvs_wgmma_wait<0>();
+            kvs_wg_fence_regs(o);
+            d_wpv += tick() - t;
             d_tail -= tick();
             release(empty_v, i - 1);
             grew_prev = grew;
@@ -923,7 +917,7 @@ static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
     }
     if constexpr (D == 128 && HEADS == 4 && !FP8) {
         enum { V = KVS_WG_AB_NO_V, NL = KVS_WG_AB_NO_LOAD, NE = KVS_WG_AB_NO_EXP, NS = KVS_WG_AB_NO_SOFTMAX,
-               DG = KVS_WG_AB_DIAG, KO = KVS_WG_AB_K_ORDER, SE = KVS_WG_AB_SERIAL, CP = KVS_WG_AB_CP_ASYNC };
+               DG = KVS_WG_AB_DIAG, CP = KVS_WG_AB_CP_ASYNC };
         switch (ab) {
         case V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, V>;
         case NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL>;
@@ -931,11 +925,6 @@ static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
         case NS: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NS>;
         case NL | NS: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL | NS>;
         case DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, DG>;
-        case KO: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO>;
-        case KO | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO | DG>;
-        case KO | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KO | NL>;
-        case SE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE>;
-        case SE | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, SE | DG>;
         case CP | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | DG>;
         case CP | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | NL>;
         case CP | V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | V>;

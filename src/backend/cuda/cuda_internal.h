@@ -281,12 +281,11 @@ size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
  * copies after the first STAGES tiles (the producer only arrives), NO_EXP the
  * softmax without its ex2 (p = the FFMA's argument), NO_SOFTMAX P = S (no mask, max,
  * exp, sums or rescale), DIAG clock64 counters into kvs_cuda_wgmma_diag_read's
- * buffer, K_ORDER the K release before the softmax (the pre-fix order, whose SASS
- * waits for P V of tile i - 1 before the softmax of tile i),
- * SERIAL the wait for P V of tile i - 1 before tile i's softmax (no overlap),
- * CP_ASYNC the producer's 128 threads copying bf16 K/V by 16-byte
+ * buffer, CP_ASYNC the producer's 128 threads copying bf16 K/V by 16-byte
  * cp.async (the default before 2026-12-04; the fallback where no tensor map can be
- * made; head_dim 64 always). Free: 256, 512, 1024
+ * made; head_dim 64 always). Free: 32 (K_ORDER, the K release before the softmax) and
+ * 64 (SERIAL, the P V wait before it): the default's order since 2026-12-04 (session
+ * 18), 256, 512, 1024
  * (PIPE2, RESCALE_EARLY, PINGPONG: the default since 2026-12-04), 2048 (GROUP_ORDER,
  * a KV group's q-blocks launched together: measured 1.0x, deleted), 4096 (Q_REGS, Q
  * as register fragments and S by wgmma RS: 0.98-1.03x, deleted). */
@@ -296,8 +295,6 @@ enum {
     KVS_WG_AB_NO_EXP = 4,
     KVS_WG_AB_NO_SOFTMAX = 8,
     KVS_WG_AB_DIAG = 16,
-    KVS_WG_AB_K_ORDER = 32,
-    KVS_WG_AB_SERIAL = 64,
     KVS_WG_AB_CP_ASYNC = 128,
 };
 /* the DIAG counters (KVS_WG_DIAG_*), summed over the CTAs of every DIAG launch since

@@ -45,10 +45,6 @@ __device__ __forceinline__ void kvs_mbar_init_fence() {
 __device__ __forceinline__ void kvs_mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-/* arrive (release) counting `count` arrivals */
-__device__ __forceinline__ void kvs_mbar_arrive_n(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
 /* arrive (release) and announce `bytes` more of asynchronous writes (TMA complete_tx)
    the current phase waits for */
 __device__ __forceinline__ void kvs_mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
