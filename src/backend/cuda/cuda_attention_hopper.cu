@@ -705,8 +705,8 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
        factors after the S_i issue and before the P_{i-1} V_{i-1} issue (a second
        wgmma.fence: the P V wgmma reads O), the last tile's before its P V after the
        loop; after the S wait: the K release, (in the SASS) the P V wait and the V
-       release, the softmax, the P pack. (Rescaling after the P V wait instead: the same arithmetic, 1.0-1.02x
-       the time, session 16.)
+       release, the softmax, the P pack. (Rescaling after the P V wait instead: the
+       same arithmetic, 1.0-1.02x the time, session 16.)
        With 2 or 4 heads a block, FlashAttention-3's warp-scheduler barriers too: the
        warpgroups issue their GEMMs in turn (a round: tile 0's S; tile i's S with tile
        i - 1's P V; the last tile's P V): warpgroup wg waits on named barrier 3 + wg
