@@ -75,9 +75,9 @@ static_assert(KVS_WG_PRODUCER_REGS + 2 * KVS_WG_CONSUMER_REGS == 3 * 168, "regis
 /* Shared memory: Q, the K ring, the V ring (bf16 tiles), FP8 pools: two raw tiles of
    codes (a tile's K or V, 128 keys x D bytes, the producer's staging), then the
    mbarriers; + 1024 for aligning the base. */
-template <int D, int STAGES, bool FP8>
+template <int D, int STAGES, bool FP8, int BN = KVS_WG_BN>
 struct kvs_wg_smem {
-    static constexpr size_t TILE = (size_t)KVS_WG_BN * D * 2, RAW = (size_t)KVS_WG_BN * D;
+    static constexpr size_t TILE = (size_t)BN * D * 2, RAW = (size_t)BN * D;
     static constexpr size_t q = 0, k = (size_t)KVS_WG_BM * D * 2, v = k + STAGES * TILE, raw = v + STAGES * TILE;
     static constexpr size_t bar = raw + (FP8 ? 2 * RAW : 0);
     static constexpr size_t bytes = bar + 4 * STAGES * 8 + 1024;
@@ -94,7 +94,7 @@ struct kvs_wg_smem {
    from the last down: the heaviest first), whose chunk starts at token t0 and sees
    `past` cached entries; the item's rows see keys 0 .. n_keys - 1 (n_tiles tiles of
    128). q0 >= q_len: the item has no row. */
-template <int HEADS>
+template <int HEADS, int BN = KVS_WG_BN>
 struct kvs_wg_block {
     int h0, g, seq, q0, t0, q_len, past, n_keys, n_tiles;
     __device__ __forceinline__ kvs_wg_block(const kvs_attn_args &a, int w, int ny) {
@@ -104,7 +104,7 @@ struct kvs_wg_block {
         q0 = (ny - 1 - w / nx % ny) * MH;
         t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, past = a.kv_len[seq] - q_len;
         n_keys = past + min(q0 + MH, q_len);
-        n_tiles = (n_keys + KVS_WG_BN - 1) / KVS_WG_BN;
+        n_tiles = (n_keys + BN - 1) / BN;
     }
 };
 
@@ -315,21 +315,26 @@ __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, in
  * then lane 0 arrives on the full barrier (4 arrivals, one a warp) announcing its TMA
  * bytes and issues its boxes. The paged blocks of a tile's units: lanes 0 and 1 load
  * them a tile ahead. */
-template <int D, int STAGES, int AB>
+template <int D, int STAGES, int AB, int BN = KVS_WG_BN>
 __device__ __forceinline__ void kvs_wg_produce_tma(const void *map, const kvs_attn_args &a, int g, int seq,
                                                    int n_keys, int n_tiles, uint32_t k_s, uint32_t v_s,
                                                    uint32_t bars, int pt) {
     static_assert(D == 128, "the unit box is 16 rows x 2 column blocks");
-    constexpr int BN = KVS_WG_BN;
+    static_assert(BN % 16 == 0 && BN <= 256, "whole units, 4 a warp at most");
     constexpr uint32_t TILE = (uint32_t)BN * D * 2, UNIT = 16u * D * 2;
+    /* the tile's NU units over the four warps: units 2w and 2w + 1 at 128 keys, else
+       w, w + 4, w + 8 (bench WIDE's 11: 3, 3, 3, 2) */
+    constexpr int NU = BN / 16, MU = (NU + 3) / 4;
+    auto unit = [](int w, int m) { return BN == 128 ? 2 * w + m : w + 4 * m; };
+    auto owned = [](int u) { return BN == 128 || u < NU; }; /* at 128 every warp's two are */
     const int32_t *table = kvs_attn_table(a, seq);
     const int bs = a.block_size, w = pt / 32, lane = pt % 32;
     const int rg_k = (int)(kvs_kv_offset(0, 0, g, 0, a.n_kv_heads, bs, D) / (8 * D)); /* head g's K, 8-row groups */
     const int rg_v = a.n_kv_heads * bs / 8;                                             /* K -> V rows of a block */
     const int bunits = 2 * a.n_kv_heads * (bs / 16);
-    auto block_of = [&](int i) -> int { /* lane < 2: the paged block of unit 2w + lane of tile i (0 past the keys) */
-        const int e = i * BN + 32 * w + 16 * lane;
-        return lane < 2 && e < n_keys ? table[e / bs] : 0;
+    auto block_of = [&](int i) -> int { /* lane < MU: the paged block of the warp's unit `lane` of tile i (0 past the keys) */
+        const int u = unit(w, lane), e = i * BN + (BN == 128 ? 32 * w + 16 * lane : 16 * u);
+        return lane < MU && owned(u) && e < n_keys ? table[e / bs] : 0;
     };
     auto tick = kvs_wg_tick<AB>;
     long long d_empty = 0;
@@ -348,10 +353,12 @@ __device__ __forceinline__ void kvs_wg_produce_tma(const void *map, const kvs_at
             if (lane == 0) kvs_mbar_arrive(full);
             continue;
         }
-        int n_box = 0;
+        int n_box = 0, n_units = 0;
 #pragma unroll
-        for (int m = 0; m < 2; m++) {
-            const int e = k0 + 32 * w + 16 * m, blk = __shfl_sync(0xffffffffu, blk_cur, m);
+        for (int m = 0; m < MU; m++) {
+            const int u = unit(w, m), e = k0 + 16 * u, blk = __shfl_sync(0xffffffffu, blk_cur, m);
+            if (!owned(u)) continue;
+            n_units++;
             if (e + 16 <= n_keys) {
                 n_box++;
                 continue;
@@ -362,20 +369,20 @@ __device__ __forceinline__ void kvs_wg_produce_tma(const void *map, const kvs_at
             for (int v = 0; v < 8; v++) {
                 const int q = lane + 32 * v, r = q / 16, c = q % 16;
                 const bool ok = e + r < n_keys;
-                kvs_cp_async16(dst + kvs_wg_swz_units(32 * w + 16 * m + r, c), ok ? unit_src + r * D + 8 * c : a.pool, ok);
+                kvs_cp_async16(dst + kvs_wg_swz_units(16 * u + r, c), ok ? unit_src + r * D + 8 * c : a.pool, ok);
             }
         }
-        if (n_box < 2) {
+        if (n_box < n_units) {
             kvs_cp_async_commit();
             kvs_cp_async_wait<0>();
             kvs_fence_proxy_async();
             __syncwarp();
         }
         if (lane == 0) kvs_mbar_arrive_tx(full, (uint32_t)n_box * UNIT); /* tx may complete first: no order needed */
-        { /* the boxes: lane m < 2 holds unit 2w + m's paged block */
-            const int e = k0 + 32 * w + 16 * (lane & 1);
+        { /* the boxes: lane m < MU holds the paged block of the warp's unit m */
+            const int u = unit(w, lane % MU), e = k0 + 16 * u;
             const int rg = rg_k + 2 * (blk_cur * bunits + (e % bs) / 16) + (kind ? rg_v : 0);
-            if (lane < 2 && e + 16 <= n_keys) kvs_tma_load_4d(dst + (2 * w + lane) * UNIT, map, rg, full);
+            if (lane < MU && owned(u) && e + 16 <= n_keys) kvs_tma_load_4d(dst + u * UNIT, map, rg, full);
         }
     }
     kvs_wg_diag_producer<AB>(pt, t_loop, d_empty, n_tiles);
@@ -550,12 +557,15 @@ template <int D, int STAGES, int HEADS, bool FP8, int AB = 0>
 __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     kvs_attn_wgmma_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse, int ny) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using L = kvs_wg_smem<D, STAGES, FP8>;
-    constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS;
+    /* bench WIDE: 176-key tiles (FlashAttention-3's non-causal shape; two stages fit) */
+    constexpr int BN = (AB & KVS_WG_AB_WIDE) != 0 ? 176 : KVS_WG_BN;
+    using L = kvs_wg_smem<D, STAGES, FP8, BN>;
+    constexpr int BM = KVS_WG_BM, MH = BM / HEADS;
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     /* bf16 d128: K/V by TMA boxes of 16-key units (kvs_wg_produce_tma), the tiles laid
        out by units (kvs_wg_swz_units); else (and bench CP_ASYNC) by cp.async */
     constexpr bool tma = D == 128 && !FP8 && (AB & KVS_WG_AB_CP_ASYNC) == 0;
+    static_assert(BN == KVS_WG_BN || tma, "other tile widths by TMA only");
     static_assert(STAGES >= 2, "two stages at least");
     extern __shared__ unsigned char kvs_wg_smem_raw[];
     const uint32_t base = (kvs_smem_u32(kvs_wg_smem_raw) + 1023u) & ~1023u;
@@ -575,7 +585,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     auto tick = kvs_wg_tick<AB>;
     [[maybe_unused]] long long t_cta = tick(), ns_cta = 0;
     if constexpr ((AB & KVS_WG_AB_DIAG) != 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns_cta));
-    const kvs_wg_block<HEADS> blk(a, blockIdx.x, ny);
+    const kvs_wg_block<HEADS, BN> blk(a, blockIdx.x, ny);
     if (blk.q0 >= blk.q_len) return; /* no row (a q-block past a short sequence's q_len) */
 
     if (warp >= 8) { /* the producer warpgroup */
@@ -584,7 +594,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             kvs_wg_produce8<D, STAGES>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, base + (uint32_t)L::raw,
                                        bars, threadIdx.x - 256);
         else if constexpr (tma)
-            kvs_wg_produce_tma<D, STAGES, AB>(&kv_map, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars,
+            kvs_wg_produce_tma<D, STAGES, AB, BN>(&kv_map, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars,
                                           threadIdx.x - 256);
         else
             kvs_wg_produce<D, STAGES, AB>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars, threadIdx.x - 256);
@@ -917,8 +927,11 @@ static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
     }
     if constexpr (D == 128 && HEADS == 4 && !FP8) {
         enum { V = KVS_WG_AB_NO_V, NL = KVS_WG_AB_NO_LOAD, NE = KVS_WG_AB_NO_EXP, NS = KVS_WG_AB_NO_SOFTMAX,
-               DG = KVS_WG_AB_DIAG, CP = KVS_WG_AB_CP_ASYNC };
+               DG = KVS_WG_AB_DIAG, CP = KVS_WG_AB_CP_ASYNC, W = KVS_WG_AB_WIDE };
         switch (ab) {
+        case W: return kvs_attn_wgmma_kernel<D, 2, HEADS, FP8, W>; /* two stages of 176 keys */
+        case W | DG: return kvs_attn_wgmma_kernel<D, 2, HEADS, FP8, W | DG>;
+        case W | NS: return kvs_attn_wgmma_kernel<D, 2, HEADS, FP8, W | NS>;
         case V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, V>;
         case NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL>;
         case NE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NE>;
@@ -948,12 +961,13 @@ static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, floa
     if (D == 128 && !FP8 && !(ab & KVS_WG_AB_CP_ASYNC) && !kvs_wg_unit_map(b, a, &map)) /* TMA without a map: */
         kernel = kvs_wg_variant<D, STAGES, HEADS, FP8>(KVS_WG_AB_CP_ASYNC);                /* cp.async */
     constexpr int MH = KVS_WG_BM / HEADS;
-    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
+    const size_t smem = (ab & KVS_WG_AB_WIDE) ? kvs_wg_smem<D, 2, FP8, 176>::bytes : L::bytes; /* bench WIDE */
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     /* work items (head groups x q-blocks x sequences): a CTA each */
     const int ny = (max_q_len + MH - 1) / MH;
     const int64_t grid = (int64_t)(a.n_heads / HEADS) * ny * a.n_seqs;
     if (grid <= 0) return;
-    kernel<<<(unsigned)grid, KVS_WG_THREADS, L::bytes, c->stream>>>(map, a, out, lse, ny);
+    kernel<<<(unsigned)grid, KVS_WG_THREADS, smem, c->stream>>>(map, a, out, lse, ny);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma_kernel");
 }
 
