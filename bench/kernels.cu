@@ -402,7 +402,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     kvs_cuda *bc = kvs_cuda_of(b);
     enum { NO_V = KVS_WG_AB_NO_V, NO_LOAD = KVS_WG_AB_NO_LOAD, NO_EXP = KVS_WG_AB_NO_EXP,
            NO_SM = KVS_WG_AB_NO_SOFTMAX, DIAG = KVS_WG_AB_DIAG,
-           CP = KVS_WG_AB_CP_ASYNC, WIDE = KVS_WG_AB_WIDE };
+           CP = KVS_WG_AB_CP_ASYNC };
     struct ab_row {
         const char *name;
         int ab;
@@ -410,9 +410,6 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
     };
     const ab_row rows[] = {
         {"default", 0, 1},
-        {"WIDE (176-key tiles, two stages)", WIDE, 2},
-        {"WIDE + NO_SOFTMAX", WIDE | NO_SM, 0},
-        {"DIAG + WIDE", DIAG | WIDE, 2},
         {"CP_ASYNC (K/V by the producer's cp.async)", CP, 2},
         {"CP_ASYNC + NO_LOAD", CP | NO_LOAD, 0},
         {"NO_V (the producer loads K only)", NO_V, 0},

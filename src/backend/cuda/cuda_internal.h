@@ -283,8 +283,8 @@ size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
  * exp, sums or rescale), DIAG clock64 counters into kvs_cuda_wgmma_diag_read's
  * buffer, CP_ASYNC the producer's 128 threads copying bf16 K/V by 16-byte
  * cp.async (the default before 2026-12-04; the fallback where no tensor map can be
- * made; head_dim 64 always), WIDE tiles of 176 keys (two stages; the S GEMM
- * m64n176k16, 11 units a tile by TMA). Free: 32 (K_ORDER, the K release before the softmax) and
+ * made; head_dim 64 always; 128-key tiles, three stages). Free: 8192 (WIDE, 176-key
+ * tiles: the default since session 18), 32 (K_ORDER, the K release before the softmax) and
  * 64 (SERIAL, the P V wait before it): the default's order since 2026-12-04 (session
  * 18), 256, 512, 1024
  * (PIPE2, RESCALE_EARLY, PINGPONG: the default since 2026-12-04), 2048 (GROUP_ORDER,
@@ -297,7 +297,6 @@ enum {
     KVS_WG_AB_NO_SOFTMAX = 8,
     KVS_WG_AB_DIAG = 16,
     KVS_WG_AB_CP_ASYNC = 128,
-    KVS_WG_AB_WIDE = 8192,
 };
 /* the DIAG counters (KVS_WG_DIAG_*), summed over the CTAs of every DIAG launch since
    the last reset */
