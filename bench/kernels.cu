@@ -426,7 +426,8 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
         const int n = ns[ni];
         attn_ctx c;
         if (!attn_setup(b, &c, 1, n, n, true)) return false;
-        /* tiles the CTAs walk: 4 heads x 32 positions a CTA, keys 0 .. q0 + 31 */
+        /* 128-key tiles the CTAs walk (the unit of "a tile" below whatever the kernel's tile
+           width: the default's are 176 keys): 4 heads x 32 positions a CTA, keys 0 .. q0 + 31 */
         double tiles = 0;
         for (int q0 = 0; q0 < n; q0 += 32) tiles += 8 * ((q0 + 32 + 127) / 128);
         const double flops = 4.0 * 32 * 128 * ((double)n * (n + 1) / 2);
@@ -443,7 +444,7 @@ static bool bench_ablate(kvs_backend *b, int n_sms, const char *wgmma_why) {
             unsigned long long d[KVS_WG_DIAG_N];
             kvs_cuda_wgmma_diag_read(d);
             if (r.ab == 0 && r.check == 1) t_def = t; /* the first row */
-            printf("ablate: %d tokens, %-44s %8.3f ms %6.1f TFLOP/s %6.3f us a tile a SM, %.3fx the default's time", n,
+            printf("ablate: %d tokens, %-44s %8.3f ms %6.1f TFLOP/s %6.3f us a 128-key tile a SM, %.3fx the default's time", n,
                    r.name, t * 1e3, flops / t / 1e12, t * 1e6 * n_sms / tiles, t / t_def);
             if (r.check == 1) {
                 b->to_host_f32(b, want, c.out, n_out);

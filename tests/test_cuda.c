@@ -833,6 +833,23 @@ static void wgmma_mixed_capacity_blocks(void) {
     attention_case_prefill(WGMMA, 16, 4, 64, MIX_N, mix_kv, mix_q, 1);
     paged_block_size = 16;
 }
+/* the edges of the bf16 head_dim-128 kernel's 176-key tiles (kvs_wg_cfg): lengths at,
+   one under and one over 1, 2 and 3 tiles, fresh and after cached entries, 4, 2 and 1
+   heads a block, blocks of 16, 48 (a tile ends mid-block: 176 = 3 x 48 + 32) and 64 */
+static const int edge_kv[] = {175, 176, 177, 351, 352, 353, 528, 529, 400, 200};
+static const int edge_q[] = {175, 176, 177, 351, 352, 353, 528, 1, 176, 177};
+#define EDGE_N 10
+static void wgmma_tile_edges(void) {
+    const int sizes[] = {16, 48, 64};
+    for (int b = 0; b < 3; b++) {
+        paged_block_size = sizes[b];
+        attention_case_prefill(WGMMA, 32, 8, 128, EDGE_N, edge_kv, edge_q, 1); /* 4 heads a block */
+        attention_case_prefill(WGMMA, 16, 8, 128, EDGE_N, edge_kv, edge_q, 1); /* 2 */
+        attention_case_prefill(WGMMA, 8, 8, 128, EDGE_N, edge_kv, edge_q, 1);  /* 1 */
+    }
+    paged_block_size = 16;
+}
+Test(cuda, attention_wgmma_tile_edges, .timeout = 600) { wgmma_tile_edges(); }
 /* every case above but the long ones */
 static void wgmma_all(void) {
     wgmma_d128_gqa4();

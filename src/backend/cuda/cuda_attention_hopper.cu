@@ -8,8 +8,9 @@
  * A block owns 128 query rows of one KV group: HEADS query heads of the group (4
  * when the group is a multiple of 4, else 2, else 1) x 128 / HEADS positions, so
  * each K/V tile in shared memory feeds 128 rows; two consumer warpgroups of 64 rows
- * (warps 0-3, 4-7). Per 128-key tile each consumer warpgroup computes S = Q K^T
- * with wgmma m64n128k16 (Q and K from shared memory, K-major, 128-byte swizzle),
+ * (warps 0-3, 4-7). Per K/V tile (176 keys at bf16 head_dim 128, else 128: kvs_wg_cfg)
+ * each consumer warpgroup computes S = Q K^T with wgmma m64n176k16 / m64n128k16 (Q and
+ * K from shared memory, K-major, 128-byte swizzle),
  * the online softmax in registers (row max over raw scores, moved only by more
  * than 8 in log2, one FFMA + ex2 a probability, O rescale skipped by warp vote when
  * no row max moved), and
@@ -63,7 +64,7 @@ __device__ int kvs_wgmma_built =
 __device__ unsigned long long kvs_wg_diag[KVS_WG_DIAG_N];
 
 #define KVS_WG_BM 128      /* query rows a block (two consumer warpgroups of 64) */
-#define KVS_WG_BN 128      /* keys a K/V tile */
+#define KVS_WG_BN 128      /* keys a K/V tile (the cp.async producers'; TMA's: kvs_wg_cfg) */
 #define KVS_WG_THREADS 384 /* 2 consumer warpgroups + the producer warpgroup */
 /* registers a thread after setmaxnreg: producer + 2 consumers = 3 x 168, the
    count ptxas compiles 384 threads at (the consumers need 192 at head_dim 128; the
@@ -75,12 +76,28 @@ static_assert(KVS_WG_PRODUCER_REGS + 2 * KVS_WG_CONSUMER_REGS == 3 * 168, "regis
 /* Shared memory: Q, the K ring, the V ring (bf16 tiles), FP8 pools: two raw tiles of
    codes (a tile's K or V, 128 keys x D bytes, the producer's staging), then the
    mbarriers; + 1024 for aligning the base. */
-template <int D, int STAGES, bool FP8>
+template <int D, int STAGES, bool FP8, int BN = KVS_WG_BN>
 struct kvs_wg_smem {
-    static constexpr size_t TILE = (size_t)KVS_WG_BN * D * 2, RAW = (size_t)KVS_WG_BN * D;
+    static constexpr size_t TILE = (size_t)BN * D * 2, RAW = (size_t)BN * D;
     static constexpr size_t q = 0, k = (size_t)KVS_WG_BM * D * 2, v = k + STAGES * TILE, raw = v + STAGES * TILE;
     static constexpr size_t bar = raw + (FP8 ? 2 * RAW : 0);
     static constexpr size_t bytes = bar + 4 * STAGES * 8 + 1024;
+};
+
+/* A kernel's tiles and rings. bf16 at head_dim 128 by TMA (the default): 176-key tiles
+ * (FlashAttention-3's non-causal shape; 0.96 / 0.95x the time of 128-key tiles at 16k /
+ * 32k, docs/CUDA.md "Session 18"), two stages (32 KiB of Q + 2 x 2 x 44 KiB: 209 KiB);
+ * the cp.async producers (head_dim 64, FP8 pools, bf16 without a tensor map: bench
+ * CP_ASYNC) 128-key tiles: bf16 3 stages at 128 (225 KiB under sm_90's 227 KiB), 4 at
+ * 64 (145 KiB); FP8 (two raw tiles of codes besides: 32 KiB at 128, 16 at 64) 2 at 128
+ * (193 KiB), 6 at 64 (225 KiB). */
+template <int D, bool FP8, int AB>
+struct kvs_wg_cfg {
+    static constexpr bool tma = D == 128 && !FP8 && (AB & KVS_WG_AB_CP_ASYNC) == 0;
+    static constexpr int BN = tma ? 176 : KVS_WG_BN;
+    static constexpr int STAGES = D == 128 ? (FP8 || tma ? 2 : 3) : (FP8 ? 6 : 4);
+    using L = kvs_wg_smem<D, STAGES, FP8, BN>;
+    static_assert(L::bytes <= 227 * 1024, "the shared memory of an sm_90 block");
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -94,7 +111,7 @@ struct kvs_wg_smem {
    from the last down: the heaviest first), whose chunk starts at token t0 and sees
    `past` cached entries; the item's rows see keys 0 .. n_keys - 1 (n_tiles tiles of
    128). q0 >= q_len: the item has no row. */
-template <int HEADS>
+template <int HEADS, int BN = KVS_WG_BN>
 struct kvs_wg_block {
     int h0, g, seq, q0, t0, q_len, past, n_keys, n_tiles;
     __device__ __forceinline__ kvs_wg_block(const kvs_attn_args &a, int w, int ny) {
@@ -104,7 +121,7 @@ struct kvs_wg_block {
         q0 = (ny - 1 - w / nx % ny) * MH;
         t0 = a.q_start[seq], q_len = a.q_start[seq + 1] - t0, past = a.kv_len[seq] - q_len;
         n_keys = past + min(q0 + MH, q_len);
-        n_tiles = (n_keys + KVS_WG_BN - 1) / KVS_WG_BN;
+        n_tiles = (n_keys + BN - 1) / BN;
     }
 };
 
@@ -304,32 +321,37 @@ __device__ __forceinline__ void kvs_wg_produce(const kvs_attn_args &a, int g, in
  * unit of a paged block (16 rows x 256 bytes: both column blocks), through a 4D view
  * of the pool (kvs_wg_unit_map: {64 columns, 8 rows, 2 column blocks, 8-row groups}),
  * which writes the tile as [unit][row group][column block][8 rows][128 B]
- * (kvs_wg_swz_units; the consumers' descriptors follow): 16 boxes a tile from four
- * warps, where session 16's one warp issuing 32 boxes of 16 rows x 128 bytes could not
- * keep up, and 0.93x the time of the 128 threads' cp.async (docs/CUDA.md "Where a
- * tile's time goes"). Warp w
- * of the producer loads units 2w and 2w + 1 of every half-tile: it waits for the
- * stage's empty barrier, copies the units holding keys at or past n_keys (the last
- * tile's: stale or NaN pool rows must not reach the tensor cores) by 16-byte cp.async
- * with those rows zero-filled, waits for them and fences them to the async proxy,
- * then lane 0 arrives on the full barrier (4 arrivals, one a warp) announcing its TMA
- * bytes and issues its boxes. The paged blocks of a tile's units: lanes 0 and 1 load
- * them a tile ahead. */
-template <int D, int STAGES, int AB>
+ * (kvs_wg_swz_units; the consumers' descriptors follow): BN / 16 boxes a tile (11 at
+ * the default's 176 keys) from four warps, where session 16's one warp issuing 32 boxes
+ * of 16 rows x 128 bytes a 128-key tile could not keep up; 0.93x the time of the 128
+ * threads' cp.async at 128-key tiles (docs/CUDA.md "Where a tile's time goes"). Warp w
+ * of the producer loads units w, w + 4, w + 8 (those < BN / 16) of every half-tile: it
+ * waits for the stage's empty barrier, copies the units holding keys at or past n_keys
+ * (the last tile's: stale or NaN pool rows must not reach the tensor cores) by 16-byte
+ * cp.async with those rows zero-filled, waits for them and fences them to the async
+ * proxy, then lane 0 arrives on the full barrier (4 arrivals, one a warp) announcing
+ * its TMA bytes and issues its boxes. The paged blocks of a tile's units: lanes 0 .. 2
+ * load them a tile ahead. */
+template <int D, int STAGES, int AB, int BN>
 __device__ __forceinline__ void kvs_wg_produce_tma(const void *map, const kvs_attn_args &a, int g, int seq,
                                                    int n_keys, int n_tiles, uint32_t k_s, uint32_t v_s,
                                                    uint32_t bars, int pt) {
     static_assert(D == 128, "the unit box is 16 rows x 2 column blocks");
-    constexpr int BN = KVS_WG_BN;
+    static_assert(BN % 16 == 0 && BN <= 256, "whole units, 4 a warp at most");
     constexpr uint32_t TILE = (uint32_t)BN * D * 2, UNIT = 16u * D * 2;
+    /* the tile's NU units over the four warps: warp w's m-th is unit w + 4 m (at 176
+       keys: 3, 3, 3 and 2 units) */
+    constexpr int NU = BN / 16, MU = (NU + 3) / 4;
+    auto unit = [](int w, int m) { return w + 4 * m; };
+    auto owned = [](int u) { return u < NU; };
     const int32_t *table = kvs_attn_table(a, seq);
     const int bs = a.block_size, w = pt / 32, lane = pt % 32;
     const int rg_k = (int)(kvs_kv_offset(0, 0, g, 0, a.n_kv_heads, bs, D) / (8 * D)); /* head g's K, 8-row groups */
     const int rg_v = a.n_kv_heads * bs / 8;                                             /* K -> V rows of a block */
     const int bunits = 2 * a.n_kv_heads * (bs / 16);
-    auto block_of = [&](int i) -> int { /* lane < 2: the paged block of unit 2w + lane of tile i (0 past the keys) */
-        const int e = i * BN + 32 * w + 16 * lane;
-        return lane < 2 && e < n_keys ? table[e / bs] : 0;
+    auto block_of = [&](int i) -> int { /* lane < MU: the paged block of the warp's unit `lane` of tile i (0 past the keys) */
+        const int u = unit(w, lane), e = i * BN + 16 * u;
+        return lane < MU && owned(u) && e < n_keys ? table[e / bs] : 0;
     };
     auto tick = kvs_wg_tick<AB>;
     long long d_empty = 0;
@@ -348,10 +370,12 @@ __device__ __forceinline__ void kvs_wg_produce_tma(const void *map, const kvs_at
             if (lane == 0) kvs_mbar_arrive(full);
             continue;
         }
-        int n_box = 0;
+        int n_box = 0, n_units = 0;
 #pragma unroll
-        for (int m = 0; m < 2; m++) {
-            const int e = k0 + 32 * w + 16 * m, blk = __shfl_sync(0xffffffffu, blk_cur, m);
+        for (int m = 0; m < MU; m++) {
+            const int u = unit(w, m), e = k0 + 16 * u, blk = __shfl_sync(0xffffffffu, blk_cur, m);
+            if (!owned(u)) continue;
+            n_units++;
             if (e + 16 <= n_keys) {
                 n_box++;
                 continue;
@@ -362,20 +386,20 @@ __device__ __forceinline__ void kvs_wg_produce_tma(const void *map, const kvs_at
             for (int v = 0; v < 8; v++) {
                 const int q = lane + 32 * v, r = q / 16, c = q % 16;
                 const bool ok = e + r < n_keys;
-                kvs_cp_async16(dst + kvs_wg_swz_units(32 * w + 16 * m + r, c), ok ? unit_src + r * D + 8 * c : a.pool, ok);
+                kvs_cp_async16(dst + kvs_wg_swz_units(16 * u + r, c), ok ? unit_src + r * D + 8 * c : a.pool, ok);
             }
         }
-        if (n_box < 2) {
+        if (n_box < n_units) {
             kvs_cp_async_commit();
             kvs_cp_async_wait<0>();
             kvs_fence_proxy_async();
             __syncwarp();
         }
         if (lane == 0) kvs_mbar_arrive_tx(full, (uint32_t)n_box * UNIT); /* tx may complete first: no order needed */
-        { /* the boxes: lane m < 2 holds unit 2w + m's paged block */
-            const int e = k0 + 32 * w + 16 * (lane & 1);
+        { /* the boxes: lane m < MU holds the paged block of the warp's unit m */
+            const int u = unit(w, lane % MU), e = k0 + 16 * u;
             const int rg = rg_k + 2 * (blk_cur * bunits + (e % bs) / 16) + (kind ? rg_v : 0);
-            if (lane < 2 && e + 16 <= n_keys) kvs_tma_load_4d(dst + (2 * w + lane) * UNIT, map, rg, full);
+            if (lane < MU && owned(u) && e + 16 <= n_keys) kvs_tma_load_4d(dst + u * UNIT, map, rg, full);
         }
     }
     kvs_wg_diag_producer<AB>(pt, t_loop, d_empty, n_tiles);
@@ -546,16 +570,18 @@ __device__ __forceinline__ void kvs_wg_produce8(const kvs_attn_args &a, int g, i
  * softmax scale, the V scale into 1 / l. AB:
  * a bench variant (KVS_WG_AB_*, cuda_internal.h; 0 everywhere but kvs_bench_kernels
  * ablate). */
-template <int D, int STAGES, int HEADS, bool FP8, int AB = 0>
+template <int D, int HEADS, bool FP8, int AB = 0>
 __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     kvs_attn_wgmma_kernel(const __grid_constant__ CUtensorMap kv_map, kvs_attn_args a, bf16 *out, float *lse, int ny) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using L = kvs_wg_smem<D, STAGES, FP8>;
-    constexpr int BM = KVS_WG_BM, BN = KVS_WG_BN, MH = BM / HEADS;
+    using C = kvs_wg_cfg<D, FP8, AB>;
+    using L = typename C::L;
+    /* bf16 d128: K/V by TMA boxes of 16-key units (kvs_wg_produce_tma) into 176-key
+       tiles laid out by units (kvs_wg_swz_units); else (and bench CP_ASYNC) by cp.async */
+    constexpr bool tma = C::tma;
+    constexpr int BM = KVS_WG_BM, BN = C::BN, STAGES = C::STAGES, MH = BM / HEADS;
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
-    /* bf16 d128: K/V by TMA boxes of 16-key units (kvs_wg_produce_tma), the tiles laid
-       out by units (kvs_wg_swz_units); else (and bench CP_ASYNC) by cp.async */
-    constexpr bool tma = D == 128 && !FP8 && (AB & KVS_WG_AB_CP_ASYNC) == 0;
+    static_assert(BN == KVS_WG_BN || tma, "other tile widths by TMA only");
     static_assert(STAGES >= 2, "two stages at least");
     extern __shared__ unsigned char kvs_wg_smem_raw[];
     const uint32_t base = (kvs_smem_u32(kvs_wg_smem_raw) + 1023u) & ~1023u;
@@ -575,7 +601,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
     auto tick = kvs_wg_tick<AB>;
     [[maybe_unused]] long long t_cta = tick(), ns_cta = 0;
     if constexpr ((AB & KVS_WG_AB_DIAG) != 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns_cta));
-    const kvs_wg_block<HEADS> blk(a, blockIdx.x, ny);
+    const kvs_wg_block<HEADS, BN> blk(a, blockIdx.x, ny);
     if (blk.q0 >= blk.q_len) return; /* no row (a q-block past a short sequence's q_len) */
 
     if (warp >= 8) { /* the producer warpgroup */
@@ -584,7 +610,7 @@ __global__ void __launch_bounds__(KVS_WG_THREADS, 1)
             kvs_wg_produce8<D, STAGES>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, base + (uint32_t)L::raw,
                                        bars, threadIdx.x - 256);
         else if constexpr (tma)
-            kvs_wg_produce_tma<D, STAGES, AB>(&kv_map, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars,
+            kvs_wg_produce_tma<D, STAGES, AB, BN>(&kv_map, a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars,
                                           threadIdx.x - 256);
         else
             kvs_wg_produce<D, STAGES, AB>(a, blk.g, blk.seq, blk.n_keys, blk.n_tiles, k_s, v_s, bars, threadIdx.x - 256);
@@ -909,79 +935,77 @@ static bool kvs_wg_unit_map(kvs_backend *b, const kvs_attn_args &a, CUtensorMap 
     c->wgmma_map_pool = a.pool, c->wgmma_map_groups = groups, c->wgmma_map_ok = 1;
     return true;
 }
-/* the variant's kernel, NULL for a mask not compiled */
-template <int D, int STAGES, int HEADS, bool FP8>
-static kvs_wg_kernel_fn kvs_wg_variant(int ab) {
+/* a compiled kernel and its dynamic shared memory */
+struct kvs_wg_kernel {
+    kvs_wg_kernel_fn fn;
+    size_t smem;
+};
+template <int D, int HEADS, bool FP8, int AB>
+static kvs_wg_kernel kvs_wg_pick() {
+    return {kvs_attn_wgmma_kernel<D, HEADS, FP8, AB>, kvs_wg_cfg<D, FP8, AB>::L::bytes};
+}
+/* the variant's kernel ({NULL, 0} for a mask not compiled) */
+template <int D, int HEADS, bool FP8>
+static kvs_wg_kernel kvs_wg_variant(int ab) {
     if constexpr (D == 128 && !FP8) { /* every head count: the fallback without a tensor map */
-        if (ab == KVS_WG_AB_CP_ASYNC) return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, KVS_WG_AB_CP_ASYNC>;
+        if (ab == KVS_WG_AB_CP_ASYNC) return kvs_wg_pick<D, HEADS, FP8, KVS_WG_AB_CP_ASYNC>();
     }
     if constexpr (D == 128 && HEADS == 4 && !FP8) {
         enum { V = KVS_WG_AB_NO_V, NL = KVS_WG_AB_NO_LOAD, NE = KVS_WG_AB_NO_EXP, NS = KVS_WG_AB_NO_SOFTMAX,
                DG = KVS_WG_AB_DIAG, CP = KVS_WG_AB_CP_ASYNC };
         switch (ab) {
-        case V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, V>;
-        case NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL>;
-        case NE: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NE>;
-        case NS: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NS>;
-        case NL | NS: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, NL | NS>;
-        case DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, DG>;
-        case CP | DG: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | DG>;
-        case CP | NL: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | NL>;
-        case CP | V: return kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8, CP | V>;
-        default: return NULL;
+        case V: return kvs_wg_pick<D, HEADS, FP8, V>();
+        case NL: return kvs_wg_pick<D, HEADS, FP8, NL>();
+        case NE: return kvs_wg_pick<D, HEADS, FP8, NE>();
+        case NS: return kvs_wg_pick<D, HEADS, FP8, NS>();
+        case NL | NS: return kvs_wg_pick<D, HEADS, FP8, NL | NS>();
+        case DG: return kvs_wg_pick<D, HEADS, FP8, DG>();
+        case CP | DG: return kvs_wg_pick<D, HEADS, FP8, CP | DG>();
+        case CP | NL: return kvs_wg_pick<D, HEADS, FP8, CP | NL>();
+        case CP | V: return kvs_wg_pick<D, HEADS, FP8, CP | V>();
+        default: return {NULL, 0};
         }
     }
     (void)ab;
-    return NULL;
+    return {NULL, 0};
 }
 
-template <int D, int STAGES, int HEADS, bool FP8>
+template <int D, int HEADS, bool FP8>
 static void launch_wgmma(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    using L = kvs_wg_smem<D, STAGES, FP8>;
     kvs_cuda *c = kvs_cuda_of(b);
-    kvs_wg_kernel_fn kernel = kvs_attn_wgmma_kernel<D, STAGES, HEADS, FP8>;
-    const kvs_wg_kernel_fn variant = c->wgmma_variant ? kvs_wg_variant<D, STAGES, HEADS, FP8>(c->wgmma_variant) : NULL;
-    const int ab = variant ? c->wgmma_variant : 0; /* the mask that runs (0: the default) */
-    if (variant) kernel = variant;
+    kvs_wg_kernel k = kvs_wg_pick<D, HEADS, FP8, 0>();
+    const kvs_wg_kernel variant = c->wgmma_variant ? kvs_wg_variant<D, HEADS, FP8>(c->wgmma_variant) : kvs_wg_kernel{};
+    const int ab = variant.fn ? c->wgmma_variant : 0; /* the mask that runs (0: the default) */
+    if (variant.fn) k = variant;
     CUtensorMap map;
     memset(&map, 0, sizeof map);
     if (D == 128 && !FP8 && !(ab & KVS_WG_AB_CP_ASYNC) && !kvs_wg_unit_map(b, a, &map)) /* TMA without a map: */
-        kernel = kvs_wg_variant<D, STAGES, HEADS, FP8>(KVS_WG_AB_CP_ASYNC);                /* cp.async */
+        k = kvs_wg_variant<D, HEADS, FP8>(KVS_WG_AB_CP_ASYNC);                               /* cp.async */
     constexpr int MH = KVS_WG_BM / HEADS;
-    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)L::bytes));
+    KVS_CUDA_CHECK(b, cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)k.smem));
     /* work items (head groups x q-blocks x sequences): a CTA each */
     const int ny = (max_q_len + MH - 1) / MH;
     const int64_t grid = (int64_t)(a.n_heads / HEADS) * ny * a.n_seqs;
     if (grid <= 0) return;
-    kernel<<<(unsigned)grid, KVS_WG_THREADS, L::bytes, c->stream>>>(map, a, out, lse, ny);
+    k.fn<<<(unsigned)grid, KVS_WG_THREADS, k.smem, c->stream>>>(map, a, out, lse, ny);
     KVS_CUDA_LAUNCHED(b, "kvs_attn_wgmma_kernel");
 }
 
-/* K/V stages (K tiles and as many V tiles). bf16: 3 at head_dim 128 (32 KiB of Q +
- * 3 x 64 KiB: 225 KiB with the barriers and the alignment slack, under sm_90's 227
- * KiB), 4 at 64 (145 KiB). FP8 (two raw tiles of codes besides: 32 KiB at 128, 16 at
- * 64): 2 at 128 (193 KiB), 6 at 64 (225 KiB). */
-#define KVS_WG_STAGES(D, FP8) ((D) == 128 ? ((FP8) ? 2 : 3) : ((FP8) ? 6 : 4))
-static_assert(kvs_wg_smem<128, KVS_WG_STAGES(128, true), true>::bytes <= 227 * 1024, "FP8 d128 fits");
-static_assert(kvs_wg_smem<64, KVS_WG_STAGES(64, true), true>::bytes <= 227 * 1024, "FP8 d64 fits");
-static_assert(kvs_wg_smem<128, KVS_WG_STAGES(128, false), false>::bytes <= 227 * 1024, "bf16 d128 fits");
-
 template <int D, bool FP8>
 static void launch_wgmma_group(kvs_backend *b, const kvs_attn_args &a, bf16 *out, float *lse, int max_q_len) {
-    constexpr int S = KVS_WG_STAGES(D, FP8);
     const int group = a.n_heads / a.n_kv_heads;
-    if (group % 4 == 0) launch_wgmma<D, S, 4, FP8>(b, a, out, lse, max_q_len);
-    else if (group % 2 == 0) launch_wgmma<D, S, 2, FP8>(b, a, out, lse, max_q_len);
-    else launch_wgmma<D, S, 1, FP8>(b, a, out, lse, max_q_len);
+    if (group % 4 == 0) launch_wgmma<D, 4, FP8>(b, a, out, lse, max_q_len);
+    else if (group % 2 == 0) launch_wgmma<D, 2, FP8>(b, a, out, lse, max_q_len);
+    else launch_wgmma<D, 1, FP8>(b, a, out, lse, max_q_len);
 }
 
+/* the most a block of the kernel takes (bf16 d128: the cp.async fallback's 225 KiB, over
+   the default's 209) */
 size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8) {
-    if (head_dim == 128)
-        return fp8 ? kvs_wg_smem<128, KVS_WG_STAGES(128, true), true>::bytes
-                   : kvs_wg_smem<128, KVS_WG_STAGES(128, false), false>::bytes;
-    if (head_dim == 64)
-        return fp8 ? kvs_wg_smem<64, KVS_WG_STAGES(64, true), true>::bytes
-                   : kvs_wg_smem<64, KVS_WG_STAGES(64, false), false>::bytes;
+    constexpr size_t bf16_128 = kvs_wg_cfg<128, false, 0>::L::bytes,
+                     bf16_128_cp = kvs_wg_cfg<128, false, KVS_WG_AB_CP_ASYNC>::L::bytes;
+    if (head_dim == 128) return fp8 ? kvs_wg_cfg<128, true, 0>::L::bytes : (bf16_128 > bf16_128_cp ? bf16_128 : bf16_128_cp);
+    if (head_dim == 64) return fp8 ? kvs_wg_cfg<64, true, 0>::L::bytes : kvs_wg_cfg<64, false, 0>::L::bytes;
     return 0;
 }
 

@@ -283,12 +283,13 @@ size_t kvs_cuda_wgmma_smem_bytes(int head_dim, bool fp8);
  * exp, sums or rescale), DIAG clock64 counters into kvs_cuda_wgmma_diag_read's
  * buffer, CP_ASYNC the producer's 128 threads copying bf16 K/V by 16-byte
  * cp.async (the default before 2026-12-04; the fallback where no tensor map can be
- * made; head_dim 64 always). Free masks, each what it was: 32 and 64 (K_ORDER, the K
- * release before the softmax, and SERIAL, the P V wait before it: the default's order
- * since session 18), 256, 512 and 1024 (PIPE2, RESCALE_EARLY, PINGPONG: the default
- * since session 17), 2048 (GROUP_ORDER, a KV group's q-blocks launched together:
- * 1.0x, deleted), 4096 (Q_REGS, Q as register fragments and S by wgmma RS: 0.98-1.03x,
- * deleted). */
+ * made; head_dim 64 always; 128-key tiles, three stages). Free masks, each what it
+ * was: 8192 (WIDE, 176-key tiles: the default since session 19), 32 and 64 (K_ORDER,
+ * the K release before the softmax, and SERIAL, the P V wait before it: the default's
+ * order since session 18), 256, 512 and 1024 (PIPE2, RESCALE_EARLY, PINGPONG: the
+ * default since session 17), 2048 (GROUP_ORDER, a KV group's q-blocks launched
+ * together: 1.0x, deleted), 4096 (Q_REGS, Q as register fragments and S by wgmma RS:
+ * 0.98-1.03x, deleted). */
 enum {
     KVS_WG_AB_NO_V = 1,
     KVS_WG_AB_NO_LOAD = 2,

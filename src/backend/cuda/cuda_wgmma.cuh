@@ -122,9 +122,16 @@ __device__ __forceinline__ void kvs_wg_fence_regs(float (&r)[N]) {
 #define KVS_WG_ACC16(i) KVS_WG_ACC4(i), KVS_WG_ACC4(i + 4), KVS_WG_ACC4(i + 8), KVS_WG_ACC4(i + 12)
 #define KVS_WG_ACC32 KVS_WG_ACC16(0), KVS_WG_ACC16(16)
 #define KVS_WG_ACC64 KVS_WG_ACC32, KVS_WG_ACC16(32), KVS_WG_ACC16(48)
+#define KVS_WG_ACC88 KVS_WG_ACC64, KVS_WG_ACC16(64), KVS_WG_ACC4(80), KVS_WG_ACC4(84)
 #define KVS_WG_D32                                                                                                 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
     "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define KVS_WG_D88                                                                                                 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+        "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+        "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+        "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+        "%86, %87}"
 #define KVS_WG_D64                                                                                                 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
     "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "  \
@@ -138,8 +145,13 @@ __device__ __forceinline__ void kvs_wg_fence_regs(float (&r)[N]) {
  * column 8 j + 2 (lane % 4) + c. */
 template <int N>
 __device__ __forceinline__ void kvs_wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(N == 64 || N == 128, "N 64 or 128");
-    if constexpr (N == 64)
+    static_assert(N == 64 || N == 128 || N == 176, "N 64, 128 or 176");
+    if constexpr (N == 176)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n176k16.f32.bf16.bf16 " KVS_WG_D88 ", %88, %89, p, 1, 1, 0, 0;\n}\n"
+                     : KVS_WG_ACC88
+                     : "l"(a), "l"(b), "r"(accumulate));
+    else if constexpr (N == 64)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " KVS_WG_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
                      : KVS_WG_ACC32
@@ -170,8 +182,10 @@ __device__ __forceinline__ void kvs_wgmma_rs(float (&d)[N / 2], const uint32_t (
 #undef KVS_WG_ACC16
 #undef KVS_WG_ACC32
 #undef KVS_WG_ACC64
+#undef KVS_WG_ACC88
 #undef KVS_WG_D32
 #undef KVS_WG_D64
+#undef KVS_WG_D88
 
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
 #endif
