@@ -35,12 +35,12 @@
  *
  * Shared memory (every tile 1024-byte aligned; a "column block" is 64 bf16 = 128
  * bytes of each row): Q [D/64 column blocks][128 rows][128 B], then the K/V tiles
- * [D/64][128 keys][128 B] (bf16 d128: [8-row group][2 column blocks][8 rows][128 B],
+ * [D/64][BN keys][128 B] (bf16 d128: [8-row group][2 column blocks][8 rows][128 B],
  * what the TMA boxes write: kvs_wg_swz_units, its descriptors there), then the
  * mbarriers; layout and descriptors in cuda_wgmma.cuh (kvs_wg_swz, kvs_wg_desc).
  * Descriptors: K-major (Q, K) start + 32
  * bytes per k16 step inside a column block, LBO 16 (unused), SBO 1024 (8-row
- * groups); N-major (V) start + 2048 bytes per 16 keys, LBO = 128 keys x 128 B (the
+ * groups); N-major (V) start + 2048 bytes per 16 keys, LBO = BN keys x 128 B (the
  * next 64 head_dim columns), SBO 1024 (the next 8 keys). */
 #include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled (kvs_wg_unit_map) */
 #include <math.h>
@@ -110,7 +110,7 @@ struct kvs_wg_cfg {
    of KV group g, positions q0 .. q0 + 128 / HEADS - 1 of sequence seq (position tiles
    from the last down: the heaviest first), whose chunk starts at token t0 and sees
    `past` cached entries; the item's rows see keys 0 .. n_keys - 1 (n_tiles tiles of
-   128). q0 >= q_len: the item has no row. */
+   BN). q0 >= q_len: the item has no row. */
 template <int HEADS, int BN = KVS_WG_BN>
 struct kvs_wg_block {
     int h0, g, seq, q0, t0, q_len, past, n_keys, n_tiles;
