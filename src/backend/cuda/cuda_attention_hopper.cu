@@ -962,7 +962,6 @@ static kvs_wg_kernel kvs_wg_variant(int ab) {
         case DG: return kvs_wg_pick<D, HEADS, FP8, DG>();
         case CP | DG: return kvs_wg_pick<D, HEADS, FP8, CP | DG>();
         case CP | NL: return kvs_wg_pick<D, HEADS, FP8, CP | NL>();
-        case CP | V: return kvs_wg_pick<D, HEADS, FP8, CP | V>();
         default: return {NULL, 0};
         }
     }
