@@ -12,7 +12,7 @@
 
 static json_t *run_json(const char *args) {
     char cmd[4096], *out = NULL;
-    snprintf(cmd, sizeof cmd, "%s %s 2>/dev/null", kvsparse_binary(), args);
+    snprintf(cmd, sizeof cmd, "{ %s %s 2>/dev/null; }", kvsparse_binary(), args); /* run_capture adds 2>&1 */
     int rc = run_capture(cmd, &out);
     cr_assert_eq(rc, 0, "%s\n%s", cmd, out);
     json_error_t err;
@@ -22,11 +22,29 @@ static json_t *run_json(const char *args) {
     return j;
 }
 
+/* The first n samples of a data set in a file of their own (the short
+ * prompts lead each public set): --limit would spread over the lengths. */
+static const char *first_samples(const char *rel, int n) {
+    static char paths[4][600];
+    static int next;
+    char *path = paths[next++ % 4];
+    snprintf(path, sizeof paths[0], "%s/%d-%s", make_temp_dir(), n, strrchr(rel, '/') + 1);
+    FILE *in = fopen(shared_input(rel), "rb"), *out = fopen(path, "wb");
+    cr_assert(in && out, "%s", path);
+    char *line = NULL;
+    size_t cap = 0;
+    for (int i = 0; i < n && getline(&line, &cap, in) > 0; i++) fputs(line, out);
+    free(line);
+    fclose(in);
+    fclose(out);
+    return path;
+}
+
 Test(eval, retrieval_slice_reports_each_policy, .timeout = 900) {
     char args[2048];
     snprintf(args, sizeof args,
-             "eval retrieval -m %s --data %s --limit 4 --kv-policy full,snapkv,pyramidkv,streamingllm --kv-budget 10%% --json",
-             src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"));
+             "eval retrieval -m %s --data %s --kv-policy full,snapkv,pyramidkv,streamingllm --kv-budget 10%% --json",
+             src_path("models/tiny-needle-llama"), first_samples("eval/retrieval_public.jsonl", 4));
     json_t *arr = run_json(args);
     cr_assert(json_is_array(arr));
     cr_assert_eq(json_array_size(arr), 4);
@@ -99,8 +117,8 @@ Test(eval, fp8_weights_and_kv_keep_retrieval_and_perplexity, .timeout = 1100) {
     json_decref(rows);
     for (int q = 0; q < N_QUANT; q++) {
         const char *quant = quant_opts[q];
-        snprintf(args, sizeof args, "eval retrieval -m %s --data %s --limit 20 --kv-policy full,pyramidkv --kv-budget 10%% %s --json",
-                 src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"), quant);
+        snprintf(args, sizeof args, "eval retrieval -m %s --data %s --kv-policy full,pyramidkv --kv-budget 10%% %s --json",
+                 src_path("models/tiny-needle-llama"), first_samples("eval/retrieval_public.jsonl", 20), quant);
         acc[q] = run_json(args);
         for (int t = 0; t < PPL_TEXTS; t++) {
             snprintf(args, sizeof args, "eval ppl -m %s --text %s/long%d.txt --prefix 4000 --continuation 256 --kv-policy "
@@ -133,9 +151,9 @@ Test(eval, fp8_weights_and_kv_keep_retrieval_and_perplexity, .timeout = 1100) {
 /* eval multiturn: per policy, the three strategies' accuracies and turn 2's
  * prefilled tokens: reprefill prefills all of turn 2, reuse the follow-up. */
 Test(eval, multiturn_slice_reports_each_strategy, .timeout = 900) {
-    const char *data = shared_input("eval/retrieval_multiturn_public.jsonl");
+    const char *data = first_samples("eval/retrieval_multiturn_public.jsonl", 3);
     char args[2048];
-    snprintf(args, sizeof args, "eval multiturn -m %s --data %s --limit 3 --kv-policy full,snapkv --kv-budget 10%% --json",
+    snprintf(args, sizeof args, "eval multiturn -m %s --data %s --kv-policy full,snapkv --kv-budget 10%% --json",
              src_path("models/tiny-needle-llama"), data);
     json_t *arr = run_json(args);
     cr_assert(json_is_array(arr));
@@ -239,9 +257,9 @@ Test(eval, tensor_parallel_2_matches_one_rank, .timeout = 900) {
     for (int k = 0; k < 2; k++) {
         snprintf(answers[k], sizeof answers[k], "/tmp/kvs_test_eval_tp%d_%d.jsonl", k + 1, (int)getpid());
         snprintf(args, sizeof args,
-                 "eval retrieval -m %s --data %s --limit 4 --kv-policy full,snapkv,pyramidkv --kv-budget 10%% "
+                 "eval retrieval -m %s --data %s --kv-policy full,snapkv,pyramidkv --kv-budget 10%% "
                  "--answers %s --json --tensor-parallel-size %d",
-                 src_path("models/tiny-needle-llama"), shared_input("eval/retrieval_public.jsonl"), answers[k], k + 1);
+                 src_path("models/tiny-needle-llama"), first_samples("eval/retrieval_public.jsonl", 4), answers[k], k + 1);
         r[k] = without_throughput(run_json(args));
         cr_assert_eq(json_array_size(r[k]), 3);
     }
@@ -420,4 +438,63 @@ Test(eval, kv_profile_option, .timeout = 300) {
         cr_expect(strstr(out, "bad.json: n_layers is 16, the model has 8"), "%s:\n%s", commands[i], out);
         free(out);
     }
+}
+
+static char *trimmed(const char *s) {
+    while (*s && strchr(" \t\r\n", *s)) s++;
+    size_t n = strlen(s);
+    while (n && strchr(" \t\r\n", s[n - 1])) n--;
+    return strndup(s, n);
+}
+
+/* generate answers as eval retrieval does: the same prompt ids, the same
+ * greedy answer under each sparse policy, on prompts of 1,000 and 2,000
+ * tokens (--limit 2 takes one of each). generate sized its pool for a full
+ * cache once and refused sparse policies' longer prompts: the pool is sized
+ * for the policy now (the compaction's own blocks included). */
+Test(eval, generate_answers_as_eval_does, .timeout = 900) {
+    static const char *sets[][2] = {{"snapkv,streamingllm", "10% --kv-full-layers 0"},
+                                    {"pyramidkv", "5% --kv-full-layers 2"}};
+    const char *dir = make_temp_dir();
+    char cmd[4096], args[2048], path[600], data[600];
+    snprintf(data, sizeof data, "%s", shared_input("eval/retrieval_public.jsonl")); /* a static buffer of testutil's */
+    int checked = 0;
+    for (size_t s = 0; s < sizeof sets / sizeof sets[0]; s++) {
+        snprintf(path, sizeof path, "%s/answers%zu.jsonl", dir, s);
+        snprintf(args, sizeof args, "eval retrieval -m %s --data %s --limit 2 --kv-policy %s --kv-budget %s --answers %s --json",
+                 src_path("models/tiny-needle-llama"), data, sets[s][0], sets[s][1], path);
+        json_decref(run_json(args));
+        json_t *rows = load_jsonl(path), *prompts = load_jsonl(data), *row;
+        size_t i;
+        json_array_foreach(rows, i, row) {
+            const char *id = json_string_value(json_object_get(row, "id")), *prompt = NULL;
+            json_t *sample;
+            size_t j;
+            json_array_foreach(prompts, j, sample) if (!strcmp(json_string_value(json_object_get(sample, "id")), id))
+                prompt = json_string_value(json_object_get(sample, "prompt"));
+            cr_assert(prompt, "%s", id);
+            write_file(dir, "prompt.txt", prompt, strlen(prompt));
+            const char *name;
+            json_t *want;
+            json_object_foreach(json_object_get(row, "answers"), name, want) {
+                char kind[32], pct[16];
+                int full_layers;
+                cr_assert_eq(sscanf(name, "%31s budget=%15s full_layers=%d", kind, pct, &full_layers), 3, "%s", name);
+                snprintf(cmd, sizeof cmd, "generate -m %s -f %s/prompt.txt -n 16 --json --kv-policy %s --kv-budget %s "
+                         "--kv-full-layers %d", src_path("models/tiny-needle-llama"), dir, kind, pct, full_layers);
+                json_t *got = run_json(cmd);
+                char *text = trimmed(json_string_value(json_object_get(got, "text")));
+                cr_assert_eq(json_array_size(json_object_get(got, "prompt_ids")),
+                             (size_t)json_integer_value(json_object_get(row, "n_prompt_tokens")), "%s: prompt ids", id);
+                cr_assert_str_eq(text, json_string_value(want), "%s, %s: generate answered '%s', eval '%s'", id, name,
+                                 text, json_string_value(want));
+                free(text);
+                json_decref(got);
+                checked++;
+            }
+        }
+        json_decref(rows);
+        json_decref(prompts);
+    }
+    cr_assert_eq(checked, 6, "2 prompts x 3 policies: %d checked", checked);
 }

@@ -124,6 +124,10 @@ struct kvs_backend {
     /* dst (weight_dtype, n elements) = convert(src of src_dtype) */
     void (*upload_weight)(kvs_backend *b, void *dst, const void *src, kvs_dtype src_dtype, size_t n);
     void (*synchronize)(kvs_backend *b);
+    /* The device memory's free and total bytes now (cudaMemGetInfo): what a
+     * KV pool sized as a share of the card may take. NULL: host memory, which
+     * the backend does not size. */
+    kvs_status (*memory_info)(kvs_backend *b, size_t *free_bytes, size_t *total_bytes);
     /* The backend's health. Ops return nothing, so an op that fails (a CUDA
      * error, a kernel fault, out of memory inside an op, a bad argument)
      * records it and the backend stays failed: check returns KVS_OK while no

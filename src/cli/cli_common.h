@@ -97,15 +97,42 @@ int kvs_cli_prefix_caching_option(bool *enable, const char *arg);
     "  --enable-prefix-caching  reuse the cached KV of prompt prefixes across requests (default)\n" \
     "  --no-enable-prefix-caching  prefill every prompt in full, cache nothing\n"
 
-/* The KV pool's bytes per rank: kv_gib when > 0 (1 GiB when both are 0), else
- * gpu_gib (a cap on each GPU's memory, emulating a smaller card) minus this
- * rank's weights, the model's step buffers (for the limits it was loaded
- * with), the backend's scratch and the policy's window buffers. */
-kvs_status kvs_cli_kv_bytes(kvs_loaded *l, double kv_gib, double gpu_gib, const kvs_kv_policy *policy, size_t *bytes);
+/* The KV pool's size options of serve and bench throughput. */
+typedef struct {
+    double kv_gib;   /* --kv-memory GiB: the pool itself (per rank) */
+    double gpu_gib;  /* --gpu-memory GiB: a cap on each GPU's memory, emulating a smaller card */
+    double gpu_util; /* --gpu-memory-utilization: the share of each card kvsparse takes (0.9) */
+} kvs_cli_memory;
+#define KVS_CLI_HOST_KV_GIB 1 /* the pool on the CPU without --kv-memory */
+#define KVS_CLI_MEMORY_HELP                                                                              \
+    "  --kv-memory GiB        the KV pool's size (per rank; default on the CPU 1, on a GPU what\n"        \
+    "                         --gpu-memory-utilization leaves)\n"                                         \
+    "  --gpu-memory-utilization U  the share of each GPU's memory to take: the KV pool gets U x the\n"   \
+    "                         card's memory less what is in use once the model is loaded (default 0.9)\n" \
+    "  --gpu-memory GiB       instead, a cap on each GPU's memory: KV = cap - weights - activations\n"
+kvs_cli_memory kvs_cli_memory_default(void);
+/* --kv-memory, --gpu-memory, --gpu-memory-utilization at argv[*i]: 1, 0 or -1 as kvs_cli_load_option. */
+int kvs_cli_memory_option(kvs_cli_memory *m, int argc, char **argv, int *i);
+/* KVS_ERR_INVALID naming the conflict when both --kv-memory and --gpu-memory are given. */
+kvs_status kvs_cli_memory_check(const kvs_cli_memory *m);
 
-/* The KV pool's bytes per rank that hold max_seqs sequences of max_tokens
- * tokens in every layer (generate, eval, bench model). */
-size_t kvs_cli_kv_bytes_for(const kvs_loaded *l, int max_tokens, int max_seqs);
+/* The KV pool's bytes per rank: --kv-memory; else --gpu-memory less this
+ * rank's weights, step buffers (for the limits the model was loaded with), the
+ * backend's scratch and the policy's window buffers; else on a GPU
+ * --gpu-memory-utilization x the card less what the loaded model already uses
+ * and those lazy allocations; else (CPU) KVS_CLI_HOST_KV_GIB. */
+kvs_status kvs_cli_kv_bytes(kvs_loaded *l, const kvs_cli_memory *m, const kvs_kv_policy *policy, size_t *bytes);
+
+/* The KV pool's bytes per rank that hold max_seqs sequences of a prompt_len
+ * prompt and max_new generated tokens each, at their peak under the policy
+ * (generate, eval, bench model, calibrate). */
+size_t kvs_cli_kv_bytes_for(const kvs_loaded *l, const kvs_kv_policy *policy, bool prefix_caching, int prompt_len,
+                            int max_new, int max_seqs);
+/* The start-up line of every backend: the pool in tokens and how many requests
+ * of max_len (the model's maximum) and of 4,000 tokens run at once, with a full
+ * cache and under the engine's default policy. */
+void kvs_cli_log_capacity(const kvs_loaded *l, const kvs_engine_config *ec, int max_len);
+
 /* An engine over the loaded model's runner (N >= 1 ranks) with the backend's
  * sampler: the one generation path of the commands and the server. */
 kvs_status kvs_cli_engine(kvs_loaded *l, const kvs_engine_config *c, kvs_engine **out);

@@ -184,7 +184,7 @@ static kvs_status bench_decode_steps(kvs_loaded *l, kvs_runner *g, const int32_t
     c.max_num_batched_tokens = ctx > max_b ? ctx : max_b;
     c.max_waiting = max_b;
     int max_tokens = max_b + 3 + n_steps; /* the first ones decode while the others prefill */
-    c.kv_memory_bytes = kvs_cli_kv_bytes_for(l, ctx + max_tokens, max_b);
+    c.kv_memory_bytes = kvs_cli_kv_bytes_for(l, &c.default_policy, c.enable_prefix_caching, ctx, max_tokens, max_b);
     uint64_t *req_ids = malloc(sizeof(uint64_t) * max_b);
     kvs_engine *e = NULL;
     kvs_status st = req_ids ? kvs_engine_create_runner(g, NULL, &c, &e) : kvs_fail(KVS_ERR_NOMEM, "bench: out of memory");
@@ -294,7 +294,7 @@ static int bench_model(int argc, char **argv) {
     kvs_engine_config c = kvs_engine_config_default();
     c.max_num_seqs = 1;
     c.max_num_batched_tokens = prompt_len;
-    c.kv_memory_bytes = kvs_cli_kv_bytes_for(&l, total + 1, 1);
+    c.kv_memory_bytes = kvs_cli_kv_bytes_for(&l, &c.default_policy, c.enable_prefix_caching, prompt_len, decode_len + 1, 1);
     kvs_engine *e = NULL;
     bench_counts n = {0};
     if (st == KVS_OK) st = kvs_engine_create_runner(g, NULL, &c, &e);

@@ -16,7 +16,7 @@ typedef struct {
     int input_len, output_len, num_prompts, max_num_seqs, max_num_batched_tokens;
     int n;           /* --n: choices per prompt (num_prompts sequences in all) */
     bool n_separate; /* --n-separate: the same prompt n times as separate requests (the baseline of --n) */
-    double kv_gib, gpu_gib;
+    kvs_cli_memory mem;
     uint64_t seed;
     bool ignore_eos, json, prefix_caching;
 } tp_options;
@@ -36,8 +36,7 @@ static void usage(FILE *f) {
                "  --n-separate           with --n: the same prompt in N separate requests instead\n"
                "  --max-num-seqs N       running sequences at most (default 64)\n"
                "  --max-num-batched-tokens N  tokens per step (default 2048)\n"
-               "  --kv-memory GiB        the KV pool's size (default 1; per rank)\n"
-               "  --gpu-memory GiB       cap on the memory taken (per GPU): KV = cap - weights - activations\n"
+               KVS_CLI_MEMORY_HELP
                "  --seed S               prompt ids seed (default 0)\n"
                KVS_CLI_PREFIX_CACHING_HELP
                "  --json                 print one JSON object\n"
@@ -55,12 +54,6 @@ static bool parse_pos_int(const char *s, int *out) {
     return true;
 }
 
-static bool parse_gib(const char *s, double *out) {
-    char *end;
-    *out = strtod(s, &end);
-    return end != s && !*end && *out > 0 && *out < 1e6;
-}
-
 static int parse_args(int argc, char **argv, tp_options *o) {
     memset(o, 0, sizeof *o);
     o->policy = kvs_kv_policy_default(KVS_POLICY_FULL);
@@ -71,11 +64,13 @@ static int parse_args(int argc, char **argv, tp_options *o) {
     o->max_num_seqs = 64;
     o->max_num_batched_tokens = 2048;
     o->prefix_caching = kvs_engine_config_default().enable_prefix_caching;
+    o->mem = kvs_cli_memory_default();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
         if (r == 0) r = kvs_cli_policy_option(&o->policy, &o->load.kv_profile, argc, argv, &i);
         if (r == 0) r = kvs_cli_prefix_caching_option(&o->prefix_caching, a);
+        if (r == 0) r = kvs_cli_memory_option(&o->mem, argc, argv, &i);
         if (r < 0) goto bad;
         if (r > 0) continue;
         bool v = i + 1 < argc;
@@ -91,9 +86,7 @@ static int parse_args(int argc, char **argv, tp_options *o) {
         else if (!strcmp(a, "--max-num-seqs") && v) { if (!parse_pos_int(argv[++i], &o->max_num_seqs)) goto bad; }
         else if (!strcmp(a, "--max-num-batched-tokens") && v) {
             if (!parse_pos_int(argv[++i], &o->max_num_batched_tokens)) goto bad;
-        } else if (!strcmp(a, "--kv-memory") && v) { if (!parse_gib(argv[++i], &o->kv_gib)) goto bad; }
-        else if (!strcmp(a, "--gpu-memory") && v) { if (!parse_gib(argv[++i], &o->gpu_gib)) goto bad; }
-        else if (!strcmp(a, "--seed") && v) o->seed = strtoull(argv[++i], NULL, 10);
+        } else if (!strcmp(a, "--seed") && v) o->seed = strtoull(argv[++i], NULL, 10);
         else goto bad;
         continue;
     bad:
@@ -101,8 +94,8 @@ static int parse_args(int argc, char **argv, tp_options *o) {
         usage(stderr);
         return 2;
     }
-    if (o->kv_gib > 0 && o->gpu_gib > 0) {
-        fprintf(stderr, "kvsparse bench throughput: give --kv-memory or --gpu-memory, not both\n");
+    if (kvs_cli_memory_check(&o->mem) != KVS_OK) {
+        fprintf(stderr, "kvsparse bench throughput: %s\n", kvs_last_error());
         return 2;
     }
     return -1;
@@ -129,9 +122,10 @@ static kvs_status run(const tp_options *o, kvs_loaded *l, tp_counts *counts, tp_
     c.max_waiting = o->num_prompts + 1;
     c.default_policy = o->policy;
     c.enable_prefix_caching = o->prefix_caching;
-    KVS_TRY(kvs_cli_kv_bytes(l, o->kv_gib, o->gpu_gib, &o->policy, &c.kv_memory_bytes));
+    KVS_TRY(kvs_cli_kv_bytes(l, &o->mem, &o->policy, &c.kv_memory_bytes));
     kvs_engine *e;
     KVS_TRY(kvs_cli_engine(l, &c, &e));
+    kvs_cli_log_capacity(l, &c, kvs_engine_get_limits(e).max_model_len);
     int32_t *prompt = malloc(sizeof(int32_t) * o->input_len);
     kvs_status st = prompt ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "out of memory");
     kvs_rng rng;

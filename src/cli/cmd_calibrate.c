@@ -100,9 +100,10 @@ static int parse_args(int argc, char **argv, calib_options *o) {
 static kvs_status make_cache(kvs_loaded *l, int window, int *max_len) {
     const kvs_config *c = &l->cfg;
     *max_len = kvs_runner_limits(l->runner).max_len;
+    kvs_kv_policy full = kvs_kv_policy_default(KVS_POLICY_FULL); /* calibration keeps every entry */
     kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
                         .n_heads = c->n_heads, .block_size = KVS_KV_BLOCK_SIZE, .max_seqs = 1, .max_window = window};
-    kc.n_blocks = kvs_runner_kv_blocks_for_budget(l->runner, &kc, kvs_cli_kv_bytes_for(l, *max_len, 1));
+    kc.n_blocks = kvs_runner_kv_blocks_for_budget(l->runner, &kc, kvs_cli_kv_bytes_for(l, &full, false, *max_len, 0, 1));
     return kvs_runner_kv_create(l->runner, &kc);
 }
 
@@ -145,7 +146,10 @@ static kvs_status measure_prompt(kvs_runner *r, const kvs_kv_policy *p, const in
 
 /* Lines 0, K, 2K, ... of the file, limit at most: how many. */
 static int selected_lines(FILE *f, const calib_options *o) {
-    int n = (kvs_eval_count_lines(f, 0) + o->stride - 1) / o->stride;
+    int lines = 0, c;
+    while ((c = fgetc(f)) != EOF) lines += c == '\n';
+    rewind(f);
+    int n = (lines + o->stride - 1) / o->stride;
     return o->limit && o->limit < n ? o->limit : n;
 }
 

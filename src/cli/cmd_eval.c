@@ -31,7 +31,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: kvsparse eval retrieval -m MODEL_DIR --data FILE.jsonl [options]\n"
                "Retrieval accuracy of KV policies: greedy answers (16 tokens at most) against each sample's answer.\n"
                "  --data FILE.jsonl      the samples: prompt, answer, hf_full_answer (../shared/eval/)\n"
-               "  --limit N              the first N samples\n"
+               "  --limit N              N samples, spread over the prompt lengths (the first of each in turn)\n"
                "  --json                 one JSON object (an array when several policies)\n"
                "  --answers FILE         write every sample's answer per policy (JSON lines)\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
@@ -53,13 +53,6 @@ static int bucket_index(policy_score *s, int bucket) {
     if (s->n_buckets == MAX_BUCKETS) return MAX_BUCKETS - 1;
     s->bucket[s->n_buckets] = bucket;
     return s->n_buckets++;
-}
-
-/* "pub-4000-12" -> 4000; otherwise the prompt length rounded to thousands. */
-static int bucket_of(const char *id, int n_prompt) {
-    const char *dash = id ? strchr(id, '-') : NULL;
-    int b = dash ? atoi(dash + 1) : 0;
-    return b > 0 ? b : (n_prompt + 500) / 1000 * 1000;
 }
 
 /* The greedy answer (up to KVS_EVAL_MAX_NEW tokens, to EOS) under policy p, through the engine. */
@@ -116,17 +109,17 @@ static int eval_retrieval(int argc, char **argv) {
     const char *data = o.data;
     int limit = o.limit;
     if (!data) { fprintf(stderr, "kvsparse eval retrieval: --data FILE.jsonl is required\n"); return 2; }
-    FILE *f = fopen(data, "rb");
-    if (!f) { fprintf(stderr, "kvsparse: %s: cannot open\n", data); return 1; }
+    kvs_eval_lines L;
+    if (kvs_eval_lines_read(data, limit, &L) != KVS_OK) return kvs_cli_error();
     FILE *answers = answers_path ? fopen(answers_path, "w") : NULL;
     if (answers_path && !answers) {
         fprintf(stderr, "kvsparse: %s: cannot write\n", answers_path);
-        fclose(f);
+        kvs_eval_lines_free(&L);
         return 1;
     }
     kvs_loaded l;
     if (kvs_cli_load(&o.load, &l) != KVS_OK) {
-        fclose(f);
+        kvs_eval_lines_free(&L);
         if (answers) fclose(answers);
         return kvs_cli_error();
     }
@@ -136,13 +129,12 @@ static int eval_retrieval(int argc, char **argv) {
     kvs_status st = kvs_eval_engine(&l, &o, 1, false, &P, &e);
     policy_score *S = calloc((size_t)P.n, sizeof *S);
     kvs_progress bar;
-    kvs_progress_start(&bar, "eval", kvs_eval_count_lines(f, limit));
-    char *line = NULL;
-    size_t cap = 0;
-    int n_samples = 0, line_no = 0;
+    kvs_progress_start(&bar, "eval", L.n);
+    int n_samples = 0;
     double prefill_time = 0, prefill_tokens = 0;
-    while (st == KVS_OK && getline(&line, &cap, f) > 0 && (!limit || n_samples < limit)) {
-        line_no++;
+    for (int i = 0; st == KVS_OK && i < L.n; i++) {
+        const char *line = L.text[i];
+        int line_no = L.line_no[i];
         json_error_t jerr;
         json_t *o = json_loads(line, 0, &jerr);
         const char *prompt = json_string_value(json_object_get(o, "prompt"));
@@ -150,7 +142,6 @@ static int eval_retrieval(int argc, char **argv) {
         const char *hf = json_string_value(json_object_get(json_object_get(o, "hf_full_answer"), "text"));
         if (!prompt || !ans) {
             json_decref(o);
-            if (line[0] == '\n') continue;
             st = kvs_fail(KVS_ERR_FORMAT, "%s:%d: expected an object with \"prompt\" and \"answer\" strings", data, line_no);
             break;
         }
@@ -176,7 +167,7 @@ static int eval_retrieval(int argc, char **argv) {
             prefill_time += a.t_first - t0;
             prefill_tokens += n;
             policy_score *s = &S[p];
-            int b = bucket_index(s, bucket_of(json_string_value(json_object_get(o, "id")), n));
+            int b = bucket_index(s, kvs_eval_bucket(json_string_value(json_object_get(o, "id")), n));
             bool ok = !strcmp(text, want);
             s->count[b]++, s->correct[b] += ok, s->total++, s->n_correct += ok;
             s->n_agree_hf += hf_text && !strcmp(text, hf_text);
@@ -198,8 +189,7 @@ static int eval_retrieval(int argc, char **argv) {
         kvs_progress_update(&bar, n_samples);
     }
     kvs_progress_finish(&bar);
-    free(line);
-    fclose(f);
+    kvs_eval_lines_free(&L);
     if (answers) fclose(answers);
     if (st == KVS_OK) {
         double tok_s = prefill_time > 0 ? prefill_tokens / prefill_time : 0;

@@ -46,7 +46,7 @@ static void usage(FILE *f) {
                "Follow-up accuracy of KV policies: turn 1 (prompt), then turn 2 (prompt + followup_text) answered\n"
                "three ways (reprefill, reuse, prefix-cache); greedy answers, 16 tokens at most.\n"
                "  --data FILE.jsonl      the conversations: prompt, answer, followup_text, followup_answer\n"
-               "  --limit N              the first N conversations\n"
+               "  --limit N              N conversations, spread over the prompt lengths (the first of each in turn)\n"
                "  --json                 one JSON array: an object per policy and strategy\n"
                "  --answers FILE         write every conversation's answers per policy (JSON lines)\n"
                KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
@@ -204,13 +204,13 @@ int kvs_cmd_eval_multiturn(int argc, char **argv) {
     }
     const char *data = o.data;
     if (!data) { fprintf(stderr, "kvsparse eval multiturn: --data FILE.jsonl is required\n"); return 2; }
-    FILE *f = fopen(data, "rb");
-    if (!f) { fprintf(stderr, "kvsparse: %s: cannot open\n", data); return 1; }
+    kvs_eval_lines L;
+    if (kvs_eval_lines_read(data, o.limit, &L) != KVS_OK) return kvs_cli_error();
     FILE *answers = answers_path ? fopen(answers_path, "w") : NULL;
     kvs_loaded l;
     if ((answers_path && !answers) || kvs_cli_load(&o.load, &l) != KVS_OK) {
         if (answers_path && !answers) fprintf(stderr, "kvsparse: %s: cannot write\n", answers_path);
-        fclose(f);
+        kvs_eval_lines_free(&L);
         if (answers) fclose(answers);
         return answers_path && !answers ? 1 : kvs_cli_error();
     }
@@ -221,12 +221,12 @@ int kvs_cmd_eval_multiturn(int argc, char **argv) {
     policy_score *S = calloc((size_t)P.n, sizeof *S);
     if (st == KVS_OK && !S) st = kvs_fail(KVS_ERR_NOMEM, "out of memory");
     kvs_progress bar;
-    kvs_progress_start(&bar, "eval", kvs_eval_count_lines(f, o.limit));
-    char *line = NULL, where[600];
-    size_t cap = 0;
-    int n_samples = 0, line_no = 0, n_requests = 0;
-    while (st == KVS_OK && (!o.limit || n_samples < o.limit) && getline(&line, &cap, f) > 0) {
-        snprintf(where, sizeof where, "%s:%d", data, ++line_no);
+    kvs_progress_start(&bar, "eval", L.n);
+    char where[600];
+    int n_samples = 0, n_requests = 0;
+    for (int i = 0; st == KVS_OK && i < L.n; i++) {
+        const char *line = L.text[i];
+        snprintf(where, sizeof where, "%s:%d", data, L.line_no[i]);
         conversation c;
         bool skip;
         st = read_conversation(l.tok, line, where, &c, &skip);
@@ -254,8 +254,7 @@ int kvs_cmd_eval_multiturn(int argc, char **argv) {
         kvs_progress_update(&bar, ++n_samples);
     }
     kvs_progress_finish(&bar);
-    free(line);
-    fclose(f);
+    kvs_eval_lines_free(&L);
     if (answers) fclose(answers);
     if (st == KVS_OK) report(&P, S, o.json);
     free(S);

@@ -100,7 +100,7 @@ int kvs_cmd_eval_ppl(int argc, char **argv) {
     /* every policy a request through the engine, all at once: the prefix its
        prompt (prefilled in chunks of 2048 tokens, then compressed), the
        continuation its forced tokens */
-    if (st == KVS_OK) st = kvs_eval_engine_create(&l, &base, P.n, P.n, prefix + cont, true, &e);
+    if (st == KVS_OK) st = kvs_eval_engine_create(&l, &base, &P, P.n, P.n, prefix + cont, true, &e);
     if (st == KVS_OK && !(S = calloc((size_t)P.n, sizeof *S))) st = kvs_fail(KVS_ERR_NOMEM, "eval ppl: out of memory");
     for (int p = 0; st == KVS_OK && p < P.n; p++) {
         kvs_request_params rp = {.prompt_ids = ids, .n_prompt = prefix, .sampling = kvs_sampling_default(),

@@ -10,7 +10,7 @@
 
 typedef struct {
     kvs_load_options load;
-    const char *prompt, *prompt_ids;
+    const char *prompt, *prompt_file, *prompt_ids;
     bool chat, json;
     int max_new;
     kvs_sampling_params sp;
@@ -21,8 +21,9 @@ typedef struct {
 } gen_options;
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: kvsparse generate -m MODEL_DIR (-p TEXT | --prompt-ids 1,2,3) [options]\n"
+    fprintf(f, "usage: kvsparse generate -m MODEL_DIR (-p TEXT | -f FILE | --prompt-ids 1,2,3) [options]\n"
                "  -p, --prompt TEXT      the prompt\n"
+               "  -f, --prompt-file FILE  the prompt is FILE's text as it is (a long one, or one ending in a newline)\n"
                "  --prompt-ids 1,2,3     the prompt as token ids (a model without tokenizer.json)\n"
                "  -n, --max-tokens N     tokens to generate (default 64)\n"
                "  --chat                 wrap the prompt as a user message with the chat template\n"
@@ -61,6 +62,7 @@ static int parse_args(int argc, char **argv, gen_options *o) {
         else if (!strcmp(a, "--json")) o->json = true;
         else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = true;
         else if ((!strcmp(a, "-p") || !strcmp(a, "--prompt")) && v) o->prompt = argv[++i];
+        else if ((!strcmp(a, "-f") || !strcmp(a, "--prompt-file")) && v) o->prompt_file = argv[++i];
         else if (!strcmp(a, "--prompt-ids") && v) o->prompt_ids = argv[++i];
         else if ((!strcmp(a, "-n") || !strcmp(a, "--max-tokens")) && v) {
             o->max_new = atoi(argv[++i]);
@@ -84,8 +86,8 @@ static int parse_args(int argc, char **argv, gen_options *o) {
         usage(stderr);
         return 2;
     }
-    if (!o->prompt == !o->prompt_ids) {
-        fprintf(stderr, "kvsparse generate: give exactly one of -p TEXT or --prompt-ids IDS\n");
+    if (!!o->prompt + !!o->prompt_file + !!o->prompt_ids != 1) {
+        fprintf(stderr, "kvsparse generate: give exactly one of -p TEXT, -f FILE or --prompt-ids IDS\n");
         return 2;
     }
     return -1; /* go on */
@@ -101,23 +103,44 @@ static kvs_status prompt_to_ids(const gen_options *o, const kvs_loaded *l, int32
     if (!l->tok)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "%s has no tokenizer.json: use --prompt-ids",
                         o->load.model_dir ? o->load.model_dir : "the model");
-    char *text = NULL;
+    char *text = NULL, *file = NULL;
+    size_t file_len = 0;
+    const char *prompt = o->prompt;
+    if (o->prompt_file) {
+        KVS_TRY(kvs_read_file(o->prompt_file, &file, &file_len));
+        if (memchr(file, 0, file_len)) {
+            free(file);
+            return kvs_fail(KVS_ERR_INVALID, "--prompt-file %s: holds a NUL byte, not text", o->prompt_file);
+        }
+        prompt = file;
+    }
     kvs_encode_options eo = {.add_special_tokens = true, .parse_special = true};
     if (o->chat) {
         const char *src = kvs_tokenizer_chat_template(l->tok);
         if (!src) src = kvs_chat_template_default();
         kvs_chat_template *tpl;
-        KVS_TRY(kvs_chat_template_compile(src, strlen(src), &tpl));
-        kvs_chat_message msg = {"user", o->prompt};
-        kvs_status st = kvs_chat_template_render(tpl, &msg, 1, true, kvs_tokenizer_bos_token(l->tok),
-                                                 kvs_tokenizer_eos_token(l->tok), &text);
-        kvs_chat_template_destroy(tpl);
-        KVS_TRY(st);
+        kvs_status st = kvs_chat_template_compile(src, strlen(src), &tpl);
+        kvs_chat_message msg = {"user", prompt};
+        if (st == KVS_OK) {
+            st = kvs_chat_template_render(tpl, &msg, 1, true, kvs_tokenizer_bos_token(l->tok),
+                                          kvs_tokenizer_eos_token(l->tok), &text);
+            kvs_chat_template_destroy(tpl);
+        }
+        if (st != KVS_OK) {
+            free(file);
+            return st;
+        }
         eo.add_special_tokens = false; /* the template wrote BOS */
     }
-    const char *p = text ? text : o->prompt;
+    const char *p = text ? text : prompt;
     kvs_status st = kvs_tokenizer_encode(l->tok, p, strlen(p), eo, ids, n);
     free(text);
+    free(file);
+    /* a prompt that starts with its own BOS (one formatted for chat already, as the eval
+       sets' are) keeps that one: a second would be a context the model never saw */
+    int bos = l->cfg.bos_token_id;
+    if (st == KVS_OK && eo.add_special_tokens && *n >= 2 && (*ids)[0] == bos && (*ids)[1] == bos)
+        memmove(*ids, *ids + 1, sizeof(int32_t) * (size_t)--*n);
     return st;
 }
 
@@ -165,7 +188,7 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     c.max_num_batched_tokens = n_prompt < step_cap ? n_prompt : step_cap;
     c.max_waiting = 1;
     c.default_policy = o->policy;
-    c.kv_memory_bytes = kvs_cli_kv_bytes_for(l, n_prompt + o->max_new, 1);
+    c.kv_memory_bytes = kvs_cli_kv_bytes_for(l, &o->policy, c.enable_prefix_caching, n_prompt, o->max_new, 1);
     kvs_sampling_params sp = o->sp;
     sp.has_seed = true; /* --seed S, else 0: generate repeats itself */
     kvs_request_params p = {.prompt_ids = prompt, .n_prompt = n_prompt, .sampling = sp, .max_tokens = o->max_new,

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "cli/cli_common.h"
 #include "model/model.h"
 
 static void info_usage(FILE *f) {
@@ -12,7 +13,8 @@ static void info_usage(FILE *f) {
             "usage: kvsparse info (-m MODEL_DIR | --config CONFIG.json) [--memory GiB] [--load-format auto|dummy] [--json]\n"
             "  -m, --model DIR     model directory (config.json + safetensors)\n"
             "  --config FILE       a config.json alone (shapes only, no weights)\n"
-            "  --memory GiB        memory budget for the KV cache (default 8)\n"
+            "  --memory GiB        memory budget for the KV cache (default 1: serve's KV pool on the CPU;\n"
+            "                      on a GPU serve takes --gpu-memory-utilization of the card)\n"
             "  --load-format F     auto: open and check the safetensors; dummy: config only\n"
             "  --json              print one JSON object\n");
 }
@@ -124,7 +126,7 @@ static int print_json(const char *source, const kvs_config *c, const char *weigh
 
 int kvs_cmd_info(int argc, char **argv) {
     const char *model_dir = NULL, *config_file = NULL, *load_format = "auto";
-    double budget_gib = 8.0;
+    double budget_gib = KVS_CLI_HOST_KV_GIB;
     bool as_json = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];

@@ -35,7 +35,7 @@ typedef struct {
     kvs_load_options load;
     kvs_engine_config ecfg;
     kvs_server_config scfg;
-    double kv_gib, gpu_gib;
+    kvs_cli_memory mem;
     int drain_timeout_s;
     const char *api_key_file;
 } serve_options;
@@ -52,8 +52,6 @@ static void usage(FILE *f) {
                "  --max-num-seqs N          running requests at most (default 64)\n"
                "  --max-num-batched-tokens N  tokens per engine step (default 2048)\n"
                "  --max-model-len N         context limit (default: the model's)\n"
-               "  --kv-memory GiB           KV pool size (default 1; per rank with --tensor-parallel-size)\n"
-               "  --gpu-memory GiB          cap on each GPU's memory: KV = cap - weights - activations\n"
                "  --max-waiting N           queued requests at most; more get 429 (default 1024)\n"
                "  --enable-prefix-caching   reuse the cached KV of prompt prefixes across requests (default;\n"
                "                            requests share them only with an equal cache_salt)\n"
@@ -71,7 +69,7 @@ static void usage(FILE *f) {
                "  --tool-call-parser NAME   how outputs of requests with tools are read for calls: llama3_json,\n"
                "                            hermes, none, or auto (default: from the chat template)\n"
                "  --no-web-ui               no chat page at GET / (default: served; it asks for the API key)\n"
-               KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
+               KVS_CLI_MEMORY_HELP KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "The API is described in docs/SERVING.md.\n");
 }
 
@@ -90,11 +88,13 @@ static int parse_args(int argc, char **argv, serve_options *o) {
     o->scfg.host = "127.0.0.1";
     o->scfg.port = 8000;
     o->drain_timeout_s = 30;
+    o->mem = kvs_cli_memory_default();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
         if (r == 0) r = kvs_cli_policy_option(&o->ecfg.default_policy, &o->load.kv_profile, argc, argv, &i);
         if (r == 0) r = kvs_cli_prefix_caching_option(&o->ecfg.enable_prefix_caching, a);
+        if (r == 0) r = kvs_cli_memory_option(&o->mem, argc, argv, &i);
         if (r < 0) goto bad;
         if (r > 0) continue;
         bool v = i + 1 < argc;
@@ -116,23 +116,15 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         else if (!strcmp(a, "--max-model-len") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_model_len)) goto bad; }
         else if (!strcmp(a, "--max-waiting") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_waiting)) goto bad; }
         else if (!strcmp(a, "--max-body-bytes") && v) { if (!parse_int(argv[++i], 1024, &n)) goto bad; o->scfg.max_body_bytes = (size_t)n; }
-        else if (!strcmp(a, "--kv-memory") && v) {
-            char *end;
-            o->kv_gib = strtod(argv[++i], &end);
-            if (end == argv[i] || *end || !(o->kv_gib > 0 && o->kv_gib < 1e5)) goto bad;
-        } else if (!strcmp(a, "--gpu-memory") && v) {
-            char *end;
-            o->gpu_gib = strtod(argv[++i], &end);
-            if (end == argv[i] || *end || !(o->gpu_gib > 0 && o->gpu_gib < 1e5)) goto bad;
-        } else goto bad;
+        else goto bad;
         continue;
     bad:
         fprintf(stderr, "kvsparse serve: bad or incomplete option '%s'\n", a);
         usage(stderr);
         return 2;
     }
-    if (o->kv_gib > 0 && o->gpu_gib > 0) {
-        fprintf(stderr, "kvsparse serve: give --kv-memory or --gpu-memory, not both\n");
+    if (kvs_cli_memory_check(&o->mem) != KVS_OK) {
+        fprintf(stderr, "kvsparse serve: %s\n", kvs_last_error());
         return 2;
     }
     if (!o->load.model_dir && !o->load.config_path) {
@@ -205,42 +197,6 @@ static bool resolve_api_key(serve_options *o, char **owned) {
     return true;
 }
 
-/* Blocks one sequence of len tokens holds in every layer, full or with the policy after compaction. */
-static int64_t seq_blocks(const kvs_kv_policy *p, int n_layers, int len, bool use_policy) {
-    int *budgets = calloc((size_t)n_layers, sizeof(int));
-    if (!budgets) return 1;
-    for (int l = 0; l < n_layers; l++) budgets[l] = -1;
-    if (use_policy && p->kind != KVS_POLICY_FULL) kvs_kv_policy_budgets(p, n_layers, len, budgets);
-    int64_t blocks = 0;
-    for (int l = 0; l < n_layers; l++) {
-        int held = budgets[l] < 0 ? len : budgets[l] + p->window;
-        if (held > len) held = len;
-        blocks += (held + 15) / 16;
-    }
-    free(budgets);
-    return blocks > 0 ? blocks : 1;
-}
-
-static void log_capacity(const kvs_loaded *l, const kvs_engine_config *ec, int max_len) {
-    const kvs_config *c = &l->cfg;
-    kvs_kv_config kc = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads / l->world, .head_dim = c->head_dim,
-                        .n_heads = c->n_heads / l->world, .block_size = KVS_KV_BLOCK_SIZE, .max_seqs = ec->max_num_seqs};
-    size_t bytes = ec->kv_memory_bytes ? ec->kv_memory_bytes : (size_t)1 << 30;
-    int64_t blocks = kvs_kv_blocks_for_budget(&kc, l->be->kv_dtype, bytes);
-    int64_t full = seq_blocks(&ec->default_policy, c->n_layers, max_len, false);
-    int64_t sparse = seq_blocks(&ec->default_policy, c->n_layers, max_len, true);
-    char desc[160];
-    kvs_kv_policy_describe(&ec->default_policy, desc, sizeof desc);
-    if (!strcmp(l->be->name, "cpu"))
-        kvs_log(KVS_LOG_INFO, "cpu backend: %s weights, %s KV cache, %s kernels", kvs_dtype_name(l->be->weight_dtype),
-                kvs_dtype_name(l->be->kv_dtype), kvs_cpu_kernels_name());
-    kvs_log(KVS_LOG_INFO, "KV pool%s: %.2f GiB, %lld blocks = %lld tokens in every layer", l->world > 1 ? " (per rank)" : "", (double)bytes / (1 << 30),
-            (long long)blocks, (long long)(blocks / c->n_layers * 16));
-    kvs_log(KVS_LOG_INFO, "requests of the maximum length (%d tokens) that fit at once: %lld with a full cache, "
-            "%lld with policy %s (after compaction; admission needs the prompt in every layer)",
-            max_len, (long long)(blocks / full), (long long)(blocks / sparse), desc);
-}
-
 /* Sleeps until a signal arrives or the engine fails (then its reason in failure). */
 static void wait_for_stop(kvs_engine *e, char *failure, size_t cap) {
     for (;;) {
@@ -268,7 +224,7 @@ int kvs_cmd_serve(int argc, char **argv) {
         return kvs_cli_error();
     }
     o.ecfg.default_policy.profile = l.kv_profile; /* the server gives it to every request's kv_policy too */
-    if (kvs_cli_kv_bytes(&l, o.kv_gib, o.gpu_gib, &o.ecfg.default_policy, &o.ecfg.kv_memory_bytes) != KVS_OK) {
+    if (kvs_cli_kv_bytes(&l, &o.mem, &o.ecfg.default_policy, &o.ecfg.kv_memory_bytes) != KVS_OK) {
         kvs_cli_unload(&l);
         free(key);
         return kvs_cli_error();
@@ -298,7 +254,7 @@ int kvs_cmd_serve(int argc, char **argv) {
         free(key);
         return kvs_cli_error();
     }
-    log_capacity(&l, &o.ecfg, kvs_engine_get_limits(e).max_model_len);
+    kvs_cli_log_capacity(&l, &o.ecfg, kvs_engine_get_limits(e).max_model_len);
     const char *host = o.scfg.host;
     bool v6 = strchr(host, ':') != NULL;
     printf("kvsparse: serving '%s' at http://%s%s%s:%d/v1 (port %d)\n", o.scfg.served_model_name, v6 ? "[" : "", host,

@@ -39,11 +39,12 @@ int kvs_eval_option(kvs_eval_options *o, int argc, char **argv, int *i);
 kvs_status kvs_eval_policies_build(const kvs_kv_policy *base, const char *kinds, const char *budgets,
                                    const char *profile_path, int n_layers, kvs_eval_policies *out);
 
-/* An engine for the policies under test (base: their largest window): at most
- * max_seqs requests at a time, prompts prefilled in chunks of 2048 tokens, a
- * pool for `room` sequences of `context` tokens, prefix caching on or off. */
-kvs_status kvs_eval_engine_create(kvs_loaded *l, const kvs_kv_policy *base, int max_seqs, int room, int context,
-                                  bool prefix_caching, kvs_engine **e);
+/* An engine for the policies under test P (base: their largest window): at
+ * most max_seqs requests at a time, prompts prefilled in chunks of 2048 tokens,
+ * a pool for `room` sequences of `context` tokens at their peak under the most
+ * demanding of P, prefix caching on or off. */
+kvs_status kvs_eval_engine_create(kvs_loaded *l, const kvs_kv_policy *base, const kvs_eval_policies *P, int max_seqs,
+                                  int room, int context, bool prefix_caching, kvs_engine **e);
 /* The policies under test (in *P) and the engine that answers them: one
  * request at a time, a pool for `room` sequences of the model's longest
  * context (kvs_eval_engine_create). */
@@ -69,7 +70,20 @@ kvs_status kvs_eval_answer_run(const kvs_tokenizer *tok, kvs_engine *e, const kv
                                kvs_eval_answer *a, char **text);
 /* s without surrounding whitespace (malloc'ed). */
 char *kvs_eval_trimmed(const char *s);
-/* The lines of f, limit at most (0: all), for a progress bar; f rewound. */
-int kvs_eval_count_lines(FILE *f, int limit);
+/* A data set's samples in the order they run: every non-blank line of a
+ * JSON-lines file, or with limit > 0 that many spread over the prompt lengths
+ * (a cheap slice that still has long prompts): the first of each length in
+ * turn, in the file's order within a length (kvs_eval_bucket). Says on stderr
+ * which lengths it took. */
+typedef struct {
+    char **text;  /* [n] each line, malloc'ed */
+    int *line_no; /* [n] its line in the file, from 1 */
+    int n;
+} kvs_eval_lines;
+kvs_status kvs_eval_lines_read(const char *path, int limit, kvs_eval_lines *out);
+void kvs_eval_lines_free(kvs_eval_lines *l);
+/* A sample's length class: its id's ("pub-4000-12" -> 4000), else its prompt
+ * length (n_prompt tokens, else the line's n_prompt_tokens) to the nearest thousand. */
+int kvs_eval_bucket(const char *id, int n_prompt);
 
 #endif

@@ -144,6 +144,19 @@ kvs_status kvs_kv_budget_parse(const char *text, kvs_kv_policy *p);
 kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers);
 /* Per-layer budgets B_l for a prompt (-1: the layer stays full). */
 void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len, int *budgets);
+/* Blocks (of block_size tokens) one sequence of a prompt_len-token prompt and
+ * max_new generated tokens takes under p. peak: the most it holds at once,
+ * what a pool must have for it alone: its prompt in every layer before the
+ * compaction (plus, with prefix caching, the compaction's own copies of the
+ * sparse layers, the prompt's blocks staying cached), or its last token.
+ * held: after the compaction with every token generated (a sparse layer keeps
+ * at most its budget and a window of decode entries before re-compressing), what
+ * each running request keeps in the steady state. */
+typedef struct {
+    int64_t peak, held;
+} kvs_kv_seq_blocks;
+kvs_kv_seq_blocks kvs_kv_policy_seq_blocks(const kvs_kv_policy *p, int n_layers, int block_size, bool prefix_caching,
+                                           int prompt_len, int max_new);
 /* A one-line description, e.g. "pyramidkv budget=10% full_layers=2 window=16 pool=7". */
 void kvs_kv_policy_describe(const kvs_kv_policy *p, char *buf, size_t cap);
 

@@ -34,6 +34,14 @@ static kvs_status cuda_check(kvs_backend *b) {
     return cuda_health(c);
 }
 
+static kvs_status cuda_memory_info(kvs_backend *b, size_t *free_bytes, size_t *total_bytes) {
+    kvs_cuda *c = kvs_cuda_of(b);
+    cudaError_t e = cudaSetDevice(c->device);
+    if (e == cudaSuccess) e = cudaMemGetInfo(free_bytes, total_bytes);
+    if (e != cudaSuccess) return kvs_fail(KVS_ERR_INTERNAL, "cuda backend: cudaMemGetInfo: %s", cudaGetErrorString(e));
+    return KVS_OK;
+}
+
 static void cuda_fence(kvs_backend *b) {
     kvs_cuda *c = kvs_cuda_of(b);
     if (c->failed || c->capturing) return;
@@ -387,6 +395,7 @@ extern "C" kvs_status kvs_backend_cuda_create(const kvs_cuda_options *opt, kvs_b
     b->upload_weight = cuda_upload_weight;
     b->synchronize = cuda_synchronize;
     b->check = cuda_check;
+    b->memory_info = cuda_memory_info;
     b->fence = cuda_fence;
     b->fence_wait = cuda_fence_wait;
     b->to_host_async = cuda_to_host_async;
