@@ -19,6 +19,9 @@ done
 export PKG_CONFIG_PATH="$PREFIX/lib/pkgconfig"
 [ "$(pkg-config --modversion kvsparse)" = "$(sed -n 's/^project(kvsparse VERSION \([0-9.]*\).*/\1/p' "$SRC/CMakeLists.txt")" ] \
   || { echo "FAIL: kvsparse.pc's version is not the project's" >&2; exit 1; }
+# the header's include path alone: no dependency's private flags leak into a user's build
+cflags=$(pkg-config --cflags kvsparse)
+[ "$(echo $cflags)" = "-I$PREFIX/lib/pkgconfig/../../include" ] || { echo "FAIL: pkg-config --cflags kvsparse gives '$cflags'" >&2; exit 1; }
 
 # shared: what `cc examples/embed.c $(pkg-config --cflags --libs kvsparse)` gives
 "$CC" "${FLAGS[@]}" "$SRC/examples/embed.c" $(pkg-config --cflags --libs kvsparse) -o "$PREFIX/embed"

@@ -147,6 +147,15 @@ Test(http_path, text_far_beyond_the_context_is_refused_before_tokenizing) {
     cr_expect_eq(path_status(s, "POST", "/v1/chat/completions", NULL, NULL, b, 0, msg, sizeof msg), 400);
     cr_expect(strstr(msg, "2048 bytes") && strstr(msg, "\"param\":\"messages\""), "%s", msg);
     free(b);
+    /* more tokens asked for than the context leaves: the error names the field the request used */
+    const char *fields[] = {"max_tokens", "max_completion_tokens"};
+    for (int i = 0; i < 2; i++) {
+        char body[200], want[64];
+        snprintf(body, sizeof body, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"%s\": 30}", fields[i]);
+        snprintf(want, sizeof want, "\"param\":\"%s\"", fields[i]);
+        cr_expect_eq(path_status(s, "POST", "/v1/chat/completions", NULL, NULL, body, 0, msg, sizeof msg), 400);
+        cr_expect(strstr(msg, "were asked for") && strstr(msg, want), "%s: %s", fields[i], msg);
+    }
     kvs_server_free(s);
 
     /* the cost: 4 MiB of text against an 8192-token context is refused in the parser */

@@ -262,6 +262,15 @@ Test(server_tools, serve_accepts_tools_requests, .timeout = 300) {
     parse_stream(r.body, true, &sr);
     cr_expect(sr.done && sr.n_chunks >= 2);
     free(r.body);
+    /* a forced call streamed: its text is held back by the parser, and no chunk goes out with an empty delta
+       before the last one (which carries only the finish_reason, as OpenAI's) */
+    r = http(s.port, "POST", "/v1/chat/completions", NULL,
+             "{\"max_tokens\": 64, \"temperature\": 0, \"messages\": [" USER "], \"tools\": [" TOOL_WEATHER "], "
+             "\"tool_choice\": \"required\", \"stream\": true}");
+    cr_expect_eq(r.status, 200);
+    cr_expect(strstr(r.body, "\"tool_calls\"") && strstr(r.body, "[DONE]"), "%s", r.body);
+    cr_expect(!strstr(r.body, "\"delta\":{},\"logprobs\":null,\"finish_reason\":null"), "an empty delta: %s", r.body);
+    free(r.body);
     /* control-token text in the tools: 400 naming tools */
     json_t *j = post_json(s.port, "/v1/chat/completions",
                           "{\"messages\": [" USER "], \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", "

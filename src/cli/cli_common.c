@@ -107,32 +107,41 @@ int kvs_cli_policy_option(kvs_kv_policy *p, const char **profile_path, int argc,
     if (*i + 1 >= argc) return -1;
     const char *v = argv[*i + 1];
     bool ok;
+    const char *want = NULL; /* what a bad value should have been */
     if (!strcmp(a, "--kv-profile")) {
         *profile_path = v;
         ok = *v != 0;
+        want = "a profile file (kvsparse calibrate --out)";
     } else if (!strcmp(a, "--kv-policy")) {
         kvs_policy_kind kind;
         ok = kvs_kv_policy_kind_parse(v, &kind) == KVS_OK;
         if (ok) p->kind = kind;
+        want = "full, snapkv, pyramidkv or streamingllm";
     } else if (!strcmp(a, "--kv-budget")) {
         ok = kvs_kv_budget_parse(v, p) == KVS_OK;
+        want = "a fraction of the prompt (0.1 or 10%) or a number of tokens (256)";
     } else if (!strcmp(a, "--kv-full-layers")) {
         ok = parse_int(v, 0, 100000, &p->full_layers);
+        want = "a number of layers, 0 or more";
     } else if (!strcmp(a, "--kv-window")) {
         ok = parse_int(v, 1, 512, &p->window);
+        want = "a number of tokens from 1 to 512";
     } else if (!strcmp(a, "--kv-pool")) {
         ok = parse_int(v, 1, 255, &p->pool) && p->pool % 2 == 1;
+        want = "an odd number from 1 to 255";
     } else if (!strcmp(a, "--kv-pyramid-beta")) {
         char *end;
         p->pyramid_beta = strtof(v, &end);
         ok = end != v && !*end && p->pyramid_beta >= 1 && p->pyramid_beta <= 1000;
+        want = "a number from 1 to 1000";
     } else if (!strcmp(a, "--kv-min-prompt")) {
         ok = parse_int(v, 0, 1 << 30, &p->min_prompt);
+        want = "a number of tokens, 0 or more";
     } else {
         return 0;
     }
     ++*i;
-    if (!ok) fprintf(stderr, "kvsparse: bad value '%s' for %s\n", v, a);
+    if (!ok) fprintf(stderr, "kvsparse: bad value '%s' for %s: expected %s\n", v, a, want);
     return ok ? 1 : -1;
 }
 

@@ -8,11 +8,11 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: kvsparse COMMAND [options]\n"
-            "  generate -m MODEL_DIR (-p TEXT | --prompt-ids 1,2,3) [-n N] [sampling options] [--json]\n"
+            "  generate -m MODEL_DIR (-p TEXT | -f FILE | --prompt-ids 1,2,3) [-n N] [sampling options] [--json]\n"
             "  info     -m MODEL_DIR [--memory GiB]\n"
             "  tokenize -m MODEL_DIR [--special] (TEXT | --decode 1,2,3)\n"
             "  serve    -m MODEL_DIR [--host H] [--port P] [engine and KV policy options]\n"
-            "  eval     retrieval -m MODEL_DIR --data FILE.jsonl [KV policy options] | ppl -m MODEL_DIR --text FILE\n"
+            "  eval     retrieval | multiturn -m MODEL_DIR --data FILE.jsonl [KV policy options] | ppl -m MODEL_DIR --text FILE\n"
             "  bench    model | tokenizer | throughput | serve  (see --help of each)\n"
             "  calibrate -m MODEL_DIR --data FILE.jsonl [--out PROFILE.json] [--plot DIR]\n"
             "  -h, --help     this help\n"

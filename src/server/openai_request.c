@@ -409,6 +409,7 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
             if (json_is_null(v)) continue;
             if (!kvs_api_get_int(v, key, 1, lim->max_model_len, &x, err)) return false;
             r->max_tokens = (int)x;
+            r->max_tokens_param = !strcmp(key, "max_tokens") ? "max_tokens" : "max_completion_tokens";
         } else if (!strcmp(key, "stop")) {
             if (!parse_stop(v, r, err)) return false;
         } else if (!strcmp(key, "n")) {

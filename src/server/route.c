@@ -245,7 +245,7 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
     int max_tokens = r->max_tokens ? r->max_tokens : fallback;
     if (max_tokens > max_len - n) {
         if (r->max_tokens)
-            return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? "max_completion_tokens" : "max_tokens",
+            return kvs_api_fail(err, 400, r->max_tokens_param ? r->max_tokens_param : "max_tokens",
                                 "this model's maximum context length is %d tokens; the prompt has %d and %d were "
                                 "asked for",
                                 max_len, n, max_tokens);

@@ -44,6 +44,7 @@ typedef struct {
     int n_messages;
     kvs_sampling_params sampling;
     int max_tokens;                     /* 0: the default (16 for completions, the rest of the context for chat) */
+    const char *max_tokens_param;       /* the field that set it: max_tokens or max_completion_tokens (errors name it) */
     char *stop[KVS_MAX_STOP_STRINGS];
     int n_stop;
     bool ignore_eos;
