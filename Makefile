@@ -2,6 +2,7 @@
 BUILD   ?= build
 ASAN    ?= build-asan
 FUZZB   ?= build-fuzz
+CUDAB   ?= build-cuda
 JOBS    ?= $(shell nproc)
 MODEL   ?= models/tiny-needle-llama
 PREFIX  ?= /usr/local
@@ -10,7 +11,7 @@ CMAKE_FLAGS ?=
 # cmake --build runs make again: without this every build prints "make[1]: Entering directory"
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all deps configure kvsparse build install run demo test test-asan fuzz-smoke bench eval clean
+.PHONY: all deps configure kvsparse build install run demo test test-quick test-asan fuzz-smoke cuda bench eval clean
 
 all: build
 
@@ -51,6 +52,12 @@ test-asan: deps
 	@cmake --build $(ASAN) -j $(JOBS)
 	ctest --test-dir $(ASAN) --output-on-failure
 
+# the CUDA backend wherever nvcc is, GPU or not (`make build` compiles it only where a GPU
+# driver is): everything in build-cuda/, to carry to a GPU machine (scripts/gpu-check --pack)
+cuda: deps
+	@cmake -S . -B $(CUDAB) -DCMAKE_BUILD_TYPE=Release -DKVS_CUDA=ON >/dev/null
+	@cmake --build $(CUDAB) -j $(JOBS)
+
 fuzz-smoke: deps
 	@CC=clang cmake -S . -B $(FUZZB) -DCMAKE_BUILD_TYPE=Debug -DKVS_FUZZ=ON -DKVS_CUDA=OFF >/dev/null
 	@cmake --build $(FUZZB) -j $(JOBS) --target fuzzers
@@ -71,4 +78,4 @@ eval: kvsparse
 	  --kv-policy snapkv,pyramidkv --kv-budget 10% --kv-full-layers 2 --json | tee out/eval-retrieval-full2.json
 
 clean:
-	rm -rf $(BUILD) $(ASAN) $(FUZZB)
+	rm -rf $(BUILD) $(ASAN) $(FUZZB) $(CUDAB)
