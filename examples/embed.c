@@ -28,7 +28,7 @@ int main(int argc, char **argv) {
     kvsparse_request_init(&r);
     r.prompt = prompt;
     r.chat = 1;        /* through the model's chat template */
-    r.max_tokens = 32; /* greedy by default */
+    r.max_tokens = 32; /* sampling: the model's defaults (this one's generation_config.json: greedy) */
     kvsparse_stream *s;
     if (kvsparse_submit_stream(e, &r, &s) != KVSPARSE_OK) {
         fprintf(stderr, "kvsparse_submit_stream: %s\n", kvsparse_last_error());

@@ -26,9 +26,9 @@ typedef struct {
     int port;
 } server_proc;
 
-/* Starts `kvsparse serve` on a free port with extra options; env ("K=V" or
- * NULL) is set in its environment. */
-static inline server_proc start_server_env(const char *extra, const char *env) {
+/* Starts `kvsparse serve` on model_dir (NULL: the bundled tiny model) on a
+ * free port with extra options; env ("K=V" or NULL) is set in its environment. */
+static inline server_proc start_server_on(const char *model_dir, const char *extra, const char *env) {
     int fds[2];
     cr_assert_eq(pipe(fds), 0);
     pid_t pid = fork();
@@ -39,7 +39,7 @@ static inline server_proc start_server_env(const char *extra, const char *env) {
         close(fds[1]);
         char cmd[2048];
         snprintf(cmd, sizeof cmd, "exec '%s' serve -m '%s' --port 0 --threads 2 %s 2>>/tmp/kvs_test_server.log",
-                 kvsparse_binary(), src_path("models/tiny-needle-llama"), extra ? extra : "");
+                 kvsparse_binary(), model_dir ? model_dir : src_path("models/tiny-needle-llama"), extra ? extra : "");
         setenv("OMP_WAIT_POLICY", "passive", 1);
         if (env) putenv((char *)env);
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
@@ -61,7 +61,8 @@ static inline server_proc start_server_env(const char *extra, const char *env) {
     return s;
 }
 
-static inline server_proc start_server(const char *extra) { return start_server_env(extra, NULL); }
+static inline server_proc start_server_env(const char *extra, const char *env) { return start_server_on(NULL, extra, env); }
+static inline server_proc start_server(const char *extra) { return start_server_on(NULL, extra, NULL); }
 
 static inline int stop_server(server_proc *s) {
     kill(s->pid, SIGTERM);

@@ -151,6 +151,28 @@ int kvs_cli_prefix_caching_option(bool *enable, const char *arg) {
     return 1;
 }
 
+int kvs_cli_generation_option(bool *none, int argc, char **argv, int *i) {
+    if (strcmp(argv[*i], "--generation-config")) return 0;
+    if (*i + 1 >= argc) return -1;
+    const char *v = argv[++*i];
+    if (strcmp(v, "auto") && strcmp(v, "none")) {
+        fprintf(stderr, "kvsparse: --generation-config %s: not auto or none\n", v);
+        return -1;
+    }
+    *none = !strcmp(v, "none");
+    return 1;
+}
+
+kvs_status kvs_cli_generation_config(const kvs_load_options *o, bool none, kvs_generation_config *g) {
+    memset(g, 0, sizeof *g);
+    if (none || !o->model_dir) return KVS_OK;
+    kvs_status st = kvs_generation_config_load(o->model_dir, g);
+    if (st == KVS_OK) return KVS_OK;
+    char why[600];
+    snprintf(why, sizeof why, "%s", kvs_last_error());
+    return kvs_fail(st, "%s (--generation-config none leaves the file's sampling fields out)", why);
+}
+
 /* The CUDA backend's options for GPU device: KVSPARSE_FP8_GEMM (a benchmarking
  * knob, docs/CUDA.md "FP8") picks matmul_fp8's scaling mode: outer_fast, outer,
  * epilogue_fast or epilogue (unset: auto). */

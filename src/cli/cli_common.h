@@ -97,6 +97,19 @@ int kvs_cli_prefix_caching_option(bool *enable, const char *arg);
     "  --enable-prefix-caching  reuse the cached KV of prompt prefixes across requests (default)\n" \
     "  --no-enable-prefix-caching  prefill every prompt in full, cache nothing\n"
 
+/* --generation-config auto|none (the commands whose requests have defaults:
+ * serve, generate) at argv[*i]: *none true for none. Same contract as
+ * kvs_cli_load_option (1, 0, -1). */
+int kvs_cli_generation_option(bool *none, int argc, char **argv, int *i);
+#define KVS_CLI_GENERATION_HELP                                                                 \
+    "  --generation-config G  auto (default): a request's defaults (temperature, top_p, top_k, min_p,\n" \
+    "                         repetition_penalty, max tokens) from the model's generation_config.json\n" \
+    "                         (do_sample false: greedy); none: the built-in ones; values set win\n"
+/* The sampling fields of the model folder's generation_config.json (none, or
+ * no folder: none set); a bad field fails naming the file and the field. */
+kvs_status kvs_cli_generation_config(const kvs_load_options *o, bool none, kvs_generation_config *g);
+
+
 /* The KV pool's size options of serve and bench throughput. */
 typedef struct {
     double kv_gib;   /* --kv-memory GiB: the pool itself (per rank) */

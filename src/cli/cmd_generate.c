@@ -12,8 +12,11 @@ typedef struct {
     kvs_load_options load;
     const char *prompt, *prompt_file, *prompt_ids;
     bool chat, json;
-    int max_new;
-    kvs_sampling_params sp;
+    kvs_generation_config set; /* the sampling options given: over the model's defaults */
+    bool generation_none;      /* --generation-config none */
+    uint64_t seed;
+    int max_new;               /* resolved: what -n says, else the model's default, else 64 */
+    kvs_sampling_params sp;    /* resolved (resolve_sampling) */
     int32_t stop_ids[16];
     int n_stop_ids;
     bool ignore_eos;
@@ -25,16 +28,19 @@ static void usage(FILE *f) {
                "  -p, --prompt TEXT      the prompt\n"
                "  -f, --prompt-file FILE  the prompt is FILE's text as it is (a long one, or one ending in a newline)\n"
                "  --prompt-ids 1,2,3     the prompt as token ids (a model without tokenizer.json)\n"
-               "  -n, --max-tokens N     tokens to generate (default 64)\n"
+               "  -n, --max-tokens N     tokens to generate (default: the model's max_new_tokens, else 64)\n"
                "  --chat                 wrap the prompt as a user message with the chat template\n"
-               "  --temperature T        0 = greedy (default)\n"
-               "  --top-k K              sample among the K most likely tokens (default 0 = all)\n"
-               "  --top-p P              among the most likely tokens of total probability P (default 1 = all)\n"
-               "  --min-p P              drop tokens less likely than P x the most likely (default 0 = none)\n"
+               "  --temperature T        0 = greedy (default: the model's, else 0)\n"
+               "  --top-k K              sample among the K most likely tokens (default: the model's, else 0 = all)\n"
+               "  --top-p P              among the most likely tokens of total probability P (default: the\n"
+               "                         model's, else 1 = all)\n"
+               "  --min-p P              drop tokens less likely than P x the most likely (default: the model's,\n"
+               "                         else 0 = none)\n"
                "  --seed S               the sampling seed (default 0)\n"
                "  --stop-ids 1,2         extra stop token ids\n"
                "  --ignore-eos           do not stop at the model's end-of-sequence tokens\n"
-               "  --json                 print one JSON object instead of streaming text\n" KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
+               "  --json                 print one JSON object instead of streaming text\n"
+               KVS_CLI_GENERATION_HELP KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "Text prompts are the operator's: special-token text in them becomes control tokens.\n");
 }
 
@@ -46,14 +52,13 @@ static bool parse_float(const char *s, float *out) {
 
 static int parse_args(int argc, char **argv, gen_options *o) {
     memset(o, 0, sizeof *o);
-    o->max_new = 64;
-    o->sp = kvs_sampling_default();
     o->policy = kvs_kv_policy_default(KVS_POLICY_FULL);
     o->load.allow_tp = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
         if (r == 0) r = kvs_cli_policy_option(&o->policy, &o->load.kv_profile, argc, argv, &i);
+        if (r == 0) r = kvs_cli_generation_option(&o->generation_none, argc, argv, &i);
         if (r < 0) goto bad;
         if (r > 0) continue;
         bool v = i + 1 < argc;
@@ -65,13 +70,22 @@ static int parse_args(int argc, char **argv, gen_options *o) {
         else if ((!strcmp(a, "-f") || !strcmp(a, "--prompt-file")) && v) o->prompt_file = argv[++i];
         else if (!strcmp(a, "--prompt-ids") && v) o->prompt_ids = argv[++i];
         else if ((!strcmp(a, "-n") || !strcmp(a, "--max-tokens")) && v) {
-            o->max_new = atoi(argv[++i]);
-            if (o->max_new <= 0) goto bad;
-        } else if (!strcmp(a, "--temperature") && v) { if (!parse_float(argv[++i], &o->sp.temperature)) goto bad; }
-        else if (!strcmp(a, "--top-p") && v) { if (!parse_float(argv[++i], &o->sp.top_p)) goto bad; }
-        else if (!strcmp(a, "--min-p") && v) { if (!parse_float(argv[++i], &o->sp.min_p)) goto bad; }
-        else if (!strcmp(a, "--top-k") && v) o->sp.top_k = atoi(argv[++i]);
-        else if (!strcmp(a, "--seed") && v) o->sp.seed = strtoull(argv[++i], NULL, 10);
+            o->set.max_new_tokens = atoi(argv[++i]);
+            if (o->set.max_new_tokens <= 0) goto bad;
+            o->set.has_max_new_tokens = true;
+        } else if (!strcmp(a, "--temperature") && v) {
+            if (!parse_float(argv[++i], &o->set.temperature)) goto bad;
+            o->set.has_temperature = true;
+        } else if (!strcmp(a, "--top-p") && v) {
+            if (!parse_float(argv[++i], &o->set.top_p)) goto bad;
+            o->set.has_top_p = true;
+        } else if (!strcmp(a, "--min-p") && v) {
+            if (!parse_float(argv[++i], &o->set.min_p)) goto bad;
+            o->set.has_min_p = true;
+        } else if (!strcmp(a, "--top-k") && v) {
+            o->set.top_k = atoi(argv[++i]);
+            o->set.has_top_k = true;
+        } else if (!strcmp(a, "--seed") && v) o->seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(a, "--stop-ids") && v) {
             int32_t *ids;
             int n;
@@ -91,6 +105,21 @@ static int parse_args(int argc, char **argv, gen_options *o) {
         return 2;
     }
     return -1; /* go on */
+}
+
+/* The sampling and max tokens: the built-in ones (greedy, 64), the model's
+ * generation_config.json over them (--generation-config auto), the options
+ * given over both. */
+static kvs_status resolve_sampling(gen_options *o) {
+    kvs_generation_config file;
+    KVS_TRY(kvs_cli_generation_config(&o->load, o->generation_none, &file));
+    o->sp = kvs_sampling_default();
+    o->max_new = 64;
+    kvs_sampling_apply(&file, &o->sp, &o->max_new);
+    kvs_sampling_apply(&o->set, &o->sp, &o->max_new);
+    o->sp.seed = o->seed;
+    o->sp.has_seed = true; /* --seed S, else 0: generate repeats itself */
+    return KVS_OK;
 }
 
 /* Turns the options' prompt into ids. */
@@ -181,6 +210,8 @@ static void on_output_ids(void *user, const kvs_request_output *out) {
 /* One request through the engine, the server's path: the same sampler, the
  * same stop rules. The whole prompt is one prefill step. */
 static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt, int n_prompt, gen_result *r) {
+    int max_new = o->max_new, room = kvs_runner_limits(l->runner).max_len - n_prompt;
+    if (!o->set.has_max_new_tokens && max_new > room && room > 0) max_new = room; /* a default: capped by the context */
     kvs_engine_config c = kvs_engine_config_default();
     c.max_num_seqs = 1;
     /* the whole prompt one prefill step, within the step buffers the model was made for */
@@ -188,12 +219,10 @@ static kvs_status run(const gen_options *o, kvs_loaded *l, const int32_t *prompt
     c.max_num_batched_tokens = n_prompt < step_cap ? n_prompt : step_cap;
     c.max_waiting = 1;
     c.default_policy = o->policy;
-    c.kv_memory_bytes = kvs_cli_kv_bytes_for(l, &o->policy, c.enable_prefix_caching, n_prompt, o->max_new, 1);
-    kvs_sampling_params sp = o->sp;
-    sp.has_seed = true; /* --seed S, else 0: generate repeats itself */
-    kvs_request_params p = {.prompt_ids = prompt, .n_prompt = n_prompt, .sampling = sp, .max_tokens = o->max_new,
+    c.kv_memory_bytes = kvs_cli_kv_bytes_for(l, &o->policy, c.enable_prefix_caching, n_prompt, max_new, 1);
+    kvs_request_params p = {.prompt_ids = prompt, .n_prompt = n_prompt, .sampling = o->sp, .max_tokens = max_new,
                             .stop_ids = o->stop_ids, .n_stop_ids = o->n_stop_ids, .ignore_eos = o->ignore_eos};
-    r->ids = malloc(sizeof(int32_t) * o->max_new);
+    r->ids = malloc(sizeof(int32_t) * max_new);
     r->stream = !o->json;
     if (!r->ids) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
     kvs_engine *e;
@@ -243,6 +272,7 @@ int kvs_cmd_generate(int argc, char **argv) {
     gen_options o;
     int rc = parse_args(argc, argv, &o);
     if (rc >= 0) return rc;
+    if (resolve_sampling(&o) != KVS_OK) return kvs_cli_error();
     if (kvs_sampling_validate(&o.sp) != KVS_OK) { /* before the model loads: a usage error */
         fprintf(stderr, "kvsparse generate: %s\n", kvs_last_error());
         return 2;

@@ -38,6 +38,9 @@ typedef struct {
     kvs_cli_memory mem;
     int drain_timeout_s;
     const char *api_key_file;
+    bool generation_none;          /* --generation-config none */
+    kvs_generation_config gen;     /* the model's generation_config.json (auto) */
+    kvs_sampling_params sampling;  /* a request's defaults: OpenAI's under gen */
 } serve_options;
 
 static void usage(FILE *f) {
@@ -57,8 +60,8 @@ static void usage(FILE *f) {
                "                            requests share them only with an equal cache_salt)\n"
                "  --no-enable-prefix-caching  prefill every prompt in full, cache nothing\n"
                "  --max-body-bytes N        request body limit (default 4 MiB; more gets 413)\n"
-               "  --max-tokens-default N    a request without max_tokens generates at most N tokens (default:\n"
-               "                            completions 16, chat the rest of the context, as OpenAI)\n"
+               "  --max-tokens-default N    a request without max_tokens generates at most N tokens (default: the\n"
+               "                            model's max_new_tokens, else completions 16, chat the rest of the context)\n"
                "  --http-timeout S          close a connection that makes no progress for S seconds: an idle or\n"
                "                            slow client, or one that stops reading its response (default 60)\n"
                "  --max-connections-per-ip N  open connections one client address may hold; more are refused\n"
@@ -69,7 +72,7 @@ static void usage(FILE *f) {
                "  --tool-call-parser NAME   how outputs of requests with tools are read for calls: llama3_json,\n"
                "                            hermes, none, or auto (default: from the chat template)\n"
                "  --no-web-ui               no chat page at GET / (default: served; it asks for the API key)\n"
-               KVS_CLI_MEMORY_HELP KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
+               KVS_CLI_MEMORY_HELP KVS_CLI_GENERATION_HELP KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "The API is described in docs/SERVING.md.\n");
 }
 
@@ -95,6 +98,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         if (r == 0) r = kvs_cli_policy_option(&o->ecfg.default_policy, &o->load.kv_profile, argc, argv, &i);
         if (r == 0) r = kvs_cli_prefix_caching_option(&o->ecfg.enable_prefix_caching, a);
         if (r == 0) r = kvs_cli_memory_option(&o->mem, argc, argv, &i);
+        if (r == 0) r = kvs_cli_generation_option(&o->generation_none, argc, argv, &i);
         if (r < 0) goto bad;
         if (r > 0) continue;
         bool v = i + 1 < argc;
@@ -197,6 +201,30 @@ static bool resolve_api_key(serve_options *o, char **owned) {
     return true;
 }
 
+/* A request's defaults: OpenAI's, with the model's generation_config.json
+ * over them (--generation-config auto); --max-tokens-default over its
+ * max_new_tokens. What a request sets wins over all. */
+static kvs_status request_defaults(serve_options *o) {
+    KVS_TRY(kvs_cli_generation_config(&o->load, o->generation_none, &o->gen));
+    o->sampling = kvs_api_sampling_default();
+    int max_tokens = 0;
+    kvs_sampling_apply(&o->gen, &o->sampling, &max_tokens);
+    if (!o->scfg.max_tokens_default) o->scfg.max_tokens_default = max_tokens;
+    o->scfg.sampling_defaults = &o->sampling;
+    return KVS_OK;
+}
+
+static void log_request_defaults(const serve_options *o) {
+    char sampling[192], max_tokens[80];
+    kvs_sampling_describe(&o->sampling, sampling, sizeof sampling);
+    if (o->scfg.max_tokens_default) snprintf(max_tokens, sizeof max_tokens, "%d", o->scfg.max_tokens_default);
+    else snprintf(max_tokens, sizeof max_tokens, "16 (completions) or the rest of the context (chat)");
+    const char *from = kvs_generation_config_any(&o->gen)
+                           ? "from the model's generation_config.json; --generation-config none for the built-in ones"
+                           : o->generation_none ? "built-in: --generation-config none" : "built-in";
+    kvs_log(KVS_LOG_INFO, "request defaults: %s, max_tokens %s (%s)", sampling, max_tokens, from);
+}
+
 /* Sleeps until a signal arrives or the engine fails (then its reason in failure). */
 static void wait_for_stop(kvs_engine *e, char *failure, size_t cap) {
     for (;;) {
@@ -217,6 +245,10 @@ int kvs_cmd_serve(int argc, char **argv) {
     if (rc >= 0) return rc;
     char *key = NULL;
     if (!resolve_api_key(&o, &key)) return 2;
+    if (request_defaults(&o) != KVS_OK) {
+        free(key);
+        return kvs_cli_error();
+    }
     kvs_loaded l;
     o.load.limits = (kvs_model_limits){o.ecfg.max_num_batched_tokens, o.ecfg.max_num_seqs, o.ecfg.max_model_len, 0};
     if (kvs_cli_load(&o.load, &l) != KVS_OK) {
@@ -255,6 +287,7 @@ int kvs_cmd_serve(int argc, char **argv) {
         return kvs_cli_error();
     }
     kvs_cli_log_capacity(&l, &o.ecfg, kvs_engine_get_limits(e).max_model_len);
+    log_request_defaults(&o);
     const char *host = o.scfg.host;
     bool v6 = strchr(host, ':') != NULL;
     printf("kvsparse: serving '%s' at http://%s%s%s:%d/v1 (port %d)\n", o.scfg.served_model_name, v6 ? "[" : "", host,

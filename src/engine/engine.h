@@ -30,6 +30,15 @@ kvs_sampling_params kvs_sampling_default(void); /* greedy */
  * The engine samples on the backend (kvs_model_forward_sample,
  * backend/sample.h): a counter-based draw per (seed, generated-token index). */
 kvs_status kvs_sampling_validate(const kvs_sampling_params *p);
+/* Layers a request's defaults: the fields g sets replace those of *sp and its
+ * max_new_tokens *max_tokens (max_tokens NULL: not wanted). Applied to the
+ * built-in defaults, then the model's generation_config.json
+ * (--generation-config auto), then what the request itself sets, the last to
+ * set a field wins. */
+void kvs_sampling_apply(const kvs_generation_config *g, kvs_sampling_params *sp, int *max_tokens);
+/* "temperature 0.6, top_p 0.9": the temperature ("0 (greedy)"), then the
+ * filters and the repetition penalty that are on, into buf. */
+void kvs_sampling_describe(const kvs_sampling_params *p, char *buf, size_t cap);
 
 /* ---- the engine: continuous batching over one model ------------------------
  * Requests are submitted from any thread; one engine thread runs steps:

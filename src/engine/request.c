@@ -1,5 +1,6 @@
 /* engine: one request's state, validation, stop conditions and streamed text. */
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,36 @@ kvs_status kvs_sampling_validate(const kvs_sampling_params *p) {
         return kvs_fail(KVS_ERR_INVALID, "repetition_penalty must be in (0, 100] (1 disables it; got %g)",
                         p->repetition_penalty);
     return KVS_OK;
+}
+
+void kvs_sampling_apply(const kvs_generation_config *g, kvs_sampling_params *sp, int *max_tokens) {
+    if (g->has_temperature) sp->temperature = g->temperature;
+    if (g->has_top_p) sp->top_p = g->top_p;
+    if (g->has_top_k) sp->top_k = g->top_k;
+    if (g->has_min_p) sp->min_p = g->min_p;
+    if (g->has_repetition_penalty) sp->repetition_penalty = g->repetition_penalty;
+    if (g->has_max_new_tokens && max_tokens) *max_tokens = g->max_new_tokens;
+}
+
+/* Appends to buf at *n, clamped to its capacity. */
+static void append(char *buf, size_t cap, size_t *n, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void append(char *buf, size_t cap, size_t *n, const char *fmt, ...) {
+    if (*n + 1 >= cap) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(buf + *n, cap - *n, fmt, ap);
+    va_end(ap);
+    if (k > 0) *n = *n + (size_t)k < cap ? *n + (size_t)k : cap - 1;
+}
+
+void kvs_sampling_describe(const kvs_sampling_params *p, char *buf, size_t cap) {
+    size_t n = 0;
+    if (cap) buf[0] = 0;
+    append(buf, cap, &n, "temperature %g%s", p->temperature, p->temperature == 0 ? " (greedy)" : "");
+    if (p->temperature > 0 && p->top_p < 1) append(buf, cap, &n, ", top_p %g", p->top_p);
+    if (p->temperature > 0 && p->top_k > 0) append(buf, cap, &n, ", top_k %d", p->top_k);
+    if (p->temperature > 0 && p->min_p > 0) append(buf, cap, &n, ", min_p %g", p->min_p);
+    if (p->repetition_penalty != 1) append(buf, cap, &n, ", repetition_penalty %g", p->repetition_penalty); /* greedy too */
 }
 
 static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {

@@ -57,6 +57,11 @@ static kvs_status load(const char *model_dir, const kvsparse_options *o, kvspars
     if (o->kv_memory_gib < 0 || o->max_num_seqs < 0 || o->max_model_len < 0 || o->threads < 0)
         return kvs_fail(KVS_ERR_INVALID, "options: kv_memory_gib, max_num_seqs, max_model_len and threads must be >= 0");
     KVS_TRY(kvs_config_load(model_dir, &e->cfg));
+    kvs_generation_config g;
+    KVS_TRY(kvs_generation_config_load(model_dir, &g));
+    e->sampling = kvs_sampling_default();
+    e->max_tokens = 64;
+    kvs_sampling_apply(&g, &e->sampling, &e->max_tokens);
     kvs_engine_config c = kvs_engine_config_default();
     KVS_TRY(policy_from(o, e->cfg.n_layers, &c.default_policy));
     KVS_TRY(kvs_checkpoint_open(model_dir, &e->cfg, &e->ck));

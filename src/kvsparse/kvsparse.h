@@ -82,15 +82,23 @@ kvsparse_status kvsparse_create(const char *model_dir, const kvsparse_options *o
  * Streams still open must be closed before. */
 void kvsparse_destroy(kvsparse_engine *e);
 
-/* ---- requests --------------------------------------------------------------- */
+/* ---- requests ---------------------------------------------------------------
+ * max_tokens, temperature, top_p and top_k left at KVSPARSE_MODEL_DEFAULT (what
+ * kvsparse_request_init sets; any negative value) take the model's default: the
+ * field of its generation_config.json (do_sample false: temperature 0, greedy;
+ * max_new_tokens for max_tokens), else the built-in one in brackets below. The
+ * file's min_p and repetition_penalty, when it sets them, apply to every
+ * request. serve and generate read the file the same way (docs/SERVING.md
+ * "Request defaults"). */
+#define KVSPARSE_MODEL_DEFAULT (-1)
 typedef struct {
     const char *prompt;        /* UTF-8 text (copied) */
     int chat;                  /* nonzero: prompt is a user message, rendered with the model's chat template */
     const char *system;        /* chat: a system message before it (NULL: none) */
-    int max_tokens;            /* tokens to generate at most (default 64) */
-    float temperature;         /* 0: greedy (default) */
-    float top_p;               /* 1: off (default) */
-    int top_k;                 /* 0: off (default) */
+    int max_tokens;            /* tokens to generate at most, >= 1 (64; the default is capped by the context) */
+    float temperature;         /* 0: greedy (0) */
+    float top_p;               /* in (0, 1] (1: off) */
+    int top_k;                 /* 0: off (0) */
     uint64_t seed;             /* the sampling seed (default 0) */
     int ignore_eos;            /* nonzero: generate exactly max_tokens tokens */
 } kvsparse_request;

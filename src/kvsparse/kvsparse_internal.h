@@ -18,6 +18,9 @@ struct kvsparse_engine {
     kvs_tokenizer *tok;
     kvs_chat_template *tpl; /* the model's chat template (or the default one) */
     kvs_engine *engine;
+    /* a request's defaults: the built-in ones under the model's generation_config.json */
+    kvs_sampling_params sampling;
+    int max_tokens;
 };
 
 /* A kvs_status as the public enum (same values; OK stays 0). */

@@ -8,8 +8,27 @@
 
 void kvsparse_request_init(kvsparse_request *r) {
     memset(r, 0, sizeof *r);
-    r->max_tokens = 64;
-    r->top_p = 1;
+    r->max_tokens = r->top_k = KVSPARSE_MODEL_DEFAULT;
+    r->temperature = r->top_p = KVSPARSE_MODEL_DEFAULT;
+}
+
+/* The request's sampling and max tokens: what it sets over the engine's
+ * defaults (a NaN counts as set: the engine refuses it). A default max tokens
+ * is capped by the context left after the prompt's n tokens. */
+static void sampling_of(const kvsparse_engine *e, const kvsparse_request *r, int n, kvs_sampling_params *sp,
+                        int *max_tokens) {
+    kvs_generation_config set = {
+        .has_temperature = !(r->temperature < 0), .temperature = r->temperature,
+        .has_top_p = !(r->top_p < 0), .top_p = r->top_p,
+        .has_top_k = r->top_k >= 0, .top_k = r->top_k,
+        .has_max_new_tokens = r->max_tokens >= 0, .max_new_tokens = r->max_tokens};
+    *sp = e->sampling;
+    *max_tokens = e->max_tokens;
+    kvs_sampling_apply(&set, sp, max_tokens);
+    int room = kvs_engine_get_limits(e->engine).max_model_len - n;
+    if (!set.has_max_new_tokens && *max_tokens > room && room > 0) *max_tokens = room;
+    sp->seed = r->seed;
+    sp->has_seed = true;
 }
 
 /* The request's prompt ids: its text, or a chat (system, user) through the template. */
@@ -48,17 +67,14 @@ static void on_push(void *user, const kvs_request_output *o) {
 
 static kvs_status submit(kvsparse_engine *e, const kvsparse_request *r, kvs_output_fn fn, void *user, uint64_t *id) {
     if (!e || !r) return kvs_fail(KVS_ERR_INVALID, "kvsparse_submit: engine or request is NULL");
-    if (r->max_tokens <= 0) return kvs_fail(KVS_ERR_INVALID, "request: max_tokens must be >= 1, got %d", r->max_tokens);
+    if (r->max_tokens == 0) return kvs_fail(KVS_ERR_INVALID, "request: max_tokens must be >= 1, got 0");
     int32_t *ids = NULL;
     int n = 0;
     KVS_TRY(encode(e, r, &ids, &n));
-    kvs_sampling_params sp = kvs_sampling_default();
-    sp.temperature = r->temperature;
-    sp.top_p = r->top_p;
-    sp.top_k = r->top_k;
-    sp.seed = r->seed;
-    sp.has_seed = true;
-    kvs_request_params p = {.prompt_ids = ids, .n_prompt = n, .sampling = sp, .max_tokens = r->max_tokens,
+    kvs_sampling_params sp;
+    int max_tokens;
+    sampling_of(e, r, n, &sp, &max_tokens);
+    kvs_request_params p = {.prompt_ids = ids, .n_prompt = n, .sampling = sp, .max_tokens = max_tokens,
                             .ignore_eos = r->ignore_eos != 0};
     kvs_status st = kvs_engine_submit(e->engine, &p, fn, user, id);
     free(ids);

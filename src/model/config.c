@@ -333,7 +333,7 @@ static kvs_status parse_root(const json_t *root, const char *name, kvs_config *c
     return parse_dtype(root, name, cfg);
 }
 
-static kvs_status load_json(const char *text, size_t len, const char *name, json_t **out) {
+kvs_status kvs_config_json_load(const char *text, size_t len, const char *name, json_t **out) {
     json_error_t err;
     *out = json_loadb(text, len, JSON_REJECT_DUPLICATES, &err);
     if (!*out)
@@ -346,7 +346,7 @@ kvs_status kvs_config_parse(const char *json_text, size_t len, const char *name,
     if (!json_text || !cfg) return kvs_fail(KVS_ERR_INVALID, "%s: no config text", name);
     memset(cfg, 0, sizeof *cfg);
     json_t *root;
-    KVS_TRY(load_json(json_text, len, name, &root));
+    KVS_TRY(kvs_config_json_load(json_text, len, name, &root));
     kvs_status s = parse_root(root, name, cfg);
     json_decref(root);
     return s;
@@ -356,7 +356,7 @@ kvs_status kvs_config_parse(const char *json_text, size_t len, const char *name,
 static kvs_status merge_generation_config(const char *text, size_t len, kvs_config *cfg) {
     const char *name = "generation_config.json";
     json_t *root;
-    KVS_TRY(load_json(text, len, name, &root));
+    KVS_TRY(kvs_config_json_load(text, len, name, &root));
     kvs_status s = KVS_OK;
     if (!json_is_object(root)) s = kvs_fail(KVS_ERR_FORMAT, "%s: expected a JSON object", name);
     if (s == KVS_OK) s = get_bos(root, name, cfg);

@@ -75,6 +75,31 @@ int64_t kvs_config_param_count(const kvs_config *cfg);
  * untied embedding table (read one row per token, not whole). */
 double kvs_config_weight_bytes(const kvs_config *cfg, kvs_dtype weight_dtype, bool include_embed);
 
+/* ---- generation_config.json: a request's defaults --------------------------
+ * The sampling fields of a checkpoint's generation_config.json (transformers'
+ * GenerationConfig), each with its has_ flag (false: the file leaves it out or
+ * null). do_sample false sets temperature 0 (greedy), as transformers
+ * generates; do_sample true without a temperature sets transformers' 1; no
+ * do_sample takes the file's temperature, if any (as vLLM). max_length (prompt
+ * included) is not read, as vLLM. */
+typedef struct {
+    bool has_temperature, has_top_p, has_top_k, has_min_p, has_repetition_penalty, has_max_new_tokens;
+    float temperature;        /* >= 0 */
+    float top_p;              /* in (0, 1] */
+    int top_k;                /* >= 0 (0: off) */
+    float min_p;              /* in [0, 1] */
+    float repetition_penalty; /* in (0, 100] */
+    int max_new_tokens;       /* > 0 */
+} kvs_generation_config;
+
+/* Parses generation_config.json text; a field of the wrong type or out of its
+ * range fails, naming name (the file) and the field. */
+kvs_status kvs_generation_config_parse(const char *json_text, size_t len, const char *name, kvs_generation_config *g);
+/* model_dir/generation_config.json's fields (none set when there is no such file). */
+kvs_status kvs_generation_config_load(const char *model_dir, kvs_generation_config *g);
+/* Whether the file set any field. */
+bool kvs_generation_config_any(const kvs_generation_config *g);
+
 /* ---- weights ---------------------------------------------------------------- */
 typedef enum {
     KVS_W_EMBED, KVS_W_FINAL_NORM, KVS_W_LM_HEAD,                 /* global (layer -1) */

@@ -8,6 +8,8 @@
 /* config.json's quantization_config into out (quant_config.c); no field: none. */
 struct json_t;
 kvs_status kvs_quant_config_parse(const struct json_t *root, const char *name, kvs_ckpt_quant *out);
+/* JSON text (duplicate keys refused) into *out; a failure names name, the line and column. */
+kvs_status kvs_config_json_load(const char *text, size_t len, const char *name, struct json_t **out);
 
 typedef struct {
     void *attn_norm;

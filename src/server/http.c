@@ -241,6 +241,9 @@ kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, c
         s->limits.n_layers = el.n_layers;
         s->limits.kv_profile = kvs_engine_default_policy(engine).profile; /* serve --kv-profile */
     }
+    s->sampling = cfg->sampling_defaults ? *cfg->sampling_defaults : kvs_api_sampling_default();
+    s->limits.sampling = &s->sampling;
+    s->cfg.sampling_defaults = &s->sampling;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->slot_mu, NULL);

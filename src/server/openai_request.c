@@ -479,13 +479,18 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
     return check_sampling(&r->sampling, err); /* the prompt's length against the context: route.c */
 }
 
+kvs_sampling_params kvs_api_sampling_default(void) {
+    kvs_sampling_params p = kvs_sampling_default();
+    p.temperature = 1.0f;
+    return p;
+}
+
 bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, const kvs_api_limits *lim,
                            kvs_api_request *r, kvs_api_error *err) {
     memset(r, 0, sizeof *r);
     memset(err, 0, sizeof *err);
     r->kind = kind;
-    r->sampling = kvs_sampling_default();
-    r->sampling.temperature = 1.0f; /* OpenAI's default */
+    r->sampling = lim->sampling ? *lim->sampling : kvs_api_sampling_default(); /* what the request sets wins */
     kvs_api_tools_defaults(r);
     json_error_t jerr;
     json_t *root = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &jerr);

@@ -28,7 +28,11 @@ typedef struct {
     int max_model_len; /* context limit: prompt + max_tokens */
     int n_layers;      /* for kv_policy validation */
     const kvs_kv_profile *kv_profile; /* every kv_policy's budget profile (the server's --kv-profile; NULL: none) */
+    const kvs_sampling_params *sampling; /* a request's defaults for what it leaves out (NULL: kvs_api_sampling_default) */
 } kvs_api_limits;
+
+/* OpenAI's defaults: temperature 1, the filters and penalties off. */
+kvs_sampling_params kvs_api_sampling_default(void);
 
 /* tool_choice (tools_json.c) */
 typedef enum { KVS_TOOL_CHOICE_AUTO, KVS_TOOL_CHOICE_NONE, KVS_TOOL_CHOICE_REQUIRED, KVS_TOOL_CHOICE_FUNCTION } kvs_tool_choice;
@@ -100,7 +104,10 @@ typedef struct {
     int max_preparing;             /* requests parsed and tokenized at once (0: 8); more wait, then 429 */
     const char *tool_call_parser;  /* "llama3_json", "hermes", "none"; NULL or "auto": from the chat template */
     int max_tokens_default;        /* a request without max_tokens: at most this many (0: completions 16,
-                                      chat the rest of the context) */
+                                      chat the rest of the context); capped by the context */
+    /* a request's sampling defaults for the parameters it leaves out (serve: the model's
+       generation_config.json over kvs_api_sampling_default); NULL: kvs_api_sampling_default */
+    const kvs_sampling_params *sampling_defaults;
     bool no_web_ui;                /* GET / is 404 instead of the chat page */
 } kvs_server_config;
 

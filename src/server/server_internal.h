@@ -169,6 +169,7 @@ struct kvs_server {
     kvs_chat_template *tpl;
     kvs_tool_format tool_format; /* how outputs with tools are parsed (--tool-call-parser or the template) */
     kvs_api_limits limits;
+    kvs_sampling_params sampling; /* a request's defaults (cfg.sampling_defaults' copy; limits point here) */
     struct MHD_Daemon *daemon;
     int port;
     long long started;
