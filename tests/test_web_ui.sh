@@ -2,7 +2,8 @@
 # The chat page of `kvsparse serve` (GET /) in headless Chromium, driven by the
 # pinned puppeteer-core (tests/web/chat.mjs) on the bundled model with an API
 # key: the page asks for the key, sends a message with a sparse kv_policy, and
-# the streamed answer and its KV panel show; the screenshot is saved as
+# the streamed answer and its KV panel show; the latest panel stays in view
+# (1280x800 and 1280x600); Stop and New chat work; the screenshot is saved as
 # $KVS_SCREENSHOT (default: web-ui.png in the build folder; docs/img/web-ui.png
 # is one). Chromium comes from Debian (scripts/install-browser); skipped (77)
 # only when it or the npm package cannot be had here.
