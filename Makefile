@@ -45,12 +45,16 @@ demo: kvsparse
 	  -p "The access code for Marigold is 48213. The sky was grey over the harbour. What is the access code for Marigold?"
 
 test: build
-	ctest --test-dir $(BUILD) --output-on-failure
+	ctest --test-dir $(BUILD) --output-on-failure -LE subset
+
+# every module in a few minutes (a contributor's edit-test loop; CMakeLists.txt says what it leaves out)
+test-quick: build
+	ctest --test-dir $(BUILD) --output-on-failure -L quick
 
 test-asan: deps
 	@cmake -S . -B $(ASAN) -DCMAKE_BUILD_TYPE=Debug -DKVS_SANITIZE=ON -DKVS_CUDA=OFF >/dev/null
 	@cmake --build $(ASAN) -j $(JOBS)
-	ctest --test-dir $(ASAN) --output-on-failure
+	ctest --test-dir $(ASAN) --output-on-failure -LE subset
 
 # the CUDA backend wherever nvcc is, GPU or not (`make build` compiles it only where a GPU
 # driver is): everything in build-cuda/, to carry to a GPU machine (scripts/gpu-check --pack)
