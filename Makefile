@@ -57,10 +57,11 @@ test-asan: deps
 	ctest --test-dir $(ASAN) --output-on-failure -LE subset
 
 # the CUDA backend wherever nvcc is, GPU or not (`make build` compiles it only where a GPU
-# driver is): everything in build-cuda/, to carry to a GPU machine (scripts/gpu-check --pack)
+# driver is): kvsparse, test_cuda and kvs_bench_kernels in build-cuda/, to carry to a GPU
+# machine (scripts/gpu-check --pack, scripts/gpu-e2e --pack)
 cuda: deps
 	@cmake -S . -B $(CUDAB) -DCMAKE_BUILD_TYPE=Release -DKVS_CUDA=ON >/dev/null
-	@cmake --build $(CUDAB) -j $(JOBS)
+	@cmake --build $(CUDAB) -j $(JOBS) --target kvsparse test_cuda kvs_bench_kernels
 
 fuzz-smoke: deps
 	@CC=clang cmake -S . -B $(FUZZB) -DCMAKE_BUILD_TYPE=Debug -DKVS_FUZZ=ON -DKVS_CUDA=OFF >/dev/null
