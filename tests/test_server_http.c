@@ -25,12 +25,23 @@ static kvs_server *path_server(const char *key, size_t max_body, int max_len, co
     return s;
 }
 
+/* An HTTP/1.1 request's fields: Host, and Authorization and Content-Length when given (n: how many). */
+static int fields(kvs_http_header *h, const char *auth, const char *cl) {
+    int n = 0;
+    h[n++] = (kvs_http_header){"Host", "localhost", 4, 9};
+    if (auth) h[n++] = (kvs_http_header){"Authorization", auth, 13, strlen(auth)};
+    if (cl) h[n++] = (kvs_http_header){"Content-Length", cl, 14, strlen(cl)};
+    return n;
+}
+
 /* Runs one request; returns its status (0: ready for the engine) and frees what it made. */
 static int path_status(kvs_server *s, const char *method, const char *url, const char *auth, const char *cl,
                        const char *body, size_t chunk, char *msg, size_t cap) {
     kvs_http_answer a;
     kvs_http_prepared p;
-    bool ready = kvs_http_handle(s, method, url, auth, cl, body, body ? strlen(body) : 0, chunk, &a, &p);
+    kvs_http_header h[3];
+    int n = fields(h, auth, cl);
+    bool ready = kvs_http_handle(s, method, url, "HTTP/1.1", h, n, body, body ? strlen(body) : 0, chunk, &a, &p);
     if (msg) snprintf(msg, cap, "%s", a.body ? a.body : "");
     if (ready) {
         cr_expect_eq(a.status, 0);
@@ -108,7 +119,9 @@ Test(http_path, chat_page) {
     kvs_server *s = path_server("k", 2048, 64, NULL);
     kvs_http_answer a;
     kvs_http_prepared p;
-    cr_assert_not(kvs_http_handle(s, "GET", "/", NULL, NULL, NULL, 0, 0, &a, &p));
+    kvs_http_header h[3];
+    int n = fields(h, NULL, NULL);
+    cr_assert_not(kvs_http_handle(s, "GET", "/", "HTTP/1.1", h, n, NULL, 0, 0, &a, &p));
     cr_expect_eq(a.status, 200);
     cr_expect_str_eq(a.content_type, "text/html; charset=utf-8");
     cr_expect(a.body && !strncmp(a.body, "<!DOCTYPE html>", 15) && strstr(a.body, "</html>"), "the whole page");

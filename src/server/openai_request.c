@@ -279,9 +279,11 @@ static bool parse_logit_bias(json_t *v, const kvs_api_limits *lim, kvs_api_reque
     const char *key;
     json_t *b;
     json_object_foreach(v, key, b) {
+        /* a token id written plainly: no sign, space or leading zero (" 5", "+5" and "05" are not 5) */
         char *end;
-        long id = strtol(key, &end, 10);
-        if (!*key || *end || id < 0 || id >= lim->vocab_size)
+        long id = key[0] >= '1' && key[0] <= '9' ? strtol(key, &end, 10) : -1;
+        if (!strcmp(key, "0")) id = 0, end = (char *)key + 1;
+        if (id < 0 || *end || id >= lim->vocab_size)
             return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' key '%.40s' is not a token id in [0, %d)", key,
                                 lim->vocab_size);
         if (!json_is_number(b) || !(json_number_value(b) >= -100 && json_number_value(b) <= 100))

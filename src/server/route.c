@@ -10,9 +10,7 @@
 #include "server/route.h"
 
 static void answer(kvs_http_answer *a, int status, const char *content_type, char *body) {
-    a->status = status;
-    a->content_type = content_type;
-    a->body = body;
+    *a = (kvs_http_answer){status, content_type, body, NULL, false};
 }
 
 void kvs_http_answer_error(kvs_http_answer *a, const kvs_api_error *err) {
@@ -46,11 +44,12 @@ static kvs_route find_route(const char *url) {
 }
 
 /* Authorization: Bearer KEY, compared in constant time. */
-static bool authorized(const kvs_server *s, const char *h) {
+static bool authorized(const kvs_server *s, const kvs_http_head_fields *f) {
     if (!s->api_key) return true;
-    if (!h || strncmp(h, "Bearer ", 7)) return false;
-    h += 7;
-    size_t a = strlen(h), b = strlen(s->api_key);
+    const char *h;
+    size_t a;
+    if (!kvs_http_bearer(f->authorization, f->authorization_len, &h, &a)) return false;
+    size_t b = strlen(s->api_key);
     unsigned char diff = a != b;
     for (size_t i = 0; i < a && i < b; i++) diff |= (unsigned char)(h[i] ^ s->api_key[i]);
     return diff == 0;
@@ -86,9 +85,8 @@ static void answer_get(kvs_server *s, kvs_route r, const char *url, kvs_http_ans
             fail(a, 503, "%s", "no engine");
             return;
         }
-        answer(a, 200, "text/plain; version=0.0.4",
-               kvs_server_metrics_text(s->engine, s->model_name, atomic_load(&s->http_requests),
-                                       atomic_load(&s->http_errors)));
+        kvs_server_http_stats hs = kvs_server_http_stats_get(s);
+        answer(a, 200, "text/plain; version=0.0.4", kvs_server_metrics_text(s->engine, s->model_name, &hs));
         return;
     }
     json_t *root;
@@ -105,15 +103,19 @@ static void answer_get(kvs_server *s, kvs_route r, const char *url, kvs_http_ans
     json_decref(root);
 }
 
-bool kvs_http_head(kvs_server *s, const char *method, const char *url, const char *authorization,
-                   const char *content_length, kvs_route *route, kvs_http_answer *a) {
+bool kvs_http_head(kvs_server *s, const char *method, const char *url, const kvs_http_head_fields *f,
+                   kvs_route *route, kvs_http_answer *a) {
     memset(a, 0, sizeof *a);
+    url = kvs_http_origin_path(url);
     kvs_route r = *route = find_route(url);
     if (r == KVS_ROUTE_NONE || (r == KVS_ROUTE_WEB_UI && s->cfg.no_web_ui)) return fail(a, 404, "Not found: %.200s", url);
     bool post = r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE;
-    if (strcmp(method, post ? "POST" : "GET")) return fail(a, 405, "Method not allowed: use %s", post ? "POST" : "GET");
-    if ((!strncmp(url, "/v1/", 4) || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) &&
-        !authorized(s, authorization)) {
+    if (post ? strcmp(method, "POST") : strcmp(method, "GET") && strcmp(method, "HEAD")) {
+        fail(a, 405, "Method not allowed: use %s", post ? "POST" : "GET");
+        a->allow = post ? "POST" : "GET, HEAD";
+        return true;
+    }
+    if ((!strncmp(url, "/v1/", 4) || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) && !authorized(s, f)) {
         kvs_api_error err;
         kvs_api_fail(&err, 401, NULL, "Incorrect or missing API key: send 'Authorization: Bearer KEY'");
         err.code = "invalid_api_key";
@@ -128,14 +130,9 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const cha
         answer_get(s, r, url, a);
         return true;
     }
-    if (content_length) {
-        errno = 0;
-        char *end;
-        unsigned long long n = strtoull(content_length, &end, 10);
-        if (errno || n > s->cfg.max_body_bytes) {
-            too_large(s, a);
-            return true;
-        }
+    if (f->has_length && f->content_length > s->cfg.max_body_bytes) {
+        too_large(s, a);
+        return true;
     }
     return false;
 }
@@ -251,6 +248,9 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
                                 max_len, n, max_tokens);
         max_tokens = max_len - n;
     }
+    if (r->min_tokens > max_tokens)
+        return kvs_api_fail(err, 400, "min_tokens", "'min_tokens' (%d) must be at most the tokens generated (%d)",
+                            r->min_tokens, max_tokens);
     p->max_tokens = max_tokens;
     return true;
 }
@@ -271,17 +271,18 @@ void kvs_http_prepared_free(kvs_http_prepared *p) {
     memset(p, 0, sizeof *p);
 }
 
-bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const char *authorization,
-                     const char *content_length, const char *body, size_t len, size_t chunk, kvs_http_answer *a,
+bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const char *version,
+                     const kvs_http_header *h, int n, const char *body, size_t len, size_t chunk, kvs_http_answer *a,
                      kvs_http_prepared *p) {
     memset(p, 0, sizeof *p);
     kvs_route r;
-    if (kvs_http_head(s, method, url, authorization, content_length, &r, a)) return false;
+    kvs_http_head_fields f;
+    if (!kvs_http_check_head(version, h, n, &f, a) || kvs_http_head(s, method, url, &f, &r, a)) return false;
     kvs_http_body b = {0};
     if (!chunk) chunk = len;
     for (size_t at = 0; at < len; at += chunk) {
-        size_t n = len - at < chunk ? len - at : chunk;
-        if (!kvs_http_body_add(s, &b, body + at, n, a)) {
+        size_t k = len - at < chunk ? len - at : chunk;
+        if (!kvs_http_body_add(s, &b, body + at, k, a)) {
             kvs_http_body_free(&b);
             return false;
         }
