@@ -10,67 +10,15 @@
 #include <string.h>
 
 #include "grammar/grammar.h"
+#include "schema_bombs.h"
 #include "testutil.h"
-
-/* ---- schema text built in memory ----------------------------------------------------------- */
-typedef struct {
-    char *s;
-    size_t n, cap;
-} buf;
-
-static void add(buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void add(buf *b, const char *fmt, ...) {
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int k = vsnprintf(b->s ? b->s + b->n : NULL, b->s ? b->cap - b->n : 0, fmt, ap);
-        va_end(ap);
-        if (b->s && b->n + (size_t)k < b->cap) {
-            b->n += (size_t)k;
-            return;
-        }
-        b->cap = (b->cap + (size_t)k + 1) * 2;
-        b->s = realloc(b->s, b->cap);
-        cr_assert(b->s);
-    }
-}
-
-/* {"type":"object","properties":{"p00000":{"type":"string"}, ...}}: every one optional */
-static char *optional_properties(int n) {
-    buf b = {0};
-    add(&b, "{\"type\":\"object\",\"properties\":{");
-    for (int i = 0; i < n; i++) add(&b, "%s\"p%05d\":{\"type\":\"string\"}", i ? "," : "", i);
-    add(&b, "}}");
-    return b.s;
-}
-
-/* {"anyOf":[{"anyOf":[{"const":"v0_0"}, ...]}, ...]}: n x n constants */
-static char *any_of_any_of(int n) {
-    buf b = {0};
-    add(&b, "{\"anyOf\":[");
-    for (int i = 0; i < n; i++) {
-        add(&b, "%s{\"anyOf\":[", i ? "," : "");
-        for (int j = 0; j < n; j++) add(&b, "%s{\"const\":\"v%d_%d\"}", j ? "," : "", i, j);
-        add(&b, "]}");
-    }
-    add(&b, "]}");
-    return b.s;
-}
-
-static char *enum_of(int n) {
-    buf b = {0};
-    add(&b, "{\"enum\":[");
-    for (int i = 0; i < n; i++) add(&b, "%s\"s%06d\"", i ? "," : "", i);
-    add(&b, "]}");
-    return b.s;
-}
 
 /* anyOf of n strings, each of its own length bound: n open alternatives inside a string */
 static char *strings_of_lengths(int n) {
-    buf b = {0};
-    add(&b, "{\"anyOf\":[");
-    for (int i = 0; i < n; i++) add(&b, "%s{\"type\":\"string\",\"maxLength\":%d}", i ? "," : "", 20 + i);
-    add(&b, "]}");
+    text_buf b = {0};
+    text_add(&b, "{\"anyOf\":[");
+    for (int i = 0; i < n; i++) text_add(&b, "%s{\"type\":\"string\",\"maxLength\":%d}", i ? "," : "", 20 + i);
+    text_add(&b, "]}");
     return b.s;
 }
 
@@ -97,9 +45,9 @@ Test(grammar_bounds, schema_bombs_are_refused_naming_the_bound) {
         const char *name;
         char *schema;
     } bombs[] = {
-        {"8,000 optional properties", optional_properties(8000)},
-        {"anyOf 300 x 300", any_of_any_of(300)},
-        {"enum of 180,000 strings", enum_of(180000)},
+        {"8,000 optional properties", bomb_optional_properties(8000)},
+        {"anyOf 300 x 300", bomb_any_of_any_of(300)},
+        {"enum of 180,000 strings", bomb_enum(180000)},
     };
     kvs_grammar_limits lim = kvs_grammar_limits_default();
     for (size_t i = 0; i < sizeof bombs / sizeof *bombs; i++) {
@@ -117,12 +65,13 @@ Test(grammar_bounds, schema_bombs_are_refused_naming_the_bound) {
 
 /* Each bound on its own, on a schema that passes only it: the message names it. */
 Test(grammar_bounds, each_bound_named) {
-    char *props = optional_properties(200), msg[512];
+    char *props = bomb_optional_properties(200), msg[512];
     double secs;
     struct {
         kvs_grammar_limits lim;
         const char *says;
     } cases[] = {
+        {{.max_values = 100}, "bound of 100 JSON values"},
         {{.max_states = 100}, "bound of 100 states"},
         {{.max_transitions = 1000}, "bound of 1000 transitions"},
         {{.max_bytes = 1 << 20}, "bound of 1 MiB"},
@@ -132,7 +81,7 @@ Test(grammar_bounds, each_bound_named) {
         cr_expect(strstr(msg, cases[i].says), "'%s' does not say '%s'", msg, cases[i].says);
     }
     free(props);
-    char *big = optional_properties(4000); /* seconds without bounds */
+    char *big = bomb_optional_properties(4000); /* seconds without bounds */
     kvs_grammar_limits slow = {.max_seconds = 0.05};
     cr_expect_eq(compile_timed(big, &slow, msg, sizeof msg, &secs, NULL), KVS_ERR_UNSUPPORTED);
     cr_expect(strstr(msg, "longer than the bound of 50 ms"), "%s", msg);
@@ -235,10 +184,11 @@ Test(grammar_bounds, mask_work_is_bounded) {
 /* anyOf 600 constants: the first state holds more alternatives than a state
  * keeps (512); the warm-up refuses instead of cutting some silently. */
 Test(grammar_bounds, too_many_open_alternatives_refused) {
-    buf b = {0};
-    add(&b, "{\"anyOf\":[");
-    for (int i = 0; i < 600; i++) add(&b, "%s{\"type\":\"object\",\"properties\":{\"k%d\":{\"const\":%d}}}", i ? "," : "", i, i);
-    add(&b, "]}");
+    text_buf b = {0};
+    text_add(&b, "{\"anyOf\":[");
+    for (int i = 0; i < 600; i++)
+        text_add(&b, "%s{\"type\":\"object\",\"properties\":{\"k%d\":{\"const\":%d}}}", i ? "," : "", i, i);
+    text_add(&b, "]}");
     kvs_tokenizer *tok;
     kvs_grammar_vocab *v = bundled_vocab(&tok);
     kvs_grammar_limits lim = kvs_grammar_limits_default();

@@ -28,9 +28,9 @@ static kvs_server *path_server(const char *key, size_t max_body, int max_len, co
 /* An HTTP/1.1 request's fields: Host, and Authorization and Content-Length when given (n: how many). */
 static int fields(kvs_http_header *h, const char *auth, const char *cl) {
     int n = 0;
-    h[n++] = (kvs_http_header){"Host", "localhost", 4, 9};
-    if (auth) h[n++] = (kvs_http_header){"Authorization", auth, 13, strlen(auth)};
-    if (cl) h[n++] = (kvs_http_header){"Content-Length", cl, 14, strlen(cl)};
+    h[n++] = (kvs_http_header){"Host", "localhost", 4, 9, false};
+    if (auth) h[n++] = (kvs_http_header){"Authorization", auth, 13, strlen(auth), false};
+    if (cl) h[n++] = (kvs_http_header){"Content-Length", cl, 14, strlen(cl), false};
     return n;
 }
 
@@ -591,4 +591,52 @@ Test(http, api_key_from_file_or_environment) {
     cr_expect_neq(serve_fails("", "KVSPARSE_API_KEY=", &out), 0);
     cr_expect(strstr(out, "KVSPARSE_API_KEY") && strstr(out, "empty"), "%s", out);
     free(out);
+}
+
+/* Numbers are read as written: a logit_bias key is a token id in plain
+ * decimal, a KV budget string a plain decimal (or percentage), kv_policy.window
+ * has one bound; null leaves repetition_penalty and min_tokens unset; errors
+ * name the field. */
+Test(http_path, numeric_fields_are_parsed_strictly) {
+    kvs_server *s = path_server(NULL, 8192, 64, NULL);
+    char msg[600], body[300];
+    static const char *const bad_keys[] = {" 5", "05", "+5", "5 ", "0x5", "-0", "", "5e0"};
+    for (size_t i = 0; i < sizeof bad_keys / sizeof *bad_keys; i++) {
+        snprintf(body, sizeof body, "{\"prompt\": [1, 2], \"max_tokens\": 4, \"logit_bias\": {\"%s\": 1}}", bad_keys[i]);
+        cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, body, 0, msg, sizeof msg), 400, "'%s'", bad_keys[i]);
+        cr_expect(strstr(msg, "\"param\":\"logit_bias\""), "'%s': %s", bad_keys[i], msg);
+    }
+    cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL,
+                             "{\"prompt\": [1, 2], \"max_tokens\": 4, \"logit_bias\": {\"0\": 1, \"57\": -1}}", 0, msg,
+                             sizeof msg), 0, "%s", msg);
+    static const char *const bad_budgets[] = {"0x10", " 10%", "10% ", "1e1", "+5", "inf", "nan", "10%%", "%", "."};
+    for (size_t i = 0; i < sizeof bad_budgets / sizeof *bad_budgets; i++) {
+        snprintf(body, sizeof body, "{\"prompt\": [1, 2], \"kv_policy\": {\"budget\": \"%s\"}}", bad_budgets[i]);
+        cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, body, 0, msg, sizeof msg), 400, "'%s'",
+                     bad_budgets[i]);
+        cr_expect(strstr(msg, "\"param\":\"kv_policy.budget\""), "'%s': %s", bad_budgets[i], msg);
+    }
+    static const char *const budgets[] = {"10%", "0.1", "256", ".5", "12.5%"};
+    for (size_t i = 0; i < sizeof budgets / sizeof *budgets; i++) {
+        snprintf(body, sizeof body, "{\"prompt\": [1, 2], \"kv_policy\": {\"budget\": \"%s\"}}", budgets[i]);
+        cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, body, 0, msg, sizeof msg), 0, "'%s': %s",
+                     budgets[i], msg);
+    }
+    static const int windows[] = {513, 600, 70000};
+    for (size_t i = 0; i < sizeof windows / sizeof *windows; i++) {
+        snprintf(body, sizeof body, "{\"prompt\": [1, 2], \"kv_policy\": {\"window\": %d}}", windows[i]);
+        cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, body, 0, msg, sizeof msg), 400);
+        cr_expect(strstr(msg, "'kv_policy.window' must be in [1, 512]") && strstr(msg, "\"param\":\"kv_policy.window\""),
+                  "window %d: %s", windows[i], msg);
+    }
+    cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL,
+                             "{\"prompt\": [1, 2], \"max_tokens\": 4, \"repetition_penalty\": null, \"min_tokens\": null}",
+                             0, msg, sizeof msg), 0, "null as unset: %s", msg);
+    cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL,
+                             "{\"prompt\": [1, 2], \"max_tokens\": 4, \"min_tokens\": 5}", 0, msg, sizeof msg), 400);
+    cr_expect(strstr(msg, "\"param\":\"min_tokens\""), "%s", msg);
+    cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL,
+                             "{\"prompt\": [1, 2], \"repetition_penalty\": 0}", 0, msg, sizeof msg), 400);
+    cr_expect(strstr(msg, "\"param\":\"repetition_penalty\""), "%s", msg);
+    kvs_server_free(s);
 }

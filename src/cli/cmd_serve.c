@@ -72,10 +72,13 @@ static void usage(FILE *f) {
                "                            between requests) at most; when full, a newcomer from an address\n"
                "                            below its fair share displaces the busiest address's oldest one\n"
                "                            (default: max-connections / 4)\n"
+               "  --max-preparing N         requests parsed, tokenized and compiled at once, by as many worker\n"
+               "                            threads; one waiting more than 5 s for them gets 429 (default 8)\n"
                "  --header-timeout S        a request's line and headers must arrive within S seconds (10)\n"
                "  --body-timeout S          its body within S seconds, plus one per --body-min-rate bytes (10)\n"
                "  --body-min-rate B         bytes a second (4096)\n"
-               "  --grammar-max-states N    response_format / forced tool call schemas: automaton states (32768)\n"
+               "  --grammar-max-values N    response_format / forced tool call schemas: JSON values (100000)\n"
+               "  --grammar-max-states N    automaton states of one compiled (32768)\n"
                "  --grammar-max-transitions N  transitions built compiling one (1000000)\n"
                "  --grammar-max-memory MIB  memory compiling one (64)\n"
                "  --grammar-compile-timeout S  time compiling one (0.5)\n"
@@ -113,9 +116,11 @@ static int limit_option(serve_options *o, int argc, char **argv, int *i) {
     if (!v || strncmp(a, "--", 2)) return 0;
     if (!strcmp(a, "--max-connections")) { if (!parse_int(v, 1, &n)) return -1; c->connection_limit = (unsigned)n; }
     else if (!strcmp(a, "--max-pending-connections")) { if (!parse_int(v, 1, &n)) return -1; c->max_pending = (unsigned)n; }
+    else if (!strcmp(a, "--max-preparing")) { if (!parse_int(v, 1, &c->max_preparing)) return -1; }
     else if (!strcmp(a, "--header-timeout")) { if (!parse_seconds(v, &c->header_timeout_s)) return -1; }
     else if (!strcmp(a, "--body-timeout")) { if (!parse_seconds(v, &c->body_timeout_s)) return -1; }
     else if (!strcmp(a, "--body-min-rate")) { if (!parse_int(v, 1, &n)) return -1; c->body_min_rate = n; }
+    else if (!strcmp(a, "--grammar-max-values")) { if (!parse_int(v, 1, &c->grammar_limits.max_values)) return -1; }
     else if (!strcmp(a, "--grammar-max-states")) { if (!parse_int(v, 1, &c->grammar_limits.max_states)) return -1; }
     else if (!strcmp(a, "--grammar-max-transitions")) { if (!parse_int(v, 1, &c->grammar_limits.max_transitions)) return -1; }
     else if (!strcmp(a, "--grammar-max-memory")) { if (!parse_int(v, 1, &n)) return -1; c->grammar_limits.max_bytes = (size_t)n << 20; }

@@ -39,6 +39,7 @@
 #ifndef KVS_GRAMMAR_H
 #define KVS_GRAMMAR_H
 
+#include <jansson.h>
 #include <stdatomic.h>
 
 #include "core/core.h"
@@ -58,6 +59,7 @@ typedef struct kvs_grammar_matcher kvs_grammar_matcher; /* one sequence's positi
  * grammar (kvs_grammar_matcher_mask), in steps of the matcher (a stack moved
  * or expanded by a byte, and each stack it is compared with; a few ns each). */
 typedef struct {
+    int max_values;          /* JSON values in the schema (checked first, before any automaton) */
     int max_states;          /* states (nodes) of the compiled automaton */
     int max_transitions;     /* transitions built on the way: byte ranges, empty moves, rule calls */
     size_t max_bytes;        /* memory of the automaton, its construction included */
@@ -69,6 +71,7 @@ typedef struct {
  * bound well above what the schemas agents send need (tens to a few thousand
  * states, tens of thousands of transitions, milliseconds), and each reached by
  * the schemas that cost minutes and gigabytes within about 100-300 ms. */
+#define KVS_GRAMMAR_MAX_VALUES 100000
 #define KVS_GRAMMAR_MAX_STATES 32768
 #define KVS_GRAMMAR_MAX_TRANSITIONS 1000000
 #define KVS_GRAMMAR_MAX_BYTES ((size_t)64 << 20)
@@ -87,6 +90,13 @@ kvs_status kvs_grammar_from_json_schema(const char *schema, size_t len, const ch
 /* The same within lim (NULL: no bounds). */
 kvs_status kvs_grammar_compile(const char *schema, size_t len, const char *prefix, const char *suffix,
                                const kvs_grammar_limits *lim, kvs_grammar **out);
+/* Whether schema holds at most lim->max_values JSON values (KVS_ERR_UNSUPPORTED,
+ * naming the bound, otherwise): the first check of a compile, cheap enough to
+ * make before anything else is done with a schema. */
+kvs_status kvs_grammar_check_values(json_t *schema, const kvs_grammar_limits *lim);
+/* The same from the parsed schema (not changed), for a caller that has it. */
+kvs_status kvs_grammar_compile_value(json_t *schema, const char *prefix, const char *suffix,
+                                     const kvs_grammar_limits *lim, kvs_grammar **out);
 /* response_format json_object: any JSON object. */
 kvs_status kvs_grammar_json_object(kvs_grammar **out);
 kvs_grammar *kvs_grammar_ref(kvs_grammar *g);

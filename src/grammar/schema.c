@@ -578,9 +578,29 @@ static void builder_free(builder *b) {
     json_decref(b->refs);
 }
 
+/* the JSON values in v, counted up to past limit */
+static int count_values(json_t *v, int limit) {
+    int n = 1;
+    size_t i;
+    const char *k;
+    json_t *x;
+    if (json_is_array(v))
+        json_array_foreach(v, i, x) if ((n += count_values(x, limit - n)) > limit) return n;
+    if (json_is_object(v))
+        json_object_foreach(v, k, x) if ((n += count_values(x, limit - n)) > limit) return n;
+    return n;
+}
+
+kvs_status kvs_grammar_check_values(json_t *schema, const kvs_grammar_limits *lim) {
+    if (schema && lim && lim->max_values > 0 && count_values(schema, lim->max_values) > lim->max_values)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "schema: it holds more than the bound of %d JSON values", lim->max_values);
+    return KVS_OK;
+}
+
 /* the root rule: prefix, the value, suffix */
 static kvs_status build(json_t *schema, bool object_only, const char *prefix, const char *suffix,
                         const kvs_grammar_limits *lim, kvs_grammar **out) {
+    KVS_TRY(kvs_grammar_check_values(schema, lim));
     gr_budget budget;
     gr_budget_init(&budget, lim);
     builder b = {.root = schema, .refs = json_object(), .r_string = -1, .r_integer = -1,
@@ -609,8 +629,8 @@ static kvs_status build(json_t *schema, bool object_only, const char *prefix, co
 }
 
 kvs_grammar_limits kvs_grammar_limits_default(void) {
-    return (kvs_grammar_limits){KVS_GRAMMAR_MAX_STATES, KVS_GRAMMAR_MAX_TRANSITIONS, KVS_GRAMMAR_MAX_BYTES,
-                                KVS_GRAMMAR_MAX_SECONDS, KVS_GRAMMAR_MAX_MASK_WORK, NULL};
+    return (kvs_grammar_limits){KVS_GRAMMAR_MAX_VALUES,  KVS_GRAMMAR_MAX_STATES,   KVS_GRAMMAR_MAX_TRANSITIONS,
+                                KVS_GRAMMAR_MAX_BYTES,   KVS_GRAMMAR_MAX_SECONDS, KVS_GRAMMAR_MAX_MASK_WORK, NULL};
 }
 
 kvs_status kvs_grammar_compile(const char *schema, size_t len, const char *prefix, const char *suffix,
@@ -622,6 +642,12 @@ kvs_status kvs_grammar_compile(const char *schema, size_t len, const char *prefi
     kvs_status st = build(s, false, prefix, suffix, lim, out);
     json_decref(s);
     return st;
+}
+
+kvs_status kvs_grammar_compile_value(json_t *schema, const char *prefix, const char *suffix,
+                                     const kvs_grammar_limits *lim, kvs_grammar **out) {
+    *out = NULL;
+    return build(schema, false, prefix, suffix, lim, out);
 }
 
 kvs_status kvs_grammar_from_json_schema(const char *schema, size_t len, const char *prefix, const char *suffix,

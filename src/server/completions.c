@@ -71,22 +71,13 @@ bool kvs_http_submit(kvs_server *s, kvs_http_req *req, kvs_api_error *err) {
         .policy = r->has_policy ? &r->policy : NULL,
         .cache_salt = r->cache_salt,
     };
-    if (r->constraint_schema) { /* tool_choice required or a function: a call that fits its schema */
-        p.grammar = kvs_server_grammar(s, r->constraint_schema, r->constraint_prefix, r->constraint_suffix, "tools",
-                                       &req->cancel, err);
-        if (!p.grammar) return false;
-    } else if (r->format != KVS_FORMAT_TEXT) { /* structured output: the compiled grammar, shared by its schema */
-        p.grammar = kvs_server_grammar(s, r->format == KVS_FORMAT_JSON_SCHEMA ? r->format_schema : NULL, NULL, NULL,
-                                       "response_format.json_schema", &req->cancel, err);
-        if (!p.grammar) return false;
-    }
+    p.grammar = pr->grammar; /* compiled while it was prepared */
     kvs_gen *g = NULL;
     bool ok = !atomic_load(&req->cancel) || !kvs_api_fail(err, 503, NULL, "the request was cancelled");
     ok = ok && submit_params(s, &p, r->stream, &g, err);
     pthread_mutex_lock(&req->mu); /* the watcher reads it */
     req->gen = g;
     pthread_mutex_unlock(&req->mu);
-    kvs_grammar_unref(p.grammar); /* the engine holds its own */
     return ok;
 }
 

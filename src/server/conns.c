@@ -12,7 +12,7 @@
 #include "server/conns.h"
 
 #define TICK_MS 100      /* the deadlines' resolution */
-#define WATCH_TICKS 5    /* requests in flight are looked at every 500 ms */
+#define WATCH_TICKS 2    /* requests in flight are looked at every 200 ms */
 
 typedef enum { PHASE_HEADERS, PHASE_BODY, PHASE_REQUEST, PHASE_IDLE } phase;
 

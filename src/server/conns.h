@@ -15,7 +15,7 @@
  * thread, and never the room of requests in flight or of other addresses.
  *
  * One watcher thread checks the deadlines every 100 ms and hands the
- * requests in flight to a callback every 500 ms (disconnects, a client that
+ * requests in flight to a callback every 200 ms (disconnects, a client that
  * stopped reading). A connection is "shut" with shutdown(2): libmicrohttpd
  * then sees the socket end and closes it on its own thread. */
 #ifndef KVS_SERVER_CONNS_H
@@ -35,7 +35,7 @@ typedef struct {
     double header_timeout_s; /* the request line and headers within this */
     double body_timeout_s;   /* the body within this, */
     double body_min_rate;    /* plus a second per this many bytes received */
-    /* requests in flight, every 500 ms, with the registry's lock held (so req is alive) */
+    /* requests in flight, every 200 ms, with the registry's lock held (so req is alive) */
     void (*watch)(void *req, void *arg);
     void *watch_arg;
 } kvs_conns_config;

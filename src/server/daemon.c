@@ -106,6 +106,7 @@ kvs_status kvs_server_create(const kvs_server_config *cfg, kvs_engine *engine, c
     if (s->cfg.body_min_rate <= 0) s->cfg.body_min_rate = 4096;
     if (s->cfg.max_preparing <= 0) s->cfg.max_preparing = 8;
     kvs_grammar_limits gl = kvs_grammar_limits_default(), *l = &s->cfg.grammar_limits;
+    if (!l->max_values) l->max_values = gl.max_values;
     if (!l->max_states) l->max_states = gl.max_states;
     if (!l->max_transitions) l->max_transitions = gl.max_transitions;
     if (!l->max_bytes) l->max_bytes = gl.max_bytes;

@@ -88,6 +88,8 @@ bool kvs_http_check_head(const char *version, const kvs_http_header *h, int n, k
         for (int k = 0; k < 4; k++) {
             if (!name_is(&h[i], single[k])) continue;
             if (*slot[k]) return refuse(a, 400, "the request has more than one %s field", single[k]);
+            if (h[i].cut || memchr(h[i].value, 0, h[i].value_len))
+                return refuse(a, 400, "the %s field holds a NUL byte", single[k]);
             *slot[k] = &h[i];
         }
     }
@@ -104,8 +106,6 @@ bool kvs_http_check_head(const char *version, const kvs_http_header *h, int n, k
     }
     if (!host && !http10) return refuse(a, 400, "an HTTP/1.1 request needs a Host field");
     if (auth) {
-        if (memchr(auth->value, 0, auth->value_len))
-            return refuse(a, 400, "the Authorization field holds a NUL byte");
         f->authorization = auth->value;
         f->authorization_len = auth->value_len;
     }

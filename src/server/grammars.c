@@ -70,12 +70,14 @@ static void keep(kvs_server *s, kvs_server_grammar_entry *e) {
 }
 
 /* Compiles within the server's bounds and warms the first masks; NULL with the refusal's status. */
-static kvs_grammar *compile(kvs_server *s, const char *schema, const char *prefix, const char *suffix,
+static kvs_grammar *compile(kvs_server *s, const char *schema, json_t *value, const char *prefix, const char *suffix,
                             const atomic_bool *cancel, kvs_status *st) {
     kvs_grammar_limits lim = s->cfg.grammar_limits;
     lim.cancel = cancel;
     kvs_grammar *g = NULL;
-    *st = schema ? kvs_grammar_compile(schema, strlen(schema), prefix, suffix, &lim, &g) : kvs_grammar_json_object(&g);
+    if (value) *st = kvs_grammar_compile_value(value, prefix, suffix, &lim, &g);
+    else if (schema) *st = kvs_grammar_compile(schema, strlen(schema), prefix, suffix, &lim, &g);
+    else *st = kvs_grammar_json_object(&g);
     const kvs_grammar_vocab *v;
     if (*st == KVS_OK && s->engine && kvs_engine_grammar_vocab(s->engine, &v) == KVS_OK) *st = kvs_grammar_warm(g, v);
     if (*st != KVS_OK) {
@@ -85,10 +87,17 @@ static kvs_grammar *compile(kvs_server *s, const char *schema, const char *prefi
     return g;
 }
 
-kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, const char *prefix, const char *suffix,
-                                const char *param, const atomic_bool *cancel, kvs_api_error *err) {
+kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, json_t *value, const char *prefix,
+                                const char *suffix, const char *param, const atomic_bool *cancel, kvs_api_error *err) {
+    /* a parsed schema: its size checked before it is written out as its key */
+    if (value && kvs_grammar_check_values(value, &s->cfg.grammar_limits) != KVS_OK) {
+        kvs_api_fail(err, 400, param, "%s: %s", param, kvs_last_error());
+        return NULL;
+    }
+    char *text = value ? json_dumps(value, JSON_COMPACT) : NULL;
     size_t len;
-    char *key = grammar_key(schema, prefix, suffix, &len);
+    char *key = value && !text ? NULL : grammar_key(value ? text : schema, prefix, suffix, &len);
+    free(text);
     if (!key) {
         kvs_api_fail(err, 500, NULL, "out of memory");
         return NULL;
@@ -110,7 +119,7 @@ kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, const char *p
         return g;
     }
     kvs_status st;
-    g = compile(s, schema, prefix, suffix, cancel, &st);
+    g = compile(s, schema, value, prefix, suffix, cancel, &st);
     kvs_server_grammar_entry e = {key, len, g ? kvs_grammar_ref(g) : NULL, 0, NULL};
     if (!g) {
         /* a schema refused (not one whose client left, nor out of memory) is remembered as refused */

@@ -85,8 +85,21 @@ static enum MHD_Result collect(void *cls, enum MHD_ValueKind kind, const char *k
         if (!h) return MHD_NO;
         l->h = h, l->cap = cap;
     }
-    l->h[l->n++] = (kvs_http_header){key, value ? value : "", key_len, value ? value_len : 0};
+    l->h[l->n++] = (kvs_http_header){key, value ? value : "", key_len, value ? value_len : 0, false};
     return MHD_YES;
+}
+
+/* libmicrohttpd parses the header block in place, zeroing each line's ending,
+ * and cuts a value at a NUL byte: such a value ends before its line does. So
+ * after a whole value come the zeroed line ending and then the next field (or
+ * the zeroed blank line); anything else there is what a NUL hid. */
+static void mark_cut(kvs_http_header *h, int n) {
+    for (int i = 0; i < n; i++) {
+        const char *end = h[i].value + h[i].value_len;
+        if (end[0] != '\0') continue; /* not in place: nothing to tell */
+        const char *next = i + 1 < n ? h[i + 1].name : NULL;
+        h[i].cut = next != end + 1 && next != end + 2 && end[1] != '\0';
+    }
 }
 
 static kvs_http_req *req_new(kvs_server *s, struct MHD_Connection *c, const char *version) {
@@ -114,6 +127,7 @@ static enum MHD_Result first_call(kvs_server *s, struct MHD_Connection *c, kvs_h
     kvs_http_head_fields f;
     kvs_http_answer a;
     bool listed = MHD_get_connection_values_n(c, MHD_HEADER_KIND, collect, &l) >= 0;
+    mark_cut(l.h, l.n);
     bool answered = !kvs_http_check_head(version, l.h, l.n, &f, &a) || kvs_http_head(s, method, url, &f, &r->route, &a);
     free(l.h);
     if (!listed) return MHD_NO;

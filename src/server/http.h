@@ -85,7 +85,7 @@ void kvs_work_watch(void *req, void *server);
 void kvs_work_cancel(void *req, void *unused);
 
 /* ---- completions.c ------------------------------------------------------------ */
-/* On a worker: compile its grammar and submit r's prepared request (r->gen set). */
+/* On a worker: submit r's prepared request (r->gen set). */
 bool kvs_http_submit(kvs_server *s, kvs_http_req *r, kvs_api_error *err);
 /* On libmicrohttpd's thread once r is submitted: a stream's response, or the
  * whole answer when the generation is done (else the connection sleeps). */

@@ -66,7 +66,7 @@ void kvs_api_request_free(kvs_api_request *r) {
     free(r->cache_salt);
     free(r->logit_bias);
     free(r->stop_token_ids);
-    free(r->format_schema);
+    json_decref(r->format_schema);
     memset(r, 0, sizeof *r);
 }
 
@@ -332,7 +332,7 @@ static bool parse_response_format(json_t *v, kvs_api_request *r, kvs_api_error *
     if (strict && !json_is_boolean(strict) && !json_is_null(strict))
         return kvs_api_fail(err, 400, "response_format", "'response_format.json_schema.strict' must be a boolean");
     r->format = KVS_FORMAT_JSON_SCHEMA;
-    if (!(r->format_schema = json_dumps(schema, JSON_COMPACT))) return kvs_api_fail(err, 500, NULL, "out of memory");
+    r->format_schema = json_incref(schema);
     return true;
 }
 

@@ -222,17 +222,32 @@ static bool encode_prompt(kvs_server *s, kvs_http_prepared *p, kvs_api_error *er
     return true;
 }
 
-/* The model name, then the prompt's length against the context. */
-static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
+/* The grammar of its response_format or forced tool call (none: true, p->grammar NULL). */
+static bool compile_grammar(kvs_server *s, kvs_http_prepared *p, const atomic_bool *cancel, kvs_api_error *err) {
+    kvs_api_request *r = &p->req;
+    if (r->constraint_schema) /* tool_choice required or a function: a call that fits its schema */
+        p->grammar = kvs_server_grammar(s, r->constraint_schema, NULL, r->constraint_prefix, r->constraint_suffix,
+                                        "tools", cancel, err);
+    else if (r->format != KVS_FORMAT_TEXT) /* structured output: the compiled grammar, shared by its schema */
+        p->grammar = kvs_server_grammar(s, NULL, r->format == KVS_FORMAT_JSON_SCHEMA ? r->format_schema : NULL, NULL,
+                                        NULL, "response_format.json_schema", cancel, err);
+    else
+        return true;
+    return p->grammar != NULL;
+}
+
+/* The model name, the grammar, then the prompt's length against the context. */
+static bool validate(kvs_server *s, kvs_http_prepared *p, const atomic_bool *cancel, kvs_api_error *err) {
     kvs_api_request *r = &p->req;
     if (r->model && strcmp(r->model, s->model_name)) {
         kvs_api_fail(err, 404, "model", "The model '%.200s' does not exist", r->model);
         err->code = "model_not_found";
         return false;
     }
-    if (!encode_prompt(s, p, err)) return false;
-    /* tool_choice required / a named function: r->constraint_*, compiled to a grammar at submit (completions.c) */
+    /* tool_choice required / a named function: r->constraint_* */
     if (!kvs_api_tool_constrain(r, s->tool_format, err)) return false;
+    if (cancel && !compile_grammar(s, p, cancel, err)) return false;
+    if (!encode_prompt(s, p, err)) return false;
     int max_len = s->limits.max_model_len, n = p->n_ids;
     const char *prompt_param = r->kind == KVS_API_CHAT ? "messages" : "prompt";
     if (n >= max_len)
@@ -255,11 +270,11 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
     return true;
 }
 
-bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, kvs_http_prepared *p,
-                      kvs_api_error *err) {
+bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, const atomic_bool *cancel,
+                      kvs_http_prepared *p, kvs_api_error *err) {
     memset(p, 0, sizeof *p);
     if (!kvs_http_slot_take(s, err)) return false;
-    bool ok = kvs_api_parse_request(body, len, kind, &s->limits, &p->req, err) && validate(s, p, err);
+    bool ok = kvs_api_parse_request(body, len, kind, &s->limits, &p->req, err) && validate(s, p, cancel, err);
     kvs_http_slot_give(s);
     if (!ok) kvs_http_prepared_free(p);
     return ok;
@@ -267,6 +282,7 @@ bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t
 
 void kvs_http_prepared_free(kvs_http_prepared *p) {
     kvs_api_request_free(&p->req);
+    kvs_grammar_unref(p->grammar);
     free(p->ids);
     memset(p, 0, sizeof *p);
 }
@@ -293,7 +309,7 @@ bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const c
         return false;
     }
     kvs_api_error err;
-    bool ok = kvs_http_prepare(s, r == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS, b.data, b.len, p, &err);
+    bool ok = kvs_http_prepare(s, r == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS, b.data, b.len, NULL, p, &err);
     kvs_http_body_free(&b);
     if (!ok) kvs_http_answer_error(a, &err);
     return ok;

@@ -33,10 +33,12 @@ typedef struct {
 void kvs_http_answer_error(kvs_http_answer *a, const kvs_api_error *err);
 
 /* ---- the request's header fields (framing.c) --------------------------------
- * One field as the client sent it (value_len counts any NUL byte in it). */
+ * One field as the client sent it (value_len counts any NUL byte in it; cut:
+ * the parser cut the value at a NUL byte, so the rest is not there). */
 typedef struct {
     const char *name, *value;
     size_t name_len, value_len;
+    bool cut;
 } kvs_http_header;
 
 /* What the server reads of them, once checked. */
@@ -80,12 +82,16 @@ typedef struct {
     int32_t *ids; /* the prompt, encoded */
     int n_ids;
     int max_tokens;
+    kvs_grammar *grammar; /* its structured output or forced call (a reference; NULL: none, or not compiled) */
 } kvs_http_prepared;
 
 /* Parses, validates and encodes a body, holding one of the server's prepare
- * slots meanwhile (429 when none frees within the wait). */
-bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, kvs_http_prepared *p,
-                      kvs_api_error *err);
+ * slots meanwhile (429 when none frees within the wait). cancel non-NULL: the
+ * request's grammar is compiled too (kvs_server_grammar, stopped when cancel
+ * is set), before the chat template and the tokenizer, so a schema past a
+ * bound is refused before they run. */
+bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, const atomic_bool *cancel,
+                      kvs_http_prepared *p, kvs_api_error *err);
 void kvs_http_prepared_free(kvs_http_prepared *p);
 /* POST /tokenize (detokenize false) and /detokenize, answered whole (tokenize.c). */
 void kvs_http_tokenize(kvs_server *s, bool detokenize, const char *body, size_t len, kvs_http_answer *a);

@@ -27,8 +27,8 @@ typedef struct {
     int vocab_size;    /* token ids in prompts must be below this */
     int max_model_len; /* context limit: prompt + max_tokens */
     int n_layers;      /* for kv_policy validation */
-    int max_window;    /* kv_policy.window at most (0: KVS_KV_MAX_WINDOW; with an engine, its own) */
     const kvs_kv_profile *kv_profile; /* every kv_policy's budget profile (the server's --kv-profile; NULL: none) */
+    int max_window;    /* kv_policy.window at most (0: KVS_KV_MAX_WINDOW; with an engine, its own) */
 } kvs_api_limits;
 
 /* tool_choice (tools_json.c) */
@@ -70,9 +70,10 @@ typedef struct {
     int min_tokens;
     int32_t *stop_token_ids;            /* vLLM's "stop_token_ids" */
     int n_stop_token_ids;
-    /* response_format: text (none), json_object (any JSON object), json_schema (schema: its JSON text) */
+    /* response_format: text (none), json_object (any JSON object), json_schema (schema: a reference
+       to the parsed schema, compiled without being written out and parsed again) */
     enum { KVS_FORMAT_TEXT, KVS_FORMAT_JSON_OBJECT, KVS_FORMAT_JSON_SCHEMA } format;
-    char *format_schema;
+    struct json_t *format_schema;
 } kvs_api_request;
 
 /* Parses and validates a request body. On failure fills err (HTTP status,

@@ -211,12 +211,13 @@ struct kvs_server {
     uint64_t grammar_clock;
 };
 
-/* The grammar of a JSON schema's text (NULL: any JSON object) with a literal
- * prefix / suffix (NULL: none), compiled once within the server's bounds and
+/* The grammar of a JSON schema given as its text (schema) or parsed (value;
+ * schema then NULL), or of any JSON object (both NULL), with a literal prefix /
+ * suffix (NULL: none), compiled once within the server's bounds and
  * shared (a reference for the caller); NULL with a 400 naming param (and the
  * bound) when the schema is refused, 503 when cancel was set meanwhile. */
-kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, const char *prefix, const char *suffix,
-                                const char *param, const atomic_bool *cancel, kvs_api_error *err);
+kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, json_t *value, const char *prefix,
+                                const char *suffix, const char *param, const atomic_bool *cancel, kvs_api_error *err);
 /* The cache's bytes now (grammars, their mask caches, keys) and entries (n, may be NULL). */
 size_t kvs_server_grammar_bytes(kvs_server *s, int *n);
 void kvs_server_grammars_free(kvs_server *s);

@@ -4,16 +4,27 @@
  * submits (completions.c), or answers /tokenize and /detokenize. A request
  * that waited for a worker longer than the slot wait (5 s) gets 429, as when
  * the queue of the engine is full. Meanwhile its connection is suspended,
- * and the watcher looks at its socket every 500 ms: a client that leaves
+ * and the watcher looks at its socket every 200 ms: a client that leaves
  * cancels the work (a compile stops within its next budget check), the
  * engine's request is aborted. */
+#include <errno.h>
+#include <malloc.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "server/http.h"
+
+/* Workers run below the engine's threads: what a request costs to prepare
+ * (a 4 MiB body parsed, a schema compiled to its bounds) then takes the
+ * engine's idle moments, not its steps, on a machine with few cores. */
+#define WORKER_NICE 10
+#define TRIM_BODY_BYTES (64 << 10) /* after a body this large, freed memory goes back to the system */
 
 struct kvs_work {
     kvs_server *srv;
@@ -61,14 +72,22 @@ static void run(kvs_work *w, kvs_http_req *r) {
     } else {
         kvs_api_error err;
         kvs_api_kind kind = r->route == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS;
-        if (!kvs_http_prepare(s, kind, r->body.data, r->body.len, &r->prep, &err) || !kvs_http_submit(s, r, &err))
+        if (!kvs_http_prepare(s, kind, r->body.data, r->body.len, &r->cancel, &r->prep, &err) ||
+            !kvs_http_submit(s, r, &err))
             kvs_http_answer_error(&r->answer, &err);
     }
+    /* a large body's parse (and its schema's compile) freed tens of megabytes
+       of small blocks: give them back, or a few such requests keep the
+       process's memory up for good */
+    bool large = r->body.len >= TRIM_BODY_BYTES;
     finish(r);
+    if (large) malloc_trim(0);
 }
 
 static void *worker(void *arg) {
     kvs_work *w = arg;
+    if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), WORKER_NICE) != 0)
+        kvs_log(KVS_LOG_DEBUG, "request workers: setpriority: %s", strerror(errno));
     pthread_mutex_lock(&w->mu);
     for (;;) {
         while (!w->stop && !w->head) pthread_cond_wait(&w->cv, &w->mu);
