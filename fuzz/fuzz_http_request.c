@@ -77,7 +77,7 @@ static int next_fields(const char **p, const char *end, kvs_http_header *h) {
         if (!colon) continue;
         const char *v = colon + 1;
         while (v < stop && *v == ' ') v++;
-        h[n++] = (kvs_http_header){line, v, (size_t)(colon - line), (size_t)(stop - v)};
+        h[n++] = (kvs_http_header){line, v, (size_t)(colon - line), (size_t)(stop - v), false};
     }
     return n;
 }
