@@ -62,12 +62,13 @@ Test(hostile, slow_headers_from_many_addresses) {
     fprintf(stderr, "hostile::slow_headers_from_many_addresses: seed %llu (KVS_TEST_SEED), %.0f s\n",
             (unsigned long long)seed, seconds);
     server_proc s = start_server(deadline);
-    enum { N = 20, MAX = 2000 };
+    enum { N = 60, MAX = 2000 };
     double h0[N], c0[N];
     double *h1 = calloc(MAX, sizeof *h1), *c1 = calloc(MAX, sizeof *c1);
     cr_assert_eq(good_client(s.port, N, h0, c0), 0, "the unloaded client failed");
     long threads0 = proc_status(s.pid, "Threads:"), rss0 = proc_status(s.pid, "VmRSS:");
-    slowloris a = {.port = s.port, .n_conns = 1024, .n_addrs = 8, .first_host = 2, .seconds = seconds,
+    slowloris a = {.port = s.port, .n_conns = (int)env_seconds("KVS_HOSTILE_CONNS", 1024), .n_addrs = 8, .first_host = 2,
+                   .seconds = seconds,
                    .byte_every = 1.0, .seed = seed};
     pthread_t th;
     double t_end = kvs_now() + seconds;
@@ -86,15 +87,17 @@ Test(hostile, slow_headers_from_many_addresses) {
     pthread_join(th, NULL);
     double header_timeouts = metric_of(s.port, "kvsparse_http_connections_closed_total{model_name=\"tiny-needle-llama\",reason=\"header_timeout\"}");
     double refused = metric_of(s.port, "kvsparse_http_connections_closed_total{model_name=\"tiny-needle-llama\",reason=\"refused\"}");
+    double h0m = percentile(h0, N, 50), c0m = percentile(c0, N, 50), h1m = percentile(h1, n, 50), c1m = percentile(c1, n, 50);
     double h0p = percentile(h0, N, 99), c0p = percentile(c0, N, 99), h1p = percentile(h1, n, 99), c1p = percentile(c1, n, 99);
     fprintf(stderr,
             "slow headers, %d connections from %d addresses for %.0f s (%ld connects, %ld closed by the server, "
             "at most %ld open at once; server: %.0f header timeouts, %.0f refused at accept):\n"
-            "  client P99 unloaded: health %.2f ms, completion %.2f ms; under attack (%d each, %d failed): "
-            "health %.2f ms (%.2fx), completion %.2f ms (%.2fx)\n"
+            "  client P50 / P99 unloaded (%d each): health %.2f / %.2f ms, completion %.2f / %.2f ms\n"
+            "  under attack (%d each, %d failed): health %.2f / %.2f ms (P99 %.2fx), completion %.2f / %.2f ms (P99 %.2fx)\n"
             "  server threads %ld -> %ld, RSS %.1f -> %.1f MB\n",
-            a.n_conns, a.n_addrs, seconds, a.connects, a.closed_by_server, a.max_open, header_timeouts, refused,
-            h0p * 1e3, c0p * 1e3, n, failed, h1p * 1e3, h1p / h0p, c1p * 1e3, c1p / c0p, threads0, threads,
+            a.n_conns, a.n_addrs, seconds, a.connects, a.closed_by_server, a.max_open, header_timeouts, refused, N,
+            h0m * 1e3, h0p * 1e3, c0m * 1e3, c0p * 1e3, n, failed, h1m * 1e3, h1p * 1e3, h1p / h0p, c1m * 1e3,
+            c1p * 1e3, c1p / c0p, threads0, threads,
             rss0 / 1024.0, rss / 1024.0);
     cr_expect_eq(failed, 0, "%d of the well-behaved client's requests failed under attack", failed);
     cr_expect_leq(h1p, 2 * h0p + 0.05, "health P99 %.1f ms vs %.1f ms unloaded", h1p * 1e3, h0p * 1e3);
