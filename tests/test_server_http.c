@@ -511,19 +511,9 @@ Test(http, sigterm_with_a_client_that_never_reads_exits_within_drain_timeout) {
     pthread_t th;
     pthread_create(&th, NULL, reading_stream, &reader);
     cr_assert(wait_running(s.port, 2));
-    double t0 = kvs_now();
-    kill(s.pid, SIGTERM);
     int status = 0;
-    bool exited = false;
-    for (int i = 0; i < 300 && !exited; i++) {
-        exited = waitpid(s.pid, &status, WNOHANG) == s.pid;
-        if (!exited) usleep(100000);
-    }
-    double took = kvs_now() - t0;
-    if (!exited) {
-        kill(s.pid, SIGKILL);
-        waitpid(s.pid, &status, 0);
-    }
+    double took;
+    bool exited = term_and_wait(s.pid, 30, &status, &took);
     pthread_join(th, NULL);
     close(stuck);
     fprintf(stderr, "SIGTERM with --drain-timeout 2: exited after %.1f s\n", took);

@@ -134,19 +134,9 @@ Test(schemas, sigterm_during_a_heavy_compile_exits_within_the_drain_timeout) {
     int fd = connect_to(s.port);
     send_request(fd, "POST", "/v1/chat/completions", NULL, body, strlen(body));
     usleep(500000);
-    double t0 = kvs_now();
-    kill(s.pid, SIGTERM);
     int status = 0;
-    bool exited = false;
-    for (int i = 0; i < 300 && !exited; i++) {
-        exited = waitpid(s.pid, &status, WNOHANG) == s.pid;
-        if (!exited) usleep(50000);
-    }
-    double took = kvs_now() - t0;
-    if (!exited) {
-        kill(s.pid, SIGKILL);
-        waitpid(s.pid, &status, 0);
-    }
+    double took;
+    bool exited = term_and_wait(s.pid, 30, &status, &took);
     http_resp r = read_response(fd);
     close(fd);
     fprintf(stderr, "SIGTERM during a heavy compile (--drain-timeout 2): exited after %.1f s; the request got %d\n", took,

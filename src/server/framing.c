@@ -21,14 +21,10 @@ static bool name_is(const kvs_http_header *h, const char *name) {
 /* the answer (and the connection closed after it: the framing cannot be trusted); false */
 static bool refuse(kvs_http_answer *a, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static bool refuse(kvs_http_answer *a, int status, const char *fmt, ...) {
-    char msg[256];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    kvs_http_answer_verrorf(a, status, NULL, fmt, ap);
     va_end(ap);
-    kvs_api_error err;
-    kvs_api_fail(&err, status, NULL, "%s", msg);
-    kvs_http_answer_error(a, &err);
     a->close = true;
     return false;
 }

@@ -17,6 +17,22 @@ void kvs_http_answer_error(kvs_http_answer *a, const kvs_api_error *err) {
     answer(a, err->http_status, "application/json", kvs_api_error_json(err));
 }
 
+void kvs_http_answer_verrorf(kvs_http_answer *a, int status, const char *type, const char *fmt, va_list ap) {
+    char msg[400];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    kvs_api_error err;
+    kvs_api_fail(&err, status, NULL, "%s", msg);
+    if (type) err.type = type;
+    kvs_http_answer_error(a, &err);
+}
+
+void kvs_http_answer_errorf(kvs_http_answer *a, int status, const char *type, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    kvs_http_answer_verrorf(a, status, type, fmt, ap);
+    va_end(ap);
+}
+
 static bool fail(kvs_http_answer *a, int status, const char *fmt, const char *arg) {
     kvs_api_error err;
     kvs_api_fail(&err, status, NULL, fmt, arg);

@@ -6,6 +6,8 @@
 #ifndef KVS_SERVER_ROUTE_H
 #define KVS_SERVER_ROUTE_H
 
+#include <stdarg.h>
+
 #include "server/server_internal.h"
 
 typedef enum {
@@ -31,6 +33,10 @@ typedef struct {
 } kvs_http_answer;
 
 void kvs_http_answer_error(kvs_http_answer *a, const kvs_api_error *err);
+/* a's error answer: status, its type (NULL: the status's) and a printf message. */
+void kvs_http_answer_errorf(kvs_http_answer *a, int status, const char *type, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void kvs_http_answer_verrorf(kvs_http_answer *a, int status, const char *type, const char *fmt, va_list ap);
 
 /* ---- the request's header fields (framing.c) --------------------------------
  * One field as the client sent it (value_len counts any NUL byte in it; cut:

@@ -9,7 +9,6 @@
  * engine's request is aborted. */
 #include <errno.h>
 #include <malloc.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,20 +35,6 @@ struct kvs_work {
     bool stop;
 };
 
-static void answer_error(kvs_http_req *r, int status, const char *type, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void answer_error(kvs_http_req *r, int status, const char *type, const char *fmt, ...) {
-    char msg[400];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    kvs_api_error err;
-    kvs_api_fail(&err, status, NULL, "%s", msg);
-    if (type) err.type = type;
-    kvs_http_answer_error(&r->answer, &err);
-}
-
 /* r's work is done (an answer, or a gen): wake its connection */
 static void finish(kvs_http_req *r) {
     pthread_mutex_lock(&r->mu);
@@ -62,9 +47,9 @@ static void finish(kvs_http_req *r) {
 static void run(kvs_work *w, kvs_http_req *r) {
     kvs_server *s = w->srv;
     if (atomic_load(&r->cancel)) {
-        answer_error(r, 503, NULL, "the request was cancelled (the server is shutting down)");
+        kvs_http_answer_errorf(&r->answer, 503, NULL, "the request was cancelled (the server is shutting down)");
     } else if ((kvs_now() - r->queued_at) * 1e3 > w->wait_ms) {
-        answer_error(r, 429, "rate_limit_error",
+        kvs_http_answer_errorf(&r->answer, 429, "rate_limit_error",
                      "the server is busy: %d requests are being parsed and tokenized and none finished within %d ms; "
                      "retry later", w->n_threads, w->wait_ms);
     } else if (r->route == KVS_ROUTE_TOKENIZE || r->route == KVS_ROUTE_DETOKENIZE) {
@@ -132,7 +117,7 @@ void kvs_work_stop(kvs_work *w) {
     while (left) {
         kvs_http_req *r = left;
         left = r->next;
-        answer_error(r, 503, NULL, "the server is shutting down");
+        kvs_http_answer_errorf(&r->answer, 503, NULL, "the server is shutting down");
         finish(r);
     }
     pthread_mutex_destroy(&w->mu);
