@@ -100,10 +100,12 @@ Test(hostile, slow_headers_from_many_addresses) {
             c1p * 1e3, c1p / c0p, threads0, threads,
             rss0 / 1024.0, rss / 1024.0);
     cr_expect_eq(failed, 0, "%d of the well-behaved client's requests failed under attack", failed);
-    cr_expect_leq(h1p, 2 * h0p + 0.05, "health P99 %.1f ms vs %.1f ms unloaded", h1p * 1e3, h0p * 1e3);
-    cr_expect_leq(c1p, 2 * c0p + 0.05, "completion P99 %.1f ms vs %.1f ms unloaded", c1p * 1e3, c0p * 1e3);
+    cr_expect_leq(h1p, 2 * h0p + 0.05 * SLOWDOWN, "health P99 %.1f ms vs %.1f ms unloaded", h1p * 1e3, h0p * 1e3);
+    cr_expect_leq(c1p, 2 * c0p + 0.05 * SLOWDOWN, "completion P99 %.1f ms vs %.1f ms unloaded", c1p * 1e3, c0p * 1e3);
     cr_expect_lt(threads, threads0 + 8, "threads grew from %ld to %ld: a thread per connection?", threads0, threads);
+#if !defined(__SANITIZE_ADDRESS__)
     cr_expect_lt(rss - rss0, 100 * 1024, "RSS grew by %ld kB", rss - rss0);
+#endif
     cr_expect_gt(header_timeouts, 0, "no attacker connection was closed by the header deadline");
     cr_expect_gt(a.closed_by_server, 0);
     free(h1), free(c1);
@@ -168,7 +170,7 @@ Test(hostile, slow_body_is_cut_at_the_minimum_rate) {
     close(fd);
     fprintf(stderr, "a body at 20 bytes/s: cut after %.2f s (--body-timeout 1, --body-min-rate 1000)\n", took);
     cr_expect(cut, "the slow body was never cut");
-    cr_expect_lt(took, 5, "cut after %.1f s", took);
+    cr_expect_lt(took, 5 * SLOWDOWN, "cut after %.1f s", took);
     http_resp r = http(s.port, "POST", "/v1/completions", NULL, "{\"prompt\": \"Hi\", \"max_tokens\": 2}");
     cr_expect_eq(r.status, 200, "%s", r.body);
     free(r.body);

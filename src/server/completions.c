@@ -136,7 +136,6 @@ static enum MHD_Result answer_whole(kvs_server *s, kvs_http_req *req) {
         kvs_gen_log(g, m.id, &pol);
         ret = kvs_http_send(s, req->conn, &a);
     }
-    kvs_http_req_done(req);
     return ret;
 }
 

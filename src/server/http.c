@@ -63,6 +63,8 @@ enum MHD_Result kvs_http_error(kvs_server *s, struct MHD_Connection *c, const kv
     return kvs_http_send(s, c, &a);
 }
 
+/* Called when the request completes (on_completed), not when its answer is
+ * queued: a drain then waits for the answer to be written. */
 void kvs_http_req_done(kvs_http_req *r) {
     if (!r->counted) return;
     r->counted = false;
@@ -186,10 +188,11 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     if (r->gen) {
         pthread_mutex_lock(&r->gen->mu);
         if (r->gen->waker == &r->run_wait) r->gen->waker = NULL;
+        bool done = r->gen->done;
         pthread_mutex_unlock(&r->gen->mu);
-        if (r->counted) kvs_server_abort(s, r->gen); /* never answered: the connection ended first */
+        if (!done) kvs_server_abort(s, r->gen); /* never answered: the connection ended first */
     }
-    kvs_http_req_done(r);
+    kvs_http_req_done(r); /* its answer has gone out (or its connection ended): a drain may end */
     kvs_gen_release(r->gen);
     kvs_http_body_free(&r->body);
     kvs_http_prepared_free(&r->prep);

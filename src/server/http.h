@@ -65,7 +65,7 @@ struct MHD_Daemon *kvs_http_daemon(kvs_server *s, unsigned flags, const struct s
 /* Queues a's response (its body taken) and counts it. */
 enum MHD_Result kvs_http_send(kvs_server *s, struct MHD_Connection *c, kvs_http_answer *a);
 enum MHD_Result kvs_http_error(kvs_server *s, struct MHD_Connection *c, const kvs_api_error *err);
-/* The request's in-flight count ends (once). */
+/* The request's in-flight count ends (once; when it completes). */
 void kvs_http_req_done(kvs_http_req *r);
 /* Aborts g's engine request when it was submitted. */
 void kvs_server_abort(kvs_server *s, kvs_gen *g);

@@ -160,7 +160,6 @@ enum MHD_Result kvs_work_continue(kvs_server *s, kvs_http_req *r) {
     pthread_mutex_unlock(&r->mu);
     if (answer) {
         r->queued_answer = true;
-        kvs_http_req_done(r);
         return kvs_http_send(s, r->conn, &r->answer);
     }
     enum MHD_Result ret = kvs_http_answer_gen(s, r);
