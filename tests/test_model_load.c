@@ -1038,7 +1038,8 @@ Test(cli_info, config_only_and_arguments) {
     cr_assert(j, "not JSON: %s\n%s", err.text, out);
     cr_assert_eq(json_integer_value(json_object_get(j, "parameters")), 70553706496LL);
     cr_assert_eq(json_integer_value(json_object_get(j, "kv_bytes_per_token_bf16")), 327680);
-    cr_assert_eq(json_integer_value(json_object_get(j, "kv_tokens_bf16")), (8LL << 30) / 327680);
+    /* the default budget: serve's KV pool on the CPU, 1 GiB */
+    cr_assert_eq(json_integer_value(json_object_get(j, "kv_tokens_bf16")), (1LL << 30) / 327680);
     json_decref(j);
     free(out);
 
