@@ -2,11 +2,14 @@
  * vocabulary (models/tiny-needle-llama).
  *
  * Input: a JSON schema text up to the first NUL byte (empty: json_object), then
- * a flags byte (bit 0: the tool-call prefix and suffix, for a schema), then bytes that drive
- * a walk: each pair picks a token, the low 15 bits its place among the tokens
- * the mask allows, the high bit a token the mask forbids instead.
+ * a flags byte (bit 0: the tool-call prefix and suffix, for a schema; bit 1:
+ * compiled within small bounds, bits 2-4 picking them, so that every bound
+ * stops compiles and masks somewhere), then bytes that drive a walk: each pair
+ * picks a token, the low 15 bits its place among the tokens the mask allows,
+ * the high bit a token the mask forbids instead.
  *
- * Checks: compiling never crashes (refusals are fine); every token the mask
+ * Checks: compiling never crashes (refusals are fine); a mask past its work
+ * bound says so and the walk stops; every token the mask
  * allows is accepted, every one it forbids refused (the matcher unchanged);
  * an end id is allowed exactly when the output is complete, and a complete
  * output parses with jansson. The tokenizer: as fuzz_bundled_tokenizer.h says. */
@@ -104,10 +107,15 @@ static void check_parses(const char *out, size_t n, bool tool) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t *nul = memchr(data, 0, size);
     size_t schema_len = nul ? (size_t)(nul - data) : size, at = nul ? schema_len + 1 : size;
-    bool tool = at < size && (data[at++] & 1) && schema_len; /* json_object has no prefix or suffix */
+    uint8_t flags = at < size ? data[at++] : 0;
+    bool tool = (flags & 1) && schema_len; /* json_object has no prefix or suffix */
+    unsigned k = (flags >> 2) & 7;
+    kvs_grammar_limits lim = {.max_values = 4 + 16 * (int)k, .max_states = 8 + 64 * (int)k,
+                              .max_transitions = 16 + 256 * (int)k, .max_bytes = (size_t)(k + 1) << 16,
+                              .max_mask_work = 1000 + 20000 * k};
     kvs_grammar *g = NULL;
-    kvs_status st = schema_len ? kvs_grammar_from_json_schema((const char *)data, schema_len, tool ? PREFIX : NULL,
-                                                              tool ? SUFFIX : NULL, &g)
+    kvs_status st = schema_len ? kvs_grammar_compile((const char *)data, schema_len, tool ? PREFIX : NULL,
+                                                     tool ? SUFFIX : NULL, flags & 2 ? &lim : NULL, &g)
                                : (g = kvs_grammar_ref(object_grammar), KVS_OK);
     if (st != KVS_OK) {
         check(g == NULL && kvs_last_error()[0], "a refusal without a message, or with a grammar");
@@ -122,7 +130,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     size_t out_len = 0;
     for (int step = 0; step < MAX_STEPS && at + 1 < size && !kvs_grammar_matcher_ended(m); step++, at += 2) {
         unsigned pick = data[at] | (unsigned)data[at + 1] << 8;
-        kvs_grammar_matcher_mask(m, bits);
+        if (kvs_grammar_matcher_mask(m, bits) != KVS_OK) { /* past the work bound: the request would end here */
+            check((flags & 2) && strstr(kvs_last_error(), "bound of"), "a mask failed without its bound");
+            break;
+        }
         bool complete = kvs_grammar_matcher_complete(m);
         check(allowed(bits, end_id) == complete, "the end id is allowed other than when the output is complete");
         if (complete) check_parses(out, out_len, tool);
@@ -131,8 +142,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             int id = (int)((pick & 0x7FFF) % (unsigned)n_tokens);
             if (allowed(bits, id)) continue;
             check(kvs_grammar_matcher_accept(m, id) != KVS_OK, "a token the mask forbids was accepted");
-            kvs_grammar_matcher_mask(m, again);
-            check(same_mask(again, bits), "a refused token changed the mask");
+            if (kvs_grammar_matcher_mask(m, again) == KVS_OK) check(same_mask(again, bits), "a refused token changed the mask");
             continue;
         }
         if (n_ok == 0) break; /* cut off (nesting deeper than the limit) */

@@ -114,7 +114,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     st->req_id = strdup("chatcmpl-fuzz");
     st->meta = (kvs_resp_meta){chat ? KVS_API_CHAT : KVS_API_COMPLETIONS, st->req_id, "tiny", 1, (flags & 32) ? tok : NULL,
                                logprobs, top, false};
-    st->fd = -1;
     st->include_usage = usage;
 
     buf out = {0}, want = {0};

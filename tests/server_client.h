@@ -76,6 +76,24 @@ static inline int stop_server(server_proc *s) {
     return -2;
 }
 
+/* Sends SIGTERM and waits up to max_s seconds for the exit (then SIGKILL);
+ * whether it exited by itself, its wait status and the seconds it took. */
+static inline bool term_and_wait(pid_t pid, double max_s, int *status, double *took) {
+    double t0 = kvs_now();
+    kill(pid, SIGTERM);
+    bool exited = false;
+    while (!exited && kvs_now() - t0 < max_s) {
+        exited = waitpid(pid, status, WNOHANG) == pid;
+        if (!exited) usleep(50000);
+    }
+    *took = kvs_now() - t0;
+    if (!exited) {
+        kill(pid, SIGKILL);
+        waitpid(pid, status, 0);
+    }
+    return exited;
+}
+
 /* ---- a tiny HTTP/1.0 client (the server closes after each response) ------- */
 typedef struct {
     int status;

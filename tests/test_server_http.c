@@ -25,12 +25,23 @@ static kvs_server *path_server(const char *key, size_t max_body, int max_len, co
     return s;
 }
 
+/* An HTTP/1.1 request's fields: Host, and Authorization and Content-Length when given (n: how many). */
+static int fields(kvs_http_header *h, const char *auth, const char *cl) {
+    int n = 0;
+    h[n++] = (kvs_http_header){"Host", "localhost", 4, 9, false};
+    if (auth) h[n++] = (kvs_http_header){"Authorization", auth, 13, strlen(auth), false};
+    if (cl) h[n++] = (kvs_http_header){"Content-Length", cl, 14, strlen(cl), false};
+    return n;
+}
+
 /* Runs one request; returns its status (0: ready for the engine) and frees what it made. */
 static int path_status(kvs_server *s, const char *method, const char *url, const char *auth, const char *cl,
                        const char *body, size_t chunk, char *msg, size_t cap) {
     kvs_http_answer a;
     kvs_http_prepared p;
-    bool ready = kvs_http_handle(s, method, url, auth, cl, body, body ? strlen(body) : 0, chunk, &a, &p);
+    kvs_http_header h[3];
+    int n = fields(h, auth, cl);
+    bool ready = kvs_http_handle(s, method, url, "HTTP/1.1", h, n, body, body ? strlen(body) : 0, chunk, &a, &p);
     if (msg) snprintf(msg, cap, "%s", a.body ? a.body : "");
     if (ready) {
         cr_expect_eq(a.status, 0);
@@ -108,7 +119,9 @@ Test(http_path, chat_page) {
     kvs_server *s = path_server("k", 2048, 64, NULL);
     kvs_http_answer a;
     kvs_http_prepared p;
-    cr_assert_not(kvs_http_handle(s, "GET", "/", NULL, NULL, NULL, 0, 0, &a, &p));
+    kvs_http_header h[3];
+    int n = fields(h, NULL, NULL);
+    cr_assert_not(kvs_http_handle(s, "GET", "/", "HTTP/1.1", h, n, NULL, 0, 0, &a, &p));
     cr_expect_eq(a.status, 200);
     cr_expect_str_eq(a.content_type, "text/html; charset=utf-8");
     cr_expect(a.body && !strncmp(a.body, "<!DOCTYPE html>", 15) && strstr(a.body, "</html>"), "the whole page");
@@ -498,19 +511,9 @@ Test(http, sigterm_with_a_client_that_never_reads_exits_within_drain_timeout) {
     pthread_t th;
     pthread_create(&th, NULL, reading_stream, &reader);
     cr_assert(wait_running(s.port, 2));
-    double t0 = kvs_now();
-    kill(s.pid, SIGTERM);
     int status = 0;
-    bool exited = false;
-    for (int i = 0; i < 300 && !exited; i++) {
-        exited = waitpid(s.pid, &status, WNOHANG) == s.pid;
-        if (!exited) usleep(100000);
-    }
-    double took = kvs_now() - t0;
-    if (!exited) {
-        kill(s.pid, SIGKILL);
-        waitpid(s.pid, &status, 0);
-    }
+    double took;
+    bool exited = term_and_wait(s.pid, 30, &status, &took);
     pthread_join(th, NULL);
     close(stuck);
     fprintf(stderr, "SIGTERM with --drain-timeout 2: exited after %.1f s\n", took);
@@ -578,4 +581,52 @@ Test(http, api_key_from_file_or_environment) {
     cr_expect_neq(serve_fails("", "KVSPARSE_API_KEY=", &out), 0);
     cr_expect(strstr(out, "KVSPARSE_API_KEY") && strstr(out, "empty"), "%s", out);
     free(out);
+}
+
+/* Numbers are read as written: a logit_bias key is a token id in plain
+ * decimal, a KV budget string a plain decimal (or percentage), kv_policy.window
+ * has one bound; null leaves repetition_penalty and min_tokens unset; errors
+ * name the field. */
+Test(http_path, numeric_fields_are_parsed_strictly) {
+    kvs_server *s = path_server(NULL, 8192, 64, NULL);
+    char msg[600], body[300];
+    static const char *const bad_keys[] = {" 5", "05", "+5", "5 ", "0x5", "-0", "", "5e0"};
+    for (size_t i = 0; i < sizeof bad_keys / sizeof *bad_keys; i++) {
+        snprintf(body, sizeof body, "{\"prompt\": [1, 2], \"max_tokens\": 4, \"logit_bias\": {\"%s\": 1}}", bad_keys[i]);
+        cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, body, 0, msg, sizeof msg), 400, "'%s'", bad_keys[i]);
+        cr_expect(strstr(msg, "\"param\":\"logit_bias\""), "'%s': %s", bad_keys[i], msg);
+    }
+    cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL,
+                             "{\"prompt\": [1, 2], \"max_tokens\": 4, \"logit_bias\": {\"0\": 1, \"57\": -1}}", 0, msg,
+                             sizeof msg), 0, "%s", msg);
+    static const char *const bad_budgets[] = {"0x10", " 10%", "10% ", "1e1", "+5", "inf", "nan", "10%%", "%", "."};
+    for (size_t i = 0; i < sizeof bad_budgets / sizeof *bad_budgets; i++) {
+        snprintf(body, sizeof body, "{\"prompt\": [1, 2], \"kv_policy\": {\"budget\": \"%s\"}}", bad_budgets[i]);
+        cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, body, 0, msg, sizeof msg), 400, "'%s'",
+                     bad_budgets[i]);
+        cr_expect(strstr(msg, "\"param\":\"kv_policy.budget\""), "'%s': %s", bad_budgets[i], msg);
+    }
+    static const char *const budgets[] = {"10%", "0.1", "256", ".5", "12.5%"};
+    for (size_t i = 0; i < sizeof budgets / sizeof *budgets; i++) {
+        snprintf(body, sizeof body, "{\"prompt\": [1, 2], \"kv_policy\": {\"budget\": \"%s\"}}", budgets[i]);
+        cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, body, 0, msg, sizeof msg), 0, "'%s': %s",
+                     budgets[i], msg);
+    }
+    static const int windows[] = {513, 600, 70000};
+    for (size_t i = 0; i < sizeof windows / sizeof *windows; i++) {
+        snprintf(body, sizeof body, "{\"prompt\": [1, 2], \"kv_policy\": {\"window\": %d}}", windows[i]);
+        cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, body, 0, msg, sizeof msg), 400);
+        cr_expect(strstr(msg, "'kv_policy.window' must be in [1, 512]") && strstr(msg, "\"param\":\"kv_policy.window\""),
+                  "window %d: %s", windows[i], msg);
+    }
+    cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL,
+                             "{\"prompt\": [1, 2], \"max_tokens\": 4, \"repetition_penalty\": null, \"min_tokens\": null}",
+                             0, msg, sizeof msg), 0, "null as unset: %s", msg);
+    cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL,
+                             "{\"prompt\": [1, 2], \"max_tokens\": 4, \"min_tokens\": 5}", 0, msg, sizeof msg), 400);
+    cr_expect(strstr(msg, "\"param\":\"min_tokens\""), "%s", msg);
+    cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL,
+                             "{\"prompt\": [1, 2], \"repetition_penalty\": 0}", 0, msg, sizeof msg), 400);
+    cr_expect(strstr(msg, "\"param\":\"repetition_penalty\""), "%s", msg);
+    kvs_server_free(s);
 }

@@ -110,7 +110,6 @@ static void sse_open(sse_rig *r, kvs_api_kind kind, const kvs_tokenizer *t, bool
     r->st->gen = g;
     r->st->req_id = strdup("cmpl-test");
     r->st->meta = (kvs_resp_meta){kind, r->st->req_id, "tiny", 0, t, true, 0, false};
-    r->st->fd = -1;
     r->st->include_usage = include_usage;
 }
 

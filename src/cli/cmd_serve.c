@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
+#include <sys/resource.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -66,9 +67,26 @@ static void usage(FILE *f) {
                "                            slow client, or one that stops reading its response (default 60)\n"
                "  --max-connections-per-ip N  open connections one client address may hold; more are refused\n"
                "                            (default 256; behind a proxy, which is one address, or for a\n"
-               "                            benchmark at a higher concurrency, raise it up to 1024 = off)\n"
+               "                            benchmark at a higher concurrency, raise it up to --max-connections)\n"
                "  --drain-timeout S         on SIGTERM/SIGINT, wait up to S seconds for running requests, then\n"
                "                            abort them and exit 0 (default 30)\n"
+               "  --max-connections N       open connections at most (default 1024)\n"
+               "  --max-pending-connections N  connections not yet a request in flight (sending one, or idle\n"
+               "                            between requests) at most; when full, a newcomer from an address\n"
+               "                            below its fair share displaces the busiest address's oldest one\n"
+               "                            (default: max-connections / 4)\n"
+               "  --max-preparing N         requests parsed, tokenized and compiled at once, by as many worker\n"
+               "                            threads; one waiting more than 5 s for them gets 429 (default 8)\n"
+               "  --header-timeout S        a request's line and headers must arrive within S seconds (10)\n"
+               "  --body-timeout S          its body within S seconds, plus one per --body-min-rate bytes (10)\n"
+               "  --body-min-rate B         bytes a second (4096)\n"
+               "  --grammar-max-values N    response_format / forced tool call schemas: JSON values (100000)\n"
+               "  --grammar-max-states N    automaton states of one compiled (32768)\n"
+               "  --grammar-max-transitions N  transitions built compiling one (1000000)\n"
+               "  --grammar-max-memory MIB  memory compiling one (64)\n"
+               "  --grammar-compile-timeout S  time compiling one (0.5)\n"
+               "  --grammar-max-mask-work N  matcher steps of one token mask (8000000); past it the request fails\n"
+               "  --grammar-cache-memory MIB  compiled grammars kept (256)\n"
                "  --tool-call-parser NAME   how outputs of requests with tools are read for calls: llama3_json,\n"
                "                            hermes, none, or auto (default: from the chat template)\n"
                "  --no-web-ui               no chat page at GET / (default: served; it asks for the API key)\n"
@@ -82,6 +100,39 @@ static bool parse_int(const char *s, int lo, int *out) {
     if (end == s || *end || v < lo || v > (1L << 30)) return false;
     *out = (int)v;
     return true;
+}
+
+static bool parse_seconds(const char *s, double *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || *end || !(v > 0 && v <= 86400)) return false;
+    *out = v;
+    return true;
+}
+
+/* The connection and grammar bounds (docs/SERVING.md); 1 taken, 0 not one of them, -1 bad. */
+static int limit_option(serve_options *o, int argc, char **argv, int *i) {
+    const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    kvs_server_config *c = &o->scfg;
+    int n;
+    double d;
+    if (!v || strncmp(a, "--", 2)) return 0;
+    if (!strcmp(a, "--max-connections")) { if (!parse_int(v, 1, &n)) return -1; c->connection_limit = (unsigned)n; }
+    else if (!strcmp(a, "--max-pending-connections")) { if (!parse_int(v, 1, &n)) return -1; c->max_pending = (unsigned)n; }
+    else if (!strcmp(a, "--max-preparing")) { if (!parse_int(v, 1, &c->max_preparing)) return -1; }
+    else if (!strcmp(a, "--header-timeout")) { if (!parse_seconds(v, &c->header_timeout_s)) return -1; }
+    else if (!strcmp(a, "--body-timeout")) { if (!parse_seconds(v, &c->body_timeout_s)) return -1; }
+    else if (!strcmp(a, "--body-min-rate")) { if (!parse_int(v, 1, &n)) return -1; c->body_min_rate = n; }
+    else if (!strcmp(a, "--grammar-max-values")) { if (!parse_int(v, 1, &c->grammar_limits.max_values)) return -1; }
+    else if (!strcmp(a, "--grammar-max-states")) { if (!parse_int(v, 1, &c->grammar_limits.max_states)) return -1; }
+    else if (!strcmp(a, "--grammar-max-transitions")) { if (!parse_int(v, 1, &c->grammar_limits.max_transitions)) return -1; }
+    else if (!strcmp(a, "--grammar-max-memory")) { if (!parse_int(v, 1, &n)) return -1; c->grammar_limits.max_bytes = (size_t)n << 20; }
+    else if (!strcmp(a, "--grammar-compile-timeout")) { if (!parse_seconds(v, &d)) return -1; c->grammar_limits.max_seconds = d; }
+    else if (!strcmp(a, "--grammar-max-mask-work")) { if (!parse_int(v, 1, &n)) return -1; c->grammar_limits.max_mask_work = (uint64_t)n; }
+    else if (!strcmp(a, "--grammar-cache-memory")) { if (!parse_int(v, 1, &n)) return -1; c->grammar_cache_bytes = (size_t)n << 20; }
+    else return 0;
+    ++*i;
+    return 1;
 }
 
 static int parse_args(int argc, char **argv, serve_options *o) {
@@ -99,6 +150,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         if (r == 0) r = kvs_cli_prefix_caching_option(&o->ecfg.enable_prefix_caching, a);
         if (r == 0) r = kvs_cli_memory_option(&o->mem, argc, argv, &i);
         if (r == 0) r = kvs_cli_generation_option(&o->generation_none, argc, argv, &i);
+        if (r == 0) r = limit_option(o, argc, argv, &i);
         if (r < 0) goto bad;
         if (r > 0) continue;
         bool v = i + 1 < argc;
@@ -225,6 +277,19 @@ static void log_request_defaults(const serve_options *o) {
     kvs_log(KVS_LOG_INFO, "request defaults: %s, max_tokens %s (%s)", sampling, max_tokens, from);
 }
 
+/* Room for every connection: the soft limit on open files raised toward the
+ * hard one (a default soft limit of 1024 would fail accepts near
+ * --max-connections). */
+static void raise_fd_limit(unsigned connections) {
+    struct rlimit r;
+    rlim_t want = (rlim_t)connections + 256;
+    if (getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur >= want) return;
+    r.rlim_cur = r.rlim_max != RLIM_INFINITY && r.rlim_max < want ? r.rlim_max : want;
+    if (setrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur < want)
+        kvs_log(KVS_LOG_WARN, "open files are limited to %llu: fewer than --max-connections %u can be served",
+                (unsigned long long)r.rlim_cur, connections);
+}
+
 /* Sleeps until a signal arrives or the engine fails (then its reason in failure). */
 static void wait_for_stop(kvs_engine *e, char *failure, size_t cap) {
     for (;;) {
@@ -278,6 +343,7 @@ int kvs_cmd_serve(int argc, char **argv) {
         sigemptyset(&sa.sa_mask);
         sigaction(SIGTERM, &sa, NULL);
         sigaction(SIGINT, &sa, NULL);
+        raise_fd_limit(o.scfg.connection_limit ? o.scfg.connection_limit : 1024);
         st = kvs_server_start(&o.scfg, e, l.tok, &srv);
     }
     if (st != KVS_OK) {

@@ -57,6 +57,7 @@ static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_token
     e->vocab = mc->vocab_size;
     e->next_id = 1;
     pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->gvocab_mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     kvs_kv_config kc = {.n_layers = mc->n_layers, .n_kv_heads = mc->n_kv_heads, .head_dim = mc->head_dim,
                         .n_heads = mc->n_heads, .block_size = KVS_KV_BLOCK_SIZE, .max_seqs = c.max_num_seqs,
@@ -148,6 +149,7 @@ void kvs_engine_destroy(kvs_engine *e) {
     free(e->masks);
     free(e->mask_reqs);
     kvs_grammar_vocab_destroy(e->gvocab);
+    pthread_mutex_destroy(&e->gvocab_mu);
     free(e->aborts);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
@@ -303,24 +305,35 @@ static bool reserve_adjust(kvs_engine *e, int n) {
     return true;
 }
 
+kvs_status kvs_engine_grammar_vocab(kvs_engine *e, const kvs_grammar_vocab **out) {
+    *out = NULL;
+    if (!e->tok) return kvs_fail(KVS_ERR_UNSUPPORTED, "structured output needs a tokenizer");
+    int32_t ends[KVS_MAX_EOS];
+    int n = 0;
+    for (int i = 0; i < e->mcfg.n_eos && n < KVS_MAX_EOS; i++) ends[n++] = e->mcfg.eos_token_ids[i];
+    pthread_mutex_lock(&e->gvocab_mu);
+    kvs_status st = e->gvocab ? KVS_OK : kvs_grammar_vocab_from_tokenizer(e->tok, ends, n, &e->gvocab);
+    *out = e->gvocab;
+    pthread_mutex_unlock(&e->gvocab_mu);
+    return st;
+}
+
 /* r's matcher, made at its first draw (the vocabulary too, at the first
  * grammar request); false, with *why, when that fails. */
 static bool need_matcher(kvs_engine *e, kvs_request *r, const char **why) {
     if (r->matcher) return true;
-    int32_t ends[KVS_MAX_EOS];
-    int n = 0;
-    for (int i = 0; i < e->mcfg.n_eos && n < KVS_MAX_EOS; i++) ends[n++] = e->mcfg.eos_token_ids[i];
     if (!e->masks) e->masks = malloc(sizeof(uint32_t) * kvs_sample_mask_words(e->vocab) * e->batch.cap_seqs);
     if (!e->mask_reqs) e->mask_reqs = malloc(sizeof(kvs_request *) * e->batch.cap_seqs);
     if (!e->masks || !e->mask_reqs) { /* either may have failed: the next grammar request tries again */
         *why = "out of memory for the grammar masks";
         return false;
     }
-    if (!e->gvocab && kvs_grammar_vocab_from_tokenizer(e->tok, ends, n, &e->gvocab) != KVS_OK) {
+    const kvs_grammar_vocab *v;
+    if (kvs_engine_grammar_vocab(e, &v) != KVS_OK) {
         *why = kvs_last_error();
         return false;
     }
-    if (kvs_grammar_matcher_create(r->grammar, e->gvocab, &r->matcher) != KVS_OK) {
+    if (kvs_grammar_matcher_create(r->grammar, v, &r->matcher) != KVS_OK) {
         *why = kvs_last_error();
         return false;
     }
@@ -334,14 +347,18 @@ static bool need_matcher(kvs_engine *e, kvs_request *r, const char **why) {
 
 /* r's mask for its next draw: ids past the tokenizer's vocabulary (padded
  * logits) stay masked; near the end of its budget, only the tokens that finish
- * the output fastest. */
+ * the output fastest. A mask past its grammar's bound (or out of memory)
+ * fails the request alone, after the step. */
 static void grammar_mask(kvs_request *r, uint32_t *mask, int words) {
     memset(mask, 0, sizeof(uint32_t) * words);
     int to_close = kvs_grammar_matcher_bytes_to_complete(r->matcher);
-    if (to_close >= 0 && r->max_tokens - r->n_gen <= to_close + CLOSING_SLACK)
-        kvs_grammar_matcher_closing_mask(r->matcher, mask);
-    else
-        kvs_grammar_matcher_mask(r->matcher, mask);
+    kvs_status st = to_close >= 0 && r->max_tokens - r->n_gen <= to_close + CLOSING_SLACK
+                        ? kvs_grammar_matcher_closing_mask(r->matcher, mask)
+                        : kvs_grammar_matcher_mask(r->matcher, mask);
+    if (st != KVS_OK) {
+        snprintf(r->error, sizeof r->error, "%s", kvs_last_error());
+        r->grammar_failed = true;
+    }
 }
 
 /* The step's extras (kvs_sample_extras) from the rows' requests: NULL when no

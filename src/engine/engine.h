@@ -188,6 +188,11 @@ typedef struct {
 kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e);
 /* The KV policy of requests that name none. */
 kvs_kv_policy kvs_engine_default_policy(const kvs_engine *e);
+/* The vocabulary the engine's grammar masks walk (made once, on the calling
+ * thread; thread-safe): a server warms a grammar's first masks with it off
+ * the engine's thread (kvs_grammar_warm). KVS_ERR_UNSUPPORTED without a
+ * tokenizer. */
+kvs_status kvs_engine_grammar_vocab(kvs_engine *e, const kvs_grammar_vocab **out);
 /* Health. A failed step (a CUDA error or kernel fault, a broken
  * tensor-parallel group, a backend op out of memory: the KV cache and the
  * model's state are then undefined) fails the engine for good: every running

@@ -48,7 +48,7 @@ typedef struct kvs_request {
     bool process, counts;
     kvs_grammar *grammar;         /* structured output (a reference), NULL: none */
     kvs_grammar_matcher *matcher; /* made on the engine thread at its first draw */
-    bool grammar_failed;          /* its matcher could not be made (error holds why): fails after the step */
+    bool grammar_failed;          /* no matcher or no mask for it (error holds why): fails after the step */
     kvs_kv_policy policy;
     /* text */
     kvs_detokenizer *detok;
@@ -107,8 +107,10 @@ struct kvs_engine {
     int cap_adjust;
     int32_t *top_ids;
     float *top_lp;
-    /* structured output: the model's vocabulary as bytes (made at the first
-       grammar request) and the step's mask rows [max_num_seqs][mask words] */
+    /* structured output: the model's vocabulary as bytes (made once, at the
+       first grammar request or kvs_engine_grammar_vocab, under gvocab_mu) and
+       the step's mask rows [max_num_seqs][mask words] */
+    pthread_mutex_t gvocab_mu;
     kvs_grammar_vocab *gvocab;
     uint32_t *masks;
     struct kvs_request **mask_reqs; /* the requests of those rows */

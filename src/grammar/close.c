@@ -113,7 +113,7 @@ static bool closing_walk(kvs_grammar_matcher *m, const uint32_t *allowed, int32_
     int32_t fewest = FAR;
     for (int i = 0; i < v->n_nodes;) {
         int depth = v->depth[i];
-        if (!gr_advance(m->g, depth == 1 ? &m->state : &levels[depth - 1], v->byte[i], &levels[depth], &m->seen)) return false;
+        if (!gr_advance(m->g, depth == 1 ? &m->state : &levels[depth - 1], v->byte[i], &levels[depth], &m->walk)) return false;
         int32_t left = state_bytes(m->g, &levels[depth]);
         if (left == FAR || (on_path && plus(left, depth) > now)) {
             i = v->skip[i];
@@ -133,22 +133,25 @@ static bool closing_walk(kvs_grammar_matcher *m, const uint32_t *allowed, int32_
     return true;
 }
 
-void kvs_grammar_matcher_closing_mask(kvs_grammar_matcher *m, uint32_t *bits) {
-    kvs_grammar_matcher_mask(m, bits);
-    if (m->ended) return;
+kvs_status kvs_grammar_matcher_closing_mask(kvs_grammar_matcher *m, uint32_t *bits) {
+    KVS_TRY(kvs_grammar_matcher_mask(m, bits));
+    if (m->ended) return KVS_OK;
     int32_t now = min_bytes(m->g) ? state_bytes(m->g, &m->state) : FAR;
     size_t n_words = (size_t)(m->v->n_tokens + 31) / 32;
     uint32_t *allowed = now != FAR ? malloc(n_words * sizeof *allowed) : NULL;
-    if (!allowed) return; /* no completion (or no memory): the mask as it is */
+    if (!allowed) return KVS_OK; /* no completion (or no memory): the mask as it is */
     memcpy(allowed, bits, n_words * sizeof *bits);
     memset(bits, 0, n_words * sizeof *bits);
     bool ok = true, any = false;
     if (now == 0)
         for (int e = 0; e < m->v->n_end; e++)
             if (has(allowed, m->v->end_ids[e])) bits[m->v->end_ids[e] / 32] |= 1u << (m->v->end_ids[e] % 32);
+    gr_walk_start(&m->walk, m->g);
     if (now > 0) ok = closing_walk(m, allowed, now, true, bits);
     for (size_t w = 0; ok && w < n_words; w++) any |= bits[w] != 0;
     if (ok && !any) ok = closing_walk(m, allowed, now, false, bits);
-    if (!ok) memcpy(bits, allowed, n_words * sizeof *bits);
+    kvs_status st = ok || !m->walk.over ? KVS_OK : gr_walk_failed(&m->walk);
+    if (!ok) memcpy(bits, allowed, n_words * sizeof *bits); /* out of memory: the mask as it is */
     free(allowed);
+    return st;
 }

@@ -39,6 +39,9 @@
 #ifndef KVS_GRAMMAR_H
 #define KVS_GRAMMAR_H
 
+#include <jansson.h>
+#include <stdatomic.h>
+
 #include "core/core.h"
 #include "tokenizer/tokenizer.h"
 
@@ -48,6 +51,34 @@ typedef struct kvs_grammar kvs_grammar;             /* compiled, immutable (but 
 typedef struct kvs_grammar_vocab kvs_grammar_vocab; /* the model's tokens as bytes, a trie; built once per model */
 typedef struct kvs_grammar_matcher kvs_grammar_matcher; /* one sequence's position in a grammar */
 
+/* Bounds on what one grammar may cost (0 in a field: no bound), for a server
+ * that compiles schemas from untrusted requests. A compile past a bound stops
+ * there and fails with KVS_ERR_UNSUPPORTED, its message naming the bound; a
+ * compile whose cancel flag another thread sets stops with KVS_ERR_BUSY
+ * ("cancelled"). max_mask_work bounds every mask computed later for the
+ * grammar (kvs_grammar_matcher_mask), in steps of the matcher (a stack moved
+ * or expanded by a byte, and each stack it is compared with; a few ns each). */
+typedef struct {
+    int max_values;          /* JSON values in the schema (checked first, before any automaton) */
+    int max_states;          /* states (nodes) of the compiled automaton */
+    int max_transitions;     /* transitions built on the way: byte ranges, empty moves, rule calls */
+    size_t max_bytes;        /* memory of the automaton, its construction included */
+    double max_seconds;      /* compile time */
+    uint64_t max_mask_work;  /* matcher steps one token mask may take */
+    const atomic_bool *cancel;
+} kvs_grammar_limits;
+/* What `kvsparse serve` applies unless told otherwise (docs/SERVING.md): each
+ * bound well above what the schemas agents send need (tens to a few thousand
+ * states, tens of thousands of transitions, milliseconds), and each reached by
+ * the schemas that cost minutes and gigabytes within about 100-300 ms. */
+#define KVS_GRAMMAR_MAX_VALUES 100000
+#define KVS_GRAMMAR_MAX_STATES 32768
+#define KVS_GRAMMAR_MAX_TRANSITIONS 1000000
+#define KVS_GRAMMAR_MAX_BYTES ((size_t)64 << 20)
+#define KVS_GRAMMAR_MAX_SECONDS 0.5
+#define KVS_GRAMMAR_MAX_MASK_WORK 8000000
+kvs_grammar_limits kvs_grammar_limits_default(void);
+
 /* JSON schema text -> grammar (refcount 1). Errors name the unsupported keyword
  * or bad field by its path from the schema's root, written "schema", e.g.
  * "schema.properties.age: 'format' is not supported" (a server prefixes its own
@@ -56,9 +87,26 @@ typedef struct kvs_grammar_matcher kvs_grammar_matcher; /* one sequence's positi
  * "<tool_call>\n" ... "\n</tool_call>"). */
 kvs_status kvs_grammar_from_json_schema(const char *schema, size_t len, const char *prefix, const char *suffix,
                                         kvs_grammar **out);
+/* The same within lim (NULL: no bounds). */
+kvs_status kvs_grammar_compile(const char *schema, size_t len, const char *prefix, const char *suffix,
+                               const kvs_grammar_limits *lim, kvs_grammar **out);
+/* Whether schema holds at most lim->max_values JSON values (KVS_ERR_UNSUPPORTED,
+ * naming the bound, otherwise): the first check of a compile, cheap enough to
+ * make before anything else is done with a schema. */
+kvs_status kvs_grammar_check_values(json_t *schema, const kvs_grammar_limits *lim);
+/* The same from the parsed schema (not changed), for a caller that has it. */
+kvs_status kvs_grammar_compile_value(json_t *schema, const char *prefix, const char *suffix,
+                                     const kvs_grammar_limits *lim, kvs_grammar **out);
 /* response_format json_object: any JSON object. */
 kvs_status kvs_grammar_json_object(kvs_grammar **out);
 kvs_grammar *kvs_grammar_ref(kvs_grammar *g);
+/* The memory g holds: its automaton and what its masks cached so far. */
+size_t kvs_grammar_bytes(kvs_grammar *g);
+/* Computes g's first mask for v ahead of its first request (a server does
+ * this off the engine's thread), bounded by the grammar's max_mask_work:
+ * KVS_ERR_UNSUPPORTED, naming the bound, when it passes it or when more
+ * alternatives are open at once than a state holds (they would be cut). */
+kvs_status kvs_grammar_warm(kvs_grammar *g, const kvs_grammar_vocab *v);
 /* Drops the masks cached by state (keeping what each node decides alone): for
  * benchmarks, or to give memory back. */
 void kvs_grammar_forget_masks(kvs_grammar *g);
@@ -81,8 +129,11 @@ kvs_status kvs_grammar_matcher_create(kvs_grammar *g, const kvs_grammar_vocab *v
  * prefix (or, an end id, ends a complete one). After an end id: only end ids.
  * All zero only where nesting went past KVS_GRAMMAR_MAX_DEPTH (nothing can
  * follow): the caller ends the request. A grammar may serve matchers on
- * several threads (its caches take a lock); a matcher is one thread's. */
-void kvs_grammar_matcher_mask(kvs_grammar_matcher *m, uint32_t *bits);
+ * several threads (its caches take a lock); a matcher is one thread's.
+ * KVS_ERR_UNSUPPORTED (naming the bound) when the mask would take more than
+ * the grammar's max_mask_work; KVS_ERR_NOMEM: out of memory. bits is then not
+ * a mask: the caller ends the request. */
+kvs_status kvs_grammar_matcher_mask(kvs_grammar_matcher *m, uint32_t *bits);
 /* Advances by one token; KVS_ERR_INVALID (naming the token) when the mask
  * forbids it, the matcher unchanged. */
 kvs_status kvs_grammar_matcher_accept(kvs_grammar_matcher *m, int32_t id);
@@ -102,7 +153,7 @@ int kvs_grammar_matcher_bytes_to_complete(const kvs_grammar_matcher *m);
  * (the vocabulary cannot spell a shortest completion), the tokens of the mask
  * that leave the fewest bytes to complete. The matcher is unchanged. Slower
  * than the mask, not cached: for the last tokens of a budget. */
-void kvs_grammar_matcher_closing_mask(kvs_grammar_matcher *m, uint32_t *bits);
+kvs_status kvs_grammar_matcher_closing_mask(kvs_grammar_matcher *m, uint32_t *bits); /* failures as the mask's */
 
 /* The bytes accepted so far, without the matcher's tokens: true when bytes[0..n)
  * keeps the output a valid prefix (for tests and tool-call parsing). */

@@ -14,10 +14,28 @@ typedef struct {
     uint8_t kind, lo, hi; /* GR_BYTES: the range lo..hi */
     int32_t rule;         /* GR_CALL: the rule called; to is where it returns */
 } gr_edge;
+/* What one compile has spent against its bounds (kvs_grammar_limits); shared by
+ * every rule's NFA and the determinization. NULL: no bounds. */
+typedef struct {
+    kvs_grammar_limits lim;
+    double t_end;       /* kvs_now() past which the compile stops (0: none) */
+    size_t transitions; /* NFA edges built */
+    size_t bytes;       /* memory held now: NFA edges, subset sets, DFA nodes and calls */
+    unsigned checks;
+    kvs_status code;    /* the first bound passed (KVS_OK: none) and why */
+    char why[200];
+} gr_budget;
+void gr_budget_init(gr_budget *b, const kvs_grammar_limits *lim);
+/* false once a bound is passed (the clock and the cancel flag are read every few hundred calls) */
+bool gr_budget_ok(gr_budget *b);
+bool gr_budget_bytes(gr_budget *b, ptrdiff_t n); /* n bytes more (negative: freed) */
+kvs_status gr_budget_status(const gr_budget *b); /* the failure, as kvs_fail */
+
 typedef struct {
     gr_edge *edges;
     int n_edges, cap_edges;
     int n_states, start, final;
+    gr_budget *budget;
 } gr_nfa;
 
 int gr_nfa_state(gr_nfa *a); /* -1 when out of memory */
@@ -50,10 +68,12 @@ struct kvs_grammar {
     gr_mask_cache *cache; /* masks by state, for one vocabulary (vocab.c) */
     int32_t *min_bytes;   /* [min_bytes_levels][n_nodes + 1] the fewest bytes from each node to its rule's */
     int min_bytes_levels; /* return, calls nested at most k deep (close.c), built on first use */
+    uint64_t mask_work;   /* matcher steps a mask may take (0: no bound) */
 };
 
 /* Determinizes rules[0..n_rules) into a grammar whose root is rules[root]. */
-kvs_status gr_compile(gr_nfa *const *rules, int n_rules, int root, kvs_grammar **out);
+kvs_status gr_compile(gr_nfa *const *rules, int n_rules, int root, gr_budget *budget, kvs_grammar **out);
+size_t gr_mask_cache_bytes(const gr_mask_cache *c); /* under the grammar's cache_lock */
 void gr_mask_cache_free(gr_mask_cache *c);
 
 /* ---- states: a set of stacks of nodes (matcher.c) --------------------------------------
@@ -64,13 +84,22 @@ typedef struct {
     int len, cap, n_stacks;
     bool cut; /* stacks were dropped making it (depth limit, closure budget, too many stacks) */
 } gr_state;
+/* A walk's scratch and its work: the stacks a byte's closure visited, the
+ * steps taken (stacks moved or expanded) and the most it may take (0: any). */
+typedef struct {
+    gr_state seen;
+    uint64_t work, max_work;
+    bool over; /* max_work was passed: the walk stopped */
+} gr_walk;
 bool gr_state_accepted(const gr_state *s);
-/* out = the state after byte b; false when out of memory */
-bool gr_advance(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen);
+/* out = the state after byte b; false when out of memory or past w's max_work */
+bool gr_advance(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_walk *w);
 /* the same, keeping stacks up to limit deep */
-bool gr_advance_limited(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen, int limit);
+bool gr_advance_limited(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_walk *w, int limit);
 bool gr_state_single(gr_state *out, int32_t node); /* out = the one stack [node] */
-bool gr_initial(const kvs_grammar *g, gr_state *out, gr_state *seen);
+bool gr_initial(const kvs_grammar *g, gr_state *out, gr_walk *w);
+void gr_walk_start(gr_walk *w, const kvs_grammar *g); /* work 0, the grammar's mask bound */
+kvs_status gr_walk_failed(const gr_walk *w);          /* why a walk returned false, as kvs_fail */
 void gr_state_free(gr_state *s);
 uint64_t gr_state_hash(const gr_state *s);
 
@@ -78,7 +107,8 @@ uint64_t gr_state_hash(const gr_state *s);
 struct kvs_grammar_matcher {
     kvs_grammar *g;
     const kvs_grammar_vocab *v;
-    gr_state state, next, tmp, seen;
+    gr_state state, next, tmp;
+    gr_walk walk;
     gr_state *levels; /* [v->max_depth + 1]: the mask walk's state at each trie depth */
     bool ended;
 };
@@ -101,7 +131,7 @@ struct kvs_grammar_vocab {
 /* bits[] for state s: every token whose bytes keep s alive, the end ids when s is accepted.
  * levels: [v->max_depth + 1] scratch states. */
 bool gr_mask_compute(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, gr_state *levels,
-                     gr_state *seen, uint32_t *bits);
+                     gr_walk *w, uint32_t *bits);
 /* The cached mask of s for v into bits (true), or false if none. */
 bool gr_cache_get(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, uint32_t *bits);
 void gr_cache_put(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, const uint32_t *bits);

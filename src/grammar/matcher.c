@@ -65,14 +65,28 @@ uint64_t gr_state_hash(const gr_state *s) {
 
 typedef struct {
     const kvs_grammar *g;
-    gr_state *out, *seen;
+    gr_state *out;
+    gr_walk *w;
     int budget, limit; /* expansions left for this input stack; the deepest stack kept */
     bool ok;
 } closure_run;
 
+/* cost more units of w's work; false once past its bound */
+static bool step(gr_walk *w, uint64_t cost) {
+    w->work += cost;
+    if (w->work <= w->max_work || !w->max_work) return true;
+    w->over = true;
+    return false;
+}
+
 /* stack[0..depth) with stack[depth - 1] just reached; stack has room for MAX_DEPTH + 1 */
 static void closure(closure_run *c, int32_t *stack, int depth) {
     if (!c->ok) return;
+    /* a visit scans the stacks kept and seen so far (contains): count those */
+    if (!step(c->w, 1 + (uint64_t)c->out->n_stacks + (uint64_t)c->w->seen.n_stacks)) {
+        c->ok = false;
+        return;
+    }
     if (--c->budget < 0) {
         c->out->cut = true;
         return;
@@ -83,8 +97,8 @@ static void closure(closure_run *c, int32_t *stack, int depth) {
     }
     const gr_node *n = &c->g->nodes[stack[depth - 1]];
     if (n->n_calls || n->final) { /* branches: visit each stack once */
-        if (contains(c->seen, stack, depth)) return;
-        if (!(c->ok = add(c->seen, stack, depth))) return;
+        if (contains(&c->w->seen, stack, depth)) return;
+        if (!(c->ok = add(&c->w->seen, stack, depth))) return;
     }
     if (n->has_bytes && !(c->ok = add(c->out, stack, depth))) return;
     int32_t top = stack[depth - 1];
@@ -116,12 +130,13 @@ static bool advance_plain(const kvs_grammar *g, const gr_state *in, uint8_t b, g
     return true;
 }
 
-bool gr_advance_limited(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen, int limit) {
+bool gr_advance_limited(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_walk *w, int limit) {
+    if (!step(w, 1)) return false;
     if (in->n_stacks == 1 && in->v[0] > 0 && advance_plain(g, in, b, out)) return true;
     int32_t stack[KVS_GRAMMAR_MAX_DEPTH + 1];
-    closure_run c = {g, out, seen, CLOSURE_BUDGET, limit, true};
+    closure_run c = {g, out, w, CLOSURE_BUDGET, limit, true};
     clear(out);
-    clear(seen);
+    clear(&w->seen);
     for (int i = 0; i < in->len && c.ok; i += 1 + in->v[i]) {
         int depth = in->v[i];
         if (depth == 0) continue;
@@ -135,8 +150,8 @@ bool gr_advance_limited(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_
     return c.ok;
 }
 
-bool gr_advance(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_state *seen) {
-    return gr_advance_limited(g, in, b, out, seen, KVS_GRAMMAR_MAX_DEPTH);
+bool gr_advance(const kvs_grammar *g, const gr_state *in, uint8_t b, gr_state *out, gr_walk *w) {
+    return gr_advance_limited(g, in, b, out, w, KVS_GRAMMAR_MAX_DEPTH);
 }
 
 bool gr_state_single(gr_state *out, int32_t node) {
@@ -144,11 +159,11 @@ bool gr_state_single(gr_state *out, int32_t node) {
     return add(out, &node, 1);
 }
 
-bool gr_initial(const kvs_grammar *g, gr_state *out, gr_state *seen) {
+bool gr_initial(const kvs_grammar *g, gr_state *out, gr_walk *w) {
     int32_t stack[KVS_GRAMMAR_MAX_DEPTH + 1] = {g->root};
-    closure_run c = {g, out, seen, CLOSURE_BUDGET, KVS_GRAMMAR_MAX_DEPTH, true};
+    closure_run c = {g, out, w, CLOSURE_BUDGET, KVS_GRAMMAR_MAX_DEPTH, true};
     clear(out);
-    clear(seen);
+    clear(&w->seen);
     closure(&c, stack, 1);
     return c.ok;
 }
@@ -189,15 +204,16 @@ static bool canonical(gr_state *s, gr_state *tmp) {
 }
 
 bool kvs_grammar_accepts_prefix(const kvs_grammar *g, const char *bytes, size_t n, bool *complete) {
-    gr_state a = {0}, b = {0}, seen = {0};
-    bool ok = gr_initial(g, &a, &seen);
+    gr_state a = {0}, b = {0};
+    gr_walk w = {0};
+    bool ok = gr_initial(g, &a, &w);
     for (size_t i = 0; ok && i < n && a.n_stacks; i++) {
-        ok = gr_advance(g, &a, (uint8_t)bytes[i], &b, &seen);
+        ok = gr_advance(g, &a, (uint8_t)bytes[i], &b, &w);
         swap(&a, &b);
     }
     ok = ok && a.n_stacks > 0;
     if (complete) *complete = ok && gr_state_accepted(&a);
-    gr_state_free(&a), gr_state_free(&b), gr_state_free(&seen);
+    gr_state_free(&a), gr_state_free(&b), gr_state_free(&w.seen);
     return ok;
 }
 
@@ -207,8 +223,8 @@ kvs_status kvs_grammar_matcher_create(kvs_grammar *g, const kvs_grammar_vocab *v
     if (!g || !v) return kvs_fail(KVS_ERR_INVALID, "grammar matcher: NULL grammar or vocabulary");
     kvs_grammar_matcher *m = calloc(1, sizeof *m);
     if (m) m->levels = calloc((size_t)v->max_depth + 1, sizeof *m->levels);
-    if (!m || !m->levels || !gr_initial(g, &m->state, &m->seen)) {
-        if (m) free(m->levels), gr_state_free(&m->state), gr_state_free(&m->seen);
+    if (!m || !m->levels || !gr_initial(g, &m->state, &m->walk)) {
+        if (m) free(m->levels), gr_state_free(&m->state), gr_state_free(&m->walk.seen);
         free(m);
         return kvs_fail(KVS_ERR_NOMEM, "grammar matcher: out of memory");
     }
@@ -222,7 +238,7 @@ void kvs_grammar_matcher_destroy(kvs_grammar_matcher *m) {
     if (!m) return;
     for (int i = 0; i <= m->v->max_depth; i++) gr_state_free(&m->levels[i]);
     free(m->levels);
-    gr_state_free(&m->state), gr_state_free(&m->next), gr_state_free(&m->tmp), gr_state_free(&m->seen);
+    gr_state_free(&m->state), gr_state_free(&m->next), gr_state_free(&m->tmp), gr_state_free(&m->walk.seen);
     kvs_grammar_unref(m->g);
     free(m);
 }
@@ -235,13 +251,55 @@ static void end_ids_only(const kvs_grammar_vocab *v, uint32_t *bits) {
     for (int i = 0; i < v->n_end; i++) bits[v->end_ids[i] / 32] |= 1u << (v->end_ids[i] % 32);
 }
 
-void kvs_grammar_matcher_mask(kvs_grammar_matcher *m, uint32_t *bits) {
+/* the walk's bound restarted for one mask */
+void gr_walk_start(gr_walk *w, const kvs_grammar *g) {
+    w->work = 0;
+    w->max_work = g->mask_work;
+    w->over = false;
+}
+
+kvs_status gr_walk_failed(const gr_walk *w) {
+    if (!w->over) return kvs_fail(KVS_ERR_NOMEM, "structured output: out of memory computing a token mask");
+    return kvs_fail(KVS_ERR_UNSUPPORTED,
+                    "structured output: a token mask of this schema takes more than the bound of %llu matcher steps",
+                    (unsigned long long)w->max_work);
+}
+
+kvs_status kvs_grammar_matcher_mask(kvs_grammar_matcher *m, uint32_t *bits) {
     if (m->ended) {
         end_ids_only(m->v, bits);
-        return;
+        return KVS_OK;
     }
-    if (gr_cache_get(m->g, m->v, &m->state, bits)) return;
-    if (gr_mask_compute(m->g, m->v, &m->state, m->levels, &m->seen, bits)) gr_cache_put(m->g, m->v, &m->state, bits);
+    if (gr_cache_get(m->g, m->v, &m->state, bits)) return KVS_OK;
+    gr_walk_start(&m->walk, m->g);
+    if (!gr_mask_compute(m->g, m->v, &m->state, m->levels, &m->walk, bits)) return gr_walk_failed(&m->walk);
+    gr_cache_put(m->g, m->v, &m->state, bits);
+    return KVS_OK;
+}
+
+#define WARM_TOKENS 8 /* masks kvs_grammar_warm computes along a walk from the start */
+
+kvs_status kvs_grammar_warm(kvs_grammar *g, const kvs_grammar_vocab *v) {
+    kvs_grammar_matcher *m;
+    KVS_TRY(kvs_grammar_matcher_create(g, v, &m));
+    kvs_status st = KVS_OK;
+    if (m->state.cut)
+        st = kvs_fail(KVS_ERR_UNSUPPORTED, "schema: more than %d alternatives (anyOf, oneOf, type lists) are open at "
+                      "its start, past the bound of a matcher's state", MAX_STACKS);
+    uint32_t *bits = st == KVS_OK ? malloc((size_t)(v->n_tokens + 31) / 32 * sizeof *bits) : NULL;
+    if (st == KVS_OK && !bits) st = kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
+    /* the first masks along one output (each step its first token that is not an end id):
+       where a schema's masks cost most, their first states, before the engine meets them */
+    for (int k = 0; st == KVS_OK && k < WARM_TOKENS && !m->ended; k++) {
+        st = kvs_grammar_matcher_mask(m, bits);
+        int pick = -1;
+        for (int id = 0; st == KVS_OK && pick < 0 && id < v->n_tokens; id++)
+            if ((bits[id / 32] >> (id % 32) & 1) && !v->is_end[id]) pick = id;
+        if (pick < 0 || kvs_grammar_matcher_accept(m, pick) != KVS_OK) break;
+    }
+    free(bits);
+    kvs_grammar_matcher_destroy(m);
+    return st;
 }
 
 kvs_status kvs_grammar_matcher_accept(kvs_grammar_matcher *m, int32_t id) {
@@ -256,9 +314,10 @@ kvs_status kvs_grammar_matcher_accept(kvs_grammar_matcher *m, int32_t id) {
     if (m->ended) return kvs_fail(KVS_ERR_INVALID, "grammar: token %d after the end of the output", id);
     if (!v->lens[id]) return kvs_fail(KVS_ERR_INVALID, "grammar: token %d has no text the grammar can take", id);
     /* into m->next (and m->tmp), so that a rejected token leaves m->state as it was */
-    bool ok = gr_advance(m->g, &m->state, (uint8_t)v->bytes[id][0], &m->next, &m->seen);
+    m->walk.max_work = 0; /* a token's bytes: bounded by the mask that allowed it */
+    bool ok = gr_advance(m->g, &m->state, (uint8_t)v->bytes[id][0], &m->next, &m->walk);
     for (size_t i = 1; ok && i < v->lens[id] && m->next.n_stacks; i++) {
-        ok = gr_advance(m->g, &m->next, (uint8_t)v->bytes[id][i], &m->tmp, &m->seen);
+        ok = gr_advance(m->g, &m->next, (uint8_t)v->bytes[id][i], &m->tmp, &m->walk);
         swap(&m->next, &m->tmp);
     }
     if (ok && m->next.n_stacks) ok = canonical(&m->next, &m->tmp);

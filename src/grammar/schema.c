@@ -19,7 +19,8 @@ typedef struct {
     json_t *refs; /* "$ref" text -> rule id */
     int r_string, r_integer, r_number, r_any;
     int nesting;
-    bool oom;
+    bool oom;          /* out of memory, or past the budget (then budget.code says which bound) */
+    gr_budget *budget; /* NULL: no bounds */
 } builder;
 
 /* ---- NFA helpers: out of memory is remembered and reported once ---------------------- */
@@ -67,9 +68,12 @@ static kvs_status new_rule(builder *b, int *r) {
     }
     gr_nfa *a = calloc(1, sizeof *a);
     if (!a) return kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
+    a->budget = b->budget;
+    if (!gr_budget_bytes(b->budget, sizeof *a)) b->oom = true;
     b->rules[*r = b->n_rules++] = a;
     a->start = gr_nfa_state(a);
     a->final = gr_nfa_state(a);
+    if (a->start < 0 || a->final < 0) b->oom = true, a->start = a->final = 0;
     return KVS_OK;
 }
 
@@ -361,11 +365,20 @@ static kvs_status object_value(builder *b, int r, int x, json_t *s, const char *
     if (extra && !json_is_boolean(extra) && !json_is_object(extra))
         return kvs_fail(KVS_ERR_INVALID, "%s.additionalProperties must be a boolean or a schema", path);
     size_t n = props ? json_object_size(props) : 0;
+    json_t *req_names = json_object(); /* the required names, looked up once per property */
+    if (!req_names) return kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
     for (size_t i = 0; req && i < json_array_size(req); i++) {
         json_t *name = json_array_get(req, i);
-        if (!json_is_string(name)) return kvs_fail(KVS_ERR_INVALID, "%s.required[%zu] must be a string", path, i);
-        if (!json_object_get(props, json_string_value(name)))
-            return kvs_fail(KVS_ERR_INVALID, "%s.required[%zu]: '%.64s' is not in properties", path, i, json_string_value(name));
+        kvs_status bad = KVS_OK;
+        if (!json_is_string(name)) bad = kvs_fail(KVS_ERR_INVALID, "%s.required[%zu] must be a string", path, i);
+        else if (!json_object_get(props, json_string_value(name)))
+            bad = kvs_fail(KVS_ERR_INVALID, "%s.required[%zu]: '%.64s' is not in properties", path, i, json_string_value(name));
+        else if (json_object_set(req_names, json_string_value(name), json_true()))
+            bad = kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
+        if (bad != KVS_OK) {
+            json_decref(req_names);
+            return bad;
+        }
     }
     if (n == 0 && !json_is_false(extra)) { /* a map: any keys, values of additionalProperties (or any) */
         int key, value;
@@ -384,9 +397,8 @@ static kvs_status object_value(builder *b, int r, int x, json_t *s, const char *
     json_t *ps;
     size_t i = 0;
     json_object_foreach(props, name, ps) {
-        if (st != KVS_OK) break;
-        for (size_t k = 0; req && k < json_array_size(req); k++)
-            required[i] |= !strcmp(json_string_value(json_array_get(req, k)), name);
+        if (st != KVS_OK || b->oom) break;
+        required[i] = json_object_get(req_names, name) != NULL;
         int value;
         snprintf(sub, sizeof sub, "%s.properties.%s", path, name);
         st = rule_of(b, ps, sub, &value);
@@ -396,21 +408,26 @@ static kvs_status object_value(builder *b, int r, int x, json_t *s, const char *
         after[i] = call_new(b, r, ws(b, r, colon), value);
         i++;
     }
-    /* from the start (p = -1) or after property p: the next ones up to the first required */
-    for (int p = -1; st == KVS_OK && p < (int)n; p++) {
-        int from = p < 0 ? open : p + 1 < (int)n ? ws(b, r, lit_str(b, r, after[p], ",")) : -1;
-        bool closes = true;
-        for (size_t q = (size_t)(p + 1); q < n; q++) {
-            eps(b, r, from, key_start[q]);
-            if (required[q]) {
-                closes = false;
-                break;
-            }
+    /* a chain deciding each property in turn: "first" while none has been written
+       (no comma before the next), "more" after one; an optional one may be
+       skipped, so each step costs a few states and edges whatever follows */
+    int first = open, more = -1;
+    for (size_t q = 0; st == KVS_OK && q < n; q++) {
+        int first_next = state(b, r), more_next = state(b, r);
+        eps(b, r, first, key_start[q]);
+        if (more >= 0) eps(b, r, ws(b, r, lit_str(b, r, more, ",")), key_start[q]);
+        eps(b, r, after[q], more_next);
+        if (!required[q]) {
+            eps(b, r, first, first_next);
+            if (more >= 0) eps(b, r, more, more_next);
         }
-        if (closes) eps(b, r, p < 0 ? open : after[p], end);
+        first = first_next, more = more_next;
     }
+    eps(b, r, first, end); /* reachable only when no property is required */
+    if (more >= 0) eps(b, r, more, end);
     *to = lit_str(b, r, end, "}");
     free(required), free(key_start), free(after);
+    json_decref(req_names);
     return st;
 }
 
@@ -446,7 +463,7 @@ static kvs_status alternatives(builder *b, int r, int x, json_t *s, json_t *alts
     if (!json_is_array(alts) || json_array_size(alts) == 0)
         return kvs_fail(KVS_ERR_INVALID, "%s.%s must be a non-empty array", path, key);
     *to = state(b, r);
-    for (size_t i = 0; i < json_array_size(alts); i++) {
+    for (size_t i = 0; i < json_array_size(alts) && !b->oom; i++) {
         json_t *alt = json_array_get(alts, i);
         int rule;
         snprintf(sub, sizeof sub, "%s.%s[%zu]", path, key, i);
@@ -499,6 +516,7 @@ static kvs_status value(builder *b, int r, int x, json_t *s, const char *path, i
         *to = call_new(b, r, x, rule);
         return KVS_OK;
     }
+    if (b->oom) return kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory"); /* or past a bound: build() says which */
     if (!json_is_object(s)) return kvs_fail(KVS_ERR_INVALID, "%s must be a schema (an object)", path);
     if (++b->nesting > MAX_NESTING) return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: schemas nested deeper than %d", path, MAX_NESTING);
     KVS_TRY(check_keywords(s, path));
@@ -512,7 +530,8 @@ static kvs_status value(builder *b, int r, int x, json_t *s, const char *path, i
         if (!json_is_array(v) || json_array_size(v) == 0)
             return kvs_fail(KVS_ERR_INVALID, "%s.enum must be a non-empty array", path);
         *to = state(b, r);
-        for (size_t i = 0; i < json_array_size(v) && st == KVS_OK; i++) eps(b, r, literal(b, r, x, json_array_get(v, i), path, &st), *to);
+        for (size_t i = 0; i < json_array_size(v) && st == KVS_OK && !b->oom; i++)
+            eps(b, r, literal(b, r, x, json_array_get(v, i), path, &st), *to);
     } else if ((v = json_object_get(s, "anyOf")) || (v = json_object_get(s, "oneOf"))) {
         st = alternatives(b, r, x, s, v, json_object_get(s, "anyOf") ? "anyOf" : "oneOf", path, to);
     } else if (json_is_array(type)) {
@@ -551,6 +570,7 @@ static kvs_status rule_of(builder *b, json_t *s, const char *path, int *rule) {
 
 static void builder_free(builder *b) {
     for (int i = 0; i < b->n_rules; i++) {
+        gr_budget_bytes(b->budget, -(ptrdiff_t)sizeof *b->rules[i]);
         gr_nfa_free(b->rules[i]);
         free(b->rules[i]);
     }
@@ -558,10 +578,33 @@ static void builder_free(builder *b) {
     json_decref(b->refs);
 }
 
+/* the JSON values in v, counted up to past limit */
+static int count_values(json_t *v, int limit) {
+    int n = 1;
+    size_t i;
+    const char *k;
+    json_t *x;
+    if (json_is_array(v))
+        json_array_foreach(v, i, x) if ((n += count_values(x, limit - n)) > limit) return n;
+    if (json_is_object(v))
+        json_object_foreach(v, k, x) if ((n += count_values(x, limit - n)) > limit) return n;
+    return n;
+}
+
+kvs_status kvs_grammar_check_values(json_t *schema, const kvs_grammar_limits *lim) {
+    if (schema && lim && lim->max_values > 0 && count_values(schema, lim->max_values) > lim->max_values)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "schema: it holds more than the bound of %d JSON values", lim->max_values);
+    return KVS_OK;
+}
+
 /* the root rule: prefix, the value, suffix */
-static kvs_status build(json_t *schema, bool object_only, const char *prefix, const char *suffix, kvs_grammar **out) {
+static kvs_status build(json_t *schema, bool object_only, const char *prefix, const char *suffix,
+                        const kvs_grammar_limits *lim, kvs_grammar **out) {
+    KVS_TRY(kvs_grammar_check_values(schema, lim));
+    gr_budget budget;
+    gr_budget_init(&budget, lim);
     builder b = {.root = schema, .refs = json_object(), .r_string = -1, .r_integer = -1,
-                 .r_number = -1, .r_any = -1};
+                 .r_number = -1, .r_any = -1, .budget = lim ? &budget : NULL};
     int root, to, key, any;
     kvs_status st = b.refs ? new_rule(&b, &root) : kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
     if (st == KVS_OK) {
@@ -575,24 +618,44 @@ static kvs_status build(json_t *schema, bool object_only, const char *prefix, co
         }
         if (st == KVS_OK) eps(&b, root, lit_str(&b, root, to, suffix ? suffix : ""), nfa(&b, root)->final);
     }
-    if (st == KVS_OK && b.oom) st = kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory building the schema's rules");
-    if (st == KVS_OK) st = gr_compile(b.rules, b.n_rules, root, out);
+    if (st != KVS_OK && b.budget && budget.code != KVS_OK) st = gr_budget_status(&budget); /* the bound, not its echo */
+    if (st == KVS_OK && b.oom)
+        st = b.budget && budget.code != KVS_OK ? gr_budget_status(&budget)
+                                               : kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory building the schema's rules");
+    if (st == KVS_OK) st = gr_compile(b.rules, b.n_rules, root, b.budget, out);
     builder_free(&b);
+    if (st == KVS_OK && lim) (*out)->mask_work = lim->max_mask_work;
     return st;
 }
 
-kvs_status kvs_grammar_from_json_schema(const char *schema, size_t len, const char *prefix, const char *suffix,
-                                        kvs_grammar **out) {
+kvs_grammar_limits kvs_grammar_limits_default(void) {
+    return (kvs_grammar_limits){KVS_GRAMMAR_MAX_VALUES,  KVS_GRAMMAR_MAX_STATES,   KVS_GRAMMAR_MAX_TRANSITIONS,
+                                KVS_GRAMMAR_MAX_BYTES,   KVS_GRAMMAR_MAX_SECONDS, KVS_GRAMMAR_MAX_MASK_WORK, NULL};
+}
+
+kvs_status kvs_grammar_compile(const char *schema, size_t len, const char *prefix, const char *suffix,
+                               const kvs_grammar_limits *lim, kvs_grammar **out) {
     *out = NULL;
     json_error_t err;
     json_t *s = json_loadb(schema, len, JSON_DECODE_ANY, &err);
     if (!s) return kvs_fail(KVS_ERR_INVALID, "schema: not JSON (%s at line %d)", err.text, err.line);
-    kvs_status st = build(s, false, prefix, suffix, out);
+    kvs_status st = build(s, false, prefix, suffix, lim, out);
     json_decref(s);
     return st;
 }
 
+kvs_status kvs_grammar_compile_value(json_t *schema, const char *prefix, const char *suffix,
+                                     const kvs_grammar_limits *lim, kvs_grammar **out) {
+    *out = NULL;
+    return build(schema, false, prefix, suffix, lim, out);
+}
+
+kvs_status kvs_grammar_from_json_schema(const char *schema, size_t len, const char *prefix, const char *suffix,
+                                        kvs_grammar **out) {
+    return kvs_grammar_compile(schema, len, prefix, suffix, NULL, out);
+}
+
 kvs_status kvs_grammar_json_object(kvs_grammar **out) {
     *out = NULL;
-    return build(NULL, true, NULL, NULL, out);
+    return build(NULL, true, NULL, NULL, NULL, out);
 }

@@ -169,10 +169,10 @@ static void end_bits(const kvs_grammar_vocab *v, const gr_state *s, uint32_t *bi
 
 /* the whole trie from s */
 static bool full_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, gr_state *levels,
-                      gr_state *seen, uint32_t *bits) {
+                      gr_walk *w, uint32_t *bits) {
     for (int i = 0; i < v->n_nodes;) {
         int d = v->depth[i];
-        if (!gr_advance(g, d == 1 ? s : &levels[d - 1], v->byte[i], &levels[d], seen)) return false;
+        if (!gr_advance(g, d == 1 ? s : &levels[d - 1], v->byte[i], &levels[d], w)) return false;
         if (!levels[d].n_stacks) {
             i = v->skip[i];
             continue;
@@ -207,7 +207,7 @@ static bool push_pos(node_table *t, int *cap, int32_t pos) {
 }
 
 static node_table *node_table_build(const kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels,
-                                    gr_state *seen) {
+                                    gr_walk *w) {
     node_table *t = calloc(1, sizeof *t);
     uint8_t *popped = malloc((size_t)v->max_depth + 2);
     gr_state start = {0};
@@ -218,7 +218,7 @@ static node_table *node_table_build(const kvs_grammar *g, const kvs_grammar_voca
     for (int i = 0; ok && t->usable && i < v->n_nodes;) {
         int d = v->depth[i];
         gr_state *l = &levels[d];
-        ok = gr_advance_limited(g, d == 1 ? &start : &levels[d - 1], v->byte[i], l, seen, LOCAL_DEPTH + 1);
+        ok = gr_advance_limited(g, d == 1 ? &start : &levels[d - 1], v->byte[i], l, w, LOCAL_DEPTH + 1);
         if (l->cut || l->n_stacks > LOCAL_STACKS) t->usable = false;
         bool returned = gr_state_accepted(l); /* the empty stack: node's rule returned */
         popped[d] = popped[d - 1] | returned;
@@ -247,7 +247,7 @@ static int cmp_pos(const void *x, const void *y) {
 
 /* the tokens at positions pos[0..n) (trie order) from s, sharing the states of common prefixes */
 static bool list_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, const int32_t *pos, int n,
-                      gr_state *levels, gr_state *seen, uint32_t *bits) {
+                      gr_state *levels, gr_walk *w, uint32_t *bits) {
     const char *prev = NULL;
     size_t prev_len = 0, have = 0, dead = SIZE_MAX; /* levels[1..have] hold prev's prefixes; prefix of length dead is rejected */
     for (int k = 0; k < n; k++) {
@@ -260,7 +260,7 @@ static bool list_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr
         if (have > lcp) have = lcp;
         dead = SIZE_MAX;
         for (size_t d = have + 1; d <= len; d++) {
-            if (!gr_advance(g, d == 1 ? s : &levels[d - 1], (uint8_t)b[d - 1], &levels[d], seen)) return false;
+            if (!gr_advance(g, d == 1 ? s : &levels[d - 1], (uint8_t)b[d - 1], &levels[d], w)) return false;
             have = d;
             if (!levels[d].n_stacks) {
                 dead = d;
@@ -274,10 +274,10 @@ static bool list_walk(const kvs_grammar *g, const kvs_grammar_vocab *v, const gr
     return true;
 }
 
-static node_table *table_for(kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_state *seen);
+static node_table *table_for(kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_walk *w);
 
 bool gr_mask_compute(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state *s, gr_state *levels,
-                     gr_state *seen, uint32_t *bits) {
+                     gr_walk *w, uint32_t *bits) {
     size_t n_words = (size_t)(v->n_tokens + 31) / 32;
     memset(bits, 0, n_words * sizeof *bits);
     end_bits(v, s, bits);
@@ -287,21 +287,21 @@ bool gr_mask_compute(kvs_grammar *g, const kvs_grammar_vocab *v, const gr_state 
     int n_t = 0, n_pos = 0;
     for (int i = 0; tables && i < s->len; i += 1 + s->v[i]) {
         if (s->v[i] == 0) continue;
-        t[n_t] = table_for(g, v, s->v[i + s->v[i]], levels, seen);
+        t[n_t] = table_for(g, v, s->v[i + s->v[i]], levels, w);
         tables = t[n_t] && t[n_t]->usable;
         if (tables) n_pos += t[n_t++]->n_uncertain;
     }
-    if (!tables) return full_walk(g, v, s, levels, seen, bits);
+    if (!tables) return full_walk(g, v, s, levels, w, bits);
     int32_t *pos = malloc(((size_t)n_pos + 1) * sizeof *pos);
     if (!pos) return false;
     n_pos = 0;
     for (int k = 0; k < n_t; k++) {
-        for (size_t w = 0; w < n_words; w++) bits[w] |= t[k]->accepted[w];
+        for (size_t i = 0; i < n_words; i++) bits[i] |= t[k]->accepted[i];
         if (t[k]->n_uncertain) memcpy(pos + n_pos, t[k]->uncertain, (size_t)t[k]->n_uncertain * sizeof *pos);
         n_pos += t[k]->n_uncertain;
     }
     if (n_t > 1) qsort(pos, (size_t)n_pos, sizeof *pos, cmp_pos);
-    bool ok = list_walk(g, v, s, pos, n_pos, levels, seen, bits);
+    bool ok = list_walk(g, v, s, pos, n_pos, levels, w, bits);
     free(pos);
     return ok;
 }
@@ -320,7 +320,13 @@ struct gr_mask_cache {
     size_t cap, n, bytes, n_words;
     node_table **tables; /* [n_tables = grammar nodes], built on first use */
     int n_tables;
+    size_t table_bytes;  /* the tables' memory */
 };
+
+size_t gr_mask_cache_bytes(const gr_mask_cache *c) {
+    return c ? sizeof *c + c->cap * sizeof *c->slots + (size_t)c->n_tables * sizeof *c->tables + c->bytes + c->table_bytes
+             : 0;
+}
 
 static void cache_clear(gr_mask_cache *c) {
     for (size_t i = 0; i < c->cap; i++) free(c->slots[i].key), free(c->slots[i].bits);
@@ -485,33 +491,34 @@ static void shared_put(const kvs_grammar_vocab *v, int32_t offset, int32_t *shap
 }
 
 /* a node's table: a copy of the shared one when its rule calls nothing, else built */
-static node_table *table_make(const kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_state *seen) {
+static node_table *table_make(const kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_walk *w) {
     const gr_node *n = &g->nodes[node];
-    if (!n->plain || n->rule_size > SHARED_RULE_NODES) return node_table_build(g, v, node, levels, seen);
+    if (!n->plain || n->rule_size > SHARED_RULE_NODES) return node_table_build(g, v, node, levels, w);
     uint64_t h;
     int32_t *shape = rule_shape(g, node, &h), offset = node - n->rule_base;
     node_table *t = shape ? shared_get(v, offset, shape, n->rule_size, h) : NULL;
     if (t || !shape) {
         free(shape);
-        return t ? t : node_table_build(g, v, node, levels, seen);
+        return t ? t : node_table_build(g, v, node, levels, w);
     }
-    t = node_table_build(g, v, node, levels, seen);
+    t = node_table_build(g, v, node, levels, w);
     if (t) shared_put(v, offset, shape, n->rule_size, h, t);
     else free(shape);
     return t;
 }
 
 /* node's table: kept in the cache, built (outside the lock) on first use; NULL when out of memory */
-static node_table *table_for(kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_state *seen) {
+static node_table *table_for(kvs_grammar *g, const kvs_grammar_vocab *v, int32_t node, gr_state *levels, gr_walk *w) {
     pthread_mutex_lock(&g->cache_lock);
     gr_mask_cache *c = cache_for(g, v);
     node_table *t = c ? c->tables[node] : NULL;
     pthread_mutex_unlock(&g->cache_lock);
     if (t || !c) return t;
-    if (!(t = table_make(g, v, node, levels, seen))) return NULL;
+    if (!(t = table_make(g, v, node, levels, w))) return NULL;
     pthread_mutex_lock(&g->cache_lock);
     c = cache_for(g, v);
     node_table *keep = !c ? NULL : c->tables[node] ? c->tables[node] : (c->tables[node] = t);
+    if (keep == t) c->table_bytes += sizeof *t + c->n_words * sizeof *t->accepted + (size_t)t->n_uncertain * sizeof *t->uncertain;
     pthread_mutex_unlock(&g->cache_lock);
     if (keep != t) node_table_free(t);
     return keep;

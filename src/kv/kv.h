@@ -141,6 +141,7 @@ const char *kvs_kv_policy_name(kvs_policy_kind kind);
 kvs_status kvs_kv_policy_kind_parse(const char *name, kvs_policy_kind *kind);
 /* "0.1" or "10%" (fraction of the prompt) or "256" (tokens) */
 kvs_status kvs_kv_budget_parse(const char *text, kvs_kv_policy *p);
+#define KVS_KV_MAX_WINDOW 512 /* a policy's observation window at most */
 kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers);
 /* Per-layer budgets B_l for a prompt (-1: the layer stays full). */
 void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len, int *budgets);

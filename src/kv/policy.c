@@ -29,11 +29,23 @@ kvs_status kvs_kv_policy_kind_parse(const char *name, kvs_policy_kind *kind) {
                     name);
 }
 
+/* Digits, at most one '.', then an optional '%': nothing strtod would also
+ * take (signs, spaces, hex, exponents, inf, nan). */
+static bool plain_decimal(const char *t) {
+    int digits = 0, dots = 0;
+    for (; *t && *t != '%'; t++) {
+        if (*t == '.') dots++;
+        else if (*t >= '0' && *t <= '9') digits++;
+        else return false;
+    }
+    return digits > 0 && dots <= 1 && (!*t || !t[1]);
+}
+
 kvs_status kvs_kv_budget_parse(const char *text, kvs_kv_policy *p) {
     char *end;
-    double v = strtod(text, &end);
-    bool percent = *end == '%';
-    if (end == text || (*end && !(percent && !end[1])) || !isfinite(v) || v <= 0)
+    double v = plain_decimal(text) ? strtod(text, &end) : 0;
+    bool percent = v > 0 && *end == '%';
+    if (!plain_decimal(text) || (*end && !(percent && !end[1])) || !isfinite(v) || v <= 0)
         return kvs_fail(KVS_ERR_INVALID, "KV budget '%s': expected a fraction (0.1), a percentage (10%%) or tokens (256)",
                         text);
     if (percent) v /= 100;
@@ -53,7 +65,8 @@ kvs_status kvs_kv_policy_validate(const kvs_kv_policy *p, int n_layers) {
     if (p->kind == KVS_POLICY_FULL) return KVS_OK;
     if (p->budget_tokens < 0 || (p->budget_tokens == 0 && !(p->budget_fraction > 0 && p->budget_fraction <= 1)))
         return kvs_fail(KVS_ERR_INVALID, "kv_budget must be a fraction in (0, 1] or a positive number of tokens");
-    if (p->window < 1 || p->window > 512) return kvs_fail(KVS_ERR_INVALID, "kv_window must be in [1, 512]");
+    if (p->window < 1 || p->window > KVS_KV_MAX_WINDOW)
+        return kvs_fail(KVS_ERR_INVALID, "kv_window must be in [1, %d]", KVS_KV_MAX_WINDOW);
     if (p->pool < 1 || p->pool % 2 == 0 || p->pool > 255)
         return kvs_fail(KVS_ERR_INVALID, "kv_pool must be an odd number in [1, 255]");
     if (p->full_layers < 0 || p->full_layers > n_layers)

@@ -1,21 +1,23 @@
-/* server: POST /v1/completions and /v1/chat/completions: prepare (route.c:
- * validate, encode), submit to the engine, then answer with one JSON object
- * or an SSE stream. */
+/* server: POST /v1/completions and /v1/chat/completions once prepared
+ * (route.c: validate, encode; on a worker, work.c): compile the grammar and
+ * submit to the engine, then answer with one JSON object when the generation
+ * is done, or an SSE stream. Nothing here waits: the connection sleeps until
+ * the engine's callback wakes it. */
 #include <microhttpd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "server/generate.h"
 #include "server/http.h"
-#include "server/route.h"
 
 /* Submits p; on success *gen holds two references (ours and the engine's). */
-static bool submit_params(kvs_server *s, const kvs_request_params *pp, kvs_gen **gen, kvs_api_error *err) {
+static bool submit_params(kvs_server *s, const kvs_request_params *pp, bool stream, kvs_gen **gen,
+                          kvs_api_error *err) {
     const kvs_request_params p = *pp;
     kvs_gen *g = kvs_gen_create(p.n > 1 ? p.n : 1, p.top_logprobs);
     if (!g) return kvs_api_fail(err, 500, NULL, "out of memory");
+    g->wake_each = stream; /* a whole answer waits for the end only */
     if (!kvs_server_request_link(s, g)) {
         kvs_gen_release(g);
         return kvs_api_fail(err, 503, NULL, "the server is shutting down");
@@ -47,8 +49,8 @@ static bool submit_params(kvs_server *s, const kvs_request_params *pp, kvs_gen *
     return true;
 }
 
-/* Submits a prepared request; on success *gen holds two references (ours and the engine's). */
-static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_error *err) {
+bool kvs_http_submit(kvs_server *s, kvs_http_req *req, kvs_api_error *err) {
+    kvs_http_prepared *pr = &req->prep;
     kvs_api_request *r = &pr->req;
     kvs_request_params p = {
         .prompt_ids = pr->ids,
@@ -69,16 +71,13 @@ static bool submit(kvs_server *s, kvs_http_prepared *pr, kvs_gen **gen, kvs_api_
         .policy = r->has_policy ? &r->policy : NULL,
         .cache_salt = r->cache_salt,
     };
-    if (r->constraint_schema) { /* tool_choice required or a function: a call that fits its schema */
-        p.grammar = kvs_server_grammar(s, r->constraint_schema, r->constraint_prefix, r->constraint_suffix, "tools", err);
-        if (!p.grammar) return false;
-    } else if (r->format != KVS_FORMAT_TEXT) { /* structured output: the compiled grammar, shared by its schema */
-        p.grammar = kvs_server_grammar(s, r->format == KVS_FORMAT_JSON_SCHEMA ? r->format_schema : NULL, NULL, NULL,
-                                       "response_format.json_schema", err);
-        if (!p.grammar) return false;
-    }
-    bool ok = submit_params(s, &p, gen, err);
-    kvs_grammar_unref(p.grammar); /* the engine holds its own */
+    p.grammar = pr->grammar; /* compiled while it was prepared */
+    kvs_gen *g = NULL;
+    bool ok = !atomic_load(&req->cancel) || !kvs_api_fail(err, 503, NULL, "the request was cancelled");
+    ok = ok && submit_params(s, &p, r->stream, &g, err);
+    pthread_mutex_lock(&req->mu); /* the watcher reads it */
+    req->gen = g;
+    pthread_mutex_unlock(&req->mu);
     return ok;
 }
 
@@ -100,35 +99,25 @@ static kvs_kv_policy request_policy(const kvs_server *s, const kvs_api_request *
     return s->engine ? kvs_engine_default_policy(s->engine) : kvs_kv_policy_default(KVS_POLICY_FULL);
 }
 
-static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, const kvs_api_request *r, kvs_gen *g,
-                                    bool http11) {
-    int fd = kvs_http_conn_fd(c);
+static enum MHD_Result answer_whole(kvs_server *s, kvs_http_req *req) {
+    kvs_gen *g = req->gen;
+    const kvs_api_request *r = &req->prep.req;
     pthread_mutex_lock(&g->mu);
-    bool aborted = false, probed = false;
-    double next_check = kvs_now() + 0.5;
-    while (!g->done) {
-        /* tokens wake this wait often: look at the client every 500 ms whatever comes */
-        kvs_gen_wait(g, 500);
-        if (aborted || kvs_now() < next_check) continue;
-        next_check = kvs_now() + 0.5;
-        kvs_peer ps = kvs_peer_state(fd);
-        /* a FIN: closed, or half-closed; an HTTP/1.1 client can be asked (an
-         * HTTP/1.0 one cannot: its half-close is taken as it is) */
-        if (ps == KVS_PEER_EOF && http11 && !probed) {
-            probed = true;
-            if (!kvs_peer_probe_1xx(fd)) ps = KVS_PEER_GONE;
-        }
-        if (ps == KVS_PEER_GONE) {
-            kvs_engine_abort(s->engine, g->engine_id);
-            aborted = true;
-        }
+    if (!g->done) { /* the engine's last output wakes it */
+        g->waker = &req->run_wait;
+        kvs_waker_sleep(&req->run_wait);
+        pthread_mutex_unlock(&g->mu);
+        return MHD_YES;
     }
     pthread_mutex_unlock(&g->mu);
+    pthread_mutex_lock(&req->mu); /* the watcher writes no probe from now on */
+    req->stage = KVS_STAGE_ANSWER;
+    pthread_mutex_unlock(&req->mu);
     enum MHD_Result ret;
     if (g->finish == KVS_FINISH_ERROR) {
         kvs_api_error err;
         kvs_api_fail(&err, 500, NULL, "generation failed: %s", g->error ? g->error : "unknown error");
-        ret = kvs_http_error(s, c, &err);
+        ret = kvs_http_error(s, req->conn, &err);
     } else {
         char id[64];
         kvs_resp_meta m;
@@ -141,35 +130,34 @@ static enum MHD_Result answer_whole(kvs_server *s, struct MHD_Connection *c, con
         }
         kvs_kv_policy pol = request_policy(s, r);
         kvs_resp_kv kv = kvs_gen_kv(g, &pol);
-        char *body = kvs_resp_full(&m, sl, g->n_choices, g->prompt_tokens, kvs_gen_completion_tokens(g), &kv);
+        kvs_http_answer a = {200, "application/json",
+                             kvs_resp_full(&m, sl, g->n_choices, g->prompt_tokens, kvs_gen_completion_tokens(g), &kv),
+                             NULL, false};
         kvs_gen_log(g, m.id, &pol);
-        ret = kvs_http_respond(s, c, 200, "application/json", body);
+        ret = kvs_http_send(s, req->conn, &a);
     }
-    kvs_server_request_done(s, g);
-    kvs_gen_release(g);
     return ret;
 }
 
-static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, const kvs_api_request *r, kvs_gen *g) {
+static enum MHD_Result answer_stream(kvs_server *s, kvs_http_req *req) {
+    kvs_gen *g = req->gen;
+    const kvs_api_request *r = &req->prep.req;
     kvs_stream *st = calloc(1, sizeof *st);
     char *id = malloc(64);
     if (!st || !id) {
         free(st);
         free(id);
-        kvs_engine_abort(s->engine, g->engine_id);
-        kvs_server_request_done(s, g);
-        kvs_gen_release(g);
-        return MHD_NO;
+        kvs_server_abort(s, g);
+        return MHD_NO; /* on_completed ends its count */
     }
     st->srv = s;
-    st->gen = g;
+    st->gen = kvs_gen_ref(g);
+    st->waker = &req->run_wait;
     st->req_id = id;
     make_meta(s, r, id, 64, &st->meta);
-    st->conn = c;
-    st->fd = kvs_http_conn_fd(c);
-    kvs_peer_progress_init(&st->progress);
     st->include_usage = r->include_usage;
     st->policy = request_policy(s, r);
+    req->counted = false; /* the stream's now: kvs_stream_free ends it */
     if (st->meta.tools != KVS_TOOL_FORMAT_NONE && !(st->tools = kvs_resp_tool_parsers(&st->meta, g->n_choices))) {
         kvs_stream_free(st);
         return MHD_NO;
@@ -182,24 +170,12 @@ static enum MHD_Result answer_stream(kvs_server *s, struct MHD_Connection *c, co
     }
     MHD_add_response_header(resp, "Content-Type", "text/event-stream");
     MHD_add_response_header(resp, "Cache-Control", "no-cache");
-    enum MHD_Result ret = MHD_queue_response(c, 200, resp);
+    enum MHD_Result ret = MHD_queue_response(req->conn, 200, resp);
     MHD_destroy_response(resp); /* kvs_stream_free runs when MHD is done with it */
     atomic_fetch_add(&s->http_requests, 1);
     return ret;
 }
 
-enum MHD_Result kvs_http_generate(kvs_server *s, struct MHD_Connection *c, kvs_api_kind kind, const char *body,
-                                  size_t len, bool http11) {
-    kvs_api_error err;
-    if (!kvs_server_request_begin(s, &err)) return kvs_http_error(s, c, &err);
-    kvs_http_prepared p;
-    kvs_gen *g = NULL;
-    if (!kvs_http_prepare(s, kind, body, len, &p, &err) || !submit(s, &p, &g, &err)) {
-        kvs_http_prepared_free(&p);
-        kvs_server_request_done(s, NULL);
-        return kvs_http_error(s, c, &err);
-    }
-    enum MHD_Result ret = p.req.stream ? answer_stream(s, c, &p.req, g) : answer_whole(s, c, &p.req, g, http11);
-    kvs_http_prepared_free(&p);
-    return ret;
+enum MHD_Result kvs_http_answer_gen(kvs_server *s, kvs_http_req *r) {
+    return r->stream ? answer_stream(s, r) : answer_whole(s, r);
 }

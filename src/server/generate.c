@@ -1,6 +1,7 @@
 /* server: one generation request between the HTTP thread and the engine:
- * the shared kvs_gen (filled by the engine callback), and the streaming
- * (SSE) reader that turns its outputs into chunks. */
+ * the shared kvs_gen (filled by the engine callback, which wakes the
+ * connection waiting for it), and the streaming (SSE) reader that turns its
+ * outputs into chunks. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,7 +9,6 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#include "server/generate.h"
 #include "server/http.h"
 
 kvs_gen *kvs_gen_create(int n_choices, int n_top) {
@@ -24,6 +24,13 @@ kvs_gen *kvs_gen_create(int n_choices, int n_top) {
     g->refs = 1;
     g->n_choices = n_choices > 0 ? n_choices : 1;
     g->n_top = n_top;
+    return g;
+}
+
+kvs_gen *kvs_gen_ref(kvs_gen *g) {
+    pthread_mutex_lock(&g->mu);
+    g->refs++;
+    pthread_mutex_unlock(&g->mu);
     return g;
 }
 
@@ -139,22 +146,10 @@ void kvs_gen_on_output(void *user, const kvs_request_output *o) {
         g->done = ++g->n_done == g->n_choices;
     }
     bool released = last && g->done;
+    if (g->waker && (g->wake_each || g->done)) kvs_waker_wake(g->waker);
     pthread_cond_broadcast(&g->cv);
     pthread_mutex_unlock(&g->mu);
     if (released) kvs_gen_release(g); /* the engine's reference */
-}
-
-/* Waits up to ms for news; false on timeout. Called with g->mu held. */
-bool kvs_gen_wait(kvs_gen *g, int ms) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += ms / 1000;
-    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    return pthread_cond_timedwait(&g->cv, &g->mu, &ts) == 0;
 }
 
 /* ---- streaming ----------------------------------------------------------- */
@@ -251,17 +246,9 @@ static void take_pending(kvs_stream *st) {
     st->ended = true;
 }
 
-/* The client stopped reading: it has taken none of what waits for it for --http-timeout. */
-static bool stalled(kvs_stream *st) {
-    unsigned limit = st->srv->cfg.http_timeout_s;
-    if (!kvs_peer_stalled(st->fd, &st->progress, limit)) return false;
-    kvs_log(KVS_LOG_INFO, "closing a stream whose client read nothing for %u s (--http-timeout)", limit);
-    return true;
-}
-
 ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    (void)pos;
     kvs_stream *st = cls;
-    if (stalled(st)) return MHD_CONTENT_READER_END_WITH_ERROR; /* kvs_stream_free aborts */
     for (;;) {
         if (st->out_off < st->out_len) {
             size_t n = st->out_len - st->out_off;
@@ -273,22 +260,22 @@ ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
         st->out_len = st->out_off = 0;
         if (st->ended) return MHD_CONTENT_READER_END_OF_STREAM;
         kvs_gen *g = st->gen;
-        bool waited = false, probe = false;
         pthread_mutex_lock(&g->mu);
-        while (!g->done && !pending(g) && !probe) {
-            waited = true;
-            if (kvs_gen_wait(g, 500)) continue;
-            kvs_peer ps = kvs_peer_state(st->fd);
-            if (ps == KVS_PEER_GONE || stalled(st)) {
-                pthread_mutex_unlock(&g->mu);
-                return MHD_CONTENT_READER_END_WITH_ERROR; /* kvs_stream_free aborts */
-            }
-            if (ps == KVS_PEER_EOF && !st->probed) probe = st->probed = true;
+        if (g->cut) { /* the watcher saw the client leave or stop reading: kvs_stream_free aborts */
+            pthread_mutex_unlock(&g->mu);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
         }
+        bool ping = g->want_ping;
+        if (!g->done && !pending(g) && !ping) {
+            g->waker = st->waker; /* the engine's next output resumes it */
+            if (st->waker) kvs_waker_sleep(st->waker);
+            pthread_mutex_unlock(&g->mu);
+            return 0;
+        }
+        g->want_ping = false;
         take_pending(st);
         pthread_mutex_unlock(&g->mu);
         /* an SSE comment: clients ignore it, a closed socket answers it with a reset */
-        if (probe) out_append(st, ": ping\n\n", 8);
-        if (waited && st->conn) kvs_http_touch(st->conn, st->srv->cfg.http_timeout_s);
+        if (ping) out_append(st, ": ping\n\n", 8);
     }
 }

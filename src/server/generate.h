@@ -20,9 +20,9 @@ typedef enum {
     KVS_PEER_GONE  /* reset, or both directions shut */
 } kvs_peer;
 kvs_peer kvs_peer_state(int fd);
-/* The probe before a non-streaming answer: "HTTP/1.1 100 Continue" (a client
- * must accept 1xx responses before the final one; HTTP/1.1 only). False when
- * the write fails (the client left). */
+/* The probe of a request waiting for its answer: "HTTP/1.1 100 Continue" (a
+ * client must accept 1xx responses before the final one; HTTP/1.1 only).
+ * False when the write fails (the client left). */
 bool kvs_peer_probe_1xx(int fd);
 /* Whether a client still takes what it is sent. Its kernel acknowledges data
  * into its receive buffer until that is full; the server's send buffer grows
@@ -40,24 +40,21 @@ bool kvs_peer_stalled(int fd, kvs_peer_progress *p, double limit_s);
 typedef struct {
     kvs_server *srv;
     kvs_gen *gen;        /* holds one reference */
-    struct MHD_Connection *conn; /* to restart its --http-timeout clock after a wait */
+    kvs_waker *waker;    /* its connection's, while the reader waits for tokens (under gen->mu) */
     kvs_resp_meta meta;
     kvs_kv_policy policy; /* the request's KV policy (the "kv" extension, the log line) */
     char *req_id;        /* meta.id's storage */
-    int fd;              /* the client's socket, to notice a disconnect while waiting */
     bool include_usage, ended;
     kvs_tool_parser **tools; /* chat with tools: a parser a choice (its calls become delta.tool_calls) */
-    bool probed;         /* sent an SSE comment to tell a closed client from a half-closed one */
-    kvs_peer_progress progress;
     size_t text_offset;
     char *out;           /* formatted bytes not yet handed to MHD */
     size_t out_len, out_off, out_cap;
 } kvs_stream;
 
+/* MHD's content reader: never waits; with nothing to send it suspends the
+ * connection (the engine's callback resumes it) and returns 0. */
 ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max);
 void kvs_stream_free(void *cls);
-
-bool kvs_gen_wait(kvs_gen *g, int ms); /* with g->mu held; false on timeout */
 
 /* ---- a generation request's life in the server (http.c) ---------------------
  * begin: counts it in flight (503 while draining); link: puts it on the list

@@ -1,8 +1,13 @@
 /* server: the compiled grammars of structured output (response_format, forced
  * tool calls), kept by their text so that requests with the same schema share
  * one grammar and its mask caches (grammar/grammar.h: a grammar's first masks
- * cost milliseconds, later ones microseconds). At most KVS_SERVER_GRAMMARS,
- * the least recently used dropped first. */
+ * cost milliseconds, later ones microseconds). A schema is compiled within
+ * the server's bounds (--grammar-max-*), on the worker that prepares its
+ * request, and its first masks are computed there too (kvs_grammar_warm), so
+ * the engine's thread meets neither cost. The cache holds at most
+ * --grammar-cache-bytes (automata, their mask caches, the keys), the least
+ * recently used dropped first; refusals are kept too, so a schema past a
+ * bound sent again is refused at once. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,48 +28,117 @@ static char *grammar_key(const char *schema, const char *prefix, const char *suf
     return k;
 }
 
-kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, const char *prefix, const char *suffix,
-                                const char *param, kvs_api_error *err) {
+static size_t entry_bytes(const kvs_server_grammar_entry *e) {
+    return sizeof *e + e->len + (e->error ? strlen(e->error) : 0) + kvs_grammar_bytes(e->g);
+}
+
+static void entry_free(kvs_server_grammar_entry *e) {
+    kvs_grammar_unref(e->g);
+    free(e->key);
+    free(e->error);
+    memset(e, 0, sizeof *e);
+}
+
+size_t kvs_server_grammar_bytes(kvs_server *s, int *n) {
+    pthread_mutex_lock(&s->grammar_mu);
+    size_t bytes = 0;
+    for (int i = 0; i < s->n_grammars; i++) bytes += entry_bytes(&s->grammars[i]);
+    if (n) *n = s->n_grammars;
+    pthread_mutex_unlock(&s->grammar_mu);
+    return bytes;
+}
+
+/* Keeps e (taken) unless it alone passes the budget; drops the least recently
+ * used entries until the rest fits. Under grammar_mu. */
+static void keep(kvs_server *s, kvs_server_grammar_entry *e) {
+    size_t budget = s->cfg.grammar_cache_bytes, bytes = entry_bytes(e), total = bytes;
+    if (bytes > budget) {
+        entry_free(e);
+        return;
+    }
+    for (int i = 0; i < s->n_grammars; i++) total += entry_bytes(&s->grammars[i]);
+    while (s->n_grammars && (total > budget || s->n_grammars == KVS_SERVER_GRAMMARS)) {
+        int lru = 0;
+        for (int i = 1; i < s->n_grammars; i++)
+            if (s->grammars[i].used < s->grammars[lru].used) lru = i;
+        total -= entry_bytes(&s->grammars[lru]);
+        entry_free(&s->grammars[lru]);
+        s->grammars[lru] = s->grammars[--s->n_grammars];
+    }
+    e->used = ++s->grammar_clock;
+    s->grammars[s->n_grammars++] = *e;
+}
+
+/* Compiles within the server's bounds and warms the first masks; NULL with the refusal's status. */
+static kvs_grammar *compile(kvs_server *s, const char *schema, json_t *value, const char *prefix, const char *suffix,
+                            const atomic_bool *cancel, kvs_status *st) {
+    kvs_grammar_limits lim = s->cfg.grammar_limits;
+    lim.cancel = cancel;
+    kvs_grammar *g = NULL;
+    if (value) *st = kvs_grammar_compile_value(value, prefix, suffix, &lim, &g);
+    else if (schema) *st = kvs_grammar_compile(schema, strlen(schema), prefix, suffix, &lim, &g);
+    else *st = kvs_grammar_json_object(&g);
+    const kvs_grammar_vocab *v;
+    if (*st == KVS_OK && s->engine && kvs_engine_grammar_vocab(s->engine, &v) == KVS_OK) *st = kvs_grammar_warm(g, v);
+    if (*st != KVS_OK) {
+        kvs_grammar_unref(g);
+        return NULL;
+    }
+    return g;
+}
+
+kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, json_t *value, const char *prefix,
+                                const char *suffix, const char *param, const atomic_bool *cancel, kvs_api_error *err) {
+    /* a parsed schema: its size checked before it is written out as its key */
+    if (value && kvs_grammar_check_values(value, &s->cfg.grammar_limits) != KVS_OK) {
+        kvs_api_fail(err, 400, param, "%s: %s", param, kvs_last_error());
+        return NULL;
+    }
+    char *text = value ? json_dumps(value, JSON_COMPACT) : NULL;
     size_t len;
-    char *key = grammar_key(schema, prefix, suffix, &len);
+    char *key = value && !text ? NULL : grammar_key(value ? text : schema, prefix, suffix, &len);
+    free(text);
     if (!key) {
         kvs_api_fail(err, 500, NULL, "out of memory");
         return NULL;
     }
     pthread_mutex_lock(&s->grammar_mu);
     kvs_grammar *g = NULL;
-    for (int i = 0; i < s->n_grammars && !g; i++)
-        if (s->grammars[i].len == len && !memcmp(s->grammars[i].key, key, len)) {
-            g = kvs_grammar_ref(s->grammars[i].g);
-            s->grammars[i].used = ++s->grammar_clock;
-        }
+    bool hit = false;
+    for (int i = 0; i < s->n_grammars && !hit; i++) {
+        kvs_server_grammar_entry *e = &s->grammars[i];
+        if (e->len != len || memcmp(e->key, key, len)) continue;
+        hit = true;
+        e->used = ++s->grammar_clock;
+        if (e->g) g = kvs_grammar_ref(e->g);
+        else kvs_api_fail(err, 400, param, "%s: %s", param, e->error);
+    }
     pthread_mutex_unlock(&s->grammar_mu);
-    if (g) {
+    if (hit) {
         free(key);
         return g;
     }
-    kvs_status st = schema ? kvs_grammar_from_json_schema(schema, strlen(schema), prefix, suffix, &g)
-                           : kvs_grammar_json_object(&g);
-    if (st != KVS_OK) {
-        free(key);
-        kvs_api_fail(err, 400, param, "%s: %s", param, kvs_last_error());
-        return NULL;
+    kvs_status st;
+    g = compile(s, schema, value, prefix, suffix, cancel, &st);
+    kvs_server_grammar_entry e = {key, len, g ? kvs_grammar_ref(g) : NULL, 0, NULL};
+    if (!g) {
+        /* a schema refused (not one whose client left, nor out of memory) is remembered as refused */
+        bool remember = st == KVS_ERR_UNSUPPORTED || st == KVS_ERR_INVALID;
+        e.error = remember ? strdup(kvs_last_error()) : NULL;
+        kvs_api_fail(err, st == KVS_ERR_NOMEM ? 500 : st == KVS_ERR_BUSY ? 503 : 400, param, "%s: %s", param,
+                     kvs_last_error());
+        if (!e.error) {
+            free(key);
+            return NULL;
+        }
     }
     pthread_mutex_lock(&s->grammar_mu);
-    int slot = s->n_grammars < KVS_SERVER_GRAMMARS ? s->n_grammars++ : 0;
-    for (int i = 0; i < s->n_grammars; i++)
-        if (s->grammars[i].used < s->grammars[slot].used) slot = i;
-    if (s->grammars[slot].g) kvs_grammar_unref(s->grammars[slot].g);
-    free(s->grammars[slot].key);
-    s->grammars[slot] = (kvs_server_grammar_entry){key, len, kvs_grammar_ref(g), ++s->grammar_clock};
+    keep(s, &e);
     pthread_mutex_unlock(&s->grammar_mu);
     return g;
 }
 
 void kvs_server_grammars_free(kvs_server *s) {
-    for (int i = 0; i < s->n_grammars; i++) {
-        kvs_grammar_unref(s->grammars[i].g);
-        free(s->grammars[i].key);
-    }
+    for (int i = 0; i < s->n_grammars; i++) entry_free(&s->grammars[i]);
     s->n_grammars = 0;
 }

@@ -42,8 +42,9 @@ bool kvs_api_parse_policy(json_t *v, const kvs_api_limits *lim, kvs_kv_policy *o
         } else if (!strcmp(key, "full_layers")) {
             if (!kvs_api_get_int(f, "kv_policy.full_layers", 0, lim->n_layers, &x, err)) return false;
             p.full_layers = (int)x;
-        } else if (!strcmp(key, "window")) {
-            if (!kvs_api_get_int(f, "kv_policy.window", 1, 1 << 16, &x, err)) return false;
+        } else if (!strcmp(key, "window")) { /* one bound: the engine's (it sizes the window buffers) */
+            int hi = lim->max_window > 0 && lim->max_window < KVS_KV_MAX_WINDOW ? lim->max_window : KVS_KV_MAX_WINDOW;
+            if (!kvs_api_get_int(f, "kv_policy.window", 1, hi, &x, err)) return false;
             p.window = (int)x;
         } else if (!strcmp(key, "pool")) {
             if (!kvs_api_get_int(f, "kv_policy.pool", 1, 1 << 10, &x, err)) return false;

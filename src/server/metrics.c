@@ -49,8 +49,7 @@ static void histogram(text_buf *b, const char *name, const char *help, const kvs
         (unsigned long long)h->n);
 }
 
-char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, uint64_t http_requests,
-                              uint64_t http_errors) {
+char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, const kvs_server_http_stats *http) {
     kvs_engine_stats st;
     memset(&st, 0, sizeof st);
     if (engine) kvs_engine_get_stats(engine, &st);
@@ -100,9 +99,28 @@ char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, uint64
     metric(&b, "kvsparse_kv_cache_blocks_evictable", "gauge",
            "Cached KV blocks no request holds (counted as free; evicted least recently used).",
            (double)st.kv_blocks_evictable);
-    metric(&b, "kvsparse_http_requests_total", "counter", "HTTP requests answered.", (double)http_requests);
+    metric(&b, "kvsparse_http_requests_total", "counter", "HTTP requests answered.", (double)http->http_requests);
     metric(&b, "kvsparse_http_errors_total", "counter", "HTTP requests answered with a 4xx or 5xx status.",
-           (double)http_errors);
+           (double)http->http_errors);
+    put(&b, "# HELP kvsparse_http_connections Open connections: pending (not a request in flight: sending one, or "
+            "idle) or in flight.\n# TYPE kvsparse_http_connections gauge\n"
+            "kvsparse_http_connections{%s,state=\"pending\"} %u\nkvsparse_http_connections{%s,state=\"in_flight\"} %u\n",
+        labels, http->connections_pending, labels, http->connections_in_flight);
+    put(&b, "# HELP kvsparse_http_connections_closed_total Connections shut by the server before their request "
+            "was in: past the header deadline, below the body's minimum rate, displaced by another address's "
+            "fair share of pending connections; or refused at accept.\n"
+            "# TYPE kvsparse_http_connections_closed_total counter\n"
+            "kvsparse_http_connections_closed_total{%s,reason=\"header_timeout\"} %llu\n"
+            "kvsparse_http_connections_closed_total{%s,reason=\"body_timeout\"} %llu\n"
+            "kvsparse_http_connections_closed_total{%s,reason=\"displaced\"} %llu\n"
+            "kvsparse_http_connections_closed_total{%s,reason=\"refused\"} %llu\n",
+        labels, (unsigned long long)http->header_timeouts, labels, (unsigned long long)http->body_timeouts, labels,
+        (unsigned long long)http->displaced, labels, (unsigned long long)http->refused);
+    metric(&b, "kvsparse_grammar_cache_bytes", "gauge",
+           "Memory of the compiled grammars kept (automata, their mask caches, keys; --grammar-cache-bytes).",
+           (double)http->grammar_cache_bytes);
+    metric(&b, "kvsparse_grammar_cache_entries", "gauge", "Compiled grammars (and refused schemas) kept.",
+           (double)http->grammar_cache_entries);
     histogram(&b, "kvsparse_time_to_first_token_seconds", "Time to first token.", &st.ttft);
     histogram(&b, "kvsparse_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &st.itl);
     return b.s ? b.s : strdup("");

@@ -66,7 +66,7 @@ void kvs_api_request_free(kvs_api_request *r) {
     free(r->cache_salt);
     free(r->logit_bias);
     free(r->stop_token_ids);
-    free(r->format_schema);
+    json_decref(r->format_schema);
     memset(r, 0, sizeof *r);
 }
 
@@ -279,9 +279,11 @@ static bool parse_logit_bias(json_t *v, const kvs_api_limits *lim, kvs_api_reque
     const char *key;
     json_t *b;
     json_object_foreach(v, key, b) {
+        /* a token id written plainly: no sign, space or leading zero (" 5", "+5" and "05" are not 5) */
         char *end;
-        long id = strtol(key, &end, 10);
-        if (!*key || *end || id < 0 || id >= lim->vocab_size)
+        long id = key[0] >= '1' && key[0] <= '9' ? strtol(key, &end, 10) : -1;
+        if (!strcmp(key, "0")) id = 0, end = (char *)key + 1;
+        if (id < 0 || *end || id >= lim->vocab_size)
             return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' key '%.40s' is not a token id in [0, %d)", key,
                                 lim->vocab_size);
         if (!json_is_number(b) || !(json_number_value(b) >= -100 && json_number_value(b) <= 100))
@@ -330,7 +332,7 @@ static bool parse_response_format(json_t *v, kvs_api_request *r, kvs_api_error *
     if (strict && !json_is_boolean(strict) && !json_is_null(strict))
         return kvs_api_fail(err, 400, "response_format", "'response_format.json_schema.strict' must be a boolean");
     r->format = KVS_FORMAT_JSON_SCHEMA;
-    if (!(r->format_schema = json_dumps(schema, JSON_COMPACT))) return kvs_api_fail(err, 500, NULL, "out of memory");
+    r->format_schema = json_incref(schema);
     return true;
 }
 

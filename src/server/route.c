@@ -10,13 +10,27 @@
 #include "server/route.h"
 
 static void answer(kvs_http_answer *a, int status, const char *content_type, char *body) {
-    a->status = status;
-    a->content_type = content_type;
-    a->body = body;
+    *a = (kvs_http_answer){status, content_type, body, NULL, false};
 }
 
 void kvs_http_answer_error(kvs_http_answer *a, const kvs_api_error *err) {
     answer(a, err->http_status, "application/json", kvs_api_error_json(err));
+}
+
+void kvs_http_answer_verrorf(kvs_http_answer *a, int status, const char *type, const char *fmt, va_list ap) {
+    char msg[400];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    kvs_api_error err;
+    kvs_api_fail(&err, status, NULL, "%s", msg);
+    if (type) err.type = type;
+    kvs_http_answer_error(a, &err);
+}
+
+void kvs_http_answer_errorf(kvs_http_answer *a, int status, const char *type, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    kvs_http_answer_verrorf(a, status, type, fmt, ap);
+    va_end(ap);
 }
 
 static bool fail(kvs_http_answer *a, int status, const char *fmt, const char *arg) {
@@ -46,11 +60,12 @@ static kvs_route find_route(const char *url) {
 }
 
 /* Authorization: Bearer KEY, compared in constant time. */
-static bool authorized(const kvs_server *s, const char *h) {
+static bool authorized(const kvs_server *s, const kvs_http_head_fields *f) {
     if (!s->api_key) return true;
-    if (!h || strncmp(h, "Bearer ", 7)) return false;
-    h += 7;
-    size_t a = strlen(h), b = strlen(s->api_key);
+    const char *h;
+    size_t a;
+    if (!kvs_http_bearer(f->authorization, f->authorization_len, &h, &a)) return false;
+    size_t b = strlen(s->api_key);
     unsigned char diff = a != b;
     for (size_t i = 0; i < a && i < b; i++) diff |= (unsigned char)(h[i] ^ s->api_key[i]);
     return diff == 0;
@@ -86,9 +101,8 @@ static void answer_get(kvs_server *s, kvs_route r, const char *url, kvs_http_ans
             fail(a, 503, "%s", "no engine");
             return;
         }
-        answer(a, 200, "text/plain; version=0.0.4",
-               kvs_server_metrics_text(s->engine, s->model_name, atomic_load(&s->http_requests),
-                                       atomic_load(&s->http_errors)));
+        kvs_server_http_stats hs = kvs_server_http_stats_get(s);
+        answer(a, 200, "text/plain; version=0.0.4", kvs_server_metrics_text(s->engine, s->model_name, &hs));
         return;
     }
     json_t *root;
@@ -105,15 +119,19 @@ static void answer_get(kvs_server *s, kvs_route r, const char *url, kvs_http_ans
     json_decref(root);
 }
 
-bool kvs_http_head(kvs_server *s, const char *method, const char *url, const char *authorization,
-                   const char *content_length, kvs_route *route, kvs_http_answer *a) {
+bool kvs_http_head(kvs_server *s, const char *method, const char *url, const kvs_http_head_fields *f,
+                   kvs_route *route, kvs_http_answer *a) {
     memset(a, 0, sizeof *a);
+    url = kvs_http_origin_path(url);
     kvs_route r = *route = find_route(url);
     if (r == KVS_ROUTE_NONE || (r == KVS_ROUTE_WEB_UI && s->cfg.no_web_ui)) return fail(a, 404, "Not found: %.200s", url);
     bool post = r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE;
-    if (strcmp(method, post ? "POST" : "GET")) return fail(a, 405, "Method not allowed: use %s", post ? "POST" : "GET");
-    if ((!strncmp(url, "/v1/", 4) || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) &&
-        !authorized(s, authorization)) {
+    if (post ? strcmp(method, "POST") : strcmp(method, "GET") && strcmp(method, "HEAD")) {
+        fail(a, 405, "Method not allowed: use %s", post ? "POST" : "GET");
+        a->allow = post ? "POST" : "GET, HEAD";
+        return true;
+    }
+    if ((!strncmp(url, "/v1/", 4) || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) && !authorized(s, f)) {
         kvs_api_error err;
         kvs_api_fail(&err, 401, NULL, "Incorrect or missing API key: send 'Authorization: Bearer KEY'");
         err.code = "invalid_api_key";
@@ -128,14 +146,9 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const cha
         answer_get(s, r, url, a);
         return true;
     }
-    if (content_length) {
-        errno = 0;
-        char *end;
-        unsigned long long n = strtoull(content_length, &end, 10);
-        if (errno || n > s->cfg.max_body_bytes) {
-            too_large(s, a);
-            return true;
-        }
+    if (f->has_length && f->content_length > s->cfg.max_body_bytes) {
+        too_large(s, a);
+        return true;
     }
     return false;
 }
@@ -225,17 +238,32 @@ static bool encode_prompt(kvs_server *s, kvs_http_prepared *p, kvs_api_error *er
     return true;
 }
 
-/* The model name, then the prompt's length against the context. */
-static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
+/* The grammar of its response_format or forced tool call (none: true, p->grammar NULL). */
+static bool compile_grammar(kvs_server *s, kvs_http_prepared *p, const atomic_bool *cancel, kvs_api_error *err) {
+    kvs_api_request *r = &p->req;
+    if (r->constraint_schema) /* tool_choice required or a function: a call that fits its schema */
+        p->grammar = kvs_server_grammar(s, r->constraint_schema, NULL, r->constraint_prefix, r->constraint_suffix,
+                                        "tools", cancel, err);
+    else if (r->format != KVS_FORMAT_TEXT) /* structured output: the compiled grammar, shared by its schema */
+        p->grammar = kvs_server_grammar(s, NULL, r->format == KVS_FORMAT_JSON_SCHEMA ? r->format_schema : NULL, NULL,
+                                        NULL, "response_format.json_schema", cancel, err);
+    else
+        return true;
+    return p->grammar != NULL;
+}
+
+/* The model name, the grammar, then the prompt's length against the context. */
+static bool validate(kvs_server *s, kvs_http_prepared *p, const atomic_bool *cancel, kvs_api_error *err) {
     kvs_api_request *r = &p->req;
     if (r->model && strcmp(r->model, s->model_name)) {
         kvs_api_fail(err, 404, "model", "The model '%.200s' does not exist", r->model);
         err->code = "model_not_found";
         return false;
     }
-    if (!encode_prompt(s, p, err)) return false;
-    /* tool_choice required / a named function: r->constraint_*, compiled to a grammar at submit (completions.c) */
+    /* tool_choice required / a named function: r->constraint_* */
     if (!kvs_api_tool_constrain(r, s->tool_format, err)) return false;
+    if (cancel && !compile_grammar(s, p, cancel, err)) return false;
+    if (!encode_prompt(s, p, err)) return false;
     int max_len = s->limits.max_model_len, n = p->n_ids;
     const char *prompt_param = r->kind == KVS_API_CHAT ? "messages" : "prompt";
     if (n >= max_len)
@@ -251,15 +279,18 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
                                 max_len, n, max_tokens);
         max_tokens = max_len - n;
     }
+    if (r->min_tokens > max_tokens)
+        return kvs_api_fail(err, 400, "min_tokens", "'min_tokens' (%d) must be at most the tokens generated (%d)",
+                            r->min_tokens, max_tokens);
     p->max_tokens = max_tokens;
     return true;
 }
 
-bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, kvs_http_prepared *p,
-                      kvs_api_error *err) {
+bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, const atomic_bool *cancel,
+                      kvs_http_prepared *p, kvs_api_error *err) {
     memset(p, 0, sizeof *p);
     if (!kvs_http_slot_take(s, err)) return false;
-    bool ok = kvs_api_parse_request(body, len, kind, &s->limits, &p->req, err) && validate(s, p, err);
+    bool ok = kvs_api_parse_request(body, len, kind, &s->limits, &p->req, err) && validate(s, p, cancel, err);
     kvs_http_slot_give(s);
     if (!ok) kvs_http_prepared_free(p);
     return ok;
@@ -267,21 +298,23 @@ bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t
 
 void kvs_http_prepared_free(kvs_http_prepared *p) {
     kvs_api_request_free(&p->req);
+    kvs_grammar_unref(p->grammar);
     free(p->ids);
     memset(p, 0, sizeof *p);
 }
 
-bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const char *authorization,
-                     const char *content_length, const char *body, size_t len, size_t chunk, kvs_http_answer *a,
+bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const char *version,
+                     const kvs_http_header *h, int n, const char *body, size_t len, size_t chunk, kvs_http_answer *a,
                      kvs_http_prepared *p) {
     memset(p, 0, sizeof *p);
     kvs_route r;
-    if (kvs_http_head(s, method, url, authorization, content_length, &r, a)) return false;
+    kvs_http_head_fields f;
+    if (!kvs_http_check_head(version, h, n, &f, a) || kvs_http_head(s, method, url, &f, &r, a)) return false;
     kvs_http_body b = {0};
     if (!chunk) chunk = len;
     for (size_t at = 0; at < len; at += chunk) {
-        size_t n = len - at < chunk ? len - at : chunk;
-        if (!kvs_http_body_add(s, &b, body + at, n, a)) {
+        size_t k = len - at < chunk ? len - at : chunk;
+        if (!kvs_http_body_add(s, &b, body + at, k, a)) {
             kvs_http_body_free(&b);
             return false;
         }
@@ -292,7 +325,7 @@ bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const c
         return false;
     }
     kvs_api_error err;
-    bool ok = kvs_http_prepare(s, r == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS, b.data, b.len, p, &err);
+    bool ok = kvs_http_prepare(s, r == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS, b.data, b.len, NULL, p, &err);
     kvs_http_body_free(&b);
     if (!ok) kvs_http_answer_error(a, &err);
     return ok;

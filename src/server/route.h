@@ -6,6 +6,8 @@
 #ifndef KVS_SERVER_ROUTE_H
 #define KVS_SERVER_ROUTE_H
 
+#include <stdarg.h>
+
 #include "server/server_internal.h"
 
 typedef enum {
@@ -26,15 +28,49 @@ typedef struct {
     int status;               /* 0: none */
     const char *content_type; /* a constant */
     char *body;               /* malloc'ed; NULL only when out of memory */
+    const char *allow;        /* 405: the methods the path takes (a constant) */
+    bool close;               /* close the connection after it (the request's framing is not to be trusted) */
 } kvs_http_answer;
 
 void kvs_http_answer_error(kvs_http_answer *a, const kvs_api_error *err);
+/* a's error answer: status, its type (NULL: the status's) and a printf message. */
+void kvs_http_answer_errorf(kvs_http_answer *a, int status, const char *type, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void kvs_http_answer_verrorf(kvs_http_answer *a, int status, const char *type, const char *fmt, va_list ap);
 
-/* The request line and headers (NULL: absent). True: answered from these
- * alone (a filled; the body is not read). False: read the body, then
- * kvs_http_prepare a request of *route (completions or chat). */
-bool kvs_http_head(kvs_server *s, const char *method, const char *url, const char *authorization,
-                   const char *content_length, kvs_route *route, kvs_http_answer *a);
+/* ---- the request's header fields (framing.c) --------------------------------
+ * One field as the client sent it (value_len counts any NUL byte in it; cut:
+ * the parser cut the value at a NUL byte, so the rest is not there). */
+typedef struct {
+    const char *name, *value;
+    size_t name_len, value_len;
+    bool cut;
+} kvs_http_header;
+
+/* What the server reads of them, once checked. */
+typedef struct {
+    bool has_length, chunked;
+    uint64_t content_length;
+    const char *authorization; /* NULL: absent */
+    size_t authorization_len;
+} kvs_http_head_fields;
+
+/* RFC 9112's framing rules and the fields the server reads: true, f filled;
+ * false, a filled (400, or 501 for a transfer coding other than chunked),
+ * the connection to close after it. version: "HTTP/1.0" or "HTTP/1.1". */
+bool kvs_http_check_head(const char *version, const kvs_http_header *h, int n, kvs_http_head_fields *f,
+                         kvs_http_answer *a);
+/* Authorization's value [v, v + n): "Bearer" (any case), spaces, the token. */
+bool kvs_http_bearer(const char *v, size_t n, const char **token, size_t *len);
+/* The path of a request target in absolute form (http://host/path), else url. */
+const char *kvs_http_origin_path(const char *url);
+
+/* The request line and checked fields. True: answered from these alone (a
+ * filled; the body is not read). False: read the body, then kvs_http_prepare
+ * a request of *route (completions or chat), or tokenize it. HEAD is GET
+ * without the body (libmicrohttpd drops it). */
+bool kvs_http_head(kvs_server *s, const char *method, const char *url, const kvs_http_head_fields *f,
+                   kvs_route *route, kvs_http_answer *a);
 
 /* A request body as it arrives. */
 typedef struct {
@@ -52,12 +88,16 @@ typedef struct {
     int32_t *ids; /* the prompt, encoded */
     int n_ids;
     int max_tokens;
+    kvs_grammar *grammar; /* its structured output or forced call (a reference; NULL: none, or not compiled) */
 } kvs_http_prepared;
 
 /* Parses, validates and encodes a body, holding one of the server's prepare
- * slots meanwhile (429 when none frees within the wait). */
-bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, kvs_http_prepared *p,
-                      kvs_api_error *err);
+ * slots meanwhile (429 when none frees within the wait). cancel non-NULL: the
+ * request's grammar is compiled too (kvs_server_grammar, stopped when cancel
+ * is set), before the chat template and the tokenizer, so a schema past a
+ * bound is refused before they run. */
+bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, const atomic_bool *cancel,
+                      kvs_http_prepared *p, kvs_api_error *err);
 void kvs_http_prepared_free(kvs_http_prepared *p);
 /* POST /tokenize (detokenize false) and /detokenize, answered whole (tokenize.c). */
 void kvs_http_tokenize(kvs_server *s, bool detokenize, const char *body, size_t len, kvs_http_answer *a);
@@ -66,11 +106,11 @@ void kvs_http_tokenize(kvs_server *s, bool detokenize, const char *body, size_t 
 bool kvs_http_slot_take(kvs_server *s, kvs_api_error *err);
 void kvs_http_slot_give(kvs_server *s);
 
-/* Every step above for one request held in memory, the body fed in pieces of
- * chunk bytes (0: whole). True: ready for the engine (p filled, a empty);
- * false: answered (a filled). */
-bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const char *authorization,
-                     const char *content_length, const char *body, size_t len, size_t chunk, kvs_http_answer *a,
+/* Every step above for one request held in memory (its fields h[0..n), the
+ * body fed in pieces of chunk bytes, 0: whole). True: ready for the engine
+ * (p filled, a empty); false: answered (a filled). */
+bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const char *version,
+                     const kvs_http_header *h, int n, const char *body, size_t len, size_t chunk, kvs_http_answer *a,
                      kvs_http_prepared *p);
 
 #endif

@@ -29,6 +29,7 @@ typedef struct {
     int n_layers;      /* for kv_policy validation */
     const kvs_kv_profile *kv_profile; /* every kv_policy's budget profile (the server's --kv-profile; NULL: none) */
     const kvs_sampling_params *sampling; /* a request's defaults for what it leaves out (NULL: kvs_api_sampling_default) */
+    int max_window;    /* kv_policy.window at most (0: KVS_KV_MAX_WINDOW; with an engine, its own) */
 } kvs_api_limits;
 
 /* OpenAI's defaults: temperature 1, the filters and penalties off. */
@@ -73,9 +74,10 @@ typedef struct {
     int min_tokens;
     int32_t *stop_token_ids;            /* vLLM's "stop_token_ids" */
     int n_stop_token_ids;
-    /* response_format: text (none), json_object (any JSON object), json_schema (schema: its JSON text) */
+    /* response_format: text (none), json_object (any JSON object), json_schema (schema: a reference
+       to the parsed schema, compiled without being written out and parsed again) */
     enum { KVS_FORMAT_TEXT, KVS_FORMAT_JSON_OBJECT, KVS_FORMAT_JSON_SCHEMA } format;
-    char *format_schema;
+    struct json_t *format_schema;
 } kvs_api_request;
 
 /* Parses and validates a request body. On failure fills err (HTTP status,
@@ -100,8 +102,14 @@ typedef struct {
     int n_layers;                  /* with one, the engine's (kvs_engine_get_limits) */
     unsigned connection_limit;     /* 0: 1024 */
     unsigned max_connections_per_ip; /* 0: 256; one address's connections beyond are refused */
+    unsigned max_pending;          /* 0: connection_limit / 4; connections not in flight (docs/SERVING.md) */
     unsigned http_timeout_s;       /* 0: 60; a connection that makes no progress this long is closed */
+    double header_timeout_s;       /* 0: 10; a request's line and headers within this */
+    double body_timeout_s;         /* 0: 10; its body within this, */
+    double body_min_rate;          /* 0: 4096; plus a second per this many bytes */
     int max_preparing;             /* requests parsed and tokenized at once (0: 8); more wait, then 429 */
+    kvs_grammar_limits grammar_limits; /* a schema's bounds (zeros: kvs_grammar_limits_default()) */
+    size_t grammar_cache_bytes;    /* 0: 256 MiB; the compiled grammars kept */
     const char *tool_call_parser;  /* "llama3_json", "hermes", "none"; NULL or "auto": from the chat template */
     int max_tokens_default;        /* a request without max_tokens: at most this many (0: completions 16,
                                       chat the rest of the context); capped by the context */
@@ -113,7 +121,8 @@ typedef struct {
 
 typedef struct kvs_server kvs_server;
 
-/* Binds and starts serving on its own threads (one per connection). */
+/* Binds and starts serving: one thread for every connection (libmicrohttpd's
+ * epoll loop), --max-preparing workers, a watcher of deadlines and disconnects. */
 kvs_status kvs_server_start(const kvs_server_config *cfg, kvs_engine *engine, const kvs_tokenizer *tok,
                             kvs_server **out);
 int kvs_server_port(const kvs_server *s);
@@ -126,8 +135,16 @@ int kvs_server_drain(kvs_server *s, int timeout_s);
 /* Closes every connection and frees the server (drain first for a clean stop). */
 void kvs_server_stop(kvs_server *s);
 
+/* What the HTTP side adds to /metrics. */
+typedef struct {
+    uint64_t http_requests, http_errors;
+    unsigned connections_pending, connections_in_flight;
+    uint64_t header_timeouts, body_timeouts, displaced, refused; /* connections shut or refused (conns.h) */
+    size_t grammar_cache_bytes;
+    int grammar_cache_entries;
+} kvs_server_http_stats;
+
 /* Prometheus text exposition of the engine's stats (malloc'ed). */
-char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, uint64_t http_requests,
-                              uint64_t http_errors);
+char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, const kvs_server_http_stats *http);
 
 #endif

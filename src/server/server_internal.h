@@ -99,6 +99,14 @@ void kvs_resp_tool_parsers_free(kvs_tool_parser **p, int n_choices);
 /* A stream's slice through its choice's parser p (last: the choice ended): s's tool_events become ev. */
 void kvs_resp_tool_stream(kvs_tool_parser *p, kvs_resp_slice *s, kvs_tool_events *ev, bool last);
 
+/* ---- a connection waiting for something (server/http.h) -------------------- */
+struct MHD_Connection;
+typedef struct {
+    struct MHD_Connection *conn;
+    bool suspended;   /* suspended by libmicrohttpd's thread, not yet resumed */
+    atomic_int *count; /* the server's count of suspended connections */
+} kvs_waker;
+
 /* ---- one generation request, shared by the HTTP thread and the engine ------ */
 /* One choice's outputs (filled by the engine callback, under the gen's mu). */
 typedef struct {
@@ -119,7 +127,7 @@ typedef struct {
 typedef struct kvs_gen {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int refs;           /* the connection's and, until its last output, the engine's */
+    int refs;           /* the request's, its stream's and, until its last output, the engine's */
     uint64_t engine_id;
     kvs_gen_choice *choices;
     int n_choices, n_top;
@@ -139,6 +147,11 @@ typedef struct kvs_gen {
     /* the server's list of submitted requests (under the server's mu) */
     struct kvs_gen *live_prev, *live_next;
     bool live, submitted; /* linked; engine_id is set */
+    /* its connection, waiting (NULL: none): woken at each output when wake_each, else at the end */
+    kvs_waker *waker;
+    bool wake_each;
+    bool cut;       /* the client left or stopped reading: its stream ends (the watcher sets it) */
+    bool want_ping; /* write an SSE comment to tell a closed client from a half-closed one */
 } kvs_gen;
 
 /* n_choices choices, n_top alternatives per token (0: none). */
@@ -147,19 +160,24 @@ int kvs_gen_completion_tokens(const kvs_gen *g); /* over the choices */
 /* The "kv" extension of its response; one log line when it ends (id, tokens, TTFT, rate, policy, ratio, finish). */
 kvs_resp_kv kvs_gen_kv(const kvs_gen *g, const kvs_kv_policy *policy);
 void kvs_gen_log(const kvs_gen *g, const char *id, const kvs_kv_policy *policy);
+kvs_gen *kvs_gen_ref(kvs_gen *g);
 void kvs_gen_release(kvs_gen *g);
 /* The engine's output callback (user = the kvs_gen). */
 void kvs_gen_on_output(void *user, const kvs_request_output *out);
 
 /* ---- the server ------------------------------------------------------------ */
-/* The compiled grammars (grammars.c). */
-#define KVS_SERVER_GRAMMARS 16
+/* The compiled grammars (grammars.c): at most this many, within --grammar-cache-bytes. */
+#define KVS_SERVER_GRAMMARS 64
 typedef struct {
     char *key;
     size_t len;
-    kvs_grammar *g;
+    kvs_grammar *g; /* NULL: the schema was refused, */
     uint64_t used;
+    char *error;    /* for this reason */
 } kvs_server_grammar_entry;
+
+struct kvs_conns;
+struct kvs_work;
 
 struct kvs_server {
     kvs_server_config cfg;     /* strings below are copies */
@@ -171,6 +189,9 @@ struct kvs_server {
     kvs_api_limits limits;
     kvs_sampling_params sampling; /* a request's defaults (cfg.sampling_defaults' copy; limits point here) */
     struct MHD_Daemon *daemon;
+    struct kvs_conns *conns; /* the connections' registry and deadlines (conns.h) */
+    struct kvs_work *work;   /* the workers that prepare requests (work.c) */
+    atomic_int suspended;    /* connections suspended now (none may be when the daemon stops) */
     int port;
     long long started;
     pthread_mutex_t mu;
@@ -191,12 +212,19 @@ struct kvs_server {
     uint64_t grammar_clock;
 };
 
-/* The grammar of a JSON schema's text (NULL: any JSON object) with a literal
- * prefix / suffix (NULL: none), compiled once and shared (a reference for the
- * caller); NULL with a 400 naming param when the schema is refused. */
-kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, const char *prefix, const char *suffix,
-                                const char *param, kvs_api_error *err);
+/* The grammar of a JSON schema given as its text (schema) or parsed (value;
+ * schema then NULL), or of any JSON object (both NULL), with a literal prefix /
+ * suffix (NULL: none), compiled once within the server's bounds and
+ * shared (a reference for the caller); NULL with a 400 naming param (and the
+ * bound) when the schema is refused, 503 when cancel was set meanwhile. */
+kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, json_t *value, const char *prefix,
+                                const char *suffix, const char *param, const atomic_bool *cancel, kvs_api_error *err);
+/* The cache's bytes now (grammars, their mask caches, keys) and entries (n, may be NULL). */
+size_t kvs_server_grammar_bytes(kvs_server *s, int *n);
 void kvs_server_grammars_free(kvs_server *s);
+
+/* The HTTP side's counters for /metrics (http.c). */
+kvs_server_http_stats kvs_server_http_stats_get(kvs_server *s);
 
 /* The chat page of GET / (web_ui.c; malloc'ed). */
 char *kvs_web_ui_html(void);

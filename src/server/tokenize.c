@@ -42,7 +42,7 @@ static bool tokens_of(kvs_server *s, json_t *root, int32_t **ids, int *n, kvs_ht
     if (!body) return bad(a, NULL, "out of memory");
     kvs_http_prepared p;
     kvs_api_error err;
-    bool ok = kvs_http_prepare(s, KVS_API_CHAT, body, strlen(body), &p, &err);
+    bool ok = kvs_http_prepare(s, KVS_API_CHAT, body, strlen(body), NULL, &p, &err);
     free(body);
     if (!ok) {
         kvs_http_answer_error(a, &err);
