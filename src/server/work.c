@@ -47,11 +47,12 @@ static void finish(kvs_http_req *r) {
 static void run(kvs_work *w, kvs_http_req *r) {
     kvs_server *s = w->srv;
     if (atomic_load(&r->cancel)) {
-        kvs_http_answer_errorf(&r->answer, 503, NULL, "the request was cancelled (the server is shutting down)");
+        kvs_http_answer_errorf(&r->answer, 503, NULL, "the request was cancelled (its client left, or the server is "
+                               "shutting down)");
     } else if ((kvs_now() - r->queued_at) * 1e3 > w->wait_ms) {
         kvs_http_answer_errorf(&r->answer, 429, "rate_limit_error",
-                     "the server is busy: %d requests are being parsed and tokenized and none finished within %d ms; "
-                     "retry later", w->n_threads, w->wait_ms);
+                               "the server is busy: %d requests are being parsed and tokenized and none finished "
+                               "within %d ms; retry later", w->n_threads, w->wait_ms);
     } else if (r->route == KVS_ROUTE_TOKENIZE || r->route == KVS_ROUTE_DETOKENIZE) {
         kvs_http_tokenize(s, r->route == KVS_ROUTE_DETOKENIZE, r->body.data, r->body.len, &r->answer);
     } else {
