@@ -98,7 +98,7 @@ kvs_status kvs_cli_kv_bytes(kvs_loaded *l, const kvs_cli_memory *m, const kvs_kv
     KVS_TRY(kvs_cli_memory_check(m));
     if (m->kv_gib > 0) left = m->kv_gib * GIB;
     else if (m->gpu_gib > 0) KVS_TRY(bytes_under_cap(l, m->gpu_gib, policy, &left));
-    else if (l->be->memory_info) KVS_TRY(bytes_of_card(l, m->gpu_util > 0 ? m->gpu_util : 0.9, policy, &left));
+    else if (l->be->memory_info) KVS_TRY(bytes_of_card(l, m->gpu_util, policy, &left));
     else left = KVS_CLI_HOST_KV_GIB * GIB;
     *bytes = (size_t)left;
     return KVS_OK;
