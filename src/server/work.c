@@ -21,7 +21,9 @@
 
 /* Workers run below the engine's threads: what a request costs to prepare
  * (a 4 MiB body parsed, a schema compiled to its bounds) then takes the
- * engine's idle moments, not its steps, on a machine with few cores. */
+ * engine's idle moments, not its steps, on a machine with few cores. Below
+ * the process's own priority, whatever it is (a server started under nice 19
+ * must not have its workers raised above its engine). */
 #define WORKER_NICE 10
 #define TRIM_BODY_BYTES (64 << 10) /* after a body this large, freed memory goes back to the system */
 
@@ -72,7 +74,9 @@ static void run(kvs_work *w, kvs_http_req *r) {
 
 static void *worker(void *arg) {
     kvs_work *w = arg;
-    if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), WORKER_NICE) != 0)
+    errno = 0;
+    int base = getpriority(PRIO_PROCESS, 0), nice = errno ? WORKER_NICE : base + WORKER_NICE;
+    if (setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), nice < 19 ? nice : 19) != 0)
         kvs_log(KVS_LOG_DEBUG, "request workers: setpriority: %s", strerror(errno));
     pthread_mutex_lock(&w->mu);
     for (;;) {
