@@ -11,6 +11,7 @@
 
 #include "server/anthropic.h"
 #include "server/responses.h"
+#include "server/route.h"
 #include "testutil.h"
 
 static const kvs_api_limits LIM = {8192, 4096, 8};
@@ -496,4 +497,98 @@ Test(server_apis, responses_stream_events) {
     n = json_array_size(k.events);
     cr_expect_str_eq(ev_name(&k, n - 1), "response.failed");
     writer_free(&w, &k);
+}
+
+/* ---- the request path in process: routes, x-api-key, Anthropic's errors, count_tokens --- */
+typedef struct {
+    int status;
+    json_t *body;
+    bool ready; /* ready for the engine */
+} path_result;
+
+static path_result path(kvs_server *s, const char *method, const char *url, const char *hname, const char *hvalue,
+                        const char *body) {
+    kvs_http_header h[2] = {{"Host", "localhost", 4, 9, false}};
+    int n = 1;
+    if (hname) h[n++] = (kvs_http_header){hname, hvalue, strlen(hname), strlen(hvalue), false};
+    kvs_http_answer a;
+    kvs_http_prepared p;
+    path_result r = {0};
+    r.ready = kvs_http_handle(s, method, url, "HTTP/1.1", h, n, body, body ? strlen(body) : 0, 0, &a, &p);
+    if (r.ready) {
+        cr_expect_eq(p.req.kind, KVS_API_CHAT);
+        kvs_http_prepared_free(&p);
+        return r;
+    }
+    r.status = a.status;
+    r.body = a.body ? json_loads(a.body, 0, NULL) : NULL;
+    cr_expect(r.body, "not JSON: %s", a.body ? a.body : "(none)");
+    free(a.body);
+    return r;
+}
+
+static const char *anth_error_type(const path_result *r) {
+    cr_expect_str_eq(json_string_value(json_object_get(r->body, "type")), "error");
+    return json_string_value(json_object_get(json_object_get(r->body, "error"), "type"));
+}
+
+Test(server_apis, routes_auth_and_error_shapes) {
+    kvs_tokenizer *tok;
+    cr_assert_eq(kvs_tokenizer_load(src_path("models/tiny-needle-llama"), &tok), KVS_OK, "%s", kvs_last_error());
+    kvs_server_config cfg = {.api_key = "k", .served_model_name = "m", .max_model_len = 256, .n_layers = 8};
+    kvs_server *s;
+    cr_assert_eq(kvs_server_create(&cfg, NULL, tok, &s), KVS_OK, "%s", kvs_last_error());
+    const char *msg = "{\"model\": \"m\", \"max_tokens\": 4, \"messages\": [" USER "]}";
+    /* x-api-key or Bearer; a wrong or missing key is Anthropic's 401 under /v1/messages, OpenAI's elsewhere */
+    path_result r = path(s, "POST", "/v1/messages", "x-api-key", "k", msg);
+    cr_expect(r.ready, "status %d", r.status);
+    r = path(s, "POST", "/v1/messages", "Authorization", "Bearer k", msg);
+    cr_expect(r.ready);
+    r = path(s, "POST", "/v1/messages", "x-api-key", "wrong", msg);
+    cr_expect_eq(r.status, 401);
+    cr_expect_str_eq(anth_error_type(&r), "authentication_error");
+    json_decref(r.body);
+    r = path(s, "POST", "/v1/responses", "x-api-key", "wrong", "{}");
+    cr_expect_eq(r.status, 401);
+    cr_expect(json_is_object(json_object_get(r.body, "error")));
+    json_decref(r.body);
+    /* Anthropic's 404 and 405 under /v1/messages; a bad model; a bad body */
+    r = path(s, "POST", "/v1/messages/nope", "x-api-key", "k", "{}");
+    cr_expect_eq(r.status, 404);
+    cr_expect_str_eq(anth_error_type(&r), "not_found_error");
+    json_decref(r.body);
+    r = path(s, "GET", "/v1/messages", "x-api-key", "k", NULL);
+    cr_expect_eq(r.status, 405);
+    cr_expect_str_eq(anth_error_type(&r), "invalid_request_error");
+    json_decref(r.body);
+    r = path(s, "POST", "/v1/messages", "x-api-key", "k", "{\"model\": \"x\", \"max_tokens\": 4, \"messages\": [" USER "]}");
+    cr_expect_eq(r.status, 404);
+    cr_expect_str_eq(anth_error_type(&r), "not_found_error");
+    json_decref(r.body);
+    r = path(s, "POST", "/v1/messages", "x-api-key", "k", "{\"max_tokens\": 300, \"messages\": [" USER "]}");
+    cr_expect_eq(r.status, 400, "max_tokens past the context");
+    cr_expect(strstr(json_string_value(json_object_get(json_object_get(r.body, "error"), "message")), "max_tokens"));
+    json_decref(r.body);
+    r = path(s, "POST", "/v1/responses", "x-api-key", "k", "{\"input\": \"hi\", \"max_output_tokens\": 300}");
+    cr_expect_eq(r.status, 400);
+    cr_expect_str_eq(json_string_value(json_object_get(json_object_get(r.body, "error"), "param")), "max_output_tokens");
+    json_decref(r.body);
+    r = path(s, "POST", "/v1/responses", "Authorization", "Bearer k", "{\"input\": \"hi\"}");
+    cr_expect(r.ready);
+    /* count_tokens: the chat template's prompt, as /tokenize of the same messages counts it */
+    r = path(s, "POST", "/v1/messages/count_tokens", "x-api-key", "k", "{\"model\": \"m\", \"messages\": [" USER "]}");
+    cr_expect_eq(r.status, 200);
+    json_int_t n = json_integer_value(json_object_get(r.body, "input_tokens"));
+    json_decref(r.body);
+    r = path(s, "POST", "/tokenize", "x-api-key", "k", "{\"messages\": [" USER "]}");
+    cr_expect_eq(r.status, 200);
+    cr_expect_eq(json_integer_value(json_object_get(r.body, "count")), n);
+    cr_expect_gt(n, 5);
+    json_decref(r.body);
+    r = path(s, "POST", "/v1/messages/count_tokens", "x-api-key", "k", "{\"messages\": 3}");
+    cr_expect_eq(r.status, 400);
+    cr_expect_str_eq(anth_error_type(&r), "invalid_request_error");
+    json_decref(r.body);
+    kvs_server_free(s);
+    kvs_tokenizer_destroy(tok);
 }
