@@ -565,10 +565,9 @@ Test(server_apis, routes_auth_and_error_shapes) {
     cr_expect_eq(r.status, 404);
     cr_expect_str_eq(anth_error_type(&r), "not_found_error");
     json_decref(r.body);
-    r = path(s, "POST", "/v1/messages", "x-api-key", "k", "{\"max_tokens\": 300, \"messages\": [" USER "]}");
-    cr_expect_eq(r.status, 400, "max_tokens past the context");
-    cr_expect(strstr(json_string_value(json_object_get(json_object_get(r.body, "error"), "message")), "max_tokens"));
-    json_decref(r.body);
+    /* Anthropic's max_tokens is a ceiling, capped by the context (Claude Code asks for 32000) */
+    r = path(s, "POST", "/v1/messages", "x-api-key", "k", "{\"max_tokens\": 32000, \"messages\": [" USER "]}");
+    cr_expect(r.ready, "max_tokens past the context: %d", r.status);
     r = path(s, "POST", "/v1/responses", "x-api-key", "k", "{\"input\": \"hi\", \"max_output_tokens\": 300}");
     cr_expect_eq(r.status, 400);
     cr_expect_str_eq(json_string_value(json_object_get(json_object_get(r.body, "error"), "param")), "max_output_tokens");

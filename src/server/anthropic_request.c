@@ -3,6 +3,7 @@
  * Anthropic's fields; then they are written as chat's and parsed by the chat
  * validator (kvs_api_parse_messages, the tools fields, the common fields). */
 #include <jansson.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -256,8 +257,8 @@ static bool parse_fields(json_t *root, bool count, const kvs_api_limits *lim, kv
         } else if (!strcmp(key, "messages")) {
             messages = v; /* after system, whatever their order */
         } else if (!strcmp(key, "max_tokens")) {
-            ok = kvs_api_get_int(v, "max_tokens", 1, lim->max_model_len, &x, err);
-            r->max_tokens = ok ? (int)x : 0;
+            ok = kvs_api_get_int(v, "max_tokens", 1, INT32_MAX, &x, err); /* capped by the context (route.c) */
+            r->max_tokens = ok ? (int)(x < lim->max_model_len ? x : lim->max_model_len) : 0;
         } else if (!strcmp(key, "stop_sequences")) {
             ok = json_is_array(v) || json_is_null(v) ||
                  kvs_api_fail(err, 400, key, "'stop_sequences' must be an array of strings");

@@ -314,7 +314,9 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, const atomic_bool *can
     int fallback = s->cfg.max_tokens_default > 0 ? s->cfg.max_tokens_default : r->kind == KVS_API_CHAT ? max_len - n : 16;
     int max_tokens = r->max_tokens ? r->max_tokens : fallback;
     if (max_tokens > max_len - n) {
-        if (r->max_tokens)
+        /* Anthropic's max_tokens is required and a ceiling: its clients ask for what the largest
+           models take (Claude Code: 32000), so it is capped by the context, not refused */
+        if (r->max_tokens && r->dialect != KVS_DIALECT_ANTHROPIC)
             return kvs_api_fail(err, 400, r->max_tokens_param ? r->max_tokens_param : "max_tokens",
                                 "this model's maximum context length is %d tokens; the prompt has %d and %d were "
                                 "asked for",
