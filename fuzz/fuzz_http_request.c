@@ -2,9 +2,10 @@
  * (src/server/route.c and framing.c, as http.c drives them): the header
  * fields' framing rules (repeated or conflicting Content-Length and
  * Transfer-Encoding, transfer codings, Host, an Authorization with a NUL),
- * routing (method + URL, the absolute form), the Authorization check, the
- * body limit (Content-Length and the bytes as they arrive, in pieces), the
- * OpenAI parser and validation, the chat template and the tokenizer of
+ * routing (method + URL, the absolute form), the Authorization and x-api-key
+ * check, the body limit (Content-Length and the bytes as they arrive, in
+ * pieces), the OpenAI, Anthropic and Responses parsers and validation
+ * (count_tokens answered whole), the chat template and the tokenizer of
  * models/tiny-needle-llama. A request that would reach the engine stops there
  * (no engine: /metrics answers 503).
  *
@@ -107,7 +108,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     atomic_store(&s->draining, false);
     if (ready) {
         const char *path = u ? kvs_http_origin_path(u) : "";
-        bool chat = !strcmp(path, "/v1/chat/completions");
+        /* Anthropic's messages and OpenAI's responses are chat requests in other shapes */
+        bool chat = !strcmp(path, "/v1/chat/completions") || !strcmp(path, "/v1/messages") ||
+                    !strcmp(path, "/v1/responses");
         if (!m || strcmp(m, "POST") || (!chat && strcmp(path, "/v1/completions"))) abort();
         if ((size_t)(end - p) > MAX_BODY || ans.status || ans.body) abort();
         if (count_fields(h, n, "Content-Length") > 1 ||

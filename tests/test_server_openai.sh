@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The official `openai` npm client (pinned) against `kvsparse serve` on the
-# bundled tiny model: completions and chat, streaming and not, usage, stops.
+# bundled tiny model: completions, chat and responses (tests/openai/*.mjs),
+# streaming and not, usage, stops, tools.
 set -euo pipefail
 SRC="${KVS_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"
 BIN="${KVS_BINARY:-$SRC/build/kvsparse}"

@@ -142,6 +142,7 @@ typedef struct {
     const int32_t *layer_entries;
     const uint8_t *layer_kind;
     int n_layers;
+    int stop_string;          /* finish STOP by a stop string: 1 + its index in stop_strings (else 0) */
 } kvs_request_output;
 
 /* Called on the thread that runs the step; must not block for long and must

@@ -39,6 +39,7 @@ typedef struct kvs_request {
     int n_stop_ids;
     char *stop_strings[KVS_MAX_STOP_STRINGS];
     int n_stop_strings;
+    int stop_string;   /* 1 + the index of the stop string that ended it (0: none) */
     bool ignore_eos;
     int logprobs, top_logprobs, min_tokens;
     /* logits processing: penalties, logit_bias, bans (process), generated

@@ -327,7 +327,7 @@ static void deliver(kvs_request *r, const int32_t *ids, const float *lp, const i
                             .text = r->pending ? r->pending : "", .text_len = text_len, .finish = r->finish,
                             .error = r->finish == KVS_FINISH_ERROR ? r->error : NULL, .prompt_tokens = r->n_prompt,
                             .completion_tokens = r->n_gen, .prompt_compression = compression,
-                            .cached_tokens = r->n_cached};
+                            .cached_tokens = r->n_cached, .stop_string = r->stop_string};
     if (compression > 0 && r->n_layers) /* the first token: the prompt's KV per layer */
         o.layer_entries = r->layer_entries, o.layer_kind = r->layer_kind, o.n_layers = r->n_layers;
     r->fn(r->user, &o);
@@ -372,7 +372,13 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
                          : kvs_stop_sendable((const char *const *)r->stop_strings, r->n_stop_strings,
                                              r->pending ? r->pending : "", r->pending_len, r->finish != KVS_FINISH_NONE,
                                              &stopped);
-    if (stopped) r->finish = KVS_FINISH_STOP;
+    if (stopped) { /* which string: the first that begins where the sendable text ends (Anthropic's stop_sequence) */
+        r->finish = KVS_FINISH_STOP;
+        for (int i = 0; !r->stop_string && i < r->n_stop_strings; i++) {
+            size_t n = strlen(r->stop_strings[i]);
+            if (send + n <= r->pending_len && !memcmp(r->pending + send, r->stop_strings[i], n)) r->stop_string = i + 1;
+        }
+    }
     double compression = 0; /* the first token comes with the prompt's KV, as compacted by its policy */
     if (r->n_gen == 1 && r->seq >= 0) {
         kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);

@@ -9,7 +9,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "server/anthropic.h"
 #include "server/http.h"
+#include "server/responses.h"
 
 /* Submits p; on success *gen holds two references (ours and the engine's). */
 static bool submit_params(kvs_server *s, const kvs_request_params *pp, bool stream, kvs_gen **gen,
@@ -83,10 +85,14 @@ bool kvs_http_submit(kvs_server *s, kvs_http_req *req, kvs_api_error *err) {
 
 static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t cap, kvs_resp_meta *m) {
     uint64_t n = atomic_fetch_add(&s->next_id, 1);
-    snprintf(id, cap, "%s-%llx%06llx", r->kind == KVS_API_CHAT ? "chatcmpl" : "cmpl", (unsigned long long)s->started,
-             (unsigned long long)n);
+    const char *prefix = r->dialect == KVS_DIALECT_ANTHROPIC   ? "msg_"
+                         : r->dialect == KVS_DIALECT_RESPONSES ? "resp_"
+                         : r->kind == KVS_API_CHAT             ? "chatcmpl-"
+                                                               : "cmpl-";
+    snprintf(id, cap, "%s%llx%06llx", prefix, (unsigned long long)s->started, (unsigned long long)n);
     *m = (kvs_resp_meta){r->kind, id, s->model_name, (long long)time(NULL), s->tok, r->logprobs, r->top_logprobs,
                          r->return_token_ids};
+    m->dialect = r->dialect;
     if (r->tools && r->tool_choice != KVS_TOOL_CHOICE_NONE) { /* tools: the output is parsed for calls */
         m->tools = s->tool_format;
         m->one_call = !r->parallel_tool_calls;
@@ -117,7 +123,7 @@ static enum MHD_Result answer_whole(kvs_server *s, kvs_http_req *req) {
     if (g->finish == KVS_FINISH_ERROR) {
         kvs_api_error err;
         kvs_api_fail(&err, 500, NULL, "generation failed: %s", g->error ? g->error : "unknown error");
-        ret = kvs_http_error(s, req->conn, &err);
+        ret = kvs_http_error(s, req->conn, &err, r->dialect);
     } else {
         char id[64];
         kvs_resp_meta m;
@@ -130,13 +136,33 @@ static enum MHD_Result answer_whole(kvs_server *s, kvs_http_req *req) {
         }
         kvs_kv_policy pol = request_policy(s, r);
         kvs_resp_kv kv = kvs_gen_kv(g, &pol);
-        kvs_http_answer a = {200, "application/json",
-                             kvs_resp_full(&m, sl, g->n_choices, g->prompt_tokens, kvs_gen_completion_tokens(g), &kv),
-                             NULL, false};
+        kvs_http_answer a = {200, "application/json", NULL, NULL, false};
+        if (r->dialect == KVS_DIALECT_OPENAI) {
+            a.body = kvs_resp_full(&m, sl, g->n_choices, g->prompt_tokens, kvs_gen_completion_tokens(g), &kv);
+        } else { /* one choice */
+            const kvs_gen_choice *ch = &g->choices[0];
+            kvs_resp_end e = {ch->finish, ch->stop_string > 0 && ch->stop_string <= r->n_stop ? r->stop[ch->stop_string - 1] : NULL,
+                              false, g->prompt_tokens, g->cached_tokens, kvs_gen_completion_tokens(g), NULL};
+            a.body = r->dialect == KVS_DIALECT_ANTHROPIC ? kvs_anth_full(&m, ch->text, ch->text_len, &e)
+                                                         : kvs_rsp_full(&m, r->echo, m.created, ch->text, ch->text_len, &e);
+        }
         kvs_gen_log(g, m.id, &pol);
         ret = kvs_http_send(s, req->conn, &a);
     }
     return ret;
+}
+
+/* Anthropic's or the responses API's stream: its writer's state (false: out of memory). */
+static bool api_stream(kvs_stream *st, const kvs_api_request *r, int prompt_tokens) {
+    for (int i = 0; i < r->n_stop; i++)
+        if ((st->stop[i] = strdup(r->stop[i]))) st->n_stop = i + 1;
+    if (r->dialect == KVS_DIALECT_OPENAI) return st->n_stop == r->n_stop;
+    kvs_api_stream *w = st->api = calloc(1, sizeof *w);
+    if (!w) return false;
+    *w = (kvs_api_stream){.dialect = r->dialect, .meta = st->meta, .open = -1, .prompt_tokens = prompt_tokens,
+                          .emit = kvs_stream_emit, .ctx = st, .created = st->meta.created};
+    w->echo = r->echo ? json_deep_copy(r->echo) : NULL; /* the request is freed when its connection ends */
+    return st->n_stop == r->n_stop && (!r->echo || w->echo);
 }
 
 static enum MHD_Result answer_stream(kvs_server *s, kvs_http_req *req) {
@@ -158,7 +184,8 @@ static enum MHD_Result answer_stream(kvs_server *s, kvs_http_req *req) {
     st->include_usage = r->include_usage;
     st->policy = request_policy(s, r);
     req->counted = false; /* the stream's now: kvs_stream_free ends it */
-    if (st->meta.tools != KVS_TOOL_FORMAT_NONE && !(st->tools = kvs_resp_tool_parsers(&st->meta, g->n_choices))) {
+    if ((st->meta.tools != KVS_TOOL_FORMAT_NONE && !(st->tools = kvs_resp_tool_parsers(&st->meta, g->n_choices))) ||
+        !api_stream(st, r, req->prep.n_ids)) {
         kvs_stream_free(st);
         return MHD_NO;
     }
@@ -170,6 +197,7 @@ static enum MHD_Result answer_stream(kvs_server *s, kvs_http_req *req) {
     }
     MHD_add_response_header(resp, "Content-Type", "text/event-stream");
     MHD_add_response_header(resp, "Cache-Control", "no-cache");
+    if (r->dialect == KVS_DIALECT_ANTHROPIC) MHD_add_response_header(resp, "request-id", st->meta.id);
     enum MHD_Result ret = MHD_queue_response(req->conn, 200, resp);
     MHD_destroy_response(resp); /* kvs_stream_free runs when MHD is done with it */
     atomic_fetch_add(&s->http_requests, 1);

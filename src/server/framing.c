@@ -5,7 +5,8 @@
  * checked here: repeated or conflicting length fields, Content-Length with
  * Transfer-Encoding, transfer codings other than chunked, Transfer-Encoding
  * in HTTP/1.0, a missing or repeated Host, the Authorization field (its
- * scheme case-insensitive, no NUL), the absolute form of the request target. */
+ * scheme case-insensitive, no NUL) and Anthropic's x-api-key (once, no NUL),
+ * the absolute form of the request target. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -77,11 +78,11 @@ bool kvs_http_check_head(const char *version, const kvs_http_header *h, int n, k
     memset(f, 0, sizeof *f);
     memset(a, 0, sizeof *a);
     bool http10 = version && !strcmp(version, "HTTP/1.0");
-    const kvs_http_header *length = NULL, *coding = NULL, *host = NULL, *auth = NULL;
-    static const char *const single[] = {"Content-Length", "Transfer-Encoding", "Host", "Authorization"};
+    const kvs_http_header *length = NULL, *coding = NULL, *host = NULL, *auth = NULL, *key = NULL;
+    static const char *const single[] = {"Content-Length", "Transfer-Encoding", "Host", "Authorization", "x-api-key"};
     for (int i = 0; i < n; i++) {
-        const kvs_http_header **slot[] = {&length, &coding, &host, &auth};
-        for (int k = 0; k < 4; k++) {
+        const kvs_http_header **slot[] = {&length, &coding, &host, &auth, &key};
+        for (int k = 0; k < 5; k++) {
             if (!name_is(&h[i], single[k])) continue;
             if (*slot[k]) return refuse(a, 400, "the request has more than one %s field", single[k]);
             if (h[i].cut || memchr(h[i].value, 0, h[i].value_len))
@@ -104,6 +105,10 @@ bool kvs_http_check_head(const char *version, const kvs_http_header *h, int n, k
     if (auth) {
         f->authorization = auth->value;
         f->authorization_len = auth->value_len;
+    }
+    if (key) {
+        f->x_api_key = key->value;
+        f->x_api_key_len = key->value_len;
     }
     return true;
 }

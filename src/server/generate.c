@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "server/anthropic.h"
 #include "server/http.h"
+#include "server/responses.h"
 
 kvs_gen *kvs_gen_create(int n_choices, int n_top) {
     kvs_gen *g = calloc(1, sizeof *g);
@@ -141,6 +143,7 @@ void kvs_gen_on_output(void *user, const kvs_request_output *o) {
     bool last = o->finish != KVS_FINISH_NONE && c->finish == KVS_FINISH_NONE;
     if (last) {
         c->finish = o->finish;
+        c->stop_string = o->stop_string;
         if (o->finish == KVS_FINISH_ERROR || g->n_done == 0) g->finish = o->finish;
         if (o->error && !g->error) g->error = strdup(o->error);
         g->done = ++g->n_done == g->n_choices;
@@ -185,6 +188,13 @@ void kvs_stream_free(void *cls) {
     kvs_gen_log(g, st->meta.id, &st->policy);
     pthread_mutex_unlock(&g->mu);
     kvs_resp_tool_parsers_free(st->tools, g->n_choices);
+    if (st->api) {
+        free(st->api->acc), free(st->api->call_id), free(st->api->call_name);
+        json_decref(st->api->items);
+        json_decref(st->api->echo);
+        free(st->api);
+    }
+    for (int i = 0; i < st->n_stop; i++) free(st->stop[i]);
     kvs_server_request_done(st->srv, g);
     kvs_gen_release(g);
     free(st->out);
@@ -201,11 +211,61 @@ static bool pending(const kvs_gen *g) {
     return false;
 }
 
+/* An event of Anthropic's or the responses API's stream (kvs_sse_emit). */
+void kvs_stream_emit(void *ctx, const char *event, json_t *data) {
+    kvs_stream *st = ctx;
+    char *s = json_dumps(data, JSON_COMPACT);
+    json_decref(data);
+    if (!s) return;
+    out_append(st, "event: ", 7);
+    out_append(st, event, strlen(event));
+    out_append(st, "\ndata: ", 7);
+    out_append(st, s, strlen(s));
+    out_append(st, "\n\n", 2);
+    free(s);
+}
+
+/* take_pending in Anthropic's or the responses API's events: one choice, its
+ * text (or its tool parser's content and calls) into blocks / output items. */
+static void take_pending_api(kvs_stream *st) {
+    kvs_gen *g = st->gen;
+    kvs_gen_choice *c = &g->choices[0];
+    bool end = c->finish != KVS_FINISH_NONE && !c->end_sent;
+    c->role_sent = true;
+    kvs_tool_events ev = {0};
+    kvs_tool_event text = {-1, NULL, NULL, c->text, c->text_len};
+    kvs_tool_events plain = {&text, c->text_len ? 1 : 0, 1};
+    if (st->tools) {
+        kvs_resp_slice s = {c->text, c->text_len};
+        kvs_resp_tool_stream(st->tools[0], &s, &ev, end);
+    }
+    bool anth = st->api->dialect == KVS_DIALECT_ANTHROPIC;
+    if (anth) kvs_anth_stream_events(st->api, st->tools ? &ev : &plain);
+    else kvs_rsp_stream_events(st->api, st->tools ? &ev : &plain);
+    kvs_tool_events_free(&ev);
+    c->text_offset += c->text_len;
+    c->text_len = 0;
+    c->n_ids = 0;
+    c->end_sent |= end;
+    if (!g->done) return;
+    kvs_resp_end e = {g->finish == KVS_FINISH_ERROR ? KVS_FINISH_ERROR : c->finish,
+                      c->stop_string > 0 && c->stop_string <= st->n_stop ? st->stop[c->stop_string - 1] : NULL,
+                      st->tools && kvs_tool_parser_n_calls(st->tools[0]) > 0, g->prompt_tokens, g->cached_tokens,
+                      kvs_gen_completion_tokens(g), g->error};
+    if (anth) kvs_anth_stream_end(st->api, &e);
+    else kvs_rsp_stream_end(st->api, &e);
+    st->ended = true;
+}
+
 /* Turns what the engine delivered since the last call into SSE events: per
  * choice, in index order. */
 static void take_pending(kvs_stream *st) {
     kvs_gen *g = st->gen;
     /* g->mu is held */
+    if (st->api) {
+        take_pending_api(st);
+        return;
+    }
     bool chat = st->meta.kind == KVS_API_CHAT;
     for (int i = 0; i < g->n_choices; i++) {
         kvs_gen_choice *c = &g->choices[i];

@@ -46,6 +46,9 @@ typedef struct {
     char *req_id;        /* meta.id's storage */
     bool include_usage, ended;
     kvs_tool_parser **tools; /* chat with tools: a parser a choice (its calls become delta.tool_calls) */
+    kvs_api_stream *api;     /* Anthropic's or the responses API's events (NULL: OpenAI's chunks) */
+    char *stop[KVS_MAX_STOP_STRINGS]; /* the request's stop strings (api: the stop_sequence that ended it) */
+    int n_stop;
     size_t text_offset;
     char *out;           /* formatted bytes not yet handed to MHD */
     size_t out_len, out_off, out_cap;
@@ -55,6 +58,8 @@ typedef struct {
  * connection (the engine's callback resumes it) and returns 0. */
 ssize_t kvs_stream_read(void *cls, uint64_t pos, char *buf, size_t max);
 void kvs_stream_free(void *cls);
+/* A kvs_sse_emit into the stream's bytes (ctx: the kvs_stream). */
+void kvs_stream_emit(void *ctx, const char *event, json_t *data);
 
 /* ---- a generation request's life in the server (http.c) ---------------------
  * begin: counts it in flight (503 while draining); link: puts it on the list

@@ -57,9 +57,9 @@ enum MHD_Result kvs_http_send(kvs_server *s, struct MHD_Connection *c, kvs_http_
     return ret;
 }
 
-enum MHD_Result kvs_http_error(kvs_server *s, struct MHD_Connection *c, const kvs_api_error *err) {
+enum MHD_Result kvs_http_error(kvs_server *s, struct MHD_Connection *c, const kvs_api_error *err, kvs_api_dialect d) {
     kvs_http_answer a;
-    kvs_http_answer_error(&a, err);
+    kvs_http_answer_error_as(&a, err, d);
     return kvs_http_send(s, c, &a);
 }
 

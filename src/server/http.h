@@ -64,7 +64,8 @@ typedef struct kvs_http_req {
 struct MHD_Daemon *kvs_http_daemon(kvs_server *s, unsigned flags, const struct sockaddr *addr);
 /* Queues a's response (its body taken) and counts it. */
 enum MHD_Result kvs_http_send(kvs_server *s, struct MHD_Connection *c, kvs_http_answer *a);
-enum MHD_Result kvs_http_error(kvs_server *s, struct MHD_Connection *c, const kvs_api_error *err);
+/* err in d's shape (route.h's kvs_route_dialect) */
+enum MHD_Result kvs_http_error(kvs_server *s, struct MHD_Connection *c, const kvs_api_error *err, kvs_api_dialect d);
 /* The request's in-flight count ends (once; when it completes). */
 void kvs_http_req_done(kvs_http_req *r);
 /* Aborts g's engine request when it was submitted. */

@@ -1,7 +1,6 @@
 /* server: OpenAI request bodies -> kvs_api_request, strictly validated.
  * Every rejection names the field at fault (error.param). */
 #include <jansson.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,6 +51,35 @@ char *kvs_api_error_json(const kvs_api_error *err) {
     return s;
 }
 
+int kvs_api_error_status(const kvs_api_error *err, kvs_api_dialect d) {
+    /* Anthropic's clients read 529 as "overloaded, retry": a draining or failed server */
+    return d == KVS_DIALECT_ANTHROPIC && err->http_status == 503 ? 529 : err->http_status;
+}
+
+/* Anthropic's error type of a status (its clients map the type and the status to their error classes). */
+static const char *anthropic_type(int status) {
+    switch (status) {
+    case 401: return "authentication_error";
+    case 403: return "permission_error";
+    case 404: return "not_found_error";
+    case 413: return "request_too_large";
+    case 429: return "rate_limit_error";
+    case 529: return "overloaded_error";
+    default: return status >= 500 ? "api_error" : "invalid_request_error";
+    }
+}
+
+char *kvs_api_error_json_as(const kvs_api_error *err, kvs_api_dialect d) {
+    if (d != KVS_DIALECT_ANTHROPIC) return kvs_api_error_json(err);
+    /* Anthropic's shape has no param: the message names the field, as every message here does */
+    json_t *root = json_pack("{s:s, s:{s:s, s:o}}", "type", "error", "error", "type",
+                             anthropic_type(kvs_api_error_status(err, d)), "message",
+                             json_text(err->message[0] ? err->message : "error"));
+    char *s = root ? json_dumps(root, JSON_COMPACT) : NULL;
+    json_decref(root);
+    return s ? s : strdup("{\"type\":\"error\",\"error\":{\"type\":\"api_error\",\"message\":\"error\"}}");
+}
+
 void kvs_api_request_free(kvs_api_request *r) {
     free(r->model);
     free(r->prompt);
@@ -67,78 +95,11 @@ void kvs_api_request_free(kvs_api_request *r) {
     free(r->logit_bias);
     free(r->stop_token_ids);
     json_decref(r->format_schema);
+    json_decref(r->echo);
     memset(r, 0, sizeof *r);
 }
 
-/* ---- typed field readers: each returns false after filling err ------------- */
-static bool get_number(json_t *v, const char *name, double lo, double hi, double *out, kvs_api_error *err) {
-    if (!json_is_number(v)) return kvs_api_fail(err, 400, name, "'%s' must be a number", name);
-    double x = json_number_value(v);
-    if (!(x >= lo && x <= hi)) return kvs_api_fail(err, 400, name, "'%s' must be in [%g, %g], got %g", name, lo, hi, x);
-    *out = x;
-    return true;
-}
-
-/* The engine's sampling rules (kvs_sampling_validate); param: the parameter its message names. */
-static bool check_sampling(const kvs_sampling_params *p, kvs_api_error *err) {
-    if (kvs_sampling_validate(p) == KVS_OK) return true;
-    static const char *const names[] = {"temperature", "top_k", "top_p", "min_p"};
-    const char *msg = kvs_last_error(), *param = NULL;
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (!strncmp(msg, names[i], strlen(names[i])) && msg[strlen(names[i])] == ' ') param = names[i];
-    return kvs_api_fail(err, 400, param, "%s", msg);
-}
-
-bool kvs_api_get_int(json_t *v, const char *name, json_int_t lo, json_int_t hi, json_int_t *out, kvs_api_error *err) {
-    if (!json_is_integer(v)) return kvs_api_fail(err, 400, name, "'%s' must be an integer", name);
-    json_int_t x = json_integer_value(v);
-    if (x < lo || x > hi)
-        return kvs_api_fail(err, 400, name, "'%s' must be in [%lld, %lld], got %lld", name, (long long)lo,
-                            (long long)hi, (long long)x);
-    *out = x;
-    return true;
-}
-
-static bool get_bool(json_t *v, const char *name, bool *out, kvs_api_error *err) {
-    if (!json_is_boolean(v)) return kvs_api_fail(err, 400, name, "'%s' must be a boolean", name);
-    *out = json_is_true(v);
-    return true;
-}
-
-static bool parse_stop(json_t *v, kvs_api_request *r, kvs_api_error *err) {
-    if (json_is_null(v)) return true;
-    if (json_is_string(v)) {
-        json_t *arr = json_pack("[O]", v);
-        bool ok = parse_stop(arr, r, err);
-        json_decref(arr);
-        return ok;
-    }
-    if (!json_is_array(v)) return kvs_api_fail(err, 400, "stop", "'stop' must be a string or an array of strings");
-    if (json_array_size(v) > KVS_MAX_STOP_STRINGS)
-        return kvs_api_fail(err, 400, "stop", "'stop' holds at most %d strings", KVS_MAX_STOP_STRINGS);
-    size_t i;
-    json_t *s;
-    json_array_foreach(v, i, s) {
-        if (!json_is_string(s)) return kvs_api_fail(err, 400, "stop", "'stop' must hold strings");
-        size_t n = json_string_length(s);
-        if (n == 0 || n > 256) return kvs_api_fail(err, 400, "stop", "stop strings must have 1 to 256 bytes");
-        if (memchr(json_string_value(s), 0, n)) return kvs_api_fail(err, 400, "stop", "stop strings must not hold NUL");
-        r->stop[r->n_stop++] = strdup(json_string_value(s));
-    }
-    return true;
-}
-
-/* vLLM's "cache_salt": a non-empty string (at most the engine's KVS_MAX_CACHE_SALT bytes); null: none. */
-static bool parse_cache_salt(json_t *v, kvs_api_request *r, kvs_api_error *err) {
-    if (json_is_null(v)) return true;
-    if (!json_is_string(v)) return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must be a string");
-    size_t n = json_string_length(v);
-    if (n == 0 || n > KVS_MAX_CACHE_SALT)
-        return kvs_api_fail(err, 400, "cache_salt", "'cache_salt' must have 1 to %d bytes", KVS_MAX_CACHE_SALT);
-    if (!(r->cache_salt = strdup(json_string_value(v)))) return kvs_api_fail(err, 500, NULL, "out of memory");
-    return true;
-}
-
+/* ---- prompts and messages ------------------------------------------------------ */
 static bool parse_ids(json_t *arr, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
     size_t n = json_array_size(arr), i;
     if (n == 0) return kvs_api_fail(err, 400, "prompt", "'prompt' is empty");
@@ -226,7 +187,7 @@ static bool parse_content(json_t *c, int i, char **out, kvs_api_error *err) {
     return true;
 }
 
-static bool parse_messages(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
+bool kvs_api_parse_messages(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
     if (!v) return kvs_api_fail(err, 400, "messages", "'messages' is required");
     if (!json_is_array(v) || json_array_size(v) == 0)
         return kvs_api_fail(err, 400, "messages", "'messages' must be a non-empty array");
@@ -266,76 +227,6 @@ static bool parse_messages(json_t *v, const kvs_api_limits *lim, kvs_api_request
     return true;
 }
 
-/* "logit_bias": {"token id": bias in [-100, 100], ...}, at most KVS_MAX_LOGIT_BIAS. */
-static bool parse_logit_bias(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
-    if (json_is_null(v)) return true;
-    if (!json_is_object(v))
-        return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' must be an object of token ids to biases");
-    size_t n = json_object_size(v);
-    if (n > KVS_MAX_LOGIT_BIAS)
-        return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' holds %zu entries (at most %d)", n,
-                            KVS_MAX_LOGIT_BIAS);
-    if (n && !(r->logit_bias = malloc(sizeof *r->logit_bias * n))) return kvs_api_fail(err, 500, NULL, "out of memory");
-    const char *key;
-    json_t *b;
-    json_object_foreach(v, key, b) {
-        /* a token id written plainly: no sign, space or leading zero (" 5", "+5" and "05" are not 5) */
-        char *end;
-        long id = key[0] >= '1' && key[0] <= '9' ? strtol(key, &end, 10) : -1;
-        if (!strcmp(key, "0")) id = 0, end = (char *)key + 1;
-        if (id < 0 || *end || id >= lim->vocab_size)
-            return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' key '%.40s' is not a token id in [0, %d)", key,
-                                lim->vocab_size);
-        if (!json_is_number(b) || !(json_number_value(b) >= -100 && json_number_value(b) <= 100))
-            return kvs_api_fail(err, 400, "logit_bias", "'logit_bias' of token %ld must be a number in [-100, 100]",
-                                id);
-        r->logit_bias[r->n_logit_bias++] = (kvs_logit_bias){(int32_t)id, (float)json_number_value(b)};
-    }
-    return true;
-}
-
-/* vLLM's "stop_token_ids": [id, ...]. */
-static bool parse_stop_token_ids(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err) {
-    if (json_is_null(v)) return true;
-    if (!json_is_array(v) || json_array_size(v) > 1024)
-        return kvs_api_fail(err, 400, "stop_token_ids", "'stop_token_ids' must be an array of at most 1024 token ids");
-    size_t n = json_array_size(v);
-    if (n && !(r->stop_token_ids = malloc(sizeof(int32_t) * n))) return kvs_api_fail(err, 500, NULL, "out of memory");
-    for (size_t i = 0; i < n; i++) {
-        json_int_t x;
-        if (!kvs_api_get_int(json_array_get(v, i), "stop_token_ids", 0, lim->vocab_size - 1, &x, err)) return false;
-        r->stop_token_ids[r->n_stop_token_ids++] = (int32_t)x;
-    }
-    return true;
-}
-
-/* "response_format": {"type": "text" | "json_object"} or {"type": "json_schema",
- * "json_schema": {"name", "schema", "strict", "description"}}; the schema is
- * compiled at submit (route.c), refused there naming what it does not support. */
-static bool parse_response_format(json_t *v, kvs_api_request *r, kvs_api_error *err) {
-    if (json_is_null(v)) return true;
-    json_t *t = json_object_get(v, "type");
-    if (!json_is_object(v) || !json_is_string(t))
-        return kvs_api_fail(err, 400, "response_format", "'response_format' must be an object with a string 'type'");
-    const char *type = json_string_value(t);
-    if (!strcmp(type, "text")) return true;
-    if (!strcmp(type, "json_object")) {
-        r->format = KVS_FORMAT_JSON_OBJECT;
-        return true;
-    }
-    if (strcmp(type, "json_schema"))
-        return kvs_api_fail(err, 400, "response_format", "'response_format.type' must be text, json_object or json_schema");
-    json_t *js = json_object_get(v, "json_schema"), *schema = json_object_get(js, "schema");
-    if (!json_is_object(js) || !json_is_object(schema))
-        return kvs_api_fail(err, 400, "response_format", "'response_format.json_schema.schema' must be an object");
-    json_t *strict = json_object_get(js, "strict");
-    if (strict && !json_is_boolean(strict) && !json_is_null(strict))
-        return kvs_api_fail(err, 400, "response_format", "'response_format.json_schema.strict' must be a boolean");
-    r->format = KVS_FORMAT_JSON_SCHEMA;
-    r->format_schema = json_incref(schema);
-    return true;
-}
-
 /* Fields accepted with their neutral value only (so clients that send the defaults work). */
 static bool check_neutral(const char *key, json_t *v, kvs_api_error *err) {
     if (json_is_null(v)) return true;
@@ -366,16 +257,13 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
     json_int_t top = -1;
     json_object_foreach(root, key, v) {
         json_int_t x;
-        double d;
-        if (!strcmp(key, "model")) {
-            if (!json_is_string(v)) return kvs_api_fail(err, 400, "model", "'model' must be a string");
-            r->model = strdup(json_string_value(v));
-        } else if (!strcmp(key, "prompt") && kind == KVS_API_COMPLETIONS) {
+        int common = kvs_api_parse_common_field(key, v, lim, r, err); /* request_fields.c */
+        if (common == 0) return false;
+        if (common > 0) continue;
+        if (!strcmp(key, "prompt") && kind == KVS_API_COMPLETIONS) {
             if (!parse_prompt(v, lim, r, err)) return false;
         } else if (!strcmp(key, "messages") && kind == KVS_API_CHAT) {
-            if (!parse_messages(v, lim, r, err)) return false;
-        } else if (!strcmp(key, "stream")) {
-            if (!json_is_null(v) && !get_bool(v, "stream", &r->stream, err)) return false;
+            if (!kvs_api_parse_messages(v, lim, r, err)) return false;
         } else if (!strcmp(key, "stream_options")) {
             if (json_is_null(v)) continue;
             /* include_usage; vLLM's continuous_usage_stats is accepted (usage still comes in the last chunk) */
@@ -385,64 +273,23 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
                 return kvs_api_fail(err, 400, "stream_options",
                                     "'stream_options' must be {\"include_usage\": bool, \"continuous_usage_stats\": bool}");
             r->include_usage = json_is_true(u);
-        } else if (!strcmp(key, "temperature")) { /* its lower bound and the others' ranges: check_sampling */
-            if (json_is_null(v)) continue;
-            if (!get_number(v, "temperature", -HUGE_VAL, HUGE_VAL, &d, err)) return false;
-            if (d > 100) return kvs_api_fail(err, 400, "temperature", "'temperature' must be at most 100, got %g", d);
-            r->sampling.temperature = (float)d;
-        } else if (!strcmp(key, "top_p")) {
-            if (json_is_null(v)) continue;
-            if (!get_number(v, "top_p", -HUGE_VAL, HUGE_VAL, &d, err)) return false;
-            r->sampling.top_p = (float)d;
-        } else if (!strcmp(key, "top_k")) {
-            if (json_is_null(v)) continue;
-            if (!kvs_api_get_int(v, "top_k", -1, 1 << 30, &x, err)) return false;
-            r->sampling.top_k = x < 0 ? 0 : (int)x;
-        } else if (!strcmp(key, "min_p")) {
-            if (json_is_null(v)) continue;
-            if (!get_number(v, "min_p", -HUGE_VAL, HUGE_VAL, &d, err)) return false;
-            r->sampling.min_p = (float)d;
-        } else if (!strcmp(key, "seed")) {
-            if (json_is_null(v)) continue;
-            if (!json_is_integer(v)) return kvs_api_fail(err, 400, "seed", "'seed' must be an integer");
-            r->sampling.seed = (uint64_t)json_integer_value(v);
-            r->sampling.has_seed = true;
         } else if (!strcmp(key, "max_tokens") || !strcmp(key, "max_completion_tokens")) {
             if (json_is_null(v)) continue;
             if (!kvs_api_get_int(v, key, 1, lim->max_model_len, &x, err)) return false;
             r->max_tokens = (int)x;
             r->max_tokens_param = !strcmp(key, "max_tokens") ? "max_tokens" : "max_completion_tokens";
         } else if (!strcmp(key, "stop")) {
-            if (!parse_stop(v, r, err)) return false;
+            if (!kvs_api_parse_stop(v, "stop", r, err)) return false;
         } else if (!strcmp(key, "n")) {
             if (json_is_null(v)) continue;
             if (!kvs_api_get_int(v, "n", 1, KVS_MAX_N, &x, err)) return false;
             r->n = (int)x;
-        } else if (!strcmp(key, "presence_penalty") || !strcmp(key, "frequency_penalty")) {
-            if (json_is_null(v)) continue;
-            if (!get_number(v, key, -2, 2, &d, err)) return false;
-            *(key[0] == 'p' ? &r->sampling.presence_penalty : &r->sampling.frequency_penalty) = (float)d;
-        } else if (!strcmp(key, "repetition_penalty")) {
-            if (json_is_null(v)) continue;
-            if (!get_number(v, key, 0, 100, &d, err)) return false;
-            if (d == 0) return kvs_api_fail(err, 400, key, "'repetition_penalty' must be > 0 (1 disables it)");
-            r->sampling.repetition_penalty = (float)d;
-        } else if (!strcmp(key, "logit_bias")) {
-            if (!parse_logit_bias(v, lim, r, err)) return false;
-        } else if (!strcmp(key, "stop_token_ids")) {
-            if (!parse_stop_token_ids(v, lim, r, err)) return false;
         } else if (!strcmp(key, "response_format")) {
-            if (!parse_response_format(v, r, err)) return false;
-        } else if (!strcmp(key, "min_tokens")) {
-            if (json_is_null(v)) continue;
-            if (!kvs_api_get_int(v, "min_tokens", 0, lim->max_model_len, &x, err)) return false;
-            r->min_tokens = (int)x;
-        } else if (!strcmp(key, "ignore_eos")) {
-            if (!json_is_null(v) && !get_bool(v, "ignore_eos", &r->ignore_eos, err)) return false;
+            if (!kvs_api_parse_format(v, "response_format", r, err)) return false;
         } else if (!strcmp(key, "logprobs")) {
             if (json_is_null(v)) continue;
             if (kind == KVS_API_CHAT) {
-                if (!get_bool(v, "logprobs", &want_logprobs, err)) return false;
+                if (!kvs_api_get_bool(v, "logprobs", &want_logprobs, err)) return false;
             } else {
                 if (json_is_boolean(v)) return kvs_api_fail(err, 400, "logprobs", "'logprobs' must be an integer");
                 if (!kvs_api_get_int(v, "logprobs", 0, 20, &x, err)) return false;
@@ -452,13 +299,8 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
         } else if (!strcmp(key, "top_logprobs") && kind == KVS_API_CHAT) {
             if (json_is_null(v)) continue;
             if (!kvs_api_get_int(v, "top_logprobs", 0, 20, &top, err)) return false;
-        } else if (!strcmp(key, "kv_policy")) {
-            if (!kvs_api_parse_policy(v, lim, &r->policy, err)) return false;
-            r->has_policy = !json_is_null(v);
         } else if (!strcmp(key, "return_token_ids")) {
-            if (!json_is_null(v) && !get_bool(v, "return_token_ids", &r->return_token_ids, err)) return false;
-        } else if (!strcmp(key, "cache_salt")) {
-            if (!parse_cache_salt(v, r, err)) return false;
+            if (!json_is_null(v) && !kvs_api_get_bool(v, "return_token_ids", &r->return_token_ids, err)) return false;
         } else if (!strcmp(key, "suffix") && kind == KVS_API_COMPLETIONS) {
             if (!json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
                 return kvs_api_fail(err, 400, "suffix", "'suffix' is not supported");
@@ -478,7 +320,7 @@ static bool parse_fields(json_t *root, kvs_api_kind kind, const kvs_api_limits *
     if (kind == KVS_API_CHAT && !kvs_api_tools_check(r, err)) return false;
     if (r->include_usage && !r->stream)
         return kvs_api_fail(err, 400, "stream_options", "'stream_options' is only allowed with 'stream': true");
-    return check_sampling(&r->sampling, err); /* the prompt's length against the context: route.c */
+    return kvs_api_check_sampling(&r->sampling, err); /* the prompt's length against the context: route.c */
 }
 
 kvs_sampling_params kvs_api_sampling_default(void) {
@@ -487,25 +329,19 @@ kvs_sampling_params kvs_api_sampling_default(void) {
     return p;
 }
 
-bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, const kvs_api_limits *lim,
-                           kvs_api_request *r, kvs_api_error *err) {
+void kvs_api_request_init(kvs_api_request *r, kvs_api_kind kind, const kvs_api_limits *lim) {
     memset(r, 0, sizeof *r);
-    memset(err, 0, sizeof *err);
     r->kind = kind;
     r->sampling = lim->sampling ? *lim->sampling : kvs_api_sampling_default(); /* what the request sets wins */
     kvs_api_tools_defaults(r);
-    json_error_t jerr;
-    json_t *root = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &jerr);
-    if (!root) {
-        kvs_api_fail(err, 400, NULL, "malformed JSON body: %s (at line %d, column %d)", jerr.text, jerr.line,
-                     jerr.column);
-        return false;
-    }
-    bool ok;
-    if (!json_is_object(root))
-        ok = kvs_api_fail(err, 400, NULL, "the request body must be a JSON object");
-    else
-        ok = parse_fields(root, kind, lim, r, err);
+}
+
+bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, const kvs_api_limits *lim,
+                           kvs_api_request *r, kvs_api_error *err) {
+    kvs_api_request_init(r, kind, lim);
+    memset(err, 0, sizeof *err);
+    json_t *root = kvs_api_load_object(body, len, err);
+    bool ok = root && parse_fields(root, kind, lim, r, err);
     json_decref(root); /* the engine checks the sampling parameters again at submit */
     if (!ok) kvs_api_request_free(r);
     return ok;

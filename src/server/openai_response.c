@@ -17,9 +17,8 @@ const char *kvs_resp_finish_reason(kvs_finish f) {
     }
 }
 
-/* A JSON string of UTF-8 text of n bytes (NUL bytes included: "\u0000" once
- * dumped); invalid bytes (never expected) become U+FFFD. */
-static json_t *text_json(const char *s, size_t n) {
+/* NUL bytes are kept ("\u0000" once dumped). */
+json_t *kvs_resp_text_json(const char *s, size_t n) {
     json_t *j = json_stringn(s ? s : "", s ? n : 0);
     if (j) return j;
     char *fixed = malloc(n * 3 + 1);
@@ -100,7 +99,7 @@ static json_t *chat_token_json(const kvs_tokenizer *tok, int32_t id, float lp) {
     char *t = token_text(tok, id, &tl);
     json_t *bytes = json_array();
     for (size_t b = 0; b < tl; b++) json_array_append_new(bytes, json_integer((unsigned char)t[b]));
-    json_t *j = json_pack("{s:o, s:o, s:o}", "token", text_json(t, tl), "logprob", lp_json(lp), "bytes", bytes);
+    json_t *j = json_pack("{s:o, s:o, s:o}", "token", kvs_resp_text_json(t, tl), "logprob", lp_json(lp), "bytes", bytes);
     free(t);
     return j;
 }
@@ -133,7 +132,7 @@ static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
     for (int i = 0; i < s->n; i++) {
         size_t tl;
         char *t = token_text(m->tok, s->ids[i], &tl);
-        json_t *tj = text_json(t, tl);
+        json_t *tj = kvs_resp_text_json(t, tl);
         json_array_append_new(tokens, tj);
         json_array_append_new(lps, lp_json(s->lps[i]));
         json_array_append_new(offs, json_integer((json_int_t)off));
@@ -144,7 +143,7 @@ static json_t *logprobs_json(const kvs_resp_meta *m, const kvs_resp_slice *s) {
                 if (id < 0) continue;
                 size_t al;
                 char *a = token_text(m->tok, id, &al);
-                json_t *aj = text_json(a, al);
+                json_t *aj = kvs_resp_text_json(a, al);
                 if (!json_object_getn(one, json_string_value(aj), json_string_length(aj)))
                     json_object_setn_new(one, json_string_value(aj), json_string_length(aj),
                                          lp_json(s->top_lps[(size_t)i * s->n_top + j]));
@@ -195,9 +194,9 @@ static json_t *full_choice(const kvs_resp_meta *m, const kvs_resp_slice *s) {
         json_object_set_new(choice, "message", kvs_resp_tool_message(m, s->index, s->text, s->text_len, &called));
     else if (m->kind == KVS_API_CHAT)
         json_object_set_new(choice, "message",
-                            json_pack("{s:s, s:o}", "role", "assistant", "content", text_json(s->text, s->text_len)));
+                            json_pack("{s:s, s:o}", "role", "assistant", "content", kvs_resp_text_json(s->text, s->text_len)));
     else
-        json_object_set_new(choice, "text", text_json(s->text, s->text_len));
+        json_object_set_new(choice, "text", kvs_resp_text_json(s->text, s->text_len));
     json_object_set_new(choice, "logprobs", logprobs_json(m, s));
     put_token_ids(choice, m, s);
     json_object_set_new(choice, "finish_reason", finish_json(s->finish, called));
@@ -223,10 +222,10 @@ char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first
         json_t *delta = json_object();
         if (first) json_object_set_new(delta, "role", json_string("assistant"));
         if (s->tool_events) kvs_resp_tool_delta(m, delta, s->tool_events);
-        else if (s->text_len || first) json_object_set_new(delta, "content", text_json(s->text, s->text_len));
+        else if (s->text_len || first) json_object_set_new(delta, "content", kvs_resp_text_json(s->text, s->text_len));
         json_object_set_new(choice, "delta", delta);
     } else {
-        json_object_set_new(choice, "text", text_json(s->text, s->text_len));
+        json_object_set_new(choice, "text", kvs_resp_text_json(s->text, s->text_len));
     }
     json_object_set_new(choice, "logprobs", s->n ? logprobs_json(m, s) : json_null());
     put_token_ids(choice, m, s);

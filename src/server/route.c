@@ -7,6 +7,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "server/anthropic.h"
+#include "server/responses.h"
 #include "server/route.h"
 
 static void answer(kvs_http_answer *a, int status, const char *content_type, char *body) {
@@ -15,6 +17,26 @@ static void answer(kvs_http_answer *a, int status, const char *content_type, cha
 
 void kvs_http_answer_error(kvs_http_answer *a, const kvs_api_error *err) {
     answer(a, err->http_status, "application/json", kvs_api_error_json(err));
+}
+
+void kvs_http_answer_error_as(kvs_http_answer *a, const kvs_api_error *err, kvs_api_dialect d) {
+    answer(a, kvs_api_error_status(err, d), "application/json", kvs_api_error_json_as(err, d));
+}
+
+kvs_api_dialect kvs_http_dialect(const char *url) {
+    url = kvs_http_origin_path(url);
+    if (!strncmp(url, "/v1/messages", 12) && (!url[12] || url[12] == '/' || url[12] == '?')) return KVS_DIALECT_ANTHROPIC;
+    return KVS_DIALECT_OPENAI; /* the responses API's errors are OpenAI's */
+}
+
+kvs_api_dialect kvs_route_dialect(kvs_route r) {
+    return r == KVS_ROUTE_MESSAGES || r == KVS_ROUTE_COUNT_TOKENS ? KVS_DIALECT_ANTHROPIC
+           : r == KVS_ROUTE_RESPONSES                             ? KVS_DIALECT_RESPONSES
+                                                                  : KVS_DIALECT_OPENAI;
+}
+
+bool kvs_route_generates(kvs_route r) {
+    return r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT || r == KVS_ROUTE_MESSAGES || r == KVS_ROUTE_RESPONSES;
 }
 
 void kvs_http_answer_verrorf(kvs_http_answer *a, int status, const char *type, const char *fmt, va_list ap) {
@@ -33,22 +55,30 @@ void kvs_http_answer_errorf(kvs_http_answer *a, int status, const char *type, co
     va_end(ap);
 }
 
-static bool fail(kvs_http_answer *a, int status, const char *fmt, const char *arg) {
+/* d: the shape of the path's errors */
+static bool fail_as(kvs_http_answer *a, kvs_api_dialect d, int status, const char *fmt, const char *arg) {
     kvs_api_error err;
     kvs_api_fail(&err, status, NULL, fmt, arg);
-    kvs_http_answer_error(a, &err);
+    kvs_http_answer_error_as(a, &err, d);
     return true;
 }
 
-static void too_large(const kvs_server *s, kvs_http_answer *a) {
+static bool fail(kvs_http_answer *a, int status, const char *fmt, const char *arg) {
+    return fail_as(a, KVS_DIALECT_OPENAI, status, fmt, arg);
+}
+
+static void too_large(const kvs_server *s, kvs_http_answer *a, kvs_api_dialect d) {
     kvs_api_error err;
     kvs_api_fail(&err, 413, NULL, "the request body is larger than the limit of %zu bytes", s->cfg.max_body_bytes);
-    kvs_http_answer_error(a, &err);
+    kvs_http_answer_error_as(a, &err, d);
 }
 
 static kvs_route find_route(const char *url) {
     if (!strcmp(url, "/v1/completions")) return KVS_ROUTE_COMPLETIONS;
     if (!strcmp(url, "/v1/chat/completions")) return KVS_ROUTE_CHAT;
+    if (!strcmp(url, "/v1/messages")) return KVS_ROUTE_MESSAGES;
+    if (!strcmp(url, "/v1/messages/count_tokens")) return KVS_ROUTE_COUNT_TOKENS;
+    if (!strcmp(url, "/v1/responses")) return KVS_ROUTE_RESPONSES;
     if (!strcmp(url, "/v1/models")) return KVS_ROUTE_MODELS;
     if (!strncmp(url, "/v1/models/", 11)) return KVS_ROUTE_MODEL;
     if (!strcmp(url, "/health")) return KVS_ROUTE_HEALTH;
@@ -59,16 +89,21 @@ static kvs_route find_route(const char *url) {
     return KVS_ROUTE_NONE;
 }
 
-/* Authorization: Bearer KEY, compared in constant time. */
-static bool authorized(const kvs_server *s, const kvs_http_head_fields *f) {
-    if (!s->api_key) return true;
-    const char *h;
-    size_t a;
-    if (!kvs_http_bearer(f->authorization, f->authorization_len, &h, &a)) return false;
+/* key [h, h + a) equals the server's, compared in constant time. */
+static bool key_is(const kvs_server *s, const char *h, size_t a) {
     size_t b = strlen(s->api_key);
     unsigned char diff = a != b;
     for (size_t i = 0; i < a && i < b; i++) diff |= (unsigned char)(h[i] ^ s->api_key[i]);
     return diff == 0;
+}
+
+/* Authorization: Bearer KEY, or Anthropic's x-api-key: KEY (either one right is enough). */
+static bool authorized(const kvs_server *s, const kvs_http_head_fields *f) {
+    if (!s->api_key) return true;
+    const char *h;
+    size_t a;
+    if (kvs_http_bearer(f->authorization, f->authorization_len, &h, &a) && key_is(s, h, a)) return true;
+    return f->x_api_key && key_is(s, f->x_api_key, f->x_api_key_len);
 }
 
 static json_t *model_json(const kvs_server *s) {
@@ -123,31 +158,32 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const kvs
                    kvs_route *route, kvs_http_answer *a) {
     memset(a, 0, sizeof *a);
     url = kvs_http_origin_path(url);
+    kvs_api_dialect d = kvs_http_dialect(url);
     kvs_route r = *route = find_route(url);
-    if (r == KVS_ROUTE_NONE || (r == KVS_ROUTE_WEB_UI && s->cfg.no_web_ui)) return fail(a, 404, "Not found: %.200s", url);
-    bool post = r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE;
+    if (r == KVS_ROUTE_NONE || (r == KVS_ROUTE_WEB_UI && s->cfg.no_web_ui)) return fail_as(a, d, 404, "Not found: %.200s", url);
+    bool post = kvs_route_generates(r) || r == KVS_ROUTE_COUNT_TOKENS || r == KVS_ROUTE_TOKENIZE ||
+                r == KVS_ROUTE_DETOKENIZE;
     if (post ? strcmp(method, "POST") : strcmp(method, "GET") && strcmp(method, "HEAD")) {
-        fail(a, 405, "Method not allowed: use %s", post ? "POST" : "GET");
+        fail_as(a, d, 405, "Method not allowed: use %s", post ? "POST" : "GET");
         a->allow = post ? "POST" : "GET, HEAD";
         return true;
     }
     if ((!strncmp(url, "/v1/", 4) || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) && !authorized(s, f)) {
         kvs_api_error err;
-        kvs_api_fail(&err, 401, NULL, "Incorrect or missing API key: send 'Authorization: Bearer KEY'");
+        kvs_api_fail(&err, 401, NULL, "Incorrect or missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'");
         err.code = "invalid_api_key";
-        kvs_http_answer_error(a, &err);
+        kvs_http_answer_error_as(a, &err, d);
         return true;
     }
     const char *why;
-    bool generates = r == KVS_ROUTE_COMPLETIONS || r == KVS_ROUTE_CHAT;
-    if (generates && engine_failed(s, &why)) return fail(a, 503, "the engine failed: %.400s", why);
-    if (post && atomic_load(&s->draining)) return fail(a, 503, "%s", "the server is shutting down");
+    if (kvs_route_generates(r) && engine_failed(s, &why)) return fail_as(a, d, 503, "the engine failed: %.400s", why);
+    if (post && atomic_load(&s->draining)) return fail_as(a, d, 503, "%s", "the server is shutting down");
     if (!post) {
         answer_get(s, r, url, a);
         return true;
     }
     if (f->has_length && f->content_length > s->cfg.max_body_bytes) {
-        too_large(s, a);
+        too_large(s, a, d);
         return true;
     }
     return false;
@@ -155,7 +191,7 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const kvs
 
 bool kvs_http_body_add(const kvs_server *s, kvs_http_body *b, const char *p, size_t n, kvs_http_answer *a) {
     if (n > s->cfg.max_body_bytes - b->len) {
-        too_large(s, a);
+        too_large(s, a, KVS_DIALECT_OPENAI); /* only the in-memory path answers it (http.c closes the connection) */
         return false;
     }
     if (b->len + n + 1 > b->cap) {
@@ -212,6 +248,11 @@ void kvs_http_slot_give(kvs_server *s) {
 }
 
 /* ---- a generation request: validate and encode ------------------------------ */
+/* The field that holds the conversation in the request's API. */
+static const char *messages_param(const kvs_api_request *r) {
+    return r->dialect == KVS_DIALECT_RESPONSES ? "input" : "messages";
+}
+
 static bool encode_prompt(kvs_server *s, kvs_http_prepared *p, kvs_api_error *err) {
     kvs_api_request *r = &p->req;
     if (r->prompt_ids) {
@@ -226,7 +267,7 @@ static bool encode_prompt(kvs_server *s, kvs_http_prepared *p, kvs_api_error *er
         st = kvs_tokenizer_encode_chat_tools(s->tok, s->tpl, r->messages, r->n_messages, r->tools, &p->ids, &p->n_ids);
         if (st != KVS_OK) {
             const char *msg = kvs_last_error();
-            return kvs_api_fail(err, 400, strncmp(msg, "tools ", 6) ? "messages" : "tools", "%s", msg);
+            return kvs_api_fail(err, 400, strncmp(msg, "tools ", 6) ? messages_param(r) : "tools", "%s", msg);
         }
     } else {
         kvs_encode_options eo = {.add_special_tokens = true, .parse_special = false};
@@ -234,7 +275,7 @@ static bool encode_prompt(kvs_server *s, kvs_http_prepared *p, kvs_api_error *er
         if (st != KVS_OK) return kvs_api_fail(err, 400, "prompt", "%s", kvs_last_error());
     }
     if (p->n_ids == 0)
-        return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? "messages" : "prompt", "the prompt is empty");
+        return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? messages_param(r) : "prompt", "the prompt is empty");
     return true;
 }
 
@@ -246,7 +287,8 @@ static bool compile_grammar(kvs_server *s, kvs_http_prepared *p, const atomic_bo
                                         "tools", cancel, err);
     else if (r->format != KVS_FORMAT_TEXT) /* structured output: the compiled grammar, shared by its schema */
         p->grammar = kvs_server_grammar(s, NULL, r->format == KVS_FORMAT_JSON_SCHEMA ? r->format_schema : NULL, NULL,
-                                        NULL, "response_format.json_schema", cancel, err);
+                                        NULL, r->dialect == KVS_DIALECT_RESPONSES ? "text.format" : "response_format.json_schema",
+                                        cancel, err);
     else
         return true;
     return p->grammar != NULL;
@@ -265,14 +307,16 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, const atomic_bool *can
     if (cancel && !compile_grammar(s, p, cancel, err)) return false;
     if (!encode_prompt(s, p, err)) return false;
     int max_len = s->limits.max_model_len, n = p->n_ids;
-    const char *prompt_param = r->kind == KVS_API_CHAT ? "messages" : "prompt";
+    const char *prompt_param = r->kind == KVS_API_CHAT ? messages_param(r) : "prompt";
     if (n >= max_len)
         return kvs_api_fail(err, 400, prompt_param, "this model's maximum context length is %d tokens; the prompt has %d",
                             max_len, n);
     int fallback = s->cfg.max_tokens_default > 0 ? s->cfg.max_tokens_default : r->kind == KVS_API_CHAT ? max_len - n : 16;
     int max_tokens = r->max_tokens ? r->max_tokens : fallback;
     if (max_tokens > max_len - n) {
-        if (r->max_tokens)
+        /* Anthropic's max_tokens is required and a ceiling: its clients ask for what the largest
+           models take (Claude Code: 32000), so it is capped by the context, not refused */
+        if (r->max_tokens && r->dialect != KVS_DIALECT_ANTHROPIC)
             return kvs_api_fail(err, 400, r->max_tokens_param ? r->max_tokens_param : "max_tokens",
                                 "this model's maximum context length is %d tokens; the prompt has %d and %d were "
                                 "asked for",
@@ -286,11 +330,20 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, const atomic_bool *can
     return true;
 }
 
-bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, const atomic_bool *cancel,
+/* The route's parser: each API's shapes onto the one chat / completions request. */
+static bool parse(kvs_server *s, kvs_route route, const char *body, size_t len, kvs_api_request *r, kvs_api_error *err) {
+    if (route == KVS_ROUTE_MESSAGES || route == KVS_ROUTE_COUNT_TOKENS)
+        return kvs_anth_parse_request(body, len, route == KVS_ROUTE_COUNT_TOKENS, &s->limits, r, err);
+    if (route == KVS_ROUTE_RESPONSES) return kvs_rsp_parse_request(body, len, &s->limits, r, err);
+    return kvs_api_parse_request(body, len, route == KVS_ROUTE_COMPLETIONS ? KVS_API_COMPLETIONS : KVS_API_CHAT,
+                                 &s->limits, r, err);
+}
+
+bool kvs_http_prepare(kvs_server *s, kvs_route route, const char *body, size_t len, const atomic_bool *cancel,
                       kvs_http_prepared *p, kvs_api_error *err) {
     memset(p, 0, sizeof *p);
     if (!kvs_http_slot_take(s, err)) return false;
-    bool ok = kvs_api_parse_request(body, len, kind, &s->limits, &p->req, err) && validate(s, p, cancel, err);
+    bool ok = parse(s, route, body, len, &p->req, err) && validate(s, p, cancel, err);
     kvs_http_slot_give(s);
     if (!ok) kvs_http_prepared_free(p);
     return ok;
@@ -319,14 +372,15 @@ bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const c
             return false;
         }
     }
-    if (r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) {
-        kvs_http_tokenize(s, r == KVS_ROUTE_DETOKENIZE, b.data, b.len, a);
+    if (r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE || r == KVS_ROUTE_COUNT_TOKENS) {
+        if (r == KVS_ROUTE_COUNT_TOKENS) kvs_http_count_tokens(s, b.data, b.len, a);
+        else kvs_http_tokenize(s, r == KVS_ROUTE_DETOKENIZE, b.data, b.len, a);
         kvs_http_body_free(&b);
         return false;
     }
     kvs_api_error err;
-    bool ok = kvs_http_prepare(s, r == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS, b.data, b.len, NULL, p, &err);
+    bool ok = kvs_http_prepare(s, r, b.data, b.len, NULL, p, &err);
     kvs_http_body_free(&b);
-    if (!ok) kvs_http_answer_error(a, &err);
+    if (!ok) kvs_http_answer_error_as(a, &err, kvs_http_dialect(url));
     return ok;
 }

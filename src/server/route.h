@@ -20,8 +20,18 @@ typedef enum {
     KVS_ROUTE_METRICS,
     KVS_ROUTE_TOKENIZE,
     KVS_ROUTE_DETOKENIZE,
-    KVS_ROUTE_WEB_UI /* GET /: the chat page */
+    KVS_ROUTE_WEB_UI, /* GET /: the chat page */
+    KVS_ROUTE_MESSAGES,     /* Anthropic's POST /v1/messages (anthropic.h) */
+    KVS_ROUTE_COUNT_TOKENS, /* and /v1/messages/count_tokens */
+    KVS_ROUTE_RESPONSES     /* OpenAI's POST /v1/responses (responses.h) */
 } kvs_route;
+
+/* The shape of a path's answers, errors included (Anthropic's under /v1/messages). */
+kvs_api_dialect kvs_http_dialect(const char *url);
+/* A route's answers' shape (Anthropic's for messages and count_tokens). */
+kvs_api_dialect kvs_route_dialect(kvs_route r);
+/* Whether a route generates (goes to the engine). */
+bool kvs_route_generates(kvs_route r);
 
 /* A response decided without the engine. */
 typedef struct {
@@ -33,6 +43,8 @@ typedef struct {
 } kvs_http_answer;
 
 void kvs_http_answer_error(kvs_http_answer *a, const kvs_api_error *err);
+/* The same in d's shape and status (kvs_api_error_json_as). */
+void kvs_http_answer_error_as(kvs_http_answer *a, const kvs_api_error *err, kvs_api_dialect d);
 /* a's error answer: status, its type (NULL: the status's) and a printf message. */
 void kvs_http_answer_errorf(kvs_http_answer *a, int status, const char *type, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -53,6 +65,8 @@ typedef struct {
     uint64_t content_length;
     const char *authorization; /* NULL: absent */
     size_t authorization_len;
+    const char *x_api_key;     /* Anthropic's clients send the key here (NULL: absent) */
+    size_t x_api_key_len;
 } kvs_http_head_fields;
 
 /* RFC 9112's framing rules and the fields the server reads: true, f filled;
@@ -91,16 +105,18 @@ typedef struct {
     kvs_grammar *grammar; /* its structured output or forced call (a reference; NULL: none, or not compiled) */
 } kvs_http_prepared;
 
-/* Parses, validates and encodes a body, holding one of the server's prepare
+/* Parses (by route: completions, chat, messages, count_tokens, responses), validates and encodes a body, holding one of the server's prepare
  * slots meanwhile (429 when none frees within the wait). cancel non-NULL: the
  * request's grammar is compiled too (kvs_server_grammar, stopped when cancel
  * is set), before the chat template and the tokenizer, so a schema past a
  * bound is refused before they run. */
-bool kvs_http_prepare(kvs_server *s, kvs_api_kind kind, const char *body, size_t len, const atomic_bool *cancel,
+bool kvs_http_prepare(kvs_server *s, kvs_route route, const char *body, size_t len, const atomic_bool *cancel,
                       kvs_http_prepared *p, kvs_api_error *err);
 void kvs_http_prepared_free(kvs_http_prepared *p);
 /* POST /tokenize (detokenize false) and /detokenize, answered whole (tokenize.c). */
 void kvs_http_tokenize(kvs_server *s, bool detokenize, const char *body, size_t len, kvs_http_answer *a);
+/* POST /v1/messages/count_tokens: {"input_tokens": n}, the prompt /v1/messages would encode (tokenize.c). */
+void kvs_http_count_tokens(kvs_server *s, const char *body, size_t len, kvs_http_answer *a);
 
 /* The prepare slots (a counting semaphore): take fills err (429) on timeout. */
 bool kvs_http_slot_take(kvs_server *s, kvs_api_error *err);

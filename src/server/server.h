@@ -1,6 +1,8 @@
 /* server: the OpenAI-compatible HTTP API over one engine (libmicrohttpd).
  * Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming as
- * SSE), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+ * SSE), POST /v1/messages and /v1/messages/count_tokens (Anthropic's),
+ * POST /v1/responses (OpenAI's responses), GET /v1/models, GET /health,
+ * GET /metrics (Prometheus text).
  * docs/SERVING.md describes the fields, the kv_policy extension and errors. */
 #ifndef KVS_SERVER_H
 #define KVS_SERVER_H
@@ -12,6 +14,10 @@
 
 /* ---- OpenAI requests: parsing and validation (no engine needed) ----------- */
 typedef enum { KVS_API_COMPLETIONS, KVS_API_CHAT } kvs_api_kind;
+/* The wire format of a request and its answers: OpenAI's chat / completions,
+ * Anthropic's messages (anthropic.h), OpenAI's responses (responses.h). The
+ * last two are chat requests (KVS_API_CHAT) in another shape. */
+typedef enum { KVS_DIALECT_OPENAI, KVS_DIALECT_ANTHROPIC, KVS_DIALECT_RESPONSES } kvs_api_dialect;
 
 /* An OpenAI-style error: {"error": {"message", "type", "param", "code"}}. */
 typedef struct {
@@ -40,6 +46,7 @@ typedef enum { KVS_TOOL_CHOICE_AUTO, KVS_TOOL_CHOICE_NONE, KVS_TOOL_CHOICE_REQUI
 
 typedef struct {
     kvs_api_kind kind;
+    kvs_api_dialect dialect;            /* the shape it came in and is answered in */
     char *model;                        /* NULL when absent */
     bool stream, include_usage;
     char *prompt;                       /* completions: a text prompt, or NULL */
@@ -78,6 +85,7 @@ typedef struct {
        to the parsed schema, compiled without being written out and parsed again) */
     enum { KVS_FORMAT_TEXT, KVS_FORMAT_JSON_OBJECT, KVS_FORMAT_JSON_SCHEMA } format;
     struct json_t *format_schema;
+    struct json_t *echo;                /* responses: the request's fields its response object repeats */
 } kvs_api_request;
 
 /* Parses and validates a request body. On failure fills err (HTTP status,
@@ -85,11 +93,18 @@ typedef struct {
 bool kvs_api_parse_request(const char *body, size_t len, kvs_api_kind kind, const kvs_api_limits *lim,
                            kvs_api_request *req, kvs_api_error *err);
 void kvs_api_request_free(kvs_api_request *req);
+/* An empty request of kind with lim's sampling defaults (what every parser starts from). */
+void kvs_api_request_init(kvs_api_request *req, kvs_api_kind kind, const kvs_api_limits *lim);
 /* Fills err; returns false (for `return kvs_api_fail(...)`). */
 bool kvs_api_fail(kvs_api_error *err, int http_status, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 /* {"error": {...}} as a malloc'ed string. */
 char *kvs_api_error_json(const kvs_api_error *err);
+/* The error in d's shape: Anthropic's {"type": "error", "error": {"type", "message"}}
+ * (its status mapped: 503 -> 529 overloaded_error), else OpenAI's. */
+char *kvs_api_error_json_as(const kvs_api_error *err, kvs_api_dialect d);
+/* The HTTP status err is answered with in d (Anthropic's 529 for 503). */
+int kvs_api_error_status(const kvs_api_error *err, kvs_api_dialect d);
 
 /* ---- the HTTP server -------------------------------------------------------- */
 typedef struct {

@@ -10,9 +10,29 @@
 #include "server/server.h"
 #include "server/tool_calls.h"
 
-/* ---- request fields (openai_request.c, kv_policy_json.c) ------------------- */
-/* An integer field in [lo, hi]; false after filling err. */
+/* ---- request fields (request_fields.c, openai_request.c, kv_policy_json.c) --- */
+/* Typed fields: false after filling err (400 naming name). */
 bool kvs_api_get_int(json_t *v, const char *name, json_int_t lo, json_int_t hi, json_int_t *out, kvs_api_error *err);
+bool kvs_api_get_number(json_t *v, const char *name, double lo, double hi, double *out, kvs_api_error *err);
+bool kvs_api_get_bool(json_t *v, const char *name, bool *out, kvs_api_error *err);
+/* The body as a JSON object (NULL: a 400 in err). */
+json_t *kvs_api_load_object(const char *body, size_t len, kvs_api_error *err);
+/* A field every API shares (model, stream, sampling, the vLLM extensions,
+ * kv_policy, cache_salt): 1 taken, 0 refused (err filled), -1 not one of them. */
+int kvs_api_parse_common_field(const char *key, json_t *v, const kvs_api_limits *lim, kvs_api_request *r,
+                               kvs_api_error *err);
+/* Stop strings (a string or an array), named param in errors. */
+bool kvs_api_parse_stop(json_t *v, const char *param, kvs_api_request *r, kvs_api_error *err);
+/* A structured-output format {"type": text | json_object | json_schema, ...};
+ * param "text.format": the responses API's flat json_schema object. */
+bool kvs_api_parse_format(json_t *v, const char *param, kvs_api_request *r, kvs_api_error *err);
+/* Chat messages in OpenAI's shape (every API's messages are mapped to these). */
+bool kvs_api_parse_messages(json_t *v, const kvs_api_limits *lim, kvs_api_request *r, kvs_api_error *err);
+/* Replaces the first "from" in err's param and message with "to": the name the
+ * client used for what the chat validator saw under its own (another API's field). */
+void kvs_api_error_rename(kvs_api_error *err, const char *from, const char *to);
+/* The engine's sampling rules, after every field. */
+bool kvs_api_check_sampling(const kvs_sampling_params *p, kvs_api_error *err);
 /* "kv_policy": {...} (null leaves *out alone); false after filling err. */
 bool kvs_api_parse_policy(json_t *v, const kvs_api_limits *lim, kvs_kv_policy *out, kvs_api_error *err);
 
@@ -38,7 +58,7 @@ bool kvs_api_tool_constrain(kvs_api_request *r, kvs_tool_format f, kvs_api_error
 /* ---- response shapes (openai_response.c); every string is malloc'ed ------- */
 typedef struct {
     kvs_api_kind kind;
-    const char *id;    /* "cmpl-..." / "chatcmpl-..." */
+    const char *id;    /* "cmpl-..." / "chatcmpl-..." / "msg_..." / "resp_..." */
     const char *model;
     long long created;
     const kvs_tokenizer *tok;
@@ -47,6 +67,7 @@ typedef struct {
     bool token_ids; /* the choice's "token_ids": the slice's ids */
     kvs_tool_format tools; /* chat with tools: the output is parsed for calls (NONE: not) */
     bool one_call;         /* parallel_tool_calls false: the first call only */
+    kvs_api_dialect dialect; /* ANTHROPIC / RESPONSES: anthropic.h / responses.h write the answer */
 } kvs_resp_meta;
 
 /* A slice of one choice's generated tokens and their text. */
@@ -64,6 +85,7 @@ typedef struct {
     kvs_finish finish;  /* NONE: not the choice's last slice */
     const kvs_tool_events *tool_events; /* a stream with tools: the delta is these, not text */
     bool tools_called;  /* a stream with tools: calls were sent (finish "tool_calls") */
+    const char *stop_sequence; /* finish STOP by a stop string: that string (NULL: none) */
 } kvs_resp_slice;
 
 /* The whole response: one slice per choice, in index order. */
@@ -87,6 +109,43 @@ char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, int n_choic
 char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, bool usage_field);
 char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens, const kvs_resp_kv *kv);
 const char *kvs_resp_finish_reason(kvs_finish f);
+/* A JSON string of generated text of n bytes (invalid UTF-8, never expected, as U+FFFD). */
+json_t *kvs_resp_text_json(const char *s, size_t n);
+
+/* ---- the other APIs' answers (anthropic_response.c, responses_response.c) --- */
+/* How a generation ended, for a whole answer or a stream's last events. */
+typedef struct {
+    kvs_finish finish;
+    const char *stop_sequence; /* the stop string that ended it (NULL: none) */
+    bool called;               /* the output was (or held) tool calls */
+    int prompt_tokens, cached_tokens, completion_tokens;
+    const char *error;         /* finish ERROR: why */
+} kvs_resp_end;
+
+/* An SSE event out: "event: NAME" and data's JSON (its reference taken). */
+typedef void (*kvs_sse_emit)(void *ctx, const char *event, json_t *data);
+
+/* A stream in Anthropic's or the responses API's events: content blocks (output
+ * items) opened and closed as the output turns from text to calls. */
+typedef struct {
+    kvs_api_dialect dialect;
+    kvs_resp_meta meta;  /* its strings are the stream's own */
+    bool started;
+    int open;            /* the open block's (item's) index: -1 none */
+    bool open_call;      /* it is a call (else text) */
+    int n_opened;
+    int seq;             /* responses: the next sequence_number */
+    char *acc;           /* responses: the open item's text or arguments so far (its .done events) */
+    size_t acc_len, acc_cap;
+    char *call_id, *call_name; /* responses: the open call's */
+    json_t *items;       /* responses: the items closed so far (response.completed) */
+    json_t *echo;        /* responses: the request's fields echoed in the response object */
+    long long created;   /* responses: created_at */
+    int prompt_tokens;   /* as encoded (message_start's usage) */
+    kvs_sse_emit emit;
+    void *ctx;
+} kvs_api_stream;
+
 /* With tools (tool_response.c): the chat message of a whole output (content,
  * tool_calls; *called: calls were made), and a stream chunk's delta. */
 json_t *kvs_resp_tool_message(const kvs_resp_meta *m, int index, const char *text, size_t n, bool *called);
@@ -118,6 +177,7 @@ typedef struct {
     float *top_lps;
     int n_ids, cap_ids;
     kvs_finish finish;  /* NONE until its last output */
+    int stop_string;    /* finish STOP by a stop string: 1 + its index (kvs_request_output) */
     int completion_tokens;
     /* streaming: what the reader sent of it */
     size_t text_offset;

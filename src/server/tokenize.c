@@ -1,7 +1,8 @@
 /* server: POST /tokenize and /detokenize (vLLM's shapes):
  *   /tokenize   {"prompt": "..."} or {"messages": [...]} (+ "add_special_tokens",
  *               "return_token_strs") -> {"count", "max_model_len", "tokens", "token_strs"}
- *   /detokenize {"tokens": [ids]} -> {"prompt": text} */
+ *   /detokenize {"tokens": [ids]} -> {"prompt": text}
+ * and Anthropic's /v1/messages/count_tokens -> {"input_tokens": n}. */
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,7 +43,7 @@ static bool tokens_of(kvs_server *s, json_t *root, int32_t **ids, int *n, kvs_ht
     if (!body) return bad(a, NULL, "out of memory");
     kvs_http_prepared p;
     kvs_api_error err;
-    bool ok = kvs_http_prepare(s, KVS_API_CHAT, body, strlen(body), NULL, &p, &err);
+    bool ok = kvs_http_prepare(s, KVS_ROUTE_CHAT, body, strlen(body), NULL, &p, &err);
     free(body);
     if (!ok) {
         kvs_http_answer_error(a, &err);
@@ -104,4 +105,16 @@ void kvs_http_tokenize(kvs_server *s, bool detokenize, const char *body, size_t 
         free(ids);
     }
     json_decref(root);
+}
+
+void kvs_http_count_tokens(kvs_server *s, const char *body, size_t len, kvs_http_answer *a) {
+    memset(a, 0, sizeof *a);
+    kvs_http_prepared p;
+    kvs_api_error err;
+    if (!kvs_http_prepare(s, KVS_ROUTE_COUNT_TOKENS, body, len, NULL, &p, &err)) {
+        kvs_http_answer_error_as(a, &err, KVS_DIALECT_ANTHROPIC);
+        return;
+    }
+    answer_json(a, json_pack("{s:i}", "input_tokens", p.n_ids));
+    kvs_http_prepared_free(&p);
 }

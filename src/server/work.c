@@ -48,21 +48,24 @@ static void finish(kvs_http_req *r) {
 
 static void run(kvs_work *w, kvs_http_req *r) {
     kvs_server *s = w->srv;
+    kvs_api_error err;
+    kvs_api_dialect d = kvs_route_dialect(r->route);
     if (atomic_load(&r->cancel)) {
-        kvs_http_answer_errorf(&r->answer, 503, NULL, "the request was cancelled (its client left, or the server is "
-                               "shutting down)");
+        kvs_api_fail(&err, 503, NULL, "the request was cancelled (its client left, or the server is shutting down)");
+        kvs_http_answer_error_as(&r->answer, &err, d);
     } else if ((kvs_now() - r->queued_at) * 1e3 > w->wait_ms) {
-        kvs_http_answer_errorf(&r->answer, 429, "rate_limit_error",
-                               "the server is busy: %d requests are being parsed and tokenized and none finished "
-                               "within %d ms; retry later", w->n_threads, w->wait_ms);
+        kvs_api_fail(&err, 429, NULL, "the server is busy: %d requests are being parsed and tokenized and none "
+                     "finished within %d ms; retry later", w->n_threads, w->wait_ms);
+        err.type = "rate_limit_error";
+        kvs_http_answer_error_as(&r->answer, &err, d);
     } else if (r->route == KVS_ROUTE_TOKENIZE || r->route == KVS_ROUTE_DETOKENIZE) {
         kvs_http_tokenize(s, r->route == KVS_ROUTE_DETOKENIZE, r->body.data, r->body.len, &r->answer);
+    } else if (r->route == KVS_ROUTE_COUNT_TOKENS) {
+        kvs_http_count_tokens(s, r->body.data, r->body.len, &r->answer);
     } else {
-        kvs_api_error err;
-        kvs_api_kind kind = r->route == KVS_ROUTE_CHAT ? KVS_API_CHAT : KVS_API_COMPLETIONS;
-        if (!kvs_http_prepare(s, kind, r->body.data, r->body.len, &r->cancel, &r->prep, &err) ||
+        if (!kvs_http_prepare(s, r->route, r->body.data, r->body.len, &r->cancel, &r->prep, &err) ||
             !kvs_http_submit(s, r, &err))
-            kvs_http_answer_error(&r->answer, &err);
+            kvs_http_answer_error_as(&r->answer, &err, d);
     }
     /* a large body's parse (and its schema's compile) freed tens of megabytes
        of small blocks: give them back, or a few such requests keep the
@@ -122,7 +125,9 @@ void kvs_work_stop(kvs_work *w) {
     while (left) {
         kvs_http_req *r = left;
         left = r->next;
-        kvs_http_answer_errorf(&r->answer, 503, NULL, "the server is shutting down");
+        kvs_api_error err;
+        kvs_api_fail(&err, 503, NULL, "the server is shutting down");
+        kvs_http_answer_error_as(&r->answer, &err, kvs_route_dialect(r->route));
         finish(r);
     }
     pthread_mutex_destroy(&w->mu);
@@ -142,14 +147,14 @@ static void push(kvs_work *w, kvs_http_req *r) {
 }
 
 enum MHD_Result kvs_work_continue(kvs_server *s, kvs_http_req *r) {
-    bool generates = r->route == KVS_ROUTE_COMPLETIONS || r->route == KVS_ROUTE_CHAT;
+    bool generates = kvs_route_generates(r->route);
     kvs_api_error err;
     pthread_mutex_lock(&r->mu);
     if (r->stage == KVS_STAGE_READ) {
         if (generates && !(r->counted = kvs_server_request_begin(s, &err))) {
             pthread_mutex_unlock(&r->mu);
             r->queued_answer = true;
-            return kvs_http_error(s, r->conn, &err);
+            return kvs_http_error(s, r->conn, &err, kvs_route_dialect(r->route));
         }
         r->stage = KVS_STAGE_WORK;
         r->queued_at = kvs_now();
