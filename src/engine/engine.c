@@ -330,8 +330,7 @@ static void engine_fail(kvs_engine *e, const char *reason) {
 /* Room for n adjust entries in the step's list. */
 static bool reserve_adjust(kvs_engine *e, int n) {
     if (n <= e->cap_adjust) return true;
-    int cap = e->cap_adjust ? e->cap_adjust : 256;
-    while (cap < n) cap *= 2;
+    int cap = kvs_grown_capacity(e->cap_adjust, n, 256);
     kvs_logit_adjust *a = realloc(e->adjust, sizeof *a * cap);
     if (!a) return false;
     e->adjust = a, e->cap_adjust = cap;
