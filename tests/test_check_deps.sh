@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/check-deps: passes on this tree; on a copy with a planted forbidden
 # include (core including engine/engine.h; the server including an internal
-# header of the model; a folder without a row in docs/DESIGN.md) it fails and
+# header of the model; a folder without a row in docs/DESIGN.md; a call cycle
+# among the kv files) it fails and
 # names the file, the line and the arrow.
 set -euo pipefail
 SRC="${KVS_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"
@@ -38,4 +39,8 @@ fails_with "a backend subfolder" "src/kv/planted.c:1: kv -> backend: #include \"
 fresh
 mkdir -p "$TMP/src/newmod" && printf '#include "core/core.h"\n' >"$TMP/src/newmod/a.c"
 fails_with "a folder without a row" "src/newmod: a module without a row"
+fresh # block_pool.c calling up into kv_cache.c: a call cycle among the kv files
+printf 'void kvs_kv_planted(kvs_kv_cache *kv) { kvs_kv_free(kv, 0); }\n' >>"$TMP/src/kv/block_pool.c"
+printf 'void kvs_kv_planted_user(kvs_kv_cache *kv) { kvs_kv_planted(kv); }\n' >>"$TMP/src/kv/kv_cache.c"
+fails_with "a call cycle in kv" "src/kv: "
 echo "test_check_deps: ok"

@@ -1174,3 +1174,72 @@ Test(engine, grammar_output_closes_before_max_tokens, .timeout = 600) {
     kvs_engine_destroy(e);
     fx_close(&f);
 }
+
+/* kvsparse_requests_finished_total counts a request once, whichever way it
+ * ends: length, a stop id, aborted queued or running (an abort repeated or of
+ * an unknown id changes nothing), a prompt the pool can never hold, a request
+ * that outgrows the pool alone, and n = 2 choices (one request). */
+Test(engine, requests_finished_counts_every_end) {
+    fixture f;
+    fx_open(&f);
+    kvs_kv_config kc = {.n_layers = f.cfg.n_layers, .n_kv_heads = f.cfg.n_kv_heads, .head_dim = f.cfg.head_dim,
+                        .block_size = 16};
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 4;
+    c.max_num_batched_tokens = 64;
+    c.kv_memory_bytes = kvs_kv_block_bytes(&kc, f.be->kv_dtype) * 8 * f.cfg.n_layers; /* 128 tokens a layer */
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    int32_t *prompt = random_prompt(11, 300);
+    enum { N = 7 };
+    sink s[N];
+    memset(s, 0, sizeof s);
+    uint64_t id[N];
+    kvs_request_params p = greedy_params(prompt, 20, 3);
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s[0], &id[0]), KVS_OK); /* length */
+    run_until_idle(e, 100);
+    cr_assert_eq(s[0].finish, KVS_FINISH_LENGTH);
+    p.stop_ids = &s[0].ids[1], p.n_stop_ids = 1; /* its second token again: a stop */
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s[1], &id[1]), KVS_OK);
+    p.stop_ids = NULL, p.n_stop_ids = 0;
+    p.max_tokens = 50;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s[2], &id[2]), KVS_OK); /* aborted running */
+    cr_assert_eq(kvs_engine_step(e), KVS_OK);
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s[3], &id[3]), KVS_OK); /* aborted queued */
+    kvs_engine_abort(e, id[2]);
+    kvs_engine_abort(e, id[3]);
+    kvs_engine_abort(e, id[3]);
+    kvs_engine_abort(e, 999999);
+    p.n_prompt = 300; /* never fits: 19 blocks a layer */
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s[4], &id[4]), KVS_OK);
+    run_until_idle(e, 1000);
+    p.n_prompt = 100, p.max_tokens = 100; /* fits, then outgrows the pool alone */
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &s[5], &id[5]), KVS_OK);
+    run_until_idle(e, 1000);
+    p.n_prompt = 20, p.max_tokens = 4, p.n = 2; /* two choices, one request */
+    choices two = {0};
+    p.sampling.temperature = 0;
+    cr_assert_eq(kvs_engine_submit(e, &p, on_choice, &two, &id[6]), KVS_OK);
+    run_until_idle(e, 1000);
+    kvs_finish want[N - 1] = {KVS_FINISH_LENGTH, KVS_FINISH_STOP, KVS_FINISH_ABORT, KVS_FINISH_ABORT,
+                              KVS_FINISH_ERROR, KVS_FINISH_ERROR};
+    for (int i = 0; i < N - 1; i++) {
+        cr_expect_eq(s[i].finish, want[i], "request %d ended %s, want %s (%s)", i, kvs_finish_name(s[i].finish),
+                     kvs_finish_name(want[i]), s[i].error);
+        cr_expect_eq(s[i].finals, 1, "request %d: %d final outputs", i, s[i].finals);
+    }
+    cr_expect(strstr(s[4].error, "does not fit"), "%s", s[4].error);
+    cr_expect(strstr(s[5].error, "too small"), "%s", s[5].error);
+    cr_expect(two.s[0].finals == 1 && two.s[1].finals == 1, "the choices' final outputs: %d, %d", two.s[0].finals,
+              two.s[1].finals);
+    kvs_engine_stats st;
+    kvs_engine_get_stats(e, &st);
+    cr_expect_eq(st.requests_finished, N, "requests_finished %llu, want %d",
+                 (unsigned long long)st.requests_finished, N);
+    cr_expect_eq(st.kv_blocks_used, 0);
+    kvs_engine_abort(e, id[2]); /* ended: ignored */
+    cr_assert(kvs_engine_idle(e));
+    free(prompt);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}

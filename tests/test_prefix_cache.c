@@ -59,7 +59,7 @@ Test(prefix_cache, a_shared_prefix_reuses_whole_blocks_in_every_layer) {
         const int32_t *ta = kvs_kv_blocks(kv, sa, l, &na), *tb = kvs_kv_blocks(kv, sb, l, &nb);
         for (int i = 0; i < 5; i++) {
             cr_expect_eq(tb[i], ta[i], "layer %d block %d: the same physical block", l, i);
-            cr_expect_eq(kv->meta[ta[i]].ref, 2);
+            cr_expect_eq(kvs_block_refs(&kv->blocks, ta[i]), 2);
         }
         cr_expect_neq(tb[5], ta[5], "layer %d: the sixth block differs", l);
     }
@@ -71,7 +71,7 @@ Test(prefix_cache, a_shared_prefix_reuses_whole_blocks_in_every_layer) {
     for (int l = 0; l < L; l++) {
         int na;
         const int32_t *ta = kvs_kv_blocks(kv, sa, l, &na);
-        for (int i = 0; i < 5; i++) cr_expect_eq(kv->meta[ta[i]].ref, 1, "layer %d block %d: a's alone again", l, i);
+        for (int i = 0; i < 5; i++) cr_expect_eq(kvs_block_refs(&kv->blocks, ta[i]), 1, "layer %d block %d: a's alone again", l, i);
     }
     kvs_kv_free(kv, sa);
     check(kv);
@@ -252,7 +252,7 @@ Test(prefix_cache, random_operations_keep_ownership_and_reference_counts, .timeo
                 int nb;
                 const int32_t *t = kvs_kv_blocks(kv, s, l, &nb);
                 for (int i = 0; i < hit / BS; i++)
-                    cr_assert(!memcmp(kv->tokens + (size_t)t[i] * BS, prompt + i * BS, sizeof(int32_t) * BS),
+                    cr_assert(!memcmp(kv->blocks.tokens + (size_t)t[i] * BS, prompt + i * BS, sizeof(int32_t) * BS),
                               "a hit on other tokens");
             }
             live[n_live] = s, prompt_left[n_live++] = n - hit;

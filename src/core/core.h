@@ -35,6 +35,15 @@ const char *kvs_status_name(kvs_status s);
         if (kvs_try_s_ != KVS_OK) return kvs_try_s_; \
     } while (0)
 
+/* The capacity of a buffer grown to hold need entries: cap (first when 0)
+ * doubled until it does; cap itself when it already does. */
+static inline int kvs_grown_capacity(int cap, int need, int first) {
+    if (need <= cap) return cap;
+    int c = cap ? cap : first;
+    while (c < need) c *= 2;
+    return c;
+}
+
 /* ---- dtypes --------------------------------------------------------------- */
 /* KVS_F8_E4M3: FP8 E4M3 codes, as a checkpoint stores them (safetensors
  * F8_E4M3) and as an FP8 KV cache holds its entries (--kv-cache-dtype fp8). */

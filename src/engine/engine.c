@@ -1,6 +1,6 @@
 /* engine: create / start / submit / abort / step / stop / destroy, the engine
  * thread and the locked queues. The stepping thread owns the waiting and
- * running lists; other threads touch only `incoming`, the abort list, the
+ * running lists; other threads touch only `incoming`, the live requests (aborts), the
  * flags and the stats, under `mu`. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -150,10 +150,31 @@ void kvs_engine_destroy(kvs_engine *e) {
     free(e->mask_reqs);
     kvs_grammar_vocab_destroy(e->gvocab);
     pthread_mutex_destroy(&e->gvocab_mu);
-    free(e->aborts);
+    free(e->live);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);
+}
+
+/* Room for one more live request (with mu held). */
+static bool grow_live(kvs_engine *e) {
+    if (e->n_live < e->cap_live) return true;
+    int cap = e->cap_live ? 2 * e->cap_live : 64;
+    struct kvs_live_request *l = realloc(e->live, sizeof *l * (size_t)cap);
+    if (!l) return false;
+    e->live = l, e->cap_live = cap;
+    return true;
+}
+
+/* The live entry of request id, or NULL (with mu held). */
+static struct kvs_live_request *find_live(kvs_engine *e, uint64_t id) {
+    int lo = 0, hi = e->n_live;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (e->live[mid].id < id) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < e->n_live && e->live[lo].id == id ? &e->live[lo] : NULL;
 }
 
 static void destroy_all(kvs_request **rs, int n) {
@@ -187,8 +208,11 @@ kvs_status kvs_engine_submit(kvs_engine *e, const kvs_request_params *p, kvs_out
     else if (e->stop_requested) st = kvs_fail(KVS_ERR_BUSY, "the engine is shutting down");
     else if (e->n_queued + e->incoming.n + n > e->cfg.max_waiting)
         st = kvs_fail(KVS_ERR_BUSY, "the engine's queue is full (max_waiting %d requests)", e->cfg.max_waiting);
+    else if (!grow_live(e))
+        st = kvs_fail(KVS_ERR_NOMEM, "request: out of memory");
     if (st == KVS_OK) {
         uint64_t id = e->next_id++;
+        e->live[e->n_live++] = (struct kvs_live_request){id, n, false};
         double now = kvs_now();
         for (int i = 0; i < n; i++) {
             rs[i]->id = id;
@@ -203,36 +227,41 @@ kvs_status kvs_engine_submit(kvs_engine *e, const kvs_request_params *p, kvs_out
     return st;
 }
 
+/* Marks the request (every choice) for take_inputs; an id that is not live
+ * (ended, or never given) is ignored. */
 void kvs_engine_abort(kvs_engine *e, uint64_t request_id) {
     pthread_mutex_lock(&e->mu);
-    if (request_id > 0 && request_id < e->next_id) {
-        if (e->n_aborts == e->cap_aborts) {
-            int cap = e->cap_aborts ? 2 * e->cap_aborts : 16;
-            uint64_t *a = realloc(e->aborts, sizeof(uint64_t) * cap);
-            if (a) e->aborts = a, e->cap_aborts = cap;
-        }
-        if (e->n_aborts < e->cap_aborts) e->aborts[e->n_aborts++] = request_id;
+    struct kvs_live_request *l = find_live(e, request_id);
+    if (l && !l->aborted) {
+        l->aborted = true;
+        e->n_abort_pending++;
         pthread_cond_signal(&e->cv);
     }
     pthread_mutex_unlock(&e->mu);
 }
 
-/* Ends r (in running or waiting) with finish f and frees it. */
-static void retire(kvs_engine *e, kvs_req_list *l, kvs_request *r, kvs_finish f, const char *msg) {
+void kvs_request_retire(kvs_engine *e, kvs_req_list *l, kvs_request *r, kvs_finish f, const char *msg) {
     kvs_release_seq(e, r);
     kvs_list_remove(l, r);
     if (f != KVS_FINISH_NONE) kvs_request_finish(e, r, f, msg);
+    uint64_t id = r->id;
     kvs_request_destroy(r);
     pthread_mutex_lock(&e->mu);
-    e->stats.requests_finished++;
+    struct kvs_live_request *lr = find_live(e, id);
+    if (lr && --lr->choices == 0) { /* its last choice */
+        int i = (int)(lr - e->live);
+        memmove(lr, lr + 1, sizeof *lr * (size_t)(e->n_live - i - 1));
+        e->n_live--;
+        e->stats.requests_finished++;
+    }
     pthread_mutex_unlock(&e->mu);
 }
 
-/* Ends every choice of request id in l. */
-static void abort_in(kvs_engine *e, kvs_req_list *l, uint64_t id) {
+/* Retires every request of l that an abort named. */
+static void retire_aborted(kvs_engine *e, kvs_req_list *l) {
     for (kvs_request *r = l->head, *next; r; r = next) {
         next = r->next;
-        if (r->id == id) retire(e, l, r, KVS_FINISH_ABORT, NULL);
+        if (r->aborted) kvs_request_retire(e, l, r, KVS_FINISH_ABORT, NULL);
     }
 }
 
@@ -244,19 +273,23 @@ static void take_inputs(kvs_engine *e) {
         kvs_list_remove(&e->incoming, r);
         kvs_list_push_back(&e->waiting, r);
     }
-    int n = e->n_aborts;
-    uint64_t *ids = n ? malloc(sizeof(uint64_t) * n) : NULL;
-    if (ids) memcpy(ids, e->aborts, sizeof(uint64_t) * n);
-    e->n_aborts = 0;
+    bool aborts = e->n_abort_pending > 0;
+    if (aborts) { /* every choice of an aborted id is in waiting or running now */
+        kvs_req_list *lists[2] = {&e->running, &e->waiting};
+        for (int k = 0; k < 2; k++)
+            for (kvs_request *r = lists[k]->head; r; r = r->next) {
+                const struct kvs_live_request *l = find_live(e, r->id);
+                r->aborted = l && l->aborted;
+            }
+        e->n_abort_pending = 0;
+    }
     bool all = e->abort_all;
     e->abort_all = false;
     kvs_stats_refresh(e);
     pthread_mutex_unlock(&e->mu);
-    for (int i = 0; ids && i < n; i++)
-        abort_in(e, &e->running, ids[i]), abort_in(e, &e->waiting, ids[i]);
-    free(ids);
-    while (all && e->running.head) retire(e, &e->running, e->running.head, KVS_FINISH_ABORT, NULL);
-    while (all && e->waiting.head) retire(e, &e->waiting, e->waiting.head, KVS_FINISH_ABORT, NULL);
+    if (aborts) retire_aborted(e, &e->running), retire_aborted(e, &e->waiting);
+    while (all && e->running.head) kvs_request_retire(e, &e->running, e->running.head, KVS_FINISH_ABORT, NULL);
+    while (all && e->waiting.head) kvs_request_retire(e, &e->waiting, e->waiting.head, KVS_FINISH_ABORT, NULL);
 }
 
 bool kvs_engine_failed(kvs_engine *e, const char **reason) {
@@ -276,8 +309,8 @@ static void fail_all(kvs_engine *e, const char *msg) {
         kvs_list_push_back(&e->waiting, r);
     }
     pthread_mutex_unlock(&e->mu);
-    while (e->running.head) retire(e, &e->running, e->running.head, KVS_FINISH_ERROR, msg);
-    while (e->waiting.head) retire(e, &e->waiting, e->waiting.head, KVS_FINISH_ERROR, msg);
+    while (e->running.head) kvs_request_retire(e, &e->running, e->running.head, KVS_FINISH_ERROR, msg);
+    while (e->waiting.head) kvs_request_retire(e, &e->waiting, e->waiting.head, KVS_FINISH_ERROR, msg);
 }
 
 /* An unrecoverable failure (the step's state is undefined): the engine is
@@ -297,8 +330,7 @@ static void engine_fail(kvs_engine *e, const char *reason) {
 /* Room for n adjust entries in the step's list. */
 static bool reserve_adjust(kvs_engine *e, int n) {
     if (n <= e->cap_adjust) return true;
-    int cap = e->cap_adjust ? e->cap_adjust : 256;
-    while (cap < n) cap *= 2;
+    int cap = kvs_grown_capacity(e->cap_adjust, n, 256);
     kvs_logit_adjust *a = realloc(e->adjust, sizeof *a * cap);
     if (!a) return false;
     e->adjust = a, e->cap_adjust = cap;
@@ -448,21 +480,21 @@ static kvs_status run_batch(kvs_engine *e) {
             char msg[sizeof r->error + 32];
             snprintf(msg, sizeof msg, "%s", r->grammar_failed ? r->error : "structured output: no token keeps the output valid");
             kvs_log(KVS_LOG_WARN, "engine: request %llu: %s", (unsigned long long)r->id, msg);
-            retire(e, &e->running, r, KVS_FINISH_ERROR, msg);
+            kvs_request_retire(e, &e->running, r, KVS_FINISH_ERROR, msg);
             continue;
         }
         if (id < 0) { /* NaN or inf in its logits: this request alone fails */
             char msg[128];
             snprintf(msg, sizeof msg, "non-finite logits (NaN or infinity) at generated token %d", r->n_gen + 1);
             kvs_log(KVS_LOG_WARN, "engine: request %llu: %s", (unsigned long long)r->id, msg);
-            retire(e, &e->running, r, KVS_FINISH_ERROR, msg);
+            kvs_request_retire(e, &e->running, r, KVS_FINISH_ERROR, msg);
             continue;
         }
         kvs_request_append(e, r, id, lp, top_ids, top_lp);
         /* a grammar's end (its EOS) ends the request, ignore_eos or not */
         if (r->finish == KVS_FINISH_NONE && r->matcher && kvs_grammar_matcher_ended(r->matcher))
-            retire(e, &e->running, r, KVS_FINISH_STOP, NULL);
-        else if (r->finish != KVS_FINISH_NONE) retire(e, &e->running, r, KVS_FINISH_NONE, NULL);
+            kvs_request_retire(e, &e->running, r, KVS_FINISH_STOP, NULL);
+        else if (r->finish != KVS_FINISH_NONE) kvs_request_retire(e, &e->running, r, KVS_FINISH_NONE, NULL);
     }
     return KVS_OK;
 }
@@ -499,13 +531,13 @@ kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e) {
 
 bool kvs_engine_idle(kvs_engine *e) {
     pthread_mutex_lock(&e->mu);
-    bool idle = !e->incoming.n && !e->n_queued && !e->n_running && !e->n_aborts && !e->abort_all;
+    bool idle = !e->incoming.n && !e->n_queued && !e->n_running && !e->n_abort_pending && !e->abort_all;
     pthread_mutex_unlock(&e->mu);
     return idle;
 }
 
 static bool has_work(const kvs_engine *e) { /* with mu held */
-    return e->incoming.n || e->n_queued || e->n_running || e->n_aborts || e->abort_all;
+    return e->incoming.n || e->n_queued || e->n_running || e->n_abort_pending || e->abort_all;
 }
 
 static void *engine_main(void *arg) {

@@ -64,6 +64,7 @@ typedef struct kvs_request {
     int n_layers;           /* 0 until then */
     int n_sched;      /* tokens scheduled in the current step */
     bool recompute;   /* was preempted after generating: it recomputes its KV (scheduler.c) */
+    bool aborted;     /* kvs_engine_abort named its id: take_inputs retires it */
     double t_arrival, t_last_token;
     kvs_finish finish;
     char error[200];
@@ -122,8 +123,16 @@ struct kvs_engine {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     kvs_req_list incoming;
-    uint64_t *aborts;
-    int n_aborts, cap_aborts;
+    /* every request submitted and not yet ended, by id (ascending: ids only
+       grow), with its choices still going and whether an abort named it; grown
+       at submit, so an abort needs no memory and is never lost */
+    struct kvs_live_request {
+        uint64_t id;
+        int choices;
+        bool aborted;
+    } *live;
+    int n_live, cap_live;
+    int n_abort_pending; /* live entries aborted since the last take_inputs */
     uint64_t next_id;
     int n_queued, n_running; /* mirrors of waiting.n / running.n for submit, idle and stats */
     bool abort_all, stop_requested, thread_started;
@@ -151,6 +160,11 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
 void kvs_request_process_row(const kvs_request *r, kvs_process_row *row, kvs_logit_adjust *adjust, int *n_adjust);
 /* Delivers a final output with no new tokens (abort, error). */
 void kvs_request_finish(kvs_engine *e, kvs_request *r, kvs_finish f, const char *error);
+/* engine.c: the one place a request ends: r (a choice, in list l) leaves it,
+ * its KV sequence freed, its final output delivered with f and msg (f NONE: it
+ * was delivered already, with the token that ended it), and freed; the
+ * request counts as finished when its last choice ends. */
+void kvs_request_retire(kvs_engine *e, kvs_req_list *l, kvs_request *r, kvs_finish f, const char *msg);
 
 /* stop_text.c: how many bytes of the pending text[0..len) may be delivered now:
  * up to the first stop string (then *stopped), else all but a tail that could

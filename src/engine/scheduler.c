@@ -98,10 +98,7 @@ static bool reserve_decode(kvs_engine *e, kvs_request *r) {
     while (kvs_runner_reserve(e->runner, r->seq, 1) != KVS_OK) {
         kvs_request *victim = e->running.tail;
         if (victim == r && e->running.n == 1) { /* alone and still no room: the pool is too small */
-            kvs_release_seq(e, r);
-            kvs_list_remove(&e->running, r);
-            kvs_request_finish(e, r, KVS_FINISH_ERROR, "the KV cache is too small for this request");
-            kvs_request_destroy(r);
+            kvs_request_retire(e, &e->running, r, KVS_FINISH_ERROR, "the KV cache is too small for this request");
             return false;
         }
         kvs_preempt(e, victim);
@@ -194,9 +191,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
         bool never = peak > kc->n_blocks;
         kvs_status st = never ? KVS_ERR_BUSY : admit(e, r, running_headroom(e));
         if (st == KVS_ERR_BUSY && (never || e->running.n == 0)) { /* the whole pool would not hold it */
-            kvs_list_remove(&e->waiting, r);
-            kvs_request_finish(e, r, KVS_FINISH_ERROR, "the prompt does not fit in the KV cache");
-            kvs_request_destroy(r);
+            kvs_request_retire(e, &e->waiting, r, KVS_FINISH_ERROR, "the prompt does not fit in the KV cache");
             continue;
         }
         if (st != KVS_OK) break;

@@ -1,4 +1,10 @@
-/* The cache's internal state, shared by kv_cache.c and sparsify.c. */
+/* The cache's internal state, shared by its files. They call each other one
+ * way only (scripts/check-deps checks it), each using only those above it:
+ *   block_pool.c  which blocks are free, held or cached
+ *   tables.c      the per-(sequence, layer) block tables
+ *   device.c      the backend memory: pool bytes, scales, windows, scratch
+ *   prefix_cache.c, compact.c, sparsify.c, policy.c, select.c, profile.c
+ *   kv_cache.c    a sequence's life: create, reserve, commit, fork, free */
 #ifndef KVS_KV_INTERNAL_H
 #define KVS_KV_INTERNAL_H
 
@@ -56,22 +62,54 @@ typedef struct {
     int32_t lru_prev, lru_next; /* the evictable list (ref 0, cached) */
 } block_meta;
 
-struct kvs_kv_cache {
-    kvs_kv_config cfg;
-    kvs_backend *be;
-    kvs_kv_pool pool;
-    float *scales; /* FP8 pools: [n_layers][2][n_kv_heads] in backend memory (kvs_kv_set_scales); else NULL */
+/* ---- block_pool.c: which blocks are free, held or cached ------------------- */
+typedef struct {
+    int64_t n_blocks;
+    int block_size, n_layers;
     int32_t *free_blocks; /* stack of blocks neither held nor cached */
     int64_t n_free;
-    /* prefix caching: every block's state; the cached blocks by key; the
-       evictable ones, least recently used first */
-    block_meta *meta;
+    block_meta *meta;     /* [n_blocks] */
+    /* the cached blocks: their tokens, the hash index by key, the evictable
+       ones (no holder) least recently used first */
     int32_t *tokens;      /* [n_blocks * block_size] */
     int32_t *buckets;     /* [n_buckets], -1: empty */
     int64_t n_buckets;
     int32_t lru_head, lru_tail;
     int64_t n_evictable, *cached_per_layer;
     uint64_t evictions;
+} kvs_block_pool;
+
+/* Every block free; with caching, the index and the tokens too. */
+kvs_status kvs_block_pool_init(kvs_block_pool *p, int64_t n_blocks, int block_size, int n_layers, bool caching);
+void kvs_block_pool_release(kvs_block_pool *p);
+/* A block for a new holder (ref 1): a free one, else the least recently used
+ * evictable one (evicted); -1 when neither exists. */
+int32_t kvs_block_take(kvs_block_pool *p);
+/* One holder more for a held or evictable (cached) block. */
+void kvs_block_hold(kvs_block_pool *p, int32_t b);
+/* One holder fewer; at none the block is free, or evictable when cached. */
+void kvs_block_drop(kvs_block_pool *p, int32_t b);
+/* The cached block under key whose salt, parent (-1: a prompt's first block)
+ * and tokens match; -1 when none verifies. */
+int32_t kvs_block_lookup(const kvs_block_pool *p, uint64_t key, uint64_t salt_check, int32_t parent,
+                         const int32_t *tokens);
+/* Caches held block b under key (its gen bumped: the children cached under
+ * its old content no longer verify). */
+void kvs_block_cache(kvs_block_pool *p, int32_t b, uint64_t key, uint64_t salt_check, int32_t parent, int layer,
+                     const int32_t *tokens);
+static inline bool kvs_block_cached(const kvs_block_pool *p, int32_t b) { return p->meta[b].key != 0; }
+static inline int32_t kvs_block_refs(const kvs_block_pool *p, int32_t b) { return p->meta[b].ref; }
+/* Free blocks, the evictable ones included (what a reservation may take). */
+static inline int64_t kvs_block_pool_available(const kvs_block_pool *p) { return p->n_free + p->n_evictable; }
+/* The pool's invariants, holders[b] being what the tables and spare lists hold. */
+kvs_status kvs_block_pool_check(const kvs_block_pool *p, const int32_t *holders);
+
+struct kvs_kv_cache {
+    kvs_kv_config cfg;
+    kvs_backend *be;
+    kvs_kv_pool pool;
+    float *scales; /* FP8 pools: [n_layers][2][n_kv_heads] in backend memory (kvs_kv_set_scales); else NULL */
+    kvs_block_pool blocks;
     uint64_t (*hash_block)(uint64_t parent_hash, const int32_t *tokens, int n); /* tests force collisions */
     int32_t *window;      /* [n_layers]: sliding windows (kvs_kv_set_windows); NULL: none */
     seq_state *seqs;
@@ -111,16 +149,18 @@ static inline void kvs_kv_touch_append(layer_table *t) { t->gen = kvs_kv_new_sta
 
 
 seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id);
-/* ---- prefix_cache.c: block ownership ------------------------------------------
- * A block is in exactly one state: free (on the stack), evictable (cached, no
- * holder, on the LRU list) or held (ref >= 1 tables or spare lists). */
-kvs_status kvs_kv_meta_create(kvs_kv_cache *kv);
-void kvs_kv_meta_destroy(kvs_kv_cache *kv);
-/* A block for a new holder (ref 1): a free one, else the least recently used
- * evictable one (evicted); -1 when neither exists. */
-int32_t kvs_kv_take_block(kvs_kv_cache *kv);
-/* One holder fewer; at none the block is free, or evictable when cached. */
-void kvs_kv_drop_block(kvs_kv_cache *kv, int32_t b);
+/* With prefix caching, a layer compacted at the prompt's end (budget < the
+ * prompt) is compacted into blocks of the sequence's own, the prompt's blocks
+ * staying cached: the blocks of its budget, reserved with the tokens that end
+ * the prompt so that the compaction never runs dry. Their sum over the layers
+ * (budgets as kvs_kv_policy_budgets; -1 full). The pool's reservation
+ * (kv_cache.c) and a workload's sizing (kvs_kv_policy_seq_blocks) both count
+ * them this way. */
+int kvs_kv_compaction_spare(const int *budgets, int n_layers, int block_size, int prompt_len);
+/* ---- prefix_cache.c ------------------------------------------------------------ */
+/* The chain hash of a prompt block (its tokens after its parent's hash); a
+ * cache's hash_block unless a test forces collisions. */
+uint64_t kvs_kv_hash_block(uint64_t parent_hash, const int32_t *tokens, int n);
 /* After a commit: caches the prompt blocks that every layer now holds in full. */
 void kvs_kv_register_prompt(kvs_kv_cache *kv, seq_state *s);
 /* Whether compacting the layer must write to other blocks (its blocks are
@@ -146,6 +186,10 @@ kvs_status kvs_kv_take_own_blocks(kvs_kv_cache *kv, seq_state *s, int nb, int32_
 /* The host side of a compaction of (s, layer) into own[0 .. nb) (its kv_gather
  * enqueued): the old blocks released, own the table, n_keep its length. */
 void kvs_kv_compacted_into(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *own, int nb, int n_keep);
+/* The observation-window rows each sequence has in the window buffers. */
+static inline int kvs_kv_window_cap(const kvs_kv_cache *kv) { return kv->cfg.max_window > 0 ? kv->cfg.max_window : 64; }
+/* The window buffers (win_q, win_lse: every layer's), made at the first sparse policy. */
+kvs_status kvs_kv_alloc_windows(kvs_kv_cache *kv);
 /* Backend scratch buffer `slot` of at least bytes (grown on demand); NULL when out of memory. */
 void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes);
 /* The pinned host staging (backend host_alloc) of at least bytes, grown the same

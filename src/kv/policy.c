@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kv/kv.h"
+#include "kv/kv_internal.h"
 
 static const char *kind_names[] = {"full", "snapkv", "pyramidkv", "streamingllm"};
 
@@ -168,21 +168,28 @@ void kvs_kv_policy_budgets(const kvs_kv_policy *p, int n_layers, int prompt_len,
     free(weight), free(hi);
 }
 
+int kvs_kv_compaction_spare(const int *budgets, int n_layers, int block_size, int prompt_len) {
+    int spare = 0;
+    for (int l = 0; l < n_layers; l++)
+        if (budgets[l] >= 0 && budgets[l] < prompt_len) spare += (budgets[l] + block_size - 1) / block_size;
+    return spare;
+}
+
 kvs_kv_seq_blocks kvs_kv_policy_seq_blocks(const kvs_kv_policy *p, int n_layers, int block_size, bool prefix_caching,
                                            int prompt_len, int max_new) {
     int *budgets = malloc(sizeof(int) * (size_t)(n_layers > 0 ? n_layers : 1));
     for (int l = 0; budgets && l < n_layers; l++) budgets[l] = -1;
     if (budgets) kvs_kv_policy_budgets(p, n_layers, prompt_len, budgets); /* out of memory: all full, an upper bound */
     int len = prompt_len + max_new;
-    int64_t prompt_blocks = 0, spare = 0, held = 0;
+    int64_t prompt_blocks = 0, held = 0;
     for (int l = 0; l < n_layers; l++) {
         int b = budgets ? budgets[l] : -1;
         bool sparse = b >= 0 && b < prompt_len;
         int kept = !sparse ? len : b + p->window < len ? b + p->window : len;
         prompt_blocks += (prompt_len + block_size - 1) / block_size;
         held += (kept + block_size - 1) / block_size;
-        if (prefix_caching && sparse) spare += (b + block_size - 1) / block_size;
     }
+    int64_t spare = prefix_caching && budgets ? kvs_kv_compaction_spare(budgets, n_layers, block_size, prompt_len) : 0;
     free(budgets);
     kvs_kv_seq_blocks r = {.peak = prompt_blocks + spare > held ? prompt_blocks + spare : held, .held = held};
     return r;

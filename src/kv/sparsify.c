@@ -1,5 +1,5 @@
-/* Sparsity orchestration: per-sequence policies, the window queries, scoring,
- * selection and compaction, and forking a sequence. */
+/* Sparsity orchestration: per-sequence policies, the observation window's
+ * rows, scoring, selection, and the step's compactions in one batch. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,40 +12,18 @@ void kvs_kv_free_sparsity(kvs_kv_cache *kv, seq_state *s) {
     s->budgets = s->ring_base = NULL;
 }
 
-static int window_cap(const kvs_kv_cache *kv) { return kv->cfg.max_window > 0 ? kv->cfg.max_window : 64; }
-
-static kvs_status alloc_windows(kvs_kv_cache *kv) {
-    if (kv->win_q) return KVS_OK;
-    kvs_backend *be = kv->be;
-    int L = kv->cfg.n_layers;
-    if (kv->cfg.n_heads <= 0) return kvs_fail(KVS_ERR_INVALID, "kv cache: sparsity needs n_heads in the kv config");
-    kv->window_cap = window_cap(kv);
-    kv->win_q = calloc((size_t)L, sizeof(void *));
-    kv->win_lse = calloc((size_t)L, sizeof(float *));
-    if (!kv->win_q || !kv->win_lse) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
-    size_t rows = (size_t)kv->cfg.max_seqs * kv->window_cap;
-    size_t qbytes = rows * kv->cfg.n_heads * kv->cfg.head_dim * kvs_dtype_size(be->act_dtype);
-    for (int l = 0; l < L; l++) {
-        kv->win_q[l] = be->alloc(be, qbytes);
-        kv->win_lse[l] = be->alloc(be, rows * kv->cfg.n_heads * sizeof(float));
-        if (!kv->win_q[l] || !kv->win_lse[l])
-            return kvs_fail(KVS_ERR_NOMEM, "kv cache: cannot allocate the sparsity windows (%zu bytes per layer)", qbytes);
-    }
-    return KVS_OK;
-}
-
 kvs_status kvs_kv_set_policy(kvs_kv_cache *kv, int seq_id, const kvs_kv_policy *p, int prompt_len) {
     seq_state *s = kvs_kv_get_seq(kv, seq_id);
     if (!s) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
     KVS_TRY(kvs_kv_policy_validate(p, kv->cfg.n_layers));
-    if (p->kind != KVS_POLICY_FULL && p->window > window_cap(kv))
-        return kvs_fail(KVS_ERR_INVALID, "kv_window %d exceeds this server's maximum %d", p->window, window_cap(kv));
+    if (p->kind != KVS_POLICY_FULL && p->window > kvs_kv_window_cap(kv))
+        return kvs_fail(KVS_ERR_INVALID, "kv_window %d exceeds this server's maximum %d", p->window, kvs_kv_window_cap(kv));
     kvs_kv_free_sparsity(kv, s);
     s->policy = *p;
     s->prompt_len = prompt_len;
     s->prefill_done = false; /* kvs_kv_sparsify compacts once n_tokens reaches prompt_len */
     if (p->kind == KVS_POLICY_FULL) return KVS_OK;
-    KVS_TRY(alloc_windows(kv));
+    KVS_TRY(kvs_kv_alloc_windows(kv));
     int L = kv->cfg.n_layers;
     s->budgets = malloc(sizeof(int) * L);
     s->ring_base = malloc(sizeof(int) * L);
@@ -85,11 +63,6 @@ void kvs_kv_window_rows(const kvs_kv_cache *kv, int seq_id, int layer, const int
         return;
     }
     for (int i = 0; i < n; i++) rows[i] = window_row(kv, s, layer, positions[i]);
-}
-
-void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse) {
-    *q = kv->win_q ? kv->win_q[layer] : NULL;
-    *lse = kv->win_lse ? kv->win_lse[layer] : NULL;
 }
 
 /* The captured window of (s, layer): its w rows of queries and of LSE. */
@@ -185,7 +158,7 @@ static kvs_status batch_add(kvs_kv_cache *kv, seq_state *s, int layer) {
 
 /* Forgets the batch (a pair failed before it ran): its copies' blocks go back. */
 static void batch_drop(kvs_kv_cache *kv) {
-    while (kv->n_batch_own > 0) kvs_kv_drop_block(kv, kv->batch_own[--kv->n_batch_own]);
+    while (kv->n_batch_own > 0) kvs_block_drop(&kv->blocks, kv->batch_own[--kv->n_batch_own]);
     kv->n_batch = 0;
 }
 
@@ -277,7 +250,7 @@ kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n)
             st = s->policy.kind == KVS_POLICY_STREAMINGLLM ? compact_streaming(kv, s, l) : batch_add(kv, s, l);
         }
         /* what the prompt's compaction left (spare blocks are in no table: the batch never reads them) */
-        while (st == KVS_OK && s->n_spare > 0) kvs_kv_drop_block(kv, s->spare[--s->n_spare]);
+        while (st == KVS_OK && s->n_spare > 0) kvs_block_drop(&kv->blocks, s->spare[--s->n_spare]);
     }
     if (st != KVS_OK) {
         batch_drop(kv);
@@ -288,63 +261,3 @@ kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n)
 
 kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id) { return kvs_kv_sparsify_seqs(kv, &(int32_t){seq_id}, 1); }
 
-/* A fork shares the cached blocks (the prompt's, which nobody writes again)
- * and copies the others. */
-kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq) {
-    seq_state *src = kvs_kv_get_seq(kv, seq_id);
-    if (!src) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
-    int64_t need = 0;
-    for (int l = 0; l < kv->cfg.n_layers; l++)
-        for (int i = 0; i < src->layers[l].n_blocks; i++) need += !kv->meta[src->layers[l].blocks[i]].key;
-    if (need > kvs_kv_free_blocks(kv))
-        return kvs_fail(KVS_ERR_NOMEM, "kv fork: %lld blocks needed, %lld free", (long long)need,
-                        (long long)kvs_kv_free_blocks(kv));
-    int id = kvs_kv_seq_create(kv);
-    if (id < 0) return KVS_ERR_NOMEM;
-    seq_state *dst = &kv->seqs[id];
-    size_t block_bytes = kvs_kv_block_bytes(&kv->cfg, kv->be->kv_dtype);
-    for (int l = 0; l < kv->cfg.n_layers; l++) {
-        layer_table *a = &src->layers[l], *b = &dst->layers[l];
-        b->blocks = malloc(sizeof(int32_t) * (a->n_blocks ? a->n_blocks : 1));
-        if (!b->blocks) {
-            kvs_kv_free(kv, id);
-            return kvs_fail(KVS_ERR_NOMEM, "kv fork: out of memory");
-        }
-        b->cap = a->n_blocks ? a->n_blocks : 1;
-        for (int i = 0; i < a->n_blocks; i++) {
-            int32_t from = a->blocks[i];
-            if (kv->meta[from].key) { /* shared */
-                kv->meta[from].ref++;
-                b->blocks[b->n_blocks++] = from;
-                continue;
-            }
-            int32_t blk = kvs_kv_take_block(kv);
-            b->blocks[b->n_blocks++] = blk;
-            kv->be->copy(kv->be, (char *)kv->pool.data + (size_t)blk * block_bytes,
-                         (char *)kv->pool.data + (size_t)from * block_bytes, block_bytes);
-        }
-        kvs_kv_touch(b);
-        b->len = a->len;
-    }
-    dst->n_tokens = src->n_tokens;
-    kvs_status st = kvs_kv_set_policy(kv, id, &src->policy, src->prompt_len);
-    if (st == KVS_OK && src->budgets) {
-        memcpy(dst->budgets, src->budgets, sizeof(int) * kv->cfg.n_layers);
-        memcpy(dst->ring_base, src->ring_base, sizeof(int) * kv->cfg.n_layers);
-        dst->prefill_done = src->prefill_done;
-        size_t rows = kv->window_cap, nh = kv->cfg.n_heads;
-        size_t qrow = nh * kv->cfg.head_dim * kvs_dtype_size(kv->be->act_dtype);
-        for (int l = 0; l < kv->cfg.n_layers; l++) {
-            kv->be->copy(kv->be, (char *)kv->win_q[l] + (size_t)id * rows * qrow,
-                         (char *)kv->win_q[l] + (size_t)seq_id * rows * qrow, rows * qrow);
-            kv->be->copy(kv->be, kv->win_lse[l] + (size_t)id * rows * nh, kv->win_lse[l] + (size_t)seq_id * rows * nh,
-                         rows * nh * sizeof(float));
-        }
-    }
-    if (st != KVS_OK) {
-        kvs_kv_free(kv, id);
-        return st;
-    }
-    *new_seq = id;
-    return KVS_OK;
-}

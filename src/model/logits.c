@@ -126,8 +126,7 @@ static bool all_shardable(const kvs_sample_row *params, const kvs_sample_extras 
 static kvs_status reserve_adjust(kvs_model *m, int n) {
     kvs_sample_buffers *s = &m->sample;
     if (n <= s->cap_adjust) return KVS_OK;
-    int cap = s->cap_adjust ? s->cap_adjust : 1024;
-    while (cap < n) cap *= 2;
+    int cap = kvs_grown_capacity(s->cap_adjust, n, 1024);
     void *p = m->be->alloc(m->be, sizeof(kvs_logit_adjust) * (size_t)cap);
     if (!p) return kvs_fail(KVS_ERR_NOMEM, "forward_sample: out of memory for %d logit adjustments", n);
     if (s->adjust) m->be->free(m->be, s->adjust);

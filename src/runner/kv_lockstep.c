@@ -72,7 +72,7 @@ size_t kvs_runner_kv_entry_bytes(const kvs_runner *g) {
 }
 
 /* ---- lockstep operations ------------------------------------------------------ */
-typedef enum { KV_SEQ_CREATE, KV_SEQ_FREE, KV_SET_POLICY, KV_RESERVE, KV_COMMIT, KV_FORK, KV_SPARSIFY, KV_ATTACH } kv_op;
+typedef enum { KV_SEQ_CREATE, KV_SEQ_FREE, KV_SET_POLICY, KV_RESERVE, KV_ATTACH } kv_op;
 typedef struct {
     kv_op op;
     int seq, n;
@@ -90,15 +90,12 @@ static kvs_status job_kv(kvs_runner *g, int rank, void *arg) {
     case KV_SEQ_FREE: kvs_kv_free(r->kv, a->seq); return KVS_OK;
     case KV_SET_POLICY: return kvs_kv_set_policy(r->kv, a->seq, a->p, a->n);
     case KV_RESERVE: return kvs_kv_reserve(r->kv, a->seq, a->n);
-    case KV_COMMIT: kvs_kv_commit(r->kv, a->seq, a->n); return KVS_OK;
-    case KV_FORK: return kvs_kv_fork(r->kv, a->seq, &r->result);
-    case KV_SPARSIFY: return kvs_kv_sparsify(r->kv, a->seq);
     case KV_ATTACH: r->result = kvs_kv_prefix_attach(r->kv, a->seq, a->tokens, a->n, a->salt, a->max); return KVS_OK;
     }
     return KVS_OK;
 }
 
-/* op on every rank; result -1 first on every rank (the sequence ids of a creation or fork) */
+/* op on every rank; result -1 first on every rank (the sequence id of a creation) */
 static kvs_status run_kv_args(kvs_runner *g, const kv_args *a) {
     for (int r = 0; r < g->world; r++) g->ranks[r].result = -1;
     KVS_TRY(kvs_runner_need_kv(g));
@@ -109,7 +106,7 @@ static kvs_status run_kv(kvs_runner *g, kv_op op, int seq_id, int n, const kvs_k
     return run_kv_args(g, &(kv_args){op, seq_id, n, p, NULL, NULL, 0});
 }
 
-/* The sequence id every rank got (a creation or a fork) in *out, or -1 and an
+/* The sequence id every rank got (a creation) in *out, or -1 and an
  * error (the ranks' sequences freed) when a rank failed or the ranks disagree. */
 static kvs_status agreed_seq(kvs_runner *g, kvs_status st, const char *what, int seq_id, int *out) {
     *out = -1;
@@ -131,17 +128,11 @@ int kvs_runner_seq_create(kvs_runner *g) {
     return seq;
 }
 
-kvs_status kvs_runner_fork(kvs_runner *g, int seq_id, int *new_seq) {
-    return agreed_seq(g, run_kv(g, KV_FORK, seq_id, 0, NULL), "fork of sequence", seq_id, new_seq);
-}
-
 void kvs_runner_seq_free(kvs_runner *g, int seq_id) { run_kv(g, KV_SEQ_FREE, seq_id, 0, NULL); }
 
 kvs_status kvs_runner_set_policy(kvs_runner *g, int seq_id, const kvs_kv_policy *p, int prompt_len) {
     return run_kv(g, KV_SET_POLICY, seq_id, prompt_len, p);
 }
-
-void kvs_runner_commit(kvs_runner *g, int seq_id, int n_new) { run_kv(g, KV_COMMIT, seq_id, n_new, NULL); }
 
 kvs_status kvs_runner_prefix_attach(kvs_runner *g, int seq_id, const int32_t *prompt, int n_prompt, const char *salt,
                                     int max_tokens, int *hit) {
@@ -161,11 +152,6 @@ kvs_prefix_cache_stats kvs_runner_prefix_cache_stats(const kvs_runner *g, int fu
     for (int l = 0; l < g->cfg.n_layers; l++)
         *(l < full_layers ? &s.cached_full_layers : &s.cached_sparse_layers) += kvs_kv_cached_blocks(kv, l);
     return s;
-}
-
-kvs_status kvs_runner_sparsify(kvs_runner *g, int seq_id) {
-    KVS_TRY(run_kv(g, KV_SPARSIFY, seq_id, 0, NULL));
-    return kvs_runner_lengths_agree(g, seq_id, "sparsify");
 }
 
 kvs_status kvs_runner_reserve(kvs_runner *g, int seq_id, int n_new) {

@@ -166,11 +166,3 @@ void kvs_runner_set_graph_mode(kvs_runner *g, kvs_graph_mode mode) {
 kvs_model_limits kvs_runner_limits(const kvs_runner *g) { return kvs_model_get_limits(g->ranks[0].model); }
 
 kvs_graph_stats kvs_runner_graph_stats(const kvs_runner *g) { return kvs_model_graph_stats(g->ranks[0].model); }
-
-static kvs_status job_synchronize(kvs_runner *g, int rank, void *arg) {
-    kvs_backend *be = kvs_model_backend(g->ranks[rank].model);
-    be->synchronize(be);
-    return KVS_OK;
-}
-
-void kvs_runner_synchronize(kvs_runner *g) { kvs_ranks_run(g, job_synchronize, NULL, false); }

@@ -43,7 +43,6 @@ const kvs_config *kvs_runner_config(const kvs_runner *r);
 kvs_model_limits kvs_runner_limits(const kvs_runner *r); /* every rank model's, defaults filled in */
 void kvs_runner_set_graph_mode(kvs_runner *r, kvs_graph_mode mode); /* every rank's */
 kvs_graph_stats kvs_runner_graph_stats(const kvs_runner *r);        /* rank 0's */
-void kvs_runner_synchronize(kvs_runner *r); /* every rank's backend, on its thread */
 
 /* ---- the KV caches: each rank's from a whole-model config (its slice of the
  * KV heads and heads, the same n_blocks); replaces old ones ---------------- */
@@ -66,15 +65,11 @@ void kvs_runner_seq_layers(const kvs_runner *r, int seq_id, int32_t *entries, ui
 /* The bytes of one KV entry (one token of one layer: K and V of every KV head, every rank). */
 size_t kvs_runner_kv_entry_bytes(const kvs_runner *r);
 
-/* Lockstep KV operations (kv.h); the ranks' answers must agree (a fork or a
- * sparsify also checks the ranks' layer lengths). */
+/* Lockstep KV operations (kv.h); the ranks' answers must agree. */
 int kvs_runner_seq_create(kvs_runner *r);
 void kvs_runner_seq_free(kvs_runner *r, int seq_id);
 kvs_status kvs_runner_set_policy(kvs_runner *r, int seq_id, const kvs_kv_policy *p, int prompt_len);
 kvs_status kvs_runner_reserve(kvs_runner *r, int seq_id, int n_new);
-void kvs_runner_commit(kvs_runner *r, int seq_id, int n_new); /* without a step: benchmarks faking a context */
-kvs_status kvs_runner_fork(kvs_runner *r, int seq_id, int *new_seq); /* -1 and nothing left behind on failure */
-kvs_status kvs_runner_sparsify(kvs_runner *r, int seq_id);
 /* kvs_kv_window_scores of (seq, layer) (kvsparse calibrate): host scores
  * out[g * len + j] for every KV head g. World 1 only: with tensor parallelism
  * each rank holds a slice of the KV heads (KVS_ERR_UNSUPPORTED). */
