@@ -44,6 +44,7 @@ typedef struct kvs_http_req {
     /* under mu: the work after the body (work.c) and the watcher's view */
     pthread_mutex_t mu;
     kvs_stage stage;
+    bool settled;          /* its request's last call came once, unsuspended (work.c) */
     kvs_waker wait;        /* its connection, while it waits for a worker (under mu) */
     kvs_waker run_wait;    /* and while it waits for the engine's outputs (under gen->mu, as gen->waker) */
     bool worked;           /* the worker is done: answer or gen */

@@ -150,6 +150,20 @@ enum MHD_Result kvs_work_continue(kvs_server *s, kvs_http_req *r) {
     bool generates = kvs_route_generates(r->route);
     kvs_api_error err;
     pthread_mutex_lock(&r->mu);
+    if (r->stage == KVS_STAGE_READ && !r->settled) {
+        /* Not yet: libmicrohttpd (0.9.75) marks a connection as reading
+         * nothing more only at the end of a call that leaves it unsuspended;
+         * one suspended at this first call would be read first when resumed,
+         * and a half-closed client's end of input, read once the request is
+         * whole, closes the connection unanswered. Left without an answer it
+         * stays ready and is called again at the next turn of the event loop
+         * (one that does not wait); the work starts there, so that nothing of
+         * it is under way should libmicrohttpd close the connection between
+         * the two calls (a reset). */
+        r->settled = true;
+        pthread_mutex_unlock(&r->mu);
+        return MHD_YES;
+    }
     if (r->stage == KVS_STAGE_READ) {
         if (generates && !(r->counted = kvs_server_request_begin(s, &err))) {
             pthread_mutex_unlock(&r->mu);
@@ -159,15 +173,6 @@ enum MHD_Result kvs_work_continue(kvs_server *s, kvs_http_req *r) {
         r->stage = KVS_STAGE_WORK;
         r->queued_at = kvs_now();
         push(s->work, r);
-        /* Not suspended at this first call: libmicrohttpd (0.9.75) marks a
-         * connection as reading nothing more only at the end of a call that
-         * leaves it unsuspended; one suspended now would be read first when
-         * resumed, and a half-closed client's end of input, read once the
-         * request is whole, closes the connection unanswered. Left without an
-         * answer, it stays ready and is called again at the next turn of the
-         * event loop (a loop that then does not wait): it sleeps there. */
-        pthread_mutex_unlock(&r->mu);
-        return MHD_YES;
     }
     if (r->stage == KVS_STAGE_WORK && !r->worked) { /* finish() wakes it */
         kvs_waker_sleep(&r->wait);
