@@ -1,7 +1,8 @@
 /* grammar from a JSON schema: each schema a rule (an NFA of bytes, epsilons and
  * calls of the rules of its parts), the strings, numbers and "any value" rules
- * shared; $ref rules by name, so recursion is a call like any other. The
- * subset and the one way values are written: grammar.h. */
+ * shared; a $ref's rule by its target (any JSON pointer), so recursion is a
+ * call like any other; a pattern's (or a format's) string a rule of its own
+ * (regex.c). The subset and the one way values are written: grammar.h. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
