@@ -587,31 +587,37 @@ static bool trim(rx *p, rx_nfa *a) {
 /* The search made explicit: [any]* before the match unless a ^ holds it at the
  * start, [any]* after it unless a $ holds it at the end. A state (q, phase):
  * phase 0: nothing read yet (a ^ passes), 1: something read, 2 and 3: the same
- * past a $ (nothing more may be read). */
-static bool search(rx *p, const rx_nfa *a, rx_nfa *out, int32_t any, int32_t n_any) {
-    int32_t n = a->n_states, pre0 = 4 * n, pre1 = pre0 + 1, post = pre0 + 2, fin = pre0 + 3;
+ * past a $ (nothing more may be read). Without a ^ in the pattern, phases 0
+ * and 1 are one (and 2 and 3). */
+static bool search(rx *p, const rx_nfa *a, bool has_bol, rx_nfa *out, int32_t any, int32_t n_any) {
+    int32_t n = a->n_states, pre0 = 4 * n, pre1 = has_bol ? pre0 + 1 : pre0, post = pre0 + 2, fin = pre0 + 3;
+#define AT(ph, q) ((has_bol ? (ph) : (ph) & 2) * n + (q))
     *out = (rx_nfa){.n_states = 4 * n + 4, .start = pre0, .final = fin};
-    bool ok = EPS(p, out, pre0, a->start) && edge(p, out, pre0, pre1, E_CLASS, any, n_any) &&
-              edge(p, out, pre1, pre1, E_CLASS, any, n_any) && EPS(p, out, pre1, n + a->start);
+    bool ok = EPS(p, out, pre0, a->start) && (!has_bol || edge(p, out, pre0, pre1, E_CLASS, any, n_any)) &&
+              edge(p, out, pre1, pre1, E_CLASS, any, n_any) && EPS(p, out, pre1, AT(1, a->start));
     for (int i = 0; ok && i < a->n; i++) {
         rx_edge e = a->e[i];
         switch (e.kind) {
         case E_EPS:
-            for (int ph = 0; ph < 4 && ok; ph++) ok = EPS(p, out, ph * n + e.from, ph * n + e.to);
+            for (int ph = 0; ph < 4 && ok; ph++)
+                if (has_bol || !(ph & 1)) ok = EPS(p, out, AT(ph, e.from), AT(ph, e.to));
             break;
         case E_CLASS:
-            ok = edge(p, out, e.from, n + e.to, E_CLASS, e.cls, e.n_cls) &&
-                 edge(p, out, n + e.from, n + e.to, E_CLASS, e.cls, e.n_cls);
+            ok = edge(p, out, AT(0, e.from), AT(1, e.to), E_CLASS, e.cls, e.n_cls) &&
+                 (!has_bol || edge(p, out, AT(1, e.from), AT(1, e.to), E_CLASS, e.cls, e.n_cls));
             break;
-        case E_BOL: ok = EPS(p, out, e.from, e.to) && EPS(p, out, 2 * n + e.from, 2 * n + e.to); break;
+        case E_BOL: ok = EPS(p, out, AT(0, e.from), AT(0, e.to)) && EPS(p, out, AT(2, e.from), AT(2, e.to)); break;
         case E_EOL:
-            for (int ph = 0; ph < 4 && ok; ph++) ok = EPS(p, out, ph * n + e.from, (ph | 2) * n + e.to);
+            for (int ph = 0; ph < 4 && ok; ph++)
+                if (has_bol || !(ph & 1)) ok = EPS(p, out, AT(ph, e.from), AT(ph | 2, e.to));
             break;
         }
     }
-    return ok && EPS(p, out, a->final, post) && EPS(p, out, n + a->final, post) &&
-           edge(p, out, post, post, E_CLASS, any, n_any) && EPS(p, out, post, fin) &&
-           EPS(p, out, 2 * n + a->final, fin) && EPS(p, out, 3 * n + a->final, fin);
+    ok = ok && EPS(p, out, AT(0, a->final), post) && (!has_bol || EPS(p, out, AT(1, a->final), post)) &&
+         edge(p, out, post, post, E_CLASS, any, n_any) && EPS(p, out, post, fin) && EPS(p, out, AT(2, a->final), fin) &&
+         (!has_bol || EPS(p, out, AT(3, a->final), fin));
+#undef AT
+    return ok;
 }
 
 /* The product with a count of code points read: between lo and hi (hi < 0: lo or more) */
@@ -771,7 +777,9 @@ kvs_status gr_regex(gr_nfa *g, int x, int y, const char *pattern, size_t len, in
         a.start = new_state(&a);
         a.final = build(&p, &a, root, a.start);
     }
-    if (p.st == KVS_OK && search(&p, &a, &b, any, N_OF(WRITABLE)) && trim(&p, &b) && b.n_states &&
+    bool has_bol = false;
+    for (int i = 0; i < p.n_nodes; i++) has_bol |= p.nodes[i].kind == RX_BOL;
+    if (p.st == KVS_OK && search(&p, &a, has_bol, &b, any, N_OF(WRITABLE)) && trim(&p, &b) && b.n_states &&
         (lo > 0 || hi >= 0)) {
         if (counted(&p, &b, lo, hi, &c) && trim(&p, &c)) {
             free(b.e);
