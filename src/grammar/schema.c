@@ -444,6 +444,7 @@ static kvs_status object_value(builder *b, int r, int x, json_t *s, const char *
     }
     if (n == 0 && !json_is_false(extra)) { /* a map: any keys, values of additionalProperties (or any) */
         int key, value;
+        json_decref(req_names);
         KVS_TRY(string_rule(b, &key));
         snprintf(sub, sizeof sub, "%s.additionalProperties", path);
         if (json_is_object(extra)) KVS_TRY(rule_of(b, extra, sub, &value));
