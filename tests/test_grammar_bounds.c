@@ -63,6 +63,61 @@ Test(grammar_bounds, schema_bombs_are_refused_naming_the_bound) {
     }
 }
 
+/* Patterns that would cost memory or time without bounds (repetitions multiplied
+ * out, nested quantifiers, a DFA exponential in a count, a length bound times a
+ * long pattern): refused naming the bound, or compiled within the default
+ * bounds, each well within a second. */
+Test(grammar_bounds, pathological_patterns_are_bounded) {
+    static const struct {
+        const char *pattern, *extra, *says; /* says NULL: compiles */
+    } cases[] = {
+        {"(a{1,100}){1,100}", "", "bound of 4096 positions"},
+        {"((a{0,20}){0,20}){0,20}", "", "bound of 4096 positions"},
+        {"a{0,100000}", "", "bound of 1000"},
+        {"x{99999999999}", "", "bound of 1000"},
+        {"((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((a))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))", "", "deeper than the bound of 64"},
+        {"^[a-z]{1,200}$", ",\"maxLength\":256", "bound of 32768 states"},
+        {"[ab]*a[ab]{24}", "", "bound of"}, /* a DFA of 2^24 states */
+        {".*a.{30}$", "", "bound of"},
+        {"^.{1000}$", "", "bound of"},
+        {"(.*){1000}", "", "bound of"},
+        {"abc", ",\"maxLength\":256", "bound of"},
+        {"[^x]{8}y", ",\"minLength\":2,\"maxLength\":32", "bound of"},
+        {"(a*)*b", "", NULL},
+        {"((a+)+)+$", "", NULL},
+        {"(a|a)*(a|aa)*c", "", NULL},
+        {"(a|b|c)*d(a|b|c){10}", "", NULL},
+        {"(.*){300}", "", NULL},
+        {"^.{200}$", "", NULL},
+        {"abc", ",\"maxLength\":64", NULL},
+        {"^(\\\\d{1,3}\\\\.){3}\\\\d{1,3}$", ",\"maxLength\":15", NULL},
+        {"^[a-zA-Z0-9_-]{3,32}$", ",\"maxLength\":32", NULL},
+    };
+    kvs_grammar_limits lim = kvs_grammar_limits_default();
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char schema[1024], msg[512];
+        double secs;
+        snprintf(schema, sizeof schema, "{\"type\":\"string\",\"pattern\":\"%s\"%s}", cases[i].pattern, cases[i].extra);
+        kvs_status st = compile_timed(schema, &lim, msg, sizeof msg, &secs, NULL);
+        fprintf(stderr, "pattern %s%s: %s in %.1f ms%s%s\n", cases[i].pattern, cases[i].extra, st == KVS_OK ? "compiled" : "refused",
+                secs * 1e3, st == KVS_OK ? "" : ": ", msg);
+        if (cases[i].says) {
+            cr_expect_eq(st, KVS_ERR_UNSUPPORTED, "%s: %s", schema, msg);
+            cr_expect(strstr(msg, cases[i].says), "%s: '%s' does not say '%s'", schema, msg, cases[i].says);
+        } else {
+            cr_expect_eq(st, KVS_OK, "%s: %s", schema, msg);
+        }
+        cr_expect_lt(secs, 1.0 * SLOWDOWN, "%s took %.2f s", schema, secs);
+    }
+    /* an email as agents bound it (RFC 5321's 254) */
+    char msg[512];
+    double secs;
+    const char *email = "{\"type\":\"string\",\"format\":\"email\",\"maxLength\":254}";
+    cr_expect_eq(compile_timed(email, &lim, msg, sizeof msg, &secs, NULL), KVS_OK, "%s", msg);
+    fprintf(stderr, "%s: compiled in %.1f ms\n", email, secs * 1e3);
+    cr_expect_lt(secs, 1.0 * SLOWDOWN);
+}
+
 /* Each bound on its own, on a schema that passes only it: the message names it. */
 Test(grammar_bounds, each_bound_named) {
     char *props = bomb_optional_properties(200), msg[512];

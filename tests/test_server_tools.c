@@ -196,6 +196,70 @@ Test(server_tools, stream_chunk_delta) {
     kvs_tool_parser_destroy(p);
 }
 
+/* A chunk whose delta would be empty (no role, content or tool_calls) before the
+ * last is not made: text the parser holds back (with logprobs or token ids
+ * asked too), a second call when only the first is wanted; the last chunk
+ * carries its finish_reason with an empty delta, as OpenAI's. */
+Test(server_tools, no_chunk_with_an_empty_delta) {
+    kvs_resp_meta m = {KVS_API_CHAT, "chatcmpl-t", "tiny", 0, NULL, false, 0, true, KVS_TOOL_FORMAT_HERMES, true};
+    kvs_tool_parser *p = kvs_tool_parser_create(m.tools, kvs_resp_tool_seed(&m, 0));
+    int32_t ids[2] = {5, 6};
+    /* held back: the start of a call */
+    kvs_tool_events ev = {0};
+    const char *held = "<tool_call>\n{\"na";
+    kvs_resp_slice s = {held, strlen(held), ids, NULL, 2, 0};
+    kvs_resp_tool_stream(p, &s, &ev, false);
+    cr_expect_null(kvs_resp_chunk(&m, &s, false, false), "a chunk for text held back");
+    kvs_tool_events_free(&ev);
+    /* the first call, then a second one that is not wanted */
+    const char *first = "me\": \"now\", \"arguments\": {}}\n</tool_call>\n";
+    s = (kvs_resp_slice){first, strlen(first), ids, NULL, 1, 0};
+    kvs_resp_tool_stream(p, &s, &ev, false);
+    char *chunk = kvs_resp_chunk(&m, &s, false, false);
+    cr_assert(chunk && strstr(chunk, "\"tool_calls\""), "%s", chunk ? chunk : "no chunk");
+    free(chunk);
+    kvs_tool_events_free(&ev);
+    const char *second = "<tool_call>\n{\"name\": \"now\", \"arguments\": {\"x\": 1}}\n</tool_call>";
+    s = (kvs_resp_slice){second, strlen(second), ids, NULL, 2, 0};
+    kvs_resp_tool_stream(p, &s, &ev, false);
+    chunk = kvs_resp_chunk(&m, &s, false, false);
+    cr_expect_null(chunk, "a chunk for a call not wanted: %s", chunk);
+    free(chunk);
+    kvs_tool_events_free(&ev);
+    /* the last: an empty delta with its finish_reason */
+    s = (kvs_resp_slice){"", 0, ids, NULL, 0, 0, .finish = KVS_FINISH_STOP};
+    kvs_resp_tool_stream(p, &s, &ev, true);
+    chunk = kvs_resp_chunk(&m, &s, false, false);
+    json_t *j = chunk ? json_loads(chunk, 0, NULL) : NULL;
+    cr_assert(j, "no last chunk");
+    cr_expect_eq(json_object_size(json_object_get(choice(j), "delta")), 0);
+    cr_expect_str_eq(json_string_value(json_object_get(choice(j), "finish_reason")), "tool_calls");
+    json_decref(j);
+    free(chunk);
+    kvs_tool_events_free(&ev);
+    kvs_tool_parser_destroy(p);
+}
+
+/* every chunk of a chat stream has something in its delta, or its finish_reason */
+static void expect_no_empty_delta(const char *body) {
+    int chunks = 0;
+    for (const char *p = body; (p = strstr(p, "data: ")); ) {
+        p += 6;
+        const char *end = strstr(p, "\n\n");
+        if (!end || !strncmp(p, "[DONE]", 6)) break;
+        json_t *j = json_loadb(p, (size_t)(end - p), 0, NULL);
+        cr_assert(j, "bad chunk: %.*s", (int)(end - p), p);
+        json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+        if (ch) {
+            chunks++;
+            cr_expect(json_object_size(json_object_get(ch, "delta")) > 0 || !json_is_null(json_object_get(ch, "finish_reason")),
+                      "a chunk with an empty delta: %.*s", (int)(end - p), p);
+        }
+        json_decref(j);
+    }
+    cr_expect_gt(chunks, 1);
+}
+
 /* ---- the constraint of a forced call ------------------------------------------------ */
 Test(server_tools, constraint_schema) {
     const char *tools = "[" TOOL_WEATHER "," TOOL_TIME "]";
@@ -270,6 +334,15 @@ Test(server_tools, serve_accepts_tools_requests, .timeout = 300) {
     cr_expect_eq(r.status, 200);
     cr_expect(strstr(r.body, "\"tool_calls\"") && strstr(r.body, "[DONE]"), "%s", r.body);
     cr_expect(!strstr(r.body, "\"delta\":{},\"logprobs\":null,\"finish_reason\":null"), "an empty delta: %s", r.body);
+    expect_no_empty_delta(r.body);
+    free(r.body);
+    /* the same with logprobs and token ids asked: the tokens held back make no chunk either */
+    r = http(s.port, "POST", "/v1/chat/completions", NULL,
+             "{\"max_tokens\": 64, \"temperature\": 0, \"messages\": [" USER "], \"tools\": [" TOOL_WEATHER "], "
+             "\"tool_choice\": \"required\", \"stream\": true, \"logprobs\": true, \"return_token_ids\": true}");
+    cr_expect_eq(r.status, 200, "%s", r.body);
+    cr_expect(strstr(r.body, "\"tool_calls\"") && strstr(r.body, "[DONE]"), "%s", r.body);
+    expect_no_empty_delta(r.body);
     free(r.body);
     /* control-token text in the tools: 400 naming tools */
     json_t *j = post_json(s.port, "/v1/chat/completions",

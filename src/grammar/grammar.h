@@ -24,6 +24,25 @@
  *  - strings: any valid UTF-8, escapes included (\uXXXX: no \u0000, surrogates
  *    only as a pair, as jansson accepts them); minLength/maxLength count code
  *    points;
+ *  - a string with a pattern (regex.c): its content (the code points between
+ *    the quotes) matches the pattern as ECMA-262 reads it: unanchored unless ^
+ *    / $ say otherwise, '.' any code point but \n \r U+2028 U+2029, \d \w \s
+ *    as ECMA's. Supported: literals, escapes (\d \D \w \W \s \S \t \n \v \f
+ *    \r \0 \cX \xHH \uXXXX \u{X...}, \ before punctuation), '.', classes with
+ *    ranges and negation, ( ) and (?: ) groups, |, * + ? {n} {n,} {n,m} (lazy
+ *    forms too; counts up to 1000, the pattern multiplied out up to 4096
+ *    positions), ^ and $ anywhere. Refused naming the construct and its
+ *    offset: lookahead and lookbehind, backreferences, named groups, \b \B,
+ *    \p{..}, possessive quantifiers, (?flags), other letter escapes. Its code
+ *    points are written raw, but '"' and '\' (\" \\), control characters (\b \f
+ *    \n \r \t or \u00XX) and '/' (raw or \/). With minLength/maxLength too
+ *    the two are intersected (refused past 32768 code-point states); a
+ *    pattern that no string (of those lengths) matches is refused;
+ *  - format (strings only): date, time, date-time (RFC 3339: T or t, Z or z,
+ *    seconds up to 60, days 01-31 whatever the month), uuid, email (dot-atoms
+ *    of atext, '@', two or more labels), ipv4 and hostname are enforced as
+ *    patterns; any other format is an annotation (ignored), and so is a
+ *    format beside a pattern (the pattern is enforced);
  *  - numbers: at most 18 digits before the point (integers fit an int64), 15
  *    after it and an exponent of 2 digits, so that they parse as JSON numbers
  *    everywhere; minimum, maximum, exclusiveMinimum and exclusiveMaximum are
@@ -31,8 +50,11 @@
  *  - oneOf is taken as anyOf.
  * Supported keywords: type (a name or an array of names), properties, required,
  * additionalProperties, items, minItems, maxItems (up to 256), enum, const,
- * minLength, maxLength (up to 256), anyOf, oneOf, $ref ("#/$defs/NAME" or
- * "#/definitions/NAME"), $defs, definitions; description, title, default,
+ * minLength, maxLength (up to 256), pattern, format, anyOf, oneOf, $ref (any
+ * JSON pointer into the schema: "#", "#/$defs/NAME", "#/properties/a/items",
+ * with ~0 ~1 and percent-encoding; a pointer that resolves to nothing is
+ * refused naming it; other documents and plain-name fragments are not
+ * supported), $defs, definitions; description, title, default,
  * examples, $schema, $id, $comment, deprecated, readOnly, writeOnly, strict
  * are ignored. Any other keyword is refused, naming it. Nesting deeper than
  * KVS_GRAMMAR_MAX_DEPTH rule calls is cut off (its continuations masked out). */

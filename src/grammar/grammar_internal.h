@@ -44,6 +44,14 @@ bool gr_nfa_bytes(gr_nfa *a, int from, uint8_t lo, uint8_t hi, int to);
 bool gr_nfa_call(gr_nfa *a, int from, int rule, int to);
 void gr_nfa_free(gr_nfa *a);
 
+/* ---- regular expressions (regex.c) ---------------------------------------------------------
+ * Edges of a from x to y: the content of a JSON string (the quotes are the
+ * caller's) whose code points match pattern (ECMA-262, UTF-8 text of len
+ * bytes; unanchored unless ^ / $ say otherwise), between lo and hi code points
+ * long (lo 0, hi -1: any length). where names the pattern in messages
+ * ("schema.properties.code.pattern"). */
+kvs_status gr_regex(gr_nfa *a, int x, int y, const char *pattern, size_t len, int lo, int hi, const char *where);
+
 /* ---- the compiled grammar: every rule's DFA, one array of nodes ---------------------- */
 typedef struct {
     int32_t callee, ret; /* the callee's start node; the node of the caller to return to */

@@ -1,7 +1,8 @@
 /* grammar from a JSON schema: each schema a rule (an NFA of bytes, epsilons and
  * calls of the rules of its parts), the strings, numbers and "any value" rules
- * shared; $ref rules by name, so recursion is a call like any other. The
- * subset and the one way values are written: grammar.h. */
+ * shared; a $ref's rule by its target (any JSON pointer), so recursion is a
+ * call like any other; a pattern's (or a format's) string a rule of its own
+ * (regex.c). The subset and the one way values are written: grammar.h. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,7 +17,8 @@ typedef struct {
     gr_nfa **rules;
     int n_rules, cap_rules;
     json_t *root;
-    json_t *refs; /* "$ref" text -> rule id */
+    json_t *refs;     /* a $ref's target (its address, as text) -> rule id */
+    json_t *patterns; /* "lo:hi:" + a pattern -> the rule of its string */
     int r_string, r_integer, r_number, r_any;
     int nesting;
     bool oom;          /* out of memory, or past the budget (then budget.code says which bound) */
@@ -244,7 +246,7 @@ static kvs_status any_rule(builder *b, int *out) {
 /* ---- schemas ----------------------------------------------------------------------------- */
 static const char *const supported[] = {
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-    "minLength", "maxLength", "anyOf", "oneOf", "$ref", "$defs", "definitions",
+    "minLength", "maxLength", "pattern", "format", "anyOf", "oneOf", "$ref", "$defs", "definitions",
     /* accepted, not enforced */
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
     /* ignored */
@@ -306,9 +308,69 @@ static int key_literal(builder *b, int r, int x, const char *name, kvs_status *s
     return y;
 }
 
+/* The formats enforced, as patterns (regex.c); any other format is an annotation. */
+static const struct {
+    const char *name, *pattern;
+} formats[] = {
+#define DATE "\\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\\d|3[01])"
+#define TIME "([01]\\d|2[0-3]):[0-5]\\d:([0-5]\\d|60)(\\.\\d+)?([Zz]|[+-]([01]\\d|2[0-3]):[0-5]\\d)"
+#define LABEL "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+#define OCTET "(25[0-5]|2[0-4]\\d|1\\d\\d|[1-9]?\\d)"
+#define ATEXT "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
+    {"date", "^" DATE "$"},
+    {"time", "^" TIME "$"},
+    {"date-time", "^" DATE "[Tt]" TIME "$"},
+    {"uuid", "^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$"},
+    {"email", "^" ATEXT "+(\\." ATEXT "+)*@[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)+$"},
+    {"ipv4", "^" OCTET "(\\." OCTET "){3}$"},
+    {"hostname", "^" LABEL "(\\." LABEL ")*$"},
+#undef DATE
+#undef TIME
+#undef LABEL
+#undef OCTET
+#undef ATEXT
+};
+
+/* a string whose content matches the pattern re[0..n), lo..hi code points long: a rule
+   of its own (the quotes and the pattern), shared by the strings of the same pattern and bounds */
+static kvs_status pattern_value(builder *b, int r, int x, const char *re, size_t n, int lo, int hi, const char *where, int *to) {
+    char head[32];
+    int hl = snprintf(head, sizeof head, "%d:%d:", lo, hi);
+    char *key = malloc((size_t)hl + n + 1);
+    if (!key) return kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
+    memcpy(key, head, (size_t)hl);
+    memcpy(key + hl, re, n);
+    json_t *have = json_object_getn(b->patterns, key, (size_t)hl + n);
+    int rule = have ? (int)json_integer_value(have) : -1;
+    kvs_status st = KVS_OK;
+    if (rule < 0 && (st = new_rule(b, &rule)) == KVS_OK) {
+        int q = lit_str(b, rule, nfa(b, rule)->start, "\""), e = state(b, rule);
+        st = gr_regex(nfa(b, rule), q, e, re, n, lo, hi, where);
+        if (st == KVS_OK) eps(b, rule, lit_str(b, rule, e, "\""), nfa(b, rule)->final);
+        if (st == KVS_OK && json_object_setn_new(b->patterns, key, (size_t)hl + n, json_integer(rule)))
+            st = kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
+    }
+    free(key);
+    if (st == KVS_OK) *to = call_new(b, r, x, rule);
+    return st;
+}
+
 static kvs_status string_value(builder *b, int r, int x, json_t *s, const char *path, int *to) {
     int lo, hi, c;
     KVS_TRY(bounds(s, "minLength", "maxLength", path, &lo, &hi));
+    json_t *pattern = json_object_get(s, "pattern"), *format = json_object_get(s, "format");
+    char where[600];
+    if (pattern && !json_is_string(pattern)) return kvs_fail(KVS_ERR_INVALID, "%s.pattern must be a string", path);
+    if (format && !json_is_string(format)) return kvs_fail(KVS_ERR_INVALID, "%s.format must be a string", path);
+    if (pattern) {
+        snprintf(where, sizeof where, "%s.pattern", path);
+        return pattern_value(b, r, x, json_string_value(pattern), json_string_length(pattern), lo, hi, where, to);
+    }
+    for (size_t i = 0; format && i < sizeof formats / sizeof *formats; i++)
+        if (!strcmp(json_string_value(format), formats[i].name)) {
+            snprintf(where, sizeof where, "%s.format '%s'", path, formats[i].name);
+            return pattern_value(b, r, x, formats[i].pattern, strlen(formats[i].pattern), lo, hi, where, to);
+        }
     if (lo == 0 && hi < 0) {
         KVS_TRY(string_rule(b, &c));
         *to = call_new(b, r, x, c);
@@ -382,6 +444,7 @@ static kvs_status object_value(builder *b, int r, int x, json_t *s, const char *
     }
     if (n == 0 && !json_is_false(extra)) { /* a map: any keys, values of additionalProperties (or any) */
         int key, value;
+        json_decref(req_names);
         KVS_TRY(string_rule(b, &key));
         snprintf(sub, sizeof sub, "%s.additionalProperties", path);
         if (json_is_object(extra)) KVS_TRY(rule_of(b, extra, sub, &value));
@@ -431,26 +494,83 @@ static kvs_status object_value(builder *b, int r, int x, json_t *s, const char *
     return st;
 }
 
+/* The value a reference inside the schema points at: '#' then a JSON pointer
+ * (RFC 6901: '/'-separated names, ~1 for '/', ~0 for '~', array indexes in
+ * decimal), percent-encoded as a URI fragment (RFC 3986). NULL in *target
+ * when nothing is there; its path ("schema.$defs.node") into where. */
+static kvs_status resolve_ref(builder *b, const char *text, const char *path, json_t **target, char *where, size_t cap) {
+    *target = NULL;
+    if (text[0] != '#')
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s.$ref: '%.64s' is not supported (only references inside the schema: '#' or '#/a/json/pointer')",
+                        path, text);
+    size_t n = strlen(text + 1), len = 0;
+    char *ptr = malloc(n + 1);
+    if (!ptr) return kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
+    for (const char *c = text + 1; *c; c++) { /* percent-decoding */
+        int h1, h2;
+        if (*c != '%') {
+            ptr[len++] = *c;
+            continue;
+        }
+        h1 = c[1] >= '0' && c[1] <= '9' ? c[1] - '0' : (c[1] | 32) >= 'a' && (c[1] | 32) <= 'f' ? (c[1] | 32) - 'a' + 10 : -1;
+        h2 = h1 < 0 ? -1 : c[2] >= '0' && c[2] <= '9' ? c[2] - '0' : (c[2] | 32) >= 'a' && (c[2] | 32) <= 'f' ? (c[2] | 32) - 'a' + 10 : -1;
+        if (h2 < 0) {
+            free(ptr);
+            return kvs_fail(KVS_ERR_INVALID, "%s.$ref: '%.64s' has a bad percent-encoding", path, text);
+        }
+        ptr[len++] = (char)(h1 * 16 + h2);
+        c += 2;
+    }
+    if (len && ptr[0] != '/') {
+        free(ptr);
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s.$ref: '%.64s' is not supported (a plain-name fragment; only '#' or '#/a/json/pointer')",
+                        path, text);
+    }
+    json_t *v = b->root;
+    int w = snprintf(where, cap, "schema");
+    for (size_t at = 0; v && at < len;) { /* one reference token: ptr[at + 1 ..) up to the next '/' */
+        size_t end = at + 1, k = 0;
+        while (end < len && ptr[end] != '/') end++;
+        char *tok = ptr + at + 1; /* unescaped in place */
+        for (size_t i = at + 1; i < end; i++) {
+            if (ptr[i] == '~' && i + 1 < end && (ptr[i + 1] == '0' || ptr[i + 1] == '1')) tok[k++] = ptr[++i] == '0' ? '~' : '/';
+            else if (ptr[i] == '~') {
+                free(ptr);
+                return kvs_fail(KVS_ERR_INVALID, "%s.$ref: '%.64s' has a '~' that is not ~0 or ~1", path, text);
+            } else tok[k++] = ptr[i];
+        }
+        if (json_is_object(v)) {
+            v = json_object_getn(v, tok, k);
+        } else if (json_is_array(v)) {
+            size_t i = 0, d = 0;
+            for (; d < k && tok[d] >= '0' && tok[d] <= '9' && i < ((size_t)1 << 40); d++) i = i * 10 + (size_t)(tok[d] - '0');
+            v = d == k && k && (k == 1 || tok[0] != '0') ? json_array_get(v, i) : NULL;
+        } else {
+            v = NULL;
+        }
+        if (w >= 0 && (size_t)w < cap) w += snprintf(where + w, cap - (size_t)w, ".%.*s", (int)k, tok);
+        at = end;
+    }
+    free(ptr);
+    *target = v;
+    return KVS_OK;
+}
+
 static kvs_status ref_rule(builder *b, json_t *ref, const char *path, int *rule) {
     if (!json_is_string(ref)) return kvs_fail(KVS_ERR_INVALID, "%s.$ref must be a string", path);
-    const char *text = json_string_value(ref), *name = NULL;
-    json_t *defs = NULL;
-    if (!strncmp(text, "#/$defs/", 8)) defs = json_object_get(b->root, "$defs"), name = text + 8;
-    else if (!strncmp(text, "#/definitions/", 14)) defs = json_object_get(b->root, "definitions"), name = text + 14;
-    else if (!strcmp(text, "#")) name = "";
-    else return kvs_fail(KVS_ERR_UNSUPPORTED, "%s.$ref: '%.64s' is not supported (only #/$defs/NAME, #/definitions/NAME, #)", path, text);
-    json_t *have = json_object_get(b->refs, text);
+    const char *text = json_string_value(ref);
+    json_t *target;
+    char sub[512], key[32];
+    KVS_TRY(resolve_ref(b, text, path, &target, sub, sizeof sub));
+    if (!target) return kvs_fail(KVS_ERR_INVALID, "%s.$ref: '%.64s' is not defined", path, text);
+    snprintf(key, sizeof key, "%p", (void *)target); /* the same target however it is spelled */
+    json_t *have = json_object_get(b->refs, key);
     if (have) {
         *rule = (int)json_integer_value(have);
         return KVS_OK;
     }
-    json_t *target = defs ? json_object_get(defs, name) : !*name ? b->root : NULL;
-    if (!target) return kvs_fail(KVS_ERR_INVALID, "%s.$ref: '%.64s' is not defined", path, text);
     KVS_TRY(new_rule(b, rule));
-    json_object_set_new(b->refs, text, json_integer(*rule));
-    char sub[512];
-    snprintf(sub, sizeof sub, "schema%s", text + 1);
-    for (char *c = sub; *c; c++) if (*c == '/') *c = '.';
+    if (json_object_set_new(b->refs, key, json_integer(*rule))) return kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
     int r = *rule, to;
     kvs_status st = value(b, r, nfa(b, r)->start, target, sub, &to);
     if (st == KVS_OK) eps(b, r, to, nfa(b, r)->final);
@@ -576,6 +696,7 @@ static void builder_free(builder *b) {
     }
     free(b->rules);
     json_decref(b->refs);
+    json_decref(b->patterns);
 }
 
 /* the JSON values in v, counted up to past limit */
@@ -603,10 +724,10 @@ static kvs_status build(json_t *schema, bool object_only, const char *prefix, co
     KVS_TRY(kvs_grammar_check_values(schema, lim));
     gr_budget budget;
     gr_budget_init(&budget, lim);
-    builder b = {.root = schema, .refs = json_object(), .r_string = -1, .r_integer = -1,
+    builder b = {.root = schema, .refs = json_object(), .patterns = json_object(), .r_string = -1, .r_integer = -1,
                  .r_number = -1, .r_any = -1, .budget = lim ? &budget : NULL};
     int root, to, key, any;
-    kvs_status st = b.refs ? new_rule(&b, &root) : kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
+    kvs_status st = b.refs && b.patterns ? new_rule(&b, &root) : kvs_fail(KVS_ERR_NOMEM, "grammar: out of memory");
     if (st == KVS_OK) {
         int x = lit_str(&b, root, nfa(&b, root)->start, prefix ? prefix : "");
         if (object_only) {

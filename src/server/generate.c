@@ -281,8 +281,8 @@ static void take_pending(kvs_stream *st) {
                             i, c->top_ids, c->top_lps, g->n_top, failed || !end ? KVS_FINISH_NONE : c->finish};
         kvs_tool_events ev = {0};
         if (st->tools) kvs_resp_tool_stream(st->tools[i], &s, &ev, end);
-        /* tokens whose text a tool parser holds back make no chunk of their own (an empty delta)
-           unless their logprobs or ids are asked for */
+        /* tokens whose text a tool parser holds back make no chunk of their own (an empty delta;
+           kvs_resp_chunk makes none either when their logprobs or ids are asked for) */
         bool per_token = s.n && (!st->tools || st->meta.logprobs || st->meta.token_ids);
         if ((st->tools ? ev.n > 0 : s.text_len > 0) || per_token || (end && !failed))
             out_event(st, kvs_resp_chunk(&st->meta, &s, false, st->include_usage));

@@ -224,6 +224,11 @@ char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first
         if (s->tool_events) kvs_resp_tool_delta(m, delta, s->tool_events);
         else if (s->text_len || first) json_object_set_new(delta, "content", kvs_resp_text_json(s->text, s->text_len));
         json_object_set_new(choice, "delta", delta);
+        if (!json_object_size(delta) && s->finish == KVS_FINISH_NONE) { /* nothing to say before the last chunk */
+            json_decref(choice);
+            json_decref(root);
+            return NULL;
+        }
     } else {
         json_object_set_new(choice, "text", kvs_resp_text_json(s->text, s->text_len));
     }

@@ -105,7 +105,8 @@ typedef struct {
 
 char *kvs_resp_full(const kvs_resp_meta *m, const kvs_resp_slice *s, int n_choices, int prompt_tokens,
                     int completion_tokens, const kvs_resp_kv *kv);
-/* One SSE chunk's JSON for one choice: chat's first chunk carries role; its finish NONE gives null. */
+/* One SSE chunk's JSON for one choice: chat's first chunk carries role; its finish NONE gives null.
+ * NULL for a chat chunk whose delta would be empty (no role, content or tool_calls) before the last. */
 char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first, bool usage_field);
 char *kvs_resp_usage_chunk(const kvs_resp_meta *m, int prompt_tokens, int completion_tokens, const kvs_resp_kv *kv);
 const char *kvs_resp_finish_reason(kvs_finish f);

@@ -220,8 +220,29 @@ await test('response_format json_object, and a schema keyword it cannot enforce 
   const d = JSON.parse(r.choices[0].text);
   assert.ok(d && typeof d === 'object' && !Array.isArray(d));
   await assert.rejects(client.completions.create({ model, prompt, max_tokens: 4,
-    response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', format: 'email' } } } }),
-  (e) => e.status === 400 && /format/.test(e.message));
+    response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'integer', multipleOf: 3 } } } }),
+  (e) => e.status === 400 && /multipleOf/.test(e.message));
+  await assert.rejects(client.completions.create({ model, prompt, max_tokens: 4,
+    response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', pattern: '(?<=a)b' } } } }),
+  (e) => e.status === 400 && /lookbehind/.test(e.message));
+});
+
+await test('response_format pattern, format and a $ref to a property: the outputs match', async () => {
+  const schema = { type: 'object', properties: {
+    code: { type: 'string', pattern: '^[A-Z]{3}-\\d{4}$' }, mail: { type: 'string', format: 'email', maxLength: 40 },
+    day: { type: 'string', format: 'date' }, again: { $ref: '#/properties/code' } },
+  required: ['code', 'mail', 'day', 'again'], additionalProperties: false };
+  for (const seed of [1, 2, 3]) {
+    const r = await client.chat.completions.create({ model, max_tokens: 120, temperature: 1, seed,
+      messages: [{ role: 'user', content: 'A record, please.' }],
+      response_format: { type: 'json_schema', json_schema: { name: 'record', strict: true, schema } } });
+    const d = JSON.parse(r.choices[0].message.content);
+    assert.match(d.code, /^[A-Z]{3}-\d{4}$/);
+    assert.match(d.again, /^[A-Z]{3}-\d{4}$/);
+    assert.match(d.mail, /^[^@\s]+@[^@\s]+\.[^@\s]+$/);
+    assert.ok(d.mail.length <= 40);
+    assert.match(d.day, /^\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])$/);
+  }
 });
 
 
