@@ -336,6 +336,7 @@ Test(grammar_regex, anchors_escapes_and_code_points) {
         {"^[\\]\\-\\\\]+$", NULL, {"]-\\"}, {"a"}},
         {"^[]a]$", NULL, {NULL}, {"a", "]", "]a"}}, /* [] matches nothing: refused below */
         {"^[^]$", NULL, {"a", "\n", "\xf0\x9f\x98\x80"}, {"", "ab"}},
+        {"^[]*$", NULL, {""}, {"a"}}, /* ECMA-262 (node: /^[]*$/.test("") is true); PCRE2 says no */
         {"}]", NULL, {"}]", "x}]"}, {"]}"}},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
