@@ -159,7 +159,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         final = fin != KVS_FINISH_NONE;
         want_exact = want_exact && fuzz_valid_utf8((const uint8_t *)text, tl);
         add(&want, text, tl);
-        if (tl || k || (final && fin != KVS_FINISH_ERROR)) { /* the tokens of the first 256 chunks */
+        /* a chat chunk with no text goes out only as the last, or with tokens
+           whose logprobs were asked for (the role goes in a chunk of its own,
+           not counted) */
+        bool sent = tl || (k && (!chat || logprobs)) || (final && fin != KVS_FINISH_ERROR);
+        if (sent) { /* the tokens of the first 256 chunks */
             if (chunks_wanted < 256) chunk_tokens[chunks_wanted] = k;
             chunks_wanted++;
         }

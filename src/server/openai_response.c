@@ -224,10 +224,16 @@ char *kvs_resp_chunk(const kvs_resp_meta *m, const kvs_resp_slice *s, bool first
         if (s->tool_events) kvs_resp_tool_delta(m, delta, s->tool_events);
         else if (s->text_len || first) json_object_set_new(delta, "content", kvs_resp_text_json(s->text, s->text_len));
         json_object_set_new(choice, "delta", delta);
-        if (!json_object_size(delta) && s->finish == KVS_FINISH_NONE) { /* nothing to say before the last chunk */
-            json_decref(choice);
-            json_decref(root);
-            return NULL;
+        if (!json_object_size(delta) && s->finish == KVS_FINISH_NONE) {
+            /* no text before the last chunk: nothing goes out, but tokens whose
+               logprobs or ids were asked for (as an empty content) outside a tool
+               call's stream (there they are text a parser holds back) */
+            if (s->tool_events || !(s->n && (m->logprobs || m->token_ids))) {
+                json_decref(choice);
+                json_decref(root);
+                return NULL;
+            }
+            json_object_set_new(delta, "content", json_string(""));
         }
     } else {
         json_object_set_new(choice, "text", kvs_resp_text_json(s->text, s->text_len));
