@@ -9,18 +9,8 @@ SDK_VERSION=1.17.0
 PREFIX="$SRC/.cache/npm-anthropic"
 SDK="$PREFIX/node_modules/@anthropic-ai/sdk"
 
-# exit 77 (ctest: skipped, SKIP_RETURN_CODE) when the client cannot be had here
-if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
-  echo "test_server_anthropic: needs node and npm (scripts/install-deps installs them): skipped" >&2
-  exit 77
-fi
-if [ "$(node -p "try{require('$SDK/package.json').version}catch(e){''}")" != "$SDK_VERSION" ]; then
-  mkdir -p "$PREFIX"
-  if ! npm install --prefix "$PREFIX" --no-audit --no-fund --silent "@anthropic-ai/sdk@$SDK_VERSION" >&2; then
-    echo "test_server_anthropic: needs @anthropic-ai/sdk@$SDK_VERSION (npm install failed: offline?): skipped" >&2
-    exit 77
-  fi
-fi
+. "$SRC/tests/npm_client.sh"
+npm_client test_server_anthropic @anthropic-ai/sdk "$SDK_VERSION" "$PREFIX"
 
 . "$SRC/tests/serve_tiny.sh"
 serve_tiny --served-model-name tiny

@@ -8,18 +8,8 @@ BIN="${KVS_BINARY:-$SRC/build/kvsparse}"
 OPENAI_VERSION=5.12.0
 PREFIX="$SRC/.cache/npm-openai"
 
-# exit 77 (ctest: skipped, SKIP_RETURN_CODE) when the client cannot be had here
-if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
-  echo "test_server_openai: needs node and npm (scripts/install-deps installs them): skipped" >&2
-  exit 77
-fi
-if [ "$(node -p "try{require('$PREFIX/node_modules/openai/package.json').version}catch(e){''}")" != "$OPENAI_VERSION" ]; then
-  mkdir -p "$PREFIX"
-  if ! npm install --prefix "$PREFIX" --no-audit --no-fund --silent "openai@$OPENAI_VERSION" >&2; then
-    echo "test_server_openai: needs the openai@$OPENAI_VERSION npm package (npm install failed: offline?): skipped" >&2
-    exit 77
-  fi
-fi
+. "$SRC/tests/npm_client.sh"
+npm_client test_server_openai openai "$OPENAI_VERSION" "$PREFIX"
 
 . "$SRC/tests/serve_tiny.sh"
 serve_tiny --served-model-name tiny
