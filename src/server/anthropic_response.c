@@ -40,12 +40,6 @@ static json_t *input_json(const char *args, size_t n) {
     return json_object();
 }
 
-static bool only_space(const char *s, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (!strchr(" \t\r\n", s[i])) return false;
-    return true;
-}
-
 static json_t *tool_use(const char *call_id, const char *name, json_t *input) {
     char *id = kvs_anth_tool_id(call_id);
     json_t *b = json_pack("{s:s, s:s?, s:s, s:o}", "type", "tool_use", "id", id, "name", name ? name : "", "input", input);
@@ -56,19 +50,15 @@ static json_t *tool_use(const char *call_id, const char *name, json_t *input) {
 char *kvs_anth_full(const kvs_resp_meta *m, const char *text, size_t n, const kvs_resp_end *end) {
     json_t *content = json_array();
     kvs_resp_end e = *end;
-    kvs_tool_result r = {0};
-    bool parsed = m->tools != KVS_TOOL_FORMAT_NONE &&
-                  kvs_tool_parse_text(m->tools, kvs_resp_tool_seed(m, 0), text ? text : "", text ? n : 0, &r) == KVS_OK;
-    const char *body = parsed ? r.content : text;
-    size_t body_len = parsed ? r.content_len : n;
-    int n_calls = parsed ? (m->one_call && r.calls.n > 1 ? 1 : r.calls.n) : 0;
-    if (body_len && !(n_calls && only_space(body, body_len)))
-        json_array_append_new(content, json_pack("{s:s, s:o}", "type", "text", "text", kvs_resp_text_json(body, body_len)));
-    for (int i = 0; i < n_calls; i++)
-        json_array_append_new(content, tool_use(r.calls.v[i].id, r.calls.v[i].name,
-                                                input_json(r.calls.v[i].text, r.calls.v[i].len)));
-    e.called = n_calls > 0;
-    if (parsed) kvs_tool_result_free(&r);
+    kvs_resp_split sp;
+    kvs_resp_split_calls(m, 0, text, n, &sp);
+    if (sp.text_len)
+        json_array_append_new(content, json_pack("{s:s, s:o}", "type", "text", "text", kvs_resp_text_json(sp.text, sp.text_len)));
+    for (int i = 0; i < sp.n_calls; i++)
+        json_array_append_new(content, tool_use(sp.r.calls.v[i].id, sp.r.calls.v[i].name,
+                                                input_json(sp.r.calls.v[i].text, sp.r.calls.v[i].len)));
+    e.called = sp.n_calls > 0;
+    kvs_resp_split_free(&sp);
     json_t *root = json_pack("{s:s, s:s, s:s, s:s, s:o, s:s, s:o, s:o}", "id", m->id, "type", "message", "role",
                              "assistant", "model", m->model, "content", content, "stop_reason", stop_reason(&e),
                              "stop_sequence", e.stop_sequence && !e.called ? json_string(e.stop_sequence) : json_null(),

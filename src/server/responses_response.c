@@ -51,29 +51,19 @@ static json_t *call_item(const char *call_id, const char *name, json_t *args, co
                      "status", status, "call_id", call_id ? call_id : "", "name", name ? name : "", "arguments", args);
 }
 
-static bool only_space(const char *s, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (!strchr(" \t\r\n", s[i])) return false;
-    return true;
-}
-
 char *kvs_rsp_full(const kvs_resp_meta *m, const json_t *echo, long long created, const char *text, size_t n,
                    const kvs_resp_end *end) {
     json_t *output = json_array();
-    kvs_tool_result r = {0};
-    bool parsed = m->tools != KVS_TOOL_FORMAT_NONE &&
-                  kvs_tool_parse_text(m->tools, kvs_resp_tool_seed(m, 0), text ? text : "", text ? n : 0, &r) == KVS_OK;
-    const char *body = parsed ? r.content : text;
-    size_t body_len = parsed ? r.content_len : n;
-    int n_calls = parsed ? (m->one_call && r.calls.n > 1 ? 1 : r.calls.n) : 0;
+    kvs_resp_split sp;
+    kvs_resp_split_calls(m, 0, text, n, &sp);
     const char *status = end->finish == KVS_FINISH_LENGTH ? "incomplete" : "completed";
-    if (body_len && !(n_calls && only_space(body, body_len)))
+    if (sp.text_len)
         json_array_append_new(output, message_item(item_id("msg", m->id, 0), status,
-                                                   json_pack("[o]", text_part(kvs_resp_text_json(body, body_len)))));
-    for (int i = 0; i < n_calls; i++)
-        json_array_append_new(output, call_item(r.calls.v[i].id, r.calls.v[i].name,
-                                                kvs_resp_text_json(r.calls.v[i].text, r.calls.v[i].len), "completed"));
-    if (parsed) kvs_tool_result_free(&r);
+                                                   json_pack("[o]", text_part(kvs_resp_text_json(sp.text, sp.text_len)))));
+    for (int i = 0; i < sp.n_calls; i++)
+        json_array_append_new(output, call_item(sp.r.calls.v[i].id, sp.r.calls.v[i].name,
+                                                kvs_resp_text_json(sp.r.calls.v[i].text, sp.r.calls.v[i].len), "completed"));
+    kvs_resp_split_free(&sp);
     json_t *root = shell(m, echo, created, "completed");
     finish(root, output, end);
     char *s = root ? json_dumps(root, JSON_COMPACT) : NULL;

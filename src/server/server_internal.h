@@ -147,6 +147,20 @@ typedef struct {
     void *ctx;
 } kvs_api_stream;
 
+/* A whole output of choice `index` split into its text and its tool calls
+ * (tool_response.c): when the request has tools and the output parses
+ * (kvs_tool_parse_text), the calls (one at most when the request forced one)
+ * and the text between them, dropped when it is only whitespace beside calls;
+ * else no call and the text as it is. Free with kvs_resp_split_free. */
+typedef struct {
+    const char *text;
+    size_t text_len;
+    int n_calls;      /* r.calls.v[0 .. n_calls) */
+    bool parsed;
+    kvs_tool_result r;
+} kvs_resp_split;
+void kvs_resp_split_calls(const kvs_resp_meta *m, int index, const char *text, size_t n, kvs_resp_split *out);
+void kvs_resp_split_free(kvs_resp_split *s);
 /* With tools (tool_response.c): the chat message of a whole output (content,
  * tool_calls; *called: calls were made), and a stream chunk's delta. */
 json_t *kvs_resp_tool_message(const kvs_resp_meta *m, int index, const char *text, size_t n, bool *called);

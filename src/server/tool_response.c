@@ -39,26 +39,38 @@ static json_t *text_or_null(const char *s, size_t n) {
     return j ? j : json_string("\xEF\xBF\xBD"); /* never expected: the text is valid UTF-8 */
 }
 
+void kvs_resp_split_calls(const kvs_resp_meta *m, int index, const char *text, size_t n, kvs_resp_split *out) {
+    *out = (kvs_resp_split){.text = text ? text : "", .text_len = text ? n : 0};
+    out->parsed = m->tools != KVS_TOOL_FORMAT_NONE &&
+                  kvs_tool_parse_text(m->tools, kvs_resp_tool_seed(m, index), out->text, out->text_len, &out->r) == KVS_OK;
+    if (!out->parsed) return;
+    out->n_calls = m->one_call && out->r.calls.n > 1 ? 1 : out->r.calls.n;
+    out->text = out->r.content;
+    out->text_len = out->n_calls > 0 && only_space(out->r.content, out->r.content_len) ? 0 : out->r.content_len;
+}
+
+void kvs_resp_split_free(kvs_resp_split *s) {
+    if (s->parsed) kvs_tool_result_free(&s->r);
+    s->parsed = false;
+}
+
 json_t *kvs_resp_tool_message(const kvs_resp_meta *m, int index, const char *text, size_t n, bool *called) {
-    kvs_tool_result r;
-    *called = false;
-    if (kvs_tool_parse_text(m->tools, kvs_resp_tool_seed(m, index), text ? text : "", text ? n : 0, &r) != KVS_OK)
-        return json_pack("{s:s, s:o}", "role", "assistant", "content", text_or_null(text ? text : "", text ? n : 0));
+    kvs_resp_split sp;
+    kvs_resp_split_calls(m, index, text, n, &sp);
     json_t *msg = json_pack("{s:s}", "role", "assistant");
-    int n_calls = m->one_call && r.calls.n > 1 ? 1 : r.calls.n;
-    bool no_content = n_calls > 0 && only_space(r.content, r.content_len);
-    json_object_set_new(msg, "content", no_content ? json_null() : text_or_null(r.content, r.content_len));
-    if (n_calls > 0) {
+    /* beside calls, a content of only whitespace is null, as OpenAI sends it */
+    json_object_set_new(msg, "content", sp.n_calls > 0 && !sp.text_len ? json_null() : text_or_null(sp.text, sp.text_len));
+    if (sp.n_calls > 0) {
         json_t *calls = json_array();
-        for (int i = 0; i < n_calls; i++) {
-            const kvs_tool_event *c = &r.calls.v[i];
+        for (int i = 0; i < sp.n_calls; i++) {
+            const kvs_tool_event *c = &sp.r.calls.v[i];
             json_array_append_new(calls, json_pack("{s:s, s:s, s:{s:s, s:o}}", "id", c->id, "type", "function", "function",
                                                    "name", c->name, "arguments", text_or_null(c->text, c->len)));
         }
         json_object_set_new(msg, "tool_calls", calls);
-        *called = true;
     }
-    kvs_tool_result_free(&r);
+    *called = sp.n_calls > 0;
+    kvs_resp_split_free(&sp);
     return msg;
 }
 
