@@ -43,6 +43,14 @@ static kvs_status compile_pattern(const char *pattern, const char *extra, kvs_gr
     return st;
 }
 
+static kvs_status compile_pattern_within(const char *pattern, const char *extra, const kvs_grammar_limits *lim,
+                                         kvs_grammar **g) {
+    char *schema = pattern_schema(pattern, extra);
+    kvs_status st = kvs_grammar_compile(schema, strlen(schema), NULL, NULL, lim, g);
+    free(schema);
+    return st;
+}
+
 static kvs_grammar *must_compile(const char *schema) {
     kvs_grammar *g = NULL;
     cr_assert_eq(kvs_grammar_from_json_schema(schema, strlen(schema), NULL, NULL, &g), KVS_OK, "%s: %s", schema,
@@ -199,7 +207,7 @@ static void gen_atom(pat *p, kvs_rng *r, int depth) {
 }
 
 static void gen_quantified(pat *p, kvs_rng *r, int depth) {
-    size_t ne = p->ne, ns = p->ns;
+    size_t ne = p->ne, np = p->np, ns = p->ns;
     gen_atom(p, r, depth);
     bool anchor = p->ne == ne + 1 && (p->ecma[ne] == '^' || p->ecma[ne] == '$');
     int q = anchor ? 0 : below(r, 12);
@@ -218,6 +226,10 @@ static void gen_quantified(pat *p, kvs_rng *r, int depth) {
     default: lo = below(r, 3), hi = lo + below(r, 3), snprintf(text, sizeof text, "{%d,%d}", lo, hi); break;
     }
     if (below(r, 4) == 0) strcat(text, "?"); /* lazy */
+    /* An atom repeated {0} times matches only the empty string, as ECMA has it;
+       PCRE2 10.42 finds no match for some patterns with a `^` inside such an atom
+       (/(?:x|^){0}b$/ on "ab"), so the oracle's text leaves the atom out. */
+    if (hi == 0) p->np = np, p->pcre[np] = 0, put(p->pcre, &p->np, sizeof p->pcre, "(?:)");
     both(p, text, text);
     int times = lo + below(r, (hi < 0 ? 2 : hi - lo) + 1);
     for (int i = 0; i < times; i++) sample(p, atom_sample);
@@ -259,7 +271,13 @@ Test(grammar_regex, matches_pcre2_on_random_patterns, .timeout = 600) {
     uint64_t seed = kvs_test_seed();
     kvs_rng rng;
     kvs_rng_seed(&rng, seed);
-    int n_patterns = 400, n_subjects = 40, matched = 0, total = 0, empty = 0, gave_up = 0;
+    int n_patterns = 400, n_subjects = 40, matched = 0, total = 0, empty = 0, gave_up = 0, bounded = 0;
+    /* A server's bounds on a compile, less the one on seconds (which would make the
+       patterns tested depend on the machine's load): the rare pattern whose
+       counted repetitions nest into a huge automaton (minutes and gigabytes
+       unbounded) is refused naming a bound, as a server refuses it, and left out. */
+    kvs_grammar_limits lim = kvs_grammar_limits_default();
+    lim.max_seconds = 0;
     for (int i = 0; i < n_patterns; i++) {
         pat p;
         gen_pattern(&p, &rng);
@@ -271,7 +289,11 @@ Test(grammar_regex, matches_pcre2_on_random_patterns, .timeout = 600) {
             if (hi >= 0) snprintf(extra, sizeof extra, "{\"minLength\":%d,\"maxLength\":%d}", lo, hi);
             else snprintf(extra, sizeof extra, "{\"minLength\":%d}", lo);
         }
-        kvs_status st = compile_pattern(p.ecma, extra, &g);
+        kvs_status st = compile_pattern_within(p.ecma, extra, &lim, &g);
+        if (st != KVS_OK && strstr(kvs_last_error(), "the bound of")) {
+            bounded++;
+            continue;
+        }
         pcre2_code *re = pcre(p.pcre);
         bool none = st != KVS_OK && strstr(kvs_last_error(), "matches the pattern");
         cr_assert(st == KVS_OK || none, "seed %llu: /%s/ %s refused: %s", (unsigned long long)seed, p.ecma, extra, kvs_last_error());
@@ -306,8 +328,9 @@ Test(grammar_regex, matches_pcre2_on_random_patterns, .timeout = 600) {
         pcre2_code_free(re);
         kvs_grammar_unref(g);
     }
-    fprintf(stderr, "grammar_regex: seed %llu: %d patterns (%d refused as matching nothing), %d subjects, %d matched, "
-            "%d where PCRE2 gave up\n", (unsigned long long)seed, n_patterns, empty, total, matched, gave_up);
+    fprintf(stderr, "grammar_regex: seed %llu: %d patterns (%d refused as matching nothing, %d past a bound), %d subjects, "
+            "%d matched, %d where PCRE2 gave up\n", (unsigned long long)seed, n_patterns, empty, bounded, total, matched, gave_up);
+    cr_expect_lt(bounded, n_patterns / 20, "too many patterns past a bound to test much");
     cr_expect_gt(matched, total / 5, "too few subjects match to test much");
     cr_expect_lt(matched, total * 4 / 5, "too few subjects fail to test much");
 }
