@@ -25,19 +25,15 @@ kvs_status kvs_kv_device_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_k
     d->cfg = *cfg;
     d->be = be;
     size_t bytes = (size_t)cfg->n_blocks * kvs_kv_block_bytes(cfg, be->kv_dtype);
-    d->pool = (kvs_kv_pool){be->alloc(be, bytes), cfg->n_blocks, cfg->block_size, cfg->n_kv_heads, cfg->head_dim};
-    if (!d->pool.data) {
-        kvs_kv_device_destroy(d);
-        return kvs_fail(KVS_ERR_NOMEM, "kv cache: cannot allocate %zu bytes for %lld blocks", bytes,
-                        (long long)cfg->n_blocks);
-    }
-    kvs_status st = be->kv_dtype == KVS_F8_E4M3 ? kvs_kv_device_set_scales(d, NULL) : KVS_OK;
-    if (st != KVS_OK) {
-        kvs_kv_device_destroy(d);
-        return st;
-    }
-    *out = d;
-    return KVS_OK;
+    d->pool = (kvs_kv_pool){be->alloc(be, bytes), cfg->n_blocks, cfg->block_size, cfg->n_kv_heads, cfg->head_dim, NULL};
+    /* an FP8 pool's scales start at 1 */
+    kvs_status st = !d->pool.data ? kvs_fail(KVS_ERR_NOMEM, "kv cache: cannot allocate %zu bytes for %lld blocks", bytes,
+                                             (long long)cfg->n_blocks)
+                    : be->kv_dtype == KVS_F8_E4M3 ? kvs_kv_device_set_scales(d, NULL)
+                                                  : KVS_OK;
+    if (st == KVS_OK) *out = d;
+    else kvs_kv_device_destroy(d);
+    return st;
 }
 
 void kvs_kv_device_destroy(kvs_kv_device *d) {
