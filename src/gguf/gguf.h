@@ -63,7 +63,7 @@ typedef struct {
     size_t nbytes;
 } kvs_gguf_tensor;
 
-typedef struct {
+typedef struct kvs_gguf {
     const char *file_name; /* for messages */
     uint32_t version;
     uint64_t alignment;
