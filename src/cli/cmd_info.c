@@ -197,7 +197,9 @@ int kvs_cmd_info(int argc, char **argv) {
     kvs_host_tensor embed; /* the stored dtype wins over the config's torch_dtype */
     if (!dummy && kvs_checkpoint_read(ck, KVS_W_EMBED, -1, &embed) == KVS_OK) cfg.dtype = embed.dtype;
     kvs_checkpoint_destroy(ck);
-    const char *from = dummy ? "dummy weights, computed from the config" : "safetensors checked against the config";
+    const char *from = dummy                             ? "dummy weights, computed from the config"
+                       : kvs_gguf_is_path(model_dir)    ? "GGUF checked against its metadata; quantized types read as f32"
+                                                          : "safetensors checked against the config";
     const char *source = config_file ? config_file : model_dir;
     if (as_json) return print_json(source, &cfg, from, weight_bytes, budget_gib);
     print_text(source, &cfg, from, weight_bytes, budget_gib);
