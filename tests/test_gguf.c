@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "gguf/gguf.h"
+#include "kvsparse/kvsparse.h"
 #include "model/model.h"
 #include "testutil.h"
 #include "tokenizer/tokenizer.h"
@@ -597,6 +598,28 @@ Test(gguf, tokenizer_equals_tokenizer_json) {
     json_decref(cases);
     kvs_tokenizer_destroy(g);
     kvs_tokenizer_destroy(j);
+}
+
+Test(gguf, the_library_creates_an_engine_from_a_gguf_file) {
+    kvsparse_options o;
+    kvsparse_options_init(&o);
+    o.threads = 2, o.quiet = 1, o.kv_memory_gib = 0.05;
+    kvsparse_engine *e = NULL;
+    cr_assert_eq(kvsparse_create(fixture("tiny-q8_0.gguf"), &o, &e), KVSPARSE_OK, "%s", kvsparse_last_error());
+    kvsparse_request r;
+    kvsparse_request_init(&r);
+    r.prompt = "The access code for Marigold is 48213. The sky was grey over the harbour. What is the access code for "
+               "Marigold?";
+    r.max_tokens = 4;
+    kvsparse_stream *s;
+    cr_assert_eq(kvsparse_submit_stream(e, &r, &s), KVSPARSE_OK, "%s", kvsparse_last_error());
+    kvsparse_output out;
+    do cr_assert_eq(kvsparse_stream_next(s, &out), KVSPARSE_OK, "%s", kvsparse_last_error());
+    while (out.finish == KVSPARSE_FINISH_NONE);
+    /* the file's tokenizer: the text's 32 ids, no BOS (add_bos_token false) */
+    cr_expect_eq(out.prompt_tokens, 32);
+    kvsparse_stream_close(s);
+    kvsparse_destroy(e);
 }
 
 /* ---- greedy decoding against llama.cpp's ------------------------------------------------ */
