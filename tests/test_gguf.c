@@ -622,6 +622,101 @@ Test(gguf, the_library_creates_an_engine_from_a_gguf_file) {
     kvsparse_destroy(e);
 }
 
+/* ---- other architectures: a safetensors model written as GGUF ------------------------ */
+/* Writes the model of dir as a GGUF file of architecture arch (its tensors in
+ * their own dtype; llama's q / k rows interleaved as llama.cpp's converter
+ * does) and returns its path. */
+static const char *gguf_of(const char *dir, const char *arch) {
+    kvs_config cfg;
+    kvs_checkpoint *ck;
+    cr_assert_eq(kvs_config_load(dir, &cfg), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK, "%s", kvs_last_error());
+    wbuf kv = {0};
+    char key[128];
+#define KEY(suffix) (snprintf(key, sizeof key, "%s.%s", arch, suffix), key)
+    kv_str(&kv, "general.architecture", arch);
+    kv_u32(&kv, KEY("block_count"), (uint32_t)cfg.n_layers);
+    kv_u32(&kv, KEY("embedding_length"), (uint32_t)cfg.hidden_size);
+    kv_u32(&kv, KEY("feed_forward_length"), (uint32_t)cfg.intermediate_size);
+    kv_u32(&kv, KEY("attention.head_count"), (uint32_t)cfg.n_heads);
+    kv_u32(&kv, KEY("attention.head_count_kv"), (uint32_t)cfg.n_kv_heads);
+    kv_u32(&kv, KEY("attention.key_length"), (uint32_t)cfg.head_dim);
+    kv_u32(&kv, KEY("attention.value_length"), (uint32_t)cfg.head_dim);
+    kv_u32(&kv, KEY("context_length"), (uint32_t)cfg.max_position_embeddings);
+    kv_u32(&kv, KEY("vocab_size"), (uint32_t)cfg.vocab_size);
+    kv_f32(&kv, KEY("rope.freq_base"), cfg.rope_theta);
+    kv_f32(&kv, KEY("attention.layer_norm_rms_epsilon"), cfg.rms_norm_eps);
+#undef KEY
+    static wtensor t[256];
+    static char names[256][96];
+    int n = 0;
+    for (int layer = -1; layer < cfg.n_layers; layer++)
+        for (int k = 0; k < KVS_W_KIND_COUNT; k++) {
+            int64_t shape[2];
+            int nd;
+            if ((k < KVS_W_ATTN_NORM) != (layer < 0) || !kvs_weight_expected(&cfg, (kvs_weight_kind)k, shape, &nd))
+                continue;
+            cr_assert_lt(n, 256);
+            kvs_host_tensor h;
+            cr_assert_eq(kvs_checkpoint_read(ck, (kvs_weight_kind)k, layer, &h), KVS_OK, "%s", kvs_last_error());
+            uint8_t *copy = malloc(h.nbytes);
+            size_t row = h.nbytes / (size_t)shape[0];
+            bool permute = !strcmp(arch, "llama") && (k == KVS_W_Q || k == KVS_W_K);
+            for (int64_t r = 0; r < shape[0]; r++) { /* GGUF row h*hd + 2i + s holds HF row h*hd + s*hd/2 + i */
+                int64_t hd = cfg.head_dim, head = r / hd, j = r % hd, s = j % 2, i = j / 2;
+                int64_t from = permute ? head * hd + s * (hd / 2) + i : r;
+                memcpy(copy + (size_t)r * row, (const uint8_t *)h.data + (size_t)from * row, row);
+            }
+            kvs_gguf_weight_name((kvs_weight_kind)k, layer, names[n], sizeof names[n]);
+            uint32_t type = h.dtype == KVS_F32 ? KVS_GGML_F32 : h.dtype == KVS_F16 ? KVS_GGML_F16 : KVS_GGML_BF16;
+            t[n] = (wtensor){names[n], nd, {nd == 2 ? shape[1] : shape[0], nd == 2 ? shape[0] : 1}, type, copy};
+            n++;
+        }
+    wbuf f = gguf_file(&kv, 11 + 1, t, n);
+    const char *path = write_gguf(&f);
+    for (int i = 0; i < n; i++) free((void *)t[i].data);
+    free(kv.b), free(f.b);
+    kvs_checkpoint_destroy(ck);
+    return path;
+}
+
+/* The GGUF form of fixture name gives the safetensors form's logits on its
+ * reference prompts (the same weights, the same backend: equal). */
+static void same_logits_as_safetensors(const char *name, const char *arch) {
+    char dir[1024];
+    json_t *ref = arch_reference(name, dir, sizeof dir);
+    const char *path = gguf_of(dir, arch);
+    rig a, b;
+    rig_open(&a, dir, NULL, RIG_BLOCKS(2048, 1), 1);
+    rig_open(&b, path, NULL, RIG_BLOCKS(2048, 1), 1);
+    cr_expect(a.cfg.n_layers == b.cfg.n_layers && a.cfg.qk_norm == b.cfg.qk_norm &&
+              a.cfg.attention_bias == b.cfg.attention_bias && a.cfg.tie_word_embeddings == b.cfg.tie_word_embeddings);
+    int V = a.cfg.vocab_size;
+    float *la = malloc(sizeof(float) * V), *lb = malloc(sizeof(float) * V);
+    size_t i;
+    json_t *c;
+    json_array_foreach(json_object_get(ref, "cases"), i, c) {
+        int n;
+        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
+        if (n > 2048) n = 2048;
+        int sa = kvs_kv_seq_create(a.kv), sb = kvs_kv_seq_create(b.kv);
+        rig_run(&a, sa, ids, n, 0, la);
+        rig_run(&b, sb, ids, n, 0, lb);
+        double d = rel_max_diff(lb, la, V);
+        cr_log_info("%s as GGUF (%s), case %zu: logits rel diff %.2e from the safetensors'", name, arch, i, d);
+        cr_expect(d == 0, "%s case %zu: rel diff %g", name, i, d);
+        kvs_kv_free(a.kv, sa), kvs_kv_free(b.kv, sb);
+        free(ids);
+    }
+    free(la), free(lb);
+    rig_close(&a), rig_close(&b);
+    json_decref(ref);
+}
+
+Test(gguf, a_mistral_model_as_gguf_runs_as_its_safetensors) { same_logits_as_safetensors("mistral", "llama"); }
+Test(gguf, a_qwen2_model_as_gguf_runs_as_its_safetensors) { same_logits_as_safetensors("qwen2-bias-tied", "qwen2"); }
+Test(gguf, a_qwen3_model_as_gguf_runs_as_its_safetensors) { same_logits_as_safetensors("qwen3", "qwen3"); }
+
 /* ---- greedy decoding against llama.cpp's ------------------------------------------------ */
 /* Runs each of the file's prompts of llamacpp_greedy_public.jsonl: the last
  * prompt position's logits against llama.cpp's top 8 (largest difference

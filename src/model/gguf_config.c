@@ -11,7 +11,8 @@
 
 /* GGUF architectures and the config.json architecture each stands for. Mistral's
  * GGUF files are "llama" too. */
-static const char *const archs[][2] = {{"llama", "LlamaForCausalLM"}};
+static const char *const archs[][2] = {
+    {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"}};
 
 typedef struct {
     const kvs_gguf *g;
@@ -154,7 +155,8 @@ kvs_status kvs_gguf_config(const kvs_gguf *g, kvs_config *cfg) {
     for (size_t i = 0; i < sizeof archs / sizeof archs[0]; i++)
         if (arch.len == strlen(archs[i][0]) && !memcmp(arch.s, archs[i][0], arch.len)) name = archs[i][0], hf = archs[i][1];
     if (!hf)
-        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: general.architecture '%.*s' is unsupported (supported: llama)",
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: general.architecture '%.*s' is unsupported (supported: llama, "
+                        "qwen2, qwen3)",
                         g->file_name, (int)(arch.len > 64 ? 64 : arch.len), arch.s);
     builder b = {g, name, json_pack("{s:[s]}", "architectures", hf)};
     if (!b.cfg) return kvs_fail(KVS_ERR_NOMEM, "out of memory");

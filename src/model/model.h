@@ -66,8 +66,8 @@ kvs_status kvs_config_parse(const char *json_text, size_t len, const char *name,
 /* model_dir/config.json (+ generation_config.json's eos/bos when present);
  * model_dir may be a .gguf file instead (kvs_gguf_config_load). */
 kvs_status kvs_config_load(const char *model_dir, kvs_config *cfg);
-/* A GGUF file's config (gguf_config.c): its general.architecture (llama) and
- * ARCH.* hyper-parameters (block_count, embedding_length, feed_forward_length,
+/* A GGUF file's config (gguf_config.c): its general.architecture (llama,
+ * qwen2, qwen3) and ARCH.* hyper-parameters (block_count, embedding_length, feed_forward_length,
  * attention.head_count(_kv), attention.key_length, context_length,
  * rope.freq_base, rope.scaling, attention.layer_norm_rms_epsilon), the
  * vocabulary's size from tokenizer.ggml.tokens, bos and every end-of-generation
