@@ -3,11 +3,13 @@
  * (../shared/fixtures/gguf): weights equal to the safetensors', the Q8_0
  * quantizer against the file's blocks, dequantization error, the tokenizer
  * against tokenizer.json, and greedy decoding against llama.cpp's. */
+#define _GNU_SOURCE /* asprintf */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gguf/gguf.h"
 #include "kvsparse/kvsparse.h"
@@ -42,6 +44,14 @@ static void str(wbuf *w, const char *s) {
 static void kv_u32(wbuf *w, const char *k, uint32_t v) { str(w, k), u32(w, KVS_GGUF_U32), u32(w, v); }
 static void kv_f32(wbuf *w, const char *k, float v) { str(w, k), u32(w, KVS_GGUF_F32), put(w, &v, 4); }
 static void kv_str(wbuf *w, const char *k, const char *v) { str(w, k), u32(w, KVS_GGUF_STRING), str(w, v); }
+static void kv_strs(wbuf *w, const char *k, char *const *v, uint64_t n) {
+    str(w, k), u32(w, KVS_GGUF_ARRAY), u32(w, KVS_GGUF_STRING), u64(w, n);
+    for (uint64_t i = 0; i < n; i++) str(w, v[i]);
+}
+static void kv_i32s(wbuf *w, const char *k, const int32_t *v, uint64_t n) {
+    str(w, k), u32(w, KVS_GGUF_ARRAY), u32(w, KVS_GGUF_I32), u64(w, n);
+    put(w, v, n * 4);
+}
 
 typedef struct {
     const char *name;
@@ -716,6 +726,95 @@ static void same_logits_as_safetensors(const char *name, const char *arch) {
 Test(gguf, a_mistral_model_as_gguf_runs_as_its_safetensors) { same_logits_as_safetensors("mistral", "llama"); }
 Test(gguf, a_qwen2_model_as_gguf_runs_as_its_safetensors) { same_logits_as_safetensors("qwen2-bias-tied", "qwen2"); }
 Test(gguf, a_qwen3_model_as_gguf_runs_as_its_safetensors) { same_logits_as_safetensors("qwen3", "qwen3"); }
+
+/* ---- the npm tokenizers as GGUF vocabularies (suite gguf_fetched) ------------------- */
+/* Writes tokenizer.json of .cache/tokenizers/name as llama.cpp's converter
+ * would (tokens in id order, the added ones CONTROL when special and
+ * USER_DEFINED otherwise, "a b" merges, pre) and builds its tokenizer. */
+static kvs_tokenizer *tokenizer_as_gguf(const char *name, const char *pre) {
+    char path[4096], cmd[4200];
+    snprintf(path, sizeof path, "%s/%s/tokenizer.json", src_path(".cache/tokenizers"), name);
+    if (access(path, R_OK) != 0) {
+        snprintf(cmd, sizeof cmd, "cd '%s' && scripts/fetch-tokenizers >/dev/null 2>&1", src_path("."));
+        if (system(cmd) != 0 || access(path, R_OK) != 0)
+            cr_skip("needs the npm tokenizer files (scripts/fetch-tokenizers): skipped");
+    }
+    json_t *tj = load_json(path), *model = json_object_get(tj, "model");
+    json_t *vocab = json_object_get(model, "vocab"), *added = json_object_get(tj, "added_tokens");
+    int n = 0;
+    const char *key;
+    json_t *v;
+    size_t i;
+    json_object_foreach(vocab, key, v) n = (int)json_integer_value(v) + 1 > n ? (int)json_integer_value(v) + 1 : n;
+    json_array_foreach(added, i, v) {
+        int id = (int)json_integer_value(json_object_get(v, "id"));
+        n = id + 1 > n ? id + 1 : n;
+    }
+    char **tokens = calloc((size_t)n, sizeof *tokens);
+    int32_t *types = malloc(sizeof *types * (size_t)n);
+    for (int k = 0; k < n; k++) types[k] = 1;
+    json_object_foreach(vocab, key, v) tokens[json_integer_value(v)] = strdup(key);
+    json_array_foreach(added, i, v) {
+        int id = (int)json_integer_value(json_object_get(v, "id"));
+        free(tokens[id]);
+        tokens[id] = strdup(json_string_value(json_object_get(v, "content")));
+        types[id] = json_is_true(json_object_get(v, "special")) ? 3 : 4;
+    }
+    for (int k = 0; k < n; k++)
+        if (!tokens[k]) asprintf(&tokens[k], "[PAD%d]", k), types[k] = 5; /* as llama.cpp pads holes */
+    json_t *mj = json_object_get(model, "merges");
+    size_t n_merges = json_array_size(mj);
+    char **merges = malloc(sizeof *merges * n_merges);
+    json_array_foreach(mj, i, v) {
+        if (json_is_string(v)) merges[i] = strdup(json_string_value(v));
+        else asprintf(&merges[i], "%s %s", json_string_value(json_array_get(v, 0)), json_string_value(json_array_get(v, 1)));
+    }
+    wbuf kv = {0};
+    kv_str(&kv, "tokenizer.ggml.model", "gpt2");
+    kv_str(&kv, "tokenizer.ggml.pre", pre);
+    kv_strs(&kv, "tokenizer.ggml.tokens", tokens, (uint64_t)n);
+    kv_i32s(&kv, "tokenizer.ggml.token_type", types, (uint64_t)n);
+    kv_strs(&kv, "tokenizer.ggml.merges", merges, n_merges);
+    wbuf f = gguf_file(&kv, 5, NULL, 0);
+    kvs_gguf *g;
+    cr_assert_eq(kvs_gguf_parse(f.b, f.n, name, &g), KVS_OK, "%s", kvs_last_error());
+    kvs_tokenizer *t;
+    cr_assert_eq(kvs_tokenizer_from_gguf(g, &t), KVS_OK, "%s", kvs_last_error());
+    kvs_gguf_destroy(g);
+    for (int k = 0; k < n; k++) free(tokens[k]);
+    for (size_t k = 0; k < n_merges; k++) free(merges[k]);
+    free(tokens), free(types), free(merges), free(kv.b), free(f.b);
+    json_decref(tj);
+    return t;
+}
+
+static void fetched_fixtures(const char *name, const char *pre) {
+    kvs_tokenizer *t = tokenizer_as_gguf(name, pre);
+    char rel[128];
+    snprintf(rel, sizeof rel, "fixtures/tokenizers/%s.jsonl", name);
+    json_t *cases = load_jsonl(shared_input(rel));
+    size_t i;
+    json_t *c;
+    int equal = 0;
+    json_array_foreach(cases, i, c) {
+        const char *text = json_string_value(json_object_get(c, "text"));
+        int n_want, n_got;
+        int32_t *want = json_ids(json_object_get(c, "ids"), &n_want), *got;
+        kvs_encode_options o = {.add_special_tokens = false, .parse_special = true};
+        cr_assert_eq(kvs_tokenizer_encode(t, text, strlen(text), o, &got, &n_got), KVS_OK, "%s", kvs_last_error());
+        bool same = n_got == n_want && !memcmp(got, want, sizeof *got * (size_t)n_got);
+        cr_expect(same, "%s case %zu: '%s'", name, i, text);
+        equal += same;
+        free(got), free(want);
+    }
+    cr_log_info("%s as a GGUF vocabulary (pre %s): %d of %zu fixture strings give tokenizer.json's ids", name, pre,
+                equal, json_array_size(cases));
+    json_decref(cases);
+    kvs_tokenizer_destroy(t);
+}
+
+Test(gguf_fetched, llama3_as_gguf_equals_its_tokenizer_json, .timeout = 300) { fetched_fixtures("llama3", "llama-bpe"); }
+Test(gguf_fetched, qwen3_as_gguf_equals_its_tokenizer_json, .timeout = 300) { fetched_fixtures("qwen3", "qwen2"); }
 
 /* ---- greedy decoding against llama.cpp's ------------------------------------------------ */
 /* Runs each of the file's prompts of llamacpp_greedy_public.jsonl: the last

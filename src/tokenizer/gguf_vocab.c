@@ -39,17 +39,19 @@ static json_t *pre_tokenizer(const char *split) {
 }
 
 /* tokenizer.ggml.pre: the split, whether merges are ignored for words in the
- * vocabulary and whether BOS is added by default (llama.cpp's choices). */
-static kvs_status pre_type(const kvs_gguf *g, const char **split, bool *ignore_merges, bool *add_bos) {
+ * vocabulary and whether BOS is added by default (llama.cpp's choices), and
+ * whether the text is normalized to NFC first (the tokenizer.json's). */
+static kvs_status pre_type(const kvs_gguf *g, const char **split, bool *ignore_merges, bool *add_bos, bool *nfc) {
     kvs_gguf_str pre = {"", 0};
     KVS_TRY(kvs_gguf_get_str(g, "tokenizer.ggml.pre", false, &pre));
     *split = NULL;
-    *ignore_merges = *add_bos = false;
+    *ignore_merges = *add_bos = *nfc = false;
     if (str_is(pre, "llama-bpe") || str_is(pre, "llama3") || str_is(pre, "llama-v3")) {
         *split = llama3_split;
         *ignore_merges = *add_bos = true;
     } else if (str_is(pre, "qwen2")) {
         *split = qwen2_split;
+        *nfc = true; /* Qwen's tokenizer.json normalizes to NFC (llama.cpp does not) */
     } else if (!str_is(pre, "gpt2")) {
         return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tokenizer.ggml.pre '%.*s' is unsupported (supported: llama-bpe, "
                         "qwen2, gpt2)", g->file_name, (int)(pre.len > 64 ? 64 : pre.len), pre.s);
@@ -150,9 +152,9 @@ kvs_status tk_gguf_json(const kvs_gguf *g, json_t **tokenizer_json, json_t **con
         return kvs_fail(KVS_ERR_FORMAT, "%s: tokenizer.ggml.token_type has %llu entries for %llu tokens", g->file_name,
                         (unsigned long long)types->count, (unsigned long long)tokens->count);
     const char *split;
-    bool ignore_merges, add_bos, add_eos = false;
+    bool ignore_merges, add_bos, add_eos = false, nfc;
     int64_t bos, eos;
-    KVS_TRY(pre_type(g, &split, &ignore_merges, &add_bos));
+    KVS_TRY(pre_type(g, &split, &ignore_merges, &add_bos, &nfc));
     KVS_TRY(kvs_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos));
     KVS_TRY(kvs_gguf_get_bool(g, "tokenizer.ggml.add_eos_token", &add_eos));
     KVS_TRY(special_id(g, tokens, "tokenizer.ggml.bos_token_id", &bos));
@@ -166,6 +168,7 @@ kvs_status tk_gguf_json(const kvs_gguf *g, json_t **tokenizer_json, json_t **con
         json_object_set_new(root, "decoder", json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space",
                                                        1, "trim_offsets", 1, "use_regex", 1)))
         s = nomem();
+    if (s == KVS_OK && nfc && json_object_set_new(root, "normalizer", json_pack("{s:s}", "type", "NFC"))) s = nomem();
     if (s == KVS_OK) s = vocab(g, tokens, types, m, added);
     if (s == KVS_OK) s = post_processor(tokens, bos, eos, add_bos, add_eos, root);
     if (s == KVS_OK) s = config(g, tokens, bos, eos, cfg);
