@@ -727,6 +727,60 @@ Test(gguf, a_mistral_model_as_gguf_runs_as_its_safetensors) { same_logits_as_saf
 Test(gguf, a_qwen2_model_as_gguf_runs_as_its_safetensors) { same_logits_as_safetensors("qwen2-bias-tied", "qwen2"); }
 Test(gguf, a_qwen3_model_as_gguf_runs_as_its_safetensors) { same_logits_as_safetensors("qwen3", "qwen3"); }
 
+/* A hand-made vocabulary: a..z, "Ġ", "ab", "Ġa", then BOS and EOT (control) and "<u>" (user-defined). */
+static kvs_status small_vocab(const char *model, const char *pre, bool add_bos, kvs_tokenizer **out) {
+    char *tokens[32];
+    int32_t types[32];
+    int n = 0;
+    for (char c = 'a'; c <= 'z'; c++) asprintf(&tokens[n], "%c", c), types[n++] = 1;
+    const char *more[] = {"\xc4\xa0", "ab", "\xc4\xa0" "a", "<|begin_of_text|>", "<|eot_id|>", "<u>"};
+    int32_t more_types[] = {1, 1, 1, 3, 3, 4};
+    for (int k = 0; k < 6; k++) tokens[n] = strdup(more[k]), types[n++] = more_types[k];
+    char *merges[] = {"a b", "\xc4\xa0 a"};
+    wbuf kv = {0};
+    kv_str(&kv, "tokenizer.ggml.model", model);
+    kv_str(&kv, "tokenizer.ggml.pre", pre);
+    kv_strs(&kv, "tokenizer.ggml.tokens", tokens, (uint64_t)n);
+    kv_i32s(&kv, "tokenizer.ggml.token_type", types, (uint64_t)n);
+    kv_strs(&kv, "tokenizer.ggml.merges", merges, 2);
+    kv_u32(&kv, "tokenizer.ggml.bos_token_id", 29);
+    kv_u32(&kv, "tokenizer.ggml.eos_token_id", 30);
+    str(&kv, "tokenizer.ggml.add_bos_token"), u32(&kv, KVS_GGUF_BOOL), put(&kv, add_bos ? "\1" : "\0", 1);
+    kv_str(&kv, "tokenizer.chat_template", "{{ bos_token }}{{ messages[0]['content'] }}");
+    wbuf f = gguf_file(&kv, 9, NULL, 0);
+    kvs_gguf *g;
+    cr_assert_eq(kvs_gguf_parse(f.b, f.n, "v.gguf", &g), KVS_OK, "%s", kvs_last_error());
+    kvs_status s = kvs_tokenizer_from_gguf(g, out);
+    kvs_gguf_destroy(g);
+    for (int k = 0; k < n; k++) free(tokens[k]);
+    free(kv.b), free(f.b);
+    return s;
+}
+
+Test(gguf, a_vocabulary_with_template_bos_and_user_tokens) {
+    kvs_tokenizer *t;
+    cr_assert_eq(small_vocab("gpt2", "llama-bpe", true, &t), KVS_OK, "%s", kvs_last_error());
+    cr_expect_str_eq(kvs_tokenizer_chat_template(t), "{{ bos_token }}{{ messages[0]['content'] }}");
+    cr_expect_str_eq(kvs_tokenizer_bos_token(t), "<|begin_of_text|>");
+    cr_expect_eq(kvs_tokenizer_eos_id(t), 30);
+    cr_expect(kvs_tokenizer_is_special(t, 30) && !kvs_tokenizer_is_special(t, 31));
+    int32_t *ids;
+    int n;
+    /* BOS added (add_bos_token), "ab" and " a" merged, "<u>" matched in user text, "<|eot_id|>" not */
+    kvs_encode_options user = {.add_special_tokens = true, .parse_special = false};
+    const char *text = "ab a<u><|eot_id|>";
+    cr_assert_eq(kvs_tokenizer_encode(t, text, strlen(text), user, &ids, &n), KVS_OK, "%s", kvs_last_error());
+    cr_expect(n >= 4 && ids[0] == 29 && ids[1] == 27 && ids[2] == 28 && ids[3] == 31, "%d: %d %d %d %d", n, ids[0],
+              ids[1], ids[2], ids[3]);
+    for (int k = 4; k < n; k++) cr_expect_neq(ids[k], 30, "a control token from user text");
+    free(ids);
+    kvs_tokenizer_destroy(t);
+    cr_expect_eq(small_vocab("llama", "default", true, &t), KVS_ERR_UNSUPPORTED);
+    cr_expect(strstr(kvs_last_error(), "tokenizer.ggml.model 'llama'"), "%s", kvs_last_error());
+    cr_expect_eq(small_vocab("gpt2", "deepseek-llm", true, &t), KVS_ERR_UNSUPPORTED);
+    cr_expect(strstr(kvs_last_error(), "deepseek-llm"), "%s", kvs_last_error());
+}
+
 /* ---- the npm tokenizers as GGUF vocabularies (suite gguf_fetched) ------------------- */
 /* Writes tokenizer.json of .cache/tokenizers/name as llama.cpp's converter
  * would (tokens in id order, the added ones CONTROL when special and

@@ -69,9 +69,9 @@ static kvs_status vocab(const kvs_gguf *g, const kvs_gguf_kv *tokens, const kvs_
     if (json_object_set_new(model, "vocab", v) || json_object_set_new(model, "merges", merges)) return nomem();
     for (uint64_t i = 0; i < tokens->count; i++) {
         kvs_gguf_str s = tokens->strs[i];
-        if (memchr(s.s, 0, s.len))
-            return kvs_fail(KVS_ERR_FORMAT, "%s: tokenizer.ggml.tokens[%llu] holds a NUL byte", g->file_name,
-                            (unsigned long long)i);
+        if (memchr(s.s, 0, s.len) || tk_utf8_validate(s.s, s.len) < s.len) /* JSON's strings cannot hold them */
+            return kvs_fail(KVS_ERR_FORMAT, "%s: tokenizer.ggml.tokens[%llu] holds a NUL byte or is not UTF-8",
+                            g->file_name, (unsigned long long)i);
         int64_t type = types ? kvs_gguf_array_int(types, i) : TOKEN_NORMAL;
         if (type == TOKEN_CONTROL || type == TOKEN_USER_DEFINED) {
             json_t *a = json_pack("{s:I, s:o, s:b, s:b, s:b, s:b, s:b}", "id", (json_int_t)i, "content", jstr(s),
@@ -88,8 +88,13 @@ static kvs_status vocab(const kvs_gguf *g, const kvs_gguf_kv *tokens, const kvs_
     }
     const kvs_gguf_kv *m;
     KVS_TRY(kvs_gguf_get_array(g, "tokenizer.ggml.merges", KVS_GGUF_STRING, true, &m));
-    for (uint64_t i = 0; i < m->count; i++)
-        if (json_array_append_new(merges, jstr(m->strs[i]))) return nomem();
+    for (uint64_t i = 0; i < m->count; i++) {
+        kvs_gguf_str s = m->strs[i];
+        if (memchr(s.s, 0, s.len) || tk_utf8_validate(s.s, s.len) < s.len)
+            return kvs_fail(KVS_ERR_FORMAT, "%s: tokenizer.ggml.merges[%llu] holds a NUL byte or is not UTF-8",
+                            g->file_name, (unsigned long long)i);
+        if (json_array_append_new(merges, jstr(s))) return nomem();
+    }
     return KVS_OK;
 }
 
@@ -123,6 +128,8 @@ static kvs_status post_processor(const kvs_gguf_kv *tokens, int64_t bos, int64_t
 static kvs_status config(const kvs_gguf *g, const kvs_gguf_kv *tokens, int64_t bos, int64_t eos, json_t *cfg) {
     kvs_gguf_str tpl = {NULL, 0};
     KVS_TRY(kvs_gguf_get_str(g, "tokenizer.chat_template", false, &tpl));
+    if (tpl.s && (memchr(tpl.s, 0, tpl.len) || tk_utf8_validate(tpl.s, tpl.len) < tpl.len))
+        return kvs_fail(KVS_ERR_FORMAT, "%s: tokenizer.chat_template holds a NUL byte or is not UTF-8", g->file_name);
     if (tpl.s && json_object_set_new(cfg, "chat_template", jstr(tpl))) return nomem();
     if (bos >= 0 && json_object_set_new(cfg, "bos_token", jstr(tokens->strs[bos]))) return nomem();
     if (eos >= 0 && json_object_set_new(cfg, "eos_token", jstr(tokens->strs[eos]))) return nomem();
