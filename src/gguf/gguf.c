@@ -306,8 +306,12 @@ kvs_status kvs_gguf_parse(const uint8_t *buf, size_t len, const char *file_name,
     if (!buf || len < 4 || memcmp(buf, "GGUF", 4))
         return kvs_fail(KVS_ERR_FORMAT, "%s: not a GGUF file (no \"GGUF\" magic)", file);
     kvs_gguf *g = calloc(1, sizeof *g);
-    if (!g) return kvs_fail(KVS_ERR_NOMEM, "%s: out of memory", file);
-    g->file_name = file;
+    if (g) g->file_name = strdup(file); /* the caller's string may not outlive the file */
+    if (!g || !g->file_name) {
+        free(g);
+        return kvs_fail(KVS_ERR_NOMEM, "%s: out of memory", file);
+    }
+    file = g->file_name;
     g->base = buf;
     g->size = len;
     cursor c = {buf + 4, len - 4, file, buf};
@@ -361,6 +365,7 @@ void kvs_gguf_destroy(kvs_gguf *g) {
     free(g->kvs_by_key);
     free(g->tensors_by_name);
     kvs_unmap_file(&g->map);
+    free(g->file_name);
     free(g);
 }
 

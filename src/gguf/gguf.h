@@ -64,7 +64,7 @@ typedef struct {
 } kvs_gguf_tensor;
 
 typedef struct kvs_gguf {
-    const char *file_name; /* for messages */
+    char *file_name;       /* for messages (a copy) */
     uint32_t version;
     uint64_t alignment;
     kvs_gguf_kv *kvs;
