@@ -98,29 +98,28 @@ static kvs_status vocab(const kvs_gguf *g, const kvs_gguf_kv *tokens, const kvs_
     return KVS_OK;
 }
 
+/* A special token of the post-processor: its place in single, its ids in specials. */
+static kvs_status add_special(const kvs_gguf_kv *tokens, int64_t id, json_t *single, json_t *specials) {
+    char *name = strndup(tokens->strs[id].s, tokens->strs[id].len);
+    int fail = !name ||
+               json_array_append_new(single, json_pack("{s:{s:s, s:i}}", "SpecialToken", "id", name, "type_id", 0)) ||
+               json_object_set_new(specials, name, json_pack("{s:s, s:[I]}", "id", name, "ids", (json_int_t)id));
+    free(name);
+    return fail ? nomem() : KVS_OK;
+}
+
 /* TemplateProcessing with BOS before and / or EOS after the text. */
 static kvs_status post_processor(const kvs_gguf_kv *tokens, int64_t bos, int64_t eos, bool add_bos, bool add_eos,
                                  json_t *root) {
+    add_bos = add_bos && bos >= 0;
+    add_eos = add_eos && eos >= 0;
     if (!add_bos && !add_eos) return KVS_OK;
     json_t *single = json_array(), *specials = json_object();
     json_t *post = json_pack("{s:s, s:o, s:o}", "type", "TemplateProcessing", "single", single, "special_tokens", specials);
     if (!post || json_object_set_new(root, "post_processor", post)) return nomem();
-    for (int k = 0; k < 3; k++) {
-        bool is_bos = k == 0, seq = k == 1;
-        if (seq) {
-            if (json_array_append_new(single, json_pack("{s:{s:s, s:i}}", "Sequence", "id", "A", "type_id", 0)))
-                return nomem();
-            continue;
-        }
-        int64_t id = is_bos ? bos : eos;
-        if (!(is_bos ? add_bos : add_eos) || id < 0) continue;
-        char *name = strndup(tokens->strs[id].s, tokens->strs[id].len);
-        int fail = !name || json_array_append_new(single, json_pack("{s:{s:s, s:i}}", "SpecialToken", "id", name,
-                                                                     "type_id", 0)) ||
-                   json_object_set_new(specials, name, json_pack("{s:s, s:[I]}", "id", name, "ids", (json_int_t)id));
-        free(name);
-        if (fail) return nomem();
-    }
+    if (add_bos) KVS_TRY(add_special(tokens, bos, single, specials));
+    if (json_array_append_new(single, json_pack("{s:{s:s, s:i}}", "Sequence", "id", "A", "type_id", 0))) return nomem();
+    if (add_eos) KVS_TRY(add_special(tokens, eos, single, specials));
     return KVS_OK;
 }
 
