@@ -775,8 +775,8 @@ Test(gguf, a_vocabulary_with_template_bos_and_user_tokens) {
     for (int k = 4; k < n; k++) cr_expect_neq(ids[k], 30, "a control token from user text");
     free(ids);
     kvs_tokenizer_destroy(t);
-    cr_expect_eq(small_vocab("llama", "default", true, &t), KVS_ERR_UNSUPPORTED);
-    cr_expect(strstr(kvs_last_error(), "tokenizer.ggml.model 'llama'"), "%s", kvs_last_error());
+    cr_expect_eq(small_vocab("bert", "default", true, &t), KVS_ERR_UNSUPPORTED);
+    cr_expect(strstr(kvs_last_error(), "tokenizer.ggml.model 'bert'"), "%s", kvs_last_error());
     cr_expect_eq(small_vocab("gpt2", "deepseek-llm", true, &t), KVS_ERR_UNSUPPORTED);
     cr_expect(strstr(kvs_last_error(), "deepseek-llm"), "%s", kvs_last_error());
 }
@@ -784,7 +784,8 @@ Test(gguf, a_vocabulary_with_template_bos_and_user_tokens) {
 /* ---- the npm tokenizers as GGUF vocabularies (suite gguf_fetched) ------------------- */
 /* Writes tokenizer.json of .cache/tokenizers/name as llama.cpp's converter
  * would (tokens in id order, the added ones CONTROL when special and
- * USER_DEFINED otherwise, "a b" merges, pre) and builds its tokenizer. */
+ * USER_DEFINED otherwise; with pre: byte-level BPE's "a b" merges, without:
+ * SentencePiece's scores) and builds its tokenizer. */
 static kvs_tokenizer *tokenizer_as_gguf(const char *name, const char *pre) {
     char path[4096], cmd[4200];
     snprintf(path, sizeof path, "%s/%s/tokenizer.json", src_path(".cache/tokenizers"), name);
@@ -824,12 +825,37 @@ static kvs_tokenizer *tokenizer_as_gguf(const char *name, const char *pre) {
         else asprintf(&merges[i], "%s %s", json_string_value(json_array_get(v, 0)), json_string_value(json_array_get(v, 1)));
     }
     wbuf kv = {0};
-    kv_str(&kv, "tokenizer.ggml.model", "gpt2");
-    kv_str(&kv, "tokenizer.ggml.pre", pre);
+    uint64_t n_kv = 3;
+    kv_str(&kv, "tokenizer.ggml.model", pre ? "gpt2" : "llama");
     kv_strs(&kv, "tokenizer.ggml.tokens", tokens, (uint64_t)n);
     kv_i32s(&kv, "tokenizer.ggml.token_type", types, (uint64_t)n);
-    kv_strs(&kv, "tokenizer.ggml.merges", merges, n_merges);
-    wbuf f = gguf_file(&kv, 5, NULL, 0);
+    if (pre) { /* byte-level BPE: the merges */
+        kv_str(&kv, "tokenizer.ggml.pre", pre);
+        kv_strs(&kv, "tokenizer.ggml.merges", merges, n_merges);
+        n_kv += 2;
+    } else { /* SentencePiece: scores, a piece's the rank of the first merge that makes it (as the
+                tokenizer.json's merges were derived from the model's scores), byte pieces typed */
+        float *scores = malloc(sizeof *scores * (size_t)n);
+        for (int k = 0; k < n; k++) {
+            scores[k] = 1; /* above every merge: a piece no merge makes has no split either */
+            if (strlen(tokens[k]) == 6 && !strncmp(tokens[k], "<0x", 3)) types[k] = 6;
+        }
+        json_t *vj = json_object_get(model, "vocab");
+        for (size_t k = n_merges; k-- > 0;) { /* backwards: the first merge's rank stays */
+            char *sp = strchr(merges[k], ' ');
+            *sp = 0;
+            char joined[512];
+            snprintf(joined, sizeof joined, "%s%s", merges[k], sp + 1);
+            *sp = ' ';
+            json_t *id = json_object_get(vj, joined);
+            if (id) scores[json_integer_value(id)] = -(float)k;
+        }
+        str(&kv, "tokenizer.ggml.scores"), u32(&kv, KVS_GGUF_ARRAY), u32(&kv, KVS_GGUF_F32), u64(&kv, (uint64_t)n);
+        put(&kv, scores, sizeof *scores * (size_t)n);
+        free(scores);
+        n_kv++;
+    }
+    wbuf f = gguf_file(&kv, n_kv, NULL, 0);
     kvs_gguf *g;
     cr_assert_eq(kvs_gguf_parse(f.b, f.n, name, &g), KVS_OK, "%s", kvs_last_error());
     kvs_tokenizer *t;
@@ -858,17 +884,27 @@ static void fetched_fixtures(const char *name, const char *pre) {
         cr_assert_eq(kvs_tokenizer_encode(t, text, strlen(text), o, &got, &n_got), KVS_OK, "%s", kvs_last_error());
         bool same = n_got == n_want && !memcmp(got, want, sizeof *got * (size_t)n_got);
         cr_expect(same, "%s case %zu: '%s'", name, i, text);
-        equal += same;
+        char *dec;
+        size_t len;
+        cr_assert_eq(kvs_tokenizer_decode(t, want, n_want, false, &dec, &len), KVS_OK);
+        const char *want_dec = json_string_value(json_object_get(c, "decoded"));
+        bool same_text = len == strlen(want_dec) && !memcmp(dec, want_dec, len);
+        cr_expect(same_text, "%s case %zu decoded: '%s'", name, i, dec);
+        free(dec);
+        equal += same && same_text;
         free(got), free(want);
     }
-    cr_log_info("%s as a GGUF vocabulary (pre %s): %d of %zu fixture strings give tokenizer.json's ids", name, pre,
-                equal, json_array_size(cases));
+    cr_log_info("%s as a GGUF vocabulary (%s): %d of %zu fixture strings give tokenizer.json's ids and text", name,
+                pre ? pre : "SentencePiece", equal, json_array_size(cases));
     json_decref(cases);
     kvs_tokenizer_destroy(t);
 }
 
 Test(gguf_fetched, llama3_as_gguf_equals_its_tokenizer_json, .timeout = 300) { fetched_fixtures("llama3", "llama-bpe"); }
 Test(gguf_fetched, qwen3_as_gguf_equals_its_tokenizer_json, .timeout = 300) { fetched_fixtures("qwen3", "qwen2"); }
+Test(gguf_fetched, llama2_as_sentencepiece_gguf_equals_its_tokenizer_json, .timeout = 300) {
+    fetched_fixtures("llama2", NULL);
+}
 
 /* ---- greedy decoding against llama.cpp's ------------------------------------------------ */
 /* Runs each of the file's prompts of llamacpp_greedy_public.jsonl: the last

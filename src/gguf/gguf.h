@@ -23,7 +23,7 @@ typedef struct {
     size_t len;
 } kvs_gguf_str;
 
-typedef struct {
+typedef struct kvs_gguf_kv {
     char *key;              /* NUL-terminated copy */
     kvs_gguf_type type;
     /* scalars: the value's bytes in the file (little-endian); strings: str */

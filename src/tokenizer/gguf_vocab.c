@@ -3,18 +3,20 @@
  *
  * Supported: tokenizer.ggml.model "gpt2" (byte-level BPE: tokens, merges,
  * token_type) with tokenizer.ggml.pre llama-bpe (Llama 3's split), qwen2 or
- * gpt2. Control tokens (token type 3) become special added tokens and
+ * gpt2; and "llama" (SentencePiece pieces with scores: Llama 2, Mistral),
+ * whose merges are derived from the scores as Hugging Face's converter
+ * derives them (gguf_spm.c), with byte fallback and the "▁" space.
+ * Control tokens (token type 3) become special added tokens and
  * user-defined ones (4) plain added tokens, as Hugging Face's files hold them;
  * BOS / EOS are added where add_bos_token / add_eos_token say (absent:
- * llama.cpp's default, BOS for llama-bpe alone); tokenizer.chat_template is
- * the chat template. */
+ * llama.cpp's defaults); tokenizer.chat_template is the chat template. */
 #include "gguf/gguf.h"
 #include "tokenizer/tokenizer_internal.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-enum { TOKEN_NORMAL = 1, TOKEN_CONTROL = 3, TOKEN_USER_DEFINED = 4 };
+enum { TOKEN_NORMAL = 1, TOKEN_UNKNOWN = 2, TOKEN_CONTROL = 3, TOKEN_USER_DEFINED = 4 };
 
 /* The pre-tokenizer regexes of the tokenizer.json files these stand for. */
 static const char llama3_split[] =
@@ -28,30 +30,36 @@ static bool str_is(kvs_gguf_str s, const char *lit) { return s.len == strlen(lit
 
 static kvs_status nomem(void) { return kvs_fail(KVS_ERR_NOMEM, "tokenizer: out of memory building a GGUF vocabulary"); }
 
-/* A Split on regex (Isolated), then ByteLevel without its own regex; or the
- * ByteLevel's GPT-2 regex alone (split NULL). */
-static json_t *pre_tokenizer(const char *split) {
-    if (!split) return json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1,
-                                 "use_regex", 1);
-    return json_pack("{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, {s:s, s:b, s:b, s:b}]}", "type", "Sequence", "pretokenizers",
-                     "type", "Split", "pattern", "Regex", split, "behavior", "Isolated", "invert", 0, "type",
-                     "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1, "use_regex", 0);
-}
+/* What tells the vocabularies' tokenizer.json files apart. */
+typedef struct {
+    bool spm;           /* "llama": SentencePiece pieces */
+    const char *split;  /* gpt2: the pre-tokenizer's regex (NULL: GPT-2's own) */
+    bool ignore_merges; /* gpt2: a word in the vocabulary is one token */
+    bool nfc;           /* normalized to NFC first */
+    bool space_prefix;  /* spm: a "▁" before the text (add_space_prefix) */
+    bool add_bos;       /* llama.cpp's default, before add_bos_token */
+} flavour;
 
-/* tokenizer.ggml.pre: the split, whether merges are ignored for words in the
- * vocabulary and whether BOS is added by default (llama.cpp's choices), and
- * whether the text is normalized to NFC first (the tokenizer.json's). */
-static kvs_status pre_type(const kvs_gguf *g, const char **split, bool *ignore_merges, bool *add_bos, bool *nfc) {
+/* tokenizer.ggml.model and .pre: llama.cpp's choices for each (BOS by default
+ * for llama-bpe and SentencePiece), and the tokenizer.json's normalizer. */
+static kvs_status read_flavour(const kvs_gguf *g, kvs_gguf_str model, flavour *f) {
+    memset(f, 0, sizeof *f);
+    if (str_is(model, "llama")) {
+        f->spm = f->add_bos = f->space_prefix = true;
+        return kvs_gguf_get_bool(g, "tokenizer.ggml.add_space_prefix", &f->space_prefix);
+    }
+    if (!str_is(model, "gpt2"))
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tokenizer.ggml.model '%.*s' is unsupported (supported: gpt2, "
+                        "byte-level BPE; llama, SentencePiece)", g->file_name, (int)(model.len > 64 ? 64 : model.len),
+                        model.s);
     kvs_gguf_str pre = {"", 0};
     KVS_TRY(kvs_gguf_get_str(g, "tokenizer.ggml.pre", false, &pre));
-    *split = NULL;
-    *ignore_merges = *add_bos = *nfc = false;
     if (str_is(pre, "llama-bpe") || str_is(pre, "llama3") || str_is(pre, "llama-v3")) {
-        *split = llama3_split;
-        *ignore_merges = *add_bos = true;
+        f->split = llama3_split;
+        f->ignore_merges = f->add_bos = true;
     } else if (str_is(pre, "qwen2")) {
-        *split = qwen2_split;
-        *nfc = true; /* Qwen's tokenizer.json normalizes to NFC (llama.cpp does not) */
+        f->split = qwen2_split;
+        f->nfc = true; /* Qwen's tokenizer.json normalizes to NFC (llama.cpp does not) */
     } else if (!str_is(pre, "gpt2")) {
         return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tokenizer.ggml.pre '%.*s' is unsupported (supported: llama-bpe, "
                         "qwen2, gpt2)", g->file_name, (int)(pre.len > 64 ? 64 : pre.len), pre.s);
@@ -59,12 +67,46 @@ static kvs_status pre_type(const kvs_gguf *g, const char **split, bool *ignore_m
     return KVS_OK;
 }
 
+/* gpt2: a Split on the regex (Isolated), then ByteLevel without its own
+ * regex, or ByteLevel's GPT-2 regex alone; spm: none. */
+static json_t *pre_tokenizer(const flavour *f) {
+    if (f->spm) return json_null();
+    if (!f->split) return json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1,
+                                    "use_regex", 1);
+    return json_pack("{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, {s:s, s:b, s:b, s:b}]}", "type", "Sequence", "pretokenizers",
+                     "type", "Split", "pattern", "Regex", f->split, "behavior", "Isolated", "invert", 0, "type",
+                     "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1, "use_regex", 0);
+}
+
+#define SPM_SPACE "\xe2\x96\x81" /* "▁", SentencePiece's space */
+
+static json_t *normalizer(const flavour *f) {
+    if (f->nfc) return json_pack("{s:s}", "type", "NFC");
+    if (!f->spm) return json_null();
+    json_t *replace = json_pack("{s:s, s:{s:s}, s:s}", "type", "Replace", "pattern", "String", " ", "content", SPM_SPACE);
+    if (!f->space_prefix) return replace;
+    return json_pack("{s:s, s:[{s:s, s:s}, o]}", "type", "Sequence", "normalizers", "type", "Prepend", "prepend",
+                     SPM_SPACE, replace);
+}
+
+static json_t *decoder(const flavour *f) {
+    if (!f->spm)
+        return json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 1, "trim_offsets", 1,
+                         "use_regex", 1);
+    json_t *d = json_pack("[{s:s, s:{s:s}, s:s}, {s:s}, {s:s}]", "type", "Replace", "pattern", "String", SPM_SPACE,
+                          "content", " ", "type", "ByteFallback", "type", "Fuse");
+    if (d && f->space_prefix) /* the prefix's space comes off again */
+        json_array_append_new(d, json_pack("{s:s, s:s, s:i, s:i}", "type", "Strip", "content", " ", "start", 1, "stop", 0));
+    return json_pack("{s:s, s:o}", "type", "Sequence", "decoders", d);
+}
+
 static json_t *jstr(kvs_gguf_str s) { return json_stringn_nocheck(s.s, s.len); }
 
-/* model.vocab (tokens but the added ones; a string twice keeps its first id),
- * model.merges and added_tokens. */
-static kvs_status vocab(const kvs_gguf *g, const kvs_gguf_kv *tokens, const kvs_gguf_kv *types, json_t *model,
-                        json_t *added) {
+/* model.vocab (every token for SentencePiece, as its files hold them; the
+ * added ones left out for gpt2; a string twice keeps its first id),
+ * model.merges (the file's, or derived from the scores) and added_tokens. */
+static kvs_status vocab(const kvs_gguf *g, const kvs_gguf_kv *tokens, const kvs_gguf_kv *types, const flavour *f,
+                        json_t *model, json_t *added) {
     json_t *v = json_object(), *merges = json_array();
     if (json_object_set_new(model, "vocab", v) || json_object_set_new(model, "merges", merges)) return nomem();
     for (uint64_t i = 0; i < tokens->count; i++) {
@@ -78,7 +120,7 @@ static kvs_status vocab(const kvs_gguf *g, const kvs_gguf_kv *tokens, const kvs_
                                   "special", type == TOKEN_CONTROL, "normalized", 0, "lstrip", 0, "rstrip", 0,
                                   "single_word", 0);
             if (!a || json_array_append_new(added, a)) return nomem();
-            continue;
+            if (!f->spm) continue;
         }
         char *key = strndup(s.s, s.len);
         if (!key) return nomem();
@@ -86,6 +128,7 @@ static kvs_status vocab(const kvs_gguf *g, const kvs_gguf_kv *tokens, const kvs_
         free(key);
         if (fail) return nomem();
     }
+    if (f->spm) return tk_gguf_spm_merges(g, tokens, v, merges);
     const kvs_gguf_kv *m;
     KVS_TRY(kvs_gguf_get_array(g, "tokenizer.ggml.merges", KVS_GGUF_STRING, true, &m));
     for (uint64_t i = 0; i < m->count; i++) {
@@ -144,38 +187,51 @@ static kvs_status special_id(const kvs_gguf *g, const kvs_gguf_kv *tokens, const
     return KVS_OK;
 }
 
+/* SentencePiece: the unknown piece (tokenizer.ggml.unknown_token_id, else
+ * the first of token type 2), byte fallback, unknowns fused. */
+static kvs_status spm_model(const kvs_gguf *g, const kvs_gguf_kv *tokens, const kvs_gguf_kv *types, json_t *m) {
+    int64_t unk = -1;
+    KVS_TRY(kvs_gguf_get_int(g, "tokenizer.ggml.unknown_token_id", false, &unk));
+    for (uint64_t i = 0; unk < 0 && types && i < types->count; i++)
+        if (kvs_gguf_array_int(types, i) == TOKEN_UNKNOWN) unk = (int64_t)i;
+    if (unk >= (int64_t)tokens->count)
+        return kvs_fail(KVS_ERR_FORMAT, "%s: tokenizer.ggml.unknown_token_id %lld is outside the %llu tokens",
+                        g->file_name, (long long)unk, (unsigned long long)tokens->count);
+    if (json_object_set_new(m, "byte_fallback", json_true()) || json_object_set_new(m, "fuse_unk", json_true()) ||
+        (unk >= 0 && json_object_set_new(m, "unk_token", jstr(tokens->strs[unk]))))
+        return nomem();
+    return KVS_OK;
+}
+
 kvs_status tk_gguf_json(const kvs_gguf *g, json_t **tokenizer_json, json_t **config_json) {
     *tokenizer_json = *config_json = NULL;
     kvs_gguf_str model;
+    flavour f;
     KVS_TRY(kvs_gguf_get_str(g, "tokenizer.ggml.model", true, &model));
-    if (!str_is(model, "gpt2"))
-        return kvs_fail(KVS_ERR_UNSUPPORTED, "%s: tokenizer.ggml.model '%.*s' is unsupported (supported: gpt2, "
-                        "byte-level BPE)", g->file_name, (int)(model.len > 64 ? 64 : model.len), model.s);
+    KVS_TRY(read_flavour(g, model, &f));
     const kvs_gguf_kv *tokens, *types;
     KVS_TRY(kvs_gguf_get_array(g, "tokenizer.ggml.tokens", KVS_GGUF_STRING, true, &tokens));
     KVS_TRY(kvs_gguf_get_array(g, "tokenizer.ggml.token_type", KVS_GGUF_I32, false, &types));
     if (types && types->count != tokens->count)
         return kvs_fail(KVS_ERR_FORMAT, "%s: tokenizer.ggml.token_type has %llu entries for %llu tokens", g->file_name,
                         (unsigned long long)types->count, (unsigned long long)tokens->count);
-    const char *split;
-    bool ignore_merges, add_bos, add_eos = false, nfc;
+    bool add_bos = f.add_bos, add_eos = false;
     int64_t bos, eos;
-    KVS_TRY(pre_type(g, &split, &ignore_merges, &add_bos, &nfc));
     KVS_TRY(kvs_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos));
     KVS_TRY(kvs_gguf_get_bool(g, "tokenizer.ggml.add_eos_token", &add_eos));
     KVS_TRY(special_id(g, tokens, "tokenizer.ggml.bos_token_id", &bos));
     KVS_TRY(special_id(g, tokens, "tokenizer.ggml.eos_token_id", &eos));
 
     json_t *root = json_object(), *cfg = json_object(), *added = json_array();
-    json_t *m = json_pack("{s:s, s:b, s:b}", "type", "BPE", "ignore_merges", ignore_merges, "byte_fallback", 0);
+    json_t *m = json_pack("{s:s, s:b}", "type", "BPE", "ignore_merges", f.ignore_merges);
     kvs_status s = KVS_OK;
     if (!root || !cfg || !added || !m || json_object_set_new(root, "model", m) ||
-        json_object_set_new(root, "added_tokens", added) || json_object_set_new(root, "pre_tokenizer", pre_tokenizer(split)) ||
-        json_object_set_new(root, "decoder", json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space",
-                                                       1, "trim_offsets", 1, "use_regex", 1)))
+        json_object_set_new(root, "added_tokens", added) || json_object_set_new(root, "normalizer", normalizer(&f)) ||
+        json_object_set_new(root, "pre_tokenizer", pre_tokenizer(&f)) ||
+        json_object_set_new(root, "decoder", decoder(&f)))
         s = nomem();
-    if (s == KVS_OK && nfc && json_object_set_new(root, "normalizer", json_pack("{s:s}", "type", "NFC"))) s = nomem();
-    if (s == KVS_OK) s = vocab(g, tokens, types, m, added);
+    if (s == KVS_OK && f.spm) s = spm_model(g, tokens, types, m);
+    if (s == KVS_OK) s = vocab(g, tokens, types, &f, m, added);
     if (s == KVS_OK) s = post_processor(tokens, bos, eos, add_bos, add_eos, root);
     if (s == KVS_OK) s = config(g, tokens, bos, eos, cfg);
     if (s != KVS_OK) {
