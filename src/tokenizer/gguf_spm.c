@@ -11,6 +11,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Longer pieces (none in a real vocabulary: SentencePiece's are at most 16
+ * characters by default) are left out of the merges. */
+#define SPM_MAX_PIECE 1024
+
 typedef struct {
     float score;
     int32_t piece, left, right;
@@ -43,7 +47,7 @@ kvs_status tk_gguf_spm_merges(const kvs_gguf *g, const kvs_gguf_kv *tokens, json
                         (unsigned long long)scores->count, (unsigned long long)tokens->count);
     size_t longest = 0, n = 0, cap = 0;
     for (uint64_t i = 0; i < tokens->count; i++)
-        if (tokens->strs[i].len > longest) longest = tokens->strs[i].len;
+        if (tokens->strs[i].len > longest && tokens->strs[i].len <= SPM_MAX_PIECE) longest = tokens->strs[i].len;
     char *buf = malloc(longest + 2); /* a piece and a NUL, or a merge's two halves and their space */
     merge *all = NULL;
     kvs_status s = buf ? KVS_OK : nomem();
@@ -51,6 +55,7 @@ kvs_status tk_gguf_spm_merges(const kvs_gguf *g, const kvs_gguf_kv *tokens, json
         kvs_gguf_str p = tokens->strs[i];
         float score = -(float)i; /* no scores: by id, as the converter orders them */
         if (scores) memcpy(&score, scores->data + 4 * i, 4);
+        if (p.len > SPM_MAX_PIECE) continue; /* no merge makes it: its splits would cost O(len^2) */
         for (size_t k = 1; k < p.len; k++) {
             if (((uint8_t)p.s[k] & 0xC0) == 0x80) continue; /* split between characters only */
             int32_t l = id_of(vocab, p.s, k, buf), r = l < 0 ? -1 : id_of(vocab, p.s + k, p.len - k, buf);
