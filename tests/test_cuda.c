@@ -2791,7 +2791,7 @@ static void tp2_step(tp_pair *t, int seq, const int32_t *ids, int n, int pos0, f
     int32_t *pos = malloc(sizeof(int32_t) * n), qs[2] = {0, n};
     for (int i = 0; i < n; i++) pos[i] = pos0 + i;
     uint8_t want = 1;
-    cr_assert_eq(kvs_runner_reserve(t->g, seq, n), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_kv_reserve(kvs_runner_kv(t->g), seq, n), KVS_OK, "%s", kvs_last_error());
     kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
     kvs_status st = params ? kvs_runner_step_sample(t->g, &b, params, NULL, id, NULL) : kvs_runner_step(t->g, &b, logits);
     cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
@@ -2803,9 +2803,9 @@ static void tp2_step(tp_pair *t, int seq, const int32_t *ids, int n, int pos0, f
 static void tp2_forced(tp_pair *t, const kvs_kv_policy *p, const int32_t *ids, int n, int chunk, int n_steps,
                        const int32_t *toks, float *rows, const kvs_sample_row *params, int32_t *sampled,
                        int64_t *held) {
-    int seq = kvs_runner_seq_create(t->g);
+    int seq = kvs_kv_seq_create(kvs_runner_kv(t->g));
     cr_assert_geq(seq, 0, "%s", kvs_last_error());
-    if (p) cr_assert_eq(kvs_runner_set_policy(t->g, seq, p, n), KVS_OK, "%s", kvs_last_error());
+    if (p) cr_assert_eq(kvs_kv_set_policy(kvs_runner_kv(t->g), seq, p, n), KVS_OK, "%s", kvs_last_error());
     float *scratch = malloc(sizeof(float) * t->V);
     kvs_sample_row pr;
     for (int k = 0; k < n_steps; k++) {
@@ -2823,8 +2823,8 @@ static void tp2_forced(tp_pair *t, const kvs_kv_policy *p, const int32_t *ids, i
         }
     }
     int64_t full;
-    if (held) kvs_kv_seq_usage(kvs_runner_kv(t->g, 0), seq, held, &full);
-    kvs_runner_seq_free(t->g, seq);
+    if (held) kvs_kv_seq_usage(kvs_runner_kv(t->g), seq, held, &full);
+    kvs_kv_free(kvs_runner_kv(t->g), seq);
     free(scratch);
 }
 
@@ -2974,12 +2974,12 @@ typedef struct {
 } kv_diff;
 
 /* K rows [len][head_dim] (f32) of local head `head` of (seq, layer). */
-static float *kv_head_keys(kvs_kv_cache *kv, kvs_backend *be, int seq, int layer, int head, int *len) {
-    const kvs_kv_pool *p = kvs_kv_get_pool(kv);
+static float *kv_head_keys(const kvs_kv_cache *kv, const kvs_kv_pool *p, kvs_backend *be, int seq, int layer, int head,
+                           int *len) {
     int nb, bs = p->block_size, d = p->head_dim;
     const int32_t *blocks = kvs_kv_blocks(kv, seq, layer, &nb);
     *len = kvs_kv_len(kv, seq, layer);
-    size_t esz = kvs_dtype_size(be->kv_dtype), block_bytes = kvs_kv_block_bytes(kvs_kv_get_config(kv), be->kv_dtype);
+    size_t esz = kvs_dtype_size(be->kv_dtype), block_bytes = 2 * (size_t)p->n_kv_heads * bs * d * esz;
     float *out = malloc(sizeof(float) * ((size_t)*len * d + 1));
     char *tmp = malloc((size_t)bs * d * esz);
     for (int b = 0; b * bs < *len; b++) {
@@ -3002,8 +3002,9 @@ static void kv_compare(tp_pair *t, int s1, int s2, kv_diff *o) {
         bool sparse = kvs_kv_layer_sparse(t->one.kv, s1, l);
         for (int g = 0; g < H; g++) {
             int r = g / local, n1, n2;
-            float *a = kv_head_keys(t->one.kv, t->be1, s1, l, g, &n1);
-            float *b = kv_head_keys(kvs_runner_kv(t->g, r), t->be[r], s2, l, g % local, &n2);
+            float *a = kv_head_keys(t->one.kv, kvs_kv_get_pool(t->one.kv), t->be1, s1, l, g, &n1);
+            float *b = kv_head_keys(kvs_runner_kv(t->g), kvs_kv_device_pool(kvs_runner_kv_device(t->g, r)), t->be[r], s2, l,
+                                    g % local, &n2);
             if (n1 != n2) o->len_mismatch++;
             int unmatched = 0;
             for (int j = 0; j < n2; j++) {
@@ -3042,10 +3043,10 @@ static void kv_compare(tp_pair *t, int s1, int s2, kv_diff *o) {
 static void tp_sparse_case(tp_pair *t, const kvs_kv_policy *p, const char *name, const int32_t *ids, int n) {
     const double dense = 0.35, loose = KV_DIFF_SANITY * dense;
     rig *one = &t->one;
-    int s1 = kvs_kv_seq_create(one->kv), s2 = kvs_runner_seq_create(t->g);
+    int s1 = kvs_kv_seq_create(one->kv), s2 = kvs_kv_seq_create(kvs_runner_kv(t->g));
     cr_assert(s1 >= 0 && s2 >= 0, "%s", kvs_last_error());
     cr_assert_eq(kvs_kv_set_policy(one->kv, s1, p, n), KVS_OK, "%s", kvs_last_error());
-    cr_assert_eq(kvs_runner_set_policy(t->g, s2, p, n), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_kv_set_policy(kvs_runner_kv(t->g), s2, p, n), KVS_OK, "%s", kvs_last_error());
     float *r1 = malloc(sizeof(float) * t->V), *r2 = malloc(sizeof(float) * t->V), *scratch = malloc(sizeof(float) * t->V);
     int32_t tok = 0;
     bool clean = true;
@@ -3106,10 +3107,10 @@ static void tp_sparse_case(tp_pair *t, const kvs_kv_policy *p, const char *name,
                 worst_matched, nearest_unmatched, KV_MATCH_REL);
     int64_t h1, h2, full;
     kvs_kv_seq_usage(one->kv, s1, &h1, &full);
-    kvs_kv_seq_usage(kvs_runner_kv(t->g, 0), s2, &h2, &full);
+    kvs_kv_seq_usage(kvs_runner_kv(t->g), s2, &h2, &full);
     cr_expect_eq(h1, h2, "%s: TP1 holds %lld entries, TP2 rank 0 %lld", name, (long long)h1, (long long)h2);
     kvs_kv_free(one->kv, s1);
-    kvs_runner_seq_free(t->g, s2);
+    kvs_kv_free(kvs_runner_kv(t->g), s2);
     free(r1), free(r2), free(scratch);
 }
 
@@ -3420,12 +3421,12 @@ Test(cuda, tp2_a_failed_rank_fails_the_step, .timeout = 300) {
     kvs_kv_config kc = {.n_layers = cfg.n_layers, .n_kv_heads = cfg.n_kv_heads, .head_dim = cfg.head_dim,
                         .n_heads = cfg.n_heads, .block_size = 16, .n_blocks = RIG_BLOCKS(32, 1), .max_seqs = 1};
     cr_assert_eq(kvs_runner_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());
-    int seq = kvs_runner_seq_create(g);
+    int seq = kvs_kv_seq_create(kvs_runner_kv(g));
     kvs_sample_row p = {.temperature = 0, .top_p = 1};
     for (int step = 0; step < 3; step++) {
         int32_t tok = 100 + step, pos = step, qs[2] = {0, 1}, id = -1;
         uint8_t want = 1;
-        kvs_status st = kvs_runner_reserve(g, seq, 1);
+        kvs_status st = kvs_kv_reserve(kvs_runner_kv(g), seq, 1);
         kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
         if (st == KVS_OK) st = kvs_runner_step_sample(g, &b, &p, NULL, &id, NULL);
         cr_log_info("TP step %d: %s", step + 1, st == KVS_OK ? "ok" : kvs_last_error());

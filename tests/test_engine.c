@@ -795,12 +795,12 @@ Test(engine, tensor_parallel_group_matches_one_rank) {
         /* per-rank budget: each rank holds half the heads, so half the bytes give the same blocks */
         c.kv_memory_bytes /= 2;
         cr_assert_eq(kvs_engine_create_runner(g2, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
-        cr_assert_eq(kvs_kv_get_config(kvs_runner_kv(g2, 1))->n_kv_heads, f.cfg.n_kv_heads / 2);
+        cr_assert_eq(kvs_kv_device_config(kvs_runner_kv_device(g2, 1))->n_kv_heads, f.cfg.n_kv_heads / 2);
         engine_run_all(e, N, prompts, lens, MAX_TOKENS, got2, &policies[pi]);
         kvs_engine_stats s;
         kvs_engine_get_stats(e, &s);
         cr_expect_eq(s.kv_blocks_used, 0);
-        cr_expect_eq(kvs_kv_used_blocks(kvs_runner_kv(g2, 1)), 0, "rank 1 kept blocks");
+        cr_expect_eq(kvs_kv_used_blocks(kvs_runner_kv(g2)), 0, "blocks kept");
         cr_log_info("policy %d: TP=2 preemptions %llu", pi, (unsigned long long)s.preemptions);
         kvs_engine_destroy(e);
         kvs_runner_destroy(g2);

@@ -579,7 +579,7 @@ Test(fp8_checkpoint, kv_scales_reach_the_fp8_cache) {
         for (int rank = 0; rank < world; rank++) {
             const float *s = kvs_model_kv_scales(kvs_runner_model(g, rank));
             for (int l = 0; l < 2; l++) {
-                kvs_kv_pool p = kvs_kv_layer_pool(kvs_runner_kv(g, rank), l);
+                kvs_kv_pool p = kvs_kv_device_layer_pool(kvs_runner_kv_device(g, rank), l);
                 for (int kind = 0; kind < 2; kind++)
                     for (int h = 0; h < kvh; h++) {
                         float w = want[l][kind][rank * kvh + h];

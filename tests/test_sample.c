@@ -465,7 +465,7 @@ static void srig_generate(sample_rig *r, int n_seqs, const kvs_sample_row *param
     int32_t toks[4 * 20], pos[4 * 20], qs[5];
     uint8_t want[4];
     for (int s = 0; s < n_seqs; s++) {
-        seqs[s] = r->g ? kvs_runner_seq_create(r->g) : kvs_kv_seq_create(r->kv);
+        seqs[s] = r->g ? kvs_kv_seq_create(kvs_runner_kv(r->g)) : kvs_kv_seq_create(r->kv);
         cr_assert_geq(seqs[s], 0);
     }
     for (int step = 0; step < n_steps; step++) {
@@ -478,7 +478,7 @@ static void srig_generate(sample_rig *r, int n_seqs, const kvs_sample_row *param
                 pos[nt] = step == 0 ? i : n + step - 1;
             }
             want[s] = 1;
-            kvs_status st = r->g ? kvs_runner_reserve(r->g, seqs[s], len) : kvs_kv_reserve(r->kv, seqs[s], len);
+            kvs_status st = r->g ? kvs_kv_reserve(kvs_runner_kv(r->g), seqs[s], len) : kvs_kv_reserve(r->kv, seqs[s], len);
             cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
         }
         qs[n_seqs] = nt;
@@ -531,11 +531,11 @@ Test(sample, tp_forward_sample_matches_the_single_rank_model, .timeout = 600) {
     srig_open(&g, &cfg, ck, 2);
     kvs_sample_row bad[4] = {params[0], params[1], params[2], params[3]};
     bad[2].top_p = 0;
-    int seq = kvs_runner_seq_create(g.g);
+    int seq = kvs_kv_seq_create(kvs_runner_kv(g.g));
     int32_t t[1] = {5}, pos[1] = {0}, qs[2] = {0, 1}, out[1];
     uint8_t want = 1;
     kvs_batch b = {1, 1, t, pos, qs, &seq, &want};
-    cr_assert_eq(kvs_runner_reserve(g.g, seq, 1), KVS_OK);
+    cr_assert_eq(kvs_kv_reserve(kvs_runner_kv(g.g), seq, 1), KVS_OK);
     cr_expect_eq(kvs_runner_step_sample(g.g, &b, &bad[2], NULL, out, NULL), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "row 0"), "%s", kvs_last_error());
     cr_expect_eq(kvs_runner_step_sample(g.g, &b, &params[1], NULL, out, NULL), KVS_OK, "%s", kvs_last_error());

@@ -64,8 +64,7 @@ static void tp_rig_open_dummy(tp_rig *r, const char *json, int world, int max_to
 
 static void tp_rig_close(tp_rig *r) {
     if (r->g) {
-        for (int k = 0; k < kvs_runner_world(r->g); k++)
-            cr_expect_eq(kvs_kv_check(kvs_runner_kv(r->g, k)), KVS_OK, "rank %d: %s", k, kvs_last_error());
+        cr_expect_eq(kvs_kv_check(kvs_runner_kv(r->g)), KVS_OK, "%s", kvs_last_error());
         kvs_runner_destroy(r->g);
     } else {
         kvs_kv_destroy(r->kv);
@@ -76,17 +75,17 @@ static void tp_rig_close(tp_rig *r) {
 }
 
 static int rig_seq(tp_rig *r, const kvs_kv_policy *p, int prompt_len) {
-    int seq = r->g ? kvs_runner_seq_create(r->g) : kvs_kv_seq_create(r->kv);
+    int seq = r->g ? kvs_kv_seq_create(kvs_runner_kv(r->g)) : kvs_kv_seq_create(r->kv);
     cr_assert_geq(seq, 0, "%s", kvs_last_error());
     if (p) {
-        kvs_status st = r->g ? kvs_runner_set_policy(r->g, seq, p, prompt_len) : kvs_kv_set_policy(r->kv, seq, p, prompt_len);
+        kvs_status st = r->g ? kvs_kv_set_policy(kvs_runner_kv(r->g), seq, p, prompt_len) : kvs_kv_set_policy(r->kv, seq, p, prompt_len);
         cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
     }
     return seq;
 }
 
 static void rig_free(tp_rig *r, int seq) {
-    if (r->g) kvs_runner_seq_free(r->g, seq);
+    if (r->g) kvs_kv_free(kvs_runner_kv(r->g), seq);
     else kvs_kv_free(r->kv, seq);
 }
 
@@ -101,7 +100,7 @@ static void tp_rig_run(tp_rig *r, int seq, const int32_t *ids, int n, int pos0, 
         kvs_batch b = {len, 1, ids + start, pos, qs, &seq, &want};
         kvs_status st;
         if (r->g) {
-            cr_assert_eq(kvs_runner_reserve(r->g, seq, len), KVS_OK, "%s", kvs_last_error());
+            cr_assert_eq(kvs_kv_reserve(kvs_runner_kv(r->g), seq, len), KVS_OK, "%s", kvs_last_error());
             st = argmax ? kvs_runner_step_argmax(r->g, &b, argmax) : kvs_runner_step(r->g, &b, logits);
         } else {
             cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
@@ -113,7 +112,10 @@ static void tp_rig_run(tp_rig *r, int seq, const int32_t *ids, int n, int pos0, 
     }
 }
 
-static kvs_kv_cache *rank_kv(tp_rig *r, int rank) { return r->g ? kvs_runner_kv(r->g, rank) : r->kv; }
+static kvs_kv_cache *rig_kv(tp_rig *r) { return r->g ? kvs_runner_kv(r->g) : r->kv; }
+static const kvs_kv_pool *rank_pool(tp_rig *r, int rank) {
+    return kvs_kv_device_pool(r->g ? kvs_runner_kv_device(r->g, rank) : kvs_kv_own_device(r->kv));
+}
 
 /* Greedy continuation of n_new tokens after logits (prompt of n tokens): the
  * TP tp_rig runs the steps twice over, once through the gathered logits and once
@@ -309,7 +311,7 @@ Test(tp, window_scores_at_world_1_only) {
         kvs_status st = kvs_runner_window_scores(r.g, seq, 1, got);
         if (world == 1) {
             cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
-            cr_assert_eq(kvs_kv_window_scores(kvs_runner_kv(r.g, 0), seq, 1, want), KVS_OK, "%s", kvs_last_error());
+            cr_assert_eq(kvs_kv_device_window_scores(kvs_runner_kv_device(r.g, 0), kvs_runner_kv(r.g), seq, 1, want), KVS_OK, "%s", kvs_last_error());
             cr_expect(memcmp(got, want, sizeof(float) * H * m) == 0, "the runner's scores are rank 0's");
             for (int g = 0; g < H; g++) { /* attention rows sum to 1: at most group x window before the window */
                 double sum = 0;
@@ -317,7 +319,7 @@ Test(tp, window_scores_at_world_1_only) {
                 cr_expect(sum > 0 && sum <= group * p.window * (1 + 1e-4), "KV head %d: scores sum to %g, above %d",
                           g, sum, group * p.window);
             }
-            cr_expect_eq(kvs_kv_len(kvs_runner_kv(r.g, 0), seq, 1), 100, "nothing compacted");
+            cr_expect_eq(kvs_kv_len(kvs_runner_kv(r.g), seq, 1), 100, "nothing compacted");
         } else {
             cr_expect_eq(st, KVS_ERR_UNSUPPORTED);
             cr_expect(strstr(kvs_last_error(), "not with tensor parallelism") && strstr(kvs_last_error(), "2 ranks"), "%s",
@@ -364,8 +366,7 @@ Test(tp, argmax_ties_go_to_the_lowest_id) {
 }
 
 /* ---- sparsity: each rank scores, selects and compacts its own KV heads ---- */
-static const float *key_of(kvs_kv_cache *kv, int seq, int layer, int head, int entry) {
-    const kvs_kv_pool *p = kvs_kv_get_pool(kv);
+static const float *key_of(const kvs_kv_cache *kv, const kvs_kv_pool *p, int seq, int layer, int head, int entry) {
     int32_t slot = kvs_kv_slot(kv, seq, layer, entry);
     size_t per_head = (size_t)p->block_size * p->head_dim;
     return (const float *)p->data + (size_t)(slot / p->block_size) * 2 * p->n_kv_heads * per_head +
@@ -485,12 +486,14 @@ static void expect_same_selection(tp_rig *one, int s1, tp_rig *tp, int s2, const
     for (int l = 0; l < c->n_layers; l++) {
         int len = kvs_kv_len(one->kv, s1, l);
         for (int r = 0; r < tp->world; r++) {
-            kvs_kv_cache *kv = rank_kv(tp, r);
+            kvs_kv_cache *kv = rig_kv(tp);
+            const kvs_kv_pool *pool = rank_pool(tp, r);
             cr_assert_eq(kvs_kv_len(kv, s2, l), len, "%s: layer %d rank %d holds %d entries, TP=1 %d", when, l, r,
                          kvs_kv_len(kv, s2, l), len);
             for (int h = 0; h < local; h++)
                 for (int e = 0; e < len; e++) {
-                    const float *ka = key_of(one->kv, s1, l, r * local + h, e), *kb = key_of(kv, s2, l, h, e);
+                    const float *ka = key_of(one->kv, kvs_kv_get_pool(one->kv), s1, l, r * local + h, e),
+                                *kb = key_of(kv, pool, s2, l, h, e);
                     double diff = 0, norm = 0;
                     for (int t = 0; t < c->head_dim; t++) {
                         diff = fmax(diff, fabs(ka[t] - kb[t]));
@@ -547,7 +550,7 @@ static void check_sparse_on(kvs_policy_kind kind, const int32_t *ids, int n, int
     selection_logs_free();
     rig_free(&one, s1);
     rig_free(&two, s2);
-    for (int r = 0; r < 2; r++) cr_expect_eq(kvs_kv_used_blocks(kvs_runner_kv(two.g, r)), 0);
+    cr_expect_eq(kvs_kv_used_blocks(kvs_runner_kv(two.g)), 0);
     free(l1);
     free(l2);
     tp_rig_close(&one);
@@ -650,11 +653,11 @@ Test(tp, shard_with_a_full_kv_cache_is_refused) {
     /* the group refuses a forward before its caches exist, and bad batches before any rank runs */
     cr_assert_eq(kvs_runner_step(g, &b, logits), KVS_ERR_INVALID);
     cr_assert_eq(kvs_runner_kv_create(g, &kc), KVS_OK, "%s", kvs_last_error());
-    int s = kvs_runner_seq_create(g);
+    int s = kvs_kv_seq_create(kvs_runner_kv(g));
     cr_assert_eq(s, 0);
     kvs_batch bad = {1, 1, &tok, &pos, qs, &s, &want};
     cr_assert_eq(kvs_runner_step(g, &bad, logits), KVS_ERR_INVALID); /* no room reserved */
-    cr_assert_eq(kvs_runner_reserve(g, s, 1), KVS_OK);
+    cr_assert_eq(kvs_kv_reserve(kvs_runner_kv(g), s, 1), KVS_OK);
     cr_assert_eq(kvs_runner_step(g, &bad, logits), KVS_OK, "%s", kvs_last_error()); /* still usable */
     free(logits);
     kvs_kv_destroy(kv);

@@ -112,17 +112,18 @@ static kvs_status make_cache(kvs_loaded *l, int window, int *max_len) {
  * the statistics (and, for the first prompt, its mass by position). */
 static kvs_status measure_prompt(kvs_runner *r, const kvs_kv_policy *p, const int32_t *ids, int n, kvs_calib_stats *s,
                                  kvs_calib_first *first) {
-    int seq = kvs_runner_seq_create(r), chunk = kvs_runner_limits(r).max_tokens, H = s->n_kv_heads;
+    kvs_kv_cache *kv = kvs_runner_kv(r);
+    int seq = kvs_kv_seq_create(kv), chunk = kvs_runner_limits(r).max_tokens, H = s->n_kv_heads;
     if (seq < 0) return kvs_fail(KVS_ERR_NOMEM, "calibrate: no KV sequence free");
     int32_t *pos = malloc(sizeof(int32_t) * n);
     float *scores = malloc(sizeof(float) * (size_t)H * n);
-    kvs_status st = pos && scores ? kvs_runner_set_policy(r, seq, p, n) : kvs_fail(KVS_ERR_NOMEM, "calibrate: out of memory");
+    kvs_status st = pos && scores ? kvs_kv_set_policy(kv, seq, p, n) : kvs_fail(KVS_ERR_NOMEM, "calibrate: out of memory");
     for (int i = 0; pos && i < n; i++) pos[i] = i;
     for (int start = 0; st == KVS_OK && start < n; start += chunk) {
         int len = n - start < chunk ? n - start : chunk, qs[2] = {0, len};
         uint8_t want = 0; /* no logits: only the KV and the window matter */
         kvs_batch b = {len, 1, ids + start, pos + start, qs, &seq, &want};
-        st = kvs_runner_reserve(r, seq, len);
+        st = kvs_kv_reserve(kv, seq, len);
         if (st == KVS_OK) st = kvs_runner_step(r, &b, NULL);
     }
     for (int l = 0; st == KVS_OK && l < s->n_layers; l++) {
@@ -139,7 +140,7 @@ static kvs_status measure_prompt(kvs_runner *r, const kvs_kv_policy *p, const in
         for (int j = 0; j < n; j++) mass[j] /= total > 0 ? total : 1;
     }
     if (st == KVS_OK) kvs_calib_prompt_done(s);
-    kvs_runner_seq_free(r, seq);
+    kvs_kv_free(kv, seq);
     free(pos), free(scores);
     return st;
 }

@@ -525,7 +525,7 @@ kvs_status kvs_engine_step(kvs_engine *e) {
 
 kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e) {
     return (kvs_engine_limits){.max_model_len = e->cfg.max_model_len, .vocab_size = e->vocab,
-                               .n_layers = e->mcfg.n_layers, .max_window = kvs_runner_kv_config(e->runner)->max_window,
+                               .n_layers = e->mcfg.n_layers, .max_window = kvs_kv_get_config(kvs_runner_kv(e->runner))->max_window,
                                .kv_entry_bytes = kvs_runner_kv_entry_bytes(e->runner)};
 }
 

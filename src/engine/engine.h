@@ -137,7 +137,7 @@ typedef struct {
     double prompt_compression;
     int cached_tokens;        /* prompt tokens found in the prefix cache (the latest admission) */
     /* on the first token's delivery too (else NULL): each layer's KV entries
-       after the prompt and its kind ([n_layers]; kvs_runner_seq_layers: 0 full,
+       after the prompt and its kind ([n_layers]; kvs_kv_len, kvs_kv_layer_sparse: 0 full,
        1 compacted by the request's policy, 2 a sliding-window layer) */
     const int32_t *layer_entries;
     const uint8_t *layer_kind;

@@ -59,7 +59,7 @@ typedef struct kvs_request {
     int seq;          /* kv sequence id, -1 when not running */
     int n_computed;
     int n_cached;     /* prompt tokens the prefix cache gave at admission */
-    int32_t *layer_entries; /* [n_layers] at the first token: each layer's KV entries (kvs_runner_seq_layers) */
+    int32_t *layer_entries; /* [n_layers] at the first token: each layer's KV entries (kvs_kv_len) */
     uint8_t *layer_kind;
     int n_layers;           /* 0 until then */
     int n_sched;      /* tokens scheduled in the current step */

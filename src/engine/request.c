@@ -126,7 +126,7 @@ static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
     KVS_TRY(kvs_sampling_validate(&p->sampling));
     if (p->policy) {
         KVS_TRY(kvs_kv_policy_validate(p->policy, e->mcfg.n_layers));
-        int max_w = kvs_runner_kv_config(e->runner)->max_window;
+        int max_w = kvs_kv_get_config(kvs_runner_kv(e->runner))->max_window;
         if (p->policy->kind != KVS_POLICY_FULL && p->policy->window > max_w)
             return kvs_fail(KVS_ERR_INVALID, "kv_window %d exceeds this server's maximum %d", p->policy->window, max_w);
     }
@@ -381,15 +381,20 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
     }
     double compression = 0; /* the first token comes with the prompt's KV, as compacted by its policy */
     if (r->n_gen == 1 && r->seq >= 0) {
-        kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);
-        compression = u.held ? (double)u.full / u.held : 1;
+        const kvs_kv_cache *kv = kvs_runner_kv(e->runner);
+        int64_t held, full;
+        kvs_kv_seq_usage(kv, r->seq, &held, &full);
+        compression = held ? (double)full / held : 1;
         int n_layers = e->mcfg.n_layers;
         if (!r->layer_entries) {
             r->layer_entries = malloc(sizeof(int32_t) * (size_t)n_layers);
             r->layer_kind = malloc((size_t)n_layers);
         }
         r->n_layers = r->layer_entries && r->layer_kind ? n_layers : 0; /* out of memory: none reported */
-        if (r->n_layers) kvs_runner_seq_layers(e->runner, r->seq, r->layer_entries, r->layer_kind);
+        for (int l = 0; l < r->n_layers; l++) { /* 1: compacted by its policy, 2: a sliding-window layer, 0: full */
+            r->layer_entries[l] = kvs_kv_len(kv, r->seq, l);
+            r->layer_kind[l] = kvs_kv_layer_sparse(kv, r->seq, l) ? 1 : kvs_kv_layer_window(kv, l) > 0 ? 2 : 0;
+        }
     }
     deliver_and_consume(r, &r->gen[r->n_gen - 1], r->logprobs > 0 ? &logprob : NULL,
                         r->top_logprobs > 0 ? top_ids : NULL, top_logprobs, 1, send, compression);

@@ -47,7 +47,7 @@ void kvs_list_remove(kvs_req_list *l, kvs_request *r) {
 }
 
 void kvs_release_seq(kvs_engine *e, kvs_request *r) {
-    if (r->seq >= 0) kvs_runner_seq_free(e->runner, r->seq);
+    if (r->seq >= 0) kvs_kv_free(kvs_runner_kv(e->runner), r->seq);
     r->seq = -1;
     r->n_computed = 0;
     r->n_sched = 0;
@@ -95,7 +95,7 @@ static bool is_decode(const kvs_request *r) {
 /* Reserves a decode token for r, preempting the newest running requests while
  * the pool is dry. Returns false when r itself was preempted or failed. */
 static bool reserve_decode(kvs_engine *e, kvs_request *r) {
-    while (kvs_runner_reserve(e->runner, r->seq, 1) != KVS_OK) {
+    while (kvs_kv_reserve(kvs_runner_kv(e->runner), r->seq, 1) != KVS_OK) {
         kvs_request *victim = e->running.tail;
         if (victim == r && e->running.n == 1) { /* alone and still no room: the pool is too small */
             kvs_request_retire(e, &e->running, r, KVS_FINISH_ERROR, "the KV cache is too small for this request");
@@ -111,7 +111,7 @@ static bool reserve_decode(kvs_engine *e, kvs_request *r) {
 static int64_t running_headroom(const kvs_engine *e) {
     int64_t need = 0;
     for (kvs_request *r = e->running.head; r; r = r->next)
-        need += kvs_runner_blocks_needed(e->runner, r->seq, kvs_request_len(r) - r->n_computed + 1);
+        need += kvs_kv_blocks_needed(kvs_runner_kv(e->runner), r->seq, kvs_request_len(r) - r->n_computed + 1);
     return need;
 }
 
@@ -129,15 +129,14 @@ static int reusable_len(const kvs_request *r) {
  * longest cached prefix reused, the rest of its prefill reserved (its peak,
  * before compaction). KVS_ERR_BUSY: not now. */
 static kvs_status admit(kvs_engine *e, kvs_request *r, int64_t headroom) {
+    kvs_kv_cache *kv = kvs_runner_kv(e->runner);
     int n = prefill_len(r), hit = 0;
-    r->seq = kvs_runner_seq_create(e->runner);
+    r->seq = kvs_kv_seq_create(kv);
     if (r->seq < 0) return KVS_ERR_NOMEM;
-    kvs_status st = kvs_runner_set_policy(e->runner, r->seq, &r->policy, r->n_prompt);
-    if (st == KVS_OK)
-        st = kvs_runner_prefix_attach(e->runner, r->seq, r->prompt, r->n_prompt, r->cache_salt, reusable_len(r), &hit);
-    if (st == KVS_OK && kvs_runner_free_blocks(e->runner) - headroom < kvs_runner_blocks_needed(e->runner, r->seq, n - hit))
-        st = KVS_ERR_BUSY;
-    if (st == KVS_OK) st = kvs_runner_reserve(e->runner, r->seq, n - hit);
+    kvs_status st = kvs_kv_set_policy(kv, r->seq, &r->policy, r->n_prompt);
+    if (st == KVS_OK) hit = kvs_kv_prefix_attach(kv, r->seq, r->prompt, r->n_prompt, r->cache_salt, reusable_len(r));
+    if (st == KVS_OK && kvs_kv_free_blocks(kv) - headroom < kvs_kv_blocks_needed(kv, r->seq, n - hit)) st = KVS_ERR_BUSY;
+    if (st == KVS_OK) st = kvs_kv_reserve(kv, r->seq, n - hit);
     if (st != KVS_OK) {
         kvs_release_seq(e, r);
         return st;
@@ -159,7 +158,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
     b->n_tokens = b->n_seqs = 0;
     b->query_start[0] = 0;
     int budget = e->cfg.max_num_batched_tokens;
-    const kvs_kv_config *kc = kvs_runner_kv_config(e->runner);
+    const kvs_kv_config *kc = kvs_kv_get_config(kvs_runner_kv(e->runner));
     /* 1. decodes (and replayed tokens), oldest first */
     for (kvs_request *r = e->running.head; r; r = r->next) r->n_sched = 0;
     for (kvs_request *r = e->running.head; r && budget > 0;) {
@@ -178,7 +177,7 @@ kvs_status kvs_schedule(kvs_engine *e) {
         if (is_decode(r) || r->n_sched) continue;
         int n = prefill_len(r) - r->n_computed;
         if (n > budget) n = budget;
-        if (kvs_runner_reserve(e->runner, r->seq, n) != KVS_OK) break; /* cannot happen: reserved at admission */
+        if (kvs_kv_reserve(kvs_runner_kv(e->runner), r->seq, n) != KVS_OK) break; /* cannot happen: reserved at admission */
         batch_add(e, r, n);
         budget -= n;
     }

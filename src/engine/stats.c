@@ -17,21 +17,23 @@ void kvs_hist_add(kvs_histogram *h, double v) {
 
 void kvs_stats_refresh(kvs_engine *e) {
     kvs_engine_stats *s = &e->stats;
-    const kvs_kv_config *kc = kvs_runner_kv_config(e->runner);
+    const kvs_kv_cache *kv = kvs_runner_kv(e->runner);
+    const kvs_kv_config *kc = kvs_kv_get_config(kv);
     e->n_queued = e->waiting.n;
     e->n_running = e->running.n;
     s->running = e->running.n;
     s->kv_blocks_total = kc->n_blocks;
-    s->kv_blocks_used = kc->n_blocks - kvs_runner_free_blocks(e->runner);
+    s->kv_blocks_used = kvs_kv_used_blocks(kv);
     s->kv_tokens_capacity = kc->n_blocks / kc->n_layers * kc->block_size;
     double sparse_blocks = 0;
     int64_t held = 0, full = 0;
     for (kvs_request *r = e->running.head; r; r = r->next) {
         if (r->seq < 0) continue;
-        kvs_seq_usage u = kvs_runner_seq_usage(e->runner, r->seq);
-        sparse_blocks += u.blocks_sparse_layers;
-        held += u.held;
-        full += u.full;
+        int64_t h, f;
+        kvs_kv_seq_usage(kv, r->seq, &h, &f);
+        sparse_blocks += kvs_kv_seq_sparse_blocks(kv, r->seq);
+        held += h;
+        full += f;
     }
     /* blocks in use are in full or in sparse layers; a full layer's (never
        compacted, shared with other requests and the cache) are the rest */
@@ -39,12 +41,12 @@ void kvs_stats_refresh(kvs_engine *e) {
     s->kv_blocks_full_layers = s->kv_blocks_used - s->kv_blocks_sparse_layers;
     s->compression_ratio = held > 0 ? (double)full / held : 1.0;
     const kvs_kv_policy *p = &e->cfg.default_policy;
-    kvs_prefix_cache_stats pc = kvs_runner_prefix_cache_stats(e->runner, p->kind == KVS_POLICY_FULL ? kc->n_layers
-                                                                                                    : p->full_layers);
-    s->kv_blocks_cached_full_layers = pc.cached_full_layers;
-    s->kv_blocks_cached_sparse_layers = pc.cached_sparse_layers;
-    s->kv_blocks_evictable = pc.evictable;
-    s->prefix_cache_evictions = pc.evictions;
+    int full_layers = p->kind == KVS_POLICY_FULL ? kc->n_layers : p->full_layers; /* cached blocks: in those / the others */
+    s->kv_blocks_cached_full_layers = s->kv_blocks_cached_sparse_layers = 0;
+    for (int l = 0; l < kc->n_layers; l++)
+        *(l < full_layers ? &s->kv_blocks_cached_full_layers : &s->kv_blocks_cached_sparse_layers) += kvs_kv_cached_blocks(kv, l);
+    s->kv_blocks_evictable = kvs_kv_evictable_blocks(kv);
+    s->prefix_cache_evictions = kvs_kv_evictions(kv);
     const kvs_step_batch *b = &e->batch;
     s->step_tokens = b->n_tokens;
     s->step_decode_tokens = 0;

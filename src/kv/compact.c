@@ -1,96 +1,141 @@
-/* Compaction: a layer keeps the listed entries of each KV head (kv_gather),
- * in place, or into blocks of the sequence's own where its blocks are shared
- * or cached (they stay as they are for their other holders and the cache);
- * then its new length, and the blocks past it go back to the pool. */
+/* The compaction plan (kv.h): a layer keeps some of its entries, moved to its
+ * first ones, in place, or into blocks of the sequence's own where its blocks
+ * are shared or cached (they stay as they are for their other holders and the
+ * cache); then its new length, and the blocks past it go back to the pool.
+ * Here the plan's arrays, its jobs with keep lists, and its application to the
+ * tables; SnapKV's jobs are sparsify.c's; the devices run the plan (device.c). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "kv/kv_internal.h"
 
-kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t *keep, int n_keep) {
-    seq_state *s = kvs_kv_get_seq(kv, seq_id);
-    if (!s || layer < 0 || layer >= kv->cfg.n_layers)
-        return kvs_fail(KVS_ERR_INVALID, "kv compact: no sequence %d layer %d", seq_id, layer);
-    layer_table *t = &s->layers[layer];
-    if (n_keep < 0 || n_keep > t->len)
-        return kvs_fail(KVS_ERR_INVALID, "kv compact: keeping %d of %d entries", n_keep, t->len);
-    int H = kv->cfg.n_kv_heads;
-    for (int h = 0; h < H; h++)
-        for (int i = 0; i < n_keep; i++) {
-            int32_t e = keep[(size_t)h * n_keep + i];
-            if (e < 0 || e >= t->len || (i > 0 && e <= keep[(size_t)h * n_keep + i - 1]))
-                return kvs_fail(KVS_ERR_INVALID, "kv compact: head %d keep list not sorted, distinct and < %d",
-                                h, t->len);
-        }
-    int32_t *d_keep = NULL, *d_tab = NULL;
-    if (n_keep > 0) {
-        kvs_backend *be = kv->be;
-        size_t keep_bytes = sizeof(int32_t) * (size_t)H * n_keep, tab_bytes = sizeof(int32_t) * t->n_blocks;
-        d_keep = kvs_kv_scratch(kv, KVS_KV_SCRATCH_KEEP, keep_bytes);
-        d_tab = kvs_kv_scratch(kv, KVS_KV_SCRATCH_TABLE, tab_bytes);
-        if (!d_keep || !d_tab) return kvs_fail(KVS_ERR_NOMEM, "kv compact: out of backend memory");
-        be->to_device(be, d_keep, keep, keep_bytes);
-        be->to_device(be, d_tab, t->blocks, tab_bytes);
-    }
-    return kvs_kv_compact_uploaded(kv, s, layer, d_keep, d_tab, n_keep);
+void kvs_kv_compactions_free(kvs_kv_compactions *plan) {
+    free(plan->jobs);
+    free(plan->tables);
+    free(plan->keep);
+    memset(plan, 0, sizeof *plan);
 }
 
-/* Compaction into blocks of the sequence's own (the spare ones first) when the
- * layer's blocks are shared or cached: they stay as they are for their other
- * holders and the cache. */
-kvs_status kvs_kv_take_own_blocks(kvs_kv_cache *kv, seq_state *s, int nb, int32_t *own) {
+/* *buf with room for n more than *len elements of size bytes. */
+static bool room(void **buf, size_t *cap, size_t len, size_t n, size_t size) {
+    if (len + n <= *cap) return true;
+    size_t want = 2 * (len + n) > 64 ? 2 * (len + n) : 64;
+    void *p = realloc(*buf, want * size);
+    if (!p) return false;
+    *buf = p, *cap = want;
+    return true;
+}
+
+/* A new job of (s, layer) in place, its table before copied into the plan;
+ * NULL when out of host memory (the plan unchanged). */
+static kvs_kv_compaction *add_job(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_state *s, int layer, int kind,
+                                  int n_keep) {
+    const layer_table *t = &s->layers[layer];
+    size_t cap_jobs = (size_t)plan->cap_jobs;
+    if (!room((void **)&plan->jobs, &cap_jobs, (size_t)plan->n_jobs, 1, sizeof *plan->jobs) ||
+        !room((void **)&plan->tables, &plan->cap_tables, plan->n_tables, (size_t)2 * t->n_blocks, sizeof(int32_t))) {
+        plan->cap_jobs = (int)cap_jobs;
+        kvs_fail(KVS_ERR_NOMEM, "kv compaction plan: out of host memory");
+        return NULL;
+    }
+    plan->cap_jobs = (int)cap_jobs;
+    kvs_kv_compaction *j = &plan->jobs[plan->n_jobs];
+    *j = (kvs_kv_compaction){.kind = kind, .seq = (int32_t)(s - kv->seqs), .layer = layer, .n_keep = n_keep,
+                             .table = (int32_t)plan->n_tables, .n_blocks = t->n_blocks, .keep = -1};
+    memcpy(plan->tables + plan->n_tables, t->blocks, sizeof(int32_t) * t->n_blocks);
+    plan->n_tables += t->n_blocks;
+    j->dst_table = (int32_t)plan->n_tables;
+    return j;
+}
+
+/* nb blocks of s's own for a compacted copy (its spare blocks first) at the
+ * plan's tables' end; KVS_ERR_NOMEM (none taken) when the pool runs dry. */
+static kvs_status take_own_blocks(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_state *s, int nb) {
+    int32_t *own = plan->tables + plan->n_tables;
     int got = 0;
     while (got < nb && s->n_spare > 0) own[got++] = s->spare[--s->n_spare];
     while (got < nb && (own[got] = kvs_block_take(&kv->blocks)) >= 0) got++;
-    if (got == nb) return KVS_OK;
+    if (got == nb) {
+        plan->n_tables += nb;
+        return KVS_OK;
+    }
     while (got > 0) kvs_block_drop(&kv->blocks, own[--got]);
     return kvs_fail(KVS_ERR_NOMEM, "kv compact: no free block for a shared layer's compacted copy");
 }
 
-void kvs_kv_compacted_into(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *own, int nb, int n_keep) {
-    layer_table *t = &s->layers[layer];
-    s->n_prompt_blocks = s->n_registered; /* the rest of the prompt is no longer there in full */
-    kvs_kv_release_tail(kv, t, 0);
-    memcpy(t->blocks, own, sizeof(int32_t) * nb); /* cap >= the old count >= nb */
-    t->n_blocks = nb;
-    kvs_kv_touch(t);
-    t->len = n_keep;
-}
-
-/* A shared or cached layer compacted into blocks of the sequence's own. */
-static kvs_status compact_into_own_blocks(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep,
-                                          const int32_t *d_tab, int n_keep) {
-    layer_table *t = &s->layers[layer];
-    int nb = kvs_kv_blocks_for(kv, n_keep);
-    int32_t *own = malloc(sizeof(int32_t) * nb);
-    int32_t *d_own = own ? kvs_kv_scratch(kv, KVS_KV_SCRATCH_DST, sizeof(int32_t) * nb) : NULL;
-    if (!d_own) {
-        free(own);
-        return kvs_fail(KVS_ERR_NOMEM, "kv compact: out of memory for a shared layer's compacted copy");
-    }
-    kvs_status st = kvs_kv_take_own_blocks(kv, s, nb, own);
-    if (st == KVS_OK) {
-        kvs_backend *be = kv->be;
-        be->to_device(be, d_own, own, sizeof(int32_t) * nb);
-        be->kv_gather(be, &kv->pool, d_tab, t->n_blocks, d_own, d_keep, n_keep);
-        kvs_kv_compacted_into(kv, s, layer, own, nb, n_keep);
-    }
-    free(own);
-    return st;
-}
-
-kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep,
-                                   const int32_t *d_tab, int n_keep) {
-    layer_table *t = &s->layers[layer];
-    if (n_keep > 0 && kvs_kv_table_shared(kv, t)) return compact_into_own_blocks(kv, s, layer, d_keep, d_tab, n_keep);
-    if (n_keep > 0) kv->be->kv_gather(kv->be, &kv->pool, d_tab, t->n_blocks, d_tab, d_keep, n_keep);
-    kvs_kv_compacted_in_place(kv, s, layer, n_keep);
+/* The job just added gets its copy's blocks when its layer's are shared or cached. */
+static kvs_status place(kvs_kv_cache *kv, kvs_kv_compactions *plan, kvs_kv_compaction *j, seq_state *s) {
+    if (j->n_keep == 0 || !kvs_kv_table_shared(kv, &s->layers[j->layer])) return KVS_OK;
+    int nb = kvs_kv_blocks_for(kv, j->n_keep); /* room: the copy has no more blocks than the table */
+    KVS_TRY(take_own_blocks(kv, plan, s, nb));
+    j->dst_blocks = nb;
     return KVS_OK;
 }
 
-void kvs_kv_compacted_in_place(kvs_kv_cache *kv, seq_state *s, int layer, int n_keep) {
-    layer_table *t = &s->layers[layer];
-    s->n_prompt_blocks = s->n_registered;
-    t->len = n_keep;
-    kvs_kv_release_tail(kv, t, kvs_kv_blocks_for(kv, n_keep));
+kvs_status kvs_kv_plan_keep(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_state *s, int layer, const int32_t *keep,
+                            int n_keep, int keep_heads) {
+    size_t n = (size_t)keep_heads * n_keep;
+    if (!room((void **)&plan->keep, &plan->cap_keep, plan->n_keep, n, sizeof(int32_t)))
+        return kvs_fail(KVS_ERR_NOMEM, "kv compaction plan: out of host memory for keep lists");
+    kvs_kv_compaction *j = add_job(kv, plan, s, layer, KVS_COMPACT_KEEP, n_keep);
+    if (!j) return KVS_ERR_NOMEM;
+    j->keep = (int64_t)plan->n_keep, j->keep_heads = keep_heads;
+    kvs_status st = place(kv, plan, j, s);
+    if (st != KVS_OK) {
+        plan->n_tables = (size_t)j->table;
+        return st;
+    }
+    memcpy(plan->keep + plan->n_keep, keep, sizeof(int32_t) * n);
+    plan->n_keep += n;
+    plan->n_jobs++;
+    return KVS_OK;
+}
+
+kvs_status kvs_kv_plan_snapkv(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_state *s, int layer) {
+    int w = s->policy.window;
+    kvs_kv_compaction *j = add_job(kv, plan, s, layer, KVS_COMPACT_SNAPKV, s->budgets[layer]);
+    if (!j) return KVS_ERR_NOMEM;
+    j->n_keys = s->layers[layer].len - w, j->n_win = w, j->pool = s->policy.pool;
+    j->window_row = (int32_t)(s - kv->seqs) * kvs_kv_window_cap(kv);
+    kvs_status st = place(kv, plan, j, s);
+    if (st != KVS_OK) {
+        plan->n_tables = (size_t)j->table;
+        return st;
+    }
+    plan->n_jobs++;
+    return KVS_OK;
+}
+
+void kvs_kv_plan_drop(kvs_kv_cache *kv, kvs_kv_compactions *plan, int first_job) {
+    for (int i = plan->n_jobs - 1; i >= first_job; i--) {
+        const kvs_kv_compaction *j = &plan->jobs[i];
+        for (int b = j->dst_blocks - 1; b >= 0; b--) kvs_block_drop(&kv->blocks, plan->tables[j->dst_table + b]);
+    }
+    if (first_job < plan->n_jobs) {
+        plan->n_tables = (size_t)plan->jobs[first_job].table;
+        for (int i = first_job; i < plan->n_jobs; i++) /* the first job with lists marks where they began */
+            if (plan->jobs[i].kind == KVS_COMPACT_KEEP) {
+                plan->n_keep = (size_t)plan->jobs[i].keep;
+                break;
+            }
+        plan->n_jobs = first_job;
+    }
+}
+
+void kvs_kv_plan_apply(kvs_kv_cache *kv, const kvs_kv_compactions *plan, int first_job) {
+    for (int i = first_job; i < plan->n_jobs; i++) {
+        const kvs_kv_compaction *j = &plan->jobs[i];
+        seq_state *s = &kv->seqs[j->seq];
+        layer_table *t = &s->layers[j->layer];
+        s->n_prompt_blocks = s->n_registered; /* the rest of the prompt is no longer there in full */
+        if (j->dst_blocks) { /* the old blocks released, the copy's the table (cap >= the old count >= its) */
+            kvs_kv_release_tail(kv, t, 0);
+            memcpy(t->blocks, plan->tables + j->dst_table, sizeof(int32_t) * j->dst_blocks);
+            t->n_blocks = j->dst_blocks;
+            kvs_kv_touch(t);
+        } else {
+            kvs_kv_release_tail(kv, t, kvs_kv_blocks_for(kv, j->n_keep));
+        }
+        t->len = j->n_keep;
+    }
 }

@@ -1,6 +1,9 @@
-/* kv: the paged KV cache. One pool of blocks serves every layer; each sequence
- * has a block table and a length per layer, so layers may hold different
- * numbers of entries (sparse layers are compacted to their budget). */
+/* kv: the KV manager, one per engine whatever the tensor-parallel size
+ * (docs/DESIGN.md, "The memory story"). One pool of blocks serves every layer;
+ * each sequence has a block table and a length per layer, so layers may hold
+ * different numbers of entries (sparse layers are compacted to their budget).
+ * Host memory only: the bytes are each rank's kvs_kv_device (kv_device.h),
+ * which runs the compactions the manager plans (kvs_kv_plan_compactions). */
 #ifndef KVS_KV_H
 #define KVS_KV_H
 
@@ -27,18 +30,14 @@ size_t kvs_kv_block_bytes(const kvs_kv_config *cfg, kvs_dtype kv_dtype);
 /* How many blocks fit in budget_bytes. */
 int64_t kvs_kv_blocks_for_budget(const kvs_kv_config *cfg, kvs_dtype kv_dtype, size_t budget_bytes);
 
+/* A manager without memory of its own: the runner's, whose ranks each hold a
+ * kvs_kv_device of the same n_blocks. */
+kvs_status kvs_kv_manager_create(const kvs_kv_config *cfg, kvs_kv_cache **out);
+/* A manager with one device of its own on be (kv_device.h: the world-1 cache
+ * of the library and the tests; the device is destroyed with it). */
 kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache **out);
 void kvs_kv_destroy(kvs_kv_cache *kv);
 const kvs_kv_config *kvs_kv_get_config(const kvs_kv_cache *kv);
-const kvs_kv_pool *kvs_kv_get_pool(const kvs_kv_cache *kv);
-/* Layer's view of the pool for the backend's ops: the same blocks, with that
- * layer's K and V scales when the pool is FP8 (backend.h kvs_kv_pool). */
-kvs_kv_pool kvs_kv_layer_pool(const kvs_kv_cache *kv, int layer);
-/* An FP8 pool's scales (every one 1 until set): host [n_layers][2][n_kv_heads]
- * (per layer the K scales of this cache's KV heads, then the V scales), each
- * finite and positive. Ignored (KVS_OK) when the pool is not FP8. Set them
- * before the first write: codes already written keep the old scales. */
-kvs_status kvs_kv_set_scales(kvs_kv_cache *kv, const float *scales);
 
 /* Sequences: ids are chosen by kv; -1 (and KVS_ERR_NOMEM set) when all are in use. */
 int kvs_kv_seq_create(kvs_kv_cache *kv);
@@ -46,8 +45,6 @@ void kvs_kv_free(kvs_kv_cache *kv, int seq_id); /* frees every block of the sequ
 
 /* Blocks needed to grow every layer of seq by n_new tokens (0 if they fit). */
 int64_t kvs_kv_blocks_needed(const kvs_kv_cache *kv, int seq_id, int n_new);
-/* A fresh prompt of prompt_len tokens fits in every layer at once (its peak). */
-bool kvs_kv_can_admit(const kvs_kv_cache *kv, int prompt_len);
 /* Allocates blocks so every layer can take n_new more tokens; all or nothing. */
 kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new);
 /* Marks n_new tokens as written in every layer (after the forward that wrote them). */
@@ -80,11 +77,6 @@ int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry);
 /* The slots of entries entry0 .. entry0 + n - 1 of (seq, layer) into slots[0 .. n) (a
    step's new tokens: one lookup of the table, then a block's run of slots at a time). */
 void kvs_kv_slots(const kvs_kv_cache *kv, int seq_id, int layer, int entry0, int n, int32_t *slots);
-
-/* Keeps, in every KV head h of (seq, layer), entries keep[h * n_keep + i] (each
- * head's list sorted ascending, distinct, < len), moved to entries 0 .. n_keep-1;
- * the layer's length becomes n_keep and blocks past it go back to the pool. */
-kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t *keep, int n_keep);
 
 /* ---- sparsity policies ----------------------------------------------------
  * A sparse layer keeps B_l entries per KV head after prefill: the top
@@ -165,32 +157,52 @@ void kvs_kv_policy_describe(const kvs_kv_policy *p, char *buf, size_t cap);
 kvs_status kvs_kv_set_policy(kvs_kv_cache *kv, int seq_id, const kvs_kv_policy *p, int prompt_len);
 /* Row of the window buffers that the query of (seq, layer) at `position`
  * fills, or -1: the last `window` prompt positions, then every decode token of
- * a sparse layer (a ring). Rows index [max_seqs * window]. */
+ * a sparse layer (a ring). Rows index [max_seqs * kvs_kv_window_rows_per_seq]. */
 int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int position);
 /* kvs_kv_window_row of positions[0 .. n) into rows[0 .. n) (one lookup of the sequence). */
 void kvs_kv_window_rows(const kvs_kv_cache *kv, int seq_id, int layer, const int32_t *positions, int n, int32_t *rows);
-/* The window buffers of a layer: q [max_seqs * window, n_heads * head_dim]
- * (act dtype) and lse [max_seqs * window, n_heads] (f32), backend memory. */
-void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse);
-/* The SnapKV scores of (seq, layer)'s entries before its window, from its
- * captured window, before any compaction (a policy that keeps the whole prompt,
- * e.g. budget 100%, captures the window and compacts nothing): out[g * (len -
- * window) + j] for KV head g and entry j < len - window, the attention mass the
- * window's queries of g's group give entry j, summed (what selection ranks).
- * Host memory; for kvsparse calibrate. */
-kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out);
-/* After a step that gave the n sequences seq_ids new tokens: compacts their
- * sparse layers that are due (a prompt just completed, or a layer reached B_l +
- * window). Every due SnapKV / PyramidKV layer goes in one batch (the backend's
- * snapkv_compact_batch: one launch per stage for the step), in place, or into
- * blocks of the sequence's own where its blocks are shared or cached;
- * StreamingLLM layers are compacted one by one. Returns with the batch enqueued, not run
- * (its pinned staging alternates between two buffers: kvs_upload_turns). */
-kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n);
-/* kvs_kv_sparsify_seqs of one sequence. */
-kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id);
-/* A copy of seq (blocks, lengths, windows, policy) as a new sequence id. */
-kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq);
+int kvs_kv_window_rows_per_seq(const kvs_kv_cache *kv);
+/* Whether a sparse policy was set: every device then needs its window buffers
+ * (kvs_kv_device_prepare). */
+bool kvs_kv_windows_wanted(const kvs_kv_cache *kv);
+
+/* ---- the compaction plan ---------------------------------------------------
+ * After a step that gave the n sequences seq_ids new tokens (committed), their
+ * sparse layers that are due (a prompt just completed, or a layer reached B_l
+ * + window) are compacted. The manager decides it all at once and applies it
+ * to its tables (new lengths, blocks released, a shared or cached layer's
+ * copy given blocks of the sequence's own); every device then runs the same
+ * plan on its heads (kvs_kv_device_compact) before the next step's forward.
+ * Plain arrays, no pointers into the manager: the plan is what a rank in
+ * another process would be sent. */
+typedef enum {
+    KVS_COMPACT_SNAPKV, /* keep lists chosen on the device from the window's scores */
+    KVS_COMPACT_KEEP,   /* keep lists given: keep[keep .. + n_keep] for every head (StreamingLLM), or
+                           [n_keep_heads][n_keep] (kvs_kv_compact) */
+} kvs_compaction_kind;
+typedef struct {
+    int32_t kind, seq, layer;
+    int32_t n_keep;              /* the layer's new length */
+    int32_t table, n_blocks;     /* its table before: tables[table .. + n_blocks) */
+    int32_t dst_table, dst_blocks; /* its copy's table: tables[dst_table .. + dst_blocks); 0 blocks: in place */
+    int32_t n_keys, n_win, pool; /* SnapKV: entries scored [0, n_keys), the window after them, the max-pool */
+    int32_t window_row;          /* SnapKV: the sequence's first window row */
+    int64_t keep;                /* KEEP: its lists in keep[] */
+    int32_t keep_heads;          /* KEEP: 1 (one list for every head) or the lists' heads */
+} kvs_kv_compaction;
+typedef struct {
+    int n_jobs;
+    kvs_kv_compaction *jobs;
+    int32_t *tables;
+    int32_t *keep;
+    int cap_jobs;
+    size_t n_tables, cap_tables, n_keep, cap_keep;
+} kvs_kv_compactions;
+/* The plan for seq_ids (arrays reused from the last plan in *plan; free with
+ * kvs_kv_compactions_free). All or nothing: on failure (out of memory) the
+ * tables are as they were and the plan empty. */
+kvs_status kvs_kv_plan_compactions(kvs_kv_cache *kv, const int32_t *seq_ids, int n, kvs_kv_compactions *plan);
+void kvs_kv_compactions_free(kvs_kv_compactions *plan);
 
 /* Host helpers of the selection, exposed for tests: max-pool of s[0..n) with
  * kernel p (stride 1, same size, borders use the part inside), then the k

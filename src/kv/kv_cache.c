@@ -1,12 +1,11 @@
-/* The block pool and the per-(sequence, layer) block tables. */
-#include <math.h>
-#include <stdatomic.h>
+/* A sequence's life in the manager: created, its blocks reserved, its tokens
+ * committed (a sliding-window layer's dead blocks dropped), freed. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "kv/kv_internal.h"
 
-kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache **out) {
+kvs_status kvs_kv_manager_create(const kvs_kv_config *cfg, kvs_kv_cache **out) {
     *out = NULL;
     if (cfg->n_layers <= 0 || cfg->n_kv_heads <= 0 || cfg->head_dim <= 0 || cfg->block_size <= 0 ||
         cfg->n_blocks <= 0 || cfg->n_blocks > INT32_MAX || cfg->max_seqs <= 0 || cfg->n_heads < 0 ||
@@ -16,19 +15,11 @@ kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache
     kvs_kv_cache *kv = calloc(1, sizeof *kv);
     if (!kv) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
     kv->cfg = *cfg;
-    kv->be = be;
-    size_t bytes = (size_t)cfg->n_blocks * kvs_kv_block_bytes(cfg, be->kv_dtype);
-    kv->pool = (kvs_kv_pool){be->alloc(be, bytes), cfg->n_blocks, cfg->block_size, cfg->n_kv_heads,
-                             cfg->head_dim};
-    kv->seqs = calloc((size_t)cfg->max_seqs, sizeof(seq_state));
-    if (!kv->pool.data || !kv->seqs) {
-        kvs_kv_destroy(kv);
-        return kvs_fail(KVS_ERR_NOMEM, "kv cache: cannot allocate %zu bytes for %lld blocks", bytes,
-                        (long long)cfg->n_blocks);
-    }
     kv->hash_block = kvs_kv_hash_block;
-    kvs_status st = kvs_block_pool_init(&kv->blocks, cfg->n_blocks, cfg->block_size, cfg->n_layers, cfg->prefix_caching);
-    if (st == KVS_OK && be->kv_dtype == KVS_F8_E4M3) st = kvs_kv_set_scales(kv, NULL);
+    kv->seqs = calloc((size_t)cfg->max_seqs, sizeof(seq_state));
+    kvs_status st = kv->seqs ? kvs_block_pool_init(&kv->blocks, cfg->n_blocks, cfg->block_size, cfg->n_layers,
+                                                   cfg->prefix_caching)
+                             : kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
     if (st != KVS_OK) {
         kvs_kv_destroy(kv);
         return st;
@@ -40,20 +31,8 @@ kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache
 void kvs_kv_destroy(kvs_kv_cache *kv) {
     if (!kv) return;
     for (int s = 0; kv->seqs && s < kv->cfg.max_seqs; s++) kvs_kv_free(kv, s);
-    if (kv->pool.data) kv->be->free(kv->be, kv->pool.data);
-    if (kv->scales) kv->be->free(kv->be, kv->scales);
-    for (int l = 0; kv->win_q && l < kv->cfg.n_layers; l++) {
-        if (kv->win_q[l]) kv->be->free(kv->be, kv->win_q[l]);
-        if (kv->win_lse[l]) kv->be->free(kv->be, kv->win_lse[l]);
-    }
-    free(kv->win_q);
-    free(kv->win_lse);
-    for (int i = 0; i < KVS_KV_SCRATCH_SLOTS; i++)
-        if (kv->scratch[i]) kv->be->free(kv->be, kv->scratch[i]);
-    for (int i = 0; i < 2; i++)
-        if (kv->staging[i]) kv->be->host_free(kv->be, kv->staging[i]);
-    free(kv->batch);
-    free(kv->batch_own);
+    kvs_kv_device_destroy(kv->own);
+    kvs_kv_compactions_free(&kv->own_plan);
     kvs_block_pool_release(&kv->blocks);
     free(kv->window);
     free(kv->seqs);
@@ -103,10 +82,6 @@ int64_t kvs_kv_blocks_needed(const kvs_kv_cache *kv, int seq_id, int n_new) {
         if (want > s->layers[l].n_blocks) need += want - s->layers[l].n_blocks;
     }
     return need;
-}
-
-bool kvs_kv_can_admit(const kvs_kv_cache *kv, int prompt_len) {
-    return (int64_t)kvs_kv_blocks_for(kv, prompt_len) * kv->cfg.n_layers <= kvs_kv_free_blocks(kv);
 }
 
 kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
@@ -178,65 +153,4 @@ void kvs_kv_commit(kvs_kv_cache *kv, int seq_id, int n_new) {
         if (kv->window && kv->window[l] > 0) slide(kv, &s->layers[l], kv->window[l]);
     }
     if (s->prompt_hash) kvs_kv_register_prompt(kv, s);
-}
-
-/* A fork shares the cached blocks (the prompt's, which nobody writes again)
- * and copies the others. */
-kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq) {
-    seq_state *src = kvs_kv_get_seq(kv, seq_id);
-    if (!src) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_id);
-    int64_t need = 0;
-    for (int l = 0; l < kv->cfg.n_layers; l++)
-        for (int i = 0; i < src->layers[l].n_blocks; i++) need += !kvs_block_cached(&kv->blocks, src->layers[l].blocks[i]);
-    if (need > kvs_kv_free_blocks(kv))
-        return kvs_fail(KVS_ERR_NOMEM, "kv fork: %lld blocks needed, %lld free", (long long)need,
-                        (long long)kvs_kv_free_blocks(kv));
-    int id = kvs_kv_seq_create(kv);
-    if (id < 0) return KVS_ERR_NOMEM;
-    seq_state *dst = &kv->seqs[id];
-    size_t block_bytes = kvs_kv_block_bytes(&kv->cfg, kv->be->kv_dtype);
-    for (int l = 0; l < kv->cfg.n_layers; l++) {
-        layer_table *a = &src->layers[l], *b = &dst->layers[l];
-        b->blocks = malloc(sizeof(int32_t) * (a->n_blocks ? a->n_blocks : 1));
-        if (!b->blocks) {
-            kvs_kv_free(kv, id);
-            return kvs_fail(KVS_ERR_NOMEM, "kv fork: out of memory");
-        }
-        b->cap = a->n_blocks ? a->n_blocks : 1;
-        for (int i = 0; i < a->n_blocks; i++) {
-            int32_t from = a->blocks[i];
-            if (kvs_block_cached(&kv->blocks, from)) { /* shared */
-                kvs_block_hold(&kv->blocks, from);
-                b->blocks[b->n_blocks++] = from;
-                continue;
-            }
-            int32_t blk = kvs_block_take(&kv->blocks);
-            b->blocks[b->n_blocks++] = blk;
-            kv->be->copy(kv->be, (char *)kv->pool.data + (size_t)blk * block_bytes,
-                         (char *)kv->pool.data + (size_t)from * block_bytes, block_bytes);
-        }
-        kvs_kv_touch(b);
-        b->len = a->len;
-    }
-    dst->n_tokens = src->n_tokens;
-    kvs_status st = kvs_kv_set_policy(kv, id, &src->policy, src->prompt_len);
-    if (st == KVS_OK && src->budgets) {
-        memcpy(dst->budgets, src->budgets, sizeof(int) * kv->cfg.n_layers);
-        memcpy(dst->ring_base, src->ring_base, sizeof(int) * kv->cfg.n_layers);
-        dst->prefill_done = src->prefill_done;
-        size_t rows = kv->window_cap, nh = kv->cfg.n_heads;
-        size_t qrow = nh * kv->cfg.head_dim * kvs_dtype_size(kv->be->act_dtype);
-        for (int l = 0; l < kv->cfg.n_layers; l++) {
-            kv->be->copy(kv->be, (char *)kv->win_q[l] + (size_t)id * rows * qrow,
-                         (char *)kv->win_q[l] + (size_t)seq_id * rows * qrow, rows * qrow);
-            kv->be->copy(kv->be, kv->win_lse[l] + (size_t)id * rows * nh, kv->win_lse[l] + (size_t)seq_id * rows * nh,
-                         rows * nh * sizeof(float));
-        }
-    }
-    if (st != KVS_OK) {
-        kvs_kv_free(kv, id);
-        return st;
-    }
-    *new_seq = id;
-    return KVS_OK;
 }

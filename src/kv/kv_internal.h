@@ -1,19 +1,41 @@
-/* The cache's internal state, shared by its files. They call each other one
- * way only (scripts/check-deps checks it), each using only those above it:
+/* The KV module's internal state, shared by its files. They call each other
+ * one way only (scripts/check-deps checks it), each using only those above it:
  *   block_pool.c  which blocks are free, held or cached
  *   tables.c      the per-(sequence, layer) block tables
- *   device.c      the backend memory: pool bytes, scales, windows, scratch
- *   prefix_cache.c, compact.c, sparsify.c, policy.c, select.c, profile.c
- *   kv_cache.c    a sequence's life: create, reserve, commit, fork, free */
+ *   prefix_cache.c, compact.c (the plan), sparsify.c, policy.c, select.c, profile.c
+ *   kv_cache.c    a sequence's life: create, reserve, commit, free
+ *   device.c      a rank's memory and what it runs: pool bytes, scales, windows,
+ *                 scratch, the plan's compactions (it reads the manager, never writes it)
+ *   one_device.c  a manager with one device of its own (kv_device.h's last part) */
 #ifndef KVS_KV_INTERNAL_H
 #define KVS_KV_INTERNAL_H
 
-#include "kv/kv.h"
+#include "kv/kv_device.h"
 
 enum {
     KVS_KV_SCRATCH_TABLE, KVS_KV_SCRATCH_SCORES, KVS_KV_SCRATCH_KEEP, KVS_KV_SCRATCH_DST,
-    KVS_KV_SCRATCH_BATCH, /* a sparsify batch's job list and tables (sparsify.c) */
+    KVS_KV_SCRATCH_BATCH, /* a plan's SnapKV job list and tables */
     KVS_KV_SCRATCH_SLOTS
+};
+
+struct kvs_kv_device {
+    kvs_kv_config cfg; /* this rank's heads */
+    kvs_backend *be;
+    kvs_kv_pool pool;
+    float *scales; /* FP8 pools: [n_layers][2][n_kv_heads] in backend memory; else NULL */
+    /* window queries and their LSE, per layer: [max_seqs * window_rows] rows
+       (kvs_kv_device_prepare, once a sparse policy is set) */
+    int window_rows;
+    void **win_q;
+    float **win_lse;
+    /* backend scratch for scoring and compaction (block tables, scores, keep
+       lists), kept between calls: a device allocation per layer and sequence
+       would cost more than the work (and cudaFree synchronises the device) */
+    void *scratch[KVS_KV_SCRATCH_SLOTS];
+    size_t scratch_cap[KVS_KV_SCRATCH_SLOTS];
+    void *staging[2]; /* pinned, used in turn: a plan's lists are built while the last one's copy may still run */
+    size_t staging_cap[2];
+    kvs_upload_turns staging_turns; /* which of the two the next plan writes */
 };
 
 typedef struct {
@@ -106,34 +128,13 @@ kvs_status kvs_block_pool_check(const kvs_block_pool *p, const int32_t *holders)
 
 struct kvs_kv_cache {
     kvs_kv_config cfg;
-    kvs_backend *be;
-    kvs_kv_pool pool;
-    float *scales; /* FP8 pools: [n_layers][2][n_kv_heads] in backend memory (kvs_kv_set_scales); else NULL */
     kvs_block_pool blocks;
     uint64_t (*hash_block)(uint64_t parent_hash, const int32_t *tokens, int n); /* tests force collisions */
     int32_t *window;      /* [n_layers]: sliding windows (kvs_kv_set_windows); NULL: none */
     seq_state *seqs;
-    /* window queries and their LSE, per layer: [max_seqs * window_cap] rows; allocated
-       when the first sparse policy is set */
-    int window_cap;
-    void **win_q;
-    float **win_lse;
-    /* backend scratch for scoring and compaction (block tables, scores, keep
-       lists), kept between calls: a device allocation per layer and sequence
-       would cost more than the work (and cudaFree synchronises the device) */
-    void *scratch[KVS_KV_SCRATCH_SLOTS];
-    size_t scratch_cap[KVS_KV_SCRATCH_SLOTS];
-    /* kvs_kv_sparsify_seqs's batch: the (sequence, layer) pairs it collects (a pair
-       whose table is shared or cached: n_own blocks of the sequence's own for the
-       compacted copy, batch_own[own ..]), and the pinned host staging of their job
-       list and tables (backend host_alloc) */
-    struct { int32_t seq, layer, own, n_own; } *batch;
-    int n_batch, batch_cap;
-    int32_t *batch_own;
-    int n_batch_own, batch_own_cap;
-    void *staging[2]; /* two, used in turn: a batch is built while the last one's copy may still run */
-    size_t staging_cap[2];
-    kvs_upload_turns staging_turns; /* which of the two the next batch writes */
+    bool windows_wanted;  /* a sparse policy was set: the devices need their window buffers */
+    kvs_kv_device *own;   /* kvs_kv_create's device (one_device.c); NULL for the runner's manager */
+    kvs_kv_compactions own_plan; /* one_device.c's plans, their arrays reused */
 };
 
 /* Every change of a layer table's blocks or n_blocks goes with a touch: a
@@ -170,32 +171,19 @@ void kvs_kv_free_prefix(kvs_kv_cache *kv, seq_state *s);
 int kvs_kv_blocks_for(const kvs_kv_cache *kv, int entries);
 void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks);
 void kvs_kv_free_sparsity(kvs_kv_cache *kv, seq_state *s);
-/* kvs_kv_compact from keep lists already in backend memory (d_keep [n_kv_heads *
- * n_keep], each head's list sorted, distinct, < len; not checked) and the layer's
- * block table uploaded to d_tab: kv_gather (in place, or into blocks of the
- * sequence's own when the layer's are shared or cached), then the new length
- * and the released blocks. */
-kvs_status kvs_kv_compact_uploaded(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *d_keep,
-                                   const int32_t *d_tab, int n_keep);
-/* The host side of an in-place compaction of (s, layer) to n_keep entries (its
- * kv_gather enqueued): the new length, the blocks past it released. */
-void kvs_kv_compacted_in_place(kvs_kv_cache *kv, seq_state *s, int layer, int n_keep);
-/* nb blocks of s's own for a compacted copy (its spare blocks first) into own;
- * KVS_ERR_NOMEM (none taken) when the pool runs dry. */
-kvs_status kvs_kv_take_own_blocks(kvs_kv_cache *kv, seq_state *s, int nb, int32_t *own);
-/* The host side of a compaction of (s, layer) into own[0 .. nb) (its kv_gather
- * enqueued): the old blocks released, own the table, n_keep its length. */
-void kvs_kv_compacted_into(kvs_kv_cache *kv, seq_state *s, int layer, const int32_t *own, int nb, int n_keep);
 /* The observation-window rows each sequence has in the window buffers. */
 static inline int kvs_kv_window_cap(const kvs_kv_cache *kv) { return kv->cfg.max_window > 0 ? kv->cfg.max_window : 64; }
-/* The window buffers (win_q, win_lse: every layer's), made at the first sparse policy. */
-kvs_status kvs_kv_alloc_windows(kvs_kv_cache *kv);
-/* Backend scratch buffer `slot` of at least bytes (grown on demand); NULL when out of memory. */
-void *kvs_kv_scratch(kvs_kv_cache *kv, int slot, size_t bytes);
-/* The pinned host staging (backend host_alloc) of at least bytes, grown the same
- * way: the one of the two whose copy has run (waited for only when no wait for
- * the device came since it was sent); kvs_kv_staging_sent after its to_device. */
-void *kvs_kv_staging(kvs_kv_cache *kv, size_t bytes);
-void kvs_kv_staging_sent(kvs_kv_cache *kv);
+/* The plan's compactions of (s, layer) (compact.c): one with keep lists given
+ * (n_keep_heads lists of n_keep, or one for every head), or a SnapKV one
+ * (sparsify.c), its copy's blocks taken now when the layer is shared or cached.
+ * kvs_kv_plan_apply then applies the plan's jobs from first_job on to the
+ * tables (new lengths, blocks released): after every job's blocks are taken,
+ * so that no job writes a block another job of the batch reads. */
+kvs_status kvs_kv_plan_keep(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_state *s, int layer, const int32_t *keep,
+                            int n_keep, int keep_heads);
+kvs_status kvs_kv_plan_snapkv(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_state *s, int layer);
+void kvs_kv_plan_apply(kvs_kv_cache *kv, const kvs_kv_compactions *plan, int first_job);
+/* Forgets the plan's jobs from first_job on (a job failed before any ran): their copies' blocks go back. */
+void kvs_kv_plan_drop(kvs_kv_cache *kv, kvs_kv_compactions *plan, int first_job);
 
 #endif

@@ -47,7 +47,7 @@ static void add_norm(kvs_model *m, const void *w, int n) {
 
 /* Expects xn = attn_norm(x) (fp8: its codes), made by the previous layer's
  * mlp_block with its residual add; leaves x += attention and xn = mlp_norm(x). */
-static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, const kvs_kv_cache *kv, int layer,
+static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, const kvs_kv_device *kv, int layer,
                                   const kvs_attn_batch *ab, int n, int n_cap) {
     kvs_backend *be = m->be;
     kvs_step_buffers *sb = &m->buf;
@@ -64,13 +64,13 @@ static kvs_status attention_block(kvs_model *m, const kvs_layer_weights *w, cons
         be->head_rmsnorm(be, sb->qkv, w->q_norm, n, qd + 2 * kd, n_heads, c->head_dim, c->rms_norm_eps);
         be->head_rmsnorm(be, k, w->k_norm, n, qd + 2 * kd, n_kv_heads, c->head_dim, c->rms_norm_eps);
     }
-    const kvs_kv_pool pool = kvs_kv_layer_pool(kv, layer); /* FP8: this layer's scales */
+    const kvs_kv_pool pool = kvs_kv_device_layer_pool(kv, layer); /* FP8: this layer's scales */
     be->rope_kv_write(be, &pool, sb->q, sb->qkv, sb->positions, m->inv_freq, sb->slots, n, n_heads);
     be->attention(be, sb->att, n_cap ? sb->lse : NULL, sb->q, &pool, ab, n_heads, 1.0f / sqrtf((float)c->head_dim));
     if (n_cap) { /* the sparsity window keeps these queries and their log-sum-exp */
         void *win_q;
         float *win_lse;
-        kvs_kv_window_buffers(kv, layer, &win_q, &win_lse);
+        kvs_kv_device_window_buffers(kv, layer, &win_q, &win_lse);
         be->window_capture(be, win_q, win_lse, sb->q, sb->lse, sb->cap_src, sb->cap_dst, n_cap, n_heads,
                            c->head_dim);
     }
@@ -103,7 +103,7 @@ static kvs_status mlp_block(kvs_model *m, const kvs_layer_weights *w, const kvs_
 }
 
 /* The embedding, then every layer: what a decode step's CUDA graph holds. */
-kvs_status kvs_forward_layers(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh) {
+kvs_status kvs_forward_layers(kvs_model *m, const kvs_kv_device *kv, const kvs_step_shape *sh) {
     kvs_backend *be = m->be;
     const kvs_config *c = &m->cfg;
     be->embedding(be, m->buf.x, m->embed, m->buf.ids, sh->n_rows, c->hidden_size);
@@ -131,15 +131,17 @@ static void logits(kvs_model *m, const kvs_batch *b, int n_logits) {
     be->matmul(be, sb->logits, sb->last, m->lm_head, NULL, n_logits, c->hidden_size, m->shard.vocab_pad);
 }
 
-kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int *n_logits_out) {
+kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_kv_device *dev,
+                            int *n_logits_out) {
     int n_logits = 0;
     for (int s = 0; s < b->n_seqs; s++) n_logits += b->wants_logits[s] ? 1 : 0;
     kvs_step_shape sh;
     double t0 = kvs_host_clock_start();
-    kvs_status st = kvs_step_prepare(m, b, kv, &sh);
+    kvs_status st = kvs_kv_device_prepare(dev, kv);
+    if (st == KVS_OK) st = kvs_step_prepare(m, b, kv, dev, &sh);
     kvs_host_clock_stop(KVS_HOST_METADATA, t0);
     KVS_TRY(st);
-    KVS_TRY(kvs_graphs_run(m, kv, &sh));
+    KVS_TRY(kvs_graphs_run(m, dev, &sh));
     if (n_logits > 0) logits(m, b, n_logits);
     /* the new tokens' K and V are written: the runner commits them and applies
        the KV policy after the step (src/runner/step.c) */

@@ -34,17 +34,17 @@ static void invalidate(kvs_model *m) {
 }
 
 /* Invalidates the graphs when the KV memory they baked in is not kv's. */
-static kvs_status check_kv(kvs_model *m, const kvs_kv_cache *kv) {
+static kvs_status check_kv(kvs_model *m, const kvs_kv_device *kv) {
     kvs_graphs *g = &m->graphs;
     size_t n = 1 + 2 * (size_t)m->cfg.n_layers;
     if (!g->baked && !(g->baked = calloc(2 * n, sizeof(void *))))
         return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
     const void **now = g->baked + n; /* kv's, after the baked ones */
-    now[0] = kvs_kv_get_pool(kv)->data;
+    now[0] = kvs_kv_device_pool(kv)->data;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         void *q;
         float *lse;
-        kvs_kv_window_buffers(kv, l, &q, &lse);
+        kvs_kv_device_window_buffers(kv, l, &q, &lse);
         now[1 + 2 * l] = q;
         now[2 + 2 * l] = lse;
     }
@@ -81,14 +81,14 @@ static kvs_graph_slot *find_slot(kvs_model *m, int bucket) {
 }
 
 /* A padded step run eagerly. */
-static kvs_status padded_eager(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh) {
+static kvs_status padded_eager(kvs_model *m, const kvs_kv_device *kv, const kvs_step_shape *sh) {
     m->graphs.stats.padded_eager_steps++;
     return kvs_forward_layers(m, kv, sh);
 }
 
 /* vLLM's protocol: a bucket's first step runs eagerly, its second is
  * captured, later ones replay. */
-kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh) {
+kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_device *kv, const kvs_step_shape *sh) {
     kvs_backend *be = m->be;
     kvs_graphs *g = &m->graphs;
     if (!sh->padded) {

@@ -7,7 +7,7 @@
 #include "backend/sample.h"
 #include "core/core.h"
 #include "gguf/gguf.h"
-#include "kv/kv.h"
+#include "kv/kv_device.h"
 
 /* ---- config.json ------------------------------------------------------------ */
 typedef enum { KVS_ROPE_NONE, KVS_ROPE_LINEAR, KVS_ROPE_LLAMA3 } kvs_rope_type;
@@ -327,7 +327,8 @@ struct kvs_sample_extras {
 };
 /* The checks the forwards above run first (KVS_ERR_INVALID naming what is
  * wrong): the batch against m and kv; the rows, one per sequence wanting logits. */
-kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
+kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv,
+                                 const kvs_kv_device *dev);
 kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, const kvs_sample_extras *x,
                                   int vocab);
 /* The runner's forward: kvs_model_forward_sample (params) or kvs_model_forward
@@ -336,7 +337,7 @@ kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *para
  * logprobs are in ids, logprobs and x's arrays once kvs_model_step_end has
  * returned KVS_OK (the runner enqueues the KV policy's work in between; full
  * logits are copied before it returns). */
-kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
+kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_kv_device *dev,
                                        const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
                                        float *logprobs, float *logits);
 /* Waits for the step's fence (backend.h fence_wait: its health) and puts the

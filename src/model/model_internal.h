@@ -197,7 +197,8 @@ int kvs_stride_bucket(int blocks);
  * kvs_model_check_batch allows and the length of a device table row. */
 int kvs_table_blocks(const kvs_model_limits *l);
 /* Plans the step's shape and uploads its metadata (one copy). */
-kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_step_shape *sh);
+kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, const kvs_kv_device *dev,
+                            kvs_step_shape *sh);
 /* Points the step buffers at layer l's metadata, its attention batch in ab;
  * returns the rows the window captures. */
 int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch *ab);
@@ -214,12 +215,13 @@ kvs_status kvs_tables_check(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
 /* forward.c: the embedding and the layers (all a graph holds); the step up
  * to each rank's logits slice in buf.logits [n_logits][vocab_pad], after
  * kvs_model_check_batch. */
-kvs_status kvs_forward_layers(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh);
-kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, int *n_logits);
+kvs_status kvs_forward_layers(kvs_model *m, const kvs_kv_device *kv, const kvs_step_shape *sh);
+kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_kv_device *dev,
+                            int *n_logits);
 
 /* graphs.c: kvs_forward_layers for the step: eagerly, or as its bucket's
  * graph; destroying every graph. */
-kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_cache *kv, const kvs_step_shape *sh);
+kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_device *kv, const kvs_step_shape *sh);
 void kvs_graphs_free(kvs_model *m);
 
 

@@ -25,7 +25,8 @@ static int layer_max_blocks(const kvs_batch *b, const kvs_kv_cache *kv, int l) {
     return mb;
 }
 
-kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv) {
+kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv,
+                                 const kvs_kv_device *dev) {
     if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->query_start[0] != 0 || b->query_start[b->n_seqs] != b->n_tokens)
         return kvs_fail(KVS_ERR_INVALID, "forward: malformed batch (%d tokens, %d sequences)", b->n_tokens,
                         b->n_seqs);
@@ -33,7 +34,7 @@ kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const k
     if (b->n_tokens > lim->max_tokens || b->n_seqs > lim->max_seqs)
         return kvs_fail(KVS_ERR_INVALID, "forward: a batch of %d tokens and %d sequences exceeds the model's limits "
                         "(%d tokens, %d sequences per step)", b->n_tokens, b->n_seqs, lim->max_tokens, lim->max_seqs);
-    const kvs_kv_config *kc = kvs_kv_get_config(kv);
+    const kvs_kv_config *kc = kvs_kv_device_config(dev);
     const kvs_shard *sh = &m->shard;
     if (kc->n_kv_heads != sh->n_kv_heads || kc->head_dim != m->cfg.head_dim || kc->n_layers != m->cfg.n_layers ||
         (kc->n_heads && kc->n_heads != sh->n_heads))
@@ -83,7 +84,8 @@ static void plan(const kvs_model *m, const kvs_batch *b, kvs_step_shape *sh) {
  * last uploaded, whose copy has run when any wait for the device came since
  * (normally the last step's read of its sampled ids), so the host builds this
  * step while the device still runs the last one's compactions. */
-kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_step_shape *sh) {
+kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, const kvs_kv_device *dev,
+                            kvs_step_shape *sh) {
     plan(m, b, sh);
     kvs_step_buffers *sb = &m->buf;
     kvs_backend *be = m->be;
@@ -138,7 +140,7 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
         if (sh->padded) { /* the bucket's fixed sizes; LSE and window capture always (when windows exist) */
             void *win_q;
             float *win_lse;
-            kvs_kv_window_buffers(kv, l, &win_q, &win_lse);
+            kvs_kv_device_window_buffers(dev, l, &win_q, &win_lse);
             max_kv = lm->kv_blocks * bs;
             max_q = 1;
             n_cap = win_q ? T : 0;

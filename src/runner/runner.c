@@ -15,9 +15,9 @@ static kvs_status job_create_model(kvs_runner *g, int rank, void *arg) {
 
 static kvs_status job_destroy(kvs_runner *g, int rank, void *arg) {
     kvs_rank *r = &g->ranks[rank];
-    kvs_kv_destroy(r->kv);
+    kvs_kv_device_destroy(r->kv_dev);
     if (!g->borrowed_model) kvs_model_destroy(r->model);
-    r->kv = NULL;
+    r->kv_dev = NULL;
     r->model = NULL;
     return KVS_OK;
 }
@@ -141,6 +141,8 @@ void kvs_runner_destroy(kvs_runner *g) {
         for (int r = 0; r < g->world; r++) job_destroy(g, r, NULL);
     }
     kvs_ranks_stop(g);
+    kvs_kv_destroy(g->kv);
+    kvs_kv_compactions_free(&g->plan);
     if (g->owns_devices) {
         for (int r = 0; r < g->world; r++) {
             if (g->ranks[r].comm) g->ranks[r].comm->destroy(g->ranks[r].comm);
@@ -158,7 +160,10 @@ void kvs_runner_destroy(kvs_runner *g) {
 int kvs_runner_world(const kvs_runner *g) { return g->world; }
 const kvs_config *kvs_runner_config(const kvs_runner *g) { return &g->cfg; }
 kvs_model *kvs_runner_model(kvs_runner *g, int rank) { return rank >= 0 && rank < g->world ? g->ranks[rank].model : NULL; }
-kvs_kv_cache *kvs_runner_kv(kvs_runner *g, int rank) { return rank >= 0 && rank < g->world ? g->ranks[rank].kv : NULL; }
+kvs_kv_device *kvs_runner_kv_device(kvs_runner *g, int rank) {
+    return rank >= 0 && rank < g->world ? g->ranks[rank].kv_dev : NULL;
+}
+kvs_kv_cache *kvs_runner_kv(const kvs_runner *g) { return g->kv; }
 
 void kvs_runner_set_graph_mode(kvs_runner *g, kvs_graph_mode mode) {
     for (int r = 0; r < g->world; r++) kvs_model_set_graph_mode(g->ranks[r].model, mode);

@@ -1,11 +1,9 @@
 /* runner: the model runner (docs/TP.md). It alone owns the rank models and
- * their KV caches, for every tensor-parallel size: world ranks, each a thread
- * with one backend, one communicator, one rank model and one KV cache of its
- * local KV heads (world 1 runs on the caller's thread). Every call runs on
- * every rank in lockstep and returns when all are done: the caller sees one
- * model and one cache. The ranks' block tables are identical (same lengths,
- * policy and budgets; each rank selects among its own heads), so the queries
- * answer from rank 0's cache. */
+ * the KV cache, for every tensor-parallel size: world ranks, each a thread
+ * with one backend, one communicator, one rank model and one KV device of its
+ * local KV heads (world 1 runs on the caller's thread), and one KV manager
+ * that decides for all of them on the caller's thread. A step runs on every
+ * rank and returns when all are done: the caller sees one model and one cache. */
 #ifndef KVS_RUNNER_H
 #define KVS_RUNNER_H
 
@@ -44,53 +42,27 @@ kvs_model_limits kvs_runner_limits(const kvs_runner *r); /* every rank model's, 
 void kvs_runner_set_graph_mode(kvs_runner *r, kvs_graph_mode mode); /* every rank's */
 kvs_graph_stats kvs_runner_graph_stats(const kvs_runner *r);        /* rank 0's */
 
-/* ---- the KV caches: each rank's from a whole-model config (its slice of the
- * KV heads and heads, the same n_blocks); replaces old ones ---------------- */
+/* ---- the KV cache: one manager (kv.h) for every rank, a device per rank of
+ * its slice of the KV heads and heads, the same n_blocks (kv_device.h);
+ * replaces old ones. The caller asks the manager (kvs_runner_kv) for what
+ * the scheduler needs: sequences, reservations, prefix attach, accounting. */
 kvs_status kvs_runner_kv_create(kvs_runner *r, const kvs_kv_config *global);
 /* The blocks of one rank's pool that budget_bytes hold. */
 int64_t kvs_runner_kv_blocks_for_budget(const kvs_runner *r, const kvs_kv_config *global, size_t budget_bytes);
-/* Rank 0's answers (kv.h), the same on every rank; the config's heads are a rank's. */
-const kvs_kv_config *kvs_runner_kv_config(const kvs_runner *r);
-int64_t kvs_runner_free_blocks(const kvs_runner *r);
-int64_t kvs_runner_blocks_needed(const kvs_runner *r, int seq_id, int n_new);
-typedef struct {
-    int64_t held, full; /* kvs_kv_seq_usage */
-    double blocks_sparse_layers; /* kvs_kv_seq_sparse_blocks */
-} kvs_seq_usage;
-kvs_seq_usage kvs_runner_seq_usage(const kvs_runner *r, int seq_id);
-/* Each layer's entries of seq (kvs_kv_len) and kind: 1 its policy compacts it
- * (kvs_kv_layer_sparse), 2 a sliding-window layer (kvs_kv_layer_window), 0
- * full: [n_layers] each. */
-void kvs_runner_seq_layers(const kvs_runner *r, int seq_id, int32_t *entries, uint8_t *kind);
+kvs_kv_cache *kvs_runner_kv(const kvs_runner *r); /* NULL before kvs_runner_kv_create */
 /* The bytes of one KV entry (one token of one layer: K and V of every KV head, every rank). */
 size_t kvs_runner_kv_entry_bytes(const kvs_runner *r);
-
-/* Lockstep KV operations (kv.h); the ranks' answers must agree. */
-int kvs_runner_seq_create(kvs_runner *r);
-void kvs_runner_seq_free(kvs_runner *r, int seq_id);
-kvs_status kvs_runner_set_policy(kvs_runner *r, int seq_id, const kvs_kv_policy *p, int prompt_len);
-kvs_status kvs_runner_reserve(kvs_runner *r, int seq_id, int n_new);
 /* kvs_kv_window_scores of (seq, layer) (kvsparse calibrate): host scores
  * out[g * len + j] for every KV head g. World 1 only: with tensor parallelism
  * each rank holds a slice of the KV heads (KVS_ERR_UNSUPPORTED). */
 kvs_status kvs_runner_window_scores(kvs_runner *r, int seq_id, int layer, float *out);
-/* kvs_kv_prefix_attach on every rank (the ranks' caches decide alike: checked);
- * *hit the tokens reused. */
-kvs_status kvs_runner_prefix_attach(kvs_runner *r, int seq_id, const int32_t *prompt, int n_prompt, const char *salt,
-                                    int max_tokens, int *hit);
-typedef struct {
-    int64_t cached_full_layers, cached_sparse_layers; /* cached blocks in layers < full_layers / the others */
-    int64_t evictable;
-    uint64_t evictions;
-} kvs_prefix_cache_stats;
-kvs_prefix_cache_stats kvs_runner_prefix_cache_stats(const kvs_runner *r, int full_layers); /* rank 0's */
 
 /* ---- steps ----------------------------------------------------------------------
  * The batch (and the sampling rows) checked once, before any rank runs (a bad
  * one is KVS_ERR_INVALID and changes nothing); then on every rank the model's
  * forward, the new tokens committed and what the sequences' KV policies say is
- * due compacted (kvs_kv_sparsify_seqs), the backend asked whether an op failed. The
- * KV must hold room for the new tokens (kvs_runner_reserve). A rank failing
+ * due compacted (the manager's plan, run by every rank's device), the backend asked
+ * whether an op failed. The KV must hold room for the new tokens (kvs_kv_reserve). A rank failing
  * mid-step aborts the communicators: the runner is then unusable.
  * kvs_runner_step: rank 0's gathered logits [seqs that want them][vocab]
  * (NULL: gathered, copied out nowhere: benchmarks). */

@@ -1,5 +1,5 @@
-/* runner: the state its files share, and a rank's model and cache for the
- * tests that look inside one (nothing outside src/runner includes this). */
+/* runner: the state its files share, and a rank's model and KV device for
+ * the tests that look inside one (nothing outside src/runner includes this). */
 #ifndef KVS_RUNNER_INTERNAL_H
 #define KVS_RUNNER_INTERNAL_H
 
@@ -19,10 +19,9 @@ typedef struct {
     kvs_backend *model_be; /* the model's backend when a caller wraps be (kvs_runner_create_cpu_wrapped) */
     kvs_comm *comm;
     kvs_model *model;
-    kvs_kv_cache *kv;
+    kvs_kv_device *kv_dev; /* the rank's memory of the KV cache (kv_device.h) */
     kvs_status status; /* the rank's answer to the current job */
     char error[1024];
-    int result;        /* a sequence id (creation, fork) */
 } kvs_rank;
 
 struct kvs_runner {
@@ -48,6 +47,8 @@ struct kvs_runner {
     pthread_mutex_t ck_mu; /* the checkpoint is read by one rank at a time */
     kvs_runner_backend_wrap wrap;
     void *wrap_user;
+    kvs_kv_cache *kv;          /* the one KV manager (kvs_runner_kv_create) */
+    kvs_kv_compactions plan;   /* a step's compactions, its arrays reused */
 };
 
 /* ranks.c: runs job on every rank and waits; the first failing rank's error
@@ -57,13 +58,11 @@ kvs_status kvs_ranks_run(kvs_runner *g, kvs_rank_job job, void *arg, bool collec
 kvs_status kvs_ranks_start(kvs_runner *g);
 void kvs_ranks_stop(kvs_runner *g);
 
-/* kv_lockstep.c */
-kvs_status kvs_runner_need_kv(const kvs_runner *g); /* KVS_ERR_INVALID before kvs_runner_kv_create */
-/* Every rank's layer lengths of seq_id equal rank 0's; what names the operation. */
-kvs_status kvs_runner_lengths_agree(const kvs_runner *g, int seq_id, const char *what);
+/* kv_devices.c: KVS_ERR_INVALID before kvs_runner_kv_create. */
+kvs_status kvs_runner_need_kv(const kvs_runner *g);
 
-/* For the tests: rank's model and KV cache (NULL before kvs_runner_kv_create). */
+/* For the tests: rank's model and KV device (NULL before kvs_runner_kv_create). */
 kvs_model *kvs_runner_model(kvs_runner *g, int rank);
-kvs_kv_cache *kvs_runner_kv(kvs_runner *g, int rank);
+kvs_kv_device *kvs_runner_kv_device(kvs_runner *g, int rank);
 
 #endif

@@ -1,7 +1,8 @@
-/* runner: a step. The model computes, the KV module keeps and compacts, the
- * runner sequences them. The checks run once, on the caller's thread: what can
- * be wrong with the batch is wrong on every rank alike, and must not break the
- * ranks' communicators. Each rank compacts its own KV heads: no communication. */
+/* runner: a step, two hand-offs to the ranks. The model computes, the KV
+ * manager keeps and plans on the caller's thread, every rank's device runs the
+ * plan. The checks run once, on the caller's thread: what can be wrong with the
+ * batch is wrong on every rank alike, and must not break the ranks'
+ * communicators. Each rank compacts its own KV heads: no communication. */
 #include <stdlib.h>
 
 #include "runner/runner_internal.h"
@@ -15,40 +16,52 @@ typedef struct {
     float *logprobs;
 } step_args;
 
-static kvs_status keep_step_kv(kvs_kv_cache *kv, const kvs_batch *b) {
-    double t0 = kvs_host_clock_start();
-    for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
-    kvs_status st = kvs_kv_sparsify_seqs(kv, b->seq_ids, b->n_seqs);
-    kvs_host_clock_stop(KVS_HOST_KV_POLICY, t0);
-    return st;
-}
-
-static kvs_status job_step(kvs_runner *g, int rank, void *arg) {
+/* The step's first hand-off: every rank's forward, ending at the backend's
+ * fence without waiting for it (each rank reads the manager, none writes it). */
+static kvs_status job_forward(kvs_runner *g, int rank, void *arg) {
     const step_args *a = arg;
     kvs_rank *r = &g->ranks[rank];
     bool out = rank == 0; /* rank 0 copies the results out */
-    kvs_status st = kvs_model_forward_unchecked(r->model, a->b, r->kv, a->params, a->extras, out ? a->ids : NULL,
-                                                out ? a->logprobs : NULL, out ? a->logits : NULL);
-    /* the KV policy's compactions go after the step's fence: the host plans them
-       while the device runs the step, and the device runs them while the host
-       prepares the next step. A failed op (ops return nothing, the backend
-       records it) fails the step that ran it (the fence's wait), or the next one
-       (a fault in the compactions: the next step's wait); a failed step fails
-       the engine, whatever the KV policy did in it */
-    if (st == KVS_OK) st = keep_step_kv(r->kv, a->b);
+    return kvs_model_forward_unchecked(r->model, a->b, g->kv, r->kv_dev, a->params, a->extras, out ? a->ids : NULL,
+                                       out ? a->logprobs : NULL, out ? a->logits : NULL);
+}
+
+/* The second: the plan's compactions (when the plan was made), then the fence's wait. */
+static kvs_status job_finish(kvs_runner *g, int rank, void *arg) {
+    const bool *compact = arg;
+    kvs_rank *r = &g->ranks[rank];
+    kvs_status st = *compact ? kvs_kv_device_compact(r->kv_dev, &g->plan) : KVS_OK;
     kvs_status end = kvs_model_step_end(r->model);
     return st != KVS_OK ? st : end;
 }
 
+/* The step's tokens committed and its compactions planned, on the caller's
+ * thread while the devices run the forward. */
+static kvs_status keep_step_kv(kvs_runner *g, const kvs_batch *b) {
+    double t0 = kvs_host_clock_start();
+    for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(g->kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
+    kvs_status st = kvs_kv_plan_compactions(g->kv, b->seq_ids, b->n_seqs, &g->plan);
+    kvs_host_clock_stop(KVS_HOST_KV_POLICY, t0);
+    return st;
+}
+
+/* The KV policy's compactions go after the step's fence: the host plans them
+ * while the device runs the step, and the device runs them while the host
+ * prepares the next step. A failed op (ops return nothing, the backend records
+ * it) fails the step that ran it (the fence's wait), or the next one (a fault
+ * in the compactions: the next step's wait); a failed step fails the engine,
+ * whatever the KV policy did in it. */
 static kvs_status step(kvs_runner *g, const kvs_batch *b, float *logits, int32_t *ids, const kvs_sample_row *params,
                        const kvs_sample_extras *x, float *logprobs) {
     KVS_TRY(kvs_runner_need_kv(g));
     if (params) KVS_TRY(kvs_model_check_sample(b, params, x, kvs_runner_config(g)->vocab_size));
-    KVS_TRY(kvs_model_check_batch(g->ranks[0].model, b, g->ranks[0].kv));
+    KVS_TRY(kvs_model_check_batch(g->ranks[0].model, b, g->kv, g->ranks[0].kv_dev));
     step_args a = {b, logits, ids, params, x, logprobs};
-    KVS_TRY(kvs_ranks_run(g, job_step, &a, true));
-    for (int s = 0; s < b->n_seqs; s++) KVS_TRY(kvs_runner_lengths_agree(g, b->seq_ids[s], "step"));
-    return KVS_OK;
+    kvs_status st = kvs_ranks_run(g, job_forward, &a, true);
+    bool compact = st == KVS_OK && (st = keep_step_kv(g, b)) == KVS_OK;
+    if (g->broken) return st; /* a rank failed in a collective: nothing more runs */
+    kvs_status end = kvs_ranks_run(g, job_finish, &compact, true);
+    return st != KVS_OK ? st : end;
 }
 
 kvs_status kvs_runner_step(kvs_runner *g, const kvs_batch *b, float *logits) {
