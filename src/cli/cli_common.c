@@ -241,6 +241,20 @@ static kvs_status wrap_profile(kvs_loaded *out, bool *graphs) {
     return KVS_OK;
 }
 
+/* Whether the model has a tokenizer: tokenizer.json in its folder, or a GGUF
+ * file's tokenizer.ggml.model (without one it runs with --prompt-ids). */
+static bool has_tokenizer(const char *model_dir) {
+    if (kvs_gguf_is_path(model_dir)) {
+        kvs_gguf *g;
+        if (kvs_gguf_open(model_dir, &g) != KVS_OK) return false;
+        bool has = kvs_gguf_find(g, "tokenizer.ggml.model") != NULL;
+        kvs_gguf_destroy(g);
+        return has;
+    }
+    char path[4096];
+    return kvs_path_join(path, sizeof path, model_dir, "tokenizer.json") == KVS_OK && kvs_file_exists(path);
+}
+
 kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
     memset(out, 0, sizeof *out);
     kvs_status st;
@@ -306,11 +320,7 @@ kvs_status kvs_cli_load(const kvs_load_options *o, kvs_loaded *out) {
         kvs_runner_set_graph_mode(out->runner, o->enforce_eager ? KVS_GRAPHS_OFF
                                                : graphs         ? KVS_GRAPHS_PADDED
                                                                 : KVS_GRAPHS_ON);
-    if (st == KVS_OK && o->model_dir) {
-        char path[4096];
-        if (kvs_path_join(path, sizeof path, o->model_dir, "tokenizer.json") == KVS_OK && kvs_file_exists(path))
-            st = kvs_tokenizer_load(o->model_dir, &out->tok);
-    }
+    if (st == KVS_OK && o->model_dir && has_tokenizer(o->model_dir)) st = kvs_tokenizer_load(o->model_dir, &out->tok);
     if (st != KVS_OK) kvs_cli_unload(out);
     return st;
 }

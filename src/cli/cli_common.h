@@ -48,7 +48,8 @@ typedef struct {
 } kvs_loaded;
 
 #define KVS_CLI_LOAD_HELP                                                                    \
-    "  -m, --model DIR        the model folder: config.json, safetensors, tokenizer.json\n"      \
+    "  -m, --model DIR        the model folder: config.json, safetensors, tokenizer.json;\n"    \
+    "                         or a GGUF file (FILE.gguf: llama.cpp's, nothing beside it)\n"    \
     "  --config FILE          a config.json alone, with --load-format dummy (no checkpoint)\n"   \
     "  --load-format F        auto (default): the safetensors; dummy: seeded random weights\n"   \
     "  --threads N            CPU threads (default: one per core, or $OMP_NUM_THREADS)\n"      \

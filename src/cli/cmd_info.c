@@ -124,6 +124,25 @@ static int print_json(const char *source, const kvs_config *c, const char *weigh
     return 0;
 }
 
+/* A GGUF file's tensor types, "GGUF: Q4_K x48, Q6_K x9, F32 x17 (...)", into buf. */
+static const char *gguf_types(const char *path, char *buf, size_t cap) {
+    kvs_gguf *g;
+    snprintf(buf, cap, "GGUF checked against its metadata");
+    if (kvs_gguf_open(path, &g) != KVS_OK) return buf;
+    int count[64] = {0};
+    for (size_t i = 0; i < g->n_tensors; i++)
+        if (g->tensors[i].type < 64) count[g->tensors[i].type]++;
+    size_t n = (size_t)snprintf(buf, cap, "GGUF:");
+    for (uint32_t t = 0; t < 64 && n < cap; t++) {
+        kvs_ggml_layout lay;
+        if (count[t] && kvs_ggml_type_layout(t, &lay))
+            n += (size_t)snprintf(buf + n, cap - n, " %s x%d,", lay.name, count[t]);
+    }
+    if (n < cap) snprintf(buf + n - 1, cap - n + 1, "; checked against its metadata, quantized types read as f32");
+    kvs_gguf_destroy(g);
+    return buf;
+}
+
 int kvs_cmd_info(int argc, char **argv) {
     const char *model_dir = NULL, *config_file = NULL, *load_format = "auto";
     double budget_gib = KVS_CLI_HOST_KV_GIB;
@@ -197,7 +216,10 @@ int kvs_cmd_info(int argc, char **argv) {
     kvs_host_tensor embed; /* the stored dtype wins over the config's torch_dtype */
     if (!dummy && kvs_checkpoint_read(ck, KVS_W_EMBED, -1, &embed) == KVS_OK) cfg.dtype = embed.dtype;
     kvs_checkpoint_destroy(ck);
-    const char *from = dummy ? "dummy weights, computed from the config" : "safetensors checked against the config";
+    char gguf_from[256];
+    const char *from = dummy                          ? "dummy weights, computed from the config"
+                       : kvs_gguf_is_path(model_dir) ? gguf_types(model_dir, gguf_from, sizeof gguf_from)
+                                                       : "safetensors checked against the config";
     const char *source = config_file ? config_file : model_dir;
     if (as_json) return print_json(source, &cfg, from, weight_bytes, budget_gib);
     print_text(source, &cfg, from, weight_bytes, budget_gib);

@@ -67,7 +67,7 @@ static kvs_status load(const char *model_dir, const kvsparse_options *o, kvspars
     KVS_TRY(kvs_checkpoint_open(model_dir, &e->cfg, &e->ck));
     char path[4096];
     KVS_TRY(kvs_path_join(path, sizeof path, model_dir, "tokenizer.json"));
-    if (!kvs_file_exists(path))
+    if (!kvs_gguf_is_path(model_dir) && !kvs_file_exists(path)) /* a GGUF file's: tokenizer.ggml.* */
         return kvs_fail(KVS_ERR_NOT_FOUND, "%s: no tokenizer.json (the embedding API takes text prompts)", model_dir);
     KVS_TRY(kvs_tokenizer_load(model_dir, &e->tok));
     const char *src = kvs_tokenizer_chat_template(e->tok);

@@ -76,6 +76,7 @@ void kvsparse_options_init(kvsparse_options *o);
 typedef struct kvsparse_engine kvsparse_engine;
 
 /* Loads a Hugging Face model folder (config.json, safetensors, tokenizer.json)
+ * or a GGUF file (a path ending in .gguf, with its tokenizer in the metadata)
  * and starts the engine's thread. o NULL: the defaults. */
 kvsparse_status kvsparse_create(const char *model_dir, const kvsparse_options *o, kvsparse_engine **out);
 /* Aborts what still runs, stops the thread, frees everything. NULL is a no-op.

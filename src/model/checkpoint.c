@@ -1,6 +1,6 @@
 /* Checkpoints: safetensors files (single or sharded via the index) mapped into
  * memory, or seeded dummy weights generated on demand into a scratch buffer. */
-#include "model/model.h"
+#include "model/model_internal.h"
 #include "backend/dummy_values.h"
 
 #include <jansson.h>
@@ -27,6 +27,8 @@ struct kvs_checkpoint {
     kvs_mapped_file *files;
     ck_tensor *tensors; /* sorted by name */
     size_t n_tensors, cap_tensors;
+    /* a GGUF file */
+    kvs_gguf_weights *gguf;
     /* dummy */
     bool dummy;
     uint64_t seed;
@@ -55,6 +57,7 @@ void kvs_checkpoint_destroy(kvs_checkpoint *ck) {
     free(ck->files);
     free(ck->file_names);
     free(ck->scratch);
+    kvs_gguf_weights_destroy(ck->gguf);
     free(ck);
 }
 
@@ -321,8 +324,23 @@ static kvs_status check_weights(kvs_checkpoint *ck, const char *default_file) {
     return KVS_OK;
 }
 
+static kvs_status open_gguf(const char *path, const kvs_config *cfg, kvs_checkpoint **out) {
+    kvs_checkpoint *ck = calloc(1, sizeof *ck);
+    if (!ck) return kvs_fail(KVS_ERR_NOMEM, "out of memory");
+    ck->cfg = *cfg;
+    kvs_status s = kvs_gguf_weights_open(path, cfg, &ck->gguf);
+    if (s != KVS_OK) {
+        kvs_checkpoint_destroy(ck);
+        return s;
+    }
+    ck->total_bytes = kvs_gguf_weights_bytes(ck->gguf);
+    *out = ck;
+    return KVS_OK;
+}
+
 kvs_status kvs_checkpoint_open(const char *model_dir, const kvs_config *cfg, kvs_checkpoint **out) {
     *out = NULL;
+    if (kvs_gguf_is_path(model_dir)) return open_gguf(model_dir, cfg, out);
     char index_path[4096], single_path[4096];
     KVS_TRY(kvs_path_join(index_path, sizeof index_path, model_dir, "model.safetensors.index.json"));
     KVS_TRY(kvs_path_join(single_path, sizeof single_path, model_dir, "model.safetensors"));
@@ -442,6 +460,7 @@ kvs_status kvs_checkpoint_read(kvs_checkpoint *ck, kvs_weight_kind kind, int lay
     out->shape[0] = shape[0];
     out->shape[1] = ndim == 2 ? shape[1] : 0;
     if (ck->dummy) return dummy_read(ck, kind, layer, shape, ndim, out);
+    if (ck->gguf) return kvs_gguf_weights_read(ck->gguf, kind, layer, out);
     const ck_tensor *t = find_tensor(ck, name);
     if (!t) return kvs_fail(KVS_ERR_INTERNAL, "checkpoint: tensor '%s' vanished after the check", name);
     out->dtype = t->dtype;
@@ -476,6 +495,8 @@ static const ck_tensor *stored(const kvs_checkpoint *ck, kvs_weight_kind kind, i
 }
 
 kvs_dtype kvs_checkpoint_dtype(const kvs_checkpoint *ck, kvs_weight_kind kind, int layer) {
+    if (ck && ck->gguf && (unsigned)kind < KVS_W_KIND_COUNT)
+        return kvs_gguf_weights_dtype(ck->gguf, kind, kind < KVS_W_ATTN_NORM ? -1 : layer);
     const ck_tensor *t = stored(ck, kind, layer);
     return t ? t->dtype : ck ? ck->cfg.dtype : KVS_BF16;
 }

@@ -366,6 +366,7 @@ static kvs_status merge_generation_config(const char *text, size_t len, kvs_conf
 }
 
 kvs_status kvs_config_load(const char *model_dir, kvs_config *cfg) {
+    if (kvs_gguf_is_path(model_dir)) return kvs_gguf_config_load(model_dir, cfg);
     char path[4096];
     char *text = NULL;
     size_t len = 0;

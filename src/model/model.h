@@ -6,6 +6,7 @@
 #include "backend/backend.h"
 #include "backend/sample.h"
 #include "core/core.h"
+#include "gguf/gguf.h"
 #include "kv/kv_device.h"
 
 /* ---- config.json ------------------------------------------------------------ */
@@ -62,8 +63,20 @@ typedef struct {
 
 /* Parses config.json text (name is used in messages). */
 kvs_status kvs_config_parse(const char *json_text, size_t len, const char *name, kvs_config *cfg);
-/* model_dir/config.json (+ generation_config.json's eos/bos when present). */
+/* model_dir/config.json (+ generation_config.json's eos/bos when present);
+ * model_dir may be a .gguf file instead (kvs_gguf_config_load). */
 kvs_status kvs_config_load(const char *model_dir, kvs_config *cfg);
+/* A GGUF file's config (gguf_config.c): its general.architecture (llama,
+ * qwen2, qwen3) and ARCH.* hyper-parameters (block_count, embedding_length, feed_forward_length,
+ * attention.head_count(_kv), attention.key_length, context_length,
+ * rope.freq_base, rope.scaling, attention.layer_norm_rms_epsilon), the
+ * vocabulary's size from tokenizer.ggml.tokens, bos and every end-of-generation
+ * id (eos, eot, eom) from tokenizer.ggml.*, tied embeddings where there is no
+ * output.weight; written as the equivalent config.json and parsed by
+ * kvs_config_parse (its checks, the file named in its messages). The dtype is
+ * the embedding's when F32/F16/BF16, float32 for quantized files. */
+kvs_status kvs_gguf_config(const kvs_gguf *g, kvs_config *cfg);
+kvs_status kvs_gguf_config_load(const char *path, kvs_config *cfg);
 /* Layer l's sliding window (config.sliding_window for a sliding layer, else 0). */
 int kvs_config_layer_window(const kvs_config *cfg, int layer);
 /* Bytes of K+V per token across all layers for a cache of the given dtype. */
@@ -120,6 +133,10 @@ typedef struct {
 
 /* Hugging Face name of a weight, e.g. "model.layers.3.self_attn.q_proj.weight". */
 void kvs_weight_name(kvs_weight_kind kind, int layer, char *buf, size_t cap);
+/* The same weight's name in a GGUF file, e.g. "blk.3.attn_q.weight", and back
+ * (false for a name that is no weight of the model's kinds). */
+void kvs_gguf_weight_name(kvs_weight_kind kind, int layer, char *buf, size_t cap);
+bool kvs_gguf_weight_kind(const char *gguf_name, kvs_weight_kind *kind, int *layer);
 /* q, k, v, o, gate, up, down: the weights --quantization fp8 stores in FP8. */
 bool kvs_weight_is_linear(kvs_weight_kind kind);
 /* Expected shape from the config; returns false if the model has no such weight
@@ -134,7 +151,13 @@ typedef struct kvs_checkpoint kvs_checkpoint;
  * (or, in an FP8 checkpoint, a linear weight in F8_E4M3 with its weight_scale:
  * one element or one per row, finite and not negative; an input_scale, when
  * present, one finite positive element), shape, and data inside the file.
- * Errors name the file and the tensor. */
+ * Errors name the file and the tensor. model_dir may be a .gguf file instead:
+ * every tensor of the file must be a weight the config calls for (others, such
+ * as rope_freqs or biases a llama has none of, are refused by name), of the
+ * config's shape, in F32, F16, BF16 (read in place) or Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q8_0, Q4_K, Q5_K, Q6_K (dequantized to f32 at read; other types refused by
+ * name); the llama architecture's q and k rows are put back from llama.cpp's
+ * interleaved order into Hugging Face's at read. */
 kvs_status kvs_checkpoint_open(const char *model_dir, const kvs_config *cfg, kvs_checkpoint **out);
 /* Seeded random weights for the config alone (--load-format dummy). */
 kvs_status kvs_checkpoint_dummy(const kvs_config *cfg, uint64_t seed, kvs_checkpoint **out);

@@ -11,6 +11,15 @@ kvs_status kvs_quant_config_parse(const struct json_t *root, const char *name, k
 /* JSON text (duplicate keys refused) into *out; a failure names name, the line and column. */
 kvs_status kvs_config_json_load(const char *text, size_t len, const char *name, struct json_t **out);
 
+/* A GGUF file's weights for the checkpoint (gguf_weights.c; kvs_checkpoint_open
+ * says what is checked); a read is valid until the next read. */
+typedef struct kvs_gguf_weights kvs_gguf_weights;
+kvs_status kvs_gguf_weights_open(const char *path, const kvs_config *cfg, kvs_gguf_weights **out);
+kvs_status kvs_gguf_weights_read(kvs_gguf_weights *w, kvs_weight_kind kind, int layer, kvs_host_tensor *out);
+kvs_dtype kvs_gguf_weights_dtype(const kvs_gguf_weights *w, kvs_weight_kind kind, int layer);
+size_t kvs_gguf_weights_bytes(const kvs_gguf_weights *w);
+void kvs_gguf_weights_destroy(kvs_gguf_weights *w);
+
 typedef struct {
     void *attn_norm;
     void *w_qkv; /* [(heads + 2 * kv_heads) * head_dim, hidden]: this rank's Q rows, then K's, then V's */

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf/gguf.h"
 #include "tokenizer/tokenizer_internal.h"
 
 static char *dup_str(const char *s) {
@@ -187,16 +188,11 @@ static kvs_status parse_json(kvs_tokenizer *t, json_t *root) {
     return build_tables(t);
 }
 
-kvs_status kvs_tokenizer_parse(const char *tokenizer_json, size_t len, const char *config_json,
-                               size_t config_len, kvs_tokenizer **out) {
-    *out = NULL;
-    if (!tokenizer_json) return kvs_fail(KVS_ERR_INVALID, "tokenizer.json: no text given");
-    json_error_t err;
-    json_t *root = json_loadb(tokenizer_json, len, JSON_ALLOW_NUL, &err);
-    if (!root) return kvs_fail(KVS_ERR_FORMAT, "tokenizer.json: line %d column %d: %s", err.line, err.column, err.text);
+/* The tokenizer of a tokenizer.json root (its reference kept by the caller)
+ * and tokenizer_config.json's text (may be NULL). */
+static kvs_status build(json_t *root, const char *config_json, size_t config_len, kvs_tokenizer **out) {
     kvs_tokenizer *t = calloc(1, sizeof *t);
     kvs_status st = t ? parse_json(t, root) : kvs_fail(KVS_ERR_NOMEM, "tokenizer.json: out of memory");
-    json_decref(root);
     if (st == KVS_OK && config_json) st = parse_config(t, config_json, config_len);
     if (st != KVS_OK) {
         kvs_tokenizer_destroy(t);
@@ -207,11 +203,50 @@ kvs_status kvs_tokenizer_parse(const char *tokenizer_json, size_t len, const cha
     return KVS_OK;
 }
 
+kvs_status kvs_tokenizer_parse(const char *tokenizer_json, size_t len, const char *config_json,
+                               size_t config_len, kvs_tokenizer **out) {
+    *out = NULL;
+    if (!tokenizer_json) return kvs_fail(KVS_ERR_INVALID, "tokenizer.json: no text given");
+    json_error_t err;
+    json_t *root = json_loadb(tokenizer_json, len, JSON_ALLOW_NUL, &err);
+    if (!root) return kvs_fail(KVS_ERR_FORMAT, "tokenizer.json: line %d column %d: %s", err.line, err.column, err.text);
+    kvs_status st = build(root, config_json, config_len, out);
+    json_decref(root);
+    return st;
+}
+
+kvs_status kvs_tokenizer_from_gguf(const kvs_gguf *g, kvs_tokenizer **out) {
+    *out = NULL;
+    json_t *root, *cfg;
+    KVS_TRY(tk_gguf_json(g, &root, &cfg));
+    char *cfg_text = json_dumps(cfg, JSON_COMPACT);
+    kvs_status st = cfg_text ? build(root, cfg_text, strlen(cfg_text), out)
+                             : kvs_fail(KVS_ERR_NOMEM, "tokenizer: out of memory");
+    free(cfg_text);
+    json_decref(root);
+    json_decref(cfg);
+    if (st != KVS_OK) { /* the messages name tokenizer.json: say which file it stands for */
+        char why[512];
+        snprintf(why, sizeof why, "%s", kvs_last_error());
+        return kvs_fail(st, "%s (tokenizer.ggml.* as a tokenizer.json): %s", g->file_name, why);
+    }
+    return KVS_OK;
+}
+
+static kvs_status load_gguf(const char *path, kvs_tokenizer **out) {
+    kvs_gguf *g;
+    KVS_TRY(kvs_gguf_open(path, &g));
+    kvs_status st = kvs_tokenizer_from_gguf(g, out);
+    kvs_gguf_destroy(g);
+    return st;
+}
+
 kvs_status kvs_tokenizer_load(const char *model_dir, kvs_tokenizer **out) {
     char path[4096];
     char *json = NULL, *cfg = NULL;
     size_t len = 0, cfg_len = 0;
     *out = NULL;
+    if (kvs_gguf_is_path(model_dir)) return load_gguf(model_dir, out);
     KVS_TRY(kvs_path_join(path, sizeof path, model_dir, "tokenizer.json"));
     KVS_TRY(kvs_read_file(path, &json, &len));
     kvs_status st = kvs_path_join(path, sizeof path, model_dir, "tokenizer_config.json");

@@ -6,14 +6,19 @@
 #define KVS_TOKENIZER_H
 
 #include "core/core.h"
+#include "gguf/gguf.h"
 #include "template/template.h"
 
 /* ======================= tokenizer.json ===================================== */
 typedef struct kvs_tokenizer kvs_tokenizer;
 
 /* Loads model_dir/tokenizer.json (+ tokenizer_config.json and
- * special_tokens_map.json when present). */
+ * special_tokens_map.json when present); model_dir may be a .gguf file instead. */
 kvs_status kvs_tokenizer_load(const char *model_dir, kvs_tokenizer **out);
+/* A GGUF file's tokenizer.ggml.* (byte-level BPE or SentencePiece: gguf_vocab.c
+ * says what is supported) and tokenizer.chat_template, built as the
+ * tokenizer.json they stand for. */
+kvs_status kvs_tokenizer_from_gguf(const kvs_gguf *g, kvs_tokenizer **out);
 /* Parses tokenizer.json text directly (config_json may be NULL): for tests and fuzzing. */
 kvs_status kvs_tokenizer_parse(const char *tokenizer_json, size_t len, const char *config_json,
                                size_t config_len, kvs_tokenizer **out);

@@ -219,6 +219,17 @@ typedef struct {
     int n_by_byte[2][256];
 } tk_added_set;
 kvs_status tk_added_parse(json_t *arr, tk_added_set *out);
+
+/* ---- a GGUF file's tokenizer (gguf_vocab.c) ----------------------------------- */
+struct kvs_gguf;
+/* tokenizer.ggml.* as the tokenizer.json root and tokenizer_config.json root
+ * they stand for (both new references). */
+kvs_status tk_gguf_json(const struct kvs_gguf *g, json_t **tokenizer_json, json_t **config_json);
+/* A SentencePiece vocabulary's merges (gguf_spm.c): every split of a piece
+ * into two pieces of vocab, ordered by the piece's tokenizer.ggml.scores
+ * (highest first; without scores, by id), then by the ids of the piece and its
+ * halves, as Hugging Face's converter orders them; appended to merges. */
+kvs_status tk_gguf_spm_merges(const struct kvs_gguf *g, const struct kvs_gguf_kv *tokens, json_t *vocab, json_t *merges);
 void tk_added_free(tk_added_set *s);
 const tk_added *tk_added_by_id(const tk_added_set *s, int32_t id);
 /* Splits s into text pieces and added-token matches of the given set
