@@ -65,7 +65,7 @@ kvs_status kvs_config_parse(const char *json_text, size_t len, const char *name,
 /* model_dir/config.json (+ generation_config.json's eos/bos when present). */
 kvs_status kvs_config_load(const char *model_dir, kvs_config *cfg);
 /* Layer l's sliding window (config.sliding_window for a sliding layer, else 0). */
-int kvs_config_layer_window(const kvs_config *cfg, int layer);
+int kvs_config_layer_sliding_window(const kvs_config *cfg, int layer);
 /* Bytes of K+V per token across all layers for a cache of the given dtype. */
 size_t kvs_config_kv_bytes_per_token(const kvs_config *cfg, kvs_dtype kv_dtype);
 int64_t kvs_config_param_count(const kvs_config *cfg);
