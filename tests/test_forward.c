@@ -468,7 +468,7 @@ static void sliding_generate(rig *r, int seq, int n, void (*check)(rig *, int, i
 }
 
 static void check_bounded(rig *r, int seq, int n) {
-    int W = kvs_config_layer_window(&r->cfg, 1), bs = 16;
+    int W = kvs_config_layer_sliding_window(&r->cfg, 1), bs = 16;
     cr_assert_eq(kvs_kv_len(r->kv, seq, 0), n, "the full layer holds every token");
     int len = kvs_kv_len(r->kv, seq, 1), nb;
     kvs_kv_blocks(r->kv, seq, 1, &nb);
@@ -484,8 +484,8 @@ Test(forward, sliding_window_memory_stays_bounded_over_4000_tokens) {
     json_decref(arch_reference("qwen2-sliding", dir, sizeof dir));
     rig r;
     rig_open(&r, dir, NULL, RIG_BLOCKS(4100, 1), 1);
-    cr_assert(kvs_config_layer_window(&r.cfg, 0) == 0 && kvs_config_layer_window(&r.cfg, 1) == 64);
-    cr_assert_eq(kvs_kv_layer_window(r.kv, 1), 64);
+    cr_assert(kvs_config_layer_sliding_window(&r.cfg, 0) == 0 && kvs_config_layer_sliding_window(&r.cfg, 1) == 64);
+    cr_assert_eq(kvs_kv_layer_sliding_window(r.kv, 1), 64);
     int seq = kvs_kv_seq_create(r.kv);
     sliding_generate(&r, seq, 4000, check_bounded);
     int nb0, nb1;

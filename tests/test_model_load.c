@@ -284,8 +284,8 @@ Test(config, sliding_windows_and_qwen3) {
     kvs_config c;
     cr_assert_eq(parse_str("{\"model_type\":\"mistral\"," BASE ",\"max_position_embeddings\":32768,"
                            "\"sliding_window\":4096}", &c), KVS_OK, "%s", kvs_last_error());
-    cr_expect(kvs_config_layer_window(&c, 0) == 4096 && kvs_config_layer_window(&c, 1) == 4096);
-    cr_expect_eq(kvs_config_layer_window(&c, 2), 0, "no layer 2");
+    cr_expect(kvs_config_layer_sliding_window(&c, 0) == 4096 && kvs_config_layer_sliding_window(&c, 1) == 4096);
+    cr_expect_eq(kvs_config_layer_sliding_window(&c, 2), 0, "no layer 2");
     cr_assert_eq(parse_str("{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":4096}", &c), KVS_OK);
     cr_expect_eq(c.sliding_window, 0, "Qwen2 without use_sliding_window: none");
     cr_assert_eq(parse_str("{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":64,\"use_sliding_window\":true}",
@@ -293,10 +293,10 @@ Test(config, sliding_windows_and_qwen3) {
     cr_expect_eq(c.sliding_window, 0, "max_window_layers 28 by default: no layer of 2");
     cr_assert_eq(parse_str("{\"model_type\":\"qwen2\"," BASE ",\"sliding_window\":64,\"use_sliding_window\":true,"
                            "\"max_window_layers\":1}", &c), KVS_OK);
-    cr_expect(kvs_config_layer_window(&c, 0) == 0 && kvs_config_layer_window(&c, 1) == 64);
+    cr_expect(kvs_config_layer_sliding_window(&c, 0) == 0 && kvs_config_layer_sliding_window(&c, 1) == 64);
     cr_assert_eq(parse_str("{\"model_type\":\"qwen3\"," BASE ",\"sliding_window\":32,\"use_sliding_window\":false,"
                            "\"layer_types\":[\"sliding_attention\",\"full_attention\"]}", &c), KVS_OK);
-    cr_expect(kvs_config_layer_window(&c, 0) == 32 && kvs_config_layer_window(&c, 1) == 0, "layer_types decide");
+    cr_expect(kvs_config_layer_sliding_window(&c, 0) == 32 && kvs_config_layer_sliding_window(&c, 1) == 0, "layer_types decide");
     cr_expect(c.qk_norm && !c.attention_bias);
     cr_expect_str_eq(c.architecture, "Qwen3ForCausalLM");
     cr_assert_eq(parse_str("{\"model_type\":\"llama\"," BASE ",\"sliding_window\":64,\"use_sliding_window\":true}",

@@ -297,8 +297,8 @@ void rig_open_quantized(rig *r, const char *dir, kvs_backend *be, int64_t n_bloc
                         .n_heads = r->cfg.n_heads, .block_size = 16, .n_blocks = n_blocks, .max_seqs = max_seqs};
     cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
     int32_t window[KVS_MAX_LAYERS]; /* the model's sliding-window layers, as the runner sets them */
-    for (int l = 0; l < r->cfg.n_layers; l++) window[l] = kvs_config_layer_window(&r->cfg, l);
-    cr_assert_eq(kvs_kv_set_windows(r->kv, window), KVS_OK, "%s", kvs_last_error());
+    for (int l = 0; l < r->cfg.n_layers; l++) window[l] = kvs_config_layer_sliding_window(&r->cfg, l);
+    cr_assert_eq(kvs_kv_set_sliding_windows(r->kv, window), KVS_OK, "%s", kvs_last_error());
     /* an FP8 pool takes the checkpoint's k_scale / v_scale, as the runner's caches do */
     cr_assert_eq(kvs_kv_set_scales(r->kv, kvs_model_kv_scales(r->m)), KVS_OK, "%s", kvs_last_error());
 }

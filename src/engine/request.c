@@ -393,7 +393,7 @@ void kvs_request_append(kvs_engine *e, kvs_request *r, int32_t id, float logprob
         r->n_layers = r->layer_entries && r->layer_kind ? n_layers : 0; /* out of memory: none reported */
         for (int l = 0; l < r->n_layers; l++) { /* 1: compacted by its policy, 2: a sliding-window layer, 0: full */
             r->layer_entries[l] = kvs_kv_len(kv, r->seq, l);
-            r->layer_kind[l] = kvs_kv_layer_sparse(kv, r->seq, l) ? 1 : kvs_kv_layer_window(kv, l) > 0 ? 2 : 0;
+            r->layer_kind[l] = kvs_kv_layer_sparse(kv, r->seq, l) ? 1 : kvs_kv_layer_sliding_window(kv, l) > 0 ? 2 : 0;
         }
     }
     deliver_and_consume(r, &r->gen[r->n_gen - 1], r->logprobs > 0 ? &logprob : NULL,

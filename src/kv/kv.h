@@ -60,8 +60,8 @@ void kvs_kv_commit(kvs_kv_cache *kv, int seq_id, int n_new);
  * window + block_size + the step's tokens. Sparse policies leave window
  * layers alone (they are bounded already) and compact the others; prefix
  * caching is turned off (a window layer's table no longer starts at the prompt). */
-kvs_status kvs_kv_set_windows(kvs_kv_cache *kv, const int32_t *window);
-int kvs_kv_layer_window(const kvs_kv_cache *kv, int layer); /* 0: not a window layer */
+kvs_status kvs_kv_set_sliding_windows(kvs_kv_cache *kv, const int32_t *window);
+int kvs_kv_layer_sliding_window(const kvs_kv_cache *kv, int layer); /* 0: not a window layer */
 
 /* A layer's block table and length. */
 int kvs_kv_len(const kvs_kv_cache *kv, int seq_id, int layer);

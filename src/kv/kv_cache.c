@@ -34,7 +34,7 @@ void kvs_kv_destroy(kvs_kv_cache *kv) {
     kvs_kv_device_destroy(kv->own);
     kvs_kv_compactions_free(&kv->own_plan);
     kvs_block_pool_release(&kv->blocks);
-    free(kv->window);
+    free(kv->sliding);
     free(kv->seqs);
     free(kv);
 }
@@ -115,17 +115,17 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
     return KVS_OK;
 }
 
-kvs_status kvs_kv_set_windows(kvs_kv_cache *kv, const int32_t *window) {
+kvs_status kvs_kv_set_sliding_windows(kvs_kv_cache *kv, const int32_t *window) {
     int L = kv->cfg.n_layers, any = 0;
     for (int l = 0; window && l < L; l++) {
         if (window[l] < 0) return kvs_fail(KVS_ERR_INVALID, "kv cache: layer %d's sliding window %d < 0", l, window[l]);
         any |= window[l] > 0;
     }
-    free(kv->window);
-    kv->window = NULL;
+    free(kv->sliding);
+    kv->sliding = NULL;
     if (!any) return KVS_OK;
-    if (!(kv->window = malloc(sizeof(int32_t) * (size_t)L))) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
-    memcpy(kv->window, window, sizeof(int32_t) * (size_t)L);
+    if (!(kv->sliding = malloc(sizeof(int32_t) * (size_t)L))) return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
+    memcpy(kv->sliding, window, sizeof(int32_t) * (size_t)L);
     if (kv->cfg.prefix_caching) kvs_log(KVS_LOG_INFO, "kv cache: sliding-window layers: prefix caching is off");
     kv->cfg.prefix_caching = false;
     return KVS_OK;
@@ -150,7 +150,7 @@ void kvs_kv_commit(kvs_kv_cache *kv, int seq_id, int n_new) {
     s->n_tokens += n_new;
     for (int l = 0; l < kv->cfg.n_layers; l++) {
         s->layers[l].len += n_new;
-        if (kv->window && kv->window[l] > 0) slide(kv, &s->layers[l], kv->window[l]);
+        if (kv->sliding && kv->sliding[l] > 0) slide(kv, &s->layers[l], kv->sliding[l]);
     }
     if (s->prompt_hash) kvs_kv_register_prompt(kv, s);
 }

@@ -130,7 +130,7 @@ struct kvs_kv_cache {
     kvs_kv_config cfg;
     kvs_block_pool blocks;
     uint64_t (*hash_block)(uint64_t parent_hash, const int32_t *tokens, int n); /* tests force collisions */
-    int32_t *window;      /* [n_layers]: sliding windows (kvs_kv_set_windows); NULL: none */
+    int32_t *sliding;     /* [n_layers]: sliding windows (kvs_kv_set_sliding_windows); NULL: none */
     seq_state *seqs;
     bool windows_wanted;  /* a sparse policy was set: the devices need their window buffers */
     kvs_kv_device *own;   /* kvs_kv_create's device (one_device.c); NULL for the runner's manager */

@@ -37,7 +37,7 @@ kvs_status kvs_kv_set_policy(kvs_kv_cache *kv, int seq_id, const kvs_kv_policy *
     kvs_kv_policy_budgets(p, L, prompt_len, s->budgets);
     for (int l = 0; l < L; l++) {
         s->ring_base[l] = prompt_len;
-        if (kvs_kv_layer_window(kv, l) > 0) s->budgets[l] = -1; /* bounded by its window: never compacted */
+        if (kvs_kv_layer_sliding_window(kv, l) > 0) s->budgets[l] = -1; /* bounded by its window: never compacted */
     }
     return KVS_OK;
 }

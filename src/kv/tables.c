@@ -67,8 +67,8 @@ void kvs_kv_slots(const kvs_kv_cache *kv, int seq_id, int layer, int entry0, int
     }
 }
 
-int kvs_kv_layer_window(const kvs_kv_cache *kv, int layer) {
-    return kv->window && layer >= 0 && layer < kv->cfg.n_layers ? kv->window[layer] : 0;
+int kvs_kv_layer_sliding_window(const kvs_kv_cache *kv, int layer) {
+    return kv->sliding && layer >= 0 && layer < kv->cfg.n_layers ? kv->sliding[layer] : 0;
 }
 
 int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv) { return kvs_block_pool_available(&kv->blocks); }

@@ -261,7 +261,7 @@ static kvs_status parse_sliding_window(const json_t *root, const char *name, boo
     return KVS_OK;
 }
 
-int kvs_config_layer_window(const kvs_config *cfg, int layer) {
+int kvs_config_layer_sliding_window(const kvs_config *cfg, int layer) {
     return layer >= 0 && layer < cfg->n_layers && cfg->sliding_layers[layer] ? cfg->sliding_window : 0;
 }
 

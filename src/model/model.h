@@ -78,7 +78,7 @@ kvs_status kvs_config_load(const char *model_dir, kvs_config *cfg);
 kvs_status kvs_gguf_config(const kvs_gguf *g, kvs_config *cfg);
 kvs_status kvs_gguf_config_load(const char *path, kvs_config *cfg);
 /* Layer l's sliding window (config.sliding_window for a sliding layer, else 0). */
-int kvs_config_layer_window(const kvs_config *cfg, int layer);
+int kvs_config_layer_sliding_window(const kvs_config *cfg, int layer);
 /* Bytes of K+V per token across all layers for a cache of the given dtype. */
 size_t kvs_config_kv_bytes_per_token(const kvs_config *cfg, kvs_dtype kv_dtype);
 int64_t kvs_config_param_count(const kvs_config *cfg);

@@ -168,6 +168,6 @@ int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch
     const kvs_block_tables *t = &sb->tables;
     *ab = (kvs_attn_batch){sh->n_seqs, sh->n_rows, t->blocks, lm->max_q_len, lm->max_kv_len, sb->q_start,
                            sb->kv_len, t->dev + (size_t)l * t->rows * t->blocks, sb->table_rows,
-                           kvs_config_layer_window(&m->cfg, l), sh->n_decode};
+                           kvs_config_layer_sliding_window(&m->cfg, l), sh->n_decode};
     return lm->n_cap;
 }

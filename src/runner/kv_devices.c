@@ -31,8 +31,8 @@ kvs_status kvs_runner_kv_create(kvs_runner *g, const kvs_kv_config *global) {
     KVS_TRY(kvs_kv_manager_create(global, &g->kv));
     /* the model's sliding-window layers (kv.h) */
     int32_t window[KVS_MAX_LAYERS];
-    for (int l = 0; l < g->cfg.n_layers; l++) window[l] = kvs_config_layer_window(&g->cfg, l);
-    kvs_status st = kvs_kv_set_windows(g->kv, window);
+    for (int l = 0; l < g->cfg.n_layers; l++) window[l] = kvs_config_layer_sliding_window(&g->cfg, l);
+    kvs_status st = kvs_kv_set_sliding_windows(g->kv, window);
     if (st == KVS_OK) st = kvs_ranks_run(g, job_device_create, (void *)global, false);
     if (st != KVS_OK) {
         kvs_kv_destroy(g->kv);
