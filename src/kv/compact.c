@@ -106,24 +106,16 @@ kvs_status kvs_kv_plan_snapkv(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_st
     return KVS_OK;
 }
 
-void kvs_kv_plan_drop(kvs_kv_cache *kv, kvs_kv_compactions *plan, int first_job) {
-    for (int i = plan->n_jobs - 1; i >= first_job; i--) {
+void kvs_kv_plan_drop(kvs_kv_cache *kv, kvs_kv_compactions *plan) {
+    for (int i = plan->n_jobs - 1; i >= 0; i--) {
         const kvs_kv_compaction *j = &plan->jobs[i];
         for (int b = j->dst_blocks - 1; b >= 0; b--) kvs_block_drop(&kv->blocks, plan->tables[j->dst_table + b]);
     }
-    if (first_job < plan->n_jobs) {
-        plan->n_tables = (size_t)plan->jobs[first_job].table;
-        for (int i = first_job; i < plan->n_jobs; i++) /* the first job with lists marks where they began */
-            if (plan->jobs[i].kind == KVS_COMPACT_KEEP) {
-                plan->n_keep = (size_t)plan->jobs[i].keep;
-                break;
-            }
-        plan->n_jobs = first_job;
-    }
+    kvs_kv_plan_clear(plan);
 }
 
-void kvs_kv_plan_apply(kvs_kv_cache *kv, const kvs_kv_compactions *plan, int first_job) {
-    for (int i = first_job; i < plan->n_jobs; i++) {
+void kvs_kv_plan_apply(kvs_kv_cache *kv, const kvs_kv_compactions *plan) {
+    for (int i = 0; i < plan->n_jobs; i++) {
         const kvs_kv_compaction *j = &plan->jobs[i];
         seq_state *s = &kv->seqs[j->seq];
         layer_table *t = &s->layers[j->layer];

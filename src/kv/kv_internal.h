@@ -173,17 +173,18 @@ void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks);
 void kvs_kv_free_sparsity(kvs_kv_cache *kv, seq_state *s);
 /* The observation-window rows each sequence has in the window buffers. */
 static inline int kvs_kv_window_cap(const kvs_kv_cache *kv) { return kv->cfg.max_window > 0 ? kv->cfg.max_window : 64; }
-/* The plan's compactions of (s, layer) (compact.c): one with keep lists given
- * (n_keep_heads lists of n_keep, or one for every head), or a SnapKV one
- * (sparsify.c), its copy's blocks taken now when the layer is shared or cached.
- * kvs_kv_plan_apply then applies the plan's jobs from first_job on to the
+/* The plan's compactions of (s, layer) (compact.c), added to an emptied plan
+ * (kvs_kv_plan_clear): one with keep lists given (keep_heads lists of n_keep,
+ * or one for every head), or a SnapKV one, its copy's blocks taken now when the
+ * layer is shared or cached. kvs_kv_plan_apply then applies every job to the
  * tables (new lengths, blocks released): after every job's blocks are taken,
  * so that no job writes a block another job of the batch reads. */
+static inline void kvs_kv_plan_clear(kvs_kv_compactions *plan) { plan->n_jobs = 0, plan->n_tables = plan->n_keep = 0; }
 kvs_status kvs_kv_plan_keep(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_state *s, int layer, const int32_t *keep,
                             int n_keep, int keep_heads);
 kvs_status kvs_kv_plan_snapkv(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_state *s, int layer);
-void kvs_kv_plan_apply(kvs_kv_cache *kv, const kvs_kv_compactions *plan, int first_job);
-/* Forgets the plan's jobs from first_job on (a job failed before any ran): their copies' blocks go back. */
-void kvs_kv_plan_drop(kvs_kv_cache *kv, kvs_kv_compactions *plan, int first_job);
+void kvs_kv_plan_apply(kvs_kv_cache *kv, const kvs_kv_compactions *plan);
+/* Forgets the plan (a job failed before any ran): its copies' blocks go back, the plan is empty. */
+void kvs_kv_plan_drop(kvs_kv_cache *kv, kvs_kv_compactions *plan);
 
 #endif

@@ -57,9 +57,9 @@ kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t
                 return kvs_fail(KVS_ERR_INVALID, "kv compact: head %d keep list not sorted, distinct and < %d", h, t->len);
         }
     kvs_kv_compactions *plan = &kv->own_plan;
-    plan->n_jobs = 0, plan->n_tables = plan->n_keep = 0;
+    kvs_kv_plan_clear(plan);
     KVS_TRY(kvs_kv_plan_keep(kv, plan, s, layer, keep, n_keep, H));
-    kvs_kv_plan_apply(kv, plan, 0);
+    kvs_kv_plan_apply(kv, plan);
     return kvs_kv_device_compact(kv->own, plan);
 }
 
@@ -87,7 +87,6 @@ kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq) {
         free(from), free(to);
         return from && to ? KVS_ERR_NOMEM : kvs_fail(KVS_ERR_NOMEM, "kv fork: out of memory");
     }
-    src = &kv->seqs[seq_id];
     seq_state *dst = &kv->seqs[id];
     int n_copy = 0;
     kvs_status st = KVS_OK;

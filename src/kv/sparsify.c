@@ -92,7 +92,7 @@ static bool due(const seq_state *s, const layer_table *t, int layer, bool at_pre
 }
 
 kvs_status kvs_kv_plan_compactions(kvs_kv_cache *kv, const int32_t *seq_ids, int n, kvs_kv_compactions *plan) {
-    plan->n_jobs = 0, plan->n_tables = plan->n_keep = 0;
+    kvs_kv_plan_clear(plan);
     for (int i = 0; i < n; i++)
         if (!kvs_kv_get_seq(kv, seq_ids[i])) return kvs_fail(KVS_ERR_INVALID, "kv cache: no sequence %d", seq_ids[i]);
     kvs_status st = KVS_OK;
@@ -110,9 +110,9 @@ kvs_status kvs_kv_plan_compactions(kvs_kv_cache *kv, const int32_t *seq_ids, int
         while (st == KVS_OK && s->n_spare > 0) kvs_block_drop(&kv->blocks, s->spare[--s->n_spare]);
     }
     if (st != KVS_OK) { /* the step fails: the copies' blocks go back, the tables stay as they were */
-        kvs_kv_plan_drop(kv, plan, 0);
+        kvs_kv_plan_drop(kv, plan);
         return st;
     }
-    kvs_kv_plan_apply(kv, plan, 0);
+    kvs_kv_plan_apply(kv, plan);
     return KVS_OK;
 }
