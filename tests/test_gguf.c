@@ -565,6 +565,37 @@ Test(gguf, the_q8_0_quantizer_reproduces_the_files_blocks) {
     kvs_gguf_destroy(q8);
 }
 
+/* Every case of the fixture file rel (text, tokenizer.json's ids and decoded
+ * text) through t: its ids, and the ids decoded, each a failed expectation
+ * where they differ. Returns the cases where both agree; *n_cases the cases. */
+static int expect_fixture_cases(const kvs_tokenizer *t, const char *name, const char *rel, int *n_cases) {
+    json_t *cases = load_jsonl(shared_input(rel));
+    size_t i;
+    json_t *c;
+    int equal = 0;
+    json_array_foreach(cases, i, c) {
+        const char *text = json_string_value(json_object_get(c, "text"));
+        int n_want, n_got;
+        int32_t *want = json_ids(json_object_get(c, "ids"), &n_want), *got;
+        kvs_encode_options o = {.add_special_tokens = false, .parse_special = true};
+        cr_assert_eq(kvs_tokenizer_encode(t, text, strlen(text), o, &got, &n_got), KVS_OK, "%s", kvs_last_error());
+        bool same = n_got == n_want && !memcmp(got, want, sizeof *got * (size_t)n_got);
+        cr_expect(same, "%s case %zu: '%s'", name, i, text);
+        char *dec;
+        size_t len;
+        cr_assert_eq(kvs_tokenizer_decode(t, want, n_want, false, &dec, &len), KVS_OK);
+        const char *want_dec = json_string_value(json_object_get(c, "decoded"));
+        bool same_text = len == strlen(want_dec) && !memcmp(dec, want_dec, len);
+        cr_expect(same_text, "%s case %zu decoded: '%s'", name, i, dec);
+        free(dec);
+        equal += same && same_text;
+        free(got), free(want);
+    }
+    *n_cases = (int)json_array_size(cases);
+    json_decref(cases);
+    return equal;
+}
+
 Test(gguf, tokenizer_equals_tokenizer_json) {
     kvs_tokenizer *g, *j;
     cr_assert_eq(kvs_tokenizer_load(fixture("tiny-bf16.gguf"), &g), KVS_OK, "%s", kvs_last_error());
@@ -578,25 +609,8 @@ Test(gguf, tokenizer_equals_tokenizer_json) {
     cr_expect_eq(kvs_tokenizer_bos_id(g), 8187);
     cr_expect_eq(kvs_tokenizer_eos_id(g), 8191);
     cr_expect_null(kvs_tokenizer_chat_template(g)); /* the fixture's file has none */
-    json_t *cases = load_jsonl(shared_input("fixtures/tokenizers/tiny-needle-llama.jsonl"));
-    size_t i;
-    json_t *c;
-    int n_cases = 0;
-    json_array_foreach(cases, i, c) {
-        const char *text = json_string_value(json_object_get(c, "text"));
-        int n_want, n_got;
-        int32_t *want = json_ids(json_object_get(c, "ids"), &n_want), *got;
-        kvs_encode_options o = {.add_special_tokens = false, .parse_special = true};
-        cr_assert_eq(kvs_tokenizer_encode(g, text, strlen(text), o, &got, &n_got), KVS_OK, "%s", kvs_last_error());
-        cr_expect(n_got == n_want && !memcmp(got, want, sizeof *got * (size_t)n_got), "case %zu", i);
-        char *dec;
-        size_t len;
-        cr_assert_eq(kvs_tokenizer_decode(g, got, n_got, false, &dec, &len), KVS_OK);
-        const char *want_dec = json_string_value(json_object_get(c, "decoded"));
-        cr_expect(len == strlen(want_dec) && !memcmp(dec, want_dec, len), "case %zu decoded", i);
-        free(dec), free(got), free(want);
-        n_cases++;
-    }
+    int n_cases;
+    expect_fixture_cases(g, "tiny-needle-llama", "fixtures/tokenizers/tiny-needle-llama.jsonl", &n_cases);
     cr_expect_eq(n_cases, 174);
     /* llama.cpp adds BOS when the file says so: this file says false */
     int32_t *ids;
@@ -605,7 +619,6 @@ Test(gguf, tokenizer_equals_tokenizer_json) {
     cr_assert_eq(kvs_tokenizer_encode(g, "Hello", 5, o, &ids, &n), KVS_OK);
     cr_expect(n > 0 && ids[0] != 8187);
     free(ids);
-    json_decref(cases);
     kvs_tokenizer_destroy(g);
     kvs_tokenizer_destroy(j);
 }
@@ -872,31 +885,9 @@ static void fetched_fixtures(const char *name, const char *pre) {
     kvs_tokenizer *t = tokenizer_as_gguf(name, pre);
     char rel[128];
     snprintf(rel, sizeof rel, "fixtures/tokenizers/%s.jsonl", name);
-    json_t *cases = load_jsonl(shared_input(rel));
-    size_t i;
-    json_t *c;
-    int equal = 0;
-    json_array_foreach(cases, i, c) {
-        const char *text = json_string_value(json_object_get(c, "text"));
-        int n_want, n_got;
-        int32_t *want = json_ids(json_object_get(c, "ids"), &n_want), *got;
-        kvs_encode_options o = {.add_special_tokens = false, .parse_special = true};
-        cr_assert_eq(kvs_tokenizer_encode(t, text, strlen(text), o, &got, &n_got), KVS_OK, "%s", kvs_last_error());
-        bool same = n_got == n_want && !memcmp(got, want, sizeof *got * (size_t)n_got);
-        cr_expect(same, "%s case %zu: '%s'", name, i, text);
-        char *dec;
-        size_t len;
-        cr_assert_eq(kvs_tokenizer_decode(t, want, n_want, false, &dec, &len), KVS_OK);
-        const char *want_dec = json_string_value(json_object_get(c, "decoded"));
-        bool same_text = len == strlen(want_dec) && !memcmp(dec, want_dec, len);
-        cr_expect(same_text, "%s case %zu decoded: '%s'", name, i, dec);
-        free(dec);
-        equal += same && same_text;
-        free(got), free(want);
-    }
-    cr_log_info("%s as a GGUF vocabulary (%s): %d of %zu fixture strings give tokenizer.json's ids and text", name,
-                pre ? pre : "SentencePiece", equal, json_array_size(cases));
-    json_decref(cases);
+    int n_cases, equal = expect_fixture_cases(t, name, rel, &n_cases);
+    cr_log_info("%s as a GGUF vocabulary (%s): %d of %d fixture strings give tokenizer.json's ids and text", name,
+                pre ? pre : "SentencePiece", equal, n_cases);
     kvs_tokenizer_destroy(t);
 }
 
