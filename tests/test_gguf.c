@@ -433,35 +433,32 @@ Test(gguf, every_bf16_weight_equals_the_safetensors_bit_for_bit) {
     kvs_checkpoint *st, *gg;
     open_both("tiny-bf16.gguf", &cfg, &st, &gg);
     int compared = 0;
-    for (int layer = -1; layer < cfg.n_layers; layer++)
-        for (int k = 0; k < KVS_W_KIND_COUNT; k++) {
-            int64_t shape[2];
-            int nd;
-            if ((k < KVS_W_ATTN_NORM) != (layer < 0) || !kvs_weight_expected(&cfg, (kvs_weight_kind)k, shape, &nd))
-                continue;
-            kvs_host_tensor a, b;
-            cr_assert_eq(kvs_checkpoint_read(st, (kvs_weight_kind)k, layer, &a), KVS_OK, "%s", kvs_last_error());
-            size_t n = a.nbytes;
-            void *copy = malloc(n); /* the next read may reuse the scratch */
-            memcpy(copy, a.data, n);
-            kvs_dtype dt = a.dtype;
-            cr_assert_eq(kvs_checkpoint_read(gg, (kvs_weight_kind)k, layer, &b), KVS_OK, "%s", kvs_last_error());
-            char name[160];
-            kvs_weight_name((kvs_weight_kind)k, layer, name, sizeof name);
-            /* the norms are F32 in the GGUF (llama.cpp keeps 1-D tensors in f32): compare values */
-            if (b.dtype == dt) {
-                cr_expect(b.nbytes == n && !memcmp(copy, b.data, n), "%s differs", name);
-            } else {
-                size_t count = n / kvs_dtype_size(dt);
-                float *x = malloc(count * 4), *y = malloc(count * 4);
-                kvs_to_f32(x, copy, dt, count);
-                kvs_to_f32(y, b.data, b.dtype, count);
-                cr_expect(b.nbytes / kvs_dtype_size(b.dtype) == count && !memcmp(x, y, count * 4), "%s differs", name);
-                free(x), free(y);
-            }
-            free(copy);
-            compared++;
+    int64_t shape[2];
+    int nd;
+    for (int layer = -1, k = -1; kvs_weight_next(&cfg, &layer, &k, shape, &nd);) {
+        kvs_host_tensor a, b;
+        cr_assert_eq(kvs_checkpoint_read(st, (kvs_weight_kind)k, layer, &a), KVS_OK, "%s", kvs_last_error());
+        size_t n = a.nbytes;
+        void *copy = malloc(n); /* the next read may reuse the scratch */
+        memcpy(copy, a.data, n);
+        kvs_dtype dt = a.dtype;
+        cr_assert_eq(kvs_checkpoint_read(gg, (kvs_weight_kind)k, layer, &b), KVS_OK, "%s", kvs_last_error());
+        char name[160];
+        kvs_weight_name((kvs_weight_kind)k, layer, name, sizeof name);
+        /* the norms are F32 in the GGUF (llama.cpp keeps 1-D tensors in f32): compare values */
+        if (b.dtype == dt) {
+            cr_expect(b.nbytes == n && !memcmp(copy, b.data, n), "%s differs", name);
+        } else {
+            size_t count = n / kvs_dtype_size(dt);
+            float *x = malloc(count * 4), *y = malloc(count * 4);
+            kvs_to_f32(x, copy, dt, count);
+            kvs_to_f32(y, b.data, b.dtype, count);
+            cr_expect(b.nbytes / kvs_dtype_size(b.dtype) == count && !memcmp(x, y, count * 4), "%s differs", name);
+            free(x), free(y);
         }
+        free(copy);
+        compared++;
+    }
     cr_expect_eq(compared, 2 + 9 * cfg.n_layers);
     kvs_checkpoint_destroy(st);
     kvs_checkpoint_destroy(gg);
@@ -673,28 +670,25 @@ static const char *gguf_of(const char *dir, const char *arch) {
     static wtensor t[256];
     static char names[256][96];
     int n = 0;
-    for (int layer = -1; layer < cfg.n_layers; layer++)
-        for (int k = 0; k < KVS_W_KIND_COUNT; k++) {
-            int64_t shape[2];
-            int nd;
-            if ((k < KVS_W_ATTN_NORM) != (layer < 0) || !kvs_weight_expected(&cfg, (kvs_weight_kind)k, shape, &nd))
-                continue;
-            cr_assert_lt(n, 256);
-            kvs_host_tensor h;
-            cr_assert_eq(kvs_checkpoint_read(ck, (kvs_weight_kind)k, layer, &h), KVS_OK, "%s", kvs_last_error());
-            uint8_t *copy = malloc(h.nbytes);
-            size_t row = h.nbytes / (size_t)shape[0];
-            bool permute = !strcmp(arch, "llama") && (k == KVS_W_Q || k == KVS_W_K);
-            for (int64_t r = 0; r < shape[0]; r++) { /* GGUF row h*hd + 2i + s holds HF row h*hd + s*hd/2 + i */
-                int64_t hd = cfg.head_dim, head = r / hd, j = r % hd, s = j % 2, i = j / 2;
-                int64_t from = permute ? head * hd + s * (hd / 2) + i : r;
-                memcpy(copy + (size_t)r * row, (const uint8_t *)h.data + (size_t)from * row, row);
-            }
-            kvs_gguf_weight_name((kvs_weight_kind)k, layer, names[n], sizeof names[n]);
-            uint32_t type = h.dtype == KVS_F32 ? KVS_GGML_F32 : h.dtype == KVS_F16 ? KVS_GGML_F16 : KVS_GGML_BF16;
-            t[n] = (wtensor){names[n], nd, {nd == 2 ? shape[1] : shape[0], nd == 2 ? shape[0] : 1}, type, copy};
-            n++;
+    int64_t shape[2];
+    int nd;
+    for (int layer = -1, k = -1; kvs_weight_next(&cfg, &layer, &k, shape, &nd);) {
+        cr_assert_lt(n, 256);
+        kvs_host_tensor h;
+        cr_assert_eq(kvs_checkpoint_read(ck, (kvs_weight_kind)k, layer, &h), KVS_OK, "%s", kvs_last_error());
+        uint8_t *copy = malloc(h.nbytes);
+        size_t row = h.nbytes / (size_t)shape[0];
+        bool permute = !strcmp(arch, "llama") && (k == KVS_W_Q || k == KVS_W_K);
+        for (int64_t r = 0; r < shape[0]; r++) { /* GGUF row h*hd + 2i + s holds HF row h*hd + s*hd/2 + i */
+            int64_t hd = cfg.head_dim, head = r / hd, j = r % hd, s = j % 2, i = j / 2;
+            int64_t from = permute ? head * hd + s * (hd / 2) + i : r;
+            memcpy(copy + (size_t)r * row, (const uint8_t *)h.data + (size_t)from * row, row);
         }
+        kvs_gguf_weight_name((kvs_weight_kind)k, layer, names[n], sizeof names[n]);
+        uint32_t type = h.dtype == KVS_F32 ? KVS_GGML_F32 : h.dtype == KVS_F16 ? KVS_GGML_F16 : KVS_GGML_BF16;
+        t[n] = (wtensor){names[n], nd, {nd == 2 ? shape[1] : shape[0], nd == 2 ? shape[0] : 1}, type, copy};
+        n++;
+    }
     wbuf f = gguf_file(&kv, 11 + 1, t, n);
     const char *path = write_gguf(&f);
     for (int i = 0; i < n; i++) free((void *)t[i].data);

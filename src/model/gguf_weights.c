@@ -123,14 +123,10 @@ kvs_status kvs_gguf_weights_open(const char *path, const kvs_config *cfg, kvs_gg
     w->permuted_qk = !strcmp(cfg->architecture, "LlamaForCausalLM");
     kvs_status s = kvs_gguf_open(path, &w->g);
     if (s == KVS_OK) s = check_all_used(w);
-    for (int layer = -1; layer < cfg->n_layers && s == KVS_OK; layer++)
-        for (int k = 0; k < KVS_W_KIND_COUNT && s == KVS_OK; k++) {
-            int64_t shape[2];
-            int ndim;
-            if ((k < KVS_W_ATTN_NORM) != (layer < 0) || !kvs_weight_expected(cfg, (kvs_weight_kind)k, shape, &ndim))
-                continue;
-            s = check_weight(w, (kvs_weight_kind)k, layer);
-        }
+    int64_t shape[2];
+    int ndim;
+    for (int layer = -1, k = -1; s == KVS_OK && kvs_weight_next(cfg, &layer, &k, shape, &ndim);)
+        s = check_weight(w, (kvs_weight_kind)k, layer);
     for (size_t i = 0; s == KVS_OK && i < w->g->n_tensors; i++) w->total_bytes += w->g->tensors[i].nbytes;
     if (s != KVS_OK) {
         kvs_gguf_weights_destroy(w);

@@ -142,6 +142,10 @@ bool kvs_weight_is_linear(kvs_weight_kind kind);
 /* Expected shape from the config; returns false if the model has no such weight
  * (biases without attention_bias, lm_head when tied). */
 bool kvs_weight_expected(const kvs_config *cfg, kvs_weight_kind kind, int64_t shape[2], int *ndim);
+/* The weights cfg's model reads, in order (the globals, then each layer's):
+ * start with *layer = -1 and *kind = -1; each call moves to the next one and
+ * gives its shape (kvs_weight_expected); false after the last. */
+bool kvs_weight_next(const kvs_config *cfg, int *layer, int *kind, int64_t shape[2], int *ndim);
 
 /* A checkpoint: safetensors files (single or sharded) or seeded dummy weights. */
 typedef struct kvs_checkpoint kvs_checkpoint;

@@ -79,3 +79,14 @@ bool kvs_weight_expected(const kvs_config *cfg, kvs_weight_kind kind, int64_t sh
     default: return false;
     }
 }
+
+bool kvs_weight_next(const kvs_config *cfg, int *layer, int *kind, int64_t shape[2], int *ndim) {
+    for (;;) {
+        if (++*kind == KVS_W_KIND_COUNT) {
+            *kind = 0;
+            if (++*layer == cfg->n_layers) return false;
+        }
+        bool global = *kind < KVS_W_ATTN_NORM;
+        if (global == (*layer < 0) && kvs_weight_expected(cfg, (kvs_weight_kind)*kind, shape, ndim)) return true;
+    }
+}
