@@ -1799,7 +1799,7 @@ static void run_tokens(rig *r, int seq, const int32_t *ids, int n, int pos0, int
         uint8_t want = start + len == n;
         cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
         kvs_batch b = {len, 1, ids + start, pos, qs, &seq, &want};
-        cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(r->m, &b, r->kv, out), KVS_OK, "%s", kvs_last_error());
         kv_keep(r->kv, &b);
         free(pos);
     }
@@ -2225,7 +2225,7 @@ static float *sparsify_batch_run(duo *d, const int32_t *ids, bool batched, int64
             want[i] = 1;
         }
         kvs_batch b = {t, SB_SEQS, tok, pos, qs, seqs, want};
-        cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, logits + (size_t)step * SB_SEQS * V), KVS_OK, "%s",
+        cr_assert_eq(rig_forward(r.m, &b, r.kv, logits + (size_t)step * SB_SEQS * V), KVS_OK, "%s",
                      kvs_last_error());
         for (int i = 0; i < SB_SEQS; i++) kvs_kv_commit(r.kv, seqs[i], qs[i + 1] - qs[i]);
         if (batched) {
@@ -3345,7 +3345,7 @@ static kvs_status greedy_step(rig *r, int seq, int32_t tok, int32_t pos, uint64_
     kvs_sample_row p = {.temperature = 0, .top_p = 1, .seed = seed};
     cr_assert_eq(kvs_kv_reserve(r->kv, seq, 1), KVS_OK);
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-    kvs_status st = kvs_model_forward_sample(r->m, &b, r->kv, &p, NULL, id, NULL);
+    kvs_status st = rig_forward_sample(r->m, &b, r->kv, &p, NULL, id, NULL);
     if (st == KVS_OK) kv_keep(r->kv, &b);
     return st;
 }

@@ -104,7 +104,7 @@ static void reference(fixture *f, const int32_t *prompt, int n, int n_new, int32
     uint8_t want = 1;
     cr_assert_eq(kvs_kv_reserve(kv, seq, n), KVS_OK);
     kvs_batch b = {n, 1, prompt, pos, qs, &seq, &want};
-    cr_assert_eq(kvs_model_forward(f->m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(rig_forward(f->m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
     kv_keep(kv, &b);
     for (int i = 0; i < n_new; i++) {
         out[i] = argmax_f(logits, f->cfg.vocab_size);
@@ -112,7 +112,7 @@ static void reference(fixture *f, const int32_t *prompt, int n, int n_new, int32
         int32_t p = n + i, q1[2] = {0, 1};
         cr_assert_eq(kvs_kv_reserve(kv, seq, 1), KVS_OK);
         kvs_batch d = {1, 1, &out[i], &p, q1, &seq, &want};
-        cr_assert_eq(kvs_model_forward(f->m, &d, kv, logits), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(f->m, &d, kv, logits), KVS_OK, "%s", kvs_last_error());
         kv_keep(kv, &d);
     }
     free(pos);
@@ -480,7 +480,7 @@ Test(engine, forced_tokens_score_a_continuation) {
         uint8_t want = 1;
         cr_assert_eq(kvs_kv_reserve(kv, seq, len), KVS_OK);
         kvs_batch b = {len, 1, i == 0 ? prompt : &forced[i - 1], pos, qs, &seq, &want};
-        cr_assert_eq(kvs_model_forward(f.m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(f.m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
         kv_keep(kv, &b);
         free(pos);
         double m = logits[0], sum = 0;
@@ -971,7 +971,7 @@ static void logits_after(fixture *f, const int32_t *toks, int n, float *logits) 
     uint8_t want = 1;
     cr_assert_eq(kvs_kv_reserve(kv, seq, n), KVS_OK);
     kvs_batch b = {n, 1, toks, pos, qs, &seq, &want};
-    cr_assert_eq(kvs_model_forward(f->m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(rig_forward(f->m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
     free(pos);
     kvs_kv_destroy(kv);
 }

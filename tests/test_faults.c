@@ -75,7 +75,7 @@ Test(faults, the_failing_step_returns_the_error) {
         int32_t pos = step - 1;
         cr_assert_eq(kvs_kv_reserve(r.kv, seq, 1), KVS_OK);
         kvs_batch bt = {1, 1, &tok, &pos, qs, &seq, &want};
-        kvs_status st = kvs_model_forward_sample(r.m, &bt, r.kv, &greedy, NULL, &id, NULL);
+        kvs_status st = rig_forward_sample(r.m, &bt, r.kv, &greedy, NULL, &id, NULL);
         if (st == KVS_OK) kv_keep(r.kv, &bt);
         if (step < 3) {
             cr_expect_eq(st, KVS_OK, "step %d: %s", step, kvs_last_error());

@@ -182,7 +182,7 @@ Test(forward, varlen_batch_equals_single_runs) {
             want[s] = 1;
         }
         kvs_batch b = {n, S, tok, pos, qs, seqs, want};
-        cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, batched), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(r.m, &b, r.kv, batched), KVS_OK, "%s", kvs_last_error());
         kv_keep(r.kv, &b);
     }
     for (int s = 0; s < S; s++) {
@@ -206,9 +206,9 @@ Test(forward, rejects_bad_batches) {
     int32_t tok = 99999, pos = 0, qs[2] = {0, 1};
     uint8_t want = 1;
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-    cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, logits), KVS_ERR_INVALID); /* no room reserved */
+    cr_assert_eq(rig_forward(r.m, &b, r.kv, logits), KVS_ERR_INVALID); /* no room reserved */
     cr_assert_eq(kvs_kv_reserve(r.kv, seq, 1), KVS_OK);
-    cr_assert_eq(kvs_model_forward(r.m, &b, r.kv, logits), KVS_ERR_INVALID); /* id out of range */
+    cr_assert_eq(rig_forward(r.m, &b, r.kv, logits), KVS_ERR_INVALID); /* id out of range */
     cr_assert(strstr(kvs_last_error(), "99999"));
     free(logits);
     rig_close(&r);
@@ -234,7 +234,8 @@ Test(forward, rejects_batches_beyond_the_limits) {
     cr_assert_eq(kvs_shard_dims(&cfg, 0, 1, &sh), KVS_OK);
     cr_expect_gt(kvs_model_step_bytes(&cfg, &sh, &big, be->act_dtype), kvs_model_step_bytes(&cfg, &sh, &lim, be->act_dtype));
     kvs_kv_config kc = {.n_layers = cfg.n_layers, .n_kv_heads = cfg.n_kv_heads, .head_dim = cfg.head_dim,
-                        .n_heads = cfg.n_heads, .block_size = 16, .n_blocks = 64 * cfg.n_layers, .max_seqs = 3};
+                        .n_heads = cfg.n_heads, .block_size = 16, .n_blocks = 64 * cfg.n_layers, .max_seqs = 3,
+                        .max_len = 32}; /* the runner gives its caches the models' max_len */
     kvs_kv_cache *kv;
     cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK, "%s", kvs_last_error());
     int32_t ids[40] = {0}, pos[40], qs[4] = {0, 1, 2, 3}, seqs[3];
@@ -248,20 +249,20 @@ Test(forward, rejects_batches_beyond_the_limits) {
     int32_t out[3];
     kvs_sample_row greedy[3] = {{.temperature = 0, .top_p = 1}, {.temperature = 0, .top_p = 1}, {.temperature = 0, .top_p = 1}};
     kvs_batch three = {3, 3, ids, pos, qs, seqs, want}; /* one sequence too many */
-    cr_expect_eq(kvs_model_forward(m, &three, kv, logits), KVS_ERR_INVALID);
+    cr_expect_eq(rig_forward(m, &three, kv, logits), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "3 sequences") && strstr(kvs_last_error(), "2 sequences"), "%s",
               kvs_last_error());
     int32_t qs9[2] = {0, 9};
     kvs_batch nine = {9, 1, ids, pos, qs9, seqs, want}; /* one token too many */
-    cr_expect_eq(kvs_model_forward_sample(m, &nine, kv, greedy, NULL, out, NULL), KVS_ERR_INVALID);
+    cr_expect_eq(rig_forward_sample(m, &nine, kv, greedy, NULL, out, NULL), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "9 tokens") && strstr(kvs_last_error(), "8 tokens"), "%s", kvs_last_error());
     int32_t qs1[2] = {0, 1};
     kvs_batch long_seq = {1, 1, ids, pos, qs1, seqs, want}; /* 40 entries reserved: 3 blocks, max_len 32 holds 2 */
-    cr_expect_eq(kvs_model_forward(m, &long_seq, kv, logits), KVS_ERR_INVALID);
+    cr_expect_eq(rig_forward(m, &long_seq, kv, logits), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "3 KV blocks") && strstr(kvs_last_error(), "max_model_len 32"), "%s",
               kvs_last_error());
     kvs_batch two = {2, 2, ids, pos, qs, seqs + 1, want}; /* within the limits */
-    cr_expect_eq(kvs_model_forward_sample(m, &two, kv, greedy, NULL, out, NULL), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(rig_forward_sample(m, &two, kv, greedy, NULL, out, NULL), KVS_OK, "%s", kvs_last_error());
     free(logits);
     kvs_kv_destroy(kv);
     kvs_model_destroy(m);

@@ -984,7 +984,7 @@ Test(dummy, model_through_fill_equals_host_upload) {
         cr_assert_eq(kvs_kv_reserve(kv, seq, 20), KVS_OK);
         kvs_batch b = {20, 1, ids, pos, qs, &seq, &want};
         logits[k] = malloc(sizeof(float) * c.vocab_size);
-        cr_assert_eq(kvs_model_forward(m, &b, kv, logits[k]), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(m, &b, kv, logits[k]), KVS_OK, "%s", kvs_last_error());
         kv_keep(kv, &b);
         kvs_kv_destroy(kv);
         kvs_model_destroy(m);

@@ -486,7 +486,7 @@ static void srig_generate(sample_rig *r, int n_seqs, const kvs_sample_row *param
         kvs_sample_row p[4];
         for (int s = 0; s < n_seqs; s++) p[s] = params[s], p[s].step = (uint64_t)step;
         kvs_status st = r->g ? kvs_runner_step_sample(r->g, &b, p, NULL, ids + step * n_seqs, lps + step * n_seqs)
-                             : kvs_model_forward_sample(r->m, &b, r->kv, p, NULL, ids + step * n_seqs, lps + step * n_seqs);
+                             : rig_forward_sample(r->m, &b, r->kv, p, NULL, ids + step * n_seqs, lps + step * n_seqs);
         cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
         if (!r->g) kv_keep(r->kv, &b);
     }

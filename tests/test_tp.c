@@ -104,7 +104,7 @@ static void tp_rig_run(tp_rig *r, int seq, const int32_t *ids, int n, int pos0, 
             st = argmax ? kvs_runner_step_argmax(r->g, &b, argmax) : kvs_runner_step(r->g, &b, logits);
         } else {
             cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
-            st = kvs_model_forward(r->m, &b, r->kv, logits);
+            st = rig_forward(r->m, &b, r->kv, logits);
         }
         cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
         if (!r->g) kv_keep(r->kv, &b);
@@ -647,7 +647,7 @@ Test(tp, shard_with_a_full_kv_cache_is_refused) {
     uint8_t want = 1;
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
     float *logits = malloc(sizeof(float) * cfg.vocab_size);
-    cr_assert_eq(kvs_model_forward(kvs_runner_model(g, 0), &b, kv, logits), KVS_ERR_INVALID);
+    cr_assert_eq(rig_forward(kvs_runner_model(g, 0), &b, kv, logits), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "rank 0 of 2") && strstr(kvs_last_error(), "1 KV heads"), "%s",
               kvs_last_error());
     /* the group refuses a forward before its caches exist, and bad batches before any rank runs */
@@ -693,7 +693,7 @@ Test(tp, tp1_equals_model_create, .timeout = 600) {
         uint8_t want = 1;
         cr_assert_eq(kvs_kv_reserve(kv, s3, n), KVS_OK);
         kvs_batch b = {n, 1, t, pos, qs, &s3, &want};
-        cr_assert_eq(kvs_model_forward(shard, &b, kv, l3), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(shard, &b, kv, l3), KVS_OK, "%s", kvs_last_error());
         kv_keep(kv, &b);
         free(pos);
         cr_expect(memcmp(l1, l2, sizeof(float) * V) == 0, "step %d: the TP=1 group differs from kvs_model_create",

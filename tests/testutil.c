@@ -11,7 +11,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "model/model_internal.h" /* kvs_tables_check */
 
 static const char *env_or(const char *name, const char *dflt) {
     const char *v = getenv(name);
@@ -310,6 +309,59 @@ void rig_close(rig *r) {
     if (r->owns_be) r->be->destroy(r->be);
 }
 
+/* The plan of b on kv's own device, its tables applied. */
+static kvs_status plan_on_own_device(kvs_step_plan *p, kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
+                                     kvs_kv_device **dev) {
+    *dev = kvs_kv_own_device(kv);
+    if (!*dev) return kvs_fail(KVS_ERR_INVALID, "rig_forward: the KV cache has no device of its own (kvs_kv_create)");
+    KVS_TRY(kvs_step_plan_build(p, kv, b, m, *dev));
+    return kvs_kv_device_apply_tables(*dev, &p->tables);
+}
+
+kvs_status rig_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
+    kvs_step_plan p = {0};
+    kvs_kv_device *dev;
+    kvs_status st = plan_on_own_device(&p, m, b, kv, &dev);
+    if (st == KVS_OK) st = kvs_model_forward(m, &p.in, dev, logits);
+    kvs_step_plan_free(&p);
+    return st;
+}
+
+kvs_status rig_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                              const kvs_sample_extras *x, int32_t *ids, float *logprobs) {
+    kvs_step_plan p = {0};
+    kvs_kv_device *dev;
+    kvs_status st = plan_on_own_device(&p, m, b, kv, &dev);
+    if (st == KVS_OK) st = kvs_model_forward_sample(m, &p.in, dev, params, x, ids, logprobs);
+    kvs_step_plan_free(&p);
+    return st;
+}
+
+kvs_status rig_tables_check(const kvs_batch *b, const kvs_kv_cache *kv) {
+    const kvs_kv_device *dev = kvs_kv_own_device(kv);
+    const kvs_kv_config *c = kvs_kv_device_config(dev);
+    kvs_backend *be = kvs_kv_device_backend(dev);
+    int stride;
+    const int32_t *tables = kvs_kv_device_layer_tables(dev, 0, &stride);
+    size_t cells = (size_t)c->n_layers * c->max_seqs * stride;
+    int32_t *host = malloc(sizeof(int32_t) * cells);
+    if (!host) return kvs_fail(KVS_ERR_NOMEM, "tables check: out of memory");
+    be->to_host(be, host, tables, sizeof(int32_t) * cells);
+    kvs_status st = KVS_OK;
+    for (int s = 0; s < b->n_seqs && st == KVS_OK; s++)
+        for (int l = 0; l < c->n_layers && st == KVS_OK; l++) {
+            int seq = b->seq_ids[s], nb;
+            const int32_t *blocks = kvs_kv_blocks(kv, seq, l, &nb), *row = host + ((size_t)l * c->max_seqs + seq) * stride;
+            for (int i = 0; i < nb && st == KVS_OK; i++)
+                if (row[i] != blocks[i])
+                    st = kvs_fail(KVS_ERR_INTERNAL,
+                                  "tables check: sequence %d layer %d block %d is %d in the KV cache, %d on the device",
+                                  seq, l, i, blocks[i], row[i]);
+        }
+    free(host);
+    return st;
+}
+
 void kv_keep(kvs_kv_cache *kv, const kvs_batch *b) {
     for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
     cr_assert_eq(kvs_kv_sparsify_seqs(kv, b->seq_ids, b->n_seqs), KVS_OK, "%s", kvs_last_error());
@@ -334,7 +386,7 @@ void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits
     uint8_t want = 1;
     cr_assert_eq(kvs_kv_reserve(r->kv, seq, n), KVS_OK, "%s", kvs_last_error());
     kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
-    cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, logits), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(rig_forward(r->m, &b, r->kv, logits), KVS_OK, "%s", kvs_last_error());
     kv_keep(r->kv, &b);
     free(pos);
 }
@@ -374,10 +426,10 @@ static void scen_forward(rig *r, scen_side *side, const int32_t *tok, const int3
     kvs_model_set_graph_mode(r->m, side->mode);
     kvs_graph_stats before = kvs_model_graph_stats(r->m);
     kvs_batch b = {n, n_active, tok, ps, qs, seqs, want};
-    cr_assert_eq(kvs_model_forward(r->m, &b, r->kv, out->logits + (size_t)out->n_rows * V), KVS_OK, "%s",
+    cr_assert_eq(rig_forward(r->m, &b, r->kv, out->logits + (size_t)out->n_rows * V), KVS_OK, "%s",
                  kvs_last_error());
     /* the device-resident block tables the step ran on are the cache's */
-    cr_assert_eq(kvs_tables_check(r->m, &b, r->kv), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(rig_tables_check(&b, r->kv), KVS_OK, "%s", kvs_last_error());
     kv_keep(r->kv, &b);
     side->total = stats_plus(side->total, stats_minus(kvs_model_graph_stats(r->m), before));
     out->n_rows += n_active;

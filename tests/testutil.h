@@ -77,6 +77,7 @@ int run_capture(const char *cmd, char **out);
 #include "backend/backend.h"
 #include "kv/kv.h"
 #include "model/model.h"
+#include "runner/runner.h"
 
 typedef struct {
     kvs_config cfg;
@@ -87,8 +88,19 @@ typedef struct {
     kvs_kv_cache *kv;
 } rig;
 
+/* A whole model's forward on a manager with a device of its own
+ * (kvs_kv_create), as the runner's step runs it on each rank: the step plan
+ * made (its checks; KVS_ERR_INVALID for a bad batch), the device's tables
+ * brought up to date, then kvs_model_forward / kvs_model_forward_sample. */
+kvs_status rig_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits);
+kvs_status rig_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                              const kvs_sample_extras *x, int32_t *ids, float *logprobs);
+/* Every sequence of the batch: its row of the device's tables, read back,
+ * against the manager's table (KVS_ERR_INTERNAL naming the first difference). */
+kvs_status rig_tables_check(const kvs_batch *b, const kvs_kv_cache *kv);
+
 /* What the runner's step does after the model's forward (src/runner/step.c),
- * for the tests that call kvs_model_forward* with their own cache: commits the
+ * for the tests that call rig_forward* with their own cache: commits the
  * batch's new tokens, then compacts what the sequences' KV policies say is due
  * (asserted). */
 void kv_keep(kvs_kv_cache *kv, const kvs_batch *b);

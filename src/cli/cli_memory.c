@@ -40,13 +40,17 @@ kvs_status kvs_cli_memory_check(const kvs_cli_memory *m) {
 }
 
 /* What the model takes beyond its weights and step buffers on one rank: the
- * backend's scratch (attention partials, staging: grown on first use) and a
- * sparse policy's window queries and LSE ([max_num_seqs * window] rows per layer). */
+ * backend's scratch (attention partials, staging: grown on first use), the KV
+ * device's copies of the block tables and a sparse policy's window queries and
+ * LSE ([max_num_seqs * window] rows per layer). */
 static double lazy_bytes(const kvs_loaded *l, const kvs_kv_policy *policy) {
     const kvs_config *c = &l->cfg;
     int w = l->world > 0 ? l->world : 1;
     kvs_model_limits limits = kvs_runner_limits(l->runner);
     double bytes = 64.0 * (1 << 20);
+    kvs_kv_config tables = {.n_layers = c->n_layers, .block_size = KVS_KV_BLOCK_SIZE, .n_blocks = 1,
+                            .max_seqs = limits.max_seqs, .max_len = limits.max_len};
+    bytes += (double)kvs_kv_device_table_bytes(&tables);
     if (policy->kind != KVS_POLICY_FULL)
         bytes += (double)limits.max_seqs * policy->window * c->n_layers * c->n_heads / w *
                  (c->head_dim * kvs_dtype_size(l->be->act_dtype) + sizeof(float));

@@ -1,7 +1,7 @@
 /* A rank's memory of the KV cache (kv_device.h): the pool's bytes, an FP8
  * pool's scales, the observation windows, the scratch of scoring and
  * compaction and the pinned staging of their uploads; and what it runs, the
- * manager's compaction plans. It reads the manager (a sequence's captured
+ * manager's compaction plans (the tables' copies: device_tables.c). It reads the manager (a sequence's captured
  * window, for calibrate's scores), never writes it. */
 #include <math.h>
 #include <stdlib.h>
@@ -31,6 +31,7 @@ kvs_status kvs_kv_device_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_k
                                              (long long)cfg->n_blocks)
                     : be->kv_dtype == KVS_F8_E4M3 ? kvs_kv_device_set_scales(d, NULL)
                                                   : KVS_OK;
+    if (st == KVS_OK) st = kvs_kv_device_tables_create(d);
     if (st == KVS_OK) *out = d;
     else kvs_kv_device_destroy(d);
     return st;
@@ -41,6 +42,7 @@ void kvs_kv_device_destroy(kvs_kv_device *d) {
     kvs_backend *be = d->be;
     if (d->pool.data) be->free(be, d->pool.data);
     if (d->scales) be->free(be, d->scales);
+    kvs_kv_device_tables_free(d);
     for (int l = 0; d->win_q && l < d->cfg.n_layers; l++) {
         if (d->win_q[l]) be->free(be, d->win_q[l]);
         if (d->win_lse[l]) be->free(be, d->win_lse[l]);
@@ -109,8 +111,8 @@ static void *staging(kvs_kv_device *d, size_t bytes) {
     return grow(d->be, &d->staging[h], &d->staging_cap[h], bytes, d->be->host_alloc, d->be->host_free);
 }
 
-kvs_status kvs_kv_device_prepare(kvs_kv_device *d, const kvs_kv_cache *kv) {
-    if (d->win_q || !kvs_kv_windows_wanted(kv)) return KVS_OK;
+kvs_status kvs_kv_device_prepare_windows(kvs_kv_device *d, int rows_per_seq) {
+    if (d->win_q) return KVS_OK;
     kvs_backend *be = d->be;
     int L = d->cfg.n_layers;
     if (d->cfg.n_heads <= 0) return kvs_fail(KVS_ERR_INVALID, "kv cache: sparsity needs n_heads in the kv config");
@@ -121,7 +123,7 @@ kvs_status kvs_kv_device_prepare(kvs_kv_device *d, const kvs_kv_cache *kv) {
         return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory");
     }
     d->win_q = q, d->win_lse = lse;
-    d->window_rows = kvs_kv_window_rows_per_seq(kv);
+    d->window_rows = rows_per_seq;
     size_t rows = (size_t)d->cfg.max_seqs * d->window_rows;
     size_t qbytes = rows * d->cfg.n_heads * d->cfg.head_dim * kvs_dtype_size(be->act_dtype);
     for (int l = 0; l < L; l++) {

@@ -9,27 +9,10 @@
 
 #include "backend/backend.h"
 #include "core/core.h"
+#include "kv/kv_device.h"
 #include "kv/kv_policy.h"
 
-/* Tokens per block of the pools the engine and the commands make. */
-#define KVS_KV_BLOCK_SIZE 16
-
-typedef struct {
-    int n_layers, n_kv_heads, head_dim;
-    int n_heads;    /* query heads (for the sparsity scores' window queries) */
-    int block_size; /* tokens per block (KVS_KV_BLOCK_SIZE) */
-    int64_t n_blocks;
-    int max_seqs;   /* sequence ids are 0 .. max_seqs - 1 */
-    int max_window; /* largest observation window a policy may use (0: 64) */
-    bool prefix_caching; /* keep full prompt blocks cached for later sequences (kvs_kv_prefix_attach) */
-} kvs_kv_config;
-
 typedef struct kvs_kv_cache kvs_kv_cache;
-
-/* Bytes of one block (K and V, all KV heads, one layer) for the backend's kv_dtype. */
-size_t kvs_kv_block_bytes(const kvs_kv_config *cfg, kvs_dtype kv_dtype);
-/* How many blocks fit in budget_bytes. */
-int64_t kvs_kv_blocks_for_budget(const kvs_kv_config *cfg, kvs_dtype kv_dtype, size_t budget_bytes);
 
 /* A manager without memory of its own: the runner's, whose ranks each hold a
  * kvs_kv_device of the same n_blocks. */
@@ -66,13 +49,13 @@ int kvs_kv_layer_sliding_window(const kvs_kv_cache *kv, int layer); /* 0: not a 
 /* A layer's block table and length. */
 int kvs_kv_len(const kvs_kv_cache *kv, int seq_id, int layer);
 const int32_t *kvs_kv_blocks(const kvs_kv_cache *kv, int seq_id, int layer, int *n_blocks);
-/* A stamp that changes whenever the table's blocks change, and is never reused
- * (over every sequence and layer of the cache): a copy of the table taken at
- * stamp g is current while the stamp is g. 0 for no such table. *base (when
- * not NULL): the stamp of its last change other than blocks appended at the
- * end: while it stays, a copy of the table's first n blocks holds them still,
- * and only the blocks past n are new. */
-uint64_t kvs_kv_table_gen(const kvs_kv_cache *kv, int seq_id, int layer, uint64_t *base);
+/* The changed cells of the seq_ids' tables for the devices' copies
+ * (kv_device.h): of each (sequence, layer), the blocks from the first one that
+ * changed since the last plan that named the sequence (every block of a
+ * sequence new since then); the plan forgets the changes it gives. Refills
+ * *out (its arrays reused; free with kvs_kv_table_deltas_free). */
+kvs_status kvs_kv_plan_tables(kvs_kv_cache *kv, const int32_t *seq_ids, int n, kvs_kv_table_deltas *out);
+void kvs_kv_table_deltas_free(kvs_kv_table_deltas *t);
 /* The pool slot of entry e of (seq, layer): block * block_size + e % block_size. */
 int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry);
 /* The slots of entries entry0 .. entry0 + n - 1 of (seq, layer) into slots[0 .. n) (a
@@ -89,7 +72,7 @@ int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int positio
 void kvs_kv_window_rows(const kvs_kv_cache *kv, int seq_id, int layer, const int32_t *positions, int n, int32_t *rows);
 int kvs_kv_window_rows_per_seq(const kvs_kv_cache *kv);
 /* Whether a sparse policy was set: every device then needs its window buffers
- * (kvs_kv_device_prepare). */
+ * (kvs_kv_device_prepare_windows). */
 bool kvs_kv_windows_wanted(const kvs_kv_cache *kv);
 
 /* ---- the compaction plan ---------------------------------------------------
@@ -99,32 +82,8 @@ bool kvs_kv_windows_wanted(const kvs_kv_cache *kv);
  * to its tables (new lengths, blocks released, a shared or cached layer's
  * copy given blocks of the sequence's own); every device then runs the same
  * plan on its heads (kvs_kv_device_compact) before the next step's forward.
- * Plain arrays, no pointers into the manager: the plan is what a rank in
- * another process would be sent. */
-typedef enum {
-    KVS_COMPACT_SNAPKV, /* keep lists chosen on the device from the window's scores */
-    KVS_COMPACT_KEEP,   /* keep lists given: keep[keep .. + n_keep] for every head (StreamingLLM), or
-                           [n_keep_heads][n_keep] (kvs_kv_compact) */
-} kvs_compaction_kind;
-typedef struct {
-    int32_t kind, seq, layer;
-    int32_t n_keep;              /* the layer's new length */
-    int32_t table, n_blocks;     /* its table before: tables[table .. + n_blocks) */
-    int32_t dst_table, dst_blocks; /* its copy's table: tables[dst_table .. + dst_blocks); 0 blocks: in place */
-    int32_t n_keys, n_win, pool; /* SnapKV: entries scored [0, n_keys), the window after them, the max-pool */
-    int32_t window_row;          /* SnapKV: the sequence's first window row */
-    int64_t keep;                /* KEEP: its lists in keep[] */
-    int32_t keep_heads;          /* KEEP: 1 (one list for every head) or the lists' heads */
-} kvs_kv_compaction;
-typedef struct {
-    int n_jobs;
-    kvs_kv_compaction *jobs;
-    int32_t *tables;
-    int32_t *keep;
-    int cap_jobs;
-    size_t n_tables, cap_tables, n_keep, cap_keep;
-} kvs_kv_compactions;
-/* The plan for seq_ids (arrays reused from the last plan in *plan; free with
+ * Plain arrays, no pointers into the manager (kv_device.h kvs_kv_compactions):
+ * the plan is what a rank in another process would be sent. The plan for seq_ids (arrays reused from the last plan in *plan; free with
  * kvs_kv_compactions_free). All or nothing: on failure (out of memory) the
  * tables are as they were and the plan empty. */
 kvs_status kvs_kv_plan_compactions(kvs_kv_cache *kv, const int32_t *seq_ids, int n, kvs_kv_compactions *plan);
@@ -172,5 +131,34 @@ bool kvs_kv_layer_sparse(const kvs_kv_cache *kv, int seq_id, int layer);
 /* Checks internal invariants (every block free, evictable or held, its
  * reference count its holders, every cached block under its key); for tests. */
 kvs_status kvs_kv_check(const kvs_kv_cache *kv);
+
+/* ---- a manager with one device: the library's world-1 cache and the tests' -------
+ * kvs_kv_create makes both; these act on that device at once, on the caller's
+ * thread (the runner's ranks call the kvs_kv_device functions instead). */
+kvs_kv_device *kvs_kv_own_device(const kvs_kv_cache *kv); /* NULL: a manager without one */
+const kvs_kv_pool *kvs_kv_get_pool(const kvs_kv_cache *kv);
+kvs_kv_pool kvs_kv_layer_pool(const kvs_kv_cache *kv, int layer);
+kvs_status kvs_kv_set_scales(kvs_kv_cache *kv, const float *scales);
+void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse);
+/* Plans the compactions due after a step of seq_ids (kvs_kv_plan_compactions)
+ * and enqueues them on the device. */
+kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n);
+kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id);
+/* Keeps, in every KV head h of (seq, layer), entries keep[h * n_keep + i] (each
+ * head's list sorted ascending, distinct, < len), moved to entries 0 .. n_keep-1;
+ * the layer's length becomes n_keep and blocks past it go back to the pool. */
+kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t *keep, int n_keep);
+/* The SnapKV scores of (seq, layer)'s entries before its window, from its
+ * captured window, before any compaction (a policy that keeps the whole prompt,
+ * e.g. budget 100%, captures the window and compacts nothing): out[g * (len -
+ * window) + j] for KV head g and entry j < len - window, the attention mass the
+ * window's queries of g's group give entry j, summed (what selection ranks).
+ * Host memory; for kvsparse calibrate. kvs_kv_device_window_scores: the same
+ * on a device of the manager (its KV heads). */
+kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out);
+kvs_status kvs_kv_device_window_scores(kvs_kv_device *d, const kvs_kv_cache *kv, int seq_id, int layer, float *out);
+/* A copy of seq (blocks, lengths, windows, policy) as a new sequence id: the
+ * cached blocks shared, the others copied. */
+kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq);
 
 #endif

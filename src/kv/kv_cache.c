@@ -109,7 +109,7 @@ kvs_status kvs_kv_reserve(kvs_kv_cache *kv, int seq_id, int n_new) {
             t->blocks = nb;
             t->cap = cap;
         }
-        if (t->n_blocks < want) kvs_kv_touch_append(t);
+        kvs_kv_touch_from(t, t->n_blocks);
         while (t->n_blocks < want) t->blocks[t->n_blocks++] = kvs_block_take(&kv->blocks);
     }
     return KVS_OK;

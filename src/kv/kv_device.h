@@ -1,20 +1,47 @@
 /* kv device: one rank's memory of the KV cache (docs/DESIGN.md, "The memory
  * story"). The pool's bytes for the rank's KV heads, an FP8 pool's scales, the
- * SnapKV observation windows (the last prompt and decode queries of each
- * sequence, and their log-sum-exp), and the scratch and pinned staging the
- * compactions use. It knows nothing of sequences: the KV manager (kv.h)
- * decides which blocks hold what and which compactions are due, and every
- * rank's device runs the same plan (kvs_kv_device_compact) on its own heads. */
+ * copies of the block tables the attention reads, the SnapKV observation
+ * windows (the last prompt and decode queries of each sequence, and their
+ * log-sum-exp), and the scratch and pinned staging the compactions use. It
+ * knows nothing of sequences but their ids as row numbers: the KV manager
+ * (kv.h) decides which blocks hold what, which table cells changed and which
+ * compactions are due, and every rank's device applies the same plans on its
+ * own heads. Everything a device is handed is plain arrays, so that a rank in
+ * another process could be sent it. */
 #ifndef KVS_KV_DEVICE_H
 #define KVS_KV_DEVICE_H
 
-#include "kv/kv.h"
+#include "backend/backend.h"
+#include "core/core.h"
+
+/* Tokens per block of the pools the engine and the commands make. */
+#define KVS_KV_BLOCK_SIZE 16
+
+typedef struct {
+    int n_layers, n_kv_heads, head_dim;
+    int n_heads;    /* query heads (for the sparsity scores' window queries) */
+    int block_size; /* tokens per block (KVS_KV_BLOCK_SIZE) */
+    int64_t n_blocks;
+    int max_seqs;   /* sequence ids are 0 .. max_seqs - 1 */
+    int max_len;    /* entries a sequence may hold in a layer (0: as many as n_blocks hold) */
+    int max_window; /* largest observation window a policy may use (0: 64) */
+    bool prefix_caching; /* keep full prompt blocks cached for later sequences (kvs_kv_prefix_attach) */
+} kvs_kv_config;
+
+/* Bytes of one block (K and V, all KV heads, one layer) for the backend's kv_dtype. */
+size_t kvs_kv_block_bytes(const kvs_kv_config *cfg, kvs_dtype kv_dtype);
+/* How many blocks fit in budget_bytes. */
+int64_t kvs_kv_blocks_for_budget(const kvs_kv_config *cfg, kvs_dtype kv_dtype, size_t budget_bytes);
+/* The blocks a sequence's table may hold in a layer (max_len's, or n_blocks),
+ * and the bytes of a device's table copies ([n_layers][max_seqs][that]). */
+int kvs_kv_table_blocks(const kvs_kv_config *cfg);
+size_t kvs_kv_device_table_bytes(const kvs_kv_config *cfg);
 
 typedef struct kvs_kv_device kvs_kv_device;
 
 /* A device for cfg's geometry, heads as this rank holds them (its slice of
  * n_kv_heads and n_heads), n_blocks blocks on be. An FP8 pool's scales start
- * at 1 (kvs_kv_device_set_scales). */
+ * at 1 (kvs_kv_device_set_scales); the tables at block 0 everywhere. */
 kvs_status kvs_kv_device_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_device **out);
 void kvs_kv_device_destroy(kvs_kv_device *d);
 const kvs_kv_config *kvs_kv_device_config(const kvs_kv_device *d);
@@ -29,51 +56,69 @@ kvs_kv_pool kvs_kv_device_layer_pool(const kvs_kv_device *d, int layer);
  * before the first write: codes already written keep the old scales. */
 kvs_status kvs_kv_device_set_scales(kvs_kv_device *d, const float *scales);
 
-/* The observation windows, made once the manager has a sparse policy
- * (kvs_kv_windows_wanted): rows [max_seqs * kvs_kv_window_rows_per_seq],
- * q [rows][n_heads * head_dim] (act dtype) and lse [rows][n_heads] (f32) per
- * layer. Nothing when they exist or are not wanted. */
-kvs_status kvs_kv_device_prepare(kvs_kv_device *d, const kvs_kv_cache *kv);
+/* ---- the block tables' copies ----------------------------------------------
+ * Backend memory [n_layers][max_seqs][kvs_kv_table_blocks], the row of a
+ * sequence its id (past a table's end: stale). The manager says which cells
+ * changed (kvs_kv_plan_tables): blocks first .. first + n of (seq, layer) are
+ * blocks[at .. at + n). A decode step appends a block to a table every
+ * block_size tokens: a few cells a step, not every table of the batch. */
+typedef struct {
+    int32_t seq, layer, first, n;
+    int64_t at;
+} kvs_kv_table_delta;
+typedef struct {
+    int n_deltas, cap_deltas;
+    kvs_kv_table_delta *deltas;
+    int32_t *blocks;
+    int64_t n_blocks, cap_blocks;
+} kvs_kv_table_deltas;
+/* Writes the cells (uploaded as (cell, block) pairs in rounds and scattered;
+ * returns without waiting). */
+kvs_status kvs_kv_device_apply_tables(kvs_kv_device *d, const kvs_kv_table_deltas *t);
+/* Layer's tables: the row of sequence s starts at the result + s * stride. */
+const int32_t *kvs_kv_device_layer_tables(const kvs_kv_device *d, int layer, int *stride);
+
+/* ---- the observation windows ---------------------------------------------------
+ * Made once the manager has a sparse policy (kvs_kv_windows_wanted): rows
+ * [max_seqs * rows_per_seq], q [rows][n_heads * head_dim] (act dtype) and lse
+ * [rows][n_heads] (f32) per layer. Nothing when they exist. */
+kvs_status kvs_kv_device_prepare_windows(kvs_kv_device *d, int rows_per_seq);
 /* A layer's window buffers (NULL, NULL before they are made). */
 void kvs_kv_device_window_buffers(const kvs_kv_device *d, int layer, void **q, float **lse);
 
-/* Enqueues the plan's compactions (kvs_kv_plan_compactions) on this device's
- * heads: the ones with keep lists first, one by one, then every SnapKV job in
- * one snapkv_compact_batch. Returns without waiting (the staging of the
- * batch's lists alternates between two pinned buffers). */
+/* ---- the compaction plan -------------------------------------------------------
+ * Made by the manager (kvs_kv_plan_compactions), applied to its tables there,
+ * run by every device on its heads before the next step's forward. */
+typedef enum {
+    KVS_COMPACT_SNAPKV, /* keep lists chosen on the device from the window's scores */
+    KVS_COMPACT_KEEP,   /* keep lists given: keep[keep .. + n_keep] for every head (StreamingLLM), or
+                           [n_keep_heads][n_keep] (kvs_kv_compact) */
+} kvs_compaction_kind;
+typedef struct {
+    int32_t kind, seq, layer;
+    int32_t n_keep;              /* the layer's new length */
+    int32_t table, n_blocks;     /* its table before: tables[table .. + n_blocks) */
+    int32_t dst_table, dst_blocks; /* its copy's table: tables[dst_table .. + dst_blocks); 0 blocks: in place */
+    int32_t n_keys, n_win, pool; /* SnapKV: entries scored [0, n_keys), the window after them, the max-pool */
+    int32_t window_row;          /* SnapKV: the sequence's first window row */
+    int64_t keep;                /* KEEP: its lists in keep[] */
+    int32_t keep_heads;          /* KEEP: 1 (one list for every head) or the lists' heads */
+} kvs_kv_compaction;
+typedef struct {
+    int n_jobs;
+    kvs_kv_compaction *jobs;
+    int32_t *tables;
+    int32_t *keep;
+    int cap_jobs;
+    size_t n_tables, cap_tables, n_keep, cap_keep;
+} kvs_kv_compactions;
+/* Enqueues the plan's compactions on this device's heads: the ones with keep
+ * lists first, one by one, then every SnapKV job in one snapkv_compact_batch.
+ * Returns without waiting (the staging of the batch's lists alternates between
+ * two pinned buffers). */
 kvs_status kvs_kv_device_compact(kvs_kv_device *d, const kvs_kv_compactions *plan);
-/* The SnapKV scores of (seq, layer) of kv from its captured window, on this
- * device's KV heads (kvs_kv_window_scores says what they are). */
-kvs_status kvs_kv_device_window_scores(kvs_kv_device *d, const kvs_kv_cache *kv, int seq_id, int layer, float *out);
 /* Copies blocks src[i] to dst[i] and the window rows of sequence from_seq to
  * to_seq (a fork; from_seq -1: no windows). */
 kvs_status kvs_kv_device_copy(kvs_kv_device *d, const int32_t *src, const int32_t *dst, int n, int from_seq, int to_seq);
-
-/* ---- a manager with one device: the library's world-1 cache and the tests' -------
- * kvs_kv_create makes both; these act on that device at once, on the caller's
- * thread (the runner's ranks call the kvs_kv_device functions instead). */
-kvs_kv_device *kvs_kv_own_device(const kvs_kv_cache *kv); /* NULL: a manager without one */
-const kvs_kv_pool *kvs_kv_get_pool(const kvs_kv_cache *kv);
-kvs_kv_pool kvs_kv_layer_pool(const kvs_kv_cache *kv, int layer);
-kvs_status kvs_kv_set_scales(kvs_kv_cache *kv, const float *scales);
-void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse);
-/* Plans the compactions due after a step of seq_ids (kvs_kv_plan_compactions)
- * and enqueues them on the device. */
-kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n);
-kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id);
-/* Keeps, in every KV head h of (seq, layer), entries keep[h * n_keep + i] (each
- * head's list sorted ascending, distinct, < len), moved to entries 0 .. n_keep-1;
- * the layer's length becomes n_keep and blocks past it go back to the pool. */
-kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t *keep, int n_keep);
-/* The SnapKV scores of (seq, layer)'s entries before its window, from its
- * captured window, before any compaction (a policy that keeps the whole prompt,
- * e.g. budget 100%, captures the window and compacts nothing): out[g * (len -
- * window) + j] for KV head g and entry j < len - window, the attention mass the
- * window's queries of g's group give entry j, summed (what selection ranks).
- * Host memory; for kvsparse calibrate. */
-kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out);
-/* A copy of seq (blocks, lengths, windows, policy) as a new sequence id: the
- * cached blocks shared, the others copied. */
-kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq);
 
 #endif

@@ -6,11 +6,12 @@
  *   kv_cache.c    a sequence's life: create, reserve, commit, free
  *   device.c      a rank's memory and what it runs: pool bytes, scales, windows,
  *                 scratch, the plan's compactions (it reads the manager, never writes it)
+ *   device_tables.c  a rank's copies of the block tables, written from the plan's deltas
  *   one_device.c  a manager with one device of its own (kv_device.h's last part) */
 #ifndef KVS_KV_INTERNAL_H
 #define KVS_KV_INTERNAL_H
 
-#include "kv/kv_device.h"
+#include "kv/kv.h"
 
 enum {
     KVS_KV_SCRATCH_TABLE, KVS_KV_SCRATCH_SCORES, KVS_KV_SCRATCH_KEEP, KVS_KV_SCRATCH_DST,
@@ -23,8 +24,15 @@ struct kvs_kv_device {
     kvs_backend *be;
     kvs_kv_pool pool;
     float *scales; /* FP8 pools: [n_layers][2][n_kv_heads] in backend memory; else NULL */
+    /* the tables' copies (device_tables.c): [n_layers][max_seqs][table_blocks],
+       and their cells' (index, block) pairs on the way, pinned halves in turn */
+    int32_t *tables;
+    int table_blocks;
+    int32_t *pairs, *h_pairs;
+    int n_pairs, cap_pairs;
+    kvs_upload_turns pairs_turns;
     /* window queries and their LSE, per layer: [max_seqs * window_rows] rows
-       (kvs_kv_device_prepare, once a sparse policy is set) */
+       (kvs_kv_device_prepare_windows, once a sparse policy is set) */
     int window_rows;
     void **win_q;
     float **win_lse;
@@ -42,8 +50,7 @@ typedef struct {
     int32_t *blocks; /* physical block ids */
     int n_blocks, cap;
     int len;         /* entries held */
-    uint64_t gen;    /* kvs_kv_touch's stamp of the last change of blocks / n_blocks (kvs_kv_table_gen) */
-    uint64_t base;   /* the stamp of the last change other than blocks appended at the end */
+    int changed;     /* the first block changed since the last plan of the devices' tables (kvs_kv_touch) */
 } layer_table;
 
 typedef struct {
@@ -137,17 +144,19 @@ struct kvs_kv_cache {
     kvs_kv_compactions own_plan; /* one_device.c's plans, their arrays reused */
 };
 
-/* Every change of a layer table's blocks or n_blocks goes with a touch: a
- * stamp never given before in the process (any cache, any thread), so a copy
- * of the table taken at stamp g is current while the table's gen is g (the
- * model's device-resident block tables, which may outlive a cache).
- * kvs_kv_touch_append after blocks appended at the end, and nothing else
- * changed: a copy whose base stamp is still the table's needs only the new
- * blocks. */
-uint64_t kvs_kv_new_stamp(void);
-static inline void kvs_kv_touch(layer_table *t) { t->gen = t->base = kvs_kv_new_stamp(); }
-static inline void kvs_kv_touch_append(layer_table *t) { t->gen = kvs_kv_new_stamp(); }
+/* Every change of a layer table's blocks goes with a touch from the first
+ * block that changed: the next plan of the devices' tables sends the blocks
+ * from there (kvs_kv_plan_tables). A new table is all changed; blocks dropped
+ * at the end need nothing sent (cells past a table's end are never read). */
+enum { KVS_KV_UNCHANGED = 1 << 30 };
+static inline void kvs_kv_touch_from(layer_table *t, int block) {
+    if (block < t->changed) t->changed = block;
+}
+static inline void kvs_kv_touch(layer_table *t) { t->changed = 0; }
 
+/* device_tables.c: a device's table copies made (zeroed) or freed. */
+kvs_status kvs_kv_device_tables_create(kvs_kv_device *d);
+void kvs_kv_device_tables_free(kvs_kv_device *d);
 
 seq_state *kvs_kv_get_seq(const kvs_kv_cache *kv, int seq_id);
 /* With prefix caching, a layer compacted at the prompt's end (budget < the

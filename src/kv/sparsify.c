@@ -26,7 +26,7 @@ kvs_status kvs_kv_set_policy(kvs_kv_cache *kv, int seq_id, const kvs_kv_policy *
     if (p->kind == KVS_POLICY_FULL) return KVS_OK;
     if (kv->cfg.n_heads <= 0) return kvs_fail(KVS_ERR_INVALID, "kv cache: sparsity needs n_heads in the kv config");
     kv->windows_wanted = true;
-    if (kv->own) KVS_TRY(kvs_kv_device_prepare(kv->own, kv));
+    if (kv->own) KVS_TRY(kvs_kv_device_prepare_windows(kv->own, kvs_kv_window_cap(kv)));
     int L = kv->cfg.n_layers;
     s->budgets = malloc(sizeof(int) * L);
     s->ring_base = malloc(sizeof(int) * L);

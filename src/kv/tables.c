@@ -1,6 +1,6 @@
-/* The per-(sequence, layer) block tables: lookups, stamps and slots. Host
- * memory; blocks come from and go back to block_pool.c. */
-#include <stdatomic.h>
+/* The per-(sequence, layer) block tables: lookups, slots, and the changes
+ * the devices' copies of them need. Host memory; blocks come from and go back
+ * to block_pool.c. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,7 +19,6 @@ int kvs_kv_blocks_for(const kvs_kv_cache *kv, int entries) {
 
 void kvs_kv_release_tail(kvs_kv_cache *kv, layer_table *t, int keep_blocks) {
     /* the last block first: a cached prompt's end is evicted before its start */
-    if (t->n_blocks > keep_blocks) kvs_kv_touch(t);
     while (t->n_blocks > keep_blocks) kvs_block_drop(&kv->blocks, t->blocks[--t->n_blocks]);
 }
 
@@ -38,16 +37,50 @@ const int32_t *kvs_kv_blocks(const kvs_kv_cache *kv, int seq_id, int layer, int 
     return s->layers[layer].blocks;
 }
 
-uint64_t kvs_kv_new_stamp(void) {
-    static _Atomic uint64_t last;
-    return atomic_fetch_add(&last, 1) + 1;
+/* *cap at least n (doubled, at least 64); false when out of memory. */
+static bool grow(void **p, int64_t *cap, int64_t n, size_t size) {
+    if (n <= *cap) return true;
+    int64_t c = *cap ? 2 * *cap : 64;
+    while (c < n) c *= 2;
+    void *g = realloc(*p, (size_t)c * size);
+    if (!g) return false;
+    *p = g, *cap = c;
+    return true;
 }
 
-uint64_t kvs_kv_table_gen(const kvs_kv_cache *kv, int seq_id, int layer, uint64_t *base) {
-    const seq_state *s = kvs_kv_get_seq(kv, seq_id);
-    bool ok = s && layer >= 0 && layer < kv->cfg.n_layers;
-    if (base) *base = ok ? s->layers[layer].base : 0;
-    return ok ? s->layers[layer].gen : 0;
+kvs_status kvs_kv_plan_tables(kvs_kv_cache *kv, const int32_t *seq_ids, int n, kvs_kv_table_deltas *out) {
+    out->n_deltas = 0, out->n_blocks = 0;
+    int64_t cap_deltas = out->cap_deltas;
+    for (int i = 0; i < n; i++) {
+        seq_state *s = kvs_kv_get_seq(kv, seq_ids[i]);
+        for (int l = 0; s && l < kv->cfg.n_layers; l++) {
+            layer_table *t = &s->layers[l];
+            if (t->changed >= t->n_blocks) continue;
+            int64_t nd = out->n_deltas + 1, nb = out->n_blocks + (t->n_blocks - t->changed);
+            if (!grow((void **)&out->deltas, &cap_deltas, nd, sizeof *out->deltas) ||
+                !grow((void **)&out->blocks, &out->cap_blocks, nb, sizeof *out->blocks)) {
+                out->cap_deltas = (int)cap_deltas;
+                return kvs_fail(KVS_ERR_NOMEM, "kv cache: out of memory for the tables' changes");
+            }
+            out->deltas[out->n_deltas++] = (kvs_kv_table_delta){seq_ids[i], l, t->changed, t->n_blocks - t->changed,
+                                                                out->n_blocks};
+            memcpy(out->blocks + out->n_blocks, t->blocks + t->changed, sizeof(int32_t) * (t->n_blocks - t->changed));
+            out->n_blocks = nb;
+        }
+    }
+    out->cap_deltas = (int)cap_deltas;
+    /* given: forgotten only once the whole plan is made (a failure above sends them next time) */
+    for (int i = 0; i < n; i++) {
+        seq_state *s = kvs_kv_get_seq(kv, seq_ids[i]);
+        for (int l = 0; s && l < kv->cfg.n_layers; l++) s->layers[l].changed = KVS_KV_UNCHANGED;
+    }
+    return KVS_OK;
+}
+
+void kvs_kv_table_deltas_free(kvs_kv_table_deltas *t) {
+    free(t->deltas);
+    free(t->blocks);
+    *t = (kvs_kv_table_deltas){0};
 }
 
 int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry) {

@@ -1,7 +1,7 @@
 /* The step buffers, sized once when the model is created for its limits (so
  * the pointers a CUDA graph bakes in stay put): activations for the largest
  * step's rows, logits and sampling for max_seqs rows, the metadata of max_seqs
- * sequences of max_len entries in every layer. One walk over the buffers
+ * sequences in every layer. One walk over the buffers
  * counts them, allocates them and frees them. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,8 +29,6 @@ int kvs_stride_bucket(int blocks) {
     while (p < blocks && p + p / 2 < blocks) p *= 2;
     return p >= blocks ? p : p + p / 2;
 }
-
-int kvs_table_blocks(const kvs_model_limits *l) { return (l->max_len + l->block_size - 1) / l->block_size; }
 
 /* n, or the power of two a graph pads it to when there is a graph for it. */
 static int padded(int n, int n_graph_sizes) {
@@ -70,9 +68,8 @@ static void on_pinned(walk *w, void *ptr, size_t bytes) {
 static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, const kvs_config *c,
                          const kvs_shard *sh, const kvs_model_limits *l, kvs_dtype act_dtype) {
     /* S sequences (max_seqs or the graph bucket it pads to), n rows (a padded
-       decode step has one per sequence), B blocks in a sequence's table */
+       decode step has one per sequence) */
     size_t a = kvs_dtype_size(act_dtype), S = padded(l->max_seqs, KVS_GRAPH_BATCHES), n = (size_t)l->max_tokens;
-    size_t B = (size_t)kvs_table_blocks(l);
     if (n < S) n = S;
     size_t qd = (size_t)sh->n_heads * c->head_dim, kd = (size_t)sh->n_kv_heads * c->head_dim;
     size_t wide = (size_t)sh->intermediate > qd ? (size_t)sh->intermediate : qd;
@@ -97,18 +94,6 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     on_device(w, &b->meta, meta * sizeof(int32_t));
     on_pinned(w, &b->h_meta, 2 * meta * sizeof(int32_t));
     on_host(w, &b->layer_meta, c->n_layers * sizeof(kvs_layer_meta));
-    /* the block tables (tables.c): a row of B blocks per sequence of a step in
-       every layer, their changed cells' pairs (uploaded in rounds when more) */
-    kvs_block_tables *t = &b->tables;
-    size_t cells = (size_t)c->n_layers * S * B;
-    t->n_layers = c->n_layers, t->rows = (int)S, t->blocks = (int)B;
-    t->cap_pairs = (int)(cells < (1u << 20) ? cells : (1u << 20));
-    on_device(w, &t->dev, cells * sizeof(int32_t));
-    on_device(w, &t->pairs, (size_t)t->cap_pairs * 2 * sizeof(int32_t));
-    on_pinned(w, &t->h_pairs, (size_t)t->cap_pairs * 4 * sizeof(int32_t));
-    on_host(w, &t->held, (size_t)c->n_layers * S * sizeof(kvs_table_held));
-    on_host(w, &t->row_seq, S * sizeof(int32_t));
-    on_host(w, &t->row_step, S * sizeof(uint64_t));
     /* the logits of the sequences that want them (at most one per sequence) */
     size_t L = (size_t)l->max_seqs, world = (size_t)sh->world, vp = (size_t)sh->vocab_pad;
     on_device(w, &b->last, L * c->hidden_size * a);
@@ -144,32 +129,10 @@ size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const
     return w.bytes;
 }
 
-/* The device tables start as zeros (block 0 wherever a kernel might look past a table). */
-static void zero_tables(kvs_model *m) {
-    kvs_block_tables *t = &m->buf.tables;
-    size_t cells = (size_t)t->n_layers * t->rows * t->blocks, chunk = (size_t)t->cap_pairs * 4;
-    memset(t->h_pairs, 0, sizeof(int32_t) * chunk);
-    for (size_t i = 0; i < cells; i += chunk) {
-        m->be->to_device(m->be, t->dev + i, t->h_pairs, sizeof(int32_t) * (cells - i < chunk ? cells - i : chunk));
-        m->be->synchronize(m->be); /* h_pairs is read by the copy */
-    }
-    t->seq_row = NULL, t->n_seq_row = 0;
-    kvs_tables_reset(t);
-}
-
 kvs_status kvs_step_buffers_create(kvs_model *m) {
-    const kvs_model_limits *l = &m->limits;
-    size_t cells = (size_t)m->cfg.n_layers * padded(l->max_seqs, KVS_GRAPH_BATCHES) * (size_t)kvs_table_blocks(l);
-    if (cells > INT32_MAX)
-        return kvs_fail(KVS_ERR_INVALID, "model: the block tables of %d sequences of %d tokens in %d layers are %zu "
-                        "cells, more than 2^31: lower max_num_seqs or max_model_len", l->max_seqs, l->max_len,
-                        m->cfg.n_layers, cells);
     walk w = {ALLOC, m->be, 0, false};
     walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
-    if (!w.failed) {
-        zero_tables(m);
-        return KVS_OK;
-    }
+    if (!w.failed) return KVS_OK;
     return kvs_fail(KVS_ERR_NOMEM, "model: out of memory for the step buffers (%.1f MiB of backend memory for %d "
                     "tokens and %d sequences per step)", w.bytes / 1048576.0, m->limits.max_tokens,
                     m->limits.max_seqs);
@@ -178,8 +141,6 @@ kvs_status kvs_step_buffers_create(kvs_model *m) {
 void kvs_step_buffers_free(kvs_model *m) {
     walk w = {FREE, m->be, 0, false};
     walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
-    free(m->buf.tables.seq_row);
-    m->buf.tables.seq_row = NULL;
     if (m->sample.adjust) m->be->free(m->be, m->sample.adjust);
     m->sample.adjust = NULL;
     m->sample.cap_adjust = 0;

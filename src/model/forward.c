@@ -109,7 +109,7 @@ kvs_status kvs_forward_layers(kvs_model *m, const kvs_kv_device *kv, const kvs_s
     be->embedding(be, m->buf.x, m->embed, m->buf.ids, sh->n_rows, c->hidden_size);
     for (int l = 0; l < c->n_layers; l++) {
         kvs_attn_batch ab;
-        int n_cap = kvs_step_layer(m, l, sh, &ab);
+        int n_cap = kvs_step_layer(m, kv, l, sh, &ab);
         KVS_TRY(attention_block(m, &m->layers[l], kv, l, &ab, sh->n_rows, n_cap));
         KVS_TRY(mlp_block(m, &m->layers[l], l + 1 < c->n_layers ? &m->layers[l + 1] : NULL, sh->n_rows));
     }
@@ -131,14 +131,14 @@ static void logits(kvs_model *m, const kvs_batch *b, int n_logits) {
     be->matmul(be, sb->logits, sb->last, m->lm_head, NULL, n_logits, c->hidden_size, m->shard.vocab_pad);
 }
 
-kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_kv_device *dev,
-                            int *n_logits_out) {
+kvs_status kvs_forward_step(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev, int *n_logits_out) {
+    const kvs_batch *b = &in->batch;
     int n_logits = 0;
     for (int s = 0; s < b->n_seqs; s++) n_logits += b->wants_logits[s] ? 1 : 0;
     kvs_step_shape sh;
     double t0 = kvs_host_clock_start();
-    kvs_status st = kvs_kv_device_prepare(dev, kv);
-    if (st == KVS_OK) st = kvs_step_prepare(m, b, kv, dev, &sh);
+    kvs_status st = in->window_rows_per_seq > 0 ? kvs_kv_device_prepare_windows(dev, in->window_rows_per_seq) : KVS_OK;
+    if (st == KVS_OK) st = kvs_step_prepare(m, in, dev, &sh);
     kvs_host_clock_stop(KVS_HOST_METADATA, t0);
     KVS_TRY(st);
     KVS_TRY(kvs_graphs_run(m, dev, &sh));

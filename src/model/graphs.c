@@ -33,20 +33,22 @@ static void invalidate(kvs_model *m) {
     if (any) g->stats.invalidations++;
 }
 
-/* Invalidates the graphs when the KV memory they baked in is not kv's. */
+/* Invalidates the graphs when the KV memory they baked in is not kv's (the table stride goes with the pointer). */
 static kvs_status check_kv(kvs_model *m, const kvs_kv_device *kv) {
     kvs_graphs *g = &m->graphs;
-    size_t n = 1 + 2 * (size_t)m->cfg.n_layers;
+    size_t n = 2 + 2 * (size_t)m->cfg.n_layers;
     if (!g->baked && !(g->baked = calloc(2 * n, sizeof(void *))))
         return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
     const void **now = g->baked + n; /* kv's, after the baked ones */
+    int stride;
     now[0] = kvs_kv_device_pool(kv)->data;
+    now[1] = kvs_kv_device_layer_tables(kv, 0, &stride);
     for (int l = 0; l < m->cfg.n_layers; l++) {
         void *q;
         float *lse;
         kvs_kv_device_window_buffers(kv, l, &q, &lse);
-        now[1 + 2 * l] = q;
-        now[2 + 2 * l] = lse;
+        now[2 + 2 * l] = q;
+        now[3 + 2 * l] = lse;
     }
     if (memcmp(g->baked, now, n * sizeof(void *)) == 0) return KVS_OK;
     invalidate(m);

@@ -17,10 +17,9 @@ static kvs_status step_status(kvs_model *m, kvs_status st) {
     return st != KVS_OK ? st : health;
 }
 
-static kvs_status forward_logits(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_kv_device *dev,
-                                 float *logits) {
+static kvs_status forward_logits(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev, float *logits) {
     int n_logits;
-    KVS_TRY(kvs_forward_step(m, b, kv, dev, &n_logits));
+    KVS_TRY(kvs_forward_step(m, in, dev, &n_logits));
     if (n_logits == 0) return KVS_OK;
     kvs_backend *be = m->be;
     kvs_step_buffers *sb = &m->buf;
@@ -44,17 +43,9 @@ static kvs_status forward_logits(kvs_model *m, const kvs_batch *b, const kvs_kv_
     return KVS_OK;
 }
 
-/* The device of a manager made with one (kvs_kv_create), for the forwards of a whole model. */
-static kvs_status own_device(const kvs_kv_cache *kv, kvs_kv_device **dev) {
-    *dev = kvs_kv_own_device(kv);
-    return *dev ? KVS_OK : kvs_fail(KVS_ERR_INVALID, "forward: the KV cache has no device of its own (kvs_kv_create)");
-}
-
-kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
-    kvs_kv_device *dev;
-    KVS_TRY(own_device(kv, &dev));
-    KVS_TRY(kvs_model_check_batch(m, b, kv, dev));
-    return step_status(m, forward_logits(m, b, kv, dev, logits));
+kvs_status kvs_model_forward(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev, float *logits) {
+    KVS_TRY(kvs_model_check_inputs(m, in, dev));
+    return step_status(m, forward_logits(m, in, dev, logits));
 }
 
 /* The extras against the n rows: adjust ranges and ids, mask rows, top_k. */
@@ -204,7 +195,7 @@ kvs_status kvs_model_step_end(kvs_model *m) {
     return KVS_OK;
 }
 
-static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_kv_device *dev,
+static kvs_status forward_sample(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev,
                                  const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
                                  float *logprobs) {
     const kvs_shard *sh = &m->shard;
@@ -215,7 +206,7 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, const kvs_kv_
         return kvs_fail(KVS_ERR_INVALID, "forward_sample: rank %d of %d has no sampling parameters", sh->rank, world);
     if (x && x->process && ids) KVS_TRY(reserve_adjust(m, x->n_adjust)); /* only the rank that samples uploads them */
     int n;
-    KVS_TRY(kvs_forward_step(m, b, kv, dev, &n));
+    KVS_TRY(kvs_forward_step(m, in, dev, &n));
     if (n == 0) return KVS_OK;
     if (world > 1 && all_shardable(params, x, n, m->cfg.vocab_size)) return sample_sharded(m, n, params, ids, logprobs);
     kvs_backend *be = m->be;
@@ -236,23 +227,21 @@ static kvs_status forward_sample(kvs_model *m, const kvs_batch *b, const kvs_kv_
     return sample_rows(m, rows, ld, n, params, x, ids, logprobs);
 }
 
-kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
-                                    const kvs_sample_extras *x, int32_t *ids, float *logprobs) {
-    kvs_kv_device *dev;
-    KVS_TRY(own_device(kv, &dev));
-    KVS_TRY(kvs_model_check_batch(m, b, kv, dev));
-    if (params) KVS_TRY(kvs_model_check_sample(b, params, x, m->cfg.vocab_size)); /* before the step: a bad row changes nothing */
-    kvs_status st = forward_sample(m, b, kv, dev, params, x, ids, logprobs);
+kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev,
+                                    const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
+                                    float *logprobs) {
+    KVS_TRY(kvs_model_check_inputs(m, in, dev));
+    if (params) KVS_TRY(kvs_model_check_sample(&in->batch, params, x, m->cfg.vocab_size)); /* before the step: a bad row changes nothing */
+    kvs_status st = forward_sample(m, in, dev, params, x, ids, logprobs);
     m->be->fence(m->be);
     kvs_status end = kvs_model_step_end(m);
     return step_status(m, st != KVS_OK ? st : end);
 }
 
-kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_kv_device *dev,
+kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev,
                                        const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
                                        float *logprobs, float *logits) {
-    kvs_status st = params ? forward_sample(m, b, kv, dev, params, x, ids, logprobs)
-                           : forward_logits(m, b, kv, dev, logits);
+    kvs_status st = params ? forward_sample(m, in, dev, params, x, ids, logprobs) : forward_logits(m, in, dev, logits);
     m->be->fence(m->be);
     return st;
 }

@@ -259,7 +259,7 @@ kvs_model_limits kvs_model_get_limits(const kvs_model *m);
 const kvs_shard *kvs_model_shard(const kvs_model *m);
 /* The rank's FP8 KV-cache scales from the checkpoint, [n_layers][2][its KV
  * heads] (K's, then V's; 1 where the checkpoint has none): what
- * kvs_kv_set_scales takes for the rank's cache. */
+ * kvs_kv_device_set_scales takes for the rank's device. */
 const float *kvs_model_kv_scales(const kvs_model *m);
 kvs_backend *kvs_model_backend(const kvs_model *m);
 void kvs_model_destroy(kvs_model *m);
@@ -274,11 +274,25 @@ typedef struct {
     const uint8_t *wants_logits;          /* [n_seqs]: logits of the seq's last token */
 } kvs_batch;
 
-/* One forward over the batch. The KV cache must already hold room for the new
- * tokens (kvs_kv_reserve); the forward writes them, the caller commits them and
- * applies the KV policy (src/runner/step.c). logits: [number of seqs that want
+/* What the forward reads besides the weights: the batch and what the KV
+ * manager decided for it, as plain arrays (the runner's step plan, runner.h,
+ * made once for every rank). The KV device (kv_device.h) holds the pool, the
+ * tables' copies (a sequence's row: its id) and the observation windows. */
+typedef struct {
+    kvs_batch batch;
+    const int32_t *slots;       /* [n_layers][n_tokens]: the pool slot a token's K and V go to */
+    const int32_t *kv_len;      /* [n_layers][n_seqs]: a sequence's entries after the step */
+    const int32_t *window_rows; /* [n_layers][n_tokens]: the observation-window row a query fills, or -1 */
+    const int32_t *max_blocks;  /* [n_layers]: the most blocks a sequence of the batch holds (at least 1) */
+    int window_rows_per_seq;    /* > 0: a sparse policy wants the device's observation windows */
+} kvs_step_inputs;
+
+/* One forward over the step. The device's tables must be current for the
+ * batch's sequences (kvs_kv_device_apply_tables) and the pool hold room for
+ * the new tokens; the forward writes them, the caller commits them and applies
+ * the KV policy (src/runner/step.c). logits: [number of seqs that want
  * them][vocab], in order of the sequences. */
-kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits);
+kvs_status kvs_model_forward(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev, float *logits);
 /* With tensor parallelism every rank calls kvs_model_forward for the same batch
  * (collectives inside); each computes the logits of its vocabulary slice and
  * they are all-gathered, so logits is the full [n][vocab] on every rank that
@@ -307,8 +321,9 @@ kvs_status kvs_model_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
  * error, an op out of memory; with tensor parallelism on any rank) fails the
  * step: the KV cache and the model's state are then undefined. */
 typedef struct kvs_sample_extras kvs_sample_extras;
-kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
-                                    const kvs_sample_extras *x, int32_t *ids, float *logprobs);
+kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev,
+                                    const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
+                                    float *logprobs);
 /* What a step may add to plain sampling (x NULL: nothing):
  * - logits processing before the draw (backend/sample.h, the process_logits
  *   op): process [n] (host) per row, their adjust entries and grammar mask
@@ -330,9 +345,11 @@ struct kvs_sample_extras {
     float *top_logprobs;
 };
 /* The checks the forwards above run first (KVS_ERR_INVALID naming what is
- * wrong): the batch against m and kv; the rows, one per sequence wanting logits. */
-kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv,
-                                 const kvs_kv_device *dev);
+ * wrong): the batch against m's limits and dev's geometry; the step's inputs
+ * (the batch's, and its tables within the device's rows); the rows, one per
+ * sequence wanting logits. */
+kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_device *dev);
+kvs_status kvs_model_check_inputs(const kvs_model *m, const kvs_step_inputs *in, const kvs_kv_device *dev);
 kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, const kvs_sample_extras *x,
                                   int vocab);
 /* The runner's forward: kvs_model_forward_sample (params) or kvs_model_forward
@@ -341,7 +358,7 @@ kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *para
  * logprobs are in ids, logprobs and x's arrays once kvs_model_step_end has
  * returned KVS_OK (the runner enqueues the KV policy's work in between; full
  * logits are copied before it returns). */
-kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_kv_device *dev,
+kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev,
                                        const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
                                        float *logprobs, float *logits);
 /* Waits for the step's fence (backend.h fence_wait: its health) and puts the

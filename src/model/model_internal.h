@@ -42,36 +42,6 @@ typedef struct {
     int kv_blocks, max_kv_len, max_q_len, n_cap;
 } kvs_layer_meta;
 
-/* What a row of the device tables holds of its sequence's table in a layer:
- * the table as it was at stamp gen (kvs_kv_table_gen), whose base stamp was
- * base, n blocks; gen 0: nothing. */
-typedef struct {
-    uint64_t gen, base;
-    int n;
-} kvs_table_held;
-
-/* The block tables of the steps' sequences, kept in backend memory from step
- * to step (tables.c): [n_layers][rows][blocks], a row per sequence of the
- * step, kept for it while it keeps coming back. A step uploads only the cells
- * that changed since the row was last written (the KV module's table stamps
- * say which tables changed, and whether only by blocks appended), as (index,
- * value) pairs the scatter_i32 op writes: a decode step's tables no longer go
- * up whole (the graphs' padded tables were up to 16.8 MB a step, filled and
- * uploaded while the GPU waited). */
-typedef struct {
-    int32_t *dev;        /* [n_layers][rows][blocks], backend memory (past a table's end: stale) */
-    kvs_table_held *held; /* [rows][n_layers] */
-    int32_t *row_seq;   /* [rows]: the sequence a row is for; -1: none */
-    uint64_t *row_step; /* [rows]: the step that last used it */
-    int32_t *seq_row;   /* [n_seq_row]: a sequence's row, -1: none (grown on demand) */
-    int n_seq_row;
-    int32_t *h_pairs, *pairs; /* pinned [2][cap_pairs][2] (two halves used in turn), backend [cap_pairs][2] */
-    int n_pairs, cap_pairs;
-    kvs_upload_turns pairs_turns; /* which half of h_pairs takes the next pairs */
-    int n_layers, rows, blocks, next_free;
-    uint64_t step;
-} kvs_block_tables;
-
 /* The step buffers (buffers.c), for the model's limits: rows are max_tokens or
  * the largest padded graph bucket. */
 typedef struct {
@@ -80,17 +50,17 @@ typedef struct {
     uint8_t *xq; float *xs; /* fp8: a GEMM input's E4M3 codes [rows][widest input] and per-row scales [rows] */
     void *last, *logits;                                /* [max_seqs][hidden], [max_seqs][vocab_pad] */
     int32_t *last_rows, *h_last_rows;                   /* [max_seqs] */
-    /* Per-step metadata (step_meta.c): token ids, positions, q_start, then
-       every layer's slots, kv lengths, window-capture rows and block tables,
-       built in h_meta (pinned) and uploaded with one copy into meta. The
-       pointers below point into meta (not owned): ids, positions and q_start
-       for the step, the others at the layer being run. */
+    /* Per-step metadata (step_meta.c): token ids, positions, q_start, the
+       sequences' table rows, then every layer's slots, kv lengths and
+       window-capture rows, copied from the step's inputs into h_meta (pinned)
+       and uploaded with one copy into meta. The pointers below point into
+       meta (not owned): ids, positions and q_start for the step, the others
+       at the layer being run. */
     int32_t *meta, *h_meta; /* h_meta: two halves of meta_words, used in turn (no wait for the last upload) */
     size_t meta_words;
     kvs_upload_turns h_turns; /* which half of h_meta the next step writes */
     kvs_layer_meta *layer_meta; /* [n_layers] */
     int32_t *ids, *positions, *slots, *q_start, *table_rows, *kv_len, *cap_src, *cap_dst;
-    kvs_block_tables tables;
     /* tensor parallelism: every rank's logits slices [world][max_seqs][vocab_pad] */
     void *logits_all;
     float *h_logits; /* their host staging (kvs_model_forward) */
@@ -148,8 +118,8 @@ typedef struct {
     kvs_graph_mode mode;
     kvs_graph_slot slot[KVS_GRAPH_BATCHES][KVS_GRAPH_VARIANTS];
     uint64_t clock; /* padded steps run (for kvs_graph_slot.used) */
-    /* the KV memory the graphs baked in: pool, then each layer's window q and
-       lse; then the same of the step's KV cache */
+    /* the KV memory the graphs baked in: pool, tables, then each layer's
+       window q and lse; then the same of the step's KV device */
     const void **baked;
     kvs_graph_stats stats;
 } kvs_graphs;
@@ -193,31 +163,17 @@ int kvs_ceil_log2(int n);
 /* The table stride the graphs' layout pads `blocks` to: the next of 1, 2, 3,
  * 4, 6, 8, 12, ... (powers of two and 1.5 times them: at most a third padding). */
 int kvs_stride_bucket(int blocks);
-/* The most blocks a sequence's table may hold in a layer (max_len of them): what
- * kvs_model_check_batch allows and the length of a device table row. */
-int kvs_table_blocks(const kvs_model_limits *l);
 /* Plans the step's shape and uploads its metadata (one copy). */
-kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, const kvs_kv_device *dev,
-                            kvs_step_shape *sh);
+kvs_status kvs_step_prepare(kvs_model *m, const kvs_step_inputs *in, const kvs_kv_device *dev, kvs_step_shape *sh);
 /* Points the step buffers at layer l's metadata, its attention batch in ab;
  * returns the rows the window captures. */
-int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch *ab);
-
-/* tables.c: the rows of the batch's sequences (rows_out[s], host) with their
- * tables current in buf.tables.dev: the changed cells uploaded and scattered
- * (the pinned pairs' halves taken in turn, kvs_upload_turns). */
-kvs_status kvs_tables_update(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, int32_t *rows_out);
-void kvs_tables_reset(kvs_block_tables *t); /* no row holds anything (after allocation) */
-/* Every row of the batch against its KV table, read back from the device:
- * KVS_ERR_INTERNAL naming the first difference (tests). */
-kvs_status kvs_tables_check(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv);
+int kvs_step_layer(kvs_model *m, const kvs_kv_device *dev, int l, const kvs_step_shape *sh, kvs_attn_batch *ab);
 
 /* forward.c: the embedding and the layers (all a graph holds); the step up
  * to each rank's logits slice in buf.logits [n_logits][vocab_pad], after
  * kvs_model_check_batch. */
 kvs_status kvs_forward_layers(kvs_model *m, const kvs_kv_device *kv, const kvs_step_shape *sh);
-kvs_status kvs_forward_step(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, kvs_kv_device *dev,
-                            int *n_logits);
+kvs_status kvs_forward_step(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev, int *n_logits);
 
 /* graphs.c: kvs_forward_layers for the step: eagerly, or as its bucket's
  * graph; destroying every graph. */

@@ -1,8 +1,8 @@
-/* A step's metadata: the batch checks, the shape it runs on (padded for the
- * graphs or as given), and every layer's slots, lengths and window-capture
- * rows packed into one buffer and uploaded with one copy; the block tables
- * stay on the device from step to step (tables.c), the sequences' rows in them
- * go with the metadata.
+/* A step's metadata: the checks of its inputs, the shape it runs on (padded
+ * for the graphs or as given), and every layer's slots, lengths and
+ * window-capture rows (the runner's plan, made once for every rank) packed
+ * into one buffer and uploaded with one copy; the block tables are the KV
+ * device's (a sequence's row its id).
  *
  * Padded steps (the graphs' layout) append dummy sequences of one token each
  * (id 0, position 0, slot -1, kv_len 0, no window row, table row 0) up to the
@@ -15,18 +15,7 @@
 
 #include "model/model_internal.h"
 
-/* Most blocks any sequence of the batch holds in layer l (at least 1). */
-static int layer_max_blocks(const kvs_batch *b, const kvs_kv_cache *kv, int l) {
-    int mb = 1, nb;
-    for (int s = 0; s < b->n_seqs; s++) {
-        kvs_kv_blocks(kv, b->seq_ids[s], l, &nb);
-        if (nb > mb) mb = nb;
-    }
-    return mb;
-}
-
-kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv,
-                                 const kvs_kv_device *dev) {
+kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_device *dev) {
     if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->query_start[0] != 0 || b->query_start[b->n_seqs] != b->n_tokens)
         return kvs_fail(KVS_ERR_INVALID, "forward: malformed batch (%d tokens, %d sequences)", b->n_tokens,
                         b->n_seqs);
@@ -43,26 +32,28 @@ kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const k
                         "rank %d of %d of the model (%d layers, %d KV heads, %d heads, head_dim %d)",
                         kc->n_layers, kc->n_kv_heads, kc->n_heads, kc->head_dim, sh->rank, sh->world,
                         m->cfg.n_layers, sh->n_kv_heads, sh->n_heads, m->cfg.head_dim);
-    int max_blocks = kvs_table_blocks(lim);
     for (int s = 0; s < b->n_seqs; s++) {
-        int q_len = b->query_start[s + 1] - b->query_start[s];
-        if (q_len <= 0) return kvs_fail(KVS_ERR_INVALID, "forward: sequence %d has no tokens", s);
-        for (int l = 0; l < m->cfg.n_layers; l++) {
-            int nb;
-            kvs_kv_blocks(kv, b->seq_ids[s], l, &nb);
-            if ((int64_t)nb * kc->block_size < kvs_kv_len(kv, b->seq_ids[s], l) + q_len)
-                return kvs_fail(KVS_ERR_INVALID, "forward: sequence %d has no KV room reserved", b->seq_ids[s]);
-            if (nb > max_blocks)
-                return kvs_fail(KVS_ERR_INVALID,
-                                "forward: sequence %d holds %d KV blocks in layer %d: more than the model's limit "
-                                "of %d (max_model_len %d / block size %d)",
-                                b->seq_ids[s], nb, l, max_blocks, lim->max_len, lim->block_size);
-        }
+        if (b->query_start[s + 1] - b->query_start[s] <= 0)
+            return kvs_fail(KVS_ERR_INVALID, "forward: sequence %d has no tokens", s);
+        if (b->seq_ids[s] < 0 || b->seq_ids[s] >= kc->max_seqs)
+            return kvs_fail(KVS_ERR_INVALID, "forward: sequence id %d outside the KV cache's [0, %d)", b->seq_ids[s],
+                            kc->max_seqs);
     }
     for (int i = 0; i < b->n_tokens; i++)
         if (b->token_ids[i] < 0 || b->token_ids[i] >= m->cfg.vocab_size)
             return kvs_fail(KVS_ERR_INVALID, "forward: token id %d out of range [0, %d)", b->token_ids[i],
                             m->cfg.vocab_size);
+    return KVS_OK;
+}
+
+kvs_status kvs_model_check_inputs(const kvs_model *m, const kvs_step_inputs *in, const kvs_kv_device *dev) {
+    KVS_TRY(kvs_model_check_batch(m, &in->batch, dev));
+    int stride;
+    kvs_kv_device_layer_tables(dev, 0, &stride);
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (in->max_blocks[l] < 1 || in->max_blocks[l] > stride)
+            return kvs_fail(KVS_ERR_INVALID, "forward: layer %d's tables of %d blocks (the device's hold 1 .. %d)", l,
+                            in->max_blocks[l], stride);
     return KVS_OK;
 }
 
@@ -84,18 +75,18 @@ static void plan(const kvs_model *m, const kvs_batch *b, kvs_step_shape *sh) {
  * last uploaded, whose copy has run when any wait for the device came since
  * (normally the last step's read of its sampled ids), so the host builds this
  * step while the device still runs the last one's compactions. */
-kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache *kv, const kvs_kv_device *dev,
-                            kvs_step_shape *sh) {
+kvs_status kvs_step_prepare(kvs_model *m, const kvs_step_inputs *in, const kvs_kv_device *dev, kvs_step_shape *sh) {
+    const kvs_batch *b = &in->batch;
     plan(m, b, sh);
     kvs_step_buffers *sb = &m->buf;
     kvs_backend *be = m->be;
-    const int L = m->cfg.n_layers, T = sh->n_rows, S = sh->n_seqs, n = b->n_tokens, bs = kvs_kv_get_config(kv)->block_size;
+    const int L = m->cfg.n_layers, T = sh->n_rows, S = sh->n_seqs, n = b->n_tokens, ns = b->n_seqs;
+    const int bs = kvs_kv_device_config(dev)->block_size;
     size_t off = 0, o_ids = off, o_pos = (off += T), o_qs = (off += T), o_rows = (off += S + 1);
     off += S;
     for (int l = 0; l < L; l++) {
         kvs_layer_meta *lm = &sb->layer_meta[l];
-        int mb = layer_max_blocks(b, kv, l);
-        lm->kv_blocks = sh->padded ? kvs_stride_bucket(mb) : mb;
+        lm->kv_blocks = sh->padded ? kvs_stride_bucket(in->max_blocks[l]) : in->max_blocks[l];
         lm->slots = off, off += T;
         lm->kv_len = off, off += S;
         lm->cap_src = off, off += T;
@@ -104,39 +95,37 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
     /* this step's half of h_meta: the upload that last read it (two steps back) has
        run, unless no step since waited for the device (then wait now) */
     int32_t *h = sb->h_meta + (size_t)kvs_turn_take(be, &sb->h_turns) * sb->meta_words;
-    KVS_TRY(kvs_tables_update(m, b, kv, h + o_rows));
-    for (int s = b->n_seqs; s < S; s++) h[o_rows + s] = 0; /* dummies read no table */
+    memcpy(h + o_rows, b->seq_ids, sizeof(int32_t) * ns); /* a sequence's table row is its id */
+    for (int s = ns; s < S; s++) h[o_rows + s] = 0;      /* dummies read no table */
     memcpy(h + o_ids, b->token_ids, sizeof(int32_t) * n);
     memcpy(h + o_pos, b->positions, sizeof(int32_t) * n);
-    memcpy(h + o_qs, b->query_start, sizeof(int32_t) * (b->n_seqs + 1));
+    memcpy(h + o_qs, b->query_start, sizeof(int32_t) * (ns + 1));
     for (int i = n; i < T; i++) h[o_ids + i] = h[o_pos + i] = 0;
-    for (int s = b->n_seqs; s < S; s++) h[o_qs + s + 1] = h[o_qs + s] + 1; /* dummies: one token each */
+    for (int s = ns; s < S; s++) h[o_qs + s + 1] = h[o_qs + s] + 1; /* dummies: one token each */
     for (int l = 0; l < L; l++) {
         kvs_layer_meta *lm = &sb->layer_meta[l];
         int32_t *slots = h + lm->slots, *kv_len = h + lm->kv_len, *cap_src = h + lm->cap_src,
                 *cap_dst = h + lm->cap_dst;
+        const int32_t *rows = in->window_rows + (size_t)l * n;
+        memcpy(slots, in->slots + (size_t)l * n, sizeof(int32_t) * n);
+        memcpy(kv_len, in->kv_len + (size_t)l * ns, sizeof(int32_t) * ns);
         int max_kv = 0, max_q = 0, n_cap = 0;
-        for (int s = 0; s < b->n_seqs; s++) {
-            int seq = b->seq_ids[s], q0 = b->query_start[s], q_len = b->query_start[s + 1] - q0;
-            int len = kvs_kv_len(kv, seq, l);
-            kvs_kv_slots(kv, seq, l, len, q_len, slots + q0);
-            /* the rows at q0 ..; padded: every row goes through window_capture (-1 skips), eager: only
-               rows >= 0, moved down to n_cap (<= q0 + i: never past the row read next) */
-            kvs_kv_window_rows(kv, seq, l, b->positions + q0, q_len, cap_dst + q0);
-            for (int i = 0; i < q_len; i++) {
-                if (sh->padded) {
-                    cap_src[q0 + i] = q0 + i;
-                } else if (cap_dst[q0 + i] >= 0) {
-                    cap_src[n_cap] = q0 + i;
-                    cap_dst[n_cap++] = cap_dst[q0 + i];
-                }
-            }
-            kv_len[s] = len + q_len;
-            if (len + q_len > max_kv) max_kv = len + q_len;
+        for (int s = 0; s < ns; s++) {
+            int q_len = b->query_start[s + 1] - b->query_start[s];
+            if (kv_len[s] > max_kv) max_kv = kv_len[s];
             if (q_len > max_q) max_q = q_len;
         }
+        /* padded: every row goes through window_capture (-1 skips); eager: only the rows that fill one */
+        for (int i = 0; i < n; i++) {
+            if (sh->padded) {
+                cap_src[i] = i, cap_dst[i] = rows[i];
+            } else if (rows[i] >= 0) {
+                cap_src[n_cap] = i;
+                cap_dst[n_cap++] = rows[i];
+            }
+        }
         for (int i = n; i < T; i++) slots[i] = -1, cap_src[i] = i, cap_dst[i] = -1;
-        for (int s = b->n_seqs; s < S; s++) kv_len[s] = 0;
+        for (int s = ns; s < S; s++) kv_len[s] = 0;
         if (sh->padded) { /* the bucket's fixed sizes; LSE and window capture always (when windows exist) */
             void *win_q;
             float *win_lse;
@@ -158,16 +147,17 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_batch *b, const kvs_kv_cache
     return KVS_OK;
 }
 
-int kvs_step_layer(kvs_model *m, int l, const kvs_step_shape *sh, kvs_attn_batch *ab) {
+int kvs_step_layer(kvs_model *m, const kvs_kv_device *dev, int l, const kvs_step_shape *sh, kvs_attn_batch *ab) {
     kvs_step_buffers *sb = &m->buf;
     const kvs_layer_meta *lm = &sb->layer_meta[l];
     sb->slots = sb->meta + lm->slots;
     sb->kv_len = sb->meta + lm->kv_len;
     sb->cap_src = sb->meta + lm->cap_src;
     sb->cap_dst = sb->meta + lm->cap_dst;
-    const kvs_block_tables *t = &sb->tables;
-    *ab = (kvs_attn_batch){sh->n_seqs, sh->n_rows, t->blocks, lm->max_q_len, lm->max_kv_len, sb->q_start,
-                           sb->kv_len, t->dev + (size_t)l * t->rows * t->blocks, sb->table_rows,
+    int stride;
+    const int32_t *tables = kvs_kv_device_layer_tables(dev, l, &stride);
+    *ab = (kvs_attn_batch){sh->n_seqs, sh->n_rows, stride, lm->max_q_len, lm->max_kv_len, sb->q_start,
+                           sb->kv_len, tables, sb->table_rows,
                            kvs_config_layer_sliding_window(&m->cfg, l), sh->n_decode};
     return lm->n_cap;
 }

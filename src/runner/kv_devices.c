@@ -6,6 +6,7 @@
 
 static kvs_kv_config rank_config(const kvs_runner *g, const kvs_kv_config *global) {
     kvs_kv_config kc = *global;
+    kc.max_len = kvs_runner_limits(g).max_len; /* the devices' table rows: the models' max_len */
     kc.n_kv_heads /= g->world;
     kc.n_heads /= g->world;
     return kc;
@@ -28,7 +29,9 @@ kvs_status kvs_runner_kv_create(kvs_runner *g, const kvs_kv_config *global) {
                         global->n_kv_heads, global->n_heads);
     kvs_kv_destroy(g->kv);
     g->kv = NULL;
-    KVS_TRY(kvs_kv_manager_create(global, &g->kv));
+    kvs_kv_config kc = *global;
+    kc.max_len = kvs_runner_limits(g).max_len;
+    KVS_TRY(kvs_kv_manager_create(&kc, &g->kv));
     /* the model's sliding-window layers (kv.h) */
     int32_t window[KVS_MAX_LAYERS];
     for (int l = 0; l < g->cfg.n_layers; l++) window[l] = kvs_config_layer_sliding_window(&g->cfg, l);

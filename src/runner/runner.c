@@ -142,7 +142,7 @@ void kvs_runner_destroy(kvs_runner *g) {
     }
     kvs_ranks_stop(g);
     kvs_kv_destroy(g->kv);
-    kvs_kv_compactions_free(&g->plan);
+    kvs_step_plan_free(&g->plan);
     if (g->owns_devices) {
         for (int r = 0; r < g->world; r++) {
             if (g->ranks[r].comm) g->ranks[r].comm->destroy(g->ranks[r].comm);

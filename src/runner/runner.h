@@ -57,12 +57,34 @@ size_t kvs_runner_kv_entry_bytes(const kvs_runner *r);
  * each rank holds a slice of the KV heads (KVS_ERR_UNSUPPORTED). */
 kvs_status kvs_runner_window_scores(kvs_runner *r, int seq_id, int layer, float *out);
 
+/* ---- the step plan ---------------------------------------------------------------
+ * What every rank of a step is handed, made once on the caller's thread: the
+ * forward's inputs (model.h kvs_step_inputs), the cells of the device tables
+ * that changed, and after the forward the compactions due. Plain arrays and
+ * the batch's: nothing points into the manager, so a rank in another process
+ * could be sent it. */
+typedef struct {
+    kvs_step_inputs in;
+    kvs_kv_table_deltas tables;
+    kvs_kv_compactions compactions;
+    int32_t *slots, *window_rows, *kv_len, *max_blocks; /* in's arrays, reused from step to step */
+    size_t cap_slots, cap_rows, cap_len, cap_blocks;
+} kvs_step_plan;
+/* The batch checked against the manager (live sequences, room reserved, tables
+ * within the devices' rows) and the model (m and dev: rank 0's; the ranks are
+ * alike), then planned; the tables' changes are taken last (they are
+ * forgotten by the manager: the plan must reach the devices). A bad batch is
+ * KVS_ERR_INVALID and changes nothing. */
+kvs_status kvs_step_plan_build(kvs_step_plan *p, kvs_kv_cache *kv, const kvs_batch *b, const kvs_model *m,
+                               const kvs_kv_device *dev);
+void kvs_step_plan_free(kvs_step_plan *p);
+
 /* ---- steps ----------------------------------------------------------------------
- * The batch (and the sampling rows) checked once, before any rank runs (a bad
- * one is KVS_ERR_INVALID and changes nothing); then on every rank the model's
- * forward, the new tokens committed and what the sequences' KV policies say is
- * due compacted (the manager's plan, run by every rank's device), the backend asked
- * whether an op failed. The KV must hold room for the new tokens (kvs_kv_reserve). A rank failing
+ * The batch (and the sampling rows) checked and planned once, before any rank
+ * runs (a bad one is KVS_ERR_INVALID and changes nothing); then on every rank
+ * the plan's table changes and the model's forward, the new tokens committed
+ * and what the sequences' KV policies say is due compacted (the manager's
+ * plan, run by every rank's device), the backend asked whether an op failed. The KV must hold room for the new tokens (kvs_kv_reserve). A rank failing
  * mid-step aborts the communicators: the runner is then unusable.
  * kvs_runner_step: rank 0's gathered logits [seqs that want them][vocab]
  * (NULL: gathered, copied out nowhere: benchmarks). */

@@ -48,7 +48,7 @@ struct kvs_runner {
     kvs_runner_backend_wrap wrap;
     void *wrap_user;
     kvs_kv_cache *kv;          /* the one KV manager (kvs_runner_kv_create) */
-    kvs_kv_compactions plan;   /* a step's compactions, its arrays reused */
+    kvs_step_plan plan;        /* the step's (plan.c), its arrays reused */
 };
 
 /* ranks.c: runs job on every rank and waits; the first failing rank's error

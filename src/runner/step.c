@@ -1,5 +1,5 @@
 /* runner: a step, two hand-offs to the ranks. The model computes, the KV
- * manager keeps and plans on the caller's thread, every rank's device runs the
+ * manager keeps and plans on the caller's thread (plan.c), every rank runs the
  * plan. The checks run once, on the caller's thread: what can be wrong with the
  * batch is wrong on every rank alike, and must not break the ranks'
  * communicators. Each rank compacts its own KV heads: no communication. */
@@ -16,13 +16,15 @@ typedef struct {
     float *logprobs;
 } step_args;
 
-/* The step's first hand-off: every rank's forward, ending at the backend's
- * fence without waiting for it (each rank reads the manager, none writes it). */
+/* The step's first hand-off: every rank's tables brought up to date and its
+ * forward, ending at the backend's fence without waiting for it (a rank reads
+ * the plan alone, never the manager). */
 static kvs_status job_forward(kvs_runner *g, int rank, void *arg) {
     const step_args *a = arg;
     kvs_rank *r = &g->ranks[rank];
     bool out = rank == 0; /* rank 0 copies the results out */
-    return kvs_model_forward_unchecked(r->model, a->b, g->kv, r->kv_dev, a->params, a->extras, out ? a->ids : NULL,
+    KVS_TRY(kvs_kv_device_apply_tables(r->kv_dev, &g->plan.tables));
+    return kvs_model_forward_unchecked(r->model, &g->plan.in, r->kv_dev, a->params, a->extras, out ? a->ids : NULL,
                                        out ? a->logprobs : NULL, out ? a->logits : NULL);
 }
 
@@ -30,7 +32,7 @@ static kvs_status job_forward(kvs_runner *g, int rank, void *arg) {
 static kvs_status job_finish(kvs_runner *g, int rank, void *arg) {
     const bool *compact = arg;
     kvs_rank *r = &g->ranks[rank];
-    kvs_status st = *compact ? kvs_kv_device_compact(r->kv_dev, &g->plan) : KVS_OK;
+    kvs_status st = *compact ? kvs_kv_device_compact(r->kv_dev, &g->plan.compactions) : KVS_OK;
     kvs_status end = kvs_model_step_end(r->model);
     return st != KVS_OK ? st : end;
 }
@@ -40,7 +42,7 @@ static kvs_status job_finish(kvs_runner *g, int rank, void *arg) {
 static kvs_status keep_step_kv(kvs_runner *g, const kvs_batch *b) {
     double t0 = kvs_host_clock_start();
     for (int s = 0; s < b->n_seqs; s++) kvs_kv_commit(g->kv, b->seq_ids[s], b->query_start[s + 1] - b->query_start[s]);
-    kvs_status st = kvs_kv_plan_compactions(g->kv, b->seq_ids, b->n_seqs, &g->plan);
+    kvs_status st = kvs_kv_plan_compactions(g->kv, b->seq_ids, b->n_seqs, &g->plan.compactions);
     kvs_host_clock_stop(KVS_HOST_KV_POLICY, t0);
     return st;
 }
@@ -55,7 +57,10 @@ static kvs_status step(kvs_runner *g, const kvs_batch *b, float *logits, int32_t
                        const kvs_sample_extras *x, float *logprobs) {
     KVS_TRY(kvs_runner_need_kv(g));
     if (params) KVS_TRY(kvs_model_check_sample(b, params, x, kvs_runner_config(g)->vocab_size));
-    KVS_TRY(kvs_model_check_batch(g->ranks[0].model, b, g->kv, g->ranks[0].kv_dev));
+    double t0 = kvs_host_clock_start();
+    kvs_status planned = kvs_step_plan_build(&g->plan, g->kv, b, g->ranks[0].model, g->ranks[0].kv_dev);
+    kvs_host_clock_stop(KVS_HOST_METADATA, t0);
+    KVS_TRY(planned);
     step_args a = {b, logits, ids, params, x, logprobs};
     kvs_status st = kvs_ranks_run(g, job_forward, &a, true);
     bool compact = st == KVS_OK && (st = keep_step_kv(g, b)) == KVS_OK;
