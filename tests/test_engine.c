@@ -354,7 +354,8 @@ Test(engine, max_tokens_and_context_limit) {
     cr_assert_eq(kvs_engine_submit(e, &p, on_output, &b, NULL), KVS_OK);
     p.max_tokens = 15;
     cr_assert_eq(kvs_engine_submit(e, &p, on_output, &b, NULL), KVS_ERR_INVALID);
-    cr_assert(strstr(kvs_last_error(), "max_model_len"), "%s", kvs_last_error());
+    cr_assert_str_eq(kvs_last_error(),
+                     "this model's maximum context length is 64 tokens; the prompt has 50 and 15 were asked for");
     run_until_idle(e, 1000);
     cr_assert_eq(a.finish, KVS_FINISH_LENGTH);
     cr_assert_eq(a.n, 5);
@@ -364,6 +365,52 @@ Test(engine, max_tokens_and_context_limit) {
     cr_assert_eq(b.n, 14);
     cr_assert_eq(b.n_lp, 0);
     cr_assert_str_eq(kvs_finish_name(b.finish), "length");
+    free(prompt);
+    kvs_engine_destroy(e);
+    fx_close(&f);
+}
+
+/* The context's limits are checked at the engine's door, in OpenAI's words,
+ * naming the limit broken (the server maps it to the field of its 400). */
+Test(engine, door_refuses_prompts_and_max_tokens_beyond_the_context) {
+    cr_expect_eq(kvs_length_check(64, 63, 1), KVS_LENGTH_OK);
+    cr_expect_eq(kvs_length_check(64, 1, 63), KVS_LENGTH_OK);
+    cr_expect_eq(kvs_length_check(64, 64, 1), KVS_LENGTH_PROMPT);
+    cr_expect_str_eq(kvs_last_error(), "this model's maximum context length is 64 tokens; the prompt has 64");
+    cr_expect_eq(kvs_length_check(64, 100, 0), KVS_LENGTH_PROMPT); /* the prompt first, whatever max_tokens */
+    cr_expect_eq(kvs_length_check(64, 60, 5), KVS_LENGTH_MAX_TOKENS);
+    cr_expect_str_eq(kvs_last_error(), "this model's maximum context length is 64 tokens; the prompt has 60 and 5 were "
+                                       "asked for");
+    cr_expect_eq(kvs_length_check(64, 60, 2147483647), KVS_LENGTH_MAX_TOKENS); /* no overflow */
+
+    fixture f;
+    fx_open(&f);
+    kvs_engine_config c = kvs_engine_config_default();
+    c.max_num_seqs = 4;
+    c.max_model_len = 64;
+    c.kv_memory_bytes = 8 << 20;
+    kvs_engine *e;
+    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    int32_t *prompt = random_prompt(5, 80);
+    sink a = {0};
+    kvs_request_params p = greedy_params(prompt, 64, 1); /* no room left for a token */
+    cr_expect_eq(kvs_engine_submit(e, &p, on_output, &a, NULL), KVS_ERR_INVALID);
+    cr_expect_str_eq(kvs_last_error(), "this model's maximum context length is 64 tokens; the prompt has 64");
+    p.n_prompt = 80;
+    p.max_tokens = 16;
+    cr_expect_eq(kvs_engine_submit(e, &p, on_output, &a, NULL), KVS_ERR_INVALID);
+    cr_expect_str_eq(kvs_last_error(), "this model's maximum context length is 64 tokens; the prompt has 80");
+    p.n_prompt = 60;
+    p.max_tokens = 5;
+    cr_expect_eq(kvs_engine_submit(e, &p, on_output, &a, NULL), KVS_ERR_INVALID);
+    cr_expect_str_eq(kvs_last_error(), "this model's maximum context length is 64 tokens; the prompt has 60 and 5 were "
+                                       "asked for");
+    cr_expect(kvs_engine_idle(e), "nothing refused was queued");
+    p.max_tokens = 4; /* exactly up to the context */
+    cr_assert_eq(kvs_engine_submit(e, &p, on_output, &a, NULL), KVS_OK, "%s", kvs_last_error());
+    run_until_idle(e, 1000);
+    cr_expect_eq(a.finish, KVS_FINISH_LENGTH);
+    cr_expect_eq(a.n, 4);
     free(prompt);
     kvs_engine_destroy(e);
     fx_close(&f);
@@ -389,7 +436,7 @@ Test(engine, submit_validation_and_busy) {
     p.max_tokens = 0;
     expect_invalid(e, &p, KVS_ERR_INVALID, "max_tokens");
     p.max_tokens = 8192;
-    expect_invalid(e, &p, KVS_ERR_INVALID, "max_model_len");
+    expect_invalid(e, &p, KVS_ERR_INVALID, "maximum context length");
     p.max_tokens = 4;
     prompt[2] = 8192;
     expect_invalid(e, &p, KVS_ERR_INVALID, "vocabulary");

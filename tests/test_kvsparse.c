@@ -3,6 +3,7 @@
  * request still running. */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -213,4 +214,49 @@ Test(kvsparse, errors_name_what_is_wrong) {
     cr_expect_str_eq(kvsparse_version(), "0.1.0");
     kvsparse_destroy(e);
     kvsparse_destroy(NULL);
+}
+
+/* The context's limits: the engine's door refuses, in OpenAI's words, a prompt
+ * that leaves no room for a token and prompt + max_tokens beyond the context;
+ * a default max_tokens is capped by the context instead. */
+Test(kvsparse, context_limits_are_clear) {
+    kvsparse_options o;
+    kvsparse_options_init(&o);
+    o.threads = 2;
+    o.quiet = 1;
+    o.kv_memory_gib = 0.05;
+    o.max_model_len = 32;
+    kvsparse_engine *e = NULL;
+    kvsparse_status st = kvsparse_create(src_path("models/tiny-needle-llama"), &o, &e);
+    cr_assert_eq(st, KVSPARSE_OK, "%s", kvsparse_last_error());
+    kvsparse_request r;
+    kvsparse_request_init(&r);
+    char long_prompt[400] = "";
+    for (int i = 0; i < 40; i++) strcat(long_prompt, "harbour ");
+    r.prompt = long_prompt;
+    kvsparse_stream *s = NULL;
+    int max_len = 0, n = 0, k = 0, end = 0;
+    cr_expect_eq(kvsparse_submit_stream(e, &r, &s), KVSPARSE_ERR_INVALID);
+    const char *msg = kvsparse_last_error();
+    int got = sscanf(msg, "this model's maximum context length is %d tokens; the prompt has %d%n", &max_len, &n, &end);
+    cr_expect(got == 2 && !msg[end], "%s", msg);
+    cr_expect(max_len == 32 && n >= 40, "%s", msg);
+    cr_expect_null(s);
+    r.prompt = "The sky was grey over the harbour.";
+    r.max_tokens = 40;
+    cr_expect_eq(kvsparse_submit(e, &r, on_output, NULL, NULL), KVSPARSE_ERR_INVALID);
+    msg = kvsparse_last_error();
+    end = 0;
+    got = sscanf(msg, "this model's maximum context length is %d tokens; the prompt has %d and %d were asked for%n",
+                 &max_len, &n, &k, &end);
+    cr_expect(got == 3 && !msg[end], "%s", msg);
+    cr_expect(max_len == 32 && n > 0 && n < 32 && k == 40, "%s", msg);
+    r.max_tokens = KVSPARSE_MODEL_DEFAULT; /* the default: capped by the context */
+    cr_assert_eq(kvsparse_submit_stream(e, &r, &s), KVSPARSE_OK, "%s", kvsparse_last_error());
+    kvsparse_output last;
+    free(read_all(s, &last));
+    cr_expect_neq(last.finish, KVSPARSE_FINISH_ERROR, "%s", last.error ? last.error : "");
+    cr_expect_leq(last.prompt_tokens + last.completion_tokens, 32);
+    kvsparse_stream_close(s);
+    kvsparse_destroy(e);
 }

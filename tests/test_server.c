@@ -293,6 +293,24 @@ Test(server, bad_input) {
     cr_expect_eq(r.status, 405);
     free(r.body);
 
+    /* a prompt beyond the context (512 tokens): 400 naming the prompt, in the engine's words */
+    char *longer = malloc(4096);
+    strcpy(longer, "{\"prompt\": \"");
+    for (int i = 0; i < 600; i++) strcat(longer, "hi ");
+    strcat(longer, "\"}");
+    r = http(s.port, "POST", "/v1/completions", NULL, longer);
+    free(longer);
+    cr_expect_eq(r.status, 400, "%s", r.body);
+    json_t *lj = json_loads(r.body, 0, NULL);
+    json_t *le = json_object_get(lj, "error");
+    const char *lp = json_string_value(json_object_get(le, "param"));
+    const char *lm = json_string_value(json_object_get(le, "message"));
+    cr_expect(lp && !strcmp(lp, "prompt"), "%s", r.body);
+    const char *want = "this model's maximum context length is 512 tokens; the prompt has ";
+    cr_expect(lm && !strncmp(lm, want, strlen(want)), "%s", r.body);
+    json_decref(lj);
+    free(r.body);
+
     /* a 10 MB body: 413 */
     size_t big = 10u << 20;
     char *huge = malloc(big + 1);

@@ -192,6 +192,78 @@ Test(http_path, text_far_beyond_the_context_is_refused_before_tokenizing) {
     kvs_tokenizer_destroy(tok);
 }
 
+/* The context's limits, the engine's check (kvs_length_check) with its words:
+ * a 400 naming the field the request used for the prompt or for max_tokens;
+ * a default max_tokens, or Anthropic's, is capped by the context instead. */
+static void expect_limit(kvs_server *s, const char *url, const char *body, const char *param, const char *want) {
+    char msg[800];
+    cr_expect_eq(path_status(s, "POST", url, NULL, NULL, body, 0, msg, sizeof msg), 400, "%s: %s", body, msg);
+    json_t *j = json_loads(msg, 0, NULL), *e = json_object_get(j, "error");
+    const char *m = json_string_value(json_object_get(e, "message"));
+    const char *got = json_string_value(json_object_get(e, "param"));
+    cr_expect(got && !strcmp(got, param), "%s: param %s, not %s", body, got ? got : "(none)", param);
+    cr_expect(m && !strncmp(m, want, strlen(want)), "%s: '%s' does not start with '%s'", body, m ? m : "", want);
+    json_decref(j);
+}
+
+Test(http_path, context_limits_name_the_field) {
+    kvs_tokenizer *tok;
+    cr_assert_eq(kvs_tokenizer_load(src_path("models/tiny-needle-llama"), &tok), KVS_OK, "%s", kvs_last_error());
+    kvs_server *s = path_server(NULL, 8u << 20, 32, tok);
+    const char *too_long = "this model's maximum context length is 32 tokens; the prompt has ";
+    char ids[200] = "{\"prompt\": [1";
+    for (int i = 1; i < 32; i++) strcat(ids, ", 5");
+    strcat(ids, "]}");
+    expect_limit(s, "/v1/completions", ids, "prompt",
+                 "this model's maximum context length is 32 tokens; the prompt has 32");
+    char *b = repeat("{\"prompt\": \"", "ab ", 40, "\"}");
+    expect_limit(s, "/v1/completions", b, "prompt", too_long);
+    free(b);
+    b = repeat("{\"messages\": [{\"role\": \"user\", \"content\": \"", "ab ", 40, "\"}]}");
+    expect_limit(s, "/v1/chat/completions", b, "messages", too_long);
+    free(b);
+    b = repeat("{\"input\": \"", "ab ", 40, "\"}");
+    expect_limit(s, "/v1/responses", b, "input", too_long);
+    free(b);
+    /* prompt + max_tokens beyond the context: the field the request used */
+    expect_limit(s, "/v1/completions", "{\"prompt\": [1, 5, 5], \"max_tokens\": 30}", "max_tokens",
+                 "this model's maximum context length is 32 tokens; the prompt has 3 and 30 were asked for");
+    expect_limit(s, "/v1/chat/completions",
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_completion_tokens\": 31}",
+                 "max_completion_tokens", too_long);
+    expect_limit(s, "/v1/responses", "{\"input\": \"hi\", \"max_output_tokens\": 31}", "max_output_tokens", too_long);
+    /* within the context; a default (completions: 16, chat: the rest) and Anthropic's ceiling are capped */
+    cr_expect_eq(path_status(s, "POST", "/v1/completions", NULL, NULL, "{\"prompt\": [1, 5, 5], \"max_tokens\": 29}", 0,
+                             NULL, 0), 0);
+    const struct {
+        const char *url, *body;
+        int max_tokens;
+    } capped[] = {
+        {"/v1/completions", "{\"prompt\": [1, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]}", 12},
+        {"/v1/completions", "{\"prompt\": [1, 5, 5]}", 16},
+        {"/v1/chat/completions", "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", -1},
+        {"/v1/messages", "{\"max_tokens\": 32000, \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", -1},
+    };
+    for (size_t i = 0; i < sizeof capped / sizeof capped[0]; i++) {
+        kvs_http_answer a;
+        kvs_http_prepared p;
+        kvs_http_header h[3];
+        int n = fields(h, NULL, NULL);
+        const char *body = capped[i].body;
+        bool ready = kvs_http_handle(s, "POST", capped[i].url, "HTTP/1.1", h, n, body, strlen(body), 0, &a, &p);
+        cr_expect(ready, "%s: %d %s", body, a.status, a.body ? a.body : "");
+        if (!ready) {
+            free(a.body);
+            continue;
+        }
+        int want = capped[i].max_tokens > 0 ? capped[i].max_tokens : 32 - p.n_ids; /* -1: the rest of the context */
+        cr_expect_eq(p.max_tokens, want, "%s: %d tokens of prompt", body, p.n_ids);
+        kvs_http_prepared_free(&p);
+    }
+    kvs_server_free(s);
+    kvs_tokenizer_destroy(tok);
+}
+
 Test(http_path, prepare_slots_bound_parsing) {
     kvs_server_config cfg = {.served_model_name = "m", .max_model_len = 64, .n_layers = 8, .max_preparing = 2};
     kvs_server *s;

@@ -69,24 +69,25 @@ static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_token
         st = kvs_fail(KVS_ERR_INVALID, "kv_memory_bytes (%zu) holds %lld blocks: less than one token in every layer",
                       c.kv_memory_bytes, (long long)kc.n_blocks);
     if (st == KVS_OK) st = kvs_runner_kv_create(g, &kc);
-    kvs_step_batch *b = &e->batch;
-    b->cap_tokens = c.max_num_batched_tokens;
-    b->cap_seqs = c.max_num_seqs;
-    b->token_ids = malloc(sizeof(int32_t) * b->cap_tokens);
-    b->positions = malloc(sizeof(int32_t) * b->cap_tokens);
-    b->query_start = malloc(sizeof(int32_t) * (b->cap_seqs + 1));
-    b->seq_ids = malloc(sizeof(int32_t) * b->cap_seqs);
-    b->wants_logits = malloc(b->cap_seqs);
-    b->reqs = malloc(sizeof(kvs_request *) * b->cap_seqs);
-    e->sample_rows = malloc(sizeof(kvs_sample_row) * b->cap_seqs);
-    e->sample_ids = malloc(sizeof(int32_t) * b->cap_seqs);
-    e->sample_lp = malloc(sizeof(float) * b->cap_seqs);
-    e->process_rows = malloc(sizeof(kvs_process_row) * b->cap_seqs);
-    e->top_ids = malloc(sizeof(int32_t) * KVS_MAX_TOP_LOGPROBS * b->cap_seqs);
-    e->top_lp = malloc(sizeof(float) * KVS_MAX_TOP_LOGPROBS * b->cap_seqs);
-    if (st == KVS_OK && (!b->token_ids || !b->positions || !b->query_start || !b->seq_ids || !b->wants_logits ||
-                         !b->reqs || !e->sample_rows || !e->sample_ids || !e->sample_lp || !e->process_rows ||
-                         !e->top_ids || !e->top_lp))
+    int cap_tokens = c.max_num_batched_tokens, cap_seqs = c.max_num_seqs;
+    e->rows.token_ids = malloc(sizeof(int32_t) * cap_tokens);
+    e->rows.positions = malloc(sizeof(int32_t) * cap_tokens);
+    e->rows.query_start = malloc(sizeof(int32_t) * (cap_seqs + 1));
+    e->rows.seq_ids = malloc(sizeof(int32_t) * cap_seqs);
+    e->rows.wants_logits = malloc(cap_seqs);
+    e->rows.reqs = malloc(sizeof(kvs_request *) * cap_seqs);
+    e->batch = (kvs_batch){.token_ids = e->rows.token_ids, .positions = e->rows.positions,
+                           .query_start = e->rows.query_start, .seq_ids = e->rows.seq_ids,
+                           .wants_logits = e->rows.wants_logits};
+    e->sample_rows = malloc(sizeof(kvs_sample_row) * cap_seqs);
+    e->sample_ids = malloc(sizeof(int32_t) * cap_seqs);
+    e->sample_lp = malloc(sizeof(float) * cap_seqs);
+    e->process_rows = malloc(sizeof(kvs_process_row) * cap_seqs);
+    e->top_ids = malloc(sizeof(int32_t) * KVS_MAX_TOP_LOGPROBS * cap_seqs);
+    e->top_lp = malloc(sizeof(float) * KVS_MAX_TOP_LOGPROBS * cap_seqs);
+    if (st == KVS_OK && (!e->rows.token_ids || !e->rows.positions || !e->rows.query_start || !e->rows.seq_ids ||
+                         !e->rows.wants_logits || !e->rows.reqs || !e->sample_rows || !e->sample_ids ||
+                         !e->sample_lp || !e->process_rows || !e->top_ids || !e->top_lp))
         st = kvs_fail(KVS_ERR_NOMEM, "engine: out of memory");
     if (st != KVS_OK) {
         kvs_engine_destroy(e);
@@ -132,13 +133,12 @@ void kvs_engine_destroy(kvs_engine *e) {
     free_list(&e->waiting);
     free_list(&e->running);
     if (e->owns_runner) kvs_runner_destroy(e->runner); /* its rank caches go with it */
-    kvs_step_batch *b = &e->batch;
-    free(b->token_ids);
-    free(b->positions);
-    free(b->query_start);
-    free(b->seq_ids);
-    free(b->wants_logits);
-    free(b->reqs);
+    free(e->rows.token_ids);
+    free(e->rows.positions);
+    free(e->rows.query_start);
+    free(e->rows.seq_ids);
+    free(e->rows.wants_logits);
+    free(e->rows.reqs);
     free(e->sample_rows);
     free(e->sample_ids);
     free(e->sample_lp);
@@ -354,8 +354,9 @@ kvs_status kvs_engine_grammar_vocab(kvs_engine *e, const kvs_grammar_vocab **out
  * grammar request); false, with *why, when that fails. */
 static bool need_matcher(kvs_engine *e, kvs_request *r, const char **why) {
     if (r->matcher) return true;
-    if (!e->masks) e->masks = malloc(sizeof(uint32_t) * kvs_sample_mask_words(e->vocab) * e->batch.cap_seqs);
-    if (!e->mask_reqs) e->mask_reqs = malloc(sizeof(kvs_request *) * e->batch.cap_seqs);
+    int cap_seqs = e->cfg.max_num_seqs;
+    if (!e->masks) e->masks = malloc(sizeof(uint32_t) * kvs_sample_mask_words(e->vocab) * cap_seqs);
+    if (!e->mask_reqs) e->mask_reqs = malloc(sizeof(kvs_request *) * cap_seqs);
     if (!e->masks || !e->mask_reqs) { /* either may have failed: the next grammar request tries again */
         *why = "out of memory for the grammar masks";
         return false;
@@ -396,12 +397,12 @@ static void grammar_mask(kvs_request *r, uint32_t *mask, int words) {
 /* The step's extras (kvs_sample_extras) from the rows' requests: NULL when no
  * row needs processing or alternatives. Grammar rows get their masks. */
 static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x) {
-    kvs_step_batch *b = &e->batch;
+    const kvs_batch *b = &e->batch;
     *x = (kvs_sample_extras){0};
     int need = 0;
     bool any = false;
     for (int s = 0; s < b->n_seqs; s++) {
-        const kvs_request *r = b->reqs[s];
+        const kvs_request *r = e->rows.reqs[s];
         if (!b->wants_logits[s]) continue;
         need += r->process ? r->n_adj : 0;
         any |= r->process;
@@ -411,7 +412,7 @@ static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x)
         int words = kvs_sample_mask_words(e->vocab);
         for (int s = 0, q = 0; s < b->n_seqs; s++) {
             if (!b->wants_logits[s]) continue;
-            kvs_request *r = b->reqs[s];
+            kvs_request *r = e->rows.reqs[s];
             kvs_process_row *row = &e->process_rows[q++];
             kvs_request_process_row(r, row, e->adjust, &x->n_adjust);
             const char *why;
@@ -442,12 +443,11 @@ static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x)
  * number n_gen of the request's seed: a preempted request recomputes the same
  * tokens. */
 static kvs_status run_batch(kvs_engine *e) {
-    kvs_step_batch *b = &e->batch;
-    kvs_batch mb = {b->n_tokens, b->n_seqs, b->token_ids, b->positions, b->query_start, b->seq_ids, b->wants_logits};
+    const kvs_batch *b = &e->batch;
     bool want_lp = false;
     int n_rows = 0;
     for (int s = 0; s < b->n_seqs; s++) {
-        const kvs_request *r = b->reqs[s];
+        const kvs_request *r = e->rows.reqs[s];
         if (!b->wants_logits[s]) continue;
         const kvs_sampling_params *p = &r->sampling;
         e->sample_rows[n_rows++] = (kvs_sample_row){.temperature = p->temperature, .top_k = p->top_k,
@@ -458,7 +458,7 @@ static kvs_status run_batch(kvs_engine *e) {
     }
     kvs_sample_extras extras;
     const kvs_sample_extras *x = step_extras(e, &extras);
-    kvs_status st = kvs_runner_step_sample(e->runner, &mb, e->sample_rows, x, e->sample_ids,
+    kvs_status st = kvs_runner_step_sample(e->runner, b, e->sample_rows, x, e->sample_ids,
                                            want_lp ? e->sample_lp : NULL);
     if (st != KVS_OK) {
         char msg[sizeof e->failure];
@@ -467,7 +467,7 @@ static kvs_status run_batch(kvs_engine *e) {
         return kvs_fail(st, "%s", msg);
     }
     for (int s = 0, k = 0; s < b->n_seqs; s++) {
-        kvs_request *r = b->reqs[s];
+        kvs_request *r = e->rows.reqs[s];
         r->n_computed += r->n_sched;
         r->n_sched = 0;
         if (r->group && r->index == 0 && r->n_computed >= r->n_prompt) r->group->prompt_ready = true;

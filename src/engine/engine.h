@@ -165,8 +165,20 @@ kvs_status kvs_engine_create_runner(kvs_runner *runner, const kvs_tokenizer *tok
                                     kvs_engine **out);
 /* Starts the engine thread. Without it, drive the engine with kvs_engine_step. */
 kvs_status kvs_engine_start(kvs_engine *e);
+/* The request's length against the context, the one check of it (the
+ * engine's door, kvs_engine_submit, runs it; a server runs it before it
+ * submits, to name the field of its 400): a prompt of n_prompt tokens must
+ * leave room for one token, and n_prompt + max_tokens must fit in
+ * max_model_len. Returns the limit broken, KVS_LENGTH_OK when none; then
+ * kvs_last_error() is OpenAI's message: "this model's maximum context length
+ * is N tokens; the prompt has M" (KVS_LENGTH_PROMPT), "...; the prompt has M
+ * and K were asked for" (KVS_LENGTH_MAX_TOKENS). */
+typedef enum { KVS_LENGTH_OK, KVS_LENGTH_PROMPT, KVS_LENGTH_MAX_TOKENS } kvs_length_limit;
+kvs_length_limit kvs_length_check(int max_model_len, int n_prompt, int max_tokens);
+
 /* Thread-safe. Errors: KVS_ERR_INVALID (message names the field: empty prompt,
- * prompt + max_tokens beyond the context, bad sampling parameter, policy),
+ * max_tokens < 1, the context's limits (kvs_length_check), bad sampling
+ * parameter, policy),
  * KVS_ERR_BUSY (queue full), KVS_ERR_UNSUPPORTED (stop strings without a tokenizer),
  * KVS_ERR_INTERNAL when the engine has failed (kvs_engine_failed). */
 kvs_status kvs_engine_submit(kvs_engine *e, const kvs_request_params *p, kvs_output_fn fn, void *user,

@@ -80,15 +80,6 @@ void kvs_list_push_back(kvs_req_list *l, kvs_request *r);
 void kvs_list_push_front(kvs_req_list *l, kvs_request *r);
 void kvs_list_remove(kvs_req_list *l, kvs_request *r);
 
-/* The step's batch, host side. */
-typedef struct {
-    int cap_tokens, cap_seqs;
-    int n_tokens, n_seqs;
-    int32_t *token_ids, *positions, *query_start, *seq_ids;
-    uint8_t *wants_logits;
-    kvs_request **reqs; /* [n_seqs] */
-} kvs_step_batch;
-
 struct kvs_engine {
     /* The model and its KV caches, for every tensor-parallel size (a single
        model is wrapped: owns_runner). */
@@ -116,7 +107,15 @@ struct kvs_engine {
     kvs_grammar_vocab *gvocab;
     uint32_t *masks;
     struct kvs_request **mask_reqs; /* the requests of those rows */
-    kvs_step_batch batch;
+    /* The step (model.h's batch), built by the scheduler: its pointers point at
+       the arrays of rows, set once at creation (max_num_batched_tokens tokens,
+       max_num_seqs sequences); rows.reqs [n_seqs] are the rows' requests. */
+    kvs_batch batch;
+    struct {
+        int32_t *token_ids, *positions, *query_start, *seq_ids;
+        uint8_t *wants_logits;
+        struct kvs_request **reqs;
+    } rows;
     /* owned by the stepping thread */
     kvs_req_list waiting, running;
     /* guarded by mu */

@@ -70,14 +70,24 @@ void kvs_sampling_describe(const kvs_sampling_params *p, char *buf, size_t cap) 
     if (p->repetition_penalty != 1) append(buf, cap, &n, ", repetition_penalty %g", p->repetition_penalty); /* greedy too */
 }
 
+kvs_length_limit kvs_length_check(int max_model_len, int n_prompt, int max_tokens) {
+    if (n_prompt >= max_model_len) {
+        kvs_fail(KVS_ERR_INVALID, "this model's maximum context length is %d tokens; the prompt has %d",
+                 max_model_len, n_prompt);
+        return KVS_LENGTH_PROMPT;
+    }
+    if ((int64_t)n_prompt + max_tokens > max_model_len) {
+        kvs_fail(KVS_ERR_INVALID, "this model's maximum context length is %d tokens; the prompt has %d and %d were "
+                 "asked for", max_model_len, n_prompt, max_tokens);
+        return KVS_LENGTH_MAX_TOKENS;
+    }
+    return KVS_LENGTH_OK;
+}
+
 static kvs_status validate(const kvs_engine *e, const kvs_request_params *p) {
     if (!p->prompt_ids || p->n_prompt <= 0) return kvs_fail(KVS_ERR_INVALID, "prompt: the prompt is empty");
     if (p->max_tokens <= 0) return kvs_fail(KVS_ERR_INVALID, "max_tokens must be > 0 (got %d)", p->max_tokens);
-    int max_len = e->cfg.max_model_len;
-    if ((int64_t)p->n_prompt + p->max_tokens > max_len)
-        return kvs_fail(KVS_ERR_INVALID,
-                        "max_tokens: the prompt (%d tokens) + max_tokens (%d) exceeds the context length "
-                        "max_model_len %d", p->n_prompt, p->max_tokens, max_len);
+    if (kvs_length_check(e->cfg.max_model_len, p->n_prompt, p->max_tokens) != KVS_LENGTH_OK) return KVS_ERR_INVALID;
     for (int i = 0; i < p->n_prompt; i++)
         if (p->prompt_ids[i] < 0 || p->prompt_ids[i] >= e->vocab)
             return kvs_fail(KVS_ERR_INVALID, "prompt: token id %d at position %d is outside the vocabulary [0, %d)",

@@ -65,17 +65,17 @@ void kvs_preempt(kvs_engine *e, kvs_request *r) {
 
 /* Adds r's next n tokens (from n_computed) to the batch. */
 static void batch_add(kvs_engine *e, kvs_request *r, int n) {
-    kvs_step_batch *b = &e->batch;
+    kvs_batch *b = &e->batch;
     int s = b->n_seqs++;
-    b->reqs[s] = r;
-    b->seq_ids[s] = r->seq;
-    b->query_start[s] = b->n_tokens;
+    e->rows.reqs[s] = r;
+    e->rows.seq_ids[s] = r->seq;
+    e->rows.query_start[s] = b->n_tokens;
     for (int i = 0; i < n; i++) {
-        b->token_ids[b->n_tokens] = kvs_request_token(r, r->n_computed + i);
-        b->positions[b->n_tokens++] = r->n_computed + i;
+        e->rows.token_ids[b->n_tokens] = kvs_request_token(r, r->n_computed + i);
+        e->rows.positions[b->n_tokens++] = r->n_computed + i;
     }
-    b->query_start[s + 1] = b->n_tokens;
-    b->wants_logits[s] = r->n_computed + n == kvs_request_len(r);
+    e->rows.query_start[s + 1] = b->n_tokens;
+    e->rows.wants_logits[s] = r->n_computed + n == kvs_request_len(r);
     r->n_sched = n;
 }
 
@@ -154,9 +154,8 @@ static kvs_status admit(kvs_engine *e, kvs_request *r, int64_t headroom) {
 }
 
 kvs_status kvs_schedule(kvs_engine *e) {
-    kvs_step_batch *b = &e->batch;
-    b->n_tokens = b->n_seqs = 0;
-    b->query_start[0] = 0;
+    e->batch.n_tokens = e->batch.n_seqs = 0;
+    e->rows.query_start[0] = 0;
     int budget = e->cfg.max_num_batched_tokens;
     const kvs_kv_config *kc = kvs_kv_get_config(kvs_runner_kv(e->runner));
     /* 1. decodes (and replayed tokens), oldest first */

@@ -47,7 +47,7 @@ void kvs_stats_refresh(kvs_engine *e) {
         *(l < full_layers ? &s->kv_blocks_cached_full_layers : &s->kv_blocks_cached_sparse_layers) += kvs_kv_cached_blocks(kv, l);
     s->kv_blocks_evictable = kvs_kv_evictable_blocks(kv);
     s->prefix_cache_evictions = kvs_kv_evictions(kv);
-    const kvs_step_batch *b = &e->batch;
+    const kvs_batch *b = &e->batch;
     s->step_tokens = b->n_tokens;
     s->step_decode_tokens = 0;
     for (int i = 0; i < b->n_seqs; i++) s->step_decode_tokens += b->query_start[i + 1] - b->query_start[i] == 1;

@@ -306,22 +306,22 @@ static bool validate(kvs_server *s, kvs_http_prepared *p, const atomic_bool *can
     if (!kvs_api_tool_constrain(r, s->tool_format, err)) return false;
     if (cancel && !compile_grammar(s, p, cancel, err)) return false;
     if (!encode_prompt(s, p, err)) return false;
+    /* the policy: a request without max_tokens gets the default, capped by the
+       context; Anthropic's max_tokens is required and a ceiling: its clients ask
+       for what the largest models take (Claude Code: 32000), so it is capped by
+       the context, not refused */
     int max_len = s->limits.max_model_len, n = p->n_ids;
-    const char *prompt_param = r->kind == KVS_API_CHAT ? messages_param(r) : "prompt";
-    if (n >= max_len)
-        return kvs_api_fail(err, 400, prompt_param, "this model's maximum context length is %d tokens; the prompt has %d",
-                            max_len, n);
     int fallback = s->cfg.max_tokens_default > 0 ? s->cfg.max_tokens_default : r->kind == KVS_API_CHAT ? max_len - n : 16;
     int max_tokens = r->max_tokens ? r->max_tokens : fallback;
-    if (max_tokens > max_len - n) {
-        /* Anthropic's max_tokens is required and a ceiling: its clients ask for what the largest
-           models take (Claude Code: 32000), so it is capped by the context, not refused */
-        if (r->max_tokens && r->dialect != KVS_DIALECT_ANTHROPIC)
-            return kvs_api_fail(err, 400, r->max_tokens_param ? r->max_tokens_param : "max_tokens",
-                                "this model's maximum context length is %d tokens; the prompt has %d and %d were "
-                                "asked for",
-                                max_len, n, max_tokens);
-        max_tokens = max_len - n;
+    if ((!r->max_tokens || r->dialect == KVS_DIALECT_ANTHROPIC) && max_tokens > max_len - n) max_tokens = max_len - n;
+    /* the check: the engine's, run here to name the field */
+    switch (kvs_length_check(max_len, n, max_tokens)) {
+    case KVS_LENGTH_PROMPT:
+        return kvs_api_fail(err, 400, r->kind == KVS_API_CHAT ? messages_param(r) : "prompt", "%s", kvs_last_error());
+    case KVS_LENGTH_MAX_TOKENS:
+        return kvs_api_fail(err, 400, r->max_tokens_param ? r->max_tokens_param : "max_tokens", "%s",
+                            kvs_last_error());
+    case KVS_LENGTH_OK: break;
     }
     if (r->min_tokens > max_tokens)
         return kvs_api_fail(err, 400, "min_tokens", "'min_tokens' (%d) must be at most the tokens generated (%d)",
