@@ -75,7 +75,7 @@ int run_capture(const char *cmd, char **out);
 
 /* A model on the CPU backend with a KV cache, for the model-level tests. */
 #include "backend/backend.h"
-#include "kv/kv.h"
+#include "kv/one_device.h"
 #include "model/model.h"
 #include "runner/runner.h"
 

@@ -15,11 +15,8 @@
 typedef struct kvs_kv_cache kvs_kv_cache;
 
 /* A manager without memory of its own: the runner's, whose ranks each hold a
- * kvs_kv_device of the same n_blocks. */
+ * kvs_kv_device of the same n_blocks (one_device.h: a manager with one). */
 kvs_status kvs_kv_manager_create(const kvs_kv_config *cfg, kvs_kv_cache **out);
-/* A manager with one device of its own on be (kv_device.h: the world-1 cache
- * of the library and the tests; the device is destroyed with it). */
-kvs_status kvs_kv_create(const kvs_kv_config *cfg, kvs_backend *be, kvs_kv_cache **out);
 void kvs_kv_destroy(kvs_kv_cache *kv);
 const kvs_kv_config *kvs_kv_get_config(const kvs_kv_cache *kv);
 
@@ -56,19 +53,17 @@ const int32_t *kvs_kv_blocks(const kvs_kv_cache *kv, int seq_id, int layer, int 
  * *out (its arrays reused; free with kvs_kv_table_deltas_free). */
 kvs_status kvs_kv_plan_tables(kvs_kv_cache *kv, const int32_t *seq_ids, int n, kvs_kv_table_deltas *out);
 void kvs_kv_table_deltas_free(kvs_kv_table_deltas *t);
-/* The pool slot of entry e of (seq, layer): block * block_size + e % block_size. */
-int32_t kvs_kv_slot(const kvs_kv_cache *kv, int seq_id, int layer, int entry);
-/* The slots of entries entry0 .. entry0 + n - 1 of (seq, layer) into slots[0 .. n) (a
-   step's new tokens: one lookup of the table, then a block's run of slots at a time). */
+/* The pool slots (block * block_size + entry % block_size) of entries entry0 ..
+   entry0 + n - 1 of (seq, layer) into slots[0 .. n) (a step's new tokens: one
+   lookup of the table, then a block's run of slots at a time). */
 void kvs_kv_slots(const kvs_kv_cache *kv, int seq_id, int layer, int entry0, int n, int32_t *slots);
 
 /* Sets seq's policy for a prompt of prompt_len tokens (before its prefill). */
 kvs_status kvs_kv_set_policy(kvs_kv_cache *kv, int seq_id, const kvs_kv_policy *p, int prompt_len);
-/* Row of the window buffers that the query of (seq, layer) at `position`
- * fills, or -1: the last `window` prompt positions, then every decode token of
- * a sparse layer (a ring). Rows index [max_seqs * kvs_kv_window_rows_per_seq]. */
-int kvs_kv_window_row(const kvs_kv_cache *kv, int seq_id, int layer, int position);
-/* kvs_kv_window_row of positions[0 .. n) into rows[0 .. n) (one lookup of the sequence). */
+/* The rows of the window buffers that the queries of (seq, layer) at
+ * positions[0 .. n) fill, into rows[0 .. n), or -1: the last `window` prompt
+ * positions, then every decode token of a sparse layer (a ring). Rows index
+ * [max_seqs * kvs_kv_window_rows_per_seq]. */
 void kvs_kv_window_rows(const kvs_kv_cache *kv, int seq_id, int layer, const int32_t *positions, int n, int32_t *rows);
 int kvs_kv_window_rows_per_seq(const kvs_kv_cache *kv);
 /* Whether a sparse policy was set: every device then needs its window buffers
@@ -128,37 +123,9 @@ void kvs_kv_seq_usage(const kvs_kv_cache *kv, int seq_id, int64_t *held, int64_t
 double kvs_kv_seq_sparse_blocks(const kvs_kv_cache *kv, int seq_id);
 /* Whether layer of seq is a sparse layer under its policy (compacted to a budget). */
 bool kvs_kv_layer_sparse(const kvs_kv_cache *kv, int seq_id, int layer);
-/* Checks internal invariants (every block free, evictable or held, its
- * reference count its holders, every cached block under its key); for tests. */
-kvs_status kvs_kv_check(const kvs_kv_cache *kv);
 
-/* ---- a manager with one device: the library's world-1 cache and the tests' -------
- * kvs_kv_create makes both; these act on that device at once, on the caller's
- * thread (the runner's ranks call the kvs_kv_device functions instead). */
-kvs_kv_device *kvs_kv_own_device(const kvs_kv_cache *kv); /* NULL: a manager without one */
-const kvs_kv_pool *kvs_kv_get_pool(const kvs_kv_cache *kv);
-kvs_kv_pool kvs_kv_layer_pool(const kvs_kv_cache *kv, int layer);
-kvs_status kvs_kv_set_scales(kvs_kv_cache *kv, const float *scales);
-void kvs_kv_window_buffers(const kvs_kv_cache *kv, int layer, void **q, float **lse);
-/* Plans the compactions due after a step of seq_ids (kvs_kv_plan_compactions)
- * and enqueues them on the device. */
-kvs_status kvs_kv_sparsify_seqs(kvs_kv_cache *kv, const int32_t *seq_ids, int n);
-kvs_status kvs_kv_sparsify(kvs_kv_cache *kv, int seq_id);
-/* Keeps, in every KV head h of (seq, layer), entries keep[h * n_keep + i] (each
- * head's list sorted ascending, distinct, < len), moved to entries 0 .. n_keep-1;
- * the layer's length becomes n_keep and blocks past it go back to the pool. */
-kvs_status kvs_kv_compact(kvs_kv_cache *kv, int seq_id, int layer, const int32_t *keep, int n_keep);
-/* The SnapKV scores of (seq, layer)'s entries before its window, from its
- * captured window, before any compaction (a policy that keeps the whole prompt,
- * e.g. budget 100%, captures the window and compacts nothing): out[g * (len -
- * window) + j] for KV head g and entry j < len - window, the attention mass the
- * window's queries of g's group give entry j, summed (what selection ranks).
- * Host memory; for kvsparse calibrate. kvs_kv_device_window_scores: the same
- * on a device of the manager (its KV heads). */
-kvs_status kvs_kv_window_scores(kvs_kv_cache *kv, int seq_id, int layer, float *out);
+/* The SnapKV scores of (seq, layer) on a device of the manager (its KV heads):
+ * one_device.h's kvs_kv_window_scores says what they are (kvsparse calibrate). */
 kvs_status kvs_kv_device_window_scores(kvs_kv_device *d, const kvs_kv_cache *kv, int seq_id, int layer, float *out);
-/* A copy of seq (blocks, lengths, windows, policy) as a new sequence id: the
- * cached blocks shared, the others copied. */
-kvs_status kvs_kv_fork(kvs_kv_cache *kv, int seq_id, int *new_seq);
 
 #endif

@@ -11,7 +11,7 @@
 #ifndef KVS_KV_INTERNAL_H
 #define KVS_KV_INTERNAL_H
 
-#include "kv/kv.h"
+#include "kv/one_device.h"
 
 enum {
     KVS_KV_SCRATCH_TABLE, KVS_KV_SCRATCH_SCORES, KVS_KV_SCRATCH_KEEP, KVS_KV_SCRATCH_DST,
