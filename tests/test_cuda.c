@@ -1799,7 +1799,7 @@ static void run_tokens(rig *r, int seq, const int32_t *ids, int n, int pos0, int
         uint8_t want = start + len == n;
         cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
         kvs_batch b = {len, 1, ids + start, pos, qs, &seq, &want};
-        cr_assert_eq(rig_forward(r->m, &b, r->kv, out), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(r->x, &b, r->kv, out), KVS_OK, "%s", kvs_last_error());
         kv_keep(r->kv, &b);
         free(pos);
     }
@@ -2225,7 +2225,7 @@ static float *sparsify_batch_run(duo *d, const int32_t *ids, bool batched, int64
             want[i] = 1;
         }
         kvs_batch b = {t, SB_SEQS, tok, pos, qs, seqs, want};
-        cr_assert_eq(rig_forward(r.m, &b, r.kv, logits + (size_t)step * SB_SEQS * V), KVS_OK, "%s",
+        cr_assert_eq(rig_forward(r.x, &b, r.kv, logits + (size_t)step * SB_SEQS * V), KVS_OK, "%s",
                      kvs_last_error());
         for (int i = 0; i < SB_SEQS; i++) kvs_kv_commit(r.kv, seqs[i], qs[i + 1] - qs[i]);
         if (batched) {
@@ -2861,7 +2861,7 @@ static double tp_compare(const char *name, const float *a, const float *b, int n
 
 static void graph_stats_log(tp_pair *t, const char *name, kvs_graph_stats before[2]) {
     for (int r = 0; r < 2; r++) {
-        kvs_graph_stats s = kvs_model_graph_stats(kvs_runner_model(t->g, r));
+        kvs_graph_stats s = kvs_executor_graph_stats(kvs_runner_executor(t->g, r));
         long long cap = s.captures - before[r].captures, rep = s.replays - before[r].replays,
                   fail = s.capture_failures - before[r].capture_failures;
         cr_log_info("%s: rank %d graphs: %lld captures, %lld replays, %lld capture failures", name, r, cap, rep, fail);
@@ -2878,8 +2878,8 @@ enum { TP_STEPS = 16 };
 static void tp_case(tp_pair *t, const char *name, const int32_t *ids, int n, int chunk, double max_abs, double rel) {
     float *r1 = malloc(sizeof(float) * TP_STEPS * t->V), *r2 = malloc(sizeof(float) * TP_STEPS * t->V);
     int32_t toks[TP_STEPS];
-    kvs_graph_stats before[2] = {kvs_model_graph_stats(kvs_runner_model(t->g, 0)),
-                                 kvs_model_graph_stats(kvs_runner_model(t->g, 1))};
+    kvs_graph_stats before[2] = {kvs_executor_graph_stats(kvs_runner_executor(t->g, 0)),
+                                 kvs_executor_graph_stats(kvs_runner_executor(t->g, 1))};
     tp1_greedy(t, NULL, ids, n, chunk, TP_STEPS, r1, toks, NULL);
     tp2_forced(t, NULL, ids, n, chunk, TP_STEPS, toks, r2, NULL, NULL, NULL);
     tp_compare(name, r2, r1, TP_STEPS, t->V, max_abs, rel);
@@ -3160,11 +3160,11 @@ Test(cuda, tp2_graphs_and_sampling_without_the_gather, .timeout = 600) {
     /* the padded layout eagerly first: switching modes destroys captured
        graphs, which must happen on the rank threads (the group's destroy),
        so switch only while none exist */
-    for (int r = 0; r < 2; r++) kvs_model_set_graph_mode(kvs_runner_model(t.g, r), KVS_GRAPHS_PADDED);
+    for (int r = 0; r < 2; r++) kvs_executor_set_graph_mode(kvs_runner_executor(t.g, r), KVS_GRAPHS_PADDED);
     tp2_forced(&t, NULL, ids, n, 256, TP_STEPS, toks, re, NULL, NULL, NULL);
-    for (int r = 0; r < 2; r++) kvs_model_set_graph_mode(kvs_runner_model(t.g, r), KVS_GRAPHS_ON);
-    kvs_graph_stats before[2] = {kvs_model_graph_stats(kvs_runner_model(t.g, 0)),
-                                 kvs_model_graph_stats(kvs_runner_model(t.g, 1))};
+    for (int r = 0; r < 2; r++) kvs_executor_set_graph_mode(kvs_runner_executor(t.g, r), KVS_GRAPHS_ON);
+    kvs_graph_stats before[2] = {kvs_executor_graph_stats(kvs_runner_executor(t.g, 0)),
+                                 kvs_executor_graph_stats(kvs_runner_executor(t.g, 1))};
     tp2_forced(&t, NULL, ids, n, 256, TP_STEPS, toks, rg, NULL, NULL, NULL);
     graph_stats_log(&t, "tp2 graphs", before);
     int not_bitwise = 0;
@@ -3338,14 +3338,14 @@ Test(cuda, a_failed_op_fails_the_check) {
     duo_close(&d);
 }
 
-/* One greedy step of token tok at pos through kvs_model_forward_sample. */
+/* One greedy step of token tok at pos through kvs_executor_forward_sample. */
 static kvs_status greedy_step(rig *r, int seq, int32_t tok, int32_t pos, uint64_t seed, int32_t *id) {
     int32_t qs[2] = {0, 1};
     uint8_t want = 1;
     kvs_sample_row p = {.temperature = 0, .top_p = 1, .seed = seed};
     cr_assert_eq(kvs_kv_reserve(r->kv, seq, 1), KVS_OK);
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-    kvs_status st = rig_forward_sample(r->m, &b, r->kv, &p, NULL, id, NULL);
+    kvs_status st = rig_forward_sample(r->x, &b, r->kv, &p, NULL, id, NULL);
     if (st == KVS_OK) kv_keep(r->kv, &b);
     return st;
 }
@@ -3357,7 +3357,7 @@ Test(cuda, a_kernel_fault_fails_the_step_that_caused_it) {
     OPEN_OR_SKIP(&d);
     rig r;
     rig_open(&r, src_path("models/tiny-needle-llama"), d.gpu, RIG_BLOCKS(32, 1), 1);
-    kvs_model_set_graph_mode(r.m, KVS_GRAPHS_OFF);
+    kvs_executor_set_graph_mode(r.x, KVS_GRAPHS_OFF);
     int seq = kvs_kv_seq_create(r.kv), id = -1;
     cr_expect_eq(greedy_step(&r, seq, 100, 0, 1, &id), KVS_OK, "%s", kvs_last_error());
     void *embed = r.m->embed;
@@ -3390,7 +3390,7 @@ Test(cuda, fault_wrapper_on_the_gpu) {
     cr_expect(id >= 0, "an untouched row sampled %d", id);
     cr_expect_eq(greedy_step(&r, seq, 102, 2, 5, &id), KVS_ERR_INTERNAL);
     cr_expect(strstr(kvs_last_error(), "injected fault: an op of forward step 3 failed"), "%s", kvs_last_error());
-    cr_expect_eq(kvs_model_graph_stats(r.m).captures, 0, "the wrapper has no graphs");
+    cr_expect_eq(kvs_executor_graph_stats(r.x).captures, 0, "the wrapper has no graphs");
     rig_close(&r);
     w->destroy(w);
     duo_close(&d);

@@ -17,6 +17,7 @@ typedef struct {
     kvs_checkpoint *ck;
     kvs_backend *be;
     kvs_model *m;
+    kvs_executor *x; /* m's, for the tests that run steps by hand */
     kvs_tokenizer *tok;
 } fixture;
 
@@ -26,12 +27,14 @@ static void fx_open(fixture *f) {
     cr_assert_eq(kvs_config_load(dir, &f->cfg), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_checkpoint_open(dir, &f->cfg, &f->ck), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_backend_cpu_create(0, &f->be), KVS_OK);
-    cr_assert_eq(kvs_model_create(&f->cfg, f->ck, f->be, NULL, &f->m), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_model_create(&f->cfg, f->ck, f->be, &f->m), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_executor_create(f->m, NULL, &f->x), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_tokenizer_load(dir, &f->tok), KVS_OK, "%s", kvs_last_error());
 }
 
 static void fx_close(fixture *f) {
     kvs_tokenizer_destroy(f->tok);
+    kvs_executor_destroy(f->x);
     kvs_model_destroy(f->m);
     kvs_checkpoint_destroy(f->ck);
     f->be->destroy(f->be);
@@ -104,7 +107,7 @@ static void reference(fixture *f, const int32_t *prompt, int n, int n_new, int32
     uint8_t want = 1;
     cr_assert_eq(kvs_kv_reserve(kv, seq, n), KVS_OK);
     kvs_batch b = {n, 1, prompt, pos, qs, &seq, &want};
-    cr_assert_eq(rig_forward(f->m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(rig_forward(f->x, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
     kv_keep(kv, &b);
     for (int i = 0; i < n_new; i++) {
         out[i] = argmax_f(logits, f->cfg.vocab_size);
@@ -112,7 +115,7 @@ static void reference(fixture *f, const int32_t *prompt, int n, int n_new, int32
         int32_t p = n + i, q1[2] = {0, 1};
         cr_assert_eq(kvs_kv_reserve(kv, seq, 1), KVS_OK);
         kvs_batch d = {1, 1, &out[i], &p, q1, &seq, &want};
-        cr_assert_eq(rig_forward(f->m, &d, kv, logits), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(f->x, &d, kv, logits), KVS_OK, "%s", kvs_last_error());
         kv_keep(kv, &d);
     }
     free(pos);
@@ -527,7 +530,7 @@ Test(engine, forced_tokens_score_a_continuation) {
         uint8_t want = 1;
         cr_assert_eq(kvs_kv_reserve(kv, seq, len), KVS_OK);
         kvs_batch b = {len, 1, i == 0 ? prompt : &forced[i - 1], pos, qs, &seq, &want};
-        cr_assert_eq(rig_forward(f.m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(f.x, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
         kv_keep(kv, &b);
         free(pos);
         double m = logits[0], sum = 0;
@@ -1018,7 +1021,7 @@ static void logits_after(fixture *f, const int32_t *toks, int n, float *logits) 
     uint8_t want = 1;
     cr_assert_eq(kvs_kv_reserve(kv, seq, n), KVS_OK);
     kvs_batch b = {n, 1, toks, pos, qs, &seq, &want};
-    cr_assert_eq(rig_forward(f->m, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(rig_forward(f->x, &b, kv, logits), KVS_OK, "%s", kvs_last_error());
     free(pos);
     kvs_kv_destroy(kv);
 }

@@ -75,7 +75,7 @@ Test(faults, the_failing_step_returns_the_error) {
         int32_t pos = step - 1;
         cr_assert_eq(kvs_kv_reserve(r.kv, seq, 1), KVS_OK);
         kvs_batch bt = {1, 1, &tok, &pos, qs, &seq, &want};
-        kvs_status st = rig_forward_sample(r.m, &bt, r.kv, &greedy, NULL, &id, NULL);
+        kvs_status st = rig_forward_sample(r.x, &bt, r.kv, &greedy, NULL, &id, NULL);
         if (st == KVS_OK) kv_keep(r.kv, &bt);
         if (step < 3) {
             cr_expect_eq(st, KVS_OK, "step %d: %s", step, kvs_last_error());
@@ -125,7 +125,7 @@ static void fx_open(fixture *f, const char *spec, int max_num_seqs) {
     cr_assert_eq(kvs_checkpoint_open(dir, &f->cfg, &f->ck), KVS_OK, "%s", kvs_last_error());
     if (spec) f->be = faulty_cpu(spec);
     else cr_assert_eq(kvs_backend_cpu_create(2, &f->be), KVS_OK);
-    cr_assert_eq(kvs_model_create(&f->cfg, f->ck, f->be, NULL, &f->m), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_model_create(&f->cfg, f->ck, f->be, &f->m), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_tokenizer_load(dir, &f->tok), KVS_OK, "%s", kvs_last_error());
     kvs_engine_config ec = kvs_engine_config_default();
     ec.max_num_seqs = max_num_seqs;

@@ -8,7 +8,7 @@
 #include "backend/backend.h"
 #include "kv/kv.h"
 #include "model/model.h"
-#include "model/model_internal.h"
+#include "runner/runner_internal.h" /* kvs_stride_bucket */
 #include "testutil.h"
 
 /* Runs ids[0..n) of one sequence as a prefill of `chunk` tokens at a time
@@ -182,7 +182,7 @@ Test(forward, varlen_batch_equals_single_runs) {
             want[s] = 1;
         }
         kvs_batch b = {n, S, tok, pos, qs, seqs, want};
-        cr_assert_eq(rig_forward(r.m, &b, r.kv, batched), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(r.x, &b, r.kv, batched), KVS_OK, "%s", kvs_last_error());
         kv_keep(r.kv, &b);
     }
     for (int s = 0; s < S; s++) {
@@ -206,17 +206,17 @@ Test(forward, rejects_bad_batches) {
     int32_t tok = 99999, pos = 0, qs[2] = {0, 1};
     uint8_t want = 1;
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
-    cr_assert_eq(rig_forward(r.m, &b, r.kv, logits), KVS_ERR_INVALID); /* no room reserved */
+    cr_assert_eq(rig_forward(r.x, &b, r.kv, logits), KVS_ERR_INVALID); /* no room reserved */
     cr_assert_eq(kvs_kv_reserve(r.kv, seq, 1), KVS_OK);
-    cr_assert_eq(rig_forward(r.m, &b, r.kv, logits), KVS_ERR_INVALID); /* id out of range */
+    cr_assert_eq(rig_forward(r.x, &b, r.kv, logits), KVS_ERR_INVALID); /* id out of range */
     cr_assert(strstr(kvs_last_error(), "99999"));
     free(logits);
     rig_close(&r);
 }
 
-/* The step buffers are sized once, for the limits given at creation: a batch
- * beyond them fails before anything runs, naming the numbers; the bytes the
- * model reports grow with the limits. */
+/* The step buffers are sized once, for the limits given at the executor's
+ * creation: a batch beyond them fails before anything runs, naming the
+ * numbers; the bytes the executor reports grow with the limits. */
 Test(forward, rejects_batches_beyond_the_limits) {
     kvs_config cfg;
     kvs_checkpoint *ck;
@@ -225,14 +225,16 @@ Test(forward, rejects_batches_beyond_the_limits) {
     cr_assert_eq(kvs_config_load(src_path("models/tiny-needle-llama"), &cfg), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_checkpoint_dummy(&cfg, 1, &ck), KVS_OK);
     cr_assert_eq(kvs_backend_cpu_create(1, &be), KVS_OK);
-    kvs_model_limits lim = {.max_tokens = 8, .max_seqs = 2, .max_len = 32};
-    cr_assert_eq(kvs_model_create(&cfg, ck, be, &lim, &m), KVS_OK, "%s", kvs_last_error());
-    kvs_model_limits got = kvs_model_get_limits(m);
+    kvs_step_limits lim = {.max_tokens = 8, .max_seqs = 2, .max_len = 32};
+    cr_assert_eq(kvs_model_create(&cfg, ck, be, &m), KVS_OK, "%s", kvs_last_error());
+    kvs_executor *x;
+    cr_assert_eq(kvs_executor_create(m, &lim, &x), KVS_OK, "%s", kvs_last_error());
+    kvs_step_limits got = kvs_executor_limits(x);
     cr_expect(got.max_tokens == 8 && got.max_seqs == 2 && got.max_len == 32 && got.block_size == 16);
-    kvs_model_limits big = {.max_tokens = 16, .max_seqs = 4, .max_len = 64};
+    kvs_step_limits big = {.max_tokens = 16, .max_seqs = 4, .max_len = 64};
     kvs_shard sh;
     cr_assert_eq(kvs_shard_dims(&cfg, 0, 1, &sh), KVS_OK);
-    cr_expect_gt(kvs_model_step_bytes(&cfg, &sh, &big, be->act_dtype), kvs_model_step_bytes(&cfg, &sh, &lim, be->act_dtype));
+    cr_expect_gt(kvs_executor_bytes(&cfg, &sh, &big, be->act_dtype), kvs_executor_bytes(&cfg, &sh, &lim, be->act_dtype));
     kvs_kv_config kc = {.n_layers = cfg.n_layers, .n_kv_heads = cfg.n_kv_heads, .head_dim = cfg.head_dim,
                         .n_heads = cfg.n_heads, .block_size = 16, .n_blocks = 64 * cfg.n_layers, .max_seqs = 3,
                         .max_len = 32}; /* the runner gives its caches the models' max_len */
@@ -249,22 +251,23 @@ Test(forward, rejects_batches_beyond_the_limits) {
     int32_t out[3];
     kvs_sample_row greedy[3] = {{.temperature = 0, .top_p = 1}, {.temperature = 0, .top_p = 1}, {.temperature = 0, .top_p = 1}};
     kvs_batch three = {3, 3, ids, pos, qs, seqs, want}; /* one sequence too many */
-    cr_expect_eq(rig_forward(m, &three, kv, logits), KVS_ERR_INVALID);
+    cr_expect_eq(rig_forward(x, &three, kv, logits), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "3 sequences") && strstr(kvs_last_error(), "2 sequences"), "%s",
               kvs_last_error());
     int32_t qs9[2] = {0, 9};
     kvs_batch nine = {9, 1, ids, pos, qs9, seqs, want}; /* one token too many */
-    cr_expect_eq(rig_forward_sample(m, &nine, kv, greedy, NULL, out, NULL), KVS_ERR_INVALID);
+    cr_expect_eq(rig_forward_sample(x, &nine, kv, greedy, NULL, out, NULL), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "9 tokens") && strstr(kvs_last_error(), "8 tokens"), "%s", kvs_last_error());
     int32_t qs1[2] = {0, 1};
     kvs_batch long_seq = {1, 1, ids, pos, qs1, seqs, want}; /* 40 entries reserved: 3 blocks, max_len 32 holds 2 */
-    cr_expect_eq(rig_forward(m, &long_seq, kv, logits), KVS_ERR_INVALID);
+    cr_expect_eq(rig_forward(x, &long_seq, kv, logits), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "3 KV blocks") && strstr(kvs_last_error(), "max_model_len 32"), "%s",
               kvs_last_error());
     kvs_batch two = {2, 2, ids, pos, qs, seqs + 1, want}; /* within the limits */
-    cr_expect_eq(rig_forward_sample(m, &two, kv, greedy, NULL, out, NULL), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(rig_forward_sample(x, &two, kv, greedy, NULL, out, NULL), KVS_OK, "%s", kvs_last_error());
     free(logits);
     kvs_kv_destroy(kv);
+    kvs_executor_destroy(x);
     kvs_model_destroy(m);
     be->destroy(be);
     kvs_checkpoint_destroy(ck);
@@ -313,7 +316,7 @@ Test(forward, padding_rows_do_nothing) {
 
 /* The graphs' table strides: at least the blocks asked for, a power of two or
  * 1.5 times one, at most a third of the stride padding, never smaller for more
- * blocks (kvs_stride_bucket in buffers.c sizes the tables by the longest). */
+ * blocks (kvs_stride_bucket in runner/step_buffers.c sizes the tables by the longest). */
 Test(forward, stride_buckets) {
     int prev = 0;
     for (int n = 1; n <= 200000; n++) {
@@ -418,7 +421,7 @@ Test(forward, one_metadata_upload_per_step) {
     int32_t ids[20];
     for (int i = 0; i < 20; i++) ids[i] = 100 + i;
     for (int mode = 0; mode < 2; mode++) {
-        kvs_model_set_graph_mode(r.m, mode ? KVS_GRAPHS_PADDED : KVS_GRAPHS_OFF);
+        kvs_executor_set_graph_mode(r.x, mode ? KVS_GRAPHS_PADDED : KVS_GRAPHS_OFF);
         rig_run(&r, seq, ids, 19, 0, logits); /* warm the buffers up */
         cb.uploads = 0;
         rig_run(&r, seq, ids + 19, 1, 19, logits);

@@ -599,7 +599,7 @@ static void rig_up(model_rig *r) {
     cr_assert_eq(kvs_config_load(dir, &r->cfg), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_checkpoint_open(dir, &r->cfg, &r->ck), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
-    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, NULL, &r->m), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
     cr_assert_eq(kvs_tokenizer_load(dir, &r->tok), KVS_OK, "%s", kvs_last_error());
     kvs_engine_config c = kvs_engine_config_default();
     c.max_num_seqs = 25;

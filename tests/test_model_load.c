@@ -972,7 +972,9 @@ Test(dummy, model_through_fill_equals_host_upload) {
         cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
         if (k == 1) be->dummy_fill = NULL; /* the host path */
         kvs_model *m;
-        cr_assert_eq(kvs_model_create(&c, ck, be, NULL, &m), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_model_create(&c, ck, be, &m), KVS_OK, "%s", kvs_last_error());
+        kvs_executor *x;
+        cr_assert_eq(kvs_executor_create(m, NULL, &x), KVS_OK, "%s", kvs_last_error());
         kvs_kv_config kc = {.n_layers = c.n_layers, .n_kv_heads = c.n_kv_heads, .head_dim = c.head_dim,
                             .n_heads = c.n_heads, .block_size = 16, .max_seqs = 1, .n_blocks = 4 * c.n_layers};
         kvs_kv_cache *kv;
@@ -984,9 +986,10 @@ Test(dummy, model_through_fill_equals_host_upload) {
         cr_assert_eq(kvs_kv_reserve(kv, seq, 20), KVS_OK);
         kvs_batch b = {20, 1, ids, pos, qs, &seq, &want};
         logits[k] = malloc(sizeof(float) * c.vocab_size);
-        cr_assert_eq(rig_forward(m, &b, kv, logits[k]), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(x, &b, kv, logits[k]), KVS_OK, "%s", kvs_last_error());
         kv_keep(kv, &b);
         kvs_kv_destroy(kv);
+        kvs_executor_destroy(x);
         kvs_model_destroy(m);
         be->destroy(be);
     }

@@ -13,8 +13,7 @@
 #include "backend/backend.h"
 #include "backend/sample.h"
 #include "model/model.h"
-#include "model/model_internal.h" /* which way out a rank took */
-#include "runner/runner_internal.h"
+#include "runner/runner_internal.h" /* which way out a rank took */
 #include "testutil.h"
 
 static kvs_backend *cpu(void) {
@@ -429,6 +428,7 @@ static const char *odd_vocab_json =
 typedef struct {
     kvs_backend *be;
     kvs_model *m;
+    kvs_executor *x;
     kvs_kv_cache *kv;
     kvs_runner *g;
 } sample_rig;
@@ -439,7 +439,8 @@ static void srig_open(sample_rig *r, const kvs_config *c, kvs_checkpoint *ck, in
                         .n_heads = c->n_heads, .block_size = 16, .max_seqs = 4, .n_blocks = 4 * 2 * 8};
     if (world == 1) {
         cr_assert_eq(kvs_backend_cpu_create(1, &r->be), KVS_OK);
-        cr_assert_eq(kvs_model_create(c, ck, r->be, NULL, &r->m), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_model_create(c, ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_executor_create(r->m, NULL, &r->x), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
     } else {
         cr_assert_eq(kvs_runner_create_cpu(c, ck, world, 1, KVS_F32, KVS_F32, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
@@ -451,6 +452,7 @@ static void srig_close(sample_rig *r) {
     if (r->g) kvs_runner_destroy(r->g);
     else {
         kvs_kv_destroy(r->kv);
+        kvs_executor_destroy(r->x);
         kvs_model_destroy(r->m);
         r->be->destroy(r->be);
     }
@@ -486,7 +488,7 @@ static void srig_generate(sample_rig *r, int n_seqs, const kvs_sample_row *param
         kvs_sample_row p[4];
         for (int s = 0; s < n_seqs; s++) p[s] = params[s], p[s].step = (uint64_t)step;
         kvs_status st = r->g ? kvs_runner_step_sample(r->g, &b, p, NULL, ids + step * n_seqs, lps + step * n_seqs)
-                             : rig_forward_sample(r->m, &b, r->kv, p, NULL, ids + step * n_seqs, lps + step * n_seqs);
+                             : rig_forward_sample(r->x, &b, r->kv, p, NULL, ids + step * n_seqs, lps + step * n_seqs);
         cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
         if (!r->g) kv_keep(r->kv, &b);
     }
@@ -567,7 +569,7 @@ Test(sample, tp_greedy_and_temperature_without_the_gather, .timeout = 600) {
     srig_open(&two, &cfg, ck, 2);
     srig_generate(&two, 4, params, STEPS, ids2, lp2);
     for (int k = 0; k < 2; k++)
-        cr_expect(kvs_runner_model(two.g, k)->sample.sharded_steps > 0, "rank %d took the parts path", k);
+        cr_expect(kvs_runner_executor(two.g, k)->sample.sharded_steps > 0, "rank %d took the parts path", k);
     srig_close(&two);
     srig_open(&four, &cfg, ck, 4);
     srig_generate(&four, 4, params, STEPS, ids4, lp4);

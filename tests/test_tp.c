@@ -23,6 +23,7 @@ typedef struct {
     int world;
     kvs_backend *be;
     kvs_model *m;
+    kvs_executor *x;
     kvs_kv_cache *kv;
     kvs_runner *g;
 } tp_rig;
@@ -39,7 +40,8 @@ static void tp_rig_start(tp_rig *r, int world, int max_tokens, int max_seqs) {
     kvs_kv_config kc = kv_config(&r->cfg, max_tokens, max_seqs);
     if (world == 0) {
         cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
-        cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, NULL, &r->m), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(kvs_executor_create(r->m, NULL, &r->x), KVS_OK, "%s", kvs_last_error());
         cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
     } else {
         cr_assert_eq(kvs_runner_create_cpu(&r->cfg, r->ck, world, 0, KVS_F32, KVS_F32, NULL, &r->g), KVS_OK, "%s", kvs_last_error());
@@ -68,6 +70,7 @@ static void tp_rig_close(tp_rig *r) {
         kvs_runner_destroy(r->g);
     } else {
         kvs_kv_destroy(r->kv);
+        kvs_executor_destroy(r->x);
         kvs_model_destroy(r->m);
         r->be->destroy(r->be);
     }
@@ -104,7 +107,7 @@ static void tp_rig_run(tp_rig *r, int seq, const int32_t *ids, int n, int pos0, 
             st = argmax ? kvs_runner_step_argmax(r->g, &b, argmax) : kvs_runner_step(r->g, &b, logits);
         } else {
             cr_assert_eq(kvs_kv_reserve(r->kv, seq, len), KVS_OK, "%s", kvs_last_error());
-            st = rig_forward(r->m, &b, r->kv, logits);
+            st = rig_forward(r->x, &b, r->kv, logits);
         }
         cr_assert_eq(st, KVS_OK, "%s", kvs_last_error());
         if (!r->g) kv_keep(r->kv, &b);
@@ -616,9 +619,9 @@ Test(tp, sizes_that_do_not_divide_fail_naming_the_numbers) {
     kvs_backend *be;
     cr_assert_eq(kvs_backend_cpu_create(1, &be), KVS_OK);
     kvs_model *m;
-    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 2, NULL, NULL, &m), KVS_ERR_INVALID);
-    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 2, 2, NULL, NULL, &m), KVS_ERR_INVALID);
-    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 3, NULL, NULL, &m), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 2, NULL, &m), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 2, 2, NULL, &m), KVS_ERR_INVALID);
+    cr_assert_eq(kvs_model_create_shard(&cfg, ck, be, 0, 3, NULL, &m), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "3") && strstr(kvs_last_error(), "2 KV heads"), "%s", kvs_last_error());
     /* the GPU path without enough GPUs (or without NCCL) says so */
     kvs_backend *bes[2] = {be, be};
@@ -647,7 +650,7 @@ Test(tp, shard_with_a_full_kv_cache_is_refused) {
     uint8_t want = 1;
     kvs_batch b = {1, 1, &tok, &pos, qs, &seq, &want};
     float *logits = malloc(sizeof(float) * cfg.vocab_size);
-    cr_assert_eq(rig_forward(kvs_runner_model(g, 0), &b, kv, logits), KVS_ERR_INVALID);
+    cr_assert_eq(rig_forward(kvs_runner_executor(g, 0), &b, kv, logits), KVS_ERR_INVALID);
     cr_expect(strstr(kvs_last_error(), "rank 0 of 2") && strstr(kvs_last_error(), "1 KV heads"), "%s",
               kvs_last_error());
     /* the group refuses a forward before its caches exist, and bad batches before any rank runs */
@@ -675,7 +678,9 @@ Test(tp, tp1_equals_model_create, .timeout = 600) {
     kvs_backend *be;
     cr_assert_eq(kvs_backend_cpu_create(0, &be), KVS_OK);
     kvs_model *shard;
-    cr_assert_eq(kvs_model_create_shard(&one.cfg, one.ck, be, 0, 1, NULL, NULL, &shard), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_model_create_shard(&one.cfg, one.ck, be, 0, 1, NULL, &shard), KVS_OK, "%s", kvs_last_error());
+    kvs_executor *x;
+    cr_assert_eq(kvs_executor_create(shard, NULL, &x), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = kv_config(&one.cfg, 200, 1);
     kvs_kv_cache *kv;
     cr_assert_eq(kvs_kv_create(&kc, be, &kv), KVS_OK);
@@ -693,7 +698,7 @@ Test(tp, tp1_equals_model_create, .timeout = 600) {
         uint8_t want = 1;
         cr_assert_eq(kvs_kv_reserve(kv, s3, n), KVS_OK);
         kvs_batch b = {n, 1, t, pos, qs, &s3, &want};
-        cr_assert_eq(rig_forward(shard, &b, kv, l3), KVS_OK, "%s", kvs_last_error());
+        cr_assert_eq(rig_forward(x, &b, kv, l3), KVS_OK, "%s", kvs_last_error());
         kv_keep(kv, &b);
         free(pos);
         cr_expect(memcmp(l1, l2, sizeof(float) * V) == 0, "step %d: the TP=1 group differs from kvs_model_create",
@@ -704,6 +709,7 @@ Test(tp, tp1_equals_model_create, .timeout = 600) {
     cr_expect(sh->world == 1 && sh->n_kv_heads == 2 && sh->vocab_pad == V && sh->vocab_count == V);
     free(l1), free(l2), free(l3);
     kvs_kv_destroy(kv);
+    kvs_executor_destroy(x);
     kvs_model_destroy(shard);
     be->destroy(be);
     tp_rig_close(&one);

@@ -271,7 +271,7 @@ void expect_refused_without_fp8(const char *dir, kvs_quantization q, const char 
     cr_assert_eq(kvs_checkpoint_open(dir, &cfg, &ck), KVS_OK, "%s", kvs_last_error());
     if (q != KVS_QUANT_NONE) cfg.quantization = q;
     kvs_model *m = NULL;
-    cr_expect_eq(kvs_model_create(&cfg, ck, &no_fp8, NULL, &m), KVS_ERR_UNSUPPORTED);
+    cr_expect_eq(kvs_model_create(&cfg, ck, &no_fp8, &m), KVS_ERR_UNSUPPORTED);
     cr_expect_null(m);
     cr_expect(strstr(kvs_last_error(), want) && strstr(kvs_last_error(), "8.9"), "message: %s", kvs_last_error());
     kvs_checkpoint_destroy(ck);
@@ -291,7 +291,9 @@ void rig_open_quantized(rig *r, const char *dir, kvs_backend *be, int64_t n_bloc
     r->be = be;
     r->owns_be = !be;
     if (!be) cr_assert_eq(kvs_backend_cpu_create(0, &r->be), KVS_OK);
-    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, NULL, &r->m), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_model_create(&r->cfg, r->ck, r->be, &r->m), KVS_OK, "%s", kvs_last_error());
+    kvs_step_limits lim = {.max_seqs = max_seqs > 64 ? max_seqs : 0};
+    cr_assert_eq(kvs_executor_create(r->m, &lim, &r->x), KVS_OK, "%s", kvs_last_error());
     kvs_kv_config kc = {.n_layers = r->cfg.n_layers, .n_kv_heads = r->cfg.n_kv_heads, .head_dim = r->cfg.head_dim,
                         .n_heads = r->cfg.n_heads, .block_size = 16, .n_blocks = n_blocks, .max_seqs = max_seqs};
     cr_assert_eq(kvs_kv_create(&kc, r->be, &r->kv), KVS_OK, "%s", kvs_last_error());
@@ -304,35 +306,36 @@ void rig_open_quantized(rig *r, const char *dir, kvs_backend *be, int64_t n_bloc
 
 void rig_close(rig *r) {
     kvs_kv_destroy(r->kv);
+    kvs_executor_destroy(r->x);
     kvs_model_destroy(r->m);
     kvs_checkpoint_destroy(r->ck);
     if (r->owns_be) r->be->destroy(r->be);
 }
 
 /* The plan of b on kv's own device, its tables applied. */
-static kvs_status plan_on_own_device(kvs_step_plan *p, kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv,
+static kvs_status plan_on_own_device(kvs_step_plan *p, kvs_executor *x, const kvs_batch *b, kvs_kv_cache *kv,
                                      kvs_kv_device **dev) {
     *dev = kvs_kv_own_device(kv);
     if (!*dev) return kvs_fail(KVS_ERR_INVALID, "rig_forward: the KV cache has no device of its own (kvs_kv_create)");
-    KVS_TRY(kvs_step_plan_build(p, kv, b, m, *dev));
+    KVS_TRY(kvs_step_plan_build(p, kv, b, x, *dev));
     return kvs_kv_device_apply_tables(*dev, &p->tables);
 }
 
-kvs_status rig_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
+kvs_status rig_forward(kvs_executor *x, const kvs_batch *b, kvs_kv_cache *kv, float *logits) {
     kvs_step_plan p = {0};
     kvs_kv_device *dev;
-    kvs_status st = plan_on_own_device(&p, m, b, kv, &dev);
-    if (st == KVS_OK) st = kvs_model_forward(m, &p.in, dev, logits);
+    kvs_status st = plan_on_own_device(&p, x, b, kv, &dev);
+    if (st == KVS_OK) st = kvs_executor_forward(x, &p.in, dev, logits);
     kvs_step_plan_free(&p);
     return st;
 }
 
-kvs_status rig_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
-                              const kvs_sample_extras *x, int32_t *ids, float *logprobs) {
+kvs_status rig_forward_sample(kvs_executor *x, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                              const kvs_sample_extras *extras, int32_t *ids, float *logprobs) {
     kvs_step_plan p = {0};
     kvs_kv_device *dev;
-    kvs_status st = plan_on_own_device(&p, m, b, kv, &dev);
-    if (st == KVS_OK) st = kvs_model_forward_sample(m, &p.in, dev, params, x, ids, logprobs);
+    kvs_status st = plan_on_own_device(&p, x, b, kv, &dev);
+    if (st == KVS_OK) st = kvs_executor_forward_sample(x, &p.in, dev, params, extras, ids, logprobs);
     kvs_step_plan_free(&p);
     return st;
 }
@@ -386,7 +389,7 @@ void rig_run(rig *r, int seq, const int32_t *ids, int n, int pos0, float *logits
     uint8_t want = 1;
     cr_assert_eq(kvs_kv_reserve(r->kv, seq, n), KVS_OK, "%s", kvs_last_error());
     kvs_batch b = {n, 1, ids, pos, qs, &seq, &want};
-    cr_assert_eq(rig_forward(r->m, &b, r->kv, logits), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(rig_forward(r->x, &b, r->kv, logits), KVS_OK, "%s", kvs_last_error());
     kv_keep(r->kv, &b);
     free(pos);
 }
@@ -423,15 +426,15 @@ static void scen_forward(rig *r, scen_side *side, const int32_t *tok, const int3
     cr_assert(st < SCEN_MAX_STEPS);
     out->logits = realloc(out->logits, sizeof(float) * (size_t)V * (out->n_rows + n_active));
     cr_assert(out->logits);
-    kvs_model_set_graph_mode(r->m, side->mode);
-    kvs_graph_stats before = kvs_model_graph_stats(r->m);
+    kvs_executor_set_graph_mode(r->x, side->mode);
+    kvs_graph_stats before = kvs_executor_graph_stats(r->x);
     kvs_batch b = {n, n_active, tok, ps, qs, seqs, want};
-    cr_assert_eq(rig_forward(r->m, &b, r->kv, out->logits + (size_t)out->n_rows * V), KVS_OK, "%s",
+    cr_assert_eq(rig_forward(r->x, &b, r->kv, out->logits + (size_t)out->n_rows * V), KVS_OK, "%s",
                  kvs_last_error());
     /* the device-resident block tables the step ran on are the cache's */
     cr_assert_eq(rig_tables_check(&b, r->kv), KVS_OK, "%s", kvs_last_error());
     kv_keep(r->kv, &b);
-    side->total = stats_plus(side->total, stats_minus(kvs_model_graph_stats(r->m), before));
+    side->total = stats_plus(side->total, stats_minus(kvs_executor_graph_stats(r->x), before));
     out->n_rows += n_active;
     out->rows[st] = n_active;
     out->decode[st] = decode;

@@ -85,16 +85,17 @@ typedef struct {
     kvs_backend *be;
     bool owns_be;
     kvs_model *m;
+    kvs_executor *x; /* m's, for max_seqs sequences a step */
     kvs_kv_cache *kv;
 } rig;
 
 /* A whole model's forward on a manager with a device of its own
  * (kvs_kv_create), as the runner's step runs it on each rank: the step plan
  * made (its checks; KVS_ERR_INVALID for a bad batch), the device's tables
- * brought up to date, then kvs_model_forward / kvs_model_forward_sample. */
-kvs_status rig_forward(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, float *logits);
-kvs_status rig_forward_sample(kvs_model *m, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
-                              const kvs_sample_extras *x, int32_t *ids, float *logprobs);
+ * brought up to date, then kvs_executor_forward / kvs_executor_forward_sample. */
+kvs_status rig_forward(kvs_executor *x, const kvs_batch *b, kvs_kv_cache *kv, float *logits);
+kvs_status rig_forward_sample(kvs_executor *x, const kvs_batch *b, kvs_kv_cache *kv, const kvs_sample_row *params,
+                              const kvs_sample_extras *extras, int32_t *ids, float *logprobs);
 /* Every sequence of the batch: its row of the device's tables, read back,
  * against the manager's table (KVS_ERR_INTERNAL naming the first difference). */
 kvs_status rig_tables_check(const kvs_batch *b, const kvs_kv_cache *kv);

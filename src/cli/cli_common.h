@@ -24,7 +24,7 @@ typedef struct {
     const char *device;      /* --device cpu (default) | cuda | cuda:N */
     kvs_quantization quantization; /* --quantization fp8 (default none) */
     bool enforce_eager;      /* --enforce-eager: no CUDA graphs for decode steps */
-    kvs_model_limits limits; /* what a step of the command may hold (zeros: the defaults) */
+    kvs_step_limits limits; /* what a step of the command may hold (zeros: the defaults) */
     const char *kv_profile;  /* --kv-profile (kvs_cli_policy_option): loaded for the model by kvs_cli_load */
     bool profile;            /* bench throughput --profile: the backend's ops timed (backend/profile.h), world 1 */
 } kvs_load_options;

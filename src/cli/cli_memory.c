@@ -46,7 +46,7 @@ kvs_status kvs_cli_memory_check(const kvs_cli_memory *m) {
 static double lazy_bytes(const kvs_loaded *l, const kvs_kv_policy *policy) {
     const kvs_config *c = &l->cfg;
     int w = l->world > 0 ? l->world : 1;
-    kvs_model_limits limits = kvs_runner_limits(l->runner);
+    kvs_step_limits limits = kvs_runner_limits(l->runner);
     double bytes = 64.0 * (1 << 20);
     kvs_kv_config tables = {.n_layers = c->n_layers, .block_size = KVS_KV_BLOCK_SIZE, .n_blocks = 1,
                             .max_seqs = limits.max_seqs, .max_len = limits.max_len};
@@ -60,13 +60,13 @@ static double lazy_bytes(const kvs_loaded *l, const kvs_kv_policy *policy) {
 /* --gpu-memory GiB: the cap less this rank's weights, step buffers and lazy allocations. */
 static kvs_status bytes_under_cap(kvs_loaded *l, double gpu_gib, const kvs_kv_policy *policy, double *left) {
     const kvs_config *c = &l->cfg;
-    kvs_model_limits limits = kvs_runner_limits(l->runner);
+    kvs_step_limits limits = kvs_runner_limits(l->runner);
     kvs_shard shard;
     KVS_TRY(kvs_shard_dims(c, 0, l->world > 0 ? l->world : 1, &shard));
     int w = l->world > 0 ? l->world : 1; /* a rank holds 1/w of the weights (embeddings aside) */
     double weights = kvs_config_weight_bytes(c, l->be->weight_dtype, true) / w;
     if (w > 1) weights += (double)c->vocab_size * c->hidden_size * kvs_dtype_size(l->be->weight_dtype);
-    double act = (double)kvs_model_step_bytes(c, &shard, &limits, l->be->act_dtype) + lazy_bytes(l, policy);
+    double act = (double)kvs_executor_bytes(c, &shard, &limits, l->be->act_dtype) + lazy_bytes(l, policy);
     *left = gpu_gib * GIB - weights - act;
     if (*left < 1 << 20)
         return kvs_fail(KVS_ERR_INVALID,

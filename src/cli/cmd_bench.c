@@ -275,7 +275,7 @@ static int bench_model(int argc, char **argv) {
     }
     /* the prefill in one step; decode steps of up to the largest batch (whose
        requests decode while the later ones prefill: max_b more tokens each) */
-    lo.limits = (kvs_model_limits){prompt_len, 1, prompt_len + decode_len + 8, 0};
+    lo.limits = (kvs_step_limits){prompt_len, 1, prompt_len + decode_len + 8, 0};
     for (int i = 0; i < n_batches; i++) {
         if (batches[i] > lo.limits.max_seqs) lo.limits.max_seqs = batches[i];
         if (batches[i] > lo.limits.max_tokens) lo.limits.max_tokens = batches[i];

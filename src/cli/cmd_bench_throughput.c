@@ -218,7 +218,7 @@ int kvs_cmd_bench_throughput(int argc, char **argv) {
     int rc = parse_args(argc, argv, &o);
     if (rc >= 0) return rc;
     kvs_loaded l;
-    o.load.limits = (kvs_model_limits){o.max_num_batched_tokens, o.max_num_seqs, 0, 0};
+    o.load.limits = (kvs_step_limits){o.max_num_batched_tokens, o.max_num_seqs, 0, 0};
     if (kvs_cli_load(&o.load, &l) != KVS_OK) return kvs_cli_error();
     o.policy.profile = l.kv_profile;
     tp_counts counts = {0};

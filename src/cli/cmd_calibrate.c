@@ -243,7 +243,7 @@ int kvs_cmd_calibrate(int argc, char **argv) {
         fprintf(stderr, "kvsparse: %s: cannot open\n", o.data);
         return 1;
     }
-    o.load.limits = (kvs_model_limits){.max_seqs = 1};
+    o.load.limits = (kvs_step_limits){.max_seqs = 1};
     kvs_loaded l;
     if (kvs_cli_load(&o.load, &l) != KVS_OK) {
         fclose(f);

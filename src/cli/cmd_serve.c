@@ -315,7 +315,7 @@ int kvs_cmd_serve(int argc, char **argv) {
         return kvs_cli_error();
     }
     kvs_loaded l;
-    o.load.limits = (kvs_model_limits){o.ecfg.max_num_batched_tokens, o.ecfg.max_num_seqs, o.ecfg.max_model_len, 0};
+    o.load.limits = (kvs_step_limits){o.ecfg.max_num_batched_tokens, o.ecfg.max_num_seqs, o.ecfg.max_model_len, 0};
     if (kvs_cli_load(&o.load, &l) != KVS_OK) {
         free(key);
         return kvs_cli_error();

@@ -39,7 +39,7 @@ static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_token
                                 const kvs_engine_config *cfg, kvs_engine **out) {
     kvs_engine_config c = cfg ? *cfg : kvs_engine_config_default();
     const kvs_config *mc = kvs_runner_config(g);
-    kvs_model_limits lim = kvs_runner_limits(g); /* the step buffers the model was made for */
+    kvs_step_limits lim = kvs_runner_limits(g); /* the step buffers the model was made for */
     if (!c.max_model_len && lim.max_len < mc->max_position_embeddings) c.max_model_len = lim.max_len;
     KVS_TRY(resolve_config(mc, &c));
     if (c.max_num_batched_tokens > lim.max_tokens || c.max_num_seqs > lim.max_seqs || c.max_model_len > lim.max_len)
@@ -110,8 +110,12 @@ kvs_status kvs_engine_create(kvs_model *model, const kvs_tokenizer *tok, const k
                              kvs_engine **out) {
     *out = NULL;
     if (!model) return kvs_fail(KVS_ERR_INVALID, "engine: no model");
+    /* the model's executor holds what the configuration's steps need */
+    kvs_engine_config c = cfg ? *cfg : kvs_engine_config_default();
+    KVS_TRY(resolve_config(kvs_model_config(model), &c));
+    kvs_step_limits limits = {c.max_num_batched_tokens, c.max_num_seqs, c.max_model_len, KVS_KV_BLOCK_SIZE};
     kvs_runner *g;
-    KVS_TRY(kvs_runner_wrap(model, &g));
+    KVS_TRY(kvs_runner_wrap(model, &limits, &g));
     kvs_status st = engine_create(g, true, tok, cfg, out);
     if (st != KVS_OK) kvs_runner_destroy(g);
     return st;

@@ -27,7 +27,7 @@ typedef struct {
 
 kvs_sampling_params kvs_sampling_default(void); /* greedy */
 /* Checks ranges; errors name the parameter (e.g. "temperature must be >= 0").
- * The engine samples on the backend (kvs_model_forward_sample,
+ * The engine samples on the backend (kvs_executor_forward_sample,
  * backend/sample.h): a counter-based draw per (seed, generated-token index). */
 kvs_status kvs_sampling_validate(const kvs_sampling_params *p);
 /* Layers a request's defaults: the fields g sets replace those of *sp and its

@@ -309,9 +309,8 @@ static kvs_status upload_lm_head(kvs_model *m, kvs_checkpoint *ck) {
     return KVS_OK;
 }
 
-kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be,
-                            const kvs_model_limits *limits, kvs_model **out) {
-    return kvs_model_create_shard(cfg, ck, be, 0, 1, NULL, limits, out);
+kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, kvs_model **out) {
+    return kvs_model_create_shard(cfg, ck, be, 0, 1, NULL, out);
 }
 
 /* The checkpoint's KV-cache scales of this rank's KV heads, every layer. */
@@ -327,7 +326,7 @@ static kvs_status load_kv_scales(kvs_model *m, kvs_checkpoint *ck) {
 }
 
 kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, int rank, int world,
-                                  kvs_comm *comm, const kvs_model_limits *limits, kvs_model **out) {
+                                  kvs_comm *comm, kvs_model **out) {
     *out = NULL;
     kvs_shard shard;
     KVS_TRY(kvs_shard_dims(cfg, rank, world, &shard));
@@ -341,7 +340,6 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
     m->be = be;
     m->shard = shard;
     m->comm = world > 1 ? comm : NULL;
-    m->limits = kvs_limits_resolve(cfg, limits);
     m->layers = calloc((size_t)cfg->n_layers, sizeof(kvs_layer_weights));
     kvs_status st = m->layers ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "model: out of memory");
     kvs_progress bar;
@@ -371,7 +369,6 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
         }
     }
     if (st == KVS_OK) st = load_kv_scales(m, ck);
-    if (st == KVS_OK) st = kvs_step_buffers_create(m);
     if (st != KVS_OK) {
         kvs_model_destroy(m);
         return st;
@@ -383,8 +380,6 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
 void kvs_model_destroy(kvs_model *m) {
     if (!m) return;
     kvs_backend *be = m->be;
-    kvs_graphs_free(m);
-    kvs_step_buffers_free(m);
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
             if (m->layers[l].arena) be->free(be, m->layers[l].arena);
@@ -404,5 +399,5 @@ const kvs_config *kvs_model_config(const kvs_model *m) { return &m->cfg; }
 const kvs_shard *kvs_model_shard(const kvs_model *m) { return &m->shard; }
 const float *kvs_model_kv_scales(const kvs_model *m) { return m->kv_scales; }
 kvs_backend *kvs_model_backend(const kvs_model *m) { return m->be; }
-kvs_model_limits kvs_model_get_limits(const kvs_model *m) { return m->limits; }
+kvs_comm *kvs_model_comm(const kvs_model *m) { return m->comm; }
 

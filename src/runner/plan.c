@@ -19,7 +19,7 @@ static bool room(int32_t **p, size_t *cap, size_t n) {
     return *p != NULL;
 }
 
-/* What the manager must hold for the batch (well-formed: kvs_model_check_batch):
+/* What the manager must hold for the batch (well-formed: kvs_executor_check_batch):
  * live sequences, each with room reserved for its new tokens in every layer, no
  * table longer than the devices' rows. */
 static kvs_status check(const kvs_kv_cache *kv, const kvs_batch *b) {
@@ -42,9 +42,9 @@ static kvs_status check(const kvs_kv_cache *kv, const kvs_batch *b) {
     return KVS_OK;
 }
 
-kvs_status kvs_step_plan_build(kvs_step_plan *p, kvs_kv_cache *kv, const kvs_batch *b, const kvs_model *m,
+kvs_status kvs_step_plan_build(kvs_step_plan *p, kvs_kv_cache *kv, const kvs_batch *b, const kvs_executor *x,
                                const kvs_kv_device *dev) {
-    KVS_TRY(kvs_model_check_batch(m, b, dev));
+    KVS_TRY(kvs_executor_check_batch(x, b, dev));
     KVS_TRY(check(kv, b));
     const kvs_kv_config *kc = kvs_kv_get_config(kv);
     const int L = kc->n_layers, n = b->n_tokens, ns = b->n_seqs;

@@ -8,21 +8,23 @@ static kvs_status job_create_model(kvs_runner *g, int rank, void *arg) {
     kvs_rank *r = &g->ranks[rank];
     pthread_mutex_lock(&g->ck_mu);
     kvs_status st = kvs_model_create_shard(&g->cfg, g->ck, r->model_be ? r->model_be : r->be, rank, g->world, r->comm,
-                                           &g->limits, &r->model);
+                                           &r->model);
     pthread_mutex_unlock(&g->ck_mu);
-    return st;
+    return st == KVS_OK ? kvs_executor_create(r->model, &g->limits, &r->exec) : st;
 }
 
 static kvs_status job_destroy(kvs_runner *g, int rank, void *arg) {
     kvs_rank *r = &g->ranks[rank];
     kvs_kv_device_destroy(r->kv_dev);
+    kvs_executor_destroy(r->exec);
     if (!g->borrowed_model) kvs_model_destroy(r->model);
     r->kv_dev = NULL;
+    r->exec = NULL;
     r->model = NULL;
     return KVS_OK;
 }
 
-static kvs_status runner_alloc(const kvs_config *cfg, int world, const kvs_model_limits *limits, kvs_runner **out) {
+static kvs_status runner_alloc(const kvs_config *cfg, int world, const kvs_step_limits *limits, kvs_runner **out) {
     kvs_runner *g = calloc(1, sizeof *g);
     if (g) g->ranks = calloc((size_t)world, sizeof(kvs_rank));
     if (!g || !g->ranks) {
@@ -75,7 +77,7 @@ static kvs_status runner_start(kvs_runner *g, kvs_status st, kvs_checkpoint *ck,
 }
 
 kvs_status kvs_runner_create(const kvs_config *cfg, kvs_checkpoint *ck, int world, kvs_backend **backends,
-                             kvs_comm **comms, int n_devices, const kvs_model_limits *limits, kvs_runner **out) {
+                             kvs_comm **comms, int n_devices, const kvs_step_limits *limits, kvs_runner **out) {
     *out = NULL;
     KVS_TRY(kvs_tp_validate(cfg, world, n_devices));
     for (int r = 0; r < world; r++)
@@ -92,14 +94,14 @@ kvs_status kvs_runner_create(const kvs_config *cfg, kvs_checkpoint *ck, int worl
 }
 
 kvs_status kvs_runner_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                 kvs_dtype weight_dtype, kvs_dtype kv_dtype, const kvs_model_limits *limits,
+                                 kvs_dtype weight_dtype, kvs_dtype kv_dtype, const kvs_step_limits *limits,
                                  kvs_runner **out) {
     return kvs_runner_create_cpu_wrapped(cfg, ck, world, threads_per_rank, weight_dtype, kv_dtype, NULL, NULL, limits,
                                          out);
 }
 
 kvs_status kvs_runner_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                         kvs_dtype weight_dtype, kvs_dtype kv_dtype, kvs_runner_backend_wrap wrap, void *user, const kvs_model_limits *limits,
+                                         kvs_dtype weight_dtype, kvs_dtype kv_dtype, kvs_runner_backend_wrap wrap, void *user, const kvs_step_limits *limits,
                                          kvs_runner **out) {
     *out = NULL;
     KVS_TRY(kvs_tp_validate(cfg, world, -1));
@@ -115,17 +117,22 @@ kvs_status kvs_runner_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *
     return runner_start(g, st, ck, (cpu_rank_options){threads_per_rank, weight_dtype, kv_dtype}, out);
 }
 
-kvs_status kvs_runner_wrap(kvs_model *model, kvs_runner **out) {
+kvs_status kvs_runner_wrap(kvs_model *model, const kvs_step_limits *limits, kvs_runner **out) {
     *out = NULL;
     if (!model) return kvs_fail(KVS_ERR_INVALID, "runner: no model to wrap");
     if (kvs_model_shard(model)->world != 1)
         return kvs_fail(KVS_ERR_INVALID, "runner: a rank model of %d ranks is no whole model to wrap",
                         kvs_model_shard(model)->world);
     kvs_runner *g;
-    KVS_TRY(runner_alloc(kvs_model_config(model), 1, NULL, &g));
+    KVS_TRY(runner_alloc(kvs_model_config(model), 1, limits, &g));
     g->borrowed_model = true;
     g->ranks[0].be = kvs_model_backend(model);
     g->ranks[0].model = model;
+    kvs_status st = kvs_executor_create(model, limits, &g->ranks[0].exec);
+    if (st != KVS_OK) {
+        kvs_runner_destroy(g);
+        return st;
+    }
     *out = g;
     return KVS_OK;
 }
@@ -160,14 +167,15 @@ void kvs_runner_destroy(kvs_runner *g) {
 int kvs_runner_world(const kvs_runner *g) { return g->world; }
 const kvs_config *kvs_runner_config(const kvs_runner *g) { return &g->cfg; }
 kvs_model *kvs_runner_model(kvs_runner *g, int rank) { return rank >= 0 && rank < g->world ? g->ranks[rank].model : NULL; }
+kvs_executor *kvs_runner_executor(kvs_runner *g, int rank) { return rank >= 0 && rank < g->world ? g->ranks[rank].exec : NULL; }
 kvs_kv_device *kvs_runner_kv_device(kvs_runner *g, int rank) {
     return rank >= 0 && rank < g->world ? g->ranks[rank].kv_dev : NULL;
 }
 kvs_kv_cache *kvs_runner_kv(const kvs_runner *g) { return g->kv; }
 
 void kvs_runner_set_graph_mode(kvs_runner *g, kvs_graph_mode mode) {
-    for (int r = 0; r < g->world; r++) kvs_model_set_graph_mode(g->ranks[r].model, mode);
+    for (int r = 0; r < g->world; r++) kvs_executor_set_graph_mode(g->ranks[r].exec, mode);
 }
-kvs_model_limits kvs_runner_limits(const kvs_runner *g) { return kvs_model_get_limits(g->ranks[0].model); }
+kvs_step_limits kvs_runner_limits(const kvs_runner *g) { return kvs_executor_limits(g->ranks[0].exec); }
 
-kvs_graph_stats kvs_runner_graph_stats(const kvs_runner *g) { return kvs_model_graph_stats(g->ranks[0].model); }
+kvs_graph_stats kvs_runner_graph_stats(const kvs_runner *g) { return kvs_executor_graph_stats(g->ranks[0].exec); }

@@ -9,20 +9,21 @@
 
 #include "kv/kv.h"
 #include "model/model.h"
+#include "runner/executor.h"
 
 typedef struct kvs_runner kvs_runner;
 
 /* Rank models on backends[r] with comms[r] (both stay the caller's; comms may
- * be NULL at world 1), created in the rank threads one after the other.
- * n_devices as for kvs_tp_validate (-1: no device limit); limits as for
- * kvs_model_create (NULL: the defaults). */
+ * be NULL at world 1), created in the rank threads one after the other, each
+ * with its executor of limits (NULL: the defaults). n_devices as for
+ * kvs_tp_validate (-1: no device limit). */
 kvs_status kvs_runner_create(const kvs_config *cfg, kvs_checkpoint *ck, int world, kvs_backend **backends,
-                             kvs_comm **comms, int n_devices, const kvs_model_limits *limits, kvs_runner **out);
+                             kvs_comm **comms, int n_devices, const kvs_step_limits *limits, kvs_runner **out);
 /* The CPU simulation: world CPU backends (threads_per_rank OpenMP threads each,
  * 0: the default; weights and KV in weight_dtype and kv_dtype,
  * kvs_backend_cpu_create_typed) and host communicators, owned by the runner. */
 kvs_status kvs_runner_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                 kvs_dtype weight_dtype, kvs_dtype kv_dtype, const kvs_model_limits *limits,
+                                 kvs_dtype weight_dtype, kvs_dtype kv_dtype, const kvs_step_limits *limits,
                                  kvs_runner **out);
 /* The same, each rank's model created on wrap(user, rank, be) instead of its
  * CPU backend be (made in its rank thread; the runner still owns and destroys
@@ -30,15 +31,16 @@ kvs_status kvs_runner_create_cpu(const kvs_config *cfg, kvs_checkpoint *ck, int 
  * creation). bench model times the ranks' matmuls this way. */
 typedef kvs_backend *(*kvs_runner_backend_wrap)(void *user, int rank, kvs_backend *be);
 kvs_status kvs_runner_create_cpu_wrapped(const kvs_config *cfg, kvs_checkpoint *ck, int world, int threads_per_rank,
-                                         kvs_dtype weight_dtype, kvs_dtype kv_dtype, kvs_runner_backend_wrap wrap, void *user, const kvs_model_limits *limits,
+                                         kvs_dtype weight_dtype, kvs_dtype kv_dtype, kvs_runner_backend_wrap wrap, void *user, const kvs_step_limits *limits,
                                          kvs_runner **out);
 /* A world-1 runner over an existing whole model (it stays the caller's and
- * outlives the runner): kvs_engine_create(model) and the tests. */
-kvs_status kvs_runner_wrap(kvs_model *model, kvs_runner **out);
+ * outlives the runner) with an executor of limits (NULL: the defaults):
+ * kvs_engine_create(model) and the tests. */
+kvs_status kvs_runner_wrap(kvs_model *model, const kvs_step_limits *limits, kvs_runner **out);
 void kvs_runner_destroy(kvs_runner *r);
 int kvs_runner_world(const kvs_runner *r);
 const kvs_config *kvs_runner_config(const kvs_runner *r);
-kvs_model_limits kvs_runner_limits(const kvs_runner *r); /* every rank model's, defaults filled in */
+kvs_step_limits kvs_runner_limits(const kvs_runner *r); /* every rank's executor's, defaults filled in */
 void kvs_runner_set_graph_mode(kvs_runner *r, kvs_graph_mode mode); /* every rank's */
 kvs_graph_stats kvs_runner_graph_stats(const kvs_runner *r);        /* rank 0's */
 
@@ -71,11 +73,11 @@ typedef struct {
     size_t cap_slots, cap_rows, cap_len, cap_blocks;
 } kvs_step_plan;
 /* The batch checked against the manager (live sequences, room reserved, tables
- * within the devices' rows) and the model (m and dev: rank 0's; the ranks are
- * alike), then planned; the tables' changes are taken last (they are
+ * within the devices' rows) and the executor (x and dev: rank 0's; the ranks
+ * are alike), then planned; the tables' changes are taken last (they are
  * forgotten by the manager: the plan must reach the devices). A bad batch is
  * KVS_ERR_INVALID and changes nothing. */
-kvs_status kvs_step_plan_build(kvs_step_plan *p, kvs_kv_cache *kv, const kvs_batch *b, const kvs_model *m,
+kvs_status kvs_step_plan_build(kvs_step_plan *p, kvs_kv_cache *kv, const kvs_batch *b, const kvs_executor *x,
                                const kvs_kv_device *dev);
 void kvs_step_plan_free(kvs_step_plan *p);
 
@@ -92,7 +94,7 @@ kvs_status kvs_runner_step(kvs_runner *r, const kvs_batch *b, float *logits);
 /* Greedy ids: the sample op with temperature 0 in every row. */
 kvs_status kvs_runner_step_argmax(kvs_runner *r, const kvs_batch *b, int32_t *ids);
 /* Sampled ids and logprobs (NULL: none), with the extras (NULL: none), as
- * kvs_model_forward_sample. */
+ * kvs_executor_forward_sample. */
 kvs_status kvs_runner_step_sample(kvs_runner *r, const kvs_batch *b, const kvs_sample_row *params,
                                   const kvs_sample_extras *x, int32_t *ids, float *logprobs);
 

@@ -24,8 +24,8 @@ static kvs_status job_forward(kvs_runner *g, int rank, void *arg) {
     kvs_rank *r = &g->ranks[rank];
     bool out = rank == 0; /* rank 0 copies the results out */
     KVS_TRY(kvs_kv_device_apply_tables(r->kv_dev, &g->plan.tables));
-    return kvs_model_forward_unchecked(r->model, &g->plan.in, r->kv_dev, a->params, a->extras, out ? a->ids : NULL,
-                                       out ? a->logprobs : NULL, out ? a->logits : NULL);
+    return kvs_executor_forward_unchecked(r->exec, &g->plan.in, r->kv_dev, a->params, a->extras,
+                                          out ? a->ids : NULL, out ? a->logprobs : NULL, out ? a->logits : NULL);
 }
 
 /* The second: the plan's compactions (when the plan was made), then the fence's wait. */
@@ -33,7 +33,7 @@ static kvs_status job_finish(kvs_runner *g, int rank, void *arg) {
     const bool *compact = arg;
     kvs_rank *r = &g->ranks[rank];
     kvs_status st = *compact ? kvs_kv_device_compact(r->kv_dev, &g->plan.compactions) : KVS_OK;
-    kvs_status end = kvs_model_step_end(r->model);
+    kvs_status end = kvs_executor_step_end(r->exec);
     return st != KVS_OK ? st : end;
 }
 
@@ -56,9 +56,9 @@ static kvs_status keep_step_kv(kvs_runner *g, const kvs_batch *b) {
 static kvs_status step(kvs_runner *g, const kvs_batch *b, float *logits, int32_t *ids, const kvs_sample_row *params,
                        const kvs_sample_extras *x, float *logprobs) {
     KVS_TRY(kvs_runner_need_kv(g));
-    if (params) KVS_TRY(kvs_model_check_sample(b, params, x, kvs_runner_config(g)->vocab_size));
+    if (params) KVS_TRY(kvs_check_sample(b, params, x, kvs_runner_config(g)->vocab_size));
     double t0 = kvs_host_clock_start();
-    kvs_status planned = kvs_step_plan_build(&g->plan, g->kv, b, g->ranks[0].model, g->ranks[0].kv_dev);
+    kvs_status planned = kvs_step_plan_build(&g->plan, g->kv, b, g->ranks[0].exec, g->ranks[0].kv_dev);
     kvs_host_clock_stop(KVS_HOST_METADATA, t0);
     KVS_TRY(planned);
     step_args a = {b, logits, ids, params, x, logprobs};

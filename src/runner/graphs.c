@@ -4,26 +4,26 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/model_internal.h"
+#include "runner/runner_internal.h"
 
-static void invalidate(kvs_model *m);
+static void invalidate(kvs_executor *x);
 
-void kvs_model_set_graph_mode(kvs_model *m, kvs_graph_mode mode) {
-    if (m->graphs.mode == mode) return;
-    invalidate(m);
-    m->graphs.mode = mode;
+void kvs_executor_set_graph_mode(kvs_executor *x, kvs_graph_mode mode) {
+    if (x->graphs.mode == mode) return;
+    invalidate(x);
+    x->graphs.mode = mode;
 }
 
-kvs_graph_stats kvs_model_graph_stats(const kvs_model *m) { return m->graphs.stats; }
+kvs_graph_stats kvs_executor_graph_stats(const kvs_executor *x) { return x->graphs.stats; }
 
-static void invalidate(kvs_model *m) {
-    kvs_graphs *g = &m->graphs;
+static void invalidate(kvs_executor *x) {
+    kvs_graphs *g = &x->graphs;
     bool any = false;
     for (int i = 0; i < KVS_GRAPH_BATCHES; i++)
         for (int j = 0; j < KVS_GRAPH_VARIANTS; j++) {
             kvs_graph_slot *s = &g->slot[i][j];
             if (s->exec) {
-                m->be->graph_destroy(m->be, s->exec);
+                x->be->graph_destroy(x->be, s->exec);
                 s->exec = NULL;
                 any = true;
             }
@@ -34,16 +34,16 @@ static void invalidate(kvs_model *m) {
 }
 
 /* Invalidates the graphs when the KV memory they baked in is not kv's (the table stride goes with the pointer). */
-static kvs_status check_kv(kvs_model *m, const kvs_kv_device *kv) {
-    kvs_graphs *g = &m->graphs;
-    size_t n = 2 + 2 * (size_t)m->cfg.n_layers;
+static kvs_status check_kv(kvs_executor *x, const kvs_kv_device *kv) {
+    kvs_graphs *g = &x->graphs;
+    size_t n = 2 + 2 * (size_t)x->cfg->n_layers;
     if (!g->baked && !(g->baked = calloc(2 * n, sizeof(void *))))
         return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
     const void **now = g->baked + n; /* kv's, after the baked ones */
     int stride;
     now[0] = kvs_kv_device_pool(kv)->data;
     now[1] = kvs_kv_device_layer_tables(kv, 0, &stride);
-    for (int l = 0; l < m->cfg.n_layers; l++) {
+    for (int l = 0; l < x->cfg->n_layers; l++) {
         void *q;
         float *lse;
         kvs_kv_device_window_buffers(kv, l, &q, &lse);
@@ -51,7 +51,7 @@ static kvs_status check_kv(kvs_model *m, const kvs_kv_device *kv) {
         now[3 + 2 * l] = lse;
     }
     if (memcmp(g->baked, now, n * sizeof(void *)) == 0) return KVS_OK;
-    invalidate(m);
+    invalidate(x);
     memcpy(g->baked, now, n * sizeof(void *));
     return KVS_OK;
 }
@@ -59,10 +59,10 @@ static kvs_status check_kv(kvs_model *m, const kvs_kv_device *kv) {
 /* The slot of the step's batch bucket made for its layer lengths (the step
  * buffers' layer_meta, just prepared), or else the unused or least recently
  * used one, emptied for them. NULL when out of host memory. */
-static kvs_graph_slot *find_slot(kvs_model *m, int bucket) {
-    kvs_graphs *g = &m->graphs;
-    const int L = m->cfg.n_layers;
-    const kvs_layer_meta *lm = m->buf.layer_meta;
+static kvs_graph_slot *find_slot(kvs_executor *x, int bucket) {
+    kvs_graphs *g = &x->graphs;
+    const int L = x->cfg->n_layers;
+    const kvs_layer_meta *lm = x->buf.layer_meta;
     kvs_graph_slot *row = g->slot[bucket], *pick = &row[0];
     g->clock++;
     for (int i = 0; i < KVS_GRAPH_VARIANTS; i++) {
@@ -75,7 +75,7 @@ static kvs_graph_slot *find_slot(kvs_model *m, int bucket) {
         }
         if (pick->kv_blocks && (!s->kv_blocks || s->used < pick->used)) pick = s;
     }
-    if (pick->exec) m->be->graph_destroy(m->be, pick->exec);
+    if (pick->exec) x->be->graph_destroy(x->be, pick->exec);
     if (!pick->kv_blocks && !(pick->kv_blocks = malloc(sizeof(int32_t) * L))) return NULL;
     for (int l = 0; l < L; l++) pick->kv_blocks[l] = lm[l].kv_blocks;
     pick->exec = NULL, pick->seen = 0, pick->failed = false, pick->used = g->clock;
@@ -83,23 +83,23 @@ static kvs_graph_slot *find_slot(kvs_model *m, int bucket) {
 }
 
 /* A padded step run eagerly. */
-static kvs_status padded_eager(kvs_model *m, const kvs_kv_device *kv, const kvs_step_shape *sh) {
-    m->graphs.stats.padded_eager_steps++;
-    return kvs_forward_layers(m, kv, sh);
+static kvs_status padded_eager(kvs_executor *x, const kvs_kv_device *kv) {
+    x->graphs.stats.padded_eager_steps++;
+    return kvs_forward_layers(x->m, &x->buf.fs, kv);
 }
 
 /* vLLM's protocol: a bucket's first step runs eagerly, its second is
  * captured, later ones replay. */
-kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_device *kv, const kvs_step_shape *sh) {
-    kvs_backend *be = m->be;
-    kvs_graphs *g = &m->graphs;
+kvs_status kvs_graphs_run(kvs_executor *x, const kvs_kv_device *kv, const kvs_step_shape *sh) {
+    kvs_backend *be = x->be;
+    kvs_graphs *g = &x->graphs;
     if (!sh->padded) {
         g->stats.eager_steps++;
-        return kvs_forward_layers(m, kv, sh);
+        return kvs_forward_layers(x->m, &x->buf.fs, kv);
     }
-    if (g->mode != KVS_GRAPHS_ON || !be->graph_begin) return padded_eager(m, kv, sh);
-    KVS_TRY(check_kv(m, kv));
-    kvs_graph_slot *slot = find_slot(m, sh->bucket);
+    if (g->mode != KVS_GRAPHS_ON || !be->graph_begin) return padded_eager(x, kv);
+    KVS_TRY(check_kv(x, kv));
+    kvs_graph_slot *slot = find_slot(x, sh->bucket);
     if (!slot) return kvs_fail(KVS_ERR_NOMEM, "forward: out of host memory");
     if (slot->exec) {
         if (be->graph_launch(be, slot->exec) == KVS_OK) {
@@ -111,12 +111,12 @@ kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_device *kv, const kvs_step_
         slot->exec = NULL;
         slot->seen = 1;
         g->stats.invalidations++;
-        return padded_eager(m, kv, sh);
+        return padded_eager(x, kv);
     }
-    if (slot->failed || slot->seen++ == 0) return padded_eager(m, kv, sh);
+    if (slot->failed || slot->seen++ == 0) return padded_eager(x, kv);
     kvs_status st = be->graph_begin(be);
     if (st == KVS_OK) {
-        kvs_status body = kvs_forward_layers(m, kv, sh);
+        kvs_status body = kvs_forward_layers(x->m, &x->buf.fs, kv);
         void *exec = NULL;
         st = be->graph_end(be, &exec); /* always close the capture */
         if (body != KVS_OK) {
@@ -139,16 +139,16 @@ kvs_status kvs_graphs_run(kvs_model *m, const kvs_kv_device *kv, const kvs_step_
     g->stats.capture_failures++;
     kvs_log(KVS_LOG_WARN, "forward: no CUDA graph for %d sequences (layer 0's tables of %d blocks; %s); these "
             "lengths stay eager", sh->n_seqs, slot->kv_blocks[0], kvs_last_error());
-    return padded_eager(m, kv, sh); /* nothing of the failed capture ran */
+    return padded_eager(x, kv); /* nothing of the failed capture ran */
 }
 
-void kvs_graphs_free(kvs_model *m) {
-    invalidate(m);
+void kvs_graphs_free(kvs_executor *x) {
+    invalidate(x);
     for (int i = 0; i < KVS_GRAPH_BATCHES; i++)
         for (int j = 0; j < KVS_GRAPH_VARIANTS; j++) {
-            free(m->graphs.slot[i][j].kv_blocks);
-            m->graphs.slot[i][j].kv_blocks = NULL;
+            free(x->graphs.slot[i][j].kv_blocks);
+            x->graphs.slot[i][j].kv_blocks = NULL;
         }
-    free(m->graphs.baked);
-    m->graphs.baked = NULL;
+    free(x->graphs.baked);
+    x->graphs.baked = NULL;
 }

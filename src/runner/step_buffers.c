@@ -1,5 +1,5 @@
-/* The step buffers, sized once when the model is created for its limits (so
- * the pointers a CUDA graph bakes in stay put): activations for the largest
+/* The step buffers, sized once when the executor is created for its limits
+ * (so the pointers a CUDA graph bakes in stay put): activations for the largest
  * step's rows, logits and sampling for max_seqs rows, the metadata of max_seqs
  * sequences in every layer. One walk over the buffers
  * counts them, allocates them and frees them. */
@@ -7,10 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/model_internal.h"
+#include "runner/runner_internal.h"
 
-kvs_model_limits kvs_limits_resolve(const kvs_config *cfg, const kvs_model_limits *in) {
-    kvs_model_limits l = in ? *in : (kvs_model_limits){0};
+kvs_step_limits kvs_limits_resolve(const kvs_config *cfg, const kvs_step_limits *in) {
+    kvs_step_limits l = in ? *in : (kvs_step_limits){0};
     if (l.max_tokens <= 0) l.max_tokens = 2048;
     if (l.max_seqs <= 0) l.max_seqs = 64;
     if (l.max_len <= 0) l.max_len = cfg->max_position_embeddings;
@@ -66,7 +66,8 @@ static void on_pinned(walk *w, void *ptr, size_t bytes) {
 
 /* Every step buffer of a rank model (shard) for limits l. */
 static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, const kvs_config *c,
-                         const kvs_shard *sh, const kvs_model_limits *l, kvs_dtype act_dtype) {
+                         const kvs_shard *sh, const kvs_step_limits *l, kvs_dtype act_dtype) {
+    kvs_forward_state *f = &b->fs;
     /* S sequences (max_seqs or the graph bucket it pads to), n rows (a padded
        decode step has one per sequence) */
     size_t a = kvs_dtype_size(act_dtype), S = padded(l->max_seqs, KVS_GRAPH_BATCHES), n = (size_t)l->max_tokens;
@@ -74,18 +75,18 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     size_t qd = (size_t)sh->n_heads * c->head_dim, kd = (size_t)sh->n_kv_heads * c->head_dim;
     size_t wide = (size_t)sh->intermediate > qd ? (size_t)sh->intermediate : qd;
     if (wide < (size_t)c->hidden_size) wide = c->hidden_size;
-    on_device(w, &b->x, n * c->hidden_size * a);
-    on_device(w, &b->xn, n * c->hidden_size * a);
-    on_device(w, &b->qkv, n * (qd + 2 * kd) * a);
-    on_device(w, &b->q, n * qd * a);
-    on_device(w, &b->att, n * qd * a);
-    on_device(w, &b->tmp, n * c->hidden_size * a);
-    on_device(w, &b->gate_up, n * 2 * sh->intermediate * a);
-    on_device(w, &b->act, n * wide * a);
-    on_device(w, &b->lse, n * sh->n_heads * sizeof(float));
+    on_device(w, &f->x, n * c->hidden_size * a);
+    on_device(w, &f->xn, n * c->hidden_size * a);
+    on_device(w, &f->qkv, n * (qd + 2 * kd) * a);
+    on_device(w, &f->q, n * qd * a);
+    on_device(w, &f->att, n * qd * a);
+    on_device(w, &f->tmp, n * c->hidden_size * a);
+    on_device(w, &f->gate_up, n * 2 * sh->intermediate * a);
+    on_device(w, &f->act, n * wide * a);
+    on_device(w, &f->lse, n * sh->n_heads * sizeof(float));
     if (c->quantization == KVS_QUANT_FP8) { /* the widest GEMM input: hidden, heads or the MLP columns */
-        on_device(w, &b->xq, n * wide);
-        on_device(w, &b->xs, n * sizeof(float));
+        on_device(w, &f->xq, n * wide);
+        on_device(w, &f->xs, n * sizeof(float));
     }
     /* the metadata (step_meta.c): ids, positions, q_start, table rows, then per
        layer slots, kv lengths and window-capture rows */
@@ -94,10 +95,11 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     on_device(w, &b->meta, meta * sizeof(int32_t));
     on_pinned(w, &b->h_meta, 2 * meta * sizeof(int32_t));
     on_host(w, &b->layer_meta, c->n_layers * sizeof(kvs_layer_meta));
+    on_host(w, &b->layer_step, c->n_layers * sizeof(kvs_layer_step));
     /* the logits of the sequences that want them (at most one per sequence) */
     size_t L = (size_t)l->max_seqs, world = (size_t)sh->world, vp = (size_t)sh->vocab_pad;
-    on_device(w, &b->last, L * c->hidden_size * a);
-    on_device(w, &b->logits, L * vp * a);
+    on_device(w, &f->last, L * c->hidden_size * a);
+    on_device(w, &f->logits, L * vp * a);
     on_device(w, &b->last_rows, L * sizeof(int32_t));
     on_host(w, &b->h_last_rows, L * sizeof(int32_t));
     on_device(w, &s->params, L * sizeof(kvs_sample_row));
@@ -119,9 +121,9 @@ static void walk_buffers(walk *w, kvs_step_buffers *b, kvs_sample_buffers *s, co
     on_host(w, &s->h_parts, world * L * sizeof(kvs_sample_part));
 }
 
-size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const kvs_model_limits *limits,
-                            kvs_dtype act_dtype) {
-    kvs_model_limits l = kvs_limits_resolve(cfg, limits);
+size_t kvs_executor_bytes(const kvs_config *cfg, const kvs_shard *shard, const kvs_step_limits *limits,
+                          kvs_dtype act_dtype) {
+    kvs_step_limits l = kvs_limits_resolve(cfg, limits);
     kvs_step_buffers b;
     kvs_sample_buffers s;
     walk w = {COUNT, NULL, 0, false};
@@ -129,19 +131,20 @@ size_t kvs_model_step_bytes(const kvs_config *cfg, const kvs_shard *shard, const
     return w.bytes;
 }
 
-kvs_status kvs_step_buffers_create(kvs_model *m) {
-    walk w = {ALLOC, m->be, 0, false};
-    walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
+kvs_status kvs_step_buffers_create(kvs_executor *x) {
+    walk w = {ALLOC, x->be, 0, false};
+    walk_buffers(&w, &x->buf, &x->sample, x->cfg, x->shard, &x->limits, x->be->act_dtype);
+    x->buf.fs.layers = x->buf.layer_step;
     if (!w.failed) return KVS_OK;
     return kvs_fail(KVS_ERR_NOMEM, "model: out of memory for the step buffers (%.1f MiB of backend memory for %d "
-                    "tokens and %d sequences per step)", w.bytes / 1048576.0, m->limits.max_tokens,
-                    m->limits.max_seqs);
+                    "tokens and %d sequences per step)", w.bytes / 1048576.0, x->limits.max_tokens,
+                    x->limits.max_seqs);
 }
 
-void kvs_step_buffers_free(kvs_model *m) {
-    walk w = {FREE, m->be, 0, false};
-    walk_buffers(&w, &m->buf, &m->sample, &m->cfg, &m->shard, &m->limits, m->be->act_dtype);
-    if (m->sample.adjust) m->be->free(m->be, m->sample.adjust);
-    m->sample.adjust = NULL;
-    m->sample.cap_adjust = 0;
+void kvs_step_buffers_free(kvs_executor *x) {
+    walk w = {FREE, x->be, 0, false};
+    walk_buffers(&w, &x->buf, &x->sample, x->cfg, x->shard, &x->limits, x->be->act_dtype);
+    if (x->sample.adjust) x->be->free(x->be, x->sample.adjust);
+    x->sample.adjust = NULL;
+    x->sample.cap_adjust = 0;
 }

@@ -1,37 +1,37 @@
-/* What a step gives out: the full logits on the host (kvs_model_forward; with
+/* What a step gives out: the full logits on the host (kvs_executor_forward; with
  * tensor parallelism every rank's vocabulary slice all-gathered), or ids the
  * backend's sample op draws from the logits in backend memory, one small copy
- * back (kvs_model_forward_sample; with tensor parallelism through the per-rank
+ * back (kvs_executor_forward_sample; with tensor parallelism through the per-rank
  * parts or the logits gathered on the device). Greedy is the sample op at
  * temperature 0. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/model_internal.h"
+#include "runner/runner_internal.h"
 
 /* Ops return nothing; a failed op or a CUDA fault is recorded in the backend:
  * the step that caused a failure reports it. */
-static kvs_status step_status(kvs_model *m, kvs_status st) {
-    kvs_status health = m->be->check(m->be);
+static kvs_status step_status(kvs_executor *ex, kvs_status st) {
+    kvs_status health = ex->be->check(ex->be);
     return st != KVS_OK ? st : health;
 }
 
-static kvs_status forward_logits(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev, float *logits) {
+static kvs_status forward_logits(kvs_executor *ex, const kvs_step_inputs *in, kvs_kv_device *dev, float *logits) {
     int n_logits;
-    KVS_TRY(kvs_forward_step(m, in, dev, &n_logits));
+    KVS_TRY(kvs_executor_step(ex, in, dev, &n_logits));
     if (n_logits == 0) return KVS_OK;
-    kvs_backend *be = m->be;
-    kvs_step_buffers *sb = &m->buf;
-    const kvs_shard *sh = &m->shard;
-    int V = m->cfg.vocab_size, vp = sh->vocab_pad;
+    kvs_backend *be = ex->be;
+    kvs_step_buffers *sb = &ex->buf;
+    const kvs_shard *sh = ex->shard;
+    int V = ex->cfg->vocab_size, vp = sh->vocab_pad;
     if (sh->world == 1) { /* vocab_pad == vocab */
-        if (logits) be->to_host_f32(be, logits, sb->logits, (size_t)n_logits * V);
+        if (logits) be->to_host_f32(be, logits, sb->fs.logits, (size_t)n_logits * V);
         return KVS_OK;
     }
     /* every rank's slice, then [rank][seq][vp] -> [seq][vocab] without the padding */
     size_t per_rank = (size_t)n_logits * vp;
-    KVS_TRY(m->comm->all_gather(m->comm, sb->logits_all, sb->logits, per_rank, be->act_dtype));
+    KVS_TRY(ex->comm->all_gather(ex->comm, sb->logits_all, sb->fs.logits, per_rank, be->act_dtype));
     if (!logits) return KVS_OK;
     be->to_host_f32(be, sb->h_logits, sb->logits_all, (size_t)sh->world * per_rank);
     for (int r = 0; r < sh->world; r++) {
@@ -43,9 +43,9 @@ static kvs_status forward_logits(kvs_model *m, const kvs_step_inputs *in, kvs_kv
     return KVS_OK;
 }
 
-kvs_status kvs_model_forward(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev, float *logits) {
-    KVS_TRY(kvs_model_check_inputs(m, in, dev));
-    return step_status(m, forward_logits(m, in, dev, logits));
+kvs_status kvs_executor_forward(kvs_executor *ex, const kvs_step_inputs *in, kvs_kv_device *dev, float *logits) {
+    KVS_TRY(kvs_executor_check_inputs(ex, in, dev));
+    return step_status(ex, forward_logits(ex, in, dev, logits));
 }
 
 /* The extras against the n rows: adjust ranges and ids, mask rows, top_k. */
@@ -72,7 +72,7 @@ static kvs_status check_extras(const kvs_sample_extras *x, int n, int vocab) {
     return KVS_OK;
 }
 
-kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *params, const kvs_sample_extras *x,
+kvs_status kvs_check_sample(const kvs_batch *b, const kvs_sample_row *params, const kvs_sample_extras *x,
                                   int vocab) {
     int n = 0;
     for (int s = 0; s < b->n_seqs; s++) n += b->wants_logits[s] ? 1 : 0;
@@ -98,15 +98,15 @@ kvs_status kvs_model_check_sample(const kvs_batch *b, const kvs_sample_row *para
  * all-gather the parts (28 bytes per row and rank), and the ranks that pass
  * ids pick on the host (backend/sample.h: the same ids as the sample op over
  * the whole row, logprobs up to the order of the sum). */
-static kvs_status sample_sharded(kvs_model *m, int n, const kvs_sample_row *params, int32_t *ids, float *logprobs) {
-    kvs_backend *be = m->be;
-    kvs_sample_buffers *s = &m->sample;
-    const kvs_shard *sh = &m->shard;
+static kvs_status sample_sharded(kvs_executor *ex, int n, const kvs_sample_row *params, int32_t *ids, float *logprobs) {
+    kvs_backend *be = ex->be;
+    kvs_sample_buffers *s = &ex->sample;
+    const kvs_shard *sh = ex->shard;
     s->sharded_steps++;
     be->to_device(be, s->params, params, sizeof(kvs_sample_row) * n);
-    be->sample_shard(be, s->parts, m->buf.logits, n, sh->vocab_pad, sh->vocab_count, sh->vocab_begin, s->params);
+    be->sample_shard(be, s->parts, ex->buf.fs.logits, n, sh->vocab_pad, sh->vocab_count, sh->vocab_begin, s->params);
     size_t floats = sizeof(kvs_sample_part) / sizeof(float) * (size_t)n; /* the gather copies bytes */
-    KVS_TRY(m->comm->all_gather(m->comm, s->parts_all, s->parts, floats, KVS_F32));
+    KVS_TRY(ex->comm->all_gather(ex->comm, s->parts_all, s->parts, floats, KVS_F32));
     if (!ids) return KVS_OK;
     be->to_host_async(be, s->h_parts, s->parts_all, sizeof(kvs_sample_part) * sh->world * n); /* the one copy back */
     s->pending = (kvs_sample_pending){.n = n, .world = sh->world, .parts = true, .ids = ids, .logprobs = logprobs,
@@ -123,13 +123,13 @@ static bool all_shardable(const kvs_sample_row *params, const kvs_sample_extras 
 }
 
 /* Room for n adjust entries (grown on demand, before the step changes anything). */
-static kvs_status reserve_adjust(kvs_model *m, int n) {
-    kvs_sample_buffers *s = &m->sample;
+static kvs_status reserve_adjust(kvs_executor *ex, int n) {
+    kvs_sample_buffers *s = &ex->sample;
     if (n <= s->cap_adjust) return KVS_OK;
     int cap = kvs_grown_capacity(s->cap_adjust, n, 1024);
-    void *p = m->be->alloc(m->be, sizeof(kvs_logit_adjust) * (size_t)cap);
+    void *p = ex->be->alloc(ex->be, sizeof(kvs_logit_adjust) * (size_t)cap);
     if (!p) return kvs_fail(KVS_ERR_NOMEM, "forward_sample: out of memory for %d logit adjustments", n);
-    if (s->adjust) m->be->free(m->be, s->adjust);
+    if (s->adjust) ex->be->free(ex->be, s->adjust);
     s->adjust = p;
     s->cap_adjust = cap;
     return KVS_OK;
@@ -138,11 +138,11 @@ static kvs_status reserve_adjust(kvs_model *m, int n) {
 /* The extras around the draw on rows [n][ld] (backend memory): processing into
  * the processed rows, the draw, then the raw logits' top logprobs and the
  * chosen ids' logprobs; one copy back. */
-static kvs_status sample_rows(kvs_model *m, const void *rows, int ld, int n, const kvs_sample_row *params,
+static kvs_status sample_rows(kvs_executor *ex, const void *rows, int ld, int n, const kvs_sample_row *params,
                               const kvs_sample_extras *x, int32_t *ids, float *logprobs) {
-    kvs_backend *be = m->be;
-    kvs_sample_buffers *s = &m->sample;
-    int V = m->cfg.vocab_size;
+    kvs_backend *be = ex->be;
+    kvs_sample_buffers *s = &ex->sample;
+    int V = ex->cfg->vocab_size;
     be->to_device(be, s->params, params, sizeof(kvs_sample_row) * n);
     const void *draw_from = rows;
     int draw_ld = ld;
@@ -171,11 +171,11 @@ static kvs_status sample_rows(kvs_model *m, const void *rows, int ld, int n, con
     return KVS_OK;
 }
 
-kvs_status kvs_model_step_end(kvs_model *m) {
+kvs_status kvs_executor_step_end(kvs_executor *ex) {
     double t0 = kvs_host_clock_start();
-    kvs_status st = m->be->fence_wait(m->be);
+    kvs_status st = ex->be->fence_wait(ex->be);
     kvs_host_clock_stop(KVS_HOST_WAIT, t0);
-    kvs_sample_buffers *s = &m->sample;
+    kvs_sample_buffers *s = &ex->sample;
     kvs_sample_pending *p = &s->pending;
     int n = p->n, k = p->top_k;
     p->n = 0;
@@ -195,53 +195,53 @@ kvs_status kvs_model_step_end(kvs_model *m) {
     return KVS_OK;
 }
 
-static kvs_status forward_sample(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev,
+static kvs_status forward_sample(kvs_executor *ex, const kvs_step_inputs *in, kvs_kv_device *dev,
                                  const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
                                  float *logprobs) {
-    const kvs_shard *sh = &m->shard;
+    const kvs_shard *sh = ex->shard;
     int world = sh->world;
     /* the ranks choose between the parts and the gather from params alone,
        so that they all run the same collectives: every rank needs them */
     if (!params && (ids || world > 1))
         return kvs_fail(KVS_ERR_INVALID, "forward_sample: rank %d of %d has no sampling parameters", sh->rank, world);
-    if (x && x->process && ids) KVS_TRY(reserve_adjust(m, x->n_adjust)); /* only the rank that samples uploads them */
+    if (x && x->process && ids) KVS_TRY(reserve_adjust(ex, x->n_adjust)); /* only the rank that samples uploads them */
     int n;
-    KVS_TRY(kvs_forward_step(m, in, dev, &n));
+    KVS_TRY(kvs_executor_step(ex, in, dev, &n));
     if (n == 0) return KVS_OK;
-    if (world > 1 && all_shardable(params, x, n, m->cfg.vocab_size)) return sample_sharded(m, n, params, ids, logprobs);
-    kvs_backend *be = m->be;
-    kvs_sample_buffers *s = &m->sample;
-    const void *rows = m->buf.logits;
+    if (world > 1 && all_shardable(params, x, n, ex->cfg->vocab_size)) return sample_sharded(ex, n, params, ids, logprobs);
+    kvs_backend *be = ex->be;
+    kvs_sample_buffers *s = &ex->sample;
+    const void *rows = ex->buf.fs.logits;
     int ld = sh->vocab_pad;
     if (world > 1) { /* every rank's slice, then [rank][seq][vp] -> [seq][rank][vp] on the device */
-        KVS_TRY(m->comm->all_gather(m->comm, m->buf.logits_all, m->buf.logits, (size_t)n * ld, be->act_dtype));
+        KVS_TRY(ex->comm->all_gather(ex->comm, ex->buf.logits_all, ex->buf.fs.logits, (size_t)n * ld, be->act_dtype));
         if (!ids) return KVS_OK;
         for (int q = 0; q < n; q++)
             for (int r = 0; r < world; r++) s->h_order[q * world + r] = r * n + q;
         be->to_device(be, s->order, s->h_order, sizeof(int32_t) * world * n);
-        be->gather_rows(be, s->rows, m->buf.logits_all, s->order, world * n, ld);
+        be->gather_rows(be, s->rows, ex->buf.logits_all, s->order, world * n, ld);
         rows = s->rows;
         ld *= world; /* column c is token c: rank r's slice starts at r * vocab_pad */
     }
     if (!ids) return KVS_OK;
-    return sample_rows(m, rows, ld, n, params, x, ids, logprobs);
+    return sample_rows(ex, rows, ld, n, params, x, ids, logprobs);
 }
 
-kvs_status kvs_model_forward_sample(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev,
+kvs_status kvs_executor_forward_sample(kvs_executor *ex, const kvs_step_inputs *in, kvs_kv_device *dev,
                                     const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
                                     float *logprobs) {
-    KVS_TRY(kvs_model_check_inputs(m, in, dev));
-    if (params) KVS_TRY(kvs_model_check_sample(&in->batch, params, x, m->cfg.vocab_size)); /* before the step: a bad row changes nothing */
-    kvs_status st = forward_sample(m, in, dev, params, x, ids, logprobs);
-    m->be->fence(m->be);
-    kvs_status end = kvs_model_step_end(m);
-    return step_status(m, st != KVS_OK ? st : end);
+    KVS_TRY(kvs_executor_check_inputs(ex, in, dev));
+    if (params) KVS_TRY(kvs_check_sample(&in->batch, params, x, ex->cfg->vocab_size)); /* before the step: a bad row changes nothing */
+    kvs_status st = forward_sample(ex, in, dev, params, x, ids, logprobs);
+    ex->be->fence(ex->be);
+    kvs_status end = kvs_executor_step_end(ex);
+    return step_status(ex, st != KVS_OK ? st : end);
 }
 
-kvs_status kvs_model_forward_unchecked(kvs_model *m, const kvs_step_inputs *in, kvs_kv_device *dev,
+kvs_status kvs_executor_forward_unchecked(kvs_executor *ex, const kvs_step_inputs *in, kvs_kv_device *dev,
                                        const kvs_sample_row *params, const kvs_sample_extras *x, int32_t *ids,
                                        float *logprobs, float *logits) {
-    kvs_status st = params ? forward_sample(m, in, dev, params, x, ids, logprobs) : forward_logits(m, in, dev, logits);
-    m->be->fence(m->be);
+    kvs_status st = params ? forward_sample(ex, in, dev, params, x, ids, logprobs) : forward_logits(ex, in, dev, logits);
+    ex->be->fence(ex->be);
     return st;
 }

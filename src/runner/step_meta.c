@@ -13,25 +13,26 @@
  * table as it is (sparse layers are short, full layers long). */
 #include <string.h>
 
-#include "model/model_internal.h"
+#include "runner/runner_internal.h"
 
-kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const kvs_kv_device *dev) {
+kvs_status kvs_executor_check_batch(const kvs_executor *x, const kvs_batch *b, const kvs_kv_device *dev) {
     if (b->n_tokens <= 0 || b->n_seqs <= 0 || b->query_start[0] != 0 || b->query_start[b->n_seqs] != b->n_tokens)
         return kvs_fail(KVS_ERR_INVALID, "forward: malformed batch (%d tokens, %d sequences)", b->n_tokens,
                         b->n_seqs);
-    const kvs_model_limits *lim = &m->limits;
+    const kvs_step_limits *lim = &x->limits;
     if (b->n_tokens > lim->max_tokens || b->n_seqs > lim->max_seqs)
         return kvs_fail(KVS_ERR_INVALID, "forward: a batch of %d tokens and %d sequences exceeds the model's limits "
                         "(%d tokens, %d sequences per step)", b->n_tokens, b->n_seqs, lim->max_tokens, lim->max_seqs);
     const kvs_kv_config *kc = kvs_kv_device_config(dev);
-    const kvs_shard *sh = &m->shard;
-    if (kc->n_kv_heads != sh->n_kv_heads || kc->head_dim != m->cfg.head_dim || kc->n_layers != m->cfg.n_layers ||
+    const kvs_shard *sh = x->shard;
+    const kvs_config *c = x->cfg;
+    if (kc->n_kv_heads != sh->n_kv_heads || kc->head_dim != c->head_dim || kc->n_layers != c->n_layers ||
         (kc->n_heads && kc->n_heads != sh->n_heads))
         return kvs_fail(KVS_ERR_INVALID,
                         "forward: the KV cache (%d layers, %d KV heads, %d heads, head_dim %d) does not match "
                         "rank %d of %d of the model (%d layers, %d KV heads, %d heads, head_dim %d)",
                         kc->n_layers, kc->n_kv_heads, kc->n_heads, kc->head_dim, sh->rank, sh->world,
-                        m->cfg.n_layers, sh->n_kv_heads, sh->n_heads, m->cfg.head_dim);
+                        c->n_layers, sh->n_kv_heads, sh->n_heads, c->head_dim);
     for (int s = 0; s < b->n_seqs; s++) {
         if (b->query_start[s + 1] - b->query_start[s] <= 0)
             return kvs_fail(KVS_ERR_INVALID, "forward: sequence %d has no tokens", s);
@@ -40,17 +41,17 @@ kvs_status kvs_model_check_batch(const kvs_model *m, const kvs_batch *b, const k
                             kc->max_seqs);
     }
     for (int i = 0; i < b->n_tokens; i++)
-        if (b->token_ids[i] < 0 || b->token_ids[i] >= m->cfg.vocab_size)
+        if (b->token_ids[i] < 0 || b->token_ids[i] >= c->vocab_size)
             return kvs_fail(KVS_ERR_INVALID, "forward: token id %d out of range [0, %d)", b->token_ids[i],
-                            m->cfg.vocab_size);
+                            c->vocab_size);
     return KVS_OK;
 }
 
-kvs_status kvs_model_check_inputs(const kvs_model *m, const kvs_step_inputs *in, const kvs_kv_device *dev) {
-    KVS_TRY(kvs_model_check_batch(m, &in->batch, dev));
+kvs_status kvs_executor_check_inputs(const kvs_executor *x, const kvs_step_inputs *in, const kvs_kv_device *dev) {
+    KVS_TRY(kvs_executor_check_batch(x, &in->batch, dev));
     int stride;
     kvs_kv_device_layer_tables(dev, 0, &stride);
-    for (int l = 0; l < m->cfg.n_layers; l++)
+    for (int l = 0; l < x->cfg->n_layers; l++)
         if (in->max_blocks[l] < 1 || in->max_blocks[l] > stride)
             return kvs_fail(KVS_ERR_INVALID, "forward: layer %d's tables of %d blocks (the device's hold 1 .. %d)", l,
                             in->max_blocks[l], stride);
@@ -58,12 +59,12 @@ kvs_status kvs_model_check_inputs(const kvs_model *m, const kvs_step_inputs *in,
 }
 
 /* Pure-decode steps take the graphs' padded layout (in the graph modes). */
-static void plan(const kvs_model *m, const kvs_batch *b, kvs_step_shape *sh) {
+static void plan(const kvs_executor *x, const kvs_batch *b, kvs_step_shape *sh) {
     int n_decode = 0; /* the scheduler puts a mixed step's decodes first */
     while (n_decode < b->n_seqs && b->query_start[n_decode + 1] - b->query_start[n_decode] == 1) n_decode++;
     *sh = (kvs_step_shape){b->n_tokens, b->n_seqs, false, 0, n_decode};
-    const kvs_graphs *g = &m->graphs;
-    bool layout = g->mode == KVS_GRAPHS_PADDED || (g->mode == KVS_GRAPHS_ON && m->be->graph_begin);
+    const kvs_graphs *g = &x->graphs;
+    bool layout = g->mode == KVS_GRAPHS_PADDED || (g->mode == KVS_GRAPHS_ON && x->be->graph_begin);
     if (!layout || b->n_tokens != b->n_seqs) return; /* graphs for pure decode only */
     int bi = kvs_ceil_log2(b->n_seqs);
     if (bi >= KVS_GRAPH_BATCHES) return;
@@ -75,12 +76,12 @@ static void plan(const kvs_model *m, const kvs_batch *b, kvs_step_shape *sh) {
  * last uploaded, whose copy has run when any wait for the device came since
  * (normally the last step's read of its sampled ids), so the host builds this
  * step while the device still runs the last one's compactions. */
-kvs_status kvs_step_prepare(kvs_model *m, const kvs_step_inputs *in, const kvs_kv_device *dev, kvs_step_shape *sh) {
+kvs_status kvs_step_prepare(kvs_executor *x, const kvs_step_inputs *in, const kvs_kv_device *dev, kvs_step_shape *sh) {
     const kvs_batch *b = &in->batch;
-    plan(m, b, sh);
-    kvs_step_buffers *sb = &m->buf;
-    kvs_backend *be = m->be;
-    const int L = m->cfg.n_layers, T = sh->n_rows, S = sh->n_seqs, n = b->n_tokens, ns = b->n_seqs;
+    plan(x, b, sh);
+    kvs_step_buffers *sb = &x->buf;
+    kvs_backend *be = x->be;
+    const int L = x->cfg->n_layers, T = sh->n_rows, S = sh->n_seqs, n = b->n_tokens, ns = b->n_seqs;
     const int bs = kvs_kv_device_config(dev)->block_size;
     size_t off = 0, o_ids = off, o_pos = (off += T), o_qs = (off += T), o_rows = (off += S + 1);
     off += S;
@@ -140,24 +141,21 @@ kvs_status kvs_step_prepare(kvs_model *m, const kvs_step_inputs *in, const kvs_k
     }
     be->to_device(be, sb->meta, h, sizeof(int32_t) * off);
     kvs_turn_sent(be, &sb->h_turns);
-    sb->ids = sb->meta + o_ids;
-    sb->positions = sb->meta + o_pos;
-    sb->q_start = sb->meta + o_qs;
-    sb->table_rows = sb->meta + o_rows;
+    /* the forward's view: ids and positions, and every layer's attention batch and rows */
+    kvs_forward_state *fs = &sb->fs;
+    fs->n_rows = T;
+    fs->ids = sb->meta + o_ids;
+    fs->positions = sb->meta + o_pos;
+    const int32_t *q_start = sb->meta + o_qs, *table_rows = sb->meta + o_rows;
+    for (int l = 0; l < L; l++) {
+        const kvs_layer_meta *lm = &sb->layer_meta[l];
+        int stride;
+        const int32_t *tables = kvs_kv_device_layer_tables(dev, l, &stride);
+        sb->layer_step[l] = (kvs_layer_step){
+            .attn = {S, T, stride, lm->max_q_len, lm->max_kv_len, q_start, sb->meta + lm->kv_len, tables, table_rows,
+                     kvs_config_layer_sliding_window(x->cfg, l), sh->n_decode},
+            .slots = sb->meta + lm->slots, .cap_src = sb->meta + lm->cap_src, .cap_dst = sb->meta + lm->cap_dst,
+            .n_cap = lm->n_cap};
+    }
     return KVS_OK;
-}
-
-int kvs_step_layer(kvs_model *m, const kvs_kv_device *dev, int l, const kvs_step_shape *sh, kvs_attn_batch *ab) {
-    kvs_step_buffers *sb = &m->buf;
-    const kvs_layer_meta *lm = &sb->layer_meta[l];
-    sb->slots = sb->meta + lm->slots;
-    sb->kv_len = sb->meta + lm->kv_len;
-    sb->cap_src = sb->meta + lm->cap_src;
-    sb->cap_dst = sb->meta + lm->cap_dst;
-    int stride;
-    const int32_t *tables = kvs_kv_device_layer_tables(dev, l, &stride);
-    *ab = (kvs_attn_batch){sh->n_seqs, sh->n_rows, stride, lm->max_q_len, lm->max_kv_len, sb->q_start,
-                           sb->kv_len, tables, sb->table_rows,
-                           kvs_config_layer_sliding_window(&m->cfg, l), sh->n_decode};
-    return lm->n_cap;
 }
