@@ -16,12 +16,9 @@ kvs_status kvs_executor_create(kvs_model *m, const kvs_step_limits *limits, kvs_
     x->comm = kvs_model_comm(m);
     x->limits = kvs_limits_resolve(x->cfg, limits);
     kvs_status st = kvs_step_buffers_create(x);
-    if (st != KVS_OK) {
-        kvs_executor_destroy(x);
-        return st;
-    }
-    *out = x;
-    return KVS_OK;
+    if (st == KVS_OK) *out = x;
+    else kvs_executor_destroy(x);
+    return st;
 }
 
 void kvs_executor_destroy(kvs_executor *x) {

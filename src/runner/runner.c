@@ -129,12 +129,9 @@ kvs_status kvs_runner_wrap(kvs_model *model, const kvs_step_limits *limits, kvs_
     g->ranks[0].be = kvs_model_backend(model);
     g->ranks[0].model = model;
     kvs_status st = kvs_executor_create(model, limits, &g->ranks[0].exec);
-    if (st != KVS_OK) {
-        kvs_runner_destroy(g);
-        return st;
-    }
-    *out = g;
-    return KVS_OK;
+    if (st == KVS_OK) *out = g;
+    else kvs_runner_destroy(g);
+    return st;
 }
 
 void kvs_runner_destroy(kvs_runner *g) {
