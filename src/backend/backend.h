@@ -256,7 +256,7 @@ struct kvs_backend {
      * batch arguments (sizes, heads, head_dim) are reported and nothing is
      * written. */
     void (*snapkv_compact_batch)(kvs_backend *b, const kvs_kv_pool *pool, const kvs_snapkv_batch *batch);
-    /* ---- the model's step buffers and decode-step graphs ---- */
+    /* ---- an executor's step buffers and decode-step graphs ---- */
     /* Host memory for uploads: pinned on CUDA (to_device from it is a truly
      * asynchronous copy, so the source must stay unchanged until the stream has
      * run the copy: the next synchronize or to_host), malloc on the CPU. NULL

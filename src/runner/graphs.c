@@ -1,6 +1,6 @@
 /* The decode-step CUDA graphs: mode, the capture/replay state machine of the
  * buckets, invalidation when the KV memory they baked in moves, statistics.
- * The step buffers never move (buffers.c: sized once). */
+ * The step buffers never move (step_buffers.c: sized once). */
 #include <stdlib.h>
 #include <string.h>
 

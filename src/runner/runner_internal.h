@@ -19,7 +19,7 @@ typedef struct {
     kvs_backend *model_be; /* the model's backend when a caller wraps be (kvs_runner_create_cpu_wrapped) */
     kvs_comm *comm;
     kvs_model *model;
-    kvs_executor *exec; /* the model's step buffers, graphs and sampling */
+    kvs_executor *exec; /* the model's step buffers, graphs and sampling (executor.h) */
     kvs_kv_device *kv_dev; /* the rank's memory of the KV cache (kv_device.h) */
     kvs_status status; /* the rank's answer to the current job */
     char error[1024];
