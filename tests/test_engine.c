@@ -338,15 +338,21 @@ Test(engine, stop_string_across_tokens) {
     fx_close(&f);
 }
 
-Test(engine, max_tokens_and_context_limit) {
-    fixture f;
-    fx_open(&f);
+/* An engine of 4 sequences in a 64-token context (8 MiB of KV) on f's model. */
+static kvs_engine *small_context_engine(fixture *f) {
     kvs_engine_config c = kvs_engine_config_default();
     c.max_num_seqs = 4;
     c.max_model_len = 64;
     c.kv_memory_bytes = 8 << 20;
     kvs_engine *e;
-    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_engine_create(f->m, f->tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    return e;
+}
+
+Test(engine, max_tokens_and_context_limit) {
+    fixture f;
+    fx_open(&f);
+    kvs_engine *e = small_context_engine(&f);
     int32_t *prompt = random_prompt(3, 50);
     sink a = {0}, b = {0};
     kvs_request_params p = greedy_params(prompt, 50, 5);
@@ -388,12 +394,7 @@ Test(engine, door_refuses_prompts_and_max_tokens_beyond_the_context) {
 
     fixture f;
     fx_open(&f);
-    kvs_engine_config c = kvs_engine_config_default();
-    c.max_num_seqs = 4;
-    c.max_model_len = 64;
-    c.kv_memory_bytes = 8 << 20;
-    kvs_engine *e;
-    cr_assert_eq(kvs_engine_create(f.m, f.tok, &c, &e), KVS_OK, "%s", kvs_last_error());
+    kvs_engine *e = small_context_engine(&f);
     int32_t *prompt = random_prompt(5, 80);
     sink a = {0};
     kvs_request_params p = greedy_params(prompt, 64, 1); /* no room left for a token */

@@ -13,17 +13,21 @@
 static const char *NEEDLE = "The access code for Marigold is 48213. The sky was grey over the harbour. "
                             "What is the access code for Marigold?";
 
-static kvsparse_engine *open_engine(void) {
+/* The bundled model's engine, its context max_model_len tokens (0: the model's). */
+static kvsparse_engine *open_engine_of(int max_model_len) {
     kvsparse_options o;
     kvsparse_options_init(&o);
     o.threads = 2;
     o.quiet = 1;
     o.kv_memory_gib = 0.05;
+    o.max_model_len = max_model_len;
     kvsparse_engine *e = NULL;
     kvsparse_status st = kvsparse_create(src_path("models/tiny-needle-llama"), &o, &e);
     cr_assert_eq(st, KVSPARSE_OK, "kvsparse_create: %s", kvsparse_last_error());
     return e;
 }
+
+static kvsparse_engine *open_engine(void) { return open_engine_of(0); }
 
 static kvsparse_request needle_request(void) {
     kvsparse_request r;
@@ -220,15 +224,7 @@ Test(kvsparse, errors_name_what_is_wrong) {
  * that leaves no room for a token and prompt + max_tokens beyond the context;
  * a default max_tokens is capped by the context instead. */
 Test(kvsparse, context_limits_are_clear) {
-    kvsparse_options o;
-    kvsparse_options_init(&o);
-    o.threads = 2;
-    o.quiet = 1;
-    o.kv_memory_gib = 0.05;
-    o.max_model_len = 32;
-    kvsparse_engine *e = NULL;
-    kvsparse_status st = kvsparse_create(src_path("models/tiny-needle-llama"), &o, &e);
-    cr_assert_eq(st, KVSPARSE_OK, "%s", kvsparse_last_error());
+    kvsparse_engine *e = open_engine_of(32);
     kvsparse_request r;
     kvsparse_request_init(&r);
     char long_prompt[400] = "";

@@ -3,18 +3,19 @@
  * lengths, window rows, the layers' longest tables) and the cells of the
  * device tables that changed. The checks that need the manager run here, so
  * a bad batch fails before any rank runs. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "runner/runner.h"
 
 /* *p holds at least n int32 (its contents dropped); false when out of memory. */
-static bool room(int32_t **p, size_t *cap, size_t n) {
-    if (n <= *cap) return true;
-    size_t c = *cap ? *cap : 256;
-    while (c < n) c *= 2;
+static bool room(int32_t **p, int *cap, size_t n) {
+    if (n > INT32_MAX) return false;
+    if ((int)n <= *cap) return true;
+    int c = kvs_grown_capacity(*cap, (int)n, 256);
     free(*p);
-    *p = malloc(sizeof(int32_t) * c);
+    *p = malloc(sizeof(int32_t) * (size_t)c);
     *cap = *p ? c : 0;
     return *p != NULL;
 }

@@ -70,7 +70,7 @@ typedef struct {
     kvs_kv_table_deltas tables;
     kvs_kv_compactions compactions;
     int32_t *slots, *window_rows, *kv_len, *max_blocks; /* in's arrays, reused from step to step */
-    size_t cap_slots, cap_rows, cap_len, cap_blocks;
+    int cap_slots, cap_rows, cap_len, cap_blocks;
 } kvs_step_plan;
 /* The batch checked against the manager (live sequences, room reserved, tables
  * within the devices' rows) and the executor (x and dev: rank 0's; the ranks
