@@ -62,12 +62,15 @@ kvs_status kvs_runner_window_scores(kvs_runner *r, int seq_id, int layer, float 
 /* ---- the step plan ---------------------------------------------------------------
  * What every rank of a step is handed, made once on the caller's thread: the
  * forward's inputs (model.h kvs_step_inputs), the cells of the device tables
- * that changed, and after the forward the compactions due. Plain arrays and
- * the batch's: nothing points into the manager, so a rank in another process
- * could be sent it. */
+ * that changed, the sampling rows, and after the forward the compactions due.
+ * Plain arrays and the batch's and the caller's: nothing points into the
+ * manager, so a rank in another process could be sent it. Where results go
+ * (logits, ids, logprobs) is rank 0's alone and not part of the plan. */
 typedef struct {
     kvs_step_inputs in;
     kvs_kv_table_deltas tables;
+    const kvs_sample_row *sample;         /* a row per sequence that wants logits; NULL: the logits path */
+    const kvs_sample_extras *sample_extras; /* NULL: plain sampling */
     kvs_kv_compactions compactions;
     int32_t *slots, *window_rows, *kv_len, *max_blocks; /* in's arrays, reused from step to step */
     int cap_slots, cap_rows, cap_len, cap_blocks;

@@ -7,24 +7,23 @@
 
 #include "runner/runner_internal.h"
 
+/* Where rank 0 puts the step's results. */
 typedef struct {
-    const kvs_batch *b;
     float *logits;
     int32_t *ids;
-    const kvs_sample_row *params; /* NULL: the logits path */
-    const kvs_sample_extras *extras;
     float *logprobs;
-} step_args;
+} step_results;
 
 /* The step's first hand-off: every rank's tables brought up to date and its
  * forward, ending at the backend's fence without waiting for it (a rank reads
  * the plan alone, never the manager). */
 static kvs_status job_forward(kvs_runner *g, int rank, void *arg) {
-    const step_args *a = arg;
+    const step_results *a = arg;
+    const kvs_step_plan *p = &g->plan;
     kvs_rank *r = &g->ranks[rank];
     bool out = rank == 0; /* rank 0 copies the results out */
-    KVS_TRY(kvs_kv_device_apply_tables(r->kv_dev, &g->plan.tables));
-    return kvs_executor_forward_unchecked(r->exec, &g->plan.in, r->kv_dev, a->params, a->extras,
+    KVS_TRY(kvs_kv_device_apply_tables(r->kv_dev, &p->tables));
+    return kvs_executor_forward_unchecked(r->exec, &p->in, r->kv_dev, p->sample, p->sample_extras,
                                           out ? a->ids : NULL, out ? a->logprobs : NULL, out ? a->logits : NULL);
 }
 
@@ -61,7 +60,8 @@ static kvs_status step(kvs_runner *g, const kvs_batch *b, float *logits, int32_t
     kvs_status planned = kvs_step_plan_build(&g->plan, g->kv, b, g->ranks[0].exec, g->ranks[0].kv_dev);
     kvs_host_clock_stop(KVS_HOST_METADATA, t0);
     KVS_TRY(planned);
-    step_args a = {b, logits, ids, params, x, logprobs};
+    g->plan.sample = params, g->plan.sample_extras = x;
+    step_results a = {logits, ids, logprobs};
     kvs_status st = kvs_ranks_run(g, job_forward, &a, true);
     bool compact = st == KVS_OK && (st = keep_step_kv(g, b)) == KVS_OK;
     if (g->broken) return st; /* a rank failed in a collective: nothing more runs */
