@@ -1,13 +1,17 @@
 /* gguf: llama.cpp's model file (GGUF v2/v3): the header, its metadata
  * (typed key/values, arrays included), the tensor infos over the mmap'd data,
- * and ggml's weight formats (block layouts, a scalar dequantizer for each
- * supported one and the Q8_0 quantizer). A module of its own below model and
- * tokenizer: the model reads the hyper-parameters and weights of a .gguf, the
- * tokenizer its vocabulary. Uses core only. */
+ * ggml's weight formats (block layouts, a scalar dequantizer for each
+ * supported one, llama.cpp's reference quantizers for Q8_0, Q4_K, Q5_K and
+ * Q6_K) and a writer of GGUF v3 files (gguf_write.c). A module of its own
+ * below model and tokenizer: the model reads the hyper-parameters and weights
+ * of a .gguf, the tokenizer its vocabulary; kvsparse convert writes one.
+ * Uses core only. */
 #ifndef KVS_GGUF_H
 #define KVS_GGUF_H
 
 #include "core/core.h"
+
+#include <stdio.h>
 
 /* ---- metadata value types (the file's ids) ---------------------------------- */
 typedef enum {
@@ -119,5 +123,43 @@ bool kvs_ggml_can_dequantize(uint32_t type);
  * amax / 127 (stored as fp16), q = round(x / d) (halves away from zero), 0
  * where amax is 0. n a multiple of 32; dst holds n / 32 blocks of 34 bytes. */
 void kvs_ggml_quantize_q8_0(const float *src, void *dst, int64_t n);
+/* Quantizes n elements (a multiple of the type's block) of src into dst (n /
+ * block blocks) as llama.cpp's reference quantizers do without an importance
+ * matrix (quantize_row_*_ref: the same scale searches and roundings, so the
+ * same bytes up to float ties; quant_k.c). Supported: Q8_0, Q4_K, Q5_K, Q6_K;
+ * other types fail naming the type. Deterministic. */
+kvs_status kvs_ggml_quantize(uint32_t type, const float *src, void *dst, int64_t n);
+bool kvs_ggml_can_quantize(uint32_t type);
+
+/* ---- writing a GGUF v3 file (gguf_write.c) ------------------------------------
+ * Metadata and tensor infos are collected first (keys unique, in the order
+ * set), then kvs_gguf_writer_write_header writes the header, key/values and
+ * tensor infos with the data section aligned to KVS_GGUF_WRITE_ALIGNMENT
+ * (written as general.alignment), then each tensor's data in the order added
+ * (kvs_gguf_writer_write_data pads every one to the alignment). Errors name
+ * the key, the tensor or the file. */
+#define KVS_GGUF_WRITE_ALIGNMENT 32
+typedef struct kvs_gguf_writer kvs_gguf_writer;
+kvs_status kvs_gguf_writer_create(kvs_gguf_writer **out);
+void kvs_gguf_writer_destroy(kvs_gguf_writer *w);
+kvs_status kvs_gguf_set_u32(kvs_gguf_writer *w, const char *key, uint32_t v);
+kvs_status kvs_gguf_set_i32(kvs_gguf_writer *w, const char *key, int32_t v);
+kvs_status kvs_gguf_set_f32(kvs_gguf_writer *w, const char *key, float v);
+kvs_status kvs_gguf_set_bool(kvs_gguf_writer *w, const char *key, bool v);
+kvs_status kvs_gguf_set_str(kvs_gguf_writer *w, const char *key, const char *s, size_t len);
+/* An array of n fixed-size elements of type elem (integers, floats, bool;
+ * little-endian host layout) at data. */
+kvs_status kvs_gguf_set_array(kvs_gguf_writer *w, const char *key, kvs_gguf_type elem, const void *data, size_t n);
+/* An array of n strings (strs[i] of lens[i] bytes; lens NULL: NUL-terminated). */
+kvs_status kvs_gguf_set_str_array(kvs_gguf_writer *w, const char *key, const char *const *strs, const size_t *lens,
+                                  size_t n);
+/* Declares the next tensor: ggml type id, n_dims dims ne (fastest first);
+ * the row (ne[0]) must be whole blocks of the type. */
+kvs_status kvs_gguf_add_tensor(kvs_gguf_writer *w, const char *name, uint32_t type, int n_dims, const int64_t *ne);
+/* Bytes of the declared tensor i's data. */
+size_t kvs_gguf_writer_tensor_bytes(const kvs_gguf_writer *w, size_t i);
+kvs_status kvs_gguf_writer_write_header(kvs_gguf_writer *w, FILE *f, const char *path);
+/* The next tensor's data (exactly its bytes), then its padding. */
+kvs_status kvs_gguf_writer_write_data(kvs_gguf_writer *w, FILE *f, const char *path, const void *data, size_t nbytes);
 
 #endif
