@@ -36,7 +36,7 @@ commands_of() { "$BIN" "$@" --help 2>/dev/null | sed -n 's/^  \([a-z][a-z]*\)  *
 
 check_help
 commands=$(commands_of)
-for want in generate info tokenize serve eval bench; do
+for want in generate info tokenize serve eval bench convert; do
   grep -qx "$want" <<<"$commands" || bad "kvsparse --help does not list '$want'"
 done
 n=0

@@ -12,5 +12,6 @@ int kvs_cmd_bench_serve(int argc, char **argv);   /* cmd_bench_serve.c */
 int kvs_cmd_serve(int argc, char **argv);         /* cmd_serve.c */
 int kvs_cmd_eval(int argc, char **argv);          /* cmd_eval.c: eval retrieval | ppl */
 int kvs_cmd_calibrate(int argc, char **argv);     /* cmd_calibrate.c */
+int kvs_cmd_convert(int argc, char **argv);       /* cmd_convert.c: a model as a GGUF file */
 
 #endif

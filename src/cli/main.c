@@ -14,6 +14,7 @@ static void usage(FILE *f) {
             "  serve    -m MODEL_DIR [--host H] [--port P] [engine and KV policy options]\n"
             "  eval     retrieval | multiturn -m MODEL_DIR --data FILE.jsonl [KV policy options] | ppl -m MODEL_DIR --text FILE\n"
             "  bench    model | tokenizer | throughput | serve  (see --help of each)\n"
+            "  convert  -m MODEL --out FILE.gguf [--type f32|bf16|f16|q8_0|q4_k_m]\n"
             "  calibrate -m MODEL_DIR --data FILE.jsonl [--out PROFILE.json] [--plot DIR]\n"
             "  -h, --help     this help\n"
             "  -V, --version  print the version and exit\n"
@@ -47,6 +48,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "bench")) return kvs_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "serve")) return kvs_cmd_serve(argc - 1, argv + 1);
     if (!strcmp(cmd, "eval")) return kvs_cmd_eval(argc - 1, argv + 1);
+    if (!strcmp(cmd, "convert")) return kvs_cmd_convert(argc - 1, argv + 1);
     if (!strcmp(cmd, "calibrate")) return kvs_cmd_calibrate(argc - 1, argv + 1);
     fprintf(stderr, "kvsparse: unknown command '%s'\n", cmd);
     usage(stderr);

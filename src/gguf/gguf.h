@@ -126,7 +126,7 @@ void kvs_ggml_quantize_q8_0(const float *src, void *dst, int64_t n);
 /* Quantizes n elements (a multiple of the type's block) of src into dst (n /
  * block blocks) as llama.cpp's reference quantizers do without an importance
  * matrix (quantize_row_*_ref: the same scale searches and roundings, so the
- * same bytes up to float ties; quant_k.c). Supported: Q8_0, Q4_K, Q5_K, Q6_K;
+ * same bytes up to float ties; quant_k.c). Supported: Q8_0, Q5_0, Q4_K, Q5_K, Q6_K;
  * other types fail naming the type. Deterministic. */
 kvs_status kvs_ggml_quantize(uint32_t type, const float *src, void *dst, int64_t n);
 bool kvs_ggml_can_quantize(uint32_t type);
@@ -153,6 +153,8 @@ kvs_status kvs_gguf_set_array(kvs_gguf_writer *w, const char *key, kvs_gguf_type
 /* An array of n strings (strs[i] of lens[i] bytes; lens NULL: NUL-terminated). */
 kvs_status kvs_gguf_set_str_array(kvs_gguf_writer *w, const char *key, const char *const *strs, const size_t *lens,
                                   size_t n);
+/* A key/value of a parsed file as it is (arrays of arrays refused, naming the key). */
+kvs_status kvs_gguf_copy_kv(kvs_gguf_writer *w, const kvs_gguf_kv *kv);
 /* Declares the next tensor: ggml type id, n_dims dims ne (fastest first);
  * the row (ne[0]) must be whole blocks of the type. */
 kvs_status kvs_gguf_add_tensor(kvs_gguf_writer *w, const char *name, uint32_t type, int n_dims, const int64_t *ne);

@@ -153,6 +153,27 @@ kvs_status kvs_gguf_set_str_array(kvs_gguf_writer *w, const char *key, const cha
     return KVS_OK;
 }
 
+kvs_status kvs_gguf_copy_kv(kvs_gguf_writer *w, const kvs_gguf_kv *kv) {
+    if (kv->type == KVS_GGUF_STRING) return kvs_gguf_set_str(w, kv->key, kv->str.s, kv->str.len);
+    if (kv->type != KVS_GGUF_ARRAY) {
+        int size = elem_size(kv->type);
+        if (!size) return kvs_fail(KVS_ERR_INVALID, "GGUF key '%s': value type %d cannot be copied", kv->key, kv->type);
+        KVS_TRY(begin_kv(w, kv->key, kv->type));
+        return put(&w->kv, kv->data, (size_t)size);
+    }
+    if (kv->elem_type == KVS_GGUF_STRING) {
+        KVS_TRY(begin_kv(w, kv->key, KVS_GGUF_ARRAY));
+        KVS_TRY(put_u32(&w->kv, KVS_GGUF_STRING));
+        KVS_TRY(put_u64(&w->kv, kv->count));
+        for (uint64_t i = 0; i < kv->count; i++) KVS_TRY(put_str(&w->kv, kv->strs[i].s, kv->strs[i].len));
+        return KVS_OK;
+    }
+    if (!elem_size(kv->elem_type))
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "GGUF key '%s': an array of %s cannot be copied", kv->key,
+                        kvs_gguf_type_name(kv->elem_type));
+    return kvs_gguf_set_array(w, kv->key, kv->elem_type, kv->data, (size_t)kv->count);
+}
+
 static bool has_key(const kvs_gguf_writer *w, const char *key) {
     for (size_t i = 0; i < w->n_kv; i++)
         if (!strcmp(w->keys[i], key)) return true;

@@ -263,16 +263,39 @@ static void quantize_q6_k_block(const float *x, uint8_t *b) {
     }
 }
 
+/* Q5_0 {f16 d; u8 qh[4]; qs[16]}, what llama.cpp's Q4_K falls back to for
+ * rows that are not whole blocks of 256: d = (the value of largest
+ * magnitude) / -16, q = trunc(x / d + 16.5) capped at 31 (llama.cpp's
+ * quantize_row_q5_0_ref, its rounding kept). */
+static void quantize_q5_0_block(const float *x, uint8_t *b) {
+    float amax = 0, max = 0;
+    for (int j = 0; j < 32; j++)
+        if (amax < fabsf(x[j])) {
+            amax = fabsf(x[j]);
+            max = x[j];
+        }
+    float d = max / -16, id = d != 0 ? 1.0f / d : 0.0f;
+    put_f16(b, d);
+    uint32_t qh = 0;
+    for (int j = 0; j < 16; j++) {
+        int8_t t0 = (int8_t)(x[j] * id + 16.5f), t1 = (int8_t)(x[j + 16] * id + 16.5f);
+        uint8_t q0 = (uint8_t)(t0 < 31 ? t0 : 31), q1 = (uint8_t)(t1 < 31 ? t1 : 31);
+        b[6 + j] = (uint8_t)((q0 & 0xF) | (q1 & 0xF) << 4);
+        qh |= (uint32_t)(q0 >> 4) << j | (uint32_t)(q1 >> 4) << (j + 16);
+    }
+    for (int k = 0; k < 4; k++) b[2 + k] = (uint8_t)(qh >> (8 * k));
+}
+
 bool kvs_ggml_can_quantize(uint32_t type) {
-    return type == KVS_GGML_Q8_0 || type == KVS_GGML_Q4_K || type == KVS_GGML_Q5_K || type == KVS_GGML_Q6_K;
+    return type == KVS_GGML_Q8_0 || type == KVS_GGML_Q5_0 || type == KVS_GGML_Q4_K || type == KVS_GGML_Q5_K || type == KVS_GGML_Q6_K;
 }
 
 kvs_status kvs_ggml_quantize(uint32_t type, const float *src, void *dst, int64_t n) {
     kvs_ggml_layout lay;
     if (!kvs_ggml_type_layout(type, &lay)) return kvs_fail(KVS_ERR_UNSUPPORTED, "ggml type id %u is unknown", type);
     if (!kvs_ggml_can_quantize(type))
-        return kvs_fail(KVS_ERR_UNSUPPORTED, "quantizing to ggml type %s is unsupported (supported: Q8_0, Q4_K, "
-                        "Q5_K, Q6_K)", lay.name);
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "quantizing to ggml type %s is unsupported (supported: Q8_0, Q5_0, "
+                        "Q4_K, Q5_K, Q6_K)", lay.name);
     if (n < 0 || n % lay.block)
         return kvs_fail(KVS_ERR_INVALID, "%lld elements are not whole %s blocks of %d", (long long)n, lay.name,
                         lay.block);
@@ -281,6 +304,10 @@ kvs_status kvs_ggml_quantize(uint32_t type, const float *src, void *dst, int64_t
         return KVS_OK;
     }
     uint8_t *b = dst;
+    if (type == KVS_GGML_Q5_0) {
+        for (int64_t i = 0; i < n / 32; i++, src += 32, b += lay.block_bytes) quantize_q5_0_block(src, b);
+        return KVS_OK;
+    }
     for (int64_t i = 0; i < n / QK; i++, src += QK, b += lay.block_bytes) {
         if (type == KVS_GGML_Q6_K) quantize_q6_k_block(src, b);
         else quantize_q45_k_block(src, b, type == KVS_GGML_Q5_K);
