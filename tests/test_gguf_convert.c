@@ -391,3 +391,45 @@ Test(gguf_convert, bad_options_and_paths_are_refused_clearly) {
     cr_expect_eq(convert("--out /tmp/x.gguf", &err), 2);
     free(err);
 }
+
+/* Other architectures: model dir converted to f32 reads back as the same
+ * weights (qwen2's biases and tied embedding, qwen3's q/k norms, a llama
+ * architecture's q/k interleave undone) and the same config. */
+static void converts_to_the_same_weights(const char *dir) {
+    char path[160], *args, *err;
+    snprintf(path, sizeof path, "/tmp/kvs_convert_%d_arch.gguf", (int)getpid());
+    cr_assert(asprintf(&args, "-m %s --out %s --type f32", dir, path) > 0);
+    cr_assert_eq(convert(args, &err), 0, "%s: %s", dir, err);
+    kvs_config cs, cg;
+    kvs_checkpoint *s, *g;
+    cr_assert_eq(kvs_config_load(dir, &cs), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_config_load(path, &cg), KVS_OK, "%s", kvs_last_error());
+    cr_expect(cs.n_layers == cg.n_layers && cs.n_heads == cg.n_heads && cs.n_kv_heads == cg.n_kv_heads &&
+              cs.head_dim == cg.head_dim && cs.vocab_size == cg.vocab_size && cs.qk_norm == cg.qk_norm &&
+              cs.attention_bias == cg.attention_bias && cs.tie_word_embeddings == cg.tie_word_embeddings &&
+              cs.rope_theta == cg.rope_theta && cs.rms_norm_eps == cg.rms_norm_eps, "%s: config", dir);
+    cr_assert_eq(kvs_checkpoint_open(dir, &cs, &s), KVS_OK, "%s", kvs_last_error());
+    cr_assert_eq(kvs_checkpoint_open(path, &cg, &g), KVS_OK, "%s", kvs_last_error());
+    int64_t shape[2];
+    int nd;
+    for (int layer = -1, k = -1; kvs_weight_next(&cs, &layer, &k, shape, &nd);) {
+        kvs_host_tensor hs, hg;
+        size_t count = (size_t)(nd == 2 ? shape[0] * shape[1] : shape[0]);
+        float *xs = malloc(count * 4), *xg = malloc(count * 4);
+        cr_assert_eq(kvs_checkpoint_read(s, (kvs_weight_kind)k, layer, &hs), KVS_OK);
+        kvs_to_f32(xs, hs.data, hs.dtype, count);
+        cr_assert_eq(kvs_checkpoint_read(g, (kvs_weight_kind)k, layer, &hg), KVS_OK, "%s", kvs_last_error());
+        kvs_to_f32(xg, hg.data, hg.dtype, count);
+        cr_expect(!memcmp(xs, xg, count * 4), "%s: weight %d of layer %d", dir, k, layer);
+        free(xs), free(xg);
+    }
+    kvs_checkpoint_destroy(s), kvs_checkpoint_destroy(g);
+    free(args), free(err);
+    unlink(path);
+}
+
+Test(gguf_convert, other_architectures_read_back_as_the_same_weights) {
+    converts_to_the_same_weights(shared_input("fixtures/arch/mistral"));
+    converts_to_the_same_weights(shared_input("fixtures/arch/qwen2-bias-tied"));
+    converts_to_the_same_weights(src_path("tests/fixtures/arch/qwen3"));
+}
