@@ -60,6 +60,10 @@ void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const
                          float eps);
 void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
                     int in_dim, int out_dim);
+void kvs_cpu_matmul_q(kvs_backend *b, void *out, int ld_out, const void *in, const void *w, uint32_t type,
+                      const void *bias, int n, int in_dim, int out_dim);
+void kvs_cpu_embedding_q(kvs_backend *b, void *out, const void *table, uint32_t type, const int32_t *ids, int n,
+                         int dim);
 void kvs_cpu_rope(kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n,
                   int n_heads, int head_dim);
 void kvs_cpu_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int dim);
