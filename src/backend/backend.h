@@ -161,6 +161,22 @@ struct kvs_backend {
     /* out[n, out_dim] = in[n, in_dim] @ w[out_dim, in_dim]^T (+ bias[out_dim] if not NULL) */
     void (*matmul)(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
                    int in_dim, int out_dim);
+    /* Weights kept in a ggml block format (gguf.h: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+     * Q4_K, Q5_K, Q6_K; also the F16 / BF16 / F32 ggml ids for completeness):
+     * out[i * ld_out + j] (f32) = sum_k in[i * in_dim + k] (act_dtype, f32 on the
+     * CPU) * w_j[k] (+ bias[j], bias in weight_dtype, may be NULL) for i < n,
+     * j < out_dim, where row j of w is in_dim / block blocks at w + j * row_bytes
+     * (row_bytes = in_dim / block * block_bytes). in_dim a multiple of the type's
+     * block. The CPU's decode (n <= 8) quantizes the inputs to int8 blocks of 32
+     * first (llama.cpp's way: relative error ~1/254 of sum |x w| at worst),
+     * prefill multiplies by the dequantized weights in f32. NULL on backends
+     * without it (CUDA). */
+    void (*matmul_q)(kvs_backend *b, void *out, int ld_out, const void *in, const void *w, uint32_t type,
+                     const void *bias, int n, int in_dim, int out_dim);
+    /* out [n][dim] (act_dtype) = rows ids[r] of a table in a ggml block format
+     * (dim a multiple of the block). NULL where matmul_q is. */
+    void (*embedding_q)(kvs_backend *b, void *out, const void *table, uint32_t type, const int32_t *ids, int n,
+                        int dim);
     /* In-place rotate-half RoPE on x[n, n_heads, head_dim]; inv_freq[head_dim/2] (f32). */
     void (*rope)(kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n,
                  int n_heads, int head_dim);

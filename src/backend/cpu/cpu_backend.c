@@ -261,6 +261,8 @@ kvs_status kvs_backend_cpu_create_typed(int n_threads, kvs_dtype weight_dtype, k
     b->head_rmsnorm = kvs_cpu_head_rmsnorm;
     b->add = kvs_cpu_add;
     b->matmul = kvs_cpu_matmul;
+    b->matmul_q = kvs_cpu_matmul_q;
+    b->embedding_q = kvs_cpu_embedding_q;
     b->rope = kvs_cpu_rope;
     b->swiglu = kvs_cpu_swiglu;
     b->gather_rows = kvs_cpu_gather_rows;

@@ -33,19 +33,51 @@ static void run_gemv(void *arg, int t, int nt) {
     if (c0 < c1) g->k->gemv(g->out, g->out_dim, g->x, g->w, g->wt, g->bias, g->n, g->in_dim, c0, c1);
 }
 
+int kvs_cpu_panel_rows(int in_dim) { return PANEL_FLOATS / in_dim > 16 ? PANEL_FLOATS / in_dim : 16; }
+
 /* OpenBLAS runs single-threaded (set at backend creation); the OpenMP threads
- * split the output columns, so one thread pool serves every op. */
+ * split the input rows, and widen each panel together (the for's barrier:
+ * the panel is whole before any thread multiplies by it). */
+void kvs_cpu_sgemm_panels(float *o, int ld_out, const float *x, int n, int in_dim, int out_dim, float beta,
+                          const void *w, kvs_cpu_widen_fn widen, const void *ctx, float *p) {
+    int panel_rows = kvs_cpu_panel_rows(in_dim);
+#pragma omp parallel num_threads(omp_get_max_threads())
+    {
+        int r0, r1;
+        thread_rows(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
+        if (!widen) {
+            if (r0 < r1)
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, out_dim, in_dim, 1.0f, x + (size_t)r0 * in_dim,
+                            in_dim, w, in_dim, beta, o + (size_t)r0 * ld_out, ld_out);
+        } else {
+            for (int c0 = 0; c0 < out_dim; c0 += panel_rows) {
+                int nc = out_dim - c0 < panel_rows ? out_dim - c0 : panel_rows;
+#pragma omp for schedule(static)
+                for (int j = 0; j < nc; j++) widen(p + (size_t)j * in_dim, w, c0 + j, in_dim, ctx);
+                if (r0 < r1)
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, nc, in_dim, 1.0f, x + (size_t)r0 * in_dim,
+                                in_dim, p, in_dim, beta, o + (size_t)r0 * ld_out + c0, ld_out);
+#pragma omp barrier /* before the next panel is widened over this one */
+            }
+        }
+    }
+}
+
+/* a row of bf16 / f16 weights (ctx: the dtype) */
+static void widen_dtype(float *dst, const void *w, int row, int in_dim, const void *ctx) {
+    kvs_dtype wt = *(const kvs_dtype *)ctx;
+    kvs_to_f32(dst, (const char *)w + (size_t)row * in_dim * kvs_dtype_size(wt), wt, in_dim);
+}
+
 void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
                     int in_dim, int out_dim) {
     float *o = out;
     const float *x = in;
     kvs_dtype wt = b->weight_dtype;
-    int nt = omp_get_max_threads();
     bool gemv = n <= KVS_CPU_GEMV_MAX_N, widen = !gemv && wt != KVS_F32;
-    /* scratch: the bias as f32, then each thread's widened panel */
+    /* scratch: the bias as f32, then the widened panel */
     size_t bias_floats = bias && wt != KVS_F32 ? (size_t)(out_dim + 15) / 16 * 16 : 0;
-    int panel_rows = PANEL_FLOATS / in_dim > 16 ? PANEL_FLOATS / in_dim : 16;
-    size_t panel = (size_t)panel_rows * in_dim;
+    size_t panel = (size_t)kvs_cpu_panel_rows(in_dim) * in_dim;
     float *scratch = NULL;
     if (bias_floats || widen) {
         scratch = kvs_cpu_scratch(b, sizeof(float) * (bias_floats + (widen ? panel : 0)));
@@ -60,26 +92,6 @@ void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, co
     }
     if (bias32)
         for (int i = 0; i < n; i++) memcpy(o + (size_t)i * out_dim, bias32, sizeof(float) * out_dim);
-    float beta = bias32 ? 1.0f : 0.0f, *p = widen ? scratch + bias_floats : NULL;
-    size_t es = kvs_dtype_size(wt);
-#pragma omp parallel num_threads(nt)
-    {
-        int r0, r1;
-        thread_rows(n, omp_get_num_threads(), omp_get_thread_num(), &r0, &r1);
-        if (!widen) {
-            if (r0 < r1)
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, out_dim, in_dim, 1.0f, x + (size_t)r0 * in_dim,
-                            in_dim, w, in_dim, beta, o + (size_t)r0 * out_dim, out_dim);
-        } else {
-            for (int c0 = 0; c0 < out_dim; c0 += panel_rows) {
-                int nc = out_dim - c0 < panel_rows ? out_dim - c0 : panel_rows;
-#pragma omp for schedule(static)
-                for (int j = 0; j < nc; j++) kvs_to_f32(p + (size_t)j * in_dim, (const char *)w + (size_t)(c0 + j) * in_dim * es, wt, in_dim);
-                if (r0 < r1) /* (the for's barrier: the panel is whole) */
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r1 - r0, nc, in_dim, 1.0f, x + (size_t)r0 * in_dim,
-                                in_dim, p, in_dim, beta, o + (size_t)r0 * out_dim + c0, out_dim);
-#pragma omp barrier /* before the next panel is widened over this one */
-            }
-        }
-    }
+    kvs_cpu_sgemm_panels(o, out_dim, x, n, in_dim, out_dim, bias32 ? 1.0f : 0.0f, w, widen ? widen_dtype : NULL, &wt,
+                         widen ? scratch + bias_floats : NULL);
 }

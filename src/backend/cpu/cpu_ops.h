@@ -41,6 +41,16 @@ static inline void kvs_cpu_thread_cols(int out_dim, int nt, int t, int *c0, int 
  * f32, else converted into buf (n floats). */
 const float *kvs_cpu_weights_f32(kvs_backend *b, const void *w, size_t n, float *buf);
 
+/* Prefill's matmul (cpu_matmul.c): out[i * ld_out + c] = x_i . w_c (+ beta * out,
+ * beta 0 or 1: 1 when out holds the bias) for i < n, c < out_dim, through
+ * OpenBLAS sgemm; w's rows are f32 (widen NULL) or widened by widen(dst, w, row,
+ * in_dim, ctx) a panel of kvs_cpu_panel_rows(in_dim) rows at a time into panel
+ * (that many rows of in_dim floats). Call outside parallel regions. */
+typedef void (*kvs_cpu_widen_fn)(float *dst, const void *w, int row, int in_dim, const void *ctx);
+int kvs_cpu_panel_rows(int in_dim);
+void kvs_cpu_sgemm_panels(float *out, int ld_out, const float *x, int n, int in_dim, int out_dim, float beta,
+                          const void *w, kvs_cpu_widen_fn widen, const void *ctx, float *panel);
+
 void kvs_cpu_embedding(kvs_backend *b, void *out, const void *table, const int32_t *ids, int n, int dim);
 void kvs_cpu_rmsnorm(kvs_backend *b, void *out, const void *in, const void *w, int n, int dim, float eps);
 void kvs_cpu_head_rmsnorm(kvs_backend *b, void *x, const void *w, int n, int row_stride, int n_pieces, int head_dim,
@@ -50,6 +60,10 @@ void kvs_cpu_add_rmsnorm(kvs_backend *b, void *x, void *xn, const void *y, const
                          float eps);
 void kvs_cpu_matmul(kvs_backend *b, void *out, const void *in, const void *w, const void *bias, int n,
                     int in_dim, int out_dim);
+void kvs_cpu_matmul_q(kvs_backend *b, void *out, int ld_out, const void *in, const void *w, uint32_t type,
+                      const void *bias, int n, int in_dim, int out_dim);
+void kvs_cpu_embedding_q(kvs_backend *b, void *out, const void *table, uint32_t type, const int32_t *ids, int n,
+                         int dim);
 void kvs_cpu_rope(kvs_backend *b, void *x, const int32_t *positions, const float *inv_freq, int n,
                   int n_heads, int head_dim);
 void kvs_cpu_swiglu(kvs_backend *b, void *out, const void *gate_up, int n, int dim);

@@ -27,9 +27,30 @@
 #define KERNELS_VAR kvs_cpu_kernels_generic
 #include "backend/cpu/cpu_simd_impl.h"
 
+/* Scalar, so that every set sees the same blocks; round half away from zero
+ * (llama.cpp's roundf), |q| <= 127 since |x| / d <= 127 up to rounding. */
+void kvs_cpu_quantize_q8(kvs_cpu_q8 *dst, const float *x, int n, int in_dim) {
+    for (size_t b = 0; b < (size_t)n * (in_dim / 32); b++, x += 32, dst++) {
+        float amax = 0;
+        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(x[k]));
+        float d = amax / 127.0f, inv = d != 0 ? 1.0f / d : 0.0f;
+        int sum[2] = {0, 0};
+        for (int k = 0; k < 32; k++) {
+            int q = (int)roundf(x[k] * inv);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            dst->q[k] = (int8_t)q;
+            sum[k / 16] += q;
+        }
+        dst->d = d, dst->s[0] = d * (float)sum[0], dst->s[1] = d * (float)sum[1], dst->pad_ = 0;
+    }
+}
+
+/* The AVX-512 set's quantized gemv uses VNNI (vpdpbusd on 256 bits, so VL too):
+ * a CPU with AVX-512 but not these (Skylake-SP) runs the AVX2 set. */
 bool kvs_cpu_runs_avx512(void) {
 #if defined(__x86_64__)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #else
     return false;
 #endif

@@ -10,6 +10,17 @@
 /* The most input rows the gemv kernel takes: above it the matmul goes to sgemm. */
 enum { KVS_CPU_GEMV_MAX_N = 8 };
 
+/* 32 activations quantized for the integer dot products of the quantized
+ * gemv (cpu_quant.c): x[k] ~ d * q[k], q = round(x / d) in [-127, 127], d =
+ * max |x| / 127; s[h] = d * (the sum of q over elements 16h .. 16h + 15), which
+ * the formats' offsets and mins multiply. A scale per 32 (not llama.cpp's per
+ * 256 for the K formats): as cheap here, since every format's weights change
+ * scale at least every 32 anyway, and more accurate. */
+typedef struct {
+    int8_t q[32];
+    float d, s[2], pad_;
+} kvs_cpu_q8;
+
 typedef struct {
     const char *name; /* "avx512", "avx2", "generic" */
     /* Weights read once, for decode: out[i * ld_out + j] = sum_k x[i * in_dim + k] *
@@ -18,6 +29,16 @@ typedef struct {
      * does not depend on n, j0 or j1. */
     void (*gemv)(float *out, int ld_out, const float *x, const void *w, kvs_dtype wt, const float *bias, int n,
                  int in_dim, int j0, int j1);
+    /* Weights in a ggml block format (gguf.h ids: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+     * Q4_K, Q5_K, Q6_K), for decode: out[i * ld_out + j] = sum_k xq_i[k] * w_j[k]
+     * (+ bias[j]) for i < n (at most KVS_CPU_GEMV_MAX_N) and rows j in [j0, j1)
+     * of w (row_bytes apart), over inputs quantized by kvs_cpu_quantize_q8
+     * (input i's in_dim / 32 blocks at xq + i * in_dim / 32). The generic set's
+     * is the reference (exact integer dots per 16, then f32); the others sum
+     * the same terms in another order. A row's result does not depend on n, j0
+     * or j1. */
+    void (*gemv_q)(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, uint32_t type, size_t row_bytes,
+                   const float *bias, int n, int in_dim, int j0, int j1);
     /* Attention scores of g query vectors (q + h * ld_q, h < g) against cnt
      * contiguous key rows k [cnt][d] of dtype kt (F32, BF16, F16):
      * s[h * ld_s + e] = scale * q_h . k_e. */
@@ -43,6 +64,10 @@ extern const kvs_cpu_kernels *const kvs_cpu_kernels_avx2, *const kvs_cpu_kernels
 /* Whether this CPU runs a set (its instructions, not whether the build has it). */
 bool kvs_cpu_runs_avx2(void);
 bool kvs_cpu_runs_avx512(void);
+
+/* Quantizes n rows of in_dim floats (a multiple of 32) into n * in_dim / 32
+ * blocks (kvs_cpu_q8): the same bits for every set. */
+void kvs_cpu_quantize_q8(kvs_cpu_q8 *dst, const float *x, int n, int in_dim);
 
 /* The best set this CPU runs; $KVS_CPU_KERNELS (generic, avx2, avx512) picks a
  * lesser one (a set the CPU lacks falls back to the best it has). */

@@ -1,8 +1,8 @@
-/* The AVX-512 (F + BW) kernel set (cpu_simd.h); this file alone is compiled
+/* The AVX-512 (F + BW + VL + VNNI) kernel set (cpu_simd.h); this file alone is compiled
  * with those instructions, and runs only where the CPU has them. */
 #include "backend/cpu/cpu_simd.h"
 
-#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
 #define V __m512

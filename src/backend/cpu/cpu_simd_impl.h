@@ -301,7 +301,9 @@ static void silu_mul(float *out, const float *g, const float *u, int n) {
     }
 }
 
+#include "backend/cpu/cpu_quant_impl.h"
+
 #ifndef KERNELS_STATIC_STORAGE
 #define KERNELS_STATIC_STORAGE
 #endif
-KERNELS_STATIC_STORAGE const kvs_cpu_kernels KERNELS_VAR = {KERNELS_NAME, gemv, qk, pv, sum, exp_sum, silu_mul};
+KERNELS_STATIC_STORAGE const kvs_cpu_kernels KERNELS_VAR = {KERNELS_NAME, gemv, gemv_q, qk, pv, sum, exp_sum, silu_mul};
