@@ -2291,6 +2291,27 @@ static void e2e_arch(const char *arch) {
     duo_close(&d);
 }
 
+/* A GGUF file of llama.cpp's on the GPU: its Q4_K / Q6_K weights dequantized
+ * to bf16 at load (no block kernels there), against the CPU running the file's
+ * own blocks (int8 activations): the tiny model's fixture prompts. */
+Test(cuda, e2e_gguf_q4_k_m_dequantized_at_load, .timeout = 600) {
+    duo d;
+    OPEN_OR_SKIP(&d);
+    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
+    size_t i;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        int n;
+        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
+        char name[96];
+        snprintf(name, sizeof name, "tiny-q4_k_m.gguf %s", json_string_value(json_object_get(c, "name")));
+        compare_models(&d, shared_input("fixtures/gguf/tiny-q4_k_m.gguf"), name, ids, n, 256, 16, 0.4, 0.04, NULL);
+        free(ids);
+    }
+    json_decref(cases);
+    duo_close(&d);
+}
+
 Test(cuda, e2e_llama3_rope_scaling, .timeout = 600) { e2e_arch("llama3-rope-scaling"); }
 Test(cuda, e2e_qwen2_bias_tied, .timeout = 600) { e2e_arch("qwen2-bias-tied"); }
 Test(cuda, e2e_mistral, .timeout = 600) { e2e_arch("mistral"); }

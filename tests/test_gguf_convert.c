@@ -433,3 +433,40 @@ Test(gguf_convert, other_architectures_read_back_as_the_same_weights) {
     converts_to_the_same_weights(shared_input("fixtures/arch/qwen2-bias-tied"));
     converts_to_the_same_weights(src_path("tests/fixtures/arch/qwen3"));
 }
+
+/* Llama 3's RoPE scaling goes into the file as llama.cpp writes it (a divisor
+ * per frequency, rope_freqs.weight) and comes back as the same model: the
+ * llama3-rope-scaling fixture's logits from its f32 GGUF equal the
+ * safetensors' to float rounding (the frequencies are computed another way). */
+Test(gguf_convert, llama3_rope_scaling_travels_as_rope_freqs) {
+    const char *dir = shared_input("fixtures/arch/llama3-rope-scaling");
+    converts_to_the_same_weights(dir);
+    char path[160], *args, *err;
+    snprintf(path, sizeof path, "/tmp/kvs_convert_%d_rope.gguf", (int)getpid());
+    cr_assert(asprintf(&args, "-m %s --out %s --type f32", dir, path) > 0);
+    cr_assert_eq(convert(args, &err), 0, "%s", err);
+    kvs_config cg;
+    cr_assert_eq(kvs_config_load(path, &cg), KVS_OK, "%s", kvs_last_error());
+    cr_expect_eq(cg.rope_type, KVS_ROPE_FACTORS);
+    int scaled = 0;
+    for (int i = 0; i < cg.head_dim / 2; i++) scaled += cg.rope_freq_factors[i] > 1;
+    cr_expect_gt(scaled, 0, "no frequency is scaled: the case tests nothing");
+    rig a, b;
+    rig_open(&a, dir, NULL, RIG_BLOCKS(600, 1), 1);
+    rig_open(&b, path, NULL, RIG_BLOCKS(600, 1), 1);
+    int v = a.cfg.vocab_size, n = 500;
+    int32_t *ids = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)((i * 7919u + 13) % (unsigned)v);
+    float *la = malloc(sizeof(float) * v), *lb = malloc(sizeof(float) * v);
+    int sa = kvs_kv_seq_create(a.kv), sb = kvs_kv_seq_create(b.kv);
+    rig_run(&a, sa, ids, n, 0, la);
+    rig_run(&b, sb, ids, n, 0, lb);
+    double d = 0, peak = 0;
+    for (int i = 0; i < v; i++) d = fmax(d, fabs((double)la[i] - lb[i])), peak = fmax(peak, fabs((double)la[i]));
+    cr_log_info("llama3-rope-scaling: f32 GGUF (rope_freqs) vs safetensors: logits within %.2e (peak %.2f) at "
+                "position %d", d, peak, n - 1);
+    cr_expect(d <= 1e-3 * fmax(peak, 1), "logits %.3g apart", d);
+    rig_close(&a), rig_close(&b);
+    free(ids), free(la), free(lb), free(args), free(err);
+    unlink(path);
+}

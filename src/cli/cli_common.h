@@ -22,7 +22,7 @@ typedef struct {
     int tensor_parallel;     /* --tensor-parallel-size (0 or 1: none) */
     bool allow_tp;           /* set by the commands wired for tensor parallelism */
     const char *device;      /* --device cpu (default) | cuda | cuda:N */
-    kvs_quantization quantization; /* --quantization fp8 (default none) */
+    kvs_quantization quantization; /* --quantization fp8, q8_0, q4_k (default none) */
     bool enforce_eager;      /* --enforce-eager: no CUDA graphs for decode steps */
     kvs_step_limits limits; /* what a step of the command may hold (zeros: the defaults) */
     const char *kv_profile;  /* --kv-profile (kvs_cli_policy_option): loaded for the model by kvs_cli_load */
@@ -59,9 +59,12 @@ typedef struct {
     "                         bfloat16 or float16 (CPU), or fp8 (E4M3, a byte an entry, a scale\n" \
     "                         per layer and KV head: the checkpoint's k_scale/v_scale, else 1;\n" \
     "                         CPU, and CUDA on compute capability 8.9+)\n"                      \
-    "  --quantization fp8     linear weights in FP8 E4M3 (a scale per output channel, quantized at\n" \
-    "                         load), activations per token; CUDA: compute capability 8.9+; implied\n" \
-    "                         by an FP8 checkpoint (quantization_config fp8 / compressed-tensors)\n"
+    "  --quantization Q       fp8: linear weights in FP8 E4M3 (a scale per output channel,\n"      \
+    "                         quantized at load), activations per token; CUDA: compute capability\n" \
+    "                         8.9+; implied by an FP8 checkpoint (quantization_config fp8 /\n"   \
+    "                         compressed-tensors). q8_0, q4_k: linear weights in llama.cpp's block\n" \
+    "                         formats, quantized at load (CPU). A GGUF file's quantized weights are\n" \
+    "                         kept in its own blocks on the CPU (dequantized to bf16 on CUDA)\n"
 #define KVS_CLI_DEVICE_HELP                                                                  \
     "  --device D             cpu (default), cuda or cuda:N\n"                                 \
     "  --enforce-eager        no CUDA graphs for decode steps (default: graphs on cuda)\n"

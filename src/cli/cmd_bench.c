@@ -84,12 +84,16 @@ static void print_decode_bandwidth(const kvs_loaded *l, int ctx0, int ctx1, doub
     double bw = kvs_cpu_read_bandwidth(l->be, (size_t)512 << 20, 5);
     if (bw <= 0) return;
     const kvs_config *c = &l->cfg;
-    double weights = kvs_config_weight_bytes(c, l->be->weight_dtype, false);
+    double weights = (double)kvs_runner_weight_bytes_read(l->runner); /* the formats the model keeps */
+    const char *format = kvs_quantization_is_ggml(kvs_runner_quantization(l->runner))
+                             ? kvs_quantization_name(kvs_runner_quantization(l->runner))
+                         : c->quantization == KVS_QUANT_FP8 ? "FP8"
+                                                           : kvs_dtype_name(l->be->weight_dtype);
     double kv = (double)kvs_config_kv_bytes_per_token(c, l->be->kv_dtype) * (ctx0 + ctx1) / 2;
     double rate = (weights + kv) * tokens_per_s / 1e9;
     printf("memory read rate (this run, same threads, 512 MiB): %.1f GB/s\n", bw);
     printf("decode reads %.1f MB a token (%s weights %.1f MB + %s KV %.1f MB): %.1f GB/s = %.0f%% of the read rate\n",
-           (weights + kv) / 1e6, c->quantization == KVS_QUANT_FP8 ? "FP8" : kvs_dtype_name(l->be->weight_dtype), weights / 1e6, kvs_dtype_name(l->be->kv_dtype),
+           (weights + kv) / 1e6, format, weights / 1e6, kvs_dtype_name(l->be->kv_dtype),
            kv / 1e6, rate, 100 * rate / bw);
     printf("decode attention: %.0f%% of decode time, its KV read at %.1f GB/s = %.0f%% of the read rate\n",
            100 * attn_s_per_token * tokens_per_s, kv / attn_s_per_token / 1e9, 100 * kv / attn_s_per_token / 1e9 / bw);

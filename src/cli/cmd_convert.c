@@ -109,9 +109,6 @@ static kvs_status write_hparams(kvs_gguf_writer *w, const kvs_config *c, const c
 
 /* What the loader cannot read back, refused before anything is written. */
 static kvs_status check_convertible(const kvs_config *c) {
-    if (c->rope_type == KVS_ROPE_LLAMA3)
-        return kvs_fail(KVS_ERR_UNSUPPORTED, "rope_scaling llama3 is not converted (llama.cpp stores it as a "
-                        "rope_freqs tensor, which kvsparse's GGUF loader does not read)");
     if (c->sliding_window)
         return kvs_fail(KVS_ERR_UNSUPPORTED, "sliding-window attention (sliding_window %d) is not converted: GGUF "
                         "metadata kvsparse reads has no key for it", c->sliding_window);
@@ -180,6 +177,13 @@ static kvs_status convert(const kvs_config *cfg, kvs_checkpoint *ck, const char 
         s = kvs_gguf_add_tensor(w, name, weight_type(t, cfg, (kvs_weight_kind)k, layer, ndim, cols), ndim, ne);
         if (rows * cols > largest) largest = rows * cols;
     }
+    /* Llama 3's RoPE scaling as llama.cpp writes it: a divisor per frequency */
+    bool rope_freqs = cfg->rope_type == KVS_ROPE_LLAMA3 || cfg->rope_type == KVS_ROPE_FACTORS;
+    float factors[KVS_MAX_ROPE_FACTORS];
+    if (cfg->rope_type == KVS_ROPE_LLAMA3) kvs_rope_llama3_factors(cfg, factors);
+    if (cfg->rope_type == KVS_ROPE_FACTORS) memcpy(factors, cfg->rope_freq_factors, sizeof factors);
+    int64_t half[1] = {cfg->head_dim / 2};
+    if (s == KVS_OK && rope_freqs) s = kvs_gguf_add_tensor(w, "rope_freqs.weight", KVS_GGML_F32, 1, half);
     char *tmp = NULL;
     FILE *f = NULL;
     converter c = {ck, cfg, t, malloc((size_t)largest * 4 + 64), malloc((size_t)largest * 4 + 64)};
@@ -196,6 +200,7 @@ static kvs_status convert(const kvs_config *cfg, kvs_checkpoint *ck, const char 
         if (s == KVS_OK) s = encode(&c, weight_type(t, cfg, (kvs_weight_kind)k, layer, ndim, cols), rows * cols, &bytes);
         if (s == KVS_OK) s = kvs_gguf_writer_write_data(w, f, out_path, c.out, bytes);
     }
+    if (s == KVS_OK && rope_freqs) s = kvs_gguf_writer_write_data(w, f, out_path, factors, sizeof(float) * half[0]), i++;
     if (f && fclose(f) && s == KVS_OK) s = kvs_fail(KVS_ERR_IO, "%s: write failed: %s", out_path, strerror(errno));
     if (s == KVS_OK && rename(tmp, out_path))
         s = kvs_fail(KVS_ERR_IO, "cannot write %s: %s", out_path, strerror(errno));

@@ -20,7 +20,10 @@ static void info_usage(FILE *f) {
 }
 
 static const char *rope_name(kvs_rope_type t) {
-    return t == KVS_ROPE_LINEAR ? "linear" : t == KVS_ROPE_LLAMA3 ? "llama3" : "none";
+    return t == KVS_ROPE_LINEAR   ? "linear"
+           : t == KVS_ROPE_LLAMA3 ? "llama3"
+           : t == KVS_ROPE_FACTORS ? "llama3 (per-frequency factors: GGUF rope_freqs)"
+                                  : "none";
 }
 
 static void human_bytes(char *buf, size_t cap, double b) {

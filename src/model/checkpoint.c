@@ -501,6 +501,32 @@ kvs_dtype kvs_checkpoint_dtype(const kvs_checkpoint *ck, kvs_weight_kind kind, i
     return t ? t->dtype : ck ? ck->cfg.dtype : KVS_BF16;
 }
 
+bool kvs_checkpoint_quantized(const kvs_checkpoint *ck, kvs_weight_kind kind, int layer, uint32_t *type) {
+    if (!ck || !ck->gguf || (unsigned)kind >= KVS_W_KIND_COUNT) return false;
+    int64_t shape[2];
+    int ndim;
+    if (!kvs_weight_expected(&ck->cfg, kind, shape, &ndim)) return false;
+    uint32_t t = kvs_gguf_weights_type(ck->gguf, kind, kind < KVS_W_ATTN_NORM ? -1 : layer);
+    if (t == KVS_GGML_F32 || t == KVS_GGML_F16 || t == KVS_GGML_BF16) return false;
+    if (type) *type = t;
+    return true;
+}
+
+bool kvs_checkpoint_has_quantized(const kvs_checkpoint *ck) {
+    for (int l = 0; ck && ck->gguf && l < ck->cfg.n_layers; l++)
+        for (int k = KVS_W_ATTN_NORM; k < KVS_W_KIND_COUNT; k++)
+            if (kvs_weight_is_linear((kvs_weight_kind)k) && kvs_checkpoint_quantized(ck, (kvs_weight_kind)k, l, NULL))
+                return true;
+    return false;
+}
+
+kvs_status kvs_checkpoint_read_blocks(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, kvs_ggml_rows *out) {
+    if (!kvs_checkpoint_quantized(ck, kind, layer, NULL))
+        return kvs_fail(KVS_ERR_INTERNAL, "checkpoint: weight %d of layer %d is not stored in ggml blocks", (int)kind,
+                        layer);
+    return kvs_gguf_weights_read_blocks(ck->gguf, kind, kind < KVS_W_ATTN_NORM ? -1 : layer, out);
+}
+
 kvs_status kvs_checkpoint_read_scales(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0, int64_t nr,
                                       float *out) {
     const ck_tensor *t = stored(ck, kind, layer);

@@ -406,8 +406,14 @@ double kvs_config_weight_bytes(const kvs_config *cfg, kvs_dtype weight_dtype, bo
     for (int k = 0; k < KVS_W_KIND_COUNT; k++) {
         int64_t rows, n = kind_elems(cfg, k, &rows);
         if (!n || (k == KVS_W_EMBED && !include_embed && !cfg->tie_word_embeddings)) continue;
-        bool fp8 = cfg->quantization == KVS_QUANT_FP8 && kvs_weight_is_linear((kvs_weight_kind)k);
+        bool linear = kvs_weight_is_linear((kvs_weight_kind)k);
+        bool fp8 = cfg->quantization == KVS_QUANT_FP8 && linear;
         double bytes = fp8 ? (double)n + (double)rows * sizeof(float) : (double)n * kvs_dtype_size(weight_dtype);
+        if (linear && (cfg->quantization == KVS_QUANT_Q8_0 || cfg->quantization == KVS_QUANT_Q4_K)) {
+            int64_t cols = n / rows; /* Q4_K where the row is whole super-blocks (ggml_weights.c) */
+            bool k4 = cfg->quantization == KVS_QUANT_Q4_K && cols % 256 == 0;
+            bytes = (double)n * (k4 ? 144.0 / 256 : 34.0 / 32);
+        }
         total += bytes * kind_copies(cfg, k);
     }
     return total;

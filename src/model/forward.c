@@ -25,9 +25,16 @@ static void quantize_input(const kvs_model *m, kvs_forward_state *s, const void 
  * codes of in that quantize_input, add_norm or swiglu_fp8 left (scale: w's per
  * output row). */
 static void linear(const kvs_model *m, kvs_forward_state *s, void *out, const void *in, const void *w,
-                   const float *scale, const void *bias, int n, int in_dim, int out_dim) {
+                   const float *scale, const kvs_ggml_weight *g, const void *bias, int n, int in_dim, int out_dim) {
     kvs_backend *be = m->be;
-    if (m->cfg.quantization == KVS_QUANT_FP8)
+    if (g->n_parts) { /* ggml blocks: each part's rows into its columns of out */
+        size_t row = 0, at = 0, as = kvs_dtype_size(be->act_dtype), ws = kvs_dtype_size(be->weight_dtype);
+        for (int p = 0; p < g->n_parts; p++) {
+            be->matmul_q(be, (char *)out + row * as, out_dim, in, (const char *)w + at, g->type[p],
+                         bias ? (const char *)bias + row * ws : NULL, n, in_dim, (int)g->rows[p]);
+            row += (size_t)g->rows[p], at += g->bytes[p];
+        }
+    } else if (m->cfg.quantization == KVS_QUANT_FP8)
         be->matmul_fp8(be, out, s->xq, s->xs, w, scale, bias, n, in_dim, out_dim);
     else
         be->matmul(be, out, in, w, bias, n, in_dim, out_dim);
@@ -56,7 +63,7 @@ static kvs_status attention_block(const kvs_model *m, kvs_forward_state *sb, con
         be->rmsnorm(be, sb->xn, sb->x, w->attn_norm, n, c->hidden_size, c->rms_norm_eps);
         quantize_input(m, sb, sb->xn, n, c->hidden_size);
     }
-    linear(m, sb, sb->qkv, sb->xn, w->w_qkv, w->s_qkv, w->b_qkv, n, c->hidden_size, qd + 2 * kd); /* one GEMM */
+    linear(m, sb, sb->qkv, sb->xn, w->w_qkv, w->s_qkv, &w->g_qkv, w->b_qkv, n, c->hidden_size, qd + 2 * kd); /* one GEMM */
     if (w->q_norm) { /* Qwen3: every q head and k head RMS-normalised before RoPE, in the GEMM's rows */
         void *k = (char *)sb->qkv + (size_t)qd * kvs_dtype_size(be->act_dtype);
         be->head_rmsnorm(be, sb->qkv, w->q_norm, n, qd + 2 * kd, n_heads, c->head_dim, c->rms_norm_eps);
@@ -74,7 +81,7 @@ static kvs_status attention_block(const kvs_model *m, kvs_forward_state *sb, con
                            c->head_dim);
     }
     quantize_input(m, sb, sb->att, n, qd);
-    linear(m, sb, sb->tmp, sb->att, w->wo, w->so, NULL, n, qd, c->hidden_size);
+    linear(m, sb, sb->tmp, sb->att, w->wo, w->so, &w->g_o, NULL, n, qd, c->hidden_size);
     KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel O */
     add_norm(m, sb, w->mlp_norm, n);
     return KVS_OK;
@@ -87,12 +94,12 @@ static kvs_status mlp_block(const kvs_model *m, kvs_forward_state *sb, const kvs
     kvs_backend *be = m->be;
     const kvs_config *c = &m->cfg;
     int inter = m->shard.intermediate; /* this rank's columns */
-    linear(m, sb, sb->gate_up, sb->xn, w->w_gate_up, w->s_gate_up, NULL, n, c->hidden_size, 2 * inter);
+    linear(m, sb, sb->gate_up, sb->xn, w->w_gate_up, w->s_gate_up, &w->g_gate_up, NULL, n, c->hidden_size, 2 * inter);
     if (c->quantization == KVS_QUANT_FP8) /* act's codes, act not stored */
         be->swiglu_fp8(be, sb->xq, sb->xs, sb->gate_up, n, inter);
     else
         be->swiglu(be, sb->act, sb->gate_up, n, inter);
-    linear(m, sb, sb->tmp, sb->act, w->w_down, w->s_down, NULL, n, inter, c->hidden_size);
+    linear(m, sb, sb->tmp, sb->act, w->w_down, w->s_down, &w->g_down, NULL, n, inter, c->hidden_size);
     KVS_TRY(tp_sum(m, sb->tmp, (size_t)n * c->hidden_size)); /* row-parallel down */
     if (next)
         add_norm(m, sb, next->attn_norm, n);
@@ -104,7 +111,10 @@ static kvs_status mlp_block(const kvs_model *m, kvs_forward_state *sb, const kvs
 kvs_status kvs_forward_layers(const kvs_model *m, kvs_forward_state *s, const kvs_kv_device *kv) {
     kvs_backend *be = m->be;
     const kvs_config *c = &m->cfg;
-    be->embedding(be, s->x, m->embed, s->ids, s->n_rows, c->hidden_size);
+    if (m->g_embed.n_parts)
+        be->embedding_q(be, s->x, m->embed, m->g_embed.type[0], s->ids, s->n_rows, c->hidden_size);
+    else
+        be->embedding(be, s->x, m->embed, s->ids, s->n_rows, c->hidden_size);
     for (int l = 0; l < c->n_layers; l++) {
         KVS_TRY(attention_block(m, s, &m->layers[l], kv, l, s->n_rows));
         KVS_TRY(mlp_block(m, s, &m->layers[l], l + 1 < c->n_layers ? &m->layers[l + 1] : NULL, s->n_rows));
@@ -117,5 +127,9 @@ void kvs_forward_logits(const kvs_model *m, kvs_forward_state *s, const int32_t 
     const kvs_config *c = &m->cfg;
     be->gather_rows(be, s->last, s->x, last_rows, n, c->hidden_size);
     be->rmsnorm(be, s->last, s->last, m->final_norm, n, c->hidden_size, c->rms_norm_eps);
-    be->matmul(be, s->logits, s->last, m->lm_head, NULL, n, c->hidden_size, m->shard.vocab_pad);
+    if (m->g_lm_head.n_parts)
+        be->matmul_q(be, s->logits, m->shard.vocab_pad, s->last, m->lm_head, m->g_lm_head.type[0], NULL, n,
+                     c->hidden_size, m->shard.vocab_pad);
+    else
+        be->matmul(be, s->logits, s->last, m->lm_head, NULL, n, c->hidden_size, m->shard.vocab_pad);
 }

@@ -7,6 +7,7 @@
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 /* GGUF architectures and the config.json architecture each stands for. Mistral's
@@ -148,6 +149,29 @@ static kvs_status build(builder *b) {
     return KVS_OK;
 }
 
+/* rope_freqs.weight (Llama 3.1 / 3.2 as llama.cpp converts them): F32
+ * [head_dim / 2], finite and positive, and no rope.scaling beside it. */
+static kvs_status read_rope_factors(const kvs_gguf *g, kvs_config *cfg) {
+    const kvs_gguf_tensor *t = kvs_gguf_find_tensor(g, "rope_freqs.weight");
+    if (!t) return KVS_OK;
+    int half = cfg->head_dim / 2;
+    if (t->type != KVS_GGML_F32 || t->n_dims != 1 || t->ne[0] != half || half > KVS_MAX_ROPE_FACTORS)
+        return kvs_fail(KVS_ERR_FORMAT, "%s: rope_freqs.weight must be F32 [%d] (head_dim / 2)", g->file_name, half);
+    if (cfg->rope_type != KVS_ROPE_NONE)
+        return kvs_fail(KVS_ERR_FORMAT, "%s: rope_freqs.weight beside rope.scaling: two RoPE scalings",
+                        g->file_name);
+    for (int i = 0; i < half; i++) {
+        float f;
+        memcpy(&f, t->data + 4 * (size_t)i, 4);
+        if (!(f > 0) || !isfinite(f))
+            return kvs_fail(KVS_ERR_FORMAT, "%s: rope_freqs.weight[%d] is %g (must be finite and positive)",
+                            g->file_name, i, (double)f);
+        cfg->rope_freq_factors[i] = f;
+    }
+    cfg->rope_type = KVS_ROPE_FACTORS;
+    return KVS_OK;
+}
+
 kvs_status kvs_gguf_config(const kvs_gguf *g, kvs_config *cfg) {
     kvs_gguf_str arch;
     KVS_TRY(kvs_gguf_get_str(g, "general.architecture", true, &arch));
@@ -169,6 +193,7 @@ kvs_status kvs_gguf_config(const kvs_gguf *g, kvs_config *cfg) {
     snprintf(what, sizeof what, "%s (its %s.* metadata)", g->file_name, name);
     s = kvs_config_parse(text, strlen(text), what, cfg);
     free(text);
+    if (s == KVS_OK) s = read_rope_factors(g, cfg);
     return s;
 }
 

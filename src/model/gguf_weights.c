@@ -101,6 +101,7 @@ static kvs_status check_weight(const kvs_gguf_weights *w, kvs_weight_kind kind, 
 static kvs_status check_all_used(const kvs_gguf_weights *w) {
     for (size_t i = 0; i < w->g->n_tensors; i++) {
         const kvs_gguf_tensor *t = &w->g->tensors[i];
+        if (!strcmp(t->name, "rope_freqs.weight")) continue; /* the config's (gguf_config.c) */
         kvs_weight_kind kind;
         int layer, ndim;
         int64_t shape[2];
@@ -202,5 +203,26 @@ kvs_status kvs_gguf_weights_read(kvs_gguf_weights *w, kvs_weight_kind kind, int 
     out->dtype = d;
     out->data = dst;
     out->nbytes = bytes;
+    return KVS_OK;
+}
+
+uint32_t kvs_gguf_weights_type(const kvs_gguf_weights *w, kvs_weight_kind kind, int layer) {
+    const kvs_gguf_tensor *t = tensor_of(w, kind, layer);
+    return t ? t->type : KVS_GGML_F32;
+}
+
+kvs_status kvs_gguf_weights_read_blocks(kvs_gguf_weights *w, kvs_weight_kind kind, int layer, kvs_ggml_rows *out) {
+    const kvs_gguf_tensor *t = tensor_of(w, kind, layer);
+    if (!t) return kvs_fail(KVS_ERR_INTERNAL, "%s: a weight vanished after the check", w->g->file_name);
+    int64_t rows = t->n_dims == 2 ? t->ne[1] : 1;
+    out->type = t->type;
+    out->rows = rows;
+    out->row_bytes = t->nbytes / (size_t)rows;
+    out->data = t->data;
+    if (!(w->permuted_qk && (kind == KVS_W_Q || kind == KVS_W_K))) return KVS_OK;
+    /* a row's blocks move with it: the permutation is of whole rows */
+    KVS_TRY(grow_scratch(w, t->nbytes));
+    unpermute_rows(t->data, w->scratch, rows, out->row_bytes, w->cfg.head_dim);
+    out->data = w->scratch;
     return KVS_OK;
 }

@@ -12,6 +12,8 @@ void kvs_rope_inv_freq(const kvs_config *cfg, float *inv_freq) {
         float f = (float)(1.0 / pow((double)cfg->rope_theta, (double)(2 * i) / cfg->head_dim));
         if (cfg->rope_type == KVS_ROPE_LINEAR) {
             f /= cfg->rope_factor;
+        } else if (cfg->rope_type == KVS_ROPE_FACTORS) {
+            f /= cfg->rope_freq_factors[i];
         } else if (cfg->rope_type == KVS_ROPE_LLAMA3) {
             /* Llama 3.1: scale low frequencies by 1/factor, keep high ones, blend between */
             double old_ctx = cfg->rope_original_max_position;
@@ -27,6 +29,17 @@ void kvs_rope_inv_freq(const kvs_config *cfg, float *inv_freq) {
             }
         }
         inv_freq[i] = f;
+    }
+}
+
+void kvs_rope_llama3_factors(const kvs_config *cfg, float *out) {
+    double old_ctx = cfg->rope_original_max_position, lo = cfg->rope_low_freq_factor, hi = cfg->rope_high_freq_factor;
+    for (int i = 0; i < cfg->head_dim / 2; i++) {
+        double f = 1.0 / pow((double)cfg->rope_theta, (double)(2 * i) / cfg->head_dim), wavelen = 2 * M_PI / f;
+        double smooth = (old_ctx / wavelen - lo) / (hi - lo);
+        out[i] = wavelen < old_ctx / hi   ? 1.0f
+                 : wavelen > old_ctx / lo ? cfg->rope_factor
+                                          : (float)(1.0 / ((1 - smooth) / cfg->rope_factor + smooth));
     }
 }
 
@@ -138,8 +151,9 @@ static kvs_status upload_rows(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind 
  * aligned: a few large allocations instead of many (the CPU backend backs
  * large ones with huge pages, which stream faster). With fp8 the four linear
  * weights are E4M3 codes (a byte each), followed by their f32 scales. */
-static kvs_status alloc_layer(kvs_model *m, kvs_layer_weights *w, int64_t qn, int64_t kn, int64_t in) {
+static kvs_status alloc_layer(kvs_model *m, kvs_checkpoint *ck, int l, int64_t qn, int64_t kn, int64_t in) {
     const kvs_config *c = &m->cfg;
+    kvs_layer_weights *w = &m->layers[l];
     int64_t h = c->hidden_size, bias = c->attention_bias ? 1 : 0, fp8 = c->quantization == KVS_QUANT_FP8;
     int64_t qk_norm = c->qk_norm ? c->head_dim : 0;
     size_t ws = kvs_dtype_size(m->be->weight_dtype), ls = fp8 ? 1 : ws; /* linear weights: codes or weight_dtype */
@@ -150,10 +164,23 @@ static kvs_status alloc_layer(kvs_model *m, kvs_layer_weights *w, int64_t qn, in
     int64_t elems[] = {h, qkv * h, bias * qkv, h * qn, h, 2 * in * h, h * in, fp8 * qkv, fp8 * h, fp8 * 2 * in, fp8 * h,
                        qk_norm, qk_norm};
     size_t size[] = {ws, ls, ws, ls, ws, ls, ls, 4, 4, 4, 4, ws, ws};
+    if (kvs_quantization_is_ggml(c->quantization)) { /* the linear weights in ggml blocks: bytes, not elements */
+        const kvs_weight_kind qkv_k[] = {KVS_W_Q, KVS_W_K, KVS_W_V}, o_k[] = {KVS_W_O},
+                              gu_k[] = {KVS_W_GATE, KVS_W_UP}, down_k[] = {KVS_W_DOWN};
+        const int64_t qkv_r[] = {qn, kn, kn}, o_r[] = {h}, gu_r[] = {in, in}, down_r[] = {h};
+        KVS_TRY(kvs_ggml_weight_plan(m, ck, qkv_k, 3, l, qkv_r, h, &w->g_qkv));
+        KVS_TRY(kvs_ggml_weight_plan(m, ck, o_k, 1, l, o_r, qn, &w->g_o));
+        KVS_TRY(kvs_ggml_weight_plan(m, ck, gu_k, 2, l, gu_r, h, &w->g_gate_up));
+        KVS_TRY(kvs_ggml_weight_plan(m, ck, down_k, 1, l, down_r, in, &w->g_down));
+        const kvs_ggml_weight *g[] = {NULL, &w->g_qkv, NULL, &w->g_o, NULL, &w->g_gate_up, &w->g_down};
+        for (int i = 0; i < 7; i++)
+            if (g[i] && g[i]->n_parts) elems[i] = (int64_t)kvs_ggml_weight_bytes(g[i]), size[i] = 1;
+    }
     enum { N_PARTS = sizeof elems / sizeof elems[0] };
     size_t total = 0;
     for (int i = 0; i < N_PARTS; i++) total += ((size_t)elems[i] * size[i] + 255) / 256 * 256;
     w->arena = weights_alloc(m, total);
+    w->arena_bytes = total;
     if (!w->arena) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
     size_t at = 0;
     for (int i = 0; i < N_PARTS; i++) {
@@ -197,8 +224,14 @@ static kvs_status copy_fp8(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kin
  * per row: quantizing gate and up apart gives what quantizing them together
  * would). */
 static kvs_status upload_linear(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0,
-                                int64_t nr, int64_t c0, int64_t nc, void *w, float *scale, int64_t at) {
+                                int64_t nr, int64_t c0, int64_t nc, void *w, float *scale, int64_t at,
+                                const kvs_ggml_weight *g) {
     size_t offset = (size_t)at * (size_t)nc;
+    if (g && g->n_parts) { /* ggml blocks: the part that starts at row `at` (one rank: whole rows) */
+        int part = 0;
+        for (int64_t r = 0; part < g->n_parts && r < at; part++) r += g->rows[part];
+        return kvs_ggml_weight_upload(m, ck, kind, layer, r0, nr, nc, g, part, w);
+    }
     if (m->cfg.quantization != KVS_QUANT_FP8) return upload_slice(m, ck, kind, layer, r0, nr, c0, nc, &w, offset, 0);
     if (kvs_checkpoint_dtype(ck, kind, layer) == KVS_F8_E4M3)
         return copy_fp8(m, ck, kind, layer, r0, nr, c0, nc, (uint8_t *)w + offset, scale + at);
@@ -215,12 +248,12 @@ static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
     int64_t hd = c->head_dim, q0 = (int64_t)sh->rank * sh->n_heads * hd, qn = (int64_t)sh->n_heads * hd;
     int64_t k0 = (int64_t)sh->rank * sh->n_kv_heads * hd, kn = (int64_t)sh->n_kv_heads * hd;
     int64_t i0 = (int64_t)sh->rank * sh->intermediate, in = sh->intermediate, h = c->hidden_size;
-    KVS_TRY(alloc_layer(m, w, qn, kn, in));
+    KVS_TRY(alloc_layer(m, ck, l, qn, kn, in));
     KVS_TRY(upload(m, ck, KVS_W_ATTN_NORM, l, &w->attn_norm));
     /* column-parallel: this rank's heads are rows of Q, K, V, one above the other (one GEMM) */
-    KVS_TRY(upload_linear(m, ck, KVS_W_Q, l, q0, qn, 0, h, w->w_qkv, w->s_qkv, 0));
-    KVS_TRY(upload_linear(m, ck, KVS_W_K, l, k0, kn, 0, h, w->w_qkv, w->s_qkv, qn));
-    KVS_TRY(upload_linear(m, ck, KVS_W_V, l, k0, kn, 0, h, w->w_qkv, w->s_qkv, qn + kn));
+    KVS_TRY(upload_linear(m, ck, KVS_W_Q, l, q0, qn, 0, h, w->w_qkv, w->s_qkv, 0, &w->g_qkv));
+    KVS_TRY(upload_linear(m, ck, KVS_W_K, l, k0, kn, 0, h, w->w_qkv, w->s_qkv, qn, &w->g_qkv));
+    KVS_TRY(upload_linear(m, ck, KVS_W_V, l, k0, kn, 0, h, w->w_qkv, w->s_qkv, qn + kn, &w->g_qkv));
     if (c->attention_bias) {
         KVS_TRY(upload_rows(m, ck, KVS_W_Q_BIAS, l, q0, qn, &w->b_qkv, 0, 0));
         KVS_TRY(upload_rows(m, ck, KVS_W_K_BIAS, l, k0, kn, &w->b_qkv, (size_t)qn, 0));
@@ -231,13 +264,13 @@ static kvs_status upload_layer(kvs_model *m, kvs_checkpoint *ck, int l) {
         KVS_TRY(upload(m, ck, KVS_W_K_NORM, l, &w->k_norm));
     }
     /* row-parallel: O [hidden, heads * head_dim] keeps the columns of this rank's heads */
-    KVS_TRY(upload_linear(m, ck, KVS_W_O, l, 0, h, q0, qn, w->wo, w->so, 0));
+    KVS_TRY(upload_linear(m, ck, KVS_W_O, l, 0, h, q0, qn, w->wo, w->so, 0, &w->g_o));
     KVS_TRY(upload(m, ck, KVS_W_MLP_NORM, l, &w->mlp_norm));
     /* gate rows, then up rows */
-    KVS_TRY(upload_linear(m, ck, KVS_W_GATE, l, i0, in, 0, h, w->w_gate_up, w->s_gate_up, 0));
-    KVS_TRY(upload_linear(m, ck, KVS_W_UP, l, i0, in, 0, h, w->w_gate_up, w->s_gate_up, in));
+    KVS_TRY(upload_linear(m, ck, KVS_W_GATE, l, i0, in, 0, h, w->w_gate_up, w->s_gate_up, 0, &w->g_gate_up));
+    KVS_TRY(upload_linear(m, ck, KVS_W_UP, l, i0, in, 0, h, w->w_gate_up, w->s_gate_up, in, &w->g_gate_up));
     /* row-parallel: down [hidden, intermediate] keeps this rank's intermediate columns */
-    KVS_TRY(upload_linear(m, ck, KVS_W_DOWN, l, 0, h, i0, in, w->w_down, w->s_down, 0));
+    KVS_TRY(upload_linear(m, ck, KVS_W_DOWN, l, 0, h, i0, in, w->w_down, w->s_down, 0, &w->g_down));
     return KVS_OK;
 }
 
@@ -269,14 +302,6 @@ static kvs_status fp8_prepare(kvs_model *m) {
     return KVS_OK;
 }
 
-kvs_status kvs_quantization_parse(const char *v, kvs_quantization *q) {
-    if (v && !strcmp(v, "fp8")) {
-        *q = KVS_QUANT_FP8;
-        return KVS_OK;
-    }
-    return kvs_fail(KVS_ERR_INVALID, "--quantization %s: unknown method; the one supported is fp8 (FP8 E4M3 "
-                    "weights with a scale per output channel, activations per token)", v ? v : "(none)");
-}
 
 /* This rank's LM-head rows, zero-padded to vocab_pad rows. When the head is
  * tied and the slice needs no padding it is a view into the embedding. */
@@ -284,6 +309,22 @@ static kvs_status upload_lm_head(kvs_model *m, kvs_checkpoint *ck) {
     const kvs_config *c = &m->cfg;
     const kvs_shard *sh = &m->shard;
     kvs_weight_kind kind = c->tie_word_embeddings ? KVS_W_EMBED : KVS_W_LM_HEAD;
+    if (c->quantization == KVS_QUANT_GGUF) { /* one rank: no vocabulary slice, no padding */
+        if (c->tie_word_embeddings && m->g_embed.n_parts) {
+            m->lm_head = m->embed, m->g_lm_head = m->g_embed, m->lm_head_owned = false;
+            return KVS_OK;
+        }
+        const kvs_weight_kind k[] = {KVS_W_LM_HEAD};
+        const int64_t rows[] = {c->vocab_size};
+        if (!c->tie_word_embeddings) KVS_TRY(kvs_ggml_weight_plan(m, ck, k, 1, -1, rows, c->hidden_size, &m->g_lm_head));
+        if (m->g_lm_head.n_parts) {
+            m->lm_head_owned = true;
+            m->lm_head = weights_alloc(m, kvs_ggml_weight_bytes(&m->g_lm_head));
+            if (!m->lm_head) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
+            return kvs_ggml_weight_upload(m, ck, KVS_W_LM_HEAD, -1, 0, c->vocab_size, c->hidden_size, &m->g_lm_head,
+                                          0, m->lm_head);
+        }
+    }
     size_t ws = kvs_dtype_size(m->be->weight_dtype), row = (size_t)c->hidden_size;
     if (c->tie_word_embeddings && sh->vocab_count == sh->vocab_pad) {
         m->lm_head = (char *)m->embed + (size_t)sh->vocab_begin * row * ws;
@@ -307,6 +348,42 @@ static kvs_status upload_lm_head(kvs_model *m, kvs_checkpoint *ck) {
         free(zeros);
     }
     return KVS_OK;
+}
+
+/* The embedding: in the file's blocks (GGUF), else in weight_dtype. */
+static kvs_status upload_embed(kvs_model *m, kvs_checkpoint *ck) {
+    const kvs_config *c = &m->cfg;
+    const kvs_weight_kind k[] = {KVS_W_EMBED};
+    const int64_t rows[] = {c->vocab_size};
+    if (c->quantization == KVS_QUANT_GGUF)
+        KVS_TRY(kvs_ggml_weight_plan(m, ck, k, 1, -1, rows, c->hidden_size, &m->g_embed));
+    if (!m->g_embed.n_parts) return upload(m, ck, KVS_W_EMBED, -1, &m->embed);
+    m->embed = weights_alloc(m, kvs_ggml_weight_bytes(&m->g_embed));
+    if (!m->embed) return kvs_fail(KVS_ERR_NOMEM, "model: out of backend memory for weights");
+    return kvs_ggml_weight_upload(m, ck, KVS_W_EMBED, -1, 0, c->vocab_size, c->hidden_size, &m->g_embed, 0, m->embed);
+}
+
+/* Weights in ggml blocks need the backend's matmul_q and one rank; a GGUF
+ * file's quantized weights are kept as blocks where they can be, else
+ * dequantized at load (said once). */
+static kvs_status ggml_prepare(kvs_model *m, kvs_checkpoint *ck) {
+    kvs_config *c = &m->cfg;
+    bool can = m->be->matmul_q && m->be->embedding_q && m->shard.world == 1;
+    if (c->quantization == KVS_QUANT_NONE && kvs_checkpoint_has_quantized(ck)) {
+        if (can) c->quantization = KVS_QUANT_GGUF;
+        else if (m->shard.rank == 0)
+            kvs_log(KVS_LOG_INFO, "GGUF: the quantized weights are dequantized to %s at load (%s%s: no ggml block "
+                    "kernels)", kvs_dtype_name(m->be->weight_dtype), m->shard.world > 1 ? "tensor parallelism on " : "",
+                    m->be->name);
+        return KVS_OK;
+    }
+    if (!kvs_quantization_is_ggml(c->quantization) || can) return KVS_OK;
+    if (m->shard.world > 1)
+        return kvs_fail(KVS_ERR_UNSUPPORTED, "--quantization %s: not with --tensor-parallel-size %d (llama.cpp's "
+                        "block formats run on one rank)", kvs_quantization_name(c->quantization), m->shard.world);
+    return kvs_fail(KVS_ERR_UNSUPPORTED, "--quantization %s: the %s backend has no kernels for llama.cpp's block "
+                    "formats (the CPU's); on a GPU use --quantization fp8", kvs_quantization_name(c->quantization),
+                    m->be->name);
 }
 
 kvs_status kvs_model_create(const kvs_config *cfg, kvs_checkpoint *ck, kvs_backend *be, kvs_model **out) {
@@ -344,9 +421,10 @@ kvs_status kvs_model_create_shard(const kvs_config *cfg, kvs_checkpoint *ck, kvs
     kvs_status st = m->layers ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "model: out of memory");
     kvs_progress bar;
     bool show = rank == 0; /* one bar for the group */
+    if (st == KVS_OK) st = ggml_prepare(m, ck);
     if (st == KVS_OK && m->cfg.quantization == KVS_QUANT_FP8) st = fp8_prepare(m);
     if (show) kvs_progress_start(&bar, "loading weights", cfg->n_layers + 2);
-    if (st == KVS_OK) st = upload(m, ck, KVS_W_EMBED, -1, &m->embed);
+    if (st == KVS_OK) st = upload_embed(m, ck);
     if (st == KVS_OK) st = upload(m, ck, KVS_W_FINAL_NORM, -1, &m->final_norm);
     if (st == KVS_OK) st = upload_lm_head(m, ck);
     if (show) kvs_progress_update(&bar, 2);
@@ -387,7 +465,7 @@ void kvs_model_destroy(kvs_model *m) {
         free(m->layers);
     }
     if (m->lm_head && m->lm_head_owned) be->free(be, m->lm_head);
-    if (m->embed) be->free(be, m->embed);
+    if (m->embed) be->free(be, m->embed); /* a tied ggml LM head is this memory too (not owned) */
     if (m->final_norm) be->free(be, m->final_norm);
     if (m->inv_freq) be->free(be, m->inv_freq);
     free(m->kv_scales);
@@ -396,6 +474,13 @@ void kvs_model_destroy(kvs_model *m) {
 }
 
 const kvs_config *kvs_model_config(const kvs_model *m) { return &m->cfg; }
+
+size_t kvs_model_weight_bytes_read(const kvs_model *m) {
+    size_t ws = kvs_dtype_size(m->be->weight_dtype), h = (size_t)m->cfg.hidden_size, total = h * ws; /* final norm */
+    for (int l = 0; l < m->cfg.n_layers; l++) total += m->layers[l].arena_bytes;
+    if (m->g_lm_head.n_parts) return total + kvs_ggml_weight_bytes(&m->g_lm_head);
+    return total + (size_t)m->shard.vocab_pad * h * ws;
+}
 const kvs_shard *kvs_model_shard(const kvs_model *m) { return &m->shard; }
 const float *kvs_model_kv_scales(const kvs_model *m) { return m->kv_scales; }
 kvs_backend *kvs_model_backend(const kvs_model *m) { return m->be; }

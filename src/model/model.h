@@ -9,16 +9,28 @@
 #include "kv/kv_device.h"
 
 /* ---- config.json ------------------------------------------------------------ */
-typedef enum { KVS_ROPE_NONE, KVS_ROPE_LINEAR, KVS_ROPE_LLAMA3 } kvs_rope_type;
+/* KVS_ROPE_FACTORS: a divisor per frequency, as llama.cpp stores Llama 3's
+ * scaling (a GGUF file's rope_freqs.weight). */
+typedef enum { KVS_ROPE_NONE, KVS_ROPE_LINEAR, KVS_ROPE_LLAMA3, KVS_ROPE_FACTORS } kvs_rope_type;
+#define KVS_MAX_ROPE_FACTORS 512 /* head_dim / 2 at most */
 
 #define KVS_MAX_EOS 8
 
-/* Weight quantization (--quantization; docs/CUDA.md "FP8"). FP8: the linear
- * layers' weights (q, k, v, o, gate/up, down) quantized at load to FP8 E4M3
- * with a scale per output channel, activations per token on the fly; the
- * embeddings, the LM head, the norms and biases stay in the backend's dtype. */
-typedef enum { KVS_QUANT_NONE, KVS_QUANT_FP8 } kvs_quantization;
-/* "fp8" -> KVS_QUANT_FP8; anything else fails, naming the value. */
+/* Weight quantization (--quantization; docs/CUDA.md "FP8", docs/CPU.md
+ * "Quantized weights"). FP8: the linear layers' weights (q, k, v, o, gate/up,
+ * down) quantized at load to FP8 E4M3 with a scale per output channel,
+ * activations per token on the fly. Q8_0 / Q4_K (CPU): the linear weights
+ * quantized at load into llama.cpp's block formats (Q4_K needs rows of a
+ * multiple of 256, else that weight is Q8_0). With both, the embeddings, the
+ * LM head, the norms and biases stay in the backend's dtype. GGUF: a GGUF
+ * file's quantized weights kept in the file's own blocks, embedding and LM head
+ * included (set at load on a backend with matmul_q, one rank; elsewhere they
+ * are dequantized to the backend's dtype at load). */
+typedef enum { KVS_QUANT_NONE, KVS_QUANT_FP8, KVS_QUANT_Q8_0, KVS_QUANT_Q4_K, KVS_QUANT_GGUF } kvs_quantization;
+/* Whether q keeps weights in ggml blocks (Q8_0, Q4_K, GGUF). */
+bool kvs_quantization_is_ggml(kvs_quantization q);
+const char *kvs_quantization_name(kvs_quantization q);
+/* "fp8", "q8_0", "q4_k" -> the method; anything else fails, naming the value. */
 kvs_status kvs_quantization_parse(const char *v, kvs_quantization *q);
 
 /* A checkpoint published with FP8 linear weights (config.json's
@@ -45,6 +57,7 @@ typedef struct {
     float rope_factor;               /* linear and llama3 */
     float rope_low_freq_factor, rope_high_freq_factor; /* llama3 */
     int rope_original_max_position;  /* llama3 */
+    float rope_freq_factors[KVS_MAX_ROPE_FACTORS]; /* factors: frequency i divided by [i], i < head_dim / 2 */
     bool tie_word_embeddings, attention_bias;
     bool qk_norm;                    /* Qwen3: q and k RMS-normalised per head (q_norm, k_norm) before RoPE */
     /* sliding-window attention: a query of a sliding layer sees its own token
@@ -76,6 +89,9 @@ kvs_status kvs_config_load(const char *model_dir, kvs_config *cfg);
  * the embedding's when F32/F16/BF16, float32 for quantized files. */
 kvs_status kvs_gguf_config(const kvs_gguf *g, kvs_config *cfg);
 kvs_status kvs_gguf_config_load(const char *path, kvs_config *cfg);
+/* Llama 3's RoPE scaling as a divisor per frequency (out[head_dim / 2]), as
+ * llama.cpp's converter writes it to rope_freqs.weight. */
+void kvs_rope_llama3_factors(const kvs_config *cfg, float *out);
 /* Layer l's sliding window (config.sliding_window for a sliding layer, else 0). */
 int kvs_config_layer_sliding_window(const kvs_config *cfg, int layer);
 /* Bytes of K+V per token across all layers for a cache of the given dtype. */
@@ -170,6 +186,20 @@ kvs_status kvs_checkpoint_read(kvs_checkpoint *ck, kvs_weight_kind kind, int lay
 size_t kvs_checkpoint_total_bytes(const kvs_checkpoint *ck);
 /* The dtype a weight is stored in (dummy weights: the config's), without reading it. */
 kvs_dtype kvs_checkpoint_dtype(const kvs_checkpoint *ck, kvs_weight_kind kind, int layer);
+/* A weight in a GGUF file's ggml block format: its rows as stored (llama's q / k
+ * rows in HF order), valid until the next read. */
+typedef struct {
+    uint32_t type; /* ggml type id */
+    int64_t rows;
+    size_t row_bytes;
+    const void *data;
+} kvs_ggml_rows;
+/* The ggml type of a weight stored quantized in a GGUF file (Q8_0, Q4_K, ...);
+ * false for every other weight (F32 / F16 / BF16, safetensors, dummy). */
+bool kvs_checkpoint_quantized(const kvs_checkpoint *ck, kvs_weight_kind kind, int layer, uint32_t *type);
+/* Whether a GGUF checkpoint stores any linear weight quantized. */
+bool kvs_checkpoint_has_quantized(const kvs_checkpoint *ck);
+kvs_status kvs_checkpoint_read_blocks(kvs_checkpoint *ck, kvs_weight_kind kind, int layer, kvs_ggml_rows *out);
 /* An FP8 checkpoint's linear weight (stored F8_E4M3): the f32 scales of its
  * rows [r0, r0 + nr) from its weight_scale (a per-tensor scale repeated on
  * every row). Fails for weights stored in another dtype. */
@@ -248,6 +278,10 @@ const float *kvs_model_kv_scales(const kvs_model *m);
 kvs_backend *kvs_model_backend(const kvs_model *m);
 void kvs_model_destroy(kvs_model *m);
 const kvs_config *kvs_model_config(const kvs_model *m);
+/* The weight bytes a decode step reads (every layer, the final norm, the LM
+ * head; not an untied embedding table): what the weights' formats cost in
+ * memory traffic. */
+size_t kvs_model_weight_bytes_read(const kvs_model *m);
 
 /* ---- the forward -------------------------------------------------------------
  * What the forward computes in, laid out by the runner's executor for one step

@@ -162,6 +162,10 @@ void kvs_runner_destroy(kvs_runner *g) {
 }
 
 int kvs_runner_world(const kvs_runner *g) { return g->world; }
+size_t kvs_runner_weight_bytes_read(const kvs_runner *g) { return kvs_model_weight_bytes_read(g->ranks[0].model); }
+kvs_quantization kvs_runner_quantization(const kvs_runner *g) {
+    return kvs_model_config(g->ranks[0].model)->quantization;
+}
 const kvs_config *kvs_runner_config(const kvs_runner *g) { return &g->cfg; }
 kvs_model *kvs_runner_model(kvs_runner *g, int rank) { return rank >= 0 && rank < g->world ? g->ranks[rank].model : NULL; }
 kvs_executor *kvs_runner_executor(kvs_runner *g, int rank) { return rank >= 0 && rank < g->world ? g->ranks[rank].exec : NULL; }

@@ -43,6 +43,9 @@ const kvs_config *kvs_runner_config(const kvs_runner *r);
 kvs_step_limits kvs_runner_limits(const kvs_runner *r); /* every rank's executor's, defaults filled in */
 void kvs_runner_set_graph_mode(kvs_runner *r, kvs_graph_mode mode); /* every rank's */
 kvs_graph_stats kvs_runner_graph_stats(const kvs_runner *r);        /* rank 0's */
+size_t kvs_runner_weight_bytes_read(const kvs_runner *r);           /* rank 0's kvs_model_weight_bytes_read */
+/* The weights' form as loaded (a GGUF file's quantized blocks: KVS_QUANT_GGUF). */
+kvs_quantization kvs_runner_quantization(const kvs_runner *r);
 
 /* ---- the KV cache: one manager (kv.h) for every rank, a device per rank of
  * its slice of the KV heads and heads, the same n_blocks (kv_device.h);
