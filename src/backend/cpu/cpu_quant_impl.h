@@ -182,6 +182,9 @@ ALWAYS_INLINE float q_acc_sum(__m256 v) {
 ALWAYS_INLINE __m256i q_bits16(const uint8_t *p) {
     uint32_t x;
     memcpy(&x, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__) /* the bits as a byte mask: one instruction */
+    return _mm256_maskz_mov_epi8((__mmask32)x, _mm256_set1_epi8(0x10));
+#endif
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
     __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf),
                                     _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
