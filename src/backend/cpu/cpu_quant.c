@@ -1,6 +1,7 @@
 /* matmul_q and embedding_q: weights kept in llama.cpp's ggml block formats
  * (gguf/gguf.h), never widened whole. Decode (n <= KVS_CPU_GEMV_MAX_N) quantizes
- * the inputs once to int8 blocks of 32 and runs the kernel set's integer gemv_q
+ * the inputs once to int8 blocks of 32 (scaled per 32, or per 256 for the K
+ * formats, as llama.cpp's Q8_0 / Q8_K) and runs the kernel set's integer gemv_q
  * (cpu_quant_impl.h) over the pool's threads, each reading its rows of w once,
  * as llama.cpp does; prefill widens panels of w to f32 for sgemm, like the
  * bf16 matmul (cpu_matmul.c). */
@@ -92,7 +93,8 @@ void kvs_cpu_matmul_q(kvs_backend *b, void *out, int ld_out, const void *in, con
     const float *bias32 = bias ? kvs_cpu_weights_f32(b, bias, out_dim, (float *)scratch) : NULL;
     if (gemv) { /* decode: the inputs quantized once, then the pool's threads split the rows of w */
         kvs_cpu_q8 *xq = plain ? NULL : (kvs_cpu_q8 *)(scratch + bias_bytes);
-        if (xq) kvs_cpu_quantize_q8(xq, x, n, in_dim);
+        bool k256 = type == KVS_GGML_Q4_K || type == KVS_GGML_Q5_K || type == KVS_GGML_Q6_K;
+        if (xq) kvs_cpu_quantize_q8(xq, x, n, in_dim, k256 ? 256 : 32);
         gemv_q_job job = {kvs_cpu_kernels_of(b), o, ld_out, x, bias32, xq, w, type, plain_dtype(type), row_bytes,
                           n, in_dim, out_dim};
         kvs_cpu_pool_run(kvs_cpu_pool_of(b), run_gemv_q, &job);

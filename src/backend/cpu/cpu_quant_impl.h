@@ -4,14 +4,16 @@
  * one vpdpbusd instead of three instructions). 256 bits suit every format: a
  * chunk of 32 weights is what one scale covers (16 for Q6_K, split in lanes).
  *
- * Every format goes through one form: weights a chunk of 32 at a time as
- * small integers u[32] with scales sl (elements 0..15), sh (16..31) and offset
- * coefficients cl, ch, so that the chunk's dot with an activation block x is
- *   sl * x.d * sum_{k<16} u[k] q[k] + sh * x.d * sum_{k>=16} u[k] q[k]
- *     + cl * x.s[0] + ch * x.s[1]
- * (Q4_0: u = nibble, cl = ch = -8 d; Q4_1: cl = ch = m; Q4_K: sl = d * sc,
- * cl = -dmin * m; Q6_K: u = the 6-bit code, cl = -32 sl, ...; Q8_0: u the
- * signed codes, no offsets). Chunk c of a row meets activation block c.
+ * The 32-element formats go a block at a time: its weights as small integers
+ * u[32] with scale d and min m, so that the block's dot with an activation
+ * block x (scaled per 32) is d * x.d * sum u q + m * x.s. The centred formats
+ * (Q4_0: u = nibble - 8, Q5_0, Q8_0) have signed u and no m (|u| times q with
+ * u's sign, as llama.cpp does); Q4_1 and Q5_1 have unsigned u. Even and odd
+ * blocks sum apart, halving the chains of dependent adds that bound the loop.
+ * The K formats (256) go as llama.cpp's: activations scaled per 256 (Q8_K's
+ * way: the 8 blocks of 32 share d), each chunk of 32's integer dot times its
+ * integer scale(s) summed exactly in i32, the mins (Q4_K, Q5_K) against the
+ * blocks' integer sums, one f32 step per 256; Q6_K's codes centred (- 32).
  * A row's sum for one input is the same sequence of operations whatever the
  * other inputs, n or the rows' split: the scalar sums are explicit fmaf, since
  * the compiler's own contraction of a * b + c * d differed with the group size. */
@@ -54,30 +56,28 @@ ALWAYS_INLINE void q_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-/* Chunk c's scales {sl, sh, cl, ch} (see the top); h2f converts an fp16. */
-#define Q_SCALES(fmt, b, c, s, h2f)                                                                                \
+ALWAYS_INLINE bool q_centred(const uint32_t fmt) {
+    return fmt == KVS_GGML_Q4_0 || fmt == KVS_GGML_Q5_0 || fmt == KVS_GGML_Q6_K || fmt == KVS_GGML_Q8_0;
+}
+
+/* A 32-element block's scales {sl, sh, cm} (see the top); h2f converts an fp16. */
+#define Q_SCALES(fmt, b, s, h2f)                                                                                   \
     do {                                                                                                           \
-        float d_;                                                                                                  \
-        switch (fmt) {                                                                                             \
-        case KVS_GGML_Q4_0: d_ = h2f(q_u16(b)), s[0] = s[1] = d_, s[2] = s[3] = -8 * d_; break;                    \
-        case KVS_GGML_Q5_0: d_ = h2f(q_u16(b)), s[0] = s[1] = d_, s[2] = s[3] = -16 * d_; break;                   \
-        case KVS_GGML_Q4_1:                                                                                        \
-        case KVS_GGML_Q5_1: s[0] = s[1] = h2f(q_u16(b)), s[2] = s[3] = h2f(q_u16(b + 2)); break;                    \
-        case KVS_GGML_Q8_0: s[0] = s[1] = h2f(q_u16(b)), s[2] = s[3] = 0; break;                                    \
-        case KVS_GGML_Q4_K:                                                                                        \
-        case KVS_GGML_Q5_K: {                                                                                      \
-            int sc_, m_;                                                                                           \
-            q_scale_min(c, b + 4, &sc_, &m_);                                                                      \
-            s[0] = s[1] = h2f(q_u16(b)) * (float)sc_, s[2] = s[3] = -h2f(q_u16(b + 2)) * (float)m_;                \
-            break;                                                                                                 \
-        }                                                                                                          \
-        default: { /* Q6_K: chunk c = 4 * half + k takes scales 8 * half + 2k, + 1 */                              \
-            const int8_t *sc_ = (const int8_t *)(b + 192) + 8 * ((c) / 4) + 2 * ((c) % 4);                         \
-            d_ = h2f(q_u16(b + 208));                                                                              \
-            s[0] = d_ * (float)sc_[0], s[1] = d_ * (float)sc_[1], s[2] = -32 * s[0], s[3] = -32 * s[1];             \
-        }                                                                                                          \
-        }                                                                                                          \
+        s[0] = s[1] = h2f(q_u16(b));                                                                               \
+        s[2] = fmt == KVS_GGML_Q4_1 || fmt == KVS_GGML_Q5_1 ? h2f(q_u16(b + 2)) : 0;                               \
     } while (0)
+
+/* K formats: chunk c's integer scales for elements 0..15 and 16..31, and its
+ * min (Q4_K, Q5_K; 0 for Q6_K, whose codes are centred instead). */
+ALWAYS_INLINE void q_kscales(const uint8_t *wb, const uint32_t fmt, int c, int *sl, int *sh, int *m) {
+    if (fmt == KVS_GGML_Q6_K) {
+        const int8_t *sc = (const int8_t *)(wb + 192) + 8 * (c / 4) + 2 * (c % 4);
+        *sl = sc[0], *sh = sc[1], *m = 0;
+    } else {
+        q_scale_min(c, wb + 4, sl, m);
+        *sh = *sl;
+    }
+}
 
 #if VL == 1
 /* ---- the reference: plain C ------------------------------------------------------ */
@@ -96,8 +96,9 @@ ALWAYS_INLINE void q_unpack(const uint8_t *b, const uint32_t fmt, int c, int *u)
         const uint8_t *qh = b + (min ? 4 : 2), *qs = five ? qh + 4 : qh;
         uint32_t h = five ? (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24 : 0;
         for (int l = 0; l < 16; l++) {
-            u[l] = (qs[l] & 0xF) | (int)((h >> l) & 1) << 4;
-            u[l + 16] = (qs[l] >> 4) | (int)((h >> (l + 16)) & 1) << 4;
+            int centre = fmt == KVS_GGML_Q4_0 ? 8 : fmt == KVS_GGML_Q5_0 ? 16 : 0;
+            u[l] = ((qs[l] & 0xF) | (int)((h >> l) & 1) << 4) - centre;
+            u[l + 16] = ((qs[l] >> 4) | (int)((h >> (l + 16)) & 1) << 4) - centre;
         }
         break;
     }
@@ -115,7 +116,7 @@ ALWAYS_INLINE void q_unpack(const uint8_t *b, const uint32_t fmt, int c, int *u)
     default: { /* Q6_K */
         int half = c / 4, k = c % 4;
         const uint8_t *ql = b + 64 * half + 32 * (k % 2), *qh = b + 128 + 32 * half;
-        for (int l = 0; l < 32; l++) u[l] = (k < 2 ? ql[l] & 0xF : ql[l] >> 4) | ((qh[l] >> (2 * k)) & 3) << 4;
+        for (int l = 0; l < 32; l++) u[l] = ((k < 2 ? ql[l] & 0xF : ql[l] >> 4) | ((qh[l] >> (2 * k)) & 3) << 4) - 32;
     }
     }
 }
@@ -125,15 +126,38 @@ ALWAYS_INLINE void q_unpack(const uint8_t *b, const uint32_t fmt, int c, int *u)
 ALWAYS_INLINE void q_chunk(const uint8_t *b, const uint32_t fmt, int c, const kvs_cpu_q8 *const *xb, float *acc,
                            float *corr, const int NI) {
     int u[32];
-    float s[4];
+    float s[3];
     q_unpack(b, fmt, c, u);
-    Q_SCALES(fmt, b, c, s, kvs_f16_to_f32);
+    Q_SCALES(fmt, b, s, kvs_f16_to_f32);
     for (int i = 0; i < NI; i++) {
         const kvs_cpu_q8 *x = xb[i];
         int lo = 0, hi = 0;
         for (int l = 0; l < 16; l++) lo += u[l] * x->q[l], hi += u[l + 16] * x->q[l + 16];
         acc[i] = fmaf((float)hi, s[1] * x->d, fmaf((float)lo, s[0] * x->d, acc[i]));
-        corr[i] = fmaf(s[3], x->s[1], fmaf(s[2], x->s[0], corr[i]));
+        corr[i] = fmaf(s[2], x->s, corr[i]);
+    }
+}
+/* A K block (256) against the group: its 8 chunks' integer dots times their
+ * integer scales summed exactly, then one f32 step a block (see q_kblock_scales). */
+ALWAYS_INLINE void q_kblock(const uint8_t *wb, const uint32_t fmt, const kvs_cpu_q8 *const *xb, float *acc,
+                            float *corr, const int NI) {
+    int isum[QK_GROUP] = {0}, msum[QK_GROUP] = {0};
+    for (int c = 0; c < 8; c++) {
+        int u[32], sl, sh, m;
+        q_unpack(wb, fmt, c, u);
+        q_kscales(wb, fmt, c, &sl, &sh, &m);
+        for (int i = 0; i < NI; i++) {
+            const kvs_cpu_q8 *x = xb[i] + c;
+            int lo = 0, hi = 0;
+            for (int l = 0; l < 16; l++) lo += u[l] * x->q[l], hi += u[l + 16] * x->q[l + 16];
+            isum[i] += sl * lo + sh * hi, msum[i] += m * x->isum;
+        }
+    }
+    float d = kvs_f16_to_f32(q_u16(wb + (fmt == KVS_GGML_Q6_K ? 208 : 0)));
+    float dmin = fmt == KVS_GGML_Q6_K ? 0 : kvs_f16_to_f32(q_u16(wb + 2));
+    for (int i = 0; i < NI; i++) {
+        acc[i] = fmaf((float)isum[i], d * xb[i]->d, acc[i]);
+        corr[i] = fmaf(-dmin * xb[i]->d, (float)msum[i], corr[i]);
     }
 }
 #else
@@ -158,6 +182,9 @@ ALWAYS_INLINE float q_acc_sum(__m256 v) {
 ALWAYS_INLINE __m256i q_bits16(const uint8_t *p) {
     uint32_t x;
     memcpy(&x, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__) /* the bits as a byte mask: one instruction */
+    return _mm256_maskz_mov_epi8((__mmask32)x, _mm256_set1_epi8(0x10));
+#endif
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
     __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf),
                                     _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
@@ -175,7 +202,9 @@ ALWAYS_INLINE __m256i q_unpack(const uint8_t *b, const uint32_t fmt, int c) {
         const uint8_t *qh = b + (min ? 4 : 2), *qs = five ? qh + 4 : qh;
         __m128i v = _mm_loadu_si128((const __m128i *)qs);
         __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), lo4);
-        return five ? _mm256_or_si256(u, q_bits16(qh)) : u;
+        if (five) u = _mm256_or_si256(u, q_bits16(qh));
+        return fmt == KVS_GGML_Q4_0 ? _mm256_sub_epi8(u, _mm256_set1_epi8(8))
+               : fmt == KVS_GGML_Q5_0 ? _mm256_sub_epi8(u, _mm256_set1_epi8(16)) : u;
     }
     case KVS_GGML_Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
     case KVS_GGML_Q4_K:
@@ -194,7 +223,7 @@ ALWAYS_INLINE __m256i q_unpack(const uint8_t *b, const uint32_t fmt, int c) {
         __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
         __m256i u = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), lo4);
         __m256i h = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), _mm256_set1_epi8(3));
-        return _mm256_or_si256(u, _mm256_slli_epi16(h, 4));
+        return _mm256_sub_epi8(_mm256_or_si256(u, _mm256_slli_epi16(h, 4)), _mm256_set1_epi8(32));
     }
     }
 }
@@ -202,38 +231,86 @@ ALWAYS_INLINE __m256i q_unpack(const uint8_t *b, const uint32_t fmt, int c) {
 ALWAYS_INLINE void q_chunk(const uint8_t *b, const uint32_t fmt, int c, const kvs_cpu_q8 *const *xb, __m256 *acc,
                            float *corr, const int NI) {
     __m256i u = q_unpack(b, fmt, c);
-    float s[4];
-    Q_SCALES(fmt, b, c, s, q_h2f);
-    const bool sgn = fmt == KVS_GGML_Q8_0, split = fmt == KVS_GGML_Q6_K, off = fmt != KVS_GGML_Q8_0;
+    float s[3];
+    Q_SCALES(fmt, b, s, q_h2f);
+    const bool sgn = q_centred(fmt);
     __m256i ua = sgn ? _mm256_abs_epi8(u) : u; /* signed weights: |w| times x with w's sign */
     for (int i = 0; i < NI; i++) {
         const kvs_cpu_q8 *x = xb[i];
         __m256i xv = _mm256_loadu_si256((const __m256i *)x->q);
         __m256i dot = q_dot(ua, sgn ? _mm256_sign_epi8(xv, u) : xv);
-        __m256 sc = split ? _mm256_set_m128(_mm_set1_ps(s[1] * x->d), _mm_set1_ps(s[0] * x->d))
-                          : _mm256_set1_ps(s[0] * x->d);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[i]);
-        if (off) corr[i] = fmaf(s[3], x->s[1], fmaf(s[2], x->s[0], corr[i]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[0] * x->d), acc[i]);
+        if (!sgn) corr[i] = fmaf(s[2], x->s, corr[i]);
+    }
+}
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define q_madd(acc, p, s) _mm256_dpwssd_epi32((acc), (p), (s))
+#else
+#define q_madd(acc, p, s) _mm256_add_epi32((acc), _mm256_madd_epi16((p), (s)))
+#endif
+
+/* A K block against the group, llama.cpp's way: per chunk the u8 x i8 pairs
+ * summed to i16 (|u q| pairs <= 2 * 63 * 127: no saturation), times the chunk's
+ * integer scales into i32 lanes; one f32 step a block. */
+ALWAYS_INLINE void q_kblock(const uint8_t *wb, const uint32_t fmt, const kvs_cpu_q8 *const *xb, __m256 *acc,
+                            float *corr, const int NI) {
+    const bool q6 = fmt == KVS_GGML_Q6_K;
+    __m256i isum[QK_GROUP];
+    int msum[QK_GROUP];
+    for (int i = 0; i < NI; i++) isum[i] = _mm256_setzero_si256(), msum[i] = 0;
+    UNROLL for (int c = 0; c < 8; c++) {
+        int sl, sh, m;
+        __m256i u = q_unpack(wb, fmt, c), ua = q6 ? _mm256_abs_epi8(u) : u;
+        q_kscales(wb, fmt, c, &sl, &sh, &m);
+        __m256i sv = q6 ? _mm256_set_m128i(_mm_set1_epi16((short)sh), _mm_set1_epi16((short)sl))
+                        : _mm256_set1_epi16((short)sl);
+        for (int i = 0; i < NI; i++) {
+            const kvs_cpu_q8 *x = xb[i] + c;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)x->q);
+            isum[i] = q_madd(isum[i], _mm256_maddubs_epi16(ua, q6 ? _mm256_sign_epi8(xv, u) : xv), sv);
+            if (!q6) msum[i] += m * x->isum;
+        }
+    }
+    float d = q_h2f(q_u16(wb + (q6 ? 208 : 0))), dmin = q6 ? 0 : q_h2f(q_u16(wb + 2));
+    for (int i = 0; i < NI; i++) {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * xb[i]->d), acc[i]);
+        if (!q6) corr[i] = fmaf(-dmin * xb[i]->d, (float)msum[i], corr[i]);
     }
 }
 #endif
 
+/* 32-element block g of the row (at wb) into the sums of parity par (a constant:
+ * the sums stay in registers). */
+#define Q_BLOCK32(wb, g, par)                                                                                      \
+    do {                                                                                                           \
+        const kvs_cpu_q8 *xb_[QK_GROUP];                                                                           \
+        for (int i_ = 0; i_ < NI; i_++) xb_[i_] = xs[i_] + (g);                                                    \
+        q_chunk(wb, fmt, 0, xb_, acc[par], corr[par], NI);                                                         \
+    } while (0)
+
 /* One weight row against NI inputs (their blocks xs[i]): res[i]. */
 ALWAYS_INLINE void q_row(float *res, const uint8_t *wr, const kvs_cpu_q8 *const *xs, int in_dim, const uint32_t fmt,
                          const int NI) {
-    const int blk = q_block(fmt), bb = q_block_bytes(fmt), cpb = blk / 32;
-    Q_ACC acc[QK_GROUP];
-    float corr[QK_GROUP];
-    for (int i = 0; i < NI; i++) acc[i] = q_acc_zero(), corr[i] = 0;
-    for (int b = 0; b < in_dim / blk; b++) {
-        const uint8_t *wb = wr + (size_t)b * bb;
-        UNROLL for (int c = 0; c < cpb; c++) {
+    const int blk = q_block(fmt), bb = q_block_bytes(fmt), cpb = blk / 32, nblk = in_dim / blk;
+    Q_ACC acc[2][QK_GROUP];
+    float corr[2][QK_GROUP];
+    for (int p = 0; p < 2; p++)
+        for (int i = 0; i < NI; i++) acc[p][i] = q_acc_zero(), corr[p][i] = 0;
+    if (cpb == 1) { /* blocks two at a time, even and odd apart */
+        int b = 0;
+        for (; b + 2 <= nblk; b += 2) {
+            Q_BLOCK32(wr + (size_t)b * bb, b, 0);
+            Q_BLOCK32(wr + (size_t)(b + 1) * bb, b + 1, 1);
+        }
+        if (b < nblk) Q_BLOCK32(wr + (size_t)b * bb, b, 0);
+    } else { /* K blocks (one f32 step each: one chain suffices); activations scaled per 256 */
+        for (int b = 0; b < nblk; b++) {
             const kvs_cpu_q8 *xb[QK_GROUP];
-            for (int i = 0; i < NI; i++) xb[i] = xs[i] + b * cpb + c;
-            q_chunk(wb, fmt, c, xb, acc, corr, NI);
+            for (int i = 0; i < NI; i++) xb[i] = xs[i] + 8 * b;
+            q_kblock(wr + (size_t)b * bb, fmt, xb, acc[0], corr[0], NI);
         }
     }
-    for (int i = 0; i < NI; i++) res[i] = q_acc_sum(acc[i]) + corr[i];
+    for (int i = 0; i < NI; i++) res[i] = q_acc_sum(acc[0][i] + acc[1][i]) + (corr[0][i] + corr[1][i]);
 }
 
 ALWAYS_INLINE void gemv_q_t(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,

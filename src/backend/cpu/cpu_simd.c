@@ -28,20 +28,23 @@
 #include "backend/cpu/cpu_simd_impl.h"
 
 /* Scalar, so that every set sees the same blocks; round half away from zero
- * (llama.cpp's roundf), |q| <= 127 since |x| / d <= 127 up to rounding. */
-void kvs_cpu_quantize_q8(kvs_cpu_q8 *dst, const float *x, int n, int in_dim) {
-    for (size_t b = 0; b < (size_t)n * (in_dim / 32); b++, x += 32, dst++) {
+ * (llama.cpp's roundf), |q| <= 127 since |x| / d <= 127 up to rounding. The
+ * rows are few (decode): its time is small against reading the weights. */
+void kvs_cpu_quantize_q8(kvs_cpu_q8 *dst, const float *x, int n, int in_dim, int group) {
+    for (size_t g = 0; g < (size_t)n * (in_dim / group); g++, x += group) {
         float amax = 0;
-        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(x[k]));
+        for (int k = 0; k < group; k++) amax = fmaxf(amax, fabsf(x[k]));
         float d = amax / 127.0f, inv = d != 0 ? 1.0f / d : 0.0f;
-        int sum[2] = {0, 0};
-        for (int k = 0; k < 32; k++) {
-            int q = (int)roundf(x[k] * inv);
-            q = q > 127 ? 127 : q < -127 ? -127 : q;
-            dst->q[k] = (int8_t)q;
-            sum[k / 16] += q;
+        for (int k0 = 0; k0 < group; k0 += 32, dst++) {
+            int sum = 0;
+            for (int k = 0; k < 32; k++) {
+                float r = roundf(x[k0 + k] * inv); /* NaN (an inf or NaN input): 0, and d makes the sums NaN */
+                int q = r >= 127 ? 127 : r <= -127 ? -127 : r == r ? (int)r : 0;
+                dst->q[k] = (int8_t)q;
+                sum += q;
+            }
+            dst->d = d, dst->s = d * (float)sum, dst->isum = sum, dst->pad_ = 0;
         }
-        dst->d = d, dst->s[0] = d * (float)sum[0], dst->s[1] = d * (float)sum[1], dst->pad_ = 0;
     }
 }
 

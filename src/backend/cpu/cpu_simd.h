@@ -12,13 +12,13 @@ enum { KVS_CPU_GEMV_MAX_N = 8 };
 
 /* 32 activations quantized for the integer dot products of the quantized
  * gemv (cpu_quant.c): x[k] ~ d * q[k], q = round(x / d) in [-127, 127], d =
- * max |x| / 127; s[h] = d * (the sum of q over elements 16h .. 16h + 15), which
- * the formats' offsets and mins multiply. A scale per 32 (not llama.cpp's per
- * 256 for the K formats): as cheap here, since every format's weights change
- * scale at least every 32 anyway, and more accurate. */
+ * max |x| / 127 over the block's group (32, or 256 for the K formats, as
+ * llama.cpp's Q8_0 and Q8_K); isum = the sum of the q, s = d * isum, which the
+ * formats' mins multiply. */
 typedef struct {
     int8_t q[32];
-    float d, s[2], pad_;
+    float d, s;
+    int32_t isum, pad_;
 } kvs_cpu_q8;
 
 typedef struct {
@@ -65,9 +65,10 @@ extern const kvs_cpu_kernels *const kvs_cpu_kernels_avx2, *const kvs_cpu_kernels
 bool kvs_cpu_runs_avx2(void);
 bool kvs_cpu_runs_avx512(void);
 
-/* Quantizes n rows of in_dim floats (a multiple of 32) into n * in_dim / 32
- * blocks (kvs_cpu_q8): the same bits for every set. */
-void kvs_cpu_quantize_q8(kvs_cpu_q8 *dst, const float *x, int n, int in_dim);
+/* Quantizes n rows of in_dim floats (a multiple of group: 32 or 256) into
+ * n * in_dim / 32 blocks (kvs_cpu_q8), one scale per group: the same bits for
+ * every set. gemv_q takes group 256 for the K formats, 32 for the others. */
+void kvs_cpu_quantize_q8(kvs_cpu_q8 *dst, const float *x, int n, int in_dim, int group);
 
 /* The best set this CPU runs; $KVS_CPU_KERNELS (generic, avx2, avx512) picks a
  * lesser one (a set the CPU lacks falls back to the best it has). */
