@@ -18,6 +18,7 @@
  * other inputs, n or the rows' split: the scalar sums are explicit fmaf, since
  * the compiler's own contraction of a * b + c * d differed with the group size. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gguf/gguf.h"
@@ -277,6 +278,162 @@ ALWAYS_INLINE void q_kblock(const uint8_t *wb, const uint32_t fmt, const kvs_cpu
         if (!q6) corr[i] = fmaf(-dmin * xb[i]->d, (float)msum[i], corr[i]);
     }
 }
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* ---- AVX-512 Q4_K / Q6_K: a whole super-block of 256 in four 512-bit registers ----
+ * The inputs' blocks are first repacked per 256 (q_x256) in the order the
+ * weights unpack: Q4_K's 64 code bytes give chunks {0, 2} (low nibbles) and
+ * {1, 3} (high), Q6_K's give {0, 1} and {2, 3}. The codes stay unsigned (Q6_K's
+ * - 32 goes against the per-16 activation sums), u8 x i8 pairs summed to i16
+ * (vpmaddubsw: |pair| <= 2 * 63 * 127) then times the chunk's i16 scale into i32
+ * (vpdpwssd); the scales decoded once per super-block; the mins (Q4_K) against
+ * the per-32 sums; one f32 step a super-block, the min term in its own lanes. */
+#define Q_K512 1
+typedef struct {
+    int8_t q[256];   /* the 8 chunks, in the weights' unpacking order */
+    int16_t bs32[8]; /* chunk c's sum (natural order) */
+    int16_t bs16[16]; /* the sums of 16 (natural order) */
+    float d;
+    int32_t pad_[3];
+} q_x256;
+
+/* Chunk c's position in q_x256.q, in 32s. */
+ALWAYS_INLINE int q_x256_pos(const uint32_t fmt, int c) {
+    return fmt == KVS_GGML_Q4_K ? (c / 4) * 4 + (c % 2) * 2 + (c % 4) / 2 : c;
+}
+
+static void q_repack256(q_x256 *dst, const kvs_cpu_q8 *x, int nsb, const uint32_t fmt) {
+    for (int b = 0; b < nsb; b++, dst++, x += 8) {
+        for (int c = 0; c < 8; c++) {
+            memcpy(dst->q + 32 * q_x256_pos(fmt, c), x[c].q, 32);
+            int lo = 0, hi = 0;
+            for (int l = 0; l < 16; l++) lo += x[c].q[l], hi += x[c].q[l + 16];
+            dst->bs16[2 * c] = (int16_t)lo, dst->bs16[2 * c + 1] = (int16_t)hi, dst->bs32[c] = (int16_t)x[c].isum;
+        }
+        dst->d = x[0].d;
+        memset(dst->pad_, 0, sizeof dst->pad_);
+    }
+}
+
+/* words w of a 512-bit register: source word lo for w < 16, hi otherwise */
+#define Q_IDX2(lo, hi) _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1)
+
+ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *acc, __m128 *accm, const int NI) {
+    uint32_t a, b, c;
+    memcpy(&a, wb + 4, 4), memcpy(&b, wb + 8, 4), memcpy(&c, wb + 12, 4);
+    const uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+    uint64_t sc = (a & k6) | (uint64_t)((c & k4) | ((a >> 6) & k2) << 4) << 32;
+    uint64_t mn = (b & k6) | (uint64_t)(((c >> 4) & k4) | ((b >> 6) & k2) << 4) << 32;
+    __m256i s16 = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)sc)); /* scales, then mins */
+    __m512i s512 = _mm512_castsi256_si512(s16);
+    __m512i sv0 = _mm512_permutexvar_epi16(Q_IDX2(0, 2), s512), sv1 = _mm512_permutexvar_epi16(Q_IDX2(1, 3), s512);
+    __m512i sv2 = _mm512_permutexvar_epi16(Q_IDX2(4, 6), s512), sv3 = _mm512_permutexvar_epi16(Q_IDX2(5, 7), s512);
+    __m128i mins = _mm256_extracti128_si256(s16, 1);
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    __m512i v0 = _mm512_loadu_si512(wb + 16), v1 = _mm512_loadu_si512(wb + 80);
+    __m512i u0 = _mm512_and_si512(v0, m4), u1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
+    __m512i u2 = _mm512_and_si512(v1, m4), u3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+    float d = q_h2f(q_u16(wb)), dmin = q_h2f(q_u16(wb + 2));
+    for (int i = 0; i < NI; i++) {
+        const q_x256 *x = xb[i];
+        __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(u0, _mm512_loadu_si512(x->q)), sv0);
+        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u1, _mm512_loadu_si512(x->q + 64)), sv1);
+        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u2, _mm512_loadu_si512(x->q + 128)), sv2);
+        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u3, _mm512_loadu_si512(x->q + 192)), sv3);
+        __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bs32));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d * x->d), acc[i]);
+        accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(m), _mm_set1_ps(-dmin * x->d), accm[i]);
+    }
+}
+
+ALWAYS_INLINE void q6k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *acc, const int NI) {
+    __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 192)));
+    __m512i s512 = _mm512_castsi256_si512(s16);
+    /* register p holds chunks 2p, 2p + 1: its 128-bit lane L the 16 elements of scale 4p + L */
+    const long long w1 = 0x0001000100010001;
+    const __m512i lane = _mm512_set_epi64(3 * w1, 3 * w1, 2 * w1, 2 * w1, w1, w1, 0, 0); /* word w: w / 8 */
+    __m512i sv[4];
+    for (int p = 0; p < 4; p++)
+        sv[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * p)), lane), s512);
+    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+    const __m512i cl = Q_IDX2(4, 2), ch = Q_IDX2(0, 2); /* the high bits to bits 4, 5: chunk k's << 4, 2; >> 0, 2 */
+    __m512i u[4];
+    for (int h = 0; h < 2; h++) {
+        __m512i ql = _mm512_loadu_si512(wb + 64 * h);
+        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wb + 128 + 32 * h)));
+        /* (a & 0xF) | (b & ~0xF): ternary 0xCA, m4 ? a : b */
+        u[2 * h] = _mm512_ternarylogic_epi32(m4, ql, _mm512_and_si512(_mm512_sllv_epi16(qh, cl), m30), 0xCA);
+        u[2 * h + 1] = _mm512_ternarylogic_epi32(m4, _mm512_srli_epi16(ql, 4),
+                                                 _mm512_and_si512(_mm512_srlv_epi16(qh, ch), m30), 0xCA);
+    }
+    float d = q_h2f(q_u16(wb + 208));
+    for (int i = 0; i < NI; i++) {
+        const q_x256 *x = xb[i];
+        __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(u[0], _mm512_loadu_si512(x->q)), sv[0]);
+        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u[1], _mm512_loadu_si512(x->q + 64)), sv[1]);
+        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u[2], _mm512_loadu_si512(x->q + 128)), sv[2]);
+        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u[3], _mm512_loadu_si512(x->q + 192)), sv[3]);
+        __m256i m = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)x->bs16)); /* the codes' - 32 */
+        s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(m, 5)));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d * x->d), acc[i]);
+    }
+}
+
+ALWAYS_INLINE void q_row_k512(float *res, const uint8_t *wr, const q_x256 *const *xs, int nsb, const uint32_t fmt,
+                              const int NI) {
+    __m512 acc[QK_GROUP];
+    __m128 accm[QK_GROUP];
+    for (int i = 0; i < NI; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm_setzero_ps();
+    const int bb = q_block_bytes(fmt);
+    for (int b = 0; b < nsb; b++) {
+        const q_x256 *xb[QK_GROUP];
+        for (int i = 0; i < NI; i++) xb[i] = xs[i] + b;
+        if (fmt == KVS_GGML_Q4_K)
+            q4k_sb(wr + (size_t)b * bb, xb, acc, accm, NI);
+        else
+            q6k_sb(wr + (size_t)b * bb, xb, acc, NI);
+    }
+    for (int i = 0; i < NI; i++) {
+        __m128 m = _mm_add_ps(accm[i], _mm_movehl_ps(accm[i], accm[i]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        res[i] = _mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(m);
+    }
+}
+
+/* The thread's repacked inputs (grown as needed, kept for the thread's life). */
+static _Thread_local q_x256 *q_x256_buf;
+static _Thread_local size_t q_x256_cap;
+
+/* false: no memory for the repacked inputs (the caller takes the 256-bit path) */
+ALWAYS_INLINE bool gemv_q_k512(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
+                               const float *bias, int n, int in_dim, int j0, int j1, const uint32_t fmt) {
+    const int nsb = in_dim / 256;
+    size_t need = (size_t)n * nsb;
+    if (need > q_x256_cap) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, need * sizeof(q_x256))) return false;
+        free(q_x256_buf);
+        q_x256_buf = p, q_x256_cap = need;
+    }
+    for (int i = 0; i < n; i++) q_repack256(q_x256_buf + (size_t)i * nsb, xq + (size_t)i * (in_dim / 32), nsb, fmt);
+    for (int j = j0; j < j1; j++) {
+        const uint8_t *wr = (const uint8_t *)w + (size_t)j * row_bytes;
+        for (int i0 = 0; i0 < n; i0 += QK_GROUP) {
+            const q_x256 *xs[QK_GROUP];
+            float r[QK_GROUP];
+            int m = n - i0 < QK_GROUP ? n - i0 : QK_GROUP;
+            for (int i = 0; i < m; i++) xs[i] = q_x256_buf + (size_t)(i0 + i) * nsb;
+            switch (m) {
+            case 1: q_row_k512(r, wr, xs, nsb, fmt, 1); break;
+            case 2: q_row_k512(r, wr, xs, nsb, fmt, 2); break;
+            case 3: q_row_k512(r, wr, xs, nsb, fmt, 3); break;
+            default: q_row_k512(r, wr, xs, nsb, fmt, 4); break;
+            }
+            for (int i = 0; i < m; i++) out[(size_t)(i0 + i) * ld_out + j] = r[i] + (bias ? bias[j] : 0.0f);
+        }
+    }
+    return true;
+}
+#endif
 #endif
 
 /* 32-element block g of the row (at wb) into the sums of parity par (a constant:
@@ -316,6 +473,11 @@ ALWAYS_INLINE void q_row(float *res, const uint8_t *wr, const kvs_cpu_q8 *const 
 ALWAYS_INLINE void gemv_q_t(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
                             const float *bias, int n, int in_dim, int j0, int j1, const uint32_t fmt) {
     int nb = in_dim / 32;
+#ifdef Q_K512
+    if ((fmt == KVS_GGML_Q4_K || fmt == KVS_GGML_Q6_K) &&
+        gemv_q_k512(out, ld_out, xq, w, row_bytes, bias, n, in_dim, j0, j1, fmt))
+        return;
+#endif
     for (int j = j0; j < j1; j++) {
         const uint8_t *wr = (const uint8_t *)w + (size_t)j * row_bytes;
         for (int i0 = 0; i0 < n; i0 += QK_GROUP) {
