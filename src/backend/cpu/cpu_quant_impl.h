@@ -333,7 +333,7 @@ ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
     __m512i u0 = _mm512_and_si512(v0, m4), u1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
     __m512i u2 = _mm512_and_si512(v1, m4), u3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
     float d = q_h2f(q_u16(wb)), dmin = q_h2f(q_u16(wb + 2));
-    for (int i = 0; i < NI; i++) {
+    UNROLL for (int i = 0; i < NI; i++) {
         const q_x256 *x = xb[i];
         __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(u0, _mm512_loadu_si512(x->q)), sv0);
         s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u1, _mm512_loadu_si512(x->q + 64)), sv1);
@@ -366,7 +366,7 @@ ALWAYS_INLINE void q6k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
                                                  _mm512_and_si512(_mm512_srlv_epi16(qh, ch), m30), 0xCA);
     }
     float d = q_h2f(q_u16(wb + 208));
-    for (int i = 0; i < NI; i++) {
+    UNROLL for (int i = 0; i < NI; i++) {
         const q_x256 *x = xb[i];
         __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(u[0], _mm512_loadu_si512(x->q)), sv[0]);
         s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u[1], _mm512_loadu_si512(x->q + 64)), sv[1]);
@@ -382,11 +382,11 @@ ALWAYS_INLINE void q_row_k512(float *res, const uint8_t *wr, const q_x256 *const
                               const int NI) {
     __m512 acc[QK_GROUP];
     __m128 accm[QK_GROUP];
-    for (int i = 0; i < NI; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm_setzero_ps();
+    UNROLL for (int i = 0; i < NI; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm_setzero_ps();
     const int bb = q_block_bytes(fmt);
     for (int b = 0; b < nsb; b++) {
         const q_x256 *xb[QK_GROUP];
-        for (int i = 0; i < NI; i++) xb[i] = xs[i] + b;
+        UNROLL for (int i = 0; i < NI; i++) xb[i] = xs[i] + b;
         if (fmt == KVS_GGML_Q4_K)
             q4k_sb(wr + (size_t)b * bb, xb, acc, accm, NI);
         else
