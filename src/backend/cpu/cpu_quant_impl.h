@@ -318,12 +318,15 @@ static void q_repack256(q_x256 *dst, const kvs_cpu_q8 *x, int nsb, const uint32_
 #define Q_IDX2(lo, hi) _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1)
 
 ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *acc, __m128 *accm, const int NI) {
-    uint32_t a, b, c;
-    memcpy(&a, wb + 4, 4), memcpy(&b, wb + 8, 4), memcpy(&c, wb + 12, 4);
+    uint32_t a, b, c, dd;
+    memcpy(&a, wb + 4, 4), memcpy(&b, wb + 8, 4), memcpy(&c, wb + 12, 4), memcpy(&dd, wb, 4);
+    /* the scales and mins in the integer units (the compiler would take vector ones, the loop's bottleneck) */
+    __asm__("" : "+r"(a), "+r"(b), "+r"(c));
     const uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
     uint64_t sc = (a & k6) | (uint64_t)((c & k4) | ((a >> 6) & k2) << 4) << 32;
     uint64_t mn = (b & k6) | (uint64_t)(((c >> 4) & k4) | ((b >> 6) & k2) << 4) << 32;
-    __m256i s16 = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)sc)); /* scales, then mins */
+    __asm__("" : "+r"(sc), "+r"(mn));
+    __m256i s16 = _mm256_cvtepu8_epi16(_mm_insert_epi64(_mm_cvtsi64_si128((long long)sc), (long long)mn, 1));
     __m512i s512 = _mm512_castsi256_si512(s16);
     __m512i sv0 = _mm512_permutexvar_epi16(Q_IDX2(0, 2), s512), sv1 = _mm512_permutexvar_epi16(Q_IDX2(1, 3), s512);
     __m512i sv2 = _mm512_permutexvar_epi16(Q_IDX2(4, 6), s512), sv3 = _mm512_permutexvar_epi16(Q_IDX2(5, 7), s512);
@@ -332,7 +335,7 @@ ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
     __m512i v0 = _mm512_loadu_si512(wb + 16), v1 = _mm512_loadu_si512(wb + 80);
     __m512i u0 = _mm512_and_si512(v0, m4), u1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
     __m512i u2 = _mm512_and_si512(v1, m4), u3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
-    float d = q_h2f(q_u16(wb)), dmin = q_h2f(q_u16(wb + 2));
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
     UNROLL for (int i = 0; i < NI; i++) {
         const q_x256 *x = xb[i];
         __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(u0, _mm512_loadu_si512(x->q)), sv0);
@@ -340,8 +343,9 @@ ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
         s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u2, _mm512_loadu_si512(x->q + 128)), sv2);
         s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u3, _mm512_loadu_si512(x->q + 192)), sv3);
         __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bs32));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d * x->d), acc[i]);
-        accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(m), _mm_set1_ps(-dmin * x->d), accm[i]);
+        __m128 f = _mm_mul_ps(dm, _mm_set1_ps(x->d));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_broadcastss_ps(f), acc[i]);
+        accm[i] = _mm_fnmadd_ps(_mm_cvtepi32_ps(m), _mm_shuffle_ps(f, f, 0x55), accm[i]);
     }
 }
 
