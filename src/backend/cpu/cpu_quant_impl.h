@@ -283,10 +283,11 @@ ALWAYS_INLINE void q_kblock(const uint8_t *wb, const uint32_t fmt, const kvs_cpu
  * The inputs' blocks are first repacked per 256 (q_x256) in the order the
  * weights unpack: Q4_K's 64 code bytes give chunks {0, 2} (low nibbles) and
  * {1, 3} (high), Q6_K's give {0, 1} and {2, 3}. The codes stay unsigned (Q6_K's
- * - 32 goes against the per-16 activation sums), u8 x i8 pairs summed to i16
- * (vpmaddubsw: |pair| <= 2 * 63 * 127) then times the chunk's i16 scale into i32
- * (vpdpwssd); the scales decoded once per super-block; the mins (Q4_K) against
- * the per-32 sums; one f32 step a super-block, the min term in its own lanes. */
+ * - 32 goes against the per-16 activation sums), u8 x i8 quads summed to i32
+ * (vpdpbusd), two registers of them packed to i16 and times their scales into
+ * i32 (vpdpwssd: see q_dot4x2); the scales decoded once per super-block; the
+ * mins (Q4_K) against the per-32 sums; one f32 step a super-block, the min
+ * term in its own lanes. */
 #define Q_K512 1
 typedef struct {
     int8_t q[256];   /* the 8 chunks, in the weights' unpacking order */
@@ -317,6 +318,22 @@ static void q_repack256(q_x256 *dst, const kvs_cpu_q8 *x, int nsb, const uint32_
 /* words w of a 512-bit register: source word lo for w < 16, hi otherwise */
 #define Q_IDX2(lo, hi) _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1)
 
+/* Two registers of codes (u0, u1) against the activations at x (128 bytes): the
+ * sums of 4 products (vpdpbusd: |sum| <= 4 * 63 * 127, an i16) packed to i16,
+ * 128-bit block L's words 0-3 from u0's block L, 4-7 from u1's; then one
+ * vpdpwssd with the scales takes both. */
+ALWAYS_INLINE __m512i q_dot4x2(__m512i u0, __m512i u1, const int8_t *x) {
+    __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, _mm512_loadu_si512(x));
+    __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, _mm512_loadu_si512(x + 64));
+    return _mm512_packs_epi32(t0, t1);
+}
+/* the scale of each word of q_dot4x2's result: Q4_K's registers {0, 2}, {1, 3}
+ * (+ 4 for the second pair); Q6_K's scales of 16: {0 1 2 3}, {4 5 6 7} (+ 8) */
+static const int16_t q4k_sidx[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1,
+                                                                  2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3};
+static const int16_t q6k_sidx[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5,
+                                                                  2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7};
+
 ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *acc, __m128 *accm, const int NI) {
     uint32_t a, b, c, dd;
     memcpy(&a, wb + 4, 4), memcpy(&b, wb + 8, 4), memcpy(&c, wb + 12, 4), memcpy(&dd, wb, 4);
@@ -328,8 +345,8 @@ ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
     __asm__("" : "+r"(sc), "+r"(mn));
     __m256i s16 = _mm256_cvtepu8_epi16(_mm_insert_epi64(_mm_cvtsi64_si128((long long)sc), (long long)mn, 1));
     __m512i s512 = _mm512_castsi256_si512(s16);
-    __m512i sv0 = _mm512_permutexvar_epi16(Q_IDX2(0, 2), s512), sv1 = _mm512_permutexvar_epi16(Q_IDX2(1, 3), s512);
-    __m512i sv2 = _mm512_permutexvar_epi16(Q_IDX2(4, 6), s512), sv3 = _mm512_permutexvar_epi16(Q_IDX2(5, 7), s512);
+    const __m512i i01 = _mm512_loadu_si512(q4k_sidx), i23 = _mm512_add_epi16(i01, _mm512_set1_epi16(4));
+    __m512i sv01 = _mm512_permutexvar_epi16(i01, s512), sv23 = _mm512_permutexvar_epi16(i23, s512);
     __m128i mins = _mm256_extracti128_si256(s16, 1);
     const __m512i m4 = _mm512_set1_epi8(0xF);
     __m512i v0 = _mm512_loadu_si512(wb + 16), v1 = _mm512_loadu_si512(wb + 80);
@@ -338,10 +355,8 @@ ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
     UNROLL for (int i = 0; i < NI; i++) {
         const q_x256 *x = xb[i];
-        __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(u0, _mm512_loadu_si512(x->q)), sv0);
-        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u1, _mm512_loadu_si512(x->q + 64)), sv1);
-        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u2, _mm512_loadu_si512(x->q + 128)), sv2);
-        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u3, _mm512_loadu_si512(x->q + 192)), sv3);
+        __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), q_dot4x2(u0, u1, x->q), sv01);
+        s = _mm512_dpwssd_epi32(s, q_dot4x2(u2, u3, x->q + 128), sv23);
         __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bs32));
         __m128 f = _mm_mul_ps(dm, _mm_set1_ps(x->d));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_broadcastss_ps(f), acc[i]);
@@ -353,11 +368,8 @@ ALWAYS_INLINE void q6k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
     __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 192)));
     __m512i s512 = _mm512_castsi256_si512(s16);
     /* register p holds chunks 2p, 2p + 1: its 128-bit lane L the 16 elements of scale 4p + L */
-    const long long w1 = 0x0001000100010001;
-    const __m512i lane = _mm512_set_epi64(3 * w1, 3 * w1, 2 * w1, 2 * w1, w1, w1, 0, 0); /* word w: w / 8 */
-    __m512i sv[4];
-    for (int p = 0; p < 4; p++)
-        sv[p] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * p)), lane), s512);
+    const __m512i i0 = _mm512_loadu_si512(q6k_sidx), i1 = _mm512_add_epi16(i0, _mm512_set1_epi16(8));
+    __m512i sv0 = _mm512_permutexvar_epi16(i0, s512), sv1 = _mm512_permutexvar_epi16(i1, s512);
     const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
     const __m512i cl = Q_IDX2(4, 2), ch = Q_IDX2(0, 2); /* the high bits to bits 4, 5: chunk k's << 4, 2; >> 0, 2 */
     __m512i u[4];
@@ -372,10 +384,8 @@ ALWAYS_INLINE void q6k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
     float d = q_h2f(q_u16(wb + 208));
     UNROLL for (int i = 0; i < NI; i++) {
         const q_x256 *x = xb[i];
-        __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(u[0], _mm512_loadu_si512(x->q)), sv[0]);
-        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u[1], _mm512_loadu_si512(x->q + 64)), sv[1]);
-        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u[2], _mm512_loadu_si512(x->q + 128)), sv[2]);
-        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u[3], _mm512_loadu_si512(x->q + 192)), sv[3]);
+        __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), q_dot4x2(u[0], u[1], x->q), sv0);
+        s = _mm512_dpwssd_epi32(s, q_dot4x2(u[2], u[3], x->q + 128), sv1);
         __m256i m = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)x->bs16)); /* the codes' - 32 */
         s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(m, 5)));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d * x->d), acc[i]);
