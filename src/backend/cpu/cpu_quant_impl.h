@@ -278,17 +278,23 @@ ALWAYS_INLINE void q_kblock(const uint8_t *wb, const uint32_t fmt, const kvs_cpu
         if (!q6) corr[i] = fmaf(-dmin * xb[i]->d, (float)msum[i], corr[i]);
     }
 }
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* ---- AVX-512 Q4_K / Q6_K: a whole super-block of 256 in four 512-bit registers ----
+/* ---- Q4_K / Q6_K a whole super-block of 256 at a time ------------------------------
  * The inputs' blocks are first repacked per 256 (q_x256) in the order the
- * weights unpack: Q4_K's 64 code bytes give chunks {0, 2} (low nibbles) and
- * {1, 3} (high), Q6_K's give {0, 1} and {2, 3}. The codes stay unsigned (Q6_K's
- * - 32 goes against the per-16 activation sums), u8 x i8 quads summed to i32
- * (vpdpbusd), two registers of them packed to i16 and times their scales into
- * i32 (vpdpwssd: see q_dot4x2); the scales decoded once per super-block; the
- * mins (Q4_K) against the per-32 sums; one f32 step a super-block, the min
- * term in its own lanes. */
+ * weights unpack, with their sums of 16 and 32. The codes stay unsigned (Q6_K's
+ * - 32 goes against the sums of 16, Q4_K's mins against the sums of 32); the
+ * scales decoded once per super-block (in the integer units: the compiler would
+ * take vector ones, the loop's bottleneck); one f32 step a super-block, the min
+ * term in its own lanes.
+ * AVX-512 (VNNI): four 512-bit registers a super-block (Q4_K's 64 code bytes
+ * give chunks {0, 2} (low nibbles) and {1, 3} (high), Q6_K's give {0, 1} and
+ * {2, 3}), u8 x i8 quads summed to i32 (vpdpbusd), two registers of them
+ * packed to i16 and times their scales into i32 (vpdpwssd: see q_dot4x2).
+ * AVX2: a chunk a register, u8 x i8 pairs summed to i16 (vpmaddubsw: |pair| <=
+ * 2 * 63 * 127) times the chunk's scales into i32 (vpmaddwd), the scales'
+ * registers one byte shuffle each. */
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q_K512 1
+#endif
 typedef struct {
     int8_t q[256];   /* the 8 chunks, in the weights' unpacking order */
     int16_t bs32[8]; /* chunk c's sum (natural order) */
@@ -299,7 +305,12 @@ typedef struct {
 
 /* Chunk c's position in q_x256.q, in 32s. */
 ALWAYS_INLINE int q_x256_pos(const uint32_t fmt, int c) {
+#ifdef Q_K512
     return fmt == KVS_GGML_Q4_K ? (c / 4) * 4 + (c % 2) * 2 + (c % 4) / 2 : c;
+#else
+    (void)fmt;
+    return c;
+#endif
 }
 
 static void q_repack256(q_x256 *dst, const kvs_cpu_q8 *x, int nsb, const uint32_t fmt) {
@@ -315,6 +326,22 @@ static void q_repack256(q_x256 *dst, const kvs_cpu_q8 *x, int nsb, const uint32_
     }
 }
 
+/* Q4_K's 6-bit scales (bytes 0-7) and mins (8-15) of the block at wb. */
+ALWAYS_INLINE __m128i q4k_scales_mins(const uint8_t *wb) {
+    uint32_t a, b, c;
+    memcpy(&a, wb + 4, 4), memcpy(&b, wb + 8, 4), memcpy(&c, wb + 12, 4);
+    __asm__("" : "+r"(a), "+r"(b), "+r"(c));
+    const uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+    uint64_t sc = (a & k6) | (uint64_t)((c & k4) | ((a >> 6) & k2) << 4) << 32;
+    uint64_t mn = (b & k6) | (uint64_t)(((c >> 4) & k4) | ((b >> 6) & k2) << 4) << 32;
+    __asm__("" : "+r"(sc), "+r"(mn));
+    return _mm_insert_epi64(_mm_cvtsi64_si128((long long)sc), (long long)mn, 1);
+}
+
+#ifdef Q_K512
+#define Q_KACC __m512
+#define q_kacc_zero() _mm512_setzero_ps()
+#define q_kacc_sum(v) _mm512_reduce_add_ps(v)
 /* words w of a 512-bit register: source word lo for w < 16, hi otherwise */
 #define Q_IDX2(lo, hi) _mm512_inserti64x4(_mm512_set1_epi16(lo), _mm256_set1_epi16(hi), 1)
 
@@ -335,15 +362,9 @@ static const int16_t q6k_sidx[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 4,
                                                                   2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7};
 
 ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *acc, __m128 *accm, const int NI) {
-    uint32_t a, b, c, dd;
-    memcpy(&a, wb + 4, 4), memcpy(&b, wb + 8, 4), memcpy(&c, wb + 12, 4), memcpy(&dd, wb, 4);
-    /* the scales and mins in the integer units (the compiler would take vector ones, the loop's bottleneck) */
-    __asm__("" : "+r"(a), "+r"(b), "+r"(c));
-    const uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-    uint64_t sc = (a & k6) | (uint64_t)((c & k4) | ((a >> 6) & k2) << 4) << 32;
-    uint64_t mn = (b & k6) | (uint64_t)(((c >> 4) & k4) | ((b >> 6) & k2) << 4) << 32;
-    __asm__("" : "+r"(sc), "+r"(mn));
-    __m256i s16 = _mm256_cvtepu8_epi16(_mm_insert_epi64(_mm_cvtsi64_si128((long long)sc), (long long)mn, 1));
+    uint32_t dd;
+    memcpy(&dd, wb, 4);
+    __m256i s16 = _mm256_cvtepu8_epi16(q4k_scales_mins(wb)); /* scales, then mins */
     __m512i s512 = _mm512_castsi256_si512(s16);
     const __m512i i01 = _mm512_loadu_si512(q4k_sidx), i23 = _mm512_add_epi16(i01, _mm512_set1_epi16(4));
     __m512i sv01 = _mm512_permutexvar_epi16(i01, s512), sv23 = _mm512_permutexvar_epi16(i23, s512);
@@ -392,11 +413,76 @@ ALWAYS_INLINE void q6k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
     }
 }
 
-ALWAYS_INLINE void q_row_k512(float *res, const uint8_t *wr, const q_x256 *const *xs, int nsb, const uint32_t fmt,
-                              const int NI) {
-    __m512 acc[QK_GROUP];
+#else
+#define Q_KACC __m256
+#define q_kacc_zero() _mm256_setzero_ps()
+#define q_kacc_sum(v) q_acc_sum(v)
+
+ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m256 *acc, __m128 *accm, const int NI) {
+    uint32_t dd;
+    memcpy(&dd, wb, 4);
+    __m256i s16 = _mm256_cvtepu8_epi16(q4k_scales_mins(wb)); /* scales, then mins */
+    __m256i sb = _mm256_permute2x128_si256(s16, s16, 0x00);   /* the scales in both lanes */
+    __m128i mins = _mm256_extracti128_si256(s16, 1);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256i u[8], sv[8];
+    UNROLL for (int g = 0; g < 4; g++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 16 + 32 * g));
+        u[2 * g] = _mm256_and_si256(v, m4), u[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    UNROLL for (int c = 0; c < 8; c++) sv[c] = _mm256_shuffle_epi8(sb, _mm256_set1_epi16((short)(0x0100 + 0x0202 * c)));
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
+    UNROLL for (int i = 0; i < NI; i++) {
+        const q_x256 *x = xb[i];
+        __m256i s = _mm256_setzero_si256();
+        UNROLL for (int c = 0; c < 8; c++)
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[c], _mm256_loadu_si256((const __m256i *)(x->q + 32 * c))), sv[c]));
+        __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i *)x->bs32));
+        __m128 f = _mm_mul_ps(dm, _mm_set1_ps(x->d));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcastss_ps(f), acc[i]);
+        accm[i] = _mm_fnmadd_ps(_mm_cvtepi32_ps(m), _mm_shuffle_ps(f, f, 0x55), accm[i]);
+    }
+}
+
+ALWAYS_INLINE void q6k_sb(const uint8_t *wb, const q_x256 *const *xb, __m256 *acc, const int NI) {
+    __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 192)));
+    /* chunk c's register: scale 2c for its words 0-7 (elements 0-15), 2c + 1 for 8-15 */
+    __m256i slo = _mm256_permute2x128_si256(s16, s16, 0x00), shi = _mm256_permute2x128_si256(s16, s16, 0x11);
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    __m256i u[8], sv[8];
+    UNROLL for (int c = 0; c < 8; c++) {
+        int k = c % 4;
+        sv[c] = _mm256_shuffle_epi8(c < 4 ? slo : shi, _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * k)),
+                                                                       _mm_set1_epi16((short)(0x0100 + 0x0404 * k))));
+    }
+    UNROLL for (int h = 0; h < 2; h++) { /* the high bits to bits 4, 5: chunk k's << 4, 2; >> 0, 2 */
+        __m256i ql0 = _mm256_loadu_si256((const __m256i *)(wb + 64 * h));
+        __m256i ql1 = _mm256_loadu_si256((const __m256i *)(wb + 64 * h + 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(wb + 128 + 32 * h));
+        u[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+        u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+    }
+    float d = q_h2f(q_u16(wb + 208));
+    UNROLL for (int i = 0; i < NI; i++) {
+        const q_x256 *x = xb[i];
+        __m256i s = _mm256_setzero_si256();
+        UNROLL for (int c = 0; c < 8; c++)
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[c], _mm256_loadu_si256((const __m256i *)(x->q + 32 * c))), sv[c]));
+        __m256i m = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)x->bs16)); /* the codes' - 32 */
+        s = _mm256_sub_epi32(s, _mm256_slli_epi32(m, 5));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * x->d), acc[i]);
+    }
+}
+#endif
+
+ALWAYS_INLINE void q_row_k(float *res, const uint8_t *wr, const q_x256 *const *xs, int nsb, const uint32_t fmt,
+                           const int NI) {
+    Q_KACC acc[QK_GROUP];
     __m128 accm[QK_GROUP];
-    UNROLL for (int i = 0; i < NI; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm_setzero_ps();
+    UNROLL for (int i = 0; i < NI; i++) acc[i] = q_kacc_zero(), accm[i] = _mm_setzero_ps();
     const int bb = q_block_bytes(fmt);
     for (int b = 0; b < nsb; b++) {
         const q_x256 *xb[QK_GROUP];
@@ -409,7 +495,7 @@ ALWAYS_INLINE void q_row_k512(float *res, const uint8_t *wr, const q_x256 *const
     for (int i = 0; i < NI; i++) {
         __m128 m = _mm_add_ps(accm[i], _mm_movehl_ps(accm[i], accm[i]));
         m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        res[i] = _mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(m);
+        res[i] = q_kacc_sum(acc[i]) + _mm_cvtss_f32(m);
     }
 }
 
@@ -418,7 +504,7 @@ static _Thread_local q_x256 *q_x256_buf;
 static _Thread_local size_t q_x256_cap;
 
 /* false: no memory for the repacked inputs (the caller takes the 256-bit path) */
-ALWAYS_INLINE bool gemv_q_k512(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
+ALWAYS_INLINE bool gemv_q_k(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
                                const float *bias, int n, int in_dim, int j0, int j1, const uint32_t fmt) {
     const int nsb = in_dim / 256;
     size_t need = (size_t)n * nsb;
@@ -437,17 +523,16 @@ ALWAYS_INLINE bool gemv_q_k512(float *out, int ld_out, const kvs_cpu_q8 *xq, con
             int m = n - i0 < QK_GROUP ? n - i0 : QK_GROUP;
             for (int i = 0; i < m; i++) xs[i] = q_x256_buf + (size_t)(i0 + i) * nsb;
             switch (m) {
-            case 1: q_row_k512(r, wr, xs, nsb, fmt, 1); break;
-            case 2: q_row_k512(r, wr, xs, nsb, fmt, 2); break;
-            case 3: q_row_k512(r, wr, xs, nsb, fmt, 3); break;
-            default: q_row_k512(r, wr, xs, nsb, fmt, 4); break;
+            case 1: q_row_k(r, wr, xs, nsb, fmt, 1); break;
+            case 2: q_row_k(r, wr, xs, nsb, fmt, 2); break;
+            case 3: q_row_k(r, wr, xs, nsb, fmt, 3); break;
+            default: q_row_k(r, wr, xs, nsb, fmt, 4); break;
             }
             for (int i = 0; i < m; i++) out[(size_t)(i0 + i) * ld_out + j] = r[i] + (bias ? bias[j] : 0.0f);
         }
     }
     return true;
 }
-#endif
 #endif
 
 /* 32-element block g of the row (at wb) into the sums of parity par (a constant:
@@ -487,9 +572,9 @@ ALWAYS_INLINE void q_row(float *res, const uint8_t *wr, const kvs_cpu_q8 *const 
 ALWAYS_INLINE void gemv_q_t(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
                             const float *bias, int n, int in_dim, int j0, int j1, const uint32_t fmt) {
     int nb = in_dim / 32;
-#ifdef Q_K512
+#if VL > 1
     if ((fmt == KVS_GGML_Q4_K || fmt == KVS_GGML_Q6_K) &&
-        gemv_q_k512(out, ld_out, xq, w, row_bytes, bias, n, in_dim, j0, j1, fmt))
+        gemv_q_k(out, ld_out, xq, w, row_bytes, bias, n, in_dim, j0, j1, fmt))
         return;
 #endif
     for (int j = j0; j < j1; j++) {
