@@ -499,21 +499,26 @@ ALWAYS_INLINE void q_row_k(float *res, const uint8_t *wr, const q_x256 *const *x
     }
 }
 
-/* The thread's repacked inputs (grown as needed, kept for the thread's life). */
-static _Thread_local q_x256 *q_x256_buf;
-static _Thread_local size_t q_x256_cap;
+/* The thread's repacked inputs (grown as needed, kept for the thread's life);
+ * NULL where there is no memory for them (the caller takes the block path). */
+static _Thread_local void *q_xbuf;
+static _Thread_local size_t q_xcap;
+static void *q_xbuf_get(size_t bytes) {
+    if (bytes > q_xcap) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, bytes)) return NULL;
+        free(q_xbuf);
+        q_xbuf = p, q_xcap = bytes;
+    }
+    return q_xbuf;
+}
 
 /* false: no memory for the repacked inputs (the caller takes the 256-bit path) */
 ALWAYS_INLINE bool gemv_q_k(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
                                const float *bias, int n, int in_dim, int j0, int j1, const uint32_t fmt) {
     const int nsb = in_dim / 256;
-    size_t need = (size_t)n * nsb;
-    if (need > q_x256_cap) {
-        void *p = NULL;
-        if (posix_memalign(&p, 64, need * sizeof(q_x256))) return false;
-        free(q_x256_buf);
-        q_x256_buf = p, q_x256_cap = need;
-    }
+    q_x256 *q_x256_buf = q_xbuf_get(sizeof(q_x256) * (size_t)n * nsb);
+    if (!q_x256_buf) return false;
     for (int i = 0; i < n; i++) q_repack256(q_x256_buf + (size_t)i * nsb, xq + (size_t)i * (in_dim / 32), nsb, fmt);
     for (int j = j0; j < j1; j++) {
         const uint8_t *wr = (const uint8_t *)w + (size_t)j * row_bytes;
@@ -533,6 +538,85 @@ ALWAYS_INLINE bool gemv_q_k(float *out, int ld_out, const kvs_cpu_q8 *xq, const 
     }
     return true;
 }
+
+#ifdef Q_K512
+/* ---- AVX-512 Q4_0: four blocks (128 weights, 72 bytes) a step ------------------------
+ * One two-source word permute gathers the four blocks' 16 code bytes, one more
+ * their fp16 scales (each four times: a 128-bit lane a block after vpdpbusd's
+ * sums of 4); the codes unsigned (0..15, vpdpbusd) and the - 8 against the
+ * inputs' block sums, which start the accumulator. The inputs repacked per four
+ * blocks (q_x128): their elements 0-15, then 16-31, the - 8 * sums in each
+ * block's first lane, the block scales four times. */
+typedef struct {
+    int8_t lo[64], hi[64];
+    int32_t corr[16];
+    float d[16];
+} q_x128;
+
+static void q_repack128(q_x128 *dst, const kvs_cpu_q8 *x, int nq) {
+    for (int g = 0; g < nq; g++, dst++, x += 4) {
+        memset(dst->corr, 0, sizeof dst->corr);
+        for (int b = 0; b < 4; b++) {
+            memcpy(dst->lo + 16 * b, x[b].q, 16), memcpy(dst->hi + 16 * b, x[b].q + 16, 16);
+            dst->corr[4 * b] = -8 * x[b].isum;
+            for (int l = 0; l < 4; l++) dst->d[4 * b + l] = x[b].d;
+        }
+    }
+}
+
+ALWAYS_INLINE void q_row_40(float *res, const uint8_t *wr, const q_x128 *const *xs, int nq, const int NI) {
+    __m512 acc[QK_GROUP];
+    UNROLL for (int i = 0; i < NI; i++) acc[i] = _mm512_setzero_ps();
+    /* block b's codes: words 9b + 1 .. 9b + 8 of the 72 bytes; its scale: word 9b */
+    static const int16_t iq[32] __attribute__((aligned(64))) = {1,  2,  3,  4,  5,  6,  7,  8,  10, 11, 12,
+                                                                13, 14, 15, 16, 17, 19, 20, 21, 22, 23, 24,
+                                                                25, 26, 28, 29, 30, 31, 32, 33, 34, 35};
+    static const int16_t idv[32] __attribute__((aligned(64))) = {0,  0,  0,  0,  9,  9,  9,  9,  18, 18, 18,
+                                                                 18, 27, 27, 27, 27};
+    const __m512i iqv = _mm512_load_si512(iq), idd = _mm512_load_si512(idv), m4 = _mm512_set1_epi8(0xF);
+    for (int g = 0; g < nq; g++) {
+        const uint8_t *wb = wr + (size_t)g * 72;
+        __m512i w0 = _mm512_loadu_si512(wb), w1 = _mm512_maskz_loadu_epi8(0xFF, wb + 64); /* no read past the 72 */
+        __m512i v = _mm512_permutex2var_epi16(w0, iqv, w1);
+        __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idd, w0)));
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        UNROLL for (int i = 0; i < NI; i++) {
+            const q_x128 *x = xs[i] + g;
+            __m512i s = _mm512_dpbusd_epi32(_mm512_load_si512(x->corr), lo, _mm512_load_si512(x->lo));
+            s = _mm512_dpbusd_epi32(s, hi, _mm512_load_si512(x->hi));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_load_ps(x->d)), acc[i]);
+        }
+    }
+    for (int i = 0; i < NI; i++) res[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+/* false: the blocks are not whole fours, or no memory (the caller takes the block path) */
+ALWAYS_INLINE bool gemv_q_40(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
+                             const float *bias, int n, int in_dim, int j0, int j1) {
+    const int nb = in_dim / 32, nq = nb / 4;
+    if (nb % 4) return false;
+    q_x128 *buf = q_xbuf_get(sizeof(q_x128) * (size_t)n * nq);
+    if (!buf) return false;
+    for (int i = 0; i < n; i++) q_repack128(buf + (size_t)i * nq, xq + (size_t)i * nb, nq);
+    for (int j = j0; j < j1; j++) {
+        const uint8_t *wr = (const uint8_t *)w + (size_t)j * row_bytes;
+        for (int i0 = 0; i0 < n; i0 += QK_GROUP) {
+            const q_x128 *xs[QK_GROUP];
+            float r[QK_GROUP];
+            int m = n - i0 < QK_GROUP ? n - i0 : QK_GROUP;
+            for (int i = 0; i < m; i++) xs[i] = buf + (size_t)(i0 + i) * nq;
+            switch (m) {
+            case 1: q_row_40(r, wr, xs, nq, 1); break;
+            case 2: q_row_40(r, wr, xs, nq, 2); break;
+            case 3: q_row_40(r, wr, xs, nq, 3); break;
+            default: q_row_40(r, wr, xs, nq, 4); break;
+            }
+            for (int i = 0; i < m; i++) out[(size_t)(i0 + i) * ld_out + j] = r[i] + (bias ? bias[j] : 0.0f);
+        }
+    }
+    return true;
+}
+#endif
 #endif
 
 /* 32-element block g of the row (at wb) into the sums of parity par (a constant:
@@ -576,6 +660,9 @@ ALWAYS_INLINE void gemv_q_t(float *out, int ld_out, const kvs_cpu_q8 *xq, const 
     if ((fmt == KVS_GGML_Q4_K || fmt == KVS_GGML_Q6_K) &&
         gemv_q_k(out, ld_out, xq, w, row_bytes, bias, n, in_dim, j0, j1, fmt))
         return;
+#endif
+#ifdef Q_K512
+    if (fmt == KVS_GGML_Q4_0 && gemv_q_40(out, ld_out, xq, w, row_bytes, bias, n, in_dim, j0, j1)) return;
 #endif
     for (int j = j0; j < j1; j++) {
         const uint8_t *wr = (const uint8_t *)w + (size_t)j * row_bytes;
