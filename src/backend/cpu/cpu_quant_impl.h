@@ -616,6 +616,81 @@ ALWAYS_INLINE bool gemv_q_40(float *out, int ld_out, const kvs_cpu_q8 *xq, const
     }
     return true;
 }
+#else
+/* ---- AVX2 Q4_0: two blocks a step ---------------------------------------------------
+ * The codes unsigned (vpmaddubsw, vpmaddwd with ones), the - 8 against the
+ * inputs' block sums, the two blocks' sums of 8 side by side (vphaddd) for one
+ * f32 step. The inputs repacked per two blocks (q_x64): their codes, the - 8 *
+ * sums in each block's first lane, the block scales in each block's lanes. */
+typedef struct {
+    int8_t q[64];
+    int32_t corr[8];
+    float d[8];
+} q_x64;
+
+static void q_repack64(q_x64 *dst, const kvs_cpu_q8 *x, int np) {
+    for (int g = 0; g < np; g++, dst++, x += 2) {
+        memset(dst->corr, 0, sizeof dst->corr);
+        for (int b = 0; b < 2; b++) {
+            memcpy(dst->q + 32 * b, x[b].q, 32);
+            dst->corr[2 * b] = -8 * x[b].isum; /* lanes {0, 1, 4, 5}: block 0's, {2, 3, 6, 7}: block 1's */
+            dst->d[2 * b] = dst->d[2 * b + 1] = dst->d[2 * b + 4] = dst->d[2 * b + 5] = x[b].d;
+        }
+    }
+}
+
+ALWAYS_INLINE __m256i q40_codes(const uint8_t *wb) {
+    __m128i v = _mm_loadu_si128((const __m128i *)(wb + 2));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0xF));
+}
+
+ALWAYS_INLINE void q_row_40(float *res, const uint8_t *wr, const q_x64 *const *xs, int np, const int NI) {
+    __m256 acc[QK_GROUP];
+    UNROLL for (int i = 0; i < NI; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g = 0; g < np; g++) {
+        const uint8_t *wb = wr + (size_t)g * 36;
+        __m256i u0 = q40_codes(wb), u1 = q40_codes(wb + 18);
+        __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)q_u16(wb) | (uint32_t)q_u16(wb + 18) << 16)));
+        d2 = _mm_permute_ps(d2, 0x50); /* d0 d0 d1 d1 */
+        __m256 dw = _mm256_set_m128(d2, d2);
+        UNROLL for (int i = 0; i < NI; i++) {
+            const q_x64 *x = xs[i] + g;
+            __m256i t0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *)x->q)), ones);
+            __m256i t1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *)(x->q + 32))), ones);
+            __m256i s = _mm256_add_epi32(_mm256_hadd_epi32(t0, t1), _mm256_loadu_si256((const __m256i *)x->corr));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(x->d)), acc[i]);
+        }
+    }
+    for (int i = 0; i < NI; i++) res[i] = q_acc_sum(acc[i]);
+}
+
+/* false: an odd count of blocks, or no memory (the caller takes the block path) */
+ALWAYS_INLINE bool gemv_q_40(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
+                             const float *bias, int n, int in_dim, int j0, int j1) {
+    const int nb = in_dim / 32, np = nb / 2;
+    if (nb % 2) return false;
+    q_x64 *buf = q_xbuf_get(sizeof(q_x64) * (size_t)n * np);
+    if (!buf) return false;
+    for (int i = 0; i < n; i++) q_repack64(buf + (size_t)i * np, xq + (size_t)i * nb, np);
+    for (int j = j0; j < j1; j++) {
+        const uint8_t *wr = (const uint8_t *)w + (size_t)j * row_bytes;
+        for (int i0 = 0; i0 < n; i0 += QK_GROUP) {
+            const q_x64 *xs[QK_GROUP];
+            float r[QK_GROUP];
+            int m = n - i0 < QK_GROUP ? n - i0 : QK_GROUP;
+            for (int i = 0; i < m; i++) xs[i] = buf + (size_t)(i0 + i) * np;
+            switch (m) {
+            case 1: q_row_40(r, wr, xs, np, 1); break;
+            case 2: q_row_40(r, wr, xs, np, 2); break;
+            case 3: q_row_40(r, wr, xs, np, 3); break;
+            default: q_row_40(r, wr, xs, np, 4); break;
+            }
+            for (int i = 0; i < m; i++) out[(size_t)(i0 + i) * ld_out + j] = r[i] + (bias ? bias[j] : 0.0f);
+        }
+    }
+    return true;
+}
 #endif
 #endif
 
@@ -661,7 +736,7 @@ ALWAYS_INLINE void gemv_q_t(float *out, int ld_out, const kvs_cpu_q8 *xq, const 
         gemv_q_k(out, ld_out, xq, w, row_bytes, bias, n, in_dim, j0, j1, fmt))
         return;
 #endif
-#ifdef Q_K512
+#if VL > 1
     if (fmt == KVS_GGML_Q4_0 && gemv_q_40(out, ld_out, xq, w, row_bytes, bias, n, in_dim, j0, j1)) return;
 #endif
     for (int j = j0; j < j1; j++) {
