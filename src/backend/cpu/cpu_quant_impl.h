@@ -278,7 +278,7 @@ ALWAYS_INLINE void q_kblock(const uint8_t *wb, const uint32_t fmt, const kvs_cpu
         if (!q6) corr[i] = fmaf(-dmin * xb[i]->d, (float)msum[i], corr[i]);
     }
 }
-/* ---- Q4_K / Q6_K a whole super-block of 256 at a time ------------------------------
+/* ---- Q4_K, Q5_K, Q6_K a whole super-block of 256 at a time ------------------------------
  * The inputs' blocks are first repacked per 256 (q_x256) in the order the
  * weights unpack, with their sums of 16 and 32. The codes stay unsigned (Q6_K's
  * - 32 goes against the sums of 16, Q4_K's mins against the sums of 32); the
@@ -286,8 +286,8 @@ ALWAYS_INLINE void q_kblock(const uint8_t *wb, const uint32_t fmt, const kvs_cpu
  * take vector ones, the loop's bottleneck); one f32 step a super-block, the min
  * term in its own lanes.
  * AVX-512 (VNNI): four 512-bit registers a super-block (Q4_K's 64 code bytes
- * give chunks {0, 2} (low nibbles) and {1, 3} (high), Q6_K's give {0, 1} and
- * {2, 3}), u8 x i8 quads summed to i32 (vpdpbusd), two registers of them
+ * give chunks {0, 2} (low nibbles) and {1, 3} (high), as Q5_K's with their
+ * fifth bits by a byte mask; Q6_K's give {0, 1} and {2, 3}), u8 x i8 quads summed to i32 (vpdpbusd), two registers of them
  * packed to i16 and times their scales into i32 (vpdpwssd: see q_dot4x2).
  * AVX2: a chunk a register, u8 x i8 pairs summed to i16 (vpmaddubsw: |pair| <=
  * 2 * 63 * 127) times the chunk's scales into i32 (vpmaddwd), the scales'
@@ -306,7 +306,7 @@ typedef struct {
 /* Chunk c's position in q_x256.q, in 32s. */
 ALWAYS_INLINE int q_x256_pos(const uint32_t fmt, int c) {
 #ifdef Q_K512
-    return fmt == KVS_GGML_Q4_K ? (c / 4) * 4 + (c % 2) * 2 + (c % 4) / 2 : c;
+    return fmt != KVS_GGML_Q6_K ? (c / 4) * 4 + (c % 2) * 2 + (c % 4) / 2 : c;
 #else
     (void)fmt;
     return c;
@@ -361,7 +361,9 @@ static const int16_t q4k_sidx[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 1,
 static const int16_t q6k_sidx[32] __attribute__((aligned(64))) = {0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5,
                                                                   2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7};
 
-ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *acc, __m128 *accm, const int NI) {
+/* Q4_K, or Q5_K (five: the codes at 48, chunk c's fifth bits bit c of the 32 bytes at 16) */
+ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *acc, __m128 *accm, const bool five,
+                          const int NI) {
     uint32_t dd;
     memcpy(&dd, wb, 4);
     __m256i s16 = _mm256_cvtepu8_epi16(q4k_scales_mins(wb)); /* scales, then mins */
@@ -370,9 +372,17 @@ ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
     __m512i sv01 = _mm512_permutexvar_epi16(i01, s512), sv23 = _mm512_permutexvar_epi16(i23, s512);
     __m128i mins = _mm256_extracti128_si256(s16, 1);
     const __m512i m4 = _mm512_set1_epi8(0xF);
-    __m512i v0 = _mm512_loadu_si512(wb + 16), v1 = _mm512_loadu_si512(wb + 80);
+    const uint8_t *qs = wb + (five ? 48 : 16);
+    __m512i v0 = _mm512_loadu_si512(qs), v1 = _mm512_loadu_si512(qs + 64);
     __m512i u0 = _mm512_and_si512(v0, m4), u1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
     __m512i u2 = _mm512_and_si512(v1, m4), u3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+    if (five) { /* register {a, b}: + 16 where bit a (low half) or b (high half) of qh is set */
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wb + 16)));
+        const __m512i s16b = _mm512_set1_epi8(16);
+#define Q5_HI(u, a, b) u = _mm512_mask_add_epi8(u, _mm512_test_epi8_mask(qh, Q_IDX2(0x0101 << (a), 0x0101 << (b))), u, s16b)
+        Q5_HI(u0, 0, 2); Q5_HI(u1, 1, 3); Q5_HI(u2, 4, 6); Q5_HI(u3, 5, 7);
+#undef Q5_HI
+    }
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
     UNROLL for (int i = 0; i < NI; i++) {
         const q_x256 *x = xb[i];
@@ -418,7 +428,8 @@ ALWAYS_INLINE void q6k_sb(const uint8_t *wb, const q_x256 *const *xb, __m512 *ac
 #define q_kacc_zero() _mm256_setzero_ps()
 #define q_kacc_sum(v) q_acc_sum(v)
 
-ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m256 *acc, __m128 *accm, const int NI) {
+ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m256 *acc, __m128 *accm, const bool five,
+                          const int NI) {
     uint32_t dd;
     memcpy(&dd, wb, 4);
     __m256i s16 = _mm256_cvtepu8_epi16(q4k_scales_mins(wb)); /* scales, then mins */
@@ -427,8 +438,13 @@ ALWAYS_INLINE void q4k_sb(const uint8_t *wb, const q_x256 *const *xb, __m256 *ac
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256i u[8], sv[8];
     UNROLL for (int g = 0; g < 4; g++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 16 + 32 * g));
+        __m256i v = _mm256_loadu_si256((const __m256i *)(wb + (five ? 48 : 16) + 32 * g));
         u[2 * g] = _mm256_and_si256(v, m4), u[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    if (five) { /* chunk c's fifth bits: bit c of the 32 bytes at 16 */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(wb + 16)), one = _mm256_set1_epi8(1);
+        UNROLL for (int c = 0; c < 8; c++)
+            u[c] = _mm256_or_si256(u[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, c), one), 4));
     }
     UNROLL for (int c = 0; c < 8; c++) sv[c] = _mm256_shuffle_epi8(sb, _mm256_set1_epi16((short)(0x0100 + 0x0202 * c)));
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
@@ -487,8 +503,8 @@ ALWAYS_INLINE void q_row_k(float *res, const uint8_t *wr, const q_x256 *const *x
     for (int b = 0; b < nsb; b++) {
         const q_x256 *xb[QK_GROUP];
         UNROLL for (int i = 0; i < NI; i++) xb[i] = xs[i] + b;
-        if (fmt == KVS_GGML_Q4_K)
-            q4k_sb(wr + (size_t)b * bb, xb, acc, accm, NI);
+        if (fmt != KVS_GGML_Q6_K)
+            q4k_sb(wr + (size_t)b * bb, xb, acc, accm, fmt == KVS_GGML_Q5_K, NI);
         else
             q6k_sb(wr + (size_t)b * bb, xb, acc, NI);
     }
@@ -732,7 +748,7 @@ ALWAYS_INLINE void gemv_q_t(float *out, int ld_out, const kvs_cpu_q8 *xq, const 
                             const float *bias, int n, int in_dim, int j0, int j1, const uint32_t fmt) {
     int nb = in_dim / 32;
 #if VL > 1
-    if ((fmt == KVS_GGML_Q4_K || fmt == KVS_GGML_Q6_K) &&
+    if ((fmt == KVS_GGML_Q4_K || fmt == KVS_GGML_Q5_K || fmt == KVS_GGML_Q6_K) &&
         gemv_q_k(out, ld_out, xq, w, row_bytes, bias, n, in_dim, j0, j1, fmt))
         return;
 #endif
