@@ -315,6 +315,28 @@ Test(eval, bench_model_tensor_parallel_2_runs, .timeout = 600) {
     free(out);
 }
 
+/* Weights in llama.cpp's blocks through the commands: bench model counts the
+ * bytes the formats read (a GGUF file's blocks; --quantization q8_0), and
+ * eval runs a GGUF file under a sparse KV policy. */
+Test(eval, bench_model_and_eval_on_quantized_weights, .timeout = 600) {
+    char cmd[4096], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s bench model -m %s --prompt-len 100 --decode-len 8 2>&1", kvsparse_binary(),
+             shared_input("fixtures/gguf/tiny-q4_k_m.gguf"));
+    cr_assert_eq(run_capture(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "decode reads") && strstr(out, "the GGUF file's blocks weights"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s bench model -m %s --quantization q8_0 --prompt-len 100 --decode-len 8 2>&1",
+             kvsparse_binary(), src_path("models/tiny-needle-llama"));
+    cr_assert_eq(run_capture(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "q8_0 weights"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s eval retrieval -m %s --data %s --limit 2 --kv-policy full,snapkv --kv-budget 10%% 2>&1",
+             kvsparse_binary(), shared_input("fixtures/gguf/tiny-q8_0.gguf"), shared_input("eval/retrieval_public.jsonl"));
+    cr_assert_eq(run_capture(cmd, &out), 0, "%s", out);
+    cr_expect(strstr(out, "snapkv budget=10%"), "%s", out);
+    free(out);
+}
+
 /* ---- calibrate and --kv-profile ------------------------------------------------- */
 static bool png_size(const char *path, unsigned *w, unsigned *h, long *bytes) {
     FILE *f = fopen(path, "rb");

@@ -37,6 +37,15 @@ static void timed_matmul(kvs_backend *b, void *out, const void *in, const void *
     t->flops += 2.0 * n * in_dim * out_dim;
 }
 
+static void timed_matmul_q(kvs_backend *b, void *out, int ld_out, const void *in, const void *w, uint32_t type,
+                           const void *bias, int n, int in_dim, int out_dim) {
+    timed_backend *t = (timed_backend *)b;
+    double t0 = timed_start(t);
+    t->inner->matmul_q(t->inner, out, ld_out, in, w, type, bias, n, in_dim, out_dim);
+    t->seconds += timed_stop(t, t0);
+    t->flops += 2.0 * n * in_dim * out_dim;
+}
+
 static void timed_matmul_fp8(kvs_backend *b, void *out, const uint8_t *xq, const float *xs, const uint8_t *wq,
                              const float *ws, const void *bias, int n, int in_dim, int out_dim) {
     timed_backend *t = (timed_backend *)b;
@@ -79,14 +88,14 @@ static double sgemm_rate(kvs_backend *be, int n, int reps) {
 /* Decode against the memory (the CPU backend, one rank): the bytes a decode
  * step reads (every weight but the untied embedding table, once, and the KV of
  * the mean context) times the tokens/s, beside a read benchmark's rate. */
-static void print_decode_bandwidth(const kvs_loaded *l, int ctx0, int ctx1, double tokens_per_s, double attn_s_per_token) {
+static void print_decode_bandwidth(const kvs_loaded *l, const kvs_runner *g, int ctx0, int ctx1, double tokens_per_s,
+                                   double attn_s_per_token) {
     if (l->world != 1) return;
     double bw = kvs_cpu_read_bandwidth(l->be, (size_t)512 << 20, 5);
     if (bw <= 0) return;
     const kvs_config *c = &l->cfg;
-    double weights = (double)kvs_runner_weight_bytes_read(l->runner); /* the formats the model keeps */
-    const char *format = kvs_quantization_is_ggml(kvs_runner_quantization(l->runner))
-                             ? kvs_quantization_name(kvs_runner_quantization(l->runner))
+    double weights = (double)kvs_runner_weight_bytes_read(g); /* the formats the model keeps */
+    const char *format = kvs_quantization_is_ggml(kvs_runner_quantization(g)) ? kvs_quantization_name(kvs_runner_quantization(g))
                          : c->quantization == KVS_QUANT_FP8 ? "FP8"
                                                            : kvs_dtype_name(l->be->weight_dtype);
     double kv = (double)kvs_config_kv_bytes_per_token(c, l->be->kv_dtype) * (ctx0 + ctx1) / 2;
@@ -106,6 +115,7 @@ static kvs_backend *wrap_timed(void *user, int rank, kvs_backend *be) {
     t->base.matmul = timed_matmul;
     t->base.attention = timed_attention;
     if (be->matmul_fp8) t->base.matmul_fp8 = timed_matmul_fp8;
+    if (be->matmul_q) t->base.matmul_q = timed_matmul_q;
     return &t->base;
 }
 
@@ -331,7 +341,7 @@ static int bench_model(int argc, char **argv) {
         printf("decode matmuls%s:  %.1f GFLOP/s = %.0f%% of sgemm; %.0f%% of decode time\n", ranks,
                tb[0].flops / tb[0].seconds / 1e9, 100 * tb[0].flops / tb[0].seconds / 1e9 / peak,
                100 * tb[0].seconds / t_decode);
-        print_decode_bandwidth(&l, prompt_len, total, decode_len / t_decode, tb[0].attn_seconds / decode_len);
+        print_decode_bandwidth(&l, g, prompt_len, total, decode_len / t_decode, tb[0].attn_seconds / decode_len);
     }
     if (st == KVS_OK && n_batches > 0) {
         /* untimed: the timing synchronizes, which no graph can capture */
