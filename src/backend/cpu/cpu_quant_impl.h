@@ -606,32 +606,10 @@ ALWAYS_INLINE void q_row_40(float *res, const uint8_t *wr, const q_x128 *const *
     for (int i = 0; i < NI; i++) res[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
-/* false: the blocks are not whole fours, or no memory (the caller takes the block path) */
-ALWAYS_INLINE bool gemv_q_40(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
-                             const float *bias, int n, int in_dim, int j0, int j1) {
-    const int nb = in_dim / 32, nq = nb / 4;
-    if (nb % 4) return false;
-    q_x128 *buf = q_xbuf_get(sizeof(q_x128) * (size_t)n * nq);
-    if (!buf) return false;
-    for (int i = 0; i < n; i++) q_repack128(buf + (size_t)i * nq, xq + (size_t)i * nb, nq);
-    for (int j = j0; j < j1; j++) {
-        const uint8_t *wr = (const uint8_t *)w + (size_t)j * row_bytes;
-        for (int i0 = 0; i0 < n; i0 += QK_GROUP) {
-            const q_x128 *xs[QK_GROUP];
-            float r[QK_GROUP];
-            int m = n - i0 < QK_GROUP ? n - i0 : QK_GROUP;
-            for (int i = 0; i < m; i++) xs[i] = buf + (size_t)(i0 + i) * nq;
-            switch (m) {
-            case 1: q_row_40(r, wr, xs, nq, 1); break;
-            case 2: q_row_40(r, wr, xs, nq, 2); break;
-            case 3: q_row_40(r, wr, xs, nq, 3); break;
-            default: q_row_40(r, wr, xs, nq, 4); break;
-            }
-            for (int i = 0; i < m; i++) out[(size_t)(i0 + i) * ld_out + j] = r[i] + (bias ? bias[j] : 0.0f);
-        }
-    }
-    return true;
-}
+/* gemv_q_40 below: the inputs in groups of four blocks */
+typedef q_x128 q_x40;
+enum { Q40_BLOCKS = 4 };
+#define q_repack40 q_repack128
 #else
 /* ---- AVX2 Q4_0: two blocks a step ---------------------------------------------------
  * The codes unsigned (vpmaddubsw, vpmaddwd with ones), the - 8 against the
@@ -681,33 +659,37 @@ ALWAYS_INLINE void q_row_40(float *res, const uint8_t *wr, const q_x64 *const *x
     for (int i = 0; i < NI; i++) res[i] = q_acc_sum(acc[i]);
 }
 
-/* false: an odd count of blocks, or no memory (the caller takes the block path) */
+/* gemv_q_40 below: the inputs in groups of two blocks */
+typedef q_x64 q_x40;
+enum { Q40_BLOCKS = 2 };
+#define q_repack40 q_repack64
+#endif
+/* false: the blocks are not whole groups of Q40_BLOCKS, or no memory (the caller takes the block path) */
 ALWAYS_INLINE bool gemv_q_40(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
                              const float *bias, int n, int in_dim, int j0, int j1) {
-    const int nb = in_dim / 32, np = nb / 2;
-    if (nb % 2) return false;
-    q_x64 *buf = q_xbuf_get(sizeof(q_x64) * (size_t)n * np);
+    const int nb = in_dim / 32, ng = nb / Q40_BLOCKS;
+    if (nb % Q40_BLOCKS) return false;
+    q_x40 *buf = q_xbuf_get(sizeof(q_x40) * (size_t)n * ng);
     if (!buf) return false;
-    for (int i = 0; i < n; i++) q_repack64(buf + (size_t)i * np, xq + (size_t)i * nb, np);
+    for (int i = 0; i < n; i++) q_repack40(buf + (size_t)i * ng, xq + (size_t)i * nb, ng);
     for (int j = j0; j < j1; j++) {
         const uint8_t *wr = (const uint8_t *)w + (size_t)j * row_bytes;
         for (int i0 = 0; i0 < n; i0 += QK_GROUP) {
-            const q_x64 *xs[QK_GROUP];
+            const q_x40 *xs[QK_GROUP];
             float r[QK_GROUP];
             int m = n - i0 < QK_GROUP ? n - i0 : QK_GROUP;
-            for (int i = 0; i < m; i++) xs[i] = buf + (size_t)(i0 + i) * np;
+            for (int i = 0; i < m; i++) xs[i] = buf + (size_t)(i0 + i) * ng;
             switch (m) {
-            case 1: q_row_40(r, wr, xs, np, 1); break;
-            case 2: q_row_40(r, wr, xs, np, 2); break;
-            case 3: q_row_40(r, wr, xs, np, 3); break;
-            default: q_row_40(r, wr, xs, np, 4); break;
+            case 1: q_row_40(r, wr, xs, ng, 1); break;
+            case 2: q_row_40(r, wr, xs, ng, 2); break;
+            case 3: q_row_40(r, wr, xs, ng, 3); break;
+            default: q_row_40(r, wr, xs, ng, 4); break;
             }
             for (int i = 0; i < m; i++) out[(size_t)(i0 + i) * ld_out + j] = r[i] + (bias ? bias[j] : 0.0f);
         }
     }
     return true;
 }
-#endif
 #endif
 
 /* 32-element block g of the row (at wb) into the sums of parity par (a constant:
