@@ -1882,7 +1882,8 @@ static void compare_models(duo *d, const char *dir, const char *name, const int3
 }
 
 /* compare_models_q over every prompt of the tiny model's fixture. */
-static void needle_cases(duo *d, const char *label, double max_abs, double rel, kvs_quantization q) {
+/* The tiny model's fixture prompts on the model at dir (the tiny model or a file of it). */
+static void model_cases(duo *d, const char *dir, const char *label, double max_abs, double rel, kvs_quantization q) {
     json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
     cr_assert(cases, "cannot read fixtures/tiny-needle-llama/logits.jsonl under %s", shared_path(""));
     size_t i;
@@ -1892,10 +1893,14 @@ static void needle_cases(duo *d, const char *label, double max_abs, double rel, 
         int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
         char name[96];
         snprintf(name, sizeof name, "tiny-needle-llama %s%s", label, json_string_value(json_object_get(c, "name")));
-        compare_models_q(d, src_path("models/tiny-needle-llama"), name, ids, n, 256, 16, max_abs, rel, NULL, q);
+        compare_models_q(d, dir, name, ids, n, 256, 16, max_abs, rel, NULL, q);
         free(ids);
     }
     json_decref(cases);
+}
+
+static void needle_cases(duo *d, const char *label, double max_abs, double rel, kvs_quantization q) {
+    model_cases(d, src_path("models/tiny-needle-llama"), label, max_abs, rel, q);
 }
 
 Test(cuda, e2e_tiny_needle_llama, .timeout = 600) {
@@ -2297,18 +2302,7 @@ static void e2e_arch(const char *arch) {
 Test(cuda, e2e_gguf_q4_k_m_dequantized_at_load, .timeout = 600) {
     duo d;
     OPEN_OR_SKIP(&d);
-    json_t *cases = load_jsonl(shared_input("fixtures/tiny-needle-llama/logits.jsonl"));
-    size_t i;
-    json_t *c;
-    json_array_foreach(cases, i, c) {
-        int n;
-        int32_t *ids = json_ids(json_object_get(c, "input_ids"), &n);
-        char name[96];
-        snprintf(name, sizeof name, "tiny-q4_k_m.gguf %s", json_string_value(json_object_get(c, "name")));
-        compare_models(&d, shared_input("fixtures/gguf/tiny-q4_k_m.gguf"), name, ids, n, 256, 16, 0.4, 0.04, NULL);
-        free(ids);
-    }
-    json_decref(cases);
+    model_cases(&d, shared_input("fixtures/gguf/tiny-q4_k_m.gguf"), "tiny-q4_k_m.gguf ", 0.4, 0.04, KVS_QUANT_NONE);
     duo_close(&d);
 }
 
