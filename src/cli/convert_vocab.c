@@ -7,15 +7,7 @@
 #include <unistd.h>
 
 #include "cli/convert.h"
-
-/* The pre-tokenizer regexes llama.cpp names llama-bpe and qwen2 (the same as
- * tokenizer/gguf_vocab.c reads back). */
-static const char llama3_split[] =
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-static const char qwen2_split[] =
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+#include "tokenizer/tokenizer.h"
 
 enum { TOKEN_NORMAL = 1, TOKEN_CONTROL = 3, TOKEN_USER_DEFINED = 4, TOKEN_UNUSED = 5 };
 
@@ -51,8 +43,8 @@ static const char *pre_name(const json_t *pre, bool *byte_level) {
     }
     if (!strcmp(type, "Split")) {
         const char *re = json_string_value(json_object_get(json_object_get(pre, "pattern"), "Regex"));
-        if (re && !strcmp(re, llama3_split)) return "llama-bpe";
-        if (re && !strcmp(re, qwen2_split)) return "qwen2";
+        if (re && !strcmp(re, kvs_gguf_pre_split("llama-bpe"))) return "llama-bpe";
+        if (re && !strcmp(re, kvs_gguf_pre_split("qwen2"))) return "qwen2";
     }
     return NULL;
 }

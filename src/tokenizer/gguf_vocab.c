@@ -26,6 +26,10 @@ static const char qwen2_split[] =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
     "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
+const char *kvs_gguf_pre_split(const char *pre) {
+    return !strcmp(pre, "llama-bpe") ? llama3_split : !strcmp(pre, "qwen2") ? qwen2_split : NULL;
+}
+
 static bool str_is(kvs_gguf_str s, const char *lit) { return s.len == strlen(lit) && !memcmp(s.s, lit, s.len); }
 
 static kvs_status nomem(void) { return kvs_fail(KVS_ERR_NOMEM, "tokenizer: out of memory building a GGUF vocabulary"); }

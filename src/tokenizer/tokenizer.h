@@ -19,6 +19,9 @@ kvs_status kvs_tokenizer_load(const char *model_dir, kvs_tokenizer **out);
  * says what is supported) and tokenizer.chat_template, built as the
  * tokenizer.json they stand for. */
 kvs_status kvs_tokenizer_from_gguf(const kvs_gguf *g, kvs_tokenizer **out);
+/* The pre-tokenizer split regex (tokenizer.json's Split pattern) that a GGUF
+ * tokenizer.ggml.pre name stands for: "llama-bpe", "qwen2"; NULL for others. */
+const char *kvs_gguf_pre_split(const char *pre);
 /* Parses tokenizer.json text directly (config_json may be NULL): for tests and fuzzing. */
 kvs_status kvs_tokenizer_parse(const char *tokenizer_json, size_t len, const char *config_json,
                                size_t config_len, kvs_tokenizer **out);
