@@ -141,7 +141,7 @@ static const char *gguf_types(const char *path, char *buf, size_t cap) {
         if (count[t] && kvs_ggml_type_layout(t, &lay))
             n += (size_t)snprintf(buf + n, cap - n, " %s x%d,", lay.name, count[t]);
     }
-    if (n < cap) snprintf(buf + n - 1, cap - n + 1, "; checked against its metadata, quantized types read as f32");
+    if (n < cap) snprintf(buf + n - 1, cap - n + 1, "; checked against its metadata, quantized types kept in their blocks on the CPU, dequantized on CUDA");
     kvs_gguf_destroy(g);
     return buf;
 }
