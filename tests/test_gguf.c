@@ -356,6 +356,24 @@ Test(gguf, unused_and_unsupported_tensors_are_refused_by_name) {
     }
 }
 
+/* A quantized file whose other linear weights are F32 (llama.cpp leaves a
+ * weight unquantized when its rows are not whole blocks): the quantized one
+ * stays in its blocks, the others are kept as stored beside it, and it runs. */
+Test(gguf, a_file_with_quantized_and_f32_linear_weights_runs_in_blocks) {
+    wbuf f = tiny_llama(NULL, 0, "blk.0.ffn_down.weight", KVS_GGML_Q8_0);
+    const char *path = write_gguf(&f);
+    rig r;
+    rig_open(&r, path, NULL, RIG_BLOCKS(64, 1), 1);
+    cr_expect_eq(kvs_model_config(r.m)->quantization, KVS_QUANT_GGUF);
+    int32_t ids[3] = {1, 2, 3};
+    float logits[64];
+    int seq = kvs_kv_seq_create(r.kv);
+    rig_run(&r, seq, ids, 3, 0, logits);
+    for (int i = 0; i < 64; i++) cr_assert(isfinite(logits[i]), "logit %d is %g", i, logits[i]);
+    rig_close(&r);
+    free(f.b);
+}
+
 Test(gguf, a_block_with_a_nan_scale_is_refused_naming_tensor_and_block) {
     /* ffn_down [32 x 64] in Q8_0: 64 blocks of 34 bytes; block 5's scale NaN */
     uint8_t blocks[64 * 34] = {0};

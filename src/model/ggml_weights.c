@@ -122,6 +122,14 @@ kvs_status kvs_ggml_weight_upload(kvs_model *m, kvs_checkpoint *ck, kvs_weight_k
         m->be->to_device(m->be, dst, (const char *)b.data + (size_t)r0 * row_bytes, (size_t)nr * row_bytes);
         return KVS_OK;
     }
+    if (type == KVS_GGML_F32 || type == KVS_GGML_F16 || type == KVS_GGML_BF16) { /* a dense part, as stored */
+        kvs_host_tensor t;
+        KVS_TRY(kvs_checkpoint_read(ck, kind, layer, &t));
+        if (ggml_of_dtype(t.dtype) != type)
+            return kvs_fail(KVS_ERR_INTERNAL, "model: weight %d of layer %d is not stored as planned", (int)kind, layer);
+        m->be->to_device(m->be, dst, (const char *)t.data + (size_t)r0 * row_bytes, (size_t)nr * row_bytes);
+        return KVS_OK;
+    }
     float *f = malloc(sizeof(float) * (size_t)(nr * cols));
     uint8_t *q = malloc((size_t)nr * row_bytes);
     kvs_status st = f && q ? KVS_OK : kvs_fail(KVS_ERR_NOMEM, "model: out of host memory quantizing weights");
