@@ -140,9 +140,3 @@ kvs_status kvs_ggml_weight_upload(kvs_model *m, kvs_checkpoint *ck, kvs_weight_k
     free(q);
     return st;
 }
-
-/* The ggml types a weight set holds, for the load's line ("Q4_K x 154, Q6_K x 29"). */
-void kvs_ggml_weight_count(const kvs_ggml_weight *g, int *per_type, int n_types) {
-    for (int p = 0; p < g->n_parts; p++)
-        if ((int)g->type[p] < n_types) per_type[g->type[p]]++;
-}

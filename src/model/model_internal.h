@@ -45,7 +45,6 @@ size_t kvs_ggml_weight_bytes(const kvs_ggml_weight *g);
  * in that type, else read as f32 and quantized. */
 kvs_status kvs_ggml_weight_upload(kvs_model *m, kvs_checkpoint *ck, kvs_weight_kind kind, int layer, int64_t r0,
                                   int64_t nr, int64_t cols, const kvs_ggml_weight *g, int part, void *base);
-void kvs_ggml_weight_count(const kvs_ggml_weight *g, int *per_type, int n_types);
 
 typedef struct {
     void *attn_norm;
