@@ -49,6 +49,24 @@ static double max_diff(const float *a, const float *b, int n) {
     return d;
 }
 
+/* The prompt and 8 greedy tokens on a and on b: their last-position logits
+ * within tol (logged as what), and the same top token. */
+static void expect_close(rig *a, rig *b, const char *what, double tol) {
+    int n;
+    int32_t *ids = a_prompt(&n);
+    int v = a->cfg.vocab_size;
+    float *la = malloc(sizeof(float) * v), *lb = malloc(sizeof(float) * v);
+    int32_t ga[8], gb[8];
+    run(a, ids, n, la, ga, 8);
+    run(b, ids, n, lb, gb, 8);
+    double d = max_diff(la, lb, v);
+    cr_log_info("%s: last-position logits within %.4f; greedy %s", what, d,
+                memcmp(ga, gb, sizeof ga) ? "differs" : "equal (8 tokens)");
+    cr_expect(d <= tol, "%s: logits %.4f apart (tolerance %.2f)", what, d, tol);
+    cr_expect_eq(argmax_f(la, v), argmax_f(lb, v), "%s: top token", what);
+    free(la), free(lb), free(ids);
+}
+
 /* A CPU backend without the block kernels, as the CUDA backend is: the same
  * file then loads dequantized (the reference for the kept blocks). */
 static kvs_backend *cpu_without_blocks(kvs_backend **owner) {
@@ -64,27 +82,17 @@ static kvs_backend *cpu_without_blocks(kvs_backend **owner) {
  * about 10-20 by 0.081 (Q8_0) and 0.156 (Q4_K_M: its activations scaled per 256)
  * here, the same in every kernel set; measured and logged. */
 static void kept_against_dequantized(const char *file, double tol) {
-    int n;
-    int32_t *ids = a_prompt(&n);
     rig kept, deq;
     kvs_backend *owner, *plain = cpu_without_blocks(&owner);
     rig_open(&kept, fixture(file), NULL, RIG_BLOCKS(1200, 1), 1);
     rig_open(&deq, fixture(file), plain, RIG_BLOCKS(1200, 1), 1);
     cr_assert(kvs_quantization_is_ggml(kvs_model_config(kept.m)->quantization), "%s: blocks not kept", file);
     cr_assert_eq(kvs_model_config(deq.m)->quantization, KVS_QUANT_NONE);
-    int v = kept.cfg.vocab_size;
-    float *a = malloc(sizeof(float) * v), *b = malloc(sizeof(float) * v);
-    int32_t ga[8], gb[8];
-    run(&kept, ids, n, a, ga, 8);
-    run(&deq, ids, n, b, gb, 8);
-    double d = max_diff(a, b, v);
-    cr_log_info("%s: kept blocks vs dequantized at load: last-position logits within %.4f; greedy %s", file, d,
-                memcmp(ga, gb, sizeof ga) ? "differs" : "equal (8 tokens)");
-    cr_expect(d <= tol, "%s: logits %.4f apart (tolerance %.2f)", file, d, tol);
-    cr_expect_eq(argmax_f(a, v), argmax_f(b, v));
+    char what[96];
+    snprintf(what, sizeof what, "%s: kept blocks vs dequantized at load", file);
+    expect_close(&kept, &deq, what, tol);
     rig_close(&kept), rig_close(&deq);
     free(plain), owner->destroy(owner);
-    free(a), free(b), free(ids);
 }
 
 Test(quantized, a_q8_0_files_blocks_give_its_dequantized_logits) { kept_against_dequantized("tiny-q8_0.gguf", 0.2); }
@@ -94,23 +102,13 @@ Test(quantized, a_q4_k_m_files_blocks_give_its_dequantized_logits) {
 
 /* --quantization on the safetensors: the bf16 model's answer, logits within the format's error. */
 static void quantized_against_bf16(kvs_quantization q, double tol) {
-    int n;
-    int32_t *ids = a_prompt(&n);
     rig full, quant;
     rig_open(&full, shared_path(TINY), NULL, RIG_BLOCKS(1200, 1), 1);
     rig_open_quantized(&quant, shared_path(TINY), NULL, RIG_BLOCKS(1200, 1), 1, q);
-    int v = full.cfg.vocab_size;
-    float *a = malloc(sizeof(float) * v), *b = malloc(sizeof(float) * v);
-    int32_t ga[8], gb[8];
-    run(&full, ids, n, a, ga, 8);
-    run(&quant, ids, n, b, gb, 8);
-    double d = max_diff(a, b, v);
-    cr_log_info("--quantization %s: last-position logits within %.4f of bf16's; greedy %s", kvs_quantization_name(q),
-                d, memcmp(ga, gb, sizeof ga) ? "differs" : "equal (8 tokens)");
-    cr_expect(d <= tol, "%s: logits %.4f from bf16's (tolerance %.2f)", kvs_quantization_name(q), d, tol);
-    cr_expect_eq(argmax_f(a, v), argmax_f(b, v));
+    char what[96];
+    snprintf(what, sizeof what, "--quantization %s vs bf16", kvs_quantization_name(q));
+    expect_close(&full, &quant, what, tol);
     rig_close(&full), rig_close(&quant);
-    free(a), free(b), free(ids);
 }
 
 Test(quantized, q8_0_at_load_keeps_the_bf16_answer) { quantized_against_bf16(KVS_QUANT_Q8_0, 0.5); }
