@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 enum { SPIN_US = 200 }; /* longer than the host work between two decode steps */
@@ -134,4 +135,35 @@ void kvs_cpu_pool_destroy(kvs_cpu_pool *p) {
     free(p->threads);
     free(p->args);
     free(p);
+}
+
+/* A thread's scratch is one block: its capacity, then the 64-byte-aligned
+ * bytes handed out. The key's destructor frees it when the thread exits. */
+typedef struct {
+    size_t cap;
+    _Alignas(64) unsigned char bytes[];
+} scratch;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static bool scratch_key_ok;
+
+static void scratch_key_create(void) { scratch_key_ok = pthread_key_create(&scratch_key, free) == 0; }
+
+void *kvs_cpu_thread_scratch(size_t bytes) {
+    pthread_once(&scratch_once, scratch_key_create);
+    if (!scratch_key_ok) return NULL;
+    scratch *s = pthread_getspecific(scratch_key);
+    if (s && s->cap >= bytes) return s->bytes;
+    if (bytes > SIZE_MAX - sizeof(scratch)) return NULL;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, sizeof(scratch) + bytes)) return NULL;
+    if (pthread_setspecific(scratch_key, p) != 0) {
+        free(p);
+        return NULL;
+    }
+    free(s);
+    s = p;
+    s->cap = bytes;
+    return s->bytes;
 }

@@ -22,4 +22,10 @@ void kvs_cpu_pool_run(kvs_cpu_pool *p, kvs_cpu_job job, void *arg);
 int kvs_cpu_pool_size(const kvs_cpu_pool *p);
 void kvs_cpu_pool_destroy(kvs_cpu_pool *p);
 
+/* The calling thread's scratch: at least bytes, 64-byte aligned, grown as
+ * needed and kept for the thread's life (freed when it exits, so a pool's
+ * workers leave nothing behind); NULL where there is no memory. Its contents
+ * do not survive a call that grows it. */
+void *kvs_cpu_thread_scratch(size_t bytes);
+
 #endif

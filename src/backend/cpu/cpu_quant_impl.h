@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/cpu/cpu_pool.h"
 #include "gguf/gguf.h"
 
 enum { QK_GROUP = 4 }; /* inputs over one decoding of a weight chunk (accumulators in registers) */
@@ -515,19 +516,9 @@ ALWAYS_INLINE void q_row_k(float *res, const uint8_t *wr, const q_x256 *const *x
     }
 }
 
-/* The thread's repacked inputs (grown as needed, kept for the thread's life);
- * NULL where there is no memory for them (the caller takes the block path). */
-static _Thread_local void *q_xbuf;
-static _Thread_local size_t q_xcap;
-static void *q_xbuf_get(size_t bytes) {
-    if (bytes > q_xcap) {
-        void *p = NULL;
-        if (posix_memalign(&p, 64, bytes)) return NULL;
-        free(q_xbuf);
-        q_xbuf = p, q_xcap = bytes;
-    }
-    return q_xbuf;
-}
+/* The thread's repacked inputs; NULL where there is no memory for them (the
+ * caller takes the block path). */
+static void *q_xbuf_get(size_t bytes) { return kvs_cpu_thread_scratch(bytes); }
 
 /* false: no memory for the repacked inputs (the caller takes the 256-bit path) */
 ALWAYS_INLINE bool gemv_q_k(float *out, int ld_out, const kvs_cpu_q8 *xq, const void *w, size_t row_bytes,
