@@ -223,9 +223,113 @@ Test(prefix_cache, compaction_and_forks_leave_cached_blocks_alone) {
  * compacted when their prompt completes and in decode), append, compact, fork, free, preempt
  * (free mid-prompt), with eviction under pressure: the invariant holds after
  * each, every hit's blocks hold that prompt's tokens, and all comes back. */
+
+/* ---- KV events: a subscriber's view of what is reusable ---------------------- */
+typedef struct {
+    uint64_t h[4096];
+    int n;
+    int stored, removed, cleared;
+} event_view;
+
+static int view_find(const event_view *v, uint64_t h) {
+    for (int i = 0; i < v->n; i++)
+        if (v->h[i] == h) return i;
+    return -1;
+}
+
+/* Applies the events logged since the last call, checking each makes sense
+ * to a subscriber: a block is stored while not known, removed while known. */
+static void view_apply(kvs_kv_cache *kv, event_view *v, kvs_kv_event_log *log) {
+    kvs_kv_take_events(kv, log);
+    cr_assert(!log->lost);
+    for (int i = 0; i < log->n; i++) {
+        const kvs_kv_event *e = &log->events[i];
+        int at = view_find(v, e->hash);
+        if (e->kind == KVS_KV_EVENT_STORED) {
+            cr_assert_eq(at, -1, "block %llx stored twice", (unsigned long long)e->hash);
+            cr_assert(v->n < 4096);
+            v->h[v->n++] = e->hash, v->stored++;
+        } else if (e->kind == KVS_KV_EVENT_REMOVED) {
+            cr_assert_neq(at, -1, "block %llx removed but never stored", (unsigned long long)e->hash);
+            v->h[at] = v->h[--v->n], v->removed++;
+        } else {
+            v->n = 0, v->cleared++;
+        }
+    }
+}
+
+static int cmp_hash(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The subscriber's set equals the manager's reusable blocks. */
+static void view_check(const kvs_kv_cache *kv, event_view *v, int op) {
+    uint64_t *own;
+    int64_t n;
+    cr_assert_eq(kvs_kv_reusable_blocks(kv, &own, &n), KVS_OK);
+    cr_assert_eq(n, v->n, "op %d: %lld blocks reusable, %d announced and not removed", op, (long long)n, v->n);
+    qsort(v->h, (size_t)v->n, sizeof(uint64_t), cmp_hash);
+    for (int64_t i = 0; i < n; i++) cr_assert_eq(own[i], v->h[i], "op %d: the sets differ", op);
+    free(own);
+}
+
+Test(prefix_cache, kv_events_announce_reusable_blocks_chained_once_and_their_removal) {
+    kvs_kv_cache *kv = cache(3 * 12, 4); /* 12 blocks a layer */
+    cr_assert_eq(kvs_kv_enable_events(kv), KVS_OK);
+    kvs_kv_event_log log = {0};
+    event_view v = {0};
+    int32_t *a = tokens(100, 1000), *b = tokens(120, 1000);
+    for (int i = 85; i < 120; i++) b[i] = 7; /* 5 whole blocks in common */
+    int sa, sb;
+    start(kv, &sa, a, 100, NULL);
+    kvs_kv_take_events(kv, &log);
+    cr_assert_eq(log.n, 6, "a's 6 full prompt blocks stored, once each (3 layers)");
+    for (int i = 0; i < 6; i++) {
+        const kvs_kv_event *e = &log.events[i];
+        cr_assert_eq(e->kind, KVS_KV_EVENT_STORED);
+        cr_assert_eq(e->has_parent, i > 0, "only the first block has no parent");
+        if (i) cr_assert_eq(e->parent_hash, log.events[i - 1].hash, "block %d's parent is the block before", i);
+        cr_assert(!memcmp(log.tokens + e->token0, a + i * BS, sizeof(int32_t) * BS), "block %d's tokens", i);
+        v.h[v.n++] = e->hash;
+    }
+    uint64_t a5 = log.events[4].hash;
+    start(kv, &sb, b, 120, NULL); /* 80 tokens hit: only b's 6th and 7th blocks are new */
+    kvs_kv_take_events(kv, &log);
+    cr_assert_eq(log.n, 2, "the reused blocks are not announced again");
+    cr_assert(log.events[0].has_parent && log.events[0].parent_hash == a5, "b's 6th block follows the shared 5th");
+    cr_assert(!memcmp(log.tokens + log.events[0].token0, b + 80, sizeof(int32_t) * BS));
+    for (int i = 0; i < 2; i++) v.h[v.n++] = log.events[i].hash;
+    view_check(kv, &v, 0);
+    /* under pressure: a third prompt takes evictable blocks once a and b end */
+    kvs_kv_free(kv, sa);
+    kvs_kv_free(kv, sb);
+    int32_t *c = tokens(150, 50000);
+    int sc;
+    start(kv, &sc, c, 150, NULL);
+    view_apply(kv, &v, &log);
+    cr_assert(v.removed > 0, "evicted blocks are removed");
+    view_check(kv, &v, 1);
+    kvs_kv_reset_prefix_cache(kv);
+    view_apply(kv, &v, &log);
+    cr_assert_eq(v.cleared, 1);
+    cr_assert_eq(log.events[log.n - 1].kind, KVS_KV_EVENT_CLEARED);
+    view_check(kv, &v, 2);
+    kvs_kv_free(kv, sc);
+    check(kv);
+    cr_expect_eq(kvs_kv_free_blocks(kv), 36);
+    cr_expect_eq(kvs_kv_evictable_blocks(kv), 0, "a reset cache holds nothing");
+    kvs_kv_event_log_free(&log);
+    free(a), free(b), free(c);
+    kvs_kv_destroy(kv);
+}
+
 Test(prefix_cache, random_operations_keep_ownership_and_reference_counts, .timeout = 300) {
     enum { SEQS = 10, BLOCKS = 40 * L };
     kvs_kv_cache *kv = cache(BLOCKS, SEQS);
+    cr_assert_eq(kvs_kv_enable_events(kv), KVS_OK);
+    kvs_kv_event_log log = {0};
+    static event_view v;
     kvs_rng rng;
     kvs_rng_seed(&rng, kvs_test_seed());
     int live[SEQS], n_live = 0, prompt_left[SEQS] = {0};
@@ -288,9 +392,15 @@ Test(prefix_cache, random_operations_keep_ownership_and_reference_counts, .timeo
                 prompt_left[pick] = prompt_left[n_live];
             }
         }
+        if (kvs_rng_u64(&rng) % 500 == 0) kvs_kv_reset_prefix_cache(kv);
         cr_assert_eq(kvs_kv_check(kv), KVS_OK, "op %d: %s", op, kvs_last_error());
+        view_apply(kv, &v, &log);
+        view_check(kv, &v, op);
     }
-    cr_log_info("%llu tokens reused, %llu evictions", (unsigned long long)hits, (unsigned long long)kvs_kv_evictions(kv));
+    cr_log_info("%llu tokens reused, %llu evictions; events: %d stored, %d removed, %d cleared", (unsigned long long)hits,
+                (unsigned long long)kvs_kv_evictions(kv), v.stored, v.removed, v.cleared);
+    cr_expect(v.stored > 0 && v.removed > 0, "the run announced and removed blocks");
+    kvs_kv_event_log_free(&log);
     cr_expect(hits > 0 && kvs_kv_evictions(kv) > 0, "the run reused and evicted (hits %llu)", (unsigned long long)hits);
     while (n_live) kvs_kv_free(kv, live[--n_live]);
     check(kv);

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/sample.h" /* kvs_sample_mix64 */
 #include "kv/kv_internal.h"
 
 kvs_status kvs_block_pool_init(kvs_block_pool *p, int64_t n_blocks, int block_size, int n_layers, bool caching) {
@@ -37,6 +38,7 @@ void kvs_block_pool_release(kvs_block_pool *p) {
     free(p->cached_per_layer);
     free(p->buckets);
     free(p->tokens);
+    if (p->events) free(p->events->events), free(p->events->tokens), free(p->events);
     memset(p, 0, sizeof *p);
 }
 
@@ -60,7 +62,61 @@ static void lru_remove(kvs_block_pool *p, int32_t b) {
 }
 
 /* ---- the cached blocks by key ------------------------------------------------------ */
-static int32_t *bucket_of(kvs_block_pool *p, uint64_t key) { return &p->buckets[key & (uint64_t)(p->n_buckets - 1)]; }
+/* The key of prompt block hash in a layer: never 0 (0 is "not cached"). */
+static uint64_t layer_key(uint64_t hash, int layer) {
+    return kvs_sample_mix64(hash ^ ((uint64_t)(layer + 1) * 0x9e3779b97f4a7c15ull)) | 1;
+}
+
+static int32_t *bucket_of(const kvs_block_pool *p, uint64_t key) {
+    return &p->buckets[key & (uint64_t)(p->n_buckets - 1)];
+}
+
+/* Whether some block is cached as prompt block hash of layer (whatever its parent). */
+static bool layer_has(const kvs_block_pool *p, uint64_t hash, int layer) {
+    uint64_t key = layer_key(hash, layer);
+    for (int32_t b = *bucket_of(p, key); b >= 0; b = p->meta[b].hnext)
+        if (p->meta[b].key == key) return true;
+    return false;
+}
+
+/* Whether every layer but `except` has prompt block hash cached; the layers
+ * after `except` first: while a prompt is cached layer by layer they are the
+ * ones missing, so the common answer costs one look. */
+static bool others_have(const kvs_block_pool *p, uint64_t hash, int except) {
+    for (int i = 1; i < p->n_layers; i++)
+        if (!layer_has(p, hash, (except + i) % p->n_layers)) return false;
+    return true;
+}
+
+bool kvs_block_reusable(const kvs_block_pool *p, uint64_t hash) {
+    return p->buckets && layer_has(p, hash, 0) && others_have(p, hash, 0);
+}
+
+/* ---- KV events --------------------------------------------------------------------- */
+static void log_event(kvs_block_pool *p, kvs_kv_event e, const int32_t *tokens) {
+    kvs_kv_event_log *g = p->events;
+    if (g->lost) return; /* the subscribers are told to forget everything anyway */
+    int bs = p->block_size;
+    if (g->n == g->cap) {
+        int cap = g->cap ? 2 * g->cap : 64;
+        kvs_kv_event *grown = realloc(g->events, sizeof *grown * (size_t)cap);
+        if (!grown) return (void)(g->lost = true);
+        g->events = grown, g->cap = cap;
+    }
+    if (tokens && g->n_tokens + bs > g->cap_tokens) {
+        int64_t cap = g->cap_tokens ? 2 * g->cap_tokens : 64 * (int64_t)bs;
+        while (cap < g->n_tokens + bs) cap *= 2;
+        int32_t *grown = realloc(g->tokens, sizeof *grown * (size_t)cap);
+        if (!grown) return (void)(g->lost = true);
+        g->tokens = grown, g->cap_tokens = cap;
+    }
+    if (tokens) {
+        e.token0 = g->n_tokens;
+        memcpy(g->tokens + g->n_tokens, tokens, sizeof(int32_t) * (size_t)bs);
+        g->n_tokens += bs;
+    }
+    g->events[g->n++] = e;
+}
 
 static void uncache(kvs_block_pool *p, int32_t b) {
     block_meta *m = &p->meta[b];
@@ -69,6 +125,9 @@ static void uncache(kvs_block_pool *p, int32_t b) {
     *at = m->hnext;
     p->cached_per_layer[m->layer]--;
     m->key = 0;
+    /* the last copy of a reusable block's layer: it is reusable no more */
+    if (p->events && !layer_has(p, m->hash, m->layer) && others_have(p, m->hash, m->layer))
+        log_event(p, (kvs_kv_event){.kind = KVS_KV_EVENT_REMOVED, .hash = m->hash}, NULL);
 }
 
 /* ---- holders ----------------------------------------------------------------------- */
@@ -98,10 +157,11 @@ void kvs_block_drop(kvs_block_pool *p, int32_t b) {
     else p->free_blocks[p->n_free++] = b;
 }
 
-int32_t kvs_block_lookup(const kvs_block_pool *p, uint64_t key, uint64_t salt_check, int32_t parent,
+int32_t kvs_block_lookup(const kvs_block_pool *p, uint64_t hash, int layer, uint64_t salt_check, int32_t parent,
                          const int32_t *tokens) {
     size_t bytes = sizeof(int32_t) * p->block_size;
-    for (int32_t b = p->buckets[key & (uint64_t)(p->n_buckets - 1)]; b >= 0; b = p->meta[b].hnext) {
+    uint64_t key = layer_key(hash, layer);
+    for (int32_t b = *bucket_of(p, key); b >= 0; b = p->meta[b].hnext) {
         const block_meta *m = &p->meta[b];
         if (m->key == key && m->salt_check == salt_check && m->parent == parent &&
             (parent < 0 || m->parent_gen == p->meta[parent].gen) &&
@@ -111,15 +171,35 @@ int32_t kvs_block_lookup(const kvs_block_pool *p, uint64_t key, uint64_t salt_ch
     return -1;
 }
 
-void kvs_block_cache(kvs_block_pool *p, int32_t b, uint64_t key, uint64_t salt_check, int32_t parent, int layer,
+void kvs_block_cache(kvs_block_pool *p, int32_t b, uint64_t hash, uint64_t salt_check, int32_t parent, int layer,
                      const int32_t *tokens) {
     block_meta *m = &p->meta[b];
-    *m = (block_meta){.ref = m->ref, .key = key, .salt_check = salt_check, .gen = m->gen + 1, .parent = parent,
+    uint64_t key = layer_key(hash, layer);
+    /* the layer's first copy of a block the others have: it becomes reusable */
+    if (p->events && !layer_has(p, hash, layer) && others_have(p, hash, layer))
+        log_event(p, (kvs_kv_event){.kind = KVS_KV_EVENT_STORED, .hash = hash, .has_parent = parent >= 0,
+                                    .parent_hash = parent >= 0 ? p->meta[parent].hash : 0}, tokens);
+    *m = (block_meta){.ref = m->ref, .key = key, .hash = hash, .salt_check = salt_check, .gen = m->gen + 1, .parent = parent,
                       .parent_gen = parent >= 0 ? p->meta[parent].gen : 0, .layer = layer,
                       .hnext = *bucket_of(p, key), .lru_prev = -1, .lru_next = -1};
     *bucket_of(p, key) = b;
     memcpy(p->tokens + (size_t)b * p->block_size, tokens, sizeof(int32_t) * p->block_size);
     p->cached_per_layer[layer]++;
+}
+
+void kvs_block_uncache_all(kvs_block_pool *p) {
+    kvs_kv_event_log *events = p->events;
+    p->events = NULL; /* one event says it all */
+    for (int64_t b = 0; b < p->n_blocks; b++) {
+        if (!p->meta[b].key) continue;
+        if (!p->meta[b].ref) { /* evictable: free now */
+            lru_remove(p, (int32_t)b);
+            p->free_blocks[p->n_free++] = (int32_t)b;
+        }
+        uncache(p, (int32_t)b);
+    }
+    p->events = events;
+    if (events) log_event(p, (kvs_kv_event){.kind = KVS_KV_EVENT_CLEARED}, NULL);
 }
 
 /* Every block in one state; a held block's ref its holders; every cached

@@ -112,6 +112,41 @@ int64_t kvs_kv_cached_blocks(const kvs_kv_cache *kv, int layer); /* cached block
 int64_t kvs_kv_evictable_blocks(const kvs_kv_cache *kv);
 uint64_t kvs_kv_evictions(const kvs_kv_cache *kv);                /* cached blocks taken for other use */
 
+/* ---- KV events (serve --kv-events-config; docs/SERVING.md) --------------------
+ * A prompt block is reusable while every layer holds it cached (what
+ * kvs_kv_prefix_attach can give a new request). With events on, the manager
+ * logs each prompt block that becomes reusable (stored: its chain hash, its
+ * parent's, its tokens), each that stops being so (removed: a layer's copy
+ * was evicted) and a reset of the whole cache (cleared), in order. Compacted
+ * blocks are a sequence's own, never cached: never logged. */
+typedef enum { KVS_KV_EVENT_STORED, KVS_KV_EVENT_REMOVED, KVS_KV_EVENT_CLEARED } kvs_kv_event_kind;
+typedef struct {
+    kvs_kv_event_kind kind;
+    bool has_parent;           /* stored: not the prompt's first block */
+    uint64_t hash, parent_hash;
+    int64_t token0;            /* stored: its block_size tokens are tokens[token0 ..] */
+} kvs_kv_event;
+typedef struct {
+    kvs_kv_event *events;
+    int n, cap;
+    int32_t *tokens;
+    int64_t n_tokens, cap_tokens;
+    int block_size;
+    bool lost;                 /* an event could not be logged (out of memory): what a
+                                  subscriber knows is stale; say AllBlocksCleared after these */
+} kvs_kv_event_log;
+/* Turns the events on (from now: announce nothing cached before). */
+kvs_status kvs_kv_enable_events(kvs_kv_cache *kv);
+/* Moves the events logged since the last take into *out (emptied first, its
+ * arrays swapped with the manager's: no copy). */
+void kvs_kv_take_events(kvs_kv_cache *kv, kvs_kv_event_log *out);
+void kvs_kv_event_log_free(kvs_kv_event_log *log);
+/* Empties the prefix cache: no block is reusable afterwards (the blocks that
+ * requests hold stay theirs); logs cleared. */
+void kvs_kv_reset_prefix_cache(kvs_kv_cache *kv);
+/* The hashes of the reusable blocks, ascending, in a malloc'd *hashes (NULL when none). */
+kvs_status kvs_kv_reusable_blocks(const kvs_kv_cache *kv, uint64_t **hashes, int64_t *n);
+
 /* Memory accounting: free blocks include the evictable ones. */
 int64_t kvs_kv_free_blocks(const kvs_kv_cache *kv);
 int64_t kvs_kv_used_blocks(const kvs_kv_cache *kv);

@@ -82,6 +82,7 @@ typedef struct {
 typedef struct {
     int32_t ref;
     uint64_t key;        /* 0: not cached */
+    uint64_t hash;       /* the prompt block's chain hash (key = it and the layer; KV events name it) */
     uint64_t salt_check;
     uint32_t gen;        /* bumped whenever the block is cached anew */
     int32_t parent;      /* -1: the prompt's first block */
@@ -106,6 +107,10 @@ typedef struct {
     int32_t lru_head, lru_tail;
     int64_t n_evictable, *cached_per_layer;
     uint64_t evictions;
+    /* KV events (kvs_kv_enable_events): a prompt block is reusable while
+       every layer has a cached block under its hash; the pool logs when one
+       becomes reusable and when it stops being so. NULL: off. */
+    kvs_kv_event_log *events;
 } kvs_block_pool;
 
 /* Every block free; with caching, the index and the tokens too. */
@@ -118,14 +123,19 @@ int32_t kvs_block_take(kvs_block_pool *p);
 void kvs_block_hold(kvs_block_pool *p, int32_t b);
 /* One holder fewer; at none the block is free, or evictable when cached. */
 void kvs_block_drop(kvs_block_pool *p, int32_t b);
-/* The cached block under key whose salt, parent (-1: a prompt's first block)
- * and tokens match; -1 when none verifies. */
-int32_t kvs_block_lookup(const kvs_block_pool *p, uint64_t key, uint64_t salt_check, int32_t parent,
+/* The cached block of prompt block hash in layer whose salt, parent (-1: a
+ * prompt's first block) and tokens match; -1 when none verifies. */
+int32_t kvs_block_lookup(const kvs_block_pool *p, uint64_t hash, int layer, uint64_t salt_check, int32_t parent,
                          const int32_t *tokens);
-/* Caches held block b under key (its gen bumped: the children cached under
- * its old content no longer verify). */
-void kvs_block_cache(kvs_block_pool *p, int32_t b, uint64_t key, uint64_t salt_check, int32_t parent, int layer,
+/* Caches held block b as prompt block hash of layer (its gen bumped: the
+ * children cached under its old content no longer verify). */
+void kvs_block_cache(kvs_block_pool *p, int32_t b, uint64_t hash, uint64_t salt_check, int32_t parent, int layer,
                      const int32_t *tokens);
+/* Uncaches every cached block (held ones stay held, and are freed when
+ * dropped); logs AllBlocksCleared. */
+void kvs_block_uncache_all(kvs_block_pool *p);
+/* Whether prompt block hash is reusable: cached in every layer. */
+bool kvs_block_reusable(const kvs_block_pool *p, uint64_t hash);
 static inline bool kvs_block_cached(const kvs_block_pool *p, int32_t b) { return p->meta[b].key != 0; }
 static inline int32_t kvs_block_refs(const kvs_block_pool *p, int32_t b) { return p->meta[b].ref; }
 /* Free blocks, the evictable ones included (what a reservation may take). */

@@ -20,11 +20,6 @@ static uint64_t hash_salt(const char *salt, uint64_t basis) { /* FNV-1a, then mi
     return kvs_sample_mix64(h ^ (salt ? 1 : 0));
 }
 
-/* The key of prompt block hash h in a layer: never 0 (0 is "not cached"). */
-static uint64_t layer_key(uint64_t h, int layer) {
-    return kvs_sample_mix64(h ^ ((uint64_t)(layer + 1) * 0x9e3779b97f4a7c15ull)) | 1;
-}
-
 bool kvs_kv_table_shared(const kvs_kv_cache *kv, const layer_table *t) {
     for (int i = 0; i < t->n_blocks; i++)
         if (kvs_block_refs(&kv->blocks, t->blocks[i]) > 1 || kvs_block_cached(&kv->blocks, t->blocks[i])) return true;
@@ -45,7 +40,7 @@ void kvs_kv_free_prefix(kvs_kv_cache *kv, seq_state *s) {
  * is the given block: -1 when none verifies. */
 static int32_t lookup(const kvs_kv_cache *kv, uint64_t h, int l, const int32_t *tokens, uint64_t salt_check,
                       int32_t parent) {
-    return kvs_block_lookup(&kv->blocks, layer_key(h, l), salt_check, parent, tokens);
+    return kvs_block_lookup(&kv->blocks, h, l, salt_check, parent, tokens);
 }
 
 void kvs_kv_register_prompt(kvs_kv_cache *kv, seq_state *s) {
@@ -56,13 +51,16 @@ void kvs_kv_register_prompt(kvs_kv_cache *kv, seq_state *s) {
         for (int l = 0; l < kv->cfg.n_layers; l++) {
             const layer_table *t = &s->layers[l];
             int32_t b = t->blocks[i], parent = i > 0 ? t->blocks[i - 1] : -1;
-            uint64_t key = layer_key(s->prompt_hash[i], l);
             const int32_t *tokens = s->prompt_tokens + (size_t)i * bs;
             /* a reused block is cached already; the same block that another
-               sequence cached first stays this sequence's own */
-            if (kvs_block_cached(&kv->blocks, b) || lookup(kv, s->prompt_hash[i], l, tokens, s->salt_check, parent) >= 0)
+               sequence cached first stays this sequence's own (named all the
+               same: a KV event names a block's parent by its hash) */
+            if (kvs_block_cached(&kv->blocks, b)) continue;
+            if (lookup(kv, s->prompt_hash[i], l, tokens, s->salt_check, parent) >= 0) {
+                kv->blocks.meta[b].hash = s->prompt_hash[i];
                 continue;
-            kvs_block_cache(&kv->blocks, b, key, s->salt_check, parent, l, tokens);
+            }
+            kvs_block_cache(&kv->blocks, b, s->prompt_hash[i], s->salt_check, parent, l, tokens);
         }
     }
 }
@@ -166,4 +164,56 @@ kvs_status kvs_kv_check(const kvs_kv_cache *kv) {
     if (st == KVS_OK) st = kvs_block_pool_check(&kv->blocks, holders);
     free(holders);
     return st;
+}
+
+/* ---- KV events (kv.h) ----------------------------------------------------------- */
+kvs_status kvs_kv_enable_events(kvs_kv_cache *kv) {
+    if (kv->blocks.events) return KVS_OK;
+    kv->blocks.events = calloc(1, sizeof *kv->blocks.events);
+    if (!kv->blocks.events) return kvs_fail(KVS_ERR_NOMEM, "kv events: out of memory");
+    kv->blocks.events->block_size = kv->cfg.block_size;
+    return KVS_OK;
+}
+
+void kvs_kv_take_events(kvs_kv_cache *kv, kvs_kv_event_log *out) {
+    kvs_kv_event_log *g = kv->blocks.events, t;
+    out->n = 0, out->n_tokens = 0, out->lost = false;
+    if (!g) return;
+    t = *g, *g = *out, *out = t;
+    out->block_size = g->block_size = kv->cfg.block_size;
+}
+
+void kvs_kv_event_log_free(kvs_kv_event_log *log) {
+    if (!log) return;
+    free(log->events);
+    free(log->tokens);
+    *log = (kvs_kv_event_log){0};
+}
+
+void kvs_kv_reset_prefix_cache(kvs_kv_cache *kv) {
+    if (kv->blocks.buckets) kvs_block_uncache_all(&kv->blocks);
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+kvs_status kvs_kv_reusable_blocks(const kvs_kv_cache *kv, uint64_t **hashes, int64_t *n) {
+    const kvs_block_pool *p = &kv->blocks;
+    *hashes = NULL, *n = 0;
+    int64_t cap = p->n_layers > 0 ? p->cached_per_layer[0] : 0;
+    if (!p->buckets || cap == 0) return KVS_OK;
+    uint64_t *h = malloc(sizeof *h * (size_t)cap);
+    if (!h) return kvs_fail(KVS_ERR_NOMEM, "kv: out of memory");
+    int64_t k = 0;
+    for (int64_t b = 0; b < p->n_blocks; b++) /* layer 0's copies, each hash once */
+        if (p->meta[b].key && p->meta[b].layer == 0 && kvs_block_reusable(p, p->meta[b].hash)) h[k++] = p->meta[b].hash;
+    qsort(h, (size_t)k, sizeof *h, cmp_u64);
+    int64_t u = 0;
+    for (int64_t i = 0; i < k; i++)
+        if (u == 0 || h[u - 1] != h[i]) h[u++] = h[i];
+    if (u == 0) free(h), h = NULL;
+    *hashes = h, *n = u;
+    return KVS_OK;
 }
