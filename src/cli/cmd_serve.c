@@ -17,6 +17,7 @@
 #include "cli/cli.h"
 #include "cli/cli_common.h"
 #include "engine/engine.h"
+#include "events/kv_events.h"
 #include "server/server.h"
 
 /* Signal handling only: the self-pipe the main thread sleeps on, and a count. */
@@ -24,7 +25,12 @@ static int g_signal_pipe[2] = {-1, -1};
 static volatile sig_atomic_t g_signals;
 
 static void on_signal(int sig) {
-    if (g_signals++ > 0) _exit(128 + sig);
+    if (g_signals++ > 0) {
+        static const char msg[] = "[kvsparse warn] a second signal: exiting at once\n";
+        if (write(2, msg, sizeof msg - 1) < 0) { /* nothing to do */
+        }
+        _exit(128 + sig);
+    }
     int saved = errno;
     char c = 1;
     if (write(g_signal_pipe[1], &c, 1) < 0) { /* nothing to do */
@@ -42,6 +48,7 @@ typedef struct {
     bool generation_none;          /* --generation-config none */
     kvs_generation_config gen;     /* the model's generation_config.json (auto) */
     kvs_sampling_params sampling;  /* a request's defaults: OpenAI's under gen */
+    kvs_kv_events_config kv_events; /* --kv-events-config */
 } serve_options;
 
 static void usage(FILE *f) {
@@ -57,6 +64,9 @@ static void usage(FILE *f) {
                "  --max-num-batched-tokens N  tokens per engine step (default 2048)\n"
                "  --max-model-len N         context limit (default: the model's)\n"
                "  --max-waiting N           queued requests at most; more get 429 (default 1024)\n"
+               "  --kv-events-config JSON   publish the prefix cache's KV events over ZeroMQ as vLLM does, e.g.\n"
+               "                            '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\",\n"
+               "                            \"replay_endpoint\":\"tcp://*:5558\",\"topic\":\"kv\"}' (docs/SERVING.md)\n"
                "  --enable-prefix-caching   reuse the cached KV of prompt prefixes across requests (default;\n"
                "                            requests share them only with an equal cache_salt)\n"
                "  --no-enable-prefix-caching  prefill every prompt in full, cache nothing\n"
@@ -143,6 +153,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
     o->scfg.port = 8000;
     o->drain_timeout_s = 30;
     o->mem = kvs_cli_memory_default();
+    o->kv_events = kvs_kv_events_config_default();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int r = kvs_cli_load_option(&o->load, argc, argv, &i);
@@ -172,6 +183,12 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         else if (!strcmp(a, "--max-model-len") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_model_len)) goto bad; }
         else if (!strcmp(a, "--max-waiting") && v) { if (!parse_int(argv[++i], 1, &o->ecfg.max_waiting)) goto bad; }
         else if (!strcmp(a, "--max-body-bytes") && v) { if (!parse_int(argv[++i], 1024, &n)) goto bad; o->scfg.max_body_bytes = (size_t)n; }
+        else if (!strcmp(a, "--kv-events-config") && v) {
+            if (kvs_kv_events_config_parse(argv[++i], &o->kv_events) != KVS_OK) {
+                fprintf(stderr, "kvsparse serve: %s\n", kvs_last_error());
+                return 2;
+            }
+        }
         else goto bad;
         continue;
     bad:
@@ -331,7 +348,14 @@ int kvs_cmd_serve(int argc, char **argv) {
     if (!o.scfg.served_model_name) o.scfg.served_model_name = kvs_cli_last_name(o.load.model_dir, namebuf, sizeof namebuf);
     kvs_engine *e = NULL;
     kvs_server *srv = NULL;
-    kvs_status st = kvs_cli_engine(&l, &o.ecfg, &e); /* the server asks it for its limits */
+    kvs_kv_event_publisher *events = NULL;
+    kvs_status st = KVS_OK;
+    if (o.kv_events.enable) {
+        bool gpu = o.load.device && !strncmp(o.load.device, "cuda", 4);
+        st = kvs_kv_event_publisher_create(&o.kv_events, gpu ? "GPU" : "CPU", &events);
+        o.ecfg.on_kv_events = kvs_kv_event_publisher_publish, o.ecfg.kv_events_user = events;
+    }
+    if (st == KVS_OK) st = kvs_cli_engine(&l, &o.ecfg, &e); /* the server asks it for its limits */
     if (st == KVS_OK) st = kvs_engine_start(e);
     if (st == KVS_OK && (pipe(g_signal_pipe) != 0 || fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK) != 0))
         st = kvs_fail(KVS_ERR_IO, "pipe: %s", strerror(errno));
@@ -348,6 +372,7 @@ int kvs_cmd_serve(int argc, char **argv) {
     }
     if (st != KVS_OK) {
         kvs_engine_destroy(e);
+        kvs_kv_event_publisher_destroy(events);
         kvs_cli_unload(&l);
         free(key);
         return kvs_cli_error();
@@ -375,6 +400,7 @@ int kvs_cmd_serve(int argc, char **argv) {
     kvs_engine_stop(e, true);
     kvs_server_stop(srv);
     kvs_engine_destroy(e);
+    kvs_kv_event_publisher_destroy(events); /* after the engine: its thread published */
     kvs_cli_unload(&l);
     close(g_signal_pipe[0]);
     close(g_signal_pipe[1]);

@@ -59,6 +59,7 @@ static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_token
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->gvocab_mu, NULL);
     pthread_cond_init(&e->cv, NULL);
+    pthread_cond_init(&e->reset_cv, NULL);
     kvs_kv_config kc = {.n_layers = mc->n_layers, .n_kv_heads = mc->n_kv_heads, .head_dim = mc->head_dim,
                         .n_heads = mc->n_heads, .block_size = KVS_KV_BLOCK_SIZE, .max_seqs = c.max_num_seqs,
                         .max_window = c.default_policy.window, /* requests may use windows up to the default's */
@@ -69,6 +70,7 @@ static kvs_status engine_create(kvs_runner *g, bool owns_runner, const kvs_token
         st = kvs_fail(KVS_ERR_INVALID, "kv_memory_bytes (%zu) holds %lld blocks: less than one token in every layer",
                       c.kv_memory_bytes, (long long)kc.n_blocks);
     if (st == KVS_OK) st = kvs_runner_kv_create(g, &kc);
+    if (st == KVS_OK && c.on_kv_events) st = kvs_kv_enable_events(kvs_runner_kv(g));
     int cap_tokens = c.max_num_batched_tokens, cap_seqs = c.max_num_seqs;
     e->rows.token_ids = malloc(sizeof(int32_t) * cap_tokens);
     e->rows.positions = malloc(sizeof(int32_t) * cap_tokens);
@@ -157,6 +159,8 @@ void kvs_engine_destroy(kvs_engine *e) {
     free(e->live);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
+    pthread_cond_destroy(&e->reset_cv);
+    kvs_kv_event_log_free(&e->kv_events);
     free(e);
 }
 
@@ -287,8 +291,13 @@ static void take_inputs(kvs_engine *e) {
             }
         e->n_abort_pending = 0;
     }
-    bool all = e->abort_all;
-    e->abort_all = false;
+    bool all = e->abort_all, reset = e->reset_pending;
+    e->abort_all = e->reset_pending = false;
+    if (reset) { /* between two steps: no block of the cache is being written */
+        kvs_kv_reset_prefix_cache(kvs_runner_kv(e->runner));
+        e->resets_done++;
+        pthread_cond_broadcast(&e->reset_cv);
+    }
     kvs_stats_refresh(e);
     pthread_mutex_unlock(&e->mu);
     if (aborts) retire_aborted(e, &e->running), retire_aborted(e, &e->waiting);
@@ -503,6 +512,13 @@ static kvs_status run_batch(kvs_engine *e) {
     return KVS_OK;
 }
 
+/* The KV events of the step (its reset, admissions, commits, evictions, frees). */
+static void publish_kv_events(kvs_engine *e) {
+    if (!e->cfg.on_kv_events) return;
+    kvs_kv_take_events(kvs_runner_kv(e->runner), &e->kv_events);
+    if (e->kv_events.n > 0 || e->kv_events.lost) e->cfg.on_kv_events(e->cfg.kv_events_user, &e->kv_events);
+}
+
 static kvs_status step(kvs_engine *e) {
     take_inputs(e);
     if (e->failed) { /* only this thread sets it: no lock needed to read it here */
@@ -513,6 +529,7 @@ static kvs_status step(kvs_engine *e) {
     kvs_status st = kvs_schedule(e);
     kvs_host_clock_stop(KVS_HOST_SCHEDULE, t0);
     if (st == KVS_OK && e->batch.n_seqs > 0) st = run_batch(e);
+    publish_kv_events(e);
     pthread_mutex_lock(&e->mu);
     kvs_stats_refresh(e);
     pthread_mutex_unlock(&e->mu);
@@ -527,6 +544,27 @@ kvs_status kvs_engine_step(kvs_engine *e) {
     return step(e);
 }
 
+kvs_status kvs_engine_reset_prefix_cache(kvs_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    kvs_status st = KVS_OK;
+    if (e->failed) st = kvs_fail(KVS_ERR_INTERNAL, "the engine failed: %s", e->failure);
+    else if (e->stop_requested) st = kvs_fail(KVS_ERR_BUSY, "the engine is shutting down");
+    bool threaded = e->thread_started;
+    if (st == KVS_OK) {
+        uint64_t done = e->resets_done;
+        e->reset_pending = true;
+        pthread_cond_signal(&e->cv);
+        /* the engine thread does it at its next turn; stopping or failing ends the wait */
+        while (threaded && e->resets_done == done && !e->failed && e->thread_started) pthread_cond_wait(&e->reset_cv, &e->mu);
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (st == KVS_OK && !threaded) { /* the caller steps the engine: do it now */
+        take_inputs(e);
+        publish_kv_events(e);
+    }
+    return st;
+}
+
 kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e) {
     return (kvs_engine_limits){.max_model_len = e->cfg.max_model_len, .vocab_size = e->vocab,
                                .n_layers = e->mcfg.n_layers, .max_window = kvs_kv_get_config(kvs_runner_kv(e->runner))->max_window,
@@ -535,13 +573,14 @@ kvs_engine_limits kvs_engine_get_limits(const kvs_engine *e) {
 
 bool kvs_engine_idle(kvs_engine *e) {
     pthread_mutex_lock(&e->mu);
-    bool idle = !e->incoming.n && !e->n_queued && !e->n_running && !e->n_abort_pending && !e->abort_all;
+    bool idle = !e->incoming.n && !e->n_queued && !e->n_running && !e->n_abort_pending && !e->abort_all &&
+                !e->reset_pending;
     pthread_mutex_unlock(&e->mu);
     return idle;
 }
 
 static bool has_work(const kvs_engine *e) { /* with mu held */
-    return e->incoming.n || e->n_queued || e->n_running || e->n_abort_pending || e->abort_all;
+    return e->incoming.n || e->n_queued || e->n_running || e->n_abort_pending || e->abort_all || e->reset_pending;
 }
 
 static void *engine_main(void *arg) {
@@ -583,6 +622,7 @@ void kvs_engine_stop(kvs_engine *e, bool drain) {
         pthread_join(e->thread, NULL);
         pthread_mutex_lock(&e->mu);
         e->thread_started = false;
+        pthread_cond_broadcast(&e->reset_cv);
         pthread_mutex_unlock(&e->mu);
     } else {
         while (!kvs_engine_idle(e))

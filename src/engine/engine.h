@@ -60,6 +60,10 @@ typedef struct {
      * after its compaction), evicted least recently used when the pool needs
      * them; a request reuses its longest cached prefix and prefills the rest. */
     bool enable_prefix_caching;
+    /* KV events (kv.h; serve --kv-events-config): when set, called on the
+     * stepping thread after each step (or reset) that logged any, with them. */
+    void (*on_kv_events)(void *user, const kvs_kv_event_log *events);
+    void *kv_events_user;
 } kvs_engine_config;
 
 kvs_engine_config kvs_engine_config_default(void);
@@ -188,6 +192,10 @@ kvs_status kvs_engine_submit(kvs_engine *e, const kvs_request_params *p, kvs_out
 void kvs_engine_abort(kvs_engine *e, uint64_t request_id);
 /* One iteration (when not started). Returns KVS_OK also when idle. */
 kvs_status kvs_engine_step(kvs_engine *e);
+/* Empties the prefix cache (kvs_kv_reset_prefix_cache) on the stepping
+ * thread, between two steps; returns once done (the engine thread, if any,
+ * does it). Running requests keep their blocks and go on. */
+kvs_status kvs_engine_reset_prefix_cache(kvs_engine *e);
 bool kvs_engine_idle(kvs_engine *e); /* nothing waiting or running */
 /* What a request may ask for: submit refuses beyond these (the server's
  * defaults and its early refusals of oversized bodies use them). */
@@ -242,6 +250,7 @@ typedef struct {
        (evictable: counted in the free blocks) */
     uint64_t prefix_cache_queries, prefix_cache_hits, prefix_cache_evictions;
     int64_t kv_blocks_cached_full_layers, kv_blocks_cached_sparse_layers, kv_blocks_evictable;
+    int64_t prefix_cache_reusable_blocks; /* prompt blocks cached in every layer (with KV events on; else 0) */
     /* the last step's batch: its tokens, and those of its sequences with one
        token in it (decodes; bench throughput --profile sorts steps by them) */
     int step_tokens, step_decode_tokens;

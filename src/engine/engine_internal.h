@@ -135,6 +135,11 @@ struct kvs_engine {
     uint64_t next_id;
     int n_queued, n_running; /* mirrors of waiting.n / running.n for submit, idle and stats */
     bool abort_all, stop_requested, thread_started;
+    /* kvs_engine_reset_prefix_cache: asked, and how many were done (reset_cv) */
+    bool reset_pending;
+    uint64_t resets_done;
+    pthread_cond_t reset_cv;
+    kvs_kv_event_log kv_events; /* the stepping thread's: a step's events on their way to on_kv_events */
     bool failed;        /* a step failed: every request ended, submit refuses (set once, never cleared) */
     char failure[512];  /* why; written before failed is set, constant after */
     pthread_t thread;

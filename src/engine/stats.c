@@ -46,6 +46,7 @@ void kvs_stats_refresh(kvs_engine *e) {
     for (int l = 0; l < kc->n_layers; l++)
         *(l < full_layers ? &s->kv_blocks_cached_full_layers : &s->kv_blocks_cached_sparse_layers) += kvs_kv_cached_blocks(kv, l);
     s->kv_blocks_evictable = kvs_kv_evictable_blocks(kv);
+    s->prefix_cache_reusable_blocks = kvs_kv_reusable_count(kv);
     s->prefix_cache_evictions = kvs_kv_evictions(kv);
     const kvs_batch *b = &e->batch;
     s->step_tokens = b->n_tokens;

@@ -126,8 +126,10 @@ static void uncache(kvs_block_pool *p, int32_t b) {
     p->cached_per_layer[m->layer]--;
     m->key = 0;
     /* the last copy of a reusable block's layer: it is reusable no more */
-    if (p->events && !layer_has(p, m->hash, m->layer) && others_have(p, m->hash, m->layer))
+    if (p->events && !layer_has(p, m->hash, m->layer) && others_have(p, m->hash, m->layer)) {
+        p->n_reusable--;
         log_event(p, (kvs_kv_event){.kind = KVS_KV_EVENT_REMOVED, .hash = m->hash}, NULL);
+    }
 }
 
 /* ---- holders ----------------------------------------------------------------------- */
@@ -176,9 +178,11 @@ void kvs_block_cache(kvs_block_pool *p, int32_t b, uint64_t hash, uint64_t salt_
     block_meta *m = &p->meta[b];
     uint64_t key = layer_key(hash, layer);
     /* the layer's first copy of a block the others have: it becomes reusable */
-    if (p->events && !layer_has(p, hash, layer) && others_have(p, hash, layer))
+    if (p->events && !layer_has(p, hash, layer) && others_have(p, hash, layer)) {
+        p->n_reusable++;
         log_event(p, (kvs_kv_event){.kind = KVS_KV_EVENT_STORED, .hash = hash, .has_parent = parent >= 0,
                                     .parent_hash = parent >= 0 ? p->meta[parent].hash : 0}, tokens);
+    }
     *m = (block_meta){.ref = m->ref, .key = key, .hash = hash, .salt_check = salt_check, .gen = m->gen + 1, .parent = parent,
                       .parent_gen = parent >= 0 ? p->meta[parent].gen : 0, .layer = layer,
                       .hnext = *bucket_of(p, key), .lru_prev = -1, .lru_next = -1};
@@ -199,6 +203,7 @@ void kvs_block_uncache_all(kvs_block_pool *p) {
         uncache(p, (int32_t)b);
     }
     p->events = events;
+    p->n_reusable = 0;
     if (events) log_event(p, (kvs_kv_event){.kind = KVS_KV_EVENT_CLEARED}, NULL);
 }
 

@@ -144,6 +144,8 @@ void kvs_kv_event_log_free(kvs_kv_event_log *log);
 /* Empties the prefix cache: no block is reusable afterwards (the blocks that
  * requests hold stay theirs); logs cleared. */
 void kvs_kv_reset_prefix_cache(kvs_kv_cache *kv);
+/* The reusable blocks counted as they come and go (with events on; else 0). */
+int64_t kvs_kv_reusable_count(const kvs_kv_cache *kv);
 /* The hashes of the reusable blocks, ascending, in a malloc'd *hashes (NULL when none). */
 kvs_status kvs_kv_reusable_blocks(const kvs_kv_cache *kv, uint64_t **hashes, int64_t *n);
 

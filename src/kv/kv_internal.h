@@ -111,6 +111,7 @@ typedef struct {
        every layer has a cached block under its hash; the pool logs when one
        becomes reusable and when it stops being so. NULL: off. */
     kvs_kv_event_log *events;
+    int64_t n_reusable; /* with events on: the prompt blocks cached in every layer */
 } kvs_block_pool;
 
 /* Every block free; with caching, the index and the tokens too. */

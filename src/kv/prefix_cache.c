@@ -194,6 +194,8 @@ void kvs_kv_reset_prefix_cache(kvs_kv_cache *kv) {
     if (kv->blocks.buckets) kvs_block_uncache_all(&kv->blocks);
 }
 
+int64_t kvs_kv_reusable_count(const kvs_kv_cache *kv) { return kv->blocks.n_reusable; }
+
 static int cmp_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return x < y ? -1 : x > y;

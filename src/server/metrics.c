@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "server/route.h"
 #include "server/server.h"
 
 typedef struct {
@@ -91,6 +92,9 @@ char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, const 
            (double)st.prefix_cache_hits);
     metric(&b, "kvsparse_prefix_cache_evictions_total", "counter", "Cached KV blocks evicted to make room.",
            (double)st.prefix_cache_evictions);
+    metric(&b, "kvsparse_prefix_cache_reusable_blocks", "gauge",
+           "Prompt blocks cached in every layer: what the KV events announced and did not remove (0 without them).",
+           (double)st.prefix_cache_reusable_blocks);
     put(&b, "# HELP kvsparse_kv_cache_blocks_cached KV blocks in the prefix cache (in use or evictable), per layer kind.\n"
             "# TYPE kvsparse_kv_cache_blocks_cached gauge\n"
             "kvsparse_kv_cache_blocks_cached{%s,layer_kind=\"full\"} %lld\n"
@@ -124,4 +128,11 @@ char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, const 
     histogram(&b, "kvsparse_time_to_first_token_seconds", "Time to first token.", &st.ttft);
     histogram(&b, "kvsparse_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &st.itl);
     return b.s ? b.s : strdup("");
+}
+
+void kvs_http_reset_prefix_cache(kvs_server *s, kvs_http_answer *a) {
+    if (!s->engine) kvs_http_answer_errorf(a, 503, NULL, "%s", "no engine");
+    else if (kvs_engine_reset_prefix_cache(s->engine) != KVS_OK)
+        kvs_http_answer_errorf(a, 503, NULL, "the prefix cache was not reset: %s", kvs_last_error());
+    else *a = (kvs_http_answer){.status = 200, .content_type = "application/json", .body = strdup("{\"status\":\"ok\"}")};
 }

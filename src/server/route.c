@@ -85,6 +85,7 @@ static kvs_route find_route(const char *url) {
     if (!strcmp(url, "/metrics")) return KVS_ROUTE_METRICS;
     if (!strcmp(url, "/tokenize")) return KVS_ROUTE_TOKENIZE;
     if (!strcmp(url, "/detokenize")) return KVS_ROUTE_DETOKENIZE;
+    if (!strcmp(url, "/reset_prefix_cache")) return KVS_ROUTE_RESET_PREFIX_CACHE;
     if (!strcmp(url, "/")) return KVS_ROUTE_WEB_UI;
     return KVS_ROUTE_NONE;
 }
@@ -162,13 +163,14 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const kvs
     kvs_route r = *route = find_route(url);
     if (r == KVS_ROUTE_NONE || (r == KVS_ROUTE_WEB_UI && s->cfg.no_web_ui)) return fail_as(a, d, 404, "Not found: %.200s", url);
     bool post = kvs_route_generates(r) || r == KVS_ROUTE_COUNT_TOKENS || r == KVS_ROUTE_TOKENIZE ||
-                r == KVS_ROUTE_DETOKENIZE;
+                r == KVS_ROUTE_DETOKENIZE || r == KVS_ROUTE_RESET_PREFIX_CACHE;
     if (post ? strcmp(method, "POST") : strcmp(method, "GET") && strcmp(method, "HEAD")) {
         fail_as(a, d, 405, "Method not allowed: use %s", post ? "POST" : "GET");
         a->allow = post ? "POST" : "GET, HEAD";
         return true;
     }
-    if ((!strncmp(url, "/v1/", 4) || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE) && !authorized(s, f)) {
+    if ((!strncmp(url, "/v1/", 4) || r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE ||
+         r == KVS_ROUTE_RESET_PREFIX_CACHE) && !authorized(s, f)) {
         kvs_api_error err;
         kvs_api_fail(&err, 401, NULL, "Incorrect or missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'");
         err.code = "invalid_api_key";
@@ -372,8 +374,10 @@ bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const c
             return false;
         }
     }
-    if (r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE || r == KVS_ROUTE_COUNT_TOKENS) {
-        if (r == KVS_ROUTE_COUNT_TOKENS) kvs_http_count_tokens(s, b.data, b.len, a);
+    if (r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE || r == KVS_ROUTE_COUNT_TOKENS ||
+        r == KVS_ROUTE_RESET_PREFIX_CACHE) {
+        if (r == KVS_ROUTE_RESET_PREFIX_CACHE) kvs_http_reset_prefix_cache(s, a);
+        else if (r == KVS_ROUTE_COUNT_TOKENS) kvs_http_count_tokens(s, b.data, b.len, a);
         else kvs_http_tokenize(s, r == KVS_ROUTE_DETOKENIZE, b.data, b.len, a);
         kvs_http_body_free(&b);
         return false;

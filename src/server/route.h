@@ -23,7 +23,8 @@ typedef enum {
     KVS_ROUTE_WEB_UI, /* GET /: the chat page */
     KVS_ROUTE_MESSAGES,     /* Anthropic's POST /v1/messages (anthropic.h) */
     KVS_ROUTE_COUNT_TOKENS, /* and /v1/messages/count_tokens */
-    KVS_ROUTE_RESPONSES     /* OpenAI's POST /v1/responses (responses.h) */
+    KVS_ROUTE_RESPONSES,    /* OpenAI's POST /v1/responses (responses.h) */
+    KVS_ROUTE_RESET_PREFIX_CACHE /* POST /reset_prefix_cache (vLLM's; KV events say AllBlocksCleared) */
 } kvs_route;
 
 /* The shape of a path's answers, errors included (Anthropic's under /v1/messages). */
@@ -117,6 +118,8 @@ void kvs_http_prepared_free(kvs_http_prepared *p);
 void kvs_http_tokenize(kvs_server *s, bool detokenize, const char *body, size_t len, kvs_http_answer *a);
 /* POST /v1/messages/count_tokens: {"input_tokens": n}, the prompt /v1/messages would encode (tokenize.c). */
 void kvs_http_count_tokens(kvs_server *s, const char *body, size_t len, kvs_http_answer *a);
+/* POST /reset_prefix_cache: empties the prefix cache between two engine steps (a worker waits for it). */
+void kvs_http_reset_prefix_cache(kvs_server *s, kvs_http_answer *a);
 
 /* The prepare slots (a counting semaphore): take fills err (429) on timeout. */
 bool kvs_http_slot_take(kvs_server *s, kvs_api_error *err);

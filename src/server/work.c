@@ -62,6 +62,8 @@ static void run(kvs_work *w, kvs_http_req *r) {
         kvs_http_tokenize(s, r->route == KVS_ROUTE_DETOKENIZE, r->body.data, r->body.len, &r->answer);
     } else if (r->route == KVS_ROUTE_COUNT_TOKENS) {
         kvs_http_count_tokens(s, r->body.data, r->body.len, &r->answer);
+    } else if (r->route == KVS_ROUTE_RESET_PREFIX_CACHE) {
+        kvs_http_reset_prefix_cache(s, &r->answer);
     } else {
         if (!kvs_http_prepare(s, r->route, r->body.data, r->body.len, &r->cancel, &r->prep, &err) ||
             !kvs_http_submit(s, r, &err))
