@@ -83,13 +83,17 @@ bool kvs_http_submit(kvs_server *s, kvs_http_req *req, kvs_api_error *err) {
     return ok;
 }
 
-static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t cap, kvs_resp_meta *m) {
+void kvs_api_response_id(kvs_server *s, const kvs_api_request *r, char *id, size_t cap) {
     uint64_t n = atomic_fetch_add(&s->next_id, 1);
     const char *prefix = r->dialect == KVS_DIALECT_ANTHROPIC   ? "msg_"
                          : r->dialect == KVS_DIALECT_RESPONSES ? "resp_"
                          : r->kind == KVS_API_CHAT             ? "chatcmpl-"
                                                                : "cmpl-";
     snprintf(id, cap, "%s%llx%06llx", prefix, (unsigned long long)s->started, (unsigned long long)n);
+}
+
+static void make_meta(kvs_server *s, const kvs_api_request *r, char *id, size_t cap, kvs_resp_meta *m) {
+    kvs_api_response_id(s, r, id, cap);
     *m = (kvs_resp_meta){r->kind, id, s->model_name, (long long)time(NULL), s->tok, r->logprobs, r->top_logprobs,
                          r->return_token_ids};
     m->dialect = r->dialect;

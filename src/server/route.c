@@ -76,6 +76,8 @@ static void too_large(const kvs_server *s, kvs_http_answer *a, kvs_api_dialect d
 static kvs_route find_route(const char *url) {
     if (!strcmp(url, "/v1/completions")) return KVS_ROUTE_COMPLETIONS;
     if (!strcmp(url, "/v1/chat/completions")) return KVS_ROUTE_CHAT;
+    if (!strcmp(url, "/v1/completions/render")) return KVS_ROUTE_COMPLETIONS_RENDER;
+    if (!strcmp(url, "/v1/chat/completions/render")) return KVS_ROUTE_CHAT_RENDER;
     if (!strcmp(url, "/v1/messages")) return KVS_ROUTE_MESSAGES;
     if (!strcmp(url, "/v1/messages/count_tokens")) return KVS_ROUTE_COUNT_TOKENS;
     if (!strcmp(url, "/v1/responses")) return KVS_ROUTE_RESPONSES;
@@ -163,7 +165,8 @@ bool kvs_http_head(kvs_server *s, const char *method, const char *url, const kvs
     kvs_route r = *route = find_route(url);
     if (r == KVS_ROUTE_NONE || (r == KVS_ROUTE_WEB_UI && s->cfg.no_web_ui)) return fail_as(a, d, 404, "Not found: %.200s", url);
     bool post = kvs_route_generates(r) || r == KVS_ROUTE_COUNT_TOKENS || r == KVS_ROUTE_TOKENIZE ||
-                r == KVS_ROUTE_DETOKENIZE || r == KVS_ROUTE_RESET_PREFIX_CACHE;
+                r == KVS_ROUTE_DETOKENIZE || r == KVS_ROUTE_RESET_PREFIX_CACHE || r == KVS_ROUTE_CHAT_RENDER ||
+                r == KVS_ROUTE_COMPLETIONS_RENDER;
     if (post ? strcmp(method, "POST") : strcmp(method, "GET") && strcmp(method, "HEAD")) {
         fail_as(a, d, 405, "Method not allowed: use %s", post ? "POST" : "GET");
         a->allow = post ? "POST" : "GET, HEAD";
@@ -358,6 +361,19 @@ void kvs_http_prepared_free(kvs_http_prepared *p) {
     memset(p, 0, sizeof *p);
 }
 
+bool kvs_http_answer_whole(kvs_server *s, kvs_route r, const char *body, size_t len, const atomic_bool *cancel,
+                           kvs_http_answer *a) {
+    switch (r) {
+    case KVS_ROUTE_TOKENIZE:
+    case KVS_ROUTE_DETOKENIZE: kvs_http_tokenize(s, r == KVS_ROUTE_DETOKENIZE, body, len, a); return true;
+    case KVS_ROUTE_COUNT_TOKENS: kvs_http_count_tokens(s, body, len, a); return true;
+    case KVS_ROUTE_RESET_PREFIX_CACHE: kvs_http_reset_prefix_cache(s, a); return true;
+    case KVS_ROUTE_CHAT_RENDER:
+    case KVS_ROUTE_COMPLETIONS_RENDER: kvs_http_render(s, r, body, len, cancel, a); return true;
+    default: return false;
+    }
+}
+
 bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const char *version,
                      const kvs_http_header *h, int n, const char *body, size_t len, size_t chunk, kvs_http_answer *a,
                      kvs_http_prepared *p) {
@@ -374,11 +390,8 @@ bool kvs_http_handle(kvs_server *s, const char *method, const char *url, const c
             return false;
         }
     }
-    if (r == KVS_ROUTE_TOKENIZE || r == KVS_ROUTE_DETOKENIZE || r == KVS_ROUTE_COUNT_TOKENS ||
-        r == KVS_ROUTE_RESET_PREFIX_CACHE) {
-        if (r == KVS_ROUTE_RESET_PREFIX_CACHE) kvs_http_reset_prefix_cache(s, a);
-        else if (r == KVS_ROUTE_COUNT_TOKENS) kvs_http_count_tokens(s, b.data, b.len, a);
-        else kvs_http_tokenize(s, r == KVS_ROUTE_DETOKENIZE, b.data, b.len, a);
+    atomic_bool no_cancel = false;
+    if (kvs_http_answer_whole(s, r, b.data, b.len, &no_cancel, a)) {
         kvs_http_body_free(&b);
         return false;
     }

@@ -24,7 +24,9 @@ typedef enum {
     KVS_ROUTE_MESSAGES,     /* Anthropic's POST /v1/messages (anthropic.h) */
     KVS_ROUTE_COUNT_TOKENS, /* and /v1/messages/count_tokens */
     KVS_ROUTE_RESPONSES,    /* OpenAI's POST /v1/responses (responses.h) */
-    KVS_ROUTE_RESET_PREFIX_CACHE /* POST /reset_prefix_cache (vLLM's; KV events say AllBlocksCleared) */
+    KVS_ROUTE_RESET_PREFIX_CACHE, /* POST /reset_prefix_cache (vLLM's; KV events say AllBlocksCleared) */
+    KVS_ROUTE_CHAT_RENDER,        /* vLLM's POST /v1/chat/completions/render (render.c) */
+    KVS_ROUTE_COMPLETIONS_RENDER  /* and /v1/completions/render */
 } kvs_route;
 
 /* The shape of a path's answers, errors included (Anthropic's under /v1/messages). */
@@ -82,7 +84,8 @@ const char *kvs_http_origin_path(const char *url);
 
 /* The request line and checked fields. True: answered from these alone (a
  * filled; the body is not read). False: read the body, then kvs_http_prepare
- * a request of *route (completions or chat), or tokenize it. HEAD is GET
+ * a request of *route (a generation route), or answer it whole
+ * (kvs_http_answer_whole: tokenize, render). HEAD is GET
  * without the body (libmicrohttpd drops it). */
 bool kvs_http_head(kvs_server *s, const char *method, const char *url, const kvs_http_head_fields *f,
                    kvs_route *route, kvs_http_answer *a);
@@ -114,6 +117,18 @@ typedef struct {
 bool kvs_http_prepare(kvs_server *s, kvs_route route, const char *body, size_t len, const atomic_bool *cancel,
                       kvs_http_prepared *p, kvs_api_error *err);
 void kvs_http_prepared_free(kvs_http_prepared *p);
+/* The routes answered whole by the request workers, no generation: /tokenize,
+ * /detokenize, count_tokens, /reset_prefix_cache, the render routes. True: r is one of them, a
+ * filled; false: r goes on to kvs_http_prepare and the engine. cancel: as
+ * kvs_http_prepare's (a render compiles the request's grammar). */
+bool kvs_http_answer_whole(kvs_server *s, kvs_route r, const char *body, size_t len, const atomic_bool *cancel,
+                           kvs_http_answer *a);
+/* POST /v1/chat/completions/render and /v1/completions/render (render.c): the
+ * body of the generating route prepared as for the engine (kvs_http_prepare,
+ * the same 400s), answered with vLLM's GenerateRequest (completions: an array
+ * of one); nothing reaches the engine. */
+void kvs_http_render(kvs_server *s, kvs_route route, const char *body, size_t len, const atomic_bool *cancel,
+                     kvs_http_answer *a);
 /* POST /tokenize (detokenize false) and /detokenize, answered whole (tokenize.c). */
 void kvs_http_tokenize(kvs_server *s, bool detokenize, const char *body, size_t len, kvs_http_answer *a);
 /* POST /v1/messages/count_tokens: {"input_tokens": n}, the prompt /v1/messages would encode (tokenize.c). */

@@ -298,6 +298,9 @@ kvs_grammar *kvs_server_grammar(kvs_server *s, const char *schema, json_t *value
 size_t kvs_server_grammar_bytes(kvs_server *s, int *n);
 void kvs_server_grammars_free(kvs_server *s);
 
+/* A new response's id: "chatcmpl-...", "cmpl-...", "msg_..." or "resp_..." by r's API (completions.c). */
+void kvs_api_response_id(kvs_server *s, const kvs_api_request *r, char *id, size_t cap);
+
 /* The HTTP side's counters for /metrics (http.c). */
 kvs_server_http_stats kvs_server_http_stats_get(kvs_server *s);
 

@@ -58,13 +58,7 @@ static void run(kvs_work *w, kvs_http_req *r) {
                      "finished within %d ms; retry later", w->n_threads, w->wait_ms);
         err.type = "rate_limit_error";
         kvs_http_answer_error_as(&r->answer, &err, d);
-    } else if (r->route == KVS_ROUTE_TOKENIZE || r->route == KVS_ROUTE_DETOKENIZE) {
-        kvs_http_tokenize(s, r->route == KVS_ROUTE_DETOKENIZE, r->body.data, r->body.len, &r->answer);
-    } else if (r->route == KVS_ROUTE_COUNT_TOKENS) {
-        kvs_http_count_tokens(s, r->body.data, r->body.len, &r->answer);
-    } else if (r->route == KVS_ROUTE_RESET_PREFIX_CACHE) {
-        kvs_http_reset_prefix_cache(s, &r->answer);
-    } else {
+    } else if (!kvs_http_answer_whole(s, r->route, r->body.data, r->body.len, &r->cancel, &r->answer)) {
         if (!kvs_http_prepare(s, r->route, r->body.data, r->body.len, &r->cancel, &r->prep, &err) ||
             !kvs_http_submit(s, r, &err))
             kvs_http_answer_error_as(&r->answer, &err, d);
