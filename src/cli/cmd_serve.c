@@ -100,6 +100,8 @@ static void usage(FILE *f) {
                "  --tool-call-parser NAME   how outputs of requests with tools are read for calls: llama3_json,\n"
                "                            hermes, none, or auto (default: from the chat template)\n"
                "  --no-web-ui               no chat page at GET / (default: served; it asks for the API key)\n"
+               "  --no-vllm-metrics         /metrics without vLLM's names of its values (default: both; routers\n"
+               "                            such as llm-d's endpoint picker scrape vllm:num_requests_waiting, ...)\n"
                KVS_CLI_MEMORY_HELP KVS_CLI_GENERATION_HELP KVS_CLI_LOAD_HELP KVS_CLI_DEVICE_HELP KVS_CLI_TP_HELP KVS_CLI_POLICY_HELP
                "The API is described in docs/SERVING.md.\n");
 }
@@ -172,6 +174,7 @@ static int parse_args(int argc, char **argv, serve_options *o) {
         else if (!strcmp(a, "--api-key") && v) o->scfg.api_key = argv[++i];
         else if (!strcmp(a, "--api-key-file") && v) o->api_key_file = argv[++i];
         else if (!strcmp(a, "--no-web-ui")) o->scfg.no_web_ui = true;
+        else if (!strcmp(a, "--no-vllm-metrics")) o->scfg.no_vllm_metrics = true;
         else if (!strcmp(a, "--max-tokens-default") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.max_tokens_default = n; }
         else if (!strcmp(a, "--http-timeout") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.http_timeout_s = (unsigned)n; }
         else if (!strcmp(a, "--max-connections-per-ip") && v) { if (!parse_int(argv[++i], 1, &n)) goto bad; o->scfg.max_connections_per_ip = (unsigned)n; }
@@ -338,6 +341,7 @@ int kvs_cmd_serve(int argc, char **argv) {
         return kvs_cli_error();
     }
     o.ecfg.default_policy.profile = l.kv_profile; /* the server gives it to every request's kv_policy too */
+    o.scfg.no_prefix_caching = !o.ecfg.enable_prefix_caching; /* /metrics' kvsparse_kv_admit_tokens */
     if (kvs_cli_kv_bytes(&l, &o.mem, &o.ecfg.default_policy, &o.ecfg.kv_memory_bytes) != KVS_OK) {
         kvs_cli_unload(&l);
         free(key);

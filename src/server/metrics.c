@@ -50,7 +50,35 @@ static void histogram(text_buf *b, const char *name, const char *help, const kvs
         (unsigned long long)h->n);
 }
 
-char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, const kvs_server_http_stats *http) {
+/* vLLM's names of the values routers read (the Gateway API Inference
+ * Extension's endpoint picker, which llm-d builds on, defaults to them), each
+ * equal to kvsparse's own name in the same scrape: a router set up for vLLM
+ * routes to kvsparse unchanged. A vLLM block is block_size tokens of every
+ * layer, a kvsparse block those of one: num_gpu_blocks is the pool in vLLM's
+ * blocks, so that block_size x num_gpu_blocks = kvsparse_kv_tokens_capacity.
+ * prometheus_client writes a counter's samples and HELP/TYPE with _total. */
+static void vllm_names(text_buf *b, const kvs_engine_stats *st, double usage) {
+    metric(b, "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", st->running);
+    metric(b, "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", st->waiting);
+    metric(b, "vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", usage);
+    put(b, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig.\n"
+           "# TYPE vllm:cache_config_info gauge\n"
+           "vllm:cache_config_info{%s,block_size=\"%d\",num_gpu_blocks=\"%lld\"} 1\n",
+        b->labels, KVS_KV_BLOCK_SIZE, (long long)(st->kv_tokens_capacity / KVS_KV_BLOCK_SIZE));
+    metric(b, "vllm:prefix_cache_queries_total", "counter",
+           "Prefix cache queries, in terms of number of queried tokens.", (double)st->prefix_cache_queries);
+    metric(b, "vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+           (double)st->prefix_cache_hits);
+    metric(b, "vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+           (double)st->prompt_tokens_total);
+    metric(b, "vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+           (double)st->generation_tokens_total);
+    metric(b, "vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
+           (double)st->preemptions);
+}
+
+char *kvs_server_metrics_text(kvs_engine *engine, const kvs_server_config *cfg, const char *model_name,
+                              const kvs_server_http_stats *http) {
     kvs_engine_stats st;
     memset(&st, 0, sizeof st);
     if (engine) kvs_engine_get_stats(engine, &st);
@@ -75,12 +103,18 @@ char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, const 
             "kvsparse_kv_blocks_in_use{%s,layer_kind=\"full\"} %lld\n"
             "kvsparse_kv_blocks_in_use{%s,layer_kind=\"sparse\"} %lld\n",
         labels, (long long)st.kv_blocks_full_layers, labels, (long long)st.kv_blocks_sparse_layers);
-    metric(&b, "kvsparse_kv_usage_ratio", "gauge", "Fraction of the KV pool in use.",
-           st.kv_blocks_total > 0 ? (double)st.kv_blocks_used / (double)st.kv_blocks_total : 0.0);
+    double usage = st.kv_blocks_total > 0 ? (double)st.kv_blocks_used / (double)st.kv_blocks_total : 0.0;
+    metric(&b, "kvsparse_kv_usage_ratio", "gauge", "Fraction of the KV pool in use.", usage);
     metric(&b, "kvsparse_kv_compression_ratio", "gauge",
            "KV entries a full cache would hold / entries held, over running requests.", st.compression_ratio);
     metric(&b, "kvsparse_kv_tokens_capacity", "gauge", "Tokens the KV pool holds with every layer full.",
            (double)st.kv_tokens_capacity);
+    kvs_kv_policy policy = engine ? kvs_engine_default_policy(engine) : kvs_kv_policy_default(KVS_POLICY_FULL);
+    metric(&b, "kvsparse_kv_admit_tokens", "gauge",
+           "The longest prompt a new request of the default KV policy is admitted with now: its peak (the prompt in "
+           "every layer before the compaction) fits in the free blocks.",
+           (double)kvs_server_kv_admit_tokens(&policy, engine ? kvs_engine_get_limits(engine).n_layers : 0,
+                                              !cfg->no_prefix_caching, st.kv_blocks_total - st.kv_blocks_used));
     metric(&b, "kvsparse_prompt_tokens_total", "counter", "Prompt tokens processed.", (double)st.prompt_tokens_total);
     metric(&b, "kvsparse_generation_tokens_total", "counter", "Tokens generated.", (double)st.generation_tokens_total);
     metric(&b, "kvsparse_requests_finished_total", "counter", "Requests finished.", (double)st.requests_finished);
@@ -127,6 +161,7 @@ char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, const 
            (double)http->grammar_cache_entries);
     histogram(&b, "kvsparse_time_to_first_token_seconds", "Time to first token.", &st.ttft);
     histogram(&b, "kvsparse_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &st.itl);
+    if (!cfg->no_vllm_metrics) vllm_names(&b, &st, usage);
     return b.s ? b.s : strdup("");
 }
 

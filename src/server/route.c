@@ -140,7 +140,7 @@ static void answer_get(kvs_server *s, kvs_route r, const char *url, kvs_http_ans
             return;
         }
         kvs_server_http_stats hs = kvs_server_http_stats_get(s);
-        answer(a, 200, "text/plain; version=0.0.4", kvs_server_metrics_text(s->engine, s->model_name, &hs));
+        answer(a, 200, "text/plain; version=0.0.4", kvs_server_metrics_text(s->engine, &s->cfg, s->model_name, &hs));
         return;
     }
     json_t *root;

@@ -132,6 +132,8 @@ typedef struct {
        generation_config.json over kvs_api_sampling_default); NULL: kvs_api_sampling_default */
     const kvs_sampling_params *sampling_defaults;
     bool no_web_ui;                /* GET / is 404 instead of the chat page */
+    bool no_vllm_metrics;          /* /metrics without vLLM's names of its values (routers scrape them) */
+    bool no_prefix_caching;        /* the engine's prefix caching is off (kvsparse_kv_admit_tokens: no compaction copies) */
 } kvs_server_config;
 
 typedef struct kvs_server kvs_server;
@@ -159,7 +161,16 @@ typedef struct {
     int grammar_cache_entries;
 } kvs_server_http_stats;
 
-/* Prometheus text exposition of the engine's stats (malloc'ed). */
-char *kvs_server_metrics_text(kvs_engine *engine, const char *model_name, const kvs_server_http_stats *http);
+/* Prometheus text exposition of the engine's stats (malloc'ed); cfg: vLLM's
+ * names too (no_vllm_metrics), the engine's prefix caching. */
+char *kvs_server_metrics_text(kvs_engine *engine, const kvs_server_config *cfg, const char *model_name,
+                              const kvs_server_http_stats *http);
+/* kvsparse_kv_admit_tokens (kv_admit.c): the longest prompt a new request
+ * under policy p is admitted with when free_blocks blocks are free (0: none):
+ * the largest P whose peak (kvs_kv_policy_seq_blocks: the prompt in each of
+ * n_layers layers before the compaction, and with prefix caching the
+ * compaction's own copies of the sparse layers) fits, what the scheduler's
+ * admission asks of a request with no cached prefix (engine/scheduler.c). */
+int64_t kvs_server_kv_admit_tokens(const kvs_kv_policy *p, int n_layers, bool prefix_caching, int64_t free_blocks);
 
 #endif
