@@ -5,7 +5,8 @@
  * routing (method + URL, the absolute form), the Authorization and x-api-key
  * check, the body limit (Content-Length and the bytes as they arrive, in
  * pieces), the OpenAI, Anthropic and Responses parsers and validation
- * (count_tokens answered whole), the chat template and the tokenizer of
+ * (count_tokens and vLLM's render routes answered whole, render compiling the
+ * request's grammar), the chat template and the tokenizer of
  * models/tiny-needle-llama. A request that would reach the engine stops there
  * (no engine: /metrics answers 503).
  *
