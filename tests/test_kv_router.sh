@@ -9,7 +9,7 @@ PY=/usr/bin/python3
 $PY -c 'import zmq, msgpack' || { echo "python3-zmq and python3-msgpack are needed (scripts/install-deps)" >&2; exit 1; }
 
 . "$SRC/tests/serve_tiny.sh"
-EVENTS='{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","topic":""}'
+EVENTS='{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:*","topic":"kv"}'
 replicas=()
 pids=()
 logs=()
