@@ -269,6 +269,7 @@ static void view_check(const kvs_kv_cache *kv, event_view *v, int op) {
     int64_t n;
     cr_assert_eq(kvs_kv_reusable_blocks(kv, &own, &n), KVS_OK);
     cr_assert_eq(n, v->n, "op %d: %lld blocks reusable, %d announced and not removed", op, (long long)n, v->n);
+    cr_assert_eq(kvs_kv_reusable_count(kv), n, "op %d: the count kept", op);
     qsort(v->h, (size_t)v->n, sizeof(uint64_t), cmp_hash);
     for (int64_t i = 0; i < n; i++) cr_assert_eq(own[i], v->h[i], "op %d: the sets differ", op);
     free(own);
