@@ -94,9 +94,18 @@ assert sub.removed > 0, "no BlockRemoved under pressure"
 assert sub.stored - sub.removed == len(sub.blocks) == metric("kvsparse_prefix_cache_reusable_blocks")
 print(f"under pressure: {sub.removed} blocks removed, {len(sub.blocks)} reusable (the cache says the same)")
 
+# ---- a subscriber that joins late gets what it missed from the replay socket --------
+late = Subscriber(ctx, PUB, b"kv", REPLAY)
+time.sleep(0.5)
+
 # ---- a reset --------------------------------------------------------------------------
 assert post("/reset_prefix_cache", {}) == {"status": "ok"}
 idle(sub)
+late.poll()
+assert min(late.batches) == 0 and late.blocks == sub.blocks and late.cleared == 1, "the late subscriber's view differs"
+assert late.joined_at > 0
+print(f"a subscriber that joined at seq {late.joined_at} replayed the {late.joined_at} batches it missed "
+      f"and holds the same view")
 assert sub.events[-1] == ["AllBlocksCleared"] and not sub.blocks
 assert metric("kvsparse_prefix_cache_reusable_blocks") == 0
 r = complete(a)
@@ -145,8 +154,26 @@ assert not errors, errors
 idle(sub)
 reusable = metric("kvsparse_prefix_cache_reusable_blocks")
 assert len(sub.blocks) == reusable, f"announced minus removed: {len(sub.blocks)}; the cache's own: {reusable}"
+# and each announced chain is in the cache: a prompt of its tokens (and one more) is a hit for all of them
+# (a check's own block may evict another chain's: the events say so before the next check)
+checked = 0
+leaves = [h for h in sub.blocks if all(p != h for p, _ in sub.blocks.values())]
+for h in leaves[:24]:
+    sub.poll(50)
+    if h not in sub.blocks:
+        continue
+    try:
+        chain = sub.chain_tokens(h)
+    except KeyError:  # a parent left: no prompt reaches this block any more
+        continue
+    r = complete(chain + [11], 1)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(chain), (len(chain), r["usage"])
+    checked += 1
+assert checked > 0
+idle(sub)
 print(f"64 concurrent requests ({sum(j[1] for j in jobs)} aborted): {sub.stored} stored, {sub.removed} removed, "
-      f"{sub.cleared} cleared; {len(sub.blocks)} reusable = the cache's {int(reusable)}")
+      f"{sub.cleared} cleared; {int(reusable)} reusable = the cache's {int(reusable)}; {checked} announced chains "
+      f"hit in full")
 
 # ---- sequence numbers and the replay socket ---------------------------------------------
 seqs = sorted(sub.batches)

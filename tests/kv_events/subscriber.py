@@ -18,6 +18,7 @@ class Subscriber:
         self.stored = self.removed = self.cleared = 0
         self.events = []        # every decoded event, in order
         self.next_seq = None    # the seq the next message must carry
+        self.joined_at = None   # the first seq received live
 
     def poll(self, timeout_ms=300):
         """Applies the messages that come within timeout_ms of each other; the number applied."""
@@ -31,6 +32,8 @@ class Subscriber:
         return n
 
     def take(self, seq, payload):
+        if self.joined_at is None:
+            self.joined_at = seq  # the first batch received live
         if self.next_seq is None and seq > 0:   # joined late: what came before, from the replay socket
             for s, p in self.replay(0):
                 if s < seq:
