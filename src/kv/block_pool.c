@@ -97,15 +97,14 @@ static void log_event(kvs_block_pool *p, kvs_kv_event e, const int32_t *tokens) 
     kvs_kv_event_log *g = p->events;
     if (g->lost) return; /* the subscribers are told to forget everything anyway */
     int bs = p->block_size;
-    if (g->n == g->cap) {
-        int cap = g->cap ? 2 * g->cap : 64;
+    int cap = kvs_grown_capacity(g->cap, g->n + 1, 64);
+    if (cap != g->cap) {
         kvs_kv_event *grown = realloc(g->events, sizeof *grown * (size_t)cap);
         if (!grown) return (void)(g->lost = true);
         g->events = grown, g->cap = cap;
     }
-    if (tokens && g->n_tokens + bs > g->cap_tokens) {
-        int64_t cap = g->cap_tokens ? 2 * g->cap_tokens : 64 * (int64_t)bs;
-        while (cap < g->n_tokens + bs) cap *= 2;
+    cap = tokens ? kvs_grown_capacity(g->cap_tokens, g->n_tokens + bs, 64 * bs) : g->cap_tokens;
+    if (cap != g->cap_tokens) {
         int32_t *grown = realloc(g->tokens, sizeof *grown * (size_t)cap);
         if (!grown) return (void)(g->lost = true);
         g->tokens = grown, g->cap_tokens = cap;

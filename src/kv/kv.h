@@ -130,7 +130,7 @@ typedef struct {
     kvs_kv_event *events;
     int n, cap;
     int32_t *tokens;
-    int64_t n_tokens, cap_tokens;
+    int n_tokens, cap_tokens;  /* a step's stored blocks' tokens */
     int block_size;
     bool lost;                 /* an event could not be logged (out of memory): what a
                                   subscriber knows is stale; say AllBlocksCleared after these */
