@@ -451,6 +451,15 @@ static const kvs_sample_extras *step_extras(kvs_engine *e, kvs_sample_extras *x)
     return x->process || x->top_k > 0 ? x : NULL;
 }
 
+/* The KV events logged since the last call (a reset, admissions' evictions,
+ * the forward's commits): published before the step's outputs go out, so a
+ * client that has its answer can find its blocks announced. */
+static void publish_kv_events(kvs_engine *e) {
+    if (!e->cfg.on_kv_events) return;
+    kvs_kv_take_events(kvs_runner_kv(e->runner), &e->kv_events);
+    if (e->kv_events.n > 0 || e->kv_events.lost) e->cfg.on_kv_events(e->cfg.kv_events_user, &e->kv_events);
+}
+
 /* Runs the step's batch through the model and samples the requests that want
  * a token, on the backend: only their ids (and logprobs) come back. Draw
  * number n_gen of the request's seed: a preempted request recomputes the same
@@ -479,6 +488,7 @@ static kvs_status run_batch(kvs_engine *e) {
         engine_fail(e, msg);
         return kvs_fail(st, "%s", msg);
     }
+    publish_kv_events(e);
     for (int s = 0, k = 0; s < b->n_seqs; s++) {
         kvs_request *r = e->rows.reqs[s];
         r->n_computed += r->n_sched;
@@ -510,13 +520,6 @@ static kvs_status run_batch(kvs_engine *e) {
         else if (r->finish != KVS_FINISH_NONE) kvs_request_retire(e, &e->running, r, KVS_FINISH_NONE, NULL);
     }
     return KVS_OK;
-}
-
-/* The KV events of the step (its reset, admissions, commits, evictions, frees). */
-static void publish_kv_events(kvs_engine *e) {
-    if (!e->cfg.on_kv_events) return;
-    kvs_kv_take_events(kvs_runner_kv(e->runner), &e->kv_events);
-    if (e->kv_events.n > 0 || e->kv_events.lost) e->cfg.on_kv_events(e->cfg.kv_events_user, &e->kv_events);
 }
 
 static kvs_status step(kvs_engine *e) {

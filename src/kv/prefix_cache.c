@@ -31,7 +31,8 @@ void kvs_kv_free_prefix(kvs_kv_cache *kv, seq_state *s) {
     free(s->spare);
     free(s->prompt_hash);
     free(s->prompt_tokens);
-    s->spare = NULL, s->prompt_hash = NULL, s->prompt_tokens = NULL;
+    free(s->cached_last);
+    s->spare = NULL, s->prompt_hash = NULL, s->prompt_tokens = NULL, s->cached_last = NULL;
     s->n_spare = s->n_prompt_blocks = s->n_registered = 0;
 }
 
@@ -50,17 +51,17 @@ void kvs_kv_register_prompt(kvs_kv_cache *kv, seq_state *s) {
         int i = s->n_registered;
         for (int l = 0; l < kv->cfg.n_layers; l++) {
             const layer_table *t = &s->layers[l];
-            int32_t b = t->blocks[i], parent = i > 0 ? t->blocks[i - 1] : -1;
+            /* the parent is the cached block standing for the previous one:
+               this sequence's own, or the copy another sequence cached first
+               (then this one's block stays its own). Chained to its own
+               uncached block instead, a block would be cached where no
+               lookup can reach it. */
+            int32_t b = t->blocks[i], parent = i > 0 ? s->cached_last[l] : -1, found;
             const int32_t *tokens = s->prompt_tokens + (size_t)i * bs;
-            /* a reused block is cached already; the same block that another
-               sequence cached first stays this sequence's own (named all the
-               same: a KV event names a block's parent by its hash) */
-            if (kvs_block_cached(&kv->blocks, b)) continue;
-            if (lookup(kv, s->prompt_hash[i], l, tokens, s->salt_check, parent) >= 0) {
-                kv->blocks.meta[b].hash = s->prompt_hash[i];
-                continue;
-            }
-            kvs_block_cache(&kv->blocks, b, s->prompt_hash[i], s->salt_check, parent, l, tokens);
+            if (kvs_block_cached(&kv->blocks, b)) found = b; /* reused: cached already */
+            else if ((found = lookup(kv, s->prompt_hash[i], l, tokens, s->salt_check, parent)) < 0)
+                kvs_block_cache(&kv->blocks, found = b, s->prompt_hash[i], s->salt_check, parent, l, tokens);
+            s->cached_last[l] = found;
         }
     }
 }
@@ -72,8 +73,9 @@ int kvs_kv_prefix_attach(kvs_kv_cache *kv, int seq_id, const int32_t *prompt, in
     if (!kv->cfg.prefix_caching || !s || s->n_tokens > 0 || s->prompt_hash || nb == 0) return 0;
     s->prompt_hash = malloc(sizeof(uint64_t) * nb);
     s->prompt_tokens = malloc(sizeof(int32_t) * (size_t)nb * bs);
+    s->cached_last = malloc(sizeof(int32_t) * L);
     int32_t *found = malloc(sizeof(int32_t) * (size_t)nb * L);
-    bool ok = s->prompt_hash && s->prompt_tokens && found;
+    bool ok = s->prompt_hash && s->prompt_tokens && s->cached_last && found;
     for (int l = 0; ok && l < L; l++) { /* room in the tables for the whole prompt */
         layer_table *t = &s->layers[l];
         if (t->cap >= nb) continue;
@@ -109,6 +111,7 @@ int kvs_kv_prefix_attach(kvs_kv_cache *kv, int seq_id, const int32_t *prompt, in
         }
         if (hit) kvs_kv_touch(t);
         t->len = hit * bs;
+        s->cached_last[l] = hit ? found[(size_t)(hit - 1) * L + l] : -1;
     }
     free(found);
     s->n_tokens = hit * bs;
