@@ -90,6 +90,70 @@ Test(prefix_cache, a_shared_prefix_reuses_whole_blocks_in_every_layer) {
     free(a), free(b);
 }
 
+/* Two requests that prefill the same prefix at once (neither found it cached
+ * when admitted): the one that commits second takes the first one's cached
+ * blocks and frees its own copies, so its own blocks beyond the prefix are
+ * cached under a parent it holds, reachable however the first one ends. */
+Test(prefix_cache, a_prefix_prefilled_twice_at_once_is_cached_once_and_stays_reachable) {
+    kvs_kv_cache *kv = cache(3 * 20, 4); /* 20 blocks a layer */
+    int32_t *a = tokens(64, 1000), *b = tokens(100, 1000); /* a: b's first 4 blocks */
+    int sa = kvs_kv_seq_create(kv), sb = kvs_kv_seq_create(kv);
+    cr_assert_eq(kvs_kv_prefix_attach(kv, sa, a, 64, NULL, 63), 0);
+    cr_assert_eq(kvs_kv_prefix_attach(kv, sb, b, 100, NULL, 99), 0);
+    cr_assert_eq(kvs_kv_reserve(kv, sa, 64), KVS_OK);
+    cr_assert_eq(kvs_kv_reserve(kv, sb, 100), KVS_OK);
+    kvs_kv_commit(kv, sa, 64);
+    kvs_kv_commit(kv, sb, 100);
+    check(kv);
+    for (int l = 0; l < L; l++) {
+        int na, nb;
+        const int32_t *ta = kvs_kv_blocks(kv, sa, l, &na), *tb = kvs_kv_blocks(kv, sb, l, &nb);
+        for (int i = 0; i < 4; i++) cr_expect_eq(tb[i], ta[i], "layer %d block %d: b holds a's cached copy", l, i);
+    }
+    cr_expect_eq(kvs_kv_free_blocks(kv), 3 * (20 - 7), "b's copies of the 4 shared blocks went back: 7 blocks a layer held");
+    kvs_kv_free(kv, sa); /* a ends first; pressure then evicts what nobody holds */
+    int32_t *c = tokens(13 * 16, 90000);
+    int sc;
+    start(kv, &sc, c, 13 * 16, NULL);
+    check(kv);
+    kvs_kv_free(kv, sc);
+    int32_t *probe = tokens(101, 1000);
+    int sp = kvs_kv_seq_create(kv);
+    cr_expect_eq(kvs_kv_prefix_attach(kv, sp, probe, 101, NULL, 100), 96, "b's 6 full blocks are a hit");
+    kvs_kv_free(kv, sp);
+    kvs_kv_free(kv, sb);
+    check(kv);
+    kvs_kv_destroy(kv);
+    free(a), free(b), free(c), free(probe);
+}
+
+/* A reset while a prompt is half prefilled: the blocks it commits afterwards
+ * follow blocks no longer cached, so no lookup could reach them: they are
+ * not cached (nor announced). */
+Test(prefix_cache, blocks_committed_after_a_reset_are_not_cached_under_uncached_parents) {
+    kvs_kv_cache *kv = cache(3 * 20, 4);
+    cr_assert_eq(kvs_kv_enable_events(kv), KVS_OK);
+    kvs_kv_event_log log = {0};
+    int32_t *a = tokens(100, 1000);
+    int sa = kvs_kv_seq_create(kv);
+    cr_assert_eq(kvs_kv_prefix_attach(kv, sa, a, 100, NULL, 99), 0);
+    cr_assert_eq(kvs_kv_reserve(kv, sa, 100), KVS_OK);
+    kvs_kv_commit(kv, sa, 40); /* blocks 0 and 1 cached */
+    kvs_kv_take_events(kv, &log);
+    cr_expect_eq(log.n, 2);
+    kvs_kv_reset_prefix_cache(kv);
+    kvs_kv_commit(kv, sa, 60);
+    check(kv);
+    kvs_kv_take_events(kv, &log);
+    cr_expect(log.n == 1 && log.events[0].kind == KVS_KV_EVENT_CLEARED, "the reset alone: %d events", log.n);
+    cr_expect_eq(kvs_kv_cached_blocks(kv, 0), 0);
+    kvs_kv_free(kv, sa);
+    cr_expect_eq(kvs_kv_free_blocks(kv), 60);
+    kvs_kv_event_log_free(&log);
+    kvs_kv_destroy(kv);
+    free(a);
+}
+
 static uint64_t constant_hash(uint64_t parent, const int32_t *t, int n) {
     (void)parent, (void)t, (void)n;
     return 42;
@@ -225,8 +289,12 @@ Test(prefix_cache, compaction_and_forks_leave_cached_blocks_alone) {
  * each, every hit's blocks hold that prompt's tokens, and all comes back. */
 
 /* ---- KV events: a subscriber's view of what is reusable ---------------------- */
+/* As a router keeps it: each announced block's hash, its parent's and its tokens. */
+enum { VIEW_MAX = 4096 };
 typedef struct {
-    uint64_t h[4096];
+    uint64_t h[VIEW_MAX], parent[VIEW_MAX];
+    bool has_parent[VIEW_MAX];
+    int32_t tokens[VIEW_MAX][BS];
     int n;
     int stored, removed, cleared;
 } event_view;
@@ -235,6 +303,12 @@ static int view_find(const event_view *v, uint64_t h) {
     for (int i = 0; i < v->n; i++)
         if (v->h[i] == h) return i;
     return -1;
+}
+
+static void view_remove(event_view *v, int at) {
+    int last = --v->n;
+    v->h[at] = v->h[last], v->parent[at] = v->parent[last], v->has_parent[at] = v->has_parent[last];
+    memcpy(v->tokens[at], v->tokens[last], sizeof v->tokens[at]);
 }
 
 /* Applies the events logged since the last call, checking each makes sense
@@ -247,15 +321,49 @@ static void view_apply(kvs_kv_cache *kv, event_view *v, kvs_kv_event_log *log) {
         int at = view_find(v, e->hash);
         if (e->kind == KVS_KV_EVENT_STORED) {
             cr_assert_eq(at, -1, "block %llx stored twice", (unsigned long long)e->hash);
-            cr_assert(v->n < 4096);
-            v->h[v->n++] = e->hash, v->stored++;
+            cr_assert(v->n < VIEW_MAX);
+            v->h[v->n] = e->hash, v->parent[v->n] = e->parent_hash, v->has_parent[v->n] = e->has_parent;
+            memcpy(v->tokens[v->n++], log->tokens + e->token0, sizeof v->tokens[0]);
+            v->stored++;
         } else if (e->kind == KVS_KV_EVENT_REMOVED) {
             cr_assert_neq(at, -1, "block %llx removed but never stored", (unsigned long long)e->hash);
-            v->h[at] = v->h[--v->n], v->removed++;
+            view_remove(v, at);
+            v->removed++;
         } else {
             v->n = 0, v->cleared++;
         }
     }
+}
+
+/* The tokens of the announced chain ending at block `at` (parents first) in
+ * out; its length, or 0 when a parent is no longer announced. */
+static int view_chain(const event_view *v, int at, int32_t *out, int cap) {
+    int n = 0;
+    for (int b = at;; n += BS) {
+        if (n + BS > cap) return 0;
+        memmove(out + BS, out, sizeof(int32_t) * n);
+        memcpy(out, v->tokens[b], sizeof v->tokens[b]);
+        if (!v->has_parent[b]) return n + BS;
+        if ((b = view_find(v, v->parent[b])) < 0) return 0;
+    }
+}
+
+/* A router's promise: a prompt of an announced chain's tokens (and one more)
+ * is a hit for the whole chain, under one of the salts the run uses. */
+static void view_chain_hits(kvs_kv_cache *kv, const event_view *v, int at, int op) {
+    static int32_t chain[4096 + 1];
+    int n = view_chain(v, at, chain, 4096);
+    if (n == 0) return;
+    chain[n] = 1;
+    int best = 0;
+    for (int k = 0; k < 2; k++) {
+        int s = kvs_kv_seq_create(kv);
+        if (s < 0) return; /* no sequence free: the next op tries again */
+        int hit = kvs_kv_prefix_attach(kv, s, chain, n + 1, k ? "other" : NULL, n);
+        if (hit > best) best = hit;
+        kvs_kv_free(kv, s);
+    }
+    cr_assert_eq(best, n, "op %d: an announced chain of %d tokens hits %d", op, n, best);
 }
 
 static int cmp_hash(const void *a, const void *b) {
@@ -264,14 +372,16 @@ static int cmp_hash(const void *a, const void *b) {
 }
 
 /* The subscriber's set equals the manager's reusable blocks. */
-static void view_check(const kvs_kv_cache *kv, event_view *v, int op) {
+static void view_check(const kvs_kv_cache *kv, const event_view *v, int op) {
     uint64_t *own;
     int64_t n;
     cr_assert_eq(kvs_kv_reusable_blocks(kv, &own, &n), KVS_OK);
     cr_assert_eq(n, v->n, "op %d: %lld blocks reusable, %d announced and not removed", op, (long long)n, v->n);
     cr_assert_eq(kvs_kv_reusable_count(kv), n, "op %d: the count kept", op);
-    qsort(v->h, (size_t)v->n, sizeof(uint64_t), cmp_hash);
-    for (int64_t i = 0; i < n; i++) cr_assert_eq(own[i], v->h[i], "op %d: the sets differ", op);
+    static uint64_t sorted[VIEW_MAX];
+    memcpy(sorted, v->h, sizeof(uint64_t) * (size_t)v->n);
+    qsort(sorted, (size_t)v->n, sizeof(uint64_t), cmp_hash);
+    for (int64_t i = 0; i < n; i++) cr_assert_eq(own[i], sorted[i], "op %d: the sets differ", op);
     free(own);
 }
 
@@ -397,6 +507,11 @@ Test(prefix_cache, random_operations_keep_ownership_and_reference_counts, .timeo
         cr_assert_eq(kvs_kv_check(kv), KVS_OK, "op %d: %s", op, kvs_last_error());
         view_apply(kv, &v, &log);
         view_check(kv, &v, op);
+        if (v.n > 0) {
+            view_chain_hits(kv, &v, (int)(kvs_rng_u64(&rng) % (uint64_t)v.n), op);
+            view_apply(kv, &v, &log); /* a probe evicts nothing: it only holds cached blocks */
+            view_check(kv, &v, op);
+        }
     }
     cr_log_info("%llu tokens reused, %llu evictions; events: %d stored, %d removed, %d cleared", (unsigned long long)hits,
                 (unsigned long long)kvs_kv_evictions(kv), v.stored, v.removed, v.cleared);

@@ -236,6 +236,10 @@ kvs_status kvs_block_pool_check(const kvs_block_pool *p, const int32_t *holders)
         else if (holders[b] != p->meta[b].ref)
             KV_BAD("kv check: block %lld has %d holders, ref %d", (long long)b, holders[b], p->meta[b].ref);
         cached += p->meta[b].key != 0;
+        /* a cached block's parent is cached (the one it was cached under): a lookup can reach it */
+        int32_t parent = p->meta[b].parent;
+        if (p->meta[b].key && parent >= 0 && (!p->meta[parent].key || p->meta[parent].gen != p->meta[b].parent_gen))
+            KV_BAD("kv check: cached block %lld outlived its parent %d", (long long)b, parent);
     }
     if (st == KVS_OK && cached != per_layer)
         KV_BAD("kv check: %lld cached blocks, %lld counted per layer", (long long)cached, (long long)per_layer);

@@ -63,7 +63,6 @@ typedef struct {
     uint64_t *prompt_hash;
     int32_t *prompt_tokens;
     int n_prompt_blocks, n_registered;
-    int32_t *cached_last; /* [n_layers]: the cached block standing for the last registered one (a parent) */
     uint64_t salt_check;
     int32_t *spare;
     int n_spare;

@@ -31,8 +31,7 @@ void kvs_kv_free_prefix(kvs_kv_cache *kv, seq_state *s) {
     free(s->spare);
     free(s->prompt_hash);
     free(s->prompt_tokens);
-    free(s->cached_last);
-    s->spare = NULL, s->prompt_hash = NULL, s->prompt_tokens = NULL, s->cached_last = NULL;
+    s->spare = NULL, s->prompt_hash = NULL, s->prompt_tokens = NULL;
     s->n_spare = s->n_prompt_blocks = s->n_registered = 0;
 }
 
@@ -50,18 +49,24 @@ void kvs_kv_register_prompt(kvs_kv_cache *kv, seq_state *s) {
     for (; s->n_registered < full; s->n_registered++) {
         int i = s->n_registered;
         for (int l = 0; l < kv->cfg.n_layers; l++) {
-            const layer_table *t = &s->layers[l];
-            /* the parent is the cached block standing for the previous one:
-               this sequence's own, or the copy another sequence cached first
-               (then this one's block stays its own). Chained to its own
-               uncached block instead, a block would be cached where no
-               lookup can reach it. */
-            int32_t b = t->blocks[i], parent = i > 0 ? s->cached_last[l] : -1, found;
+            layer_table *t = &s->layers[l];
+            int32_t b = t->blocks[i], parent = i > 0 ? t->blocks[i - 1] : -1, found;
             const int32_t *tokens = s->prompt_tokens + (size_t)i * bs;
-            if (kvs_block_cached(&kv->blocks, b)) found = b; /* reused: cached already */
-            else if ((found = lookup(kv, s->prompt_hash[i], l, tokens, s->salt_check, parent)) < 0)
-                kvs_block_cache(&kv->blocks, found = b, s->prompt_hash[i], s->salt_check, parent, l, tokens);
-            s->cached_last[l] = found;
+            if (kvs_block_cached(&kv->blocks, b)) continue; /* reused: cached already */
+            if (parent >= 0 && !kvs_block_cached(&kv->blocks, parent)) continue; /* a reset: no lookup reaches it */
+            if ((found = lookup(kv, s->prompt_hash[i], l, tokens, s->salt_check, parent)) < 0) {
+                kvs_block_cache(&kv->blocks, b, s->prompt_hash[i], s->salt_check, parent, l, tokens);
+                continue;
+            }
+            /* another sequence computed and cached the same block first: the
+               table takes its copy (the same KV) and frees its own, so that
+               whoever holds a cached block holds its parent too. A parent
+               then outlives its children in the LRU order, and a block
+               announced reusable is reachable by a lookup. */
+            kvs_block_hold(&kv->blocks, found);
+            kvs_block_drop(&kv->blocks, b);
+            t->blocks[i] = found;
+            kvs_kv_touch_from(t, i);
         }
     }
 }
@@ -73,9 +78,8 @@ int kvs_kv_prefix_attach(kvs_kv_cache *kv, int seq_id, const int32_t *prompt, in
     if (!kv->cfg.prefix_caching || !s || s->n_tokens > 0 || s->prompt_hash || nb == 0) return 0;
     s->prompt_hash = malloc(sizeof(uint64_t) * nb);
     s->prompt_tokens = malloc(sizeof(int32_t) * (size_t)nb * bs);
-    s->cached_last = malloc(sizeof(int32_t) * L);
     int32_t *found = malloc(sizeof(int32_t) * (size_t)nb * L);
-    bool ok = s->prompt_hash && s->prompt_tokens && s->cached_last && found;
+    bool ok = s->prompt_hash && s->prompt_tokens && found;
     for (int l = 0; ok && l < L; l++) { /* room in the tables for the whole prompt */
         layer_table *t = &s->layers[l];
         if (t->cap >= nb) continue;
@@ -111,7 +115,6 @@ int kvs_kv_prefix_attach(kvs_kv_cache *kv, int seq_id, const int32_t *prompt, in
         }
         if (hit) kvs_kv_touch(t);
         t->len = hit * bs;
-        s->cached_last[l] = hit ? found[(size_t)(hit - 1) * L + l] : -1;
     }
     free(found);
     s->n_tokens = hit * bs;

@@ -31,13 +31,16 @@ class Subscriber:
             n += 1
         return n
 
-    def take(self, seq, payload):
-        if self.joined_at is None:
+    def take(self, seq, payload, live=True):
+        if live and self.joined_at is None:
             self.joined_at = seq  # the first batch received live
+        if self.next_seq is not None and seq < self.next_seq:  # had from the replay socket already
+            assert self.batches[seq] == payload, f"batch {seq} differs live and replayed"
+            return
         if self.next_seq is None and seq > 0:   # joined late: what came before, from the replay socket
             for s, p in self.replay(0):
                 if s < seq:
-                    self.take(s, p)
+                    self.take(s, p, live=False)
         assert self.next_seq in (None, seq), f"seq {seq} after {self.next_seq - 1}: a gap"
         self.next_seq = seq + 1
         self.batches[seq] = payload
@@ -73,6 +76,18 @@ class Subscriber:
                 assert e == ["AllBlocksCleared"], e
                 self.blocks.clear()
                 self.cleared += 1
+
+    def sync(self):
+        """Takes every batch published so far from the replay socket (the live
+        ones still on their way are then skipped): a replica publishes a step's
+        batch before that step's outputs, so after a response this view holds
+        every event up to it, however late the live socket is."""
+        while self.sock.poll(0):  # what came live first, in order
+            topic, seq, payload = self.sock.recv_multipart()
+            self.take(int.from_bytes(seq, "big", signed=True), payload)
+        for s, p in self.replay(self.next_seq or 0):
+            if self.next_seq is None or s >= self.next_seq:
+                self.take(s, p, live=False)
 
     def replay(self, first):
         """The kept batches from seq first, through the replay socket: [(seq, payload)]."""
