@@ -85,7 +85,7 @@ kvs_status kvs_kv_plan_keep(kvs_kv_cache *kv, kvs_kv_compactions *plan, seq_stat
         plan->n_tables = (size_t)j->table;
         return st;
     }
-    memcpy(plan->keep + plan->n_keep, keep, sizeof(int32_t) * n);
+    if (n) memcpy(plan->keep + plan->n_keep, keep, sizeof(int32_t) * n); /* an empty plan's keep may be NULL */
     plan->n_keep += n;
     plan->n_jobs++;
     return KVS_OK;
