@@ -268,12 +268,23 @@ Test(fp8_kv, tiny_model_with_fp8_cache_stays_near_bf16, .timeout = 300) {
     int32_t *ids = malloc(sizeof(int32_t) * (n + 1));
     kvs_rng rng;
     kvs_rng_seed(&rng, kvs_test_seed());
-    for (int i = 0; i <= n; i++) ids[i] = (int32_t)(kvs_rng_uniform(&rng) * (V - 16));
     float *l16 = malloc(sizeof(float) * V), *l8 = malloc(sizeof(float) * V), *lf = malloc(sizeof(float) * V);
-    int s16 = kvs_kv_seq_create(r16.kv), s8 = kvs_kv_seq_create(r8.kv);
-    rig_run(&r16, s16, ids, n, 0, l16);
-    rig_run(&r8, s8, ids, n, 0, l8);
-    expect_logits_near("tiny model fp8 vs bf16 KV", l16, l8, V, 0.02);
+    /* The mean KL over 16 random prompts: one prompt's is heavy-tailed (over
+       200 seeds: median 0.0014, p99 0.022, max 0.079 nats; a flat next-token
+       distribution moves most), so one prompt against a bound failed 3 seeds
+       of 200. Each prompt's argmax is still checked. */
+    enum { PROMPTS = 16 };
+    double kl = 0;
+    int s16 = -1, s8 = -1;
+    for (int p = 0; p < PROMPTS; p++) {
+        if (p) kvs_kv_free(r16.kv, s16), kvs_kv_free(r8.kv, s8);
+        for (int i = 0; i <= n; i++) ids[i] = (int32_t)(kvs_rng_uniform(&rng) * (V - 16));
+        s16 = kvs_kv_seq_create(r16.kv), s8 = kvs_kv_seq_create(r8.kv);
+        rig_run(&r16, s16, ids, n, 0, l16);
+        rig_run(&r8, s8, ids, n, 0, l8);
+        kl += expect_logits_near("tiny model fp8 vs bf16 KV", l16, l8, V, INFINITY) / PROMPTS;
+    }
+    cr_expect_leq(kl, 0.02, "tiny model fp8 vs bf16 KV: next-token distributions %g nats apart on average (bound 0.02)", kl);
     /* a fork decodes the next token exactly as its parent (it holds the same codes) */
     int f8;
     cr_assert_eq(kvs_kv_fork(r8.kv, s8, &f8), KVS_OK, "%s", kvs_last_error());
