@@ -292,23 +292,20 @@ Test(prefix_cache, compaction_and_forks_leave_cached_blocks_alone) {
 /* As a router keeps it: each announced block's hash, its parent's and its tokens. */
 enum { VIEW_MAX = 4096 };
 typedef struct {
-    uint64_t h[VIEW_MAX], parent[VIEW_MAX];
-    bool has_parent[VIEW_MAX];
-    int32_t tokens[VIEW_MAX][BS];
+    uint64_t h, parent;
+    bool has_parent;
+    int32_t tokens[BS];
+} view_block;
+typedef struct {
+    view_block b[VIEW_MAX];
     int n;
     int stored, removed, cleared;
 } event_view;
 
 static int view_find(const event_view *v, uint64_t h) {
     for (int i = 0; i < v->n; i++)
-        if (v->h[i] == h) return i;
+        if (v->b[i].h == h) return i;
     return -1;
-}
-
-static void view_remove(event_view *v, int at) {
-    int last = --v->n;
-    v->h[at] = v->h[last], v->parent[at] = v->parent[last], v->has_parent[at] = v->has_parent[last];
-    memcpy(v->tokens[at], v->tokens[last], sizeof v->tokens[at]);
 }
 
 /* Applies the events logged since the last call, checking each makes sense
@@ -322,12 +319,13 @@ static void view_apply(kvs_kv_cache *kv, event_view *v, kvs_kv_event_log *log) {
         if (e->kind == KVS_KV_EVENT_STORED) {
             cr_assert_eq(at, -1, "block %llx stored twice", (unsigned long long)e->hash);
             cr_assert(v->n < VIEW_MAX);
-            v->h[v->n] = e->hash, v->parent[v->n] = e->parent_hash, v->has_parent[v->n] = e->has_parent;
-            memcpy(v->tokens[v->n++], log->tokens + e->token0, sizeof v->tokens[0]);
+            view_block *nb = &v->b[v->n++];
+            *nb = (view_block){.h = e->hash, .parent = e->parent_hash, .has_parent = e->has_parent};
+            memcpy(nb->tokens, log->tokens + e->token0, sizeof nb->tokens);
             v->stored++;
         } else if (e->kind == KVS_KV_EVENT_REMOVED) {
             cr_assert_neq(at, -1, "block %llx removed but never stored", (unsigned long long)e->hash);
-            view_remove(v, at);
+            v->b[at] = v->b[--v->n];
             v->removed++;
         } else {
             v->n = 0, v->cleared++;
@@ -342,9 +340,9 @@ static int view_chain(const event_view *v, int at, int32_t *out, int cap) {
     for (int b = at;; n += BS) {
         if (n + BS > cap) return 0;
         memmove(out + BS, out, sizeof(int32_t) * n);
-        memcpy(out, v->tokens[b], sizeof v->tokens[b]);
-        if (!v->has_parent[b]) return n + BS;
-        if ((b = view_find(v, v->parent[b])) < 0) return 0;
+        memcpy(out, v->b[b].tokens, sizeof v->b[b].tokens);
+        if (!v->b[b].has_parent) return n + BS;
+        if ((b = view_find(v, v->b[b].parent)) < 0) return 0;
     }
 }
 
@@ -379,7 +377,7 @@ static void view_check(const kvs_kv_cache *kv, const event_view *v, int op) {
     cr_assert_eq(n, v->n, "op %d: %lld blocks reusable, %d announced and not removed", op, (long long)n, v->n);
     cr_assert_eq(kvs_kv_reusable_count(kv), n, "op %d: the count kept", op);
     static uint64_t sorted[VIEW_MAX];
-    memcpy(sorted, v->h, sizeof(uint64_t) * (size_t)v->n);
+    for (int i = 0; i < v->n; i++) sorted[i] = v->b[i].h;
     qsort(sorted, (size_t)v->n, sizeof(uint64_t), cmp_hash);
     for (int64_t i = 0; i < n; i++) cr_assert_eq(own[i], sorted[i], "op %d: the sets differ", op);
     free(own);
@@ -402,7 +400,7 @@ Test(prefix_cache, kv_events_announce_reusable_blocks_chained_once_and_their_rem
         cr_assert_eq(e->has_parent, i > 0, "only the first block has no parent");
         if (i) cr_assert_eq(e->parent_hash, log.events[i - 1].hash, "block %d's parent is the block before", i);
         cr_assert(!memcmp(log.tokens + e->token0, a + i * BS, sizeof(int32_t) * BS), "block %d's tokens", i);
-        v.h[v.n++] = e->hash;
+        v.b[v.n++].h = e->hash;
     }
     uint64_t a5 = log.events[4].hash;
     start(kv, &sb, b, 120, NULL); /* 80 tokens hit: only b's 6th and 7th blocks are new */
@@ -410,7 +408,7 @@ Test(prefix_cache, kv_events_announce_reusable_blocks_chained_once_and_their_rem
     cr_assert_eq(log.n, 2, "the reused blocks are not announced again");
     cr_assert(log.events[0].has_parent && log.events[0].parent_hash == a5, "b's 6th block follows the shared 5th");
     cr_assert(!memcmp(log.tokens + log.events[0].token0, b + 80, sizeof(int32_t) * BS));
-    for (int i = 0; i < 2; i++) v.h[v.n++] = log.events[i].hash;
+    for (int i = 0; i < 2; i++) v.b[v.n++].h = log.events[i].hash;
     view_check(kv, &v, 0);
     /* under pressure: a third prompt takes evictable blocks once a and b end */
     kvs_kv_free(kv, sa);

@@ -82,9 +82,7 @@ class Subscriber:
         ones still on their way are then skipped): a replica publishes a step's
         batch before that step's outputs, so after a response this view holds
         every event up to it, however late the live socket is."""
-        while self.sock.poll(0):  # what came live first, in order
-            topic, seq, payload = self.sock.recv_multipart()
-            self.take(int.from_bytes(seq, "big", signed=True), payload)
+        self.poll(0)  # what came live first, in order
         for s, p in self.replay(self.next_seq or 0):
             if self.next_seq is None or s >= self.next_seq:
                 self.take(s, p, live=False)
